@@ -1,0 +1,1 @@
+"""The `tierzero` command line: the only package that prints."""

@@ -1,0 +1,27 @@
+"""One object that knows how to speak to the user: human (rich) or machine (JSON) mode."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+
+
+class Output:
+    def __init__(self, json_mode: bool = False) -> None:
+        self.json_mode = json_mode
+        self.console = Console(stderr=json_mode)
+
+    def emit_json(self, obj: Any) -> None:
+        sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        self.console.print(*args, **kwargs)
+
+
+def fail(message: str, code: int = 2) -> None:
+    """One sentence to stderr, then exit with `code`: the CLI's only way to report bad input."""
+    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    raise SystemExit(code)

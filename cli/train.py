@@ -1,0 +1,84 @@
+"""`tierzero train`: train a built-in model on built-in or given data, in memory or tiered."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from tierzero.cli.output import Output
+from tierzero.config import Offload, RunConfig, load_run_config
+from tierzero.rundir import RunDir
+
+
+def train(
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML file of run and engine keys; flags override it."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model preset: tiny, 125m, 350m, 1b, 3b, 7b, 13b, 70b."),
+    data: Optional[str] = typer.Option(None, "--data", help="Text file (byte tokens) or .bin/.npy token ids; default: the stdlib's own sources."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences per micro-batch."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence."),
+    accumulate: Optional[int] = typer.Option(None, "--accumulate", help="Micro-batches per optimizer step."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate."),
+    warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps", help="Linear warmup steps."),
+    clip_grad_norm: Optional[float] = typer.Option(None, "--clip-grad-norm", help="Clip the global grad norm to this."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for init and data order."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype: fp32, bf16 or fp16."),
+    offload: Optional[str] = typer.Option(None, "--offload", help="Where state lives: none (in memory), host, nvme or auto."),
+    nvme_path: Optional[list[str]] = typer.Option(None, "--nvme-path", help="SSD directory for offloaded state; repeat once per drive. Default: RUN_DIR/nvme."),
+    host_budget: Optional[str] = typer.Option(None, "--host-budget", help="Host memory budget, e.g. 8GiB."),
+    gpu_budget: Optional[str] = typer.Option(None, "--gpu-budget", help="GPU memory budget, e.g. 20GiB."),
+    prefetch_depth: Optional[int] = typer.Option(None, "--prefetch-depth", help="Units fetched ahead of compute."),
+    overlap_step: Optional[bool] = typer.Option(None, "--overlap-step/--no-overlap-step", help="Step each unit's optimizer during backward where exact."),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where config, metrics and offloaded state go. Default: runs/<model>-<time>."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
+) -> None:
+    """Train a model; with no arguments, the `tiny` preset on the built-in corpus, tiered to NVMe."""
+    overrides = dict(model=model, data=data, steps=steps, batch_size=batch_size, seq_len=seq_len,
+                     accumulate=accumulate, lr=lr, warmup_steps=warmup_steps,
+                     clip_grad_norm=clip_grad_norm, seed=seed, dtype=dtype, offload=offload,
+                     nvme_path=nvme_path or None, host_budget=host_budget, gpu_budget=gpu_budget,
+                     prefetch_depth=prefetch_depth, overlap_step=overlap_step,
+                     run_dir=str(run_dir) if run_dir else None)
+    run = load_run_config(config, overrides)
+    if run.run_dir is None:
+        run.run_dir = str(Path("runs") / f"{run.model}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if nvme_path is None and not _file_sets(config, "nvme_path"):
+        run.engine.nvme_path = [str(Path(run.run_dir) / "nvme")]
+
+    from tierzero.session import open_session
+
+    out = Output(json_out)
+    with RunDir(run.run_dir) as rundir, open_session(run) as session:
+        rundir.write_config(run)
+        out.print(f"[bold]tierzero train[/] {run.model} ({session.n_params / 1e6:.2f}M params) "
+                  f"on {session.device}, dtype {run.engine.dtype.value}, "
+                  f"offload {run.engine.offload.value}: {session.placement_text}")
+        progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+                            TextColumn("loss {task.fields[loss]:.4f}"),
+                            TextColumn("{task.fields[tps]:,.0f} tok/s"), TimeElapsedColumn(),
+                            console=out.console, disable=json_out)
+        with progress:
+            task = progress.add_task("train", total=run.steps, loss=float("nan"), tps=0.0)
+            result = session.train(rundir, lambda step, rec: progress.update(
+                task, completed=step, loss=rec["loss"], tps=rec["tokens_per_s"]))
+    summary = {"run_dir": run.run_dir, "steps": run.steps, "first_loss": result.first_loss,
+               "last_loss": result.last_loss, "val_loss_start": result.val_losses[0][1],
+               "val_loss_end": result.val_losses[-1][1], "wall_s": result.wall_s}
+    if json_out:
+        out.emit_json(summary)
+    else:
+        out.print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}, val loss "
+                  f"{summary['val_loss_start']:.4f} -> {summary['val_loss_end']:.4f} in "
+                  f"{result.wall_s:.1f}s; metrics in {run.run_dir}/metrics.jsonl")
+
+
+def _file_sets(config: Optional[Path], key: str) -> bool:
+    if config is None:
+        return False
+    from tierzero.config import read_toml
+
+    return key in read_toml(config)

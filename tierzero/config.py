@@ -1,0 +1,297 @@
+"""Configuration: the engine's `Config`, the run's `RunConfig`, placements, TOML loading.
+
+Every field is validated here with a message that names the field and the fix, so nothing
+downstream needs to re-check user input. This module does no I/O beyond reading a TOML file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierzero.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+class Tier(str, enum.Enum):
+    GPU = "gpu"
+    HOST = "host"
+    NVME = "nvme"
+
+
+class StateKind(str, enum.Enum):
+    PARAM = "param"
+    GRAD = "grad"
+    MASTER = "master"
+    EXP_AVG = "exp_avg"
+    EXP_AVG_SQ = "exp_avg_sq"
+
+
+class Offload(str, enum.Enum):
+    NONE = "none"
+    HOST = "host"
+    NVME = "nvme"
+    AUTO = "auto"
+
+
+class DType(str, enum.Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+class LRSchedule(str, enum.Enum):
+    CONSTANT = "constant"
+    COSINE = "cosine"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The home tier of each state kind. `gpu` means the compute device's memory."""
+
+    param: Tier = Tier.GPU
+    grad: Tier = Tier.GPU
+    master: Tier = Tier.GPU
+    exp_avg: Tier = Tier.GPU
+    exp_avg_sq: Tier = Tier.GPU
+
+    def home(self, kind: StateKind) -> Tier:
+        return getattr(self, kind.value)
+
+    @classmethod
+    def for_offload(cls, offload: Offload) -> Placement:
+        """The preset placement behind `--offload none|host|nvme` (`auto` asks the planner)."""
+        if offload is Offload.NONE:
+            return cls()
+        if offload is Offload.HOST:
+            return cls(Tier.GPU, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
+        if offload is Offload.NVME:
+            return cls(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
+        raise ConfigError("offload 'auto' has no fixed placement; ask tierzero.plan for one")
+
+    def describe(self) -> str:
+        return " ".join(f"{k.value}={self.home(k).value}" for k in StateKind)
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+               "t": 1e12, "tb": 1e12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
+               "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str, what: str) -> int:
+    """`8GiB`, `512MB`, `1e9` or an int -> bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < 0:
+            raise ConfigError(f"{what} must be a positive size in bytes, got {value}")
+        return int(value)
+    m = _SIZE_RE.match(str(value))
+    unit = (m.group(2) or "").lower() if m else None
+    if not m or unit not in _SIZE_UNITS:
+        raise ConfigError(f"{what} '{value}' is not a size; write it like 8GiB, 512MB or 1000000")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+
+
+def _enum(cls: type[enum.Enum], value: Any, what: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(str(value).lower())
+    except ValueError:
+        choices = "|".join(m.value for m in cls)
+        raise ConfigError(f"{what} '{value}' is not valid; choose one of {choices}") from None
+
+
+@dataclass
+class Config:
+    """What the `Engine` needs: precision, optimizer, schedule and where state lives.
+
+    `placement=None` derives the placement from `offload`; budgets of `None` mean "a safe
+    share of what the machine has" and are resolved when the engine opens.
+    """
+
+    offload: Offload = Offload.NVME
+    nvme_path: list[str] = field(default_factory=lambda: ["tierzero-nvme"])
+    dtype: DType = DType.FP32
+    device: str | None = None
+    placement: Placement | None = None
+    host_budget: int | None = None
+    gpu_budget: int | None = None
+    prefetch_depth: int = 2
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    lr_schedule: LRSchedule = LRSchedule.COSINE
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.1
+    clip_grad_norm: float | None = None
+    accumulate: int = 1
+    loss_scale: float = 2.0**16
+    loss_scale_window: int = 1000
+    overlap_step: bool = False
+    seed: int = 0
+    units: str | None = None
+    chunk_bytes: int = 8 << 20
+    io_threads: int = 16
+    verify_always: bool = False
+
+    def __post_init__(self) -> None:
+        self.offload = _enum(Offload, self.offload, "offload")
+        self.dtype = _enum(DType, self.dtype, "dtype")
+        self.lr_schedule = _enum(LRSchedule, self.lr_schedule, "lr_schedule")
+        if isinstance(self.nvme_path, (str, Path)):
+            self.nvme_path = [str(self.nvme_path)]
+        self.nvme_path = [str(p) for p in self.nvme_path]
+        if not self.nvme_path:
+            raise ConfigError("nvme_path is empty; give at least one directory on a local SSD")
+        if isinstance(self.placement, dict):
+            self.placement = placement_from_dict(self.placement)
+        for name in ("host_budget", "gpu_budget", "chunk_bytes"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, parse_bytes(value, name))
+        if self.chunk_bytes <= 0 or self.chunk_bytes % 4096:
+            raise ConfigError(f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes}")
+        self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        _positive(self.lr, "lr", strict=True)
+        _positive(self.eps, "eps", strict=True)
+        _positive(self.weight_decay, "weight_decay")
+        _positive(self.warmup_steps, "warmup_steps")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.total_steps is not None:
+            _positive(self.total_steps, "total_steps", strict=True)
+        if self.clip_grad_norm is not None:
+            _positive(self.clip_grad_norm, "clip_grad_norm", strict=True)
+        if int(self.accumulate) != self.accumulate or self.accumulate < 1:
+            raise ConfigError(f"accumulate must be an integer >= 1, got {self.accumulate}")
+        if int(self.prefetch_depth) != self.prefetch_depth or self.prefetch_depth < 0:
+            raise ConfigError(f"prefetch_depth must be an integer >= 0, got {self.prefetch_depth}")
+        if self.loss_scale <= 0 or math.log2(self.loss_scale) != int(math.log2(self.loss_scale)):
+            raise ConfigError(f"loss_scale must be a power of two (like 65536), got {self.loss_scale}")
+        _positive(self.loss_scale_window, "loss_scale_window", strict=True)
+        _positive(self.io_threads, "io_threads", strict=True)
+
+    def resolved_device(self) -> torch.device:
+        """`device`, or the GPU when there is one, else the CPU."""
+        if self.device is not None:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def resolved_placement(self) -> Placement:
+        """The explicit placement, or the preset for `offload` (`auto` is resolved by the engine)."""
+        return self.placement if self.placement is not None else Placement.for_offload(self.offload)
+
+
+def placement_from_dict(d: dict[str, Any]) -> Placement:
+    unknown = set(d) - {k.value for k in StateKind}
+    if unknown:
+        raise ConfigError(f"placement has unknown state kinds {sorted(unknown)}; "
+                          f"use {', '.join(k.value for k in StateKind)}")
+    return Placement(**{k: _enum(Tier, v, f"placement.{k}") for k, v in d.items()})
+
+
+def _positive(value: float, name: str, strict: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (strict and value == 0):
+        need = "> 0" if strict else ">= 0"
+        raise ConfigError(f"{name} must be a number {need}, got {value!r}")
+
+
+@dataclass
+class RunConfig:
+    """What `tierzero train` needs on top of the engine: model, data, loop length, run dir."""
+
+    model: str = "tiny"
+    data: str | None = None
+    steps: int = 200
+    batch_size: int = 16
+    seq_len: int = 128
+    run_dir: str | None = None
+    eval_every: int = 50
+    eval_batches: int = 4
+    engine: Config = field(default_factory=Config)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+_RUN_FIELDS = {f.name for f in dataclasses.fields(RunConfig)} - {"engine"}
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(Config)}
+
+
+def load_run_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Read a flat TOML file (run and engine keys side by side), then apply `overrides`.
+
+    Overrides are the CLI flags that were given; `None` values mean "not given".
+    """
+    values = read_toml(path) if path is not None else {}
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    unknown = set(values) - _RUN_FIELDS - _ENGINE_FIELDS
+    if unknown:
+        raise ConfigError(f"unknown config keys {sorted(unknown)}; valid keys are "
+                          f"{', '.join(sorted(_RUN_FIELDS | _ENGINE_FIELDS))}")
+    engine_values = {k: v for k, v in values.items() if k in _ENGINE_FIELDS}
+    run_values = {k: v for k, v in values.items() if k in _RUN_FIELDS}
+    engine_values.setdefault("total_steps", run_values.get("steps", RunConfig.steps))
+    try:
+        engine = Config(**engine_values)
+        return RunConfig(**run_values, engine=engine)
+    except TypeError as e:
+        raise ConfigError(f"config has a value of the wrong type ({e}); check the TOML types") from None
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' does not exist; check the --config path")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file '{p}' is not valid TOML ({e}); fix the line it names") from None
+
+
+def to_toml(run: RunConfig) -> str:
+    """The resolved config as flat TOML, readable back by `load_run_config`."""
+    lines = []
+    items = {k: getattr(run, k) for k in sorted(_RUN_FIELDS)}
+    items.update({f.name: getattr(run.engine, f.name) for f in dataclasses.fields(Config)})
+    for key, value in items.items():
+        if value is None:
+            continue
+        lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, enum.Enum):
+        return f'"{value.value}"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, Placement):
+        return "{ " + ", ".join(f'{k.value} = "{value.home(k).value}"' for k in StateKind) + " }"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")

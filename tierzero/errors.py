@@ -1,0 +1,21 @@
+"""Domain errors of the engine.
+
+Every error says what is wrong and how to fix it, in one sentence, so the CLI can print it
+as-is and exit 2 without a traceback. Storage has its own family (`tierzero.storage.base`).
+"""
+
+
+class TierzeroError(Exception):
+    """Base of every error tierzero raises on purpose (bad input, bad state)."""
+
+
+class ConfigError(TierzeroError):
+    """A configuration value, flag, file or preset is invalid."""
+
+
+class DataError(TierzeroError):
+    """A data file is missing, empty, or does not fit the model."""
+
+
+class RunDirError(TierzeroError):
+    """A run directory is locked by another trainer or is not usable."""

@@ -1,0 +1,66 @@
+"""The training loop `tierzero train` drives: data in, steps, evaluation, metrics out.
+
+It knows nothing of printing: the CLI passes `on_step` to draw progress. The trainer is either
+the reference trainer (`offload none`) or the `Engine`; both offer `train_step`, `eval_loss`,
+`stats` and `close`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tierzero.config import RunConfig
+from tierzero.data import TokenBatches
+from tierzero.lr import lr_at
+from tierzero.rundir import RunDir
+
+
+class Trainer(Protocol):
+    def train_step(self, batch: Any) -> float: ...
+    def eval_loss(self, batch: Any) -> float: ...
+    def stats(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class LoopResult:
+    first_loss: float
+    last_loss: float
+    val_losses: list[tuple[int, float]]
+    wall_s: float
+
+
+def evaluate(trainer: Trainer, batches: TokenBatches, n: int) -> float:
+    losses = [trainer.eval_loss(b) for b in batches.val_batches(n)]
+    return sum(losses) / len(losses)
+
+
+def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: RunDir,
+               on_step: Callable[[int, dict[str, Any]], None] | None = None) -> LoopResult:
+    """Run `run.steps` optimizer steps of `accumulate` micro-batches each, logging every step."""
+    accumulate = run.engine.accumulate
+    tokens_per_step = run.batch_size * run.seq_len * accumulate
+    start = time.perf_counter()
+    val_losses = [(0, evaluate(trainer, batches, run.eval_batches))]
+    rundir.log({"step": 0, "val_loss": val_losses[0][1]})
+    first = last = float("nan")
+    for step in range(run.steps):
+        t0 = time.perf_counter()
+        micro_losses = [trainer.train_step(batches.next_batch()) for _ in range(accumulate)]
+        loss = sum(micro_losses) / accumulate
+        dt = time.perf_counter() - t0
+        first = loss if step == 0 else first
+        last = loss
+        record = {"step": step + 1, "loss": loss, "lr": lr_at(step, run.engine),
+                  "tokens_per_s": tokens_per_step / dt, "step_s": dt,
+                  "wall_s": time.perf_counter() - start, **trainer.stats()}
+        if (step + 1) % run.eval_every == 0 or step + 1 == run.steps:
+            record["val_loss"] = evaluate(trainer, batches, run.eval_batches)
+            val_losses.append((step + 1, record["val_loss"]))
+        rundir.log(record)
+        if on_step is not None:
+            on_step(step + 1, record)
+    return LoopResult(first, last, val_losses, time.perf_counter() - start)

@@ -1,0 +1,69 @@
+"""A training session: the model, the data and the trainer that `tierzero train` runs.
+
+`offload none` trains through the in-memory reference trainer; every other offload through
+the `Engine`, which builds the model on the `meta` device and materialises it unit by unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tierzero import models
+from tierzero.config import Offload, RunConfig
+from tierzero.data import TokenBatches, default_corpus, load_tokens
+from tierzero.errors import DataError
+from tierzero.loop import LoopResult, Trainer, train_loop
+from tierzero.precision import check_dtype_supported
+from tierzero.rundir import RunDir
+
+
+@dataclass
+class Session:
+    run: RunConfig
+    trainer: Trainer
+    batches: TokenBatches
+    n_params: int
+    device: str
+    placement_text: str
+
+    def train(self, rundir: RunDir, on_step: Callable[[int, dict[str, Any]], None] | None = None) -> LoopResult:
+        return train_loop(self.run, self.trainer, self.batches, rundir, on_step)
+
+
+def load_batches(run: RunConfig) -> TokenBatches:
+    tokens: np.ndarray = load_tokens(run.data) if run.data else default_corpus()
+    return TokenBatches(tokens, run.batch_size, run.seq_len, seed=run.engine.seed)
+
+
+@contextmanager
+def open_session(run: RunConfig) -> Iterator[Session]:
+    """Check every input, then build data, model and trainer; close the trainer on exit."""
+    args = models.get_preset(run.model)
+    cfg = run.engine
+    device = cfg.resolved_device()
+    check_dtype_supported(cfg.dtype, device)
+    batches = load_batches(run)
+    if batches.vocab_size_needed > args.vocab_size:
+        raise DataError(f"the data has token ids up to {batches.vocab_size_needed - 1} but model "
+                        f"'{run.model}' has a vocabulary of {args.vocab_size}; pick a model preset "
+                        "with a larger vocabulary or re-tokenize the data")
+    if cfg.offload is Offload.NONE:
+        from tierzero.reference import ReferenceTrainer
+
+        model = models.build(args, device=device, seed=cfg.seed)
+        trainer: Trainer = ReferenceTrainer(model, cfg, device)
+        text = "everything in memory (reference trainer)"
+    else:
+        from tierzero.engine import Engine
+
+        trainer = Engine(models.build(args, device="meta", seed=cfg.seed), cfg)
+        text = trainer.placement.describe()
+    try:
+        yield Session(run, trainer, batches, args.param_count(), str(device), text)
+    finally:
+        trainer.close()
