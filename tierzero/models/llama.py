@@ -14,8 +14,6 @@ Rotary embeddings use the rotate-half layout (the Hugging Face LLaMA convention)
 weights load without permuting wq/wk.
 """
 
-import math
-
 import numpy as np
 import torch
 import torch.nn as nn
