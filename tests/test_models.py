@@ -102,6 +102,7 @@ def test_init_statistics() -> None:
     model = build("tiny")
     assert model.blocks[0].attn.wq.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert torch.equal(model.norm.weight, torch.ones(256))
+    assert not torch.equal(model.blocks[0].attn.wq.weight, model.blocks[1].attn.wq.weight)  # own streams
 
 
 def test_unit_by_unit_init_from_meta_equals_build() -> None:
