@@ -1,0 +1,121 @@
+"""One chunk file on disk: the blocking reads, writes and fsyncs the NVMe store runs on I/O threads.
+
+Bytes move with `os.pwrite` / `os.preadv` straight between the file and the caller's buffer (a
+memoryview over the tensor's storage): no Python `bytes` objects, no copies. With O_DIRECT the
+page cache is bypassed, which needs the buffer address, the file offset and the length to be
+multiples of `ALIGN` (4 KiB covers every logical block size in use). A chunk file is always
+`chunk_bytes` long (zarr pads the last chunk to full size), so only a shard's final partial page
+goes through a small aligned bounce page; a caller buffer that is not aligned at all falls back
+to buffered I/O. This module never names arrays or keys: callers turn its errors into domain
+errors.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+
+ALIGN = 4096
+
+
+class ShortChunkError(Exception):
+    """A chunk file is shorter than its recorded size (truncated)."""
+
+
+def is_aligned(address: int, nbytes: int = 0) -> bool:
+    return address % ALIGN == 0 and nbytes % ALIGN == 0
+
+
+def _bounce_page() -> memoryview:
+    raw = np.zeros(2 * ALIGN, dtype=np.uint8)
+    offset = -raw.ctypes.data % ALIGN
+    return memoryview(raw[offset: offset + ALIGN])
+
+
+def _flags(direct: bool) -> int:
+    return os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+
+
+def probe_direct(directory: str) -> bool:
+    """Whether `directory`'s filesystem accepts O_DIRECT writes (tmpfs, for one, does not)."""
+    path = os.path.join(directory, f".direct-probe.{os.getpid()}-0.tmp")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _flags(True), 0o644)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        raise
+    try:
+        os.pwrite(fd, _bounce_page(), 0)
+        return True
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        raise
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def write_chunk(path: str, data: memoryview, chunk_bytes: int, direct: bool) -> None:
+    """Create `path` holding `data` zero-padded to `chunk_bytes`. `direct` requires `data` to
+    start at an aligned address (its length may end mid-page)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _flags(direct), 0o644)
+    try:
+        body = len(data) - len(data) % ALIGN if direct else len(data)
+        _pwrite_all(fd, data[:body], 0)
+        if body < len(data):
+            page = _bounce_page()
+            page[: len(data) - body] = data[body:]
+            _pwrite_all(fd, page, body)
+        if os.fstat(fd).st_size < chunk_bytes:
+            os.ftruncate(fd, chunk_bytes)  # a hole reads back as zeros, zarr's fill value
+    finally:
+        os.close(fd)
+
+
+def read_chunk(path: str, out: memoryview, chunk_bytes: int, direct: bool) -> None:
+    """Fill `out` from the start of the chunk file `path`; a file that is not `chunk_bytes`
+    long raises `ShortChunkError`."""
+    fd = os.open(path, os.O_RDONLY | _flags(direct))
+    try:
+        size = os.fstat(fd).st_size
+        if size != chunk_bytes:
+            raise ShortChunkError(f"{size} bytes instead of {chunk_bytes}")
+        body = len(out) - len(out) % ALIGN if direct else len(out)
+        _preadv_all(fd, out[:body], 0)
+        if body < len(out):
+            page = _bounce_page()
+            _preadv_all(fd, page, body)
+            out[body:] = page[: len(out) - body]
+    finally:
+        os.close(fd)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def _preadv_all(fd: int, out: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(out):
+        n = os.preadv(fd, [out[done:]], offset + done)
+        if n == 0:
+            raise ShortChunkError(f"ends at byte {offset + done}")
+        done += n
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file or directory that may since have been deleted (then there is nothing to do)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,30 @@
+"""The GPU tier: `DevicePool` (device memory under a budget) and `DeviceStore`.
+
+On a CPU-only machine `device="cpu"` runs the same code on host memory, so tests cover it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierzero.storage.memory import MemoryStore
+from tierzero.storage.pool import BufferPool
+
+
+class DevicePool(BufferPool):
+    """Buffers on `device` under a byte budget."""
+
+    kind = "device"
+
+    def __init__(self, budget_bytes: int, device: torch.device | str, alignment: int = 256) -> None:
+        super().__init__(budget_bytes, alignment)
+        self.device = torch.device(device)
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes + self.alignment, dtype=torch.uint8, device=self.device)
+
+
+class DeviceStore(MemoryStore):
+    """The GPU tier's store: shards in buffers leased from a `DevicePool`."""
+
+    tier = "gpu"

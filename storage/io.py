@@ -1,0 +1,107 @@
+"""`IOLoop`: the one owner of I/O threads.
+
+An asyncio event loop runs in its own daemon thread; its default executor is a bounded
+`ThreadPoolExecutor`, so every store's blocking work (`loop.run_in_executor(None, ...)`: chunk
+reads and writes, copies, fsyncs) lands on these threads and nowhere else. The training thread
+hands coroutines over with `submit()` and waits on the `concurrent.futures.Future` it gets back.
+
+Shutdown: `close()` cancels every pending task, lets their cleanup run (stores remove their temp
+files), waits for the threads to finish the chunk they are on, and joins the loop thread. It is
+idempotent and is what the context manager calls on an exception or Ctrl-C, so nothing hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from tierzero.storage.base import StorageError
+
+T = TypeVar("T")
+
+
+class IOLoop:
+    """An event loop in a daemon thread with a bounded thread pool of `threads` workers."""
+
+    def __init__(self, threads: int = 16) -> None:
+        if threads < 1:
+            raise StorageError(f"IOLoop needs at least one thread, got {threads}")
+        self.threads = threads
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def open(self) -> None:
+        if self._loop is not None:
+            return
+        loop = asyncio.new_event_loop()
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
+            self.threads, thread_name_prefix="tierzero-io"))
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(loop, started),
+                                        name="tierzero-io-loop", daemon=True)
+        self._thread.start()
+        started.wait()
+        self._loop = loop
+
+    @staticmethod
+    def _serve(loop: asyncio.AbstractEventLoop, started: threading.Event) -> None:
+        asyncio.set_event_loop(loop)
+        loop.call_soon(started.set)
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    def close(self) -> None:
+        """Cancel pending work, let it clean up, join the threads. Safe to call twice."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        self._loop = self._thread = None
+        asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+
+    @staticmethod
+    async def _shutdown() -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # Work already running on a thread cannot be interrupted; wait for it to finish.
+        await asyncio.get_running_loop().shutdown_default_executor()
+
+    def __enter__(self) -> IOLoop:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise StorageError("the I/O loop is not open: call IOLoop.open() or use it as a "
+                               "context manager")
+        return self._loop
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule `coro` on the loop; the training thread waits on the returned future."""
+        try:
+            loop = self.loop
+        except StorageError:
+            coro.close()
+            raise
+        return asyncio.run_coroutine_threadsafe(coro, loop)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Submit `coro` and wait for its result; an interrupt while waiting cancels it."""
+        future = self.submit(coro)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise

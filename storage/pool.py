@@ -1,0 +1,225 @@
+"""`BufferPool`: a byte budget of aligned, reusable buffers with an LRU shard cache.
+
+The pool owns every buffer it hands out. `lease(nbytes)` returns a 1-D uint8 tensor of exactly
+`nbytes` whose data pointer is `alignment`-aligned, cut from a block whose capacity is `nbytes`
+rounded up to `alignment`. Given-back blocks are kept on free lists keyed by capacity and reused
+as-is, because touching fresh memory is slow (a new multi-GB allocation halves copy speed until
+its pages are faulted in).
+
+Budget accounting: `resident_bytes` is the capacity of every block the pool holds -- leased,
+cached, or idle on a free list. It never exceeds `budget_bytes`. When a new block would not fit,
+the pool first drops idle free blocks, then evicts cache entries (least recently used first,
+never one that is leased), and only then raises `BudgetExceededError`. The few bytes of slack
+used to align each allocation (< `alignment` per block) are not counted.
+
+The cache maps a shard key to a block: `cache_put(key, buf)` registers a leased buffer,
+`cache_get(key)` leases it again (every lease and every hit is paired with one `give_back`), and
+a cached block whose leases are all given back stays resident until evicted or dropped.
+Subclasses only say how to allocate (`HostPool`: pinned host memory, `DevicePool`: GPU memory).
+All methods are thread-safe: the training thread and the I/O loop both lease.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from tierzero.storage.base import BudgetExceededError, StorageError
+
+
+@dataclass(eq=False)
+class _Block:
+    """One allocation: its aligned bytes, the length of the current lease, and who holds it."""
+
+    data: torch.Tensor  # 1-D uint8, `capacity` bytes, aligned
+    nbytes: int = 0
+    leases: int = 0
+    cache_key: str | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.data.numel()
+
+    def view(self) -> torch.Tensor:
+        return self.data[: self.nbytes]
+
+
+class BufferPool(abc.ABC):
+    """Aligned buffers under a byte budget; see the module docstring for the accounting."""
+
+    kind: str  # "host" or "device", for messages
+
+    def __init__(self, budget_bytes: int, alignment: int = 4096) -> None:
+        if budget_bytes <= 0:
+            raise StorageError(f"{self.kind} pool budget_bytes must be positive, got {budget_bytes}")
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise StorageError(f"{self.kind} pool alignment must be a power of two, got {alignment}")
+        self._budget_bytes = budget_bytes
+        self.alignment = alignment
+        self._lock = threading.Lock()
+        self._blocks: dict[int, _Block] = {}  # data_ptr -> block, every block held
+        self._free: dict[int, list[_Block]] = {}  # capacity -> idle blocks
+        self._cache: OrderedDict[str, _Block] = OrderedDict()  # LRU first
+        self._resident_bytes = 0
+        self._peak_bytes = 0
+        self._is_open = False
+
+    @abc.abstractmethod
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        """A fresh 1-D uint8 tensor of at least `nbytes` + `alignment` bytes."""
+
+    def open(self) -> None:
+        self._is_open = True
+
+    def close(self) -> None:
+        """Forget every block; tensors callers still hold stay valid but are no longer counted."""
+        with self._lock:
+            self._blocks.clear()
+            self._free.clear()
+            self._cache.clear()
+            self._resident_bytes = 0
+            self._is_open = False
+
+    def __enter__(self) -> BufferPool:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def is_open(self) -> bool:
+        return self._is_open
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._budget_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        return self._resident_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._peak_bytes
+
+    @property
+    def leased_bytes(self) -> int:
+        with self._lock:
+            return sum(b.capacity for b in self._blocks.values() if b.leases)
+
+    @property
+    def cached_bytes(self) -> int:
+        with self._lock:
+            return sum(b.capacity for b in self._cache.values())
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self._peak_bytes = self._resident_bytes
+
+    def lease(self, nbytes: int) -> torch.Tensor:
+        """A 1-D uint8 tensor of exactly `nbytes`, aligned; pair it with one `give_back`."""
+        if nbytes < 0:
+            raise StorageError(f"cannot lease {nbytes} bytes from the {self.kind} pool")
+        capacity = max(self.alignment, -(-nbytes // self.alignment) * self.alignment)
+        with self._lock:
+            if not self._is_open:
+                raise StorageError(f"the {self.kind} pool is not open: call open() first")
+            block = self._reuse(capacity) or self._new_block(capacity, nbytes)
+            block.nbytes = nbytes
+            block.leases = 1
+            return block.view()
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        """Return one lease of `buf`; an uncached block goes to the free list for reuse."""
+        with self._lock:
+            block = self._blocks.get(buf.data_ptr())
+            if block is None or block.leases == 0:
+                raise StorageError(f"buffer at 0x{buf.data_ptr():x} is not leased from this "
+                                   f"{self.kind} pool: give back the tensor lease() returned, once")
+            block.leases -= 1
+            if block.leases == 0 and block.cache_key is None:
+                self._free.setdefault(block.capacity, []).append(block)
+
+    def cache_put(self, key: str, buf: torch.Tensor) -> None:
+        """Keep the leased `buf` under `key` after its leases are given back (replaces `key`)."""
+        with self._lock:
+            block = self._blocks.get(buf.data_ptr())
+            if block is None or block.leases == 0:
+                raise StorageError(f"cannot cache {key!r}: the buffer is not leased from this "
+                                   f"{self.kind} pool; cache a buffer from lease()")
+            if block.cache_key is not None:
+                self._uncache(block.cache_key)
+            if key in self._cache:
+                self._uncache(key)
+            block.cache_key = key
+            self._cache[key] = block
+
+    def cache_get(self, key: str) -> torch.Tensor | None:
+        """The cached buffer under `key`, leased again (give it back), or None on a miss."""
+        with self._lock:
+            block = self._cache.get(key)
+            if block is None:
+                return None
+            self._cache.move_to_end(key)
+            block.leases += 1
+            return block.view()
+
+    def cache_drop(self, key: str) -> None:
+        """Forget `key`; its block is reused once its leases are given back. Missing: no-op."""
+        with self._lock:
+            if key in self._cache:
+                self._uncache(key)
+
+    def _uncache(self, key: str) -> None:
+        block = self._cache.pop(key)
+        block.cache_key = None
+        if block.leases == 0:
+            self._free.setdefault(block.capacity, []).append(block)
+
+    def _reuse(self, capacity: int) -> _Block | None:
+        free = self._free.get(capacity)
+        return free.pop() if free else None
+
+    def _new_block(self, capacity: int, nbytes: int) -> _Block:
+        if capacity > self._budget_bytes:
+            raise self._over_budget(nbytes)
+        # Idle free blocks are pure waste under pressure; cached shards are worth keeping longer.
+        for size in sorted(self._free, reverse=True):
+            while self._free[size] and self._resident_bytes + capacity > self._budget_bytes:
+                self._drop(self._free[size].pop())
+        for key in list(self._cache):
+            if self._resident_bytes + capacity <= self._budget_bytes:
+                break
+            block = self._cache[key]
+            if block.leases:
+                continue
+            del self._cache[key]
+            block.cache_key = None
+            if block.capacity == capacity:
+                return block
+            self._drop(block)
+        if self._resident_bytes + capacity > self._budget_bytes:
+            raise self._over_budget(nbytes)
+        raw = self._allocate(capacity)
+        offset = -raw.data_ptr() % self.alignment
+        block = _Block(raw[offset: offset + capacity])
+        self._blocks[block.data.data_ptr()] = block
+        self._resident_bytes += capacity
+        self._peak_bytes = max(self._peak_bytes, self._resident_bytes)
+        return block
+
+    def _drop(self, block: _Block) -> None:
+        del self._blocks[block.data.data_ptr()]
+        self._resident_bytes -= block.capacity
+
+    def _over_budget(self, nbytes: int) -> BudgetExceededError:
+        leased = sum(b.capacity for b in self._blocks.values() if b.leases)
+        return BudgetExceededError(
+            f"{self.kind} pool cannot lease {nbytes} bytes: budget {self._budget_bytes}, "
+            f"{leased} bytes leased and not given back. Raise the {self.kind} budget, use "
+            f"smaller shards, or give buffers back sooner")

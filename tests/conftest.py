@@ -1,0 +1,15 @@
+"""Shared fixtures: the I/O loop every store test runs its coroutines on."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tierzero.storage.io import IOLoop
+
+
+@pytest.fixture
+def io_loop() -> Iterator[IOLoop]:
+    with IOLoop(threads=8) as loop:
+        yield loop
