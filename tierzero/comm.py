@@ -1,0 +1,38 @@
+"""Collectives over torch.distributed: all-gather a unit's params, reduce-scatter its grads.
+
+With one rank (no process group) both are views/copies and cost nothing; the engine calls
+them the same way either way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class Comm:
+    def __init__(self) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.rank = dist.get_rank() if self.distributed else 0
+
+    def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """The full flat buffer from every rank's shard (one rank: the shard itself)."""
+        if self.world_size == 1:
+            return shard
+        full = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=shard.device)
+        dist.all_gather_into_tensor(full, shard)
+        return full
+
+    def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the sum over ranks of `full` (one rank: `full` itself)."""
+        if self.world_size == 1:
+            return full
+        shard = torch.empty(full.numel() // self.world_size, dtype=full.dtype, device=full.device)
+        dist.reduce_scatter_tensor(shard, full)
+        return shard
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(value)
+        return value

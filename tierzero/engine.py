@@ -1,0 +1,304 @@
+"""`Engine`: the object a training loop talks to.
+
+    engine = tierzero.Engine(model, config)      # validates; allocates nothing
+    loss = engine.forward(batch)                 # opens the tiers on first use
+    engine.backward(loss)
+    engine.step()                                # steps once per `accumulate` micro-batches
+
+or `engine.train_step(batch)`. The model may be on `meta` (it is materialised unit by unit
+into the tiers) or already built (its weights are adopted and its own storage freed). From
+then on the engine owns every parameter: the modules' weights are views bound while a unit
+computes and meta placeholders otherwise.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tierzero.comm import Comm
+from tierzero.config import Config, Offload, Placement, StateKind, Tier
+from tierzero.errors import ConfigError
+from tierzero.execute import UnitRunner, bind, detach_params, unbind
+from tierzero.grads import GradShards
+from tierzero.init import WeightFiles, flat_unit
+from tierzero.lr import lr_at
+from tierzero.optim import OPT_KINDS, ShardOptimizer
+from tierzero.partition import Unit, partition
+from tierzero.precision import DynamicLossScaler, check_dtype_supported, compute_dtype
+from tierzero.reference import compute_loss
+from tierzero.schedule import Scheduler, build_swap_plan
+from tierzero.stats import StepStats
+from tierzero.tiers import Tiers, shard_key
+
+
+class Engine:
+    def __init__(self, model: nn.Module, config: Config, weights: str | Path | None = None) -> None:
+        self.config = config
+        self.device = config.resolved_device()
+        check_dtype_supported(config.dtype, self.device)
+        self.dtype = compute_dtype(config.dtype, self.device)
+        self.model = model
+        self.comm = Comm()
+        self.units = partition(model, self.comm.world_size, config.units)
+        self.param_order = [name for name, _ in model.named_parameters()]
+        self.placement = self._resolve_placement()
+        homes = {self.placement.home(k) for k in StateKind}
+        self.tiers = Tiers(config, self.device, homes)
+        self._check_budgets()
+        self.weights = weights
+        self.scaler = DynamicLossScaler(config.loss_scale, config.loss_scale_window,
+                                        enabled=self.dtype == torch.float16)
+        self.stats_ = StepStats()
+        self.step_count = 0
+        self.micro = 0
+        self.last_grad_norm: float | None = None
+        self.skipped_steps = 0
+        self._open = False
+        self._root_flat: torch.Tensor | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def open(self) -> Engine:
+        """Open the tiers and move every unit's state into its home, one unit at a time."""
+        if self._open:
+            return self
+        self.tiers.open()
+        try:
+            self._materialise()
+            self.scheduler = Scheduler(self.units, self.tiers, self.placement.param, self.dtype,
+                                       self.comm.rank, self.stats_)
+            self.grads = GradShards(self.units, self.tiers, self.placement.grad, self.comm, self.stats_)
+            self.optimizer = ShardOptimizer(self.units, self.tiers, self.placement, self.dtype,
+                                            self.comm.rank, self.config, self.stats_)
+            self.runner = UnitRunner(self.units, self._gather, self.scheduler.release,
+                                     self.grads.offload, self.dtype)
+            self.runner.install()
+            n_blocks = len(self.units) - 1
+            self.train_plan = build_swap_plan(n_blocks, self.config.prefetch_depth, backward=True)
+            self.eval_plan = build_swap_plan(n_blocks, self.config.prefetch_depth, backward=False)
+        except BaseException:
+            self.tiers.close()
+            raise
+        self._open = True
+        return self
+
+    def close(self) -> None:
+        if self._open:
+            self.runner.uninstall()
+            self._open = False
+        self.tiers.close()
+
+    def __enter__(self) -> Engine:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        """The loss of one micro-batch; with grad enabled, ready for `backward`."""
+        self.open()
+        training = torch.is_grad_enabled()
+        self.scheduler.begin(self.train_plan if training else self.eval_plan)
+        root = self.units[0]
+        try:
+            self._root_flat = self._gather(0).detach().requires_grad_(training)
+            bind(root, self._root_flat)
+            loss = compute_loss(self.model, _to(batch, self.device))
+        except BaseException:
+            self._abort()
+            raise
+        if not training:
+            unbind(root, self.dtype)
+            self.scheduler.finish()
+        return loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backprop one micro-batch; every unit's grad is accumulated into its home tier."""
+        accumulate = self.config.accumulate
+        last = (self.micro + 1) % accumulate == 0
+        scale = self.scaler.scale
+        self.grads.begin(self.micro % accumulate, last, 1.0 / scale)
+        scaled = loss / accumulate if accumulate > 1 else loss
+        scaled = scaled * scale if scale != 1.0 else scaled
+        try:
+            scaled.backward()
+            assert self._root_flat is not None
+            root_grad = self._root_flat.grad
+            self.grads.offload(0, root_grad if root_grad is not None else torch.zeros_like(self._root_flat))
+            unbind(self.units[0], self.dtype)
+            self._root_flat = None
+            self.scheduler.finish()
+        except BaseException:
+            self._abort()
+            raise
+        self.micro += 1
+
+    def step(self) -> bool:
+        """Update every shard if a global batch is complete; False if none ran (or fp16 skipped)."""
+        if self.micro % self.config.accumulate != 0:
+            return False
+        self.tiers.pending.drain()  # grads written during backward must land before they are read
+        if self.scaler.enabled and not self.scaler.update(self.grads.found_inf()):
+            self.skipped_steps += 1  # overflow: nothing is written, the schedule does not advance
+            return False
+        coef = 1.0
+        if self.config.clip_grad_norm is not None:
+            norm = self.grads.total_norm(self.param_order)
+            self.last_grad_norm = norm
+            coef = min(1.0, self.config.clip_grad_norm / (norm + 1e-6))
+        self.optimizer.step(self.step_count, lr_at(self.step_count, self.config), coef)
+        self.step_count += 1
+        return True
+
+    def train_step(self, batch: Any) -> float:
+        """forward + backward + step (the step runs once per `accumulate` calls)."""
+        loss = self.forward(batch)
+        self.backward(loss)
+        self.step()
+        return loss.item()
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Any) -> float:
+        return self.forward(batch).item()
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 master weights under the model's own parameter names, read unit by unit."""
+        self.open()
+        out: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            master = self.read_shard(StateKind.MASTER, unit)
+            for slot in unit.slots:
+                value = master[slot.offset:slot.end].view(slot.shape).clone()
+                for name in slot.names:
+                    out[name] = value
+        return {name: out[name] for name in self.param_order if name in out} | out
+
+    def read_shard(self, kind: StateKind, unit: Unit) -> torch.Tensor:
+        """A CPU copy of this rank's shard of `kind` for `unit` (for inspection and export)."""
+        dtype = self.dtype if kind is StateKind.PARAM else torch.float32
+        store = self.tiers.stores[self.placement.home(kind)]
+        key = shard_key(kind, unit.index, self.comm.rank)
+        if store.capabilities.zero_copy:
+            return store.view(key).detach().to("cpu", copy=True)
+        out = torch.empty(unit.shard_numel, dtype=dtype)
+        self.tiers.run(store.read_into(key, out, verify=True))
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """Per-step counters for metrics.jsonl: bytes per direction, I/O wait, peak bytes."""
+        out: dict[str, Any] = dict(self.stats_.take())
+        if self._open:
+            out.update({f"peak_{k}_bytes": v for k, v in self.tiers.peaks().items()})
+        if self.last_grad_norm is not None:
+            out["grad_norm"] = self.last_grad_norm
+        if self.scaler.enabled:
+            out["loss_scale"] = self.scaler.scale
+            out["skipped_steps"] = self.skipped_steps
+        return out
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _gather(self, unit: int) -> torch.Tensor:
+        return self.comm.all_gather(self.scheduler.acquire(unit))
+
+    def _abort(self) -> None:
+        if self._root_flat is not None:
+            unbind(self.units[0], self.dtype)
+            self._root_flat = None
+        self.scheduler.abort()
+
+    def _materialise(self) -> None:
+        weights = WeightFiles(self.weights) if self.weights is not None else None
+        lo_hi = [u.shard_range(self.comm.rank) for u in self.units]
+        for unit, (lo, hi) in zip(self.units, lo_hi):
+            flat = flat_unit(self.model, unit, self.config.seed, weights)
+            shard = flat[lo:hi].contiguous()
+            detach_params(unit, self.dtype)
+            self._put(StateKind.MASTER, unit, shard)
+            self._put(StateKind.PARAM, unit, shard.to(self.dtype))
+            zeros = torch.zeros_like(shard)
+            for kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ, StateKind.GRAD):
+                self._put(kind, unit, zeros)
+            self.tiers.pending.drain()  # peak host memory stays about one unit
+        self.tiers.run(self.tiers.stores.get(Tier.NVME, self.tiers.stores[Tier.HOST]).flush())
+
+    def _put(self, kind: StateKind, unit: Unit, src: torch.Tensor) -> None:
+        store = self.tiers.stores[self.placement.home(kind)]
+        key = shard_key(kind, unit.index, self.comm.rank)
+        if self.placement.home(kind) is Tier.NVME:
+            staged = self.tiers.lease_host(src.numel() * src.element_size()).view(src.dtype)
+            staged.copy_(src)
+            future = self.tiers.submit(store.write(key, staged))
+            self.tiers.pending.add(future, lambda: self.tiers.host_pool.give_back(staged.view(torch.uint8)))
+        else:
+            self.tiers.run(store.write(key, src))
+
+    def _resolve_placement(self) -> Placement:
+        if self.config.placement is not None or self.config.offload is not Offload.AUTO:
+            return self.config.resolved_placement()
+        from tierzero.plan import choose_placement
+
+        choice = choose_placement(self._unit_sizes(), self.dtype.itemsize, self.config)
+        if not choice.fits:
+            raise ConfigError(choice.shortfall or "no placement fits the given budgets")
+        return choice.placement
+
+    def _unit_sizes(self) -> list[tuple[str, int]]:
+        return [(u.name, u.numel) for u in self.units]
+
+    def _check_budgets(self) -> None:
+        """Refuse, before anything is written, budgets or disks too small for this model."""
+        need = _tier_needs(self.units, self.placement, self.dtype.itemsize, self.config.prefetch_depth)
+        for tier, budget, flag in ((Tier.HOST, self.tiers.host_budget, "--host-budget"),
+                                   (Tier.GPU, self.tiers.gpu_budget, "--gpu-budget")):
+            if need[tier] > budget:
+                raise ConfigError(f"the {tier.value} budget of {budget / 1e6:.1f} MB is too small: this model "
+                                  f"and placement need at least {need[tier] / 1e6:.1f} MB there (largest "
+                                  f"unit {max(u.numel for u in self.units):,} params); raise {flag} "
+                                  "or offload more state")
+        if Tier.NVME in {self.placement.home(k) for k in StateKind}:
+            free = min(shutil.disk_usage(_existing(Path(p))).free for p in self.config.nvme_path)
+            total = need[Tier.NVME] // len(self.config.nvme_path)
+            if total > free:
+                raise ConfigError(f"nvme path {self.config.nvme_path[0]} has {free / 1e9:.2f} GB free but "
+                                  f"the offloaded state needs {total / 1e9:.2f} GB per path; free space "
+                                  "or add another --nvme-path")
+
+
+def _tier_needs(units: list[Unit], placement: Placement, itemsize: int, depth: int) -> dict[Tier, int]:
+    """Resident homes plus the working set of the largest unit, per tier (bytes)."""
+    need = {Tier.GPU: 0, Tier.HOST: 0, Tier.NVME: 0}
+    shard = max(u.shard_numel for u in units)
+    for kind in StateKind:
+        size = itemsize if kind is StateKind.PARAM else 4
+        need[placement.home(kind)] += sum(u.shard_numel for u in units) * size
+    if placement.param is not Tier.GPU:
+        need[Tier.GPU] += (depth + 2) * shard * itemsize  # fetched shards + the one computing
+    off_host = sum(4 for k in OPT_KINDS if placement.home(k) is not Tier.HOST)
+    need[Tier.HOST] += shard * (off_host + itemsize)  # one unit's optimizer working set
+    return need
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to(v, device) for v in batch)
+    return batch

@@ -1,0 +1,163 @@
+"""Checkpointed unit execution: gather -> compute -> release, and recompute in backward.
+
+Each block's `forward` is wrapped. In a training forward the block runs under `no_grad` with
+its parameters bound as views into the gathered flat `param` buffer, and only its input is
+kept. In backward the unit is gathered again, recomputed with grad against a fresh leaf flat
+buffer, and backpropagated, so autograd writes the unit's whole gradient into one flat
+tensor, which goes to `on_grad`. Module code is unchanged: it reads `self.weight` as usual.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from tierzero.partition import Unit
+
+GatherFn = Callable[[int], torch.Tensor]  # unit index -> full flat param buffer on the device
+ReleaseFn = Callable[[int], None]
+GradFn = Callable[[int, torch.Tensor], None]  # unit index, full flat grad
+
+
+def bind(unit: Unit, flat: torch.Tensor) -> None:
+    """Point every parameter of `unit` at its slice of `flat` (views, no copies)."""
+    for slot in unit.slots:
+        view = flat[slot.offset:slot.end].view(slot.shape)
+        for module, attr in slot.module_attrs:
+            setattr(module, attr, view)
+
+
+def unbind(unit: Unit, dtype: torch.dtype) -> None:
+    """Replace the views with meta placeholders, so a stale use fails loudly and frees nothing."""
+    for slot in unit.slots:
+        placeholder = torch.empty(slot.shape, dtype=dtype, device="meta")
+        for module, attr in slot.module_attrs:
+            setattr(module, attr, placeholder)
+
+
+def detach_params(unit: Unit, dtype: torch.dtype) -> None:
+    """Turn the unit's `nn.Parameter`s into plain attributes; the engine owns them from now on."""
+    for slot in unit.slots:
+        for module, attr in slot.module_attrs:
+            module._parameters.pop(attr, None)
+    unbind(unit, dtype)
+
+
+class UnitRunner:
+    """Installs the checkpointed forward on every block unit and runs the root unit's binding."""
+
+    def __init__(self, units: list[Unit], gather: GatherFn, release: ReleaseFn, on_grad: GradFn,
+                 dtype: torch.dtype) -> None:
+        self.units = units
+        self.gather = gather
+        self.release = release
+        self.on_grad = on_grad
+        self.dtype = dtype
+        self._originals: dict[int, Callable[..., Any]] = {}
+
+    def install(self) -> None:
+        for unit in self.units:
+            if unit.module is not None:
+                self._originals[unit.index] = unit.module.forward
+                unit.module.forward = functools.partial(self._run, unit)
+
+    def uninstall(self) -> None:
+        for unit in self.units:
+            if unit.index in self._originals:
+                unit.module.forward = self._originals.pop(unit.index)
+
+    def _run(self, unit: Unit, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.compute(unit, args, kwargs)
+        flat_in, spec = tree_flatten((args, kwargs))
+        tensor_pos = [i for i, a in enumerate(flat_in) if isinstance(a, torch.Tensor)]
+        outs = _Checkpointed.apply(self, unit, flat_in, spec, tensor_pos,
+                                   *[flat_in[i] for i in tensor_pos])
+        return tree_unflatten(list(outs[:-1]), outs[-1]) if isinstance(outs, tuple) else outs
+
+    def compute(self, unit: Unit, args: tuple, kwargs: dict, flat: torch.Tensor | None = None) -> Any:
+        """Gather, bind, run the block's own forward, unbind, release (release unless `flat`)."""
+        own = flat is None
+        flat = self.gather(unit.index) if own else flat
+        bind(unit, flat)
+        try:
+            return self._originals[unit.index](*args, **kwargs)
+        finally:
+            unbind(unit, self.dtype)
+            if own:
+                self.release(unit.index)
+
+
+class _Checkpointed(torch.autograd.Function):
+    """Keeps only the unit's inputs; backward regathers, recomputes, and backprops."""
+
+    @staticmethod
+    def forward(ctx: Any, runner: UnitRunner, unit: Unit, flat_in: list, spec: Any,
+                tensor_pos: list[int], *tensors: torch.Tensor) -> Any:
+        ctx.runner, ctx.unit, ctx.flat_in, ctx.spec, ctx.tensor_pos = runner, unit, flat_in, spec, tensor_pos
+        ctx.save_for_backward(*tensors)
+        ctx.rng = _rng_state(tensors)
+        with torch.no_grad():
+            args, kwargs = tree_unflatten(_fill(flat_in, tensor_pos, tensors), spec)
+            out = runner.compute(unit, args, kwargs)
+        out_flat, out_spec = tree_flatten(out)
+        ctx.out_tensor_idx = [i for i, o in enumerate(out_flat) if isinstance(o, torch.Tensor)]
+        if isinstance(out, torch.Tensor):
+            return out
+        # autograd returns tensors only; the output structure travels as the last element
+        return (*out_flat, out_spec)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        runner, unit = ctx.runner, ctx.unit
+        saved = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in saved]
+        flat = runner.gather(unit.index).detach().requires_grad_(True)
+        try:
+            with torch.enable_grad(), _restore_rng(ctx.rng):
+                args, kwargs = tree_unflatten(_fill(ctx.flat_in, ctx.tensor_pos, inputs), ctx.spec)
+                out = runner.compute(unit, args, kwargs, flat=flat)
+            outs = tree_flatten(out)[0]
+            pairs = [(outs[i], grads[i]) for i in ctx.out_tensor_idx
+                     if outs[i].requires_grad and grads[i] is not None]
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            grad = flat.grad if flat.grad is not None else torch.zeros_like(flat)
+            runner.on_grad(unit.index, grad)
+        finally:
+            runner.release(unit.index)
+        return (None, None, None, None, None, *[t.grad if t.requires_grad else None for t in inputs])
+
+
+def _fill(flat_in: list, positions: list[int], tensors: Any) -> list:
+    filled = list(flat_in)
+    for i, t in zip(positions, tensors):
+        filled[i] = t
+    return filled
+
+
+def _rng_state(tensors: tuple) -> tuple[torch.Tensor, Any]:
+    """CPU (and CUDA) RNG state at forward, so recompute draws the same dropout masks."""
+    cuda = None
+    if any(t.is_cuda for t in tensors):
+        cuda = torch.cuda.get_rng_state()
+    return torch.get_rng_state(), cuda
+
+
+class _restore_rng:
+    def __init__(self, state: tuple[torch.Tensor, Any]) -> None:
+        self.state = state
+
+    def __enter__(self) -> None:
+        self.saved = (torch.get_rng_state(), torch.cuda.get_rng_state() if self.state[1] is not None else None)
+        torch.set_rng_state(self.state[0])
+        if self.state[1] is not None:
+            torch.cuda.set_rng_state(self.state[1])
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_rng_state(self.saved[0])
+        if self.saved[1] is not None:
+            torch.cuda.set_rng_state(self.saved[1])

@@ -1,0 +1,92 @@
+"""Gradient shards: reduce, unscale, accumulate in fp32 in their home tier, and measure.
+
+A unit's flat gradient arrives from backward in the compute dtype. It becomes fp32, is
+reduce-scattered to this rank's shard, unscaled (fp16), and copied (first micro-batch) or added
+(later ones) into the grad shard's home: a resident buffer for `gpu`/`host`, a staged
+read-add-write for `nvme`. On the last micro-batch the accumulated shard's norms and its
+finiteness are recorded, so clipping and overflow checks need no second pass over the grads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierzero.comm import Comm
+from tierzero.config import StateKind, Tier
+from tierzero.partition import Unit
+from tierzero.stats import StepStats
+from tierzero.tiers import Tiers, shard_key
+
+
+class GradShards:
+    def __init__(self, units: list[Unit], tiers: Tiers, home: Tier, comm: Comm, stats: StepStats) -> None:
+        self.units = units
+        self.tiers = tiers
+        self.home = home
+        self.comm = comm
+        self.stats = stats
+        self.micro = 0
+        self.last = True
+        self.inv_scale = 1.0
+        self.norms: dict[str, torch.Tensor] = {}  # param name -> 2-norm (one rank) of its grad
+        self.sumsq = torch.zeros((), dtype=torch.float32)  # several ranks: this shard's sum of squares
+        self.nonfinite = torch.zeros((), dtype=torch.bool)
+
+    def begin(self, micro: int, last: bool, inv_scale: float) -> None:
+        """Before a backward: which micro-batch it is, whether it ends the step, the 1/scale."""
+        self.micro, self.last, self.inv_scale = micro, last, inv_scale
+        if micro == 0:
+            self.norms.clear()
+            self.sumsq = torch.zeros((), dtype=torch.float32)
+            self.nonfinite = torch.zeros((), dtype=torch.bool)
+
+    def offload(self, unit: int, full_grad: torch.Tensor) -> None:
+        """Accumulate one unit's gradient into its home (and measure it on the last micro-batch)."""
+        u = self.units[unit]
+        grad = self.comm.reduce_scatter(full_grad.float())
+        if self.inv_scale != 1.0:
+            grad = grad * self.inv_scale
+        key = shard_key(StateKind.GRAD, unit, self.comm.rank)
+        nbytes = grad.numel() * 4
+        if self.home is Tier.NVME:
+            stage = self.tiers.lease_host(nbytes).view(torch.float32)
+            if self.micro == 0:
+                stage.copy_(grad)  # sync point on CUDA: the device grad lands in host memory
+            else:
+                with self.stats.waiting():
+                    self.tiers.run(self.tiers.stores[Tier.NVME].read_into(key, stage))
+                self.stats.add_bytes("nvme->host", nbytes)
+                stage.add_(grad.to(stage.device))
+            acc = stage
+        else:
+            acc = self.tiers.stores[self.home].view(key)
+            acc.copy_(grad) if self.micro == 0 else acc.add_(grad.to(acc.device))
+            if self.home is Tier.HOST:
+                self.stats.add_bytes("gpu->host", nbytes)
+        if self.last:
+            self._measure(u, acc)
+        if self.home is Tier.NVME:
+            future = self.tiers.submit(self.tiers.stores[Tier.NVME].write(key, acc))
+            self.tiers.pending.add(future, lambda: self.tiers.host_pool.give_back(acc.view(torch.uint8)))
+            self.stats.add_bytes("host->nvme", nbytes)
+
+    def _measure(self, unit: Unit, acc: torch.Tensor) -> None:
+        self.nonfinite |= ~torch.isfinite(acc).all().cpu()
+        if self.comm.world_size == 1:
+            # per-parameter norms, combined later in the model's parameter order, exactly as
+            # torch.nn.utils.clip_grad_norm_ does it, so clipping stays bitwise comparable
+            for slot in unit.slots:
+                self.norms[slot.names[0]] = torch.linalg.vector_norm(acc[slot.offset:slot.end], 2.0).cpu()
+        else:
+            self.sumsq += acc.double().pow(2).sum().float().cpu()
+
+    def found_inf(self) -> bool:
+        """Whether any accumulated grad of the step is inf/NaN (one host-device sync)."""
+        flag = self.comm.all_reduce_sum(self.nonfinite.to(torch.float32))
+        return bool(flag.item() > 0)
+
+    def total_norm(self, param_order: list[str]) -> float:
+        if self.comm.world_size == 1:
+            norms = [self.norms[n] for n in param_order if n in self.norms]
+            return torch.linalg.vector_norm(torch.stack(norms), 2.0).item()
+        return self.comm.all_reduce_sum(self.sumsq.clone()).sqrt().item()

@@ -1,0 +1,82 @@
+"""Init that never materialises the model: one unit at a time, into flat fp32 buffers.
+
+A unit's parameters are created on the CPU (if the model is on `meta`), initialised — by the
+model's own `init_unit(seed, block)` when it has one (the built-in model does, so the result
+equals `models.build(seed=...)` bitwise), else by each module's `reset_parameters()` under a
+per-unit seed — or loaded from local `.safetensors` files; then flattened. Peak host memory is
+about one unit, not the model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tierzero.errors import ConfigError
+from tierzero.partition import Unit
+
+
+class WeightFiles:
+    """Tensors by name across local `.safetensors` files, read one tensor at a time."""
+
+    def __init__(self, path: str | Path) -> None:
+        from safetensors import safe_open
+
+        p = Path(path)
+        files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+        if not files or not all(f.is_file() for f in files):
+            raise ConfigError(f"weights '{path}' is not a .safetensors file or a directory of them; "
+                              "check the path")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {k: h for h in self._handles for k in h.keys()}
+
+    def load(self, names: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        for name in names:
+            if name in self._where:
+                t = self._where[name].get_tensor(name)
+                if tuple(t.shape) != shape:
+                    raise ConfigError(f"weights have '{name}' of shape {tuple(t.shape)} but the model "
+                                      f"expects {shape}; load weights made for this model")
+                return t.float()
+        raise ConfigError(f"weights have no tensor named {' or '.join(names)}; load weights made "
+                          "for this model")
+
+
+def flat_unit(model: nn.Module, unit: Unit, seed: int, weights: WeightFiles | None) -> torch.Tensor:
+    """The unit's parameters as one padded fp32 CPU buffer (materialising them if needed)."""
+    flat = torch.zeros(unit.padded_numel, dtype=torch.float32)
+    on_meta = any(getattr(m, a).is_meta for s in unit.slots for m, a in s.module_attrs)
+    if weights is not None:
+        for slot in unit.slots:
+            flat[slot.offset:slot.end] = weights.load(slot.names, slot.shape).reshape(-1)
+        return flat
+    if on_meta:
+        _materialise(unit)
+        _initialise(model, unit, seed)
+    for slot in unit.slots:
+        module, attr = slot.module_attrs[0]
+        flat[slot.offset:slot.end] = getattr(module, attr).detach().reshape(-1).float().cpu()
+    return flat
+
+
+def _materialise(unit: Unit) -> None:
+    for slot in unit.slots:
+        param = nn.Parameter(torch.empty(slot.shape, dtype=torch.float32))
+        for module, attr in slot.module_attrs:
+            module._parameters[attr] = param
+
+
+def _initialise(model: nn.Module, unit: Unit, seed: int) -> None:
+    init_unit = getattr(model, "init_unit", None)
+    if callable(init_unit):
+        init_unit(seed, None if unit.is_root else unit.index - 1)
+        return
+    modules = {id(m): m for s in unit.slots for m, _ in s.module_attrs}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 100003 + unit.index)
+        for module in modules.values():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()

@@ -1,0 +1,151 @@
+"""CPU Adam over shards streamed through the tiers: read shard j+1, step j, write j-1.
+
+Per unit shard, the optimizer needs `grad`, `master`, `exp_avg` and `exp_avg_sq`. A state
+whose home is a memory tier on the stepping device is used in place (zero copy); any other
+is read into a leased buffer, `prefetch_depth` units ahead. After torch's AdamW updates the
+shard, off-device states are written back and the new compute-dtype `param` shard goes to its
+home. Writes complete in the background; their buffers return to the pool as they finish.
+The step runs on the compute device only when master and both moments live there.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from tierzero.adamw import adamw_step
+from tierzero.config import Config, Placement, StateKind, Tier
+from tierzero.partition import Unit
+from tierzero.stats import StepStats
+from tierzero.tiers import Tiers, shard_key
+
+OPT_KINDS = (StateKind.GRAD, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
+
+
+@dataclass
+class Work:
+    """One unit's optimizer shards on the stepping device, and which of them are borrowed."""
+
+    unit: Unit
+    tensors: dict[StateKind, torch.Tensor] = field(default_factory=dict)
+    leased: dict[StateKind, torch.Tensor] = field(default_factory=dict)  # kind -> leased buffer
+    futures: list = field(default_factory=list)
+
+
+class ShardOptimizer:
+    def __init__(self, units: list[Unit], tiers: Tiers, placement: Placement, compute_dtype: torch.dtype,
+                 rank: int, config: Config, stats: StepStats) -> None:
+        self.units = units
+        self.tiers = tiers
+        self.placement = placement
+        self.compute_dtype = compute_dtype
+        self.rank = rank
+        self.config = config
+        self.stats = stats
+        on_gpu = all(placement.home(k) is Tier.GPU for k in OPT_KINDS[1:])
+        self.device = tiers.device if on_gpu else torch.device("cpu")
+
+    def step(self, step_count: int, lr: float, grad_coef: float) -> None:
+        """One AdamW update of every unit's shard; returns when every write is durable in RAM
+        or handed to the I/O loop and finished (the next pass reads what this one wrote)."""
+        depth = max(1, self.config.prefetch_depth)
+        loads: deque[Work] = deque()
+        issued = 0
+        for j in range(len(self.units)):
+            while issued < min(len(self.units), j + depth):  # keep `depth` units loaded ahead
+                loads.append(self._load(self.units[issued]))
+                issued += 1
+            work = loads.popleft()
+            self._wait(work)
+            self._step(work, step_count, lr, grad_coef)
+            self._write(work)
+            self.tiers.pending.reap()
+        self.tiers.pending.drain()
+
+    def _load(self, unit: Unit) -> Work:
+        work = Work(unit)
+        for kind in OPT_KINDS:
+            home = self.placement.home(kind)
+            key = shard_key(kind, unit.index, self.rank)
+            store = self.tiers.stores[home]
+            if store.capabilities.zero_copy:
+                view = store.view(key)
+                if view.device == self.device:
+                    work.tensors[kind] = view
+                    continue
+            buf = self._lease(unit.shard_numel * 4).view(torch.float32)
+            work.tensors[kind] = work.leased[kind] = buf
+            if home is Tier.NVME:
+                work.futures.append(self.tiers.submit(store.read_into(key, buf)))
+                self.stats.add_bytes("nvme->host", buf.numel() * 4)
+            else:
+                buf.copy_(store.view(key))
+                self.stats.add_bytes(f"{home.value}->{'gpu' if self.device.type == 'cuda' else 'host'}",
+                                     buf.numel() * 4)
+        return work
+
+    def _lease(self, nbytes: int) -> torch.Tensor:
+        """A working buffer on the stepping device (host pool for CPU steps)."""
+        if self.device.type == "cpu":
+            return self.tiers.lease_host(nbytes)
+        return self.tiers.lease_device(nbytes)
+
+    def _give_back(self, buf: torch.Tensor) -> None:
+        pool = self.tiers.host_pool if buf.device.type == "cpu" and self.device.type == "cpu" \
+            else self.tiers.device_pool
+        pool.give_back(buf.view(torch.uint8))
+
+    def _wait(self, work: Work) -> None:
+        with self.stats.waiting():
+            for future in work.futures:
+                future.result()
+        work.futures.clear()
+
+    def _step(self, work: Work, step_count: int, lr: float, grad_coef: float) -> None:
+        t = work.tensors
+        grad = t[StateKind.GRAD]
+        if grad_coef != 1.0:
+            grad.mul_(grad_coef)  # the grad shard is consumed here; scaling it in place is fine
+        segments = work.unit.segments(self.rank)
+        adamw_step([t[StateKind.MASTER][a:b] for a, b, _ in segments],
+                   [grad[a:b] for a, b, _ in segments],
+                   [t[StateKind.EXP_AVG][a:b] for a, b, _ in segments],
+                   [t[StateKind.EXP_AVG_SQ][a:b] for a, b, _ in segments],
+                   [self.config.weight_decay if d else 0.0 for _, _, d in segments],
+                   step_count, lr, self.config)
+
+    def _write(self, work: Work) -> None:
+        unit = work.unit
+        for kind, buf in work.leased.items():
+            if kind is StateKind.GRAD:
+                self._give_back(buf)
+                continue
+            self._put(kind, unit, buf, owned=True)
+        master = work.tensors[StateKind.MASTER]
+        home = self.placement.home(StateKind.PARAM)
+        store = self.tiers.stores[home]
+        key = shard_key(StateKind.PARAM, unit.index, self.rank)
+        if store.capabilities.zero_copy:
+            store.view(key).copy_(master)  # cast to the compute dtype in the copy
+            return
+        staged = self.tiers.lease_host(unit.shard_numel * self.compute_dtype.itemsize).view(self.compute_dtype)
+        staged.copy_(master)
+        future = self.tiers.submit(store.write(key, staged))
+        self.tiers.pending.add(future, lambda: self.tiers.host_pool.give_back(staged.view(torch.uint8)))
+        self.stats.add_bytes("host->nvme", staged.numel() * staged.element_size())
+
+    def _put(self, kind: StateKind, unit: Unit, buf: torch.Tensor, owned: bool) -> None:
+        """Write a leased working buffer back to `kind`'s home, then return it to its pool."""
+        home = self.placement.home(kind)
+        store = self.tiers.stores[home]
+        key = shard_key(kind, unit.index, self.rank)
+        if home is Tier.NVME:
+            future = self.tiers.submit(store.write(key, buf))
+            self.tiers.pending.add(future, lambda: self._give_back(buf))
+            self.stats.add_bytes("host->nvme", buf.numel() * buf.element_size())
+            return
+        store.view(key).copy_(buf)
+        if owned:
+            self._give_back(buf)

@@ -1,0 +1,256 @@
+"""The swap plan for one pass over the units, and the scheduler that executes it.
+
+The plan is data: from the unit order (root first and held for the whole pass, then the
+blocks forward, then backward in reverse) it lists, per use of a unit, the fetches issued
+`prefetch_depth` uses ahead, the wait before compute, and the release after it. The scheduler
+replays the plan as the model runs: `acquire(u)` executes every op up to `u`'s wait and
+returns its param shard on the compute device; `release(u)` executes the ops after it.
+It does not decide what to move; the plan does.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from tierzero.config import StateKind, Tier
+from tierzero.partition import Unit
+from tierzero.stats import StepStats
+from tierzero.tiers import Tiers, shard_key
+
+
+class Op(str, enum.Enum):
+    FETCH = "fetch"  # start moving a param shard from its home to the compute device
+    WAIT = "wait"  # block until it is there
+    COMPUTE = "compute"
+    RELEASE = "release"  # drop the device copy (params never change during a pass)
+
+
+@dataclass(frozen=True)
+class SwapOp:
+    op: Op
+    unit: int
+    phase: str  # "forward" | "backward"
+
+    def __str__(self) -> str:
+        return f"{self.op.value:8s} u{self.unit} ({self.phase})"
+
+
+@dataclass(frozen=True)
+class SwapPlan:
+    ops: tuple[SwapOp, ...]
+    prefetch_depth: int
+
+    def __str__(self) -> str:
+        return "\n".join(str(op) for op in self.ops)
+
+    def max_resident(self) -> int:
+        """The most param shards on the device at once (fetched or in flight, not released)."""
+        resident, peak = set(), 0
+        for op in self.ops:
+            if op.op is Op.FETCH:
+                resident.add(op.unit)
+            elif op.op is Op.RELEASE:
+                resident.discard(op.unit)
+            peak = max(peak, len(resident))
+        return peak
+
+
+def build_swap_plan(n_blocks: int, prefetch_depth: int, backward: bool) -> SwapPlan:
+    """The plan for one forward (and, when training, backward) pass.
+
+    Uses: root (unit 0) once, held until the end; blocks 1..n forward; n..1 backward. A unit
+    used twice in a row (the last block: forward then backward) stays on the device.
+    """
+    uses = [(0, "forward")] + [(u, "forward") for u in range(1, n_blocks + 1)]
+    if backward:
+        uses += [(u, "backward") for u in range(n_blocks, 0, -1)]
+    ops: list[SwapOp] = []
+    resident: set[int] = set()
+    fetched_until = -1  # index into uses of the last use whose fetch has been issued
+    for i, (unit, phase) in enumerate(uses):
+        for j in range(fetched_until + 1, min(len(uses), i + prefetch_depth + 1)):
+            u, ph = uses[j]
+            if u not in resident:
+                ops.append(SwapOp(Op.FETCH, u, ph))
+                resident.add(u)
+            fetched_until = j
+        ops.append(SwapOp(Op.WAIT, unit, phase))
+        ops.append(SwapOp(Op.COMPUTE, unit, phase))
+        next_unit = uses[i + 1][0] if i + 1 < len(uses) else None
+        if unit != 0 and next_unit != unit and not _used_again_soon(uses, i, unit, fetched_until):
+            ops.append(SwapOp(Op.RELEASE, unit, phase))
+            resident.discard(unit)
+    ops.append(SwapOp(Op.RELEASE, 0, uses[-1][1]))
+    return SwapPlan(tuple(ops), prefetch_depth)
+
+
+def _used_again_soon(uses: list[tuple[int, str]], i: int, unit: int, fetched_until: int) -> bool:
+    """Whether a later use of `unit` has already been fetched (so releasing it would be wrong)."""
+    return any(u == unit for u, _ in uses[i + 1:fetched_until + 1])
+
+
+@dataclass
+class ParamShard:
+    """One record per param shard on its way to (or on) the compute device."""
+
+    unit: int
+    home: Tier
+    status: str = "not_available"  # -> "in_flight" -> "available"
+    device_buf: torch.Tensor | None = None
+    staging: torch.Tensor | None = None
+    future: object | None = None
+    event: object | None = None
+
+
+class Scheduler:
+    """Executes a swap plan over the tiers, counting bytes moved and time spent waiting."""
+
+    def __init__(self, units: list[Unit], tiers: Tiers, param_home: Tier, dtype: torch.dtype,
+                 rank: int, stats: StepStats) -> None:
+        self.units = units
+        self.tiers = tiers
+        self.param_home = param_home
+        self.dtype = dtype
+        self.rank = rank
+        self.stats = stats
+        self.records = {u.index: ParamShard(u.index, param_home) for u in units}
+        self.copy_stream = torch.cuda.Stream(tiers.device) if tiers.device.type == "cuda" else None
+        self.plan: SwapPlan | None = None
+        self._cursor = 0
+
+    def begin(self, plan: SwapPlan) -> None:
+        self.plan, self._cursor = plan, 0
+
+    def acquire(self, unit: int) -> torch.Tensor:
+        """Run the plan up to `unit`'s wait; return its param shard, ready on the device."""
+        self._run_until(Op.WAIT, unit)
+        self._wait(self.records[unit])
+        self._expect(Op.COMPUTE, unit)
+        return self._shard(unit)
+
+    def release(self, unit: int) -> None:
+        """Run the plan's ops after `unit`'s compute, up to the next wait."""
+        assert self.plan is not None
+        while self._cursor < len(self.plan.ops) and self.plan.ops[self._cursor].op is not Op.WAIT:
+            op = self.plan.ops[self._cursor]
+            self._cursor += 1
+            self._execute(op)
+        self.tiers.pending.reap()
+
+    def finish(self) -> None:
+        """End the pass: every op of the plan must have run, nothing may stay resident."""
+        assert self.plan is not None
+        self.release(0)
+        if self._cursor != len(self.plan.ops):
+            raise RuntimeError(f"the model ran {self._cursor} of {len(self.plan.ops)} planned swap ops; "
+                               "it must call its blocks once each, in order")
+        self.plan = None
+
+    def abort(self) -> None:
+        """Drop every device copy after an error in the middle of a pass."""
+        for record in self.records.values():
+            if record.future is not None:
+                record.future.exception()  # let the read finish before its buffer goes back
+                record.future = None
+            self._drop(record)
+        self.plan = None
+
+    # -- ops --------------------------------------------------------------------------------
+
+    def _run_until(self, stop: Op, unit: int) -> None:
+        assert self.plan is not None, "Scheduler.begin(plan) first"
+        while True:
+            if self._cursor >= len(self.plan.ops):
+                raise RuntimeError(f"unit {unit} was used but the swap plan has ended; the model "
+                                   "must call its blocks once each, in order")
+            op = self.plan.ops[self._cursor]
+            self._cursor += 1
+            if op.op is stop:
+                if op.unit != unit:
+                    raise RuntimeError(f"the model used unit {unit} where the swap plan expected "
+                                       f"unit {op.unit}; it must call its blocks in order")
+                return
+            self._execute(op)
+
+    def _expect(self, op: Op, unit: int) -> None:
+        assert self.plan is not None
+        nxt = self.plan.ops[self._cursor]
+        assert nxt.op is op and nxt.unit == unit, f"plan out of step at {nxt}"
+        self._cursor += 1
+
+    def _execute(self, op: SwapOp) -> None:
+        record = self.records[op.unit]
+        if op.op is Op.FETCH:
+            self._fetch(record)
+        elif op.op is Op.RELEASE:
+            self._drop(record)
+
+    def _fetch(self, record: ParamShard) -> None:
+        if record.status != "not_available":
+            return
+        unit = self.units[record.unit]
+        key = shard_key(StateKind.PARAM, unit.index, self.rank)
+        nbytes = unit.shard_numel * self.dtype.itemsize
+        if record.home is Tier.GPU:
+            record.status = "available"  # resident in the device store: a view, no copy
+            return
+        record.device_buf = self.tiers.lease_device(nbytes).view(self.dtype)
+        record.status = "in_flight"
+        if record.home is Tier.HOST:
+            self._copy_to_device(record, self.tiers.stores[Tier.HOST].view(key))
+            self.stats.add_bytes("host->gpu", nbytes)
+            return
+        record.staging = self.tiers.lease_host(nbytes).view(self.dtype)
+        record.future = self.tiers.submit(self.tiers.stores[Tier.NVME].read_into(key, record.staging))
+        self.stats.add_bytes("nvme->host", nbytes)
+        self.stats.add_bytes("host->gpu", nbytes)
+
+    def _copy_to_device(self, record: ParamShard, src: torch.Tensor) -> None:
+        assert record.device_buf is not None
+        if self.copy_stream is None:
+            record.device_buf.copy_(src)
+            return
+        # the copy stream must not overwrite a recycled device buffer that compute still reads
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.tiers.device))
+        with torch.cuda.stream(self.copy_stream):
+            record.device_buf.copy_(src, non_blocking=True)
+            record.event = torch.cuda.Event()
+            record.event.record(self.copy_stream)
+
+    def _wait(self, record: ParamShard) -> None:
+        if record.status == "available":
+            return
+        with self.stats.waiting():
+            if record.future is not None:
+                record.future.result()  # sync point: the nvme read must have landed in staging
+                record.future = None
+                self._copy_to_device(record, record.staging)
+            if record.event is not None:
+                # the compute stream waits on the GPU; the CPU does not block here
+                torch.cuda.current_stream(self.tiers.device).wait_event(record.event)
+        if record.staging is not None and record.event is None:
+            self.tiers.host_pool.give_back(record.staging.view(torch.uint8))  # CPU copy is done
+            record.staging = None
+        record.status = "available"
+
+    def _drop(self, record: ParamShard) -> None:
+        if record.event is not None:
+            record.event.synchronize()  # the pinned staging buffer is reusable only after its copy
+            record.event = None
+        if record.device_buf is not None:
+            self.tiers.device_pool.give_back(record.device_buf.view(torch.uint8))
+            record.device_buf = None
+        if record.staging is not None:
+            self.tiers.host_pool.give_back(record.staging.view(torch.uint8))
+            record.staging = None
+        record.status = "not_available"
+
+    def _shard(self, unit: int) -> torch.Tensor:
+        record = self.records[unit]
+        if record.home is Tier.GPU:
+            return self.tiers.stores[Tier.GPU].view(shard_key(StateKind.PARAM, unit, self.rank))
+        assert record.device_buf is not None
+        return record.device_buf

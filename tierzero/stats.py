@@ -1,0 +1,33 @@
+"""Per-step counters: bytes moved per tier and direction, time spent waiting on I/O."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class StepStats:
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.wait_s = 0.0
+
+    def add_bytes(self, direction: str, nbytes: int) -> None:
+        self.bytes[direction] += nbytes
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.wait_s += time.perf_counter() - t0
+
+    def take(self) -> dict[str, float]:
+        """The counters since the last call, as flat metrics (`bytes_nvme->host`, `io_wait_s`)."""
+        out: dict[str, float] = {f"bytes_{k}": v for k, v in sorted(self.bytes.items())}
+        out["io_wait_s"] = self.wait_s
+        self.bytes.clear()
+        self.wait_s = 0.0
+        return out

@@ -1,0 +1,171 @@
+"""The tiers an engine runs on: the I/O loop, the host and device pools, and one store per tier.
+
+It owns their lifetimes (open in dependency order, close in reverse, even after errors), the
+key of every shard, and leasing with back-pressure: when a pool is full, wait for the oldest
+pending transfer to give its buffer back before failing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from collections import deque
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierzero.config import Config, StateKind, Tier
+from tierzero.errors import ConfigError
+from tierzero.storage.base import BudgetExceededError, TierStore
+from tierzero.storage.device import DevicePool, DeviceStore
+from tierzero.storage.host import HostPool, HostStore
+from tierzero.storage.io import IOLoop
+
+
+def shard_key(kind: StateKind, unit: int, rank: int) -> str:
+    return f"{kind.value}/u{unit:04d}/r{rank}"
+
+
+def available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else total physical memory."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_budgets(device: torch.device) -> tuple[int, int]:
+    """(host, gpu) budgets when none is configured: half the free RAM; 90% of free GPU memory."""
+    host = available_host_bytes() // 2
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return host, int(free * 0.9)
+    return host, available_host_bytes() // 4
+
+
+class Pending:
+    """Transfers in flight, oldest first, each with what to do when it completes."""
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[concurrent.futures.Future, Callable[[], None]]] = deque()
+
+    def add(self, future: concurrent.futures.Future, on_done: Callable[[], None]) -> None:
+        self._queue.append((future, on_done))
+
+    def reap(self) -> None:
+        """Finish every completed transfer at the head of the queue (non-blocking)."""
+        while self._queue and self._queue[0][0].done():
+            self.wait_oldest()
+
+    def wait_oldest(self) -> bool:
+        if not self._queue:
+            return False
+        future, on_done = self._queue.popleft()
+        try:
+            future.result()  # re-raises the transfer's error here, on the training thread
+        finally:
+            on_done()
+        return True
+
+    def drain(self) -> None:
+        while self.wait_oldest():
+            pass
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+
+class Tiers:
+    def __init__(self, config: Config, device: torch.device, homes: set[Tier]) -> None:
+        self.config = config
+        self.device = device
+        self.homes = homes
+        host, gpu = default_budgets(device)
+        self.host_budget = config.host_budget or host
+        self.gpu_budget = config.gpu_budget or gpu
+        self.io: IOLoop | None = None
+        self.host_pool: HostPool | None = None
+        self.device_pool: DevicePool | None = None
+        self.stores: dict[Tier, TierStore] = {}
+        self.pending = Pending()
+        self._opened: list[Any] = []
+
+    def open(self) -> Tiers:
+        try:
+            if Tier.NVME in self.homes:
+                for path in self.config.nvme_path:
+                    _check_nvme_path(Path(path))
+            self.io = self._open(IOLoop(self.config.io_threads))
+            self.host_pool = self._open(HostPool(self.host_budget))
+            self.device_pool = self._open(DevicePool(self.gpu_budget, self.device))
+            self.stores[Tier.HOST] = self._open(HostStore(self.host_pool))
+            self.stores[Tier.GPU] = self._open(DeviceStore(self.device_pool))
+            if Tier.NVME in self.homes:
+                from tierzero.storage.nvme import NvmeStore
+
+                self.stores[Tier.NVME] = self._open(NvmeStore(
+                    self.config.nvme_path, chunk_bytes=self.config.chunk_bytes,
+                    verify_always=self.config.verify_always))
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _open(self, thing: Any) -> Any:
+        thing.open()
+        self._opened.append(thing)
+        return thing
+
+    def close(self) -> None:
+        try:
+            if self.io is not None:
+                self.pending.drain()
+                if Tier.NVME in self.stores:
+                    self.run(self.stores[Tier.NVME].flush())
+        finally:
+            while self._opened:
+                self._opened.pop().close()
+
+    def submit(self, coro: Coroutine) -> concurrent.futures.Future:
+        assert self.io is not None
+        return self.io.submit(coro)
+
+    def run(self, coro: Coroutine) -> Any:
+        return self.submit(coro).result()
+
+    def lease_host(self, nbytes: int) -> torch.Tensor:
+        """A host buffer; when the pool is full, wait for pending transfers to free one first."""
+        assert self.host_pool is not None
+        return _lease(self.host_pool, nbytes, self.pending)
+
+    def lease_device(self, nbytes: int) -> torch.Tensor:
+        assert self.device_pool is not None
+        return _lease(self.device_pool, nbytes, self.pending)
+
+    def peaks(self) -> dict[str, int]:
+        assert self.host_pool is not None and self.device_pool is not None
+        return {"host": self.host_pool.peak_bytes, "gpu": self.device_pool.peak_bytes}
+
+
+def _lease(pool: HostPool | DevicePool, nbytes: int, pending: Pending) -> torch.Tensor:
+    while True:
+        try:
+            return pool.lease(nbytes)
+        except BudgetExceededError:
+            if not pending.wait_oldest():
+                raise
+
+
+def _check_nvme_path(path: Path) -> None:
+    """Refuse a missing parent, a read-only directory or a full disk before anything is written."""
+    if not path.parent.exists():
+        raise ConfigError(f"nvme path '{path}' is not usable: its parent directory does not exist; "
+                          "create it or choose another --nvme-path")
+    path.mkdir(exist_ok=True)
+    if not os.access(path, os.W_OK):
+        raise ConfigError(f"nvme path '{path}' is read-only; choose a writable --nvme-path")
