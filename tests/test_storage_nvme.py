@@ -1,0 +1,310 @@
+"""NvmeStore beyond the conformance suite: zarr interop, corruption, ENOSPC, locks, orphans.
+
+Faults are injected below the store (a flipped byte or truncated chunk on disk, an ENOSPC or
+EIO from os.pwrite) and every test asserts that the previous version reads back exactly and
+no temp file is left behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from tierzero.storage import chunkfile
+from tierzero.storage.base import (StorageCorruptError, StorageError, StorageFullError,
+                                   StoreLockedError)
+from tierzero.storage.io import IOLoop
+from tierzero.storage.nvme import NvmeStore
+
+from test_storage_conformance import random_tensor, same_bytes
+
+CHUNK_BYTES = 16 << 10
+KEY = "master/u0003/r0"
+
+
+def temp_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.name.endswith(".tmp")]
+
+
+def chunk_file(root: Path, key: str, index: int) -> Path:
+    return root.joinpath(*key.split("/"), "c", str(index))
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    with NvmeStore([tmp_path], chunk_bytes=CHUNK_BYTES) as s:
+        yield s
+
+
+def test_zarr_reads_what_the_store_wrote(store: NvmeStore, tmp_path: Path,
+                                         io_loop: IOLoop) -> None:
+    shards = {
+        "master/u0000/r0": random_tensor(torch.float32, 10_001, seed=1),
+        "param/u0000/r0": random_tensor(torch.bfloat16, 10_001, seed=2),
+        "grad/root/r1": random_tensor(torch.float16, 7, seed=3),
+        "step/u0000/r0": torch.arange(9, dtype=torch.int64),
+        "mask/u0000/r0": random_tensor(torch.bool, 33, seed=4),
+    }
+    for key, src in shards.items():
+        io_loop.run(store.write(key, src))
+    io_loop.run(store.flush())
+    group = zarr.open_group(str(tmp_path), mode="r")
+    for key, src in shards.items():
+        array = group[key]
+        assert array.shape == (src.numel(),)
+        assert array.attrs["tierzero"]["dtype"] == str(src.dtype).removeprefix("torch.")
+        expected = src.view(torch.int16).numpy().view(np.uint16) if src.dtype == torch.bfloat16 \
+            else src.numpy()
+        np.testing.assert_array_equal(array[:], expected)
+    assert sorted(group["master"].group_keys()) == ["u0000"]
+
+
+def test_chunk_files_are_the_raw_bytes_padded(store: NvmeStore, tmp_path: Path,
+                                              io_loop: IOLoop) -> None:
+    src = random_tensor(torch.float32, CHUNK_BYTES // 4 + 3, seed=7)
+    io_loop.run(store.write(KEY, src))
+    raw = src.view(torch.uint8).numpy().tobytes()
+    assert chunk_file(tmp_path, KEY, 0).read_bytes() == raw[:CHUNK_BYTES]
+    last = chunk_file(tmp_path, KEY, 1).read_bytes()
+    assert last == raw[CHUNK_BYTES:] + bytes(CHUNK_BYTES - 12)
+
+
+def test_overwrite_with_fewer_chunks_removes_the_stale_ones(store: NvmeStore, tmp_path: Path,
+                                                            io_loop: IOLoop) -> None:
+    io_loop.run(store.write(KEY, random_tensor(torch.float32, 3 * CHUNK_BYTES // 4, seed=1)))
+    io_loop.run(store.write(KEY, random_tensor(torch.float32, 10, seed=2)))
+    assert sorted(p.name for p in chunk_file(tmp_path, KEY, 0).parent.iterdir()) == ["0"]
+
+
+def test_flipped_byte_is_named_on_a_verified_read(tmp_path: Path, io_loop: IOLoop) -> None:
+    src = random_tensor(torch.float32, 3 * CHUNK_BYTES // 4, seed=1)
+    with NvmeStore([tmp_path], chunk_bytes=CHUNK_BYTES) as store:
+        io_loop.run(store.write(KEY, src))
+    path = chunk_file(tmp_path, KEY, 1)
+    raw = bytearray(path.read_bytes())
+    raw[1234] ^= 0x01
+    path.write_bytes(raw)
+    out = torch.empty_like(src)
+    with NvmeStore([tmp_path], chunk_bytes=CHUNK_BYTES) as store:
+        with pytest.raises(StorageCorruptError, match=r"chunk 1 of array .*master/u0003/r0"):
+            io_loop.run(store.read_into(KEY, out, verify=True))
+        io_loop.run(store.read_into(KEY, out))  # unverified reads trust the disk
+        assert not same_bytes(out, src)
+    with NvmeStore([tmp_path], chunk_bytes=CHUNK_BYTES, verify_always=True) as store:
+        with pytest.raises(StorageCorruptError, match="chunk 1 .* crc32c"):
+            io_loop.run(store.read_into(KEY, out))
+
+
+@pytest.mark.parametrize("keep", [CHUNK_BYTES // 2, CHUNK_BYTES - 1])
+def test_truncated_chunk_is_named_even_unverified(store: NvmeStore, tmp_path: Path,
+                                                  io_loop: IOLoop, keep: int) -> None:
+    src = random_tensor(torch.float32, 3 * CHUNK_BYTES // 4, seed=1)
+    io_loop.run(store.write(KEY, src))
+    os.truncate(chunk_file(tmp_path, KEY, 2), keep)
+    with pytest.raises(StorageCorruptError, match=r"chunk 2 of array .*u0003/r0 is truncated"):
+        io_loop.run(store.read_into(KEY, torch.empty_like(src)))
+
+
+def test_missing_chunk_is_named(store: NvmeStore, tmp_path: Path, io_loop: IOLoop) -> None:
+    src = random_tensor(torch.float32, 3 * CHUNK_BYTES // 4, seed=1)
+    io_loop.run(store.write(KEY, src))
+    chunk_file(tmp_path, KEY, 0).unlink()
+    with pytest.raises(StorageCorruptError, match="chunk 0 .* is missing"):
+        io_loop.run(store.read_into(KEY, torch.empty_like(src)))
+
+
+def fail_nth(monkeypatch: pytest.MonkeyPatch, name: str, n: int, err: int) -> None:
+    """Make the n-th call of os.<name> (counted from now) raise OSError(err)."""
+    real = getattr(os, name)
+    calls = iter(range(1 << 30))
+
+    def failing(*args, **kwargs):
+        if next(calls) == n:
+            raise OSError(err, os.strerror(err))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(os, name, failing)
+
+
+@pytest.mark.parametrize("where", [("pwrite", 0), ("pwrite", 2), ("write", 0)],
+                         ids=["first-chunk", "third-chunk", "zarr-json"])
+def test_enospc_keeps_the_previous_version_and_no_temp_file(
+        store: NvmeStore, tmp_path: Path, io_loop: IOLoop, monkeypatch: pytest.MonkeyPatch,
+        where: tuple[str, int]) -> None:
+    old = random_tensor(torch.float32, 4 * CHUNK_BYTES // 4, seed=1)
+    new = random_tensor(torch.float32, 4 * CHUNK_BYTES // 4, seed=2)
+    io_loop.run(store.write(KEY, old))
+    fail_nth(monkeypatch, *where, errno.ENOSPC)
+    with pytest.raises(StorageFullError, match=f"no space left in {tmp_path}.*{KEY}.*intact"):
+        io_loop.run(store.write(KEY, new))
+    monkeypatch.undo()
+    assert temp_files(tmp_path) == []
+    out = torch.empty_like(old)
+    io_loop.run(store.read_into(KEY, out, verify=True))
+    assert same_bytes(out, old)
+    store.close()
+    store.open()  # and from disk, not only from the cached metadata
+    io_loop.run(store.read_into(KEY, out, verify=True))
+    assert same_bytes(out, old)
+
+
+def test_random_io_errors_never_tear_a_shard(store: NvmeStore, tmp_path: Path,
+                                             io_loop: IOLoop,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(0)
+    real = os.pwrite
+
+    def flaky(*args, **kwargs):
+        if rng.random() < 0.15:
+            raise OSError(errno.EIO, "injected")
+        return real(*args, **kwargs)
+
+    last = random_tensor(torch.float32, 5 * CHUNK_BYTES // 4, seed=0)
+    io_loop.run(store.write(KEY, last))
+    failures = 0
+    for version in range(1, 25):
+        src = random_tensor(torch.float32, 5 * CHUNK_BYTES // 4, seed=version)
+        monkeypatch.setattr(os, "pwrite", flaky)
+        try:
+            io_loop.run(store.write(KEY, src))
+            last = src
+        except StorageError as e:
+            assert "injected" in str(e)
+            failures += 1
+        monkeypatch.setattr(os, "pwrite", real)
+        out = torch.empty_like(src)
+        io_loop.run(store.read_into(KEY, out, verify=True))
+        assert same_bytes(out, last)
+        assert temp_files(tmp_path) == []
+    assert 0 < failures < 24
+
+
+def test_second_instance_in_the_same_process_is_refused(tmp_path: Path) -> None:
+    with NvmeStore([tmp_path]):
+        with pytest.raises(StoreLockedError, match=f"{tmp_path} is in use by .*pid {os.getpid()}"):
+            NvmeStore([tmp_path]).open()
+    with NvmeStore([tmp_path]):  # released on close
+        pass
+
+
+def test_second_process_is_refused_until_the_first_closes(tmp_path: Path) -> None:
+    # One child process (importing torch twice would double the test's time): it tries to
+    # open the store, waits for a line on stdin, and tries again.
+    script = (
+        "import sys\n"
+        "from tierzero.storage.nvme import NvmeStore\n"
+        "from tierzero.storage.base import StoreLockedError\n"
+        "for attempt in range(2):\n"
+        "    try:\n"
+        "        NvmeStore([sys.argv[1]]).open()\n"
+        "        print('opened', flush=True)\n"
+        "    except StoreLockedError as e:\n"
+        "        print('refused:', e, flush=True)\n"
+        "    sys.stdin.readline()\n")
+    first = NvmeStore([tmp_path])
+    first.open()
+    child = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        refused = child.stdout.readline()
+        first.close()
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        reopened = child.stdout.readline()
+        child.stdin.write("done\n")
+        child.stdin.flush()
+        assert child.wait(timeout=60) == 0
+    finally:
+        first.close()
+        if child.poll() is None:
+            child.kill()
+    assert refused.startswith("refused:")
+    assert f"{tmp_path} is in use by another tierzero store (pid {os.getpid()})" in refused
+    assert reopened == "opened\n"
+
+
+def test_striped_store_locks_every_directory(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    with NvmeStore([a, b]):
+        with pytest.raises(StoreLockedError, match=str(b)):
+            NvmeStore([b]).open()
+
+
+def test_bad_paths_fail_at_open(tmp_path: Path) -> None:
+    with pytest.raises(StorageError, match="does not exist: create it"):
+        NvmeStore([tmp_path / "missing"]).open()
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(StorageError, match="does not exist"):
+        NvmeStore([a_file]).open()
+    with pytest.raises(StorageError, match="multiple of 4096"):
+        NvmeStore([tmp_path], chunk_bytes=1000)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_path_fails_at_open(tmp_path: Path) -> None:
+    tmp_path.chmod(0o555)
+    try:
+        with pytest.raises(StorageError, match="not writable"):
+            NvmeStore([tmp_path]).open()
+    finally:
+        tmp_path.chmod(0o755)
+
+
+def test_failed_open_releases_the_directories_it_locked(tmp_path: Path) -> None:
+    with pytest.raises(StorageError):
+        NvmeStore([tmp_path, tmp_path / "missing"]).open()
+    with NvmeStore([tmp_path]):
+        pass
+
+
+def refuse_o_direct(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Act like a filesystem without O_DIRECT (older tmpfs, some network filesystems)."""
+    real = os.open
+
+    def no_direct(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_direct)
+
+
+def test_no_o_direct_falls_back_to_buffered_io(tmp_path: Path, io_loop: IOLoop,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    refuse_o_direct(monkeypatch)
+    with pytest.raises(StorageError, match="does not support O_DIRECT"):
+        NvmeStore([tmp_path], direct=True).open()
+    with NvmeStore([tmp_path], chunk_bytes=CHUNK_BYTES) as store:
+        assert not store.capabilities.direct_io
+        src = random_tensor(torch.bfloat16, 12345, seed=1)
+        io_loop.run(store.write(KEY, src))
+        out = torch.empty_like(src)
+        io_loop.run(store.read_into(KEY, out, verify=True))
+        assert same_bytes(out, src)
+    assert temp_files(tmp_path) == []
+
+
+def test_open_removes_orphaned_temp_files(tmp_path: Path, io_loop: IOLoop) -> None:
+    with NvmeStore([tmp_path], chunk_bytes=CHUNK_BYTES) as store:
+        io_loop.run(store.write(KEY, torch.zeros(100)))
+    chunks = chunk_file(tmp_path, KEY, 0).parent
+    orphan = chunks / ".0.99999-3.tmp"
+    orphan.write_bytes(b"half a chunk")
+    users_file = chunks.parent / ".notes.tmp"  # not ours: left alone
+    users_file.write_text("keep")
+    with NvmeStore([tmp_path], chunk_bytes=CHUNK_BYTES):
+        assert not orphan.exists()
+        assert users_file.exists()
