@@ -16,7 +16,7 @@ from tierzero.ledger import (GB, Stage, activation_memory, block_numel, ledger, 
                              parse_count, scaled_units, units_from_args)
 from tierzero.models import build
 from tierzero.models.presets import PRESETS, ModelArgs
-from tierzero.plan import Link, PlacementChoice, Workload, candidate_placements, choose_placement, estimate, load_profile
+from tierzero.plan import Link, PlacementChoice, PlacementEstimate, Workload, candidate_placements, choose_placement, estimate, load_profile
 
 SEVEN_B = units_from_args(PRESETS["7b"])
 PROFILE = {"nvme": {"read_gbps": 3.0, "write_gbps": 2.0}, "adam": {"params_per_s": 1e9},
@@ -232,13 +232,22 @@ def test_step_time_by_hand(tmp_path: Path) -> None:
     assert e.predicted_step_s == pytest.approx(max(compute, pcie) + adam)
 
 
-def test_profile_picks_the_faster_of_two_fitting_placements(tmp_path: Path) -> None:
-    """Without a profile the least NVMe traffic wins; a slow PCIe link and fast drives can flip it."""
-    budgets = dict(gpu_budget=24 * GB, host_budget=200 * GB, nvme_free=1000 * GB)
-    assert choose_7b(**budgets).predicted_step_s is None
-    profile = load_profile(write_profile(tmp_path, PROFILE))
-    choice = choose_placement(SEVEN_B, compute_itemsize=2, profile=profile, tokens_per_step=4096, **budgets)
-    assert choice.predicted_step_s is not None and choice.predicted_step_s > 0
+def test_choice_minimises_step_time_with_a_profile_and_nvme_traffic_without(tmp_path: Path) -> None:
+    budgets = {Tier.GPU: 24 * GB, Tier.HOST: 90 * GB, Tier.NVME: 1000 * GB}
+    kwargs = dict(gpu_budget=24 * GB, host_budget=90 * GB, nvme_free=1000 * GB, tokens_per_step=4096)
+    profile = load_profile(write_profile(tmp_path, dict(PROFILE, h2d={"pinned_gbps": 0.5, "pageable_gbps": 0.1})))
+    work = Workload(tuple(SEVEN_B), 2, 2, tokens_per_step=4096)
+    fitting = [e for e in (estimate(p, work, profile) for p in candidate_placements()) if not e.overflow_bytes(budgets)]
+    assert len(fitting) > 1
+    timed = choose_placement(SEVEN_B, compute_itemsize=2, profile=profile, **kwargs)
+    assert timed.predicted_step_s == min(e.predicted_step_s for e in fitting)
+    untimed = choose_placement(SEVEN_B, compute_itemsize=2, **kwargs)
+    assert untimed.predicted_step_s is None
+    assert nvme_bytes(untimed) == min(nvme_bytes(e) for e in fitting)
+
+
+def nvme_bytes(e: PlacementEstimate | PlacementChoice) -> int:
+    return e.moved_bytes[Link.NVME_TO_HOST] + e.moved_bytes[Link.HOST_TO_NVME]
 
 
 def test_cpu_only_profile_makes_pcie_free(tmp_path: Path) -> None:

@@ -71,13 +71,14 @@ def _probe(dtype: torch.dtype, device: torch.device) -> bool:
 def found_inf(tensors: Iterable[torch.Tensor]) -> bool:
     """True if any element of any tensor is inf or NaN.
 
-    Each check stays on its tensor's device; the flags are combined there and read once at the
-    end: that `bool()` is the only host-device sync point (none for tensors already on the CPU).
+    Each check stays on its tensor's device and the flags are combined on an accelerator if one
+    holds any (host -> device copies of the CPU flags never wait), so the final `bool()` is the
+    only host-device sync point; with every tensor on the CPU there is none.
     """
     flags = [torch.isfinite(t).all() for t in tensors]
     if not flags:
         return False
-    device = flags[0].device
+    device = next((f.device for f in flags if f.device.type != "cpu"), flags[0].device)
     return not bool(torch.stack([f.to(device, non_blocking=True) for f in flags]).all())
 
 
