@@ -27,8 +27,8 @@ def plan(
     model: Optional[str] = typer.Option(None, "--model", help=f"Model preset: {', '.join(PRESETS)} (default {DEFAULT_PRESET})."),
     params: Optional[str] = typer.Option(None, "--params", help="A parameter count instead of a preset, e.g. 7e9 or 70B; shaped like the nearest preset."),
     gpus: int = typer.Option(1, "--gpus", help="Data-parallel GPUs (ranks), all on this machine."),
-    gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="Memory per GPU, e.g. 80GB or 24GiB. Default: GPU 0's, or host memory without CUDA."),
-    host_mem: Optional[str] = typer.Option(None, "--host-mem", help="Host memory, e.g. 512GB. Default: this machine's."),
+    gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="Memory per GPU, e.g. 80GB or 24GiB. Default: GPU 0's; without CUDA, half of RAM split across ranks."),
+    host_mem: Optional[str] = typer.Option(None, "--host-mem", help="Host memory, e.g. 512GB. Default: this machine's RAM (half of it without CUDA)."),
     nvme_free: Optional[str] = typer.Option(None, "--nvme-free", help="Free NVMe space, e.g. 2TB. Default: free space at --nvme-path."),
     nvme_path: Path = typer.Option(Path("."), "--nvme-path", help="Where offloaded state would go (for the free-space default)."),
     batch_size: int = typer.Option(1, "--batch-size", help="Sequences per micro-batch per GPU (activation memory)."),
@@ -57,7 +57,7 @@ def plan(
         numel = args.param_count()
         ledger_numel = nominal_numel(shape_name) or numel
     activations = activation_memory(args, batch_size, seq_len or args.max_seq_len, itemsize)
-    budgets, detected = _budgets(gpu_mem, host_mem, nvme_free, nvme_path)
+    budgets, detected = _budgets(gpu_mem, host_mem, nvme_free, nvme_path, gpus)
     work = Workload(tuple(units), itemsize, itemsize, gpus, prefetch_depth, activations.total_bytes,
                     batch_size * activations.seq_len)
     prof = load_profile(profile) if profile is not None else None
@@ -95,21 +95,25 @@ def _dtype(value: str) -> DType:
         raise ConfigError(f"--dtype '{value}' is not valid; choose one of bf16|fp16|fp32") from None
 
 
-def _budgets(gpu_mem: Optional[str], host_mem: Optional[str], nvme_free: Optional[str],
-             nvme_path: Path) -> tuple[dict[Tier, int | None], list[str]]:
-    """The given sizes, else what this machine has; also the names of the tiers detected."""
+def _budgets(gpu_mem: Optional[str], host_mem: Optional[str], nvme_free: Optional[str], nvme_path: Path,
+             gpus: int) -> tuple[dict[Tier, int | None], list[str]]:
+    """The given sizes, else what this machine has; also a note per size that was detected."""
+    import torch
+
     detected = []
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cuda = gpu_mem is None and torch.cuda.is_available()
+    # without CUDA the engine runs the gpu tier in host memory: give it half, so the two
+    # tiers' budgets never promise the same bytes twice
+    host_share = ram if gpu_mem is not None or cuda else ram // 2
     host = parse_bytes(host_mem, "--host-mem") if host_mem is not None else None
     if host is None:
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        detected.append("host")
+        host = host_share
+        detected.append("host" if host == ram else "host (half of RAM, no CUDA)")
     gpu = parse_bytes(gpu_mem, "--gpu-mem") if gpu_mem is not None else None
     if gpu is None:
-        import torch
-
-        # without CUDA the engine runs the gpu tier in host memory, so that is its size
-        gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else host
-        detected.append("gpu")
+        gpu = torch.cuda.get_device_properties(0).total_memory if cuda else (ram - host_share) // gpus
+        detected.append("gpu" if cuda else "gpu (half of RAM split across ranks, no CUDA)")
     nvme = parse_bytes(nvme_free, "--nvme-free") if nvme_free is not None else None
     if nvme is None:
         if not nvme_path.is_dir():

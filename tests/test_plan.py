@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -311,6 +312,16 @@ def test_plan_tables_and_params(tmp_path: Path) -> None:
     assert all(p["predicted_step_s"] > 0 for p in report["placements"])
 
 
+def test_plan_detects_the_machine_when_sizes_are_not_given(tmp_path: Path) -> None:
+    report = json.loads(run_ok("--model", "tiny", "--nvme-path", str(tmp_path), "--json"))
+    machine = report["machine"]
+    assert len(machine["detected"]) == 3
+    assert all(machine[f"{t.value}_budget_bytes"] > 0 for t in Tier)
+    if not torch.cuda.is_available():  # the gpu tier is host memory: the two never share bytes
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        assert machine["gpu_budget_bytes"] + machine["host_budget_bytes"] <= ram
+
+
 def run_failing(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> str:
     """Through the installed entry point, which turns domain errors into exit code 2."""
     from tierzero.cli.app import main
@@ -334,6 +345,12 @@ def run_failing(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[s
     (["--profile", "/nonexistent/profile.json"], "profile '/nonexistent/profile.json' does not exist"),
     (["--model", "tiny", "--seq-len", "4096"], "exceeds the model's max_seq_len"),
 ])
+def test_missing_nvme_path_is_an_error_when_free_space_is_detected(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    err = run_failing(monkeypatch, capsys, "--model", "tiny", "--nvme-path", str(tmp_path / "absent"))
+    assert "is not a directory" in err
+
+
 def test_plan_bad_input_is_one_error_and_exit_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
                                                 args: list[str], message: str) -> None:
     err = run_failing(monkeypatch, capsys, *MACHINE, *args)
