@@ -335,6 +335,12 @@ def run_failing(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[s
     return " ".join(err.split())  # rich wraps long lines at the console width
 
 
+def test_missing_nvme_path_is_an_error_when_free_space_is_detected(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    err = run_failing(monkeypatch, capsys, "--model", "tiny", "--nvme-path", str(tmp_path / "absent"))
+    assert "is not a directory" in err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--model", "nope"], "unknown model preset 'nope'"),
     (["--gpus", "0"], "number of GPUs must be an integer >= 1"),
@@ -345,12 +351,6 @@ def run_failing(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[s
     (["--profile", "/nonexistent/profile.json"], "profile '/nonexistent/profile.json' does not exist"),
     (["--model", "tiny", "--seq-len", "4096"], "exceeds the model's max_seq_len"),
 ])
-def test_missing_nvme_path_is_an_error_when_free_space_is_detected(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    err = run_failing(monkeypatch, capsys, "--model", "tiny", "--nvme-path", str(tmp_path / "absent"))
-    assert "is not a directory" in err
-
-
 def test_plan_bad_input_is_one_error_and_exit_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
                                                 args: list[str], message: str) -> None:
     err = run_failing(monkeypatch, capsys, *MACHINE, *args)
