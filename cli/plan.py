@@ -65,8 +65,9 @@ def plan(
     choice = choose(estimates, budgets)
 
     report: dict[str, Any] = {
-        "model": {"preset": None if params is not None else shape_name, "shape": shape_name, "params": numel, "ledger_params": ledger_numel,
-                  "units": len(units), "largest_unit_params": work.largest_unit_numel},
+        "model": {"preset": None if params is not None else shape_name, "shape": shape_name,
+                  "params": numel, "ledger_params": ledger_numel, "units": len(units),
+                  "largest_unit_params": work.largest_unit_numel},
         "machine": {"gpus": gpus, "detected": detected,
                     **{f"{t.value}_budget_bytes": b for t, b in budgets.items()}},
         "dtype": compute.value,
