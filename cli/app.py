@@ -5,6 +5,10 @@ Domain errors (`TierzeroError`, `StorageError`) become one line on stderr and ex
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import typer
 
 from tierzero.errors import TierzeroError
@@ -15,12 +19,25 @@ app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions
                   help="Train models larger than GPU memory by tiering state across GPU, host and NVMe.")
 
 
-def _register() -> None:
-    from tierzero.cli.train import train
-    from tierzero.cli.plan import plan
+def guarded(command: Callable[..., None]) -> Callable[..., None]:
+    """Turn domain errors into one line on stderr and exit code 2 (also under CliRunner)."""
 
-    app.command()(train)
-    app.command()(plan)
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> None:
+        try:
+            command(*args, **kwargs)
+        except (TierzeroError, StorageError) as e:
+            fail(str(e))
+
+    return run
+
+
+def _register() -> None:
+    from tierzero.cli.plan import plan
+    from tierzero.cli.train import train
+
+    app.command()(guarded(train))
+    app.command()(guarded(plan))
 
 
 _register()
@@ -29,7 +46,5 @@ _register()
 def main() -> None:
     try:
         app()
-    except (TierzeroError, StorageError) as e:
-        fail(str(e))
     except KeyboardInterrupt:
         fail("interrupted", code=130)

@@ -23,5 +23,5 @@ class Output:
 
 def fail(message: str, code: int = 2) -> None:
     """One sentence to stderr, then exit with `code`: the CLI's only way to report bad input."""
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {message}", highlight=False)
     raise SystemExit(code)

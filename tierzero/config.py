@@ -130,7 +130,7 @@ class Config:
     host_budget: int | None = None
     gpu_budget: int | None = None
     prefetch_depth: int = 2
-    lr: float = 3e-4
+    lr: float = 1e-3
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
@@ -148,6 +148,7 @@ class Config:
     chunk_bytes: int = 8 << 20
     io_threads: int = 16
     verify_always: bool = False
+    profile: str | None = None
 
     def __post_init__(self) -> None:
         self.offload = _enum(Offload, self.offload, "offload")
@@ -219,11 +220,11 @@ class RunConfig:
 
     model: str = "tiny"
     data: str | None = None
-    steps: int = 200
-    batch_size: int = 16
+    steps: int = 80
+    batch_size: int = 8
     seq_len: int = 128
     run_dir: str | None = None
-    eval_every: int = 50
+    eval_every: int = 40
     eval_batches: int = 4
     engine: Config = field(default_factory=Config)
 

@@ -33,7 +33,7 @@ from tierzero.precision import DynamicLossScaler, check_dtype_supported, compute
 from tierzero.reference import compute_loss
 from tierzero.schedule import Scheduler, build_swap_plan
 from tierzero.stats import StepStats
-from tierzero.tiers import Tiers, shard_key
+from tierzero.tiers import Tiers, default_budgets, shard_key
 
 
 class Engine:
@@ -49,6 +49,7 @@ class Engine:
         self.placement = self._resolve_placement()
         homes = {self.placement.home(k) for k in StateKind}
         self.tiers = Tiers(config, self.device, homes)
+        self.tiers.check_paths()
         self._check_budgets()
         self.weights = weights
         self.scaler = DynamicLossScaler(config.loss_scale, config.loss_scale_window,
@@ -171,7 +172,7 @@ class Engine:
     # -- state ----------------------------------------------------------------------------------
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights under the model's own parameter names, read unit by unit."""
+        """fp32 master weights under every parameter name (tied aliases included), unit by unit."""
         self.open()
         out: dict[str, torch.Tensor] = {}
         for unit in self.units:
@@ -180,7 +181,7 @@ class Engine:
                 value = master[slot.offset:slot.end].view(slot.shape).clone()
                 for name in slot.names:
                     out[name] = value
-        return {name: out[name] for name in self.param_order if name in out} | out
+        return out
 
     def read_shard(self, kind: StateKind, unit: Unit) -> torch.Tensor:
         """A CPU copy of this rank's shard of `kind` for `unit` (for inspection and export)."""
@@ -243,13 +244,21 @@ class Engine:
             self.tiers.run(store.write(key, src))
 
     def _resolve_placement(self) -> Placement:
+        """The configured placement, or for `offload auto` the planner's best fit for the budgets."""
         if self.config.placement is not None or self.config.offload is not Offload.AUTO:
             return self.config.resolved_placement()
-        from tierzero.plan import choose_placement
+        from tierzero.plan import choose_placement, load_profile
 
-        choice = choose_placement(self._unit_sizes(), self.dtype.itemsize, self.config)
+        host, gpu = default_budgets(self.device)
+        paths = [_existing(Path(p)) for p in self.config.nvme_path]
+        choice = choose_placement(
+            self._unit_sizes(), compute_itemsize=self.dtype.itemsize, grad_itemsize=4,
+            gpu_budget=self.config.gpu_budget or gpu, host_budget=self.config.host_budget or host,
+            nvme_free=min(shutil.disk_usage(p).free for p in paths) * len(paths),
+            world_size=self.comm.world_size, prefetch_depth=self.config.prefetch_depth,
+            profile=load_profile(self.config.profile) if self.config.profile else None)
         if not choice.fits:
-            raise ConfigError(choice.shortfall or "no placement fits the given budgets")
+            raise ConfigError(choice.shortfall or "no placement fits the given budgets; raise them")
         return choice.placement
 
     def _unit_sizes(self) -> list[tuple[str, int]]:

@@ -85,7 +85,9 @@ class ReferenceTrainer:
         return torch.autocast(self.device.type, dtype=dtype)
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().float().cpu() for name, p in self.model.named_parameters()}
+        """fp32 weights under every parameter name, tied aliases included (like `state_dict`)."""
+        return {name: p.detach().float().cpu()
+                for name, p in self.model.named_parameters(remove_duplicate=False)}
 
     def stats(self) -> dict[str, Any]:
         return {"grad_norm": self.last_grad_norm} if self.last_grad_norm is not None else {}

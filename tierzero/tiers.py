@@ -95,11 +95,14 @@ class Tiers:
         self.pending = Pending()
         self._opened: list[Any] = []
 
+    def check_paths(self) -> None:
+        """Refuse unusable nvme paths before anything is written (called at engine construction)."""
+        if Tier.NVME in self.homes:
+            for path in self.config.nvme_path:
+                _check_nvme_path(Path(path))
+
     def open(self) -> Tiers:
         try:
-            if Tier.NVME in self.homes:
-                for path in self.config.nvme_path:
-                    _check_nvme_path(Path(path))
             self.io = self._open(IOLoop(self.config.io_threads))
             self.host_pool = self._open(HostPool(self.host_budget))
             self.device_pool = self._open(DevicePool(self.gpu_budget, self.device))
@@ -166,6 +169,11 @@ def _check_nvme_path(path: Path) -> None:
     if not path.parent.exists():
         raise ConfigError(f"nvme path '{path}' is not usable: its parent directory does not exist; "
                           "create it or choose another --nvme-path")
-    path.mkdir(exist_ok=True)
-    if not os.access(path, os.W_OK):
-        raise ConfigError(f"nvme path '{path}' is read-only; choose a writable --nvme-path")
+    try:
+        path.mkdir(exist_ok=True)
+        probe = path / ".tierzero-write-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"nvme path '{path}' is not writable ({e.strerror}); choose a writable "
+                          "--nvme-path") from None

@@ -1,0 +1,27 @@
+"""Shared pieces of the engine tests: a small model, fixed batches, the reference run."""
+
+from __future__ import annotations
+
+import torch
+
+from tierzero import Config, models
+from tierzero.data import TokenBatches, default_corpus
+from tierzero.models import ModelArgs
+from tierzero.reference import ReferenceTrainer
+
+_TOKENS = default_corpus(1 << 20)
+
+SMALL = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=192,
+                  max_seq_len=64, tie_embeddings=True)
+
+
+def batches(batch_size: int = 4, seq_len: int = 32, seed: int = 0) -> TokenBatches:
+    return TokenBatches(_TOKENS, batch_size, seq_len, seed=seed)
+
+
+def reference_run(args: ModelArgs, config: Config, steps: int, **batch_kw: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and final fp32 weights of plain PyTorch training: the oracle."""
+    trainer = ReferenceTrainer(models.build(args, seed=config.seed), config)
+    data = batches(**batch_kw)
+    losses = [trainer.train_step(data.next_batch()) for _ in range(steps * config.accumulate)]
+    return losses, trainer.master_state_dict()
