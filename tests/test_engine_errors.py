@@ -1,0 +1,78 @@
+"""Bad input to the engine: one clear error before training starts, nothing written."""
+
+from __future__ import annotations
+
+import shutil
+from collections import namedtuple
+
+import pytest
+import torch
+from torch import nn
+
+from tierzero import Config, models
+from tierzero.engine import Engine
+from tierzero.errors import ConfigError
+
+from engine_helpers import SMALL
+
+
+def nvme_config(tmp_path, **kw) -> Config:
+    return Config(offload="nvme", nvme_path=[str(tmp_path / "nvme")], **kw)
+
+
+def test_host_budget_too_small_for_one_unit(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"host budget .* too small.*--host-budget"):
+        Engine(models.build(SMALL, device="meta"), nvme_config(tmp_path, host_budget="64KiB"))
+    assert not any((tmp_path / "nvme").iterdir())
+
+
+def test_gpu_budget_too_small_for_one_unit(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"gpu budget .* too small.*--gpu-budget"):
+        Engine(models.build(SMALL, device="meta"), nvme_config(tmp_path, gpu_budget="16KiB"))
+
+
+def test_missing_nvme_path(tmp_path) -> None:
+    cfg = Config(offload="nvme", nvme_path=[str(tmp_path / "no" / "such" / "dir")])
+    with pytest.raises(ConfigError, match="parent directory does not exist"):
+        Engine(models.build(SMALL, device="meta"), cfg)
+
+
+def test_unwritable_nvme_path() -> None:
+    cfg = Config(offload="nvme", nvme_path=["/proc/tierzero-nvme"])  # /proc refuses new dirs, even to root
+    with pytest.raises(ConfigError, match="not writable"):
+        Engine(models.build(SMALL, device="meta"), cfg)
+
+
+def test_full_disk(tmp_path, monkeypatch) -> None:
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 4096, 4096))
+    with pytest.raises(ConfigError, match=r"GB free .* needs"):
+        Engine(models.build(SMALL, device="meta"), nvme_config(tmp_path))
+    assert not any((tmp_path / "nvme").iterdir())
+
+
+def test_model_without_repeated_blocks(tmp_path) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(ConfigError, match="no nn.ModuleList of repeated blocks"):
+        Engine(model, nvme_config(tmp_path))
+
+
+def test_named_units_must_exist(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="units 'layers' is not"):
+        Engine(models.build(SMALL, device="meta"), nvme_config(tmp_path, units="layers"))
+
+
+def test_model_calling_blocks_out_of_order_is_refused(tmp_path) -> None:
+    model = models.build(SMALL, device="meta")
+    original = model.forward
+
+    def shuffled(idx, targets=None):
+        model.blocks = nn.ModuleList([model.blocks[1], model.blocks[0], model.blocks[2]])
+        return original(idx, targets)
+
+    with Engine(model, nvme_config(tmp_path)) as engine:
+        model.forward = shuffled
+        x = torch.zeros(1, 8, dtype=torch.long)
+        with pytest.raises(RuntimeError, match="must call its blocks"):
+            engine.train_step((x, x))
+        assert engine.tiers.device_pool.leased_bytes == 0  # the failed pass released everything
