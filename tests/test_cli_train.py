@@ -1,0 +1,96 @@
+"""`tierzero train` through typer's runner: exit codes, one-line errors, metrics, JSON."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from tierzero.cli.app import app
+from tierzero.rundir import read_metrics
+
+runner = CliRunner()
+QUICK = ["--steps", "6", "--batch-size", "2", "--seq-len", "32"]
+
+
+def train(*args: str):
+    return runner.invoke(app, ["train", *args])
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_train_writes_config_and_metrics(tmp_path, offload: str) -> None:
+    run_dir = tmp_path / "run"
+    result = train(*QUICK, "--offload", offload, "--run-dir", str(run_dir), "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout[result.stdout.index("{"):])
+    assert summary["steps"] == 6 and summary["last_loss"] < summary["first_loss"]
+    records = [r for r in read_metrics(run_dir) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert all(r["tokens_per_s"] > 0 and r["lr"] > 0 for r in records)
+    assert (run_dir / "config.toml").read_text().count(f'offload = "{offload}"') == 1
+    if offload == "nvme":
+        assert records[-1]["bytes_nvme->host"] > 0 and "peak_host_bytes" in records[-1]
+        assert (run_dir / "nvme").is_dir()
+
+
+def test_config_file_and_flags_override_it(tmp_path) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('steps = 3\nbatch_size = 2\nseq_len = 16\noffload = "none"\nlr = 0.01\n')
+    run_dir = tmp_path / "run"
+    result = train("--config", str(cfg), "--steps", "2", "--run-dir", str(run_dir))
+    assert result.exit_code == 0, result.output
+    written = (run_dir / "config.toml").read_text()
+    assert "steps = 2" in written and "lr = 0.01" in written
+
+
+def one_line_error(result) -> str:
+    assert result.exit_code == 2, result.output
+    lines = [l for l in result.output.strip().splitlines() if l.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    return lines[0]
+
+
+def test_unknown_preset(tmp_path) -> None:
+    assert "unknown model preset 'huge'" in one_line_error(train("--model", "huge", "--run-dir", str(tmp_path)))
+
+
+def test_missing_data_file(tmp_path) -> None:
+    assert "does not exist" in one_line_error(train("--data", str(tmp_path / "nope.bin"), "--run-dir", str(tmp_path)))
+
+
+def test_malformed_toml(tmp_path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("steps = = 3\n")
+    assert "is not valid TOML" in one_line_error(train("--config", str(bad)))
+
+
+def test_unknown_toml_key(tmp_path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("stepz = 3\n")
+    assert "unknown config keys ['stepz']" in one_line_error(train("--config", str(bad)))
+
+
+def test_negative_batch() -> None:
+    assert "batch_size must be an integer >= 1" in one_line_error(train("--batch-size", "-4"))
+
+
+def test_bad_dtype_and_offload() -> None:
+    assert "dtype 'fp8' is not valid" in one_line_error(train("--dtype", "fp8"))
+    assert "offload 'disk' is not valid" in one_line_error(train("--offload", "disk"))
+
+
+def test_locked_run_dir(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    fd = os.open(run_dir / "lock", os.O_RDWR | os.O_CREAT)
+    os.write(fd, b"4242\n")
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        message = one_line_error(train(*QUICK, "--run-dir", str(run_dir)))
+    finally:
+        os.close(fd)
+    assert "in use by another trainer (pid 4242)" in message
+    assert not (run_dir / "config.toml").exists()
