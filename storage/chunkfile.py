@@ -60,18 +60,23 @@ def probe_direct(directory: str) -> bool:
 
 
 def write_chunk(path: str, data: memoryview, chunk_bytes: int, direct: bool) -> None:
-    """Create `path` holding `data` zero-padded to `chunk_bytes`. `direct` requires `data` to
-    start at an aligned address (its length may end mid-page)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _flags(direct), 0o644)
+    """Make `path` (new, or a spare whose blocks get overwritten in place) hold `data`
+    zero-padded to exactly `chunk_bytes`. `direct` requires `data` to start at an aligned
+    address (its length may end mid-page)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | _flags(direct), 0o644)
     try:
         body = len(data) - len(data) % ALIGN if direct else len(data)
         _pwrite_all(fd, data[:body], 0)
+        end = body
         if body < len(data):
             page = _bounce_page()
             page[: len(data) - body] = data[body:]
             _pwrite_all(fd, page, body)
-        if os.fstat(fd).st_size < chunk_bytes:
-            os.ftruncate(fd, chunk_bytes)  # a hole reads back as zeros, zarr's fill value
+            end += ALIGN
+        if end < chunk_bytes or os.fstat(fd).st_size != chunk_bytes:
+            # Cut whatever a spare held past the data, then pad with a hole: zeros, zarr's fill.
+            os.ftruncate(fd, end)
+            os.ftruncate(fd, chunk_bytes)
     finally:
         os.close(fd)
 

@@ -19,12 +19,16 @@ Striping: a key lives in directory `crc32(key) % len(paths)` -- stable for a giv
 paths, so reopen a store with the same paths in the same order. Hashing the whole key spreads
 the state kinds of one unit across drives, so the optimizer reads them in parallel.
 
-Atomic writes: every chunk and the array's zarr.json are first written to temp files beside
-their targets; only when all are complete are they renamed into place, metadata last. A failure
-before that (ENOSPC included) removes the temp files and leaves the previous version intact; a
-crash during the renames leaves chunks whose checksums do not match, which a verified read
-reports. `flush()` fsyncs written files and their directories (zarr's LocalStore does not).
-Temp files orphaned by a killed process are removed at `open()`, under the directory lock.
+Atomic writes: every chunk is first written into a spare file (`spares`: already-allocated
+blocks, overwritten in place -- twice as fast on ext4 as a new file) and the array's zarr.json
+into a temp file beside it; only when all are complete does each chunk swap into place
+(renameat2 exchange, or rename), metadata last. A failure before that (ENOSPC included)
+removes those files and leaves the previous version intact; a crash during the swaps leaves
+chunks whose checksums do not match, which a verified read reports. `flush()` fsyncs written
+files and their directories (zarr's LocalStore does not). zarr lists the lock file and the
+spare directory as unrecognized objects (a warning), and ignores them. Temp and spare files
+orphaned by a killed process are removed at `open()`, under the directory lock.
+
 Metadata is cached in memory: a read never parses JSON after the first one per key, and a write
 adds one small zarr.json rename per shard.
 """
@@ -51,6 +55,7 @@ from tierzero.storage import chunkfile
 from tierzero.storage.base import (DTYPES, Capabilities, ShardNotFoundError, StorageCorruptError,
                                    StorageError, StorageFullError, StoreLockedError, TierStore,
                                    check_flat, check_key, check_out, dtype_name)
+from tierzero.storage.spares import SpareFiles
 
 LOCK_NAME = ".tierzero.lock"
 TMP_SUFFIX = ".tmp"
@@ -117,54 +122,71 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().view(-1).view(torch.uint8).numpy())
 
 
+def _temp_for(final: str) -> str:
+    head, tail = os.path.split(final)
+    return os.path.join(head, f".{tail}.{os.getpid()}-{next(_tmp_ids)}{TMP_SUFFIX}")
+
+
 @dataclass
 class _WriteOp:
-    """The temp files of one shard write, so that an abort or cancel leaves none behind.
+    """The not-yet-visible files of one shard write (spares filled with chunks, the zarr.json
+    temp), so that an abort or cancel leaves none behind.
 
-    Workers register each temp file under the lock; `abort()` removes the registered ones and
-    makes late workers remove their own; once `commit()` has started it runs to the end.
+    Workers register each file under the lock; `abort()` removes the registered ones and makes
+    late workers remove their own; once `commit()` has started it runs to the end.
     """
 
+    spares: SpareFiles
     lock: threading.Lock = field(default_factory=threading.Lock)
-    temps: list[str] = field(default_factory=list)
+    pending: list[str] = field(default_factory=list)
     aborted: bool = False
     committing: bool = False
 
-    def temp_for(self, final: str) -> str:
-        head, tail = os.path.split(final)
-        return os.path.join(head, f".{tail}.{os.getpid()}-{next(_tmp_ids)}{TMP_SUFFIX}")
-
-    def write(self, final: str, data: memoryview, chunk_bytes: int, direct: bool) -> str | None:
+    def write(self, data: memoryview, chunk_bytes: int, direct: bool) -> str | None:
         with self.lock:
             if self.aborted:
                 return None
-        temp = self.temp_for(final)
+        spare = self.spares.take()
         try:
-            chunkfile.write_chunk(temp, data, chunk_bytes, direct)
+            chunkfile.write_chunk(spare, data, chunk_bytes, direct)
+        except BaseException:
+            _unlink(spare)
+            raise
+        return self._register(spare)
+
+    def _register(self, path: str) -> str | None:
+        with self.lock:
+            if self.aborted:
+                _unlink(path)
+                return None
+            self.pending.append(path)
+        return path
+
+    def write_meta(self, final: str, raw: bytes) -> str | None:
+        temp = _temp_for(final)
+        try:
+            _write_file(temp, raw)
         except BaseException:
             _unlink(temp)
             raise
-        with self.lock:
-            if self.aborted:
-                _unlink(temp)
-                return None
-            self.temps.append(temp)
-        return temp
+        return self._register(temp)
 
     def abort(self) -> None:
         with self.lock:
             self.aborted = True
             if not self.committing:
-                for temp in self.temps:
-                    _unlink(temp)
+                for path in self.pending:
+                    _unlink(path)
 
-    def commit(self, renames: list[tuple[str, str]]) -> bool:
+    def commit(self, chunks: list[tuple[str, str]], meta: tuple[str, str]) -> bool:
+        """Swap every chunk into place, then the metadata (the version's commit point)."""
         with self.lock:
             if self.aborted:
                 return False
             self.committing = True
-        for temp, final in renames:
-            os.replace(temp, final)
+        for spare, final in chunks:
+            self.spares.commit(spare, final)
+        os.replace(*meta)
         return True
 
 
@@ -195,6 +217,7 @@ class NvmeStore(TierStore):
         self._direct_request = direct
         self._direct: list[bool] = []  # per directory, probed at open()
         self._lock_fds: list[int] = []
+        self._spares: list[SpareFiles] = []  # per directory
         self._meta: dict[str, _ShardMeta] = {}
         self._key_locks: dict[str, asyncio.Lock] = {}
         self._made_dirs: set[str] = set()
@@ -248,6 +271,9 @@ class NvmeStore(TierStore):
             raise StorageError(f"{path} does not support O_DIRECT (tmpfs?): pass direct=None "
                                f"to fall back to buffered I/O, or use a directory on an SSD")
         self._direct.append(direct if self._direct_request is not False else False)
+        spares = SpareFiles(path, self.chunk_bytes)
+        spares.open()
+        self._spares.append(spares)
         root_json = os.path.join(path, "zarr.json")
         if not os.path.exists(root_json):
             _write_atomic(root_json, _GROUP_JSON)
@@ -256,6 +282,9 @@ class NvmeStore(TierStore):
 
     def close(self) -> None:
         """Release the directory locks; does not flush (call `flush()` for durability)."""
+        for spares in self._spares:
+            spares.close()
+        self._spares.clear()
         for fd in self._lock_fds:
             os.close(fd)  # closing the descriptor drops the flock
         self._lock_fds.clear()
@@ -322,9 +351,9 @@ class NvmeStore(TierStore):
             data = _byte_view(src)
             direct = self._direct[self._dir_index(key)] and chunkfile.is_aligned(src.data_ptr())
             n = _nchunks(len(data), self.chunk_bytes)
-            op = _WriteOp()
+            op = _WriteOp(self._spares[self._dir_index(key)])
             finals = [self._chunk_path(key, i) for i in range(n)]
-            jobs = [loop.run_in_executor(None, self._write_chunk, op, key, i, finals[i],
+            jobs = [loop.run_in_executor(None, self._write_chunk, op, key, i,
                                          data[i * self.chunk_bytes: (i + 1) * self.chunk_bytes],
                                          direct) for i in range(n)]
             try:
@@ -334,10 +363,9 @@ class NvmeStore(TierStore):
                 meta_final = os.path.join(self.array_dir(key), "zarr.json")
                 meta_temp = await loop.run_in_executor(None, self._write_meta, op, key,
                                                        meta_final, meta)
-                renames = [(temp, final) for (temp, _), final in zip(results, finals)]
-                renames.append((meta_temp, meta_final))
-                await asyncio.shield(loop.run_in_executor(None, self._commit, op, key, renames,
-                                                          meta))
+                chunks = [(spare, final) for (spare, _), final in zip(results, finals)]
+                await asyncio.shield(loop.run_in_executor(
+                    None, self._commit, op, key, chunks, (meta_temp, meta_final), meta))
             except asyncio.CancelledError:
                 op.abort()  # late workers remove their own temp files
                 raise
@@ -346,39 +374,36 @@ class NvmeStore(TierStore):
                 await asyncio.wait(jobs)  # no temp file may outlive the failed write
                 raise
 
-    def _write_chunk(self, op: _WriteOp, key: str, index: int, final: str, data: memoryview,
+    def _write_chunk(self, op: _WriteOp, key: str, index: int, data: memoryview,
                      direct: bool) -> tuple[str | None, int]:
         crc = crc32c.crc32c(data)
         try:
-            temp = op.write(final, data, self.chunk_bytes, direct)
+            spare = op.write(data, self.chunk_bytes, direct)
         except OSError as e:
             raise self._write_error(key, f"chunk {index}", e) from e
-        return temp, crc
+        return spare, crc
 
     def _write_meta(self, op: _WriteOp, key: str, final: str, meta: _ShardMeta) -> str | None:
-        temp = op.temp_for(final)
         try:
-            _write_file(temp, meta.to_zarr_json())
+            return op.write_meta(final, meta.to_zarr_json())
         except OSError as e:
-            _unlink(temp)
             raise self._write_error(key, "zarr.json", e) from e
-        with op.lock:
-            op.temps.append(temp)
-        return temp
 
-    def _commit(self, op: _WriteOp, key: str, renames: list[tuple[str, str]],
-                meta: _ShardMeta) -> None:
+    def _commit(self, op: _WriteOp, key: str, chunks: list[tuple[str, str]],
+                meta_rename: tuple[str, str], meta: _ShardMeta) -> None:
         old = self._meta.get(key)
-        if not op.commit(renames):
+        if not op.commit(chunks, meta_rename):
             return
         # Runs to the end even if the write was cancelled: the renames are the commit point.
         self._meta[key] = meta
-        chunks = os.path.join(self.array_dir(key), "c")
+        chunk_dir = os.path.join(self.array_dir(key), "c")
         if old is None or len(old.crcs) > len(meta.crcs):  # a shorter version: drop the tail
-            for name in os.listdir(chunks):
+            for name in os.listdir(chunk_dir):
                 if name.isdigit() and int(name) >= len(meta.crcs):
-                    _unlink(os.path.join(chunks, name))
-        self._mark_dirty(chunks, self.array_dir(key), *(final for _, final in renames))
+                    _unlink(os.path.join(chunk_dir, name))
+        self._mark_dirty(chunk_dir, self.array_dir(key), meta_rename[1],
+                         self._spares[self._dir_index(key)].directory,
+                         *(final for _, final in chunks))
 
     def _write_error(self, key: str, what: str, e: OSError) -> StorageError:
         root = self.paths[self._dir_index(key)]
@@ -483,7 +508,7 @@ def _write_file(path: str, raw: bytes) -> None:
 
 
 def _write_atomic(path: str, raw: bytes) -> None:
-    temp = _WriteOp().temp_for(path)
+    temp = _temp_for(path)
     try:
         _write_file(temp, raw)
         os.replace(temp, path)

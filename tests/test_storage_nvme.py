@@ -19,7 +19,7 @@ import pytest
 import torch
 import zarr
 
-from tierzero.storage import chunkfile
+from tierzero.storage import spares
 from tierzero.storage.base import (StorageCorruptError, StorageError, StorageFullError,
                                    StoreLockedError)
 from tierzero.storage.io import IOLoop
@@ -308,3 +308,32 @@ def test_open_removes_orphaned_temp_files(tmp_path: Path, io_loop: IOLoop) -> No
     with NvmeStore([tmp_path], chunk_bytes=CHUNK_BYTES):
         assert not orphan.exists()
         assert users_file.exists()
+
+
+def test_overwrites_recycle_the_old_chunks_as_spares(store: NvmeStore, tmp_path: Path,
+                                                     io_loop: IOLoop) -> None:
+    first = random_tensor(torch.float32, 2 * CHUNK_BYTES // 4, seed=1)
+    second = random_tensor(torch.float32, 2 * CHUNK_BYTES // 4, seed=2)
+    io_loop.run(store.write(KEY, first))
+    old_inodes = {chunk_file(tmp_path, KEY, i).stat().st_ino for i in range(2)}
+    io_loop.run(store.write(KEY, second))
+    spare_dir = tmp_path / spares.SPARE_DIR
+    assert {p.stat().st_ino for p in spare_dir.iterdir()} == old_inodes  # exchanged, not freed
+    out = torch.empty_like(second)
+    io_loop.run(store.read_into(KEY, out, verify=True))
+    assert same_bytes(out, second)
+    store.close()
+    assert list(spare_dir.iterdir()) == []
+
+
+def test_without_rename_exchange_writes_still_replace_atomically(
+        tmp_path: Path, io_loop: IOLoop, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spares, "_renameat2", None)
+    with NvmeStore([tmp_path], chunk_bytes=CHUNK_BYTES) as store:
+        for seed in range(3):
+            src = random_tensor(torch.bfloat16, 3 * CHUNK_BYTES // 2 + 1, seed=seed)
+            io_loop.run(store.write(KEY, src))
+            out = torch.empty_like(src)
+            io_loop.run(store.read_into(KEY, out, verify=True))
+            assert same_bytes(out, src)
+        assert list((tmp_path / spares.SPARE_DIR).iterdir()) == []

@@ -1,0 +1,145 @@
+"""`tierzero bench`: this machine's disk, copy and compute speeds, side by side in one run.
+
+Runs the interleaved disk plan of `tierzero.storage.bench.DiskBench` (raw direct I/O, the NVMe
+store at several chunk sizes, optionally fio) and the compute measurements of `tierzero.bench`
+under one progress bar, prints a table with the store's ratios to raw and to fio, and can write
+the report as the profile `tierzero plan --profile` reads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tierzero import bench as compute_bench
+from tierzero.cli.output import Output
+from tierzero.config import parse_bytes
+from tierzero.errors import ConfigError
+from tierzero.storage.bench import DiskBench, Step
+from tierzero.storage.host import HostPool
+from tierzero.storage.io import IOLoop
+
+IO_THREADS = 16
+MAX_SIZE_BYTES = 16 << 30
+
+
+def bench(
+    path: Optional[Path] = typer.Option(None, "--path", help="Directory on the drive to measure (a temp dir is made inside it and removed). Default: the current directory."),
+    size: str = typer.Option("1GiB", "--size", help="Bytes written and read per measurement, e.g. 1GiB or 256MB (disk needs 4x free)."),
+    rounds: int = typer.Option(3, "--rounds", help="Interleaved rounds: throughputs are the best of them, ratios the median."),
+    fio: bool = typer.Option(False, "--fio", help="Also run fio (libaio, direct I/O, a small sweep, then its best in every round) and print store / fio."),
+    compute_seconds: float = typer.Option(0.5, "--compute-seconds", help="Seconds spent on each compute and copy measurement."),
+    profile_out: Optional[Path] = typer.Option(None, "--profile-out", help="Write the report as a profile for `tierzero plan --profile`."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+) -> None:
+    """Measure NVMe store throughput against raw direct I/O (and fio), host<->GPU copies,
+    CPU AdamW and matmul speed."""
+    nbytes = parse_bytes(size, "--size")
+    if not 1 << 20 <= nbytes <= MAX_SIZE_BYTES:
+        raise ConfigError(f"--size {size} is out of range: use 1MiB to 16GiB")
+    if compute_seconds <= 0:
+        raise ConfigError(f"--compute-seconds must be positive, got {compute_seconds}")
+    out = Output(json_out)
+    directory = str((path or Path.cwd()).resolve())
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    matmul_n = 8192 if cuda else 512  # CPU bf16 matmul runs at ~1 GFLOP/s on small machines
+    report: dict[str, Any] = {"path": directory, "adam": {}, "compute": {"device": device},
+                              "h2d": {} if cuda else None}
+
+    def measure(label: str, section: dict[str, Any], key: str, fn: Any, **kwargs: Any) -> Step:
+        return Step(label, lambda: section.__setitem__(
+            key, round(fn(seconds=compute_seconds, **kwargs), 3)))
+
+    compute_steps = [
+        measure("CPU AdamW", report["adam"], "params_per_s", compute_bench.adam_params_per_s),
+        measure(f"matmul fp32 ({device})", report["compute"], "fp32_tflops",
+                compute_bench.matmul_tflops, dtype=torch.float32, n=matmul_n, device=device),
+        measure(f"matmul bf16 ({device})", report["compute"], "bf16_tflops",
+                compute_bench.matmul_tflops, dtype=torch.bfloat16, n=matmul_n, device=device),
+    ]
+    if cuda:
+        compute_steps += [
+            measure("host->GPU pinned", report["h2d"], "pinned_gbps", compute_bench.h2d_gbps),
+            measure("host->GPU pageable", report["h2d"], "pageable_gbps",
+                    compute_bench.h2d_gbps, pinned=False)]
+
+    with IOLoop(IO_THREADS) as io_loop, HostPool(nbytes, alignment=4096) as pool, \
+            DiskBench(directory, nbytes, io_loop, pool, rounds=rounds, fio=fio) as disk:
+        _run(out, [*disk.steps(), *compute_steps])
+        report.update(disk.result())
+    if profile_out is not None:
+        profile_out.write_text(json.dumps(report, indent=2) + "\n")
+    if json_out:
+        out.emit_json(report)
+    else:
+        _print_report(out, report)
+        if profile_out is not None:
+            out.print(f"profile written to {profile_out}")
+
+
+def _run(out: Output, steps: list[Step]) -> None:
+    with Progress(TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=out.console, transient=True) as progress:
+        task = progress.add_task("bench", total=len(steps))
+        for step in steps:
+            progress.update(task, description=step.label)
+            step.run()
+            progress.advance(task)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def _print_report(out: Output, r: dict[str, Any]) -> None:
+    nvme, fio, ratios = r["nvme"], r["fio"], r["ratios"]
+    mode = "O_DIRECT" if nvme["direct_io"] else "buffered (no O_DIRECT here), cold via fadvise"
+    out.print(f"[bold]tierzero bench[/] {r['path']}: {nvme['bytes'] / 1e9:.2f} GB per run, "
+              f"{nvme['shard_bytes'] >> 20} MiB shards, {IO_THREADS} threads, {mode}, "
+              f"best of {nvme['rounds']} interleaved rounds")
+    disk = Table(title="disk, GB/s (1e9 B/s), cold reads; ratios of best figures")
+    for col in ("", "write", "read", "write/raw", "read/raw", "write/fio", "read/fio"):
+        disk.add_column(col, justify="right" if col else "left", no_wrap=not col)
+
+    def fmt(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    disk.add_row("raw, 8 MiB blocks", fmt(nvme["raw_write_gbps"]),
+                 fmt(nvme["raw_read_gbps"]), "", "", "", "")
+    if fio:
+        disk.add_row("fio (best)", fmt(fio["write_gbps"]), fmt(fio["read_gbps"]),
+                     "", "", "", "")
+    for row in nvme["chunk_sweep"]:
+        default = row["chunk_bytes"] == nvme["chunk_bytes"]
+        label = f"store {row['chunk_bytes'] >> 20} MiB" + (" (default)" if default else "")
+        w, rd = row["write_gbps"], row["read_gbps"]
+        disk.add_row(f"[bold]{label}[/]" if default else label, fmt(w), fmt(rd),
+                     fmt(_ratio(w, nvme["raw_write_gbps"])), fmt(_ratio(rd, nvme["raw_read_gbps"])),
+                     fmt(_ratio(w, fio and fio["write_gbps"])),
+                     fmt(_ratio(rd, fio and fio["read_gbps"])))
+    out.print(disk)
+    out.print(f"store / raw, median of interleaved rounds: write {fmt(ratios['write_vs_raw'])}, "
+              f"read {fmt(ratios['read_vs_raw'])}")
+    if fio:
+        out.print(f"store / fio, median of interleaved rounds: write "
+                  f"{fmt(ratios['write_vs_fio'])}, read {fmt(ratios['read_vs_fio'])} (fio best: "
+                  f"write {fio['write_config']}, read {fio['read_config']})")
+    other = Table(title=f"compute and copies ({r['compute']['device']})")
+    other.add_column("measurement")
+    other.add_column("value", justify="right")
+    other.add_row("CPU AdamW (fused), params/s", f"{r['adam']['params_per_s']:.3g}")
+    other.add_row("matmul fp32, TFLOP/s", f"{r['compute']['fp32_tflops']:.3g}")
+    other.add_row("matmul bf16, TFLOP/s", f"{r['compute']['bf16_tflops']:.3g}")
+    if r["h2d"] is not None:
+        other.add_row("host->GPU pinned, GB/s", f"{r['h2d']['pinned_gbps']:.3g}")
+        other.add_row("host->GPU pageable, GB/s", f"{r['h2d']['pageable_gbps']:.3g}")
+    else:
+        other.add_row("host->GPU", "no CUDA device")
+    out.print(other)

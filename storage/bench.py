@@ -1,0 +1,308 @@
+"""`DiskBench`: how fast a directory's drive moves bytes, raw, through `NvmeStore`, and with fio.
+
+The measurements are a plan -- a list of `Step`s the caller runs in order (the CLI draws a
+progress bar over them). These disks vary 2x from one second to the next, so the store is only
+ever compared with measurements taken right beside it: each round runs raw, store and fio
+back to back, for writes and then for reads, and a ratio is the median over rounds of that
+round's ratio. Throughputs are the best of their rounds. GB/s are 1e9 bytes per second.
+
+- raw: `os.pwrite` / `os.preadv` with O_DIRECT from aligned buffers, `RAW_BLOCK_BYTES` blocks,
+  on the I/O loop's threads (the same pool the store uses): the ceiling for Python.
+- store: `NvmeStore` writing and reading `shard_bytes` shards of one buffer, all in flight at
+  once; the default chunk size in every round, a few other chunk sizes once.
+- fio (optional): libaio, direct I/O. A sweep of block size, queue depth and jobs first picks
+  the best configuration (its best figure is reported); the rounds then run that one.
+
+Like fio, which lays its files out before timing them, every target is written untimed first
+(a store twice, which also fills its spare files): timed writes overwrite, as every training
+step overwrites its shards, and stores stay open across rounds as in a training run.
+
+Reads are cold: O_DIRECT bypasses the page cache; without it, files are fsynced and dropped
+from the cache (POSIX_FADV_DONTNEED) before reading, and buffered writes are timed up to their
+fsync. Direct writes are timed without the final fsync, as fio times them. Everything is
+written under a fresh temp directory inside `directory`, removed by `close()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tierzero.storage import chunkfile
+from tierzero.storage.base import StorageError
+from tierzero.storage.host import HostPool
+from tierzero.storage.io import IOLoop
+from tierzero.storage.nvme import NvmeStore
+
+RAW_BLOCK_BYTES = 8 << 20
+DEFAULT_CHUNK_BYTES = 8 << 20
+OTHER_CHUNK_BYTES = (1 << 20, 4 << 20, 32 << 20)
+MAX_SHARD_BYTES = 128 << 20
+FIO_SWEEP = [(bs, iodepth, numjobs) for bs in (1 << 20, 8 << 20) for iodepth in (8, 32)
+             for numjobs in (1, 4)]  # block bytes, queue depth, jobs
+_MiB = 1 << 20
+FOOTPRINT = 6  # peak disk use in multiples of the size: raw, fio, two stores and their spares
+
+
+@dataclass(frozen=True)
+class Step:
+    """One measurement of the plan: a label for the progress bar and the call that runs it."""
+
+    label: str
+    run: Callable[[], None]
+
+
+@dataclass
+class DiskBench:
+    """Measures `nbytes` of writes and cold reads in `directory`; see the module docstring."""
+
+    directory: str
+    nbytes: int
+    io_loop: IOLoop
+    pool: HostPool
+    rounds: int = 3
+    fio: bool = False
+    _work: str = ""
+    _direct: bool = False
+    _buf: torch.Tensor | None = None
+    _samples: dict[str, list[float]] = field(default_factory=dict)  # GB/s, in run order
+    _fio_sweep: dict[str, dict[tuple[int, int, int], float]] = field(default_factory=dict)
+    _stores: dict[int, NvmeStore] = field(default_factory=dict)  # by chunk_bytes
+
+    def __post_init__(self) -> None:
+        if self.nbytes < _MiB:
+            raise StorageError(f"bench size {self.nbytes} bytes is too small: use at least 1 MiB")
+        self.nbytes -= self.nbytes % _MiB
+        if self.rounds < 1:
+            raise StorageError(f"bench rounds must be at least 1, got {self.rounds}")
+
+    @property
+    def shard_bytes(self) -> int:
+        return min(MAX_SHARD_BYTES, max(_MiB, self.nbytes // 8 // _MiB * _MiB))
+
+    def open(self) -> None:
+        """Check the directory and its free space, find fio, lease the buffer."""
+        if not os.path.isdir(self.directory):
+            raise StorageError(f"bench directory {self.directory} does not exist: create it or "
+                               f"pass another --path")
+        need = FOOTPRINT * self.nbytes
+        free = shutil.disk_usage(self.directory).free
+        if free < need:
+            raise StorageError(f"bench needs {need} free bytes in {self.directory} "
+                               f"({FOOTPRINT}x --size), only {free} are free: pass a smaller "
+                               f"--size")
+        if self.fio and shutil.which("fio") is None:
+            raise StorageError("--fio needs fio on PATH: install it (Debian/Ubuntu: "
+                               "apt-get install fio) or drop --fio")
+        self._work = tempfile.mkdtemp(prefix=".tierzero-bench-", dir=self.directory)
+        self._direct = chunkfile.probe_direct(self._work)
+        self._buf = self.pool.lease(self.nbytes)
+        self._buf.fill_(0x5A)  # fault every page in now, not inside a timed run
+
+    def close(self) -> None:
+        for store in self._stores.values():
+            store.close()
+        self._stores.clear()
+        if self._buf is not None:
+            self.pool.give_back(self._buf)
+            self._buf = None
+        if self._work:
+            shutil.rmtree(self._work, ignore_errors=True)
+            self._work = ""
+
+    def __enter__(self) -> DiskBench:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the plan -------------------------------------------------------------------------
+
+    def steps(self) -> list[Step]:
+        """Every measurement, in the order it must run."""
+        default = DEFAULT_CHUNK_BYTES
+        plan = [Step("raw layout", lambda: self._raw("write", record=False)),
+                *self._store_layout(default)]
+        if self.fio:
+            plan += [Step(f"fio sweep: {rw} {_fio_config(bs, qd, nj)}",
+                          lambda rw=rw, c=(bs, qd, nj): self._fio(rw, *c, sweep=True))
+                     for rw in ("write", "read") for bs, qd, nj in FIO_SWEEP
+                     if self.nbytes // nj >= bs]  # each job moves at least one block
+        for r in range(1, self.rounds + 1):
+            for rw in ("write", "read"):
+                plan.append(Step(f"raw {rw} (round {r})", lambda rw=rw: self._raw(rw)))
+                plan.append(Step(f"store {rw} (round {r})", lambda rw=rw: self._store(rw, default)))
+                if self.fio:
+                    plan.append(Step(f"fio {rw} (round {r})", lambda rw=rw: self._fio_best(rw)))
+        for c in OTHER_CHUNK_BYTES:
+            mib = c // _MiB
+            plan += [*self._store_layout(c),
+                     Step(f"store write, {mib} MiB chunks", lambda c=c: self._store("write", c)),
+                     Step(f"store read, {mib} MiB chunks", lambda c=c: self._store("read", c)),
+                     Step(f"store cleanup, {mib} MiB chunks", lambda c=c: self._drop_store(c))]
+        return plan
+
+    def _store_layout(self, chunk_bytes: int) -> list[Step]:
+        label = f"store layout, {chunk_bytes // _MiB} MiB chunks"
+        return [Step(label, lambda: self._store("write", chunk_bytes, record=False))] * 2
+
+    def result(self) -> dict[str, Any]:
+        """The `nvme`, `fio` and `ratios` sections of the bench report (fio: None unless run)."""
+        default = DEFAULT_CHUNK_BYTES
+        nvme = {
+            "read_gbps": self._best(f"store.{default}.read"),
+            "write_gbps": self._best(f"store.{default}.write"),
+            "raw_read_gbps": self._best("raw.read"),
+            "raw_write_gbps": self._best("raw.write"),
+            "chunk_bytes": default,
+            "shard_bytes": self.shard_bytes,
+            "bytes": self.nbytes,
+            "rounds": self.rounds,
+            "direct_io": self._direct,
+            "chunk_sweep": [{"chunk_bytes": c, "read_gbps": self._best(f"store.{c}.read"),
+                             "write_gbps": self._best(f"store.{c}.write")}
+                            for c in sorted((*OTHER_CHUNK_BYTES, default))],
+        }
+        fio = None
+        if self.fio:
+            fio = {}
+            for rw in ("read", "write"):
+                config, gbps = max(self._fio_sweep[rw].items(), key=lambda kv: kv[1])
+                fio[f"{rw}_gbps"] = round(max(gbps, self._best(f"fio.{rw}")), 3)
+                fio[f"{rw}_config"] = _fio_config(*config)
+        ratios = {f"{rw}_vs_{base}": self._paired_ratio(f"store.{default}.{rw}", f"{base}.{rw}")
+                  for base in ("raw", "fio") for rw in ("read", "write")}
+        return {"nvme": nvme, "fio": fio, "ratios": ratios}
+
+    def _best(self, name: str) -> float:
+        return round(max(self._samples.get(name, [0.0])), 3)
+
+    def _paired_ratio(self, name: str, base: str) -> float | None:
+        """Median over rounds of this round's `name` / `base`: noise common to both cancels."""
+        pairs = list(zip(self._samples.get(name, []), self._samples.get(base, [])))
+        return round(statistics.median(a / b for a, b in pairs), 3) if pairs else None
+
+    # -- measurements ---------------------------------------------------------------------
+
+    def _record(self, name: str, gbps: float) -> None:
+        self._samples.setdefault(name, []).append(gbps)
+
+    def _raw(self, rw: str, record: bool = True) -> None:
+        assert self._buf is not None
+        path = os.path.join(self._work, "raw.bin")
+        data = memoryview(self._buf.numpy())
+        blocks = [(off, data[off: off + RAW_BLOCK_BYTES])
+                  for off in range(0, self.nbytes, RAW_BLOCK_BYTES)]
+        flags = os.O_CLOEXEC | (os.O_DIRECT if self._direct else 0)
+        if rw == "write":
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
+            job: Callable[[int, memoryview], Any] = lambda off, b: os.pwrite(fd, b, off)
+        else:
+            if not self._direct:
+                _drop_cache(path)
+            fd = os.open(path, os.O_RDONLY | flags)
+            job = lambda off, b: os.preadv(fd, [b], off)
+
+        async def run() -> None:
+            loop = asyncio.get_running_loop()
+            await asyncio.gather(*(loop.run_in_executor(None, job, off, b) for off, b in blocks))
+            if rw == "write" and not self._direct:
+                await loop.run_in_executor(None, os.fdatasync, fd)
+
+        try:
+            start = time.perf_counter()
+            self.io_loop.run(run())
+            seconds = time.perf_counter() - start
+        finally:
+            os.close(fd)
+        if record:
+            self._record(f"raw.{rw}", self.nbytes / seconds / 1e9)
+
+    def _store(self, rw: str, chunk_bytes: int, record: bool = True) -> None:
+        assert self._buf is not None
+        store = self._stores.get(chunk_bytes)
+        if store is None:
+            root = os.path.join(self._work, f"store-{chunk_bytes}")
+            os.makedirs(root)
+            store = self._stores[chunk_bytes] = NvmeStore([root], chunk_bytes=chunk_bytes,
+                                                          direct=self._direct)
+            store.open()
+        shards = {f"bench/s{i:04d}/r0": self._buf[off: off + self.shard_bytes]
+                  for i, off in enumerate(range(0, self.nbytes, self.shard_bytes))}
+        if rw == "read" and not self._direct:
+            for dirpath, _, names in os.walk(store.paths[0]):
+                for name in names:
+                    _drop_cache(os.path.join(dirpath, name))
+
+        async def run() -> None:
+            if rw == "write":
+                await asyncio.gather(*(store.write(k, v) for k, v in shards.items()))
+                if not self._direct:
+                    await store.flush()
+            else:
+                await asyncio.gather(*(store.read_into(k, v) for k, v in shards.items()))
+
+        start = time.perf_counter()
+        self.io_loop.run(run())
+        seconds = time.perf_counter() - start
+        if rw == "write":
+            self.io_loop.run(store.flush())
+        if record:
+            self._record(f"store.{chunk_bytes}.{rw}", self.nbytes / seconds / 1e9)
+
+    def _drop_store(self, chunk_bytes: int) -> None:
+        """Close and remove a chunk size's store, keeping the disk footprint at a few x size."""
+        store = self._stores.pop(chunk_bytes)
+        store.close()
+        shutil.rmtree(store.paths[0])
+
+    def _fio(self, rw: str, bs: int, iodepth: int, numjobs: int, sweep: bool = False) -> None:
+        fio_dir = os.path.join(self._work, "fio")
+        os.makedirs(fio_dir, exist_ok=True)
+        per_job = self.nbytes // numjobs // bs * bs
+        cmd = ["fio", "--name=tierzero", f"--directory={fio_dir}", "--filename_format=fio.$jobnum",
+               f"--rw={rw}", f"--bs={bs}", f"--iodepth={iodepth}", f"--numjobs={numjobs}",
+               f"--size={per_job}", "--ioengine=libaio", f"--direct={int(self._direct)}",
+               "--invalidate=1", "--group_reporting", "--output-format=json"]
+        if rw == "write" and not self._direct:
+            cmd.append("--end_fsync=1")
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise StorageError(f"fio failed in {fio_dir}: {done.stderr.strip()[-300:]}; run "
+                               f"without --fio or check the fio installation")
+        report = json.loads(done.stdout[done.stdout.index("{"):])
+        gbps = report["jobs"][0][rw]["bw_bytes"] / 1e9
+        if sweep:
+            self._fio_sweep.setdefault(rw, {})[(bs, iodepth, numjobs)] = gbps
+        else:
+            self._record(f"fio.{rw}", gbps)
+
+    def _fio_best(self, rw: str) -> None:
+        """Run the sweep's best configuration for `rw` again, beside the store."""
+        self._fio(rw, *max(self._fio_sweep[rw].items(), key=lambda kv: kv[1])[0])
+
+
+def _fio_config(bs: int, iodepth: int, numjobs: int) -> str:
+    return f"bs={bs >> 20}M iodepth={iodepth} numjobs={numjobs}"
+
+
+def _drop_cache(path: str) -> None:
+    """Write back and evict `path` from the page cache, so the next read comes from the drive."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
