@@ -11,9 +11,8 @@ Because the only codec is `bytes` (little-endian, no compression), a chunk file 
 shard bytes, so the hot path skips zarr's array API (0.15-0.25x of fio on writes here) and
 moves chunks with `chunkfile` (pwrite/preadv, O_DIRECT into aligned buffers), every chunk of
 every in-flight shard a separate job on the I/O loop's thread pool. bf16 is stored as `uint16`
-with the true dtype in the array's attributes, next to one crc32c per chunk (of the chunk's
-data bytes, excluding padding). Checksums are attributes, not a codec, so chunk files stay
-aligned for O_DIRECT.
+with the true dtype in the array's attributes, next to one crc32c per chunk (`zarrmeta`).
+Checksums are attributes, not a codec, so chunk files stay aligned for O_DIRECT.
 
 Striping: a key lives in directory `crc32(key) % len(paths)` -- stable for a given list of
 paths, so reopen a store with the same paths in the same order. Hashing the whole key spreads
@@ -39,7 +38,6 @@ import asyncio
 import errno
 import fcntl
 import itertools
-import json
 import os
 import re
 import shutil
@@ -52,69 +50,16 @@ import crc32c
 import torch
 
 from tierzero.storage import chunkfile
-from tierzero.storage.base import (DTYPES, Capabilities, ShardNotFoundError, StorageCorruptError,
+from tierzero.storage.base import (Capabilities, ShardNotFoundError, StorageCorruptError,
                                    StorageError, StorageFullError, StoreLockedError, TierStore,
                                    check_flat, check_key, check_out, dtype_name)
 from tierzero.storage.spares import SpareFiles
+from tierzero.storage.zarrmeta import GROUP_JSON, ShardMeta, nchunks
 
 LOCK_NAME = ".tierzero.lock"
 TMP_SUFFIX = ".tmp"
-_GROUP_JSON = json.dumps({"attributes": {}, "zarr_format": 3, "node_type": "group"}).encode()
-# zarr's name for each shard dtype; bf16 has none, so its 16-bit pattern is stored as uint16.
-_ZARR_DTYPE = {"bfloat16": "uint16", "float16": "float16", "float32": "float32",
-               "float64": "float64", "uint8": "uint8", "int8": "int8", "int16": "int16",
-               "int32": "int32", "int64": "int64", "bool": "bool"}
 _tmp_ids = itertools.count()
 _TMP_NAME = re.compile(r"\..+\.\d+-\d+" + re.escape(TMP_SUFFIX))
-
-
-@dataclass
-class _ShardMeta:
-    """What the array's zarr.json says about one shard, cached after the first look."""
-
-    dtype: torch.dtype
-    numel: int
-    chunk_bytes: int
-    crcs: list[int]
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-    def to_zarr_json(self) -> bytes:
-        name = dtype_name(self.dtype)
-        itemsize = self.dtype.itemsize
-        return json.dumps({
-            "shape": [self.numel],
-            "data_type": _ZARR_DTYPE[name],
-            "chunk_grid": {"name": "regular",
-                           "configuration": {"chunk_shape": [self.chunk_bytes // itemsize]}},
-            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-            "fill_value": False if name == "bool" else 0,
-            "codecs": [{"name": "bytes"} if itemsize == 1 else
-                       {"name": "bytes", "configuration": {"endian": "little"}}],
-            "attributes": {"tierzero": {"dtype": name, "crc32c": self.crcs}},
-            "zarr_format": 3,
-            "node_type": "array",
-            "storage_transformers": [],
-        }).encode()
-
-    @classmethod
-    def from_zarr_json(cls, raw: bytes, where: str) -> _ShardMeta:
-        try:
-            doc = json.loads(raw)
-            attrs = doc["attributes"]["tierzero"]
-            dtype = DTYPES[attrs["dtype"]]
-            chunk_elems = doc["chunk_grid"]["configuration"]["chunk_shape"][0]
-            return cls(dtype, doc["shape"][0], chunk_elems * dtype.itemsize,
-                       [int(c) for c in attrs["crc32c"]])
-        except (ValueError, KeyError, IndexError, TypeError) as e:
-            raise StorageCorruptError(f"{where} is not a tierzero shard's zarr.json ({e!r}): "
-                                      f"delete the array or restore it from a checkpoint") from e
-
-
-def _nchunks(nbytes: int, chunk_bytes: int) -> int:
-    return -(-nbytes // chunk_bytes)
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -218,7 +163,7 @@ class NvmeStore(TierStore):
         self._direct: list[bool] = []  # per directory, probed at open()
         self._lock_fds: list[int] = []
         self._spares: list[SpareFiles] = []  # per directory
-        self._meta: dict[str, _ShardMeta] = {}
+        self._meta: dict[str, ShardMeta] = {}
         self._key_locks: dict[str, asyncio.Lock] = {}
         self._made_dirs: set[str] = set()
         self._dirty: set[str] = set()  # files and directories to fsync at the next flush
@@ -276,7 +221,7 @@ class NvmeStore(TierStore):
         self._spares.append(spares)
         root_json = os.path.join(path, "zarr.json")
         if not os.path.exists(root_json):
-            _write_atomic(root_json, _GROUP_JSON)
+            _write_atomic(root_json, GROUP_JSON)
             self._mark_dirty(root_json, path)
         _remove_orphans(path)
 
@@ -326,7 +271,7 @@ class NvmeStore(TierStore):
             group_json = os.path.join(node, "zarr.json")
             if node not in self._made_dirs and not os.path.exists(group_json):
                 os.makedirs(node, exist_ok=True)
-                _write_atomic(group_json, _GROUP_JSON)
+                _write_atomic(group_json, GROUP_JSON)
                 self._mark_dirty(group_json, node, os.path.dirname(node))
             self._made_dirs.add(node)
         chunks = os.path.join(self.array_dir(key), "c")
@@ -337,20 +282,23 @@ class NvmeStore(TierStore):
 
     # -- the TierStore primitives ---------------------------------------------------------
 
-    async def write(self, key: str, src: torch.Tensor) -> None:
+    def _check_call(self, key: str, t: torch.Tensor, what: str) -> None:
         check_key(key)
-        check_flat(src, "src", key)
-        dtype_name(src.dtype)
-        if src.device.type != "cpu":
-            raise StorageError(f"the NVMe store writes host tensors, but src for {key!r} is on "
-                               f"{src.device}: copy it to a host buffer first")
+        check_flat(t, what, key)
+        if t.device.type != "cpu":
+            raise StorageError(f"the NVMe store moves bytes to and from host tensors, but {what} "
+                               f"for {key!r} is on {t.device}: use a host buffer")
         self._require_open()
+
+    async def write(self, key: str, src: torch.Tensor) -> None:
+        self._check_call(key, src, "src")
+        dtype_name(src.dtype)
         loop = asyncio.get_running_loop()
         async with self._key_lock(key):
             await loop.run_in_executor(None, self._make_array_dirs, key)
             data = _byte_view(src)
             direct = self._direct[self._dir_index(key)] and chunkfile.is_aligned(src.data_ptr())
-            n = _nchunks(len(data), self.chunk_bytes)
+            n = nchunks(len(data), self.chunk_bytes)
             op = _WriteOp(self._spares[self._dir_index(key)])
             finals = [self._chunk_path(key, i) for i in range(n)]
             jobs = [loop.run_in_executor(None, self._write_chunk, op, key, i,
@@ -358,7 +306,7 @@ class NvmeStore(TierStore):
                                          direct) for i in range(n)]
             try:
                 results = await asyncio.gather(*jobs)
-                meta = _ShardMeta(src.dtype, src.numel(), self.chunk_bytes,
+                meta = ShardMeta(src.dtype, src.numel(), self.chunk_bytes,
                                   [crc for _, crc in results])
                 meta_final = os.path.join(self.array_dir(key), "zarr.json")
                 meta_temp = await loop.run_in_executor(None, self._write_meta, op, key,
@@ -383,14 +331,14 @@ class NvmeStore(TierStore):
             raise self._write_error(key, f"chunk {index}", e) from e
         return spare, crc
 
-    def _write_meta(self, op: _WriteOp, key: str, final: str, meta: _ShardMeta) -> str | None:
+    def _write_meta(self, op: _WriteOp, key: str, final: str, meta: ShardMeta) -> str | None:
         try:
             return op.write_meta(final, meta.to_zarr_json())
         except OSError as e:
             raise self._write_error(key, "zarr.json", e) from e
 
     def _commit(self, op: _WriteOp, key: str, chunks: list[tuple[str, str]],
-                meta_rename: tuple[str, str], meta: _ShardMeta) -> None:
+                meta_rename: tuple[str, str], meta: ShardMeta) -> None:
         old = self._meta.get(key)
         if not op.commit(chunks, meta_rename):
             return
@@ -414,12 +362,7 @@ class NvmeStore(TierStore):
         return StorageError(f"writing {what} of shard {key!r} in {root} failed: {e}")
 
     async def read_into(self, key: str, out: torch.Tensor, verify: bool = False) -> None:
-        check_key(key)
-        check_flat(out, "out", key)
-        if out.device.type != "cpu":
-            raise StorageError(f"the NVMe store reads into host tensors, but out for {key!r} is "
-                               f"on {out.device}: read into a host buffer first")
-        self._require_open()
+        self._check_call(key, out, "out")
         loop = asyncio.get_running_loop()
         async with self._key_lock(key):
             meta = self._meta.get(key) or await loop.run_in_executor(None, self._load_meta, key)
@@ -431,9 +374,9 @@ class NvmeStore(TierStore):
             await asyncio.gather(*(
                 loop.run_in_executor(None, self._read_chunk, key, i, meta,
                                      data[i * cb: (i + 1) * cb], direct, verify)
-                for i in range(_nchunks(meta.nbytes, cb))))
+                for i in range(meta.nchunks)))
 
-    def _read_chunk(self, key: str, index: int, meta: _ShardMeta, out: memoryview,
+    def _read_chunk(self, key: str, index: int, meta: ShardMeta, out: memoryview,
                     direct: bool, verify: bool) -> None:
         path = self._chunk_path(key, index)
         where = f"chunk {index} of array {self.array_dir(key)}"
@@ -451,7 +394,7 @@ class NvmeStore(TierStore):
             raise StorageCorruptError(f"{where} fails its crc32c check: restore the shard from "
                                       f"a checkpoint")
 
-    def _load_meta(self, key: str) -> _ShardMeta:
+    def _load_meta(self, key: str) -> ShardMeta:
         path = os.path.join(self.array_dir(key), "zarr.json")
         try:
             with open(path, "rb") as f:
@@ -459,10 +402,10 @@ class NvmeStore(TierStore):
         except FileNotFoundError:
             raise ShardNotFoundError(f"no shard {key!r} in the NVMe store ({path} does not "
                                      f"exist): write it before reading it") from None
-        meta = _ShardMeta.from_zarr_json(raw, path)
-        if len(meta.crcs) != _nchunks(meta.nbytes, meta.chunk_bytes):
+        meta = ShardMeta.from_zarr_json(raw, path)
+        if len(meta.crcs) != meta.nchunks:
             raise StorageCorruptError(f"{path} records {len(meta.crcs)} checksums for "
-                                      f"{_nchunks(meta.nbytes, meta.chunk_bytes)} chunks: "
+                                      f"{meta.nchunks} chunks: "
                                       f"restore the shard from a checkpoint")
         self._meta[key] = meta
         return meta

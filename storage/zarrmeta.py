@@ -1,0 +1,75 @@
+"""The zarr v3 metadata of the NVMe store: group nodes, and one `ShardMeta` per shard array.
+
+A shard is a 1-D array with the plain little-endian `bytes` codec, so its chunk files are the
+raw bytes. zarr has no bfloat16, so bf16 shards are `uint16` arrays; the true dtype and one
+crc32c per chunk (of the chunk's data bytes, padding excluded) sit in the array's attributes
+under "tierzero". This module builds and parses the JSON; it never touches files.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from tierzero.storage.base import DTYPES, StorageCorruptError, dtype_name
+
+GROUP_JSON = json.dumps({"attributes": {}, "zarr_format": 3, "node_type": "group"}).encode()
+# zarr's name for each shard dtype; bf16 has none, so its 16-bit pattern is stored as uint16.
+_ZARR_DTYPE = {"bfloat16": "uint16", "float16": "float16", "float32": "float32",
+               "float64": "float64", "uint8": "uint8", "int8": "int8", "int16": "int16",
+               "int32": "int32", "int64": "int64", "bool": "bool"}
+
+
+@dataclass
+class ShardMeta:
+    """What the array's zarr.json says about one shard, cached after the first look."""
+
+    dtype: torch.dtype
+    numel: int
+    chunk_bytes: int
+    crcs: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def nchunks(self) -> int:
+        return nchunks(self.nbytes, self.chunk_bytes)
+
+    def to_zarr_json(self) -> bytes:
+        name = dtype_name(self.dtype)
+        itemsize = self.dtype.itemsize
+        return json.dumps({
+            "shape": [self.numel],
+            "data_type": _ZARR_DTYPE[name],
+            "chunk_grid": {"name": "regular",
+                           "configuration": {"chunk_shape": [self.chunk_bytes // itemsize]}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "fill_value": False if name == "bool" else 0,
+            "codecs": [{"name": "bytes"} if itemsize == 1 else
+                       {"name": "bytes", "configuration": {"endian": "little"}}],
+            "attributes": {"tierzero": {"dtype": name, "crc32c": self.crcs}},
+            "zarr_format": 3,
+            "node_type": "array",
+            "storage_transformers": [],
+        }).encode()
+
+    @classmethod
+    def from_zarr_json(cls, raw: bytes, where: str) -> ShardMeta:
+        try:
+            doc = json.loads(raw)
+            attrs = doc["attributes"]["tierzero"]
+            dtype = DTYPES[attrs["dtype"]]
+            chunk_elems = doc["chunk_grid"]["configuration"]["chunk_shape"][0]
+            return cls(dtype, doc["shape"][0], chunk_elems * dtype.itemsize,
+                       [int(c) for c in attrs["crc32c"]])
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise StorageCorruptError(f"{where} is not a tierzero shard's zarr.json ({e!r}): "
+                                      f"delete the array or restore it from a checkpoint") from e
+
+
+def nchunks(nbytes: int, chunk_bytes: int) -> int:
+    return -(-nbytes // chunk_bytes)
