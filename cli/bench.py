@@ -21,7 +21,7 @@ from tierzero import bench as compute_bench
 from tierzero.cli.output import Output
 from tierzero.config import parse_bytes
 from tierzero.errors import ConfigError
-from tierzero.storage.bench import DiskBench, Step
+from tierzero.storage.bench import FOOTPRINT, DiskBench, Step
 from tierzero.storage.host import HostPool
 from tierzero.storage.io import IOLoop
 
@@ -31,7 +31,7 @@ MAX_SIZE_BYTES = 16 << 30
 
 def bench(
     path: Optional[Path] = typer.Option(None, "--path", help="Directory on the drive to measure (a temp dir is made inside it and removed). Default: the current directory."),
-    size: str = typer.Option("1GiB", "--size", help="Bytes written and read per measurement, e.g. 1GiB or 256MB (disk needs 4x free)."),
+    size: str = typer.Option("1GiB", "--size", help=f"Bytes written and read per measurement, e.g. 1GiB or 256MB (the disk needs {FOOTPRINT}x free)."),
     rounds: int = typer.Option(3, "--rounds", help="Interleaved rounds: throughputs are the best of them, ratios the median."),
     fio: bool = typer.Option(False, "--fio", help="Also run fio (libaio, direct I/O, a small sweep, then its best in every round) and print store / fio."),
     compute_seconds: float = typer.Option(0.5, "--compute-seconds", help="Seconds spent on each compute and copy measurement."),
