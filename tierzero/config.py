@@ -124,7 +124,7 @@ class Config:
 
     offload: Offload = Offload.NVME
     nvme_path: list[str] = field(default_factory=lambda: ["tierzero-nvme"])
-    dtype: DType = DType.FP32
+    dtype: DType | None = None  # None: bf16 on GPUs that have it, else fp32
     device: str | None = None
     placement: Placement | None = None
     host_budget: int | None = None
@@ -152,7 +152,7 @@ class Config:
 
     def __post_init__(self) -> None:
         self.offload = _enum(Offload, self.offload, "offload")
-        self.dtype = _enum(DType, self.dtype, "dtype")
+        self.dtype = None if self.dtype is None else _enum(DType, self.dtype, "dtype")
         self.lr_schedule = _enum(LRSchedule, self.lr_schedule, "lr_schedule")
         if isinstance(self.nvme_path, (str, Path)):
             self.nvme_path = [str(self.nvme_path)]

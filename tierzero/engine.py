@@ -24,12 +24,12 @@ from tierzero.comm import Comm
 from tierzero.config import Config, Offload, Placement, StateKind, Tier
 from tierzero.errors import ConfigError
 from tierzero.execute import UnitRunner, bind, detach_params, unbind
-from tierzero.grads import GradShards
+from tierzero.grads import GradShards, clip_coefficient
 from tierzero.init import WeightFiles, flat_unit
 from tierzero.lr import lr_at
 from tierzero.optim import OPT_KINDS, ShardOptimizer
 from tierzero.partition import Unit, partition
-from tierzero.precision import DynamicLossScaler, check_dtype_supported, compute_dtype
+from tierzero.precision import DynamicLossScaler, compute_dtype, resolve_dtype
 from tierzero.reference import compute_loss
 from tierzero.schedule import Scheduler, build_swap_plan
 from tierzero.stats import StepStats
@@ -40,8 +40,7 @@ class Engine:
     def __init__(self, model: nn.Module, config: Config, weights: str | Path | None = None) -> None:
         self.config = config
         self.device = config.resolved_device()
-        check_dtype_supported(config.dtype, self.device)
-        self.dtype = compute_dtype(config.dtype, self.device)
+        self.dtype = compute_dtype(resolve_dtype(config.dtype, self.device), self.device)
         self.model = model
         self.comm = Comm()
         self.units = partition(model, self.comm.world_size, config.units)
@@ -61,6 +60,10 @@ class Engine:
         self.skipped_steps = 0
         self._open = False
         self._root_flat: torch.Tensor | None = None
+        self._stepped_in_backward = False
+        if config.overlap_step and (config.clip_grad_norm is not None or self.scaler.enabled):
+            raise ConfigError("overlap_step cannot be exact with clip_grad_norm or fp16: each unit's "
+                              "step would need the global norm or overflow check first; turn one off")
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -126,6 +129,11 @@ class Engine:
         last = (self.micro + 1) % accumulate == 0
         scale = self.scaler.scale
         self.grads.begin(self.micro % accumulate, last, 1.0 / scale)
+        if last and self.config.overlap_step:
+            lr = lr_at(self.step_count, self.config)
+            self.grads.hand_over = lambda unit, grad, owned: self.optimizer.step_unit(
+                unit, grad, owned, self.step_count, lr)
+            self._stepped_in_backward = True
         scaled = loss / accumulate if accumulate > 1 else loss
         scaled = scaled * scale if scale != 1.0 else scaled
         try:
@@ -139,6 +147,8 @@ class Engine:
         except BaseException:
             self._abort()
             raise
+        finally:
+            self.grads.hand_over = None
         self.micro += 1
 
     def step(self) -> bool:
@@ -146,14 +156,18 @@ class Engine:
         if self.micro % self.config.accumulate != 0:
             return False
         self.tiers.pending.drain()  # grads written during backward must land before they are read
+        if self._stepped_in_backward:  # overlap_step: every unit was stepped as its grad arrived
+            self._stepped_in_backward = False
+            self.step_count += 1
+            return True
         if self.scaler.enabled and not self.scaler.update(self.grads.found_inf()):
             self.skipped_steps += 1  # overflow: nothing is written, the schedule does not advance
             return False
-        coef = 1.0
+        coef = None
         if self.config.clip_grad_norm is not None:
             norm = self.grads.total_norm(self.param_order)
-            self.last_grad_norm = norm
-            coef = min(1.0, self.config.clip_grad_norm / (norm + 1e-6))
+            self.last_grad_norm = norm.item()
+            coef = clip_coefficient(norm, self.config.clip_grad_norm)
         self.optimizer.step(self.step_count, lr_at(self.step_count, self.config), coef)
         self.step_count += 1
         return True

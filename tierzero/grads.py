@@ -9,6 +9,9 @@ finiteness are recorded, so clipping and overflow checks need no second pass ove
 
 from __future__ import annotations
 
+import concurrent.futures
+from collections.abc import Callable
+
 import torch
 
 from tierzero.comm import Comm
@@ -31,6 +34,9 @@ class GradShards:
         self.norms: dict[str, torch.Tensor] = {}  # param name -> 2-norm (one rank) of its grad
         self.sumsq = torch.zeros((), dtype=torch.float32)  # several ranks: this shard's sum of squares
         self.nonfinite = torch.zeros((), dtype=torch.bool)
+        # overlap_step: on the last micro-batch the optimizer takes each finished shard at once
+        self.hand_over: Callable[[Unit, torch.Tensor, bool], None] | None = None
+        self._writes: dict[int, concurrent.futures.Future] = {}  # unit -> its grad write in flight
 
     def begin(self, micro: int, last: bool, inv_scale: float) -> None:
         """Before a backward: which micro-batch it is, whether it ends the step, the 1/scale."""
@@ -54,6 +60,7 @@ class GradShards:
                 stage.copy_(grad)  # sync point on CUDA: the device grad lands in host memory
             else:
                 with self.stats.waiting():
+                    self._writes.pop(unit).result()  # read after write: the last micro-batch's must land
                     self.tiers.run(self.tiers.stores[Tier.NVME].read_into(key, stage))
                 self.stats.add_bytes("nvme->host", nbytes)
                 stage.add_(grad.to(stage.device))
@@ -65,8 +72,11 @@ class GradShards:
                 self.stats.add_bytes("gpu->host", nbytes)
         if self.last:
             self._measure(u, acc)
+            if self.hand_over is not None:
+                self.hand_over(u, acc, self.home is Tier.NVME)  # owned: a staging lease
+                return
         if self.home is Tier.NVME:
-            future = self.tiers.submit(self.tiers.stores[Tier.NVME].write(key, acc))
+            future = self._writes[unit] = self.tiers.submit(self.tiers.stores[Tier.NVME].write(key, acc))
             self.tiers.pending.add(future, lambda: self.tiers.host_pool.give_back(acc.view(torch.uint8)))
             self.stats.add_bytes("host->nvme", nbytes)
 
@@ -85,8 +95,14 @@ class GradShards:
         flag = self.comm.all_reduce_sum(self.nonfinite.to(torch.float32))
         return bool(flag.item() > 0)
 
-    def total_norm(self, param_order: list[str]) -> float:
+    def total_norm(self, param_order: list[str]) -> torch.Tensor:
+        """The global 2-norm (fp32 tensor), combined as `clip_grad_norm_` combines it."""
         if self.comm.world_size == 1:
             norms = [self.norms[n] for n in param_order if n in self.norms]
-            return torch.linalg.vector_norm(torch.stack(norms), 2.0).item()
-        return self.comm.all_reduce_sum(self.sumsq.clone()).sqrt().item()
+            return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        return self.comm.all_reduce_sum(self.sumsq.clone()).sqrt()
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """`clip_grad_norm_`'s factor, computed the same way (fp32 tensor arithmetic, clamped to 1)."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)

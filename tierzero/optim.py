@@ -10,6 +10,7 @@ The step runs on the compute device only when master and both moments live there
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -47,7 +48,7 @@ class ShardOptimizer:
         on_gpu = all(placement.home(k) is Tier.GPU for k in OPT_KINDS[1:])
         self.device = tiers.device if on_gpu else torch.device("cpu")
 
-    def step(self, step_count: int, lr: float, grad_coef: float) -> None:
+    def step(self, step_count: int, lr: float, grad_coef: torch.Tensor | None) -> None:
         """One AdamW update of every unit's shard; returns when every write is durable in RAM
         or handed to the I/O loop and finished (the next pass reads what this one wrote)."""
         depth = max(1, self.config.prefetch_depth)
@@ -64,9 +65,36 @@ class ShardOptimizer:
             self.tiers.pending.reap()
         self.tiers.pending.drain()
 
-    def _load(self, unit: Unit) -> Work:
+    def step_unit(self, unit: Unit, grad: torch.Tensor, owned: bool, step_count: int, lr: float) -> None:
+        """Step one unit as soon as its final grad exists (overlap_step), off the training thread.
+
+        Reads of its states start now; the AdamW step runs on an I/O thread once they land (torch
+        releases the GIL, so backward continues meanwhile); the writes are issued when the
+        training thread next reaps the pending queue.
+        """
+        work = self._load(unit, grad=grad, grad_owned=owned)
+        future = self.tiers.submit(self._step_when_loaded(work, step_count, lr))
+        self.tiers.pending.add(future, lambda: self._write(work))
+
+    async def _step_when_loaded(self, work: Work, step_count: int, lr: float) -> None:
+        for future in work.futures:
+            await asyncio.wrap_future(future)
+        await asyncio.get_running_loop().run_in_executor(None, self._step, work, step_count, lr, None)
+
+    def _load(self, unit: Unit, grad: torch.Tensor | None = None, grad_owned: bool = False) -> Work:
         work = Work(unit)
+        if grad is not None and grad.device == self.device:
+            work.tensors[StateKind.GRAD] = grad
+            if grad_owned:
+                work.leased[StateKind.GRAD] = grad
+        elif grad is not None:
+            work.tensors[StateKind.GRAD] = work.leased[StateKind.GRAD] = self._lease(grad.numel() * 4).view(torch.float32)
+            work.leased[StateKind.GRAD].copy_(grad)
+            if grad_owned:
+                self.tiers.host_pool.give_back(grad.view(torch.uint8))
         for kind in OPT_KINDS:
+            if kind in work.tensors:
+                continue
             home = self.placement.home(kind)
             key = shard_key(kind, unit.index, self.rank)
             store = self.tiers.stores[home]
@@ -103,11 +131,11 @@ class ShardOptimizer:
                 future.result()
         work.futures.clear()
 
-    def _step(self, work: Work, step_count: int, lr: float, grad_coef: float) -> None:
+    def _step(self, work: Work, step_count: int, lr: float, grad_coef: torch.Tensor | None) -> None:
         t = work.tensors
         grad = t[StateKind.GRAD]
-        if grad_coef != 1.0:
-            grad.mul_(grad_coef)  # the grad shard is consumed here; scaling it in place is fine
+        if grad_coef is not None:  # clipping: the grad shard is consumed here, so scale in place
+            grad.mul_(grad_coef.to(grad.device))
         segments = work.unit.segments(self.rank)
         adamw_step([t[StateKind.MASTER][a:b] for a, b, _ in segments],
                    [grad[a:b] for a, b, _ in segments],

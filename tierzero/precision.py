@@ -40,6 +40,11 @@ def check_dtype_supported(dtype: DType, device: torch.device) -> None:
                           "use --dtype fp32 (or a device that has it)")
 
 
+def resolve_dtype(dtype: DType | None, device: torch.device) -> DType:
+    """The configured dtype, or the device's default when none is configured."""
+    return default_dtype(device) if dtype is None else dtype
+
+
 def default_dtype(device: torch.device) -> DType:
     """bf16 on GPUs that compute in it natively, else fp32 (CPU bf16 is slow, fp16 needs a scaler)."""
     device = torch.device(device)

@@ -15,6 +15,7 @@ from torch import nn
 from tierzero.adamw import decays, implementation
 from tierzero.config import Config, DType
 from tierzero.lr import lr_at
+from tierzero.precision import resolve_dtype
 
 
 def compute_loss(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -38,6 +39,7 @@ class ReferenceTrainer:
     def __init__(self, model: nn.Module, config: Config, device: torch.device | str = "cpu") -> None:
         self.config = config
         self.device = torch.device(device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = model.to(self.device)
         params = [p for p in model.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if decays(p)], "weight_decay": config.weight_decay},
@@ -79,9 +81,9 @@ class ReferenceTrainer:
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """Plain PyTorch mixed precision: fp32 weights, low-precision matmuls under autocast."""
-        if self.config.dtype is DType.FP32:
+        if self.dtype is DType.FP32:
             return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.config.dtype is DType.BF16 else torch.float16
+        dtype = torch.bfloat16 if self.dtype is DType.BF16 else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ from tierzero.config import Offload, RunConfig
 from tierzero.data import TokenBatches, default_corpus, load_tokens
 from tierzero.errors import DataError
 from tierzero.loop import LoopResult, Trainer, train_loop
-from tierzero.precision import check_dtype_supported
+from tierzero.precision import check_dtype_supported, resolve_dtype
 from tierzero.rundir import RunDir
 
 
@@ -29,6 +29,7 @@ class Session:
     batches: TokenBatches
     n_params: int
     device: str
+    dtype: str
     placement_text: str
 
     def train(self, rundir: RunDir, on_step: Callable[[int, dict[str, Any]], None] | None = None) -> LoopResult:
@@ -46,7 +47,8 @@ def open_session(run: RunConfig) -> Iterator[Session]:
     args = models.get_preset(run.model)
     cfg = run.engine
     device = cfg.resolved_device()
-    check_dtype_supported(cfg.dtype, device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    check_dtype_supported(dtype, device)
     batches = load_batches(run)
     if batches.vocab_size_needed > args.vocab_size:
         raise DataError(f"the data has token ids up to {batches.vocab_size_needed - 1} but model "
@@ -64,6 +66,6 @@ def open_session(run: RunConfig) -> Iterator[Session]:
         trainer = Engine(models.build(args, device="meta", seed=cfg.seed), cfg)
         text = trainer.placement.describe()
     try:
-        yield Session(run, trainer, batches, args.param_count(), str(device), text)
+        yield Session(run, trainer, batches, args.param_count(), str(device), dtype.value, text)
     finally:
         trainer.close()

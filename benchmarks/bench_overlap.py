@@ -1,0 +1,98 @@
+"""How well the engine hides NVMe traffic behind compute: the overlap ratio.
+
+    overlap ratio = nvme step time / max(compute-only step, I/O-only step)
+
+measured side by side in one run, interleaved, median of several steps each:
+
+- compute-only: the same model and batch with every state resident on the compute device
+  (placement all-gpu: no tier traffic at all);
+- I/O-only: everything on NVMe with a one-token batch, so the engine moves exactly the same
+  bytes (they do not depend on the batch) while compute is negligible;
+- nvme: everything on NVMe with the real batch.
+
+A ratio of 1.0 means I/O is fully hidden; 2.0 means none of it is. It also reports
+overlap_step on vs off (the optimizer stepped during backward).
+
+    python benchmarks/bench_overlap.py --layers 8 --dim 512 --batch-size 8 --seq-len 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from tierzero import Config, Placement, Tier, models
+from tierzero.data import TokenBatches, default_corpus
+from tierzero.engine import Engine
+from tierzero.models import ModelArgs
+
+NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
+
+
+def step_times(args: ModelArgs, placement: Placement, batch_size: int, seq_len: int, steps: int,
+               path: str, **kw) -> tuple[list[float], dict]:
+    cfg = Config(placement=placement, nvme_path=[path], lr=1e-4, total_steps=steps + 2, **kw)
+    data = TokenBatches(default_corpus(4 << 20), batch_size, seq_len, seed=0)
+    times = []
+    with Engine(models.build(args, device="meta"), cfg) as engine:
+        engine.train_step(data.next_batch())  # warm-up: allocator, page cache, threads
+        engine.stats()
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.train_step(data.next_batch())
+            times.append(time.perf_counter() - t0)
+        stats = engine.stats()
+    return times, stats
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all variants")
+    p.add_argument("--path", default=None, help="NVMe directory (default: a temp dir under .)")
+    a = p.parse_args()
+    args = ModelArgs(dim=a.dim, n_layers=a.layers, n_heads=a.dim // 64, n_kv_heads=a.dim // 64,
+                     vocab_size=256, ffn_dim=a.dim * 8 // 3 // 64 * 64, max_seq_len=a.seq_len,
+                     tie_embeddings=True)
+    console = Console()
+    console.print(f"model: {a.layers} layers x dim {a.dim} = {args.param_count() / 1e6:.1f}M params; "
+                  f"batch {a.batch_size} x {a.seq_len}; torch threads {torch.get_num_threads()}")
+    variants = {
+        "compute-only (all-gpu)": (Placement(), a.batch_size, a.seq_len, {}),
+        "I/O-only (nvme, 1 token)": (NVME, 1, 1, {}),
+        "nvme": (NVME, a.batch_size, a.seq_len, {}),
+        "nvme + overlap_step": (NVME, a.batch_size, a.seq_len, {"overlap_step": True}),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    moved: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(dir=a.path or ".") as root:
+        for r in range(a.rounds):
+            for name, (placement, bs, sl, kw) in variants.items():
+                times, stats = step_times(args, placement, bs, sl, a.steps, f"{root}/{r}-{len(samples[name])}", **kw)
+                samples[name] += times
+                moved[name] = sum(v for k, v in stats.items() if k.startswith("bytes_")) / a.steps
+    med = {name: statistics.median(v) for name, v in samples.items()}
+    bound = max(med["compute-only (all-gpu)"], med["I/O-only (nvme, 1 token)"])
+    table = Table(title="step time, median over interleaved rounds")
+    for col in ("variant", "step s", "bytes moved / step", "vs bound"):
+        table.add_column(col, justify="right" if col != "variant" else "left")
+    for name, t in med.items():
+        table.add_row(name, f"{t:.3f}", f"{moved.get(name, 0) / 1e6:,.0f} MB", f"{t / bound:.2f}")
+    console.print(table)
+    console.print(f"overlap ratio (nvme / max(compute, I/O)) = {med['nvme'] / bound:.2f}; "
+                  f"with overlap_step = {med['nvme + overlap_step'] / bound:.2f}; "
+                  f"overlap_step saves {1 - med['nvme + overlap_step'] / med['nvme']:.0%} of the nvme step")
+
+
+if __name__ == "__main__":
+    main()
