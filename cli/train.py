@@ -55,7 +55,7 @@ def train(
     with RunDir(run.run_dir) as rundir, open_session(run) as session:
         rundir.write_config(run)
         out.print(f"[bold]tierzero train[/] {run.model} ({session.n_params / 1e6:.2f}M params) "
-                  f"on {session.device}, dtype {run.engine.dtype.value}, "
+                  f"on {session.device}, dtype {session.dtype}, "
                   f"offload {run.engine.offload.value}: {session.placement_text}")
         progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
                             TextColumn("loss {task.fields[loss]:.4f}"),
