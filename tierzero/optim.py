@@ -160,6 +160,8 @@ class ShardOptimizer:
             return
         staged = self.tiers.lease_host(unit.shard_numel * self.compute_dtype.itemsize).view(self.compute_dtype)
         staged.copy_(master)
+        # the new param shard replaces the cached old one at once, so no pass can read it stale
+        self.tiers.host_pool.cache_put(key, staged.view(torch.uint8))
         future = self.tiers.submit(store.write(key, staged))
         self.tiers.pending.add(future, lambda: self.tiers.host_pool.give_back(staged.view(torch.uint8)))
         self.stats.add_bytes("host->nvme", staged.numel() * staged.element_size())

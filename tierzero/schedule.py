@@ -155,6 +155,8 @@ class Scheduler:
             if record.future is not None:
                 record.future.exception()  # let the read finish before its buffer goes back
                 record.future = None
+                # the read may have failed: its cache entry must not be served later
+                self.tiers.host_pool.cache_drop(shard_key(StateKind.PARAM, record.unit, self.rank))
             self._drop(record)
         self.plan = None
 
@@ -203,10 +205,18 @@ class Scheduler:
             self._copy_to_device(record, self.tiers.stores[Tier.HOST].view(key))
             self.stats.add_bytes("host->gpu", nbytes)
             return
+        self.stats.add_bytes("host->gpu", nbytes)
+        cached = self.tiers.host_pool.cache_get(key)
+        if cached is not None:  # still in RAM since its last use (backward replays forward reversed)
+            record.staging = cached.view(self.dtype)
+            self._copy_to_device(record, record.staging)
+            self.stats.add_bytes("host_cache_hit", nbytes)
+            return
         record.staging = self.tiers.lease_host(nbytes).view(self.dtype)
+        # cached from now on: the pool evicts it (least recently used first) when space is short
+        self.tiers.host_pool.cache_put(key, record.staging.view(torch.uint8))
         record.future = self.tiers.submit(self.tiers.stores[Tier.NVME].read_into(key, record.staging))
         self.stats.add_bytes("nvme->host", nbytes)
-        self.stats.add_bytes("host->gpu", nbytes)
 
     def _copy_to_device(self, record: ParamShard, src: torch.Tensor) -> None:
         assert record.device_buf is not None
