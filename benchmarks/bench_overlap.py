@@ -80,11 +80,12 @@ def main() -> None:
             for name, (placement, bs, sl, kw) in variants.items():
                 times, stats = step_times(args, placement, bs, sl, a.steps, f"{root}/{r}-{len(samples[name])}", **kw)
                 samples[name] += times
-                moved[name] = sum(v for k, v in stats.items() if k.startswith("bytes_")) / a.steps
+                moved[name] = sum(v for k, v in stats.items() if k.startswith("bytes_nvme") or
+                                  k.endswith("->nvme")) / a.steps
     med = {name: statistics.median(v) for name, v in samples.items()}
     bound = max(med["compute-only (all-gpu)"], med["I/O-only (nvme, 1 token)"])
     table = Table(title="step time, median over interleaved rounds")
-    for col in ("variant", "step s", "bytes moved / step", "vs bound"):
+    for col in ("variant", "step s", "nvme bytes / step", "vs bound"):
         table.add_column(col, justify="right" if col != "variant" else "left")
     for name, t in med.items():
         table.add_row(name, f"{t:.3f}", f"{moved.get(name, 0) / 1e6:,.0f} MB", f"{t / bound:.2f}")

@@ -133,6 +133,9 @@ class Engine:
             lr = lr_at(self.step_count, self.config)
             self.grads.hand_over = lambda unit, grad, owned: self.optimizer.step_unit(
                 unit, grad, owned, self.step_count, lr)
+            # read each unit's states while the unit before it in backward order still computes
+            self.runner.on_backward_start = lambda u: [self.optimizer.prefetch(self.units[v])
+                                                       for v in (u, u - 1) if v >= 0]
             self._stepped_in_backward = True
         scaled = loss / accumulate if accumulate > 1 else loss
         scaled = scaled * scale if scale != 1.0 else scaled
@@ -149,6 +152,7 @@ class Engine:
             raise
         finally:
             self.grads.hand_over = None
+            self.runner.on_backward_start = None
         self.micro += 1
 
     def step(self) -> bool:
@@ -226,6 +230,7 @@ class Engine:
         return self.comm.all_gather(self.scheduler.acquire(unit))
 
     def _abort(self) -> None:
+        self.optimizer.discard_prefetched()
         if self._root_flat is not None:
             unbind(self.units[0], self.dtype)
             self._root_flat = None

@@ -58,6 +58,7 @@ class UnitRunner:
         self.on_grad = on_grad
         self.dtype = dtype
         self._originals: dict[int, Callable[..., Any]] = {}
+        self.on_backward_start: Callable[[int], None] | None = None  # set by the engine per pass
 
     def install(self) -> None:
         for unit in self.units:
@@ -114,6 +115,8 @@ class _Checkpointed(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         runner, unit = ctx.runner, ctx.unit
+        if runner.on_backward_start is not None:
+            runner.on_backward_start(unit.index)
         saved = ctx.saved_tensors
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in saved]
         flat = runner.gather(unit.index).detach().requires_grad_(True)

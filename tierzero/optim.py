@@ -47,6 +47,7 @@ class ShardOptimizer:
         self.stats = stats
         on_gpu = all(placement.home(k) is Tier.GPU for k in OPT_KINDS[1:])
         self.device = tiers.device if on_gpu else torch.device("cpu")
+        self._prefetched: dict[int, Work] = {}
 
     def step(self, step_count: int, lr: float, grad_coef: torch.Tensor | None) -> None:
         """One AdamW update of every unit's shard; returns when every write is durable in RAM
@@ -56,7 +57,7 @@ class ShardOptimizer:
         issued = 0
         for j in range(len(self.units)):
             while issued < min(len(self.units), j + depth):  # keep `depth` units loaded ahead
-                loads.append(self._load(self.units[issued]))
+                loads.append(self._load(self.units[issued], with_grad=True))
                 issued += 1
             work = loads.popleft()
             self._wait(work)
@@ -65,14 +66,29 @@ class ShardOptimizer:
             self.tiers.pending.reap()
         self.tiers.pending.drain()
 
+    def prefetch(self, unit: Unit) -> None:
+        """Start reading `unit`'s master and moments now (overlap_step: while backward computes)."""
+        if unit.index not in self._prefetched:
+            self._prefetched[unit.index] = self._load(unit)
+
+    def discard_prefetched(self) -> None:
+        """After an error mid-backward: let prefetches land, then return their buffers."""
+        for work in self._prefetched.values():
+            for future in work.futures:
+                future.exception()
+            for buf in work.leased.values():
+                self._give_back(buf)
+        self._prefetched.clear()
+
     def step_unit(self, unit: Unit, grad: torch.Tensor, owned: bool, step_count: int, lr: float) -> None:
         """Step one unit as soon as its final grad exists (overlap_step), off the training thread.
 
-        Reads of its states start now; the AdamW step runs on an I/O thread once they land (torch
-        releases the GIL, so backward continues meanwhile); the writes are issued when the
-        training thread next reaps the pending queue.
+        Its states were prefetched (or are read now); the AdamW step runs on an I/O thread once
+        they land (torch releases the GIL, so backward continues meanwhile); the writes are
+        issued when the training thread next reaps the pending queue.
         """
-        work = self._load(unit, grad=grad, grad_owned=owned)
+        work = self._prefetched.pop(unit.index, None) or self._load(unit)
+        self._attach_grad(work, grad, owned)
         future = self.tiers.submit(self._step_when_loaded(work, step_count, lr))
         self.tiers.pending.add(future, lambda: self._write(work))
 
@@ -81,20 +97,22 @@ class ShardOptimizer:
             await asyncio.wrap_future(future)
         await asyncio.get_running_loop().run_in_executor(None, self._step, work, step_count, lr, None)
 
-    def _load(self, unit: Unit, grad: torch.Tensor | None = None, grad_owned: bool = False) -> Work:
-        work = Work(unit)
-        if grad is not None and grad.device == self.device:
+    def _attach_grad(self, work: Work, grad: torch.Tensor, owned: bool) -> None:
+        """Use the finished grad shard handed over by backward (owned: a lease to give back)."""
+        if grad.device == self.device:
             work.tensors[StateKind.GRAD] = grad
-            if grad_owned:
+            if owned:
                 work.leased[StateKind.GRAD] = grad
-        elif grad is not None:
-            work.tensors[StateKind.GRAD] = work.leased[StateKind.GRAD] = self._lease(grad.numel() * 4).view(torch.float32)
-            work.leased[StateKind.GRAD].copy_(grad)
-            if grad_owned:
-                self.tiers.host_pool.give_back(grad.view(torch.uint8))
-        for kind in OPT_KINDS:
-            if kind in work.tensors:
-                continue
+            return
+        work.tensors[StateKind.GRAD] = work.leased[StateKind.GRAD] = self._lease(grad.numel() * 4).view(torch.float32)
+        work.leased[StateKind.GRAD].copy_(grad)
+        if owned:
+            self.tiers.host_pool.give_back(grad.view(torch.uint8))
+
+    def _load(self, unit: Unit, with_grad: bool = False) -> Work:
+        """Start bringing `unit`'s optimizer states (and its grad shard, if asked) to the stepping device."""
+        work = Work(unit)
+        for kind in OPT_KINDS if with_grad else OPT_KINDS[1:]:
             home = self.placement.home(kind)
             key = shard_key(kind, unit.index, self.rank)
             store = self.tiers.stores[home]
