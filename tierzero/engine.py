@@ -23,7 +23,7 @@ from torch import nn
 from tierzero.comm import Comm
 from tierzero.config import Config, Offload, Placement, StateKind, Tier
 from tierzero.errors import ConfigError
-from tierzero.execute import UnitRunner, bind, detach_params, unbind
+from tierzero.execute import UnitRunner, bind, detach_params, flat_grad, unbind
 from tierzero.grads import GradShards, clip_coefficient
 from tierzero.init import WeightFiles, flat_unit
 from tierzero.lr import lr_at
@@ -59,7 +59,7 @@ class Engine:
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
         self._open = False
-        self._root_flat: torch.Tensor | None = None
+        self._root_leaves: list[torch.Tensor] | None = None
         self._stepped_in_backward = False
         if config.overlap_step and (config.clip_grad_norm is not None or self.scaler.enabled):
             raise ConfigError("overlap_step cannot be exact with clip_grad_norm or fp16: each unit's "
@@ -76,7 +76,9 @@ class Engine:
             self._materialise()
             self.scheduler = Scheduler(self.units, self.tiers, self.placement.param, self.dtype,
                                        self.comm.rank, self.stats_)
-            self.grads = GradShards(self.units, self.tiers, self.placement.grad, self.comm, self.stats_)
+            self.grads = GradShards(self.units, self.tiers, self.placement.grad, self.comm, self.stats_,
+                                    norms=self.config.clip_grad_norm is not None,
+                                    finite=self.scaler.enabled)
             self.optimizer = ShardOptimizer(self.units, self.tiers, self.placement, self.dtype,
                                             self.comm.rank, self.config, self.stats_)
             self.runner = UnitRunner(self.units, self._gather, self.scheduler.release,
@@ -112,8 +114,7 @@ class Engine:
         self.scheduler.begin(self.train_plan if training else self.eval_plan)
         root = self.units[0]
         try:
-            self._root_flat = self._gather(0).detach().requires_grad_(training)
-            bind(root, self._root_flat)
+            self._root_leaves = bind(root, self._gather(0), requires_grad=training)
             loss = compute_loss(self.model, _to(batch, self.device))
         except BaseException:
             self._abort()
@@ -141,11 +142,10 @@ class Engine:
         scaled = scaled * scale if scale != 1.0 else scaled
         try:
             scaled.backward()
-            assert self._root_flat is not None
-            root_grad = self._root_flat.grad
-            self.grads.offload(0, root_grad if root_grad is not None else torch.zeros_like(self._root_flat))
+            assert self._root_leaves is not None
+            self.grads.offload(0, flat_grad(self.units[0], self._root_leaves))
             unbind(self.units[0], self.dtype)
-            self._root_flat = None
+            self._root_leaves = None
             self.scheduler.finish()
         except BaseException:
             self._abort()
@@ -231,9 +231,9 @@ class Engine:
 
     def _abort(self) -> None:
         self.optimizer.discard_prefetched()
-        if self._root_flat is not None:
+        if self._root_leaves is not None:
             unbind(self.units[0], self.dtype)
-            self._root_flat = None
+            self._root_leaves = None
         self.scheduler.abort()
 
     def _materialise(self) -> None:

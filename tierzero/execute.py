@@ -2,8 +2,8 @@
 
 Each block's `forward` is wrapped. In a training forward the block runs under `no_grad` with
 its parameters bound as views into the gathered flat `param` buffer, and only its input is
-kept. In backward the unit is gathered again, recomputed with grad against a fresh leaf flat
-buffer, and backpropagated, so autograd writes the unit's whole gradient into one flat
+kept. In backward the unit is gathered again, recomputed with grad against fresh leaf views of
+the flat buffer, and backpropagated; the parameters' gradients are packed into one flat fp32
 tensor, which goes to `on_grad`. Module code is unchanged: it reads `self.weight` as usual.
 """
 
@@ -23,12 +23,35 @@ ReleaseFn = Callable[[int], None]
 GradFn = Callable[[int, torch.Tensor], None]  # unit index, full flat grad
 
 
-def bind(unit: Unit, flat: torch.Tensor) -> None:
-    """Point every parameter of `unit` at its slice of `flat` (views, no copies)."""
+def bind(unit: Unit, flat: torch.Tensor, requires_grad: bool = False) -> list[torch.Tensor]:
+    """Point every parameter of `unit` at its slice of `flat` (views, no copies); return them.
+
+    With `requires_grad` each view becomes its own autograd leaf: autograd then writes each
+    parameter's gradient once, instead of scattering every view's gradient into a zeroed
+    copy of the whole flat buffer (which costs one flat-sized pass per parameter).
+    """
+    leaves = []
     for slot in unit.slots:
         view = flat[slot.offset:slot.end].view(slot.shape)
+        if requires_grad:
+            view = view.detach().requires_grad_(True)
+        leaves.append(view)
         for module, attr in slot.module_attrs:
             setattr(module, attr, view)
+    return leaves
+
+
+def flat_grad(unit: Unit, leaves: list[torch.Tensor]) -> torch.Tensor:
+    """The unit's gradient as one padded fp32 flat buffer: each parameter's grad copied once."""
+    device = leaves[0].device if leaves else torch.device("cpu")
+    out = torch.empty(unit.padded_numel, dtype=torch.float32, device=device)
+    for slot, leaf in zip(unit.slots, leaves):
+        if leaf.grad is None:
+            out[slot.offset:slot.end].zero_()
+        else:
+            out[slot.offset:slot.end].copy_(leaf.grad.reshape(-1))
+    out[unit.numel:].zero_()
+    return out
 
 
 def unbind(unit: Unit, dtype: torch.dtype) -> None:
@@ -80,11 +103,12 @@ class UnitRunner:
                                    *[flat_in[i] for i in tensor_pos])
         return tree_unflatten(list(outs[:-1]), outs[-1]) if isinstance(outs, tuple) else outs
 
-    def compute(self, unit: Unit, args: tuple, kwargs: dict, flat: torch.Tensor | None = None) -> Any:
-        """Gather, bind, run the block's own forward, unbind, release (release unless `flat`)."""
-        own = flat is None
-        flat = self.gather(unit.index) if own else flat
-        bind(unit, flat)
+    def compute(self, unit: Unit, args: tuple, kwargs: dict, leaves: list[torch.Tensor] | None = None) -> Any:
+        """Gather, bind, run the block's own forward, unbind, release — or, given `leaves`
+        (already bound by the caller), just run it."""
+        own = leaves is None
+        if own:
+            bind(unit, self.gather(unit.index))
         try:
             return self._originals[unit.index](*args, **kwargs)
         finally:
@@ -119,17 +143,16 @@ class _Checkpointed(torch.autograd.Function):
             runner.on_backward_start(unit.index)
         saved = ctx.saved_tensors
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in saved]
-        flat = runner.gather(unit.index).detach().requires_grad_(True)
+        leaves = bind(unit, runner.gather(unit.index), requires_grad=True)
         try:
             with torch.enable_grad(), _restore_rng(ctx.rng):
                 args, kwargs = tree_unflatten(_fill(ctx.flat_in, ctx.tensor_pos, inputs), ctx.spec)
-                out = runner.compute(unit, args, kwargs, flat=flat)
+                out = runner.compute(unit, args, kwargs, leaves=leaves)
             outs = tree_flatten(out)[0]
             pairs = [(outs[i], grads[i]) for i in ctx.out_tensor_idx
                      if outs[i].requires_grad and grads[i] is not None]
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            grad = flat.grad if flat.grad is not None else torch.zeros_like(flat)
-            runner.on_grad(unit.index, grad)
+            runner.on_grad(unit.index, flat_grad(unit, leaves))
         finally:
             runner.release(unit.index)
         return (None, None, None, None, None, *[t.grad if t.requires_grad else None for t in inputs])

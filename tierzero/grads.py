@@ -22,12 +22,15 @@ from tierzero.tiers import Tiers, shard_key
 
 
 class GradShards:
-    def __init__(self, units: list[Unit], tiers: Tiers, home: Tier, comm: Comm, stats: StepStats) -> None:
+    def __init__(self, units: list[Unit], tiers: Tiers, home: Tier, comm: Comm, stats: StepStats,
+                 norms: bool, finite: bool) -> None:
         self.units = units
         self.tiers = tiers
         self.home = home
         self.comm = comm
         self.stats = stats
+        self.want_norms = norms  # clipping needs them
+        self.want_finite = finite  # fp16 needs the overflow check
         self.micro = 0
         self.last = True
         self.inv_scale = 1.0
@@ -81,7 +84,11 @@ class GradShards:
             self.stats.add_bytes("host->nvme", nbytes)
 
     def _measure(self, unit: Unit, acc: torch.Tensor) -> None:
-        self.nonfinite |= ~torch.isfinite(acc).all().cpu()
+        """Only what the step will ask for: each costs a pass over the shard."""
+        if self.want_finite:
+            self.nonfinite |= ~torch.isfinite(acc).all().cpu()
+        if not self.want_norms:
+            return
         if self.comm.world_size == 1:
             # per-parameter norms, combined later in the model's parameter order, exactly as
             # torch.nn.utils.clip_grad_norm_ does it, so clipping stays bitwise comparable
