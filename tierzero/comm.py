@@ -25,14 +25,21 @@ class Comm:
         return full
 
     def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of the sum over ranks of `full` (one rank: `full` itself)."""
+        """This rank's shard of the mean over ranks of `full`, as DDP averages gradients
+        (one rank: `full` itself)."""
         if self.world_size == 1:
             return full
         shard = torch.empty(full.numel() // self.world_size, dtype=full.dtype, device=full.device)
         dist.reduce_scatter_tensor(shard, full)
-        return shard
+        return shard.div_(self.world_size)
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            dist.all_reduce(value)
+        """Sum a small (CPU) tensor over ranks; NCCL only reduces GPU tensors, so it travels there."""
+        if self.world_size == 1:
+            return value
+        if dist.get_backend() == "nccl":
+            on_gpu = value.cuda()
+            dist.all_reduce(on_gpu)
+            return on_gpu.cpu()
+        dist.all_reduce(value)
         return value

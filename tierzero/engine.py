@@ -22,7 +22,7 @@ from torch import nn
 
 from tierzero.comm import Comm
 from tierzero.config import Config, Offload, Placement, StateKind, Tier
-from tierzero.errors import ConfigError
+from tierzero.errors import ConfigError, TierzeroError
 from tierzero.execute import UnitRunner, bind, detach_params, flat_grad, unbind
 from tierzero.grads import GradShards, clip_coefficient
 from tierzero.init import WeightFiles, flat_unit
@@ -42,12 +42,16 @@ class Engine:
         self.device = config.resolved_device()
         self.dtype = compute_dtype(resolve_dtype(config.dtype, self.device), self.device)
         self.model = model
+        frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+        if frozen:
+            raise ConfigError(f"the engine trains every parameter, but {len(frozen)} are frozen (first: "
+                              f"{frozen[0]}); unfreeze them or train them with --offload none")
         self.comm = Comm()
         self.units = partition(model, self.comm.world_size, config.units)
         self.param_order = [name for name, _ in model.named_parameters()]
         self.placement = self._resolve_placement()
         homes = {self.placement.home(k) for k in StateKind}
-        self.tiers = Tiers(config, self.device, homes)
+        self.tiers = Tiers(config, self.device, homes, self.comm.rank if self.comm.world_size > 1 else None)
         self.tiers.check_paths()
         self._check_budgets()
         self.weights = weights
@@ -59,6 +63,8 @@ class Engine:
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
         self._open = False
+        self._closed = False
+        self._broken: str | None = None  # why a step stopped half-way, leaving partial state
         self._root_leaves: list[torch.Tensor] | None = None
         self._stepped_in_backward = False
         if config.overlap_step and (config.clip_grad_norm is not None or self.scaler.enabled):
@@ -71,8 +77,12 @@ class Engine:
         """Open the tiers and move every unit's state into its home, one unit at a time."""
         if self._open:
             return self
+        if self._closed:
+            raise TierzeroError("this engine is closed; read master_state_dict() before close(), "
+                                "or build a new Engine")
         self.tiers.open()
         try:
+            self._place_buffers()
             self._materialise()
             self.scheduler = Scheduler(self.units, self.tiers, self.placement.param, self.dtype,
                                        self.comm.rank, self.stats_)
@@ -94,9 +104,11 @@ class Engine:
         return self
 
     def close(self) -> None:
+        """Finish every transfer, make nvme state durable, release the tiers. Idempotent."""
         if self._open:
             self.runner.uninstall()
             self._open = False
+        self._closed = True
         self.tiers.close()
 
     def __enter__(self) -> Engine:
@@ -109,7 +121,7 @@ class Engine:
 
     def forward(self, batch: Any) -> torch.Tensor:
         """The loss of one micro-batch; with grad enabled, ready for `backward`."""
-        self.open()
+        self._usable()
         training = torch.is_grad_enabled()
         self.scheduler.begin(self.train_plan if training else self.eval_plan)
         root = self.units[0]
@@ -126,6 +138,7 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backprop one micro-batch; every unit's grad is accumulated into its home tier."""
+        self._usable()
         accumulate = self.config.accumulate
         last = (self.micro + 1) % accumulate == 0
         scale = self.scaler.scale
@@ -147,7 +160,8 @@ class Engine:
             unbind(self.units[0], self.dtype)
             self._root_leaves = None
             self.scheduler.finish()
-        except BaseException:
+        except BaseException as e:
+            self._broken = f"backward failed: {e!r}"  # some units' grads are accumulated, some not
             self._abort()
             raise
         finally:
@@ -157,8 +171,16 @@ class Engine:
 
     def step(self) -> bool:
         """Update every shard if a global batch is complete; False if none ran (or fp16 skipped)."""
+        self._usable()
         if self.micro % self.config.accumulate != 0:
             return False
+        try:
+            return self._step()
+        except BaseException as e:
+            self._broken = f"the optimizer step failed: {e!r}"  # some shards are updated, some not
+            raise
+
+    def _step(self) -> bool:
         self.tiers.pending.drain()  # grads written during backward must land before they are read
         if self._stepped_in_backward:  # overlap_step: every unit was stepped as its grad arrived
             self._stepped_in_backward = False
@@ -178,6 +200,7 @@ class Engine:
 
     def train_step(self, batch: Any) -> float:
         """forward + backward + step (the step runs once per `accumulate` calls)."""
+        self.model.train()
         loss = self.forward(batch)
         self.backward(loss)
         self.step()
@@ -185,16 +208,24 @@ class Engine:
 
     @torch.no_grad()
     def eval_loss(self, batch: Any) -> float:
-        return self.forward(batch).item()
+        """The loss in eval mode (dropout off), without grad; the model's mode is restored."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return self.forward(batch).item()
+        finally:
+            self.model.train(was_training)
 
     # -- state ----------------------------------------------------------------------------------
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights under every parameter name (tied aliases included), unit by unit."""
-        self.open()
+        self._usable()
         out: dict[str, torch.Tensor] = {}
         for unit in self.units:
             master = self.read_shard(StateKind.MASTER, unit)
+            if self.comm.world_size > 1:  # every rank's shard, end to end: the full flat buffer
+                master = self.comm.all_gather(master.to(self.device)).cpu()
             for slot in unit.slots:
                 value = master[slot.offset:slot.end].view(slot.shape).clone()
                 for name in slot.names:
@@ -225,6 +256,24 @@ class Engine:
         return out
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _usable(self) -> None:
+        """Open on first use; refuse to go on from a step that stopped half-way."""
+        if self._broken is not None:
+            raise TierzeroError(f"the engine stopped in the middle of a step ({self._broken}); its tiers "
+                                "may hold a partial update, so close it and start again")
+        self.open()
+
+    def _place_buffers(self) -> None:
+        """Module buffers (rotary tables, masks) live on the compute device with the activations."""
+        for name, buf in self.model.named_buffers():
+            if buf.is_meta:
+                raise ConfigError(f"buffer '{name}' is on the meta device and the engine cannot "
+                                  "initialise it; build the model with its buffers materialised")
+        for module in self.model.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[key] = buf.to(self.device)
 
     def _gather(self, unit: int) -> torch.Tensor:
         return self.comm.all_gather(self.scheduler.acquire(unit))
@@ -258,7 +307,7 @@ class Engine:
             staged = self.tiers.lease_host(src.numel() * src.element_size()).view(src.dtype)
             staged.copy_(src)
             future = self.tiers.submit(store.write(key, staged))
-            self.tiers.pending.add(future, lambda: self.tiers.host_pool.give_back(staged.view(torch.uint8)))
+            self.tiers.pending.add(future, lambda ok: self.tiers.host_pool.give_back(staged.view(torch.uint8)))
         else:
             self.tiers.run(store.write(key, src))
 
@@ -285,7 +334,8 @@ class Engine:
 
     def _check_budgets(self) -> None:
         """Refuse, before anything is written, budgets or disks too small for this model."""
-        need = _tier_needs(self.units, self.placement, self.dtype.itemsize, self.config.prefetch_depth)
+        need = _tier_needs(self.units, self.placement, self.dtype.itemsize, self.config.prefetch_depth,
+                           self.device, self.config.overlap_step)
         for tier, budget, flag in ((Tier.HOST, self.tiers.host_budget, "--host-budget"),
                                    (Tier.GPU, self.tiers.gpu_budget, "--gpu-budget")):
             if need[tier] > budget:
@@ -302,17 +352,35 @@ class Engine:
                                   "or add another --nvme-path")
 
 
-def _tier_needs(units: list[Unit], placement: Placement, itemsize: int, depth: int) -> dict[Tier, int]:
-    """Resident homes plus the working set of the largest unit, per tier (bytes)."""
+def _tier_needs(units: list[Unit], placement: Placement, itemsize: int, depth: int, device: torch.device,
+                overlap: bool) -> dict[Tier, int]:
+    """Resident homes plus the smallest working set that lets a step finish, per tier (bytes).
+
+    A pass keeps `depth + 2` param shards on the device (staged through host memory when params
+    live on nvme) and stages one grad shard; the optimizer holds one unit's leased states and
+    its param staging; overlap_step adds two prefetched units to the pass.
+    """
     need = {Tier.GPU: 0, Tier.HOST: 0, Tier.NVME: 0}
     shard = max(u.shard_numel for u in units)
     for kind in StateKind:
         size = itemsize if kind is StateKind.PARAM else 4
         need[placement.home(kind)] += sum(u.shard_numel for u in units) * size
-    if placement.param is not Tier.GPU:
-        need[Tier.GPU] += (depth + 2) * shard * itemsize  # fetched shards + the one computing
-    off_host = sum(4 for k in OPT_KINDS if placement.home(k) is not Tier.HOST)
-    need[Tier.HOST] += shard * (off_host + itemsize)  # one unit's optimizer working set
+    step_on_gpu = all(placement.home(k) is Tier.GPU for k in OPT_KINDS[1:])
+    step_device = device if step_on_gpu else torch.device("cpu")
+
+    def in_place(home: Tier) -> bool:
+        home_device = device if home is Tier.GPU else torch.device("cpu")
+        return home is not Tier.NVME and home_device.type == step_device.type
+
+    step = sum(1 for k in OPT_KINDS if not in_place(placement.home(k))) * shard * 4
+    param_stage = shard * itemsize if placement.param is Tier.NVME else 0
+    step_gpu, step_host = (step, param_stage) if step_on_gpu else (0, step + param_stage)
+    pass_gpu = (depth + 2) * shard * itemsize if placement.param is not Tier.GPU else 0
+    pass_host = (depth + 2) * param_stage + (shard * 4 if placement.grad is Tier.NVME else 0)
+    if overlap:
+        pass_gpu, pass_host = pass_gpu + 2 * step_gpu, pass_host + 2 * step_host
+    need[Tier.GPU] += max(pass_gpu, step_gpu)
+    need[Tier.HOST] += max(pass_host, step_host)
     return need
 
 

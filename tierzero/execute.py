@@ -82,6 +82,7 @@ class UnitRunner:
         self.dtype = dtype
         self._originals: dict[int, Callable[..., Any]] = {}
         self.on_backward_start: Callable[[int], None] | None = None  # set by the engine per pass
+        self._anchor = torch.empty(0, requires_grad=True)
 
     def install(self) -> None:
         for unit in self.units:
@@ -99,7 +100,8 @@ class UnitRunner:
             return self.compute(unit, args, kwargs)
         flat_in, spec = tree_flatten((args, kwargs))
         tensor_pos = [i for i, a in enumerate(flat_in) if isinstance(a, torch.Tensor)]
-        outs = _Checkpointed.apply(self, unit, flat_in, spec, tensor_pos,
+        # the anchor requires grad, so backward reaches this unit even when no input does
+        outs = _Checkpointed.apply(self, unit, flat_in, spec, tensor_pos, self._anchor,
                                    *[flat_in[i] for i in tensor_pos])
         return tree_unflatten(list(outs[:-1]), outs[-1]) if isinstance(outs, tuple) else outs
 
@@ -122,7 +124,7 @@ class _Checkpointed(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, runner: UnitRunner, unit: Unit, flat_in: list, spec: Any,
-                tensor_pos: list[int], *tensors: torch.Tensor) -> Any:
+                tensor_pos: list[int], anchor: torch.Tensor, *tensors: torch.Tensor) -> Any:
         ctx.runner, ctx.unit, ctx.flat_in, ctx.spec, ctx.tensor_pos = runner, unit, flat_in, spec, tensor_pos
         ctx.save_for_backward(*tensors)
         ctx.rng = _rng_state(tensors)
@@ -155,7 +157,7 @@ class _Checkpointed(torch.autograd.Function):
             runner.on_grad(unit.index, flat_grad(unit, leaves))
         finally:
             runner.release(unit.index)
-        return (None, None, None, None, None, *[t.grad if t.requires_grad else None for t in inputs])
+        return (None, None, None, None, None, None, *[t.grad if t.requires_grad else None for t in inputs])
 
 
 def _fill(flat_in: list, positions: list[int], tensors: Any) -> list:

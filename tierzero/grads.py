@@ -80,7 +80,7 @@ class GradShards:
                 return
         if self.home is Tier.NVME:
             future = self._writes[unit] = self.tiers.submit(self.tiers.stores[Tier.NVME].write(key, acc))
-            self.tiers.pending.add(future, lambda: self.tiers.host_pool.give_back(acc.view(torch.uint8)))
+            self.tiers.pending.add(future, lambda ok: self.tiers.host_pool.give_back(acc.view(torch.uint8)))
             self.stats.add_bytes("host->nvme", nbytes)
 
     def _measure(self, unit: Unit, acc: torch.Tensor) -> None:

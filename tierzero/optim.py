@@ -57,6 +57,8 @@ class ShardOptimizer:
         issued = 0
         for j in range(len(self.units)):
             while issued < min(len(self.units), j + depth):  # keep `depth` units loaded ahead
+                if issued > j and not self._room_for(self.units[issued]):
+                    break  # a tight budget: read ahead less rather than fail
                 loads.append(self._load(self.units[issued], with_grad=True))
                 issued += 1
             work = loads.popleft()
@@ -74,11 +76,15 @@ class ShardOptimizer:
     def discard_prefetched(self) -> None:
         """After an error mid-backward: let prefetches land, then return their buffers."""
         for work in self._prefetched.values():
-            for future in work.futures:
-                future.exception()
-            for buf in work.leased.values():
-                self._give_back(buf)
+            self._discard(work)
         self._prefetched.clear()
+
+    def _discard(self, work: Work) -> None:
+        """Give back a unit's buffers without writing anything (its reads or step failed)."""
+        for future in work.futures:
+            future.exception()  # wait: an I/O thread may still be filling the buffer
+        for buf in work.leased.values():
+            self._give_back(buf)
 
     def step_unit(self, unit: Unit, grad: torch.Tensor, owned: bool, step_count: int, lr: float) -> None:
         """Step one unit as soon as its final grad exists (overlap_step), off the training thread.
@@ -90,7 +96,7 @@ class ShardOptimizer:
         work = self._prefetched.pop(unit.index, None) or self._load(unit)
         self._attach_grad(work, grad, owned)
         future = self.tiers.submit(self._step_when_loaded(work, step_count, lr))
-        self.tiers.pending.add(future, lambda: self._write(work))
+        self.tiers.pending.add(future, lambda ok: self._write(work) if ok else self._discard(work))
 
     async def _step_when_loaded(self, work: Work, step_count: int, lr: float) -> None:
         for future in work.futures:
@@ -181,8 +187,27 @@ class ShardOptimizer:
         # the new param shard replaces the cached old one at once, so no pass can read it stale
         self.tiers.host_pool.cache_put(key, staged.view(torch.uint8))
         future = self.tiers.submit(store.write(key, staged))
-        self.tiers.pending.add(future, lambda: self.tiers.host_pool.give_back(staged.view(torch.uint8)))
+        self.tiers.pending.add(future, lambda ok: self._release_param(key, staged, ok))
         self.stats.add_bytes("host->nvme", staged.numel() * staged.element_size())
+
+    def _release_param(self, key: str, staged: torch.Tensor, ok: bool) -> None:
+        if not ok:  # the drive does not hold these params: the cache must not serve them either
+            self.tiers.host_pool.cache_drop(key)
+        self.tiers.host_pool.give_back(staged.view(torch.uint8))
+
+    def _room_for(self, unit: Unit) -> bool:
+        """Whether loading `unit` ahead of time leaves the pool room for the unit being stepped."""
+        pool = self.tiers.host_pool if self.device.type == "cpu" else self.tiers.device_pool
+        states = self.leased_kinds() * unit.shard_numel * 4
+        staging = unit.shard_numel * self.compute_dtype.itemsize
+        return 2 * (states + staging) <= pool.budget_bytes - pool.leased_bytes
+
+    def leased_kinds(self) -> int:
+        """How many of grad/master/moments need a working buffer (not memory on the stepping device)."""
+        def in_place(home: Tier) -> bool:
+            store_device = self.tiers.device if home is Tier.GPU else torch.device("cpu")
+            return home is not Tier.NVME and store_device.type == self.device.type
+        return sum(1 for k in OPT_KINDS if not in_place(self.placement.home(k)))
 
     def _put(self, kind: StateKind, unit: Unit, buf: torch.Tensor, owned: bool) -> None:
         """Write a leased working buffer back to `kind`'s home, then return it to its pool."""
@@ -191,7 +216,7 @@ class ShardOptimizer:
         key = shard_key(kind, unit.index, self.rank)
         if home is Tier.NVME:
             future = self.tiers.submit(store.write(key, buf))
-            self.tiers.pending.add(future, lambda: self._give_back(buf))
+            self.tiers.pending.add(future, lambda ok: self._give_back(buf))
             self.stats.add_bytes("host->nvme", buf.numel() * buf.element_size())
             return
         store.view(key).copy_(buf)

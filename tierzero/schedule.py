@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tierzero.config import StateKind, Tier
+from tierzero.storage.base import BudgetExceededError
 from tierzero.partition import Unit
 from tierzero.stats import StepStats
 from tierzero.tiers import Tiers, shard_key
@@ -186,9 +187,29 @@ class Scheduler:
     def _execute(self, op: SwapOp) -> None:
         record = self.records[op.unit]
         if op.op is Op.FETCH:
-            self._fetch(record)
+            try:
+                self._fetch(record)
+            except BudgetExceededError:
+                self._drop(record)  # a tight budget: this unit is fetched at its wait instead
         elif op.op is Op.RELEASE:
             self._drop(record)
+        self._land_finished_reads()
+
+    def _land_finished_reads(self) -> None:
+        """Start the host->device copy of every nvme read that has landed (no waiting)."""
+        for record in self.records.values():
+            if record.future is not None and record.future.done():
+                self._land(record)
+
+    def _land(self, record: ParamShard) -> None:
+        assert record.future is not None and record.staging is not None
+        future, record.future = record.future, None
+        try:
+            future.result()  # sync point when still in flight: the read must be in staging
+        except BaseException:
+            self.tiers.host_pool.cache_drop(shard_key(StateKind.PARAM, record.unit, self.rank))
+            raise
+        self._copy_to_device(record, record.staging)
 
     def _fetch(self, record: ParamShard) -> None:
         if record.status != "not_available":
@@ -233,11 +254,11 @@ class Scheduler:
     def _wait(self, record: ParamShard) -> None:
         if record.status == "available":
             return
+        if record.status == "not_available":  # its look-ahead fetch did not fit the budget
+            self._fetch(record)
         with self.stats.waiting():
             if record.future is not None:
-                record.future.result()  # sync point: the nvme read must have landed in staging
-                record.future = None
-                self._copy_to_device(record, record.staging)
+                self._land(record)
             if record.event is not None:
                 # the compute stream waits on the GPU; the CPU does not block here
                 torch.cuda.current_stream(self.tiers.device).wait_event(record.event)

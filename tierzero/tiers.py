@@ -49,12 +49,17 @@ def default_budgets(device: torch.device) -> tuple[int, int]:
 
 
 class Pending:
-    """Transfers in flight, oldest first, each with what to do when it completes."""
+    """Transfers in flight, oldest first, each with what to do once it has finished.
+
+    `on_done(ok)` runs only after the transfer has really finished — never while an I/O thread
+    may still touch its buffers (a Ctrl-C during the wait leaves the entry queued) — with
+    `ok=False` when it failed, so a failed read is never written back as if it had landed.
+    """
 
     def __init__(self) -> None:
-        self._queue: deque[tuple[concurrent.futures.Future, Callable[[], None]]] = deque()
+        self._queue: deque[tuple[concurrent.futures.Future, Callable[[bool], None]]] = deque()
 
-    def add(self, future: concurrent.futures.Future, on_done: Callable[[], None]) -> None:
+    def add(self, future: concurrent.futures.Future, on_done: Callable[[bool], None]) -> None:
         self._queue.append((future, on_done))
 
     def reap(self) -> None:
@@ -65,11 +70,17 @@ class Pending:
     def wait_oldest(self) -> bool:
         if not self._queue:
             return False
-        future, on_done = self._queue.popleft()
+        future, on_done = self._queue[0]
         try:
             future.result()  # re-raises the transfer's error here, on the training thread
-        finally:
-            on_done()
+        except BaseException:
+            if not future.done():  # interrupted while waiting: the transfer still owns its buffers
+                raise
+            self._queue.popleft()
+            on_done(False)
+            raise
+        self._queue.popleft()
+        on_done(True)
         return True
 
     def drain(self) -> None:
@@ -81,8 +92,10 @@ class Pending:
 
 
 class Tiers:
-    def __init__(self, config: Config, device: torch.device, homes: set[Tier]) -> None:
+    def __init__(self, config: Config, device: torch.device, homes: set[Tier], rank: int | None = None) -> None:
         self.config = config
+        # ranks on one machine share the drives but never a store directory (each takes a lock)
+        self.nvme_paths = [str(Path(p) / f"rank{rank}") if rank is not None else p for p in config.nvme_path]
         self.device = device
         self.homes = homes
         host, gpu = default_budgets(device)
@@ -100,6 +113,8 @@ class Tiers:
         if Tier.NVME in self.homes:
             for path in self.config.nvme_path:
                 _check_nvme_path(Path(path))
+            for path in self.nvme_paths:
+                Path(path).mkdir(exist_ok=True)
 
     def open(self) -> Tiers:
         try:
@@ -112,7 +127,7 @@ class Tiers:
                 from tierzero.storage.nvme import NvmeStore
 
                 self.stores[Tier.NVME] = self._open(NvmeStore(
-                    self.config.nvme_path, chunk_bytes=self.config.chunk_bytes,
+                    self.nvme_paths, chunk_bytes=self.config.chunk_bytes,
                     verify_always=self.config.verify_always))
         except BaseException:
             self.close()
@@ -125,14 +140,25 @@ class Tiers:
         return thing
 
     def close(self) -> None:
+        """Finish transfers, make nvme durable, then stop the I/O loop before anything it uses.
+
+        Idempotent. Even when a transfer failed, the loop is shut down (joining its threads)
+        before the stores and pools close, so no I/O thread outlives the buffers it writes.
+        """
         try:
             if self.io is not None:
                 self.pending.drain()
                 if Tier.NVME in self.stores:
                     self.run(self.stores[Tier.NVME].flush())
         finally:
+            if self.io is not None:
+                self._opened.remove(self.io)
+                self.io.close()
             while self._opened:
                 self._opened.pop().close()
+            self.io = None
+            self.stores.clear()
+            self.pending = Pending()
 
     def submit(self, coro: Coroutine) -> concurrent.futures.Future:
         assert self.io is not None
