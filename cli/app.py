@@ -35,11 +35,13 @@ def guarded(command: Callable[..., None]) -> Callable[..., None]:
 def _register() -> None:
     from tierzero.cli.bench import bench
     from tierzero.cli.plan import plan
+    from tierzero.cli.report import report
     from tierzero.cli.train import train
 
     app.command()(guarded(train))
     app.command()(guarded(plan))
     app.command()(guarded(bench))
+    app.command()(guarded(report))
 
 
 _register()

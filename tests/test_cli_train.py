@@ -94,3 +94,19 @@ def test_locked_run_dir(tmp_path) -> None:
         os.close(fd)
     assert "in use by another trainer (pid 4242)" in message
     assert not (run_dir / "config.toml").exists()
+
+
+def test_report_plots_a_run(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    assert train(*QUICK, "--run-dir", str(run_dir)).exit_code == 0
+    result = runner.invoke(app, ["report", str(run_dir), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout[result.stdout.index("{"):])
+    assert summary["steps"] == 6 and summary["last_loss"] < summary["first_loss"]
+    png = run_dir / "report.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "peak gpu" in runner.invoke(app, ["report", str(run_dir)]).output
+
+
+def test_report_on_a_directory_without_metrics(tmp_path) -> None:
+    assert "has no metrics.jsonl" in one_line_error(runner.invoke(app, ["report", str(tmp_path)]))
