@@ -79,7 +79,7 @@ def test_eval_loss_matches_reference_and_leaves_no_state_behind(tmp_path) -> Non
 
 
 def test_stats_count_bytes_and_peaks(tmp_path) -> None:
-    cfg = config(tmp_path, PLACEMENTS["everything-on-nvme"])
+    cfg = config(tmp_path, PLACEMENTS["everything-on-nvme"], overlap_step=False)
     data = batches()
     with Engine(models.build(SMALL, device="meta"), cfg) as engine:
         engine.train_step(data.next_batch())
@@ -96,7 +96,7 @@ def test_host_cache_serves_refetches_and_never_stale_params(tmp_path) -> None:
     """With room in the host budget, backward's re-fetch of a unit's params hits the LRU cache
     (no nvme read), and the next step's forward sees the params the optimizer just wrote (the
     bitwise comparison above would fail on a stale entry; here we count the traffic)."""
-    cfg = config(tmp_path, PLACEMENTS["everything-on-nvme"])
+    cfg = config(tmp_path, PLACEMENTS["everything-on-nvme"], overlap_step=False)
     data = batches()
     with Engine(models.build(SMALL, device="meta"), cfg) as engine:
         engine.train_step(data.next_batch())

@@ -83,7 +83,7 @@ def test_clipping_matches_clip_grad_norm_and_adamw(tmp_path, accumulate: int) ->
 
 @pytest.mark.parametrize("placement", [NVME, HOST, Placement()], ids=["nvme", "host", "gpu"])
 def test_overlap_step_is_bitwise_equal_to_the_separate_step(tmp_path, placement) -> None:
-    off = engine_run(config(tmp_path / "off", placement, accumulate=2), 6)
+    off = engine_run(config(tmp_path / "off", placement, accumulate=2, overlap_step=False), 6)
     on = engine_run(config(tmp_path / "on", placement, accumulate=2, overlap_step=True), 6)
     assert on[0] == off[0]
     assert_bitwise(on[1], off[1])
@@ -94,6 +94,12 @@ def test_overlap_step_is_bitwise_equal_to_the_separate_step(tmp_path, placement)
 def test_overlap_step_refuses_what_it_cannot_do_exactly(tmp_path) -> None:
     with pytest.raises(ConfigError, match="overlap_step cannot be exact"):
         Engine(models.build(SMALL, device="meta"), config(tmp_path, overlap_step=True, clip_grad_norm=1.0))
+
+
+def test_overlap_step_is_on_by_default_only_where_exact(tmp_path) -> None:
+    assert Engine(models.build(SMALL, device="meta"), config(tmp_path)).overlap
+    assert not Engine(models.build(SMALL, device="meta"), config(tmp_path, clip_grad_norm=1.0)).overlap
+    assert not Engine(models.build(SMALL, device="meta"), config(tmp_path, dtype="fp16")).overlap
 
 
 # -- fp16 dynamic loss scaling ----------------------------------------------------------------

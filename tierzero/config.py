@@ -142,7 +142,7 @@ class Config:
     accumulate: int = 1
     loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
-    overlap_step: bool = False
+    overlap_step: bool | None = None  # None: on wherever it is exact (no clipping, not fp16)
     seed: int = 0
     units: str | None = None
     chunk_bytes: int = 8 << 20

@@ -50,13 +50,19 @@ class Engine:
         self.units = partition(model, self.comm.world_size, config.units)
         self.param_order = [name for name, _ in model.named_parameters()]
         self.placement = self._resolve_placement()
+        self.scaler = DynamicLossScaler(config.loss_scale, config.loss_scale_window,
+                                        enabled=self.dtype == torch.float16)
+        exact = config.clip_grad_norm is None and not self.scaler.enabled
+        if config.overlap_step and not exact:
+            raise ConfigError("overlap_step cannot be exact with clip_grad_norm or fp16: each unit's "
+                              "step would need the global norm or overflow check first; turn one off")
+        # stepping each unit during backward is exact here, so it is on unless turned off
+        self.overlap = exact if config.overlap_step is None else config.overlap_step
         homes = {self.placement.home(k) for k in StateKind}
         self.tiers = Tiers(config, self.device, homes, self.comm.rank if self.comm.world_size > 1 else None)
         self.tiers.check_paths()
         self._check_budgets()
         self.weights = weights
-        self.scaler = DynamicLossScaler(config.loss_scale, config.loss_scale_window,
-                                        enabled=self.dtype == torch.float16)
         self.stats_ = StepStats()
         self.step_count = 0
         self.micro = 0
@@ -67,9 +73,6 @@ class Engine:
         self._broken: str | None = None  # why a step stopped half-way, leaving partial state
         self._root_leaves: list[torch.Tensor] | None = None
         self._stepped_in_backward = False
-        if config.overlap_step and (config.clip_grad_norm is not None or self.scaler.enabled):
-            raise ConfigError("overlap_step cannot be exact with clip_grad_norm or fp16: each unit's "
-                              "step would need the global norm or overflow check first; turn one off")
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -143,7 +146,7 @@ class Engine:
         last = (self.micro + 1) % accumulate == 0
         scale = self.scaler.scale
         self.grads.begin(self.micro % accumulate, last, 1.0 / scale)
-        if last and self.config.overlap_step:
+        if last and self.overlap:
             lr = lr_at(self.step_count, self.config)
             self.grads.hand_over = lambda unit, grad, owned: self.optimizer.step_unit(
                 unit, grad, owned, self.step_count, lr)
@@ -335,7 +338,7 @@ class Engine:
     def _check_budgets(self) -> None:
         """Refuse, before anything is written, budgets or disks too small for this model."""
         need = _tier_needs(self.units, self.placement, self.dtype.itemsize, self.config.prefetch_depth,
-                           self.device, self.config.overlap_step)
+                           self.device, self.overlap)
         for tier, budget, flag in ((Tier.HOST, self.tiers.host_budget, "--host-budget"),
                                    (Tier.GPU, self.tiers.gpu_budget, "--gpu-budget")):
             if need[tier] > budget:
