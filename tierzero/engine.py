@@ -30,7 +30,7 @@ from tierzero.lr import lr_at
 from tierzero.optim import OPT_KINDS, ShardOptimizer
 from tierzero.partition import Unit, partition
 from tierzero.precision import DynamicLossScaler, compute_dtype, resolve_dtype
-from tierzero.reference import compute_loss
+from tierzero.reference import compute_loss, to_device
 from tierzero.schedule import Scheduler, build_swap_plan
 from tierzero.stats import StepStats
 from tierzero.tiers import Tiers, default_budgets, shard_key
@@ -130,7 +130,7 @@ class Engine:
         root = self.units[0]
         try:
             self._root_leaves = bind(root, self._gather(0), requires_grad=training)
-            loss = compute_loss(self.model, _to(batch, self.device))
+            loss = compute_loss(self.model, to_device(batch, self.device))
         except BaseException:
             self._abort()
             raise
@@ -391,13 +391,3 @@ def _existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
-
-
-def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {k: _to(v, device) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_to(v, device) for v in batch)
-    return batch

@@ -55,7 +55,7 @@ class ReferenceTrainer:
         """Forward and backward one micro-batch; step after every `accumulate` of them."""
         self.model.train()
         with self._autocast():
-            loss = compute_loss(self.model, _to(batch, self.device))
+            loss = compute_loss(self.model, to_device(batch, self.device))
         (loss / self.config.accumulate).backward()
         self.micro_step += 1
         if self.micro_step % self.config.accumulate == 0:
@@ -77,7 +77,7 @@ class ReferenceTrainer:
     def eval_loss(self, batch: Any) -> float:
         self.model.eval()
         with self._autocast():
-            return compute_loss(self.model, _to(batch, self.device)).item()
+            return compute_loss(self.model, to_device(batch, self.device)).item()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """Plain PyTorch mixed precision: fp32 weights, low-precision matmuls under autocast."""
@@ -98,11 +98,12 @@ class ReferenceTrainer:
         pass
 
 
-def _to(batch: Any, device: torch.device) -> Any:
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor of a batch (tensor, dict, tuple or list) to `device`."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device)
     if isinstance(batch, dict):
-        return {k: _to(v, device) for k, v in batch.items()}
+        return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (tuple, list)):
-        return type(batch)(_to(v, device) for v in batch)
+        return type(batch)(to_device(v, device) for v in batch)
     return batch
