@@ -33,6 +33,7 @@ def train(
     gpu_budget: Optional[str] = typer.Option(None, "--gpu-budget", help="GPU memory budget, e.g. 20GiB."),
     prefetch_depth: Optional[int] = typer.Option(None, "--prefetch-depth", help="Units fetched ahead of compute."),
     overlap_step: Optional[bool] = typer.Option(None, "--overlap-step/--no-overlap-step", help="Step each unit's optimizer during backward where exact."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="`tierzero bench --profile-out` file; --offload auto uses it to predict step time."),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where config, metrics and offloaded state go. Default: runs/<model>-<time>."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
 ) -> None:
@@ -42,6 +43,7 @@ def train(
                      clip_grad_norm=clip_grad_norm, seed=seed, dtype=dtype, offload=offload,
                      nvme_path=nvme_path or None, host_budget=host_budget, gpu_budget=gpu_budget,
                      prefetch_depth=prefetch_depth, overlap_step=overlap_step,
+                     profile=str(profile) if profile else None,
                      run_dir=str(run_dir) if run_dir else None)
     run = load_run_config(config, overrides)
     if run.run_dir is None:

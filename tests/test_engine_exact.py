@@ -110,3 +110,28 @@ def test_host_cache_serves_refetches_and_never_stale_params(tmp_path) -> None:
     assert stats["bytes_host_cache_hit"] == stats["bytes_host->gpu"]
     # the drive serves only the optimizer's four states per unit
     assert stats["bytes_nvme->host"] == 4 * param_bytes
+
+
+def test_auto_offload_picks_a_placement_that_fits_the_budgets(tmp_path) -> None:
+    roomy = Config(offload="auto", nvme_path=[str(tmp_path / "nvme")], host_budget="1GiB", gpu_budget="1GiB")
+    assert Engine(models.build(SMALL, device="meta"), roomy).placement == Placement()
+    tight_gpu = Config(offload="auto", nvme_path=[str(tmp_path / "nvme")], host_budget="1GiB",
+                       gpu_budget="500KB", prefetch_depth=0, lr=3e-3, total_steps=3)
+    engine = Engine(models.build(SMALL, device="meta", seed=0), tight_gpu)
+    assert engine.placement.param is not Tier.GPU
+    _, ref_weights = reference_run(SMALL, tight_gpu, steps=3)
+    data = batches()
+    with engine:
+        for _ in range(3):
+            engine.train_step(data.next_batch())
+        weights = engine.master_state_dict()
+    for key in ref_weights:
+        assert torch.equal(weights[key], ref_weights[key]), key
+
+
+def test_auto_offload_says_when_nothing_fits(tmp_path) -> None:
+    from tierzero.errors import ConfigError
+
+    hopeless = Config(offload="auto", nvme_path=[str(tmp_path / "nvme")], host_budget="64KiB", gpu_budget="64KiB")
+    with pytest.raises(ConfigError, match="no placement fits the budgets"):
+        Engine(models.build(SMALL, device="meta"), hopeless)

@@ -315,22 +315,30 @@ class Engine:
             self.tiers.run(store.write(key, src))
 
     def _resolve_placement(self) -> Placement:
-        """The configured placement, or for `offload auto` the planner's best fit for the budgets."""
+        """The configured placement, or for `offload auto` the planner's best among those whose
+        working sets (this engine's own accounting, `_tier_needs`) fit the budgets."""
         if self.config.placement is not None or self.config.offload is not Offload.AUTO:
             return self.config.resolved_placement()
-        from tierzero.plan import choose_placement, load_profile
+        from tierzero.plan import Workload, candidate_placements, choose, estimate, load_profile
 
         host, gpu = default_budgets(self.device)
         paths = [_existing(Path(p)) for p in self.config.nvme_path]
-        choice = choose_placement(
-            self._unit_sizes(), compute_itemsize=self.dtype.itemsize, grad_itemsize=4,
-            gpu_budget=self.config.gpu_budget or gpu, host_budget=self.config.host_budget or host,
-            nvme_free=min(shutil.disk_usage(p).free for p in paths) * len(paths),
-            world_size=self.comm.world_size, prefetch_depth=self.config.prefetch_depth,
-            profile=load_profile(self.config.profile) if self.config.profile else None)
-        if not choice.fits:
-            raise ConfigError(choice.shortfall or "no placement fits the given budgets; raise them")
-        return choice.placement
+        budgets = {Tier.HOST: self.config.host_budget or host, Tier.GPU: self.config.gpu_budget or gpu,
+                   Tier.NVME: min(shutil.disk_usage(p).free for p in paths) * len(paths)}
+        exact = self.config.clip_grad_norm is None and self.dtype != torch.float16
+        overlap = exact if self.config.overlap_step is None else self.config.overlap_step
+        work = Workload(tuple(self._unit_sizes()), self.dtype.itemsize, 4, self.comm.world_size,
+                        self.config.prefetch_depth)
+        profile = load_profile(self.config.profile) if self.config.profile else None
+        fitting = [estimate(p, work, profile) for p in candidate_placements()
+                   if all(n <= budgets[t] for t, n in _tier_needs(
+                       self.units, p, self.dtype.itemsize, self.config.prefetch_depth, self.device,
+                       overlap).items())]
+        if not fitting:
+            raise ConfigError(f"no placement fits the budgets (host {budgets[Tier.HOST] / 1e6:.1f} MB, "
+                              f"gpu {budgets[Tier.GPU] / 1e6:.1f} MB, nvme {budgets[Tier.NVME] / 1e9:.1f} GB "
+                              "free); raise --host-budget or --gpu-budget, or free disk space")
+        return choose(fitting, dict.fromkeys(budgets)).placement
 
     def _unit_sizes(self) -> list[tuple[str, int]]:
         return [(u.name, u.numel) for u in self.units]
