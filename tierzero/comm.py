@@ -9,6 +9,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the tensor collectives; the old names still work back to torch 2.4
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class Comm:
     def __init__(self) -> None:
@@ -21,7 +25,7 @@ class Comm:
         if self.world_size == 1:
             return shard
         full = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=shard.device)
-        dist.all_gather_into_tensor(full, shard)
+        _all_gather(full, shard)
         return full
 
     def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
@@ -30,7 +34,7 @@ class Comm:
         if self.world_size == 1:
             return full
         shard = torch.empty(full.numel() // self.world_size, dtype=full.dtype, device=full.device)
-        dist.reduce_scatter_tensor(shard, full)
+        _reduce_scatter(shard, full)
         return shard.div_(self.world_size)
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
