@@ -18,6 +18,7 @@ def train(
     config: Optional[Path] = typer.Option(None, "--config", help="TOML file of run and engine keys; flags override it."),
     model: Optional[str] = typer.Option(None, "--model", help="Model preset: tiny, 125m, 350m, 1b, 3b, 7b, 13b, 70b."),
     data: Optional[str] = typer.Option(None, "--data", help="Text file (byte tokens) or .bin/.npy token ids; default: the stdlib's own sources."),
+    weights: Optional[str] = typer.Option(None, "--weights", help="Start from local .safetensors weights (a file or a directory of them)."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences per micro-batch."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence."),
@@ -38,7 +39,7 @@ def train(
     json_out: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
 ) -> None:
     """Train a model; with no arguments, the `tiny` preset on the built-in corpus, tiered to NVMe."""
-    overrides = dict(model=model, data=data, steps=steps, batch_size=batch_size, seq_len=seq_len,
+    overrides = dict(model=model, data=data, weights=weights, steps=steps, batch_size=batch_size, seq_len=seq_len,
                      accumulate=accumulate, lr=lr, warmup_steps=warmup_steps,
                      clip_grad_norm=clip_grad_norm, seed=seed, dtype=dtype, offload=offload,
                      nvme_path=nvme_path or None, host_budget=host_budget, gpu_budget=gpu_budget,

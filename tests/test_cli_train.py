@@ -110,3 +110,19 @@ def test_report_plots_a_run(tmp_path) -> None:
 
 def test_report_on_a_directory_without_metrics(tmp_path) -> None:
     assert "has no metrics.jsonl" in one_line_error(runner.invoke(app, ["report", str(tmp_path)]))
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_train_starts_from_local_safetensors(tmp_path, offload: str) -> None:
+    from safetensors.torch import save_file
+
+    from tierzero import models
+
+    source = models.build("tiny", seed=3)
+    save_file({k: v.contiguous() for k, v in source.state_dict().items() if k != "head.weight"},
+              str(tmp_path / "w.safetensors"))
+    ok = train(*QUICK, "--offload", offload, "--weights", str(tmp_path / "w.safetensors"),
+               "--run-dir", str(tmp_path / "run"), "--json")
+    assert ok.exit_code == 0, ok.output
+    missing = train(*QUICK, "--weights", str(tmp_path / "nope.safetensors"), "--run-dir", str(tmp_path / "r2"))
+    assert "is not a .safetensors file" in one_line_error(missing)

@@ -135,3 +135,22 @@ def test_auto_offload_says_when_nothing_fits(tmp_path) -> None:
     hopeless = Config(offload="auto", nvme_path=[str(tmp_path / "nvme")], host_budget="64KiB", gpu_budget="64KiB")
     with pytest.raises(ConfigError, match="no placement fits the budgets"):
         Engine(models.build(SMALL, device="meta"), hopeless)
+
+
+def test_init_from_local_safetensors_unit_by_unit(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    from tierzero.errors import ConfigError
+
+    source = models.build(SMALL, seed=7)
+    tensors = {k: v.contiguous() for k, v in source.state_dict().items() if k != "head.weight"}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    cfg = config(tmp_path, PLACEMENTS["everything-on-nvme"])
+    with Engine(models.build(SMALL, device="meta"), cfg, weights=tmp_path / "model.safetensors") as engine:
+        loaded = engine.master_state_dict()
+    for key, value in tensors.items():
+        assert torch.equal(loaded[key], value), key
+    save_file({"tok_emb.weight": torch.zeros(3, 3)}, str(tmp_path / "wrong.safetensors"))
+    with pytest.raises(ConfigError, match="shape"):
+        Engine(models.build(SMALL, device="meta"), config(tmp_path / "b", PLACEMENTS["all-gpu"]),
+               weights=tmp_path / "wrong.safetensors").open()

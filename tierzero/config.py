@@ -220,6 +220,7 @@ class RunConfig:
 
     model: str = "tiny"
     data: str | None = None
+    weights: str | None = None  # local .safetensors file or directory to start from
     steps: int = 80
     batch_size: int = 8
     seq_len: int = 128

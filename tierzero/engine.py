@@ -25,7 +25,7 @@ from tierzero.config import Config, Offload, Placement, StateKind, Tier
 from tierzero.errors import ConfigError, TierzeroError
 from tierzero.execute import UnitRunner, bind, detach_params, flat_grad, unbind
 from tierzero.grads import GradShards, clip_coefficient
-from tierzero.init import WeightFiles, flat_unit
+from tierzero.init import WeightFiles, flat_unit, weight_files
 from tierzero.lr import lr_at
 from tierzero.optim import OPT_KINDS, ShardOptimizer
 from tierzero.partition import Unit, partition
@@ -62,6 +62,8 @@ class Engine:
         self.tiers = Tiers(config, self.device, homes, self.comm.rank if self.comm.world_size > 1 else None)
         self.tiers.check_paths()
         self._check_budgets()
+        if weights is not None:
+            weight_files(weights)  # refuse a wrong path now, before anything is written
         self.weights = weights
         self.stats_ = StepStats()
         self.step_count = 0

@@ -18,17 +18,23 @@ from tierzero.errors import ConfigError
 from tierzero.partition import Unit
 
 
+def weight_files(path: str | Path) -> list[Path]:
+    """The `.safetensors` files behind `path` (a file or a directory), or a clear error."""
+    p = Path(path)
+    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+    if not files or not all(f.is_file() for f in files):
+        raise ConfigError(f"weights '{path}' is not a .safetensors file or a directory of them; "
+                          "check the path")
+    return files
+
+
 class WeightFiles:
     """Tensors by name across local `.safetensors` files, read one tensor at a time."""
 
     def __init__(self, path: str | Path) -> None:
         from safetensors import safe_open
 
-        p = Path(path)
-        files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
-        if not files or not all(f.is_file() for f in files):
-            raise ConfigError(f"weights '{path}' is not a .safetensors file or a directory of them; "
-                              "check the path")
+        files = weight_files(path)
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         self._where = {k: h for h in self._handles for k in h.keys()}
 

@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from tierzero import models
 from tierzero.config import Offload, RunConfig
 from tierzero.data import TokenBatches, default_corpus, load_tokens
 from tierzero.errors import DataError
+from tierzero.init import WeightFiles
 from tierzero.loop import LoopResult, Trainer, train_loop
 from tierzero.precision import check_dtype_supported, resolve_dtype
 from tierzero.rundir import RunDir
@@ -41,6 +43,14 @@ def load_batches(run: RunConfig) -> TokenBatches:
     return TokenBatches(tokens, run.batch_size, run.seq_len, seed=run.engine.seed)
 
 
+def load_weights(model: torch.nn.Module, path: str) -> None:
+    """Load local safetensors weights into a built model, checking every name and shape."""
+    files = WeightFiles(path)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(files.load((name,), tuple(param.shape)))
+
+
 @contextmanager
 def open_session(run: RunConfig) -> Iterator[Session]:
     """Check every input, then build data, model and trainer; close the trainer on exit."""
@@ -58,12 +68,14 @@ def open_session(run: RunConfig) -> Iterator[Session]:
         from tierzero.reference import ReferenceTrainer
 
         model = models.build(args, device=device, seed=cfg.seed)
+        if run.weights:
+            load_weights(model, run.weights)
         trainer: Trainer = ReferenceTrainer(model, cfg, device)
         text = "everything in memory (reference trainer)"
     else:
         from tierzero.engine import Engine
 
-        trainer = Engine(models.build(args, device="meta", seed=cfg.seed), cfg)
+        trainer = Engine(models.build(args, device="meta", seed=cfg.seed), cfg, weights=run.weights)
         text = trainer.placement.describe()
     try:
         yield Session(run, trainer, batches, args.param_count(), str(device), dtype.value, text)
