@@ -26,6 +26,7 @@ def train(
     lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate."),
     warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps", help="Linear warmup steps."),
     clip_grad_norm: Optional[float] = typer.Option(None, "--clip-grad-norm", help="Clip the global grad norm to this."),
+    clip_previous_norm: Optional[bool] = typer.Option(None, "--clip-previous-norm", help="Clip by the previous step's norm, so clipping can overlap the step with backward."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for init and data order."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype: fp32, bf16 or fp16."),
     offload: Optional[str] = typer.Option(None, "--offload", help="Where state lives: none (in memory), host, nvme or auto."),
@@ -41,7 +42,7 @@ def train(
     """Train a model; with no arguments, the `tiny` preset on the built-in corpus, tiered to NVMe."""
     overrides = dict(model=model, data=data, weights=weights, steps=steps, batch_size=batch_size, seq_len=seq_len,
                      accumulate=accumulate, lr=lr, warmup_steps=warmup_steps,
-                     clip_grad_norm=clip_grad_norm, seed=seed, dtype=dtype, offload=offload,
+                     clip_grad_norm=clip_grad_norm, clip_previous_norm=clip_previous_norm, seed=seed, dtype=dtype, offload=offload,
                      nvme_path=nvme_path or None, host_budget=host_budget, gpu_budget=gpu_budget,
                      prefetch_depth=prefetch_depth, overlap_step=overlap_step,
                      profile=str(profile) if profile else None,

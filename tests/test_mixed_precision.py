@@ -182,3 +182,26 @@ def test_bf16_engine_tracks_the_fp32_reference_loss_curve() -> None:
     ours_w, theirs_w = ours.reshape(10, 20).mean(1), theirs.reshape(10, 20).mean(1)
     assert np.abs(ours_w - theirs_w).max() < BF16_WINDOW_TOLERANCE, (ours_w, theirs_w)
     assert ours_w[-1] < ours_w[0] - 1.0  # and it learns
+
+
+def test_clipping_by_the_previous_norm_is_an_opt_in_approximation(tmp_path) -> None:
+    """With clip_previous_norm, overlap_step clips step k by step k-1's global norm: step 1 is
+    unclipped (bitwise the unclipped reference), and the norm it logs is the reference's."""
+    from tierzero.reference import ReferenceTrainer
+
+    with pytest.raises(ConfigError, match="clip_previous_norm"):
+        Engine(models.build(SMALL, device="meta"), config(tmp_path, overlap_step=True, clip_grad_norm=0.5,
+                                                           clip_previous_norm=False))
+    cfg = config(tmp_path, clip_grad_norm=0.5, clip_previous_norm=True)
+    engine = Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg)
+    assert engine.overlap
+    _, unclipped = reference_run(SMALL, config(tmp_path), steps=1)
+    reference = ReferenceTrainer(models.build(SMALL, seed=cfg.seed), config(tmp_path, clip_grad_norm=0.5))
+    data, ref_data = batches(), batches()
+    with engine:
+        engine.train_step(data.next_batch())
+        reference.train_step(ref_data.next_batch())
+        assert_bitwise(engine.master_state_dict(), unclipped)
+        assert engine.last_grad_norm == reference.last_grad_norm > 0.5
+        losses = [engine.train_step(data.next_batch()) for _ in range(4)]
+    assert losses[-1] < losses[0]

@@ -139,6 +139,7 @@ class Config:
     total_steps: int | None = None
     min_lr_ratio: float = 0.1
     clip_grad_norm: float | None = None
+    clip_previous_norm: bool = False  # opt-in approximation that lets overlap_step clip
     accumulate: int = 1
     loss_scale: float = 2.0**16
     loss_scale_window: int = 1000

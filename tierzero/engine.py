@@ -49,15 +49,10 @@ class Engine:
         self.comm = Comm()
         self.units = partition(model, self.comm.world_size, config.units)
         self.param_order = [name for name, _ in model.named_parameters()]
-        self.placement = self._resolve_placement()
         self.scaler = DynamicLossScaler(config.loss_scale, config.loss_scale_window,
                                         enabled=self.dtype == torch.float16)
-        exact = config.clip_grad_norm is None and not self.scaler.enabled
-        if config.overlap_step and not exact:
-            raise ConfigError("overlap_step cannot be exact with clip_grad_norm or fp16: each unit's "
-                              "step would need the global norm or overflow check first; turn one off")
-        # stepping each unit during backward is exact here, so it is on unless turned off
-        self.overlap = exact if config.overlap_step is None else config.overlap_step
+        self.overlap = self._resolve_overlap()
+        self.placement = self._resolve_placement()
         homes = {self.placement.home(k) for k in StateKind}
         self.tiers = Tiers(config, self.device, homes, self.comm.rank if self.comm.world_size > 1 else None)
         self.tiers.check_paths()
@@ -75,6 +70,7 @@ class Engine:
         self._broken: str | None = None  # why a step stopped half-way, leaving partial state
         self._root_leaves: list[torch.Tensor] | None = None
         self._stepped_in_backward = False
+        self._previous_norm: torch.Tensor | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -150,8 +146,11 @@ class Engine:
         self.grads.begin(self.micro % accumulate, last, 1.0 / scale)
         if last and self.overlap:
             lr = lr_at(self.step_count, self.config)
+            coef = None  # clip_previous_norm: the first step is not clipped
+            if self.config.clip_grad_norm is not None and self._previous_norm is not None:
+                coef = clip_coefficient(self._previous_norm, self.config.clip_grad_norm)
             self.grads.hand_over = lambda unit, grad, owned: self.optimizer.step_unit(
-                unit, grad, owned, self.step_count, lr)
+                unit, grad, owned, self.step_count, lr, coef)
             # read each unit's states while the unit before it in backward order still computes
             self.runner.on_backward_start = lambda u: [self.optimizer.prefetch(self.units[v])
                                                        for v in (u, u - 1) if v >= 0]
@@ -189,6 +188,9 @@ class Engine:
         self.tiers.pending.drain()  # grads written during backward must land before they are read
         if self._stepped_in_backward:  # overlap_step: every unit was stepped as its grad arrived
             self._stepped_in_backward = False
+            if self.config.clip_grad_norm is not None:  # this step's norm clips the next one
+                self._previous_norm = self.grads.total_norm(self.param_order)
+                self.last_grad_norm = self._previous_norm.item()
             self.step_count += 1
             return True
         if self.scaler.enabled and not self.scaler.update(self.grads.found_inf()):
@@ -316,6 +318,22 @@ class Engine:
         else:
             self.tiers.run(store.write(key, src))
 
+    def _resolve_overlap(self) -> bool:
+        """Whether units are stepped during backward: on by default wherever that is exact.
+
+        fp16 never (the step waits for the overflow check); clipping only when the user opts in
+        to clipping by the previous step's global norm (`clip_previous_norm`).
+        """
+        clip = self.config.clip_grad_norm is not None
+        if self.config.clip_previous_norm and not clip:
+            raise ConfigError("clip_previous_norm needs clip_grad_norm; set both or neither")
+        possible = not self.scaler.enabled and (not clip or self.config.clip_previous_norm)
+        if self.config.overlap_step and not possible:
+            raise ConfigError("overlap_step cannot be exact with clip_grad_norm or fp16: each unit's "
+                              "step would need the global norm or overflow check first; turn one "
+                              "off, or opt in to clipping by the previous step's norm (clip_previous_norm)")
+        return possible if self.config.overlap_step is None else self.config.overlap_step
+
     def _resolve_placement(self) -> Placement:
         """The configured placement, or for `offload auto` the planner's best among those whose
         working sets (this engine's own accounting, `_tier_needs`) fit the budgets."""
@@ -327,15 +345,13 @@ class Engine:
         paths = [_existing(Path(p)) for p in self.config.nvme_path]
         budgets = {Tier.HOST: self.config.host_budget or host, Tier.GPU: self.config.gpu_budget or gpu,
                    Tier.NVME: min(shutil.disk_usage(p).free for p in paths) * len(paths)}
-        exact = self.config.clip_grad_norm is None and self.dtype != torch.float16
-        overlap = exact if self.config.overlap_step is None else self.config.overlap_step
         work = Workload(tuple(self._unit_sizes()), self.dtype.itemsize, 4, self.comm.world_size,
                         self.config.prefetch_depth)
         profile = load_profile(self.config.profile) if self.config.profile else None
         fitting = [estimate(p, work, profile) for p in candidate_placements()
                    if all(n <= budgets[t] for t, n in _tier_needs(
                        self.units, p, self.dtype.itemsize, self.config.prefetch_depth, self.device,
-                       overlap).items())]
+                       self.overlap).items())]
         if not fitting:
             raise ConfigError(f"no placement fits the budgets (host {budgets[Tier.HOST] / 1e6:.1f} MB, "
                               f"gpu {budgets[Tier.GPU] / 1e6:.1f} MB, nvme {budgets[Tier.NVME] / 1e9:.1f} GB "

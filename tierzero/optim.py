@@ -86,7 +86,8 @@ class ShardOptimizer:
         for buf in work.leased.values():
             self._give_back(buf)
 
-    def step_unit(self, unit: Unit, grad: torch.Tensor, owned: bool, step_count: int, lr: float) -> None:
+    def step_unit(self, unit: Unit, grad: torch.Tensor, owned: bool, step_count: int, lr: float,
+                  grad_coef: torch.Tensor | None = None) -> None:
         """Step one unit as soon as its final grad exists (overlap_step), off the training thread.
 
         Its states were prefetched (or are read now); the AdamW step runs on an I/O thread once
@@ -95,13 +96,14 @@ class ShardOptimizer:
         """
         work = self._prefetched.pop(unit.index, None) or self._load(unit)
         self._attach_grad(work, grad, owned)
-        future = self.tiers.submit(self._step_when_loaded(work, step_count, lr))
+        future = self.tiers.submit(self._step_when_loaded(work, step_count, lr, grad_coef))
         self.tiers.pending.add(future, lambda ok: self._write(work) if ok else self._discard(work))
 
-    async def _step_when_loaded(self, work: Work, step_count: int, lr: float) -> None:
+    async def _step_when_loaded(self, work: Work, step_count: int, lr: float,
+                                grad_coef: torch.Tensor | None) -> None:
         for future in work.futures:
             await asyncio.wrap_future(future)
-        await asyncio.get_running_loop().run_in_executor(None, self._step, work, step_count, lr, None)
+        await asyncio.get_running_loop().run_in_executor(None, self._step, work, step_count, lr, grad_coef)
 
     def _attach_grad(self, work: Work, grad: torch.Tensor, owned: bool) -> None:
         """Use the finished grad shard handed over by backward (owned: a lease to give back)."""
