@@ -205,3 +205,16 @@ def test_clipping_by_the_previous_norm_is_an_opt_in_approximation(tmp_path) -> N
         assert engine.last_grad_norm == reference.last_grad_norm > 0.5
         losses = [engine.train_step(data.next_batch()) for _ in range(4)]
     assert losses[-1] < losses[0]
+
+
+def test_forward_after_an_overlapped_backward_settles_the_step(tmp_path) -> None:
+    """overlap_step updates shards during backward; a forward without step() must not read
+    them half-written, so it finishes the step first (same weights as calling step())."""
+    explicit = engine_run(config(tmp_path / "a"), 3)[1]
+    data = batches()
+    with Engine(models.build(SMALL, device="meta", seed=0), config(tmp_path / "b")) as engine:
+        for _ in range(3):
+            engine.backward(engine.forward(data.next_batch()))  # no step() calls
+        engine.forward(data.next_batch())
+        assert engine.step_count == 3
+        assert_bitwise(engine.master_state_dict(), explicit)

@@ -123,6 +123,8 @@ class Engine:
     def forward(self, batch: Any) -> torch.Tensor:
         """The loss of one micro-batch; with grad enabled, ready for `backward`."""
         self._usable()
+        if self._stepped_in_backward:
+            self.step()  # overlap_step already updated the shards: settle it before reading them
         training = torch.is_grad_enabled()
         self.scheduler.begin(self.train_plan if training else self.eval_plan)
         root = self.units[0]
