@@ -12,7 +12,7 @@ from rich.console import Console
 class Output:
     def __init__(self, json_mode: bool = False) -> None:
         self.json_mode = json_mode
-        self.console = Console(stderr=json_mode)
+        self.console = Console(stderr=json_mode, soft_wrap=True)
 
     def emit_json(self, obj: Any) -> None:
         sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
