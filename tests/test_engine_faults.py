@@ -79,10 +79,8 @@ def test_failed_optimizer_read_writes_nothing_and_stops_the_engine(tmp_path, mon
         monkeypatch.setattr(store, "read_into", failing)
         with pytest.raises(OSError, match="injected"):
             engine.train_step(data.next_batch())
-            engine.tiers.pending.drain()
         monkeypatch.setattr(store, "read_into", real)
         assert torch.equal(engine.read_shard(StateKind.EXP_AVG, unit), before)
-        assert torch.equal(engine.read_shard(StateKind.MASTER, unit), engine.read_shard(StateKind.MASTER, unit))
         with pytest.raises(TierzeroError, match="stopped in the middle of a step"):
             engine.train_step(data.next_batch())
 

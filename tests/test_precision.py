@@ -8,7 +8,7 @@ import torch
 from tierzero import precision
 from tierzero.config import DType
 from tierzero.errors import ConfigError, TierzeroError
-from tierzero.precision import DynamicLossScaler, check_dtype_supported, compute_dtype, default_dtype, found_inf
+from tierzero.precision import DynamicLossScaler, check_dtype_supported, compute_dtype, default_dtype
 
 CPU = torch.device("cpu")
 
@@ -41,14 +41,6 @@ def test_probe_reports_a_failing_kernel_as_unsupported(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(torch, "ones", broken_ones)
     assert precision._probe(torch.float16, CPU) is False
-
-
-def test_found_inf() -> None:
-    good = [torch.ones(3), torch.zeros(2, 2, dtype=torch.bfloat16)]
-    assert not found_inf(good)
-    assert found_inf(good + [torch.tensor([1.0, float("inf")])])
-    assert found_inf([torch.tensor([float("nan")], dtype=torch.float16)])
-    assert not found_inf([])
 
 
 def test_overflow_halves_and_skips_then_grows_after_interval() -> None:

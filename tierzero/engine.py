@@ -307,7 +307,8 @@ class Engine:
             for kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ, StateKind.GRAD):
                 self._put(kind, unit, zeros)
             self.tiers.pending.drain()  # peak host memory stays about one unit
-        self.tiers.run(self.tiers.stores.get(Tier.NVME, self.tiers.stores[Tier.HOST]).flush())
+        if Tier.NVME in self.tiers.stores:
+            self.tiers.run(self.tiers.stores[Tier.NVME].flush())
 
     def _put(self, kind: StateKind, unit: Unit, src: torch.Tensor) -> None:
         store = self.tiers.stores[self.placement.home(kind)]
@@ -341,16 +342,12 @@ class Engine:
         working sets (this engine's own accounting, `_tier_needs`) fit the budgets."""
         if self.config.placement is not None or self.config.offload is not Offload.AUTO:
             return self.config.resolved_placement()
-        from tierzero.plan import Workload, candidate_placements, choose, estimate, load_profile
+        from tierzero.plan import candidate_placements, choose_placement, load_profile
 
         host, gpu = default_budgets(self.device)
-        paths = [_existing(Path(p)) for p in self.config.nvme_path]
         budgets = {Tier.HOST: self.config.host_budget or host, Tier.GPU: self.config.gpu_budget or gpu,
-                   Tier.NVME: min(shutil.disk_usage(p).free for p in paths) * len(paths)}
-        work = Workload(tuple(self._unit_sizes()), self.dtype.itemsize, 4, self.comm.world_size,
-                        self.config.prefetch_depth)
-        profile = load_profile(self.config.profile) if self.config.profile else None
-        fitting = [estimate(p, work, profile) for p in candidate_placements()
+                   Tier.NVME: self._nvme_free() * len(self.config.nvme_path)}
+        fitting = [p for p in candidate_placements()
                    if all(n <= budgets[t] for t, n in _tier_needs(
                        self.units, p, self.dtype.itemsize, self.config.prefetch_depth, self.device,
                        self.overlap).items())]
@@ -358,7 +355,15 @@ class Engine:
             raise ConfigError(f"no placement fits the budgets (host {budgets[Tier.HOST] / 1e6:.1f} MB, "
                               f"gpu {budgets[Tier.GPU] / 1e6:.1f} MB, nvme {budgets[Tier.NVME] / 1e9:.1f} GB "
                               "free); raise --host-budget or --gpu-budget, or free disk space")
-        return choose(fitting, dict.fromkeys(budgets)).placement
+        return choose_placement(
+            self._unit_sizes(), compute_itemsize=self.dtype.itemsize, grad_itemsize=4,
+            gpu_budget=None, host_budget=None, nvme_free=None, world_size=self.comm.world_size,
+            prefetch_depth=self.config.prefetch_depth, candidates=fitting,
+            profile=load_profile(self.config.profile) if self.config.profile else None).placement
+
+    def _nvme_free(self) -> int:
+        """Free bytes on the fullest nvme path (shards stripe evenly across the paths)."""
+        return min(shutil.disk_usage(_existing(Path(p))).free for p in self.config.nvme_path)
 
     def _unit_sizes(self) -> list[tuple[str, int]]:
         return [(u.name, u.numel) for u in self.units]
@@ -375,7 +380,7 @@ class Engine:
                                   f"unit {max(u.numel for u in self.units):,} params); raise {flag} "
                                   "or offload more state")
         if Tier.NVME in {self.placement.home(k) for k in StateKind}:
-            free = min(shutil.disk_usage(_existing(Path(p))).free for p in self.config.nvme_path)
+            free = self._nvme_free()
             total = need[Tier.NVME] // len(self.config.nvme_path)
             if total > free:
                 raise ConfigError(f"nvme path {self.config.nvme_path[0]} has {free / 1e9:.2f} GB free but "

@@ -128,8 +128,3 @@ def partition(model: nn.Module, world_size: int = 1, units: str | None = None) -
         quantum = ALIGN_NUMEL * world_size
         unit.padded_numel = max(quantum, -(-offset // quantum) * quantum)
     return result
-
-
-def param_index(units: list[Unit]) -> dict[str, tuple[int, ParamSlot]]:
-    """Every parameter name (tied aliases included) -> (unit index, slot)."""
-    return {name: (u.index, s) for u in units for s in u.slots for name in s.names}

@@ -318,6 +318,7 @@ def choose_placement(
     tokens_per_step: int = 0,
     profile: Profile | None = None,
     grad_itemsize: int | None = None,
+    candidates: Sequence[Placement] | None = None,
 ) -> PlacementChoice:
     """The placement `--offload auto` uses: it fits every budget with the least predicted step
     time (with a `profile`) or the least traffic (without).
@@ -327,9 +328,12 @@ def choose_placement(
     `gpu_budget` per GPU, `host_budget` and `nvme_free` per machine; None = unbounded.
     `activation_bytes` is charged to the GPU; `tokens_per_step` (per GPU) only feeds the
     step-time model; `grad_itemsize` defaults to the compute dtype's (pass 4 for fp32 grads).
+    `candidates` (default: every candidate placement) lets a caller pre-filter, as the engine
+    does with its own working-set accounting.
     """
     work = Workload(tuple(units), compute_itemsize,
                     compute_itemsize if grad_itemsize is None else grad_itemsize,
                     world_size, prefetch_depth, activation_bytes, tokens_per_step)
     budgets = {Tier.GPU: gpu_budget, Tier.HOST: host_budget, Tier.NVME: nvme_free}
-    return choose([estimate(p, work, profile) for p in candidate_placements()], budgets)
+    placements = candidate_placements() if candidates is None else candidates
+    return choose([estimate(p, work, profile) for p in placements], budgets)

@@ -2,7 +2,7 @@
 
 Owns the dtype checks made before any state is written, and the scaler's arithmetic and state.
 Master weights and Adam moments are always fp32; this module only decides the compute dtype.
-It never touches tiers, shards or the optimizer: the engine asks `found_inf` and
+It never touches tiers, shards or the optimizer: the engine asks
 `DynamicLossScaler.update` and acts on the answer.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -71,20 +70,6 @@ def _probe(dtype: torch.dtype, device: torch.device) -> bool:
         return a.grad is not None and bool(torch.isfinite(a.grad).all())
     except (RuntimeError, TypeError, NotImplementedError):
         return False
-
-
-def found_inf(tensors: Iterable[torch.Tensor]) -> bool:
-    """True if any element of any tensor is inf or NaN.
-
-    Each check stays on its tensor's device and the flags are combined on an accelerator if one
-    holds any (host -> device copies of the CPU flags never wait), so the final `bool()` is the
-    only host-device sync point; with every tensor on the CPU there is none.
-    """
-    flags = [torch.isfinite(t).all() for t in tensors]
-    if not flags:
-        return False
-    device = next((f.device for f in flags if f.device.type != "cpu"), flags[0].device)
-    return not bool(torch.stack([f.to(device, non_blocking=True) for f in flags]).all())
 
 
 class DynamicLossScaler:
