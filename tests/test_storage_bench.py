@@ -15,7 +15,7 @@ from tierzero.cli.bench import bench
 from tierzero.errors import ConfigError
 from tierzero.plan import load_profile
 from tierzero.storage.base import StorageError
-from tierzero.storage.bench import DiskBench
+from tierzero.storage.bench import DiskBench, fio_wall_span_gbps
 from tierzero.storage.host import HostPool
 from tierzero.storage.io import IOLoop
 
@@ -45,6 +45,9 @@ def test_json_report_has_the_keys_checks_read(tmp_path: Path) -> None:
     assert set(report["ratios"]) == {"read_vs_raw", "write_vs_raw", "read_vs_fio",
                                      "write_vs_fio"}
     assert report["ratios"]["read_vs_fio"] is None
+    assert set(report["rounds"]) == {"store_write_gbps", "store_read_gbps", "raw_write_gbps",
+                                     "raw_read_gbps"}
+    assert len(report["rounds"]["store_write_gbps"]) == 1
     assert json.loads(profile.read_text()) == report
     assert load_profile(profile).nvme_read_gbps == nvme["read_gbps"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.json"]  # bench files gone
@@ -63,6 +66,7 @@ def test_fio_comparison(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["fio"]["read_gbps"] > 0 and report["fio"]["write_gbps"] > 0
+    assert report["fio"]["write_gbps_fio_reported"] > 0
     assert "iodepth=" in report["fio"]["write_config"]
     assert report["ratios"]["write_vs_fio"] > 0
     assert list(tmp_path.iterdir()) == []
@@ -87,11 +91,30 @@ def test_plan_interleaves_and_lays_out_first(tmp_path: Path) -> None:
                           "store layout, 8 MiB chunks"]
     assert labels.index("fio sweep: read bs=8M iodepth=32 numjobs=4") < labels.index(
         "raw write (round 1)")
-    round_2 = labels[labels.index("raw write (round 2)"):][:6]
-    assert round_2 == ["raw write (round 2)", "store write (round 2)", "fio write (round 2)",
-                       "raw read (round 2)", "store read (round 2)", "fio read (round 2)"]
+    round_1 = labels[labels.index("raw write (round 1)"):][:6]
+    assert round_1 == ["raw write (round 1)", "store write (round 1)", "fio write (round 1)",
+                       "raw read (round 1)", "store read (round 1)", "fio read (round 1)"]
+    round_2 = labels[labels.index("store write (round 2)"):][:6]  # each takes a turn first
+    assert round_2 == ["store write (round 2)", "fio write (round 2)", "raw write (round 2)",
+                       "store read (round 2)", "fio read (round 2)", "raw read (round 2)"]
     assert sum("fio sweep" in label for label in labels) == 16
     # 4 MiB split over 4 jobs is smaller than one 8 MiB block: fio refuses those configs.
     assert [label for label in small if "fio sweep: write" in label] == [
         "fio sweep: write bs=1M iodepth=8 numjobs=1", "fio sweep: write bs=1M iodepth=8 numjobs=4",
         "fio sweep: write bs=1M iodepth=32 numjobs=1", "fio sweep: write bs=1M iodepth=32 numjobs=4"]
+
+
+def test_fio_is_timed_over_its_wall_span(tmp_path: Path) -> None:
+    """Two staggered jobs of 1 GB each: fio would report 2 GB over the longer job's 1 s
+    (2 GB/s); the bytes actually moved in 1.5 s of wall time (1.33 GB/s)."""
+    t0 = 1_700_000_000_000
+    (tmp_path / "job_lat.1.log").write_text(
+        f"{t0 + 500}, 500000000, 1, 500000000, 0\n{t0 + 1000}, 500000000, 1, 500000000, 0\n")
+    (tmp_path / "job_lat.2.log").write_text(
+        f"{t0 + 1500}, 1000000000, 1, 1000000000, 0\n")
+    (tmp_path / "job_clat.1.log").write_text(f"{t0 + 9000}, 1, 1, 999, 0\n")  # ignored
+    assert fio_wall_span_gbps(str(tmp_path)) == pytest.approx(2 / 1.5)
+    for log in tmp_path.iterdir():
+        log.unlink()
+    with pytest.raises(StorageError, match="no latency log"):
+        fio_wall_span_gbps(str(tmp_path))
