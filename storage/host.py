@@ -2,34 +2,84 @@
 
 Pinned memory makes host<->GPU copies run at full PCIe speed and asynchronously; page
 alignment lets the NVMe store move bytes into these buffers with O_DIRECT.
+
+Each block is its own anonymous mapping, pinned in place with `cudaHostRegister`, rather than a
+`torch.empty(pin_memory=True)`: the CUDA caching host allocator rounds every block up to a power
+of two and keeps freed blocks pinned for the life of the process, so real pinned memory could
+reach twice the budget and never come back. A mapping is exactly the bytes the budget counts,
+is unpinned when the pool drops it, and goes back to the OS with its last reference.
 """
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
+from tierzero.storage.base import StorageError
 from tierzero.storage.memory import MemoryStore
 from tierzero.storage.pool import BufferPool
 
+# cudaHostRegisterPortable: pinned for every CUDA context, as torch's own pin_memory_utils does.
+_REGISTER_PORTABLE = 1
+
 
 class HostPool(BufferPool):
-    """Host buffers under a byte budget; `pin=None` pins iff CUDA is available (decided at open)."""
+    """Host buffers under a byte budget; `pin=None` pins iff CUDA is available (decided at open).
+
+    `alignment` is raised to at least the page size: a block is a whole number of pages of real
+    memory, so a smaller capacity would undercount the budget.
+    """
 
     kind = "host"
 
     def __init__(self, budget_bytes: int, pin: bool | None = None, alignment: int = 4096) -> None:
         super().__init__(budget_bytes, alignment)
+        self.alignment = max(alignment, mmap.PAGESIZE)
         self._pin_request = pin
         self.pin = bool(pin)
 
     def open(self) -> None:
-        self.pin = torch.cuda.is_available() if self._pin_request is None else self._pin_request
+        cuda = torch.cuda.is_available()
+        if self._pin_request and not cuda:
+            raise StorageError("pinned host memory needs CUDA, which is not available here; "
+                               "pass pin=None (pin when CUDA is there) or pin=False")
+        self.pin = cuda if self._pin_request is None else self._pin_request
         super().open()
 
-    def _allocate(self, nbytes: int) -> torch.Tensor:
-        # The CUDA host allocator rounds pinned blocks up to a power of two and caches them after
-        # they are dropped; budgets count the requested capacity.
-        return torch.empty(nbytes + self.alignment, dtype=torch.uint8, pin_memory=self.pin)
+    def _allocate(self, capacity: int) -> torch.Tensor:
+        # Anonymous mappings are page-aligned; only an alignment above the page size needs slack.
+        slack = self.alignment - mmap.PAGESIZE
+        # The tensor references the mapping, which is unmapped when the last view of it dies;
+        # never mmap.close() it: torch.frombuffer holds no buffer export, so close would succeed
+        # and leave tensors callers still hold pointing at unmapped memory.
+        try:
+            region = mmap.mmap(-1, capacity + slack)
+        except OSError as exc:
+            raise StorageError(f"cannot map {capacity} bytes of host memory ({exc.strerror}): "
+                               "lower the host budget") from exc
+        raw = torch.frombuffer(region, dtype=torch.uint8)
+        offset = -raw.data_ptr() % self.alignment
+        data = raw[offset: offset + capacity]
+        if self.pin:
+            err = int(torch.cuda.cudart().cudaHostRegister(data.data_ptr(), capacity,
+                                                          _REGISTER_PORTABLE))
+            if err != 0:
+                raise StorageError(
+                    f"cannot pin {capacity} bytes of host memory (cudaHostRegister error {err}): "
+                    "lower the host budget, or raise the locked-memory limit (ulimit -l)")
+        return data
+
+    def _release(self, data: torch.Tensor) -> None:
+        # Unpin while the pool still holds the mapping: unregistering unmapped memory is an error,
+        # and CPython's mmap unmaps before any weakref callback on it could run.
+        if self.pin:
+            err = int(torch.cuda.cudart().cudaHostUnregister(data.data_ptr()))
+            if err != 0:
+                raise StorageError(f"cannot unpin the {data.numel()}-byte host block at "
+                                   f"0x{data.data_ptr():x} (cudaHostUnregister error {err}; "
+                                   "it may be left over from an earlier CUDA call: rerun with "
+                                   "CUDA_LAUNCH_BLOCKING=1 to find it)")
 
 
 class HostStore(MemoryStore):

@@ -9,13 +9,16 @@ its pages are faulted in).
 Budget accounting: `resident_bytes` is the capacity of every block the pool holds -- leased,
 cached, or idle on a free list. It never exceeds `budget_bytes`. When a new block would not fit,
 the pool first drops idle free blocks, then evicts cache entries (least recently used first,
-never one that is leased), and only then raises `BudgetExceededError`. The few bytes of slack
-used to align each allocation (< `alignment` per block) are not counted.
+never one that is leased), and only then raises `BudgetExceededError`. An allocation that is not
+already aligned carries a few bytes of slack to align it (< `alignment` per block), not counted.
 
 The cache maps a shard key to a block: `cache_put(key, buf)` registers a leased buffer,
 `cache_get(key)` leases it again (every lease and every hit is paired with one `give_back`), and
 a cached block whose leases are all given back stays resident until evicted or dropped.
-Subclasses only say how to allocate (`HostPool`: pinned host memory, `DevicePool`: GPU memory).
+Subclasses say how to allocate (`HostPool`: page-aligned host mappings, pinned when CUDA is
+there; `DevicePool`: GPU memory) and, where a block holds more than its bytes (a pinning), how to
+release it: `_release` runs once per block the pool drops -- evicted, trimmed, or at `close()` --
+while the pool still holds the block, so the memory is still mapped when it runs.
 All methods are thread-safe: the training thread and the I/O loop both lease.
 """
 
@@ -69,20 +72,43 @@ class BufferPool(abc.ABC):
         self._is_open = False
 
     @abc.abstractmethod
-    def _allocate(self, nbytes: int) -> torch.Tensor:
-        """A fresh 1-D uint8 tensor of at least `nbytes` + `alignment` bytes."""
+    def _allocate(self, capacity: int) -> torch.Tensor:
+        """A fresh 1-D uint8 tensor to cut an aligned block of `capacity` bytes from.
+
+        Either exactly `capacity` bytes that are already `alignment`-aligned (taken whole), or
+        at least `capacity` + `alignment` bytes (the pool slices an aligned run out of it).
+        """
+
+    def _release(self, data: torch.Tensor) -> None:
+        """Undo what `_allocate` did beyond the bytes (nothing by default); once per block.
+
+        Called while the pool still references `data`. Tensors callers still hold keep the
+        memory itself alive, so this must never free it, only what came with it.
+        """
 
     def open(self) -> None:
         self._is_open = True
 
     def close(self) -> None:
-        """Forget every block; tensors callers still hold stay valid but are no longer counted."""
+        """Release and forget every block; tensors callers still hold stay valid, uncounted.
+
+        Every block is released even when one release fails; the first failure is raised after.
+        """
         with self._lock:
+            blocks = list(self._blocks.values())
             self._blocks.clear()
             self._free.clear()
             self._cache.clear()
             self._resident_bytes = 0
             self._is_open = False
+            failure: StorageError | None = None
+            for block in blocks:
+                try:
+                    self._release(block.data)
+                except StorageError as exc:
+                    failure = failure or exc
+            if failure is not None:
+                raise failure
 
     def __enter__(self) -> BufferPool:
         self.open()
@@ -208,6 +234,7 @@ class BufferPool(abc.ABC):
         raw = self._allocate(capacity)
         offset = -raw.data_ptr() % self.alignment
         block = _Block(raw[offset: offset + capacity])
+        assert block.capacity == capacity, "_allocate returned too few bytes to align"
         self._blocks[block.data.data_ptr()] = block
         self._resident_bytes += capacity
         self._peak_bytes = max(self._peak_bytes, self._resident_bytes)
@@ -216,6 +243,7 @@ class BufferPool(abc.ABC):
     def _drop(self, block: _Block) -> None:
         del self._blocks[block.data.data_ptr()]
         self._resident_bytes -= block.capacity
+        self._release(block.data)  # `block` still holds the memory here
 
     def _over_budget(self, nbytes: int) -> BudgetExceededError:
         leased = sum(b.capacity for b in self._blocks.values() if b.leases)

@@ -1,0 +1,204 @@
+"""HostPool's memory: exact page-aligned mappings, returned when dropped, pinned and unpinned once.
+
+Pinning is tested against a fake CUDA runtime that records cudaHostRegister/Unregister, so
+these run without a GPU; the mappings themselves are real and watched through weak references.
+"""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import random
+import weakref
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tierzero.storage.base import BudgetExceededError, StorageError
+from tierzero.storage.host import HostPool
+
+PAGE = mmap.PAGESIZE
+_MMAP = mmap.mmap
+
+
+class Mappings:
+    """Every anonymous mapping HostPool makes, by weak reference, with its address range."""
+
+    def __init__(self) -> None:
+        self.refs: list[tuple[int, int, weakref.ref]] = []  # (address, length, mapping)
+
+    def record(self, m: mmap.mmap) -> None:
+        address = torch.frombuffer(m, dtype=torch.uint8).data_ptr()
+        self.refs.append((address, len(m), weakref.ref(m)))
+
+    def holding(self, ptr: int) -> mmap.mmap | None:
+        """The live, open mapping that contains `ptr`, if any."""
+        for address, length, ref in self.refs:
+            m = ref()
+            if address <= ptr < address + length and m is not None and not m.closed:
+                return m
+        return None
+
+    def live(self) -> int:
+        gc.collect()
+        return sum(ref() is not None for _, _, ref in self.refs)
+
+
+@pytest.fixture
+def mappings(monkeypatch: pytest.MonkeyPatch) -> Mappings:
+    recorded = Mappings()
+
+    class RecordedMmap(_MMAP):
+        def __new__(cls, *args: object, **kwargs: object) -> RecordedMmap:
+            m = super().__new__(cls, *args, **kwargs)
+            recorded.record(m)
+            return m
+
+    monkeypatch.setattr(mmap, "mmap", RecordedMmap)
+    return recorded
+
+
+class FakeCudart:
+    """Records pinning; refuses to unpin twice, unpin what was never pinned, or unmapped memory."""
+
+    def __init__(self, mappings: Mappings, fail_with: int = 0) -> None:
+        self.mappings = mappings
+        self.fail_with = fail_with
+        self.pinned: dict[int, int] = {}  # ptr -> nbytes, pinned now
+        self.registered: list[int] = []
+        self.unregistered: list[int] = []
+        self.peak_pinned_bytes = 0
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        if self.fail_with:
+            return self.fail_with
+        assert ptr % PAGE == 0 and self.mappings.holding(ptr) is not None
+        assert ptr not in self.pinned
+        self.pinned[ptr] = nbytes
+        self.registered.append(ptr)
+        self.peak_pinned_bytes = max(self.peak_pinned_bytes, sum(self.pinned.values()))
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        assert ptr in self.pinned, "unpinned twice, or never pinned"
+        assert self.mappings.holding(ptr) is not None, "unpinned after the memory was unmapped"
+        del self.pinned[ptr]
+        self.unregistered.append(ptr)
+        return 0
+
+
+@pytest.fixture
+def cudart(monkeypatch: pytest.MonkeyPatch, mappings: Mappings) -> Iterator[FakeCudart]:
+    fake = FakeCudart(mappings)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    yield fake
+
+
+def test_blocks_are_exact_page_aligned_mappings() -> None:
+    with HostPool(64 * PAGE, pin=False, alignment=512) as pool:
+        assert pool.alignment == PAGE  # a block is whole pages of real memory
+        for nbytes, pages in ((1, 1), (PAGE, 1), (PAGE + 1, 2), (2 * PAGE + 100, 3)):
+            buf = pool.lease(nbytes)
+            storage = buf.untyped_storage()
+            assert buf.numel() == nbytes and buf.data_ptr() == storage.data_ptr()
+            assert storage.nbytes() == pages * PAGE and storage.data_ptr() % PAGE == 0
+            pool.give_back(buf)
+        assert pool.resident_bytes == (1 + 2 + 3) * PAGE
+
+
+def test_an_alignment_above_the_page_size_is_honoured() -> None:
+    with HostPool(64 * PAGE, pin=False, alignment=4 * PAGE) as pool:
+        buf = pool.lease(100)
+        assert buf.data_ptr() % (4 * PAGE) == 0
+        assert pool.resident_bytes == 4 * PAGE
+        pool.give_back(buf)
+
+
+def test_memory_goes_back_when_the_pool_drops_a_block(mappings: Mappings) -> None:
+    with HostPool(16 * PAGE, pin=False) as pool:
+        pool.give_back(pool.lease(12 * PAGE))  # idle on the free list
+        assert mappings.live() == 1
+        big = pool.lease(8 * PAGE)  # does not fit beside the idle block: it is dropped
+        assert mappings.live() == 1 and pool.resident_bytes == 8 * PAGE
+        pool.cache_put("shard", big)
+        pool.give_back(big)
+        del big
+        small = pool.lease(12 * PAGE)  # evicts the cached shard
+        assert mappings.live() == 1
+        pool.give_back(small)
+        del small
+    assert mappings.live() == 0  # close() forgot the last one; nobody else held it
+
+
+def test_buffers_held_across_close_stay_valid(mappings: Mappings) -> None:
+    pool = HostPool(16 * PAGE, pin=False)
+    with pool:
+        buf = pool.lease(5000).view(torch.int32)
+        buf.fill_(7)
+    assert pool.resident_bytes == 0 and mappings.live() == 1
+    assert int(buf.sum()) == 7 * 1250
+    del buf
+    assert mappings.live() == 0
+
+
+def test_pinning_follows_the_blocks_the_pool_holds(cudart: FakeCudart) -> None:
+    rng = random.Random(0)
+    budget = 64 * PAGE
+    with HostPool(budget) as pool:
+        assert pool.pin
+        held: list[torch.Tensor] = []
+        for step in range(600):
+            action = rng.random()
+            if action < 0.45:
+                try:
+                    held.append(pool.lease(rng.choice([1, PAGE + 1, 3 * PAGE, 10 * PAGE, 25 * PAGE])))
+                except BudgetExceededError:
+                    pass
+            elif action < 0.55 and held:
+                pool.cache_put(f"shard/u{step:04d}/r0", rng.choice(held))
+            elif held:
+                pool.give_back(held.pop(rng.randrange(len(held))))
+            assert sum(cudart.pinned.values()) == pool.resident_bytes
+        assert cudart.unregistered  # blocks were dropped (trimmed or evicted) while open
+        assert cudart.peak_pinned_bytes <= budget
+    assert cudart.pinned == {}  # close() unpinned the rest
+    assert sorted(cudart.registered) == sorted(cudart.unregistered)
+    for buf in held:
+        buf.fill_(1)  # still mapped, only unpinned
+
+
+def test_each_pin_is_undone_once_on_drop_and_on_close(cudart: FakeCudart) -> None:
+    with HostPool(16 * PAGE) as pool:
+        pool.give_back(pool.lease(12 * PAGE))
+        first = cudart.registered[0]
+        held = pool.lease(8 * PAGE)  # drops the idle 12-page block
+        assert cudart.unregistered == [first]
+        cached = pool.lease(4 * PAGE)
+        pool.cache_put("shard", cached)
+        pool.give_back(cached)
+    assert cudart.pinned == {}
+    assert sorted(cudart.unregistered) == sorted(cudart.registered)
+    assert len(cudart.unregistered) == 3
+    held.fill_(1)
+
+
+def test_a_refused_pin_names_the_fix(monkeypatch: pytest.MonkeyPatch, mappings: Mappings) -> None:
+    fake = FakeCudart(mappings, fail_with=2)  # cudaErrorMemoryAllocation
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    with HostPool(16 * PAGE) as pool:
+        with pytest.raises(StorageError, match=rf"cannot pin {2 * PAGE} bytes .*error 2.*ulimit -l"):
+            pool.lease(PAGE + 1)
+        assert pool.resident_bytes == 0 and pool.peak_bytes == 0
+    assert mappings.live() == 0
+
+
+def test_pin_without_cuda_is_refused_at_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(StorageError, match="needs CUDA.*pin=None.*pin=False"):
+        HostPool(16 * PAGE, pin=True).open()
+    with HostPool(16 * PAGE) as pool:
+        assert not pool.pin
+        pool.give_back(pool.lease(10))
