@@ -32,7 +32,7 @@ MAX_SIZE_BYTES = 16 << 30
 def bench(
     path: Optional[Path] = typer.Option(None, "--path", help="Directory on the drive to measure (a temp dir is made inside it and removed). Default: the current directory."),
     size: str = typer.Option("1GiB", "--size", help=f"Bytes written and read per measurement, e.g. 1GiB or 256MB (the disk needs {FOOTPRINT}x free)."),
-    rounds: int = typer.Option(3, "--rounds", help="Interleaved rounds: throughputs are the best of them, ratios the median."),
+    rounds: int = typer.Option(5, "--rounds", help="Interleaved rounds: throughputs are the best of them, ratios the median."),
     fio: bool = typer.Option(False, "--fio", help="Also run fio (libaio, direct I/O, a small sweep, then its best in every round; timed over its wall span) and print store / fio."),
     compute_seconds: float = typer.Option(0.5, "--compute-seconds", help="Seconds spent on each compute and copy measurement."),
     profile_out: Optional[Path] = typer.Option(None, "--profile-out", help="Write the report as a profile for `tierzero plan --profile`."),
@@ -105,7 +105,7 @@ def _print_report(out: Output, r: dict[str, Any]) -> None:
               f"{nvme['shard_bytes'] >> 20} MiB shards, {IO_THREADS} threads, {mode}, "
               f"best of {nvme['rounds']} interleaved rounds")
     disk = Table(title="disk, GB/s (1e9 B/s), cold reads; ratios of best figures")
-    for col in ("", "write", "read", "write/raw", "read/raw", "write/fio", "read/fio"):
+    for col in ("", "write", "read", "write / raw", "read / raw", "write / fio", "read / fio"):
         disk.add_column(col, justify="right" if col else "left", no_wrap=not col)
 
     def fmt(x: float | None) -> str:
@@ -114,9 +114,9 @@ def _print_report(out: Output, r: dict[str, Any]) -> None:
     disk.add_row("raw, 8 MiB blocks", fmt(nvme["raw_write_gbps"]),
                  fmt(nvme["raw_read_gbps"]), "", "", "", "")
     if fio:
-        disk.add_row("fio (best, wall span)", fmt(fio["write_gbps"]), fmt(fio["read_gbps"]),
+        disk.add_row("fio, wall span (best)", fmt(fio["write_gbps"]), fmt(fio["read_gbps"]),
                      "", "", "", "")
-        disk.add_row("[dim]fio as fio reports it[/]", fmt(fio["write_gbps_fio_reported"]),
+        disk.add_row("[dim]fio, its own figure[/]", fmt(fio["write_gbps_fio_reported"]),
                      fmt(fio["read_gbps_fio_reported"]), "", "", "", "")
     for row in nvme["chunk_sweep"]:
         default = row["chunk_bytes"] == nvme["chunk_bytes"]
