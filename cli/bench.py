@@ -9,6 +9,7 @@ the report as the profile `tierzero plan --profile` reads.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -34,6 +35,7 @@ def bench(
     size: str = typer.Option("1GiB", "--size", help=f"Bytes written and read per measurement, e.g. 1GiB or 256MB (the disk needs {FOOTPRINT}x free)."),
     rounds: int = typer.Option(5, "--rounds", help="Interleaved rounds: throughputs are the best of them, ratios the median."),
     fio: bool = typer.Option(False, "--fio", help="Also run fio (libaio, direct I/O, a small sweep, then its best in every round; timed over its wall span) and print store / fio."),
+    max_seconds: float = typer.Option(600, "--max-seconds", help="Time limit: once spent, later rounds and the other chunk sizes are skipped (the first round always runs)."),
     compute_seconds: float = typer.Option(0.5, "--compute-seconds", help="Seconds spent on each compute and copy measurement."),
     profile_out: Optional[Path] = typer.Option(None, "--profile-out", help="Write the report as a profile for `tierzero plan --profile`."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
@@ -43,6 +45,8 @@ def bench(
     nbytes = parse_bytes(size, "--size")
     if not 1 << 20 <= nbytes <= MAX_SIZE_BYTES:
         raise ConfigError(f"--size {size} is out of range: use 1MiB to 16GiB")
+    if max_seconds <= 0:
+        raise ConfigError(f"--max-seconds must be positive, got {max_seconds}")
     if compute_seconds <= 0:
         raise ConfigError(f"--compute-seconds must be positive, got {compute_seconds}")
     out = Output(json_out)
@@ -72,7 +76,7 @@ def bench(
 
     with IOLoop(IO_THREADS) as io_loop, HostPool(nbytes, alignment=4096) as pool, \
             DiskBench(directory, nbytes, io_loop, pool, rounds=rounds, fio=fio) as disk:
-        _run(out, [*disk.steps(), *compute_steps])
+        _run(out, [*disk.steps(), *compute_steps], max_seconds)
         report.update(disk.result())
     if profile_out is not None:
         profile_out.write_text(json.dumps(report, indent=2) + "\n")
@@ -84,13 +88,20 @@ def bench(
             out.print(f"profile written to {profile_out}")
 
 
-def _run(out: Output, steps: list[Step]) -> None:
+def _run(out: Output, steps: list[Step], max_seconds: float) -> None:
+    """Run `steps` in order; a group that would start after `max_seconds` is skipped whole."""
+    start = time.perf_counter()
+    group, skip = 0, False
     with Progress(TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=out.console, transient=True) as progress:
         task = progress.add_task("bench", total=len(steps))
         for step in steps:
-            progress.update(task, description=step.label)
-            step.run()
+            if step.group != group:
+                group = step.group
+                skip = group != 0 and time.perf_counter() - start > max_seconds
+            if not skip:
+                progress.update(task, description=step.label)
+                step.run()
             progress.advance(task)
 
 
@@ -104,6 +115,9 @@ def _print_report(out: Output, r: dict[str, Any]) -> None:
     out.print(f"[bold]tierzero bench[/] {r['path']}: {nvme['bytes'] / 1e9:.2f} GB per run, "
               f"{nvme['shard_bytes'] >> 20} MiB shards, {IO_THREADS} threads, {mode}, "
               f"best of {nvme['rounds']} interleaved rounds")
+    if nvme["rounds"] < nvme["rounds_planned"]:
+        out.print(f"[yellow]--max-seconds reached: {nvme['rounds']} of "
+                  f"{nvme['rounds_planned']} rounds ran; skipped chunk sizes show '-'[/]")
     disk = Table(title="disk, GB/s (1e9 B/s), cold reads; ratios of best figures")
     for col in ("", "write", "read", "write / raw", "read / raw", "write / fio", "read / fio"):
         disk.add_column(col, justify="right" if col else "left", no_wrap=not col)

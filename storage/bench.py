@@ -63,10 +63,16 @@ FOOTPRINT = 6  # peak disk use in multiples of the size: raw, fio, two stores an
 
 @dataclass(frozen=True)
 class Step:
-    """One measurement of the plan: a label for the progress bar and the call that runs it."""
+    """One measurement of the plan: a label for the progress bar and the call that runs it.
+
+    Steps of one `group` run all or none of them. Group 0 (layout, fio sweep, round 1) always
+    runs; a runner with a time limit skips the later groups (further rounds, other chunk sizes)
+    that start after the limit, which keeps the bench bounded in time on a slow drive.
+    """
 
     label: str
     run: Callable[[], None]
+    group: int = 0
 
 
 @dataclass
@@ -150,23 +156,29 @@ class DiskBench:
                      if self.nbytes // nj >= bs]  # each job moves at least one block
         for r in range(1, self.rounds + 1):
             for rw in ("write", "read"):
-                turn = [Step(f"raw {rw} (round {r})", lambda rw=rw: self._raw(rw)),
-                        Step(f"store {rw} (round {r})", lambda rw=rw: self._store(rw, default))]
+                group = 0 if r == 1 else r
+                turn = [Step(f"raw {rw} (round {r})", lambda rw=rw: self._raw(rw), group),
+                        Step(f"store {rw} (round {r})", lambda rw=rw: self._store(rw, default),
+                             group)]
                 if self.fio:
-                    turn.append(Step(f"fio {rw} (round {r})", lambda rw=rw: self._fio_best(rw)))
+                    turn.append(Step(f"fio {rw} (round {r})", lambda rw=rw: self._fio_best(rw),
+                                     group))
                 first = (r - 1) % len(turn)
                 plan += turn[first:] + turn[:first]
-        for c in OTHER_CHUNK_BYTES:
-            mib = c // _MiB
-            plan += [*self._store_layout(c),
-                     Step(f"store write, {mib} MiB chunks", lambda c=c: self._store("write", c)),
-                     Step(f"store read, {mib} MiB chunks", lambda c=c: self._store("read", c)),
-                     Step(f"store cleanup, {mib} MiB chunks", lambda c=c: self._drop_store(c))]
+        for i, c in enumerate(OTHER_CHUNK_BYTES):
+            mib, group = c // _MiB, self.rounds + 1 + i
+            plan += [*self._store_layout(c, group),
+                     Step(f"store write, {mib} MiB chunks", lambda c=c: self._store("write", c),
+                          group),
+                     Step(f"store read, {mib} MiB chunks", lambda c=c: self._store("read", c),
+                          group),
+                     Step(f"store cleanup, {mib} MiB chunks", lambda c=c: self._drop_store(c),
+                          group)]
         return plan
 
-    def _store_layout(self, chunk_bytes: int) -> list[Step]:
+    def _store_layout(self, chunk_bytes: int, group: int = 0) -> list[Step]:
         label = f"store layout, {chunk_bytes // _MiB} MiB chunks"
-        return [Step(label, lambda: self._store("write", chunk_bytes, record=False))] * 2
+        return [Step(label, lambda: self._store("write", chunk_bytes, record=False), group)] * 2
 
     def result(self) -> dict[str, Any]:
         """The `nvme`, `fio`, `ratios` and `rounds` (every round's GB/s, in run order) sections
@@ -180,7 +192,8 @@ class DiskBench:
             "chunk_bytes": default,
             "shard_bytes": self.shard_bytes,
             "bytes": self.nbytes,
-            "rounds": self.rounds,
+            "rounds": len(self._samples.get(f"store.{default}.write", [])),
+            "rounds_planned": self.rounds,
             "direct_io": self._direct,
             "chunk_sweep": [{"chunk_bytes": c, "read_gbps": self._best(f"store.{c}.read"),
                              "write_gbps": self._best(f"store.{c}.write")}
@@ -192,9 +205,9 @@ class DiskBench:
             for rw in ("read", "write"):
                 config, (gbps, reported) = max(self._fio_sweep[rw].items(),
                                                key=lambda kv: kv[1][0])
-                fio[f"{rw}_gbps"] = round(max(gbps, self._best(f"fio.{rw}")), 3)
+                fio[f"{rw}_gbps"] = round(max(gbps, *self._samples[f"fio.{rw}"]), 3)
                 fio[f"{rw}_gbps_fio_reported"] = round(
-                    max(reported, self._best(f"fio_reported.{rw}")), 3)
+                    max(reported, *self._samples[f"fio_reported.{rw}"]), 3)
                 fio[f"{rw}_config"] = _fio_config(*config)
         ratios = {f"{rw}_vs_{base}": self._paired_ratio(f"store.{default}.{rw}", f"{base}.{rw}")
                   for base in ("raw", "fio") for rw in ("read", "write")}
@@ -204,8 +217,10 @@ class DiskBench:
                   for rw in ("write", "read") if f"{source}.{rw}" in self._samples}
         return {"nvme": nvme, "fio": fio, "ratios": ratios, "rounds": rounds}
 
-    def _best(self, name: str) -> float:
-        return round(max(self._samples.get(name, [0.0])), 3)
+    def _best(self, name: str) -> float | None:
+        """The best sample of `name`, or None when it was skipped."""
+        samples = self._samples.get(name)
+        return round(max(samples), 3) if samples else None
 
     def _paired_ratio(self, name: str, base: str) -> float | None:
         """Median over rounds of this round's `name` / `base`: noise common to both cancels."""

@@ -72,6 +72,22 @@ def test_fio_comparison(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_time_limit_skips_later_groups_whole(tmp_path: Path) -> None:
+    result = run("--path", str(tmp_path), "--size", "2MiB", "--rounds", "3",
+                 "--compute-seconds", "0.01", "--max-seconds", "1e-9", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    nvme = report["nvme"]
+    assert (nvme["rounds"], nvme["rounds_planned"]) == (1, 3)
+    assert nvme["write_gbps"] > 0 and nvme["read_gbps"] > 0  # round 1 always runs
+    assert [row["write_gbps"] is None for row in nvme["chunk_sweep"]] == [True, True, False, True]
+    assert report["ratios"]["write_vs_raw"] > 0 and report["adam"]["params_per_s"] > 0
+    assert all(len(v) == 1 for v in report["rounds"].values())
+    assert list(tmp_path.iterdir()) == []
+    table = run("--path", str(tmp_path), *TINY[:2], "--rounds", "2", "--max-seconds", "1e-9")
+    assert "--max-seconds reached: 1 of 2 rounds ran" in table.stdout
+
+
 def test_errors_are_domain_errors(tmp_path: Path) -> None:
     missing = run("--path", str(tmp_path / "missing"), *TINY, "--json")
     assert isinstance(missing.exception, StorageError)
