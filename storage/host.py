@@ -54,7 +54,8 @@ class HostPool(BufferPool):
         # never mmap.close() it: torch.frombuffer holds no buffer export, so close would succeed
         # and leave tensors callers still hold pointing at unmapped memory.
         try:
-            region = mmap.mmap(-1, capacity + slack)
+            # Private, like malloc's large blocks (shared anonymous memory would be shmem).
+            region = mmap.mmap(-1, capacity + slack, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         except OSError as exc:
             raise StorageError(f"cannot map {capacity} bytes of host memory ({exc.strerror}): "
                                "lower the host budget") from exc
