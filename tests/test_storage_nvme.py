@@ -337,3 +337,54 @@ def test_without_rename_exchange_writes_still_replace_atomically(
             io_loop.run(store.read_into(KEY, out, verify=True))
             assert same_bytes(out, src)
         assert list((tmp_path / spares.SPARE_DIR).iterdir()) == []
+
+
+KILL_SCRIPT = """\
+import sys, torch
+from tierzero.storage.io import IOLoop
+from tierzero.storage.nvme import NvmeStore
+shard = torch.empty(8 * int(sys.argv[2]), dtype=torch.uint8)
+with IOLoop(4) as loop, NvmeStore([sys.argv[1]], chunk_bytes=int(sys.argv[2])) as store:
+    version = 0
+    while True:
+        version = version % 250 + 1
+        shard.fill_(version)
+        loop.run(store.write("master/u0000/r0", shard))
+        if version == 1:
+            loop.run(store.flush())
+            print("ready", flush=True)
+"""
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_sigkill_mid_write_never_shows_a_torn_chunk(tmp_path: Path, io_loop: IOLoop,
+                                                     attempt: int) -> None:
+    """A writer killed at a random moment: every chunk file holds one whole version, and a
+    verified read returns one whole version or names a chunk that does not match the recorded
+    version -- never silent tearing."""
+    chunk_bytes = 64 << 10
+    child = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path), str(chunk_bytes)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        subprocess.run(["sleep", str(random.uniform(0.01, 0.2))], check=True)
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+    key = "master/u0000/r0"
+    with NvmeStore([tmp_path], chunk_bytes=chunk_bytes) as store:  # the lock died with it
+        assert temp_files(tmp_path) == []
+        assert list((tmp_path / spares.SPARE_DIR).iterdir()) == []
+        versions = []
+        for index in range(8):
+            data = np.fromfile(chunk_file(tmp_path, key, index), dtype=np.uint8)
+            assert len(data) == chunk_bytes and (data == data[0]).all(), f"chunk {index} torn"
+            versions.append(int(data[0]))
+        assert len(set(versions)) <= 2  # at most the old and the new version
+        out = torch.empty(8 * chunk_bytes, dtype=torch.uint8)
+        try:
+            io_loop.run(store.read_into(key, out, verify=True))
+        except StorageCorruptError as e:  # killed during the swaps, before zarr.json's
+            assert "fails its crc32c check" in str(e)
+        else:
+            assert len(set(versions)) == 1 and (out == versions[0]).all()
