@@ -35,7 +35,7 @@ def bench(
     size: str = typer.Option("1GiB", "--size", help=f"Bytes written and read per measurement, e.g. 1GiB or 256MB (the disk needs {FOOTPRINT}x free)."),
     rounds: int = typer.Option(5, "--rounds", help="Interleaved rounds: throughputs are the best of them, ratios the median."),
     fio: bool = typer.Option(False, "--fio", help="Also run fio (libaio, direct I/O, a small sweep, then its best in every round; timed over its wall span) and print store / fio."),
-    max_seconds: float = typer.Option(600, "--max-seconds", help="Time limit: once spent, later rounds and the other chunk sizes are skipped (the first round always runs)."),
+    max_seconds: float = typer.Option(600, "--max-seconds", help="Time limit: later rounds and other chunk sizes that would start after it are skipped (layout, the fio sweep, the first round and the compute measurements always run)."),
     compute_seconds: float = typer.Option(0.5, "--compute-seconds", help="Seconds spent on each compute and copy measurement."),
     profile_out: Optional[Path] = typer.Option(None, "--profile-out", help="Write the report as a profile for `tierzero plan --profile`."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),

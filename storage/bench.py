@@ -15,13 +15,16 @@ round's ratio. Throughputs are the best of their rounds. GB/s are 1e9 bytes per 
   group bandwidth divides the bytes by the longest *single* job's runtime, but its jobs start
   staggered: on short writes here it overstated the aggregate by up to 1.5x. So fio's figure is
   ours too: all bytes over the wall span from the first request's submission to the last
-  completion, read off its per-request latency logs (`--write_lat_log`, Unix-epoch times) --
-  the same clock the store is timed by. fio's own figure is reported beside it.
+  completion, read off its per-request latency logs (`--write_lat_log`, Unix-epoch times in
+  ms, so +-2 ms: about 1% of a 1 GiB run) -- the same definition the store is timed by. fio's
+  own figure is reported beside it. Without O_DIRECT, fio's files are fsynced after it exits
+  and that time is added to a write's span, as the store's writes are timed up to their fsync.
 
 Within a round the three take turns going first (drives with burst credits favour whoever
-writes after a pause). Like fio, which lays its files out before timing them, every target is written untimed first
-(a store twice, which also fills its spare files): timed writes overwrite, as every training
-step overwrites its shards, and stores stay open across rounds as in a training run.
+writes after a pause). Like fio, which lays its files out before timing them, every target is
+written untimed first (a store twice, which also fills its spare files): timed writes
+overwrite, as every training step overwrites its shards, and stores stay open across rounds as
+in a training run.
 
 Reads are cold: O_DIRECT bypasses the page cache; without it, files are fsynced and dropped
 from the cache (POSIX_FADV_DONTNEED) before reading, and buffered writes are timed up to their
@@ -65,9 +68,10 @@ FOOTPRINT = 6  # peak disk use in multiples of the size: raw, fio, two stores an
 class Step:
     """One measurement of the plan: a label for the progress bar and the call that runs it.
 
-    Steps of one `group` run all or none of them. Group 0 (layout, fio sweep, round 1) always
-    runs; a runner with a time limit skips the later groups (further rounds, other chunk sizes)
-    that start after the limit, which keeps the bench bounded in time on a slow drive.
+    Steps of one `group` run all or none of them. Group 0 (layout, fio sweep, round 1, and any
+    step a caller adds without a group) always runs; a runner with a time limit skips the later
+    groups (further rounds, other chunk sizes) that would start after the limit, which keeps
+    the bench bounded in time on a slow drive.
     """
 
     label: str
@@ -83,7 +87,7 @@ class DiskBench:
     nbytes: int
     io_loop: IOLoop
     pool: HostPool
-    rounds: int = 3
+    rounds: int = 5
     fio: bool = False
     _work: str = ""
     _direct: bool = False
@@ -116,9 +120,8 @@ class DiskBench:
             raise StorageError(f"bench needs {need} free bytes in {self.directory} "
                                f"({FOOTPRINT}x --size), only {free} are free: pass a smaller "
                                f"--size")
-        if self.fio and shutil.which("fio") is None:
-            raise StorageError("--fio needs fio on PATH: install it (Debian/Ubuntu: "
-                               "apt-get install fio) or drop --fio")
+        if self.fio:
+            _check_fio()
         self._work = tempfile.mkdtemp(prefix=".tierzero-bench-", dir=self.directory)
         self._direct = chunkfile.probe_direct(self._work)
         self._buf = self.pool.lease(self.nbytes)
@@ -181,7 +184,7 @@ class DiskBench:
         return [Step(label, lambda: self._store("write", chunk_bytes, record=False), group)] * 2
 
     def result(self) -> dict[str, Any]:
-        """The `nvme`, `fio`, `ratios` and `rounds` (every round's GB/s, in run order) sections
+        """The `nvme`, `fio`, `ratios` and `per_round` (every round's GB/s, in run order) sections
         of the bench report (fio: None unless run)."""
         default = DEFAULT_CHUNK_BYTES
         nvme = {
@@ -211,11 +214,11 @@ class DiskBench:
                 fio[f"{rw}_config"] = _fio_config(*config)
         ratios = {f"{rw}_vs_{base}": self._paired_ratio(f"store.{default}.{rw}", f"{base}.{rw}")
                   for base in ("raw", "fio") for rw in ("read", "write")}
-        rounds = {f"{name}_{rw}_gbps": [round(x, 3) for x in self._samples[f"{source}.{rw}"]]
+        per_round = {f"{name}_{rw}_gbps": [round(x, 3) for x in self._samples[f"{source}.{rw}"]]
                   for name, source in (("store", f"store.{default}"), ("raw", "raw"),
-                                       ("fio", "fio"))
+                                       ("fio", "fio"), ("fio_reported", "fio_reported"))
                   for rw in ("write", "read") if f"{source}.{rw}" in self._samples}
-        return {"nvme": nvme, "fio": fio, "ratios": ratios, "rounds": rounds}
+        return {"nvme": nvme, "fio": fio, "ratios": ratios, "per_round": per_round}
 
     def _best(self, name: str) -> float | None:
         """The best sample of `name`, or None when it was skipped."""
@@ -313,7 +316,7 @@ class DiskBench:
                "--invalidate=1", "--group_reporting", "--output-format=json",
                f"--write_lat_log={os.path.join(log_dir, 'job')}", "--log_unix_epoch=1"]
         if rw == "write" and not self._direct:
-            cmd.append("--end_fsync=1")
+            cmd.append("--end_fsync=1")  # in fio's own figure; its latency logs leave it out
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if done.returncode != 0:
@@ -321,7 +324,13 @@ class DiskBench:
                                    f"without --fio or check the fio installation")
             report = json.loads(done.stdout[done.stdout.index("{"):])
             reported = report["jobs"][0][rw]["bw_bytes"] / 1e9
-            gbps = fio_wall_span_gbps(log_dir)
+            seconds, nbytes = fio_wall_span(log_dir)
+            if rw == "write" and not self._direct:
+                start = time.perf_counter()
+                for name in os.listdir(fio_dir):
+                    chunkfile.fsync_path(os.path.join(fio_dir, name))
+                seconds += time.perf_counter() - start
+            gbps = nbytes / seconds / 1e9
         finally:
             shutil.rmtree(log_dir, ignore_errors=True)
         if sweep:
@@ -335,25 +344,42 @@ class DiskBench:
         self._fio(rw, *max(self._fio_sweep[rw].items(), key=lambda kv: kv[1][0])[0])
 
 
-def fio_wall_span_gbps(log_dir: str) -> float:
-    """All of a fio run's bytes over its wall span, from its per-request total-latency logs.
+def fio_wall_span(log_dir: str) -> tuple[float, int]:
+    """A fio run's wall span in seconds and its bytes, from its per-request total-latency logs.
 
-    Each line is `completion time (ms since the epoch), latency (ns), direction, bytes, ...`;
-    a request was submitted `latency` before it completed."""
+    Each line is `completion time (ms since the epoch), latency (ns), direction, bytes, ...`
+    (fio 3.x; 2.x logged microseconds); a request was submitted `latency` before it completed."""
     start, end, nbytes = float("inf"), 0.0, 0
     for name in os.listdir(log_dir):
         if not name.startswith("job_lat."):  # job_lat.N.log; skip the slat and clat logs
             continue
-        with open(os.path.join(log_dir, name)) as f:
+        path = os.path.join(log_dir, name)
+        with open(path) as f:
             for line in f:
-                done_ms, lat_ns, _, size = (int(x) for x in line.split(",")[:4])
+                try:
+                    done_ms, lat_ns, _, size = (int(x) for x in line.split(",")[:4])
+                except ValueError:
+                    raise StorageError(f"cannot read fio's latency log line {line.strip()!r} in "
+                                       f"{path}: use fio 3.x or run without --fio") from None
                 start = min(start, done_ms - lat_ns / 1e6)
                 end = max(end, done_ms)
                 nbytes += size
-    if not nbytes or end <= start:
+    if not nbytes:
         raise StorageError(f"fio wrote no latency log in {log_dir}: it needs --write_lat_log and "
                            f"--log_unix_epoch (fio 3.x); upgrade fio or run without --fio")
-    return nbytes / ((end - start) / 1e3) / 1e9
+    return max(end - start, 1.0) / 1e3, nbytes  # ms timestamps: never below one tick
+
+
+def _check_fio() -> None:
+    """fio must be on PATH and 3.x or newer (2.x logged latencies in microseconds)."""
+    if shutil.which("fio") is None:
+        raise StorageError("--fio needs fio on PATH: install it (Debian/Ubuntu: "
+                           "apt-get install fio) or drop --fio")
+    version = subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip()
+    major = version.removeprefix("fio-").split(".")[0]
+    if not major.isdigit() or int(major) < 3:
+        raise StorageError(f"--fio needs fio 3.0 or newer, found {version or 'an unknown fio'}: "
+                           f"upgrade fio or drop --fio")
 
 
 def _fio_config(bs: int, iodepth: int, numjobs: int) -> str:

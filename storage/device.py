@@ -20,8 +20,8 @@ class DevicePool(BufferPool):
         super().__init__(budget_bytes, alignment)
         self.device = torch.device(device)
 
-    def _allocate(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes + self.alignment, dtype=torch.uint8, device=self.device)
+    def _allocate(self, capacity: int) -> torch.Tensor:
+        return torch.empty(capacity + self.alignment, dtype=torch.uint8, device=self.device)
 
 
 class DeviceStore(MemoryStore):

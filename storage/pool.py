@@ -20,6 +20,10 @@ there; `DevicePool`: GPU memory) and, where a block holds more than its bytes (a
 release it: `_release` runs once per block the pool drops -- evicted, trimmed, or at `close()` --
 while the pool still holds the block, so the memory is still mapped when it runs.
 All methods are thread-safe: the training thread and the I/O loop both lease.
+
+Contract: give a buffer back only once every asynchronous copy from or into it has finished
+(the scheduler waits on the copy's event first). The pool may reuse, unpin or drop a given-back
+block at once; unlike torch's caching host allocator it records no stream events.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class BufferPool(abc.ABC):
         self._resident_bytes = 0
         self._peak_bytes = 0
         self._is_open = False
+        self._unreleased: list[_Block] = []  # blocks whose release failed: never freed
 
     @abc.abstractmethod
     def _allocate(self, capacity: int) -> torch.Tensor:
@@ -90,7 +95,8 @@ class BufferPool(abc.ABC):
         self._is_open = True
 
     def close(self) -> None:
-        """Release and forget every block; tensors callers still hold stay valid, uncounted.
+        """Release and forget every block; tensors callers still hold stay valid memory, but
+        uncounted and no longer pinned.
 
         Every block is released even when one release fails; the first failure is raised after.
         """
@@ -101,11 +107,11 @@ class BufferPool(abc.ABC):
             self._cache.clear()
             self._resident_bytes = 0
             self._is_open = False
-            failure: StorageError | None = None
+            failure: Exception | None = None
             for block in blocks:
                 try:
-                    self._release(block.data)
-                except StorageError as exc:
+                    self._release_block(block)
+                except Exception as exc:  # noqa: BLE001 - release the rest, raise the first
                     failure = failure or exc
             if failure is not None:
                 raise failure
@@ -243,7 +249,16 @@ class BufferPool(abc.ABC):
     def _drop(self, block: _Block) -> None:
         del self._blocks[block.data.data_ptr()]
         self._resident_bytes -= block.capacity
-        self._release(block.data)  # `block` still holds the memory here
+        self._release_block(block)
+
+    def _release_block(self, block: _Block) -> None:
+        """`_release` while `block` still holds the memory; a block whose release failed (left
+        pinned, say) is kept referenced for good, so its memory is never unmapped under it."""
+        try:
+            self._release(block.data)
+        except BaseException:
+            self._unreleased.append(block)
+            raise
 
     def _over_budget(self, nbytes: int) -> BudgetExceededError:
         leased = sum(b.capacity for b in self._blocks.values() if b.leases)

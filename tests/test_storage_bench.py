@@ -14,8 +14,9 @@ from typer.testing import CliRunner
 from tierzero.cli.bench import bench
 from tierzero.errors import ConfigError
 from tierzero.plan import load_profile
+from tierzero.storage import chunkfile
 from tierzero.storage.base import StorageError
-from tierzero.storage.bench import DiskBench, fio_wall_span_gbps
+from tierzero.storage.bench import DiskBench, fio_wall_span
 from tierzero.storage.host import HostPool
 from tierzero.storage.io import IOLoop
 
@@ -45,9 +46,9 @@ def test_json_report_has_the_keys_checks_read(tmp_path: Path) -> None:
     assert set(report["ratios"]) == {"read_vs_raw", "write_vs_raw", "read_vs_fio",
                                      "write_vs_fio"}
     assert report["ratios"]["read_vs_fio"] is None
-    assert set(report["rounds"]) == {"store_write_gbps", "store_read_gbps", "raw_write_gbps",
-                                     "raw_read_gbps"}
-    assert len(report["rounds"]["store_write_gbps"]) == 1
+    assert set(report["per_round"]) == {"store_write_gbps", "store_read_gbps",
+                                        "raw_write_gbps", "raw_read_gbps"}
+    assert len(report["per_round"]["store_write_gbps"]) == 1
     assert json.loads(profile.read_text()) == report
     assert load_profile(profile).nvme_read_gbps == nvme["read_gbps"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.json"]  # bench files gone
@@ -61,12 +62,18 @@ def test_table_output(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
-def test_fio_comparison(tmp_path: Path) -> None:
-    result = run("--path", str(tmp_path), *TINY, "--fio", "--json")
+@pytest.mark.parametrize("direct", [True, False])
+def test_fio_comparison(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool) -> None:
+    if not direct:  # as on a filesystem without O_DIRECT: buffered, writes timed to their fsync
+        monkeypatch.setattr(chunkfile, "probe_direct", lambda directory: False)
+    result = run("--path", str(tmp_path), "--size", "32MiB", "--rounds", "1",
+                 "--compute-seconds", "0.01", "--fio", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert report["fio"]["read_gbps"] > 0 and report["fio"]["write_gbps"] > 0
-    assert report["fio"]["write_gbps_fio_reported"] > 0
+    assert report["nvme"]["direct_io"] is direct
+    fio = report["fio"]
+    for rw in ("read", "write"):  # the wall span agrees with fio's own figure on units
+        assert 0.1 < fio[f"{rw}_gbps"] / fio[f"{rw}_gbps_fio_reported"] < 10
     assert "iodepth=" in report["fio"]["write_config"]
     assert report["ratios"]["write_vs_fio"] > 0
     assert list(tmp_path.iterdir()) == []
@@ -82,7 +89,7 @@ def test_time_limit_skips_later_groups_whole(tmp_path: Path) -> None:
     assert nvme["write_gbps"] > 0 and nvme["read_gbps"] > 0  # round 1 always runs
     assert [row["write_gbps"] is None for row in nvme["chunk_sweep"]] == [True, True, False, True]
     assert report["ratios"]["write_vs_raw"] > 0 and report["adam"]["params_per_s"] > 0
-    assert all(len(v) == 1 for v in report["rounds"].values())
+    assert all(len(v) == 1 for v in report["per_round"].values())
     assert list(tmp_path.iterdir()) == []
     table = run("--path", str(tmp_path), *TINY[:2], "--rounds", "2", "--max-seconds", "1e-9")
     assert "--max-seconds reached: 1 of 2 rounds ran" in table.stdout
@@ -129,8 +136,9 @@ def test_fio_is_timed_over_its_wall_span(tmp_path: Path) -> None:
     (tmp_path / "job_lat.2.log").write_text(
         f"{t0 + 1500}, 1000000000, 1, 1000000000, 0\n")
     (tmp_path / "job_clat.1.log").write_text(f"{t0 + 9000}, 1, 1, 999, 0\n")  # ignored
-    assert fio_wall_span_gbps(str(tmp_path)) == pytest.approx(2 / 1.5)
+    seconds, nbytes = fio_wall_span(str(tmp_path))
+    assert (seconds, nbytes) == (pytest.approx(1.5), 2_000_000_000)
     for log in tmp_path.iterdir():
         log.unlink()
     with pytest.raises(StorageError, match="no latency log"):
-        fio_wall_span_gbps(str(tmp_path))
+        fio_wall_span(str(tmp_path))

@@ -62,9 +62,10 @@ def mappings(monkeypatch: pytest.MonkeyPatch) -> Mappings:
 class FakeCudart:
     """Records pinning; refuses to unpin twice, unpin what was never pinned, or unmapped memory."""
 
-    def __init__(self, mappings: Mappings, fail_with: int = 0) -> None:
+    def __init__(self, mappings: Mappings, fail_with: int = 0, fail_unpin_with: int = 0) -> None:
         self.mappings = mappings
         self.fail_with = fail_with
+        self.fail_unpin_with = fail_unpin_with
         self.pinned: dict[int, int] = {}  # ptr -> nbytes, pinned now
         self.registered: list[int] = []
         self.unregistered: list[int] = []
@@ -81,6 +82,8 @@ class FakeCudart:
         return 0
 
     def cudaHostUnregister(self, ptr: int) -> int:
+        if self.fail_unpin_with:
+            return self.fail_unpin_with
         assert ptr in self.pinned, "unpinned twice, or never pinned"
         assert self.mappings.holding(ptr) is not None, "unpinned after the memory was unmapped"
         del self.pinned[ptr]
@@ -202,3 +205,42 @@ def test_pin_without_cuda_is_refused_at_open(monkeypatch: pytest.MonkeyPatch) ->
     with HostPool(16 * PAGE) as pool:
         assert not pool.pin
         pool.give_back(pool.lease(10))
+
+
+def test_a_block_that_fails_to_unpin_is_never_unmapped(cudart: FakeCudart,
+                                                       mappings: Mappings) -> None:
+    pool = HostPool(16 * PAGE)
+    with pool:
+        pool.give_back(pool.lease(12 * PAGE))
+        cudart.fail_unpin_with = 1
+        with pytest.raises(StorageError, match="cannot unpin"):
+            pool.lease(8 * PAGE)  # dropping the idle block fails to unpin it
+        assert pool.resident_bytes == 0
+        cudart.fail_unpin_with = 0
+        first, second = pool.lease(4 * PAGE), pool.lease(4 * PAGE)
+        pool.give_back(first)
+        pool.give_back(second)
+        cudart.fail_unpin_with = 1
+        with pytest.raises(StorageError, match="cannot unpin"):
+            pool.close()  # tries every block, raises the first failure
+    del first, second
+    assert mappings.live() == 3  # still pinned, so kept mapped for the life of the pool
+    assert len(cudart.pinned) == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pinned_blocks_copy_asynchronously_on_a_gpu() -> None:
+    with HostPool(4 << 20) as pool:
+        host = pool.lease(1 << 20)
+        assert host.is_pinned()
+        host.copy_(torch.arange(1 << 20, dtype=torch.int64).to(torch.uint8))
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            gpu = host.to("cuda", non_blocking=True)
+            back = pool.lease(1 << 20)
+            back.copy_(gpu, non_blocking=True)
+        stream.synchronize()
+        assert torch.equal(back, host)
+        pool.give_back(host)
+        pool.give_back(back)
+    assert not host.is_pinned()  # close() unpinned it; the memory itself stays valid
