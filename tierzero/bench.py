@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from tierzero.storage.host import HostPool
+
 
 def _best_seconds(op: Callable[[], None], seconds: float, sync: Callable[[], None]) -> float:
     """The fastest of repeated runs of `op` (after one warm-up), repeated for `seconds`."""
@@ -53,9 +55,15 @@ def matmul_tflops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5,
 
 
 def h2d_gbps(nbytes: int = 256 << 20, pinned: bool = True, seconds: float = 0.5) -> float:
-    """GB/s of one host->GPU copy of `nbytes` from pinned or pageable memory (needs CUDA)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).fill_(1)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    # non_blocking only from pinned memory: from pageable memory it would copy synchronously.
-    op = lambda: dst.copy_(src, non_blocking=pinned)
-    return nbytes / _best_seconds(op, seconds, torch.cuda.synchronize) / 1e9
+    """GB/s of one host->GPU copy of `nbytes` from pinned or pageable memory (needs CUDA).
+
+    The host buffer comes from a `HostPool`, so the figure is that of the engine's own
+    (registered) pinned blocks."""
+    with HostPool(nbytes, pin=pinned) as pool:
+        src = pool.lease(nbytes).fill_(1)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        # non_blocking only from pinned memory: from pageable memory it would copy synchronously.
+        op = lambda: dst.copy_(src, non_blocking=pinned)
+        gbps = nbytes / _best_seconds(op, seconds, torch.cuda.synchronize) / 1e9
+        pool.give_back(src)
+    return gbps
