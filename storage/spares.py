@@ -11,8 +11,9 @@ Spares live in `DIR/.tierzero-spare/`, on the same filesystem as the chunks (exc
 cannot cross filesystems). A shard write fills all its chunks before swapping any of them in,
 so the pool grows to the bytes of concurrent writes -- the same space any atomic write needs
 while old and new versions coexist -- and keeps up to `max_bytes` of them (default 4 GiB per
-directory) for the next writes; `open()` and `close()` remove them all. Where RENAME_EXCHANGE is missing (not Linux, or a filesystem that refuses it), the chunk is
-renamed over and its old blocks are freed: still atomic, just slower.
+directory) for the next writes; `open()` and `close()` remove them all. Where RENAME_EXCHANGE
+is missing (not Linux, or a filesystem that refuses it), the chunk is renamed over and its old
+blocks are freed: still atomic, just slower.
 """
 
 from __future__ import annotations
