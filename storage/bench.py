@@ -206,8 +206,8 @@ class DiskBench:
         if self.fio:
             fio = {}
             for rw in ("read", "write"):
-                config, (gbps, reported) = max(self._fio_sweep[rw].items(),
-                                               key=lambda kv: kv[1][0])
+                config = self._fio_best_config(rw)
+                gbps, reported = self._fio_sweep[rw][config]
                 fio[f"{rw}_gbps"] = round(max(gbps, *self._samples[f"fio.{rw}"]), 3)
                 fio[f"{rw}_gbps_fio_reported"] = round(
                     max(reported, *self._samples[f"fio_reported.{rw}"]), 3)
@@ -339,9 +339,13 @@ class DiskBench:
             self._record(f"fio.{rw}", gbps)
             self._record(f"fio_reported.{rw}", reported)
 
+    def _fio_best_config(self, rw: str) -> tuple[int, int, int]:
+        """The sweep's (block, depth, jobs) with the best wall-span figure for `rw`."""
+        return max(self._fio_sweep[rw], key=lambda config: self._fio_sweep[rw][config][0])
+
     def _fio_best(self, rw: str) -> None:
         """Run the sweep's best configuration for `rw` again, beside the store."""
-        self._fio(rw, *max(self._fio_sweep[rw].items(), key=lambda kv: kv[1][0])[0])
+        self._fio(rw, *self._fio_best_config(rw))
 
 
 def fio_wall_span(log_dir: str) -> tuple[float, int]:
