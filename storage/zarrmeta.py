@@ -57,6 +57,24 @@ class ShardMeta:
             "storage_transformers": [],
         }).encode()
 
+    def to_dict(self) -> dict:
+        """The JSON form a checkpoint manifest records per array."""
+        return {"dtype": dtype_name(self.dtype), "numel": self.numel,
+                "chunk_bytes": self.chunk_bytes, "crc32c": list(self.crcs)}
+
+    @classmethod
+    def from_dict(cls, doc: dict, where: str) -> ShardMeta:
+        try:
+            meta = cls(DTYPES[doc["dtype"]], int(doc["numel"]), int(doc["chunk_bytes"]),
+                       [int(c) for c in doc["crc32c"]])
+        except (KeyError, TypeError, ValueError) as e:
+            raise StorageCorruptError(f"{where} has a malformed array entry ({e!r}): the "
+                                      f"checkpoint is damaged; use another one") from e
+        if len(meta.crcs) != meta.nchunks:
+            raise StorageCorruptError(f"{where} records {len(meta.crcs)} checksums for "
+                                      f"{meta.nchunks} chunks: the checkpoint is damaged")
+        return meta
+
     @classmethod
     def from_zarr_json(cls, raw: bytes, where: str) -> ShardMeta:
         try:

@@ -19,3 +19,7 @@ class DataError(TierzeroError):
 
 class RunDirError(TierzeroError):
     """A run directory is locked by another trainer or is not usable."""
+
+
+class CheckpointError(TierzeroError):
+    """A checkpoint is missing, incomplete, damaged, or was written for another model or run."""

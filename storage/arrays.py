@@ -1,0 +1,116 @@
+"""Frozen arrays: shards written once and never changed, as in a checkpoint.
+
+A frozen array is the same raw-chunk zarr v3 array the NVMe store keeps per generation
+(`DIR/zarr.json` + `DIR/c/<i>`, each chunk exactly `chunk_bytes`), so `zarr.open_array(DIR)`
+reads it. It is made by hard-linking a live generation's chunk files (`link_array`: metadata
+only, no bytes move) or, for state that lives in memory, by writing the bytes (`write_array`).
+Readers check every chunk against the crc32c list the caller trusts (the checkpoint manifest's),
+so a flipped byte, a truncated or a missing chunk is named, never loaded.
+
+These helpers block: run them on I/O threads, or from a CLI command. They never overwrite a
+file in place: a chunk that a checkpoint links stays as it was written.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+import crc32c
+import numpy as np
+import torch
+
+from tierzero.storage import chunkfile
+from tierzero.storage.base import StorageCorruptError, StorageError
+from tierzero.storage.zarrmeta import ShardMeta
+
+
+def chunk_path(array_dir: str, index: int) -> str:
+    return os.path.join(array_dir, "c", str(index))
+
+
+def link_array(src_dir: str, dst_dir: str, meta: ShardMeta) -> int:
+    """Make `dst_dir` an array holding `src_dir`'s chunks by hard links; returns the bytes
+    copied instead (0 on one filesystem, the array's size where links cannot cross)."""
+    os.makedirs(os.path.join(dst_dir, "c"), exist_ok=True)
+    copied = 0
+    for i in range(meta.nchunks):
+        src, dst = chunk_path(src_dir, i), chunk_path(dst_dir, i)
+        try:
+            os.link(src, dst)
+        except FileExistsError:
+            if not os.path.samefile(src, dst):
+                raise StorageError(f"{dst} exists and is not {src}: remove the partial "
+                                   f"directory {dst_dir} and try again") from None
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                raise
+            shutil.copyfile(src, dst)  # another filesystem: copy, the caller says so once
+            chunkfile.fsync_path(dst)
+            copied += meta.chunk_bytes
+    _write_meta(dst_dir, meta)
+    return copied
+
+
+def write_array(dst_dir: str, src: torch.Tensor, chunk_bytes: int) -> ShardMeta:
+    """Write the contiguous 1-D host tensor `src` as a new frozen array, fsynced; its meta."""
+    data = memoryview(src.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    os.makedirs(os.path.join(dst_dir, "c"), exist_ok=True)
+    crcs = []
+    for i in range(0, max(1, -(-len(data) // chunk_bytes))):
+        part = data[i * chunk_bytes:(i + 1) * chunk_bytes]
+        crcs.append(crc32c.crc32c(part))
+        path = chunk_path(dst_dir, i)
+        chunkfile.write_chunk(path, part, chunk_bytes, direct=False)
+        chunkfile.fsync_path(path)
+    meta = ShardMeta(src.dtype, src.numel(), chunk_bytes, crcs)
+    _write_meta(dst_dir, meta)
+    return meta
+
+
+def read_array(src_dir: str, meta: ShardMeta, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The array's elements (into `out` if given), every chunk checked against `meta`."""
+    if out is None:
+        out = torch.empty(meta.numel, dtype=meta.dtype)
+    view = memoryview(out.view(-1).view(torch.uint8).numpy())
+    cb = meta.chunk_bytes
+    for i in range(meta.nchunks):
+        part = view[i * cb:(i + 1) * cb]
+        _read_checked(src_dir, i, part, meta)
+    return out
+
+
+def verify_array(src_dir: str, meta: ShardMeta, buffer: np.ndarray | None = None) -> None:
+    """Check every chunk of the array against `meta` through one chunk-sized buffer."""
+    if buffer is None or buffer.nbytes < meta.chunk_bytes:
+        buffer = np.empty(meta.chunk_bytes, dtype=np.uint8)
+    view = memoryview(buffer)
+    for i in range(meta.nchunks):
+        length = min(meta.chunk_bytes, meta.nbytes - i * meta.chunk_bytes)
+        _read_checked(src_dir, i, view[:length], meta)
+
+
+def _read_checked(src_dir: str, index: int, part: memoryview, meta: ShardMeta) -> None:
+    path = chunk_path(src_dir, index)
+    try:
+        chunkfile.read_chunk(path, part, meta.chunk_bytes, direct=False)
+    except FileNotFoundError:
+        raise StorageCorruptError(f"{path} is missing") from None
+    except chunkfile.ShortChunkError as e:
+        raise StorageCorruptError(f"{path} is truncated ({e})") from None
+    except OSError as e:
+        raise StorageError(f"reading {path} failed: {e}") from e
+    if crc32c.crc32c(part) != meta.crcs[index]:
+        raise StorageCorruptError(f"{path} fails its crc32c check (a flipped byte or a torn "
+                                  f"write)")
+
+
+def _write_meta(array_dir: str, meta: ShardMeta) -> None:
+    path = os.path.join(array_dir, "zarr.json")
+    with open(path, "wb") as f:
+        f.write(meta.to_zarr_json())
+        f.flush()
+        os.fsync(f.fileno())
+    chunkfile.fsync_path(os.path.join(array_dir, "c"))
+    chunkfile.fsync_path(array_dir)
