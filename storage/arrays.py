@@ -30,9 +30,10 @@ def chunk_path(array_dir: str, index: int) -> str:
     return os.path.join(array_dir, "c", str(index))
 
 
-def link_array(src_dir: str, dst_dir: str, meta: ShardMeta) -> int:
-    """Make `dst_dir` an array holding `src_dir`'s chunks by hard links; returns the bytes
-    copied instead (0 on one filesystem, the array's size where links cannot cross)."""
+def link_array(src_dir: str, dst_dir: str, meta: ShardMeta, with_meta: bool = True) -> int:
+    """Make `dst_dir` an array holding `src_dir`'s chunks by hard links (and its zarr.json,
+    unless the caller writes that); returns the bytes copied instead (0 on one filesystem,
+    the array's size where links cannot cross)."""
     os.makedirs(os.path.join(dst_dir, "c"), exist_ok=True)
     copied = 0
     for i in range(meta.nchunks):
@@ -49,7 +50,8 @@ def link_array(src_dir: str, dst_dir: str, meta: ShardMeta) -> int:
             shutil.copyfile(src, dst)  # another filesystem: copy, the caller says so once
             chunkfile.fsync_path(dst)
             copied += meta.chunk_bytes
-    _write_meta(dst_dir, meta)
+    if with_meta:
+        _write_meta(dst_dir, meta)
     return copied
 
 

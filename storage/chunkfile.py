@@ -18,6 +18,8 @@ import os
 import numpy as np
 
 ALIGN = 4096
+# Filesystems in RAM: O_DIRECT there (accepted by recent kernels) is still a memory copy.
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
 
 
 class ShortChunkError(Exception):
@@ -57,6 +59,26 @@ def probe_direct(directory: str) -> bool:
     finally:
         os.close(fd)
         os.unlink(path)
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the filesystem holding `path` (the longest mount point above it in
+    /proc/self/mounts), or "unknown" where that cannot be read."""
+    real = os.path.realpath(path)
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mount = parts[1].replace("\\040", " ")
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, kind = mount, parts[2]
+    except OSError:
+        pass
+    return kind
 
 
 def write_chunk(path: str, data: memoryview, chunk_bytes: int, direct: bool) -> None:
@@ -102,7 +124,10 @@ def read_chunk(path: str, out: memoryview, chunk_bytes: int, direct: bool) -> No
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     done = 0
     while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
+        n = os.pwrite(fd, data[done:], offset + done)
+        if n == 0:  # no progress and no error: the device is failing; never spin
+            raise OSError(errno.EIO, "pwrite wrote 0 bytes")
+        done += n
 
 
 def _preadv_all(fd: int, out: memoryview, offset: int) -> None:

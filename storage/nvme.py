@@ -2,64 +2,71 @@
 
 Layout (a valid zarr v3 hierarchy per directory; `zarr.open_group(dir)` reads any shard):
 
-    DIR/zarr.json                  root group
-    DIR/master/zarr.json           one group per key prefix
-    DIR/master/u0003/r0/zarr.json  one 1-D array per key: shape [numel], one `bytes` codec,
-    DIR/master/u0003/r0/c/0 ...    chunk files, each exactly `chunk_bytes` (the last one padded)
+    DIR/zarr.json                         root group
+    DIR/master/u0003/r0/zarr.json         the shard's group; attributes.tierzero.current names
+                                          the current generation -- the shard's commit point
+    DIR/master/u0003/r0/g000017/zarr.json the generation's array: shape [numel], one `bytes`
+    DIR/master/u0003/r0/g000017/c/0 ...   codec, crc32c per chunk; chunk files exactly
+                                          `chunk_bytes` (the last one zero-padded)
 
-Because the only codec is `bytes` (little-endian, no compression), a chunk file *is* the raw
-shard bytes, so the hot path skips zarr's array API (0.15-0.25x of fio on writes here) and
-moves chunks with `chunkfile` (pwrite/preadv, O_DIRECT into aligned buffers), every chunk of
-every in-flight shard a separate job on the I/O loop's thread pool. bf16 is stored as `uint16`
-with the true dtype in the array's attributes, next to one crc32c per chunk (`zarrmeta`).
-Checksums are attributes, not a codec, so chunk files stay aligned for O_DIRECT.
+Because the only codec is `bytes`, a chunk file *is* the raw shard bytes, so the hot path skips
+zarr's array API and moves chunks with `chunkfile` (pwrite/preadv, O_DIRECT into aligned
+buffers), every chunk a separate job on the I/O loop's thread pool. bf16 is stored as `uint16`
+with the true dtype in the attributes (`zarrmeta`).
 
-Striping: a key lives in directory `crc32(key) % len(paths)` -- stable for a given list of
-paths, so reopen a store with the same paths in the same order. Hashing the whole key spreads
-the state kinds of one unit across drives, so the optimizer reads them in parallel.
+Durability (see DESIGN.md, "Invariants"). A write fills a new generation directory (chunks
+written into spare files, renamed in), writes its array zarr.json, then replaces the shard's
+group zarr.json with one `rename` that names the new generation: that rename is the only
+commit point, so a reader sees the whole old version or the whole new one.
+- After SIGKILL (or ENOSPC/EIO at any chunk): the kernel's view is consistent. The shard is the
+  old generation unless the rename happened; a half-written generation directory is an orphan
+  that `open()` removes. Nothing is fsynced for this guarantee.
+- After power loss: only what `flush()` made durable is guaranteed. `flush()` syncs the
+  filesystem (data, new files, renames); a shard written after the last flush may come back as
+  either version, and if its generation's data did not reach the disk, a verified read names
+  the chunk (`StorageCorruptError`) -- it is never silently mixed. A superseded generation's
+  blocks are reused (as spares) only after the flush that made its replacement durable, and a
+  chunk with another hard link (a checkpoint's) is never reused or written in place.
+Checkpoints rely on that: they flush, then hard-link the current generations (`snapshot`).
 
-Atomic writes: every chunk is first written into a spare file (`spares`: already-allocated
-blocks, overwritten in place -- twice as fast on ext4 as a new file) and the array's zarr.json
-into a temp file beside it; only when all are complete does each chunk swap into place
-(renameat2 exchange, or rename), metadata last. A failure before that (ENOSPC included)
-removes those files and leaves the previous version intact; a crash during the swaps leaves
-chunks whose checksums do not match, which a verified read reports. `flush()` fsyncs written
-files and their directories (zarr's LocalStore does not). zarr lists the lock file and the
-spare directory as unrecognized objects (a warning), and ignores them. Temp and spare files
-orphaned by a killed process are removed at `open()`, under the directory lock.
-
-Metadata is cached in memory: a read never parses JSON after the first one per key, and a write
-adds one small zarr.json rename per shard.
+Reads and writes return only when no I/O thread can touch the caller's buffer any more, even
+when a chunk failed or the call was cancelled. Direct I/O that is not possible (a filesystem
+without O_DIRECT, tmpfs, an unaligned buffer) falls back to buffered I/O and says so once in
+`notes`. Metadata is cached in memory after the first read of each key.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import fcntl
 import itertools
+import json
 import os
 import re
 import shutil
 import threading
 import zlib
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
 
 import crc32c
 import torch
 
 from tierzero.storage import chunkfile
+from tierzero.storage.arrays import link_array
 from tierzero.storage.base import (Capabilities, ShardNotFoundError, StorageCorruptError,
                                    StorageError, StorageFullError, StoreLockedError, TierStore,
                                    check_flat, check_key, check_out, dtype_name)
-from tierzero.storage.spares import SpareFiles
+from tierzero.storage.spares import SPARE_DIR, SpareFiles
 from tierzero.storage.zarrmeta import GROUP_JSON, ShardMeta, nchunks
 
 LOCK_NAME = ".tierzero.lock"
 TMP_SUFFIX = ".tmp"
 _tmp_ids = itertools.count()
 _TMP_NAME = re.compile(r"\..+\.\d+-\d+" + re.escape(TMP_SUFFIX))
+_GEN_NAME = re.compile(r"g(\d{6,})")
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -72,74 +79,73 @@ def _temp_for(final: str) -> str:
     return os.path.join(head, f".{tail}.{os.getpid()}-{next(_tmp_ids)}{TMP_SUFFIX}")
 
 
+def _pointer_json(gen: int) -> bytes:
+    return json.dumps({"attributes": {"tierzero": {"current": _gen_name(gen)}},
+                       "zarr_format": 3, "node_type": "group"}).encode()
+
+
+def _gen_name(gen: int) -> str:
+    return f"g{gen:06d}"
+
+
 @dataclass
-class _WriteOp:
-    """The not-yet-visible files of one shard write (spares filled with chunks, the zarr.json
-    temp), so that an abort or cancel leaves none behind.
+class _Current:
+    """A shard's current generation and its metadata (cached per key)."""
 
-    Workers register each file under the lock; `abort()` removes the registered ones and makes
-    late workers remove their own; once `commit()` has started it runs to the end.
-    """
+    gen: int
+    meta: ShardMeta
 
-    spares: SpareFiles
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    pending: list[str] = field(default_factory=list)
-    aborted: bool = False
-    committing: bool = False
 
-    def write(self, data: memoryview, chunk_bytes: int, direct: bool) -> str | None:
-        with self.lock:
-            if self.aborted:
-                return None
-        spare = self.spares.take()
+class _Jobs:
+    """The chunk jobs of one call, with an abort flag workers check before touching a file."""
+
+    def __init__(self) -> None:
+        self.aborted = False
+
+    async def run(self, jobs: list[Awaitable]) -> list:
+        """Every job's result; on any failure or cancellation, abort the ones not yet started
+        and return (raising) only after every job has finished with the caller's buffer.
+
+        `asyncio.wait`, not `gather`: a cancelled gather cancels its executor futures, which
+        marks them done while their threads still run."""
+        futures = [asyncio.ensure_future(j) for j in jobs]
         try:
-            chunkfile.write_chunk(spare, data, chunk_bytes, direct)
+            await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+            failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+            if failed is not None:
+                raise failed.exception()  # type: ignore[misc]
         except BaseException:
-            _unlink(spare)
-            raise
-        return self._register(spare)
-
-    def _register(self, path: str) -> str | None:
-        with self.lock:
-            if self.aborted:
-                _unlink(path)
-                return None
-            self.pending.append(path)
-        return path
-
-    def write_meta(self, final: str, raw: bytes) -> str | None:
-        temp = _temp_for(final)
-        try:
-            _write_file(temp, raw)
-        except BaseException:
-            _unlink(temp)
-            raise
-        return self._register(temp)
-
-    def abort(self) -> None:
-        with self.lock:
             self.aborted = True
-            if not self.committing:
-                for path in self.pending:
-                    _unlink(path)
-
-    def commit(self, chunks: list[tuple[str, str]], meta: tuple[str, str]) -> bool:
-        """Swap every chunk into place, then the metadata (the version's commit point)."""
-        with self.lock:
-            if self.aborted:
-                return False
-            self.committing = True
-        for spare, final in chunks:
-            self.spares.commit(spare, final)
-        os.replace(*meta)
-        return True
+            await _settle(futures)
+            raise
+        return [f.result() for f in futures]
 
 
-def _unlink(path: str) -> None:
+async def _settle(futures: list[asyncio.Future]) -> None:
+    """Wait until every future is done, even through further cancellations.
+
+    A cancelled `run_in_executor` future is marked done while its thread may still run, so
+    these futures are never cancelled: workers see the abort flag instead."""
+    pending = [f for f in futures if not f.done()]
+    while pending:
+        try:
+            await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            pass
+        pending = [f for f in pending if not f.done()]
+
+
+def _load_syncfs():  # type: ignore[no-untyped-def]
     try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+        fn = ctypes.CDLL(None, use_errno=True).syncfs  # releases the GIL per call
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_syncfs = _load_syncfs()
 
 
 class NvmeStore(TierStore):
@@ -159,25 +165,30 @@ class NvmeStore(TierStore):
         self.paths = [os.path.abspath(os.fspath(p)) for p in paths]
         self.chunk_bytes = chunk_bytes
         self.verify_always = verify_always
+        self.notes: list[str] = []  # what the store could not do as asked, each said once
         self._direct_request = direct
         self._direct: list[bool] = []  # per directory, probed at open()
         self._lock_fds: list[int] = []
         self._spares: list[SpareFiles] = []  # per directory
-        self._meta: dict[str, ShardMeta] = {}
+        self._current: dict[str, _Current] = {}
         self._key_locks: dict[str, asyncio.Lock] = {}
         self._made_dirs: set[str] = set()
-        self._dirty: set[str] = set()  # files and directories to fsync at the next flush
-        self._dirty_lock = threading.Lock()  # I/O threads add, flush() takes
+        self._note_lock = threading.Lock()
 
     @property
     def capabilities(self) -> Capabilities:
         return Capabilities(persistent=True, direct_io=bool(self._direct) and all(self._direct),
                             zero_copy=False)
 
+    def _note(self, text: str) -> None:
+        with self._note_lock:
+            if text not in self.notes:
+                self.notes.append(text)
+
     # -- open / close ---------------------------------------------------------------------
 
     def open(self) -> None:
-        """Check and lock every directory, probe O_DIRECT, remove orphaned temp files."""
+        """Check and lock every directory, probe O_DIRECT, remove orphaned generations."""
         if self._lock_fds:
             return
         try:
@@ -211,19 +222,26 @@ class NvmeStore(TierStore):
         self._lock_fds.append(fd)
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
-        direct = chunkfile.probe_direct(path)
-        if self._direct_request and not direct:
-            raise StorageError(f"{path} does not support O_DIRECT (tmpfs?): pass direct=None "
-                               f"to fall back to buffered I/O, or use a directory on an SSD")
-        self._direct.append(direct if self._direct_request is not False else False)
+        self._direct.append(self._probe_direct(path))
         spares = SpareFiles(path, self.chunk_bytes)
         spares.open()
         self._spares.append(spares)
         root_json = os.path.join(path, "zarr.json")
         if not os.path.exists(root_json):
             _write_atomic(root_json, GROUP_JSON)
-            self._mark_dirty(root_json, path)
         _remove_orphans(path)
+
+    def _probe_direct(self, path: str) -> bool:
+        fs = chunkfile.filesystem_type(path)
+        accepts = chunkfile.probe_direct(path) and fs not in chunkfile.MEMORY_FILESYSTEMS
+        if self._direct_request and not accepts:
+            raise StorageError(f"{path} does not support O_DIRECT ({fs}): pass direct=None to fall "
+                               f"back to buffered I/O, or use a directory on an SSD")
+        if self._direct_request is False:
+            return False
+        if not accepts:
+            self._note(f"{path} is on {fs}, which has no direct I/O: buffered I/O there")
+        return accepts
 
     def close(self) -> None:
         """Release the directory locks; does not flush (call `flush()` for durability)."""
@@ -234,7 +252,7 @@ class NvmeStore(TierStore):
             os.close(fd)  # closing the descriptor drops the flock
         self._lock_fds.clear()
         self._direct.clear()
-        self._meta.clear()
+        self._current.clear()
         self._made_dirs.clear()
         self._key_locks.clear()
 
@@ -243,42 +261,46 @@ class NvmeStore(TierStore):
     def _dir_index(self, key: str) -> int:
         return zlib.crc32(key.encode()) % len(self.paths)
 
-    def array_dir(self, key: str) -> str:
-        """The directory of the zarr array holding `key`."""
+    def shard_dir(self, key: str) -> str:
+        """The directory of the zarr group holding `key`'s generations."""
         return os.path.join(self.paths[self._dir_index(key)], *key.split("/"))
 
-    def _chunk_path(self, key: str, index: int) -> str:
-        return os.path.join(self.array_dir(key), "c", str(index))
+    def array_dir(self, key: str) -> str:
+        """The directory of `key`'s current generation (a zarr array)."""
+        return self._gen_dir(key, self._current[key].gen)
+
+    def _gen_dir(self, key: str, gen: int) -> str:
+        return os.path.join(self.shard_dir(key), _gen_name(gen))
 
     def _require_open(self) -> None:
         if not self._lock_fds:
             raise StorageError("the NVMe store is not open: call open() or use it as a context "
                                "manager")
 
-    def _mark_dirty(self, *paths: str) -> None:
-        with self._dirty_lock:
-            self._dirty.update(paths)
-
     def _key_lock(self, key: str) -> asyncio.Lock:
         return self._key_locks.setdefault(key, asyncio.Lock())
 
-    def _make_array_dirs(self, key: str) -> None:
-        """Create the array directory and a group zarr.json for every prefix, once per key."""
-        root = self.paths[self._dir_index(key)]
-        node = root
+    def _make_group_dirs(self, key: str) -> None:
+        """Create the shard directory and a group zarr.json for every prefix, once per key."""
+        node = self.paths[self._dir_index(key)]
         for part in key.split("/")[:-1]:
             node = os.path.join(node, part)
+            if node in self._made_dirs:
+                continue
             group_json = os.path.join(node, "zarr.json")
-            if node not in self._made_dirs and not os.path.exists(group_json):
+            if not os.path.exists(group_json):
                 os.makedirs(node, exist_ok=True)
                 _write_atomic(group_json, GROUP_JSON)
-                self._mark_dirty(group_json, node, os.path.dirname(node))
             self._made_dirs.add(node)
-        chunks = os.path.join(self.array_dir(key), "c")
-        if chunks not in self._made_dirs:
-            os.makedirs(chunks, exist_ok=True)
-            self._mark_dirty(os.path.dirname(chunks), node)
-            self._made_dirs.add(chunks)
+        os.makedirs(self.shard_dir(key), exist_ok=True)
+
+    def _new_gen_dir(self, key: str, gen: int) -> str:
+        self._make_group_dirs(key)
+        gen_dir = self._gen_dir(key, gen)
+        if os.path.exists(gen_dir):  # a failed write's leftover in this process: never current
+            shutil.rmtree(gen_dir)
+        os.makedirs(os.path.join(gen_dir, "c"))
+        return gen_dir
 
     # -- the TierStore primitives ---------------------------------------------------------
 
@@ -290,68 +312,76 @@ class NvmeStore(TierStore):
                                f"for {key!r} is on {t.device}: use a host buffer")
         self._require_open()
 
+    def _use_direct(self, key: str, t: torch.Tensor) -> bool:
+        if not self._direct[self._dir_index(key)]:
+            return False
+        if chunkfile.is_aligned(t.data_ptr()):
+            return True
+        self._note("a host buffer not aligned to 4 KiB was moved with buffered I/O; lease "
+                   "buffers from the host pool for direct I/O")
+        return False
+
     async def write(self, key: str, src: torch.Tensor) -> None:
         self._check_call(key, src, "src")
         dtype_name(src.dtype)
         loop = asyncio.get_running_loop()
         async with self._key_lock(key):
-            await loop.run_in_executor(None, self._make_array_dirs, key)
-            data = _byte_view(src)
-            direct = self._direct[self._dir_index(key)] and chunkfile.is_aligned(src.data_ptr())
-            n = nchunks(len(data), self.chunk_bytes)
-            op = _WriteOp(self._spares[self._dir_index(key)])
-            finals = [self._chunk_path(key, i) for i in range(n)]
-            jobs = [loop.run_in_executor(None, self._write_chunk, op, key, i,
-                                         data[i * self.chunk_bytes: (i + 1) * self.chunk_bytes],
-                                         direct) for i in range(n)]
+            current = await self._lookup(key, missing_ok=True)
+            gen = current.gen + 1 if current is not None else 1
             try:
-                results = await asyncio.gather(*jobs)
-                meta = ShardMeta(src.dtype, src.numel(), self.chunk_bytes,
-                                  [crc for _, crc in results])
-                meta_final = os.path.join(self.array_dir(key), "zarr.json")
-                meta_temp = await loop.run_in_executor(None, self._write_meta, op, key,
-                                                       meta_final, meta)
-                chunks = [(spare, final) for (spare, _), final in zip(results, finals)]
-                await asyncio.shield(loop.run_in_executor(
-                    None, self._commit, op, key, chunks, (meta_temp, meta_final), meta))
-            except asyncio.CancelledError:
-                op.abort()  # late workers remove their own temp files
-                raise
-            except BaseException:
-                op.abort()
-                await asyncio.wait(jobs)  # no temp file may outlive the failed write
-                raise
+                gen_dir = await loop.run_in_executor(None, self._new_gen_dir, key, gen)
+            except OSError as e:
+                raise self._write_error(key, "its generation directory", e) from e
+            data = _byte_view(src)
+            direct = self._use_direct(key, src)
+            cb = self.chunk_bytes
+            jobs = _Jobs()
+            spares = self._spares[self._dir_index(key)]
+            committed = False
+            try:
+                crcs = await jobs.run([loop.run_in_executor(
+                    None, self._write_chunk, jobs, spares, key, i, data[i * cb:(i + 1) * cb], direct,
+                    os.path.join(gen_dir, "c", str(i))) for i in range(nchunks(len(data), cb))])
+                meta = ShardMeta(src.dtype, src.numel(), cb, crcs)
+                # the commit runs to the end even if this call is cancelled meanwhile
+                commit = loop.run_in_executor(None, self._commit, key, gen, meta, current)
+                await _shielded(commit)
+                committed = True
+            finally:
+                if not committed:  # nothing names this generation: remove it whole
+                    await _shielded(loop.run_in_executor(
+                        None, lambda: shutil.rmtree(gen_dir, ignore_errors=True)))
 
-    def _write_chunk(self, op: _WriteOp, key: str, index: int, data: memoryview,
-                     direct: bool) -> tuple[str | None, int]:
+    def _write_chunk(self, jobs: _Jobs, spares: SpareFiles, key: str, index: int, data: memoryview,
+                     direct: bool, final: str) -> int | None:
+        if jobs.aborted:
+            return None
         crc = crc32c.crc32c(data)
+        spare = spares.take()
         try:
-            spare = op.write(data, self.chunk_bytes, direct)
+            chunkfile.write_chunk(spare, data, self.chunk_bytes, direct)
+            os.rename(spare, final)
         except OSError as e:
+            spares.discard(spare)
             raise self._write_error(key, f"chunk {index}", e) from e
-        return spare, crc
+        except BaseException:
+            spares.discard(spare)
+            raise
+        return crc
 
-    def _write_meta(self, op: _WriteOp, key: str, final: str, meta: ShardMeta) -> str | None:
+    def _commit(self, key: str, gen: int, meta: ShardMeta, previous: _Current | None) -> None:
+        """Write the generation's array metadata, then switch the shard to it (one rename)."""
+        gen_dir = self._gen_dir(key, gen)
         try:
-            return op.write_meta(final, meta.to_zarr_json())
+            _write_file(os.path.join(gen_dir, "zarr.json"), meta.to_zarr_json())
+            _write_atomic(os.path.join(self.shard_dir(key), "zarr.json"), _pointer_json(gen))
         except OSError as e:
             raise self._write_error(key, "zarr.json", e) from e
-
-    def _commit(self, op: _WriteOp, key: str, chunks: list[tuple[str, str]],
-                meta_rename: tuple[str, str], meta: ShardMeta) -> None:
-        old = self._meta.get(key)
-        if not op.commit(chunks, meta_rename):
-            return
-        # Runs to the end even if the write was cancelled: the renames are the commit point.
-        self._meta[key] = meta
-        chunk_dir = os.path.join(self.array_dir(key), "c")
-        if old is None or len(old.crcs) > len(meta.crcs):  # a shorter version: drop the tail
-            for name in os.listdir(chunk_dir):
-                if name.isdigit() and int(name) >= len(meta.crcs):
-                    _unlink(os.path.join(chunk_dir, name))
-        self._mark_dirty(chunk_dir, self.array_dir(key), meta_rename[1],
-                         self._spares[self._dir_index(key)].directory,
-                         *(final for _, final in chunks))
+        self._current[key] = _Current(gen, meta)
+        if previous is not None:
+            old_dir = self._gen_dir(key, previous.gen)
+            self._spares[self._dir_index(key)].retire(
+                [os.path.join(old_dir, "c", str(i)) for i in range(previous.meta.nchunks)], old_dir)
 
     def _write_error(self, key: str, what: str, e: OSError) -> StorageError:
         root = self.paths[self._dir_index(key)]
@@ -359,27 +389,32 @@ class NvmeStore(TierStore):
             return StorageFullError(f"no space left in {root} writing {what} of shard {key!r}; "
                                     f"the previous version is intact. Free space there or add "
                                     f"another NVMe directory")
-        return StorageError(f"writing {what} of shard {key!r} in {root} failed: {e}")
+        return StorageError(f"writing {what} of shard {key!r} in {root} failed: {e}; the "
+                            f"previous version is intact")
 
     async def read_into(self, key: str, out: torch.Tensor, verify: bool = False) -> None:
         self._check_call(key, out, "out")
         loop = asyncio.get_running_loop()
         async with self._key_lock(key):
-            meta = self._meta.get(key) or await loop.run_in_executor(None, self._load_meta, key)
+            current = await self._lookup(key)
+            meta = current.meta
             check_out(key, out, meta.dtype, meta.numel)
             data = _byte_view(out)
-            direct = self._direct[self._dir_index(key)] and chunkfile.is_aligned(out.data_ptr())
+            direct = self._use_direct(key, out)
             verify = verify or self.verify_always
             cb = meta.chunk_bytes
-            await asyncio.gather(*(
-                loop.run_in_executor(None, self._read_chunk, key, i, meta,
-                                     data[i * cb: (i + 1) * cb], direct, verify)
-                for i in range(meta.nchunks)))
+            gen_dir = self._gen_dir(key, current.gen)
+            jobs = _Jobs()
+            await jobs.run([loop.run_in_executor(None, self._read_chunk, jobs, key, gen_dir, i, meta,
+                                                 data[i * cb:(i + 1) * cb], direct, verify)
+                            for i in range(meta.nchunks)])
 
-    def _read_chunk(self, key: str, index: int, meta: ShardMeta, out: memoryview,
-                    direct: bool, verify: bool) -> None:
-        path = self._chunk_path(key, index)
-        where = f"chunk {index} of array {self.array_dir(key)}"
+    def _read_chunk(self, jobs: _Jobs, key: str, gen_dir: str, index: int, meta: ShardMeta,
+                    out: memoryview, direct: bool, verify: bool) -> None:
+        if jobs.aborted:
+            return
+        path = os.path.join(gen_dir, "c", str(index))
+        where = f"chunk {index} of shard {key!r} (array {gen_dir})"
         try:
             chunkfile.read_chunk(path, out, meta.chunk_bytes, direct)
         except FileNotFoundError as e:
@@ -394,50 +429,147 @@ class NvmeStore(TierStore):
             raise StorageCorruptError(f"{where} fails its crc32c check: restore the shard from "
                                       f"a checkpoint")
 
-    def _load_meta(self, key: str) -> ShardMeta:
-        path = os.path.join(self.array_dir(key), "zarr.json")
+    async def _lookup(self, key: str, missing_ok: bool = False) -> _Current | None:
+        if key in self._current:
+            return self._current[key]
+        found = await asyncio.get_running_loop().run_in_executor(None, self._load_current, key)
+        if found is None and not missing_ok:
+            raise ShardNotFoundError(f"no shard {key!r} in the NVMe store ({self.shard_dir(key)} "
+                                     f"has no zarr.json): write it before reading it")
+        return found
+
+    def _load_current(self, key: str) -> _Current | None:
+        pointer = os.path.join(self.shard_dir(key), "zarr.json")
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
+            with open(pointer, "rb") as f:
+                doc = json.loads(f.read())
+            match = _GEN_NAME.fullmatch(doc["attributes"]["tierzero"]["current"])
+            if match is None:
+                raise ValueError("no generation name")
         except FileNotFoundError:
-            raise ShardNotFoundError(f"no shard {key!r} in the NVMe store ({path} does not "
-                                     f"exist): write it before reading it") from None
-        meta = ShardMeta.from_zarr_json(raw, path)
+            return None
+        except (ValueError, KeyError, TypeError) as e:
+            raise StorageCorruptError(f"{pointer} does not name a current generation ({e!r}): "
+                                      f"delete the shard or restore it from a checkpoint") from e
+        gen = int(match.group(1))
+        array_json = os.path.join(self._gen_dir(key, gen), "zarr.json")
+        try:
+            with open(array_json, "rb") as f:
+                meta = ShardMeta.from_zarr_json(f.read(), array_json)
+        except FileNotFoundError:
+            raise StorageCorruptError(f"{array_json} is missing: the shard's current generation "
+                                      f"is gone; restore it from a checkpoint") from None
         if len(meta.crcs) != meta.nchunks:
-            raise StorageCorruptError(f"{path} records {len(meta.crcs)} checksums for "
-                                      f"{meta.nchunks} chunks: "
-                                      f"restore the shard from a checkpoint")
-        self._meta[key] = meta
-        return meta
+            raise StorageCorruptError(f"{array_json} records {len(meta.crcs)} checksums for "
+                                      f"{meta.nchunks} chunks: restore the shard from a checkpoint")
+        self._current[key] = _Current(gen, meta)
+        return self._current[key]
 
     async def exists(self, key: str) -> bool:
         check_key(key)
         self._require_open()
-        return key in self._meta or os.path.exists(os.path.join(self.array_dir(key), "zarr.json"))
+        return key in self._current or os.path.exists(os.path.join(self.shard_dir(key), "zarr.json"))
 
     async def delete(self, key: str) -> None:
         check_key(key)
         self._require_open()
         async with self._key_lock(key):
-            self._meta.pop(key, None)
-            array_dir = self.array_dir(key)
-            await asyncio.get_running_loop().run_in_executor(
-                None, lambda: shutil.rmtree(array_dir, ignore_errors=True))
-            self._made_dirs.discard(os.path.join(array_dir, "c"))
-            self._mark_dirty(os.path.dirname(array_dir))
+            self._current.pop(key, None)
+            shard_dir = self.shard_dir(key)
+
+            def remove() -> None:
+                try:
+                    shutil.rmtree(shard_dir)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    raise StorageError(f"deleting shard {key!r} ({shard_dir}) failed: {e}") from e
+
+            await asyncio.get_running_loop().run_in_executor(None, remove)
 
     async def flush(self) -> None:
-        """fsync every file and directory written since the last flush, in parallel."""
+        """Make every completed write durable (syncfs per directory), then let superseded
+        generations' blocks be reused."""
         self._require_open()
-        with self._dirty_lock:
-            dirty, self._dirty = self._dirty, set()
         loop = asyncio.get_running_loop()
         try:
-            await asyncio.gather(*(loop.run_in_executor(None, chunkfile.fsync_path, p)
-                                   for p in dirty))
+            await asyncio.gather(*(loop.run_in_executor(None, _sync_filesystem, p)
+                                   for p in self.paths))
         except OSError as e:
-            self._mark_dirty(*dirty)
-            raise StorageError(f"fsync failed in the NVMe store ({e}): check the drive") from e
+            raise StorageError(f"syncing the NVMe store failed ({e}): check the drive") from e
+        for spares in self._spares:
+            await loop.run_in_executor(None, spares.recycle)
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    async def snapshot(self, key: str, dst_dir: str) -> tuple[ShardMeta, int]:
+        """Hard-link the current generation of `key` into the frozen array `dst_dir`; returns
+        its metadata and the bytes copied (0 unless `dst_dir` is on another filesystem).
+        Call `flush()` first: a checkpoint must link durable chunks."""
+        check_key(key)
+        self._require_open()
+        async with self._key_lock(key):
+            current = await self._lookup(key)
+            copied = await asyncio.get_running_loop().run_in_executor(
+                None, link_array, self._gen_dir(key, current.gen), dst_dir, current.meta)
+        return current.meta, copied
+
+    async def adopt(self, key: str, src_dir: str, meta: ShardMeta) -> int:
+        """Make the frozen array `src_dir` (a checkpoint's) `key`'s new current generation, by
+        hard links; returns bytes copied. Its chunks stay linked, so they are never recycled."""
+        check_key(key)
+        self._require_open()
+        loop = asyncio.get_running_loop()
+        async with self._key_lock(key):
+            current = await self._lookup(key, missing_ok=True)
+            gen = current.gen + 1 if current is not None else 1
+            gen_dir = await loop.run_in_executor(None, self._new_gen_dir, key, gen)
+            committed = False
+            try:
+                copied = await loop.run_in_executor(None, link_array, src_dir, gen_dir, meta, False)
+                await _shielded(loop.run_in_executor(None, self._commit, key, gen, meta, current))
+                committed = True
+            finally:
+                if not committed:
+                    await _shielded(loop.run_in_executor(
+                        None, lambda: shutil.rmtree(gen_dir, ignore_errors=True)))
+        return copied
+
+
+async def _shielded(future: Awaitable) -> None:
+    """Await an executor job to its end: a cancellation is re-raised only after it finished."""
+    fut = asyncio.ensure_future(future)
+    cancelled = False
+    while True:
+        try:
+            await asyncio.shield(fut)
+            break
+        except asyncio.CancelledError:
+            if fut.done():
+                break
+            cancelled = True
+    if fut.exception() is not None:
+        raise fut.exception()  # type: ignore[misc]
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+def _sync_filesystem(path: str) -> None:
+    """Flush the filesystem holding `path`: syncfs (one call for data, new files and renames),
+    else fsync every file and directory below it."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _syncfs is not None:
+            if _syncfs(fd) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err), path)
+            return
+    finally:
+        os.close(fd)
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            chunkfile.fsync_path(os.path.join(dirpath, name))
+        chunkfile.fsync_path(dirpath)
 
 
 def _write_file(path: str, raw: bytes) -> None:
@@ -460,9 +592,35 @@ def _write_atomic(path: str, raw: bytes) -> None:
         raise
 
 
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def _remove_orphans(root: str) -> None:
-    """Remove temp files a killed writer left behind (the caller holds the directory lock)."""
-    for dirpath, _, names in os.walk(root):
+    """Remove what a killed writer left (the caller holds the directory lock): temp files, and
+    generation directories that their shard's zarr.json does not name."""
+    for dirpath, dirnames, names in os.walk(root):
+        if dirpath == root:
+            dirnames[:] = [d for d in dirnames if d != SPARE_DIR]
         for name in names:
             if _TMP_NAME.fullmatch(name):
                 _unlink(os.path.join(dirpath, name))
+        gens = [d for d in dirnames if _GEN_NAME.fullmatch(d)]
+        if not gens:
+            continue
+        current = _current_name(os.path.join(dirpath, "zarr.json"))
+        for d in gens:
+            if current is not None and d != current:  # an unreadable pointer: keep everything
+                shutil.rmtree(os.path.join(dirpath, d), ignore_errors=True)
+        dirnames[:] = [d for d in dirnames if d not in gens]  # never walk the chunk directories
+
+
+def _current_name(pointer: str) -> str | None:
+    try:
+        with open(pointer, "rb") as f:
+            return json.loads(f.read())["attributes"]["tierzero"]["current"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -1,63 +1,50 @@
-"""`SpareFiles`: already-allocated chunk files that writes fill, recycled by atomic exchange.
+"""`SpareFiles`: chunk files whose blocks a write may overwrite, recycled only once that is safe.
 
 Why: on ext4, O_DIRECT writes over allocated blocks run about twice as fast as writes into a
-new file (block allocation and unwritten-extent conversion serialize). So a chunk write fills a
-spare file, then `renameat2(RENAME_EXCHANGE)` atomically swaps it with the chunk file: the chunk
-path now holds the new bytes, and the spare path holds the previous version's blocks, ready to
-be overwritten by the next write. The first write of a chunk (no file yet) renames its spare
-into place instead. Either way readers see the old chunk or the new one, never a torn one.
+new file (block allocation and unwritten-extent conversion serialize). So a chunk write fills
+a spare file (allocated blocks) and renames it into its new generation's directory.
 
-Spares live in `DIR/.tierzero-spare/`, on the same filesystem as the chunks (exchange and rename
-cannot cross filesystems). A shard write fills all its chunks before swapping any of them in,
-so the pool grows to the bytes of concurrent writes -- the same space any atomic write needs
-while old and new versions coexist -- and keeps up to `max_bytes` of them (default 4 GiB per
-directory) for the next writes; `open()` and `close()` remove them all. Where RENAME_EXCHANGE
-is missing (not Linux, or a filesystem that refuses it), the chunk is renamed over and its old
-blocks are freed: still atomic, just slower.
+When is it safe to overwrite a file's blocks? When nothing can ever read them again:
+- the generation that held the file is no longer current, *and* that switch is durable: a
+  commit only `retire()`s the old generation's files; they become spares at `recycle()`, which
+  the store calls after a flush made the commit durable. Before that, a power loss could bring
+  the old generation back, and it must still hold its bytes;
+- no checkpoint links the file: a file with more than one link (`st_nlink > 1`) is never
+  recycled, only its live name is removed, so a checkpoint's chunks are never overwritten.
+Retired files beyond `max_bytes` are simply unlinked (the filesystem itself does not reuse
+freed blocks before the freeing transaction commits).
+
+Spares live in `DIR/.tierzero-spare/`, on the same filesystem as the chunks (rename cannot
+cross filesystems). `open()` and `close()` empty it.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import itertools
 import os
+import shutil
 import threading
 
 SPARE_DIR = ".tierzero-spare"
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-
-
-def _load_renameat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2  # ctypes releases the GIL per call
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_renameat2 = _load_renameat2()
 
 
 class SpareFiles:
-    """The spare chunk files of one store directory; thread-safe."""
+    """The spare and retired chunk files of one store directory; thread-safe."""
 
     def __init__(self, root: str, chunk_bytes: int, max_bytes: int = 4 << 30) -> None:
         self.directory = os.path.join(root, SPARE_DIR)
         self.max_spares = max(1, max_bytes // chunk_bytes)
         self._lock = threading.Lock()
         self._idle: list[str] = []
+        self._retired: list[str] = []  # files of superseded generations, not yet durable
+        self._retired_dirs: list[str] = []
         self._names = itertools.count()
-        self._can_exchange = _renameat2 is not None
 
     def open(self) -> None:
         """Create the spare directory and empty it (leftovers of a killed run are garbage)."""
         os.makedirs(self.directory, exist_ok=True)
         for name in os.listdir(self.directory):
-            os.unlink(os.path.join(self.directory, name))
+            _unlink(os.path.join(self.directory, name))
 
     def close(self) -> None:
         with self._lock:
@@ -72,29 +59,44 @@ class SpareFiles:
                 return self._idle.pop()
         return os.path.join(self.directory, f"s{os.getpid()}-{next(self._names)}")
 
-    def commit(self, spare: str, final: str) -> None:
-        """Atomically make `final` hold the bytes written to `spare`; keep the old blocks."""
-        if self._can_exchange and self._exchange(spare, final):
-            with self._lock:
-                if len(self._idle) < self.max_spares:
-                    self._idle.append(spare)
-                    return
-            _unlink(spare)
-            return
-        os.replace(spare, final)
+    def retire(self, files: list[str], gen_dir: str) -> None:
+        """Record a superseded generation; its blocks are reusable only after `recycle()`."""
+        with self._lock:
+            self._retired.extend(files)
+            self._retired_dirs.append(gen_dir)
+            overflow = len(self._retired) - self.max_spares
+            dropped = self._retired[:overflow] if overflow > 0 else []
+            del self._retired[:len(dropped)]
+        for path in dropped:
+            _unlink(path)
 
-    def _exchange(self, spare: str, final: str) -> bool:
-        assert _renameat2 is not None
-        if _renameat2(_AT_FDCWD, os.fsencode(spare), _AT_FDCWD, os.fsencode(final),
-                      _RENAME_EXCHANGE) == 0:
-            return True
-        err = ctypes.get_errno()
-        if err == errno.ENOENT:  # the chunk's first version: rename instead
-            return False
-        if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-            self._can_exchange = False  # this filesystem cannot exchange; rename from now on
-            return False
-        raise OSError(err, os.strerror(err), final)
+    def recycle(self) -> None:
+        """After a flush made every retirement so far durable: turn retired files into spares."""
+        with self._lock:
+            retired, self._retired = self._retired, []
+            dirs, self._retired_dirs = self._retired_dirs, []
+        for path in retired:
+            try:
+                if os.stat(path).st_nlink != 1:  # a checkpoint links it: never overwrite it
+                    _unlink(path)
+                    continue
+                with self._lock:
+                    room = len(self._idle) < self.max_spares
+                if not room:
+                    _unlink(path)
+                    continue
+                spare = os.path.join(self.directory, f"s{os.getpid()}-{next(self._names)}")
+                os.rename(path, spare)
+            except FileNotFoundError:
+                continue
+            with self._lock:
+                self._idle.append(spare)
+        for gen_dir in dirs:
+            shutil.rmtree(gen_dir, ignore_errors=True)
+
+    def discard(self, path: str) -> None:
+        """A spare that failed mid-write: drop it rather than reuse blocks in unknown state."""
+        _unlink(path)
 
 
 def _unlink(path: str) -> None:
