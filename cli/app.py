@@ -34,6 +34,8 @@ def guarded(command: Callable[..., None]) -> Callable[..., None]:
 
 def _register() -> None:
     from tierzero.cli.bench import bench
+    from tierzero.cli.export import export
+    from tierzero.cli.inspect import inspect
     from tierzero.cli.plan import plan
     from tierzero.cli.report import report
     from tierzero.cli.train import train
@@ -42,6 +44,8 @@ def _register() -> None:
     app.command()(guarded(plan))
     app.command()(guarded(bench))
     app.command()(guarded(report))
+    app.command()(guarded(export))
+    app.command()(guarded(inspect))
 
 
 _register()

@@ -1,0 +1,43 @@
+"""`tierzero export`: a run's checkpoint as safetensors weights under the model's own names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from tierzero.cli.output import Output
+from tierzero.config import parse_bytes
+from tierzero.export import export_checkpoint
+
+
+def export(
+    run_dir: Path = typer.Argument(..., help="A run directory written by `tierzero train`."),
+    out: Path = typer.Option(..., "--out", help="The .safetensors file to write (or an existing directory, for model.safetensors)."),
+    step: Optional[int] = typer.Option(None, "--step", help="The checkpoint's step. Default: the newest complete one."),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32 (the master weights as they are) or bf16 (rounded from them)."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Split into model-0000i-of-0000K files with an index past this size, e.g. 5GB or 500MiB."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
+) -> None:
+    """Write a checkpoint's master weights as safetensors, loadable with `load_file` and
+    `model.load_state_dict`, streaming one unit at a time (host memory: about one unit)."""
+    max_shard_bytes = parse_bytes(max_shard_size, "--max-shard-size")
+    output = Output(json_out)
+    progress = Progress(TextColumn("export"), MofNCompleteColumn(), TextColumn("units"), BarColumn(),
+                        TimeElapsedColumn(), console=output.console, disable=json_out, transient=True)
+    with progress:
+        task = progress.add_task("export", total=None)
+        result = export_checkpoint(run_dir, out, step=step, dtype=dtype.lower(), max_shard_bytes=max_shard_bytes,
+                                   on_unit=lambda done, total: progress.update(task, completed=done, total=total))
+    summary = {"run_dir": str(run_dir), "step": result.step, "checkpoint": str(result.checkpoint),
+               "dtype": result.dtype, "files": [str(f) for f in result.files],
+               "index": str(result.index) if result.index else None,
+               "tensors": result.tensors, "bytes": result.nbytes}
+    if json_out:
+        output.emit_json(summary)
+        return
+    where = result.index if result.index else result.files[0]
+    output.print(f"exported step {result.step} ({result.tensors} tensors, {result.nbytes / 1e6:,.1f} MB "
+                 f"{result.dtype}) to {where}" + (f" and {len(result.files)} files" if result.index else ""))
