@@ -38,7 +38,6 @@ without O_DIRECT, tmpfs, an unaligned buffer) falls back to buffered I/O and say
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import errno
 import fcntl
 import itertools
@@ -135,17 +134,6 @@ async def _settle(futures: list[asyncio.Future]) -> None:
         pending = [f for f in pending if not f.done()]
 
 
-def _load_syncfs():  # type: ignore[no-untyped-def]
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).syncfs  # releases the GIL per call
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_syncfs = _load_syncfs()
 
 
 class NvmeStore(TierStore):
@@ -493,7 +481,7 @@ class NvmeStore(TierStore):
         self._require_open()
         loop = asyncio.get_running_loop()
         try:
-            await asyncio.gather(*(loop.run_in_executor(None, _sync_filesystem, p)
+            await asyncio.gather(*(loop.run_in_executor(None, chunkfile.sync_filesystem, p)
                                    for p in self.paths))
         except OSError as e:
             raise StorageError(f"syncing the NVMe store failed ({e}): check the drive") from e
@@ -552,24 +540,6 @@ async def _shielded(future: Awaitable) -> None:
         raise fut.exception()  # type: ignore[misc]
     if cancelled:
         raise asyncio.CancelledError
-
-
-def _sync_filesystem(path: str) -> None:
-    """Flush the filesystem holding `path`: syncfs (one call for data, new files and renames),
-    else fsync every file and directory below it."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if _syncfs is not None:
-            if _syncfs(fd) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, os.strerror(err), path)
-            return
-    finally:
-        os.close(fd)
-    for dirpath, _, names in os.walk(path):
-        for name in names:
-            chunkfile.fsync_path(os.path.join(dirpath, name))
-        chunkfile.fsync_path(dirpath)
 
 
 def _write_file(path: str, raw: bytes) -> None:

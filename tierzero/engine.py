@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,11 +23,13 @@ from torch import nn
 
 from tierzero.comm import Comm
 from tierzero.config import Config, Offload, Placement, StateKind, Tier
-from tierzero.errors import ConfigError, TierzeroError
+from tierzero.checkpoint import newest_checkpoint, verify_checkpoint
+from tierzero.errors import CheckpointError, ConfigError, TierzeroError
 from tierzero.execute import UnitRunner, bind, detach_params, flat_grad, unbind
 from tierzero.grads import GradShards, clip_coefficient
 from tierzero.init import WeightFiles, flat_unit, weight_files
 from tierzero.lr import lr_at
+from tierzero.manifest import MANIFEST_NAME, Manifest
 from tierzero.optim import OPT_KINDS, ShardOptimizer
 from tierzero.partition import Unit, partition
 from tierzero.precision import DynamicLossScaler, compute_dtype, resolve_dtype
@@ -71,11 +74,16 @@ class Engine:
         self._root_leaves: list[torch.Tensor] | None = None
         self._stepped_in_backward = False
         self._previous_norm: torch.Tensor | None = None
+        self._notes: list[str] = []
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def open(self) -> Engine:
         """Open the tiers and move every unit's state into its home, one unit at a time."""
+        return self._open_with(self._materialise)
+
+    def _open_with(self, fill: Callable[[], None]) -> Engine:
+        """Open the tiers, fill them (`_materialise`, or a checkpoint's restore), build the step."""
         if self._open:
             return self
         if self._closed:
@@ -84,7 +92,7 @@ class Engine:
         self.tiers.open()
         try:
             self._place_buffers()
-            self._materialise()
+            fill()
             self.scheduler = Scheduler(self.units, self.tiers, self.placement.param, self.dtype,
                                        self.comm.rank, self.stats_)
             self.grads = GradShards(self.units, self.tiers, self.placement.grad, self.comm, self.stats_,
@@ -225,10 +233,62 @@ class Engine:
         finally:
             self.model.train(was_training)
 
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save_checkpoint(self, run_dir: str | Path, data: dict[str, Any] | None = None,
+                        keep: int | None = None, model: dict[str, Any] | None = None) -> Path:
+        """Snapshot every shard at this step into `run_dir/checkpoints/step-<N>` (hard links for
+        NVMe-homed state: metadata, not bytes); `data` is the caller's data position, `keep`
+        prunes to the newest K. See `tierzero.snapshot`."""
+        self._usable()
+        from tierzero import snapshot
+
+        return snapshot.save(self, run_dir, data=data, keep=keep, model=model)
+
+    def load_checkpoint(self, path: str | Path) -> Manifest:
+        """Continue from a checkpoint: `path` is a `step-<N>` directory, or a run directory (its
+        newest intact checkpoint; damaged newer ones are skipped and named in `notes()`). Every
+        array is verified first. Returns the manifest (its `data` is the caller's to restore)."""
+        if self._broken is not None:
+            self._usable()
+        from tierzero import snapshot
+
+        path = Path(path)
+        if (path / MANIFEST_NAME).exists():
+            manifest = Manifest.load(path)
+            verify_checkpoint(path, manifest)
+        else:
+            found = newest_checkpoint(path)
+            if found is None:
+                raise CheckpointError(f"'{path}' holds no checkpoint; pass a run directory with "
+                                      "checkpoints/step-<N> in it, or one such directory")
+            path, manifest, skipped = found
+            for line in skipped:
+                self.note(line)
+        if self._open:
+            self.tiers.pending.drain()
+            snapshot.restore(self, path, manifest)
+        else:
+            self._open_with(lambda: snapshot.restore(self, path, manifest))
+        return manifest
+
+    def note(self, text: str) -> None:
+        """Record something the user should hear once (the CLI prints `notes()`)."""
+        if text not in self._notes:
+            self._notes.append(text)
+
+    def notes(self) -> list[str]:
+        """What the engine and its stores could not do as asked, or chose instead, once each."""
+        store_notes = getattr(self.tiers.stores.get(Tier.NVME), "notes", [])
+        return self._notes + [n for n in store_notes if n not in self._notes]
+
     # -- state ----------------------------------------------------------------------------------
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights under every parameter name (tied aliases included), unit by unit."""
+        """fp32 master weights under every parameter name (tied aliases included), unit by unit.
+
+        This holds the whole fp32 model in host memory: for small models and tests. For large
+        ones, checkpoint and stream the weights out with `tierzero export` (about one unit of RAM)."""
         self._usable()
         out: dict[str, torch.Tensor] = {}
         for unit in self.units:
@@ -301,16 +361,17 @@ class Engine:
             flat = flat_unit(self.model, unit, self.config.seed, weights)
             shard = flat[lo:hi].contiguous()
             detach_params(unit, self.dtype)
-            self._put(StateKind.MASTER, unit, shard)
-            self._put(StateKind.PARAM, unit, shard.to(self.dtype))
+            self.put_shard(StateKind.MASTER, unit, shard)
+            self.put_shard(StateKind.PARAM, unit, shard.to(self.dtype))
             zeros = torch.zeros_like(shard)
             for kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ, StateKind.GRAD):
-                self._put(kind, unit, zeros)
+                self.put_shard(kind, unit, zeros)
             self.tiers.pending.drain()  # peak host memory stays about one unit
         if Tier.NVME in self.tiers.stores:
             self.tiers.run(self.tiers.stores[Tier.NVME].flush())
 
-    def _put(self, kind: StateKind, unit: Unit, src: torch.Tensor) -> None:
+    def put_shard(self, kind: StateKind, unit: Unit, src: torch.Tensor) -> None:
+        """Write this rank's shard of `kind` for `unit` (a CPU tensor) to its home tier."""
         store = self.tiers.stores[self.placement.home(kind)]
         key = shard_key(kind, unit.index, self.comm.rank)
         if self.placement.home(kind) is Tier.NVME:

@@ -1,0 +1,213 @@
+"""Taking a checkpoint of an engine, and restoring one into it.
+
+Saving (at an optimizer-step boundary): finish every transfer, flush the NVMe store (so the
+chunks about to be linked are durable), then build `checkpoints/.step-<N>.tmp-<pid>/`:
+NVMe-homed shards are hard-linked from the store's current generations (metadata, no bytes),
+memory-homed shards are written out; then the filesystem is synced, `manifest.json` is written
+and fsynced, and the directory is renamed to `step-<N>` -- the checkpoint's commit point. A
+kill at any instant leaves either no `step-<N>` or a complete one; temp directories are
+removed at the next save. The store never overwrites a linked chunk (see `storage.spares`).
+
+Restoring: the checkpoint's arrays are verified against the manifest's checksums (by the
+caller), NVMe-homed shards become the store's new current generations by hard links
+(`NvmeStore.adopt`, no bytes copied), memory-homed ones are read in; then the counters, loss
+scaler, clipping norm and RNG states are set, so the next step is bitwise the one an
+uninterrupted run would take. Gradients are not saved: a checkpoint sits between steps, where
+every grad shard is overwritten before it is read.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tierzero.checkpoint import checkpoints_root, prune, step_dir
+from tierzero.config import StateKind, Tier
+from tierzero.errors import CheckpointError, TierzeroError
+from tierzero.manifest import MANIFEST_NAME, Manifest, config_hash, layout_of
+from tierzero.storage import chunkfile
+from tierzero.storage.arrays import read_array, write_array
+from tierzero.storage.base import dtype_name
+from tierzero.tiers import shard_key
+
+if TYPE_CHECKING:
+    from tierzero.engine import Engine
+
+SAVED_KINDS = (StateKind.PARAM, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
+# Config fields that change what a step computes; a resumed run with others differs.
+_NUMERIC_FIELDS = ("dtype", "lr", "weight_decay", "betas", "eps", "lr_schedule", "warmup_steps",
+                   "total_steps", "min_lr_ratio", "clip_grad_norm", "clip_previous_norm", "accumulate",
+                   "loss_scale", "loss_scale_window", "seed")
+
+
+def numeric_config_hash(engine: Engine) -> str:
+    return config_hash({f: getattr(engine.config, f) for f in _NUMERIC_FIELDS})
+
+
+def save(engine: Engine, run_dir: str | Path, data: dict[str, Any] | None = None,
+         keep: int | None = None, model: dict[str, Any] | None = None) -> Path:
+    """Write `run_dir/checkpoints/step-<N>` for the engine's current step; returns its path."""
+    if engine.comm.world_size > 1:
+        raise TierzeroError("checkpoints of several ranks are not supported yet; train on one rank "
+                            "to checkpoint")
+    if engine.micro % engine.config.accumulate != 0:
+        raise TierzeroError(f"a checkpoint needs a finished optimizer step, but {engine.micro % engine.config.accumulate} "
+                            f"of {engine.config.accumulate} micro-batches are accumulated; save after step()")
+    engine.open()
+    tiers = engine.tiers
+    tiers.pending.drain()
+    nvme = tiers.stores.get(Tier.NVME)
+    if nvme is not None:
+        tiers.run(nvme.flush())  # linked chunks must be durable before a manifest names them
+    root = checkpoints_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_temp_dirs(root)
+    final = step_dir(run_dir, engine.step_count)
+    temp = root / f".{final.name}.tmp-{os.getpid()}"
+    try:
+        arrays, copied = {}, 0
+        for unit in engine.units:
+            for kind in SAVED_KINDS:
+                key = shard_key(kind, unit.index, engine.comm.rank)
+                dst = str(temp / "state" / Path(*key.split("/")))
+                if engine.placement.home(kind) is Tier.NVME:
+                    arrays[key], nbytes = tiers.run(nvme.snapshot(key, dst))
+                    copied += nbytes
+                else:
+                    shard = engine.read_shard(kind, unit)
+                    arrays[key] = write_array(dst, shard, engine.config.chunk_bytes)
+                    copied += shard.numel() * shard.element_size()
+        chunkfile.sync_filesystem(str(temp))  # the links and directories, before the manifest
+        manifest = Manifest(step=engine.step_count, time=time.time(), world_size=engine.comm.world_size,
+                            compute_dtype=dtype_name(engine.dtype), config_hash=numeric_config_hash(engine),
+                            units=layout_of(engine.units), arrays=arrays, engine=_engine_state(engine),
+                            data=data, rng=_rng_state(engine.device), bytes_copied=copied, model=model)
+        _write_durable(temp / MANIFEST_NAME, manifest.to_json())
+        _replace_dir(temp, final)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    if copied and nvme is not None and any(engine.placement.home(k) is Tier.NVME for k in SAVED_KINDS):
+        engine.note(f"checkpoint {final.name} copied {copied / 1e6:.1f} MB: keep --run-dir on the same "
+                    "filesystem as --nvme-path (and state on nvme) for checkpoints that copy nothing")
+    if keep is not None:
+        prune(run_dir, keep)
+    return final
+
+
+def restore(engine: Engine, path: Path, manifest: Manifest) -> None:
+    """Fill the engine's tiers from a verified checkpoint and set its counters and RNG."""
+    manifest.check_compatible(engine.units, engine.comm.world_size, dtype_name(engine.dtype), str(path))
+    tiers = engine.tiers
+    missing = [shard_key(k, u.index, engine.comm.rank) for u in engine.units for k in SAVED_KINDS
+               if shard_key(k, u.index, engine.comm.rank) not in manifest.arrays]
+    if missing:
+        raise CheckpointError(f"{path / MANIFEST_NAME} lists no array {missing[0]!r}: the checkpoint is "
+                              "incomplete; use another one")
+    copied = 0
+    for unit in engine.units:
+        for kind in SAVED_KINDS:
+            key = shard_key(kind, unit.index, engine.comm.rank)
+            src, meta = manifest.array_dir(path, key), manifest.arrays[key]
+            if engine.placement.home(kind) is Tier.NVME:
+                copied += tiers.run(tiers.stores[Tier.NVME].adopt(key, str(src), meta))
+            else:
+                engine.put_shard(kind, unit, read_array(str(src), meta))
+            if kind is StateKind.PARAM and tiers.host_pool is not None:
+                tiers.host_pool.cache_drop(key)  # a cached param of the abandoned run is stale
+        if engine.placement.home(StateKind.GRAD) is not Tier.NVME:
+            engine.put_shard(StateKind.GRAD, unit, torch.zeros(unit.shard_numel, dtype=torch.float32))
+        tiers.pending.drain()
+    if Tier.NVME in tiers.stores:
+        tiers.run(tiers.stores[Tier.NVME].flush())
+    if copied:
+        engine.note(f"resuming copied {copied / 1e6:.1f} MB: the checkpoint is on another filesystem "
+                    "than --nvme-path")
+    if manifest.config_hash != numeric_config_hash(engine):
+        engine.note(f"{path.name} was written with other optimizer or precision settings; the resumed "
+                    "run will not match an uninterrupted one")
+    _load_engine_state(engine, manifest.engine, path)
+    _load_rng_state(manifest.rng, engine.device, path)
+
+
+def _engine_state(engine: Engine) -> dict[str, Any]:
+    previous = engine._previous_norm
+    return {"step_count": engine.step_count, "skipped_steps": engine.skipped_steps,
+            "scaler": engine.scaler.state_dict(), "last_grad_norm": engine.last_grad_norm,
+            # a float32 tensor's value is exact as a Python float, and so survives JSON
+            "previous_norm": None if previous is None else float(previous.item())}
+
+
+def _load_engine_state(engine: Engine, state: dict[str, Any], path: Path) -> None:
+    try:
+        engine.step_count = int(state["step_count"])
+        engine.skipped_steps = int(state["skipped_steps"])
+        engine.last_grad_norm = state.get("last_grad_norm")
+        previous = state.get("previous_norm")
+        engine._previous_norm = None if previous is None else torch.tensor(float(previous), dtype=torch.float32)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path / MANIFEST_NAME} has malformed engine state ({e!r}); use another "
+                              "checkpoint") from None
+    if engine.scaler.enabled:
+        engine.scaler.load_state_dict(state.get("scaler") or {})
+    engine.micro = 0
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state = {"torch_cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if device.type == "cuda":
+        state["torch_cuda"] = base64.b64encode(torch.cuda.get_rng_state(device).numpy().tobytes()).decode()
+    return state
+
+
+def _load_rng_state(state: dict[str, Any], device: torch.device, path: Path) -> None:
+    try:
+        torch.set_rng_state(_bytes_tensor(state["torch_cpu"]))
+        if device.type == "cuda" and "torch_cuda" in state:
+            torch.cuda.set_rng_state(_bytes_tensor(state["torch_cuda"]), device)
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path / MANIFEST_NAME} has a malformed RNG state ({e}); use another "
+                              "checkpoint") from None
+
+
+def _bytes_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
+
+
+def _write_durable(path: Path, raw: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
+    chunkfile.fsync_path(str(path.parent))
+
+
+def _replace_dir(temp: Path, final: Path) -> None:
+    """Rename the finished directory into place (replacing a same-step one), durably."""
+    trash = None
+    if final.exists():  # e.g. a damaged checkpoint of this step that resume skipped
+        trash = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.rename(final, trash)
+    os.rename(temp, final)
+    chunkfile.fsync_path(str(final.parent))
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def _remove_temp_dirs(root: Path) -> None:
+    """A killed save's leftovers (the caller holds the run directory's lock)."""
+    for p in root.iterdir():
+        if p.name.startswith(".step-") and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def model_description(args: Any) -> dict[str, Any] | None:
+    """A JSON-able description of a dataclass of model arguments, for humans reading manifests."""
+    return dataclasses.asdict(args) if dataclasses.is_dataclass(args) else None
