@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from tierzero.cli.output import Output
 from tierzero.config import Offload, RunConfig, load_run_config
+from tierzero.errors import ConfigError
 from tierzero.rundir import RunDir
 
 
@@ -36,7 +37,10 @@ def train(
     prefetch_depth: Optional[int] = typer.Option(None, "--prefetch-depth", help="Units fetched ahead of compute."),
     overlap_step: Optional[bool] = typer.Option(None, "--overlap-step/--no-overlap-step", help="Step each unit's optimizer during backward where exact."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="`tierzero bench --profile-out` file; --offload auto uses it to predict step time."),
-    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where config, metrics and offloaded state go. Default: runs/<model>-<time>."),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where config, metrics, checkpoints and offloaded state go. Default: runs/<model>-<time>."),
+    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help="Checkpoint every N optimizer steps (and always at the end)."),
+    keep_checkpoints: Optional[int] = typer.Option(None, "--keep-checkpoints", help="Keep the newest K checkpoints (default 2)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --run-dir from its newest intact checkpoint, up to --steps."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
 ) -> None:
     """Train a model; with no arguments, the `tiny` preset on the built-in corpus, tiered to NVMe."""
@@ -46,7 +50,10 @@ def train(
                      nvme_path=nvme_path or None, host_budget=host_budget, gpu_budget=gpu_budget,
                      prefetch_depth=prefetch_depth, overlap_step=overlap_step,
                      profile=str(profile) if profile else None,
-                     run_dir=str(run_dir) if run_dir else None)
+                     run_dir=str(run_dir) if run_dir else None,
+                     checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints)
+    if resume:
+        config = _resume_config(run_dir, config)
     run = load_run_config(config, overrides)
     if run.run_dir is None:
         run.run_dir = str(Path("runs") / f"{run.model}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -57,27 +64,51 @@ def train(
 
     out = Output(json_out)
     with RunDir(run.run_dir) as rundir, open_session(run) as session:
+        start_step = 0
+        if resume:
+            start_step, notes = session.resume(rundir)
+            for note in notes:
+                out.print(f"[yellow]note:[/] {note}", highlight=False)
         rundir.write_config(run)
         out.print(f"[bold]tierzero train[/] {run.model} ({session.n_params / 1e6:.2f}M params) "
                   f"on {session.device}, dtype {session.dtype}, "
                   f"offload {run.engine.offload.value}: {session.placement_text}")
+        if start_step >= run.steps:
+            out.print(f"the run is already at step {start_step} of {run.steps}: nothing to train; raise --steps to go on")
+            if json_out:
+                out.emit_json({"run_dir": run.run_dir, "steps": run.steps, "start_step": start_step})
+            return
         progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
                             TextColumn("loss {task.fields[loss]:.4f}"),
                             TextColumn("{task.fields[tps]:,.0f} tok/s"), TimeElapsedColumn(),
                             console=out.console, disable=json_out)
         with progress:
-            task = progress.add_task("train", total=run.steps, loss=float("nan"), tps=0.0)
+            task = progress.add_task("train", total=run.steps, completed=start_step, loss=float("nan"), tps=0.0)
             result = session.train(rundir, lambda step, rec: progress.update(
-                task, completed=step, loss=rec["loss"], tps=rec["tokens_per_s"]))
-    summary = {"run_dir": run.run_dir, "steps": run.steps, "first_loss": result.first_loss,
-               "last_loss": result.last_loss, "val_loss_start": result.val_losses[0][1],
-               "val_loss_end": result.val_losses[-1][1], "wall_s": result.wall_s}
+                task, completed=step, loss=rec["loss"], tps=rec["tokens_per_s"]), start_step=start_step)
+        for note in session.notes():
+            out.print(f"[yellow]note:[/] {note}", highlight=False)
+    summary = {"run_dir": run.run_dir, "steps": run.steps, "start_step": start_step,
+               "first_loss": result.first_loss, "last_loss": result.last_loss,
+               "val_loss_start": result.val_losses[0][1], "val_loss_end": result.val_losses[-1][1],
+               "wall_s": result.wall_s}
     if json_out:
         out.emit_json(summary)
     else:
         out.print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}, val loss "
                   f"{summary['val_loss_start']:.4f} -> {summary['val_loss_end']:.4f} in "
                   f"{result.wall_s:.1f}s; metrics in {run.run_dir}/metrics.jsonl")
+
+
+def _resume_config(run_dir: Optional[Path], config: Optional[Path]) -> Optional[Path]:
+    """The config a resumed run starts from: --config if given, else the run's own config.toml."""
+    if run_dir is None:
+        raise ConfigError("--resume needs --run-dir DIR: the run directory to continue")
+    if not run_dir.is_dir():
+        raise ConfigError(f"run directory '{run_dir}' does not exist; --resume continues an existing run "
+                          "(drop --resume to start a new one there)")
+    saved = run_dir / "config.toml"
+    return config if config is not None or not saved.is_file() else saved
 
 
 def _file_sets(config: Optional[Path], key: str) -> bool:

@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import aiofiles
+import aiofiles.os
+
 from tierzero.storage.base import StorageError
+from tierzero.storage.chunkfile import fsync_path
 
 T = TypeVar("T")
 
@@ -105,3 +110,15 @@ class IOLoop:
         except BaseException:
             future.cancel()
             raise
+
+
+async def write_durable(path: str, raw: bytes) -> None:
+    """Write a small file (a manifest) from the I/O loop and fsync it and its directory.
+
+    aiofiles runs the blocking calls on the loop's executor, so the loop keeps serving chunk
+    jobs meanwhile. The caller renames the directory holding it into place afterwards."""
+    async with aiofiles.open(path, "wb") as f:
+        await f.write(raw)
+        await f.flush()
+        await aiofiles.os.wrap(os.fsync)(f.fileno())
+    await aiofiles.os.wrap(fsync_path)(os.path.dirname(path) or ".")

@@ -58,13 +58,16 @@ def test_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_path: Path, na
         for _ in range(2):  # steps the crash loses: the live store moves past the checkpoint
             engine.train_step(data.next_batch())
     data = batches()
-    with engine_for(cfg) as engine:
+    engine = engine_for(cfg)  # not opened: the checkpoint fills the tiers, nothing is materialised
+    try:
         manifest = engine.load_checkpoint(run_dir)
         data.load_state_dict(manifest.data)
         assert engine.step_count == 3
         for _ in range(3):
             engine.train_step(data.next_batch())
         resumed = engine.master_state_dict()
+    finally:
+        engine.close()
     for key in reference:
         assert torch.equal(resumed[key], reference[key]), key
 

@@ -228,13 +228,18 @@ class RunConfig:
     run_dir: str | None = None
     eval_every: int = 40
     eval_batches: int = 4
+    checkpoint_every: int | None = None  # None: checkpoint only when the run finishes
+    keep_checkpoints: int = 2
     engine: Config = field(default_factory=Config)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches"):
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "keep_checkpoints"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        every = self.checkpoint_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ConfigError(f"checkpoint_every must be an integer >= 1 (optimizer steps), got {every!r}")
 
 
 _RUN_FIELDS = {f.name for f in dataclasses.fields(RunConfig)} - {"engine"}

@@ -39,20 +39,26 @@ def evaluate(trainer: Trainer, batches: TokenBatches, n: int) -> float:
 
 
 def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: RunDir,
-               on_step: Callable[[int, dict[str, Any]], None] | None = None) -> LoopResult:
-    """Run `run.steps` optimizer steps of `accumulate` micro-batches each, logging every step."""
+               on_step: Callable[[int, dict[str, Any]], None] | None = None, start_step: int = 0,
+               checkpoint: Callable[[int], None] | None = None) -> LoopResult:
+    """Run optimizer steps `start_step + 1 .. run.steps` of `accumulate` micro-batches each,
+    logging every step; `checkpoint(step)` runs every `run.checkpoint_every` steps and at the end."""
     accumulate = run.engine.accumulate
     tokens_per_step = run.batch_size * run.seq_len * accumulate
     start = time.perf_counter()
-    val_losses = [(0, evaluate(trainer, batches, run.eval_batches))]
-    rundir.log({"step": 0, "val_loss": val_losses[0][1]})
+    val_losses = []
+    if start_step == 0:
+        val_losses.append((0, evaluate(trainer, batches, run.eval_batches)))
+        rundir.log({"step": 0, "val_loss": val_losses[0][1]})
+    else:  # metrics of steps after the checkpoint were lost with the crash: they are redone
+        rundir.log({"resumed_at": start_step})
     first = last = float("nan")
-    for step in range(run.steps):
+    for step in range(start_step, run.steps):
         t0 = time.perf_counter()
         micro_losses = [trainer.train_step(batches.next_batch()) for _ in range(accumulate)]
         loss = sum(micro_losses) / accumulate
         dt = time.perf_counter() - t0
-        first = loss if step == 0 else first
+        first = loss if step == start_step else first
         last = loss
         record = {"step": step + 1, "loss": loss, "lr": lr_at(step, run.engine),
                   "tokens_per_s": tokens_per_step / dt, "step_s": dt,
@@ -61,6 +67,9 @@ def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: 
             record["val_loss"] = evaluate(trainer, batches, run.eval_batches)
             val_losses.append((step + 1, record["val_loss"]))
         rundir.log(record)
+        if checkpoint is not None and ((step + 1) % (run.checkpoint_every or run.steps) == 0
+                                       or step + 1 == run.steps):
+            checkpoint(step + 1)
         if on_step is not None:
             on_step(step + 1, record)
     return LoopResult(first, last, val_losses, time.perf_counter() - start)

@@ -69,11 +69,16 @@ class RunDir:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a run's metrics.jsonl (a torn last line from a kill is skipped)."""
-    records = []
+    """The records of a run's metrics.jsonl (a torn line from a kill is skipped). A resume
+    marker drops the records of the steps after its checkpoint, which the resumed run redid."""
+    records: list[dict[str, Any]] = []
     for line in Path(path, "metrics.jsonl").read_text().splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if "resumed_at" in record:
+            records = [r for r in records if r.get("step", 0) <= record["resumed_at"]]
+            continue
+        records.append(record)
     return records

@@ -17,7 +17,8 @@ import torch
 from tierzero import models
 from tierzero.config import Offload, RunConfig
 from tierzero.data import TokenBatches, default_corpus, load_tokens
-from tierzero.errors import DataError
+from tierzero.checkpoint import checkpoint_dirs
+from tierzero.errors import ConfigError, DataError
 from tierzero.init import WeightFiles
 from tierzero.loop import LoopResult, Trainer, train_loop
 from tierzero.precision import check_dtype_supported, resolve_dtype
@@ -34,8 +35,30 @@ class Session:
     dtype: str
     placement_text: str
 
-    def train(self, rundir: RunDir, on_step: Callable[[int, dict[str, Any]], None] | None = None) -> LoopResult:
-        return train_loop(self.run, self.trainer, self.batches, rundir, on_step)
+    def train(self, rundir: RunDir, on_step: Callable[[int, dict[str, Any]], None] | None = None,
+              start_step: int = 0) -> LoopResult:
+        save = None
+        if hasattr(self.trainer, "save_checkpoint"):
+            def save(step: int) -> None:
+                self.trainer.save_checkpoint(rundir.path, data=self.batches.state_dict(),
+                                             keep=self.run.keep_checkpoints, model={"preset": self.run.model})
+        return train_loop(self.run, self.trainer, self.batches, rundir, on_step, start_step, save)
+
+    def resume(self, rundir: RunDir) -> tuple[int, list[str]]:
+        """Continue from the run directory's newest intact checkpoint: its step and what to tell
+        the user (damaged checkpoints skipped); step 0 when the run has none yet."""
+        if not checkpoint_dirs(rundir.path):
+            return 0, [f"run directory '{rundir.path}' has no checkpoint yet: starting from step 0"]
+        if not hasattr(self.trainer, "load_checkpoint"):
+            raise ConfigError("--resume needs a tiered run (--offload host, nvme or auto); the in-memory "
+                              "reference trainer keeps no checkpoints")
+        manifest = self.trainer.load_checkpoint(rundir.path)
+        if manifest.data is not None:
+            self.batches.load_state_dict(manifest.data)
+        return manifest.step, [*self.trainer.notes(), f"resumed from checkpoint step {manifest.step}"]
+
+    def notes(self) -> list[str]:
+        return self.trainer.notes() if hasattr(self.trainer, "notes") else []
 
 
 def load_batches(run: RunConfig) -> TokenBatches:
@@ -67,6 +90,9 @@ def open_session(run: RunConfig) -> Iterator[Session]:
     if cfg.offload is Offload.NONE:
         from tierzero.reference import ReferenceTrainer
 
+        if run.checkpoint_every is not None:
+            raise ConfigError("checkpoints need a tiered run (--offload host, nvme or auto); the in-memory "
+                              "reference trainer keeps none: drop --checkpoint-every or offload")
         model = models.build(args, device=device, seed=cfg.seed)
         if run.weights:
             load_weights(model, run.weights)

@@ -31,10 +31,12 @@ import torch
 from tierzero.checkpoint import checkpoints_root, prune, step_dir
 from tierzero.config import StateKind, Tier
 from tierzero.errors import CheckpointError, TierzeroError
+from tierzero.execute import detach_params
 from tierzero.manifest import MANIFEST_NAME, Manifest, config_hash, layout_of
 from tierzero.storage import chunkfile
 from tierzero.storage.arrays import read_array, write_array
 from tierzero.storage.base import dtype_name
+from tierzero.storage.io import write_durable
 from tierzero.tiers import shard_key
 
 if TYPE_CHECKING:
@@ -89,7 +91,7 @@ def save(engine: Engine, run_dir: str | Path, data: dict[str, Any] | None = None
                             compute_dtype=dtype_name(engine.dtype), config_hash=numeric_config_hash(engine),
                             units=layout_of(engine.units), arrays=arrays, engine=_engine_state(engine),
                             data=data, rng=_rng_state(engine.device), bytes_copied=copied, model=model)
-        _write_durable(temp / MANIFEST_NAME, manifest.to_json())
+        tiers.run(write_durable(str(temp / MANIFEST_NAME), manifest.to_json()))
         _replace_dir(temp, final)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
@@ -113,6 +115,7 @@ def restore(engine: Engine, path: Path, manifest: Manifest) -> None:
                               "incomplete; use another one")
     copied = 0
     for unit in engine.units:
+        detach_params(unit, engine.dtype)  # the engine owns the weights (as `_materialise` does)
         for kind in SAVED_KINDS:
             key = shard_key(kind, unit.index, engine.comm.rank)
             src, meta = manifest.array_dir(path, key), manifest.arrays[key]
@@ -179,14 +182,6 @@ def _load_rng_state(state: dict[str, Any], device: torch.device, path: Path) -> 
 
 def _bytes_tensor(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
-
-
-def _write_durable(path: Path, raw: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(raw)
-        f.flush()
-        os.fsync(f.fileno())
-    chunkfile.fsync_path(str(path.parent))
 
 
 def _replace_dir(temp: Path, final: Path) -> None:
