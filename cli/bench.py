@@ -34,7 +34,7 @@ def bench(
     path: Optional[Path] = typer.Option(None, "--path", help="Directory on the drive to measure (a temp dir is made inside it and removed). Default: the current directory."),
     size: str = typer.Option("1GiB", "--size", help=f"Bytes written and read per measurement, e.g. 1GiB or 256MB (the disk needs {FOOTPRINT}x free)."),
     rounds: int = typer.Option(5, "--rounds", help="Interleaved rounds: throughputs are the best of them, ratios the median."),
-    fio: bool = typer.Option(False, "--fio", help="Also run fio (libaio, direct I/O, a small sweep, then its best in every round; timed over its wall span) and print store / fio."),
+    fio: bool = typer.Option(False, "--fio", help="Also run fio (direct I/O, random data refilled per request; a sweep of libaio, psync and io_uring up to the store's 16 submitters, then its best in every round; timed over its wall span) and print store / fio."),
     max_seconds: float = typer.Option(600, "--max-seconds", help="Time limit: later rounds and other chunk sizes that would start after it are skipped (layout, the fio sweep, the first round and the compute measurements always run)."),
     compute_seconds: float = typer.Option(0.5, "--compute-seconds", help="Seconds spent on each compute and copy measurement."),
     profile_out: Optional[Path] = typer.Option(None, "--profile-out", help="Write the report as a profile for `tierzero plan --profile`."),
@@ -114,7 +114,8 @@ def _print_report(out: Output, r: dict[str, Any]) -> None:
     mode = "O_DIRECT" if nvme["direct_io"] else "buffered (no O_DIRECT here), cold via fadvise"
     out.print(f"[bold]tierzero bench[/] {r['path']}: {nvme['bytes'] / 1e9:.2f} GB per run, "
               f"{nvme['shard_bytes'] >> 20} MiB shards, {IO_THREADS} threads, {mode}, "
-              f"best of {nvme['rounds']} interleaved rounds")
+              f"best of {nvme['rounds']} interleaved rounds; random data, reads of the slot "
+              f"written a round earlier")
     if nvme["rounds"] < nvme["rounds_planned"]:
         out.print(f"[yellow]--max-seconds reached: {nvme['rounds']} of "
                   f"{nvme['rounds_planned']} rounds ran; skipped chunk sizes show '-'[/]")
@@ -147,6 +148,8 @@ def _print_report(out: Output, r: dict[str, Any]) -> None:
         out.print(f"store / fio, median of interleaved rounds: write "
                   f"{fmt(ratios['write_vs_fio'])}, read {fmt(ratios['read_vs_fio'])} (fio best: "
                   f"write {fio['write_config']}, read {fio['read_config']})")
+        for engine, why in fio["engines_skipped"].items():
+            out.print(f"[yellow]fio sweep without {engine}: {why}[/]")
     other = Table(title=f"compute and copies ({r['compute']['device']})")
     other.add_column("measurement")
     other.add_column("value", justify="right")

@@ -10,15 +10,31 @@ round's ratio. Throughputs are the best of their rounds. GB/s are 1e9 bytes per 
   on the I/O loop's threads (the same pool the store uses): the ceiling for Python.
 - store: `NvmeStore` writing and reading `shard_bytes` shards of one buffer, all in flight at
   once; the default chunk size in every round, a few other chunk sizes once.
-- fio (optional): libaio, direct I/O. A sweep of block size, queue depth and jobs first picks
-  the best configuration (its best figure is reported); the rounds then run that one. fio's own
-  group bandwidth divides the bytes by the longest *single* job's runtime, but its jobs start
-  staggered: on short writes here it overstated the aggregate by up to 1.5x. So fio's figure is
-  ours too: all bytes over the wall span from the first request's submission to the last
-  completion, read off its per-request latency logs (`--write_lat_log`, Unix-epoch times in
-  ms, so +-2 ms: about 1% of a 1 GiB run) -- the same definition the store is timed by. fio's
-  own figure is reported beside it. Without O_DIRECT, fio's files are fsynced after it exits
-  and that time is added to a write's span, as the store's writes are timed up to their fsync.
+- fio (optional), direct I/O. A sweep (`fio_sweep`) first picks the best configuration for each
+  direction (its best figure is reported); the rounds then run that one. The sweep covers the
+  store's own shape -- 16 submitters with one request each (psync, io_uring) -- as well as
+  libaio and io_uring at depth, since a review found that fio never had the store's concurrency
+  to pick from. io_uring is swept only where fio has it and a tiny probe run works (`open()`).
+  fio's own group bandwidth divides the bytes by the longest *single* job's runtime, but its
+  jobs start staggered: on short writes here it overstated the aggregate by up to 1.5x. So
+  fio's figure is ours too: all bytes over the wall span from the first request's submission to
+  the last completion, read off its per-request latency logs (`--write_lat_log`, Unix-epoch
+  times in ms, so +-2 ms: about 1% of a 1 GiB run) -- the same definition the store is timed
+  by. fio's own figure is reported beside it. Without O_DIRECT, fio's file is fsynced after it
+  exits and that time is added to a write's span, as the store's writes are timed up to their
+  fsync.
+
+Data: every path writes incompressible bytes that no block-level dedupe can match, because a
+virtual disk may compress or dedupe (an earlier version wrote a constant 0x5A from raw and the
+store while fio wrote random data, which flattered the store). The buffer is filled once with
+random bytes (every sector distinct within a write), and before each write, untimed, the first
+8 bytes of every 512 B sector are redrawn (tens of ms for 1 GiB, where refilling it all takes
+seconds), so no sector repeats one written before, on any path. fio runs with `--refill_buffers` (fresh random
+bytes for every request) and `--randrepeat=0`. Its default (scramble_buffers: offset and time
+stamped into every 512 B) left 1 MiB samples 3-7% compressible by zlib here, and
+`--buffer_compress_percentage=0` turned scrambling off so every block of a job was identical --
+so neither is used. refill costs fio CPU (about half a core at 1.8 GB/s here) that the store
+does not spend; the multi-job configurations spread it.
 
 Within a round the three take turns going first (drives with burst credits favour whoever
 writes after a pause). Like fio, which lays its files out before timing them, every target is
@@ -26,10 +42,19 @@ written untimed first (a store twice, which also fills its spare files): timed w
 overwrite, as every training step overwrites its shards, and stores stay open across rounds as
 in a training run.
 
-Reads are cold: O_DIRECT bypasses the page cache; without it, files are fsynced and dropped
-from the cache (POSIX_FADV_DONTNEED) before reading, and buffered writes are timed up to their
-fsync. Direct writes are timed without the final fsync, as fio times them. Everything is
-written under a fresh temp directory inside `directory`, removed by `close()`.
+Reads are cold and never of data just written: every path has two slots (raw and fio: two
+files; the store: two sets of keys); round r writes slot r % 2 and reads the other slot, last
+written a round earlier (the first round and the first sweep configuration read the layout),
+with about five times `nbytes` of other I/O in between. O_DIRECT bypasses the guest's page
+cache; without it, files are fsynced and dropped from the cache (POSIX_FADV_DONTNEED; fio:
+`--invalidate=1`) before reading, and buffered writes are timed up to their fsync. A
+hypervisor's cache below a virtual disk is out of any guest's reach (`drop_caches` included,
+which is also machine-wide, so it is not used); the slots only keep it from serving what was
+just written. Direct writes are timed without the final fsync, as fio times them. Everything
+is written under a fresh temp directory inside `directory`, removed by `close()`.
+
+(Past 500 lines: the fio runner shares the plan's slots, samples and temp directory; if it grows
+again, `fio_sweep` / `fio_command` / `_run_fio` / `fio_wall_span` move to a module of their own.)
 """
 
 from __future__ import annotations
@@ -46,6 +71,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from tierzero.storage import chunkfile
@@ -58,10 +84,46 @@ RAW_BLOCK_BYTES = 8 << 20
 DEFAULT_CHUNK_BYTES = 8 << 20
 OTHER_CHUNK_BYTES = (1 << 20, 4 << 20, 32 << 20)
 MAX_SHARD_BYTES = 128 << 20
-FIO_SWEEP = [(bs, iodepth, numjobs) for bs in (1 << 20, 8 << 20) for iodepth in (8, 32)
-             for numjobs in (1, 4)]  # block bytes, queue depth, jobs
+SLOTS = 2  # write one, read the other (written a round earlier)
+STAMP_BYTES = 512  # the smallest logical block (sector) a disk or a dedupe layer can key on
+DATA_SEED = 0x7132  # fixed, so a run's bytes are reproducible; the stamps make writes differ
 _MiB = 1 << 20
-FOOTPRINT = 6  # peak disk use in multiples of the size: raw, fio, two stores and their spares
+# peak disk use in multiples of the size: raw and fio two slots each, one store at a time with
+# two slots, each with its spare files
+FOOTPRINT = 8
+FioConfig = tuple[str, int, int, int]  # engine, block bytes, queue depth, jobs
+STORE_SHAPE_JOBS = 16  # the CLI's I/O threads: 16 submitters, one request each
+
+
+def fio_sweep(engines: frozenset[str] | set[str]) -> list[FioConfig]:
+    """fio's configurations to try, for the `engines` this fio can run (psync and libaio always).
+
+    libaio at depth with few jobs (fio's usual best), the store's own shape (16 jobs, one request
+    each: psync is exactly 16 threads calling pwrite), and io_uring at both where available."""
+    depth = [(bs, iodepth, numjobs) for bs in (1 << 20, 8 << 20) for iodepth in (8, 32)
+             for numjobs in (1, 4)]
+    shape = [(bs, 1, STORE_SHAPE_JOBS) for bs in (1 << 20, 8 << 20)]
+    sweep = [("libaio", *c) for c in depth] + [("psync", *c) for c in shape]
+    if "io_uring" in engines:
+        sweep += [("io_uring", *c) for c in depth + shape]
+    return sweep
+
+
+def fio_command(rw: str, config: FioConfig, filename: str, nbytes: int, direct: bool,
+                log_prefix: str) -> list[str]:
+    """The fio command line for one run: `numjobs` jobs splitting `nbytes` of one file into
+    disjoint regions (so every configuration reads and writes the same slot file), with
+    incompressible, never-repeated data (see the module docstring)."""
+    engine, bs, iodepth, numjobs = config
+    per_job = nbytes // numjobs // bs * bs
+    cmd = ["fio", "--name=tierzero", f"--filename={filename}", f"--rw={rw}", f"--bs={bs}",
+           f"--ioengine={engine}", f"--iodepth={iodepth}", f"--numjobs={numjobs}",
+           f"--size={per_job}", f"--offset_increment={per_job}", f"--direct={int(direct)}",
+           "--refill_buffers=1", "--randrepeat=0", "--invalidate=1", "--group_reporting",
+           "--output-format=json", f"--write_lat_log={log_prefix}", "--log_unix_epoch=1"]
+    if rw == "write" and not direct:
+        cmd.append("--end_fsync=1")  # in fio's own figure; its latency logs leave it out
+    return cmd
 
 
 @dataclass(frozen=True)
@@ -92,10 +154,12 @@ class DiskBench:
     _work: str = ""
     _direct: bool = False
     _buf: torch.Tensor | None = None
+    _bits: np.random.PCG64 | None = None
+    _fio_engines: frozenset[str] = frozenset()
+    _fio_skipped: dict[str, str] = field(default_factory=dict)  # engine -> why
     _samples: dict[str, list[float]] = field(default_factory=dict)  # GB/s, in run order
-    # per direction and (block, depth, jobs): (wall-span GB/s, fio's own GB/s)
-    _fio_sweep: dict[str, dict[tuple[int, int, int], tuple[float, float]]] = field(
-        default_factory=dict)
+    # per direction and config: (wall-span GB/s, fio's own GB/s)
+    _fio_sweep: dict[str, dict[FioConfig, tuple[float, float]]] = field(default_factory=dict)
     _stores: dict[int, NvmeStore] = field(default_factory=dict)  # by chunk_bytes
 
     def __post_init__(self) -> None:
@@ -110,7 +174,8 @@ class DiskBench:
         return min(MAX_SHARD_BYTES, max(_MiB, self.nbytes // 8 // _MiB * _MiB))
 
     def open(self) -> None:
-        """Check the directory and its free space, find fio, lease the buffer."""
+        """Check the directory and its free space, find fio and its engines, lease the buffer
+        and fill it with random bytes."""
         if not os.path.isdir(self.directory):
             raise StorageError(f"bench directory {self.directory} does not exist: create it or "
                                f"pass another --path")
@@ -124,8 +189,16 @@ class DiskBench:
             _check_fio()
         self._work = tempfile.mkdtemp(prefix=".tierzero-bench-", dir=self.directory)
         self._direct = chunkfile.probe_direct(self._work)
+        if self.fio:
+            self._fio_engines, self._fio_skipped = _fio_engines(self._work, self._direct)
         self._buf = self.pool.lease(self.nbytes)
-        self._buf.fill_(0x5A)  # fault every page in now, not inside a timed run
+        # Random once (this also faults every page in now, not inside a timed run): filling
+        # 1 GiB takes seconds, so each write only redraws the sector stamps (`_stamp`).
+        self._bits = np.random.PCG64(DATA_SEED)
+        words = self._buf.numpy().view(np.uint64)
+        step = _MiB  # words per refill call: bounds the temporary to 8 MiB
+        for off in range(0, len(words), step):
+            words[off: off + step] = self._bits.random_raw(len(words[off: off + step]))
 
     def close(self) -> None:
         for store in self._stores.values():
@@ -150,38 +223,56 @@ class DiskBench:
     def steps(self) -> list[Step]:
         """Every measurement, in the order it must run."""
         default = DEFAULT_CHUNK_BYTES
-        plan = [Step("raw layout", lambda: self._raw("write", record=False)),
-                *self._store_layout(default)]
+        plan = [Step(f"raw layout, slot {s}", lambda s=s: self._raw("write", s, record=False))
+                for s in range(SLOTS)]
+        plan += self._store_layout(default)
         if self.fio:
-            plan += [Step(f"fio sweep: {rw} {_fio_config(bs, qd, nj)}",
-                          lambda rw=rw, c=(bs, qd, nj): self._fio(rw, *c, sweep=True))
-                     for rw in ("write", "read") for bs, qd, nj in FIO_SWEEP
-                     if self.nbytes // nj >= bs]  # each job moves at least one block
+            layout = ("libaio", min(RAW_BLOCK_BYTES, self.nbytes), 8, 1)
+            plan += [Step(f"fio layout, slot {s}",
+                          lambda s=s: self._fio("write", layout, s, record=None))
+                     for s in range(SLOTS)]
+            # each configuration writes one slot, then reads the one its predecessor wrote
+            for k, c in enumerate(self.fio_configs()):
+                plan += [Step(f"fio sweep: write {_fio_config(*c)}",
+                              lambda c=c, k=k: self._fio("write", c, k % SLOTS, record="sweep")),
+                         Step(f"fio sweep: read {_fio_config(*c)}",
+                              lambda c=c, k=k: self._fio("read", c, (k + 1) % SLOTS,
+                                                         record="sweep"))]
         for r in range(1, self.rounds + 1):
-            for rw in ("write", "read"):
-                group = 0 if r == 1 else r
-                turn = [Step(f"raw {rw} (round {r})", lambda rw=rw: self._raw(rw), group),
-                        Step(f"store {rw} (round {r})", lambda rw=rw: self._store(rw, default),
-                             group)]
+            group = 0 if r == 1 else r
+            for rw, slot in (("write", r % SLOTS), ("read", (r + 1) % SLOTS)):
+                turn = [Step(f"raw {rw} (round {r})", lambda rw=rw, s=slot: self._raw(rw, s),
+                             group),
+                        Step(f"store {rw} (round {r})",
+                             lambda rw=rw, s=slot: self._store(rw, default, s), group)]
                 if self.fio:
-                    turn.append(Step(f"fio {rw} (round {r})", lambda rw=rw: self._fio_best(rw),
-                                     group))
+                    turn.append(Step(f"fio {rw} (round {r})",
+                                     lambda rw=rw, s=slot: self._fio_best(rw, s), group))
                 first = (r - 1) % len(turn)
                 plan += turn[first:] + turn[:first]
         for i, c in enumerate(OTHER_CHUNK_BYTES):
             mib, group = c // _MiB, self.rounds + 1 + i
+            if i == 0:  # one store on disk at a time keeps the footprint at FOOTPRINT x size
+                plan.append(Step(f"store cleanup, {default // _MiB} MiB chunks",
+                                 lambda: self._drop_store(default), group))
             plan += [*self._store_layout(c, group),
-                     Step(f"store write, {mib} MiB chunks", lambda c=c: self._store("write", c),
-                          group),
-                     Step(f"store read, {mib} MiB chunks", lambda c=c: self._store("read", c),
-                          group),
+                     Step(f"store write, {mib} MiB chunks",
+                          lambda c=c: self._store("write", c, 1), group),
+                     Step(f"store read, {mib} MiB chunks",
+                          lambda c=c: self._store("read", c, 0), group),
                      Step(f"store cleanup, {mib} MiB chunks", lambda c=c: self._drop_store(c),
                           group)]
         return plan
 
+    def fio_configs(self) -> list[FioConfig]:
+        """The sweep for this fio and size: each job moves at least one block."""
+        return [c for c in fio_sweep(self._fio_engines) if self.nbytes // c[3] >= c[1]]
+
     def _store_layout(self, chunk_bytes: int, group: int = 0) -> list[Step]:
         label = f"store layout, {chunk_bytes // _MiB} MiB chunks"
-        return [Step(label, lambda: self._store("write", chunk_bytes, record=False), group)] * 2
+        return [Step(f"{label}, slot {s}",
+                     lambda s=s: self._store("write", chunk_bytes, s, record=False), group)
+                for s in range(SLOTS) for _ in range(2)]  # twice: fills the spare files
 
     def result(self) -> dict[str, Any]:
         """The `nvme`, `fio`, `ratios` and `per_round` (every round's GB/s, in run order) sections
@@ -198,6 +289,7 @@ class DiskBench:
             "rounds": len(self._samples.get(f"store.{default}.write", [])),
             "rounds_planned": self.rounds,
             "direct_io": self._direct,
+            "data": "random, sector stamps redrawn per write",
             "chunk_sweep": [{"chunk_bytes": c, "read_gbps": self._best(f"store.{c}.read"),
                              "write_gbps": self._best(f"store.{c}.write")}
                             for c in sorted((*OTHER_CHUNK_BYTES, default))],
@@ -212,6 +304,11 @@ class DiskBench:
                 fio[f"{rw}_gbps_fio_reported"] = round(
                     max(reported, *self._samples[f"fio_reported.{rw}"]), 3)
                 fio[f"{rw}_config"] = _fio_config(*config)
+            fio["sweep"] = [{"config": _fio_config(*c),
+                             **{f"{rw}_gbps": round(self._fio_sweep[rw][c][0], 3)
+                                for rw in ("write", "read")}}
+                            for c in self.fio_configs()]
+            fio["engines_skipped"] = dict(self._fio_skipped)
         ratios = {f"{rw}_vs_{base}": self._paired_ratio(f"store.{default}.{rw}", f"{base}.{rw}")
                   for base in ("raw", "fio") for rw in ("read", "write")}
         per_round = {f"{name}_{rw}_gbps": [round(x, 3) for x in self._samples[f"{source}.{rw}"]]
@@ -235,14 +332,22 @@ class DiskBench:
     def _record(self, name: str, gbps: float) -> None:
         self._samples.setdefault(name, []).append(gbps)
 
-    def _raw(self, rw: str, record: bool = True) -> None:
+    def _stamp(self) -> None:
+        """Redraw the first 8 bytes of every 512 B sector, so no sector of this write repeats one
+        written before on any path (the rest of each sector keeps the random fill)."""
+        assert self._buf is not None and self._bits is not None
+        stamps = self._buf.numpy().view(np.uint64)[:: STAMP_BYTES // 8]
+        stamps[:] = self._bits.random_raw(len(stamps))
+
+    def _raw(self, rw: str, slot: int, record: bool = True) -> None:
         assert self._buf is not None
-        path = os.path.join(self._work, "raw.bin")
+        path = os.path.join(self._work, f"raw.{slot}.bin")
         data = memoryview(self._buf.numpy())
         blocks = [(off, data[off: off + RAW_BLOCK_BYTES])
                   for off in range(0, self.nbytes, RAW_BLOCK_BYTES)]
         flags = os.O_CLOEXEC | (os.O_DIRECT if self._direct else 0)
         if rw == "write":
+            self._stamp()
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
             job: Callable[[int, memoryview], Any] = lambda off, b: os.pwrite(fd, b, off)
         else:
@@ -266,7 +371,7 @@ class DiskBench:
         if record:
             self._record(f"raw.{rw}", self.nbytes / seconds / 1e9)
 
-    def _store(self, rw: str, chunk_bytes: int, record: bool = True) -> None:
+    def _store(self, rw: str, chunk_bytes: int, slot: int, record: bool = True) -> None:
         assert self._buf is not None
         store = self._stores.get(chunk_bytes)
         if store is None:
@@ -275,9 +380,11 @@ class DiskBench:
             store = self._stores[chunk_bytes] = NvmeStore([root], chunk_bytes=chunk_bytes,
                                                           direct=self._direct)
             store.open()
-        shards = {f"bench/s{i:04d}/r0": self._buf[off: off + self.shard_bytes]
+        shards = {f"bench/{slot}/s{i:04d}/r0": self._buf[off: off + self.shard_bytes]
                   for i, off in enumerate(range(0, self.nbytes, self.shard_bytes))}
-        if rw == "read" and not self._direct:
+        if rw == "write":
+            self._stamp()
+        elif not self._direct:
             for dirpath, _, names in os.walk(store.paths[0]):
                 for name in names:
                     _drop_cache(os.path.join(dirpath, name))
@@ -304,48 +411,37 @@ class DiskBench:
         store.close()
         shutil.rmtree(store.paths[0])
 
-    def _fio(self, rw: str, bs: int, iodepth: int, numjobs: int, sweep: bool = False) -> None:
-        fio_dir = os.path.join(self._work, "fio")
+    def _fio(self, rw: str, config: FioConfig, slot: int, record: str | None = "round") -> None:
+        """One fio run on slot file `slot`; `record`: "round", "sweep" or None (layout)."""
+        path = os.path.join(self._work, f"fio.{slot}.bin")
         log_dir = os.path.join(self._work, "fio-logs")
-        os.makedirs(fio_dir, exist_ok=True)
         os.makedirs(log_dir, exist_ok=True)
-        per_job = self.nbytes // numjobs // bs * bs
-        cmd = ["fio", "--name=tierzero", f"--directory={fio_dir}", "--filename_format=fio.$jobnum",
-               f"--rw={rw}", f"--bs={bs}", f"--iodepth={iodepth}", f"--numjobs={numjobs}",
-               f"--size={per_job}", "--ioengine=libaio", f"--direct={int(self._direct)}",
-               "--invalidate=1", "--group_reporting", "--output-format=json",
-               f"--write_lat_log={os.path.join(log_dir, 'job')}", "--log_unix_epoch=1"]
-        if rw == "write" and not self._direct:
-            cmd.append("--end_fsync=1")  # in fio's own figure; its latency logs leave it out
+        cmd = fio_command(rw, config, path, self.nbytes, self._direct,
+                          os.path.join(log_dir, "job"))
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            if done.returncode != 0:
-                raise StorageError(f"fio failed in {fio_dir}: {done.stderr.strip()[-300:]}; run "
-                                   f"without --fio or check the fio installation")
-            report = json.loads(done.stdout[done.stdout.index("{"):])
+            report = _run_fio(cmd, path)
             reported = report["jobs"][0][rw]["bw_bytes"] / 1e9
             seconds, nbytes = fio_wall_span(log_dir)
             if rw == "write" and not self._direct:
                 start = time.perf_counter()
-                for name in os.listdir(fio_dir):
-                    chunkfile.fsync_path(os.path.join(fio_dir, name))
+                chunkfile.fsync_path(path)
                 seconds += time.perf_counter() - start
             gbps = nbytes / seconds / 1e9
         finally:
             shutil.rmtree(log_dir, ignore_errors=True)
-        if sweep:
-            self._fio_sweep.setdefault(rw, {})[(bs, iodepth, numjobs)] = (gbps, reported)
-        else:
+        if record == "sweep":
+            self._fio_sweep.setdefault(rw, {})[config] = (gbps, reported)
+        elif record == "round":
             self._record(f"fio.{rw}", gbps)
             self._record(f"fio_reported.{rw}", reported)
 
-    def _fio_best_config(self, rw: str) -> tuple[int, int, int]:
-        """The sweep's (block, depth, jobs) with the best wall-span figure for `rw`."""
+    def _fio_best_config(self, rw: str) -> FioConfig:
+        """The sweep's configuration with the best wall-span figure for `rw`."""
         return max(self._fio_sweep[rw], key=lambda config: self._fio_sweep[rw][config][0])
 
-    def _fio_best(self, rw: str) -> None:
+    def _fio_best(self, rw: str, slot: int) -> None:
         """Run the sweep's best configuration for `rw` again, beside the store."""
-        self._fio(rw, *self._fio_best_config(rw))
+        self._fio(rw, self._fio_best_config(rw), slot)
 
 
 def fio_wall_span(log_dir: str) -> tuple[float, int]:
@@ -386,8 +482,39 @@ def _check_fio() -> None:
                            f"upgrade fio or drop --fio")
 
 
-def _fio_config(bs: int, iodepth: int, numjobs: int) -> str:
-    return f"bs={bs >> 20}M iodepth={iodepth} numjobs={numjobs}"
+def _fio_engines(work: str, direct: bool) -> tuple[frozenset[str], dict[str, str]]:
+    """The optional engines this fio can run here, and why each other one is skipped.
+
+    io_uring may be built into fio yet refused by the kernel or a container's seccomp filter,
+    so a listed engine must also finish a one-block run."""
+    listed = subprocess.run(["fio", "--enghelp"], capture_output=True, text=True).stdout.split()
+    if "io_uring" not in listed:
+        return frozenset(), {"io_uring": "not built into this fio (fio --enghelp)"}
+    probe = os.path.join(work, "fio-probe.bin")
+    cmd = ["fio", "--name=probe", f"--filename={probe}", "--rw=write", "--bs=4k", "--size=4k",
+           "--ioengine=io_uring", f"--direct={int(direct)}", "--output-format=json"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    finally:
+        if os.path.exists(probe):
+            os.unlink(probe)
+    if done.returncode != 0:
+        return frozenset(), {"io_uring": f"a probe run failed: {done.stderr.strip()[-200:]}"}
+    return frozenset({"io_uring"}), {}
+
+
+def _run_fio(cmd: list[str], path: str) -> dict[str, Any]:
+    """Run fio and return its JSON report; a failure is a domain error naming the file."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise StorageError(f"fio failed on {path}: {done.stderr.strip()[-300:]}; run without "
+                           f"--fio or check the fio installation")
+    report: dict[str, Any] = json.loads(done.stdout[done.stdout.index("{"):])
+    return report
+
+
+def _fio_config(engine: str, bs: int, iodepth: int, numjobs: int) -> str:
+    return f"{engine} bs={bs >> 20}M iodepth={iodepth} numjobs={numjobs}"
 
 
 def _drop_cache(path: str) -> None:
