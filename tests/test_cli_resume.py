@@ -1,0 +1,75 @@
+"""`tierzero train --resume` through typer's runner: continuing, and every refusal in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from typer.testing import CliRunner
+
+from tierzero.checkpoint import checkpoint_dirs
+from tierzero.cli.app import app
+from tierzero.rundir import read_metrics
+
+runner = CliRunner()
+QUICK = ["--batch-size", "2", "--seq-len", "32"]
+
+
+def train(*args: str):
+    return runner.invoke(app, ["train", *QUICK, *args])
+
+
+def one_line_error(result) -> str:
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def test_resume_continues_to_the_configured_steps(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    assert train("--steps", "3", "--checkpoint-every", "2", "--run-dir", str(run_dir)).exit_code == 0
+    assert [s for s, _ in checkpoint_dirs(run_dir)] == [2, 3]
+    result = train("--resume", "--run-dir", str(run_dir), "--steps", "5", "--json")
+    assert result.exit_code == 0, result.output
+    assert "resumed from checkpoint step 3" in result.output
+    assert json.loads(result.stdout[result.stdout.index("{"):])["start_step"] == 3
+    assert [r["step"] for r in read_metrics(run_dir) if "loss" in r] == [1, 2, 3, 4, 5]
+    assert [s for s, _ in checkpoint_dirs(run_dir)] == [4, 5]  # --keep-checkpoints 2 (default)
+
+
+def test_resume_of_a_missing_directory_is_one_line(tmp_path) -> None:
+    line = one_line_error(train("--resume", "--run-dir", str(tmp_path / "nope")))
+    assert "does not exist" in line and "drop --resume" in line
+    assert "needs --run-dir" in one_line_error(train("--resume"))
+
+
+def test_resume_without_a_checkpoint_starts_at_step_zero_and_says_so(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    result = train("--resume", "--run-dir", str(run_dir), "--steps", "1")
+    assert result.exit_code == 0, result.output
+    assert "no checkpoint yet: starting from step 0" in result.output
+
+
+def test_resume_with_every_checkpoint_damaged_is_refused(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    assert train("--steps", "1", "--run-dir", str(run_dir)).exit_code == 0
+    (checkpoint_dirs(run_dir)[-1][1] / "manifest.json").write_text("{not json")
+    line = one_line_error(train("--resume", "--run-dir", str(run_dir), "--steps", "2"))
+    assert "no intact checkpoint is left" in line and "step-00000001" in line
+
+
+def test_resume_with_another_model_shape_is_refused(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    assert train("--steps", "1", "--run-dir", str(run_dir)).exit_code == 0
+    shutil.rmtree(run_dir / "nvme")
+    line = one_line_error(train("--resume", "--run-dir", str(run_dir), "--model", "125m", "--steps", "2",
+                                "--host-budget", "4GiB"))
+    assert "another model shape" in line
+
+
+def test_checkpoints_with_the_in_memory_trainer_are_refused(tmp_path) -> None:
+    line = one_line_error(train("--offload", "none", "--checkpoint-every", "1", "--run-dir", str(tmp_path / "r")))
+    assert "tiered run" in line
