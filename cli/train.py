@@ -54,6 +54,8 @@ def train(
                      checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints)
     if resume:
         config = _resume_config(run_dir, config)
+        if steps is not None and config is not None and _schedule_follows_steps(config):
+            overrides["total_steps"] = steps  # a longer run stretches its lr schedule, as a new one would
     run = load_run_config(config, overrides)
     if run.run_dir is None:
         run.run_dir = str(Path("runs") / f"{run.model}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -109,6 +111,14 @@ def _resume_config(run_dir: Optional[Path], config: Optional[Path]) -> Optional[
                           "(drop --resume to start a new one there)")
     saved = run_dir / "config.toml"
     return config if config is not None or not saved.is_file() else saved
+
+
+def _schedule_follows_steps(config: Path) -> bool:
+    """Whether a saved run's lr schedule was derived from its --steps (not set on its own)."""
+    from tierzero.config import read_toml
+
+    saved = read_toml(config)
+    return saved.get("total_steps") == saved.get("steps", RunConfig.steps)
 
 
 def _file_sets(config: Optional[Path], key: str) -> bool:

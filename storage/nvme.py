@@ -490,16 +490,17 @@ class NvmeStore(TierStore):
 
     # -- checkpoints ----------------------------------------------------------------------
 
-    async def snapshot(self, key: str, dst_dir: str) -> tuple[ShardMeta, int]:
+    async def snapshot(self, key: str, dst_dir: str, sync: bool = True) -> tuple[ShardMeta, int]:
         """Hard-link the current generation of `key` into the frozen array `dst_dir`; returns
         its metadata and the bytes copied (0 unless `dst_dir` is on another filesystem).
-        Call `flush()` first: a checkpoint must link durable chunks."""
+        Call `flush()` first: a checkpoint must link durable chunks. `sync=False`: the caller
+        syncs `dst_dir`'s filesystem afterwards."""
         check_key(key)
         self._require_open()
         async with self._key_lock(key):
             current = await self._lookup(key)
             copied = await asyncio.get_running_loop().run_in_executor(
-                None, link_array, self._gen_dir(key, current.gen), dst_dir, current.meta)
+                None, link_array, self._gen_dir(key, current.gen), dst_dir, current.meta, True, sync)
         return current.meta, copied
 
     async def adopt(self, key: str, src_dir: str, meta: ShardMeta) -> int:
@@ -509,8 +510,11 @@ class NvmeStore(TierStore):
         self._require_open()
         loop = asyncio.get_running_loop()
         async with self._key_lock(key):
-            current = await self._lookup(key, missing_ok=True)
-            gen = current.gen + 1 if current is not None else 1
+            try:
+                current = await self._lookup(key, missing_ok=True)
+            except StorageCorruptError:  # e.g. a pointer torn by a power loss: replace it whole
+                current = None
+            gen = current.gen + 1 if current is not None else self._next_free_gen(key)
             gen_dir = await loop.run_in_executor(None, self._new_gen_dir, key, gen)
             committed = False
             try:
@@ -522,6 +526,14 @@ class NvmeStore(TierStore):
                     await _shielded(loop.run_in_executor(
                         None, lambda: shutil.rmtree(gen_dir, ignore_errors=True)))
         return copied
+
+    def _next_free_gen(self, key: str) -> int:
+        """A generation number above every generation directory of `key` on disk."""
+        try:
+            names = os.listdir(self.shard_dir(key))
+        except FileNotFoundError:
+            return 1
+        return 1 + max((int(m.group(1)) for n in names if (m := _GEN_NAME.fullmatch(n))), default=0)
 
 
 async def _shielded(future: Awaitable) -> None:

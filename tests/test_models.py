@@ -113,7 +113,7 @@ def test_unit_by_unit_init_from_meta_equals_build() -> None:
     model.tie_weights()
     for block in reversed(range(len(model.blocks))):
         model.init_unit(3, block)
-    model.init_unit(3)
+    model.init_unit(3, "root")
     for (name, p), q in zip(built.named_parameters(), model.parameters()):
         assert torch.equal(p, q), name
 

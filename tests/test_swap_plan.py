@@ -27,39 +27,56 @@ def replay(plan) -> dict[str, int]:
     return {"peak": peak, "computes": computes}
 
 
+def calls(n_blocks: int, tied: bool) -> list[tuple[int, ...]]:
+    """The built-in model's calls: embedding, blocks, head (binding the embedding when tied)."""
+    head = (n_blocks + 1, 0) if tied else (n_blocks + 1,)
+    return [(0,)] + [(u,) for u in range(1, n_blocks + 1)] + [head]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("n_blocks", [1, 2, 5])
 @pytest.mark.parametrize("depth", [0, 1, 2, 4])
-def test_training_plan_is_consistent_and_bounded(n_blocks: int, depth: int) -> None:
-    plan = build_swap_plan(n_blocks, depth, backward=True)
+def test_training_plan_is_consistent_and_bounded(n_blocks: int, depth: int, tied: bool) -> None:
+    plan = build_swap_plan(calls(n_blocks, tied), depth, backward=True)
     counts = replay(plan)
-    assert counts["computes"] == 1 + 2 * n_blocks  # root once, each block forward and backward
-    assert counts["peak"] <= depth + 2  # the held root + the computing unit + `depth` ahead
+    # every call forward and backward; the tied head binds the embedding too
+    assert counts["computes"] == 2 * (n_blocks + 2) + (2 if tied else 0)
+    # the computing call, `depth` calls ahead, and a tied embedding kept for the head
+    assert counts["peak"] <= depth + 1 + (2 if tied else 0)
     assert plan.max_resident() == counts["peak"]
 
 
 def test_compute_order_is_forward_then_reverse() -> None:
-    plan = build_swap_plan(3, 2, backward=True)
-    order = [(op.unit, op.phase) for op in plan.ops if op.op is Op.COMPUTE]
-    assert order == [(0, "forward"), (1, "forward"), (2, "forward"), (3, "forward"),
-                     (3, "backward"), (2, "backward"), (1, "backward")]
+    plan = build_swap_plan(calls(2, tied=True), 2, backward=True)
+    order = [(op.unit, op.phase[0]) for op in plan.ops if op.op is Op.COMPUTE]
+    assert order == [(0, "f"), (1, "f"), (2, "f"), (3, "f"), (0, "f"),
+                     (3, "b"), (0, "b"), (2, "b"), (1, "b"), (0, "b")]
 
 
-def test_last_block_is_kept_between_forward_and_backward() -> None:
-    plan = build_swap_plan(3, 1, backward=True)
+def test_head_is_kept_between_forward_and_backward() -> None:
+    plan = build_swap_plan(calls(3, tied=False), 1, backward=True)
     fetches = [op.unit for op in plan.ops if op.op is Op.FETCH]
-    assert fetches.count(3) == 1 and fetches.count(1) == 2 and fetches.count(0) == 1
+    assert fetches.count(4) == 1 and fetches.count(1) == 2 and fetches.count(0) == 2
+
+
+def test_a_root_unit_is_held_for_the_whole_pass() -> None:
+    plan = build_swap_plan([(0,), (1,), (2,)], 1, backward=True, held=frozenset({0}))
+    counts = replay(plan)
+    assert counts["computes"] == 1 + 2 * 2  # root once, each block forward and backward
+    releases = [op.unit for op in plan.ops if op.op is Op.RELEASE]
+    assert releases[-1] == 0 and releases.count(0) == 1
 
 
 def test_prefetch_runs_ahead_of_compute() -> None:
-    plan = build_swap_plan(4, 2, backward=False)
+    plan = build_swap_plan(calls(4, tied=False), 2, backward=False)
     ops = list(plan.ops)
     first_compute_of_1 = next(i for i, op in enumerate(ops) if op.op is Op.COMPUTE and op.unit == 1)
     fetched_before = {op.unit for op in ops[:first_compute_of_1] if op.op is Op.FETCH}
-    assert fetched_before == {0, 1, 2, 3}  # root, the unit itself and two ahead
+    assert fetched_before == {0, 1, 2, 3}  # the embedding, the unit itself and two ahead
 
 
 def test_eval_plan_has_no_backward() -> None:
-    plan = build_swap_plan(2, 1, backward=False)
+    plan = build_swap_plan(calls(2, tied=False), 1, backward=False)
     assert {op.phase for op in plan.ops} == {"forward"}
-    assert replay(plan)["computes"] == 3
+    assert replay(plan)["computes"] == 4
     assert "fetch" in str(plan)

@@ -31,7 +31,7 @@ from tierzero.init import WeightFiles, flat_unit, weight_files
 from tierzero.lr import lr_at
 from tierzero.manifest import MANIFEST_NAME, Manifest
 from tierzero.optim import OPT_KINDS, ShardOptimizer
-from tierzero.partition import Unit, partition
+from tierzero.partition import Unit, forward_uses, grad_uses, partition
 from tierzero.precision import DynamicLossScaler, compute_dtype, resolve_dtype
 from tierzero.reference import compute_loss, to_device
 from tierzero.schedule import Scheduler, build_swap_plan
@@ -96,6 +96,7 @@ class Engine:
             self.scheduler = Scheduler(self.units, self.tiers, self.placement.param, self.dtype,
                                        self.comm.rank, self.stats_)
             self.grads = GradShards(self.units, self.tiers, self.placement.grad, self.comm, self.stats_,
+                                    grad_uses(self.units),
                                     norms=self.config.clip_grad_norm is not None,
                                     finite=self.scaler.enabled)
             self.optimizer = ShardOptimizer(self.units, self.tiers, self.placement, self.dtype,
@@ -103,9 +104,9 @@ class Engine:
             self.runner = UnitRunner(self.units, self._gather, self.scheduler.release,
                                      self.grads.offload, self.dtype)
             self.runner.install()
-            n_blocks = len(self.units) - 1
-            self.train_plan = build_swap_plan(n_blocks, self.config.prefetch_depth, backward=True)
-            self.eval_plan = build_swap_plan(n_blocks, self.config.prefetch_depth, backward=False)
+            calls, held = forward_uses(self.units), frozenset(u.index for u in self.units if u.is_root)
+            self.train_plan = build_swap_plan(calls, self.config.prefetch_depth, backward=True, held=held)
+            self.eval_plan = build_swap_plan(calls, self.config.prefetch_depth, backward=False, held=held)
         except BaseException:
             self.tiers.close()
             raise
@@ -137,13 +138,16 @@ class Engine:
         self.scheduler.begin(self.train_plan if training else self.eval_plan)
         root = self.units[0]
         try:
-            self._root_leaves = bind(root, self._gather(0), requires_grad=training)
+            if root.is_root:  # a model without embedding/head entry points: bound for the pass
+                self._root_leaves = bind(root, self._gather(0), requires_grad=training)
             loss = compute_loss(self.model, to_device(batch, self.device))
         except BaseException:
             self._abort()
             raise
         if not training:
-            unbind(root, self.dtype)
+            if root.is_root:
+                unbind(root, self.dtype)
+                self._root_leaves = None
             self.scheduler.finish()
         return loss
 
@@ -169,10 +173,10 @@ class Engine:
         scaled = scaled * scale if scale != 1.0 else scaled
         try:
             scaled.backward()
-            assert self._root_leaves is not None
-            self.grads.offload(0, flat_grad(self.units[0], self._root_leaves))
-            unbind(self.units[0], self.dtype)
-            self._root_leaves = None
+            if self._root_leaves is not None:
+                self.grads.offload(0, flat_grad(self.units[0], self._root_leaves))
+                unbind(self.units[0], self.dtype)
+                self._root_leaves = None
             self.scheduler.finish()
         except BaseException as e:
             self._broken = f"backward failed: {e!r}"  # some units' grads are accumulated, some not

@@ -1,6 +1,7 @@
 """Checkpointed unit execution: gather -> compute -> release, and recompute in backward.
 
-Each block's `forward` is wrapped. In a training forward the block runs under `no_grad` with
+Each unit's entry point is wrapped (a block's or the embedding's `forward`, the model's
+`head_out`); a unit that uses another's weights (a head tied to the embedding) binds both. In a training forward the block runs under `no_grad` with
 its parameters bound as views into the gathered flat `param` buffer, and only its input is
 kept. In backward the unit is gathered again, recomputed with grad against fresh leaf views of
 the flat buffer, and backpropagated; the parameters' gradients are packed into one flat fp32
@@ -71,7 +72,7 @@ def detach_params(unit: Unit, dtype: torch.dtype) -> None:
 
 
 class UnitRunner:
-    """Installs the checkpointed forward on every block unit and runs the root unit's binding."""
+    """Installs the checkpointed entry point of every unit that has one (all but a root)."""
 
     def __init__(self, units: list[Unit], gather: GatherFn, release: ReleaseFn, on_grad: GradFn,
                  dtype: torch.dtype) -> None:
@@ -81,19 +82,33 @@ class UnitRunner:
         self.on_grad = on_grad
         self.dtype = dtype
         self._originals: dict[int, Callable[..., Any]] = {}
+        self._shadowed: set[int] = set()  # entries that were instance attributes already
         self.on_backward_start: Callable[[int], None] | None = None  # set by the engine per pass
         self._anchor = torch.empty(0, requires_grad=True)
 
     def install(self) -> None:
         for unit in self.units:
-            if unit.module is not None:
-                self._originals[unit.index] = unit.module.forward
-                unit.module.forward = functools.partial(self._run, unit)
+            if unit.entry is not None:
+                owner, attr = unit.entry
+                if attr in vars(owner):
+                    self._shadowed.add(unit.index)
+                self._originals[unit.index] = getattr(owner, attr)
+                setattr(owner, attr, functools.partial(self._run, unit))
 
     def uninstall(self) -> None:
         for unit in self.units:
             if unit.index in self._originals:
-                unit.module.forward = self._originals.pop(unit.index)
+                owner, attr = unit.entry
+                original = self._originals.pop(unit.index)
+                if unit.index in self._shadowed:
+                    setattr(owner, attr, original)
+                else:
+                    delattr(owner, attr)  # the class's own method shows through again
+        self._shadowed.clear()
+
+    def bound_units(self, unit: Unit) -> list[Unit]:
+        """The units a call of `unit` binds, in the order the swap plan waits for them."""
+        return [unit, *(self.units[v] for v in unit.uses_with)]
 
     def _run(self, unit: Unit, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -109,12 +124,15 @@ class UnitRunner:
         """Gather, bind, run the block's own forward, unbind, release — or, given `leaves`
         (already bound by the caller), just run it."""
         own = leaves is None
+        bound = self.bound_units(unit)
         if own:
-            bind(unit, self.gather(unit.index))
+            for u in bound:
+                bind(u, self.gather(u.index))
         try:
             return self._originals[unit.index](*args, **kwargs)
         finally:
-            unbind(unit, self.dtype)
+            for u in bound:
+                unbind(u, self.dtype)
             if own:
                 self.release(unit.index)
 
@@ -145,16 +163,18 @@ class _Checkpointed(torch.autograd.Function):
             runner.on_backward_start(unit.index)
         saved = ctx.saved_tensors
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in saved]
-        leaves = bind(unit, runner.gather(unit.index), requires_grad=True)
+        bound = runner.bound_units(unit)
+        leaves = [bind(u, runner.gather(u.index), requires_grad=True) for u in bound]
         try:
             with torch.enable_grad(), _restore_rng(ctx.rng):
                 args, kwargs = tree_unflatten(_fill(ctx.flat_in, ctx.tensor_pos, inputs), ctx.spec)
-                out = runner.compute(unit, args, kwargs, leaves=leaves)
+                out = runner.compute(unit, args, kwargs, leaves=leaves[0])
             outs = tree_flatten(out)[0]
             pairs = [(outs[i], grads[i]) for i in ctx.out_tensor_idx
                      if outs[i].requires_grad and grads[i] is not None]
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            runner.on_grad(unit.index, flat_grad(unit, leaves))
+            for u, unit_leaves in zip(bound, leaves):
+                runner.on_grad(u.index, flat_grad(u, unit_leaves))
         finally:
             runner.release(unit.index)
         return (None, None, None, None, None, None, *[t.grad if t.requires_grad else None for t in inputs])

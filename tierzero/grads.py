@@ -23,12 +23,14 @@ from tierzero.tiers import Tiers, shard_key
 
 class GradShards:
     def __init__(self, units: list[Unit], tiers: Tiers, home: Tier, comm: Comm, stats: StepStats,
-                 norms: bool, finite: bool) -> None:
+                 uses: dict[int, int], norms: bool, finite: bool) -> None:
         self.units = units
         self.tiers = tiers
         self.home = home
         self.comm = comm
         self.stats = stats
+        self.uses = uses  # contributions per unit per backward (a tied embedding gets two)
+        self.seen: dict[int, int] = {}  # contributions so far in this backward
         self.want_norms = norms  # clipping needs them
         self.want_finite = finite  # fp16 needs the overflow check
         self.micro = 0
@@ -44,6 +46,7 @@ class GradShards:
     def begin(self, micro: int, last: bool, inv_scale: float) -> None:
         """Before a backward: which micro-batch it is, whether it ends the step, the 1/scale."""
         self.micro, self.last, self.inv_scale = micro, last, inv_scale
+        self.seen = {}
         if micro == 0:
             self.norms.clear()
             self.sumsq = torch.zeros((), dtype=torch.float32)
@@ -52,14 +55,23 @@ class GradShards:
     def offload(self, unit: int, full_grad: torch.Tensor) -> None:
         """Accumulate one unit's gradient into its home (and measure it on the last micro-batch)."""
         u = self.units[unit]
+        self.seen[unit] = self.seen.get(unit, 0) + 1
         grad = self.comm.reduce_scatter(full_grad.float())
         if self.inv_scale != 1.0:
             grad = grad * self.inv_scale
+        if self.seen[unit] < self.uses[unit] or self.seen[unit] > 1:
+            # A unit used twice per pass (a tied embedding): autograd adds a weight's uses
+            # first and then accumulates, so hold the earlier uses' sum in the grad's home
+            # until the last use; adding each to the accumulator would round differently.
+            grad = self._combine_uses(unit, grad)
+            if grad is None:
+                return
+        first, final = self.micro == 0, self.last
         key = shard_key(StateKind.GRAD, unit, self.comm.rank)
         nbytes = grad.numel() * 4
         if self.home is Tier.NVME:
             stage = self.tiers.lease_host(nbytes).view(torch.float32)
-            if self.micro == 0:
+            if first:
                 stage.copy_(grad)  # sync point on CUDA: the device grad lands in host memory
             else:
                 with self.stats.waiting():
@@ -70,10 +82,10 @@ class GradShards:
             acc = stage
         else:
             acc = self.tiers.stores[self.home].view(key)
-            acc.copy_(grad) if self.micro == 0 else acc.add_(grad.to(acc.device))
+            acc.copy_(grad) if first else acc.add_(grad.to(acc.device))
             if self.home is Tier.HOST:
                 self.stats.add_bytes("gpu->host", nbytes)
-        if self.last:
+        if final:
             self._measure(u, acc)
             if self.hand_over is not None:
                 self.hand_over(u, acc, self.home is Tier.NVME)  # owned: a staging lease
@@ -82,6 +94,28 @@ class GradShards:
             future = self._writes[unit] = self.tiers.submit(self.tiers.stores[Tier.NVME].write(key, acc))
             self.tiers.pending.add(future, lambda ok: self.tiers.host_pool.give_back(acc.view(torch.uint8)))
             self.stats.add_bytes("host->nvme", nbytes)
+
+    def _combine_uses(self, unit: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """Stash this use's grad (plus earlier ones) in the home tier; at the unit's last use
+        of the pass return the sum of all of them (None before that)."""
+        store = self.tiers.stores[self.home]
+        key = f"grad_uses/u{unit:04d}/r{self.comm.rank}"
+        nbytes = grad.numel() * 4
+        stage = self.tiers.lease_host(nbytes).view(torch.float32)
+        try:
+            if self.seen[unit] > 1:
+                with self.stats.waiting():
+                    self.tiers.run(store.read_into(key, stage))
+                stage.add_(grad.to(stage.device))
+            else:
+                stage.copy_(grad)
+            if self.seen[unit] < self.uses[unit]:
+                self.tiers.run(store.write(key, stage))
+                return None
+            self.tiers.run(store.delete(key))
+            return stage.to(grad.device, copy=True)
+        finally:
+            self.tiers.host_pool.give_back(stage.view(torch.uint8))
 
     def _measure(self, unit: Unit, acc: torch.Tensor) -> None:
         """Only what the step will ask for: each costs a pass over the shard."""

@@ -77,7 +77,7 @@ def _materialise(unit: Unit) -> None:
 def _initialise(model: nn.Module, unit: Unit, seed: int) -> None:
     init_unit = getattr(model, "init_unit", None)
     if callable(init_unit):
-        init_unit(seed, None if unit.is_root else unit.index - 1)
+        init_unit(seed, unit.index - 1 if unit.kind == "block" else unit.kind)
         return
     modules = {id(m): m for s in unit.slots for m, _ in s.module_attrs}
     with torch.random.fork_rng(devices=[]):

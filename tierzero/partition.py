@@ -1,7 +1,13 @@
 """Units, flat buffers and the index from parameter names to (unit, offset, shape).
 
 A unit is one repeated block (the children of the model's largest `ModuleList` of same-class
-modules, or the list the user names) or the *root* unit: every parameter outside the blocks.
+modules, or the list the user names), the *embedding* (the model's input embedding module) or
+the *head* (every other parameter: the final norm and the output layer), each run through an
+entry point the engine wraps -- a block's or the embedding's `forward`, the model's
+`head_out(hidden, targets)` -- so no unit is held for the whole step. Tied embeddings stay in
+the embedding unit, which the head then uses too (`uses_with`): one unit used at both ends.
+A model without an input embedding or a `head_out` gets one *root* unit instead, every
+parameter outside the blocks, bound for the whole pass.
 A unit's parameters are laid end to end in one flat buffer per state kind: weight-decayed
 parameters first, then the rest, so an optimizer shard has at most two segments. The flat
 length is padded so it splits into `world_size` equal shards whose byte sizes are multiples of
@@ -13,6 +19,7 @@ This module only describes layouts; it allocates nothing and moves no bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -41,11 +48,13 @@ class ParamSlot:
 
 @dataclass
 class Unit:
-    """One unit: its index, name, the modules it owns and its flat layout."""
+    """One unit: its index, name, how it runs, the units it binds too, and its flat layout."""
 
     index: int
     name: str
-    module: nn.Module | None  # the block; None for the root unit
+    kind: str  # "embedding" | "block" | "head" | "root"
+    entry: tuple[Any, str] | None  # (owner, attribute) whose call runs the unit; None: root
+    uses_with: tuple[int, ...] = ()  # units bound while this one computes (tied weights)
     slots: list[ParamSlot] = field(default_factory=list)
     numel: int = 0  # unpadded
     padded_numel: int = 0
@@ -54,7 +63,7 @@ class Unit:
 
     @property
     def is_root(self) -> bool:
-        return self.module is None
+        return self.kind == "root"
 
     @property
     def shard_numel(self) -> int:
@@ -94,12 +103,57 @@ def find_blocks(model: nn.Module, units: str | None = None) -> tuple[str, nn.Mod
     return best
 
 
+def input_embedding(model: nn.Module, blocks: nn.ModuleList) -> nn.Module | None:
+    """The model's input embedding: `get_input_embeddings()` where the model has one, else its
+    only `nn.Embedding` outside the blocks; None when there is no single one."""
+    getter = getattr(model, "get_input_embeddings", None)
+    if callable(getter):
+        found = getter()
+        if isinstance(found, nn.Module):
+            return found
+    inside = {id(m) for m in blocks.modules()}
+    candidates = [m for m in model.modules() if isinstance(m, nn.Embedding) and id(m) not in inside]
+    return candidates[0] if len(candidates) == 1 else None
+
+
 def partition(model: nn.Module, world_size: int = 1, units: str | None = None) -> list[Unit]:
-    """Split `model` into units: the root unit (index 0) and one per block, in forward order."""
+    """Split `model` into units in forward order: embedding (0), blocks (1..n), head (n+1);
+    or, for a model without an input embedding and `head_out`, root (0) and blocks."""
     blocks_name, blocks = find_blocks(model, units)
-    block_of_module = {id(m): i + 1 for i, block in enumerate(blocks) for m in block.modules()}
-    result = [Unit(0, "root", None, world_size=world_size)]
-    result += [Unit(i + 1, f"{blocks_name}.{i}", b, world_size=world_size) for i, b in enumerate(blocks)]
+    n = len(blocks)
+    unit_of_module = {id(m): i + 1 for i, block in enumerate(blocks) for m in block.modules()}
+    embedding = input_embedding(model, blocks)
+    head_out = getattr(model, "head_out", None)
+    found = _parameters(model)
+    split = embedding is not None and callable(head_out) and _only_embeddings_tied(found, unit_of_module)
+    if split:
+        assert embedding is not None
+        unit_of_module.update({id(m): 0 for m in embedding.modules()})
+        result = [Unit(0, "embedding", "embedding", (embedding, "forward"))]
+    else:
+        result = [Unit(0, "root", "root", None)]
+    result += [Unit(i + 1, f"{blocks_name}.{i}", "block", (b, "forward")) for i, b in enumerate(blocks)]
+    rest = 0
+    if split:
+        result.append(Unit(n + 1, "head", "head", (model, "head_out")))
+        rest = n + 1
+    members: list[list[int]] = [[] for _ in result]
+    for pid, (_, attrs, _) in found.items():
+        owners = {unit_of_module.get(id(module), rest) for module, _ in attrs}
+        if len(owners) == 1:
+            members[owners.pop()].append(pid)
+        elif split:  # tied to the embedding (checked above): the head uses the embedding unit
+            members[0].append(pid)
+            result[-1].uses_with = (0,)
+        else:  # used by several units: the root, bound for the whole pass, holds it
+            members[0].append(pid)
+    for unit, pids in zip(result, members):
+        _lay_out(unit, pids, found, world_size)
+    return result
+
+
+def _parameters(model: nn.Module) -> dict[int, tuple[list[str], list[tuple[nn.Module, str]], nn.Parameter]]:
+    """Every parameter once (by identity): its names (tied aliases) and (module, attr) uses."""
     found: dict[int, tuple[list[str], list[tuple[nn.Module, str]], nn.Parameter]] = {}
     for mod_name, module in model.named_modules(remove_duplicate=False):
         for attr, p in module.named_parameters(recurse=False, remove_duplicate=False):
@@ -109,22 +163,43 @@ def partition(model: nn.Module, world_size: int = 1, units: str | None = None) -
                 names.append(full)
             if all(m is not module or a != attr for m, a in attrs):
                 attrs.append((module, attr))
-    members: list[list[int]] = [[] for _ in result]
-    for pid, (_, attrs, _) in found.items():
-        # a parameter used by several units (tied) goes to the root, which stays gathered all step
-        owners = {block_of_module.get(id(module), 0) for module, _ in attrs}
-        members[owners.pop() if len(owners) == 1 else 0].append(pid)
-    by_param = found
-    for unit, pids in zip(result, members):
-        ordered = sorted(pids, key=lambda pid: not decays(by_param[pid][2]))  # stable: decayed first
-        offset = 0
-        for pid in ordered:
-            names, attrs, p = by_param[pid]
-            unit.slots.append(ParamSlot(tuple(names), tuple(attrs), offset, p.numel(), tuple(p.shape), decays(p)))
-            offset += p.numel()
-            if decays(p):
-                unit.decay_numel = offset
-        unit.numel = offset
-        quantum = ALIGN_NUMEL * world_size
-        unit.padded_numel = max(quantum, -(-offset // quantum) * quantum)
-    return result
+    return found
+
+
+def _only_embeddings_tied(found: dict, unit_of_module: dict[int, int]) -> bool:
+    """Whether no parameter is shared between blocks (those need the root unit)."""
+    for _, attrs, _ in found.values():
+        blocks = {unit_of_module[id(m)] for m, _ in attrs if id(m) in unit_of_module}
+        if len(blocks) > 1 or (blocks and len(attrs) > len([m for m, _ in attrs if id(m) in unit_of_module])):
+            return False
+    return True
+
+
+def _lay_out(unit: Unit, pids: list[int], found: dict, world_size: int) -> None:
+    """Decayed parameters first, then the rest; pad so every rank's shard is aligned."""
+    unit.world_size = world_size
+    ordered = sorted(pids, key=lambda pid: not decays(found[pid][2]))  # stable: decayed first
+    offset = 0
+    for pid in ordered:
+        names, attrs, p = found[pid]
+        unit.slots.append(ParamSlot(tuple(names), tuple(attrs), offset, p.numel(), tuple(p.shape), decays(p)))
+        offset += p.numel()
+        if decays(p):
+            unit.decay_numel = offset
+    unit.numel = offset
+    quantum = ALIGN_NUMEL * world_size
+    unit.padded_numel = max(quantum, -(-offset // quantum) * quantum)
+
+
+def forward_uses(units: list[Unit]) -> list[tuple[int, ...]]:
+    """The units each call binds, in forward order (the head with the embedding when tied)."""
+    return [(u.index, *u.uses_with) for u in units]
+
+
+def grad_uses(units: list[Unit]) -> dict[int, int]:
+    """How many gradient contributions each unit gets per backward (2 for a tied embedding)."""
+    counts = {u.index: 0 for u in units}
+    for call in forward_uses(units):
+        for index in call:
+            counts[index] += 1
+    return counts

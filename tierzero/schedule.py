@@ -1,7 +1,8 @@
 """The swap plan for one pass over the units, and the scheduler that executes it.
 
-The plan is data: from the unit order (root first and held for the whole pass, then the
-blocks forward, then backward in reverse) it lists, per use of a unit, the fetches issued
+The plan is data: from the unit order (the embedding, the blocks and the head forward, then
+backward in reverse; a model's root unit, if it has one, held for the pass) it lists, per use
+of a unit, the fetches issued
 `prefetch_depth` uses ahead, the wait before compute, and the release after it. The scheduler
 replays the plan as the model runs: `acquire(u)` executes every op up to `u`'s wait and
 returns its param shard on the compute device; `release(u)` executes the ops after it.
@@ -59,38 +60,44 @@ class SwapPlan:
         return peak
 
 
-def build_swap_plan(n_blocks: int, prefetch_depth: int, backward: bool) -> SwapPlan:
+def build_swap_plan(calls: list[tuple[int, ...]], prefetch_depth: int, backward: bool,
+                    held: frozenset[int] = frozenset()) -> SwapPlan:
     """The plan for one forward (and, when training, backward) pass.
 
-    Uses: root (unit 0) once, held until the end; blocks 1..n forward; n..1 backward. A unit
-    used twice in a row (the last block: forward then backward) stays on the device.
+    `calls` are the units each forward call binds, in order (`partition.forward_uses`: the
+    head with the embedding when they are tied). Backward recomputes the calls in reverse.
+    A `held` unit (the root of a model without embedding/head entry points) is fetched at its
+    first use and released only at the end. A unit used again before its next fetch would be
+    issued (the last call forward then first backward; a tied embedding) stays on the device.
     """
-    uses = [(0, "forward")] + [(u, "forward") for u in range(1, n_blocks + 1)]
+    uses = [(call, "forward") for call in calls]
     if backward:
-        uses += [(u, "backward") for u in range(n_blocks, 0, -1)]
+        uses += [(call, "backward") for call in reversed(calls) if not set(call) & held]
     ops: list[SwapOp] = []
     resident: set[int] = set()
-    fetched_until = -1  # index into uses of the last use whose fetch has been issued
-    for i, (unit, phase) in enumerate(uses):
+    fetched_until = -1  # index into uses of the last use whose fetches have been issued
+    for i, (call, phase) in enumerate(uses):
         for j in range(fetched_until + 1, min(len(uses), i + prefetch_depth + 1)):
-            u, ph = uses[j]
-            if u not in resident:
-                ops.append(SwapOp(Op.FETCH, u, ph))
-                resident.add(u)
+            for u in uses[j][0]:
+                if u not in resident:
+                    ops.append(SwapOp(Op.FETCH, u, uses[j][1]))
+                    resident.add(u)
             fetched_until = j
-        ops.append(SwapOp(Op.WAIT, unit, phase))
-        ops.append(SwapOp(Op.COMPUTE, unit, phase))
-        next_unit = uses[i + 1][0] if i + 1 < len(uses) else None
-        if unit != 0 and next_unit != unit and not _used_again_soon(uses, i, unit, fetched_until):
-            ops.append(SwapOp(Op.RELEASE, unit, phase))
-            resident.discard(unit)
-    ops.append(SwapOp(Op.RELEASE, 0, uses[-1][1]))
+        for unit in call:
+            ops.append(SwapOp(Op.WAIT, unit, phase))
+            ops.append(SwapOp(Op.COMPUTE, unit, phase))
+        following = uses[i + 1][0] if i + 1 < len(uses) else ()
+        for unit in call:
+            if unit not in held and unit not in following and not _used_again_soon(uses, i, unit, fetched_until):
+                ops.append(SwapOp(Op.RELEASE, unit, phase))
+                resident.discard(unit)
+    ops += [SwapOp(Op.RELEASE, u, uses[-1][1]) for u in sorted(held)]
     return SwapPlan(tuple(ops), prefetch_depth)
 
 
-def _used_again_soon(uses: list[tuple[int, str]], i: int, unit: int, fetched_until: int) -> bool:
+def _used_again_soon(uses: list[tuple[tuple[int, ...], str]], i: int, unit: int, fetched_until: int) -> bool:
     """Whether a later use of `unit` has already been fetched (so releasing it would be wrong)."""
-    return any(u == unit for u, _ in uses[i + 1:fetched_until + 1])
+    return any(unit in call for call, _ in uses[i + 1:fetched_until + 1])
 
 
 @dataclass
@@ -144,7 +151,7 @@ class Scheduler:
     def finish(self) -> None:
         """End the pass: every op of the plan must have run, nothing may stay resident."""
         assert self.plan is not None
-        self.release(0)
+        self.release(-1)  # the releases left at the end of the plan
         if self._cursor != len(self.plan.ops):
             raise RuntimeError(f"the model ran {self._cursor} of {len(self.plan.ops)} planned swap ops; "
                                "it must call its blocks once each, in order")

@@ -80,7 +80,7 @@ def save(engine: Engine, run_dir: str | Path, data: dict[str, Any] | None = None
                 key = shard_key(kind, unit.index, engine.comm.rank)
                 dst = str(temp / "state" / Path(*key.split("/")))
                 if engine.placement.home(kind) is Tier.NVME:
-                    arrays[key], nbytes = tiers.run(nvme.snapshot(key, dst))
+                    arrays[key], nbytes = tiers.run(nvme.snapshot(key, dst, sync=False))
                     copied += nbytes
                 else:
                     shard = engine.read_shard(kind, unit)
@@ -97,8 +97,8 @@ def save(engine: Engine, run_dir: str | Path, data: dict[str, Any] | None = None
         shutil.rmtree(temp, ignore_errors=True)
         raise
     if copied and nvme is not None and any(engine.placement.home(k) is Tier.NVME for k in SAVED_KINDS):
-        engine.note(f"checkpoint {final.name} copied {copied / 1e6:.1f} MB: keep --run-dir on the same "
-                    "filesystem as --nvme-path (and state on nvme) for checkpoints that copy nothing")
+        engine.note("checkpoints copy the NVMe state's chunks because the run directory is on another "
+                    "filesystem than --nvme-path; keep them on one filesystem for checkpoints that copy nothing")
     if keep is not None:
         prune(run_dir, keep)
     return final

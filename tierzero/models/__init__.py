@@ -30,7 +30,7 @@ def build(
     if seed is None:
         model.apply(model.init_weights)
     else:
-        model.init_unit(seed)
+        model.init_unit(seed, "root")
         for i in range(args.n_layers):
             model.init_unit(seed, i)
     return model

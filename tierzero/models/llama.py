@@ -6,7 +6,9 @@ Two promises the engine relies on:
   length (a few kFLOPs next to the matmuls), so a model built on `meta` has parameters only,
   and materialising it one unit at a time needs no buffer handling.
 - **A block is a pure function of its input.** `Block.forward(x)` takes only the hidden state,
-  so the engine can run it as a checkpointed unit and recompute it in backward.
+  so the engine can run it as a checkpointed unit and recompute it in backward. The same
+  holds for the embedding (`tok_emb(idx)`) and the head (`head_out(x, targets)`), the two
+  other units.
 
 Compute runs in the parameters' dtype (bf16 params -> bf16 matmuls). RMSNorm, the rotary
 rotation and the loss are computed in fp32 and cast back, as in the LLaMA reference code.
@@ -20,9 +22,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tierzero.errors import ConfigError
+from tierzero.models.loss import chunk_tokens_for, chunked_cross_entropy
 from tierzero.models.presets import ModelArgs
 
 INIT_STD = 0.02  # every Linear/Embedding weight ~ N(0, 0.02), residual projections included
+LOSS_CHUNK_BYTES = 64 << 20  # fp32 logits per loss chunk: one chunk lives at a time
 
 
 class RMSNorm(nn.Module):
@@ -118,6 +122,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.loss_chunk_bytes = LOSS_CHUNK_BYTES
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -138,11 +143,23 @@ class Transformer(nn.Module):
         x = self.tok_emb(idx)
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.norm(x))
+        return self.head_out(x, targets)
+
+    def head_out(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm and head: logits, or the mean cross-entropy without full logits.
+
+        The tiered engine runs this as the head unit, so it takes everything after the blocks.
+        Loss in fp32 (a bf16 sum over batch*seq tokens would round away the signal), computed
+        in chunks of about `loss_chunk_bytes` of logits (see `models.loss`).
+        """
+        x = self.norm(x)
         if targets is None:
-            return logits
-        # fp32 softmax and mean: a bf16 sum over batch*seq tokens would round away the signal
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            return self.head(x)
+        chunk = chunk_tokens_for(self.args.vocab_size, self.loss_chunk_bytes)
+        return chunked_cross_entropy(self.head, x, targets, chunk)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.tok_emb
 
     def init_weights(self, module: nn.Module, generator: torch.Generator | None = None) -> None:
         """Initialise `module`'s own parameters (not its children's: use `.apply`).
@@ -158,16 +175,25 @@ class Transformer(nn.Module):
         elif isinstance(module, RMSNorm):
             module.reset_parameters()
 
-    def init_unit(self, seed: int, block: int | None = None) -> None:
-        """Initialise one unit from its own RNG stream: block `block`, or the root unit
-        (tok_emb, norm, head) when `block` is None.
+    def init_unit(self, seed: int, which: int | str) -> None:
+        """Initialise one unit from its own RNG stream: block `which` (an index), or
+        "embedding" (tok_emb), "head" (norm and an untied head), or "root" (both).
 
         Each stream depends only on (seed, unit), so materialising a meta model unit by unit,
         in any order, gives exactly the weights `build(seed=seed)` gives.
         """
-        unit_id = 0 if block is None else block + 1
+        if which == "root":
+            self.init_unit(seed, "embedding")
+            self.init_unit(seed, "head")
+            return
+        if which == "embedding":
+            unit_id, modules = 0, [self.tok_emb]
+        elif which == "head":
+            tied = self.head.weight is self.tok_emb.weight
+            unit_id, modules = self.args.n_layers + 1, [self.norm] if tied else [self.norm, self.head]
+        else:
+            unit_id, modules = int(which) + 1, [self.blocks[int(which)]]
         generator = torch.Generator().manual_seed(unit_seed(seed, unit_id))
-        modules = [self.tok_emb, self.norm, self.head] if block is None else [self.blocks[block]]
         for module in modules:
             module.apply(lambda m: self.init_weights(m, generator))
 
