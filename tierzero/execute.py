@@ -122,19 +122,19 @@ class UnitRunner:
 
     def compute(self, unit: Unit, args: tuple, kwargs: dict, leaves: list[torch.Tensor] | None = None) -> Any:
         """Gather, bind, run the block's own forward, unbind, release — or, given `leaves`
-        (already bound by the caller), just run it."""
-        own = leaves is None
+        (already bound by the caller), just run it: the caller unbinds only after its backward,
+        which may call the modules again (the loss's checkpointed chunks recompute the head)."""
+        if leaves is not None:
+            return self._originals[unit.index](*args, **kwargs)
         bound = self.bound_units(unit)
-        if own:
-            for u in bound:
-                bind(u, self.gather(u.index))
+        for u in bound:
+            bind(u, self.gather(u.index))
         try:
             return self._originals[unit.index](*args, **kwargs)
         finally:
             for u in bound:
                 unbind(u, self.dtype)
-            if own:
-                self.release(unit.index)
+            self.release(unit.index)
 
 
 class _Checkpointed(torch.autograd.Function):
@@ -176,6 +176,8 @@ class _Checkpointed(torch.autograd.Function):
             for u, unit_leaves in zip(bound, leaves):
                 runner.on_grad(u.index, flat_grad(u, unit_leaves))
         finally:
+            for u in bound:
+                unbind(u, runner.dtype)
             runner.release(unit.index)
         return (None, None, None, None, None, None, *[t.grad if t.requires_grad else None for t in inputs])
 
