@@ -26,6 +26,7 @@ PLACEMENTS = {
 
 
 def config(tmp_path: Path, placement: Placement, **kw) -> Config:
+    kw.setdefault("piece_numel", 6144)  # several pieces per unit
     return Config(placement=placement, nvme_path=[str(tmp_path / "nvme")], lr=3e-3, warmup_steps=2,
                   total_steps=6, host_budget="256MiB", gpu_budget="256MiB", **kw)
 

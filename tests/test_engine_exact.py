@@ -23,7 +23,11 @@ PLACEMENTS = {
 }
 
 
+PIECE_NUMEL = 6144  # smaller than every unit, and not dividing them: the last piece is short
+
+
 def config(tmp_path, placement: Placement, **kw) -> Config:
+    kw.setdefault("piece_numel", PIECE_NUMEL)
     return Config(placement=placement, nvme_path=[str(tmp_path / "nvme")], lr=3e-3, warmup_steps=2,
                   total_steps=5, host_budget="256MiB", gpu_budget="256MiB", **kw)
 

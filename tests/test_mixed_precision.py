@@ -21,6 +21,7 @@ HOST = Placement(Tier.GPU, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
 
 def config(tmp_path, placement: Placement = NVME, **kw) -> Config:
     kw.setdefault("lr", 3e-3)
+    kw.setdefault("piece_numel", 8192)
     tmp_path.mkdir(parents=True, exist_ok=True)
     return Config(placement=placement, nvme_path=[str(tmp_path / "nvme")], total_steps=6,
                   host_budget="256MiB", gpu_budget="256MiB", **kw)

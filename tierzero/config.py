@@ -147,6 +147,7 @@ class Config:
     seed: int = 0
     units: str | None = None
     chunk_bytes: int = 8 << 20
+    piece_numel: int = 16 << 20  # elements per piece: grads and optimizer states stream in these
     io_threads: int = 16
     verify_always: bool = False
     profile: str | None = None
@@ -166,6 +167,10 @@ class Config:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, parse_bytes(value, name))
+        if isinstance(self.piece_numel, bool) or not isinstance(self.piece_numel, int) \
+                or self.piece_numel <= 0 or self.piece_numel % 2048:
+            raise ConfigError(f"piece_numel must be a positive multiple of 2048 elements (aligned in every "
+                              f"dtype), got {self.piece_numel!r}; e.g. 16777216 (64 MiB of fp32)")
         if self.chunk_bytes <= 0 or self.chunk_bytes % 4096:
             raise ConfigError(f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes}")
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]

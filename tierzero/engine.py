@@ -36,7 +36,7 @@ from tierzero.precision import DynamicLossScaler, compute_dtype, resolve_dtype
 from tierzero.reference import compute_loss, to_device
 from tierzero.schedule import Scheduler, build_swap_plan
 from tierzero.stats import StepStats
-from tierzero.tiers import Tiers, default_budgets, shard_key
+from tierzero.tiers import Tiers, aligned_empty, default_budgets, state_keys
 
 
 class Engine:
@@ -96,7 +96,7 @@ class Engine:
             self.scheduler = Scheduler(self.units, self.tiers, self.placement.param, self.dtype,
                                        self.comm.rank, self.stats_)
             self.grads = GradShards(self.units, self.tiers, self.placement.grad, self.comm, self.stats_,
-                                    grad_uses(self.units),
+                                    grad_uses(self.units), self.config.piece_numel,
                                     norms=self.config.clip_grad_norm is not None,
                                     finite=self.scaler.enabled)
             self.optimizer = ShardOptimizer(self.units, self.tiers, self.placement, self.dtype,
@@ -163,8 +163,8 @@ class Engine:
             coef = None  # clip_previous_norm: the first step is not clipped
             if self.config.clip_grad_norm is not None and self._previous_norm is not None:
                 coef = clip_coefficient(self._previous_norm, self.config.clip_grad_norm)
-            self.grads.hand_over = lambda unit, grad, owned: self.optimizer.step_unit(
-                unit, grad, owned, self.step_count, lr, coef)
+            self.grads.hand_over = lambda unit, grad: self.optimizer.step_unit(
+                unit, grad, self.step_count, lr, coef)
             # read each unit's states while the unit before it in backward order still computes
             self.runner.on_backward_start = lambda u: [self.optimizer.prefetch(self.units[v])
                                                        for v in (u, u - 1) if v >= 0]
@@ -305,16 +305,24 @@ class Engine:
                     out[name] = value
         return out
 
+    def keys(self, kind: StateKind, unit: Unit) -> list[tuple[str, int, int]]:
+        """This rank's store keys of `kind` for `unit`, with the shard range each holds."""
+        return state_keys(kind, unit, self.comm.rank, self.config.piece_numel)
+
     def read_shard(self, kind: StateKind, unit: Unit) -> torch.Tensor:
         """A CPU copy of this rank's shard of `kind` for `unit` (for inspection and export)."""
-        dtype = self.dtype if kind is StateKind.PARAM else torch.float32
-        store = self.tiers.stores[self.placement.home(kind)]
-        key = shard_key(kind, unit.index, self.comm.rank)
-        if store.capabilities.zero_copy:
-            return store.view(key).detach().to("cpu", copy=True)
-        out = torch.empty(unit.shard_numel, dtype=dtype)
-        self.tiers.run(store.read_into(key, out, verify=True))
+        out = aligned_empty(unit.shard_numel, self.dtype if kind is StateKind.PARAM else torch.float32)
+        for key, a, b in self.keys(kind, unit):
+            self.read_key(kind, key, out[a:b])
         return out
+
+    def read_key(self, kind: StateKind, key: str, out: torch.Tensor) -> None:
+        """Fill the CPU tensor `out` from one stored key of `kind` (verified where stored on disk)."""
+        store = self.tiers.stores[self.placement.home(kind)]
+        if store.capabilities.zero_copy:
+            out.copy_(store.view(key))
+        else:
+            self.tiers.run(store.read_into(key, out, verify=True))
 
     def stats(self) -> dict[str, Any]:
         """Per-step counters for metrics.jsonl: bytes per direction, I/O wait, peak bytes."""
@@ -376,8 +384,12 @@ class Engine:
 
     def put_shard(self, kind: StateKind, unit: Unit, src: torch.Tensor) -> None:
         """Write this rank's shard of `kind` for `unit` (a CPU tensor) to its home tier."""
+        for key, a, b in self.keys(kind, unit):
+            self.put_key(kind, key, src[a:b])
+
+    def put_key(self, kind: StateKind, key: str, src: torch.Tensor) -> None:
+        """Write one stored key of `kind` (a CPU tensor) to its home tier."""
         store = self.tiers.stores[self.placement.home(kind)]
-        key = shard_key(kind, unit.index, self.comm.rank)
         if self.placement.home(kind) is Tier.NVME:
             staged = self.tiers.lease_host(src.numel() * src.element_size()).view(src.dtype)
             staged.copy_(src)

@@ -191,7 +191,23 @@ def _read_units(checkpoint: Path, manifest: Manifest) -> Iterator[tuple[int, tor
 
 
 def _read_shard(checkpoint: Path, manifest: Manifest, unit: UnitLayout, rank: int, out: torch.Tensor) -> None:
+    """One rank's master shard: one array, or (as the engine stores it) one array per piece."""
     key = shard_key(StateKind.MASTER, unit.index, rank)
+    pieces = sorted(k for k in manifest.arrays if k.startswith(key + "/p"))
+    if not pieces:
+        _read_array(checkpoint, manifest, key, out)
+        return
+    start = 0
+    for piece in pieces:
+        numel = manifest.arrays[piece].numel
+        _read_array(checkpoint, manifest, piece, out[start:start + numel])
+        start += numel
+    if start != out.numel():
+        raise CheckpointError(f"checkpoint {checkpoint.name}'s pieces of {key} hold {start} values where the "
+                              f"layout needs {out.numel()}: it is damaged; export another step with --step")
+
+
+def _read_array(checkpoint: Path, manifest: Manifest, key: str, out: torch.Tensor) -> None:
     meta = manifest.arrays.get(key)
     if meta is None:
         raise CheckpointError(f"checkpoint {checkpoint.name} has no array {key}: it is damaged; "

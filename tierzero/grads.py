@@ -1,10 +1,11 @@
 """Gradient shards: reduce, unscale, accumulate in fp32 in their home tier, and measure.
 
 A unit's flat gradient arrives from backward in the compute dtype. It becomes fp32, is
-reduce-scattered to this rank's shard, unscaled (fp16), and copied (first micro-batch) or added
-(later ones) into the grad shard's home: a resident buffer for `gpu`/`host`, a staged
-read-add-write for `nvme`. On the last micro-batch the accumulated shard's norms and its
-finiteness are recorded, so clipping and overflow checks need no second pass over the grads.
+reduce-scattered to this rank's shard and unscaled (fp16); later micro-batches add what the
+earlier ones stored, piece by piece (a resident buffer for `gpu`/`host`, a staged read for
+`nvme`). On the last micro-batch the accumulated shard's norms and its finiteness are
+recorded, so clipping and overflow checks need no second pass, and with overlap_step the
+shard goes straight to the optimizer; otherwise each piece is stored in its home.
 """
 
 from __future__ import annotations
@@ -18,18 +19,19 @@ from tierzero.comm import Comm
 from tierzero.config import StateKind, Tier
 from tierzero.partition import Unit
 from tierzero.stats import StepStats
-from tierzero.tiers import Tiers, shard_key
+from tierzero.tiers import Tiers, state_keys
 
 
 class GradShards:
     def __init__(self, units: list[Unit], tiers: Tiers, home: Tier, comm: Comm, stats: StepStats,
-                 uses: dict[int, int], norms: bool, finite: bool) -> None:
+                 uses: dict[int, int], piece_numel: int, norms: bool, finite: bool) -> None:
         self.units = units
         self.tiers = tiers
         self.home = home
         self.comm = comm
         self.stats = stats
         self.uses = uses  # contributions per unit per backward (a tied embedding gets two)
+        self.piece_numel = piece_numel
         self.seen: dict[int, int] = {}  # contributions so far in this backward
         self.want_norms = norms  # clipping needs them
         self.want_finite = finite  # fp16 needs the overflow check
@@ -40,8 +42,8 @@ class GradShards:
         self.sumsq = torch.zeros((), dtype=torch.float32)  # several ranks: this shard's sum of squares
         self.nonfinite = torch.zeros((), dtype=torch.bool)
         # overlap_step: on the last micro-batch the optimizer takes each finished shard at once
-        self.hand_over: Callable[[Unit, torch.Tensor, bool], None] | None = None
-        self._writes: dict[int, concurrent.futures.Future] = {}  # unit -> its grad write in flight
+        self.hand_over: Callable[[Unit, torch.Tensor], None] | None = None
+        self._writes: dict[str, concurrent.futures.Future] = {}  # piece key -> its grad write in flight
 
     def begin(self, micro: int, last: bool, inv_scale: float) -> None:
         """Before a backward: which micro-batch it is, whether it ends the step, the 1/scale."""
@@ -67,33 +69,47 @@ class GradShards:
             if grad is None:
                 return
         first, final = self.micro == 0, self.last
-        key = shard_key(StateKind.GRAD, unit, self.comm.rank)
-        nbytes = grad.numel() * 4
-        if self.home is Tier.NVME:
-            stage = self.tiers.lease_host(nbytes).view(torch.float32)
-            if first:
-                stage.copy_(grad)  # sync point on CUDA: the device grad lands in host memory
-            else:
-                with self.stats.waiting():
-                    self._writes.pop(unit).result()  # read after write: the last micro-batch's must land
-                    self.tiers.run(self.tiers.stores[Tier.NVME].read_into(key, stage))
-                self.stats.add_bytes("nvme->host", nbytes)
-                stage.add_(grad.to(stage.device))
-            acc = stage
-        else:
-            acc = self.tiers.stores[self.home].view(key)
-            acc.copy_(grad) if first else acc.add_(grad.to(acc.device))
+        keys = state_keys(StateKind.GRAD, u, self.comm.rank, self.piece_numel)
+        if not first:  # earlier micro-batches' sum, piece by piece (prev + new: addition commutes)
+            for key, a, b in keys:
+                self._add_previous(key, grad[a:b])
+        if final:
+            self._measure(u, grad)
+            if self.hand_over is not None:
+                self.hand_over(u, grad)  # the optimizer steps it piece by piece, never stored
+                return
+        for key, a, b in keys:
+            self._store(key, grad[a:b])
+
+    def _add_previous(self, key: str, part: torch.Tensor) -> None:
+        store = self.tiers.stores[self.home]
+        if self.home is not Tier.NVME:
+            part.add_(store.view(key).to(part.device))
+            return
+        stage = self.tiers.lease_host(part.numel() * 4).view(torch.float32)
+        try:
+            with self.stats.waiting():
+                write = self._writes.pop(key, None)
+                if write is not None:
+                    write.result()  # read after write: the last micro-batch's must land
+                self.tiers.run(store.read_into(key, stage))
+            self.stats.add_bytes("nvme->host", part.numel() * 4)
+            part.add_(stage.to(part.device))
+        finally:
+            self.tiers.host_pool.give_back(stage.view(torch.uint8))
+
+    def _store(self, key: str, part: torch.Tensor) -> None:
+        nbytes = part.numel() * 4
+        if self.home is not Tier.NVME:
+            self.tiers.stores[self.home].view(key).copy_(part)
             if self.home is Tier.HOST:
                 self.stats.add_bytes("gpu->host", nbytes)
-        if final:
-            self._measure(u, acc)
-            if self.hand_over is not None:
-                self.hand_over(u, acc, self.home is Tier.NVME)  # owned: a staging lease
-                return
-        if self.home is Tier.NVME:
-            future = self._writes[unit] = self.tiers.submit(self.tiers.stores[Tier.NVME].write(key, acc))
-            self.tiers.pending.add(future, lambda ok: self.tiers.host_pool.give_back(acc.view(torch.uint8)))
-            self.stats.add_bytes("host->nvme", nbytes)
+            return
+        stage = self.tiers.lease_host(nbytes).view(torch.float32)
+        stage.copy_(part)  # sync point on CUDA: the device grad lands in host memory
+        future = self._writes[key] = self.tiers.submit(self.tiers.stores[Tier.NVME].write(key, stage))
+        self.tiers.pending.add(future, lambda ok: self.tiers.host_pool.give_back(stage.view(torch.uint8)))
+        self.stats.add_bytes("host->nvme", nbytes)
 
     def _combine_uses(self, unit: int, grad: torch.Tensor) -> torch.Tensor | None:
         """Stash this use's grad (plus earlier ones) in the home tier; at the unit's last use
@@ -106,16 +122,22 @@ class GradShards:
             if self.seen[unit] > 1:
                 with self.stats.waiting():
                     self.tiers.run(store.read_into(key, stage))
+                self._count(f"{self.home.value}->host", nbytes)
                 stage.add_(grad.to(stage.device))
             else:
                 stage.copy_(grad)
             if self.seen[unit] < self.uses[unit]:
                 self.tiers.run(store.write(key, stage))
+                self._count(f"host->{self.home.value}", nbytes)
                 return None
             self.tiers.run(store.delete(key))
             return stage.to(grad.device, copy=True)
         finally:
             self.tiers.host_pool.give_back(stage.view(torch.uint8))
+
+    def _count(self, link: str, nbytes: int) -> None:
+        if self.home is Tier.NVME:  # memory homes: a copy within the tier, not a link
+            self.stats.add_bytes(link, nbytes)
 
     def _measure(self, unit: Unit, acc: torch.Tensor) -> None:
         """Only what the step will ask for: each costs a pass over the shard."""

@@ -1,11 +1,16 @@
-"""CPU Adam over shards streamed through the tiers: read shard j+1, step j, write j-1.
+"""CPU Adam over shards streamed through the tiers in pieces: read piece j+1, step j, write j-1.
 
-Per unit shard, the optimizer needs `grad`, `master`, `exp_avg` and `exp_avg_sq`. A state
-whose home is a memory tier on the stepping device is used in place (zero copy); any other
-is read into a leased buffer, `prefetch_depth` units ahead. After torch's AdamW updates the
-shard, off-device states are written back and the new compute-dtype `param` shard goes to its
-home. Writes complete in the background; their buffers return to the pool as they finish.
-The step runs on the compute device only when master and both moments live there.
+Grads, master weights and both moments are stored per *piece*: a fixed-size slice of a unit's
+shard (`Config.piece_numel` elements), so the optimizer's working set is a few pieces whatever
+the unit's size -- a 128k-vocabulary embedding streams through the same buffers as a block.
+Per piece, a state whose home is a memory tier on the stepping device is used in place (zero
+copy); any other is read into a leased buffer, `prefetch_depth` pieces ahead. After torch's
+AdamW updates the piece (elementwise, so stepping pieces is bitwise stepping the whole shard),
+off-device states are written back and the new compute-dtype values go into the unit's param
+shard: in place where params live in memory, else into one staged host buffer per unit being
+stepped, written to its home after the unit's last piece. Writes complete in the background;
+their buffers return to the pool as they finish. The step runs on the compute device only when
+master and both moments live there.
 """
 
 from __future__ import annotations
@@ -20,19 +25,27 @@ from tierzero.adamw import adamw_step
 from tierzero.config import Config, Placement, StateKind, Tier
 from tierzero.partition import Unit
 from tierzero.stats import StepStats
-from tierzero.tiers import Tiers, shard_key
+from tierzero.tiers import Tiers, piece_key, shard_key
 
 OPT_KINDS = (StateKind.GRAD, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
 
 
 @dataclass
 class Work:
-    """One unit's optimizer shards on the stepping device, and which of them are borrowed."""
+    """One piece of one unit's optimizer shards on the stepping device, and which are borrowed."""
 
     unit: Unit
+    piece: int
+    start: int  # the piece's range in the shard
+    end: int
+    last: bool  # the unit's last piece: its param shard is complete after this one
     tensors: dict[StateKind, torch.Tensor] = field(default_factory=dict)
     leased: dict[StateKind, torch.Tensor] = field(default_factory=dict)  # kind -> leased buffer
     futures: list = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
 
 
 class ShardOptimizer:
@@ -47,19 +60,26 @@ class ShardOptimizer:
         self.stats = stats
         on_gpu = all(placement.home(k) is Tier.GPU for k in OPT_KINDS[1:])
         self.device = tiers.device if on_gpu else torch.device("cpu")
-        self._prefetched: dict[int, Work] = {}
+        self._prefetched: dict[tuple[int, int], Work] = {}
+        self._param_stage: dict[int, torch.Tensor] = {}  # unit -> its new param shard, being filled
+
+    def works(self, unit: Unit) -> list[Work]:
+        """The unit's pieces, in order (nothing loaded yet)."""
+        ranges = unit.pieces(self.config.piece_numel)
+        return [Work(unit, i, a, b, i == len(ranges) - 1) for i, (a, b) in enumerate(ranges)]
 
     def step(self, step_count: int, lr: float, grad_coef: torch.Tensor | None) -> None:
-        """One AdamW update of every unit's shard; returns when every write is durable in RAM
-        or handed to the I/O loop and finished (the next pass reads what this one wrote)."""
+        """One AdamW update of every unit's shard, piece by piece; returns when every write has
+        finished (the next pass reads what this one wrote)."""
         depth = max(1, self.config.prefetch_depth)
+        items = [w for unit in self.units for w in self.works(unit)]
         loads: deque[Work] = deque()
         issued = 0
-        for j in range(len(self.units)):
-            while issued < min(len(self.units), j + depth):  # keep `depth` units loaded ahead
-                if issued > j and not self._room_for(self.units[issued]):
+        for j in range(len(items)):
+            while issued < min(len(items), j + depth):  # keep `depth` pieces loaded ahead
+                if issued > j and not self._room_for(items[issued]):
                     break  # a tight budget: read ahead less rather than fail
-                loads.append(self._load(self.units[issued], with_grad=True))
+                loads.append(self._load(items[issued], with_grad=True))
                 issued += 1
             work = loads.popleft()
             self._wait(work)
@@ -69,35 +89,39 @@ class ShardOptimizer:
         self.tiers.pending.drain()
 
     def prefetch(self, unit: Unit) -> None:
-        """Start reading `unit`'s master and moments now (overlap_step: while backward computes)."""
-        if unit.index not in self._prefetched:
-            self._prefetched[unit.index] = self._load(unit)
+        """Start reading `unit`'s first pieces of master and moments now (overlap_step: while
+        backward computes); later pieces are read as earlier ones are stepped."""
+        for work in self.works(unit)[:max(1, self.config.prefetch_depth)]:
+            if (unit.index, work.piece) not in self._prefetched:
+                self._prefetched[(unit.index, work.piece)] = self._load(work)
 
     def discard_prefetched(self) -> None:
         """After an error mid-backward: let prefetches land, then return their buffers."""
         for work in self._prefetched.values():
             self._discard(work)
         self._prefetched.clear()
+        for unit in list(self._param_stage):
+            self.tiers.host_pool.give_back(self._param_stage.pop(unit).view(torch.uint8))
 
     def _discard(self, work: Work) -> None:
-        """Give back a unit's buffers without writing anything (its reads or step failed)."""
+        """Give back a piece's buffers without writing anything (its reads or step failed)."""
         for future in work.futures:
             future.exception()  # wait: an I/O thread may still be filling the buffer
         for buf in work.leased.values():
             self._give_back(buf)
 
-    def step_unit(self, unit: Unit, grad: torch.Tensor, owned: bool, step_count: int, lr: float,
+    def step_unit(self, unit: Unit, grad: torch.Tensor, step_count: int, lr: float,
                   grad_coef: torch.Tensor | None = None) -> None:
-        """Step one unit as soon as its final grad exists (overlap_step), off the training thread.
-
-        Its states were prefetched (or are read now); the AdamW step runs on an I/O thread once
-        they land (torch releases the GIL, so backward continues meanwhile); the writes are
-        issued when the training thread next reaps the pending queue.
-        """
-        work = self._prefetched.pop(unit.index, None) or self._load(unit)
-        self._attach_grad(work, grad, owned)
-        future = self.tiers.submit(self._step_when_loaded(work, step_count, lr, grad_coef))
-        self.tiers.pending.add(future, lambda ok: self._write(work) if ok else self._discard(work))
+        """Step one unit as soon as its final grad shard exists (overlap_step), off the training
+        thread: each piece's AdamW step runs on an I/O thread once its states land (torch
+        releases the GIL, so backward continues meanwhile); its writes are issued when the
+        training thread next reaps the pending queue. Loading a piece waits for buffers the
+        pool does not have yet, so at most a budget's worth of pieces is in flight."""
+        for work in self.works(unit):
+            work = self._prefetched.pop((unit.index, work.piece), None) or self._load(work)
+            self._attach_grad(work, grad)
+            future = self.tiers.submit(self._step_when_loaded(work, step_count, lr, grad_coef))
+            self.tiers.pending.add(future, lambda ok, w=work: self._write(w) if ok else self._discard(w))
 
     async def _step_when_loaded(self, work: Work, step_count: int, lr: float,
                                 grad_coef: torch.Tensor | None) -> None:
@@ -105,31 +129,28 @@ class ShardOptimizer:
             await asyncio.wrap_future(future)
         await asyncio.get_running_loop().run_in_executor(None, self._step, work, step_count, lr, grad_coef)
 
-    def _attach_grad(self, work: Work, grad: torch.Tensor, owned: bool) -> None:
-        """Use the finished grad shard handed over by backward (owned: a lease to give back)."""
-        if grad.device == self.device:
-            work.tensors[StateKind.GRAD] = grad
-            if owned:
-                work.leased[StateKind.GRAD] = grad
+    def _attach_grad(self, work: Work, grad: torch.Tensor) -> None:
+        """Use the piece's slice of the finished grad shard handed over by backward."""
+        part = grad[work.start:work.end]
+        if part.device == self.device:
+            work.tensors[StateKind.GRAD] = part
             return
-        work.tensors[StateKind.GRAD] = work.leased[StateKind.GRAD] = self._lease(grad.numel() * 4).view(torch.float32)
-        work.leased[StateKind.GRAD].copy_(grad)
-        if owned:
-            self.tiers.host_pool.give_back(grad.view(torch.uint8))
+        work.tensors[StateKind.GRAD] = work.leased[StateKind.GRAD] = self._lease(work.numel * 4).view(torch.float32)
+        work.leased[StateKind.GRAD].copy_(part)
 
-    def _load(self, unit: Unit, with_grad: bool = False) -> Work:
-        """Start bringing `unit`'s optimizer states (and its grad shard, if asked) to the stepping device."""
-        work = Work(unit)
+    def _load(self, work: Work, with_grad: bool = False) -> Work:
+        """Start bringing a piece's optimizer states (and its grad, if asked) to the stepping device."""
+        unit = work.unit
         for kind in OPT_KINDS if with_grad else OPT_KINDS[1:]:
             home = self.placement.home(kind)
-            key = shard_key(kind, unit.index, self.rank)
+            key = piece_key(kind, unit.index, self.rank, work.piece)
             store = self.tiers.stores[home]
             if store.capabilities.zero_copy:
                 view = store.view(key)
                 if view.device == self.device:
                     work.tensors[kind] = view
                     continue
-            buf = self._lease(unit.shard_numel * 4).view(torch.float32)
+            buf = self._lease(work.numel * 4).view(torch.float32)
             work.tensors[kind] = work.leased[kind] = buf
             if home is Tier.NVME:
                 work.futures.append(self.tiers.submit(store.read_into(key, buf)))
@@ -160,14 +181,15 @@ class ShardOptimizer:
     def _step(self, work: Work, step_count: int, lr: float, grad_coef: torch.Tensor | None) -> None:
         t = work.tensors
         grad = t[StateKind.GRAD]
-        if grad_coef is not None:  # clipping: the grad shard is consumed here, so scale in place
+        if grad_coef is not None:  # clipping: the grad piece is consumed here, so scale in place
             grad.mul_(grad_coef.to(grad.device))
-        segments = work.unit.segments(self.rank)
-        adamw_step([t[StateKind.MASTER][a:b] for a, b, _ in segments],
-                   [grad[a:b] for a, b, _ in segments],
-                   [t[StateKind.EXP_AVG][a:b] for a, b, _ in segments],
-                   [t[StateKind.EXP_AVG_SQ][a:b] for a, b, _ in segments],
-                   [self.config.weight_decay if d else 0.0 for _, _, d in segments],
+        runs = [(max(a, work.start) - work.start, min(b, work.end) - work.start, d)
+                for a, b, d in work.unit.segments(self.rank) if min(b, work.end) > max(a, work.start)]
+        adamw_step([t[StateKind.MASTER][a:b] for a, b, _ in runs],
+                   [grad[a:b] for a, b, _ in runs],
+                   [t[StateKind.EXP_AVG][a:b] for a, b, _ in runs],
+                   [t[StateKind.EXP_AVG_SQ][a:b] for a, b, _ in runs],
+                   [self.config.weight_decay if d else 0.0 for _, _, d in runs],
                    step_count, lr, self.config)
 
     def _write(self, work: Work) -> None:
@@ -176,16 +198,22 @@ class ShardOptimizer:
             if kind is StateKind.GRAD:
                 self._give_back(buf)
                 continue
-            self._put(kind, unit, buf, owned=True)
+            self._put(kind, work, buf)
         master = work.tensors[StateKind.MASTER]
         home = self.placement.home(StateKind.PARAM)
         store = self.tiers.stores[home]
         key = shard_key(StateKind.PARAM, unit.index, self.rank)
         if store.capabilities.zero_copy:
-            store.view(key).copy_(master)  # cast to the compute dtype in the copy
+            store.view(key)[work.start:work.end].copy_(master)  # cast to the compute dtype in the copy
             return
-        staged = self.tiers.lease_host(unit.shard_numel * self.compute_dtype.itemsize).view(self.compute_dtype)
-        staged.copy_(master)
+        staged = self._param_stage.get(unit.index)
+        if staged is None:
+            nbytes = unit.shard_numel * self.compute_dtype.itemsize
+            staged = self._param_stage[unit.index] = self.tiers.lease_host(nbytes).view(self.compute_dtype)
+        staged[work.start:work.end].copy_(master)
+        if not work.last:
+            return
+        del self._param_stage[unit.index]
         # the new param shard replaces the cached old one at once, so no pass can read it stale
         self.tiers.host_pool.cache_put(key, staged.view(torch.uint8))
         future = self.tiers.submit(store.write(key, staged))
@@ -197,12 +225,12 @@ class ShardOptimizer:
             self.tiers.host_pool.cache_drop(key)
         self.tiers.host_pool.give_back(staged.view(torch.uint8))
 
-    def _room_for(self, unit: Unit) -> bool:
-        """Whether loading `unit` ahead of time leaves the pool room for the unit being stepped."""
+    def _room_for(self, work: Work) -> bool:
+        """Whether loading a piece ahead of time leaves the pool room for the piece being stepped."""
         pool = self.tiers.host_pool if self.device.type == "cpu" else self.tiers.device_pool
-        states = self.leased_kinds() * unit.shard_numel * 4
-        staging = unit.shard_numel * self.compute_dtype.itemsize
-        return 2 * (states + staging) <= pool.budget_bytes - pool.leased_bytes
+        states = self.leased_kinds() * work.numel * 4
+        staging = work.unit.shard_numel * self.compute_dtype.itemsize if work.piece == 0 else 0
+        return 2 * states + staging <= pool.budget_bytes - pool.leased_bytes
 
     def leased_kinds(self) -> int:
         """How many of grad/master/moments need a working buffer (not memory on the stepping device)."""
@@ -211,16 +239,15 @@ class ShardOptimizer:
             return home is not Tier.NVME and store_device.type == self.device.type
         return sum(1 for k in OPT_KINDS if not in_place(self.placement.home(k)))
 
-    def _put(self, kind: StateKind, unit: Unit, buf: torch.Tensor, owned: bool) -> None:
+    def _put(self, kind: StateKind, work: Work, buf: torch.Tensor) -> None:
         """Write a leased working buffer back to `kind`'s home, then return it to its pool."""
         home = self.placement.home(kind)
         store = self.tiers.stores[home]
-        key = shard_key(kind, unit.index, self.rank)
+        key = piece_key(kind, work.unit.index, self.rank, work.piece)
         if home is Tier.NVME:
             future = self.tiers.submit(store.write(key, buf))
             self.tiers.pending.add(future, lambda ok: self._give_back(buf))
             self.stats.add_bytes("host->nvme", buf.numel() * buf.element_size())
             return
         store.view(key).copy_(buf)
-        if owned:
-            self._give_back(buf)
+        self._give_back(buf)

@@ -73,11 +73,20 @@ class Unit:
         start = rank * self.shard_numel
         return start, start + self.shard_numel
 
+    def pieces(self, piece_numel: int) -> list[tuple[int, int]]:
+        """(start, end) of each piece of a shard, in shard-local offsets: `piece_numel` each
+        (the last one shorter), so every piece of every state kind stays aligned."""
+        return piece_ranges(self.shard_numel, piece_numel)
+
     def segments(self, rank: int) -> list[tuple[int, int, bool]]:
         """(start, end, decays) runs of this rank's shard, in shard-local offsets."""
         lo, hi = self.shard_range(rank)
         runs = [(lo, min(hi, self.decay_numel), True), (max(lo, self.decay_numel), hi, False)]
         return [(a - lo, b - lo, d) for a, b, d in runs if b > a]
+
+
+def piece_ranges(shard_numel: int, piece_numel: int) -> list[tuple[int, int]]:
+    return [(a, min(a + piece_numel, shard_numel)) for a in range(0, shard_numel, piece_numel)]
 
 
 def find_blocks(model: nn.Module, units: str | None = None) -> tuple[str, nn.ModuleList]:

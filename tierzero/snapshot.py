@@ -37,7 +37,7 @@ from tierzero.storage import chunkfile
 from tierzero.storage.arrays import read_array, write_array
 from tierzero.storage.base import dtype_name
 from tierzero.storage.io import write_durable
-from tierzero.tiers import shard_key
+from tierzero.tiers import aligned_empty
 
 if TYPE_CHECKING:
     from tierzero.engine import Engine
@@ -77,15 +77,16 @@ def save(engine: Engine, run_dir: str | Path, data: dict[str, Any] | None = None
         arrays, copied = {}, 0
         for unit in engine.units:
             for kind in SAVED_KINDS:
-                key = shard_key(kind, unit.index, engine.comm.rank)
-                dst = str(temp / "state" / Path(*key.split("/")))
-                if engine.placement.home(kind) is Tier.NVME:
-                    arrays[key], nbytes = tiers.run(nvme.snapshot(key, dst, sync=False))
-                    copied += nbytes
-                else:
-                    shard = engine.read_shard(kind, unit)
-                    arrays[key] = write_array(dst, shard, engine.config.chunk_bytes)
-                    copied += shard.numel() * shard.element_size()
+                for key, a, b in engine.keys(kind, unit):
+                    dst = str(temp / "state" / Path(*key.split("/")))
+                    if engine.placement.home(kind) is Tier.NVME:
+                        arrays[key], nbytes = tiers.run(nvme.snapshot(key, dst, sync=False))
+                        copied += nbytes
+                    else:
+                        part = aligned_empty(b - a, engine.dtype if kind is StateKind.PARAM else torch.float32)
+                        engine.read_key(kind, key, part)
+                        arrays[key] = write_array(dst, part, engine.config.chunk_bytes)
+                        copied += part.numel() * part.element_size()
         chunkfile.sync_filesystem(str(temp))  # the links and directories, before the manifest
         manifest = Manifest(step=engine.step_count, time=time.time(), world_size=engine.comm.world_size,
                             compute_dtype=dtype_name(engine.dtype), config_hash=numeric_config_hash(engine),
@@ -108,26 +109,27 @@ def restore(engine: Engine, path: Path, manifest: Manifest) -> None:
     """Fill the engine's tiers from a verified checkpoint and set its counters and RNG."""
     manifest.check_compatible(engine.units, engine.comm.world_size, dtype_name(engine.dtype), str(path))
     tiers = engine.tiers
-    missing = [shard_key(k, u.index, engine.comm.rank) for u in engine.units for k in SAVED_KINDS
-               if shard_key(k, u.index, engine.comm.rank) not in manifest.arrays]
+    wanted = [(unit, kind, key) for unit in engine.units for kind in SAVED_KINDS
+              for key, _, _ in engine.keys(kind, unit)]
+    missing = [key for _, _, key in wanted if key not in manifest.arrays]
     if missing:
         raise CheckpointError(f"{path / MANIFEST_NAME} lists no array {missing[0]!r}: the checkpoint is "
-                              "incomplete; use another one")
+                              "incomplete, or was written with another piece size; use another one")
     copied = 0
     for unit in engine.units:
         detach_params(unit, engine.dtype)  # the engine owns the weights (as `_materialise` does)
-        for kind in SAVED_KINDS:
-            key = shard_key(kind, unit.index, engine.comm.rank)
-            src, meta = manifest.array_dir(path, key), manifest.arrays[key]
-            if engine.placement.home(kind) is Tier.NVME:
-                copied += tiers.run(tiers.stores[Tier.NVME].adopt(key, str(src), meta))
-            else:
-                engine.put_shard(kind, unit, read_array(str(src), meta))
-            if kind is StateKind.PARAM and tiers.host_pool is not None:
-                tiers.host_pool.cache_drop(key)  # a cached param of the abandoned run is stale
-        if engine.placement.home(StateKind.GRAD) is not Tier.NVME:
-            engine.put_shard(StateKind.GRAD, unit, torch.zeros(unit.shard_numel, dtype=torch.float32))
+    for unit, kind, key in wanted:
+        src, meta = manifest.array_dir(path, key), manifest.arrays[key]
+        if engine.placement.home(kind) is Tier.NVME:
+            copied += tiers.run(tiers.stores[Tier.NVME].adopt(key, str(src), meta))
+        else:
+            engine.put_key(kind, key, read_array(str(src), meta))
+        if kind is StateKind.PARAM and tiers.host_pool is not None:
+            tiers.host_pool.cache_drop(key)  # a cached param of the abandoned run is stale
         tiers.pending.drain()
+    if engine.placement.home(StateKind.GRAD) is not Tier.NVME:
+        for unit in engine.units:
+            engine.put_shard(StateKind.GRAD, unit, torch.zeros(unit.shard_numel, dtype=torch.float32))
     if Tier.NVME in tiers.stores:
         tiers.run(tiers.stores[Tier.NVME].flush())
     if copied:

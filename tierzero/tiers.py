@@ -18,6 +18,7 @@ import torch
 
 from tierzero.config import Config, StateKind, Tier
 from tierzero.errors import ConfigError
+from tierzero.partition import Unit
 from tierzero.storage.base import BudgetExceededError, TierStore
 from tierzero.storage.device import DevicePool, DeviceStore
 from tierzero.storage.host import HostPool, HostStore
@@ -26,6 +27,27 @@ from tierzero.storage.io import IOLoop
 
 def shard_key(kind: StateKind, unit: int, rank: int) -> str:
     return f"{kind.value}/u{unit:04d}/r{rank}"
+
+
+def piece_key(kind: StateKind, unit: int, rank: int, piece: int) -> str:
+    """Grads, master weights and Adam states are stored per piece of the shard."""
+    return f"{shard_key(kind, unit, rank)}/p{piece:04d}"
+
+
+def state_keys(kind: StateKind, unit: Unit, rank: int, piece_numel: int) -> list[tuple[str, int, int]]:
+    """This rank's keys of `kind` for `unit`, each with the shard range it holds: the param
+    shard is one key (it is gathered whole); every other kind is one key per piece."""
+    if kind is StateKind.PARAM:
+        return [(shard_key(kind, unit.index, rank), 0, unit.shard_numel)]
+    return [(piece_key(kind, unit.index, rank, i), a, b) for i, (a, b) in enumerate(unit.pieces(piece_numel))]
+
+
+def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor whose data starts on a 4 KiB boundary, so the NVMe store can use direct I/O."""
+    pad = 4096 // dtype.itemsize
+    raw = torch.empty(numel + pad, dtype=dtype)
+    skip = (-raw.data_ptr() % 4096) // dtype.itemsize
+    return raw[skip:skip + numel]
 
 
 def available_host_bytes() -> int:
