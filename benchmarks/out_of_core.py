@@ -35,7 +35,9 @@ removed at the end, also after an error or Ctrl-C. If the engine refuses the bud
     python benchmarks/out_of_core.py --dry-run-params 50000000    # same code, ~50M params, ~1 min
     python benchmarks/out_of_core.py --steps 5 --path /mnt/ssd0 --json
 
-Never run in CI.
+Never run in CI. (Past 500 lines: one self-contained script, like the other benchmarks; the
+probes -- `RssWatch`, `PendingWaits` -- and the report would move to a module if a second
+benchmark needs them.)
 """
 
 from __future__ import annotations
