@@ -94,7 +94,7 @@ class Engine:
             self._place_buffers()
             fill()
             self.scheduler = Scheduler(self.units, self.tiers, self.placement.param, self.dtype,
-                                       self.comm.rank, self.stats_)
+                                       self.comm.rank, self.config.piece_numel, self.stats_)
             self.grads = GradShards(self.units, self.tiers, self.placement.grad, self.comm, self.stats_,
                                     grad_uses(self.units), self.config.piece_numel,
                                     norms=self.config.clip_grad_norm is not None,
@@ -307,7 +307,7 @@ class Engine:
 
     def keys(self, kind: StateKind, unit: Unit) -> list[tuple[str, int, int]]:
         """This rank's store keys of `kind` for `unit`, with the shard range each holds."""
-        return state_keys(kind, unit, self.comm.rank, self.config.piece_numel)
+        return state_keys(kind, unit, self.comm.rank, self.config.piece_numel, self.placement.home(kind))
 
     def read_shard(self, kind: StateKind, unit: Unit) -> torch.Tensor:
         """A CPU copy of this rank's shard of `kind` for `unit` (for inspection and export)."""

@@ -69,7 +69,7 @@ class GradShards:
             if grad is None:
                 return
         first, final = self.micro == 0, self.last
-        keys = state_keys(StateKind.GRAD, u, self.comm.rank, self.piece_numel)
+        keys = state_keys(StateKind.GRAD, u, self.comm.rank, self.piece_numel, self.home)
         if not first:  # earlier micro-batches' sum, piece by piece (prev + new: addition commutes)
             for key, a, b in keys:
                 self._add_previous(key, grad[a:b])

@@ -7,8 +7,7 @@ Per piece, a state whose home is a memory tier on the stepping device is used in
 copy); any other is read into a leased buffer, `prefetch_depth` pieces ahead. After torch's
 AdamW updates the piece (elementwise, so stepping pieces is bitwise stepping the whole shard),
 off-device states are written back and the new compute-dtype values go into the unit's param
-shard: in place where params live in memory, else into one staged host buffer per unit being
-stepped, written to its home after the unit's last piece. Writes complete in the background;
+shard: in place where params live in memory, else as the param piece of the same range. Writes complete in the background;
 their buffers return to the pool as they finish. The step runs on the compute device only when
 master and both moments live there.
 """
@@ -38,7 +37,6 @@ class Work:
     piece: int
     start: int  # the piece's range in the shard
     end: int
-    last: bool  # the unit's last piece: its param shard is complete after this one
     tensors: dict[StateKind, torch.Tensor] = field(default_factory=dict)
     leased: dict[StateKind, torch.Tensor] = field(default_factory=dict)  # kind -> leased buffer
     futures: list = field(default_factory=list)
@@ -61,12 +59,10 @@ class ShardOptimizer:
         on_gpu = all(placement.home(k) is Tier.GPU for k in OPT_KINDS[1:])
         self.device = tiers.device if on_gpu else torch.device("cpu")
         self._prefetched: dict[tuple[int, int], Work] = {}
-        self._param_stage: dict[int, torch.Tensor] = {}  # unit -> its new param shard, being filled
 
     def works(self, unit: Unit) -> list[Work]:
         """The unit's pieces, in order (nothing loaded yet)."""
-        ranges = unit.pieces(self.config.piece_numel)
-        return [Work(unit, i, a, b, i == len(ranges) - 1) for i, (a, b) in enumerate(ranges)]
+        return [Work(unit, i, a, b) for i, (a, b) in enumerate(unit.pieces(self.config.piece_numel))]
 
     def step(self, step_count: int, lr: float, grad_coef: torch.Tensor | None) -> None:
         """One AdamW update of every unit's shard, piece by piece; returns when every write has
@@ -100,8 +96,6 @@ class ShardOptimizer:
         for work in self._prefetched.values():
             self._discard(work)
         self._prefetched.clear()
-        for unit in list(self._param_stage):
-            self.tiers.host_pool.give_back(self._param_stage.pop(unit).view(torch.uint8))
 
     def _discard(self, work: Work) -> None:
         """Give back a piece's buffers without writing anything (its reads or step failed)."""
@@ -206,17 +200,15 @@ class ShardOptimizer:
         if store.capabilities.zero_copy:
             store.view(key)[work.start:work.end].copy_(master)  # cast to the compute dtype in the copy
             return
-        staged = self._param_stage.get(unit.index)
-        if staged is None:
-            nbytes = unit.shard_numel * self.compute_dtype.itemsize
-            staged = self._param_stage[unit.index] = self.tiers.lease_host(nbytes).view(self.compute_dtype)
-        staged[work.start:work.end].copy_(master)
-        if not work.last:
-            return
-        del self._param_stage[unit.index]
-        # the new param shard replaces the cached old one at once, so no pass can read it stale
-        self.tiers.host_pool.cache_put(key, staged.view(torch.uint8))
-        future = self.tiers.submit(store.write(key, staged))
+        # params on nvme are written per piece (no buffer the size of a unit); a cached copy of
+        # the shard is updated in place, so the next pass reads RAM, never stale values
+        cached = self.tiers.host_pool.cache_get(key)
+        if cached is not None:
+            cached.view(self.compute_dtype)[work.start:work.end].copy_(master)
+            self.tiers.host_pool.give_back(cached)
+        staged = self.tiers.lease_host(work.numel * self.compute_dtype.itemsize).view(self.compute_dtype)
+        staged.copy_(master)
+        future = self.tiers.submit(store.write(piece_key(StateKind.PARAM, unit.index, self.rank, work.piece), staged))
         self.tiers.pending.add(future, lambda ok: self._release_param(key, staged, ok))
         self.stats.add_bytes("host->nvme", staged.numel() * staged.element_size())
 
@@ -228,9 +220,8 @@ class ShardOptimizer:
     def _room_for(self, work: Work) -> bool:
         """Whether loading a piece ahead of time leaves the pool room for the piece being stepped."""
         pool = self.tiers.host_pool if self.device.type == "cpu" else self.tiers.device_pool
-        states = self.leased_kinds() * work.numel * 4
-        staging = work.unit.shard_numel * self.compute_dtype.itemsize if work.piece == 0 else 0
-        return 2 * states + staging <= pool.budget_bytes - pool.leased_bytes
+        states = self.leased_kinds() * work.numel * 4 + work.numel * self.compute_dtype.itemsize
+        return 2 * states <= pool.budget_bytes - pool.leased_bytes
 
     def leased_kinds(self) -> int:
         """How many of grad/master/moments need a working buffer (not memory on the stepping device)."""

@@ -11,16 +11,17 @@ It does not decide what to move; the plan does.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from dataclasses import dataclass
 
 import torch
 
 from tierzero.config import StateKind, Tier
-from tierzero.storage.base import BudgetExceededError
+from tierzero.storage.base import BudgetExceededError, TierStore
 from tierzero.partition import Unit
 from tierzero.stats import StepStats
-from tierzero.tiers import Tiers, shard_key
+from tierzero.tiers import Tiers, shard_key, state_keys
 
 
 class Op(str, enum.Enum):
@@ -117,12 +118,13 @@ class Scheduler:
     """Executes a swap plan over the tiers, counting bytes moved and time spent waiting."""
 
     def __init__(self, units: list[Unit], tiers: Tiers, param_home: Tier, dtype: torch.dtype,
-                 rank: int, stats: StepStats) -> None:
+                 rank: int, piece_numel: int, stats: StepStats) -> None:
         self.units = units
         self.tiers = tiers
         self.param_home = param_home
         self.dtype = dtype
         self.rank = rank
+        self.piece_numel = piece_numel  # params on nvme are stored per piece (the optimizer writes them so)
         self.stats = stats
         self.records = {u.index: ParamShard(u.index, param_home) for u in units}
         self.copy_stream = torch.cuda.Stream(tiers.device) if tiers.device.type == "cuda" else None
@@ -243,7 +245,8 @@ class Scheduler:
         record.staging = self.tiers.lease_host(nbytes).view(self.dtype)
         # cached from now on: the pool evicts it (least recently used first) when space is short
         self.tiers.host_pool.cache_put(key, record.staging.view(torch.uint8))
-        record.future = self.tiers.submit(self.tiers.stores[Tier.NVME].read_into(key, record.staging))
+        keys = state_keys(StateKind.PARAM, unit, self.rank, self.piece_numel, Tier.NVME)
+        record.future = self.tiers.submit(_read_pieces(self.tiers.stores[Tier.NVME], keys, record.staging))
         self.stats.add_bytes("nvme->host", nbytes)
 
     def _copy_to_device(self, record: ParamShard, src: torch.Tensor) -> None:
@@ -292,3 +295,13 @@ class Scheduler:
             return self.tiers.stores[Tier.GPU].view(shard_key(StateKind.PARAM, unit, self.rank))
         assert record.device_buf is not None
         return record.device_buf
+
+
+async def _read_pieces(store: TierStore, keys: list[tuple[str, int, int]], out: torch.Tensor) -> None:
+    """Read a unit's param pieces into their slices of one buffer, all in flight at once; every
+    read has finished (or failed) when this returns, so the buffer is never written late."""
+    results = await asyncio.gather(*(store.read_into(key, out[a:b]) for key, a, b in keys),
+                                   return_exceptions=True)
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is not None:
+        raise failed

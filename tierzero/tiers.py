@@ -34,10 +34,10 @@ def piece_key(kind: StateKind, unit: int, rank: int, piece: int) -> str:
     return f"{shard_key(kind, unit, rank)}/p{piece:04d}"
 
 
-def state_keys(kind: StateKind, unit: Unit, rank: int, piece_numel: int) -> list[tuple[str, int, int]]:
-    """This rank's keys of `kind` for `unit`, each with the shard range it holds: the param
-    shard is one key (it is gathered whole); every other kind is one key per piece."""
-    if kind is StateKind.PARAM:
+def state_keys(kind: StateKind, unit: Unit, rank: int, piece_numel: int, home: Tier) -> list[tuple[str, int, int]]:
+    """This rank's keys of `kind` for `unit`, each with the shard range it holds: one key per
+    piece, except params in a memory tier: one key, viewed whole and in place by compute."""
+    if kind is StateKind.PARAM and home is not Tier.NVME:
         return [(shard_key(kind, unit.index, rank), 0, unit.shard_numel)]
     return [(piece_key(kind, unit.index, rank, i), a, b) for i, (a, b) in enumerate(unit.pieces(piece_numel))]
 
