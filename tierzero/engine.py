@@ -57,13 +57,14 @@ class Engine:
         self.overlap = self._resolve_overlap()
         self.placement = self._resolve_placement()
         homes = {self.placement.home(k) for k in StateKind}
-        self.tiers = Tiers(config, self.device, homes, self.comm.rank if self.comm.world_size > 1 else None)
+        self.stats_ = StepStats()
+        self.tiers = Tiers(config, self.device, homes, self.comm.rank if self.comm.world_size > 1 else None,
+                           self.stats_)
         self.tiers.check_paths()
         self._check_budgets()
         if weights is not None:
             weight_files(weights)  # refuse a wrong path now, before anything is written
         self.weights = weights
-        self.stats_ = StepStats()
         self.step_count = 0
         self.micro = 0
         self.last_grad_norm: float | None = None

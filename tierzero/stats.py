@@ -12,17 +12,22 @@ class StepStats:
     def __init__(self) -> None:
         self.bytes: dict[str, int] = defaultdict(int)
         self.wait_s = 0.0
+        self._depth = 0  # nested waits count once
 
     def add_bytes(self, direction: str, nbytes: int) -> None:
         self.bytes[direction] += nbytes
 
     @contextmanager
     def waiting(self) -> Iterator[None]:
+        """Time the training thread spends blocked on transfers (the outermost wait only)."""
         t0 = time.perf_counter()
+        self._depth += 1
         try:
             yield
         finally:
-            self.wait_s += time.perf_counter() - t0
+            self._depth -= 1
+            if self._depth == 0:
+                self.wait_s += time.perf_counter() - t0
 
     def take(self) -> dict[str, float]:
         """The counters since the last call, as flat metrics (`bytes_nvme->host`, `io_wait_s`)."""

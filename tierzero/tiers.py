@@ -18,6 +18,7 @@ import torch
 
 from tierzero.config import Config, StateKind, Tier
 from tierzero.errors import ConfigError
+from tierzero.stats import StepStats
 from tierzero.partition import Unit
 from tierzero.storage.base import BudgetExceededError, TierStore
 from tierzero.storage.device import DevicePool, DeviceStore
@@ -78,8 +79,9 @@ class Pending:
     `ok=False` when it failed, so a failed read is never written back as if it had landed.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stats: StepStats | None = None) -> None:
         self._queue: deque[tuple[concurrent.futures.Future, Callable[[bool], None]]] = deque()
+        self.stats = stats or StepStats()  # time blocked here is time waiting on I/O
 
     def add(self, future: concurrent.futures.Future, on_done: Callable[[bool], None]) -> None:
         self._queue.append((future, on_done))
@@ -94,7 +96,8 @@ class Pending:
             return False
         future, on_done = self._queue[0]
         try:
-            future.result()  # re-raises the transfer's error here, on the training thread
+            with self.stats.waiting():
+                future.result()  # re-raises the transfer's error here, on the training thread
         except BaseException:
             if not future.done():  # interrupted while waiting: the transfer still owns its buffers
                 raise
@@ -114,8 +117,10 @@ class Pending:
 
 
 class Tiers:
-    def __init__(self, config: Config, device: torch.device, homes: set[Tier], rank: int | None = None) -> None:
+    def __init__(self, config: Config, device: torch.device, homes: set[Tier], rank: int | None = None,
+                 stats: StepStats | None = None) -> None:
         self.config = config
+        self.stats = stats or StepStats()
         # ranks on one machine share the drives but never a store directory (each takes a lock)
         self.nvme_paths = [str(Path(p) / f"rank{rank}") if rank is not None else p for p in config.nvme_path]
         self.device = device
@@ -127,7 +132,7 @@ class Tiers:
         self.host_pool: HostPool | None = None
         self.device_pool: DevicePool | None = None
         self.stores: dict[Tier, TierStore] = {}
-        self.pending = Pending()
+        self.pending = Pending(self.stats)
         self._opened: list[Any] = []
 
     def check_paths(self) -> None:
@@ -180,7 +185,7 @@ class Tiers:
                 self._opened.pop().close()
             self.io = None
             self.stores.clear()
-            self.pending = Pending()
+            self.pending = Pending(self.stats)
 
     def submit(self, coro: Coroutine) -> concurrent.futures.Future:
         assert self.io is not None
