@@ -14,9 +14,8 @@ steps through `tierzero.Engine` with a host budget of `--host-fraction` x RAM. I
   per tier and direction, whatever the engine reports; the pools' peaks, reset before every
   step so they are per step), NVMe bytes per parameter, this process's read_bytes /
   write_bytes from /proc/self/io (what reached a block device) beside the engine's counts, and
-  two I/O wait shares: the engine's `io_wait_s`, and the time the training thread spent in
-  `Pending.wait_oldest` (the step's final drain and lease back-pressure), which `io_wait_s`
-  leaves out;
+  the I/O wait share: the engine's `io_wait_s` (every wait of the training thread on a
+  transfer, the step's drains and pool back-pressure included);
 - the drive's store read and write bandwidth, measured in the same run right before training
   by `tierzero.storage.bench.DiskBench` (its first, always-run group: layout, one round of raw
   direct I/O and of the store, cold reads of a slot written earlier, random data) on the same
@@ -36,7 +35,7 @@ removed at the end, also after an error or Ctrl-C. If the engine refuses the bud
     python benchmarks/out_of_core.py --steps 5 --path /mnt/ssd0 --json
 
 Never run in CI. (Past 500 lines: one self-contained script, like the other benchmarks; the
-probes -- `RssWatch`, `PendingWaits` -- and the report would move to a module if a second
+probe -- `RssWatch` -- and the report would move to a module if a second
 benchmark needs them.)
 """
 
@@ -263,31 +262,6 @@ def nvme_bytes(stats: dict[str, Any]) -> tuple[int, int]:
     return int(read), int(written)
 
 
-class PendingWaits:
-    """Seconds the training thread spends in `Pending.wait_oldest` (the engine's queue of
-    transfers in flight): `drain()` at the optimizer step and lease back-pressure, which
-    `io_wait_s` does not count. Wrapped on the instance for the block, then restored."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.pending, self.seconds = engine.tiers.pending, 0.0
-
-    def _timed(self, fn: Any) -> Any:
-        def wrapper(*args: Any, **kw: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kw)
-            finally:
-                self.seconds += time.perf_counter() - t0
-        return wrapper
-
-    def __enter__(self) -> PendingWaits:
-        self.pending.wait_oldest = self._timed(self.pending.wait_oldest)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        del self.pending.wait_oldest
-
-
 def train(engine: Engine, data: TokenBatches, steps: int, watch: RssWatch,
           disk: dict[str, Any], params: int, log: Console) -> list[dict[str, Any]]:
     """`steps` training steps; per step the engine's counters, OS counters and the I/O bounds."""
@@ -298,7 +272,7 @@ def train(engine: Engine, data: TokenBatches, steps: int, watch: RssWatch,
         for pool in pools:
             pool.reset_peak()  # the engine's peak_* are since open(); make them per step
         io0 = proc_io()
-        with watch.phase(f"step {step}"), PendingWaits(engine) as waits:
+        with watch.phase(f"step {step}"):
             t0 = time.perf_counter()
             loss = engine.train_step(batch)
             seconds = time.perf_counter() - t0
@@ -312,7 +286,6 @@ def train(engine: Engine, data: TokenBatches, steps: int, watch: RssWatch,
                "os_read_bytes": io1["read_bytes"] - io0["read_bytes"],
                "os_write_bytes": io1["write_bytes"] - io0["write_bytes"],
                "io_wait_share": stats.get("io_wait_s", float("nan")) / seconds,
-               "pending_wait_share": waits.seconds / seconds,
                "bound_serial_s": read_s + write_s, "bound_overlapped_s": max(read_s, write_s),
                "peak_rss_bytes": watch.hwm[f"step {step}"],
                "peak_rss_sampled_bytes": watch.sampled[f"step {step}"]}
@@ -320,8 +293,7 @@ def train(engine: Engine, data: TokenBatches, steps: int, watch: RssWatch,
         row["ratio_overlapped"] = seconds / row["bound_overlapped_s"] if read + written else None
         rows.append(row)
         log.print(f"step {step}: loss {loss:.4f}, {seconds:.1f} s, nvme read {read / GB:.2f} GB, "
-                  f"written {written / GB:.2f} GB, I/O wait {row['io_wait_share']:.0%} "
-                  f"(+{row['pending_wait_share']:.0%} on Pending), "
+                  f"written {written / GB:.2f} GB, I/O wait {row['io_wait_share']:.0%}, "
                   f"peak RSS {row['peak_rss_bytes'] / GB:.2f} GB", highlight=False)
     return rows
 
@@ -368,8 +340,7 @@ def print_report(out: Console, r: dict[str, Any]) -> None:
         ("step time (median)", f"{s['step_s']:.1f} s"),
         ("NVMe bytes / param / step", f"{s['nvme_bytes_per_param']:.1f} (read {s['read_per_param']:.1f}, "
                                       f"written {s['write_per_param']:.1f})"),
-        ("I/O wait share", f"{s['io_wait_share']:.0%} (engine's io_wait_s); {s['pending_wait_share']:.0%} "
-                           "more waiting on Pending (step drain, lease back-pressure)"),
+        ("I/O wait share", f"{s['io_wait_share']:.0%} (engine's io_wait_s)"),
         ("I/O bound serial / overlapped", f"{s['bound_serial_s']:.1f} s / {s['bound_overlapped_s']:.1f} s"),
         ("step / bound", f"{ratio(s['ratio_serial'])} serial, {ratio(s['ratio_overlapped'])} overlapped"),
         ("loss", " -> ".join(f"{x['loss']:.3f}" for x in r["steps"])),
@@ -393,7 +364,6 @@ def print_report(out: Console, r: dict[str, Any]) -> None:
         ("OS write_bytes (/proc/self/io)", lambda x: gb(x["os_write_bytes"])),
         ("NVMe bytes / param", lambda x: f"{x['nvme_bytes_per_param']:.1f}"),
         ("I/O wait (io_wait_s / step)", lambda x: f"{x['io_wait_share']:.0%}"),
-        ("waiting on Pending (drain, back-pressure) / step", lambda x: f"{x['pending_wait_share']:.0%}"),
         ("peak RSS: VmHWM / sampled", lambda x: f"{gb(x['peak_rss_bytes'])} / {gb(x['peak_rss_sampled_bytes'])}"),
         ("I/O bound serial", lambda x: f"{x['bound_serial_s']:.2f} s"),
         ("step / serial bound", lambda x: ratio(x["ratio_serial"])),
@@ -423,7 +393,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--prefetch-depth", type=int, default=2)
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW, constant learning rate")
+    p.add_argument("--lr", type=float, default=1e-4,
+                   help="AdamW, constant learning rate (1e-3 makes a 2B model's loss climb in its first steps)")
     p.add_argument("--disk-bench-size", default=None,
                    help="bytes of the disk measurement (default: state / 16, within 256 MiB..4 GiB)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -509,7 +480,7 @@ def main() -> None:
     def median(key: str) -> float:
         return statistics.median(x[key] for x in steps)
 
-    summary = {k: median(k) for k in ("nvme_bytes_per_param", "io_wait_share", "pending_wait_share",
+    summary = {k: median(k) for k in ("nvme_bytes_per_param", "io_wait_share",
                                       "bound_serial_s", "bound_overlapped_s")}
     summary["step_s"] = median("seconds")
     summary["read_per_param"] = median("nvme_read_bytes") / params
