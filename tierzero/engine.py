@@ -194,7 +194,12 @@ class Engine:
         if self.micro % self.config.accumulate != 0:
             return False
         try:
-            return self._step()
+            stepped = self._step()
+            if stepped and Tier.NVME in self.tiers.stores:
+                # one syncfs per step: the step's writes are durable, and the blocks they
+                # superseded become spares that the next step's writes overwrite in place
+                self.tiers.run(self.tiers.stores[Tier.NVME].flush())
+            return stepped
         except BaseException as e:
             self._broken = f"the optimizer step failed: {e!r}"  # some shards are updated, some not
             raise
