@@ -17,7 +17,7 @@ from tierzero.rundir import RunDir
 
 def train(
     config: Optional[Path] = typer.Option(None, "--config", help="TOML file of run and engine keys; flags override it."),
-    model: Optional[str] = typer.Option(None, "--model", help="Model preset: tiny, 125m, 350m, 1b, 3b, 7b, 13b, 70b."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model preset: tiny, 125m, 350m, 1b, 3b, 7b, 13b, 70b, llama3-8b, llama3-70b."),
     data: Optional[str] = typer.Option(None, "--data", help="Text file (byte tokens) or .bin/.npy token ids; default: the stdlib's own sources."),
     weights: Optional[str] = typer.Option(None, "--weights", help="Start from local .safetensors weights (a file or a directory of them)."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps."),

@@ -16,6 +16,7 @@ from tierzero.errors import ConfigError
 from tierzero.ledger import (GB, Stage, activation_memory, block_numel, ledger, nearest_preset, nominal_numel,
                              parse_count, scaled_units, units_from_args)
 from tierzero.models import build
+from tierzero.partition import partition
 from tierzero.models.presets import PRESETS, ModelArgs
 from tierzero.plan import Link, PlacementChoice, PlacementEstimate, Workload, candidate_placements, choose_placement, estimate, load_profile
 
@@ -70,12 +71,17 @@ def test_nominal_and_parsed_counts() -> None:
 
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_units_add_up_to_the_exact_parameter_count(name: str) -> None:
+    """Embedding, blocks, head: as the engine partitions the built model."""
     args = PRESETS[name]
     units = units_from_args(args)
-    assert len(units) == args.n_layers + 1
+    assert len(units) == args.n_layers + 2
     assert sum(n for _, n in units) == args.param_count()
     built = build(args, device="meta")
-    assert units[0][1] == sum(p.numel() for p in built.blocks[0].parameters())
+    assert units[0] == ("embedding", built.tok_emb.weight.numel())
+    assert units[1][1] == sum(p.numel() for p in built.blocks[0].parameters())
+    head = built.norm.weight.numel() + (0 if args.tie_embeddings else built.head.weight.numel())
+    assert units[-1] == ("head", head)
+    assert [name for name, _ in units] == [u.name for u in partition(built)]
 
 
 def test_block_params_by_hand() -> None:
@@ -89,19 +95,25 @@ def test_params_only_are_shaped_like_the_nearest_preset() -> None:
     assert nearest_preset(65 * 10**9) == "70b"
     units = scaled_units(7 * 10**9, PRESETS["7b"])
     assert sum(n for _, n in units) == 7 * 10**9
-    assert len(units) == 33
+    assert len(units) == 34
 
 
 # --- activation memory ------------------------------------------------------------------------
 
 def test_activation_memory_by_hand() -> None:
     args = ModelArgs(dim=8, n_layers=3, n_heads=2, n_kv_heads=1, vocab_size=10, ffn_dim=16, max_seq_len=8)
-    a = activation_memory(args, batch_size=2, seq_len=5, compute_itemsize=2)
+    a = activation_memory(args, batch_size=2, seq_len=5, compute_itemsize=2, loss_chunk_bytes=4 * 10 * 3)
     n = 10  # tokens
+    assert a.chunk_tokens == 3  # 120 bytes of fp32 logits per chunk, 10 per token
     assert a.checkpoints_bytes == (3 + 1) * n * 8 * 2
+    assert a.block_forward_bytes == n * (3 * 16 + 2 * 8) * 2
     assert a.recompute_bytes == n * (7 * 8 * 2 + 4 * 8 * 4 + 4 * 16 * 2) + n * 2 * 4
-    assert a.logits_bytes == 2 * n * 10 * 4
-    assert a.total_bytes == a.checkpoints_bytes + max(a.recompute_bytes, a.logits_bytes)
+    assert a.block_backward_bytes == a.recompute_bytes + n * (3 * 8 + 16) * 2
+    assert a.head_backward_bytes == n * 8 * (2 * 4 + 2) + 12 * 3 * 10
+    assert a.logits_bytes == 8 * 3 * 10
+    assert a.total_bytes == a.checkpoints_bytes + max(a.block_forward_bytes, a.logits_bytes,
+                                                      a.block_backward_bytes, a.head_backward_bytes)
+    assert activation_memory(args, 2, 5, 2).chunk_tokens == n  # no chunk size: the loss in one chunk
     with pytest.raises(ConfigError, match="max_seq_len"):
         activation_memory(args, batch_size=1, seq_len=9, compute_itemsize=2)
 
@@ -137,15 +149,17 @@ def test_candidates_include_the_offload_presets() -> None:
 
 
 def test_all_nvme_by_hand() -> None:
-    """Two units of 100 and 300 params, one rank, bf16, prefetch 1: every byte counted."""
+    """Two blocks of 100 and 300 params (each padded to 2048, one piece), one rank, bf16,
+    prefetch 1, no overlap: every byte counted (the parts are `tierzero.memory`'s)."""
     work = Workload((("a", 100), ("b", 300)), compute_itemsize=2, grad_itemsize=2, prefetch_depth=1,
-                    activation_bytes=7)
+                    overlap=False)
     e = estimate(Placement(*[Tier.NVME] * 5), work)
-    assert e.resident_bytes[Tier.NVME] == 400 * 16
-    # activations + 2 param slots of the largest unit + its flat gradient
-    assert e.resident_bytes[Tier.GPU] == 7 + 2 * 300 * 2 + 300 * 2
-    # optimizer pipeline (3 slots x 16 bytes) beats forward/backward staging (1 param + 2 grad slots)
-    assert e.resident_bytes[Tier.HOST] == 3 * 300 * 16
+    shard = 2048
+    assert e.resident_bytes[Tier.NVME] == 2 * shard * (2 + 4 * 4)  # bf16 params, fp32 grads and optimizer
+    # both param shards in flight (prefetch 1), then b's grads: 300 bf16 + its flat fp32 grad
+    assert e.resident_bytes[Tier.GPU] == 2 * shard * 2 + (300 * 2 + shard * 4)
+    # the optimizer: 1 piece read ahead + 1 writing, 4 fp32 states each, and one new param piece
+    assert e.resident_bytes[Tier.HOST] == 2 * shard * 4 * 4 + shard * 2
     assert e.moved_bytes == {
         Link.NVME_TO_HOST: 2 * 400 * 2 + 400 * 2 + 400 * 12,  # params twice, grads, optimizer states
         Link.HOST_TO_NVME: 400 * 2 + 400 * 12 + 400 * 2,  # grads, optimizer states, new params
@@ -155,13 +169,15 @@ def test_all_nvme_by_hand() -> None:
 
 
 def test_two_ranks_split_states_and_share_the_machine() -> None:
-    work = Workload((("a", 101),), compute_itemsize=2, grad_itemsize=2, world_size=2, prefetch_depth=0)
+    work = Workload((("a", 101),), compute_itemsize=2, grad_itemsize=2, world_size=2, prefetch_depth=0,
+                    overlap=False)
     e = estimate(Placement.for_offload(Offload.HOST), work)
-    shard = 51  # 101 padded to split in two
-    assert e.resident_bytes[Tier.HOST] == 2 * shard * 14 + 2 * 3 * shard * 2  # both ranks' grads+optimizer, staging
-    assert e.resident_bytes[Tier.GPU] == shard * 2 + 101 * 2 + 101 * 2  # param shard, gathered param, flat grad
-    assert e.moved_bytes[Link.GPU_TO_HOST] == shard * 2
-    assert e.moved_bytes[Link.HOST_TO_GPU] == shard * 2
+    shard = 2048  # 101 padded to two aligned shards
+    assert e.resident_bytes[Tier.HOST] == 2 * shard * 16  # both ranks' fp32 grads and optimizer states
+    # param shard, gathered params, then 101 bf16 grads, the flat fp32 grad and its reduced shard
+    assert e.resident_bytes[Tier.GPU] == shard * 2 + 2 * shard * 2 + (101 * 2 + 2 * shard * 4 + shard * 4)
+    assert e.moved_bytes[Link.GPU_TO_HOST] == 51 * 2
+    assert e.moved_bytes[Link.HOST_TO_GPU] == 51 * 2
 
 
 def choose_7b(**budgets: int | None) -> PlacementChoice:
@@ -305,10 +321,11 @@ def test_plan_tables_and_params(tmp_path: Path) -> None:
     text = run_ok("--model", "7b", "--gpus", "8", *MACHINE)
     assert "112" in text and "26.25" in text and "fits:" in text
     profile = str(write_profile(tmp_path, PROFILE))
-    assert "shaped like 70b" in run_ok("--params", "70B", "--gpus", "2", "--profile", profile, *MACHINE)
-    report = json.loads(run_ok("--params", "70B", "--gpus", "2", "--profile", profile, *MACHINE, "--json"))
-    assert report["model"] == {"preset": None, "shape": "70b", "params": 70 * 10**9, "ledger_params": 70 * 10**9,
-                               "units": 81, "largest_unit_params": report["model"]["largest_unit_params"]}
+    assert "shaped like 70b" in run_ok("--params", "68B", "--gpus", "2", "--profile", profile, *MACHINE)
+    report = json.loads(run_ok("--params", "68B", "--gpus", "2", "--profile", profile, *MACHINE, "--json"))
+    assert report["model"] == {"preset": None, "shape": "70b", "params": 68 * 10**9, "ledger_params": 68 * 10**9,
+                               "units": 82, "largest_unit_params": report["model"]["largest_unit_params"],
+                               "vocab_size": 32000}
     assert all(p["predicted_step_s"] > 0 for p in report["placements"])
 
 
@@ -316,10 +333,12 @@ def test_plan_detects_the_machine_when_sizes_are_not_given(tmp_path: Path) -> No
     report = json.loads(run_ok("--model", "tiny", "--nvme-path", str(tmp_path), "--json"))
     machine = report["machine"]
     assert len(machine["detected"]) == 3
-    assert all(machine[f"{t.value}_budget_bytes"] > 0 for t in Tier)
-    if not torch.cuda.is_available():  # the gpu tier is host memory: the two never share bytes
+    if not torch.cuda.is_available():  # the gpu tier is host memory, inside the host budget
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        assert machine["gpu_budget_bytes"] + machine["host_budget_bytes"] <= ram
+        assert machine["device"] == "cpu" and machine["gpu_budget_bytes"] is None
+        assert machine["host_budget_bytes"] == ram
+    else:
+        assert all(machine[f"{t.value}_budget_bytes"] > 0 for t in Tier)
 
 
 def run_failing(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> str:

@@ -24,7 +24,8 @@ from tierzero.models.presets import PRESETS, ModelArgs
 GB = 10**9  # sizes in tables are decimal GB, as in "a 7B model is 112 GB"
 
 FP32_NBYTES = 4
-ROOT_UNIT = "root"
+EMBEDDING_UNIT = "embedding"
+HEAD_UNIT = "head"
 
 Unit = tuple[str, int]  # (unit name, parameter count)
 
@@ -102,16 +103,22 @@ def block_numel(args: ModelArgs) -> int:
     return 2 * args.dim * args.dim + 2 * args.dim * kv_dim + 3 * args.dim * args.ffn_dim + 2 * args.dim
 
 
-def root_numel(args: ModelArgs) -> int:
-    """Parameters outside the blocks: embedding, final norm and (unless tied) the head."""
-    embedding = args.vocab_size * args.dim
-    return embedding + args.dim + (0 if args.tie_embeddings else embedding)
+def embedding_numel(args: ModelArgs) -> int:
+    """Parameters of the embedding unit: the token embedding (the head's weight too, when tied)."""
+    return args.vocab_size * args.dim
+
+
+def head_numel(args: ModelArgs) -> int:
+    """Parameters of the head unit: the final norm and, unless tied to the embedding, the head."""
+    return args.dim + (0 if args.tie_embeddings else args.vocab_size * args.dim)
 
 
 def units_from_args(args: ModelArgs) -> list[Unit]:
-    """The model's units in execution order: `blocks.0` .. `blocks.{n-1}`, then `root`."""
+    """The model's units in execution order, as the engine partitions the built-in model:
+    `embedding`, `blocks.0` .. `blocks.{n-1}`, `head`."""
     block = block_numel(args)
-    return [(f"blocks.{i}", block) for i in range(args.n_layers)] + [(ROOT_UNIT, root_numel(args))]
+    return ([(EMBEDDING_UNIT, embedding_numel(args))] + [(f"blocks.{i}", block) for i in range(args.n_layers)]
+            + [(HEAD_UNIT, head_numel(args))])
 
 
 def nearest_preset(numel: int) -> str:
@@ -131,48 +138,84 @@ def scaled_units(numel: int, args: ModelArgs) -> list[Unit]:
 
 @dataclass(frozen=True)
 class ActivationEstimate:
-    """Activation bytes of one micro-batch with per-unit checkpointing (see `activation_memory`)."""
+    """Activation bytes of one micro-batch with per-unit checkpointing (see `activation_memory`).
+
+    Every field is one part of the compute device's working set; `tierzero.memory` adds them
+    to the params and gradients in flight at each moment of the step.
+    """
 
     batch_size: int
     seq_len: int
-    checkpoints_bytes: int
-    recompute_bytes: int
-    logits_bytes: int
+    checkpoints_bytes: int  # every unit's input, held from its forward to its backward
+    block_forward_bytes: int  # one block's forward without grad: its temporaries at their peak
+    recompute_bytes: int  # what one block's recompute saves for its backward
+    block_backward_bytes: int  # one block's recompute + backward at their peak (no weight grads)
+    head_backward_bytes: int  # the head's recompute + backward: its norm and one chunk of logits
+    logits_bytes: int  # one loss chunk's logits in forward (no grad): the head's forward peak
+    chunk_tokens: int
+
+    @property
+    def forward_bytes(self) -> int:
+        """Peak of the forward pass: every checkpoint plus the larger of a block's or the loss's
+        temporaries (the last block's forward runs with all but one checkpoint held)."""
+        return self.checkpoints_bytes + max(self.block_forward_bytes, self.logits_bytes)
+
+    @property
+    def backward_bytes(self) -> int:
+        """Peak of the backward pass, weight gradients aside (the memory model adds those)."""
+        return self.checkpoints_bytes + max(self.block_backward_bytes, self.head_backward_bytes)
 
     @property
     def total_bytes(self) -> int:
-        # the block recompute (backward) and the loss (end of forward) never overlap in time
-        return self.checkpoints_bytes + max(self.recompute_bytes, self.logits_bytes)
+        return max(self.forward_bytes, self.backward_bytes)
 
 
-def activation_memory(args: ModelArgs, batch_size: int, seq_len: int, compute_itemsize: int) -> ActivationEstimate:
+LOGITS_FORWARD_BYTES = 8  # per logit, loss without grad: the fp32 logits and their log-softmax
+LOGITS_BACKWARD_BYTES = 12  # per logit in backward: the saved log-softmax, its grad and the logits' grad
+
+
+def activation_memory(args: ModelArgs, batch_size: int, seq_len: int, compute_itemsize: int,
+                      loss_chunk_bytes: int | None = None) -> ActivationEstimate:
     """Peak activation bytes with per-unit checkpointing, for n = batch_size * seq_len tokens.
 
-    With c = compute itemsize, D = dim, K = kv dim, F = ffn_dim, H = heads, V = vocab:
+    With c = compute itemsize, D = dim, K = kv dim, F = ffn_dim, H = heads, V = vocab, and
+    t = tokens per loss chunk (`loss_chunk_bytes` of fp32 logits, as `models.loss` splits the
+    loss; None: one chunk of all n tokens):
 
     - checkpoints: the input of every block and of the head, kept through the step:
       (n_layers + 1) * n * D * c.
+    - block forward (no grad): the SwiGLU's three F-wide temporaries, the normed input and the
+      output: n * (3F + 2D) * c.
     - recompute: one block's forward with grad, re-run in backward. Saved for its backward:
       two norm outputs, q/k/v as SDPA sees them (GQA k/v expanded to D), the attention output
       and its reshaped copy: 7 * n * D * c; the fp32 RMSNorm intermediates: 2 * 2 * n * D * 4;
       gate, up, silu(gate) and their product: 4 * n * F * c; SDPA's fp32 logsumexp: n * H * 4.
       SDPA keeps no S^2 score matrix. (Within 10% of the saved tensors measured on `tiny`.)
-    - logits: the fp32 log-softmax the loss saves for backward, plus its gradient of the same
-      size when backward starts: 2 * n * V * 4.
+    - block backward: the recompute's saved tensors, the output's and the input's grads and
+      one more D-wide and one F-wide temporary: recompute + n * (3D + F) * c.
+    - head backward: the final norm's saved tensors (2 * n * D * 4 + n * D * c) and one chunk's
+      logits in backward (12 * t * V: the saved fp32 log-softmax, its grad, the logits' grad).
+    - logits: one chunk's fp32 logits and log-softmax in forward: 8 * t * V.
 
-    Peak = checkpoints + max(recompute, logits), since the loss ends the forward pass before
-    any block is recomputed.
+    (The per-logit and per-block factors were measured with RSS on the CPU, fp32.)
     """
     if batch_size < 1 or seq_len < 1:
         raise ConfigError(f"batch size {batch_size} and sequence length {seq_len} must both be >= 1")
     if seq_len > args.max_seq_len:
         raise ConfigError(f"sequence length {seq_len} exceeds the model's max_seq_len {args.max_seq_len}; "
                           "plan for a shorter sequence")
-    n, c, d = batch_size * seq_len, compute_itemsize, args.dim
+    n, c, d, f = batch_size * seq_len, compute_itemsize, args.dim, args.ffn_dim
+    chunk = n if loss_chunk_bytes is None else min(n, max(1, loss_chunk_bytes // (FP32_NBYTES * args.vocab_size)))
     checkpoints = (args.n_layers + 1) * n * d * c
-    recompute = n * (7 * d * c + 4 * d * FP32_NBYTES + 4 * args.ffn_dim * c) + n * args.n_heads * FP32_NBYTES
-    logits = 2 * n * args.vocab_size * FP32_NBYTES
-    return ActivationEstimate(batch_size, seq_len, checkpoints, recompute, logits)
+    recompute = n * (7 * d * c + 4 * d * FP32_NBYTES + 4 * f * c) + n * args.n_heads * FP32_NBYTES
+    return ActivationEstimate(
+        batch_size, seq_len, checkpoints,
+        block_forward_bytes=n * (3 * f + 2 * d) * c,
+        recompute_bytes=recompute,
+        block_backward_bytes=recompute + n * (3 * d + f) * c,
+        head_backward_bytes=n * d * (2 * FP32_NBYTES + c) + LOGITS_BACKWARD_BYTES * chunk * args.vocab_size,
+        logits_bytes=LOGITS_FORWARD_BYTES * chunk * args.vocab_size,
+        chunk_tokens=chunk)
 
 
 def check_world_size(world_size: int) -> None:

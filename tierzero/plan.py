@@ -1,7 +1,8 @@
 """The placement planner: which tier is each state kind's home, what that costs, and which fits.
 
-Owns the candidate placements, their resident bytes per tier, the bytes each moves per step,
-the step-time model from a `tierzero bench` profile, and the choice `--offload auto` makes.
+Owns the candidate placements, the bytes each moves per step, the step-time model from a
+`tierzero bench` profile, and the choice `--offload auto` makes. What each placement holds in
+each tier at peak is the one memory model's (`tierzero.memory`), which the engine uses too.
 Plans are data: everything here is arithmetic on unit sizes and budgets. The only I/O is
 `load_profile` reading a JSON file; probing the machine for budgets is the caller's job.
 
@@ -27,11 +28,10 @@ from typing import Any
 
 from tierzero.config import Placement, StateKind, Tier
 from tierzero.errors import ConfigError
-from tierzero.ledger import GB, Unit, check_world_size, state_nbytes
+from tierzero.ledger import GB, ActivationEstimate, Unit, check_world_size, state_nbytes
+from tierzero.memory import PIECE_NUMEL, MemoryModel, peak_memory
 
 OPTIMIZER_KINDS = (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
-GRAD_STAGING_SLOTS = 2  # gradient shards draining gpu -> host -> nvme: one copying, one writing
-OPTIMIZER_STAGING_SLOTS = 3  # the optimizer pipeline: read shard j+1, step j, write j-1
 FLOPS_PER_PARAM_TOKEN = 8  # 2 forward + 4 backward + 2 for the checkpointed forward recomputed
 
 
@@ -57,15 +57,24 @@ def candidate_placements() -> list[Placement]:
 
 @dataclass(frozen=True)
 class Workload:
-    """What a placement is costed for: the model's units and how one rank steps them."""
+    """What a placement is costed for: the model's units and how one rank steps them.
+
+    Memory (`tierzero.memory.peak_memory`) also needs how the units are used (a tied embedding),
+    the optimizer's piece size, whether units are stepped during backward, the compute device's
+    kind and, to count activations, `activations` (None: not counted).
+    """
 
     units: tuple[Unit, ...]
     compute_itemsize: int
     grad_itemsize: int
     world_size: int = 1
     prefetch_depth: int = 2
-    activation_bytes: int = 0
+    activations: ActivationEstimate | None = None
     tokens_per_step: int = 0  # per GPU; only the step-time model uses it
+    tied_embeddings: bool = False
+    piece_numel: int = PIECE_NUMEL
+    overlap: bool = True
+    device: str = "cuda"
 
     def __post_init__(self) -> None:
         if not self.units or any(n < 1 for _, n in self.units):
@@ -127,13 +136,15 @@ def load_profile(path: str | Path) -> Profile:
 
 @dataclass(frozen=True)
 class PlacementEstimate:
-    """One placement's cost for a workload: resident bytes per tier (at peak), bytes moved per
-    step per link, and the predicted step time when a profile was given."""
+    """One placement's cost for a workload: peak bytes per tier (`resident_bytes`: what each
+    tier's budget must hold, from `memory`), bytes moved per step per link, and the predicted
+    step time when a profile was given."""
 
     placement: Placement
     resident_bytes: dict[Tier, int]
     moved_bytes: dict[Link, int]
     predicted_step_s: float | None
+    memory: MemoryModel | None = None
 
     def overflow_bytes(self, budgets: dict[Tier, int | None]) -> dict[Tier, int]:
         """Bytes over budget, for each tier that is over (None = unbounded)."""
@@ -144,7 +155,8 @@ class PlacementEstimate:
         return {"placement": {k.value: self.placement.home(k).value for k in StateKind},
                 "resident_bytes": {t.value: n for t, n in self.resident_bytes.items()},
                 "moved_bytes": {link.value: n for link, n in self.moved_bytes.items()},
-                "predicted_step_s": self.predicted_step_s}
+                "predicted_step_s": self.predicted_step_s,
+                "memory": None if self.memory is None else self.memory.as_dict()}
 
 
 def estimate(placement: Placement, work: Workload, profile: Profile | None = None) -> PlacementEstimate:
@@ -152,43 +164,21 @@ def estimate(placement: Placement, work: Workload, profile: Profile | None = Non
     fwd_bwd, optimizer = _traffic(placement, work)
     moved = {link: fwd_bwd[link] + optimizer[link] for link in Link}
     step_s = None if profile is None else _step_time(placement, work, profile, fwd_bwd, optimizer)
-    return PlacementEstimate(placement, _resident(placement, work), moved, step_s)
+    memory = memory_for(placement, work)
+    return PlacementEstimate(placement, memory.needs(), moved, step_s, memory)
+
+
+def memory_for(placement: Placement, work: Workload) -> MemoryModel:
+    """The one memory model (`tierzero.memory`) of `work` under `placement`."""
+    return peak_memory(work.units, placement, compute_itemsize=work.compute_itemsize, world_size=work.world_size,
+                       device=work.device, tied_embeddings=work.tied_embeddings,
+                       prefetch_depth=work.prefetch_depth, piece_numel=work.piece_numel,
+                       overlap=work.overlap, activations=work.activations)
 
 
 def _optimizer_tier(p: Placement) -> Tier:
     """Adam runs on the GPU only when all its states live there; otherwise on the CPU."""
     return Tier.GPU if all(p.home(k) is Tier.GPU for k in OPTIMIZER_KINDS) else Tier.HOST
-
-
-def _resident(p: Placement, w: Workload) -> dict[Tier, int]:
-    n, big = w.world_size, w.largest_unit_numel
-    big_shard = math.ceil(big / n)
-    resident = {Tier.GPU: w.activation_bytes, Tier.HOST: 0, Tier.NVME: 0}
-    for kind in StateKind:  # homes: gpu per rank, host and nvme for all ranks of the machine
-        home = p.home(kind)
-        resident[home] += w.shard_numel * w.nbytes(kind) * (1 if home is Tier.GPU else n)
-    # gpu working set: params in flight (the unit computing + prefetch_depth ahead), the
-    # gathered full flat param (a view when n == 1), the unit's full flat gradient before it
-    # is reduce-scattered and copied out
-    if p.param is not Tier.GPU:
-        resident[Tier.GPU] += (w.prefetch_depth + 1) * big_shard * w.nbytes(StateKind.PARAM)
-    if n > 1:
-        resident[Tier.GPU] += big * w.nbytes(StateKind.PARAM)
-    if p.grad is not Tier.GPU or n > 1:
-        resident[Tier.GPU] += big * w.nbytes(StateKind.GRAD)
-    # pinned host staging for states not homed on the host, per rank; the forward/backward
-    # buffers and the optimizer pipeline's are never needed at the same time
-    fwd_bwd = 0
-    if p.param is Tier.NVME:
-        fwd_bwd += max(w.prefetch_depth, 1) * big_shard * w.nbytes(StateKind.PARAM)
-    if p.grad is Tier.NVME:
-        fwd_bwd += GRAD_STAGING_SLOTS * big_shard * w.nbytes(StateKind.GRAD)
-    optimizer = 0
-    if _optimizer_tier(p) is Tier.HOST:
-        away = sum(w.nbytes(k) for k in StateKind if p.home(k) is not Tier.HOST)
-        optimizer = OPTIMIZER_STAGING_SLOTS * big_shard * away
-    resident[Tier.HOST] += n * max(fwd_bwd, optimizer)
-    return resident
 
 
 def _hops(src: Tier, dst: Tier) -> list[Link]:
@@ -314,11 +304,15 @@ def choose_placement(
     nvme_free: int | None,
     world_size: int = 1,
     prefetch_depth: int = 2,
-    activation_bytes: int = 0,
+    activations: ActivationEstimate | None = None,
     tokens_per_step: int = 0,
     profile: Profile | None = None,
     grad_itemsize: int | None = None,
     candidates: Sequence[Placement] | None = None,
+    tied_embeddings: bool = False,
+    piece_numel: int = PIECE_NUMEL,
+    overlap: bool = True,
+    device: str = "cuda",
 ) -> PlacementChoice:
     """The placement `--offload auto` uses: it fits every budget with the least predicted step
     time (with a `profile`) or the least traffic (without).
@@ -326,14 +320,16 @@ def choose_placement(
     `units` are (unit name, parameter count) in execution order, as the engine partitioned
     them (`tierzero.ledger.units_from_args` builds them from a shape). Budgets are bytes:
     `gpu_budget` per GPU, `host_budget` and `nvme_free` per machine; None = unbounded.
-    `activation_bytes` is charged to the GPU; `tokens_per_step` (per GPU) only feeds the
-    step-time model; `grad_itemsize` defaults to the compute dtype's (pass 4 for fp32 grads).
-    `candidates` (default: every candidate placement) lets a caller pre-filter, as the engine
-    does with its own working-set accounting.
+    What fits is the memory model's (`tierzero.memory`): `activations` are charged to the
+    compute device; on the CPU device (`device="cpu"`) the host budget holds the gpu tier too.
+    `tokens_per_step` (per GPU) only feeds the step-time model; `grad_itemsize` defaults to the
+    compute dtype's (pass 4 for fp32 grads). `candidates` (default: every candidate placement)
+    lets a caller pre-filter, as the engine does.
     """
     work = Workload(tuple(units), compute_itemsize,
                     compute_itemsize if grad_itemsize is None else grad_itemsize,
-                    world_size, prefetch_depth, activation_bytes, tokens_per_step)
+                    world_size, prefetch_depth, activations, tokens_per_step, tied_embeddings,
+                    piece_numel, overlap, device)
     budgets = {Tier.GPU: gpu_budget, Tier.HOST: host_budget, Tier.NVME: nvme_free}
     placements = candidate_placements() if candidates is None else candidates
     return choose([estimate(p, work, profile) for p in placements], budgets)

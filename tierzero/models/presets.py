@@ -15,6 +15,9 @@ which has no biases and the same tensors as those models):
 - `1b`, `3b` - LLaMA-3.2 1B / 3B: vocab 128256, tied embeddings, rope_theta 500000.
   max_seq_len 8192 (their pre-training context; we implement no RoPE scaling for 128k).
 - `7b`, `13b`, `70b` - LLaMA-2: vocab 32000, untied, 4096 context; 70b uses GQA (8 kv heads).
+- `llama3-8b`, `llama3-70b` - LLaMA-3 / 3.1 8B and 70B: vocab 128256, untied, GQA (8 kv
+  heads), rope_theta 500000, max_seq_len 8192 (their pre-training context, as for `1b`/`3b`).
+  Their 128k-token embedding and head are ~1.05B (8B) and ~2.1B (70B) parameters.
 """
 
 from dataclasses import dataclass
@@ -83,6 +86,10 @@ PRESETS: dict[str, ModelArgs] = {
                      max_seq_len=4096),
     "70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000, ffn_dim=28672,
                      max_seq_len=4096),
+    "llama3-8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336,
+                           max_seq_len=8192, rope_theta=500000.0),
+    "llama3-70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_dim=28672,
+                            max_seq_len=8192, rope_theta=500000.0),
 }
 
 
