@@ -149,6 +149,30 @@ class BufferPool(abc.ABC):
         with self._lock:
             return sum(b.capacity for b in self._cache.values())
 
+    def set_budget(self, budget_bytes: int) -> None:
+        """Change the budget. A lower one is met at once by dropping idle blocks and evicting
+        cached ones (least recently used first); if leased blocks alone exceed it, nothing
+        changes and `BudgetExceededError` says by how much."""
+        if budget_bytes <= 0:
+            raise StorageError(f"{self.kind} pool budget_bytes must be positive, got {budget_bytes}")
+        with self._lock:
+            leased = sum(b.capacity for b in self._blocks.values() if b.leases)
+            if leased > budget_bytes:
+                raise BudgetExceededError(
+                    f"{self.kind} pool cannot shrink to {budget_bytes} bytes: {leased} bytes are leased")
+            self._budget_bytes = budget_bytes
+            for size in list(self._free):
+                while self._free[size] and self._resident_bytes > budget_bytes:
+                    self._drop(self._free[size].pop())
+            for key in list(self._cache):
+                if self._resident_bytes <= budget_bytes:
+                    break
+                block = self._cache[key]
+                if not block.leases:
+                    del self._cache[key]
+                    block.cache_key = None
+                    self._drop(block)
+
     def reset_peak(self) -> None:
         with self._lock:
             self._peak_bytes = self._resident_bytes

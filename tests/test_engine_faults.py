@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from tierzero import Config, Placement, StateKind, Tier, models
-from tierzero.engine import Engine, _tier_needs
+from tierzero.engine import Engine
+from tierzero.ledger import activation_memory
 from tierzero.errors import ConfigError, TierzeroError
 from tierzero.tiers import Pending
 
@@ -90,11 +91,12 @@ def test_failed_optimizer_read_writes_nothing_and_stops_the_engine(tmp_path, mon
 @pytest.mark.parametrize("depth", [0, 2, 4])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_budgets_at_the_stated_minimum_train_exactly(tmp_path, depth: int, overlap: bool) -> None:
+    """Budgets of exactly what the memory model says (RAM in all on the CPU device, the
+    batch's activations included): the step fits, stays exact, and every pool stays in budget."""
     model = models.build(SMALL, device="meta")
-    probe = Engine(model, config(tmp_path, prefetch_depth=depth))
-    need = _tier_needs(probe.units, NVME, 4, depth, torch.device("cpu"), overlap)
-    cfg = config(tmp_path, prefetch_depth=depth, overlap_step=overlap,
-                 host_budget=need[Tier.HOST], gpu_budget=need[Tier.GPU])
+    probe = Engine(model, config(tmp_path, prefetch_depth=depth, overlap_step=overlap))
+    need = probe._memory(NVME, activation_memory(SMALL, 4, 32, 4, model.loss_chunk_bytes))
+    cfg = config(tmp_path, prefetch_depth=depth, overlap_step=overlap, host_budget=need.host_total_bytes)
     _, ref_weights = reference_run(SMALL, cfg, steps=3)
     data = batches()
     with Engine(models.build(SMALL, device="meta"), cfg) as engine:
@@ -102,7 +104,9 @@ def test_budgets_at_the_stated_minimum_train_exactly(tmp_path, depth: int, overl
             engine.train_step(data.next_batch())
         weights = engine.master_state_dict()
         peaks = engine.tiers.peaks()
-    assert peaks["host"] <= need[Tier.HOST] and peaks["gpu"] <= need[Tier.GPU]
+        budgets = engine.tiers.host_pool.budget_bytes, engine.tiers.device_pool.budget_bytes
+    assert peaks["host"] <= budgets[0] and peaks["gpu"] <= budgets[1]
+    assert sum(budgets) <= need.host_total_bytes
     for key in ref_weights:
         assert torch.equal(weights[key], ref_weights[key]), key
 

@@ -28,14 +28,18 @@ from tierzero.errors import CheckpointError, ConfigError, TierzeroError
 from tierzero.execute import UnitRunner, bind, detach_params, flat_grad, unbind
 from tierzero.grads import GradShards, clip_coefficient
 from tierzero.init import WeightFiles, flat_unit, weight_files
+from tierzero.ledger import ActivationEstimate, activation_memory
 from tierzero.lr import lr_at
 from tierzero.manifest import MANIFEST_NAME, Manifest
-from tierzero.optim import OPT_KINDS, ShardOptimizer
+from tierzero.memory import MemoryModel, peak_memory
+from tierzero.models.presets import ModelArgs
+from tierzero.optim import ShardOptimizer
 from tierzero.partition import Unit, forward_uses, grad_uses, partition
 from tierzero.precision import DynamicLossScaler, compute_dtype, resolve_dtype
 from tierzero.reference import compute_loss, to_device
 from tierzero.schedule import Scheduler, build_swap_plan
 from tierzero.stats import StepStats
+from tierzero.storage.base import BudgetExceededError
 from tierzero.tiers import Tiers, aligned_empty, default_budgets, state_keys
 
 
@@ -76,6 +80,7 @@ class Engine:
         self._stepped_in_backward = False
         self._previous_norm: torch.Tensor | None = None
         self._notes: list[str] = []
+        self._activations_reserved = False
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -136,6 +141,8 @@ class Engine:
         if self._stepped_in_backward:
             self.step()  # overlap_step already updated the shards: settle it before reading them
         training = torch.is_grad_enabled()
+        if training and not self._activations_reserved:
+            self._reserve_activations(batch)
         self.scheduler.begin(self.train_plan if training else self.eval_plan)
         root = self.units[0]
         try:
@@ -422,7 +429,7 @@ class Engine:
 
     def _resolve_placement(self) -> Placement:
         """The configured placement, or for `offload auto` the planner's best among those whose
-        working sets (this engine's own accounting, `_tier_needs`) fit the budgets."""
+        peaks (the one memory model, `tierzero.memory`) fit the budgets."""
         if self.config.placement is not None or self.config.offload is not Offload.AUTO:
             return self.config.resolved_placement()
         from tierzero.plan import candidate_placements, choose_placement, load_profile
@@ -430,19 +437,28 @@ class Engine:
         host, gpu = default_budgets(self.device)
         budgets = {Tier.HOST: self.config.host_budget or host, Tier.GPU: self.config.gpu_budget or gpu,
                    Tier.NVME: self._nvme_free() * len(self.config.nvme_path)}
+        if self.device.type == "cpu" and self.config.gpu_budget is None:
+            del budgets[Tier.GPU]  # the gpu tier is host memory, inside the host budget
         fitting = [p for p in candidate_placements()
-                   if all(n <= budgets[t] for t, n in _tier_needs(
-                       self.units, p, self.dtype.itemsize, self.config.prefetch_depth, self.device,
-                       self.overlap).items())]
+                   if all(n <= budgets[t] for t, n in self._memory(p).needs().items() if t in budgets)]
         if not fitting:
             raise ConfigError(f"no placement fits the budgets (host {budgets[Tier.HOST] / 1e6:.1f} MB, "
-                              f"gpu {budgets[Tier.GPU] / 1e6:.1f} MB, nvme {budgets[Tier.NVME] / 1e9:.1f} GB "
+                              f"gpu {budgets.get(Tier.GPU, 0) / 1e6:.1f} MB, nvme {budgets[Tier.NVME] / 1e9:.1f} GB "
                               "free); raise --host-budget or --gpu-budget, or free disk space")
         return choose_placement(
             self._unit_sizes(), compute_itemsize=self.dtype.itemsize, grad_itemsize=4,
             gpu_budget=None, host_budget=None, nvme_free=None, world_size=self.comm.world_size,
             prefetch_depth=self.config.prefetch_depth, candidates=fitting,
             profile=load_profile(self.config.profile) if self.config.profile else None).placement
+
+    def _memory(self, placement: Placement, activations: ActivationEstimate | None = None) -> MemoryModel:
+        """The memory model of this engine's units and config (activations when known)."""
+        return peak_memory(self._unit_sizes(), placement, compute_itemsize=self.dtype.itemsize,
+                           world_size=self.comm.world_size,
+                           device="cpu" if self.device.type == "cpu" else "cuda",
+                           tied_embeddings=any(u.uses_with for u in self.units),
+                           prefetch_depth=self.config.prefetch_depth, piece_numel=self.config.piece_numel,
+                           overlap=self.overlap, accumulate=self.config.accumulate, activations=activations)
 
     def _nvme_free(self) -> int:
         """Free bytes on the fullest nvme path (shards stripe evenly across the paths)."""
@@ -452,55 +468,70 @@ class Engine:
         return [(u.name, u.numel) for u in self.units]
 
     def _check_budgets(self) -> None:
-        """Refuse, before anything is written, budgets or disks too small for this model."""
-        need = _tier_needs(self.units, self.placement, self.dtype.itemsize, self.config.prefetch_depth,
-                           self.device, self.overlap)
-        for tier, budget, flag in ((Tier.HOST, self.tiers.host_budget, "--host-budget"),
-                                   (Tier.GPU, self.tiers.gpu_budget, "--gpu-budget")):
-            if need[tier] > budget:
-                raise ConfigError(f"the {tier.value} budget of {budget / 1e6:.1f} MB is too small: this model "
-                                  f"and placement need at least {need[tier] / 1e6:.1f} MB there (largest "
-                                  f"unit {max(u.numel for u in self.units):,} params); raise {flag} "
-                                  "or offload more state")
+        """Size the pools from the memory model and refuse, before anything is written, budgets
+        or disks too small for this model: each pool's budget, less what torch allocates beside
+        it (unit grads; the batch's activations are taken at the first forward), must hold the
+        homes and the working set the model predicts at the configured read-ahead. On the CPU
+        device the device pool's budget is carved out of the host budget.
+        """
+        self.memory = self._memory(self.placement)
+        self.tiers.share_budgets(self.memory.tiers[Tier.GPU].pool_bytes)
+        for tier, need in _unpooled(self.memory).items():
+            self.tiers.reserve(tier, need)
+        self._check_pools(self.memory, "")
         if Tier.NVME in {self.placement.home(k) for k in StateKind}:
             free = self._nvme_free()
-            total = need[Tier.NVME] // len(self.config.nvme_path)
+            total = self.memory.tiers[Tier.NVME].homes_bytes // self.comm.world_size // len(self.config.nvme_path)
             if total > free:
                 raise ConfigError(f"nvme path {self.config.nvme_path[0]} has {free / 1e9:.2f} GB free but "
                                   f"the offloaded state needs {total / 1e9:.2f} GB per path; free space "
                                   "or add another --nvme-path")
 
+    def _check_pools(self, mem: MemoryModel, why: str) -> None:
+        budgets = {Tier.HOST: (self.tiers.host_budget, "--host-budget"),
+                   Tier.GPU: (self.tiers.gpu_budget, "--gpu-budget")}
+        for tier, (budget, flag) in budgets.items():
+            need = mem.tiers[tier].pool_bytes
+            if need > budget:
+                total = self.tiers.total_budgets[tier]
+                raise ConfigError(f"the {tier.value} budget of {total / 1e6:.1f} MB is too small: this model and "
+                                  f"placement{why} need at least {(total - budget + need) / 1e6:.1f} MB there "
+                                  f"({_breakdown(mem, tier)}); raise {flag}, lower the prefetch depth or "
+                                  "offload more state")
 
-def _tier_needs(units: list[Unit], placement: Placement, itemsize: int, depth: int, device: torch.device,
-                overlap: bool) -> dict[Tier, int]:
-    """Resident homes plus the smallest working set that lets a step finish, per tier (bytes).
+    def _reserve_activations(self, batch: Any) -> None:
+        """At the first training forward, take the batch's activations out of the compute
+        device's budget (on the CPU device: the host budget). Only for the built-in model,
+        whose shape says what they take; other models' activations are not reserved."""
+        self._activations_reserved = True
+        args = getattr(self.model, "args", None)
+        tokens = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
+        if not isinstance(args, ModelArgs) or not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 \
+                or tokens.shape[1] > args.max_seq_len:
+            return
+        act = activation_memory(args, tokens.shape[0], tokens.shape[1], self.dtype.itemsize,
+                                getattr(self.model, "loss_chunk_bytes", None))
+        before = _unpooled(self.memory)
+        self.memory = self._memory(self.placement, act)
+        for tier, need in _unpooled(self.memory).items():
+            if need > before.get(tier, 0):
+                try:
+                    self.tiers.reserve(tier, need - before.get(tier, 0))
+                except BudgetExceededError:
+                    pass  # named below, with the figures
+        self._check_pools(self.memory, f" with batches of {tokens.shape[0]} x {tokens.shape[1]} tokens")
 
-    A pass keeps `depth + 2` param shards on the device (staged through host memory when params
-    live on nvme) and stages one grad shard; the optimizer holds one unit's leased states and
-    its param staging; overlap_step adds two prefetched units to the pass.
-    """
-    need = {Tier.GPU: 0, Tier.HOST: 0, Tier.NVME: 0}
-    shard = max(u.shard_numel for u in units)
-    for kind in StateKind:
-        size = itemsize if kind is StateKind.PARAM else 4
-        need[placement.home(kind)] += sum(u.shard_numel for u in units) * size
-    step_on_gpu = all(placement.home(k) is Tier.GPU for k in OPT_KINDS[1:])
-    step_device = device if step_on_gpu else torch.device("cpu")
 
-    def in_place(home: Tier) -> bool:
-        home_device = device if home is Tier.GPU else torch.device("cpu")
-        return home is not Tier.NVME and home_device.type == step_device.type
+def _unpooled(mem: MemoryModel) -> dict[Tier, int]:
+    """What torch allocates beside the pools, per tier (on the CPU device: all of it in RAM)."""
+    if mem.device == "cpu":
+        return {Tier.HOST: mem.host_memory.unpooled_bytes}
+    return {Tier.GPU: mem.tiers[Tier.GPU].unpooled_bytes, Tier.HOST: mem.tiers[Tier.HOST].unpooled_bytes}
 
-    step = sum(1 for k in OPT_KINDS if not in_place(placement.home(k))) * shard * 4
-    param_stage = shard * itemsize if placement.param is Tier.NVME else 0
-    step_gpu, step_host = (step, param_stage) if step_on_gpu else (0, step + param_stage)
-    pass_gpu = (depth + 2) * shard * itemsize if placement.param is not Tier.GPU else 0
-    pass_host = (depth + 2) * param_stage + (shard * 4 if placement.grad is Tier.NVME else 0)
-    if overlap:
-        pass_gpu, pass_host = pass_gpu + 2 * step_gpu, pass_host + 2 * step_host
-    need[Tier.GPU] += max(pass_gpu, step_gpu)
-    need[Tier.HOST] += max(pass_host, step_host)
-    return need
+
+def _breakdown(mem: MemoryModel, tier: Tier) -> str:
+    peak = mem.host_memory if tier is Tier.HOST else mem.tiers[tier]
+    return peak.breakdown()
 
 
 def _existing(path: Path) -> Path:

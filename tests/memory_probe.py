@@ -1,0 +1,90 @@
+"""Run as a script: train a few steps per case and print predicted vs measured memory as JSON lines.
+
+Each case is one engine on the CPU device, fp32, its host budget exactly the memory model's
+host total (activations included). Measured: the pools' peak counters over the steps after the
+first (the first opens the engine and reserves the activations), and the growth of the
+process's resident memory over the same steps (VmHWM reset through /proc/self/clear_refs) from
+its size before the engine was built. The first case runs once unmeasured first: it pays
+torch's and the I/O thread pool's one-time costs (the fixed overhead README states).
+Used by tests/test_memory_model.py; a subprocess, so the RSS is this run's alone.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tierzero import Config, models
+from tierzero.config import Placement, Tier
+from tierzero.engine import Engine
+from tierzero.ledger import activation_memory, units_from_args
+from tierzero.memory import peak_memory
+from tierzero.models import ModelArgs
+
+
+def status() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(("VmHWM:", "VmRSS:")):
+            key, value = line.split(":")
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def reset_hwm() -> None:
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def run(case: dict, root: Path) -> dict:
+    args = ModelArgs(**case["args"])
+    placement = Placement(*[Tier(t) for t in case["placement"]])
+    batch_size, seq_len, steps = case["batch"], case["seq"], case.get("steps", 2)
+    act = activation_memory(args, batch_size, seq_len, 4, models.llama.LOSS_CHUNK_BYTES)
+    predicted = peak_memory(units_from_args(args), placement, compute_itemsize=4, device="cpu",
+                            tied_embeddings=args.tie_embeddings, prefetch_depth=case["depth"],
+                            piece_numel=case["piece"], overlap=True, activations=act)
+    cfg = Config(placement=placement, device="cpu", dtype="fp32", nvme_path=[str(root / case["name"])],
+                 prefetch_depth=case["depth"], piece_numel=case["piece"], lr=1e-3,
+                 host_budget=predicted.host_total_bytes)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, args.vocab_size, (batch_size, seq_len), generator=g),
+             torch.randint(0, args.vocab_size, (batch_size, seq_len), generator=g))
+    gc.collect()
+    base = status()["VmRSS"]
+    engine = Engine(models.build(args, device="meta"), cfg)
+    try:
+        engine.train_step(batch)  # opens the engine, reserves the activations
+        engine.tiers.host_pool.reset_peak()
+        engine.tiers.device_pool.reset_peak()
+        reset_hwm()
+        for _ in range(steps):
+            engine.train_step(batch)
+        rss = status()["VmHWM"] - base
+        peaks = engine.stats()
+    finally:
+        engine.close()
+    return {"name": case["name"], "params": args.param_count(),
+            "predicted_host_total": predicted.host_total_bytes, "measured_rss_growth": rss,
+            "predicted_host_pool": predicted.tiers[Tier.HOST].pool_bytes, "measured_host_pool": peaks["peak_host_bytes"],
+            "predicted_gpu_pool": predicted.tiers[Tier.GPU].pool_bytes, "measured_gpu_pool": peaks["peak_gpu_bytes"],
+            "predicted_unpooled": predicted.host_memory.unpooled_bytes, "breakdown": predicted.breakdown()}
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    cases = json.loads(sys.argv[1])
+    # the drive's speed is not what is measured: tmpfs where there is one (its pages are not RSS)
+    shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    with tempfile.TemporaryDirectory(dir=shm) as tmp:
+        root = Path(tmp)
+        run({**cases[0], "name": "warm-up"}, root)  # torch's and the I/O threads' first-use costs
+        for case in cases:
+            print(json.dumps(run(case, root)), flush=True)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""The one memory model: counted by hand, `tierzero plan` on LLaMA-3 shapes, and against the OS.
+
+The last test trains small models on the CPU device in a subprocess (tests/memory_probe.py),
+host budget = the model's prediction, and compares the predicted peaks with the pools' peak
+counters and with the growth of the process's resident memory (VmHWM).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tierzero.config import Placement, Tier
+from tierzero.ledger import GB, activation_memory, units_from_args
+from tierzero.memory import peak_memory
+from tierzero.models.presets import PRESETS, ModelArgs
+
+NVME = Placement(*[Tier.NVME] * 5)
+SHARD = 2048  # the smallest aligned shard
+
+
+def test_cpu_device_adds_both_pools_and_the_compute_allocations() -> None:
+    """Two blocks, one rank, fp32 on the CPU, all state on nvme, no overlap: every byte by hand."""
+    m = peak_memory([("a", 100), ("b", 300)], NVME, compute_itemsize=4, device="cpu", prefetch_depth=1,
+                    piece_numel=SHARD, overlap=False)
+    gpu, host = m.tiers[Tier.GPU], m.tiers[Tier.HOST]
+    assert gpu.pooled == {"params in flight": 2 * SHARD * 4}
+    assert gpu.unpooled == {"gathered params": 0, "activations": 0, "unit grads": 300 * 4 + SHARD * 4}
+    # optimizer: 1 piece read ahead + 1 writing, 4 fp32 states; one new param piece
+    assert host.pooled == {"optimizer pieces": 2 * SHARD * 4 * 4, "new param staging": SHARD * 4}
+    assert host.pooled_phase == "optimizer"
+    assert m.tiers[Tier.NVME].peak_bytes == 2 * SHARD * 20
+    # one RAM: each pool at its own peak, plus the compute allocations at theirs
+    assert m.host_total_bytes == gpu.pool_bytes + host.pool_bytes + gpu.unpooled_bytes
+    assert m.needs() == {Tier.GPU: gpu.pool_bytes, Tier.HOST: m.host_total_bytes, Tier.NVME: 2 * SHARD * 20}
+    cuda = peak_memory([("a", 100), ("b", 300)], NVME, compute_itemsize=4, device="cuda", prefetch_depth=1,
+                       piece_numel=SHARD, overlap=False)
+    assert cuda.host_total_bytes == cuda.tiers[Tier.HOST].peak_bytes  # a GPU's memory is its own
+
+
+def test_overlap_steps_during_backward_and_holds_the_grad_being_stepped() -> None:
+    units = [("embedding", 4 * SHARD), ("blocks.0", SHARD), ("head", 4 * SHARD)]
+    kw = dict(compute_itemsize=4, device="cpu", prefetch_depth=1, piece_numel=SHARD)
+    apart = peak_memory(units, NVME, overlap=False, **kw)
+    together = peak_memory(units, NVME, overlap=True, **kw)
+    assert "backward+optimizer" in together.tiers[Tier.HOST].pooled_phase
+    assert "grad staging" not in together.tiers[Tier.HOST].pooled  # grads go straight to the optimizer
+    # weights + flat grad of the embedding (fp32: 8 B/param); with overlap the block's grad
+    # shard, handed to the optimizer just before, is still being stepped meanwhile
+    assert apart.tiers[Tier.GPU].unpooled["unit grads"] == 4 * SHARD * 8
+    assert together.tiers[Tier.GPU].unpooled["unit grads"] == 4 * SHARD * 8 + SHARD * 4
+
+
+def test_a_tied_embedding_is_bound_by_the_head_and_its_grads_summed() -> None:
+    units = [("embedding", 4 * SHARD), ("blocks.0", SHARD), ("head", 64)]
+    m = peak_memory(units, NVME, compute_itemsize=2, tied_embeddings=True, prefetch_depth=0, overlap=True)
+    gpu, host = m.tiers[Tier.GPU], m.tiers[Tier.HOST]
+    # the head's call binds the embedding: both units' grads, weights in bf16, flat in fp32
+    assert gpu.unpooled["unit grads"] == (4 * SHARD + 64) * 2 + (4 * SHARD + SHARD) * 4
+    assert gpu.unpooled["tied grad sum"] == 4 * SHARD * 4
+    assert host.pooled["tied grad stash"] == 4 * SHARD * 4  # nvme grads: the sum forms in host memory
+
+
+def test_activations_are_counted_at_the_backward_moment_where_they_peak() -> None:
+    args = ModelArgs(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=32000, ffn_dim=768, max_seq_len=64)
+    act = activation_memory(args, 2, 64, 4, 64 << 20)
+    m = peak_memory(units_from_args(args), NVME, compute_itemsize=4, device="cpu", activations=act, overlap=False)
+    gpu = m.tiers[Tier.GPU]
+    head = 32000 * 256 + 256
+    # the head's backward: its logits with its weights' grads, or later those grads packed
+    logits_moment = act.checkpoints_bytes + act.head_backward_bytes + head * 4
+    packed_moment = act.checkpoints_bytes + head * 4 + (-(-head // SHARD) * SHARD) * 4
+    assert gpu.unpooled["activations"] + gpu.unpooled["unit grads"] == max(logits_moment, packed_moment)
+
+
+# --- `tierzero plan`: LLaMA-3 shapes on a 24 GB GPU with 64 GB of RAM ------------------------
+
+MACHINE = ["--gpu-mem", "24GB", "--host-mem", "64GB", "--nvme-free", "4TB"]
+
+
+def plan_json(*args: str) -> dict:
+    from tierzero.cli.app import app
+
+    result = CliRunner().invoke(app, ["plan", *args, *MACHINE, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("model, extra", [("llama3-8b", []), ("llama3-70b", ["--seq-len", "4096"])])
+def test_llama3_shapes_find_a_placement_that_fits(model: str, extra: list[str]) -> None:
+    report = plan_json("--model", model, *extra)
+    assert report["model"]["params"] == PRESETS[model].param_count()
+    assert report["model"]["units"] == PRESETS[model].n_layers + 2  # embedding, blocks, head
+    verdict = report["verdict"]
+    assert verdict["fits"], verdict["shortfall"]
+    assert verdict["resident_bytes"]["gpu"] <= 24 * GB and verdict["resident_bytes"]["host"] <= 64 * GB
+    assert any(line.startswith("host ") for line in verdict["breakdown"])
+
+
+def test_llama3_70b_at_its_full_context_says_what_the_gpu_lacks() -> None:
+    verdict = plan_json("--model", "llama3-70b")["verdict"]
+    assert not verdict["fits"] and set(verdict["shortfall_bytes"]) == {"gpu"}
+
+
+@pytest.mark.parametrize("model, extra", [("llama3-8b", []), ("llama3-70b", ["--seq-len", "4096"])])
+def test_the_host_floor_grows_with_the_vocabulary_only_by_a_compute_copy(model: str, extra: list[str]) -> None:
+    """Everything on nvme (the host floor): from a 32k to a 128k to a 256k vocabulary, the host
+    working set grows by at most the embedding's growth in compute-dtype bytes (bf16, the param
+    shard staged on its way to the GPU) and one piece of optimizer states (the pieces that cut
+    the embedding and head change) -- not by the 60 bytes per parameter of a root unit held with
+    its optimizer states."""
+    dim = PRESETS[model].dim
+    one_piece = 4 * (16 << 20) * 4  # grad, master, exp_avg, exp_avg_sq of one piece
+    floors = []
+    for vocab in (32000, 128256, 256000):
+        report = plan_json("--model", model, *extra, "--vocab-size", str(vocab))
+        all_nvme = next(p for p in report["placements"] if set(p["placement"].values()) == {"nvme"})
+        floors.append((vocab, all_nvme["resident_bytes"]["host"]))
+    for (v1, h1), (v2, h2) in zip(floors, floors[1:]):
+        compute_copy = (v2 - v1) * dim * 2
+        assert 0 < h2 - h1 <= compute_copy + one_piece
+        assert (h2 - h1) / (2 * (v2 - v1) * dim) < 2  # B per added embedding + head param (the old root: 60)
+    assert floors[-1][1] < 10 * GB
+
+
+# --- predicted against measured -----------------------------------------------------------------
+
+def _cases() -> list[dict]:
+    shape = {"dim": 256, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 768, "max_seq_len": 64}
+    sizes = {"s": (2, 8192, 1 << 18), "m": (3, 16384, 1 << 19), "l": (4, 32000, 1 << 20)}  # layers, vocab, piece
+    return [{"name": f"{size}-{where}", "args": {**shape, "n_layers": layers, "vocab_size": vocab},
+             "placement": [where] * 5, "batch": 2, "seq": 64, "depth": 2, "piece": piece, "steps": 2}
+            for size, (layers, vocab, piece) in sizes.items() for where in ("nvme", "host")]
+
+
+def _can_measure_rss() -> bool:
+    return sys.platform == "linux" and os.access("/proc/self/clear_refs", os.W_OK)
+
+
+@pytest.mark.skipif(not _can_measure_rss(), reason="needs Linux with a writable /proc/self/clear_refs")
+def test_predicted_peaks_are_within_ten_percent_of_measured() -> None:
+    """Three model sizes (6M-19M params) x everything on nvme / everything on host, CPU device,
+    fp32, overlap_step on, pieces smaller than the embedding. The pools fill their budgets (the
+    LRU cache and read-ahead use whatever is spare), so their peaks must reach the prediction;
+    the process's RSS growth must be within 10% of the predicted host total."""
+    probe = Path(__file__).with_name("memory_probe.py")
+    out = subprocess.run([sys.executable, str(probe), json.dumps(_cases())], capture_output=True, text=True,
+                         timeout=600, cwd=probe.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 6
+    for r in rows:
+        for pool in ("host_pool", "gpu_pool"):
+            assert 0.9 * r[f"predicted_{pool}"] <= r[f"measured_{pool}"] <= r[f"predicted_{pool}"], (r["name"], pool)
+        ratio = r["measured_rss_growth"] / r["predicted_host_total"]
+        assert 0.9 <= ratio <= 1.1, (r["name"], ratio, r["breakdown"])
