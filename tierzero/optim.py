@@ -187,12 +187,22 @@ class ShardOptimizer:
                    step_count, lr, self.config)
 
     def _write(self, work: Work) -> None:
-        unit = work.unit
-        for kind, buf in work.leased.items():
-            if kind is StateKind.GRAD:
-                self._give_back(buf)
-                continue
+        # Order matters: the param piece is cast from the master buffer, and a finished write
+        # of the master gives that buffer back to the pool, where leasing the param's staging
+        # (which may wait on finished writes) could pick it up. So: free the grad, write the
+        # moments, stage and write the param, and only then hand the master to its write.
+        leased = dict(work.leased)
+        if StateKind.GRAD in leased:
+            self._give_back(leased.pop(StateKind.GRAD))
+        master = leased.pop(StateKind.MASTER, None)
+        for kind, buf in leased.items():
             self._put(kind, work, buf)
+        self._write_param(work)
+        if master is not None:
+            self._put(StateKind.MASTER, work, master)
+
+    def _write_param(self, work: Work) -> None:
+        unit = work.unit
         master = work.tensors[StateKind.MASTER]
         home = self.placement.home(StateKind.PARAM)
         store = self.tiers.stores[home]
