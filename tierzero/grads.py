@@ -61,7 +61,7 @@ class GradShards:
         grad = self.comm.reduce_scatter(full_grad.float())
         if self.inv_scale != 1.0:
             grad = grad * self.inv_scale
-        if self.seen[unit] < self.uses[unit] or self.seen[unit] > 1:
+        if self.uses[unit] > 1:
             # A unit used twice per pass (a tied embedding): autograd adds a weight's uses
             # first and then accumulates, so hold the earlier uses' sum in the grad's home
             # until the last use; adding each to the accumulator would round differently.
