@@ -22,7 +22,8 @@ def export(
     json_out: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
 ) -> None:
     """Write a checkpoint's master weights as safetensors, loadable with `load_file` and
-    `model.load_state_dict`, streaming one unit at a time (host memory: about one unit)."""
+    `model.load_state_dict`, streaming one unit at a time (host memory: about one unit).
+    For an hf: model, export to a directory: its config.json is written too, for `from_pretrained`."""
     max_shard_bytes = parse_bytes(max_shard_size, "--max-shard-size")
     output = Output(json_out)
     progress = Progress(TextColumn("export"), MofNCompleteColumn(), TextColumn("units"), BarColumn(),
@@ -34,10 +35,12 @@ def export(
     summary = {"run_dir": str(run_dir), "step": result.step, "checkpoint": str(result.checkpoint),
                "dtype": result.dtype, "files": [str(f) for f in result.files],
                "index": str(result.index) if result.index else None,
-               "tensors": result.tensors, "bytes": result.nbytes}
+               "tensors": result.tensors, "bytes": result.nbytes,
+               "config": str(result.config) if result.config else None}
     if json_out:
         output.emit_json(summary)
         return
     where = result.index if result.index else result.files[0]
     output.print(f"exported step {result.step} ({result.tensors} tensors, {result.nbytes / 1e6:,.1f} MB "
-                 f"{result.dtype}) to {where}" + (f" and {len(result.files)} files" if result.index else ""))
+                 f"{result.dtype}) to {where}" + (f" and {len(result.files)} files" if result.index else "")
+                 + (f", with the model's {result.config.name}" if result.config else ""))

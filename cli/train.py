@@ -17,8 +17,10 @@ from tierzero.rundir import RunDir
 
 def train(
     config: Optional[Path] = typer.Option(None, "--config", help="TOML file of run and engine keys; flags override it."),
-    model: Optional[str] = typer.Option(None, "--model", help="Model preset: tiny, 125m, 350m, 1b, 3b, 7b, 13b, 70b, llama3-8b, llama3-70b."),
-    data: Optional[str] = typer.Option(None, "--data", help="Text file (byte tokens) or .bin/.npy token ids; default: the stdlib's own sources."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model preset (tiny, 125m, 350m, 1b, 3b, 7b, 13b, 70b, llama3-8b, llama3-70b), or hf:DIR, a local Hugging Face causal LM directory."),
+    units: Optional[str] = typer.Option(None, "--units", help="Attribute path of the model's repeated blocks (e.g. model.layers); default: its largest list of one block class."),
+    data: Optional[str] = typer.Option(None, "--data", help="A text file, a folder of text files, a .jsonl file, or .bin/.npy token ids; default: the stdlib's own sources. Text is tokenized by an hf: model's tokenizer.json, else read as bytes."),
+    text_field: Optional[str] = typer.Option(None, "--text-field", help="The field of each .jsonl record that holds its text (default: text)."),
     weights: Optional[str] = typer.Option(None, "--weights", help="Start from local .safetensors weights (a file or a directory of them)."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences per micro-batch."),
@@ -43,8 +45,9 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --run-dir from its newest intact checkpoint, up to --steps."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
 ) -> None:
-    """Train a model; with no arguments, the `tiny` preset on the built-in corpus, tiered to NVMe."""
-    overrides = dict(model=model, data=data, weights=weights, steps=steps, batch_size=batch_size, seq_len=seq_len,
+    """Train a model; with no arguments, the `tiny` preset on the built-in corpus, tiered to NVMe.
+    With --model hf:DIR, the Hugging Face causal LM in DIR, from its safetensors if it has them."""
+    overrides = dict(model=model, units=units, data=data, text_field=text_field, weights=weights, steps=steps, batch_size=batch_size, seq_len=seq_len,
                      accumulate=accumulate, lr=lr, warmup_steps=warmup_steps,
                      clip_grad_norm=clip_grad_norm, clip_previous_norm=clip_previous_norm, seed=seed, dtype=dtype, offload=offload,
                      nvme_path=nvme_path or None, host_budget=host_budget, gpu_budget=gpu_budget,
@@ -58,7 +61,7 @@ def train(
             overrides["total_steps"] = steps  # a longer run stretches its lr schedule, as a new one would
     run = load_run_config(config, overrides)
     if run.run_dir is None:
-        run.run_dir = str(Path("runs") / f"{run.model}-{time.strftime('%Y%m%d-%H%M%S')}")
+        run.run_dir = str(Path("runs") / f"{_run_name(run.model)}-{time.strftime('%Y%m%d-%H%M%S')}")
     if nvme_path is None and not _file_sets(config, "nvme_path"):
         run.engine.nvme_path = [str(Path(run.run_dir) / "nvme")]
 
@@ -100,6 +103,11 @@ def train(
         out.print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}, val loss "
                   f"{summary['val_loss_start']:.4f} -> {summary['val_loss_end']:.4f} in "
                   f"{result.wall_s:.1f}s; metrics in {run.run_dir}/metrics.jsonl")
+
+
+def _run_name(model: str) -> str:
+    """A preset's name, or `hf-<directory name>` for hf:<dir>."""
+    return f"hf-{Path(model[3:]).resolve().name}" if model.startswith("hf:") else model
 
 
 def _resume_config(run_dir: Optional[Path], config: Optional[Path]) -> Optional[Path]:

@@ -13,3 +13,6 @@ from tierzero.storage.io import IOLoop
 def io_loop() -> Iterator[IOLoop]:
     with IOLoop(threads=8) as loop:
         yield loop
+
+
+from hf_helpers import hf_models  # noqa: E402,F401  (a session fixture: the models are saved once)

@@ -224,8 +224,9 @@ def _positive(value: float, name: str, strict: bool = False) -> None:
 class RunConfig:
     """What `tierzero train` needs on top of the engine: model, data, loop length, run dir."""
 
-    model: str = "tiny"
+    model: str = "tiny"  # a preset, or hf:<local dir> of a Hugging Face causal LM
     data: str | None = None
+    text_field: str = "text"  # the field of a .jsonl record that holds its text
     weights: str | None = None  # local .safetensors file or directory to start from
     steps: int = 80
     batch_size: int = 8
@@ -242,6 +243,8 @@ class RunConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise ConfigError(f"text_field must name a .jsonl field, got {self.text_field!r}")
         every = self.checkpoint_every
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ConfigError(f"checkpoint_every must be an integer >= 1 (optimizer steps), got {every!r}")

@@ -13,6 +13,10 @@ are decided before a byte of data is read (`plan_export`, a value), and the writ
 each unit's master shards from every rank into one reused flat buffer and appends its tensors.
 Peak host memory is the largest unit's flat fp32 buffer plus one tensor in bf16.
 
+A checkpoint of a Hugging Face model (`--model hf:<dir>`) records the model's `config.json`
+in its manifest; export writes it back next to the weights (its dtype set to the export's),
+so the directory loads with `from_pretrained`: the names are the model's own.
+
 Durability: every file is written under a temporary name in the destination directory,
 fsynced, and renamed into place only after all of them are complete (the sharded layout's
 `.index.json` last), so a failure or Ctrl-C leaves no half-written output behind.
@@ -107,6 +111,7 @@ class ExportResult:
     index: Path | None
     tensors: int
     nbytes: int
+    config: Path | None = None  # the Hugging Face config.json written beside the weights
 
 
 def plan_export(manifest: Manifest, out_name: str, dtype: str = "fp32",
@@ -163,7 +168,30 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = N
     written = writer.write(_read_units(checkpoint, manifest), len(manifest.units), on_unit)
     tensors = sum(len(f.entries) for f in plan.files)
     index = out_dir / plan.index_name if plan.index_name else None
-    return ExportResult(manifest.step, checkpoint, dtype, written, index, tensors, plan.total_bytes)
+    config = _write_hf_config(out_dir, manifest, dtype)
+    return ExportResult(manifest.step, checkpoint, dtype, written, index, tensors, plan.total_bytes, config)
+
+
+def _write_hf_config(out_dir: Path, manifest: Manifest, dtype: str) -> Path | None:
+    """The Hugging Face model's config.json, as the checkpoint recorded it, with this export's
+    dtype (from_pretrained would otherwise cast to the dtype it was saved in); None for others."""
+    config = (manifest.model or {}).get("config")
+    if not isinstance(config, dict):
+        return None
+    name = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+    config = {**config, "dtype": name, **({"torch_dtype": name} if "torch_dtype" in config else {})}
+    path = out_dir / "config.json"
+    temp = out_dir / f".config.json.{os.getpid()}.tmp"
+    try:
+        with open(temp, "w") as handle:
+            handle.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except OSError as e:
+        temp.unlink(missing_ok=True)
+        raise TierzeroError(f"cannot write {path} ({e.strerror or e}); choose a writable --out") from None
+    return path
 
 
 def _destination(out: Path) -> tuple[Path, str]:

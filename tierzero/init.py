@@ -9,45 +9,13 @@ about one unit, not the model.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
-from tierzero.errors import ConfigError
 from tierzero.partition import Unit
+from tierzero.weights import WeightFiles, weight_files
 
-
-def weight_files(path: str | Path) -> list[Path]:
-    """The `.safetensors` files behind `path` (a file or a directory), or a clear error."""
-    p = Path(path)
-    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
-    if not files or not all(f.is_file() for f in files):
-        raise ConfigError(f"weights '{path}' is not a .safetensors file or a directory of them; "
-                          "check the path")
-    return files
-
-
-class WeightFiles:
-    """Tensors by name across local `.safetensors` files, read one tensor at a time."""
-
-    def __init__(self, path: str | Path) -> None:
-        from safetensors import safe_open
-
-        files = weight_files(path)
-        self._handles = [safe_open(str(f), framework="pt") for f in files]
-        self._where = {k: h for h in self._handles for k in h.keys()}
-
-    def load(self, names: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        for name in names:
-            if name in self._where:
-                t = self._where[name].get_tensor(name)
-                if tuple(t.shape) != shape:
-                    raise ConfigError(f"weights have '{name}' of shape {tuple(t.shape)} but the model "
-                                      f"expects {shape}; load weights made for this model")
-                return t.float()
-        raise ConfigError(f"weights have no tensor named {' or '.join(names)}; load weights made "
-                          "for this model")
+__all__ = ["WeightFiles", "flat_unit", "weight_files"]
 
 
 def flat_unit(model: nn.Module, unit: Unit, seed: int, weights: WeightFiles | None) -> torch.Tensor:

@@ -1,0 +1,154 @@
+"""`CausalLM`: a Hugging Face causal LM seen through tierzero's model contract.
+
+The contract (the built-in model's): `model(input_ids, targets)` returns the mean
+cross-entropy of already-shifted `targets` (tierzero's batches are `(x, y)` with `y` = `x`
+shifted by one, so no token is lost at the window's end and nothing is shifted twice); the
+decoder layers are the blocks; `get_input_embeddings()` is the embedding unit; and, where the
+model allows it, `head_out(hidden, targets)` runs everything after the blocks as the head unit.
+A dict batch may instead pass Hugging Face `labels` (unshifted: HF shifts them) and an
+`attention_mask`.
+
+The adapter registers the Hugging Face model's children as its own, so parameter names are
+exactly the checkpoint's (`model.layers.0.self_attn.q_proj.weight`): weights load and export
+under them. The loss always comes from the model's own code: its forward (logit scaling and
+soft-capping included) and its `loss_function`, fed `shift_labels`. The KV cache is off
+(`use_cache=False`): a cache object passed to a layer would be reused by the recompute in
+backward and double the keys and values.
+
+Two layouts (see `tierzero.partition`):
+
+- *split* -- when every parameter outside the layers, the input embedding and the output
+  embedding belongs to one module of the base model registered after the layers (the final
+  norm: LLaMA, Mistral, Qwen, Gemma, NeoX...). Its call inside the base model's forward passes
+  the hidden state through (`_deferred`), and `head_out` applies it, then runs the model's own
+  head on that hidden state by having the base model return it (`_returning`).
+- *root* -- otherwise (GPT-2's position embedding `wpe` runs before the layers, outside any
+  entry point): no `head_out`, so everything outside the layers is one root unit, bound for
+  the whole pass, and the forward is the model's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from tierzero.models.llama import unit_seed
+
+
+class CausalLM(nn.Module):
+    """A Hugging Face `*ForCausalLM` with tierzero's batch contract; the root layout."""
+
+    def __init__(self, hf_model: nn.Module, blocks: str) -> None:
+        super().__init__()
+        for name, child in hf_model.named_children():
+            self.add_module(name, child)
+        object.__setattr__(self, "hf_model", hf_model)  # not a child: names stay the checkpoint's
+        self.blocks_path = blocks
+        self.config = hf_model.config
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.get_submodule(self.blocks_path)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.hf_model.get_input_embeddings()
+
+    def train(self, mode: bool = True) -> CausalLM:
+        super().train(mode)
+        self.hf_model.training = mode  # the top module is not a child; its own flag follows
+        return self
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
+                labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> Any:
+        """The loss of `targets` (shifted) or `labels` (unshifted); logits when given neither."""
+        logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        return self._loss(logits, targets, labels)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor | None,
+              labels: torch.Tensor | None) -> torch.Tensor:
+        if targets is None and labels is None:
+            return logits
+        # the model's own loss; ForCausalLMLoss takes shift_labels as they are (no second shift)
+        shifted = None if targets is None else targets.contiguous()
+        return self.hf_model.loss_function(logits=logits, labels=labels, shift_labels=shifted,
+                                           vocab_size=self.config.vocab_size)
+
+    # -- init -----------------------------------------------------------------------------------
+
+    def init_unit(self, seed: int, which: int | str) -> None:
+        """Initialise one unit with the model's own `_init_weights` (LlamaRMSNorm has no
+        `reset_parameters`; Linear/Embedding get the config's `initializer_range`), under a
+        seed that depends only on (seed, unit): block `which` (an index), "embedding", "head"
+        or "root" (everything outside the blocks)."""
+        n = len(self.blocks)
+        blocks = {id(m) for m in self.blocks.modules()}
+        embedding = self.get_input_embeddings()
+        if which == "root":
+            unit_id, modules = 0, [m for m in self.hf_model.modules() if id(m) not in blocks]
+        elif which == "embedding":
+            unit_id, modules = 0, list(embedding.modules())
+        elif which == "head":  # a tied output layer is the embedding's, initialised with it
+            skip = blocks | {id(m) for m in embedding.modules()}
+            output = self.hf_model.get_output_embeddings()
+            if output is not None and output.weight is embedding.weight:
+                skip.add(id(output))
+            unit_id, modules = n + 1, [m for m in self.hf_model.modules() if id(m) not in skip]
+        else:
+            unit_id, modules = int(which) + 1, list(self.blocks[int(which)].modules())
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(unit_seed(seed, unit_id))
+            for module in reversed(modules):  # children before parents, as nn.Module.apply does
+                self.hf_model._init_weights(module)
+
+
+class SplitCausalLM(CausalLM):
+    """The split layout: the final norm and the output layer run in `head_out`, the head unit."""
+
+    def __init__(self, hf_model: nn.Module, blocks: str, base: nn.Module, final_norm: nn.Module) -> None:
+        super().__init__(hf_model, blocks)
+        object.__setattr__(self, "base", base)
+        object.__setattr__(self, "final_norm", final_norm)
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
+                labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> Any:
+        with _deferred(self.final_norm):
+            hidden = self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return self.head_out(hidden.last_hidden_state, targets, labels=labels)
+
+    def head_out(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, *,
+                 labels: torch.Tensor | None = None) -> Any:
+        """Final norm, the model's own head and loss: everything after the blocks."""
+        hidden = self.final_norm(hidden)
+        with _returning(self.base, hidden):
+            logits = self.hf_model(inputs_embeds=hidden, use_cache=False).logits
+        return self._loss(logits, targets, labels)
+
+
+@contextlib.contextmanager
+def _deferred(module: nn.Module) -> Iterator[None]:
+    """`module` passes its input through while the base model runs (head_out applies it)."""
+    module.forward = _identity
+    try:
+        yield
+    finally:
+        del module.forward
+
+
+@contextlib.contextmanager
+def _returning(base: nn.Module, hidden: torch.Tensor) -> Iterator[None]:
+    """The base model returns `hidden` as its last hidden state, without computing anything."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    base.forward = lambda *args, **kwargs: BaseModelOutputWithPast(last_hidden_state=hidden)
+    try:
+        yield
+    finally:
+        del base.forward
+
+
+def _identity(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return x

@@ -1,0 +1,172 @@
+"""Build a Hugging Face causal LM from a local directory, its parameters on `meta`.
+
+`--model hf:<dir>` names a directory holding `config.json` (and, optionally, `*.safetensors`
+weights and a `tokenizer.json`); nothing is downloaded, and a name that is not a local
+directory is refused in one sentence. The model is constructed from the config with every
+*parameter* on `meta` and every *buffer* real (`_parameters_on_meta`): buffers such as rotary
+`inv_freq` are computed by the constructors from the config and are not in checkpoints, so a
+model built under `torch.device("meta")` would have none the engine could use. Parameters are
+then materialised unit by unit by the engine (`tierzero.init`), from the directory's
+safetensors or by the model's own `_init_weights`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tierzero.errors import ConfigError
+from tierzero.hf.adapter import CausalLM, SplitCausalLM
+from tierzero.partition import find_blocks
+
+PREFIX = "hf:"
+
+
+@dataclass
+class HFModel:
+    """A built model and what the run needs from its directory."""
+
+    model: CausalLM
+    path: Path
+    config: dict[str, Any]  # config.json as written, for export to write back
+    weights: Path | None  # the directory when it holds *.safetensors, else None (init)
+    tokenizer: Path | None  # tokenizer.json, when the directory has one
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    def param_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def description(self) -> dict[str, Any]:
+        """What a checkpoint records (`save_checkpoint(model=...)`): export writes the config back."""
+        return {"hf": str(self.path.resolve()), "config": self.config}
+
+
+def is_hf(name: str) -> bool:
+    return name.startswith(PREFIX)
+
+
+def model_dir(name: str) -> Path:
+    """The local directory behind `hf:<dir>`, or a one-line error (no hub, no network)."""
+    path = Path(name[len(PREFIX):] if is_hf(name) else name).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"model 'hf:{path}' is not a local directory; tierzero downloads nothing: "
+                          "pass hf:<dir> of a saved model (save_pretrained, or a snapshot you downloaded)")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model directory '{path}' has no config.json; pass the directory "
+                          "save_pretrained wrote")
+    return path
+
+
+def load_model(name: str | Path, units: str | None = None) -> HFModel:
+    """Build the causal LM of `hf:<dir>` (or `<dir>`) with its parameters on `meta`."""
+    path = model_dir(str(name))
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ConfigError("Hugging Face models need transformers; pip install 'tierzero[hf]'") from None
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, OSError, KeyError) as e:
+        raise ConfigError(f"cannot read {path / 'config.json'} as a transformers config ({_first_line(e)}); "
+                          "check the file, or upgrade transformers for a newer architecture") from None
+    config.use_cache = False  # see adapter: a cache would be reused by the recompute
+    try:
+        with _parameters_on_meta():
+            hf_model = AutoModelForCausalLM.from_config(config)
+    except ValueError as e:
+        raise ConfigError(f"{path} is not a causal language model transformers can build "
+                          f"({_first_line(e)}); pass a *ForCausalLM model directory") from None
+    model = adapt(hf_model, units)
+    weights = path if any(path.glob("*.safetensors")) else None
+    tokenizer = path / "tokenizer.json"
+    return HFModel(model, path, raw, weights, tokenizer if tokenizer.is_file() else None)
+
+
+def adapt(hf_model: nn.Module, units: str | None = None) -> CausalLM:
+    """Wrap a built `*ForCausalLM`: split layout when its only parameters outside the blocks,
+    input and output embeddings are one module of the base model after the blocks (the final
+    norm); else root. `units` names the blocks (`model.layers`) if the largest list is wrong."""
+    blocks_path, blocks = find_blocks(hf_model, units)
+    base = getattr(hf_model, "base_model", None)
+    leftover = _leftover_modules(hf_model, blocks)
+    if isinstance(base, nn.Module) and base is not hf_model and len(leftover) == 1:
+        children = list(base.named_children())
+        names = [n for n, _ in children]
+        norm = [n for n, m in children if m is leftover[0]]
+        lists = [n for n, m in children if m is blocks]
+        if norm and lists and names.index(norm[0]) > names.index(lists[0]):
+            return SplitCausalLM(hf_model, blocks_path, base, leftover[0])
+    return CausalLM(hf_model, blocks_path)
+
+
+def _leftover_modules(hf_model: nn.Module, blocks: nn.ModuleList) -> list[nn.Module]:
+    """Modules with parameters of their own outside the blocks and the embeddings."""
+    inside = {id(m) for m in blocks.modules()}
+    inside |= {id(m) for m in hf_model.get_input_embeddings().modules()}
+    output = hf_model.get_output_embeddings()
+    if output is not None:
+        inside |= {id(m) for m in output.modules()}
+    return [m for m in hf_model.modules()
+            if id(m) not in inside and any(True for _ in m.parameters(recurse=False))]
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside is moved to `meta`; buffers stay real. Allocation is
+    only virtual: a parameter's CPU `empty` is never written before it moves."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def materialise(hf: HFModel, seed: int, device: torch.device | str = "cpu",
+                weights: str | Path | None = None) -> CausalLM:
+    """The whole model in memory (the reference trainer's, `--offload none`): every parameter
+    on `device`, from `weights` or initialised unit by unit as the engine does."""
+    from tierzero.init import WeightFiles
+
+    model = hf.model
+    real: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for attr, p in list(module._parameters.items()):
+            if p is not None:
+                if id(p) not in real:
+                    real[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=torch.float32), p.requires_grad)
+                module._parameters[attr] = real[id(p)]
+    files = WeightFiles(weights) if weights is not None else None
+    with torch.no_grad():
+        if files is None:
+            layout = ["embedding", "head"] if isinstance(model, SplitCausalLM) else ["root"]
+            for which in [*layout, *range(len(model.blocks))]:
+                model.init_unit(seed, which)
+        else:
+            names: dict[int, list[str]] = {}
+            for name, p in model.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), []).append(name)
+            for p in model.parameters():
+                p.copy_(files.load(tuple(names[id(p)]), tuple(p.shape)))
+    return model.to(device)
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
