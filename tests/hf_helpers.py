@@ -29,12 +29,12 @@ def config(arch: str, **overrides):
     return LlamaConfig(**{**LLAMA, **overrides}) if arch == "llama" else GPT2Config(**{**GPT2, **overrides})
 
 
-def save_model(arch: str, path: Path, seed: int = 0, **overrides) -> Path:
+def save_model(arch: str, path: Path, seed: int = 0, shard: str = SHARD, **overrides) -> Path:
     """A random-weight model of `arch`, saved with save_pretrained (sharded safetensors)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config(arch, **overrides)).save_pretrained(path, max_shard_size=SHARD)
+    AutoModelForCausalLM.from_config(config(arch, **overrides)).save_pretrained(path, max_shard_size=shard)
     return path
 
 

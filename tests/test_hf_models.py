@@ -1,0 +1,115 @@
+"""Building Hugging Face models for the engine: meta parameters, real buffers, layouts, the
+loss contract, the model's own init, and one-line errors for what cannot be built."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+from hf_helpers import config
+from tierzero import Config, Engine
+from tierzero.cli.app import app
+from tierzero.errors import ConfigError
+from tierzero.hf import CausalLM, SplitCausalLM, load_model, materialise
+from tierzero.partition import partition
+from tierzero.reference import compute_loss
+
+runner = CliRunner()
+
+
+def batch(seed: int = 0, size: int = 2, seq: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    window = torch.randint(0, 256, (size, seq + 1), generator=torch.Generator().manual_seed(seed))
+    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+def test_parameters_on_meta_buffers_real_and_no_kv_cache(hf_models):
+    from transformers import AutoModelForCausalLM
+
+    hf = load_model(f"hf:{hf_models['llama']}")
+    assert all(p.is_meta for p in hf.model.parameters())
+    own = AutoModelForCausalLM.from_config(config("llama"))
+    buffers = dict(hf.model.named_buffers())
+    assert buffers.keys() == dict(own.named_buffers()).keys() and buffers
+    assert all(torch.equal(b, own.get_buffer(n)) for n, b in buffers.items())  # rotary inv_freq, real
+    assert hf.model.config.use_cache is False
+    assert {n for n, _ in hf.model.named_parameters()} == {n for n, _ in own.named_parameters()}
+
+
+def test_layouts(hf_models):
+    llama, gpt2 = load_model(hf_models["llama"]), load_model(hf_models["gpt2"])
+    assert isinstance(llama.model, SplitCausalLM)
+    units = partition(llama.model)
+    assert [u.kind for u in units] == ["embedding", "block", "block", "head"]
+    assert units[-1].uses_with == (0,)  # tied: the head uses the embedding unit
+    assert {n for s in units[-1].slots for n in s.names} == {"model.norm.weight"}
+    # GPT-2's position embedding runs before the blocks, outside any entry point: root layout
+    assert type(gpt2.model) is CausalLM
+    assert [u.kind for u in partition(gpt2.model)] == ["root", "block", "block"]
+    assert [u.name for u in partition(load_model(hf_models["llama"], units="model.layers").model)][1] == "model.layers.0"
+    with pytest.raises(ConfigError, match="units 'model.nope'"):
+        load_model(hf_models["llama"], units="model.nope")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_loss_is_the_models_own(arch, hf_models):
+    """Shifted targets (tierzero's batches), HF labels (shifted by HF) and a dict batch."""
+    from transformers import AutoModelForCausalLM
+
+    own = AutoModelForCausalLM.from_pretrained(hf_models[arch])
+    model = materialise(load_model(hf_models[arch]), seed=0, weights=hf_models[arch])
+    x, y = batch()
+    with torch.no_grad():
+        logits = own(input_ids=x).logits
+        assert torch.allclose(model(x, y), F.cross_entropy(logits.flatten(0, 1), y.flatten()), atol=1e-6)
+        assert torch.allclose(model(x, labels=x), own(input_ids=x, labels=x).loss, atol=1e-6)
+        assert torch.allclose(compute_loss(model, {"input_ids": x, "targets": y}), model(x, y))
+        assert torch.allclose(model(x), logits, atol=1e-5)
+
+
+def test_init_is_the_models_own_and_the_engines_matches_in_memory(hf_models, tmp_path):
+    """No weights: every unit initialised by the model's `_init_weights` under (seed, unit)."""
+    model_dir = tmp_path / "config-only"
+    model_dir.mkdir()
+    shutil.copy(hf_models["llama"] / "config.json", model_dir)
+    hf = load_model(model_dir)
+    assert hf.weights is None
+    in_memory = {n: p.detach().clone() for n, p in materialise(load_model(model_dir), seed=3).named_parameters()}
+    engine = Engine(hf.model, Config(offload="nvme", device="cpu", dtype="fp32", nvme_path=[str(tmp_path / "nvme")],
+                                     seed=3))
+    try:
+        master = engine.master_state_dict()
+    finally:
+        engine.close()
+    assert all(torch.equal(master[n], p) for n, p in in_memory.items())
+    assert torch.equal(master["model.norm.weight"], torch.ones(64))  # LlamaRMSNorm: no reset_parameters
+    std = hf.model.config.initializer_range
+    assert abs(master["model.layers.0.mlp.up_proj.weight"].std().item() - std) < 0.1 * std
+    other = materialise(load_model(model_dir), seed=4)
+    assert not torch.equal(other.get_parameter("model.layers.1.self_attn.q_proj.weight"),
+                           in_memory["model.layers.1.self_attn.q_proj.weight"])
+
+
+def one_line_error(result) -> str:
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    return lines[0]
+
+
+def test_bad_models_are_one_line_errors(hf_models, tmp_path):
+    train = lambda *a: runner.invoke(app, ["train", "--steps", "1", "--run-dir", str(tmp_path / "run"), *a])
+    assert "is not a local directory" in one_line_error(train("--model", "hf:meta-llama/Llama-3.2-1B"))
+    assert "has no config.json" in one_line_error(train("--model", f"hf:{tmp_path}"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    assert "transformers config" in one_line_error(train("--model", f"hf:{tmp_path / 'bad'}"))
+    ids = tmp_path / "ids.npy"
+    import numpy as np
+
+    np.save(ids, np.arange(300, dtype=np.uint16))
+    error = one_line_error(train("--model", f"hf:{hf_models['gpt2']}", "--data", str(ids)))
+    assert str(ids) in error and "token id 299" in error and "vocabulary of 256" in error
