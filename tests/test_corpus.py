@@ -75,3 +75,7 @@ def test_missing_and_mixed_data_are_one_sentence(tmp_path, tokenizer):
     (tmp_path / "ids.bin").write_bytes(b"\0\0")
     with pytest.raises(DataError, match="holds token file ids.bin"):
         read_corpus(str(tmp_path), 256)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "a.txt").write_text("text")
+    with pytest.raises(DataError, match="tokenizer.json is not a tokenizer the tokenizers library reads"):
+        read_corpus(str(tmp_path / "a.txt"), 256, TextTokenizer(tmp_path / "tokenizer.json"))

@@ -3,6 +3,7 @@ loss contract, the model's own init, and one-line errors for what cannot be buil
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -93,6 +94,14 @@ def test_init_is_the_models_own_and_the_engines_matches_in_memory(hf_models, tmp
                            in_memory["model.layers.1.self_attn.q_proj.weight"])
 
 
+def test_offload_none_trains_the_model_in_memory(hf_models, tmp_path):
+    result = runner.invoke(app, ["train", "--model", f"hf:{hf_models['gpt2']}", "--offload", "none", "--steps", "2",
+                                 "--batch-size", "1", "--seq-len", "16", "--run-dir", str(tmp_path / "run"), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout[result.stdout.index("{"):])
+    assert summary["steps"] == 2 and summary["first_loss"] > 0
+
+
 def one_line_error(result) -> str:
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.strip().splitlines() if line.strip()]
@@ -107,6 +116,11 @@ def test_bad_models_are_one_line_errors(hf_models, tmp_path):
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text('{"model_type": "no-such-architecture"}')
     assert "transformers config" in one_line_error(train("--model", f"hf:{tmp_path / 'bad'}"))
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(hf_models["gpt2"] / "config.json", pickled)
+    (pickled / "pytorch_model.bin").write_bytes(b"not loaded")
+    assert "pytorch_model.bin, a pickle tierzero never loads" in one_line_error(train("--model", f"hf:{pickled}"))
     ids = tmp_path / "ids.npy"
     import numpy as np
 

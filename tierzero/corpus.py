@@ -32,9 +32,17 @@ class TextTokenizer:
     eos_id: int | None = None
 
     def encode(self, documents: list[str]) -> np.ndarray:
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(self.path))
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DataError("tokenizing text with a model's tokenizer.json needs tokenizers; "
+                            "pip install 'tierzero[hf]'") from None
+        try:
+            tokenizer = Tokenizer.from_file(str(self.path))
+        except Exception as e:  # tokenizers raises plain Exceptions for unreadable files
+            raise DataError(f"{self.path} is not a tokenizer the tokenizers library reads "
+                            f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); replace it with "
+                            "the model's own tokenizer.json") from None
         ids: list[int] = []
         for encoding in tokenizer.encode_batch(documents):
             ids.extend(encoding.ids)

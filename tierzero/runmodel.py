@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -18,6 +18,9 @@ from torch import nn
 from tierzero import models
 from tierzero.config import RunConfig
 from tierzero.corpus import TOKEN_SUFFIXES, TextTokenizer
+
+if TYPE_CHECKING:
+    from tierzero.hf import HFModel
 
 
 @dataclass
@@ -29,19 +32,19 @@ class RunModel:
     tokenizer: TextTokenizer | None  # None: text is read as bytes
     description: dict[str, Any]  # what checkpoints record about the model
     notes: list[str] = field(default_factory=list)
-    _hf: Any = None  # tierzero.hf.HFModel for hf:<dir>
+    hf_model: HFModel | None = None  # for hf:<dir>
 
     def on_meta(self) -> nn.Module:
-        if self._hf is not None:
-            return self._hf.model
+        if self.hf_model is not None:
+            return self.hf_model.model
         return models.build(self.name, device="meta")
 
     def in_memory(self, device: torch.device, seed: int) -> nn.Module:
         """Every parameter on `device`: from `weights`, or initialised as the engine would."""
-        if self._hf is not None:
+        if self.hf_model is not None:
             from tierzero.hf import materialise
 
-            return materialise(self._hf, seed, device, self.weights)
+            return materialise(self.hf_model, seed, device, self.weights)
         model = models.build(self.name, device=device, seed=seed)
         if self.weights:
             from tierzero.weights import WeightFiles
@@ -66,6 +69,9 @@ def run_model(run: RunConfig) -> RunModel:
     hf = load_model(run.model, run.engine.units)
     weights = run.weights or (str(hf.weights) if hf.weights is not None else None)
     tokenizer, notes = None, []
+    if weights is None:
+        notes.append(f"model directory {hf.path} has no *.safetensors: every unit is initialised by the "
+                     f"model's own _init_weights from seed {run.engine.seed}")
     if hf.tokenizer is not None:
         tokenizer = TextTokenizer(hf.tokenizer, _eos_id(hf.config))
     elif not (run.data and Path(run.data).suffix in TOKEN_SUFFIXES):

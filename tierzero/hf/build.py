@@ -89,6 +89,10 @@ def load_model(name: str | Path, units: str | None = None) -> HFModel:
                           f"({_first_line(e)}); pass a *ForCausalLM model directory") from None
     model = adapt(hf_model, units)
     weights = path if any(path.glob("*.safetensors")) else None
+    pickled = sorted(path.glob("*.bin")) + sorted(path.glob("*.pt")) + sorted(path.glob("*.pth"))
+    if weights is None and pickled:
+        raise ConfigError(f"model directory '{path}' has weights only as {pickled[0].name}, a pickle tierzero "
+                          "never loads; convert them to safetensors (save_pretrained writes them by default)")
     tokenizer = path / "tokenizer.json"
     return HFModel(model, path, raw, weights, tokenizer if tokenizer.is_file() else None)
 
