@@ -160,3 +160,16 @@ def test_predicted_peaks_are_within_ten_percent_of_measured() -> None:
             assert 0.9 * r[f"predicted_{pool}"] <= r[f"measured_{pool}"] <= r[f"predicted_{pool}"], (r["name"], pool)
         ratio = r["measured_rss_growth"] / r["predicted_host_total"]
         assert 0.9 <= ratio <= 1.1, (r["name"], ratio, r["breakdown"])
+
+
+def test_frozen_parameters_are_counted_as_params_only() -> None:
+    """A unit's frozen rest has a param and nothing else: homes, grads and the optimizer's
+    pieces count the trainable prefix (`trainable`) only."""
+    units = [("embedding", 4 * SHARD), ("blocks.0", 3 * SHARD), ("head", 64)]
+    kw = dict(compute_itemsize=2, device="cpu", prefetch_depth=1, piece_numel=SHARD, overlap=False)
+    m = peak_memory(units, NVME, trainable=[0, SHARD, 0], **kw)
+    assert m.tiers[Tier.NVME].homes_bytes == (4 + 3 + 1) * SHARD * 2 + SHARD * 16
+    # only the block's call has grads: its trainable weights' (bf16) and their fp32 flat grad
+    assert m.tiers[Tier.GPU].unpooled["unit grads"] == SHARD * 2 + SHARD * 4
+    dense = peak_memory(units, NVME, **kw)
+    assert dense.tiers[Tier.NVME].homes_bytes == (4 + 3 + 1) * SHARD * 18

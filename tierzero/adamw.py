@@ -26,18 +26,19 @@ def decays(param: torch.Tensor) -> bool:
 
 
 def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-               exp_avg_sqs: list[torch.Tensor], weight_decay: list[float], step: int, lr: float,
+               exp_avg_sqs: list[torch.Tensor], weight_decay: list[float], steps: list[int], lr: float,
                config: Config) -> None:
     """One AdamW update, in place, of `params` (any views: flat shard segments or parameters).
 
-    `step` is the number of updates already applied (torch's state 'step' before this update).
+    `steps[i]` is the number of updates already applied to `params[i]` (torch's per-parameter
+    state 'step' before this update).
     """
     if not params:
         return
     groups = [{"params": [p], "weight_decay": wd} for p, wd in zip(params, weight_decay)]
     opt = torch.optim.AdamW(groups, lr=lr, betas=config.betas, eps=config.eps,
                             **implementation(params[0].device))
-    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
         p.grad = g
         opt.state[p] = {"step": torch.tensor(float(step), dtype=torch.float32, device=p.device),
                         "exp_avg": m, "exp_avg_sq": v}

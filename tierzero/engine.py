@@ -8,7 +8,10 @@
 or `engine.train_step(batch)`. The model may be on `meta` (it is materialised unit by unit
 into the tiers) or already built (its weights are adopted and its own storage freed). From
 then on the engine owns every parameter: the modules' weights are views bound while a unit
-computes and meta placeholders otherwise.
+computes and meta placeholders otherwise. A frozen parameter (`requires_grad=False`, e.g. the
+base under LoRA adapters) is stored once, as a param in the compute dtype, fetched for compute
+like the rest and never written; a parameter that gets no gradient in a step is not updated,
+as torch's AdamW skips it (`tierzero.paramsteps`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from tierzero.manifest import MANIFEST_NAME, Manifest
 from tierzero.memory import MemoryModel, peak_memory
 from tierzero.models.presets import ModelArgs
 from tierzero.optim import ShardOptimizer
+from tierzero.paramsteps import ParamSteps, Run
 from tierzero.partition import Unit, forward_uses, grad_uses, partition
 from tierzero.precision import DynamicLossScaler, compute_dtype, resolve_dtype
 from tierzero.reference import compute_loss, to_device
@@ -49,12 +53,9 @@ class Engine:
         self.device = config.resolved_device()
         self.dtype = compute_dtype(resolve_dtype(config.dtype, self.device), self.device)
         self.model = model
-        frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
-        if frozen:
-            raise ConfigError(f"the engine trains every parameter, but {len(frozen)} are frozen (first: "
-                              f"{frozen[0]}); unfreeze them or train them with --offload none")
         self.comm = Comm()
         self.units = partition(model, self.comm.world_size, config.units)
+        self.param_steps = ParamSteps(self.units)
         self.param_order = [name for name, _ in model.named_parameters()]
         self.scaler = DynamicLossScaler(config.loss_scale, config.loss_scale_window,
                                         enabled=self.dtype == torch.float16)
@@ -78,6 +79,7 @@ class Engine:
         self._broken: str | None = None  # why a step stopped half-way, leaving partial state
         self._root_leaves: list[torch.Tensor] | None = None
         self._stepped_in_backward = False
+        self._overlap_step_args: tuple[float, torch.Tensor | None] = (0.0, None)  # this step's lr, clip factor
         self._previous_norm: torch.Tensor | None = None
         self._notes: list[str] = []
         self._activations_reserved = False
@@ -171,8 +173,9 @@ class Engine:
             coef = None  # clip_previous_norm: the first step is not clipped
             if self.config.clip_grad_norm is not None and self._previous_norm is not None:
                 coef = clip_coefficient(self._previous_norm, self.config.clip_grad_norm)
+            self._overlap_step_args = (lr, coef)
             self.grads.hand_over = lambda unit, grad: self.optimizer.step_unit(
-                unit, grad, self.step_count, lr, coef)
+                unit, grad, self._runs(unit), lr, coef)
             # read each unit's states while the unit before it in backward order still computes
             self.runner.on_backward_start = lambda u: [self.optimizer.prefetch(self.units[v])
                                                        for v in (u, u - 1) if v >= 0]
@@ -182,7 +185,8 @@ class Engine:
         try:
             scaled.backward()
             if self._root_leaves is not None:
-                self.grads.offload(0, flat_grad(self.units[0], self._root_leaves))
+                if self.units[0].trainable_numel:
+                    self.grads.offload(0, *flat_grad(self.units[0], self._root_leaves))
                 unbind(self.units[0], self.dtype)
                 self._root_leaves = None
             self.scheduler.finish()
@@ -215,9 +219,15 @@ class Engine:
         self.tiers.pending.drain()  # grads written during backward must land before they are read
         if self._stepped_in_backward:  # overlap_step: every unit was stepped as its grad arrived
             self._stepped_in_backward = False
+            # ... but one that got grads in an earlier micro-batch only is stepped here
+            missed = {u.index: self._runs(u) for u in self.units
+                      if self.grads.present.get(u.index) and u.index not in self.grads.handed}
+            if missed:
+                self.optimizer.step(missed, *self._overlap_step_args)
             if self.config.clip_grad_norm is not None:  # this step's norm clips the next one
                 self._previous_norm = self.grads.total_norm(self.param_order)
                 self.last_grad_norm = self._previous_norm.item()
+            self.param_steps.advance(self.grads.present)
             self.step_count += 1
             return True
         if self.scaler.enabled and not self.scaler.update(self.grads.found_inf()):
@@ -228,9 +238,14 @@ class Engine:
             norm = self.grads.total_norm(self.param_order)
             self.last_grad_norm = norm.item()
             coef = clip_coefficient(norm, self.config.clip_grad_norm)
-        self.optimizer.step(self.step_count, lr_at(self.step_count, self.config), coef)
+        self.optimizer.step({u.index: self._runs(u) for u in self.units}, lr_at(self.step_count, self.config), coef)
+        self.param_steps.advance(self.grads.present)
         self.step_count += 1
         return True
+
+    def _runs(self, unit: Unit) -> list[Run]:
+        """What this step updates of this rank's shard of `unit`, with each run's step count."""
+        return self.param_steps.runs(unit, self.comm.rank, self.grads.present.get(unit.index, ()), self.step_count)
 
     def train_step(self, batch: Any) -> float:
         """forward + backward + step (the step runs once per `accumulate` calls)."""
@@ -302,7 +317,8 @@ class Engine:
     # -- state ----------------------------------------------------------------------------------
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights under every parameter name (tied aliases included), unit by unit.
+        """fp32 master weights under every parameter name (tied aliases included), unit by unit;
+        a frozen parameter's stored values, in fp32.
 
         This holds the whole fp32 model in host memory: for small models and tests. For large
         ones, checkpoint and stream the weights out with `tierzero export` (about one unit of RAM)."""
@@ -310,6 +326,8 @@ class Engine:
         out: dict[str, torch.Tensor] = {}
         for unit in self.units:
             master = self.read_shard(StateKind.MASTER, unit)
+            if unit.has_frozen:  # the shard's frozen rest has params only
+                master = torch.cat([master, self.read_shard(StateKind.PARAM, unit)[master.numel():].float()])
             if self.comm.world_size > 1:  # every rank's shard, end to end: the full flat buffer
                 master = self.comm.all_gather(master.to(self.device)).cpu()
             for slot in unit.slots:
@@ -323,8 +341,12 @@ class Engine:
         return state_keys(kind, unit, self.comm.rank, self.config.piece_numel, self.placement.home(kind))
 
     def read_shard(self, kind: StateKind, unit: Unit) -> torch.Tensor:
-        """A CPU copy of this rank's shard of `kind` for `unit` (for inspection and export)."""
-        out = aligned_empty(unit.shard_numel, self.dtype if kind is StateKind.PARAM else torch.float32)
+        """A CPU copy of this rank's shard of `kind` for `unit` (for inspection and export): for
+        kinds other than `param`, its trainable prefix (`Unit.state_numel`)."""
+        if kind is StateKind.PARAM:
+            out = aligned_empty(unit.shard_numel, self.dtype)
+        else:
+            out = aligned_empty(unit.state_numel(self.comm.rank), torch.float32)
         for key, a, b in self.keys(kind, unit):
             self.read_key(kind, key, out[a:b])
         return out
@@ -457,6 +479,7 @@ class Engine:
                            world_size=self.comm.world_size,
                            device="cpu" if self.device.type == "cpu" else "cuda",
                            tied_embeddings=any(u.uses_with for u in self.units),
+                           trainable=[u.trainable_numel for u in self.units],
                            prefetch_depth=self.config.prefetch_depth, piece_numel=self.config.piece_numel,
                            overlap=self.overlap, accumulate=self.config.accumulate, activations=activations)
 

@@ -21,20 +21,21 @@ from tierzero.partition import Unit
 
 GatherFn = Callable[[int], torch.Tensor]  # unit index -> full flat param buffer on the device
 ReleaseFn = Callable[[int], None]
-GradFn = Callable[[int, torch.Tensor], None]  # unit index, full flat grad
+GradFn = Callable[[int, torch.Tensor, frozenset[int]], None]  # unit index, flat grad, slots with a grad
 
 
 def bind(unit: Unit, flat: torch.Tensor, requires_grad: bool = False) -> list[torch.Tensor]:
     """Point every parameter of `unit` at its slice of `flat` (views, no copies); return them.
 
-    With `requires_grad` each view becomes its own autograd leaf: autograd then writes each
-    parameter's gradient once, instead of scattering every view's gradient into a zeroed
-    copy of the whole flat buffer (which costs one flat-sized pass per parameter).
+    With `requires_grad` each trainable view becomes its own autograd leaf: autograd then
+    writes each parameter's gradient once, instead of scattering every view's gradient into a
+    zeroed copy of the whole flat buffer (which costs one flat-sized pass per parameter).
+    Frozen parameters stay plain views: autograd computes no gradient for them.
     """
     leaves = []
     for slot in unit.slots:
         view = flat[slot.offset:slot.end].view(slot.shape)
-        if requires_grad:
+        if requires_grad and not slot.frozen:
             view = view.detach().requires_grad_(True)
         leaves.append(view)
         for module, attr in slot.module_attrs:
@@ -42,17 +43,26 @@ def bind(unit: Unit, flat: torch.Tensor, requires_grad: bool = False) -> list[to
     return leaves
 
 
-def flat_grad(unit: Unit, leaves: list[torch.Tensor]) -> torch.Tensor:
-    """The unit's gradient as one padded fp32 flat buffer: each parameter's grad copied once."""
+def flat_grad(unit: Unit, leaves: list[torch.Tensor]) -> tuple[torch.Tensor, frozenset[int]]:
+    """The gradient of the unit's trainable prefix as one fp32 flat buffer (each parameter's
+    grad copied once; one rank: `trainable_numel` long, several: the padded flat, which is
+    reduce-scattered), and the indices of the slots that got a gradient (torch's AdamW skips
+    a parameter whose `.grad` is None; here its values are zeros)."""
     device = leaves[0].device if leaves else torch.device("cpu")
-    out = torch.empty(unit.padded_numel, dtype=torch.float32, device=device)
-    for slot, leaf in zip(unit.slots, leaves):
+    out = torch.empty(unit.trainable_numel if unit.world_size == 1 else unit.padded_numel,
+                      dtype=torch.float32, device=device)
+    present, end = [], 0
+    for i, (slot, leaf) in enumerate(zip(unit.slots, leaves)):
+        if slot.frozen:
+            continue
         if leaf.grad is None:
             out[slot.offset:slot.end].zero_()
         else:
             out[slot.offset:slot.end].copy_(leaf.grad.reshape(-1))
-    out[unit.numel:].zero_()
-    return out
+            present.append(i)
+        end = slot.end
+    out[end:].zero_()
+    return out, frozenset(present)
 
 
 def unbind(unit: Unit, dtype: torch.dtype) -> None:
@@ -172,9 +182,11 @@ class _Checkpointed(torch.autograd.Function):
             outs = tree_flatten(out)[0]
             pairs = [(outs[i], grads[i]) for i in ctx.out_tensor_idx
                      if outs[i].requires_grad and grads[i] is not None]
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            if pairs:  # none when every weight is frozen and no input needs a grad
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             for u, unit_leaves in zip(bound, leaves):
-                runner.on_grad(u.index, flat_grad(u, unit_leaves))
+                if u.trainable_numel:  # a unit of frozen parameters only has no grad to store
+                    runner.on_grad(u.index, *flat_grad(u, unit_leaves))
         finally:
             for u in bound:
                 unbind(u, runner.dtype)

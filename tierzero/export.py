@@ -206,7 +206,8 @@ def _destination(out: Path) -> tuple[Path, str]:
 
 
 def _read_units(checkpoint: Path, manifest: Manifest) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield (unit index, flat fp32 buffer) per unit: every rank's master shard end to end,
+    """Yield (unit index, flat fp32 buffer) per unit: every rank's master shard end to end (and
+    where the unit has frozen parameters, which have no master, its param shard under it),
     each chunk checked against the manifest's crc32c. One buffer, sized for the largest unit,
     is reused, so the caller must finish with a unit before asking for the next."""
     buffer = torch.empty(max(u.padded_numel for u in manifest.units), dtype=torch.float32)
@@ -214,13 +215,19 @@ def _read_units(checkpoint: Path, manifest: Manifest) -> Iterator[tuple[int, tor
         flat = buffer[:unit.padded_numel]
         shard = unit.padded_numel // manifest.world_size
         for rank in range(manifest.world_size):
-            _read_shard(checkpoint, manifest, unit, rank, flat[rank * shard:(rank + 1) * shard])
+            out = flat[rank * shard:(rank + 1) * shard]
+            trained = min(shard, max(0, unit.trainable_numel - rank * shard))
+            if trained < shard:
+                _read_shard(checkpoint, manifest, unit, rank, out, StateKind.PARAM)
+            if trained:
+                _read_shard(checkpoint, manifest, unit, rank, out[:trained], StateKind.MASTER)
         yield unit.index, flat
 
 
-def _read_shard(checkpoint: Path, manifest: Manifest, unit: UnitLayout, rank: int, out: torch.Tensor) -> None:
-    """One rank's master shard: one array, or (as the engine stores it) one array per piece."""
-    key = shard_key(StateKind.MASTER, unit.index, rank)
+def _read_shard(checkpoint: Path, manifest: Manifest, unit: UnitLayout, rank: int, out: torch.Tensor,
+                kind: StateKind) -> None:
+    """One rank's shard of `kind`: one array, or (as the engine stores it) one array per piece."""
+    key = shard_key(kind, unit.index, rank)
     pieces = sorted(k for k in manifest.arrays if k.startswith(key + "/p"))
     if not pieces:
         _read_array(checkpoint, manifest, key, out)
@@ -236,16 +243,22 @@ def _read_shard(checkpoint: Path, manifest: Manifest, unit: UnitLayout, rank: in
 
 
 def _read_array(checkpoint: Path, manifest: Manifest, key: str, out: torch.Tensor) -> None:
+    """Read one array into `out` (fp32): a master array as it is, a param array (compute
+    dtype, as frozen parameters are stored) through a buffer of its own dtype."""
     meta = manifest.arrays.get(key)
     if meta is None:
         raise CheckpointError(f"checkpoint {checkpoint.name} has no array {key}: it is damaged; "
                               "export another step with --step")
-    if meta.dtype != torch.float32 or meta.numel != out.numel():
+    master = key.startswith(StateKind.MASTER.value + "/")
+    if (master and meta.dtype != torch.float32) or not meta.dtype.is_floating_point or meta.numel != out.numel():
         raise CheckpointError(f"checkpoint {checkpoint.name} array {key} holds {meta.numel} "
-                              f"{meta.dtype} values where the layout needs {out.numel()} float32: it is "
-                              "damaged; export another step with --step")
+                              f"{meta.dtype} values where the layout needs {out.numel()} "
+                              f"{'float32' if master else 'floating-point'}: it is damaged; export another step with --step")
     try:
-        read_array(str(manifest.array_dir(checkpoint, key)), meta, out=out)
+        if meta.dtype == out.dtype:
+            read_array(str(manifest.array_dir(checkpoint, key)), meta, out=out)
+        else:
+            out.copy_(read_array(str(manifest.array_dir(checkpoint, key)), meta))
     except StorageError as e:
         raise CheckpointError(f"checkpoint {checkpoint.name} is damaged: {e}; export another "
                               "step with --step") from None

@@ -1,8 +1,10 @@
 """Gradient shards: reduce, unscale, accumulate in fp32 in their home tier, and measure.
 
-A unit's flat gradient arrives from backward in the compute dtype. It becomes fp32, is
-reduce-scattered to this rank's shard and unscaled (fp16); later micro-batches add what the
-earlier ones stored, piece by piece (a resident buffer for `gpu`/`host`, a staged read for
+A unit's flat gradient arrives from backward in the compute dtype, with the slots that got
+one (`present`: the others are zeros, and the optimizer skips them as torch's AdamW skips a
+parameter whose grad is None). It becomes fp32, is reduce-scattered to this rank's shard
+(its trainable prefix: frozen parameters have no grad) and unscaled (fp16); later
+micro-batches of the step add what the earlier ones stored, piece by piece (a resident buffer for `gpu`/`host`, a staged read for
 `nvme`). On the last micro-batch the accumulated shard's norms and its finiteness are
 recorded, so clipping and overflow checks need no second pass, and with overlap_step the
 shard goes straight to the optimizer; otherwise each piece is stored in its home.
@@ -33,6 +35,9 @@ class GradShards:
         self.uses = uses  # contributions per unit per backward (a tied embedding gets two)
         self.piece_numel = piece_numel
         self.seen: dict[int, int] = {}  # contributions so far in this backward
+        self.present: dict[int, set[int]] = {}  # unit -> its slots that got a grad in this step
+        self.stored: set[int] = set()  # units whose grad is in their home (added to from then on)
+        self.handed: set[int] = set()  # units handed to the optimizer in this step (overlap_step)
         self.want_norms = norms  # clipping needs them
         self.want_finite = finite  # fp16 needs the overflow check
         self.micro = 0
@@ -50,15 +55,19 @@ class GradShards:
         self.micro, self.last, self.inv_scale = micro, last, inv_scale
         self.seen = {}
         if micro == 0:
+            self.present, self.stored, self.handed = {}, set(), set()
             self.norms.clear()
             self.sumsq = torch.zeros((), dtype=torch.float32)
             self.nonfinite = torch.zeros((), dtype=torch.bool)
 
-    def offload(self, unit: int, full_grad: torch.Tensor) -> None:
+    def offload(self, unit: int, full_grad: torch.Tensor, present: frozenset[int]) -> None:
         """Accumulate one unit's gradient into its home (and measure it on the last micro-batch)."""
         u = self.units[unit]
         self.seen[unit] = self.seen.get(unit, 0) + 1
-        grad = self.comm.reduce_scatter(full_grad.float())
+        if self.comm.world_size > 1:  # ranks must agree on what is stepped: every trainable slot
+            present = frozenset(i for i, slot in enumerate(u.slots) if not slot.frozen)
+        self.present.setdefault(unit, set()).update(present)
+        grad = self.comm.reduce_scatter(full_grad.float())[:u.state_numel(self.comm.rank)]
         if self.inv_scale != 1.0:
             grad = grad * self.inv_scale
         if self.uses[unit] > 1:
@@ -68,18 +77,20 @@ class GradShards:
             grad = self._combine_uses(unit, grad)
             if grad is None:
                 return
-        first, final = self.micro == 0, self.last
+        final = self.last
         keys = state_keys(StateKind.GRAD, u, self.comm.rank, self.piece_numel, self.home)
-        if not first:  # earlier micro-batches' sum, piece by piece (prev + new: addition commutes)
+        if unit in self.stored:  # earlier micro-batches' sum, piece by piece (prev + new: addition commutes)
             for key, a, b in keys:
                 self._add_previous(key, grad[a:b])
         if final:
             self._measure(u, grad)
             if self.hand_over is not None:
+                self.handed.add(unit)
                 self.hand_over(u, grad)  # the optimizer steps it piece by piece, never stored
                 return
         for key, a, b in keys:
             self._store(key, grad[a:b])
+        self.stored.add(unit)
 
     def _add_previous(self, key: str, part: torch.Tensor) -> None:
         store = self.tiers.stores[self.home]
@@ -148,8 +159,10 @@ class GradShards:
         if self.comm.world_size == 1:
             # per-parameter norms, combined later in the model's parameter order, exactly as
             # torch.nn.utils.clip_grad_norm_ does it, so clipping stays bitwise comparable
-            for slot in unit.slots:
-                self.norms[slot.names[0]] = torch.linalg.vector_norm(acc[slot.offset:slot.end], 2.0).cpu()
+            # (only parameters with a grad: `clip_grad_norm_` leaves out those whose grad is None)
+            for i, slot in enumerate(unit.slots):
+                if i in self.present[unit.index]:
+                    self.norms[slot.names[0]] = torch.linalg.vector_norm(acc[slot.offset:slot.end], 2.0).cpu()
         else:
             self.sumsq += acc.double().pow(2).sum().float().cpu()
 

@@ -31,12 +31,14 @@ STATE_DIR = "state"
 
 @dataclass(frozen=True)
 class SlotLayout:
-    """One parameter in its unit's flat buffer; `names` lists every tied alias."""
+    """One parameter in its unit's flat buffer; `names` lists every tied alias. A frozen one
+    has no master weight: its values are in the unit's param arrays (compute dtype)."""
 
     names: list[str]
     offset: int
     numel: int
     shape: list[int]
+    frozen: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,11 +48,13 @@ class UnitLayout:
     numel: int
     padded_numel: int
     slots: list[SlotLayout]
+    trainable_numel: int  # flat[:trainable_numel] has master weights and Adam states
 
 
 def layout_of(units: list[Unit]) -> list[UnitLayout]:
     return [UnitLayout(u.index, u.name, u.numel, u.padded_numel,
-                       [SlotLayout(list(s.names), s.offset, s.numel, list(s.shape)) for s in u.slots])
+                       [SlotLayout(list(s.names), s.offset, s.numel, list(s.shape), s.frozen) for s in u.slots],
+                       u.trainable_numel)
             for u in units]
 
 
@@ -94,7 +98,9 @@ class Manifest:
                                       f"{doc.get('format')!r}); use a checkpoint this tierzero wrote")
             units = [UnitLayout(int(u["index"]), str(u["name"]), int(u["numel"]), int(u["padded_numel"]),
                                 [SlotLayout([str(n) for n in s["names"]], int(s["offset"]), int(s["numel"]),
-                                            [int(d) for d in s["shape"]]) for s in u["slots"]])
+                                            [int(d) for d in s["shape"]], bool(s.get("frozen", False)))
+                                 for s in u["slots"]],
+                                int(u.get("trainable_numel", u["padded_numel"])))
                      for u in doc["units"]]
             arrays = {str(k): ShardMeta.from_dict(v, f"{where} array {k!r}") for k, v in doc["arrays"].items()}
             return cls(int(doc["step"]), float(doc["time"]), int(doc["world_size"]), str(doc["compute_dtype"]),

@@ -11,6 +11,9 @@ nothing and never probes the machine.
 
 Conventions (as in `tierzero.plan`): gpu bytes are per rank, host and nvme bytes per machine
 (every rank's shards and buffers). Gradients are fp32 in every tier, as the engine keeps them.
+Frozen parameters have a param and nothing else: grads, master weights, Adam states and the
+optimizer's pieces cover a unit's trainable prefix only (`trainable`; with several ranks
+counted at rank 0's share, the largest, for every rank).
 
 How parts add up. A tier's buffer pool keeps what it has leased (idle buffers are reused, nvme
 params stay cached) until its budget forces it to let go, so a pool's peak persists from its
@@ -175,6 +178,7 @@ def peak_memory(
     overlap: bool = False,
     accumulate: int = 1,
     activations: ActivationEstimate | None = None,
+    trainable: Sequence[int] | None = None,
 ) -> MemoryModel:
     """Every tier's peak working set (bytes) for one training step.
 
@@ -182,7 +186,9 @@ def peak_memory(
     `embedding`, the blocks, `head` (a tied head's count excludes the embedding it uses), or a
     `root` first for models without embedding/head entry points. `device` is the compute
     device's kind. `activations` come from `ledger.activation_memory` (None: not counted, for
-    callers that do not know the batch). The module docstring says what each part is.
+    callers that do not know the batch). `trainable` is each unit's trainable prefix as
+    `partition` lays it out (`Unit.trainable_numel`; None: every parameter is trained). The
+    module docstring says what each part is.
     """
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
@@ -190,6 +196,9 @@ def peak_memory(
     padded = [_padded(n, w) for _, n in units]
     shard = [p // w for p in padded]
     numel = [n for _, n in units]
+    # the elements with grads and optimizer states: per rank, and (compute dtype) weight grads
+    state = shard if trainable is None else [min(s, t) for s, t in zip(shard, trainable)]
+    trained = numel if trainable is None else [min(n, t) for n, t in zip(numel, trainable)]
     calls = _calls(units, tied_embeddings)
     held = frozenset({0}) if units[0][0] == "root" else frozenset()
     tied = len(calls[-1]) > 1
@@ -197,14 +206,15 @@ def peak_memory(
     homes = {Tier.GPU: 0, Tier.HOST: 0, Tier.NVME: 0}
     for kind in StateKind:
         home = placement.home(kind)
-        homes[home] += sum(shard) * _nbytes(kind, c) * (1 if home is Tier.GPU else w)
+        stored = shard if kind is StateKind.PARAM else state
+        homes[home] += sum(stored) * _nbytes(kind, c) * (1 if home is Tier.GPU else w)
 
     # -- the pass: params in flight as the swap plan holds them
     plan = build_swap_plan(calls, depth, backward=True, held=held)
     flight, staging = _param_peaks(plan, shard, c, placement.param, staged_until_release=device == "cuda")
     gathered = 0 if w == 1 else max(sum(padded[u] for u in call) for call in calls) * c
     act = activations
-    pieces = [min(piece_numel, s - a) for s in shard for a in range(0, s, piece_numel)]
+    pieces = [min(piece_numel, s - a) for s in state for a in range(0, s, piece_numel)]
 
     def backward(final_with_overlap: bool) -> dict[Tier, dict[str, int]]:
         # the call being backpropagated: while autograd runs, its recompute's activations and its
@@ -213,10 +223,10 @@ def peak_memory(
         # still being stepped.
         worst = (0, 0)
         for i, call in enumerate(calls):
-            weights = sum(numel[u] * c for u in call)
-            flat = sum(padded[u] * FP32_NBYTES + (shard[u] * FP32_NBYTES if w > 1 else 0) for u in call)
+            weights = sum(trained[u] * c for u in call)
+            flat = sum((state[u] if w == 1 else padded[u] + state[u]) * FP32_NBYTES for u in call if state[u])
             after = calls[i + 1] if final_with_overlap and i + 1 < len(calls) else ()
-            stepping = sum(shard[u] * FP32_NBYTES for u in after)  # handed to the optimizer just before
+            stepping = sum(state[u] * FP32_NBYTES for u in after)  # handed to the optimizer just before
             recompute = _recompute_bytes(units[call[0]][0], act)
             moment = (recompute, weights + stepping) if recompute > flat else (0, weights + flat + stepping)
             worst = max(worst, moment, key=sum)
@@ -226,7 +236,7 @@ def peak_memory(
         if placement.grad is Tier.NVME and not final_with_overlap:  # pieces written, read-ahead deep
             host["grad staging"] = w * _window(pieces, max(1, depth) + 1) * FP32_NBYTES
         if tied:  # the first use's grad waits in the grad home; their sum forms in a host buffer
-            stash = shard[0] * FP32_NBYTES  # and is copied to the compute device
+            stash = state[0] * FP32_NBYTES  # and is copied to the compute device
             host["tied grad stash"] = w * stash * (2 if placement.grad is Tier.HOST else 1)
             gpu["tied grad stash"] = stash if placement.grad is Tier.GPU else 0
             gpu["tied grad sum"] = stash
@@ -246,15 +256,16 @@ def peak_memory(
         ahead = max(1, depth)
         if during_backward:  # unit u steps as u-1 computes: the first `ahead` pieces of both are read
             # ahead, and the last piece of u+1 (stepped before u) may still be in flight
-            per_unit = [pieces[a:b] for a, b in zip(_starts(shard, piece_numel), _starts(shard, piece_numel)[1:])]
+            per_unit = [pieces[a:b] for a, b in zip(_starts(state, piece_numel), _starts(state, piece_numel)[1:])]
             most = max(sum(per_unit[u][:ahead]) + (sum(per_unit[u - 1][:ahead]) if u > 0 else 0)
-                       + (per_unit[u + 1][-1] if u + 1 < len(per_unit) else 0) for u in range(len(per_unit)))
+                       + (per_unit[u + 1][-1] if u + 1 < len(per_unit) and per_unit[u + 1] else 0)
+                       for u in range(len(per_unit)))
         else:  # `ahead` pieces read, one more whose writes are in flight
             most = _window(pieces, ahead + (1 if writing else 0))
         parts: dict[Tier, dict[str, int]] = {Tier.GPU: {}, Tier.HOST: {}}
         parts[step_tier]["optimizer pieces"] = most * away * FP32_NBYTES * (w if step_tier is Tier.HOST else 1)
         if placement.param is Tier.NVME:  # each stepped piece's new params, written from a host buffer
-            parts[Tier.HOST]["new param staging"] = w * min(piece_numel, max(shard)) * c
+            parts[Tier.HOST]["new param staging"] = w * min(piece_numel, max(state)) * c
         return parts
 
     forward = {Tier.GPU: {"params in flight": flight[FORWARD], "gathered params": gathered,
@@ -359,7 +370,7 @@ def _starts(shard: list[int], piece_numel: int) -> list[int]:
 
 def _window(pieces: list[int], n: int) -> int:
     """The most elements in `n` consecutive pieces (the engine streams them in unit order)."""
-    return max(sum(pieces[j:j + n]) for j in range(len(pieces)))
+    return max((sum(pieces[j:j + n]) for j in range(len(pieces))), default=0)
 
 
 def _tier_peak(tier: Tier, homes: int, phases: dict[str, dict[str, int]], pooled: frozenset[str]) -> TierPeak:

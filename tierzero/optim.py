@@ -22,6 +22,7 @@ import torch
 
 from tierzero.adamw import adamw_step
 from tierzero.config import Config, Placement, StateKind, Tier
+from tierzero.paramsteps import Run
 from tierzero.partition import Unit
 from tierzero.stats import StepStats
 from tierzero.tiers import Tiers, piece_key, shard_key
@@ -37,6 +38,7 @@ class Work:
     piece: int
     start: int  # the piece's range in the shard
     end: int
+    runs: list[Run] = field(default_factory=list)  # the unit's runs to update (`ParamSteps.runs`)
     tensors: dict[StateKind, torch.Tensor] = field(default_factory=dict)
     leased: dict[StateKind, torch.Tensor] = field(default_factory=dict)  # kind -> leased buffer
     futures: list = field(default_factory=list)
@@ -60,15 +62,20 @@ class ShardOptimizer:
         self.device = tiers.device if on_gpu else torch.device("cpu")
         self._prefetched: dict[tuple[int, int], Work] = {}
 
-    def works(self, unit: Unit) -> list[Work]:
-        """The unit's pieces, in order (nothing loaded yet)."""
-        return [Work(unit, i, a, b) for i, (a, b) in enumerate(unit.pieces(self.config.piece_numel))]
+    def works(self, unit: Unit, runs: list[Run] | None = None) -> list[Work]:
+        """The unit's pieces, in order (nothing loaded yet); given `runs`, only the pieces that
+        hold one (a piece whose parameters all got no gradient is neither read nor written)."""
+        pieces = enumerate(unit.pieces(self.config.piece_numel, self.rank))
+        if runs is None:
+            return [Work(unit, i, a, b) for i, (a, b) in pieces]
+        return [Work(unit, i, a, b, runs) for i, (a, b) in pieces if any(s < b and e > a for s, e, _, _ in runs)]
 
-    def step(self, step_count: int, lr: float, grad_coef: torch.Tensor | None) -> None:
-        """One AdamW update of every unit's shard, piece by piece; returns when every write has
+    def step(self, runs: dict[int, list[Run]], lr: float, grad_coef: torch.Tensor | None) -> None:
+        """One AdamW update of the `runs` of every unit's shard (`ParamSteps.runs`, by unit
+        index; a unit without runs is skipped), piece by piece; returns when every write has
         finished (the next pass reads what this one wrote)."""
         depth = max(1, self.config.prefetch_depth)
-        items = [w for unit in self.units for w in self.works(unit)]
+        items = [w for unit in self.units for w in self.works(unit, runs.get(unit.index, []))]
         loads: deque[Work] = deque()
         issued = 0
         for j in range(len(items)):
@@ -79,7 +86,7 @@ class ShardOptimizer:
                 issued += 1
             work = loads.popleft()
             self._wait(work)
-            self._step(work, step_count, lr, grad_coef)
+            self._step(work, lr, grad_coef)
             self._write(work)
             self.tiers.pending.reap()
         self.tiers.pending.drain()
@@ -104,24 +111,30 @@ class ShardOptimizer:
         for buf in work.leased.values():
             self._give_back(buf)
 
-    def step_unit(self, unit: Unit, grad: torch.Tensor, step_count: int, lr: float,
+    def step_unit(self, unit: Unit, grad: torch.Tensor, runs: list[Run], lr: float,
                   grad_coef: torch.Tensor | None = None) -> None:
         """Step one unit as soon as its final grad shard exists (overlap_step), off the training
         thread: each piece's AdamW step runs on an I/O thread once its states land (torch
         releases the GIL, so backward continues meanwhile); its writes are issued when the
         training thread next reaps the pending queue. Loading a piece waits for buffers the
         pool does not have yet, so at most a budget's worth of pieces is in flight."""
+        wanted = {w.piece for w in self.works(unit, runs)}
         for work in self.works(unit):
-            work = self._prefetched.pop((unit.index, work.piece), None) or self._load(work)
+            prefetched = self._prefetched.pop((unit.index, work.piece), None)
+            if work.piece not in wanted:
+                if prefetched is not None:
+                    self._discard(prefetched)
+                continue
+            work = prefetched or self._load(work)
+            work.runs = runs
             self._attach_grad(work, grad)
-            future = self.tiers.submit(self._step_when_loaded(work, step_count, lr, grad_coef))
+            future = self.tiers.submit(self._step_when_loaded(work, lr, grad_coef))
             self.tiers.pending.add(future, lambda ok, w=work: self._write(w) if ok else self._discard(w))
 
-    async def _step_when_loaded(self, work: Work, step_count: int, lr: float,
-                                grad_coef: torch.Tensor | None) -> None:
+    async def _step_when_loaded(self, work: Work, lr: float, grad_coef: torch.Tensor | None) -> None:
         for future in work.futures:
             await asyncio.wrap_future(future)
-        await asyncio.get_running_loop().run_in_executor(None, self._step, work, step_count, lr, grad_coef)
+        await asyncio.get_running_loop().run_in_executor(None, self._step, work, lr, grad_coef)
 
     def _attach_grad(self, work: Work, grad: torch.Tensor) -> None:
         """Use the piece's slice of the finished grad shard handed over by backward."""
@@ -172,19 +185,19 @@ class ShardOptimizer:
                 future.result()
         work.futures.clear()
 
-    def _step(self, work: Work, step_count: int, lr: float, grad_coef: torch.Tensor | None) -> None:
+    def _step(self, work: Work, lr: float, grad_coef: torch.Tensor | None) -> None:
         t = work.tensors
         grad = t[StateKind.GRAD]
         if grad_coef is not None:  # clipping: the grad piece is consumed here, so scale in place
             grad.mul_(grad_coef.to(grad.device))
-        runs = [(max(a, work.start) - work.start, min(b, work.end) - work.start, d)
-                for a, b, d in work.unit.segments(self.rank) if min(b, work.end) > max(a, work.start)]
-        adamw_step([t[StateKind.MASTER][a:b] for a, b, _ in runs],
-                   [grad[a:b] for a, b, _ in runs],
-                   [t[StateKind.EXP_AVG][a:b] for a, b, _ in runs],
-                   [t[StateKind.EXP_AVG_SQ][a:b] for a, b, _ in runs],
-                   [self.config.weight_decay if d else 0.0 for _, _, d in runs],
-                   step_count, lr, self.config)
+        runs = [(max(a, work.start) - work.start, min(b, work.end) - work.start, d, step)
+                for a, b, d, step in work.runs if min(b, work.end) > max(a, work.start)]
+        adamw_step([t[StateKind.MASTER][a:b] for a, b, _, _ in runs],
+                   [grad[a:b] for a, b, _, _ in runs],
+                   [t[StateKind.EXP_AVG][a:b] for a, b, _, _ in runs],
+                   [t[StateKind.EXP_AVG_SQ][a:b] for a, b, _, _ in runs],
+                   [self.config.weight_decay if d else 0.0 for _, _, d, _ in runs],
+                   [step for _, _, _, step in runs], lr, self.config)
 
     def _write(self, work: Work) -> None:
         # Order matters: the param piece is cast from the master buffer, and a finished write

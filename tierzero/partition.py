@@ -8,8 +8,11 @@ entry point the engine wraps -- a block's or the embedding's `forward`, the mode
 the embedding unit, which the head then uses too (`uses_with`): one unit used at both ends.
 A model without an input embedding or a `head_out` gets one *root* unit instead, every
 parameter outside the blocks, bound for the whole pass.
-A unit's parameters are laid end to end in one flat buffer per state kind: weight-decayed
-parameters first, then the rest, so an optimizer shard has at most two segments. The flat
+A unit's parameters are laid end to end in one flat buffer per state kind: trainable
+weight-decayed parameters first, then the other trainable ones, so an optimizer shard has at
+most two segments; then, from an aligned offset (`trainable_numel`), the frozen ones
+(`requires_grad=False`), which have a param and no grad, master or Adam state: the state
+kinds other than `param` cover only the flat buffer's trainable prefix. The flat
 length is padded so it splits into `world_size` equal shards whose byte sizes are multiples of
 `ALIGN_BYTES` in every dtype we store (direct I/O needs 4 KiB-aligned sizes).
 
@@ -40,6 +43,7 @@ class ParamSlot:
     numel: int
     shape: tuple[int, ...]
     decays: bool
+    frozen: bool = False  # requires_grad=False: stored as a param only, never stepped
 
     @property
     def end(self) -> int:
@@ -59,6 +63,7 @@ class Unit:
     numel: int = 0  # unpadded
     padded_numel: int = 0
     decay_numel: int = 0  # flat[:decay_numel] is weight-decayed
+    trainable_numel: int = 0  # flat[:trainable_numel] has grads and optimizer states; frozen after
     world_size: int = 1
 
     @property
@@ -73,16 +78,28 @@ class Unit:
         start = rank * self.shard_numel
         return start, start + self.shard_numel
 
-    def pieces(self, piece_numel: int) -> list[tuple[int, int]]:
-        """(start, end) of each piece of a shard, in shard-local offsets: `piece_numel` each
-        (the last one shorter), so every piece of every state kind stays aligned."""
-        return piece_ranges(self.shard_numel, piece_numel)
+    @property
+    def has_frozen(self) -> bool:
+        return self.trainable_numel < self.padded_numel
 
-    def segments(self, rank: int) -> list[tuple[int, int, bool]]:
-        """(start, end, decays) runs of this rank's shard, in shard-local offsets."""
-        lo, hi = self.shard_range(rank)
-        runs = [(lo, min(hi, self.decay_numel), True), (max(lo, self.decay_numel), hi, False)]
-        return [(a - lo, b - lo, d) for a, b, d in runs if b > a]
+    def state_numel(self, rank: int) -> int:
+        """Elements of this rank's shard that have grads and optimizer states (a prefix of it:
+        the whole shard unless the unit has frozen parameters)."""
+        lo, _ = self.shard_range(rank)
+        return min(self.shard_numel, max(0, self.trainable_numel - lo))
+
+    def pieces(self, piece_numel: int, rank: int) -> list[tuple[int, int]]:
+        """(start, end) of each piece of the shard's trainable prefix, in shard-local offsets:
+        `piece_numel` each (the last one shorter), so every piece of every state kind stays
+        aligned. Grads, master weights and Adam states are stored in these pieces."""
+        return piece_ranges(self.state_numel(rank), piece_numel)
+
+    def param_pieces(self, piece_numel: int, rank: int) -> list[tuple[int, int]]:
+        """The pieces of the whole param shard: the trainable prefix's (so the optimizer writes
+        param piece i as it steps piece i), then the frozen rest's, which are never written."""
+        start = self.state_numel(rank)
+        frozen = piece_ranges(self.shard_numel - start, piece_numel)
+        return self.pieces(piece_numel, rank) + [(start + a, start + b) for a, b in frozen]
 
 
 def piece_ranges(shard_numel: int, piece_numel: int) -> list[tuple[int, int]]:
@@ -132,9 +149,9 @@ def partition(model: nn.Module, world_size: int = 1, units: str | None = None) -
     n = len(blocks)
     unit_of_module = {id(m): i + 1 for i, block in enumerate(blocks) for m in block.modules()}
     embedding = input_embedding(model, blocks)
-    head_out = getattr(model, "head_out", None)
+    head_owner = _head_owner(model)
     found = _parameters(model)
-    split = embedding is not None and callable(head_out) and _only_embeddings_tied(found, unit_of_module)
+    split = embedding is not None and head_owner is not None and _only_embeddings_tied(found, unit_of_module)
     if split:
         assert embedding is not None
         unit_of_module.update({id(m): 0 for m in embedding.modules()})
@@ -144,7 +161,7 @@ def partition(model: nn.Module, world_size: int = 1, units: str | None = None) -
     result += [Unit(i + 1, f"{blocks_name}.{i}", "block", (b, "forward")) for i, b in enumerate(blocks)]
     rest = 0
     if split:
-        result.append(Unit(n + 1, "head", "head", (model, "head_out")))
+        result.append(Unit(n + 1, "head", "head", (head_owner, "head_out")))
         rest = n + 1
     members: list[list[int]] = [[] for _ in result]
     for pid, (_, attrs, _) in found.items():
@@ -159,6 +176,12 @@ def partition(model: nn.Module, world_size: int = 1, units: str | None = None) -
     for unit, pids in zip(result, members):
         _lay_out(unit, pids, found, world_size)
     return result
+
+
+def _head_owner(model: nn.Module) -> nn.Module | None:
+    """The module whose class defines `head_out`: the model, or the model a wrapper holds (a
+    `peft` model forwards attribute reads to it, but its own calls go to the inner model)."""
+    return next((m for m in model.modules() if callable(getattr(type(m), "head_out", None))), None)
 
 
 def _parameters(model: nn.Module) -> dict[int, tuple[list[str], list[tuple[nn.Module, str]], nn.Parameter]]:
@@ -185,19 +208,32 @@ def _only_embeddings_tied(found: dict, unit_of_module: dict[int, int]) -> bool:
 
 
 def _lay_out(unit: Unit, pids: list[int], found: dict, world_size: int) -> None:
-    """Decayed parameters first, then the rest; pad so every rank's shard is aligned."""
+    """Trainable decayed parameters first, then the other trainable ones, then (from an
+    aligned offset, so their pieces stay aligned) the frozen; pad so every rank's shard is
+    aligned."""
     unit.world_size = world_size
-    ordered = sorted(pids, key=lambda pid: not decays(found[pid][2]))  # stable: decayed first
+
+    def order(pid: int) -> int:
+        p = found[pid][2]
+        return 2 if not p.requires_grad else 0 if decays(p) else 1
+
+    ordered = sorted(pids, key=order)  # stable
     offset = 0
+    frozen_from = None
     for pid in ordered:
         names, attrs, p = found[pid]
-        unit.slots.append(ParamSlot(tuple(names), tuple(attrs), offset, p.numel(), tuple(p.shape), decays(p)))
+        frozen = not p.requires_grad
+        if frozen and frozen_from is None:
+            frozen_from = offset = -(-offset // ALIGN_NUMEL) * ALIGN_NUMEL
+        unit.slots.append(ParamSlot(tuple(names), tuple(attrs), offset, p.numel(), tuple(p.shape),
+                                    decays(p) and not frozen, frozen))
         offset += p.numel()
-        if decays(p):
+        if decays(p) and not frozen:
             unit.decay_numel = offset
     unit.numel = offset
     quantum = ALIGN_NUMEL * world_size
     unit.padded_numel = max(quantum, -(-offset // quantum) * quantum)
+    unit.trainable_numel = unit.padded_numel if frozen_from is None else frozen_from
 
 
 def forward_uses(units: list[Unit]) -> list[tuple[int, ...]]:

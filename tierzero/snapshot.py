@@ -12,8 +12,9 @@ Restoring: the checkpoint's arrays are verified against the manifest's checksums
 caller), NVMe-homed shards become the store's new current generations by hard links
 (`NvmeStore.adopt`, no bytes copied), memory-homed ones are read in; then the counters, loss
 scaler, clipping norm and RNG states are set, so the next step is bitwise the one an
-uninterrupted run would take. Gradients are not saved: a checkpoint sits between steps, where
-every grad shard is overwritten before it is read.
+uninterrupted run would take (per-parameter step counts included, for parameters that missed
+steps). Gradients are not saved: a checkpoint sits between steps, where every grad shard is
+overwritten before it is read. Frozen parameters are saved as params only.
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ def _engine_state(engine: Engine) -> dict[str, Any]:
     previous = engine._previous_norm
     return {"step_count": engine.step_count, "skipped_steps": engine.skipped_steps,
             "scaler": engine.scaler.state_dict(), "last_grad_norm": engine.last_grad_norm,
+            "skipped_updates": engine.param_steps.state_dict(),
             # a float32 tensor's value is exact as a Python float, and so survives JSON
             "previous_norm": None if previous is None else float(previous.item())}
 
@@ -157,7 +159,8 @@ def _load_engine_state(engine: Engine, state: dict[str, Any], path: Path) -> Non
         engine.last_grad_norm = state.get("last_grad_norm")
         previous = state.get("previous_norm")
         engine._previous_norm = None if previous is None else torch.tensor(float(previous), dtype=torch.float32)
-    except (KeyError, TypeError, ValueError) as e:
+        engine.param_steps.load_state_dict(state.get("skipped_updates") or {}, str(path / MANIFEST_NAME))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{path / MANIFEST_NAME} has malformed engine state ({e!r}); use another "
                               "checkpoint") from None
     if engine.scaler.enabled:
