@@ -16,9 +16,10 @@ as torch's AdamW skips it (`tierzero.paramsteps`).
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from tierzero.config import Config, Offload, Placement, StateKind, Tier
 from tierzero.checkpoint import newest_checkpoint, verify_checkpoint
 from tierzero.errors import CheckpointError, ConfigError, TierzeroError
 from tierzero.execute import UnitRunner, bind, detach_params, flat_grad, unbind
+from tierzero.gathered import GatheredWeight, copies, resolve, unit_grads
 from tierzero.grads import GradShards, clip_coefficient
 from tierzero.init import WeightFiles, flat_unit, weight_files
 from tierzero.ledger import ActivationEstimate, activation_memory
@@ -83,6 +85,7 @@ class Engine:
         self._previous_norm: torch.Tensor | None = None
         self._notes: list[str] = []
         self._activations_reserved = False
+        self._gathered: list[dict[str, GatheredWeight]] = []  # the open `gathered` blocks
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -183,7 +186,10 @@ class Engine:
         scaled = loss / accumulate if accumulate > 1 else loss
         scaled = scaled * scale if scale != 1.0 else scaled
         try:
+            self.grads.extra = self._gathered_grads(scaled)
             scaled.backward()
+            for unit, (grad, present) in self.grads.take_extra().items():  # units backward never reached
+                self.grads.offload(unit, grad, present)
             if self._root_leaves is not None:
                 if self.units[0].trainable_numel:
                     self.grads.offload(0, *flat_grad(self.units[0], self._root_leaves))
@@ -196,6 +202,7 @@ class Engine:
             raise
         finally:
             self.grads.hand_over = None
+            self.grads.extra = {}
             self.runner.on_backward_start = None
         self.micro += 1
 
@@ -246,6 +253,41 @@ class Engine:
     def _runs(self, unit: Unit) -> list[Run]:
         """What this step updates of this rank's shard of `unit`, with each run's step count."""
         return self.param_steps.runs(unit, self.comm.rank, self.grads.present.get(unit.index, ()), self.step_count)
+
+    @contextlib.contextmanager
+    def gathered(self, names: Iterable[str] | str | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """The full current weights of `names` (every parameter by default) for user code: a
+        custom loss, a regulariser on the weights, evaluation. Copies on the compute device in
+        the compute dtype; trainable ones require grad, and `engine.backward(loss)` called inside
+        the block adds the gradients that reach them to the step's (see `tierzero.gathered`).
+        Released on exit; changing a copy changes nothing in the engine."""
+        self._usable()
+        if self._stepped_in_backward:
+            self.step()  # overlap_step updated the shards: settle the step before reading them
+        self.tiers.pending.drain()  # params written by the last step must have landed
+        where = resolve(self.units, names)
+        weights = copies(self.units, where, self._full_params)
+        self._gathered.append(weights)
+        view = {name: w.tensor for name, w in weights.items()}
+        try:
+            yield view
+        finally:
+            self._gathered.remove(weights)
+            view.clear()
+
+    def _full_params(self, unit: Unit) -> torch.Tensor:
+        """The unit's full flat param buffer on the compute device (every rank's shard)."""
+        return self.comm.all_gather(self.read_shard(StateKind.PARAM, unit).to(self.device))
+
+    def _gathered_grads(self, scaled: torch.Tensor) -> dict[int, tuple[torch.Tensor, frozenset[int]]]:
+        """The gradients of `scaled` with respect to the open `gathered` blocks' trainable copies,
+        per unit (taken before backward, so each unit's is added to its own as it arrives)."""
+        leaves = list({id(w.tensor): w for block in self._gathered for w in block.values()
+                       if w.tensor.requires_grad}.values())
+        if not leaves or not scaled.requires_grad:
+            return {}
+        grads = torch.autograd.grad(scaled, [w.tensor for w in leaves], retain_graph=True, allow_unused=True)
+        return unit_grads(self.units, leaves, list(grads))
 
     def train_step(self, batch: Any) -> float:
         """forward + backward + step (the step runs once per `accumulate` calls)."""

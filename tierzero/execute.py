@@ -3,13 +3,14 @@
 Each unit's entry point is wrapped (a block's or the embedding's `forward`, the model's
 `head_out`); a unit that uses another's weights (a head tied to the embedding) binds both. In a training forward the block runs under `no_grad` with
 its parameters bound as views into the gathered flat `param` buffer, and only its input is
-kept. In backward the unit is gathered again, recomputed with grad against fresh leaf views of
-the flat buffer, and backpropagated; the parameters' gradients are packed into one flat fp32
+kept. In backward the unit is gathered again, recomputed with grad (under the RNG and autocast
+state the forward ran with) against fresh leaf views of the flat buffer, and backpropagated; the parameters' gradients are packed into one flat fp32
 tensor, which goes to `on_grad`. Module code is unchanged: it reads `self.weight` as usual.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -156,6 +157,7 @@ class _Checkpointed(torch.autograd.Function):
         ctx.runner, ctx.unit, ctx.flat_in, ctx.spec, ctx.tensor_pos = runner, unit, flat_in, spec, tensor_pos
         ctx.save_for_backward(*tensors)
         ctx.rng = _rng_state(tensors)
+        ctx.autocast = _autocast_state(tensors)
         with torch.no_grad():
             args, kwargs = tree_unflatten(_fill(flat_in, tensor_pos, tensors), spec)
             out = runner.compute(unit, args, kwargs)
@@ -176,7 +178,7 @@ class _Checkpointed(torch.autograd.Function):
         bound = runner.bound_units(unit)
         leaves = [bind(u, runner.gather(u.index), requires_grad=True) for u in bound]
         try:
-            with torch.enable_grad(), _restore_rng(ctx.rng):
+            with torch.enable_grad(), _restore_rng(ctx.rng), _autocast(ctx.autocast):
                 args, kwargs = tree_unflatten(_fill(ctx.flat_in, ctx.tensor_pos, inputs), ctx.spec)
                 out = runner.compute(unit, args, kwargs, leaves=leaves[0])
             outs = tree_flatten(out)[0]
@@ -207,6 +209,25 @@ def _rng_state(tensors: tuple) -> tuple[torch.Tensor, Any]:
     if any(t.is_cuda for t in tensors):
         cuda = torch.cuda.get_rng_state()
     return torch.get_rng_state(), cuda
+
+
+AutocastState = tuple[tuple[tuple[str, bool, torch.dtype], ...], bool]
+
+
+def _autocast_state(tensors: tuple) -> AutocastState:
+    """Autocast as the forward ran, for the CPU and the inputs' device type (a forward under
+    `torch.autocast` must be recomputed under it, or backward differentiates other numerics)."""
+    types = sorted({"cpu", *(t.device.type for t in tensors)})
+    return (tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types),
+            torch.is_autocast_cache_enabled())
+
+
+def _autocast(state: AutocastState) -> contextlib.ExitStack:
+    per_device, cache = state
+    stack = contextlib.ExitStack()
+    for device_type, enabled, dtype in per_device:
+        stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache))
+    return stack
 
 
 class _restore_rng:

@@ -48,6 +48,9 @@ class GradShards:
         self.nonfinite = torch.zeros((), dtype=torch.bool)
         # overlap_step: on the last micro-batch the optimizer takes each finished shard at once
         self.hand_over: Callable[[Unit, torch.Tensor], None] | None = None
+        # gradients of this backward that reached `Engine.gathered` copies, by unit: added to the
+        # unit's own at its first contribution (`tierzero.gathered`)
+        self.extra: dict[int, tuple[torch.Tensor, frozenset[int]]] = {}
         self._writes: dict[str, concurrent.futures.Future] = {}  # piece key -> its grad write in flight
 
     def begin(self, micro: int, last: bool, inv_scale: float) -> None:
@@ -64,6 +67,10 @@ class GradShards:
         """Accumulate one unit's gradient into its home (and measure it on the last micro-batch)."""
         u = self.units[unit]
         self.seen[unit] = self.seen.get(unit, 0) + 1
+        extra = self.extra.pop(unit, None)
+        if extra is not None:  # unit + regulariser: the two terms autograd sums for a weight used twice
+            full_grad = full_grad.float() + extra[0].to(full_grad.device)
+            present = present | extra[1]
         if self.comm.world_size > 1:  # ranks must agree on what is stepped: every trainable slot
             present = frozenset(i for i, slot in enumerate(u.slots) if not slot.frozen)
         self.present.setdefault(unit, set()).update(present)
@@ -91,6 +98,11 @@ class GradShards:
         for key, a, b in keys:
             self._store(key, grad[a:b])
         self.stored.add(unit)
+
+    def take_extra(self) -> dict[int, tuple[torch.Tensor, frozenset[int]]]:
+        """The gathered copies' gradients no unit's backward has taken (units it never reached)."""
+        extra, self.extra = self.extra, {}
+        return extra
 
     def _add_previous(self, key: str, part: torch.Tensor) -> None:
         store = self.tiers.stores[self.home]

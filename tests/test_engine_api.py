@@ -1,0 +1,100 @@
+"""The Python API beyond a training step: autocast around `forward`, `gathered` weights.
+
+Compared with plain PyTorch (`ReferenceTrainer`, or the model in memory with
+`torch.optim.AdamW`): fp32 weights, one rank, bitwise where the computation is the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tierzero import Config, Placement, Tier, models
+from tierzero.engine import Engine
+from tierzero.errors import ConfigError
+from tierzero.reference import ReferenceTrainer, compute_loss
+
+from engine_helpers import SMALL, batches
+
+NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
+
+
+def config(tmp_path, **kw) -> Config:
+    kw = {"placement": NVME, "lr": 3e-3, "warmup_steps": 2, "total_steps": 4, "piece_numel": 6144, **kw}
+    return Config(nvme_path=[str(tmp_path / "nvme")], host_budget="256MiB", gpu_budget="256MiB", **kw)
+
+
+def test_recompute_runs_under_the_autocast_of_the_forward(tmp_path) -> None:
+    """A user's `torch.autocast` around `engine.forward` is captured per unit and restored for
+    its recompute in backward: the same numerics as plain PyTorch under autocast (bf16 on the
+    CPU), which `ReferenceTrainer` runs for dtype bf16 over fp32 weights."""
+    reference = ReferenceTrainer(models.build(SMALL, seed=0), config(tmp_path, dtype="bf16"))
+    data = batches()
+    ref_losses = [reference.train_step(data.next_batch()) for _ in range(3)]
+    data = batches()
+    losses = []
+    with Engine(models.build(SMALL, device="meta", seed=0), config(tmp_path, dtype="fp32")) as engine:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = engine.forward(data.next_batch())
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        weights = engine.master_state_dict()
+    assert losses == ref_losses
+    for key, value in reference.master_state_dict().items():
+        assert torch.equal(weights[key], value), key
+
+
+UNTIED = dataclasses.replace(SMALL, tie_embeddings=False)
+REGULARISED = ("blocks.0.attn.wq.weight", "blocks.2.mlp.w_down.weight", "head.weight", "norm.weight")
+
+
+def regulariser(weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """An L2 penalty on some weights, pulling others towards them: any function of the weights."""
+    return 0.05 * sum(weights[n].square().sum() for n in REGULARISED[:3]) + (weights["norm.weight"] - 0.5).abs().sum()
+
+
+@pytest.mark.parametrize("overlap,accumulate", [(True, 1), (False, 1), (True, 2)])
+def test_regulariser_on_gathered_weights_gives_the_plain_models_gradients(tmp_path, overlap: bool, accumulate: int) -> None:
+    """loss + regulariser(weights) through `engine.gathered` trains bitwise as plain PyTorch with
+    the same regulariser on the model's own parameters: its gradients reach the grad shards."""
+    cfg = config(tmp_path, overlap_step=overlap, accumulate=accumulate)
+    model = models.build(UNTIED, seed=0)
+    trainer = ReferenceTrainer(model, cfg)  # its optimizer and lr schedule; the loss is ours
+    data = batches()
+    for _ in range(3 * accumulate):
+        loss = compute_loss(model, data.next_batch()) + regulariser(dict(model.named_parameters()))
+        (loss / accumulate).backward()
+        trainer.micro_step += 1
+        if trainer.micro_step % accumulate == 0:
+            trainer._step()
+    data = batches()
+    with Engine(models.build(UNTIED, device="meta", seed=0), cfg) as engine:
+        for _ in range(3 * accumulate):
+            loss = engine.forward(data.next_batch())
+            with engine.gathered(REGULARISED) as weights:
+                assert set(weights) == set(REGULARISED) and all(w.requires_grad for w in weights.values())
+                engine.backward(loss + regulariser(weights))
+            assert not weights  # released
+            engine.step()
+        final = engine.master_state_dict()
+    for key, value in trainer.master_state_dict().items():
+        assert torch.equal(final[key], value), key
+
+
+def test_gathered_weights_are_the_current_ones_and_names_are_checked(tmp_path) -> None:
+    data = batches()
+    with Engine(models.build(SMALL, device="meta", seed=0), config(tmp_path)) as engine:
+        engine.train_step(data.next_batch())
+        with torch.no_grad(), engine.gathered() as weights:
+            master = engine.master_state_dict()
+            assert weights.keys() == master.keys()
+            assert weights["head.weight"] is weights["tok_emb.weight"]  # tied: one tensor
+            for name, value in master.items():
+                assert torch.equal(weights[name], value), name
+        with pytest.raises(ConfigError, match="'nope' is not a parameter of the model"):
+            with engine.gathered(["nope"]):
+                pass
