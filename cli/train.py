@@ -113,7 +113,7 @@ def _run_name(model: str) -> str:
 def _resume_config(run_dir: Optional[Path], config: Optional[Path]) -> Optional[Path]:
     """The config a resumed run starts from: --config if given, else the run's own config.toml."""
     if run_dir is None:
-        raise ConfigError("--resume needs --run-dir DIR: the run directory to continue")
+        raise ConfigError("--resume needs --run-dir; pass the run directory to continue with --run-dir DIR")
     if not run_dir.is_dir():
         raise ConfigError(f"run directory '{run_dir}' does not exist; --resume continues an existing run "
                           "(drop --resume to start a new one there)")

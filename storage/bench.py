@@ -177,7 +177,7 @@ class DiskBench:
         """Check the directory and its free space, find fio and its engines, lease the buffer
         and fill it with random bytes."""
         if not os.path.isdir(self.directory):
-            raise StorageError(f"bench directory {self.directory} does not exist: create it or "
+            raise StorageError(f"bench directory {self.directory} does not exist; create it or "
                                f"pass another --path")
         need = FOOTPRINT * self.nbytes
         free = shutil.disk_usage(self.directory).free

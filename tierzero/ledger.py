@@ -220,4 +220,4 @@ def activation_memory(args: ModelArgs, batch_size: int, seq_len: int, compute_it
 
 def check_world_size(world_size: int) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"number of GPUs must be an integer >= 1, got {world_size!r}")
+        raise ConfigError(f"number of GPUs must be an integer >= 1, got {world_size!r}; pass --gpus 1 or more")
