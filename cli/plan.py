@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import shutil
 from pathlib import Path
 from typing import Any, Optional
 
@@ -13,16 +10,11 @@ from rich import box
 from rich.table import Table
 
 from tierzero.cli.output import Output
-from tierzero.config import Config, DType, StateKind, Tier, parse_bytes
-from tierzero.errors import ConfigError
-from tierzero.ledger import (GB, activation_memory, check_world_size, ledger, nearest_preset, nominal_numel,
-                             parse_count, scaled_units, units_from_args)
-from tierzero.models.llama import LOSS_CHUNK_BYTES
-from tierzero.models.presets import PRESETS, get_preset
-from tierzero.plan import Link, Workload, candidate_placements, choose, estimate, load_profile
-from tierzero.precision import TORCH_DTYPES
-
-DEFAULT_PRESET = "7b"
+from tierzero.config import Config, StateKind, Tier
+from tierzero.ledger import GB
+from tierzero.models.presets import PRESETS
+from tierzero.plan import Link
+from tierzero.planreport import DEFAULT_PRESET, make_plan
 
 
 def plan(
@@ -49,97 +41,15 @@ def plan(
     Model shapes: a preset (--model; the LLaMA-3 shapes are llama3-8b and llama3-70b), a
     parameter count shaped like the nearest preset (--params), and --vocab-size to change a
     shape's vocabulary."""
-    check_world_size(gpus)
-    if vocab_size is not None and vocab_size < 1:
-        raise ConfigError(f"--vocab-size must be a positive integer, got {vocab_size}")
-    if model is not None and params is not None:
-        raise ConfigError("give --model or --params, not both")
-    compute = _dtype(dtype)
-    itemsize = TORCH_DTYPES[compute].itemsize
-    if params is not None:
-        numel = parse_count(params, "--params")
-        shape_name, ledger_numel = nearest_preset(numel), numel
-        args = get_preset(shape_name)
-        units = scaled_units(numel, args)
-    else:
-        shape_name = model or DEFAULT_PRESET
-        args = get_preset(shape_name)
-        if vocab_size is not None:
-            args = dataclasses.replace(args, vocab_size=vocab_size)
-        units = units_from_args(args)
-        numel = args.param_count()
-        ledger_numel = (nominal_numel(shape_name) if vocab_size is None else None) or numel
-    activations = activation_memory(args, batch_size, seq_len or args.max_seq_len, itemsize, LOSS_CHUNK_BYTES)
-    budgets, detected, device = _budgets(gpu_mem, host_mem, nvme_free, nvme_path, gpus)
-    # grads are fp32 in every tier, as the engine keeps them (the ledger above is the textbook 16 B)
-    work = Workload(tuple(units), itemsize, 4, gpus, prefetch_depth, activations,
-                    batch_size * activations.seq_len, args.tie_embeddings, piece_numel,
-                    overlap and compute is not DType.FP16, device)
-    prof = load_profile(profile) if profile is not None else None
-    estimates = [estimate(p, work, prof) for p in candidate_placements()]
-    choice = choose(estimates, budgets)
-
-    report: dict[str, Any] = {
-        "model": {"preset": None if params is not None else shape_name, "shape": shape_name,
-                  "params": numel, "ledger_params": ledger_numel, "units": len(units),
-                  "largest_unit_params": work.largest_unit_numel, "vocab_size": args.vocab_size},
-        "machine": {"gpus": gpus, "detected": detected, "device": device,
-                    **{f"{t.value}_budget_bytes": b for t, b in budgets.items()}},
-        "dtype": compute.value,
-        "ledger": [{"stage": r.stage.value, "bytes_per_param": r.bytes_per_param,
-                    "gb_per_gpu": round(r.bytes_per_gpu / GB, 4),
-                    "exact_gb_per_gpu": round(r.bytes_per_param * numel / GB, 4)}
-                   for r in ledger(ledger_numel, gpus, itemsize)],
-        "activations": {"batch_size": activations.batch_size, "seq_len": activations.seq_len,
-                        "checkpoints_bytes": activations.checkpoints_bytes,
-                        "block_backward_bytes": activations.block_backward_bytes,
-                        "head_backward_bytes": activations.head_backward_bytes,
-                        "logits_bytes": activations.logits_bytes, "chunk_tokens": activations.chunk_tokens,
-                        "forward_bytes": activations.forward_bytes, "backward_bytes": activations.backward_bytes,
-                        "total_bytes": activations.total_bytes},
-        "placements": [{**e.as_dict(), "fits": not e.overflow_bytes(budgets)} for e in estimates],
-        "verdict": {**choice.as_dict(), "breakdown": choice.estimate.memory.breakdown()},
-    }
+    report = make_plan(model, params=params, gpus=gpus, gpu_mem=gpu_mem, host_mem=host_mem, nvme_free=nvme_free,
+                       nvme_path=nvme_path, batch_size=batch_size, seq_len=seq_len, prefetch_depth=prefetch_depth,
+                       dtype=dtype, vocab_size=vocab_size, piece_numel=piece_numel, overlap=overlap,
+                       profile=profile).as_dict()
     out = Output(json_out)
     if json_out:
         out.emit_json(report)
         return
     _print_report(out, report)
-
-
-def _dtype(value: str) -> DType:
-    try:
-        return DType(value.lower())
-    except ValueError:
-        raise ConfigError(f"--dtype '{value}' is not valid; choose one of bf16|fp16|fp32") from None
-
-
-def _budgets(gpu_mem: Optional[str], host_mem: Optional[str], nvme_free: Optional[str], nvme_path: Path,
-             gpus: int) -> tuple[dict[Tier, int | None], list[str], str]:
-    """The given sizes, else what this machine has; a note per size that was detected; and
-    the compute device's kind ("cpu" without CUDA and without --gpu-mem)."""
-    import torch
-
-    detected = []
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    device = "cuda" if gpu_mem is not None or torch.cuda.is_available() else "cpu"
-    host = parse_bytes(host_mem, "--host-mem") if host_mem is not None else None
-    if host is None:
-        host = ram
-        detected.append("host")
-    gpu = parse_bytes(gpu_mem, "--gpu-mem") if gpu_mem is not None else None
-    if gpu is None and device == "cuda":
-        gpu = torch.cuda.get_device_properties(0).total_memory
-        detected.append("gpu")
-    elif gpu is None:  # without CUDA the gpu tier is host memory: the host budget holds it
-        detected.append("gpu (host memory, no CUDA)")
-    nvme = parse_bytes(nvme_free, "--nvme-free") if nvme_free is not None else None
-    if nvme is None:
-        if not nvme_path.is_dir():
-            raise ConfigError(f"--nvme-path '{nvme_path}' is not a directory; give an existing one or --nvme-free")
-        nvme = shutil.disk_usage(nvme_path).free
-        detected.append("nvme")
-    return {Tier.GPU: gpu, Tier.HOST: host, Tier.NVME: nvme}, detected, device
 
 
 _LINK_HEADERS = {Link.NVME_TO_HOST: "nvme rd", Link.HOST_TO_NVME: "nvme wr",

@@ -317,6 +317,23 @@ def test_plan_json_verdict_and_placements() -> None:
     assert report["machine"]["detected"] == []
 
 
+@pytest.mark.parametrize("flags,kwargs", [
+    (["--model", "7b", "--gpu-mem", "24GB", "--host-mem", "32GB", "--nvme-free", "1TB"],
+     dict(model="7b", gpu_mem="24GB", host_mem="32GB", nvme_free="1TB")),
+    (["--params", "68B", "--gpus", "2", "--dtype", "fp32", "--batch-size", "2", "--seq-len", "1024", *MACHINE],
+     dict(params="68B", gpus=2, dtype="fp32", batch_size=2, seq_len=1024, gpu_mem="80GB", host_mem="512GB",
+          nvme_free="2TB")),
+])
+def test_python_plan_returns_what_the_cli_prints(flags: list[str], kwargs: dict) -> None:
+    import tierzero
+
+    printed = json.loads(run_ok(*flags, "--json"))
+    report = tierzero.plan(**kwargs)
+    assert json.loads(json.dumps(report.as_dict(), default=str)) == printed
+    assert {k.value: t.value for k, t in zip(StateKind, (report.placement.home(k) for k in StateKind))} \
+        == printed["verdict"]["placement"]
+
+
 def test_plan_tables_and_params(tmp_path: Path) -> None:
     text = run_ok("--model", "7b", "--gpus", "8", *MACHINE)
     assert "112" in text and "26.25" in text and "fits:" in text

@@ -21,6 +21,8 @@ import enum
 import itertools
 import json
 import math
+import sys
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -333,3 +335,17 @@ def choose_placement(
     budgets = {Tier.GPU: gpu_budget, Tier.HOST: host_budget, Tier.NVME: nvme_free}
     placements = candidate_placements() if candidates is None else candidates
     return choose([estimate(p, work, profile) for p in placements], budgets)
+
+
+class _PlanModule(types.ModuleType):
+    """`tierzero.plan(...)` is the Python face of `tierzero plan` (`tierzero.planreport.make_plan`:
+    the same computation the CLI prints). Making this module callable gives it that name without
+    renaming the planner, which stays importable as `tierzero.plan` (`choose`, `estimate`, ...)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from tierzero.planreport import make_plan
+
+        return make_plan(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _PlanModule
