@@ -17,6 +17,9 @@ from torch import nn
 
 from tierzero import Config, Placement, StateKind, Tier, models
 from tierzero.engine import Engine
+from tierzero.errors import ConfigError
+from tierzero.ledger import activation_memory
+from tierzero.models.llama import LOSS_CHUNK_BYTES
 from tierzero.reference import ReferenceTrainer
 
 from engine_helpers import SMALL, batches
@@ -28,8 +31,8 @@ PLACEMENTS = {"all-gpu": Placement(), "everything-on-nvme": NVME,
 
 def config(tmp_path, placement: Placement = NVME, **kw) -> Config:
     kw = {"piece_numel": 6144, "lr": 3e-3, "warmup_steps": 2, "total_steps": 6, **kw}  # pieces smaller than a unit
-    return Config(placement=placement, nvme_path=[str(tmp_path / "nvme")], host_budget="256MiB",
-                  gpu_budget="256MiB", **kw)
+    kw = {"host_budget": "256MiB", "gpu_budget": "256MiB", **kw}
+    return Config(placement=placement, nvme_path=[str(tmp_path / "nvme")], **kw)
 
 
 def assert_bitwise(weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -182,3 +185,21 @@ def test_checkpoint_resume_and_export_keep_frozen_weights_and_step_counts(tmp_pa
     exported = load_file(str(tmp_path / "model.safetensors"))
     assert_bitwise(exported, saved)
     assert torch.equal(exported["inp.weight"], frozen)
+
+
+def test_budget_checks_count_frozen_parameters_as_params_only(tmp_path) -> None:
+    """A host budget that holds the LoRA model's state in host memory but not the same model's
+    with every parameter trained: the dense one is refused before anything is written, the
+    LoRA one trains within it."""
+    host = Placement(Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
+    probe = Engine(lora_model(), config(tmp_path, host))
+    need = probe.memory.host_memory.peak_bytes
+    dense_need = Engine(models.build(SMALL, seed=0), config(tmp_path, host)).memory.host_memory.peak_bytes
+    act = activation_memory(SMALL, 4, 32, 4, LOSS_CHUNK_BYTES)  # reserved at the first forward
+    budget = str(need + act.total_bytes)
+    assert dense_need > need + act.total_bytes
+    with pytest.raises(ConfigError, match="budget .* is too small"):
+        Engine(models.build(SMALL, seed=0), config(tmp_path, host, host_budget=budget))
+    with Engine(lora_model(), config(tmp_path, host, host_budget=budget)) as engine:
+        engine.train_step(batches().next_batch())
+        assert engine.tiers.host_pool.peak_bytes <= engine.tiers.host_pool.budget_bytes

@@ -12,6 +12,10 @@ computes and meta placeholders otherwise. A frozen parameter (`requires_grad=Fal
 base under LoRA adapters) is stored once, as a param in the compute dtype, fetched for compute
 like the rest and never written; a parameter that gets no gradient in a step is not updated,
 as torch's AdamW skips it (`tierzero.paramsteps`).
+
+This file is past 500 lines because the engine is where the step's parts meet (tiers, swap
+plan, grads, optimizer, checkpoints, gathered weights); each part's logic lives in its own
+module and is only wired here.
 """
 
 from __future__ import annotations

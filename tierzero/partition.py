@@ -60,7 +60,7 @@ class Unit:
     entry: tuple[Any, str] | None  # (owner, attribute) whose call runs the unit; None: root
     uses_with: tuple[int, ...] = ()  # units bound while this one computes (tied weights)
     slots: list[ParamSlot] = field(default_factory=list)
-    numel: int = 0  # unpadded
+    numel: int = 0  # the flat layout's end before padding (with frozen params: the aligned gap before them too)
     padded_numel: int = 0
     decay_numel: int = 0  # flat[:decay_numel] is weight-decayed
     trainable_numel: int = 0  # flat[:trainable_numel] has grads and optimizer states; frozen after
