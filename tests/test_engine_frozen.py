@@ -25,8 +25,7 @@ from tierzero.reference import ReferenceTrainer
 from engine_helpers import SMALL, batches
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
-PLACEMENTS = {"all-gpu": Placement(), "everything-on-nvme": NVME,
-              "mixed": Placement(Tier.NVME, Tier.HOST, Tier.NVME, Tier.HOST, Tier.NVME)}
+PLACEMENTS = {"all-gpu": Placement(), "mixed": Placement(Tier.NVME, Tier.HOST, Tier.NVME, Tier.HOST, Tier.NVME)}
 
 
 def config(tmp_path, placement: Placement = NVME, **kw) -> Config:
