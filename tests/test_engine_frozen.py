@@ -21,6 +21,7 @@ from tierzero.errors import ConfigError
 from tierzero.ledger import activation_memory
 from tierzero.models.llama import LOSS_CHUNK_BYTES
 from tierzero.reference import ReferenceTrainer
+from tierzero.schedule import Op
 
 from engine_helpers import SMALL, batches
 
@@ -93,6 +94,10 @@ def test_lora_on_frozen_base_bitwise_loss_falls_only_adapters_change(tmp_path) -
     assert [u.trainable_numel for u in engine.units] == [0, 2048, 2048, 2048, 0]
     padded = sum(u.padded_numel for u in engine.units)
     assert engine.memory.tiers[Tier.NVME].homes_bytes == padded * 4 + 3 * 2048 * 16
+    # the frozen embedding is bound in backward only by the tied head's call: its own call
+    # (token ids in, no weight grad) is neither refetched nor recomputed
+    recomputed = [op for op in engine.train_plan.ops if op.op is Op.COMPUTE and op.phase == "backward"]
+    assert [op.unit for op in recomputed].count(0) == 1
 
 
 class SideBlock(nn.Module):

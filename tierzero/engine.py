@@ -44,7 +44,7 @@ from tierzero.memory import MemoryModel, peak_memory
 from tierzero.models.presets import ModelArgs
 from tierzero.optim import ShardOptimizer
 from tierzero.paramsteps import ParamSteps, Run
-from tierzero.partition import Unit, forward_uses, grad_uses, partition
+from tierzero.partition import Unit, forward_only, forward_uses, grad_uses, partition
 from tierzero.precision import DynamicLossScaler, compute_dtype, resolve_dtype
 from tierzero.reference import compute_loss, to_device
 from tierzero.schedule import Scheduler, build_swap_plan
@@ -117,10 +117,11 @@ class Engine:
             self.optimizer = ShardOptimizer(self.units, self.tiers, self.placement, self.dtype,
                                             self.comm.rank, self.config, self.stats_)
             self.runner = UnitRunner(self.units, self._gather, self.scheduler.release,
-                                     self.grads.offload, self.dtype)
+                                     self.grads.offload, self.dtype, forward_only(self.units))
             self.runner.install()
             calls, held = forward_uses(self.units), frozenset(u.index for u in self.units if u.is_root)
-            self.train_plan = build_swap_plan(calls, self.config.prefetch_depth, backward=True, held=held)
+            self.train_plan = build_swap_plan(calls, self.config.prefetch_depth, backward=True, held=held,
+                                              forward_only=forward_only(self.units))
             self.eval_plan = build_swap_plan(calls, self.config.prefetch_depth, backward=False, held=held)
         except BaseException:
             self.tiers.close()

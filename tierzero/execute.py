@@ -86,12 +86,13 @@ class UnitRunner:
     """Installs the checkpointed entry point of every unit that has one (all but a root)."""
 
     def __init__(self, units: list[Unit], gather: GatherFn, release: ReleaseFn, on_grad: GradFn,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, forward_only: frozenset[int] = frozenset()) -> None:
         self.units = units
         self.gather = gather
         self.release = release
         self.on_grad = on_grad
         self.dtype = dtype
+        self.forward_only = forward_only  # units run without a backward (`partition.forward_only`)
         self._originals: dict[int, Callable[..., Any]] = {}
         self._shadowed: set[int] = set()  # entries that were instance attributes already
         self.on_backward_start: Callable[[int], None] | None = None  # set by the engine per pass
@@ -122,7 +123,7 @@ class UnitRunner:
         return [unit, *(self.units[v] for v in unit.uses_with)]
 
     def _run(self, unit: Unit, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or unit.index in self.forward_only:
             return self.compute(unit, args, kwargs)
         flat_in, spec = tree_flatten((args, kwargs))
         tensor_pos = [i for i, a in enumerate(flat_in) if isinstance(a, torch.Tensor)]

@@ -201,6 +201,9 @@ def peak_memory(
     trained = numel if trainable is None else [min(n, t) for n, t in zip(numel, trainable)]
     calls = _calls(units, tied_embeddings)
     held = frozenset({0}) if units[0][0] == "root" else frozenset()
+    # a frozen embedding has no backward use (`partition.forward_only`)
+    forward_only = frozenset({0}) if units[0][0] == "embedding" and trainable is not None and not trainable[0] \
+        else frozenset()
     tied = len(calls[-1]) > 1
 
     homes = {Tier.GPU: 0, Tier.HOST: 0, Tier.NVME: 0}
@@ -210,7 +213,7 @@ def peak_memory(
         homes[home] += sum(stored) * _nbytes(kind, c) * (1 if home is Tier.GPU else w)
 
     # -- the pass: params in flight as the swap plan holds them
-    plan = build_swap_plan(calls, depth, backward=True, held=held)
+    plan = build_swap_plan(calls, depth, backward=True, held=held, forward_only=forward_only)
     flight, staging = _param_peaks(plan, shard, c, placement.param, staged_until_release=device == "cuda")
     gathered = 0 if w == 1 else max(sum(padded[u] for u in call) for call in calls) * c
     act = activations

@@ -241,6 +241,13 @@ def forward_uses(units: list[Unit]) -> list[tuple[int, ...]]:
     return [(u.index, *u.uses_with) for u in units]
 
 
+def forward_only(units: list[Unit]) -> frozenset[int]:
+    """Units whose call needs no backward: an embedding without trainable parameters (its
+    input is token ids, which need no gradient either), so it is neither refetched nor
+    recomputed in backward."""
+    return frozenset(u.index for u in units if u.kind == "embedding" and u.trainable_numel == 0)
+
+
 def grad_uses(units: list[Unit]) -> dict[int, int]:
     """How many gradient contributions each unit gets per backward (2 for a tied embedding)."""
     counts = {u.index: 0 for u in units}

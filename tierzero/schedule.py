@@ -62,18 +62,20 @@ class SwapPlan:
 
 
 def build_swap_plan(calls: list[tuple[int, ...]], prefetch_depth: int, backward: bool,
-                    held: frozenset[int] = frozenset()) -> SwapPlan:
+                    held: frozenset[int] = frozenset(), forward_only: frozenset[int] = frozenset()) -> SwapPlan:
     """The plan for one forward (and, when training, backward) pass.
 
     `calls` are the units each forward call binds, in order (`partition.forward_uses`: the
     head with the embedding when they are tied). Backward recomputes the calls in reverse.
-    A `held` unit (the root of a model without embedding/head entry points) is fetched at its
+    A call of `forward_only` units (a frozen embedding: no weight grad, and token ids need none)
+    has no backward use. A `held` unit (the root of a model without embedding/head entry points) is fetched at its
     first use and released only at the end. A unit used again before its next fetch would be
     issued (the last call forward then first backward; a tied embedding) stays on the device.
     """
     uses = [(call, "forward") for call in calls]
     if backward:
-        uses += [(call, "backward") for call in reversed(calls) if not set(call) & held]
+        uses += [(call, "backward") for call in reversed(calls)
+                 if not set(call) & held and not set(call) <= forward_only]
     ops: list[SwapOp] = []
     resident: set[int] = set()
     fetched_until = -1  # index into uses of the last use whose fetches have been issued
