@@ -12,13 +12,22 @@ from tierzero.storage.pool import BufferPool
 
 
 class DevicePool(BufferPool):
-    """Buffers on `device` under a byte budget."""
+    """Buffers on `device` under a byte budget.
+
+    A bare `cuda` is bound to the current device at open: the I/O loop's threads lease too, and
+    theirs is cuda:0 whatever GPU this process trains on.
+    """
 
     kind = "device"
 
     def __init__(self, budget_bytes: int, device: torch.device | str, alignment: int = 256) -> None:
         super().__init__(budget_bytes, alignment)
         self.device = torch.device(device)
+
+    def open(self) -> None:
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        super().open()
 
     def _allocate(self, capacity: int) -> torch.Tensor:
         return torch.empty(capacity + self.alignment, dtype=torch.uint8, device=self.device)

@@ -28,16 +28,22 @@ class HostPool(BufferPool):
     """Host buffers under a byte budget; `pin=None` pins iff CUDA is available (decided at open).
 
     `alignment` is raised to at least the page size: a block is a whole number of pages of real
-    memory, so a smaller capacity would undercount the budget.
+    memory, so a smaller capacity would undercount the budget. Pinning is done in the context of
+    `device` (a `cuda:k`; default: the current device at open), whichever thread leases: the I/O
+    loop's threads have cuda:0 current, and registering there would create a context on it.
+    `registrations` counts `cudaHostRegister` calls (each is a costly, synchronising driver call).
     """
 
     kind = "host"
 
-    def __init__(self, budget_bytes: int, pin: bool | None = None, alignment: int = 4096) -> None:
+    def __init__(self, budget_bytes: int, pin: bool | None = None, alignment: int = 4096,
+                 device: torch.device | str | None = None) -> None:
         super().__init__(budget_bytes, alignment)
         self.alignment = max(alignment, mmap.PAGESIZE)
         self._pin_request = pin
         self.pin = bool(pin)
+        self.device = torch.device(device) if device is not None else None
+        self.registrations = 0
 
     def open(self) -> None:
         cuda = torch.cuda.is_available()
@@ -45,6 +51,8 @@ class HostPool(BufferPool):
             raise StorageError("pinned host memory needs CUDA, which is not available here; "
                                "pass pin=None (pin when CUDA is there) or pin=False")
         self.pin = cuda if self._pin_request is None else self._pin_request
+        if self.pin and (self.device is None or self.device.type != "cuda" or self.device.index is None):
+            self.device = torch.device("cuda", torch.cuda.current_device())
         super().open()
 
     def _allocate(self, capacity: int) -> torch.Tensor:
@@ -63,8 +71,10 @@ class HostPool(BufferPool):
         offset = -raw.data_ptr() % self.alignment
         data = raw[offset: offset + capacity]
         if self.pin:
-            err = int(torch.cuda.cudart().cudaHostRegister(data.data_ptr(), capacity,
-                                                          _REGISTER_PORTABLE))
+            with torch.cuda.device(self.device):
+                err = int(torch.cuda.cudart().cudaHostRegister(data.data_ptr(), capacity,
+                                                              _REGISTER_PORTABLE))
+            self.registrations += 1
             if err != 0:
                 raise StorageError(
                     f"cannot pin {capacity} bytes of host memory (cudaHostRegister error {err}): "
@@ -75,7 +85,8 @@ class HostPool(BufferPool):
         # Unpin while the pool still holds the mapping: unregistering unmapped memory is an error,
         # and CPython's mmap unmaps before any weakref callback on it could run.
         if self.pin:
-            err = int(torch.cuda.cudart().cudaHostUnregister(data.data_ptr()))
+            with torch.cuda.device(self.device):
+                err = int(torch.cuda.cudart().cudaHostUnregister(data.data_ptr()))
             if err != 0:
                 raise StorageError(f"cannot unpin the {data.numel()}-byte host block at "
                                    f"0x{data.data_ptr():x} (cudaHostUnregister error {err}; "

@@ -22,8 +22,11 @@ while the pool still holds the block, so the memory is still mapped when it runs
 All methods are thread-safe: the training thread and the I/O loop both lease.
 
 Contract: give a buffer back only once every asynchronous copy from or into it has finished
-(the scheduler waits on the copy's event first). The pool may reuse, unpin or drop a given-back
-block at once; unlike torch's caching host allocator it records no stream events.
+(the scheduler waits on the copy's event first), or with `ready`: an opaque token (a stream
+event) that the next holder must wait for before writing the block -- the device pool's blocks
+go back while compute kernels queued on the GPU may still read them, and the next copy into one
+waits for exactly that release. The pool keeps the token, never interprets it, and may reuse,
+unpin or drop a given-back block at once.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class _Block:
     nbytes: int = 0
     leases: int = 0
     cache_key: str | None = None
+    ready: object | None = None  # what the last holder said must happen before the next write
 
     @property
     def capacity(self) -> int:
@@ -190,16 +194,29 @@ class BufferPool(abc.ABC):
             block.leases = 1
             return block.view()
 
-    def give_back(self, buf: torch.Tensor) -> None:
-        """Return one lease of `buf`; an uncached block goes to the free list for reuse."""
+    def give_back(self, buf: torch.Tensor, ready: object | None = None) -> None:
+        """Return one lease of `buf`; an uncached block goes to the free list for reuse.
+        `ready`: what its next holder must wait for before writing it (see `take_ready`)."""
         with self._lock:
             block = self._blocks.get(buf.data_ptr())
             if block is None or block.leases == 0:
                 raise StorageError(f"buffer at 0x{buf.data_ptr():x} is not leased from this "
                                    f"{self.kind} pool: give back the tensor lease() returned, once")
             block.leases -= 1
+            block.ready = ready
             if block.leases == 0 and block.cache_key is None:
                 self._free.setdefault(block.capacity, []).append(block)
+
+    def take_ready(self, buf: torch.Tensor) -> object | None:
+        """The token the leased `buf`'s last holder gave back with (None for a fresh block, or
+        one given back without); taken, so it is waited for once."""
+        with self._lock:
+            block = self._blocks.get(buf.data_ptr())
+            if block is None or block.leases == 0:
+                raise StorageError(f"buffer at 0x{buf.data_ptr():x} is not leased from this "
+                                   f"{self.kind} pool: ask for the tensor lease() returned")
+            ready, block.ready = block.ready, None
+            return ready
 
     def cache_put(self, key: str, buf: torch.Tensor) -> None:
         """Keep the leased `buf` under `key` after its leases are given back (replaces `key`)."""

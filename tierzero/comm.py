@@ -15,7 +15,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 class Comm:
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)  # where NCCL's tensors go: this rank's cuda:k
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.rank = dist.get_rank() if self.distributed else 0
@@ -42,7 +43,7 @@ class Comm:
         if self.world_size == 1:
             return value
         if dist.get_backend() == "nccl":
-            on_gpu = value.cuda()
+            on_gpu = value.to(self.device)
             dist.all_reduce(on_gpu)
             return on_gpu.cpu()
         dist.all_reduce(value)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from tierzero.errors import ConfigError
+from tierzero.streams import bound_device
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -196,10 +197,11 @@ class Config:
         _positive(self.io_threads, "io_threads", strict=True)
 
     def resolved_device(self) -> torch.device:
-        """`device`, or the GPU when there is one, else the CPU."""
+        """`device`, or the GPU when there is one, else the CPU; a GPU always with its index
+        (`cuda` is the current device now), so threads with another current device use it too."""
         if self.device is not None:
-            return torch.device(self.device)
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            return bound_device(torch.device(self.device))
+        return bound_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
     def resolved_placement(self) -> Placement:
         """The explicit placement, or the preset for `offload` (`auto` is resolved by the engine)."""

@@ -59,7 +59,7 @@ class Engine:
         self.device = config.resolved_device()
         self.dtype = compute_dtype(resolve_dtype(config.dtype, self.device), self.device)
         self.model = model
-        self.comm = Comm()
+        self.comm = Comm(self.device)
         self.units = partition(model, self.comm.world_size, config.units)
         self.param_steps = ParamSteps(self.units)
         self.param_order = [name for name, _ in model.named_parameters()]

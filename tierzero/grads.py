@@ -123,13 +123,16 @@ class GradShards:
 
     def _store(self, key: str, part: torch.Tensor) -> None:
         nbytes = part.numel() * 4
+        streams = self.tiers.streams
         if self.home is not Tier.NVME:
-            self.tiers.stores[self.home].view(key).copy_(part)
+            streams.copy(self.tiers.stores[self.home].view(key), part, streams.compute)
+            streams.host_wait(streams.record(streams.compute))  # sync point: the grad is on the host
             if self.home is Tier.HOST:
                 self.stats.add_bytes("gpu->host", nbytes)
             return
         stage = self.tiers.lease_host(nbytes).view(torch.float32)
-        stage.copy_(part)  # sync point on CUDA: the device grad lands in host memory
+        streams.copy(stage, part, streams.compute)
+        streams.host_wait(streams.record(streams.compute))  # sync point: the device grad lands in host memory
         future = self._writes[key] = self.tiers.submit(self.tiers.stores[Tier.NVME].write(key, stage))
         self.tiers.pending.add(future, lambda ok: self.tiers.host_pool.give_back(stage.view(torch.uint8)))
         self.stats.add_bytes("host->nvme", nbytes)

@@ -139,11 +139,13 @@ class ShardOptimizer:
     def _attach_grad(self, work: Work, grad: torch.Tensor) -> None:
         """Use the piece's slice of the finished grad shard handed over by backward."""
         part = grad[work.start:work.end]
-        if part.device == self.device:
+        if part.device == self.device and not self.tiers.streams.separate:
             work.tensors[StateKind.GRAD] = part
             return
         work.tensors[StateKind.GRAD] = work.leased[StateKind.GRAD] = self._lease(work.numel * 4).view(torch.float32)
-        work.leased[StateKind.GRAD].copy_(part)
+        streams = self.tiers.streams
+        streams.copy(work.leased[StateKind.GRAD], part, streams.compute)
+        streams.host_wait(streams.record(streams.compute))  # sync point: the grad piece is on the host
 
     def _load(self, work: Work, with_grad: bool = False) -> Work:
         """Start bringing a piece's optimizer states (and its grad, if asked) to the stepping device."""

@@ -129,7 +129,7 @@ class Scheduler:
         self.piece_numel = piece_numel  # params on nvme are stored per piece (the optimizer writes them so)
         self.stats = stats
         self.records = {u.index: ParamShard(u.index, param_home) for u in units}
-        self.copy_stream = torch.cuda.Stream(tiers.device) if tiers.device.type == "cuda" else None
+        self.streams = tiers.streams
         self.plan: SwapPlan | None = None
         self._cursor = 0
 
@@ -253,15 +253,9 @@ class Scheduler:
 
     def _copy_to_device(self, record: ParamShard, src: torch.Tensor) -> None:
         assert record.device_buf is not None
-        if self.copy_stream is None:
-            record.device_buf.copy_(src)
-            return
+        s = self.streams
         # the copy stream must not overwrite a recycled device buffer that compute still reads
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.tiers.device))
-        with torch.cuda.stream(self.copy_stream):
-            record.device_buf.copy_(src, non_blocking=True)
-            record.event = torch.cuda.Event()
-            record.event.record(self.copy_stream)
+        record.event = s.copy(record.device_buf, src, s.h2d, after=s.record(s.compute))
 
     def _wait(self, record: ParamShard) -> None:
         if record.status == "available":
@@ -273,7 +267,7 @@ class Scheduler:
                 self._land(record)
             if record.event is not None:
                 # the compute stream waits on the GPU; the CPU does not block here
-                torch.cuda.current_stream(self.tiers.device).wait_event(record.event)
+                self.streams.wait(self.streams.compute, record.event)
         if record.staging is not None and record.event is None:
             self.tiers.host_pool.give_back(record.staging.view(torch.uint8))  # CPU copy is done
             record.staging = None
@@ -281,7 +275,7 @@ class Scheduler:
 
     def _drop(self, record: ParamShard) -> None:
         if record.event is not None:
-            record.event.synchronize()  # the pinned staging buffer is reusable only after its copy
+            self.streams.host_wait(record.event)  # the pinned staging buffer is reusable only after its copy
             record.event = None
         if record.device_buf is not None:
             self.tiers.device_pool.give_back(record.device_buf.view(torch.uint8))

@@ -1,4 +1,5 @@
-"""The tiers an engine runs on: the I/O loop, the host and device pools, and one store per tier.
+"""The tiers an engine runs on: the I/O loop, the host and device pools, one store per tier, and
+the compute device's streams (`tierzero.streams`).
 
 It owns their lifetimes (open in dependency order, close in reverse, even after errors), the
 key of every shard, and leasing with back-pressure: when a pool is full, wait for the oldest
@@ -7,6 +8,7 @@ pending transfer to give its buffer back before failing.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import ctypes
 import os
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tierzero import streams as streams_mod
 from tierzero.config import Config, StateKind, Tier
 from tierzero.errors import ConfigError
 from tierzero.stats import StepStats
@@ -137,6 +140,7 @@ class Tiers:
         self.host_pool: HostPool | None = None
         self.device_pool: DevicePool | None = None
         self.stores: dict[Tier, TierStore] = {}
+        self.streams: streams_mod.Streams | None = None
         self.pending = Pending(self.stats)
         self._opened: list[Any] = []
 
@@ -175,8 +179,9 @@ class Tiers:
     def open(self) -> Tiers:
         pin_malloc_thresholds()
         try:
+            self.streams = streams_mod.open_streams(self.device)
             self.io = self._open(IOLoop(self.config.io_threads))
-            self.host_pool = self._open(HostPool(self.host_budget))
+            self.host_pool = self._open(HostPool(self.host_budget, device=self.device if self.device.type == "cuda" else None))
             self.device_pool = self._open(DevicePool(self.gpu_budget, self.device))
             self.stores[Tier.HOST] = self._open(HostStore(self.host_pool))
             self.stores[Tier.GPU] = self._open(DeviceStore(self.device_pool))
@@ -224,6 +229,16 @@ class Tiers:
     def run(self, coro: Coroutine) -> Any:
         return self.submit(coro).result()
 
+    def when_done(self, event: streams_mod.Event) -> concurrent.futures.Future:
+        """A future that completes once the stream event `event` has happened: an I/O thread
+        waits for it, so the training thread hands buffers back through `pending` unblocked."""
+        assert self.streams is not None
+        if self.streams.query(event):
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+        return self.submit(_host_wait(self.streams, event))
+
     def lease_host(self, nbytes: int) -> torch.Tensor:
         """A host buffer; when the pool is full, wait for pending transfers to free one first."""
         assert self.host_pool is not None
@@ -262,6 +277,10 @@ def pin_malloc_thresholds() -> bool:
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, from glibc's malloc.h
 _MALLOC_PINNED: bool | None = None
+
+
+async def _host_wait(streams: streams_mod.Streams, event: streams_mod.Event) -> None:
+    await asyncio.get_running_loop().run_in_executor(None, streams.host_wait, event)
 
 
 def _lease(pool: HostPool | DevicePool, nbytes: int, pending: Pending) -> torch.Tensor:

@@ -1,0 +1,130 @@
+"""A recording fake of `tierzero.streams.Streams` for CPU tests of the copy pipeline.
+
+It behaves like a GPU that runs copies late: a copy on `h2d` or `d2h` takes its source as it is
+when issued, fills its destination with NaN bytes, and writes the source into it only when
+something waits for the copy's event (`wait`, a copy's `after`, `host_wait`). Compute and host
+code that read a destination before waiting for its copy's event therefore read NaN, and the
+run stops being bitwise equal to plain PyTorch. Compute is synchronous (the CPU runs it as it is
+issued), so a compute event has always happened. Every call is logged, with the device pool's
+give-backs (`watch_device_pool`), for the invariants in `check_*` below.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from tierzero.storage.device import DevicePool
+from tierzero.streams import Streams
+
+_ids = itertools.count()
+
+
+@dataclass(frozen=True, eq=False)
+class FakeEvent:
+    stream: str
+    seq: int  # copies issued to `stream` before it was recorded
+    id: int = field(default_factory=lambda: next(_ids))
+
+
+class RecordingStreams(Streams):
+    separate = True
+    compute, h2d, d2h = "compute", "h2d", "d2h"
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.log: list[tuple] = []
+        self._lock = threading.RLock()
+        self._issued = {s: 0 for s in ("compute", "h2d", "d2h")}
+        self._done = dict(self._issued)
+        self._queue: dict[str, deque] = {s: deque() for s in ("h2d", "d2h")}
+
+    def record(self, stream: str) -> FakeEvent:
+        with self._lock:
+            event = FakeEvent(stream, self._issued[stream])
+            self.log.append(("record", stream, event))
+            return event
+
+    def wait(self, stream: str, event: FakeEvent | None) -> None:
+        with self._lock:
+            self.log.append(("wait", stream, event))
+            self._run_until(event)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: str, after: FakeEvent | None = None) -> FakeEvent:
+        with self._lock:
+            self.log.append(("copy", stream, dst.data_ptr(), after))
+            self._run_until(after)  # the stream runs the copy after `after`: what it waited for is done
+            self._issued[stream] += 1
+            if stream == self.compute:
+                dst.copy_(src)
+                self._done[stream] = self._issued[stream]
+            else:
+                self._queue[stream].append((self._issued[stream], dst, src.detach().clone()))
+                dst.view(torch.uint8).fill_(0xFF)  # NaN until the copy's event is waited for
+            return FakeEvent(stream, self._issued[stream])
+
+    def host_wait(self, event: FakeEvent | None) -> None:
+        with self._lock:
+            self.log.append(("host_wait", event, threading.current_thread().name))
+            self._run_until(event)
+
+    def query(self, event: FakeEvent | None) -> bool:
+        with self._lock:
+            return event is None or self._done[event.stream] >= event.seq
+
+    def keep_alive(self, tensor: torch.Tensor, stream: str) -> None:
+        with self._lock:
+            self.log.append(("keep_alive", stream, tensor.data_ptr()))
+
+    def _run_until(self, event: FakeEvent | None) -> None:
+        if event is None or event.stream == self.compute:
+            return
+        queue = self._queue[event.stream]
+        while queue and queue[0][0] <= event.seq:
+            seq, dst, src = queue.popleft()
+            dst.copy_(src)
+            self._done[event.stream] = seq
+
+
+def watch_device_pool(monkeypatch, fake: RecordingStreams) -> None:
+    """Log every give-back to a `DevicePool` with its `ready` token (the release event)."""
+    give_back = DevicePool.give_back
+
+    def logged(pool: DevicePool, buf: torch.Tensor, ready: object | None = None) -> None:
+        with fake._lock:
+            fake.log.append(("give_back", buf.data_ptr(), ready))
+        give_back(pool, buf, ready)
+
+    monkeypatch.setattr(DevicePool, "give_back", logged)
+
+
+def check_h2d_copies_wait_only_for_their_buffer(log: list[tuple]) -> list[str]:
+    """A copy into a device buffer that was given back waits for the event it was given back
+    with (its release) and for nothing else; the h2d stream never waits outside a copy."""
+    problems, released = [], {}
+    for entry in log:
+        if entry[0] == "give_back":
+            released[entry[1]] = entry[2]
+        elif entry[0] == "copy" and entry[1] == "h2d" and entry[2] in released:
+            ready = released.pop(entry[2])
+            if entry[3] is not ready:
+                problems.append(f"h2d copy into 0x{entry[2]:x} waits for {entry[3]}, not its release {ready}")
+        elif entry[0] == "wait" and entry[1] == "h2d":
+            problems.append(f"the h2d stream waits for {entry[2]} outside a copy")
+    return problems
+
+
+def check_no_host_wait_on_compute(log: list[tuple]) -> list[str]:
+    """The host never waits for the compute stream (that is a device synchronisation)."""
+    return [f"host waits for compute event {e[1]} on thread {e[2]}"
+            for e in log if e[0] == "host_wait" and e[1] is not None and e[1].stream == "compute"]
+
+
+def check_d2h_copies_wait_for_their_source(log: list[tuple]) -> list[str]:
+    """A grad copied to the host waits for the compute event that produced it."""
+    return [f"d2h copy into 0x{e[2]:x} does not wait for compute" for e in log
+            if e[0] == "copy" and e[1] == "d2h" and (e[3] is None or e[3].stream != "compute")]
