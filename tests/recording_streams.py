@@ -91,15 +91,22 @@ class RecordingStreams(Streams):
 
 
 def watch_device_pool(monkeypatch, fake: RecordingStreams) -> None:
-    """Log every give-back to a `DevicePool` with its `ready` token (the release event)."""
-    give_back = DevicePool.give_back
+    """Log every give-back to a `DevicePool` with its `ready` token (the release event), and
+    every block it drops (its next block at that address is fresh memory)."""
+    give_back, drop = DevicePool.give_back, DevicePool._drop
 
-    def logged(pool: DevicePool, buf: torch.Tensor, ready: object | None = None) -> None:
+    def logged_give_back(pool: DevicePool, buf: torch.Tensor, ready: object | None = None) -> None:
         with fake._lock:
             fake.log.append(("give_back", buf.data_ptr(), ready))
         give_back(pool, buf, ready)
 
-    monkeypatch.setattr(DevicePool, "give_back", logged)
+    def logged_drop(pool: DevicePool, block: object) -> None:
+        with fake._lock:
+            fake.log.append(("drop", block.data.data_ptr()))
+        drop(pool, block)
+
+    monkeypatch.setattr(DevicePool, "give_back", logged_give_back)
+    monkeypatch.setattr(DevicePool, "_drop", logged_drop)
 
 
 def check_h2d_copies_wait_only_for_their_buffer(log: list[tuple]) -> list[str]:
@@ -109,6 +116,8 @@ def check_h2d_copies_wait_only_for_their_buffer(log: list[tuple]) -> list[str]:
     for entry in log:
         if entry[0] == "give_back":
             released[entry[1]] = entry[2]
+        elif entry[0] == "drop":
+            released.pop(entry[1], None)
         elif entry[0] == "copy" and entry[1] == "h2d" and entry[2] in released:
             ready = released.pop(entry[2])
             if entry[3] is not ready:

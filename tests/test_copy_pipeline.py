@@ -41,9 +41,6 @@ def test_the_fake_lands_a_copy_only_at_its_event() -> None:
     assert torch.equal(dst, src) and fake.query(event)
 
 
-@pytest.mark.xfail(strict=True, reason="today's pipeline: every h2d copy waits for the whole compute "
-                   "stream (wait_stream), and each grad goes to the host on the compute stream, "
-                   "the host waiting for it (a device sync per unit)")
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_waits_only_on_events_and_stays_bitwise(tmp_path, monkeypatch, case: str) -> None:
     placement, overlap, accumulate = CASES[case]

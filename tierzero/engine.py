@@ -229,6 +229,7 @@ class Engine:
 
     def _step(self) -> bool:
         self.tiers.pending.drain()  # grads written during backward must land before they are read
+        self.grads.settle()  # and those copied to host memory
         if self._stepped_in_backward:  # overlap_step: every unit was stepped as its grad arrived
             self._stepped_in_backward = False
             # ... but one that got grads in an earlier micro-batch only is stepped here
@@ -401,6 +402,8 @@ class Engine:
     def read_key(self, kind: StateKind, key: str, out: torch.Tensor) -> None:
         """Fill the CPU tensor `out` from one stored key of `kind` (verified where stored on disk)."""
         store = self.tiers.stores[self.placement.home(kind)]
+        if kind is StateKind.GRAD and self._open:
+            self.grads.settle()  # a grad piece may still be on its way to the host
         if store.capabilities.zero_copy:
             out.copy_(store.view(key))
         else:

@@ -8,10 +8,16 @@ micro-batches of the step add what the earlier ones stored, piece by piece (a re
 `nvme`). On the last micro-batch the accumulated shard's norms and its finiteness are
 recorded, so clipping and overflow checks need no second pass, and with overlap_step the
 shard goes straight to the optimizer; otherwise each piece is stored in its home.
+
+Pieces leave the device on the d2h stream (`tierzero.streams`), each copy waiting for the
+compute event that finished its shard; nothing in backward waits for the device. Host code
+reads a host-homed piece only after its copy's event (`settle`), an nvme write is issued by an
+I/O thread after it, and earlier micro-batches' sums come back on the h2d stream.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 from collections.abc import Callable
 
@@ -21,6 +27,8 @@ from tierzero.comm import Comm
 from tierzero.config import StateKind, Tier
 from tierzero.partition import Unit
 from tierzero.stats import StepStats
+from tierzero.storage.base import TierStore
+from tierzero.streams import Event, Streams
 from tierzero.tiers import Tiers, state_keys
 
 
@@ -43,15 +51,20 @@ class GradShards:
         self.micro = 0
         self.last = True
         self.inv_scale = 1.0
-        self.norms: dict[str, torch.Tensor] = {}  # param name -> 2-norm (one rank) of its grad
-        self.sumsq = torch.zeros((), dtype=torch.float32)  # several ranks: this shard's sum of squares
-        self.nonfinite = torch.zeros((), dtype=torch.bool)
+        self.norms: dict[str, torch.Tensor] = {}  # param name -> 2-norm (one rank) of its grad, on the device
+        # measured on the compute device, read on the host only when the step needs them (one
+        # host-device sync per step, not one per unit or parameter in backward)
+        self.sumsq = torch.zeros((), dtype=torch.float32, device=tiers.device)  # several ranks: this shard's
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=tiers.device)
         # overlap_step: on the last micro-batch the optimizer takes each finished shard at once
         self.hand_over: Callable[[Unit, torch.Tensor], None] | None = None
         # gradients of this backward that reached `Engine.gathered` copies, by unit: added to the
         # unit's own at its first contribution (`tierzero.gathered`)
         self.extra: dict[int, tuple[torch.Tensor, frozenset[int]]] = {}
         self._writes: dict[str, concurrent.futures.Future] = {}  # piece key -> its grad write in flight
+        self._landing: dict[str, Event] = {}  # host-homed piece key -> its D2H copy's event
+        self._stashes: dict[str, concurrent.futures.Future] = {}  # a tied unit's earlier uses, being stashed
+        self.streams = tiers.streams
 
     def begin(self, micro: int, last: bool, inv_scale: float) -> None:
         """Before a backward: which micro-batch it is, whether it ends the step, the 1/scale."""
@@ -60,8 +73,8 @@ class GradShards:
         if micro == 0:
             self.present, self.stored, self.handed = {}, set(), set()
             self.norms.clear()
-            self.sumsq = torch.zeros((), dtype=torch.float32)
-            self.nonfinite = torch.zeros((), dtype=torch.bool)
+            self.sumsq = torch.zeros((), dtype=torch.float32, device=self.tiers.device)
+            self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.tiers.device)
 
     def offload(self, unit: int, full_grad: torch.Tensor, present: frozenset[int]) -> None:
         """Accumulate one unit's gradient into its home (and measure it on the last micro-batch)."""
@@ -95,8 +108,9 @@ class GradShards:
                 self.handed.add(unit)
                 self.hand_over(u, grad)  # the optimizer steps it piece by piece, never stored
                 return
+        produced = self.streams.record(self.streams.compute)  # the shard is final on compute
         for key, a, b in keys:
-            self._store(key, grad[a:b])
+            self._store(key, grad[a:b], produced)
         self.stored.add(unit)
 
     def take_extra(self) -> dict[int, tuple[torch.Tensor, frozenset[int]]]:
@@ -104,10 +118,21 @@ class GradShards:
         extra, self.extra = self.extra, {}
         return extra
 
+    def settle(self) -> None:
+        """Wait until every grad piece copied to the host has landed: before host code reads
+        the grad home (the optimizer step, a checkpoint). Waits on D2H events only."""
+        for event in self._landing.values():
+            self.streams.host_wait(event)
+        self._landing.clear()
+
     def _add_previous(self, key: str, part: torch.Tensor) -> None:
         store = self.tiers.stores[self.home]
-        if self.home is not Tier.NVME:
-            part.add_(store.view(key).to(part.device))
+        if self.home is Tier.GPU:
+            part.add_(store.view(key))
+            return
+        if self.home is Tier.HOST:
+            # to the device on the h2d stream, after the last micro-batch's D2H of this piece
+            self._add_from_host(part, store.view(key), after=self._landing.pop(key, None), stage=None)
             return
         stage = self.tiers.lease_host(part.numel() * 4).view(torch.float32)
         try:
@@ -116,50 +141,85 @@ class GradShards:
                 if write is not None:
                     write.result()  # read after write: the last micro-batch's must land
                 self.tiers.run(store.read_into(key, stage))
-            self.stats.add_bytes("nvme->host", part.numel() * 4)
-            part.add_(stage.to(part.device))
-        finally:
+        except BaseException:
             self.tiers.host_pool.give_back(stage.view(torch.uint8))
+            raise
+        self.stats.add_bytes("nvme->host", part.numel() * 4)
+        self._add_from_host(part, stage, after=None, stage=stage)
 
-    def _store(self, key: str, part: torch.Tensor) -> None:
+    def _add_from_host(self, part: torch.Tensor, host: torch.Tensor, after: Event,
+                       stage: torch.Tensor | None) -> None:
+        """`part += host` on the compute device: `host` goes over on the h2d stream (after
+        `after`), compute waits for that copy; a leased `stage` goes back once it is done."""
+        s = self.streams
+        prev = torch.empty_like(part)
+        copied = s.copy(prev, host, s.h2d, after=after)
+        s.keep_alive(prev, s.h2d)
+        s.wait(s.compute, copied)
+        part.add_(prev)
+        if stage is not None:
+            staged = stage.view(torch.uint8)
+            self.tiers.pending.add(self.tiers.when_done(copied), lambda ok: self.tiers.host_pool.give_back(staged))
+
+    def _store(self, key: str, part: torch.Tensor, produced: Event) -> None:
+        """Put a final piece in its home: D2H on the d2h stream once compute has produced it;
+        host code waits for `_landing[key]`, an nvme write for the copy's event (I/O thread)."""
         nbytes = part.numel() * 4
-        streams = self.tiers.streams
-        if self.home is not Tier.NVME:
-            streams.copy(self.tiers.stores[self.home].view(key), part, streams.compute)
-            streams.host_wait(streams.record(streams.compute))  # sync point: the grad is on the host
-            if self.home is Tier.HOST:
-                self.stats.add_bytes("gpu->host", nbytes)
+        s = self.streams
+        if self.home is Tier.GPU:
+            self.tiers.stores[Tier.GPU].view(key).copy_(part)
+            return
+        if self.home is Tier.HOST:
+            self._landing[key] = s.copy(self.tiers.stores[Tier.HOST].view(key), part, s.d2h, after=produced)
+            s.keep_alive(part, s.d2h)
+            self.stats.add_bytes("gpu->host", nbytes)
             return
         stage = self.tiers.lease_host(nbytes).view(torch.float32)
-        streams.copy(stage, part, streams.compute)
-        streams.host_wait(streams.record(streams.compute))  # sync point: the device grad lands in host memory
-        future = self._writes[key] = self.tiers.submit(self.tiers.stores[Tier.NVME].write(key, stage))
+        landed = s.copy(stage, part, s.d2h, after=produced)
+        s.keep_alive(part, s.d2h)
+        future = self._writes[key] = self.tiers.submit(
+            _write_when_landed(s, landed, self.tiers.stores[Tier.NVME], key, stage))
         self.tiers.pending.add(future, lambda ok: self.tiers.host_pool.give_back(stage.view(torch.uint8)))
         self.stats.add_bytes("host->nvme", nbytes)
 
     def _combine_uses(self, unit: int, grad: torch.Tensor) -> torch.Tensor | None:
         """Stash this use's grad (plus earlier ones) in the home tier; at the unit's last use
-        of the pass return the sum of all of them (None before that)."""
+        of the pass return the sum of all of them (None before that).
+
+        The stash goes to the host on the d2h stream and an I/O thread, after that copy's
+        event, adds the earlier stash to it and writes it home; the last use brings the stash
+        back on the h2d stream and adds it on the compute device (sums commute bitwise)."""
         store = self.tiers.stores[self.home]
         key = f"grad_uses/u{unit:04d}/r{self.comm.rank}"
         nbytes = grad.numel() * 4
+        stash = self._stashes.pop(key, None)
+        if stash is not None:
+            with self.stats.waiting():
+                stash.result()  # the earlier use's stash is written (long since, normally)
+        if self.seen[unit] < self.uses[unit]:
+            s = self.streams
+            stage = self.tiers.lease_host(nbytes).view(torch.float32)
+            landed = s.copy(stage, grad, s.d2h, after=s.record(s.compute))
+            s.keep_alive(grad, s.d2h)
+            add = self.tiers.lease_host(nbytes).view(torch.float32) if stash is not None else None
+            future = self._stashes[key] = self.tiers.submit(_stash_when_landed(s, landed, store, key, stage, add))
+            self.tiers.pending.add(future, lambda ok: [self.tiers.host_pool.give_back(b.view(torch.uint8))
+                                                       for b in (stage, add) if b is not None])
+            if stash is not None:
+                self._count(f"{self.home.value}->host", nbytes)
+            self._count(f"host->{self.home.value}", nbytes)
+            return None
         stage = self.tiers.lease_host(nbytes).view(torch.float32)
         try:
-            if self.seen[unit] > 1:
-                with self.stats.waiting():
-                    self.tiers.run(store.read_into(key, stage))
-                self._count(f"{self.home.value}->host", nbytes)
-                stage.add_(grad.to(stage.device))
-            else:
-                stage.copy_(grad)
-            if self.seen[unit] < self.uses[unit]:
-                self.tiers.run(store.write(key, stage))
-                self._count(f"host->{self.home.value}", nbytes)
-                return None
+            with self.stats.waiting():
+                self.tiers.run(store.read_into(key, stage))
             self.tiers.run(store.delete(key))
-            return stage.to(grad.device, copy=True)
-        finally:
+        except BaseException:
             self.tiers.host_pool.give_back(stage.view(torch.uint8))
+            raise
+        self._count(f"{self.home.value}->host", nbytes)
+        self._add_from_host(grad, stage, after=None, stage=stage)
+        return grad
 
     def _count(self, link: str, nbytes: int) -> None:
         if self.home is Tier.NVME:  # memory homes: a copy within the tier, not a link
@@ -168,7 +228,7 @@ class GradShards:
     def _measure(self, unit: Unit, acc: torch.Tensor) -> None:
         """Only what the step will ask for: each costs a pass over the shard."""
         if self.want_finite:
-            self.nonfinite |= ~torch.isfinite(acc).all().cpu()
+            self.nonfinite |= ~torch.isfinite(acc).all()
         if not self.want_norms:
             return
         if self.comm.world_size == 1:
@@ -177,13 +237,13 @@ class GradShards:
             # (only parameters with a grad: `clip_grad_norm_` leaves out those whose grad is None)
             for i, slot in enumerate(unit.slots):
                 if i in self.present[unit.index]:
-                    self.norms[slot.names[0]] = torch.linalg.vector_norm(acc[slot.offset:slot.end], 2.0).cpu()
+                    self.norms[slot.names[0]] = torch.linalg.vector_norm(acc[slot.offset:slot.end], 2.0)
         else:
-            self.sumsq += acc.double().pow(2).sum().float().cpu()
+            self.sumsq += acc.double().pow(2).sum().float()
 
     def found_inf(self) -> bool:
         """Whether any accumulated grad of the step is inf/NaN (one host-device sync)."""
-        flag = self.comm.all_reduce_sum(self.nonfinite.to(torch.float32))
+        flag = self.comm.all_reduce_sum(self.nonfinite.to("cpu", torch.float32))
         return bool(flag.item() > 0)
 
     def total_norm(self, param_order: list[str]) -> torch.Tensor:
@@ -191,9 +251,28 @@ class GradShards:
         if self.comm.world_size == 1:
             norms = [self.norms[n] for n in param_order if n in self.norms]
             return torch.linalg.vector_norm(torch.stack(norms), 2.0)
-        return self.comm.all_reduce_sum(self.sumsq.clone()).sqrt()
+        return self.comm.all_reduce_sum(self.sumsq.to("cpu", copy=True)).sqrt()
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """`clip_grad_norm_`'s factor, computed the same way (fp32 tensor arithmetic, clamped to 1)."""
     return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
+async def _write_when_landed(streams: Streams, landed: Event, store: TierStore, key: str,
+                             stage: torch.Tensor) -> None:
+    """Write a grad piece to nvme once its D2H copy into `stage` has happened."""
+    await asyncio.get_running_loop().run_in_executor(None, streams.host_wait, landed)
+    await store.write(key, stage)
+
+
+async def _stash_when_landed(streams: Streams, landed: Event, store: TierStore, key: str,
+                             stage: torch.Tensor, add: torch.Tensor | None) -> None:
+    """Once a use's grad has landed in `stage`: add the earlier uses' stash (read into `add`)
+    on the host, and write the sum home as the stash."""
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, streams.host_wait, landed)
+    if add is not None:
+        await store.read_into(key, add)
+        await loop.run_in_executor(None, stage.add_, add)
+    await store.write(key, stage)

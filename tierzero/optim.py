@@ -25,6 +25,7 @@ from tierzero.config import Config, Placement, StateKind, Tier
 from tierzero.paramsteps import Run
 from tierzero.partition import Unit
 from tierzero.stats import StepStats
+from tierzero.streams import Event
 from tierzero.tiers import Tiers, piece_key, shard_key
 
 OPT_KINDS = (StateKind.GRAD, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
@@ -42,6 +43,7 @@ class Work:
     tensors: dict[StateKind, torch.Tensor] = field(default_factory=dict)
     leased: dict[StateKind, torch.Tensor] = field(default_factory=dict)  # kind -> leased buffer
     futures: list = field(default_factory=list)
+    grad_landed: Event = None  # the D2H copy of its grad piece (overlap_step), waited for on an I/O thread
 
     @property
     def numel(self) -> int:
@@ -119,6 +121,7 @@ class ShardOptimizer:
         training thread next reaps the pending queue. Loading a piece waits for buffers the
         pool does not have yet, so at most a budget's worth of pieces is in flight."""
         wanted = {w.piece for w in self.works(unit, runs)}
+        produced = self.tiers.streams.record(self.tiers.streams.compute)  # the grad shard is final
         for work in self.works(unit):
             prefetched = self._prefetched.pop((unit.index, work.piece), None)
             if work.piece not in wanted:
@@ -127,25 +130,28 @@ class ShardOptimizer:
                 continue
             work = prefetched or self._load(work)
             work.runs = runs
-            self._attach_grad(work, grad)
+            self._attach_grad(work, grad, produced)
             future = self.tiers.submit(self._step_when_loaded(work, lr, grad_coef))
             self.tiers.pending.add(future, lambda ok, w=work: self._write(w) if ok else self._discard(w))
 
     async def _step_when_loaded(self, work: Work, lr: float, grad_coef: torch.Tensor | None) -> None:
         for future in work.futures:
             await asyncio.wrap_future(future)
-        await asyncio.get_running_loop().run_in_executor(None, self._step, work, lr, grad_coef)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.tiers.streams.host_wait, work.grad_landed)
+        await loop.run_in_executor(None, self._step, work, lr, grad_coef)
 
-    def _attach_grad(self, work: Work, grad: torch.Tensor) -> None:
-        """Use the piece's slice of the finished grad shard handed over by backward."""
+    def _attach_grad(self, work: Work, grad: torch.Tensor, produced: Event) -> None:
+        """Use the piece's slice of the finished grad shard handed over by backward: in place on
+        the stepping device, else copied on the d2h stream once compute has `produced` it."""
         part = grad[work.start:work.end]
-        if part.device == self.device and not self.tiers.streams.separate:
+        s = self.tiers.streams
+        if part.device == self.device and not (s.separate and self.device.type == "cpu"):
             work.tensors[StateKind.GRAD] = part
             return
         work.tensors[StateKind.GRAD] = work.leased[StateKind.GRAD] = self._lease(work.numel * 4).view(torch.float32)
-        streams = self.tiers.streams
-        streams.copy(work.leased[StateKind.GRAD], part, streams.compute)
-        streams.host_wait(streams.record(streams.compute))  # sync point: the grad piece is on the host
+        work.grad_landed = s.copy(work.leased[StateKind.GRAD], part, s.d2h, after=produced)
+        s.keep_alive(part, s.d2h)
 
     def _load(self, work: Work, with_grad: bool = False) -> Work:
         """Start bringing a piece's optimizer states (and its grad, if asked) to the stepping device."""

@@ -7,11 +7,18 @@ of a unit, the fetches issued
 replays the plan as the model runs: `acquire(u)` executes every op up to `u`'s wait and
 returns its param shard on the compute device; `release(u)` executes the ops after it.
 It does not decide what to move; the plan does.
+
+Copies run on the h2d stream (`tierzero.streams`): a copy into a device buffer waits only for
+that buffer's release event (recorded on the compute stream when the unit that last read it
+was released), compute waits for the copy's event before it reads, and a staging buffer goes
+back to the host pool once its copy's event has happened. An nvme read hands its copy to the
+h2d stream from the I/O thread the moment it lands.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 from dataclasses import dataclass
 
@@ -21,6 +28,7 @@ from tierzero.config import StateKind, Tier
 from tierzero.storage.base import BudgetExceededError, TierStore
 from tierzero.partition import Unit
 from tierzero.stats import StepStats
+from tierzero.streams import Event, Streams
 from tierzero.tiers import Tiers, shard_key, state_keys
 
 
@@ -112,8 +120,8 @@ class ParamShard:
     status: str = "not_available"  # -> "in_flight" -> "available"
     device_buf: torch.Tensor | None = None
     staging: torch.Tensor | None = None
-    future: object | None = None
-    event: object | None = None
+    future: concurrent.futures.Future | None = None  # an nvme read; its result is the copy's event
+    event: Event = None  # the host->device copy's
 
 
 class Scheduler:
@@ -166,7 +174,6 @@ class Scheduler:
         for record in self.records.values():
             if record.future is not None:
                 record.future.exception()  # let the read finish before its buffer goes back
-                record.future = None
                 # the read may have failed: its cache entry must not be served later
                 self.tiers.host_pool.cache_drop(shard_key(StateKind.PARAM, record.unit, self.rank))
             self._drop(record)
@@ -204,23 +211,6 @@ class Scheduler:
                 self._drop(record)  # a tight budget: this unit is fetched at its wait instead
         elif op.op is Op.RELEASE:
             self._drop(record)
-        self._land_finished_reads()
-
-    def _land_finished_reads(self) -> None:
-        """Start the host->device copy of every nvme read that has landed (no waiting)."""
-        for record in self.records.values():
-            if record.future is not None and record.future.done():
-                self._land(record)
-
-    def _land(self, record: ParamShard) -> None:
-        assert record.future is not None and record.staging is not None
-        future, record.future = record.future, None
-        try:
-            future.result()  # sync point when still in flight: the read must be in staging
-        except BaseException:
-            self.tiers.host_pool.cache_drop(shard_key(StateKind.PARAM, record.unit, self.rank))
-            raise
-        self._copy_to_device(record, record.staging)
 
     def _fetch(self, record: ParamShard) -> None:
         if record.status != "not_available":
@@ -231,58 +221,78 @@ class Scheduler:
         if record.home is Tier.GPU:
             record.status = "available"  # resident in the device store: a view, no copy
             return
-        record.device_buf = self.tiers.lease_device(nbytes).view(self.dtype)
+        buf = self.tiers.lease_device(nbytes)
+        # The copy into this buffer waits for its release by the compute that last read it, and
+        # for nothing else. A fresh block may be memory torch's allocator just freed from
+        # compute, so it waits for compute as it is now (rare: the pool reuses its blocks).
+        ready = self.tiers.device_pool.take_ready(buf)
+        if ready is None:
+            ready = self.streams.record(self.streams.compute)
+        record.device_buf = buf.view(self.dtype)
         record.status = "in_flight"
-        if record.home is Tier.HOST:
-            self._copy_to_device(record, self.tiers.stores[Tier.HOST].view(key))
-            self.stats.add_bytes("host->gpu", nbytes)
-            return
         self.stats.add_bytes("host->gpu", nbytes)
+        if record.home is Tier.HOST:
+            record.event = self.streams.copy(record.device_buf, self.tiers.stores[Tier.HOST].view(key),
+                                             self.streams.h2d, after=ready)
+            return
         cached = self.tiers.host_pool.cache_get(key)
         if cached is not None:  # still in RAM since its last use (backward replays forward reversed)
             record.staging = cached.view(self.dtype)
-            self._copy_to_device(record, record.staging)
+            record.event = self.streams.copy(record.device_buf, record.staging, self.streams.h2d, after=ready)
             self.stats.add_bytes("host_cache_hit", nbytes)
             return
         record.staging = self.tiers.lease_host(nbytes).view(self.dtype)
         # cached from now on: the pool evicts it (least recently used first) when space is short
         self.tiers.host_pool.cache_put(key, record.staging.view(torch.uint8))
         keys = state_keys(StateKind.PARAM, unit, self.rank, self.piece_numel, Tier.NVME)
-        record.future = self.tiers.submit(_read_pieces(self.tiers.stores[Tier.NVME], keys, record.staging))
+        record.future = self.tiers.submit(_read_then_copy(
+            self.tiers.stores[Tier.NVME], keys, record.staging, self.streams, record.device_buf, ready))
         self.stats.add_bytes("nvme->host", nbytes)
 
-    def _copy_to_device(self, record: ParamShard, src: torch.Tensor) -> None:
-        assert record.device_buf is not None
-        s = self.streams
-        # the copy stream must not overwrite a recycled device buffer that compute still reads
-        record.event = s.copy(record.device_buf, src, s.h2d, after=s.record(s.compute))
+    def _land(self, record: ParamShard) -> None:
+        """Take the copy event of an nvme read (its I/O thread issued the copy as it landed)."""
+        assert record.future is not None
+        future, record.future = record.future, None
+        try:
+            record.event = future.result()  # sync point when the read is still in flight
+        except BaseException:
+            self.tiers.host_pool.cache_drop(shard_key(StateKind.PARAM, record.unit, self.rank))
+            raise
 
     def _wait(self, record: ParamShard) -> None:
         if record.status == "available":
             return
         if record.status == "not_available":  # its look-ahead fetch did not fit the budget
             self._fetch(record)
-        with self.stats.waiting():
-            if record.future is not None:
+        if record.future is not None:
+            with self.stats.waiting():
                 self._land(record)
-            if record.event is not None:
-                # the compute stream waits on the GPU; the CPU does not block here
-                self.streams.wait(self.streams.compute, record.event)
-        if record.staging is not None and record.event is None:
-            self.tiers.host_pool.give_back(record.staging.view(torch.uint8))  # CPU copy is done
+        # the compute stream waits on the GPU; the CPU does not block here
+        self.streams.wait(self.streams.compute, record.event)
+        if record.staging is not None and self.streams.query(record.event):
+            self.tiers.host_pool.give_back(record.staging.view(torch.uint8))  # its copy is done
             record.staging = None
         record.status = "available"
 
     def _drop(self, record: ParamShard) -> None:
-        if record.event is not None:
-            self.streams.host_wait(record.event)  # the pinned staging buffer is reusable only after its copy
-            record.event = None
+        """Give the unit's buffers back: the device buffer with a release event (compute may
+        still be reading it on the GPU), the staging buffer once its copy has happened."""
+        if record.future is not None:  # never waited for (an abort): the read lands first
+            future, record.future = record.future, None
+            if future.exception() is None:
+                record.event = future.result()
         if record.device_buf is not None:
-            self.tiers.device_pool.give_back(record.device_buf.view(torch.uint8))
+            if record.status != "available":  # compute never waited for the copy: order it now
+                self.streams.wait(self.streams.compute, record.event)
+            release = self.streams.record(self.streams.compute)
+            self.tiers.device_pool.give_back(record.device_buf.view(torch.uint8), ready=release)
             record.device_buf = None
         if record.staging is not None:
-            self.tiers.host_pool.give_back(record.staging.view(torch.uint8))
+            staging = record.staging.view(torch.uint8)
+            self.tiers.pending.add(self.tiers.when_done(record.event),
+                                   lambda ok: self.tiers.host_pool.give_back(staging))
             record.staging = None
+        record.event = None
         record.status = "not_available"
 
     def _shard(self, unit: int) -> torch.Tensor:
@@ -291,6 +301,14 @@ class Scheduler:
             return self.tiers.stores[Tier.GPU].view(shard_key(StateKind.PARAM, unit, self.rank))
         assert record.device_buf is not None
         return record.device_buf
+
+
+async def _read_then_copy(store: TierStore, keys: list[tuple[str, int, int]], staging: torch.Tensor,
+                          streams: Streams, device_buf: torch.Tensor, ready: Event) -> Event:
+    """Read a unit's param pieces into `staging`, then at once (on the I/O thread, not at the
+    training thread's next plan op) start its copy to `device_buf` after `ready`; its event."""
+    await _read_pieces(store, keys, staging)
+    return streams.copy(device_buf, staging, streams.h2d, after=ready)
 
 
 async def _read_pieces(store: TierStore, keys: list[tuple[str, int, int]], out: torch.Tensor) -> None:
