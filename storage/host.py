@@ -12,6 +12,7 @@ is unpinned when the pool drops it, and goes back to the OS with its last refere
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 
 import torch
@@ -29,8 +30,8 @@ class HostPool(BufferPool):
 
     `alignment` is raised to at least the page size: a block is a whole number of pages of real
     memory, so a smaller capacity would undercount the budget. Pinning is done in the context of
-    `device` (a `cuda:k`; default: the current device at open), whichever thread leases: the I/O
-    loop's threads have cuda:0 current, and registering there would create a context on it.
+    `device` (a `cuda:k`; the engine always names it), whichever thread leases: the I/O loop's
+    threads have cuda:0 current, and registering there would create a context on it.
     `registrations` counts `cudaHostRegister` calls (each is a costly, synchronising driver call).
     """
 
@@ -51,9 +52,11 @@ class HostPool(BufferPool):
             raise StorageError("pinned host memory needs CUDA, which is not available here; "
                                "pass pin=None (pin when CUDA is there) or pin=False")
         self.pin = cuda if self._pin_request is None else self._pin_request
-        if self.pin and (self.device is None or self.device.type != "cuda" or self.device.index is None):
-            self.device = torch.device("cuda", torch.cuda.current_device())
         super().open()
+
+    def _in_context(self) -> contextlib.AbstractContextManager:
+        """The pinning device's context, made current on whichever thread pins."""
+        return torch.cuda.device(self.device) if self.device is not None else contextlib.nullcontext()
 
     def _allocate(self, capacity: int) -> torch.Tensor:
         # Anonymous mappings are page-aligned; only an alignment above the page size needs slack.
@@ -71,7 +74,7 @@ class HostPool(BufferPool):
         offset = -raw.data_ptr() % self.alignment
         data = raw[offset: offset + capacity]
         if self.pin:
-            with torch.cuda.device(self.device):
+            with self._in_context():
                 err = int(torch.cuda.cudart().cudaHostRegister(data.data_ptr(), capacity,
                                                               _REGISTER_PORTABLE))
             self.registrations += 1
@@ -85,7 +88,7 @@ class HostPool(BufferPool):
         # Unpin while the pool still holds the mapping: unregistering unmapped memory is an error,
         # and CPython's mmap unmaps before any weakref callback on it could run.
         if self.pin:
-            with torch.cuda.device(self.device):
+            with self._in_context():
                 err = int(torch.cuda.cudart().cudaHostUnregister(data.data_ptr()))
             if err != 0:
                 raise StorageError(f"cannot unpin the {data.numel()}-byte host block at "

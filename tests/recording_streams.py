@@ -56,7 +56,7 @@ class RecordingStreams(Streams):
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: str, after: FakeEvent | None = None) -> FakeEvent:
         with self._lock:
-            self.log.append(("copy", stream, dst.data_ptr(), after))
+            self.log.append(("copy", stream, dst.data_ptr(), after, threading.current_thread().name))
             self._run_until(after)  # the stream runs the copy after `after`: what it waited for is done
             self._issued[stream] += 1
             if stream == self.compute:

@@ -3,8 +3,9 @@
 Compared: `tierzero.Engine` run through `RecordingStreams` (copies land only when their event
 is waited for; NaN before) against plain PyTorch (`ReferenceTrainer`): bitwise equal weights
 mean no compute read a param buffer, and no host code read a grad piece, before its copy's
-event. The log then says what each copy waited for, and that the host never waited for the
-compute stream (a device synchronisation) anywhere in the steps.
+event. The log then says what each copy waited for, that the host never waited for the compute
+stream (a device synchronisation) anywhere in the steps, and that an nvme read's copy was
+issued by the I/O loop as it landed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from tierzero import Config, Placement, Tier, models, streams
 from tierzero.engine import Engine
+from tierzero.storage.device import DevicePool
 
 from engine_helpers import SMALL, batches, reference_run
 from recording_streams import (RecordingStreams, check_d2h_copies_wait_for_their_source,
@@ -63,3 +65,28 @@ def test_pipeline_waits_only_on_events_and_stays_bitwise(tmp_path, monkeypatch, 
                                 check_d2h_copies_wait_for_their_source) for p in check(fake.log)[:2]]
     problems += [f"no copy on the {s} stream" for s in ("h2d", "d2h") if s not in streams_used]
     assert not problems, "\n".join(problems)
+    if placement is NVME:  # a landed read's copy is issued by the I/O loop, not at a plan op
+        assert any(e[0] == "copy" and e[1] == "h2d" and e[4] == "tierzero-io-loop" for e in fake.log)
+
+
+def test_a_device_buffer_carries_its_release_event_to_its_next_holder() -> None:
+    pool = DevicePool(1 << 20, "cpu")
+    with pool:
+        buf = pool.lease(4096)
+        assert pool.take_ready(buf) is None  # fresh
+        release = object()
+        pool.give_back(buf, ready=release)
+        again = pool.lease(4096)
+        assert again.data_ptr() == buf.data_ptr()
+        assert pool.take_ready(again) is release and pool.take_ready(again) is None  # taken once
+        pool.give_back(again)
+
+
+def test_cpu_streams_copy_at_once_and_cuda_streams_need_an_indexed_device() -> None:
+    cpu = streams.open_streams(torch.device("cpu"))
+    assert isinstance(cpu, streams.CpuStreams) and not cpu.separate
+    dst = torch.zeros(3)
+    event = cpu.copy(dst, torch.ones(3), cpu.h2d)
+    assert torch.equal(dst, torch.ones(3)) and cpu.query(event)
+    with pytest.raises(ValueError, match="cuda:k"):
+        streams.CudaStreams(torch.device("cuda"))

@@ -54,16 +54,19 @@ def matmul_tflops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5,
     return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b, out=out), seconds, sync) / 1e12
 
 
-def h2d_gbps(nbytes: int = 256 << 20, pinned: bool = True, seconds: float = 0.5) -> float:
-    """GB/s of one host->GPU copy of `nbytes` from pinned or pageable memory (needs CUDA).
+def h2d_gbps(nbytes: int = 256 << 20, pinned: bool = True, seconds: float = 0.5,
+             to_host: bool = False) -> float:
+    """GB/s of one host->GPU (or, `to_host`, GPU->host) copy of `nbytes` between pinned or
+    pageable memory and the current GPU (needs CUDA).
 
     The host buffer comes from a `HostPool`, so the figure is that of the engine's own
     (registered) pinned blocks."""
     with HostPool(nbytes, pin=pinned) as pool:
-        src = pool.lease(nbytes).fill_(1)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        # non_blocking only from pinned memory: from pageable memory it would copy synchronously.
+        host = pool.lease(nbytes).fill_(1)
+        gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst, src = (host, gpu) if to_host else (gpu, host)
+        # non_blocking only with pinned memory: with pageable memory it would copy synchronously.
         op = lambda: dst.copy_(src, non_blocking=pinned)
         gbps = nbytes / _best_seconds(op, seconds, torch.cuda.synchronize) / 1e9
-        pool.give_back(src)
+        pool.give_back(host)
     return gbps

@@ -9,7 +9,8 @@ AdamW updates the piece (elementwise, so stepping pieces is bitwise stepping the
 off-device states are written back and the new compute-dtype values go into the unit's param
 shard: in place where params live in memory, else as the param piece of the same range. Writes complete in the background;
 their buffers return to the pool as they finish. The step runs on the compute device only when
-master and both moments live there.
+master and both moments live there. With overlap_step a piece's grad reaches the host on the
+d2h stream (`tierzero.streams`) and its AdamW, on an I/O thread, waits for that copy's event.
 """
 
 from __future__ import annotations
@@ -152,6 +153,7 @@ class ShardOptimizer:
         work.tensors[StateKind.GRAD] = work.leased[StateKind.GRAD] = self._lease(work.numel * 4).view(torch.float32)
         work.grad_landed = s.copy(work.leased[StateKind.GRAD], part, s.d2h, after=produced)
         s.keep_alive(part, s.d2h)
+        self.stats.add_bytes("gpu->host", work.numel * 4)
 
     def _load(self, work: Work, with_grad: bool = False) -> Work:
         """Start bringing a piece's optimizer states (and its grad, if asked) to the stepping device."""

@@ -181,7 +181,8 @@ class Tiers:
         try:
             self.streams = streams_mod.open_streams(self.device)
             self.io = self._open(IOLoop(self.config.io_threads))
-            self.host_pool = self._open(HostPool(self.host_budget, device=self.device if self.device.type == "cuda" else None))
+            pin_device = self.device if self.device.type == "cuda" else None  # pin in its context
+            self.host_pool = self._open(HostPool(self.host_budget, device=pin_device))
             self.device_pool = self._open(DevicePool(self.gpu_budget, self.device))
             self.stores[Tier.HOST] = self._open(HostStore(self.host_pool))
             self.stores[Tier.GPU] = self._open(DeviceStore(self.device_pool))
