@@ -1,0 +1,356 @@
+"""One GPU for real: train the largest preset this machine can hold, on a 24 GiB-sized GPU.
+
+For a machine with a CUDA GPU (never run in CI). It caps the memory torch may use on the GPU to
+`--gpu-mem` (default 24 GiB, a workstation card; `torch.cuda.set_per_process_memory_fraction`),
+measures in the same run the GPU's bf16 matmul peak, pinned host<->GPU copy bandwidth in each
+direction, the drive's store read/write bandwidth and CPU AdamW throughput, then picks the
+largest preset whose state fits the free disk under `--path` and the free RAM (the one memory
+model, `tierzero.memory`), and trains it in bf16 with params and optimizer offloaded: every
+state kind on the host (`host`), then every state kind on NVMe (`nvme`). Per placement it prints
+
+- step time, tokens/s, model TFLOPS = 6 N tokens / s and hardware TFLOPS = 8 N tokens / s
+  (per-unit checkpointing recomputes each forward once in backward: 2 N more), and each one's
+  ratio to the measured bf16 peak;
+- H2D and D2H GB/s achieved (the engine's byte counters / step time) and the measured peaks;
+- NVMe GB/s achieved and the I/O wait share (the training thread's `io_wait_s` / step time);
+- the bound of a step: max(compute = 8 N tokens / peak, H2D bytes / H2D peak, D2H bytes / D2H
+  peak, NVMe read / read peak + NVMe write / write peak, N / CPU AdamW rate), which term it is,
+  and the step's ratio to it;
+- `cudaHostRegister` calls per timed step (pinning on the hot path costs; should be 0).
+
+It writes a `torch.profiler` trace of the last step of each placement (`--trace-dir`) and the
+figures as JSON with `--json`. Tokens per step: `--micro-batch` sequences of `--seq-len` (the
+largest micro-batch up to 8 whose activations fit, by default) times the accumulation that
+makes compute the bound at the measured rates (at most `--max-accumulate`).
+
+    python benchmarks/gpu.py --path /mnt/nvme/tz              # ~15-30 min on an 8B-class run
+    python benchmarks/gpu.py --dry-run                        # anywhere: the choice and the bound
+                                                              # arithmetic from nominal rates
+
+Without CUDA (and without --dry-run) it refuses in one sentence, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierzero import Config, Engine, Placement, Tier, models
+from tierzero.config import parse_bytes
+from tierzero.ledger import activation_memory, units_from_args
+from tierzero.memory import MemoryModel, peak_memory
+from tierzero.models import ModelArgs
+from tierzero.models.presets import PRESETS
+from tierzero.tiers import available_host_bytes
+
+PLACEMENTS = {
+    "host": Placement(Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST),
+    "nvme": Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME),
+}
+COMPUTE_ITEMSIZE = 2  # bf16
+PREFETCH_DEPTH = 2
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the run may use: the capped GPU, a share of the free RAM, the free disk."""
+
+    gpu_bytes: int
+    host_bytes: int
+    disk_bytes: int
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Peaks measured in the same run (or nominal ones for --dry-run)."""
+
+    bf16_tflops: float
+    h2d_gbps: float
+    d2h_gbps: float
+    nvme_read_gbps: float
+    nvme_write_gbps: float
+    adam_params_per_s: float
+
+
+# An H200-class machine's rough figures, only for --dry-run's arithmetic (never reported as measured).
+NOMINAL = Rates(bf16_tflops=700.0, h2d_gbps=50.0, d2h_gbps=50.0, nvme_read_gbps=6.0,
+                nvme_write_gbps=4.0, adam_params_per_s=1.5e9)
+
+
+# -- the choice of preset, micro-batch and tokens per step (no GPU needed) -------------------------
+
+def memory(args: ModelArgs, placement: Placement, micro_batch: int, seq_len: int) -> MemoryModel:
+    """The engine's own memory model for this preset, placement and micro-batch."""
+    return peak_memory(units_from_args(args), placement, compute_itemsize=COMPUTE_ITEMSIZE, device="cuda",
+                       tied_embeddings=args.tie_embeddings, prefetch_depth=PREFETCH_DEPTH, overlap=True,
+                       activations=activation_memory(args, micro_batch, seq_len, COMPUTE_ITEMSIZE))
+
+
+def fits(mem: MemoryModel, machine: Machine) -> bool:
+    needs = mem.needs()
+    return (needs[Tier.GPU] <= machine.gpu_bytes and needs[Tier.HOST] <= machine.host_bytes
+            and needs[Tier.NVME] <= machine.disk_bytes)
+
+
+def pick_preset(machine: Machine, seq_len: int) -> str | None:
+    """The largest preset (by parameters) that fits in *both* placements at micro-batch 1."""
+    for name in sorted(PRESETS, key=lambda n: PRESETS[n].param_count(), reverse=True):
+        args = PRESETS[name]
+        if all(fits(memory(args, p, 1, min(seq_len, args.max_seq_len)), machine) for p in PLACEMENTS.values()):
+            return name
+    return None
+
+
+def pick_micro_batch(args: ModelArgs, machine: Machine, seq_len: int, largest: int = 8) -> int:
+    """The largest power-of-two micro-batch up to `largest` whose activations fit (at least 1)."""
+    best = 1
+    while best * 2 <= largest and all(fits(memory(args, p, best * 2, seq_len), machine) for p in PLACEMENTS.values()):
+        best *= 2
+    return best
+
+
+def step_traffic(args: ModelArgs, placement: str) -> dict[str, int]:
+    """Bytes one step moves, by link, with overlap_step (grads go straight to the optimizer):
+    params to the GPU twice (forward, recompute), fp32 grads back once; with nvme homes the
+    optimizer reads and writes master and both moments, and the params are read twice and
+    written once (an upper bound: the host's param cache saves some reads)."""
+    n = args.param_count()
+    out = {"h2d": 2 * n * COMPUTE_ITEMSIZE, "d2h": n * 4, "nvme_read": 0, "nvme_write": 0}
+    if placement == "nvme":
+        out["nvme_read"] = 2 * n * COMPUTE_ITEMSIZE + 3 * n * 4
+        out["nvme_write"] = n * COMPUTE_ITEMSIZE + 3 * n * 4
+    return out
+
+
+def bound(n_params: int, tokens: int, traffic: dict[str, int], rates: Rates) -> dict[str, float]:
+    """Seconds each resource needs for one step, and the bound: the largest of them.
+
+    compute counts the recompute (8 N flops per token). NVMe reads and writes share the drive,
+    so their times add."""
+    terms = {
+        "compute": 8 * n_params * tokens / (rates.bf16_tflops * 1e12),
+        "h2d": traffic["h2d"] / (rates.h2d_gbps * 1e9),
+        "d2h": traffic["d2h"] / (rates.d2h_gbps * 1e9),
+        "nvme": (traffic["nvme_read"] / (rates.nvme_read_gbps * 1e9)
+                 + traffic["nvme_write"] / (rates.nvme_write_gbps * 1e9)),
+        "cpu_adam": n_params / rates.adam_params_per_s,
+    }
+    limit = max(terms, key=terms.get)
+    return {**terms, "bound_s": terms[limit], "bound_by": limit}  # type: ignore[dict-item]
+
+
+def accumulation_for_compute_bound(args: ModelArgs, placement: str, micro_tokens: int, rates: Rates,
+                                   most: int) -> int:
+    """Micro-batches per step so that compute is at least every transfer term (at most `most`)."""
+    n = args.param_count()
+    others = {k: v for k, v in bound(n, micro_tokens, step_traffic(args, placement), rates).items()
+              if k not in ("compute", "bound_s", "bound_by")}
+    per_micro = 8 * n * micro_tokens / (rates.bf16_tflops * 1e12)
+    return max(1, min(most, math.ceil(max(others.values()) / per_micro)))
+
+
+# -- the report ------------------------------------------------------------------------------------
+
+def report_row(name: str, args: ModelArgs, tokens: int, step_s: float, stats: dict[str, float],
+               rates: Rates, registrations_per_step: float) -> dict[str, Any]:
+    """One placement's figures from its median step time and one step's engine counters."""
+    n = args.param_count()
+    traffic = {"h2d": int(stats.get("bytes_host->gpu", 0)), "d2h": int(stats.get("bytes_gpu->host", 0)),
+               "nvme_read": int(stats.get("bytes_nvme->host", 0)), "nvme_write": int(stats.get("bytes_host->nvme", 0))}
+    b = bound(n, tokens, traffic, rates)
+    model_tflops = 6 * n * tokens / step_s / 1e12
+    hw_tflops = 8 * n * tokens / step_s / 1e12
+    return {
+        "placement": name, "params": n, "tokens_per_step": tokens, "step_s": step_s,
+        "tokens_per_s": tokens / step_s, "model_tflops": model_tflops, "hw_tflops": hw_tflops,
+        "bf16_peak_tflops": rates.bf16_tflops, "model_ratio": model_tflops / rates.bf16_tflops,
+        "hw_ratio": hw_tflops / rates.bf16_tflops,
+        "h2d_gbps": traffic["h2d"] / step_s / 1e9, "h2d_peak_gbps": rates.h2d_gbps,
+        "d2h_gbps": traffic["d2h"] / step_s / 1e9, "d2h_peak_gbps": rates.d2h_gbps,
+        "nvme_gbps": (traffic["nvme_read"] + traffic["nvme_write"]) / step_s / 1e9,
+        "io_wait_share": stats.get("io_wait_s", 0.0) / step_s,
+        "bound_s": b["bound_s"], "bound_by": b["bound_by"], "step_over_bound": step_s / b["bound_s"],
+        "terms_s": {k: b[k] for k in ("compute", "h2d", "d2h", "nvme", "cpu_adam")},
+        "host_registrations_per_step": registrations_per_step,
+    }
+
+
+def table_lines(rows: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """The report as (figure, value per placement) rows: placements side by side."""
+    def each(fmt: str) -> tuple[str, ...]:
+        return tuple(fmt.format(**r) for r in rows)
+
+    return [
+        ("placement", *each("{placement}")),
+        ("tokens / step", *each("{micro_batch} x {seq_len} x {accumulate} = {tokens_per_step}")),
+        ("step", *each("{step_s:.2f} s")),
+        ("tokens / s", *each("{tokens_per_s:,.0f}")),
+        ("model TFLOPS (6N)", *each("{model_tflops:.1f} = {model_ratio:.0%} of bf16 peak {bf16_peak_tflops:.0f}")),
+        ("with recompute (8N)", *each("{hw_tflops:.1f} = {hw_ratio:.0%} of peak")),
+        ("H2D GB/s (peak)", *each("{h2d_gbps:.1f} ({h2d_peak_gbps:.1f})")),
+        ("D2H GB/s (peak)", *each("{d2h_gbps:.1f} ({d2h_peak_gbps:.1f})")),
+        ("NVMe GB/s", *each("{nvme_gbps:.2f}")),
+        ("I/O wait share", *each("{io_wait_share:.0%}")),
+        ("bound", *each("{bound_s:.2f} s ({bound_by})")),
+        ("step / bound", *each("{step_over_bound:.2f}x")),
+        ("pinning calls / step", *each("{host_registrations_per_step:.1f}")),
+    ]
+
+
+def print_table(preset: str, rows: list[dict[str, Any]], measured: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    how = "measured" if measured else "dry run: nominal rates, no training, step = bound"
+    table = Table(title=f"{preset} ({rows[0]['params'] / 1e9:.2f}B params), bf16, one GPU ({how})")
+    lines = table_lines(rows)
+    for col in lines[0]:
+        table.add_column(col)
+    for line in lines[1:]:
+        table.add_row(*line)
+    Console().print(table)
+
+
+# -- the GPU run -------------------------------------------------------------------------------------
+
+def measure_rates(device: torch.device, disk_dir: Path) -> Rates:
+    from tierzero import bench
+    from tierzero.storage.bench import DiskBench
+    from tierzero.storage.host import HostPool
+    from tierzero.storage.io import IOLoop
+
+    with torch.cuda.device(device):
+        tflops = bench.matmul_tflops(torch.bfloat16, n=8192, seconds=2.0, device=device)
+        h2d = bench.h2d_gbps(1 << 30, seconds=1.0)
+        d2h = bench.h2d_gbps(1 << 30, seconds=1.0, to_host=True)
+    nbytes = 4 << 30
+    with IOLoop(16) as io_loop, HostPool(nbytes, pin=False) as pool, \
+            DiskBench(str(disk_dir), nbytes, io_loop, pool, rounds=1) as disk:
+        for step in disk.steps():
+            if step.group == 0:
+                step.run()
+        nvme = disk.result()["nvme"]
+    return Rates(tflops, h2d, d2h, nvme["read_gbps"], nvme["write_gbps"], bench.adam_params_per_s(1 << 24, 1.0))
+
+
+def train(name: str, args: ModelArgs, machine: Machine, device: torch.device, micro_batch: int, seq_len: int,
+          accumulate: int, steps: int, workdir: Path, trace: Path) -> tuple[float, dict[str, float], float]:
+    """Median step time, the last step's engine counters, pinning calls per timed step."""
+    from tierzero.data import TokenBatches, default_corpus
+
+    cfg = Config(placement=PLACEMENTS[name], nvme_path=[str(workdir / f"nvme-{name}")], dtype="bf16",
+                 device=str(device), host_budget=machine.host_bytes, gpu_budget=machine.gpu_bytes,
+                 prefetch_depth=PREFETCH_DEPTH, accumulate=accumulate, total_steps=steps + 1, warmup_steps=1)
+    data = TokenBatches(default_corpus(64 << 20), micro_batch, seq_len, seed=0)
+    times: list[float] = []
+    with Engine(models.build(args, device="meta", seed=0), cfg) as engine:
+        def step() -> float:
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for _ in range(accumulate):
+                engine.train_step(data.next_batch())
+            torch.cuda.synchronize(device)
+            return time.perf_counter() - start
+
+        step()  # warm-up: pools, caches and the allocator settle
+        engine.stats()
+        registered = engine.tiers.host_pool.registrations
+        for _ in range(steps - 1):
+            times.append(step())
+            engine.stats()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            times.append(step())
+        stats = engine.stats()
+        registrations = (engine.tiers.host_pool.registrations - registered) / steps
+    prof.export_chrome_trace(str(trace))
+    return statistics.median(times), stats, registrations
+
+
+# -- main ----------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gpu-mem", default="24GiB", help="GPU memory torch may use (emulates a workstation card)")
+    ap.add_argument("--host-fraction", type=float, default=0.8, help="share of the free RAM the engine may use")
+    ap.add_argument("--path", default=None, help="directory on the NVMe drive (default: a temp dir)")
+    ap.add_argument("--preset", default=None, help="train this preset instead of the largest that fits")
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--micro-batch", type=int, default=None)
+    ap.add_argument("--max-accumulate", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per placement (after one warm-up)")
+    ap.add_argument("--placements", default="host,nvme")
+    ap.add_argument("--trace-dir", default=".")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--dry-run", action="store_true", help="no GPU needed: the choice and the bound from nominal rates")
+    opts = ap.parse_args(argv)
+
+    if not opts.dry_run and not torch.cuda.is_available():
+        print("benchmarks/gpu.py needs a CUDA GPU and none is visible here; run it on a GPU machine, "
+              "or pass --dry-run to see the preset it would pick and the bound arithmetic", file=sys.stderr)
+        return 2
+    placements = [p for p in opts.placements.split(",") if p]
+    if not placements or set(placements) - set(PLACEMENTS):
+        print(f"--placements takes a comma-separated subset of {', '.join(PLACEMENTS)}", file=sys.stderr)
+        return 2
+    gpu_cap = parse_bytes(opts.gpu_mem, "--gpu-mem")
+    base = Path(opts.path) if opts.path else Path(tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="tierzero-gpu-bench-", dir=base))
+    try:
+        device = torch.device("cuda", torch.cuda.current_device()) if not opts.dry_run else torch.device("cpu")
+        if not opts.dry_run:
+            total = torch.cuda.get_device_properties(device).total_memory
+            if gpu_cap < total:
+                torch.cuda.set_per_process_memory_fraction(gpu_cap / total, device)
+            gpu_cap = min(gpu_cap, total)
+        machine = Machine(gpu_bytes=gpu_cap, host_bytes=int(available_host_bytes() * opts.host_fraction),
+                          disk_bytes=int(shutil.disk_usage(workdir).free * 0.9))
+        preset = opts.preset or pick_preset(machine, opts.seq_len)
+        if preset is None or preset not in PRESETS:
+            print(f"no preset fits this machine ({machine}); free disk or RAM, or raise --gpu-mem", file=sys.stderr)
+            return 2
+        args = PRESETS[preset]
+        seq_len = min(opts.seq_len, args.max_seq_len)
+        micro = opts.micro_batch or pick_micro_batch(args, machine, seq_len)
+        rates = NOMINAL if opts.dry_run else measure_rates(device, workdir)
+        rows = []
+        for name in placements:
+            accumulate = accumulation_for_compute_bound(args, name, micro * seq_len, rates, opts.max_accumulate)
+            tokens = micro * seq_len * accumulate
+            if opts.dry_run:  # the bound itself, as if the step ran exactly at it
+                traffic = step_traffic(args, name)
+                stats = {"bytes_host->gpu": traffic["h2d"], "bytes_gpu->host": traffic["d2h"],
+                         "bytes_nvme->host": traffic["nvme_read"], "bytes_host->nvme": traffic["nvme_write"],
+                         "io_wait_s": 0.0}
+                step_s, regs = bound(args.param_count(), tokens, traffic, rates)["bound_s"], 0.0
+            else:
+                trace = Path(opts.trace_dir) / f"gpu-bench-{preset}-{name}.json"
+                step_s, stats, regs = train(name, args, machine, device, micro, seq_len, accumulate, opts.steps,
+                                            workdir, trace)
+            rows.append({**report_row(name, args, tokens, step_s, stats, rates, regs),
+                         "micro_batch": micro, "seq_len": seq_len, "accumulate": accumulate})
+        out = {"preset": preset, "machine": asdict(machine), "rates": asdict(rates), "measured": not opts.dry_run,
+               "gpu": torch.cuda.get_device_name(device) if not opts.dry_run else None, "rows": rows}
+        if opts.json:
+            print(json.dumps(out, indent=2))
+        else:
+            print_table(preset, rows, measured=not opts.dry_run)
+        return 0
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
