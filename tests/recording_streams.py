@@ -7,6 +7,11 @@ code that read a destination before waiting for its copy's event therefore read 
 run stops being bitwise equal to plain PyTorch. Compute is synchronous (the CPU runs it as it is
 issued), so a compute event has always happened. Every call is logged, with the device pool's
 give-backs (`watch_device_pool`), for the invariants in `check_*` below.
+
+It also keeps, per stream, which other streams' copies it is ordered after (through the events
+it waited for, transitively), and logs a hazard when a copy reads or writes bytes that a copy on
+another stream writes (or reads) without that order: a hazard a real GPU would race on even
+where the fake's late landing happened to hide it.
 """
 
 from __future__ import annotations
@@ -28,7 +33,16 @@ _ids = itertools.count()
 class FakeEvent:
     stream: str
     seq: int  # copies issued to `stream` before it was recorded
+    known: dict[str, int] = field(default_factory=dict)  # per stream, the copies done before it
     id: int = field(default_factory=lambda: next(_ids))
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
 
 
 class RecordingStreams(Streams):
@@ -42,30 +56,57 @@ class RecordingStreams(Streams):
         self._issued = {s: 0 for s in ("compute", "h2d", "d2h")}
         self._done = dict(self._issued)
         self._queue: dict[str, deque] = {s: deque() for s in ("h2d", "d2h")}
+        self._known = {s: dict(self._issued) for s in self._issued}  # stream -> what it is ordered after
+        self._copies: dict[str, list] = {s: [] for s in self._issued}  # stream -> (dst, src) by seq
 
     def record(self, stream: str) -> FakeEvent:
         with self._lock:
-            event = FakeEvent(stream, self._issued[stream])
+            event = FakeEvent(stream, self._issued[stream], dict(self._known[stream]))
             self.log.append(("record", stream, event))
             return event
 
     def wait(self, stream: str, event: FakeEvent | None) -> None:
         with self._lock:
             self.log.append(("wait", stream, event))
+            self._order_after(stream, event)
             self._run_until(event)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: str, after: FakeEvent | None = None) -> FakeEvent:
         with self._lock:
             self.log.append(("copy", stream, dst.data_ptr(), after, threading.current_thread().name))
+            self._order_after(stream, after)
+            self._check_hazards(stream, _span(dst), _span(src))
             self._run_until(after)  # the stream runs the copy after `after`: what it waited for is done
             self._issued[stream] += 1
+            self._known[stream][stream] = self._issued[stream]
+            # the tensors themselves, so their memory is not reused while the log refers to it
+            # (on a GPU, `keep_alive` does that for the allocator's tensors)
+            self._copies[stream].append((dst, src))
             if stream == self.compute:
                 dst.copy_(src)
                 self._done[stream] = self._issued[stream]
             else:
                 self._queue[stream].append((self._issued[stream], dst, src.detach().clone()))
                 dst.view(torch.uint8).fill_(0xFF)  # NaN until the copy's event is waited for
-            return FakeEvent(stream, self._issued[stream])
+            return FakeEvent(stream, self._issued[stream], dict(self._known[stream]))
+
+    def _order_after(self, stream: str, event: FakeEvent | None) -> None:
+        if event is not None:
+            known = self._known[stream]
+            for other, seq in event.known.items():
+                known[other] = max(known[other], seq)
+
+    def _check_hazards(self, stream: str, dst: tuple[int, int], src: tuple[int, int]) -> None:
+        for other, copies in self._copies.items():
+            if other == stream:
+                continue  # a stream runs its own copies in order
+            for seq, (w_dst, w_src) in enumerate(copies[self._known[stream][other]:], self._known[stream][other] + 1):
+                w_dst, w_src = _span(w_dst), _span(w_src)
+                for what, hit in (("reads what", _overlap(w_dst, src)), ("overwrites what", _overlap(w_dst, dst)),
+                                  ("overwrites what", _overlap(w_src, dst))):
+                    if hit:
+                        self.log.append(("hazard", f"a {stream} copy {what} {other} copy {seq} touches, "
+                                                   "unordered with it"))
 
     def host_wait(self, event: FakeEvent | None) -> None:
         with self._lock:
@@ -131,6 +172,11 @@ def check_no_host_wait_on_compute(log: list[tuple]) -> list[str]:
     """The host never waits for the compute stream (that is a device synchronisation)."""
     return [f"host waits for compute event {e[1]} on thread {e[2]}"
             for e in log if e[0] == "host_wait" and e[1] is not None and e[1].stream == "compute"]
+
+
+def check_no_copy_hazards(log: list[tuple]) -> list[str]:
+    """No copy touches bytes another stream's copy writes (or reads) without waiting for it."""
+    return [e[1] for e in log if e[0] == "hazard"]
 
 
 def check_d2h_copies_wait_for_their_source(log: list[tuple]) -> list[str]:

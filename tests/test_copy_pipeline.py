@@ -19,7 +19,7 @@ from tierzero.storage.device import DevicePool
 
 from engine_helpers import SMALL, batches, reference_run
 from recording_streams import (RecordingStreams, check_d2h_copies_wait_for_their_source,
-                               check_h2d_copies_wait_only_for_their_buffer,
+                               check_h2d_copies_wait_only_for_their_buffer, check_no_copy_hazards,
                                check_no_host_wait_on_compute, watch_device_pool)
 
 HOST = Placement(Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
@@ -33,14 +33,20 @@ CASES = {  # (placement, overlap_step, accumulate)
 }
 
 
-def test_the_fake_lands_a_copy_only_at_its_event() -> None:
-    """The fake can fail: a read before the event sees NaN, after it the copied values."""
+def test_the_fake_lands_a_copy_only_at_its_event_and_sees_unordered_copies() -> None:
+    """The fake can fail: a read before the event sees NaN, after it the copied values; a copy
+    of bytes another stream's copy writes is a hazard unless it waited for that copy."""
     fake = RecordingStreams()
-    src, dst = torch.arange(4, dtype=torch.float32), torch.zeros(4)
+    src, dst, back = torch.arange(4, dtype=torch.float32), torch.zeros(4), torch.zeros(4)
     event = fake.copy(dst, src, fake.h2d)
     assert torch.isnan(dst).all() and not fake.query(event)
     fake.wait(fake.compute, event)
     assert torch.equal(dst, src) and fake.query(event)
+    assert not check_no_copy_hazards(fake.log)
+    fake.copy(back, dst, fake.d2h, after=fake.record(fake.compute))  # ordered through compute's wait
+    assert not check_no_copy_hazards(fake.log)
+    fake.copy(dst, src, fake.h2d)  # overwrites what the d2h copy reads, without waiting for it
+    assert check_no_copy_hazards(fake.log)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -62,7 +68,8 @@ def test_pipeline_waits_only_on_events_and_stays_bitwise(tmp_path, monkeypatch, 
         assert torch.equal(weights[key], ref_weights[key]), key
     streams_used = {e[1] for e in fake.log if e[0] == "copy"}
     problems = [p for check in (check_h2d_copies_wait_only_for_their_buffer, check_no_host_wait_on_compute,
-                                check_d2h_copies_wait_for_their_source) for p in check(fake.log)[:2]]
+                                check_d2h_copies_wait_for_their_source, check_no_copy_hazards)
+                for p in check(fake.log)[:2]]
     problems += [f"no copy on the {s} stream" for s in ("h2d", "d2h") if s not in streams_used]
     assert not problems, "\n".join(problems)
     if placement is NVME:  # a landed read's copy is issued by the I/O loop, not at a plan op
