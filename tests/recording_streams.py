@@ -58,9 +58,12 @@ class RecordingStreams(Streams):
         self._queue: dict[str, deque] = {s: deque() for s in ("h2d", "d2h")}
         self._known = {s: dict(self._issued) for s in self._issued}  # stream -> what it is ordered after
         self._copies: dict[str, list] = {s: [] for s in self._issued}  # stream -> (dst, src) by seq
+        # copies the host has seen finish (host_wait, query): anything issued later is after them
+        self._finished = dict(self._issued)
 
     def record(self, stream: str) -> FakeEvent:
         with self._lock:
+            self._order_after(stream, self._finished)
             event = FakeEvent(stream, self._issued[stream], dict(self._known[stream]))
             self.log.append(("record", stream, event))
             return event
@@ -75,6 +78,7 @@ class RecordingStreams(Streams):
         with self._lock:
             self.log.append(("copy", stream, dst.data_ptr(), after, threading.current_thread().name))
             self._order_after(stream, after)
+            self._order_after(stream, self._finished)
             self._check_hazards(stream, _span(dst), _span(src))
             self._run_until(after)  # the stream runs the copy after `after`: what it waited for is done
             self._issued[stream] += 1
@@ -90,10 +94,10 @@ class RecordingStreams(Streams):
                 dst.view(torch.uint8).fill_(0xFF)  # NaN until the copy's event is waited for
             return FakeEvent(stream, self._issued[stream], dict(self._known[stream]))
 
-    def _order_after(self, stream: str, event: FakeEvent | None) -> None:
+    def _order_after(self, stream: str, event: FakeEvent | dict[str, int] | None) -> None:
         if event is not None:
             known = self._known[stream]
-            for other, seq in event.known.items():
+            for other, seq in (event if isinstance(event, dict) else event.known).items():
                 known[other] = max(known[other], seq)
 
     def _check_hazards(self, stream: str, dst: tuple[int, int], src: tuple[int, int]) -> None:
@@ -112,10 +116,19 @@ class RecordingStreams(Streams):
         with self._lock:
             self.log.append(("host_wait", event, threading.current_thread().name))
             self._run_until(event)
+            self._finish(event)
 
     def query(self, event: FakeEvent | None) -> bool:
         with self._lock:
-            return event is None or self._done[event.stream] >= event.seq
+            done = event is None or self._done[event.stream] >= event.seq
+            if done:
+                self._finish(event)
+            return done
+
+    def _finish(self, event: FakeEvent | None) -> None:
+        if event is not None:
+            for other, seq in event.known.items():
+                self._finished[other] = max(self._finished[other], seq)
 
     def keep_alive(self, tensor: torch.Tensor, stream: str) -> None:
         with self._lock:
