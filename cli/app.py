@@ -3,7 +3,8 @@
 Errors are one line on stderr. Bad input -- a domain error (`TierzeroError`, `StorageError`) or
 a flag click cannot parse -- is one sentence with a hint, exit code 2. Anything else is a bug or
 a failure of the machine: one line naming it and the file its full traceback was written to,
-exit code 1. Ctrl-C is `interrupted`, exit code 130.
+exit code 1. Ctrl-C is `interrupted`, exit code 130. When torchrun started several ranks, a
+domain error is prefixed with the rank that says it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import typer
 from typer.core import TyperGroup
 
 from tierzero.errors import TierzeroError
+from tierzero.launch import ranks_from_env
 from tierzero.storage.base import StorageError
 from tierzero.cli.output import fail
 
@@ -59,7 +61,8 @@ def guarded(command: Callable[..., None]) -> Callable[..., None]:
         try:
             command(*args, **kwargs)
         except (TierzeroError, StorageError) as e:
-            fail(str(e))
+            ranks = ranks_from_env()
+            fail(f"rank {ranks.rank}: {e}" if ranks.world_size > 1 else str(e))
         except Exception as e:  # a bug, or the machine failing: keep the evidence, say where
             path = write_traceback(command.__name__)
             message = str(e).strip().splitlines()[0] if str(e).strip() else "no message"

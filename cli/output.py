@@ -10,12 +10,14 @@ from rich.console import Console
 
 
 class Output:
-    def __init__(self, json_mode: bool = False) -> None:
+    def __init__(self, json_mode: bool = False, quiet: bool = False) -> None:
         self.json_mode = json_mode
-        self.console = Console(stderr=json_mode, soft_wrap=True)
+        self.quiet = quiet  # ranks other than 0 of a multi-rank run say nothing
+        self.console = Console(stderr=json_mode, soft_wrap=True, quiet=quiet)
 
     def emit_json(self, obj: Any) -> None:
-        sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+        if not self.quiet:
+            sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         self.console.print(*args, **kwargs)

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
+import torch.distributed as dist
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tierzero.cli.output import Output
 from tierzero.config import Offload, RunConfig, load_run_config
-from tierzero.errors import ConfigError
+from tierzero.errors import ConfigError, TierzeroError
+from tierzero.launch import (Ranks, rank_device, ranks_from_env, run_torchrun, start_process_group,
+                             stop_process_group, under_torchrun)
 from tierzero.rundir import RunDir
 
 
 def train(
+    ctx: typer.Context,
     config: Optional[Path] = typer.Option(None, "--config", help="TOML file of run and engine keys; flags override it."),
     model: Optional[str] = typer.Option(None, "--model", help="Model preset (tiny, 125m, 350m, 1b, 3b, 7b, 13b, 70b, llama3-8b, llama3-70b), or hf:DIR, a local Hugging Face causal LM directory."),
     units: Optional[str] = typer.Option(None, "--units", help="Attribute path of the model's repeated blocks (e.g. model.layers); default: its largest list of one block class."),
@@ -43,10 +49,15 @@ def train(
     checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help="Checkpoint every N optimizer steps (and always at the end)."),
     keep_checkpoints: Optional[int] = typer.Option(None, "--keep-checkpoints", help="Keep the newest K checkpoints (default 2)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --run-dir from its newest intact checkpoint, up to --steps."),
+    nproc: Optional[int] = typer.Option(None, "--nproc", help="Ranks on this machine (one per GPU; gloo processes on a CPU): runs torchrun's launcher for you. --batch-size is the global batch, split over them."),
+    comm_timeout: float = typer.Option(600.0, "--comm-timeout", help="Seconds a collective waits for the other ranks before the run stops with an error."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
 ) -> None:
     """Train a model; with no arguments, the `tiny` preset on the built-in corpus, tiered to NVMe.
-    With --model hf:DIR, the Hugging Face causal LM in DIR, from its safetensors if it has them."""
+    With --model hf:DIR, the Hugging Face causal LM in DIR, from its safetensors if it has them.
+
+    Several ranks: `--nproc N` on one machine, or `torchrun --nproc-per-node N -m tierzero.cli
+    train ...` (add torchrun's --nnodes/--rdzv-* flags for several machines)."""
     overrides = dict(model=model, units=units, data=data, text_field=text_field, weights=weights, steps=steps, batch_size=batch_size, seq_len=seq_len,
                      accumulate=accumulate, lr=lr, warmup_steps=warmup_steps,
                      clip_grad_norm=clip_grad_norm, clip_previous_norm=clip_previous_norm, seed=seed, dtype=dtype, offload=offload,
@@ -62,13 +73,40 @@ def train(
     run = load_run_config(config, overrides)
     if run.run_dir is None:
         run.run_dir = str(Path("runs") / f"{_run_name(run.model)}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if comm_timeout <= 0:
+        raise ConfigError(f"--comm-timeout must be a positive number of seconds, got {comm_timeout}")
+    ranks = ranks_from_env()
+    if nproc is not None and nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {nproc}")
+    if nproc is not None and under_torchrun() and nproc != ranks.world_size:
+        raise ConfigError(f"--nproc {nproc} was given to a rank that torchrun started as one of "
+                          f"{ranks.world_size}; drop --nproc when launching with torchrun")
+    if nproc is not None and nproc > 1 and not under_torchrun():
+        if run.batch_size % nproc:  # checked here once, before the ranks start
+            raise ConfigError(f"--batch-size {run.batch_size} (the global batch) does not split evenly "
+                              f"over {nproc} ranks; use a multiple of {nproc}")
+        named_dir = [] if run_dir is not None else ["--run-dir", run.run_dir]  # every rank needs the same one
+        run_torchrun(nproc, "tierzero.cli", ["train", *_given_args(ctx, drop={"nproc"}), *named_dir])
+        return
     if nvme_path is None and not _file_sets(config, "nvme_path"):
         run.engine.nvme_path = [str(Path(run.run_dir) / "nvme")]
+    run.engine.device = rank_device(ranks, run.engine.device)
+    start_process_group(ranks, run.engine.device, comm_timeout)
+    try:
+        _train(run, ranks, resume, json_out)
+    except dist.DistError as e:
+        raise TierzeroError(f"lost contact with the other ranks ({str(e).splitlines()[0]}): one of them "
+                            "stopped or hung; see its error, then continue with --resume") from None
+    finally:
+        stop_process_group()
 
+
+def _train(run: RunConfig, ranks: Ranks, resume: bool, json_out: bool) -> None:
+    """Train on this rank; only rank 0 prints, and it speaks for the run."""
     from tierzero.session import open_session
 
-    out = Output(json_out)
-    with RunDir(run.run_dir) as rundir, open_session(run) as session:
+    out = Output(json_out, quiet=not ranks.primary)
+    with _open_run_dir(run.run_dir, ranks) as rundir, open_session(run, ranks) as session:
         start_step = 0
         if resume:
             start_step, notes = session.resume(rundir)
@@ -86,7 +124,7 @@ def train(
         progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
                             TextColumn("loss {task.fields[loss]:.4f}"),
                             TextColumn("{task.fields[tps]:,.0f} tok/s"), TimeElapsedColumn(),
-                            console=out.console, disable=json_out)
+                            console=out.console, disable=json_out or out.quiet)
         with progress:
             task = progress.add_task("train", total=run.steps, completed=start_step, loss=float("nan"), tps=0.0)
             result = session.train(rundir, lambda step, rec: progress.update(
@@ -108,6 +146,34 @@ def train(
 def _run_name(model: str) -> str:
     """A preset's name, or `hf-<directory name>` for hf:<dir>."""
     return f"hf-{Path(model[3:]).resolve().name}" if model.startswith("hf:") else model
+
+
+@contextmanager
+def _open_run_dir(path: str, ranks: Ranks) -> Iterator[RunDir]:
+    from tierzero.comm import Comm
+
+    with RunDir(path, primary=ranks.primary) as rundir:
+        Comm().barrier()  # rank 0 holds the run directory's lock before any rank writes into it
+        yield rundir
+
+
+def _given_args(ctx: typer.Context, drop: set[str]) -> list[str]:
+    """The options given (those that differ from their defaults) spelled out again, for the
+    ranks torchrun starts."""
+    args: list[str] = []
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if param.name in drop or not param.opts[0].startswith("--") or value == param.default:
+            continue
+        if getattr(param, "is_flag", False):
+            if param.secondary_opts:
+                args.append(param.opts[0] if value else param.secondary_opts[0])
+            elif value:
+                args.append(param.opts[0])
+            continue
+        for item in value if getattr(param, "multiple", False) else [value]:
+            args += [param.opts[0], str(item)]
+    return args
 
 
 def _resume_config(run_dir: Optional[Path], config: Optional[Path]) -> Optional[Path]:

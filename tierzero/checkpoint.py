@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from tierzero.errors import CheckpointError
@@ -38,25 +39,37 @@ def checkpoint_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def verify_checkpoint(path: Path, manifest: Manifest) -> None:
-    """Read every chunk of every array and check it against the manifest (names the file)."""
+def verify_checkpoint(path: Path, manifest: Manifest, rank: int | None = None) -> None:
+    """Read every chunk of every array (or only `rank`'s) and check it against the manifest
+    (names the file)."""
     for key, meta in manifest.arrays.items():
+        if rank is not None and key.split("/")[2:3] != [f"r{rank}"]:
+            continue  # another rank's shard: that rank checks it
         try:
             verify_array(str(manifest.array_dir(path, key)), meta)
         except StorageError as e:
             raise CheckpointError(f"checkpoint {path.name} is damaged: {e}") from None
 
 
-def newest_checkpoint(run_dir: str | Path, verify: bool = True) -> tuple[Path, Manifest, list[str]] | None:
-    """The newest complete (and, with `verify`, intact) checkpoint, and why newer ones were skipped."""
+def newest_checkpoint(run_dir: str | Path, verify: bool = True, rank: int | None = None,
+                      all_ok: Callable[[bool], bool] | None = None) -> tuple[Path, Manifest, list[str]] | None:
+    """The newest complete (and, with `verify`, intact) checkpoint, and why newer ones were skipped.
+
+    Several ranks: each checks only its own shards (`rank`) and `all_ok` (a collective) tells
+    every rank whether all found theirs intact, so they agree on one checkpoint."""
     skipped: list[str] = []
     for _, path in reversed(checkpoint_dirs(run_dir)):
+        why = None
         try:
             manifest = Manifest.load(path)
             if verify:
-                verify_checkpoint(path, manifest)
+                verify_checkpoint(path, manifest, rank)
         except CheckpointError as e:
-            skipped.append(f"skipped checkpoint {path.name}: {e}")
+            why = str(e)
+        if all_ok is not None and not all_ok(why is None) and why is None:
+            why = "another rank found its part of it damaged"
+        if why is not None:
+            skipped.append(f"skipped checkpoint {path.name}: {why}")
             continue
         return path, manifest, skipped
     return None if not skipped else _none_left(skipped)

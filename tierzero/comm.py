@@ -6,6 +6,9 @@ them the same way either way.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -48,3 +51,46 @@ class Comm:
             return on_gpu.cpu()
         dist.all_reduce(value)
         return value
+
+    # -- small control messages (checkpoint commits, agreement, metrics) ---------------------------
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def all_ok(self, ok: bool) -> bool:
+        """Whether every rank passed `ok=True` (each rank learns of the others' failures)."""
+        if self.world_size == 1:
+            return ok
+        return int(self.all_reduce_sum(torch.tensor([0 if ok else 1], dtype=torch.int64)).item()) == 0
+
+    def mean(self, values: list[float]) -> list[float]:
+        """The mean over ranks of each value (fp64, so a one-rank mean is the value itself)."""
+        if self.world_size == 1:
+            return values
+        total = self.all_reduce_sum(torch.tensor(values, dtype=torch.float64))
+        return (total / self.world_size).tolist()
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        """Every rank's JSON-able `obj`, in rank order. JSON rather than pickle: nothing a peer
+        sends is ever unpickled."""
+        if self.world_size == 1:
+            return [obj]
+        raw = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+        sizes = self._gather_cpu(torch.tensor([raw.numel()], dtype=torch.int64))
+        longest = int(sizes.max().item())
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:raw.numel()] = raw
+        rows = self._gather_cpu(padded).view(self.world_size, longest)
+        return [json.loads(bytes(rows[r, :int(sizes[r])].tolist())) for r in range(self.world_size)]
+
+    def broadcast_json(self, obj: Any) -> Any:
+        """Rank 0's JSON-able `obj` on every rank."""
+        return self.all_gather_json(obj if self.rank == 0 else None)[0]
+
+    def _gather_cpu(self, value: torch.Tensor) -> torch.Tensor:
+        """all_gather of a small CPU tensor (through the GPU where the backend is NCCL only)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else value.device
+        out = torch.empty(value.numel() * self.world_size, dtype=value.dtype, device=device)
+        _all_gather(out, value.to(device))
+        return out.cpu()

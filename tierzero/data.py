@@ -8,6 +8,11 @@ Batch order: the training split is cut into non-overlapping windows of seq_len +
 (consecutive windows share one token, so every token is a target once per epoch). Each epoch
 visits every window once, in a permutation drawn from (seed, epoch). The position in that
 order is the whole state, so a resumed run sees exactly the batches an uninterrupted one would.
+
+Ranks: `batch_size` is the global batch. Every rank walks the same order and takes its own
+contiguous rows of each batch (rank r of N: rows r*B/N .. (r+1)*B/N), so the global batch is
+the same for any world size, the slices are disjoint, and the position is one number for all
+ranks (saved once, by rank 0).
 """
 
 import os
@@ -99,9 +104,13 @@ class TokenBatches:
     """Deterministic (x, y) batches from a token array, with a held-out validation tail."""
 
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
-                 val_fraction: float = 0.05) -> None:
+                 val_fraction: float = 0.05, rank: int = 0, world_size: int = 1) -> None:
         if batch_size < 1 or seq_len < 1:
             raise ConfigError(f"batch_size {batch_size} and seq_len {seq_len} must both be at least 1")
+        if batch_size % world_size:
+            raise ConfigError(f"batch_size {batch_size} (the global batch) does not split evenly over "
+                              f"{world_size} ranks; use a multiple of {world_size}")
+        self.rows = slice(rank * batch_size // world_size, (rank + 1) * batch_size // world_size)
         if seed < 0:
             raise ConfigError(f"data seed {seed} is negative; use a seed >= 0")
         if not 0.0 <= val_fraction < 1.0:
@@ -127,7 +136,7 @@ class TokenBatches:
         return int(max(self.train.max(), self.val.max(initial=0))) + 1
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next training batch: x and y (x shifted by one), both (batch_size, seq_len) int64."""
+        """This rank's rows of the next global batch: x and y (x shifted by one), int64."""
         starts = []
         while len(starts) < self.batch_size:
             take = min(self.batch_size - len(starts), self.n_windows - self.position)
@@ -136,7 +145,7 @@ class TokenBatches:
             if self.position == self.n_windows:
                 self.epoch, self.position = self.epoch + 1, 0
                 self._order = self._permutation(self.epoch)
-        return self._gather(self.train, np.asarray(starts))
+        return self._gather(self.train, np.asarray(starts)[self.rows])
 
     def val_batches(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The first n validation batches: windows in order, cycling if the split is short."""
@@ -144,7 +153,7 @@ class TokenBatches:
             raise ConfigError("there is no validation split; set val_fraction above 0")
         n_windows = (len(self.val) - 1) // self.seq_len
         window = np.arange(n * self.batch_size) % n_windows
-        return [self._gather(self.val, starts * self.seq_len)
+        return [self._gather(self.val, starts[self.rows] * self.seq_len)
                 for starts in window.reshape(n, self.batch_size)]
 
     def state_dict(self) -> dict[str, int]:

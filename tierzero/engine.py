@@ -37,6 +37,7 @@ from tierzero.execute import UnitRunner, bind, detach_params, flat_grad, unbind
 from tierzero.gathered import GatheredWeight, copies, resolve, unit_grads
 from tierzero.grads import GradShards, clip_coefficient
 from tierzero.init import WeightFiles, flat_unit, weight_files
+from tierzero.launch import local_world_size
 from tierzero.ledger import ActivationEstimate, activation_memory
 from tierzero.lr import lr_at
 from tierzero.manifest import MANIFEST_NAME, Manifest
@@ -334,11 +335,12 @@ class Engine:
         from tierzero import snapshot
 
         path = Path(path)
+        rank = self.comm.rank if self.comm.world_size > 1 else None  # each rank checks its own shards
         if (path / MANIFEST_NAME).exists():
             manifest = Manifest.load(path)
-            verify_checkpoint(path, manifest)
+            verify_checkpoint(path, manifest, rank)
         else:
-            found = newest_checkpoint(path)
+            found = newest_checkpoint(path, rank=rank, all_ok=self.comm.all_ok if rank is not None else None)
             if found is None:
                 raise CheckpointError(f"'{path}' holds no checkpoint; pass a run directory with "
                                       "checkpoints/step-<N> in it, or one such directory")
@@ -506,7 +508,7 @@ class Engine:
             return self.config.resolved_placement()
         from tierzero.plan import candidate_placements, choose_placement, load_profile
 
-        host, gpu = default_budgets(self.device)
+        host, gpu = default_budgets(self.device, local_world_size())
         budgets = {Tier.HOST: self.config.host_budget or host, Tier.GPU: self.config.gpu_budget or gpu,
                    Tier.NVME: self._nvme_free() * len(self.config.nvme_path)}
         if self.device.type == "cpu" and self.config.gpu_budget is None:

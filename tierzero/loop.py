@@ -33,22 +33,28 @@ class LoopResult:
     wall_s: float
 
 
-def evaluate(trainer: Trainer, batches: TokenBatches, n: int) -> float:
+def evaluate(trainer: Trainer, batches: TokenBatches, n: int,
+             mean: Callable[[list[float]], list[float]] | None = None) -> float:
+    """The validation loss (with several ranks: the mean of every rank's rows)."""
     losses = [trainer.eval_loss(b) for b in batches.val_batches(n)]
-    return sum(losses) / len(losses)
+    local = sum(losses) / len(losses)
+    return local if mean is None else mean([local])[0]
 
 
 def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: RunDir,
                on_step: Callable[[int, dict[str, Any]], None] | None = None, start_step: int = 0,
-               checkpoint: Callable[[int], None] | None = None) -> LoopResult:
+               checkpoint: Callable[[int], None] | None = None,
+               mean: Callable[[list[float]], list[float]] | None = None) -> LoopResult:
     """Run optimizer steps `start_step + 1 .. run.steps` of `accumulate` micro-batches each,
-    logging every step; `checkpoint(step)` runs every `run.checkpoint_every` steps and at the end."""
+    logging every step; `checkpoint(step)` runs every `run.checkpoint_every` steps and at the end.
+    With several ranks `mean` averages losses over them (a collective: every rank calls it at
+    the same points), so the losses logged are those of the global batch."""
     accumulate = run.engine.accumulate
     tokens_per_step = run.batch_size * run.seq_len * accumulate
     start = time.perf_counter()
     val_losses = []
     if start_step == 0:
-        val_losses.append((0, evaluate(trainer, batches, run.eval_batches)))
+        val_losses.append((0, evaluate(trainer, batches, run.eval_batches, mean)))
         rundir.log({"step": 0, "val_loss": val_losses[0][1]})
     else:  # metrics of steps after the checkpoint were lost with the crash: they are redone
         rundir.log({"resumed_at": start_step})
@@ -57,6 +63,7 @@ def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: 
         t0 = time.perf_counter()
         micro_losses = [trainer.train_step(batches.next_batch()) for _ in range(accumulate)]
         loss = sum(micro_losses) / accumulate
+        loss = loss if mean is None else mean([loss])[0]
         dt = time.perf_counter() - t0
         first = loss if step == start_step else first
         last = loss
@@ -64,7 +71,7 @@ def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: 
                   "tokens_per_s": tokens_per_step / dt, "step_s": dt,
                   "wall_s": time.perf_counter() - start, **trainer.stats()}
         if (step + 1) % run.eval_every == 0 or step + 1 == run.steps:
-            record["val_loss"] = evaluate(trainer, batches, run.eval_batches)
+            record["val_loss"] = evaluate(trainer, batches, run.eval_batches, mean)
             val_losses.append((step + 1, record["val_loss"]))
         rundir.log(record)
         if checkpoint is not None and ((step + 1) % (run.checkpoint_every or run.steps) == 0

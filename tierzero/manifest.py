@@ -78,6 +78,7 @@ class Manifest:
     rng: dict[str, Any] = field(default_factory=dict)
     bytes_copied: int = 0  # bytes written to make this checkpoint (0 when all hard-linked)
     model: dict[str, Any] | None = None  # what built the model (preset name, shape), for humans
+    rank_rng: list[dict[str, Any]] | None = None  # with several ranks: each rank's RNG states, in rank order
 
     @property
     def nbytes(self) -> int:
@@ -106,7 +107,7 @@ class Manifest:
             return cls(int(doc["step"]), float(doc["time"]), int(doc["world_size"]), str(doc["compute_dtype"]),
                        str(doc["config_hash"]), units, arrays, dict(doc.get("engine") or {}),
                        doc.get("data"), dict(doc.get("rng") or {}), int(doc.get("bytes_copied", 0)),
-                       doc.get("model"))
+                       doc.get("model"), _rank_rng(doc.get("rank_rng"), int(doc["world_size"])))
         except CheckpointError:
             raise
         except Exception as e:  # malformed JSON or fields: one sentence, never a traceback
@@ -142,3 +143,11 @@ class Manifest:
         if compute_dtype != self.compute_dtype:
             raise CheckpointError(f"{where} was trained in {self.compute_dtype} but this run computes in "
                                   f"{compute_dtype}; resume with --dtype matching it")
+
+
+def _rank_rng(value: Any, world_size: int) -> list[dict[str, Any]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != world_size or not all(isinstance(v, dict) for v in value):
+        raise ValueError(f"rank_rng must list one RNG state per rank ({world_size})")
+    return [dict(v) for v in value]

@@ -2,6 +2,8 @@
 
 One trainer per directory: `open()` takes an exclusive, non-blocking `flock` on `lock`, so a
 second trainer is refused at once (and a crashed one leaves no stale lock: the kernel drops it).
+With several ranks the run is one trainer: rank 0 (`primary`) holds the lock and writes the
+config and metrics; the other ranks only make sure the directory exists.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from tierzero.errors import RunDirError
 
 
 class RunDir:
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, primary: bool = True) -> None:
         self.path = Path(path)
+        self.primary = primary
         self._lock_fd: int | None = None
         self._metrics = None
 
@@ -29,6 +32,8 @@ class RunDir:
         except OSError as e:
             raise RunDirError(f"cannot create run directory '{self.path}' ({e.strerror}); "
                               "choose a writable --run-dir") from None
+        if not self.primary:
+            return self
         fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -44,12 +49,16 @@ class RunDir:
         return self
 
     def write_config(self, run: RunConfig) -> None:
-        """Write the resolved config atomically (temp file, then rename)."""
+        """Write the resolved config atomically (temp file, then rename); rank 0 only."""
+        if not self.primary:
+            return
         tmp = self.path / "config.toml.tmp"
         tmp.write_text(to_toml(run))
         os.replace(tmp, self.path / "config.toml")
 
     def log(self, record: dict[str, Any]) -> None:
+        if not self.primary:
+            return
         assert self._metrics is not None, "RunDir.open() first"
         self._metrics.write(json.dumps({**record, "time": time.time()}) + "\n")
 

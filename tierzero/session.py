@@ -17,6 +17,7 @@ from tierzero.corpus import read_corpus
 from tierzero.data import TokenBatches
 from tierzero.checkpoint import checkpoint_dirs
 from tierzero.errors import ConfigError
+from tierzero.launch import Ranks
 from tierzero.loop import LoopResult, Trainer, train_loop
 from tierzero.precision import check_dtype_supported, resolve_dtype
 from tierzero.rundir import RunDir
@@ -32,6 +33,7 @@ class Session:
     device: str
     dtype: str
     placement_text: str
+    ranks: Ranks = Ranks()
 
     @property
     def n_params(self) -> int:
@@ -44,7 +46,8 @@ class Session:
             def save(step: int) -> None:
                 self.trainer.save_checkpoint(rundir.path, data=self.batches.state_dict(),
                                              keep=self.run.keep_checkpoints, model=self.model.description)
-        return train_loop(self.run, self.trainer, self.batches, rundir, on_step, start_step, save)
+        mean = self.trainer.comm.mean if hasattr(self.trainer, "comm") else None
+        return train_loop(self.run, self.trainer, self.batches, rundir, on_step, start_step, save, mean)
 
     def resume(self, rundir: RunDir) -> tuple[int, list[str]]:
         """Continue from the run directory's newest intact checkpoint: its step and what to tell
@@ -63,21 +66,27 @@ class Session:
         return self.model.notes + (self.trainer.notes() if hasattr(self.trainer, "notes") else [])
 
 
-def load_batches(run: RunConfig, model: RunModel) -> TokenBatches:
-    """The run's data, tokenized for `model` and checked against its vocabulary."""
+def load_batches(run: RunConfig, model: RunModel, ranks: Ranks = Ranks()) -> TokenBatches:
+    """The run's data, tokenized for `model` and checked against its vocabulary; with several
+    ranks, this rank's rows of every global batch."""
     tokens = read_corpus(run.data, model.vocab_size, model.tokenizer, run.text_field)
-    return TokenBatches(tokens, run.batch_size, run.seq_len, seed=run.engine.seed)
+    return TokenBatches(tokens, run.batch_size, run.seq_len, seed=run.engine.seed,
+                        rank=ranks.rank, world_size=ranks.world_size)
 
 
 @contextmanager
-def open_session(run: RunConfig) -> Iterator[Session]:
-    """Check every input, then build data, model and trainer; close the trainer on exit."""
+def open_session(run: RunConfig, ranks: Ranks = Ranks()) -> Iterator[Session]:
+    """Check every input, then build data, model and trainer; close the trainer on exit.
+    With several ranks the process group is already up (`tierzero.launch`)."""
     cfg = run.engine
     device = cfg.resolved_device()
     dtype = resolve_dtype(cfg.dtype, device)
     check_dtype_supported(dtype, device)
     model = run_model(run)
-    batches = load_batches(run, model)
+    batches = load_batches(run, model, ranks)
+    if cfg.offload is Offload.NONE and ranks.world_size > 1:
+        raise ConfigError(f"--offload none trains in memory on one rank, but {ranks.world_size} ranks were "
+                          "started; use --offload host, nvme or auto with several ranks")
     if cfg.offload is Offload.NONE:
         from tierzero.reference import ReferenceTrainer
 
@@ -92,6 +101,6 @@ def open_session(run: RunConfig) -> Iterator[Session]:
         trainer = Engine(model.on_meta(), cfg, weights=model.weights)
         text = trainer.placement.describe()
     try:
-        yield Session(run, trainer, batches, model, str(device), dtype.value, text)
+        yield Session(run, trainer, batches, model, str(device), dtype.value, text, ranks)
     finally:
         trainer.close()

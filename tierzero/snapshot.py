@@ -37,6 +37,7 @@ from tierzero.manifest import MANIFEST_NAME, Manifest, config_hash, layout_of
 from tierzero.storage import chunkfile
 from tierzero.storage.arrays import read_array, write_array
 from tierzero.storage.base import dtype_name
+from tierzero.storage.zarrmeta import ShardMeta
 from tierzero.storage.io import write_durable
 from tierzero.tiers import aligned_empty
 
@@ -56,10 +57,14 @@ def numeric_config_hash(engine: Engine) -> str:
 
 def save(engine: Engine, run_dir: str | Path, data: dict[str, Any] | None = None,
          keep: int | None = None, model: dict[str, Any] | None = None) -> Path:
-    """Write `run_dir/checkpoints/step-<N>` for the engine's current step; returns its path."""
-    if engine.comm.world_size > 1:
-        raise TierzeroError("checkpoints of several ranks are not supported yet; train on one rank "
-                            "to checkpoint")
+    """Write `run_dir/checkpoints/step-<N>` for the engine's current step; returns its path.
+
+    With several ranks it is a collective and they make one checkpoint: rank 0 names the temp
+    directory, every rank puts its own shards into it and syncs them, and rank 0 writes the one
+    manifest (every rank's arrays and RNG state, the world size) and renames the directory into
+    place once all have. A rank that fails leaves no `step-<N>`: the last complete one stays.
+    """
+    comm = engine.comm
     if engine.micro % engine.config.accumulate != 0:
         raise TierzeroError(f"a checkpoint needs a finished optimizer step, but {engine.micro % engine.config.accumulate} "
                             f"of {engine.config.accumulate} micro-batches are accumulated; save after step()")
@@ -70,40 +75,74 @@ def save(engine: Engine, run_dir: str | Path, data: dict[str, Any] | None = None
     if nvme is not None:
         tiers.run(nvme.flush())  # linked chunks must be durable before a manifest names them
     root = checkpoints_root(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_temp_dirs(root)
     final = step_dir(run_dir, engine.step_count)
-    temp = root / f".{final.name}.tmp-{os.getpid()}"
+    if comm.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_temp_dirs(root)
+    temp = root / comm.broadcast_json(f".{final.name}.tmp-{os.getpid()}")
+    committed = False
     try:
-        arrays, copied = {}, 0
-        for unit in engine.units:
-            for kind in SAVED_KINDS:
-                for key, a, b in engine.keys(kind, unit):
-                    dst = str(temp / "state" / Path(*key.split("/")))
-                    if engine.placement.home(kind) is Tier.NVME:
-                        arrays[key], nbytes = tiers.run(nvme.snapshot(key, dst, sync=False))
-                        copied += nbytes
-                    else:
-                        part = aligned_empty(b - a, engine.dtype if kind is StateKind.PARAM else torch.float32)
-                        engine.read_key(kind, key, part)
-                        arrays[key] = write_array(dst, part, engine.config.chunk_bytes)
-                        copied += part.numel() * part.element_size()
+        arrays, copied = _write_shards(engine, temp)
         chunkfile.sync_filesystem(str(temp))  # the links and directories, before the manifest
-        manifest = Manifest(step=engine.step_count, time=time.time(), world_size=engine.comm.world_size,
-                            compute_dtype=dtype_name(engine.dtype), config_hash=numeric_config_hash(engine),
-                            units=layout_of(engine.units), arrays=arrays, engine=_engine_state(engine),
-                            data=data, rng=_rng_state(engine.device), bytes_copied=copied, model=model)
-        tiers.run(write_durable(str(temp / MANIFEST_NAME), manifest.to_json()))
-        _replace_dir(temp, final)
+        parts = comm.all_gather_json({"arrays": {k: m.to_dict() for k, m in arrays.items()},
+                                      "copied": copied, "rng": _rng_state(engine.device)})
+        error = None
+        if comm.rank == 0:
+            try:
+                _commit(engine, temp, final, parts, data, model)
+                committed = True
+            except Exception as e:
+                error = str(e)
+        error = comm.broadcast_json(error)
+        if error is not None:
+            raise CheckpointError(f"rank 0 could not commit checkpoint {final.name} ({error}); the last "
+                                  "complete checkpoint stays")
     except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
+        if not committed:
+            shutil.rmtree(temp, ignore_errors=True)
         raise
+    copied = sum(p["copied"] for p in parts)
     if copied and nvme is not None and any(engine.placement.home(k) is Tier.NVME for k in SAVED_KINDS):
         engine.note("checkpoints copy the NVMe state's chunks because the run directory is on another "
                     "filesystem than --nvme-path; keep them on one filesystem for checkpoints that copy nothing")
-    if keep is not None:
+    if keep is not None and comm.rank == 0:
         prune(run_dir, keep)
+    comm.barrier()  # every rank returns once the checkpoint is in place (and pruned)
     return final
+
+
+def _write_shards(engine: Engine, temp: Path) -> tuple[dict[str, ShardMeta], int]:
+    """This rank's saved shards under `temp/state`: NVMe-homed ones linked, others written."""
+    tiers, nvme = engine.tiers, engine.tiers.stores.get(Tier.NVME)
+    arrays, copied = {}, 0
+    for unit in engine.units:
+        for kind in SAVED_KINDS:
+            for key, a, b in engine.keys(kind, unit):
+                dst = str(temp / "state" / Path(*key.split("/")))
+                if engine.placement.home(kind) is Tier.NVME:
+                    arrays[key], nbytes = tiers.run(nvme.snapshot(key, dst, sync=False))
+                    copied += nbytes
+                else:
+                    part = aligned_empty(b - a, engine.dtype if kind is StateKind.PARAM else torch.float32)
+                    engine.read_key(kind, key, part)
+                    arrays[key] = write_array(dst, part, engine.config.chunk_bytes)
+                    copied += part.numel() * part.element_size()
+    return arrays, copied
+
+
+def _commit(engine: Engine, temp: Path, final: Path, parts: list[dict[str, Any]],
+            data: dict[str, Any] | None, model: dict[str, Any] | None) -> None:
+    """Rank 0: write the one manifest naming every rank's arrays, then rename into place."""
+    arrays = {k: ShardMeta.from_dict(m, f"rank {r}'s array {k!r}")
+              for r, part in enumerate(parts) for k, m in part["arrays"].items()}
+    rank_rng = [p["rng"] for p in parts] if len(parts) > 1 else None
+    manifest = Manifest(step=engine.step_count, time=time.time(), world_size=engine.comm.world_size,
+                        compute_dtype=dtype_name(engine.dtype), config_hash=numeric_config_hash(engine),
+                        units=layout_of(engine.units), arrays=arrays, engine=_engine_state(engine),
+                        data=data, rng=parts[0]["rng"], bytes_copied=sum(p["copied"] for p in parts),
+                        model=model, rank_rng=rank_rng)
+    engine.tiers.run(write_durable(str(temp / MANIFEST_NAME), manifest.to_json()))
+    _replace_dir(temp, final)
 
 
 def restore(engine: Engine, path: Path, manifest: Manifest) -> None:
@@ -140,7 +179,8 @@ def restore(engine: Engine, path: Path, manifest: Manifest) -> None:
         engine.note(f"{path.name} was written with other optimizer or precision settings; the resumed "
                     "run will not match an uninterrupted one")
     _load_engine_state(engine, manifest.engine, path)
-    _load_rng_state(manifest.rng, engine.device, path)
+    rng = manifest.rng if manifest.rank_rng is None else manifest.rank_rng[engine.comm.rank]
+    _load_rng_state(rng, engine.device, path)
 
 
 def _engine_state(engine: Engine) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import torch
 from tierzero import streams as streams_mod
 from tierzero.config import Config, StateKind, Tier
 from tierzero.errors import ConfigError
+from tierzero.launch import local_world_size
 from tierzero.stats import StepStats
 from tierzero.partition import Unit
 from tierzero.storage.base import BudgetExceededError, TierStore
@@ -68,13 +69,15 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def default_budgets(device: torch.device) -> tuple[int, int]:
-    """(host, gpu) budgets when none is configured: half the free RAM; 90% of free GPU memory."""
-    host = available_host_bytes() // 2
+def default_budgets(device: torch.device, local_ranks: int = 1) -> tuple[int, int]:
+    """(host, gpu) budgets when none is configured: half the free RAM, shared evenly by the
+    `local_ranks` ranks on this machine; 90% of this rank's GPU's free memory (on the CPU
+    device, a quarter of the free RAM, shared likewise)."""
+    host = available_host_bytes() // 2 // local_ranks
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return host, int(free * 0.9)
-    return host, available_host_bytes() // 4
+    return host, available_host_bytes() // 4 // local_ranks
 
 
 class Pending:
@@ -131,7 +134,7 @@ class Tiers:
         self.nvme_paths = [str(Path(p) / f"rank{rank}") if rank is not None else p for p in config.nvme_path]
         self.device = device
         self.homes = homes
-        host, gpu = default_budgets(device)
+        host, gpu = default_budgets(device, local_world_size())
         # what each pool may hold; `share_budgets` takes out what the pools never see
         self.host_budget = config.host_budget or host
         self.gpu_budget = config.gpu_budget or gpu
