@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 
 class Output:
@@ -25,5 +26,6 @@ class Output:
 
 def fail(message: str, code: int = 2) -> None:
     """One sentence to stderr, then exit with `code`: the CLI's only way to report bad input."""
-    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    # escaped: messages quote paths and library errors ("[/path/pair.cc:537] ...") that are not markup
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     raise SystemExit(code)

@@ -8,13 +8,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-import torch.distributed as dist
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tierzero.cli.output import Output
 from tierzero.config import Offload, RunConfig, load_run_config
-from tierzero.errors import ConfigError, TierzeroError
+from tierzero.errors import ConfigError
 from tierzero.launch import (Ranks, rank_device, ranks_from_env, run_torchrun, start_process_group,
                              stop_process_group, under_torchrun)
 from tierzero.rundir import RunDir
@@ -81,10 +80,8 @@ def train(
     if nproc is not None and under_torchrun() and nproc != ranks.world_size:
         raise ConfigError(f"--nproc {nproc} was given to a rank that torchrun started as one of "
                           f"{ranks.world_size}; drop --nproc when launching with torchrun")
+    run.check_ranks(nproc or ranks.world_size)  # once, before torchrun starts the ranks
     if nproc is not None and nproc > 1 and not under_torchrun():
-        if run.batch_size % nproc:  # checked here once, before the ranks start
-            raise ConfigError(f"--batch-size {run.batch_size} (the global batch) does not split evenly "
-                              f"over {nproc} ranks; use a multiple of {nproc}")
         named_dir = [] if run_dir is not None else ["--run-dir", run.run_dir]  # every rank needs the same one
         run_torchrun(nproc, "tierzero.cli", ["train", *_given_args(ctx, drop={"nproc"}), *named_dir])
         return
@@ -94,9 +91,6 @@ def train(
     start_process_group(ranks, run.engine.device, comm_timeout)
     try:
         _train(run, ranks, resume, json_out)
-    except dist.DistError as e:
-        raise TierzeroError(f"lost contact with the other ranks ({str(e).splitlines()[0]}): one of them "
-                            "stopped or hung; see its error, then continue with --resume") from None
     finally:
         stop_process_group()
 

@@ -126,3 +126,14 @@ def test_train_starts_from_local_safetensors(tmp_path, offload: str) -> None:
     assert ok.exit_code == 0, ok.output
     missing = train(*QUICK, "--weights", str(tmp_path / "nope.safetensors"), "--run-dir", str(tmp_path / "r2"))
     assert "is not a .safetensors file" in one_line_error(missing)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "2", "--batch-size", "3"], "--batch-size 3 (the global batch) does not split evenly over 2 ranks"),
+    (["--nproc", "2", "--offload", "none"], "--offload none trains in memory on one rank, not 2"),
+    (["--nproc", "0"], "--nproc must be at least 1"),
+    (["--comm-timeout", "0"], "--comm-timeout must be a positive number"),
+])
+def test_ranks_refused_before_any_starts(tmp_path, args: list[str], message: str) -> None:
+    assert message in one_line_error(train(*args, "--run-dir", str(tmp_path / "run")))
+    assert not (tmp_path / "run").exists()

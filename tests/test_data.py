@@ -162,3 +162,29 @@ def test_default_corpus_is_deterministic_stdlib_text() -> None:
     assert corpus.dtype == np.uint8 and len(corpus) == 1 << 20
     assert np.array_equal(corpus, default_corpus(max_bytes=1 << 20))
     assert b"def " in bytes(corpus[:100_000]) and b"import " in bytes(corpus[:100_000])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ranks_read_disjoint_rows_of_the_same_global_batch(world_size: int) -> None:
+    whole = draw(batches(batch_size=8), 30)  # 30 batches: past an epoch's end
+    ranks = [draw(batches(batch_size=8, rank=r, world_size=world_size), 30) for r in range(world_size)]
+    for step, (x, y) in enumerate(whole):
+        assert torch.equal(torch.cat([r[step][0] for r in ranks]), x)
+        assert torch.equal(torch.cat([r[step][1] for r in ranks]), y)
+    val = batches(batch_size=8).val_batches(2)
+    for i, (x, _) in enumerate(val):
+        parts = [batches(batch_size=8, rank=r, world_size=world_size).val_batches(2)[i][0] for r in range(world_size)]
+        assert torch.equal(torch.cat(parts), x)
+    one = batches(batch_size=8, rank=1, world_size=world_size)
+    draw(one, 3)
+    assert one.state_dict() == draw_state(batches(batch_size=8), 3)  # one position, whatever the rank
+
+
+def draw_state(b: TokenBatches, n: int) -> dict:
+    draw(b, n)
+    return b.state_dict()
+
+
+def test_a_global_batch_that_does_not_split_over_the_ranks() -> None:
+    with pytest.raises(ConfigError, match="batch_size 6 .* does not split evenly over 4 ranks"):
+        batches(batch_size=6, rank=0, world_size=4)

@@ -1,20 +1,56 @@
 """Collectives over torch.distributed: all-gather a unit's params, reduce-scatter its grads.
 
 With one rank (no process group) both are views/copies and cost nothing; the engine calls
-them the same way either way.
+them the same way either way. A collective that fails because another rank died or hung
+(gloo reports a reset connection, or the process group's timeout) raises `RankLostError`.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Any
+import re
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from tierzero.errors import TierzeroError
+
 # torch 2.13 renamed the tensor collectives; the old names still work back to torch 2.4
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class RankLostError(TierzeroError):
+    """A collective failed: another rank stopped or hung."""
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _collective(method: _F) -> _F:
+    """Name a failed collective's cause in one sentence instead of a gloo/NCCL traceback."""
+
+    @functools.wraps(method)
+    def run(self: Comm, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeError as e:
+            if self.world_size == 1:
+                raise
+            raise RankLostError(f"{method.__name__.strip('_')} failed on rank {self.rank} ({_cause(e)}): another rank "
+                                "stopped or hung; see its error, then continue with --resume") from None
+
+    return run  # type: ignore[return-value]
+
+
+def _cause(e: Exception) -> str:
+    """The cause in a backend's error, e.g. gloo's "[/path/pair.cc:537] Read error [...]: Connection
+    reset by peer. This is typically ..." -> "Read error [...]: Connection reset by peer"."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip())
+    return text.split(". ")[0].splitlines()[0] if text else type(e).__name__
 
 
 class Comm:
@@ -24,6 +60,7 @@ class Comm:
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.rank = dist.get_rank() if self.distributed else 0
 
+    @_collective
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
         """The full flat buffer from every rank's shard (one rank: the shard itself)."""
         if self.world_size == 1:
@@ -32,6 +69,7 @@ class Comm:
         _all_gather(full, shard)
         return full
 
+    @_collective
     def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the mean over ranks of `full`, as DDP averages gradients
         (one rank: `full` itself)."""
@@ -41,6 +79,7 @@ class Comm:
         _reduce_scatter(shard, full)
         return shard.div_(self.world_size)
 
+    @_collective
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a small (CPU) tensor over ranks; NCCL only reduces GPU tensors, so it travels there."""
         if self.world_size == 1:
@@ -54,6 +93,7 @@ class Comm:
 
     # -- small control messages (checkpoint commits, agreement, metrics) ---------------------------
 
+    @_collective
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
@@ -71,6 +111,7 @@ class Comm:
         total = self.all_reduce_sum(torch.tensor(values, dtype=torch.float64))
         return (total / self.world_size).tolist()
 
+    @_collective
     def all_gather_json(self, obj: Any) -> list[Any]:
         """Every rank's JSON-able `obj`, in rank order. JSON rather than pickle: nothing a peer
         sends is ever unpickled."""

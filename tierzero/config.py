@@ -252,6 +252,19 @@ class RunConfig:
             raise ConfigError(f"checkpoint_every must be an integer >= 1 (optimizer steps), got {every!r}")
 
 
+    def check_ranks(self, world_size: int) -> None:
+        """Refuse what several ranks cannot train: a global batch that does not split evenly,
+        or the in-memory reference trainer (one process, no collectives)."""
+        if world_size == 1:
+            return
+        if self.batch_size % world_size:
+            raise ConfigError(f"--batch-size {self.batch_size} (the global batch) does not split evenly over "
+                              f"{world_size} ranks; use a multiple of {world_size}")
+        if self.engine.offload is Offload.NONE:
+            raise ConfigError(f"--offload none trains in memory on one rank, not {world_size}; use --offload "
+                              "host, nvme or auto with several ranks")
+
+
 _RUN_FIELDS = {f.name for f in dataclasses.fields(RunConfig)} - {"engine"}
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(Config)}
 

@@ -16,8 +16,10 @@ torchrun's agent stops the survivors when any worker exits with an error.
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -116,12 +118,17 @@ def run_torchrun(nproc: int, module: str, args: list[str]) -> None:
         raise TierzeroError(failure_text(e.failures)) from None
 
 
-def failure_text(failures: dict) -> str:
-    """One sentence naming each failed rank and how it ended (exit code or signal)."""
-    parts = []
-    for rank, failure in sorted(failures.items()):
-        how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
-               else f"exited with code {failure.exitcode}")
-        parts.append(f"rank {rank} {how}")
-    return (f"{', '.join(parts)}; torchrun stopped the other ranks, and the run directory keeps its last "
-            "complete checkpoint (continue with --resume)")
+def failure_text(failures: dict[int, Any]) -> str:
+    """One sentence naming the rank that failed first and how (exit code or signal), then the
+    others torchrun stopped or that failed after it."""
+    def how(failure: Any) -> str:
+        return (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
+                else f"exited with code {failure.exitcode}")
+
+    # SIGTERM is how torchrun's agent stops the survivors: a rank ended by it did not fail first
+    order = sorted(failures.items(), key=lambda item: (item[1].exitcode == -signal.SIGTERM,
+                                                      item[1].timestamp, item[0]))
+    (first, failure), rest = order[0], order[1:]
+    after = "".join(f"; then rank {rank} {how(f)}" for rank, f in rest)
+    return (f"rank {first} {how(failure)}{after}; torchrun stopped the other ranks, and the run directory "
+            "keeps its last complete checkpoint (continue with --resume)")

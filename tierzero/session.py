@@ -84,9 +84,7 @@ def open_session(run: RunConfig, ranks: Ranks = Ranks()) -> Iterator[Session]:
     check_dtype_supported(dtype, device)
     model = run_model(run)
     batches = load_batches(run, model, ranks)
-    if cfg.offload is Offload.NONE and ranks.world_size > 1:
-        raise ConfigError(f"--offload none trains in memory on one rank, but {ranks.world_size} ranks were "
-                          "started; use --offload host, nvme or auto with several ranks")
+    run.check_ranks(ranks.world_size)
     if cfg.offload is Offload.NONE:
         from tierzero.reference import ReferenceTrainer
 

@@ -1,0 +1,145 @@
+"""`tierzero train --nproc 2`: two gloo ranks started through torchrun's launcher, on the CPU.
+
+One uninterrupted two-rank run is shared by the assertions (launches are the expensive part):
+- its exported weights equal a one-rank run of the same global batches within 5e-5 (the
+  two-rank tolerance of test_engine_two_ranks: a different summation order, through Adam);
+- each rank's store holds half of each unit's state, read from the arrays on disk;
+- a second run, with rank 1 killed (SIGKILL) during step 4, after the step-2 checkpoint, ends
+  with an error naming rank 1 (not a hang), keeps step 2 as its newest complete checkpoint,
+  and resumed on two ranks finishes bitwise equal to the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from tierzero.checkpoint import checkpoint_dirs, newest_checkpoint
+from tierzero.cli.app import app
+from tierzero.manifest import Manifest
+from tierzero.rundir import read_metrics
+
+ARGS = ["--steps", "4", "--batch-size", "4", "--seq-len", "32", "--dtype", "fp32", "--offload", "nvme",
+        "--checkpoint-every", "2", "--keep-checkpoints", "5", "--comm-timeout", "60"]
+HANG_GUARD_S = 300  # a guard against a hang, not a timing threshold
+
+
+def launch(run_dir: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tierzero.cli", "train", "--nproc", "2", *ARGS,
+                             "--run-dir", str(run_dir), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=HANG_GUARD_S)
+    return proc.returncode, out, err
+
+
+def export(run_dir: Path, out: Path, step: int | None = None) -> dict[str, torch.Tensor]:
+    result = CliRunner().invoke(app, ["export", str(run_dir), "--out", str(out),
+                                      *(["--step", str(step)] if step else [])])
+    assert result.exit_code == 0, result.output
+    return load_file(str(out))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("ranks") / "run"
+    code, out, err = finish(launch(run_dir))
+    assert code == 0, err
+    return run_dir
+
+
+def test_two_ranks_equal_one_rank_with_the_same_global_batch(two_ranks, tmp_path) -> None:
+    one = CliRunner().invoke(app, ["train", *ARGS, "--run-dir", str(tmp_path / "one")])
+    assert one.exit_code == 0, one.output
+    ref = export(tmp_path / "one", tmp_path / "one.safetensors")
+    got = export(two_ranks, tmp_path / "two.safetensors")
+    assert got.keys() == ref.keys()
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], rtol=0, atol=5e-5)
+    manifest = Manifest.load(newest_checkpoint(two_ranks)[0])
+    assert manifest.world_size == 2 and manifest.data is not None and len(manifest.rank_rng) == 2
+    records = [r for r in read_metrics(two_ranks) if "loss" in r]  # one writer: rank 0
+    assert [r["step"] for r in records] == list(range(1, 5))
+
+
+def test_each_rank_stores_half_of_every_unit(two_ranks) -> None:
+    units = Manifest.load(newest_checkpoint(two_ranks)[0]).units
+    for rank in (0, 1):
+        store = two_ranks / "nvme" / f"rank{rank}"
+        for kind, itemsize in (("master", 4), ("exp_avg", 4), ("exp_avg_sq", 4), ("grad", 4), ("param", 4)):
+            for unit in units:
+                shard = store / kind / f"u{unit.index:04d}" / f"r{rank}"
+                nbytes = sum(_current_array_nbytes(piece) for piece in shard.iterdir() if piece.is_dir())
+                assert nbytes == unit.padded_numel // 2 * itemsize, (rank, kind, unit.name)
+                assert unit.numel / 2 <= nbytes / itemsize < unit.numel / 2 + 4096  # half, padding aside
+                assert not (store / kind / f"u{unit.index:04d}" / f"r{1 - rank}").exists()
+
+
+def _current_array_nbytes(piece: Path) -> int:
+    """shape x itemsize of the current generation of one stored piece, from its zarr.json."""
+    group = json.loads((piece / "zarr.json").read_text())
+    array = json.loads((piece / group["attributes"]["tierzero"]["current"] / "zarr.json").read_text())
+    return array["shape"][0] * {"float32": 4, "uint16": 2}[array["data_type"]]
+
+
+def test_a_killed_rank_ends_the_run_and_it_resumes_bitwise(two_ranks, tmp_path) -> None:
+    run_dir = tmp_path / "killed"
+    proc = launch(run_dir)
+    try:
+        _wait_for_step(run_dir, 3, proc)
+        os.kill(_worker_pid(proc.pid, rank=1), signal.SIGKILL)  # during step 4
+        code, _, err = finish(proc)
+    finally:
+        proc.kill()
+    assert code == 2, err
+    assert "rank 1 was killed by SIGKILL" in err, err
+    assert "Traceback" not in err, err
+    path, _, skipped = newest_checkpoint(run_dir)  # every array checked against its checksums
+    assert path.name == "step-00000002" and not skipped
+    assert [step for step, _ in checkpoint_dirs(run_dir)] == [2]
+
+    code, _, err = finish(launch(run_dir, "--resume"))
+    assert code == 0, err
+    resumed = export(run_dir, tmp_path / "resumed.safetensors")
+    uninterrupted = export(two_ranks, tmp_path / "uninterrupted.safetensors")
+    for key in uninterrupted:
+        assert torch.equal(resumed[key], uninterrupted[key]), key
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + HANG_GUARD_S
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1]
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.is_file() and any(r.get("step") == step and "loss" in r for r in read_metrics(run_dir)):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"step {step} never finished")
+
+
+def _worker_pid(launcher: int, rank: int) -> int:
+    """The pid of the worker torchrun started as `rank` (a child of the launcher process)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+        if ppid == launcher and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    raise AssertionError(f"no worker of rank {rank} under pid {launcher}")
