@@ -107,3 +107,10 @@ def _print_report(out: Output, r: dict[str, Any]) -> None:
     out.print("Peak per tier, part by part (the phase where each part peaks):", highlight=False)
     for line in v["breakdown"]:
         out.print(f"  {line}", highlight=False)
+    rank = r["per_rank"]
+    if rank["ranks"] > 1:
+        budget = "" if rank["host_budget_bytes"] is None else f" (its host budget: {_gb(rank['host_budget_bytes'])} GB)"
+        out.print(f"Per rank, 1 of {rank['ranks']} on this machine{budget}; the ranks share the machine's "
+                  "drives, so nvme traffic above is all ranks' on one bandwidth:", highlight=False)
+        for line in rank["breakdown"]:
+            out.print(f"  {line}", highlight=False)

@@ -4,9 +4,13 @@ One uninterrupted two-rank run is shared by the assertions (launches are the exp
 - its exported weights equal a one-rank run of the same global batches within 5e-5 (the
   two-rank tolerance of test_engine_two_ranks: a different summation order, through Adam);
 - each rank's store holds half of each unit's state, read from the arrays on disk;
+- with the host budget at the memory model's per-rank figure (what `tierzero plan --gpus 2`
+  reports per rank), the pools' measured peaks are within 10% of the predicted ones;
 - a second run, with rank 1 killed (SIGKILL) during step 4, after the step-2 checkpoint, ends
   with an error naming rank 1 (not a hang), keeps step 2 as its newest complete checkpoint,
-  and resumed on two ranks finishes bitwise equal to the uninterrupted run.
+  and resumed on two ranks finishes bitwise equal to the uninterrupted run. The resume goes
+  through the multi-machine path: two torchrun agents, one rank each, meeting at a c10d
+  rendezvous, as two machines would.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,9 +29,13 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from tierzero import models
 from tierzero.checkpoint import checkpoint_dirs, newest_checkpoint
 from tierzero.cli.app import app
+from tierzero.config import Placement, Tier
+from tierzero.ledger import activation_memory, units_from_args
 from tierzero.manifest import Manifest
+from tierzero.memory import MemoryModel, peak_memory
 from tierzero.rundir import read_metrics
 
 ARGS = ["--steps", "4", "--batch-size", "4", "--seq-len", "32", "--dtype", "fp32", "--offload", "nvme",
@@ -34,10 +43,34 @@ ARGS = ["--steps", "4", "--batch-size", "4", "--seq-len", "32", "--dtype", "fp32
 HANG_GUARD_S = 300  # a guard against a hang, not a timing threshold
 
 
+def per_rank_prediction() -> MemoryModel:
+    """One rank's share of the memory model for ARGS on two ranks: every state on nvme, fp32,
+    the CPU device, overlap_step, each rank's micro-batch 2 x 32."""
+    args = models.get_preset("tiny")
+    act = activation_memory(args, 2, 32, 4, models.llama.LOSS_CHUNK_BYTES)
+    return peak_memory(units_from_args(args), Placement(*[Tier.NVME] * 5), compute_itemsize=4, world_size=2,
+                       device="cpu", tied_embeddings=args.tie_embeddings, prefetch_depth=2, overlap=True,
+                       activations=act).per_rank()
+
+
 def launch(run_dir: Path, *extra: str) -> subprocess.Popen:
+    budget = str(per_rank_prediction().host_total_bytes)  # the pools fill it: their peaks are measurable
     return subprocess.Popen([sys.executable, "-m", "tierzero.cli", "train", "--nproc", "2", *ARGS,
-                             "--run-dir", str(run_dir), *extra],
+                             "--host-budget", budget, "--run-dir", str(run_dir), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def launch_as_two_nodes(run_dir: Path, *extra: str) -> list[subprocess.Popen]:
+    """Two torchrun agents of one rank each, meeting at a c10d rendezvous on this machine."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    budget = str(per_rank_prediction().host_total_bytes)
+    return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "test",
+                              "-m", "tierzero.cli", "train", *ARGS, "--host-budget", budget,
+                              "--run-dir", str(run_dir), *extra],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
 
 
 def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
@@ -87,6 +120,24 @@ def test_each_rank_stores_half_of_every_unit(two_ranks) -> None:
                 assert not (store / kind / f"u{unit.index:04d}" / f"r{1 - rank}").exists()
 
 
+def test_measured_pool_peaks_match_the_per_rank_prediction(two_ranks) -> None:
+    predicted = per_rank_prediction()
+    last = [r for r in read_metrics(two_ranks) if "loss" in r][-1]  # rank 0's pools, peaks since open
+    for tier, measured in ((Tier.HOST, last["peak_host_bytes"]), (Tier.GPU, last["peak_gpu_bytes"])):
+        assert 0.9 * predicted.tiers[tier].pool_bytes <= measured <= predicted.tiers[tier].pool_bytes, tier
+
+
+def test_plan_reports_one_ranks_share(tmp_path) -> None:
+    result = CliRunner().invoke(app, ["plan", "--model", "tiny", "--gpus", "2", "--host-mem", "8GB",
+                                      "--nvme-free", "1TB", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    machine, rank = report["verdict"]["memory"], report["per_rank"]
+    assert rank["ranks"] == 2 and rank["host_budget_bytes"] == 4 * 10**9
+    assert rank["peak_bytes"]["host"] * 2 == machine["host_total_bytes"]
+    assert rank["peak_bytes"]["nvme"] * 2 == machine["tiers"]["nvme"]["peak_bytes"]
+
+
 def _current_array_nbytes(piece: Path) -> int:
     """shape x itemsize of the current generation of one stored piece, from its zarr.json."""
     group = json.loads((piece / "zarr.json").read_text())
@@ -110,8 +161,8 @@ def test_a_killed_rank_ends_the_run_and_it_resumes_bitwise(two_ranks, tmp_path) 
     assert path.name == "step-00000002" and not skipped
     assert [step for step, _ in checkpoint_dirs(run_dir)] == [2]
 
-    code, _, err = finish(launch(run_dir, "--resume"))
-    assert code == 0, err
+    for code, _, err in [finish(node) for node in launch_as_two_nodes(run_dir, "--resume")]:
+        assert code == 0, err
     resumed = export(run_dir, tmp_path / "resumed.safetensors")
     uninterrupted = export(two_ranks, tmp_path / "uninterrupted.safetensors")
     for key in uninterrupted:

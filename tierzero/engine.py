@@ -510,7 +510,7 @@ class Engine:
 
         host, gpu = default_budgets(self.device, local_world_size())
         budgets = {Tier.HOST: self.config.host_budget or host, Tier.GPU: self.config.gpu_budget or gpu,
-                   Tier.NVME: self._nvme_free() * len(self.config.nvme_path)}
+                   Tier.NVME: self._nvme_free() * len(self.config.nvme_path) // local_world_size()}
         if self.device.type == "cpu" and self.config.gpu_budget is None:
             del budgets[Tier.GPU]  # the gpu tier is host memory, inside the host budget
         fitting = [p for p in candidate_placements()
@@ -526,14 +526,16 @@ class Engine:
             profile=load_profile(self.config.profile) if self.config.profile else None).placement
 
     def _memory(self, placement: Placement, activations: ActivationEstimate | None = None) -> MemoryModel:
-        """The memory model of this engine's units and config (activations when known)."""
+        """This rank's share of the memory model of this engine's units and config (activations
+        when known): what its own pools and budgets hold."""
         return peak_memory(self._unit_sizes(), placement, compute_itemsize=self.dtype.itemsize,
                            world_size=self.comm.world_size,
                            device="cpu" if self.device.type == "cpu" else "cuda",
                            tied_embeddings=any(u.uses_with for u in self.units),
                            trainable=[u.trainable_numel for u in self.units],
                            prefetch_depth=self.config.prefetch_depth, piece_numel=self.config.piece_numel,
-                           overlap=self.overlap, accumulate=self.config.accumulate, activations=activations)
+                           overlap=self.overlap, accumulate=self.config.accumulate,
+                           activations=activations).per_rank()
 
     def _nvme_free(self) -> int:
         """Free bytes on the fullest nvme path (shards stripe evenly across the paths)."""
@@ -555,8 +557,8 @@ class Engine:
             self.tiers.reserve(tier, need)
         self._check_pools(self.memory, "")
         if Tier.NVME in {self.placement.home(k) for k in StateKind}:
-            free = self._nvme_free()
-            total = self.memory.tiers[Tier.NVME].homes_bytes // self.comm.world_size // len(self.config.nvme_path)
+            free = self._nvme_free()  # the ranks on this machine share its drives
+            total = self.memory.tiers[Tier.NVME].homes_bytes * local_world_size() // len(self.config.nvme_path)
             if total > free:
                 raise ConfigError(f"nvme path {self.config.nvme_path[0]} has {free / 1e9:.2f} GB free but "
                                   f"the offloaded state needs {total / 1e9:.2f} GB per path; free space "

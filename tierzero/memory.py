@@ -121,6 +121,14 @@ class TierPeak:
         terms += [f"{name} {_size(n)} ({self.unpooled_phase})" for name, n in self.unpooled.items() if n]
         return f"{self.tier.value} {_size(self.peak_bytes)} = {' + '.join(terms)}"
 
+    def divided(self, n: int) -> TierPeak:
+        """Every figure over `n` (one rank's share of a machine-wide peak)."""
+        def share(parts: dict[str, int]) -> dict[str, int]:
+            return {k: v // n for k, v in parts.items()}
+
+        return TierPeak(self.tier, self.homes_bytes // n, share(self.pooled), self.pooled_phase,
+                        share(self.unpooled), self.unpooled_phase)
+
     def as_dict(self) -> dict[str, Any]:
         return {"peak_bytes": self.peak_bytes, "homes_bytes": self.homes_bytes, "pool_bytes": self.pool_bytes,
                 "pooled": dict(self.pooled), "pooled_phase": self.pooled_phase,
@@ -159,6 +167,16 @@ class MemoryModel:
             lines[0] += " (on the CPU device: host memory)"
             lines.append(f"host memory {_size(self.host_total_bytes)} = host + gpu tiers, both in RAM")
         return lines
+
+    def per_rank(self) -> MemoryModel:
+        """One rank's share: what its own pools and budgets must hold. Every host and nvme figure
+        is `world_size` ranks' equal shares (gpu figures are one rank's already), so it divides
+        exactly; one rank's model is itself."""
+        w = self.world_size
+        if w == 1:
+            return self
+        tiers = {**self.tiers, Tier.HOST: self.tiers[Tier.HOST].divided(w), Tier.NVME: self.tiers[Tier.NVME].divided(w)}
+        return MemoryModel(self.device, 1, tiers, self.host_memory.divided(w), self.host_cache_bytes // w)
 
     def as_dict(self) -> dict[str, Any]:
         return {"device": self.device, "tiers": {t.value: p.as_dict() for t, p in self.tiers.items()},

@@ -78,7 +78,17 @@ class PlanReport:
                             "total_bytes": act.total_bytes},
             "placements": [{**e.as_dict(), "fits": not e.overflow_bytes(self.budgets)} for e in self.estimates],
             "verdict": {**self.choice.as_dict(), "breakdown": self.choice.estimate.memory.breakdown()},
+            "per_rank": self.per_rank(),
         }
+
+    def per_rank(self) -> dict[str, Any]:
+        """One rank's share of the chosen placement: what its pools and `tierzero train` budgets
+        hold (train's default host budget is the machine's, split evenly across its ranks)."""
+        mine = self.choice.estimate.memory.per_rank()
+        host = self.budgets[Tier.HOST]
+        return {"ranks": self.gpus, "peak_bytes": {t.value: n for t, n in mine.needs().items()},
+                "pool_bytes": {t.value: mine.tiers[t].pool_bytes for t in (Tier.GPU, Tier.HOST)},
+                "host_budget_bytes": None if host is None else host // self.gpus, "breakdown": mine.breakdown()}
 
 
 def make_plan(
