@@ -48,6 +48,7 @@ def train(
     checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help="Checkpoint every N optimizer steps (and always at the end)."),
     keep_checkpoints: Optional[int] = typer.Option(None, "--keep-checkpoints", help="Keep the newest K checkpoints (default 2)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --run-dir from its newest intact checkpoint, up to --steps."),
+    grad_reduce_dtype: Optional[str] = typer.Option(None, "--grad-reduce-dtype", help="What gradients are summed over ranks in: fp32 (default, exact) or bf16 (half the bytes)."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="Ranks on this machine (one per GPU; gloo processes on a CPU): runs torchrun's launcher for you. --batch-size is the global batch, split over them."),
     comm_timeout: float = typer.Option(600.0, "--comm-timeout", help="Seconds a collective waits for the other ranks before the run stops with an error."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
@@ -61,7 +62,7 @@ def train(
                      accumulate=accumulate, lr=lr, warmup_steps=warmup_steps,
                      clip_grad_norm=clip_grad_norm, clip_previous_norm=clip_previous_norm, seed=seed, dtype=dtype, offload=offload,
                      nvme_path=nvme_path or None, host_budget=host_budget, gpu_budget=gpu_budget,
-                     prefetch_depth=prefetch_depth, overlap_step=overlap_step,
+                     prefetch_depth=prefetch_depth, overlap_step=overlap_step, grad_reduce_dtype=grad_reduce_dtype,
                      profile=str(profile) if profile else None,
                      run_dir=str(run_dir) if run_dir else None,
                      checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints)

@@ -54,8 +54,13 @@ def _cause(e: Exception) -> str:
 
 
 class Comm:
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.device = torch.device(device)  # where NCCL's tensors go: this rank's cuda:k
+    """`device`: where NCCL's tensors go (this rank's cuda:k). `reduce_dtype`: the dtype
+    gradients travel and are summed in (fp32 by default, for exact sums; bf16 halves the bytes
+    on the wire at bf16's 8-bit mantissa)."""
+
+    def __init__(self, device: torch.device | str = "cpu", reduce_dtype: torch.dtype = torch.float32) -> None:
+        self.device = torch.device(device)
+        self.reduce_dtype = reduce_dtype
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.rank = dist.get_rank() if self.distributed else 0
@@ -72,12 +77,13 @@ class Comm:
     @_collective
     def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the mean over ranks of `full`, as DDP averages gradients
-        (one rank: `full` itself)."""
+        (one rank: `full` itself), summed in `reduce_dtype` and returned in `full`'s dtype."""
         if self.world_size == 1:
             return full
-        shard = torch.empty(full.numel() // self.world_size, dtype=full.dtype, device=full.device)
-        _reduce_scatter(shard, full)
-        return shard.div_(self.world_size)
+        wire = full.to(self.reduce_dtype)
+        shard = torch.empty(full.numel() // self.world_size, dtype=wire.dtype, device=full.device)
+        _reduce_scatter(shard, wire)
+        return shard.to(full.dtype).div_(self.world_size)
 
     @_collective
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -131,7 +137,7 @@ class Comm:
 
     def _gather_cpu(self, value: torch.Tensor) -> torch.Tensor:
         """all_gather of a small CPU tensor (through the GPU where the backend is NCCL only)."""
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else value.device
+        device = self.device if dist.get_backend() == "nccl" else value.device
         out = torch.empty(value.numel() * self.world_size, dtype=value.dtype, device=device)
         _all_gather(out, value.to(device))
         return out.cpu()

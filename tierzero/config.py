@@ -145,6 +145,7 @@ class Config:
     loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
     overlap_step: bool | None = None  # None: on wherever it is exact (no clipping, not fp16)
+    grad_reduce_dtype: DType = DType.FP32  # what grads are summed over ranks in: fp32 (exact) or bf16
     seed: int = 0
     units: str | None = None
     chunk_bytes: int = 8 << 20
@@ -157,6 +158,9 @@ class Config:
         self.offload = _enum(Offload, self.offload, "offload")
         self.dtype = None if self.dtype is None else _enum(DType, self.dtype, "dtype")
         self.lr_schedule = _enum(LRSchedule, self.lr_schedule, "lr_schedule")
+        self.grad_reduce_dtype = _enum(DType, self.grad_reduce_dtype, "grad_reduce_dtype")
+        if self.grad_reduce_dtype is DType.FP16:
+            raise ConfigError("grad_reduce_dtype 'fp16' could overflow a sum of gradients; choose fp32 or bf16")
         if isinstance(self.nvme_path, (str, Path)):
             self.nvme_path = [str(self.nvme_path)]
         self.nvme_path = [str(p) for p in self.nvme_path]

@@ -46,7 +46,7 @@ from tierzero.models.presets import ModelArgs
 from tierzero.optim import ShardOptimizer
 from tierzero.paramsteps import ParamSteps, Run
 from tierzero.partition import Unit, forward_only, forward_uses, grad_uses, partition
-from tierzero.precision import DynamicLossScaler, compute_dtype, resolve_dtype
+from tierzero.precision import TORCH_DTYPES, DynamicLossScaler, compute_dtype, resolve_dtype
 from tierzero.reference import compute_loss, to_device
 from tierzero.schedule import Scheduler, build_swap_plan
 from tierzero.stats import StepStats
@@ -60,7 +60,7 @@ class Engine:
         self.device = config.resolved_device()
         self.dtype = compute_dtype(resolve_dtype(config.dtype, self.device), self.device)
         self.model = model
-        self.comm = Comm(self.device)
+        self.comm = Comm(self.device, TORCH_DTYPES[config.grad_reduce_dtype])
         self.units = partition(model, self.comm.world_size, config.units)
         self.param_steps = ParamSteps(self.units)
         self.param_order = [name for name, _ in model.named_parameters()]

@@ -48,7 +48,7 @@ SAVED_KINDS = (StateKind.PARAM, StateKind.MASTER, StateKind.EXP_AVG, StateKind.E
 # Config fields that change what a step computes; a resumed run with others differs.
 _NUMERIC_FIELDS = ("dtype", "lr", "weight_decay", "betas", "eps", "lr_schedule", "warmup_steps",
                    "total_steps", "min_lr_ratio", "clip_grad_norm", "clip_previous_norm", "accumulate",
-                   "loss_scale", "loss_scale_window", "seed")
+                   "loss_scale", "loss_scale_window", "seed", "grad_reduce_dtype")
 
 
 def numeric_config_hash(engine: Engine) -> str:
