@@ -120,6 +120,15 @@ def test_each_rank_stores_half_of_every_unit(two_ranks) -> None:
                 assert not (store / kind / f"u{unit.index:04d}" / f"r{1 - rank}").exists()
 
 
+def test_inspect_shows_each_ranks_store(two_ranks) -> None:
+    result = CliRunner().invoke(app, ["inspect", str(two_ranks), "--json"])
+    assert result.exit_code == 0, result.output
+    stores = json.loads(result.stdout)["stores"]
+    assert [Path(s["path"]).name for s in stores] == ["rank0", "rank1"]
+    assert all(set(s["kinds"]) == {"param", "grad", "master", "exp_avg", "exp_avg_sq"} for s in stores)
+    assert stores[0]["nbytes"] == stores[1]["nbytes"] > 0
+
+
 def test_measured_pool_peaks_match_the_per_rank_prediction(two_ranks) -> None:
     predicted = per_rank_prediction()
     last = [r for r in read_metrics(two_ranks) if "loss" in r][-1]  # rank 0's pools, peaks since open

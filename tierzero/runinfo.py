@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,17 @@ def _nvme_paths(root: Path, config: dict[str, Any] | None) -> list[str]:
     paths = [value] if isinstance(value, str) else value if isinstance(value, list) else []
     if not paths and (root / "nvme").is_dir():
         paths = [root / "nvme"]
-    return [str(p) for p in paths]
+    return [str(store) for p in paths for store in _rank_stores(Path(p))]
+
+
+def _rank_stores(path: Path) -> list[Path]:
+    """A multi-rank run keeps one store per rank under `path/rank<r>/` (`Tiers.nvme_paths`)."""
+    try:
+        ranks = sorted((p for p in path.iterdir() if re.fullmatch(r"rank\d+", p.name) and p.is_dir()),
+                       key=lambda p: int(p.name[4:]))
+    except OSError:
+        return [path]
+    return ranks or [path]
 
 
 def _config(root: Path) -> tuple[dict[str, Any] | None, str | None]:
