@@ -71,6 +71,8 @@ def train(
         if steps is not None and config is not None and _schedule_follows_steps(config):
             overrides["total_steps"] = steps  # a longer run stretches its lr schedule, as a new one would
     run = load_run_config(config, overrides)
+    if run.run_dir is None and ranks_from_env().world_size > 1:
+        raise ConfigError("ranks started by torchrun must name one run directory; pass --run-dir DIR")
     if run.run_dir is None:
         run.run_dir = str(Path("runs") / f"{_run_name(run.model)}-{time.strftime('%Y%m%d-%H%M%S')}")
     if comm_timeout <= 0:
