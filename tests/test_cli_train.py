@@ -137,3 +137,10 @@ def test_train_starts_from_local_safetensors(tmp_path, offload: str) -> None:
 def test_ranks_refused_before_any_starts(tmp_path, args: list[str], message: str) -> None:
     assert message in one_line_error(train(*args, "--run-dir", str(tmp_path / "run")))
     assert not (tmp_path / "run").exists()
+
+
+def test_ranks_from_torchrun_need_one_run_dir(monkeypatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert one_line_error(train("--steps", "1")) == \
+        "error: rank 1: ranks started by torchrun must name one run directory; pass --run-dir DIR"
