@@ -102,6 +102,32 @@ def test_offload_none_trains_the_model_in_memory(hf_models, tmp_path):
     assert summary["steps"] == 2 and summary["first_loss"] > 0
 
 
+def test_checkpoint_names_that_transformers_renames_on_saving(tmp_path):
+    """GPT-NeoX's output layer is `lm_head` in the model and `embed_out` in its files."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from safetensors import safe_open
+
+    torch.manual_seed(0)
+    own = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "gpt_neox", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256))
+    own.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        assert "embed_out.weight" in f.keys() and "lm_head.weight" not in f.keys()
+    hf = load_model(tmp_path)
+    assert isinstance(hf.model, SplitCausalLM)  # final_layer_norm is registered after the layers
+    engine = Engine(hf.model, Config(offload="nvme", device="cpu", dtype="fp32", nvme_path=[str(tmp_path / "nvme")]),
+                    weights=hf.weights)
+    try:
+        master = engine.master_state_dict()
+        x, y = batch()
+        with torch.no_grad():
+            expected = F.cross_entropy(own(input_ids=x).logits.flatten(0, 1), y.flatten())
+            assert abs(engine.eval_loss((x, y)) - expected.item()) < 1e-5
+    finally:
+        engine.close()
+    assert all(torch.equal(master[n], p) for n, p in own.state_dict().items())
+
+
 def one_line_error(result) -> str:
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.strip().splitlines() if line.strip()]

@@ -49,6 +49,7 @@ class CausalLM(nn.Module):
         object.__setattr__(self, "hf_model", hf_model)  # not a child: names stay the checkpoint's
         self.blocks_path = blocks
         self.config = hf_model.config
+        self.save_renamings = _save_renamings(hf_model)
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -56,6 +57,16 @@ class CausalLM(nn.Module):
 
     def get_input_embeddings(self) -> nn.Module:
         return self.hf_model.get_input_embeddings()
+
+    def checkpoint_names(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        """`names`, then what `save_pretrained` calls them where transformers renames keys on
+        saving (GPT-NeoX's `lm_head.weight` is saved as `embed_out.weight`)."""
+        saved = []
+        for name in names:
+            for renaming in self.save_renamings:
+                name, _ = renaming.rename_source_key(name)
+            saved.append(name)
+        return names + tuple(n for n in saved if n not in names)
 
     def train(self, mode: bool = True) -> CausalLM:
         super().train(mode)
@@ -126,6 +137,18 @@ class SplitCausalLM(CausalLM):
         with _returning(self.base, hidden):
             logits = self.hf_model(inputs_embeds=hidden, use_cache=False).logits
         return self._loss(logits, targets, labels)
+
+
+def _save_renamings(hf_model: nn.Module) -> list[Any]:
+    """The key renamings transformers applies when saving this model (its loading renamings,
+    reversed; tensor conversions such as packing experts are not followed)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:  # a transformers without conversion mappings renames nothing
+        return []
+    loading = [t for t in get_model_conversion_mapping(hf_model) if type(t) is WeightRenaming]
+    return [t.reverse_transform() for t in reversed(loading)]
 
 
 @contextlib.contextmanager
