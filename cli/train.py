@@ -49,6 +49,7 @@ def train(
     keep_checkpoints: Optional[int] = typer.Option(None, "--keep-checkpoints", help="Keep the newest K checkpoints (default 2)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --run-dir from its newest intact checkpoint, up to --steps."),
     grad_reduce_dtype: Optional[str] = typer.Option(None, "--grad-reduce-dtype", help="What gradients are summed over ranks in: fp32 (default, exact) or bf16 (half the bytes)."),
+    overlap_comm: Optional[bool] = typer.Option(None, "--overlap-comm/--no-overlap-comm", help="Several ranks: all-gather each unit's params while the one before computes, and reduce its grads while the next backward computes (default on)."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="Ranks on this machine (one per GPU; gloo processes on a CPU): runs torchrun's launcher for you. --batch-size is the global batch, split over them."),
     comm_timeout: float = typer.Option(600.0, "--comm-timeout", help="Seconds a collective waits for the other ranks before the run stops with an error."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
@@ -62,7 +63,7 @@ def train(
                      accumulate=accumulate, lr=lr, warmup_steps=warmup_steps,
                      clip_grad_norm=clip_grad_norm, clip_previous_norm=clip_previous_norm, seed=seed, dtype=dtype, offload=offload,
                      nvme_path=nvme_path or None, host_budget=host_budget, gpu_budget=gpu_budget,
-                     prefetch_depth=prefetch_depth, overlap_step=overlap_step, grad_reduce_dtype=grad_reduce_dtype,
+                     prefetch_depth=prefetch_depth, overlap_step=overlap_step, grad_reduce_dtype=grad_reduce_dtype, overlap_comm=overlap_comm,
                      profile=str(profile) if profile else None,
                      run_dir=str(run_dir) if run_dir else None,
                      checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints)

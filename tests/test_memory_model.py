@@ -173,3 +173,21 @@ def test_frozen_parameters_are_counted_as_params_only() -> None:
     assert m.tiers[Tier.GPU].unpooled["unit grads"] == SHARD * 2 + SHARD * 4
     dense = peak_memory(units, NVME, **kw)
     assert dense.tiers[Tier.NVME].homes_bytes == (4 + 3 + 1) * SHARD * 18
+
+
+def test_overlapping_collectives_hold_the_next_gather_and_the_previous_reduction() -> None:
+    """Two ranks, two blocks of one aligned shard pair each, fp32: with overlap_comm the next
+    call's gather is in flight beside a call's (with a fetch depth of 1 or more), and in backward
+    the previous call's flat grad and reduced shard wait for their reduce-scatter."""
+    units = [("a", 2 * SHARD), ("b", 2 * SHARD)]
+    kw = dict(compute_itemsize=4, world_size=2, device="cuda", prefetch_depth=1, piece_numel=SHARD, overlap=False)
+    apart = peak_memory(units, NVME, overlap_comm=False, **kw).tiers[Tier.GPU].unpooled
+    together = peak_memory(units, NVME, overlap_comm=True, **kw).tiers[Tier.GPU].unpooled
+    full = 2 * SHARD * 4  # one unit's gathered params (and its flat fp32 grad)
+    assert apart["gathered params"] == full and together["gathered params"] == 2 * full
+    # the unit being backpropagated: its weights' grads and flat grad with its shard; with
+    # overlap also the unit before it in backward order, flat grad and shard, still reducing
+    assert apart["unit grads"] == full + full + SHARD * 4
+    assert together["unit grads"] == apart["unit grads"] + full + SHARD * 4
+    no_lookahead = peak_memory(units, NVME, overlap_comm=True, **{**kw, "prefetch_depth": 0})
+    assert no_lookahead.tiers[Tier.GPU].unpooled["gathered params"] == full  # never gathered before fetched

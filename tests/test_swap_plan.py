@@ -80,3 +80,42 @@ def test_eval_plan_has_no_backward() -> None:
     assert {op.phase for op in plan.ops} == {"forward"}
     assert replay(plan)["computes"] == 4
     assert "fetch" in str(plan)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("depth", [0, 1, 2])
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_gathers_are_ops_one_per_use_and_no_further_ahead_than_fetches(depth: int, ahead: int, tied: bool) -> None:
+    """Several ranks: each use's all-gather is listed once, after its unit's fetch and before its
+    wait; issued ahead, it starts as the use before it starts computing, never earlier, and never
+    before its fetch (so with depth 0 nothing is gathered ahead)."""
+    plan = build_swap_plan(calls(3, tied), depth, backward=True, gather_ahead=ahead)
+    replay(plan)
+    resident: set[int] = set()
+    pending: dict[int, int] = {}  # unit -> gathers issued and not yet used
+    in_flight_max = 0
+    for op in plan.ops:
+        if op.op is Op.FETCH:
+            resident.add(op.unit)
+        elif op.op is Op.RELEASE:
+            resident.discard(op.unit)
+            assert not pending.get(op.unit), f"{op}: released with a gather not yet used"
+        elif op.op is Op.GATHER:
+            assert op.unit in resident, f"{op}: gathered before it was fetched"
+            pending[op.unit] = pending.get(op.unit, 0) + 1
+        elif op.op is Op.COMPUTE:
+            assert pending.get(op.unit), f"{op}: computed without a gather"
+            in_flight_max = max(in_flight_max, sum(pending.values()))
+            pending[op.unit] -= 1
+    assert not any(pending.values())
+    gathers = sum(op.op is Op.GATHER for op in plan.ops)
+    assert gathers == sum(op.op is Op.COMPUTE for op in plan.ops)
+    # at a compute: its own gather and, issued ahead, the next use's (a tied head binds two units)
+    assert in_flight_max <= (1 + (2 if tied else 1) * min(ahead, depth)) + (1 if tied else 0)
+
+
+def test_a_gather_ahead_is_issued_as_the_use_before_starts_computing() -> None:
+    ops = [(op.op.value, op.unit) for op in build_swap_plan(calls(1, False), 2, backward=False, gather_ahead=1).ops]
+    assert ops[ops.index(("wait", 0)):ops.index(("compute", 0)) + 1] == [("wait", 0), ("gather", 1), ("compute", 0)]
+    one_rank = build_swap_plan(calls(1, False), 2, backward=True)
+    assert not any(op.op is Op.GATHER for op in one_rank.ops)

@@ -40,10 +40,14 @@ def _collective(method: _F) -> _F:
         except RuntimeError as e:
             if self.world_size == 1:
                 raise
-            raise RankLostError(f"{method.__name__.strip('_')} failed on rank {self.rank} ({_cause(e)}): another rank "
-                                "stopped or hung; see its error, then continue with --resume") from None
+            raise _lost(self, method.__name__.removesuffix("_async"), e) from None
 
     return run  # type: ignore[return-value]
+
+
+def _lost(comm: Comm, what: str, e: Exception) -> RankLostError:
+    return RankLostError(f"{what} failed on rank {comm.rank} ({_cause(e)}): another rank stopped or hung; "
+                         "see its error, then continue with --resume")
 
 
 def _cause(e: Exception) -> str:
@@ -65,25 +69,35 @@ class Comm:
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.rank = dist.get_rank() if self.distributed else 0
 
-    @_collective
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
         """The full flat buffer from every rank's shard (one rank: the shard itself)."""
-        if self.world_size == 1:
-            return shard
-        full = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=shard.device)
-        _all_gather(full, shard)
-        return full
+        return self.all_gather_async(shard).wait()
 
-    @_collective
     def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the mean over ranks of `full`, as DDP averages gradients
         (one rank: `full` itself), summed in `reduce_dtype` and returned in `full`'s dtype."""
+        return self.reduce_scatter_async(full).wait()
+
+    @_collective
+    def all_gather_async(self, shard: torch.Tensor) -> InFlight:
+        """Start gathering the full flat buffer; `wait()` returns it. It runs beside compute: on
+        gloo's threads, on NCCL's own stream (which waits for what the current stream has queued
+        when it is issued, and the current stream for it at `wait()`)."""
         if self.world_size == 1:
-            return full
+            return InFlight(self, "all_gather", None, shard)
+        full = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=shard.device)
+        return InFlight(self, "all_gather", _all_gather(full, shard, async_op=True), full, keep=shard)
+
+    @_collective
+    def reduce_scatter_async(self, full: torch.Tensor) -> InFlight:
+        """Start reducing `full` to this rank's shard of the mean; `wait()` returns the shard."""
+        if self.world_size == 1:
+            return InFlight(self, "reduce_scatter", None, full)
         wire = full.to(self.reduce_dtype)
         shard = torch.empty(full.numel() // self.world_size, dtype=wire.dtype, device=full.device)
-        _reduce_scatter(shard, wire)
-        return shard.to(full.dtype).div_(self.world_size)
+        work = _reduce_scatter(shard, wire, async_op=True)
+        return InFlight(self, "reduce_scatter", work, shard, keep=wire,
+                        finish=lambda out: out.to(full.dtype).div_(self.world_size))
 
     @_collective
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -141,3 +155,30 @@ class Comm:
         out = torch.empty(value.numel() * self.world_size, dtype=value.dtype, device=device)
         _all_gather(out, value.to(device))
         return out.cpu()
+
+
+class InFlight:
+    """One collective in flight: its work handle, the buffer it fills, and the input it must
+    keep alive until then. `wait()` is the sync point (the host on gloo, the current stream on
+    NCCL) and returns the result; a second `wait()` returns it again."""
+
+    def __init__(self, comm: Comm, what: str, work: Any, out: torch.Tensor, keep: torch.Tensor | None = None,
+                 finish: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.comm = comm
+        self.what = what
+        self.work = work
+        self.out = out
+        self.keep = keep
+        self.finish = finish
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            try:
+                self.work.wait()
+            except RuntimeError as e:
+                raise _lost(self.comm, self.what, e) from None
+            self.work, self.keep = None, None
+            if self.finish is not None:
+                self.out, self.finish = self.finish(self.out), None
+        return self.out
+

@@ -146,6 +146,7 @@ class Config:
     loss_scale_window: int = 1000
     overlap_step: bool | None = None  # None: on wherever it is exact (no clipping, not fp16)
     grad_reduce_dtype: DType = DType.FP32  # what grads are summed over ranks in: fp32 (exact) or bf16
+    overlap_comm: bool = True  # several ranks: all-gather a use ahead, finish reduce-scatters a unit later
     seed: int = 0
     units: str | None = None
     chunk_bytes: int = 8 << 20

@@ -110,20 +110,23 @@ class Engine:
             self._place_buffers()
             fill()
             self.scheduler = Scheduler(self.units, self.tiers, self.placement.param, self.dtype,
-                                       self.comm.rank, self.config.piece_numel, self.stats_)
+                                       self.comm, self.config.piece_numel, self.stats_)
             self.grads = GradShards(self.units, self.tiers, self.placement.grad, self.comm, self.stats_,
                                     grad_uses(self.units), self.config.piece_numel,
                                     norms=self.config.clip_grad_norm is not None,
-                                    finite=self.scaler.enabled)
+                                    finite=self.scaler.enabled,
+                                    overlap=self.config.overlap_comm and self.comm.world_size > 1)
             self.optimizer = ShardOptimizer(self.units, self.tiers, self.placement, self.dtype,
                                             self.comm.rank, self.config, self.stats_)
             self.runner = UnitRunner(self.units, self._gather, self.scheduler.release,
                                      self.grads.offload, self.dtype, forward_only(self.units))
             self.runner.install()
             calls, held = forward_uses(self.units), frozenset(u.index for u in self.units if u.is_root)
+            gather = None if self.comm.world_size == 1 else int(self.config.overlap_comm)
             self.train_plan = build_swap_plan(calls, self.config.prefetch_depth, backward=True, held=held,
-                                              forward_only=forward_only(self.units))
-            self.eval_plan = build_swap_plan(calls, self.config.prefetch_depth, backward=False, held=held)
+                                              forward_only=forward_only(self.units), gather_ahead=gather)
+            self.eval_plan = build_swap_plan(calls, self.config.prefetch_depth, backward=False, held=held,
+                                             gather_ahead=gather)
         except BaseException:
             self.tiers.close()
             raise
@@ -201,6 +204,7 @@ class Engine:
                     self.grads.offload(0, *flat_grad(self.units[0], self._root_leaves))
                 unbind(self.units[0], self.dtype)
                 self._root_leaves = None
+            self.grads.flush()  # the last unit's reduction
             self.scheduler.finish()
         except BaseException as e:
             self._broken = f"backward failed: {e!r}"  # some units' grads are accumulated, some not
@@ -444,9 +448,10 @@ class Engine:
                     module._buffers[key] = buf.to(self.device)
 
     def _gather(self, unit: int) -> torch.Tensor:
-        return self.comm.all_gather(self.scheduler.acquire(unit))
+        return self.scheduler.acquire(unit)
 
     def _abort(self) -> None:
+        self.grads.discard()
         self.optimizer.discard_prefetched()
         if self._root_leaves is not None:
             unbind(self.units[0], self.dtype)
@@ -535,7 +540,7 @@ class Engine:
                            trainable=[u.trainable_numel for u in self.units],
                            prefetch_depth=self.config.prefetch_depth, piece_numel=self.config.piece_numel,
                            overlap=self.overlap, accumulate=self.config.accumulate,
-                           activations=activations).per_rank()
+                           activations=activations, overlap_comm=self.config.overlap_comm).per_rank()
 
     def _nvme_free(self) -> int:
         """Free bytes on the fullest nvme path (shards stripe evenly across the paths)."""

@@ -13,6 +13,10 @@ Pieces leave the device on the d2h stream (`tierzero.streams`), each copy waitin
 compute event that finished its shard; nothing in backward waits for the device. Host code
 reads a host-homed piece only after its copy's event (`settle`), an nvme write is issued by an
 I/O thread after it, and earlier micro-batches' sums come back on the h2d stream.
+
+With several ranks and `overlap`, a unit's reduce-scatter is started when its backward ends
+and finished when the next unit's does (`offload` of the next, or `flush` at the end of
+backward), so it runs while that unit's backward computes.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from collections.abc import Callable
 
 import torch
 
-from tierzero.comm import Comm
+from tierzero.comm import Comm, InFlight
+from tierzero.errors import TierzeroError
 from tierzero.config import StateKind, Tier
 from tierzero.partition import Unit
 from tierzero.stats import StepStats
@@ -34,7 +39,7 @@ from tierzero.tiers import Tiers, state_keys
 
 class GradShards:
     def __init__(self, units: list[Unit], tiers: Tiers, home: Tier, comm: Comm, stats: StepStats,
-                 uses: dict[int, int], piece_numel: int, norms: bool, finite: bool) -> None:
+                 uses: dict[int, int], piece_numel: int, norms: bool, finite: bool, overlap: bool = False) -> None:
         self.units = units
         self.tiers = tiers
         self.home = home
@@ -61,6 +66,8 @@ class GradShards:
         # gradients of this backward that reached `Engine.gathered` copies, by unit: added to the
         # unit's own at its first contribution (`tierzero.gathered`)
         self.extra: dict[int, tuple[torch.Tensor, frozenset[int]]] = {}
+        self.overlap = overlap  # several ranks: a unit's reduction runs beside the next one's backward
+        self._reducing: tuple[int, InFlight] | None = None
         self._writes: dict[str, concurrent.futures.Future] = {}  # piece key -> its grad write in flight
         self._landing: dict[str, Event] = {}  # host-homed piece key -> its D2H copy's event
         self._stashes: dict[str, concurrent.futures.Future] = {}  # a tied unit's earlier uses, being stashed
@@ -77,9 +84,10 @@ class GradShards:
             self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.tiers.device)
 
     def offload(self, unit: int, full_grad: torch.Tensor, present: frozenset[int]) -> None:
-        """Accumulate one unit's gradient into its home (and measure it on the last micro-batch)."""
+        """Start reducing one unit's gradient over the ranks; with `overlap`, accumulate the
+        previous unit's, whose reduction ran while this unit's backward computed (the last
+        one's at `flush`)."""
         u = self.units[unit]
-        self.seen[unit] = self.seen.get(unit, 0) + 1
         extra = self.extra.pop(unit, None)
         if extra is not None:  # unit + regulariser: the two terms autograd sums for a weight used twice
             full_grad = full_grad.float() + extra[0].to(full_grad.device)
@@ -87,7 +95,36 @@ class GradShards:
         if self.comm.world_size > 1:  # ranks must agree on what is stepped: every trainable slot
             present = frozenset(i for i, slot in enumerate(u.slots) if not slot.frozen)
         self.present.setdefault(unit, set()).update(present)
-        grad = self.comm.reduce_scatter(full_grad.float())[:u.state_numel(self.comm.rank)]
+        reducing = self.comm.reduce_scatter_async(full_grad.float())
+        self.flush()
+        self._reducing = (unit, reducing)
+        if not self.overlap:
+            self.flush()
+
+    def flush(self) -> None:
+        """Accumulate the gradient still being reduced: at the end of backward, and before the
+        next unit's is started."""
+        if self._reducing is None:
+            return
+        (unit, reducing), self._reducing = self._reducing, None
+        with self.stats.waiting():
+            shard = reducing.wait()  # sync point: the host on gloo, the compute stream on NCCL
+        self._accumulate(unit, shard)
+
+    def discard(self) -> None:
+        """Drop a reduction in flight (a backward that failed): let it finish, keep nothing."""
+        if self._reducing is not None:
+            (_, reducing), self._reducing = self._reducing, None
+            try:
+                reducing.wait()
+            except TierzeroError:
+                pass  # a lost rank: the caller's error already stops the step
+
+    def _accumulate(self, unit: int, shard: torch.Tensor) -> None:
+        """Accumulate one unit's reduced shard into its home (and measure it on the last micro-batch)."""
+        u = self.units[unit]
+        self.seen[unit] = self.seen.get(unit, 0) + 1
+        grad = shard[:u.state_numel(self.comm.rank)]
         if self.inv_scale != 1.0:
             grad = grad * self.inv_scale
         if self.uses[unit] > 1:

@@ -27,7 +27,9 @@ What a part means, and which pool holds it (`POOLED`; the others are torch alloc
 
 - params in flight (device pool): param shards fetched ahead of compute, as the swap plan
   holds them (`schedule.build_swap_plan`, `prefetch_depth` uses ahead); none when params live
-  on the compute device. With several ranks a call also gathers its units' full flat params.
+  on the compute device. With several ranks a call also gathers its units' full flat params,
+  and with `overlap_comm` (and a fetch depth of at least 1) the next call's gather is in flight
+  beside it.
 - param staging (host pool): nvme param shards read into host buffers on their way to the
   device, from fetch until the copy is done (the wait on the CPU; the release on CUDA, whose
   copies are asynchronous). They stay in the pool as its LRU cache of param shards, which
@@ -35,7 +37,8 @@ What a part means, and which pool holds it (`POOLED`; the others are torch alloc
 - unit grads: the per-parameter grads autograd writes (compute dtype) and the flat fp32 grad
   they are packed into once autograd is done with the recompute's activations, for the call
   being backpropagated (a tied head's call: both units); with overlap_step the previous
-  call's grad shard too, until its pieces are stepped. The backward's activations and unit
+  call's grad shard too, until its pieces are stepped; with several ranks and `overlap_comm`
+  the previous call's flat grad and reduced shard, whose reduce-scatter is still in flight. The backward's activations and unit
   grads are counted at the call and the moment where together they peak.
 - grad staging (host pool): nvme grads on their way out, a piece per buffer, as many pieces
   in flight as the optimizer reads ahead (`prefetch_depth` + 1); the engine issues a whole
@@ -197,6 +200,7 @@ def peak_memory(
     accumulate: int = 1,
     activations: ActivationEstimate | None = None,
     trainable: Sequence[int] | None = None,
+    overlap_comm: bool = True,
 ) -> MemoryModel:
     """Every tier's peak working set (bytes) for one training step.
 
@@ -233,7 +237,15 @@ def peak_memory(
     # -- the pass: params in flight as the swap plan holds them
     plan = build_swap_plan(calls, depth, backward=True, held=held, forward_only=forward_only)
     flight, staging = _param_peaks(plan, shard, c, placement.param, staged_until_release=device == "cuda")
-    gathered = 0 if w == 1 else max(sum(padded[u] for u in call) for call in calls) * c
+    full = [sum(padded[u] for u in call) * c for call in calls]
+    if w == 1:
+        gathered = 0
+    elif overlap_comm and depth > 0:  # a call's params and the next call's, gathered ahead
+        order = full + full[::-1]  # the forward's calls, then backward's in reverse
+        gathered = max(a + b for a, b in zip(order, order[1:] + [0]))
+    else:
+        gathered = max(full)
+    reducing = overlap_comm and w > 1  # the previous call's reduce-scatter finishes a call later
     act = activations
     pieces = [min(piece_numel, s - a) for s in state for a in range(0, s, piece_numel)]
 
@@ -248,6 +260,8 @@ def peak_memory(
             flat = sum((state[u] if w == 1 else padded[u] + state[u]) * FP32_NBYTES for u in call if state[u])
             after = calls[i + 1] if final_with_overlap and i + 1 < len(calls) else ()
             stepping = sum(state[u] * FP32_NBYTES for u in after)  # handed to the optimizer just before
+            if reducing and i + 1 < len(calls):  # backpropagated just before: still being reduced
+                stepping += sum((padded[u] + shard[u]) * FP32_NBYTES for u in calls[i + 1])
             recompute = _recompute_bytes(units[call[0]][0], act)
             moment = (recompute, weights + stepping) if recompute > flat else (0, weights + flat + stepping)
             worst = max(worst, moment, key=sum)

@@ -3,10 +3,17 @@
 The plan is data: from the unit order (the embedding, the blocks and the head forward, then
 backward in reverse; a model's root unit, if it has one, held for the pass) it lists, per use
 of a unit, the fetches issued
-`prefetch_depth` uses ahead, the wait before compute, and the release after it. The scheduler
-replays the plan as the model runs: `acquire(u)` executes every op up to `u`'s wait and
-returns its param shard on the compute device; `release(u)` executes the ops after it.
-It does not decide what to move; the plan does.
+`prefetch_depth` uses ahead, the wait before compute, and the release after it. With several
+ranks it lists each use's all-gather too (`gather`): issued one use ahead, as the previous use
+begins computing, when `gather_ahead` is 1 (never further ahead than its fetch), or just before
+its wait when 0. The scheduler replays the plan as the model runs: `acquire(u)` executes every
+op up to `u`'s compute and returns its params on the compute device (gathered from every rank);
+`release(u)` executes the ops after it. It does not decide what to move; the plan does.
+
+Every rank must issue its collectives in one order, so a gather is issued exactly where the
+plan lists it, whatever has landed: if its shard's nvme read is still in flight the host waits
+for it there (with a fetch depth of 2 it was issued a use earlier). The gather then runs beside
+compute: on gloo's threads, or on NCCL's own stream on a GPU, after the shard's copy event only.
 
 Copies run on the h2d stream (`tierzero.streams`): a copy into a device buffer waits only for
 that buffer's release event (recorded on the compute stream when the unit that last read it
@@ -20,11 +27,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
+from tierzero.comm import Comm, InFlight
 from tierzero.config import StateKind, Tier
+from tierzero.errors import TierzeroError
 from tierzero.storage.base import BudgetExceededError, TierStore
 from tierzero.partition import Unit
 from tierzero.stats import StepStats
@@ -35,6 +45,7 @@ from tierzero.tiers import Tiers, shard_key, state_keys
 class Op(str, enum.Enum):
     FETCH = "fetch"  # start moving a param shard from its home to the compute device
     WAIT = "wait"  # block until it is there
+    GATHER = "gather"  # start the all-gather of a unit's params from every rank's shard (several ranks)
     COMPUTE = "compute"
     RELEASE = "release"  # drop the device copy (params never change during a pass)
 
@@ -70,7 +81,8 @@ class SwapPlan:
 
 
 def build_swap_plan(calls: list[tuple[int, ...]], prefetch_depth: int, backward: bool,
-                    held: frozenset[int] = frozenset(), forward_only: frozenset[int] = frozenset()) -> SwapPlan:
+                    held: frozenset[int] = frozenset(), forward_only: frozenset[int] = frozenset(),
+                    gather_ahead: int | None = None) -> SwapPlan:
     """The plan for one forward (and, when training, backward) pass.
 
     `calls` are the units each forward call binds, in order (`partition.forward_uses`: the
@@ -79,7 +91,13 @@ def build_swap_plan(calls: list[tuple[int, ...]], prefetch_depth: int, backward:
     has no backward use. A `held` unit (the root of a model without embedding/head entry points) is fetched at its
     first use and released only at the end. A unit used again before its next fetch would be
     issued (the last call forward then first backward; a tied embedding) stays on the device.
+    `gather_ahead` (several ranks): 1 issues each use's all-gather as the use before it starts
+    computing, 0 just before its own wait, None lists no gathers (one rank). It is bounded by
+    the fetch depth: a unit is gathered no earlier than it is fetched.
     """
+    if gather_ahead is not None and gather_ahead not in (0, 1):
+        raise ValueError(f"gather_ahead must be 0, 1 or None, got {gather_ahead}")
+    ahead = 0 if gather_ahead is None else min(gather_ahead, prefetch_depth)
     uses = [(call, "forward") for call in calls]
     if backward:
         uses += [(call, "backward") for call in reversed(calls)
@@ -87,6 +105,7 @@ def build_swap_plan(calls: list[tuple[int, ...]], prefetch_depth: int, backward:
     ops: list[SwapOp] = []
     resident: set[int] = set()
     fetched_until = -1  # index into uses of the last use whose fetches have been issued
+    gathered_until = -1  # likewise for all-gathers
     for i, (call, phase) in enumerate(uses):
         for j in range(fetched_until + 1, min(len(uses), i + prefetch_depth + 1)):
             for u in uses[j][0]:
@@ -94,8 +113,14 @@ def build_swap_plan(calls: list[tuple[int, ...]], prefetch_depth: int, backward:
                     ops.append(SwapOp(Op.FETCH, u, uses[j][1]))
                     resident.add(u)
             fetched_until = j
-        for unit in call:
+        if gather_ahead is not None and gathered_until < i:  # this use's own, not issued ahead
+            ops += [SwapOp(Op.GATHER, u, phase) for u in call]
+            gathered_until = i
+        for k, unit in enumerate(call):
             ops.append(SwapOp(Op.WAIT, unit, phase))
+            if k == 0 and ahead and i + 1 < len(uses):  # the next use's, beside this one's compute
+                ops += [SwapOp(Op.GATHER, u, uses[i + 1][1]) for u in uses[i + 1][0]]
+                gathered_until = i + 1
             ops.append(SwapOp(Op.COMPUTE, unit, phase))
         following = uses[i + 1][0] if i + 1 < len(uses) else ()
         for unit in call:
@@ -122,14 +147,19 @@ class ParamShard:
     staging: torch.Tensor | None = None
     future: concurrent.futures.Future | None = None  # an nvme read; its result is the copy's event
     event: Event = None  # the host->device copy's
+    # several ranks: its uses' all-gathers, oldest first (a tied unit's next use may be gathered
+    # before this one's is taken)
+    gathered: deque[InFlight] = field(default_factory=deque)
 
 
 class Scheduler:
     """Executes a swap plan over the tiers, counting bytes moved and time spent waiting."""
 
     def __init__(self, units: list[Unit], tiers: Tiers, param_home: Tier, dtype: torch.dtype,
-                 rank: int, piece_numel: int, stats: StepStats) -> None:
+                 comm: Comm, piece_numel: int, stats: StepStats) -> None:
         self.units = units
+        self.comm = comm
+        rank = comm.rank
         self.tiers = tiers
         self.param_home = param_home
         self.dtype = dtype
@@ -145,11 +175,20 @@ class Scheduler:
         self.plan, self._cursor = plan, 0
 
     def acquire(self, unit: int) -> torch.Tensor:
-        """Run the plan up to `unit`'s wait; return its param shard, ready on the device."""
+        """Run the plan up to `unit`'s compute; return its params, ready on the device (its shard
+        on one rank; with several, the full flat buffer gathered from every rank's shard)."""
         self._run_until(Op.WAIT, unit)
-        self._wait(self.records[unit])
-        self._expect(Op.COMPUTE, unit)
-        return self._shard(unit)
+        record = self.records[unit]
+        self._wait(record)
+        gathered = record.gathered.popleft() if record.gathered else None
+        self._run_until(Op.COMPUTE, unit)  # the next use's gathers, beside this compute
+        if self.comm.world_size == 1:
+            return self._shard(unit)
+        assert gathered is not None, f"the swap plan lists no gather of unit {unit} before its compute"
+        with self.stats.waiting():
+            full = gathered.wait()  # sync point: the host on gloo, the compute stream on NCCL
+        self.streams.keep_alive(full, self.streams.compute)
+        return full
 
     def release(self, unit: int) -> None:
         """Run the plan's ops after `unit`'s compute, up to the next wait."""
@@ -196,12 +235,6 @@ class Scheduler:
                 return
             self._execute(op)
 
-    def _expect(self, op: Op, unit: int) -> None:
-        assert self.plan is not None
-        nxt = self.plan.ops[self._cursor]
-        assert nxt.op is op and nxt.unit == unit, f"plan out of step at {nxt}"
-        self._cursor += 1
-
     def _execute(self, op: SwapOp) -> None:
         record = self.records[op.unit]
         if op.op is Op.FETCH:
@@ -211,6 +244,16 @@ class Scheduler:
                 self._drop(record)  # a tight budget: this unit is fetched at its wait instead
         elif op.op is Op.RELEASE:
             self._drop(record)
+        elif op.op is Op.GATHER:
+            self._wait(record)  # an nvme read still in flight is waited for: see the module docstring
+            record.gathered.append(self._issue_gather(record))
+
+    def _issue_gather(self, record: ParamShard) -> InFlight:
+        """Start the all-gather of the unit's shard on the comm stream, after its copy's event
+        only (compute keeps running); `InFlight.wait` orders compute after it."""
+        self.streams.wait(self.streams.comm, record.event)
+        with self.streams.current(self.streams.comm):
+            return self.comm.all_gather_async(self._shard(record.unit))
 
     def _fetch(self, record: ParamShard) -> None:
         if record.status != "not_available":
@@ -276,7 +319,13 @@ class Scheduler:
 
     def _drop(self, record: ParamShard) -> None:
         """Give the unit's buffers back: the device buffer with a release event (compute may
-        still be reading it on the GPU), the staging buffer once its copy has happened."""
+        still be reading it on the GPU), the staging buffer once its copy has happened. A gather
+        issued ahead and never used (an abort) is waited for first: it reads the shard."""
+        while record.gathered:
+            try:
+                record.gathered.popleft().wait()
+            except TierzeroError:
+                pass  # the pass is being abandoned; a lost rank is reported by whoever waits next
         if record.future is not None:  # never waited for (an abort): the read lands first
             future, record.future = record.future, None
             if future.exception() is None:

@@ -1,7 +1,9 @@
 """Streams, events and copies: the one interface the engine's copy pipeline is written against.
 
-Three streams per compute device: `compute` (the training thread's current stream), `h2d`
-(params host -> device) and `d2h` (grads device -> host). Every cross-stream dependency is an
+Four streams per compute device: `compute` (the training thread's current stream), `h2d`
+(params host -> device), `d2h` (grads device -> host) and `comm`, current while collectives are
+issued ahead of their use (NCCL runs them on its own stream, ordered after what the issuing
+stream has queued: `comm` waits only for the events the collective needs, never for compute). Every cross-stream dependency is an
 event: a copy waits only for the event that frees its destination (its buffer's release, or the
 compute event that produced its source), compute waits for a copy's event before it reads the
 destination, and host code waits (`host_wait`) for a D2H copy's event before it reads the
@@ -17,6 +19,8 @@ every event has already happened. Tests replace both with a recording fake
 from __future__ import annotations
 
 import abc
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,6 +37,7 @@ class Streams(abc.ABC):
     compute: Stream
     h2d: Stream
     d2h: Stream
+    comm: Stream
 
     @abc.abstractmethod
     def record(self, stream: Stream) -> Event:
@@ -61,12 +66,17 @@ class Streams(abc.ABC):
     def keep_alive(self, tensor: torch.Tensor, stream: Stream) -> None:
         """Keep an allocator-owned `tensor` from being reused before `stream`'s work on it ends."""
 
+    def current(self, stream: Stream) -> contextlib.AbstractContextManager:
+        """Make `stream` the current one while work is issued (a collective ahead of compute);
+        where copies are synchronous there is nothing to order."""
+        return contextlib.nullcontext()
+
 
 class CpuStreams(Streams):
     """The CPU device: one memory, synchronous copies, events that have always happened."""
 
     separate = False
-    compute, h2d, d2h = "compute", "h2d", "d2h"
+    compute, h2d, d2h, comm = "compute", "h2d", "d2h", "comm"
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
@@ -104,6 +114,7 @@ class CudaStreams(Streams):
             self.compute = torch.cuda.current_stream(device)
             self.h2d = torch.cuda.Stream(device)
             self.d2h = torch.cuda.Stream(device)
+            self.comm = torch.cuda.Stream(device)
 
     def record(self, stream: Stream) -> Event:
         with torch.cuda.device(self.device):
@@ -140,6 +151,11 @@ class CudaStreams(Streams):
     def keep_alive(self, tensor: torch.Tensor, stream: Stream) -> None:
         if tensor.is_cuda:
             tensor.record_stream(stream)
+
+    @contextlib.contextmanager
+    def current(self, stream: Stream) -> Iterator[None]:
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            yield
 
 
 def bound_device(device: torch.device) -> torch.device:
