@@ -133,7 +133,9 @@ class CudaStreams(Streams):
                 stream.wait_event(after)
             # asynchronous only between device memory and pinned host memory (the pools' blocks)
             dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
+            # blocking: a thread that waits for a copy sleeps instead of spinning on a core the
+            # CPU optimizer needs (copy events are the ones host code waits for)
+            event = torch.cuda.Event(blocking=True)
             event.record(stream)
         return event
 
