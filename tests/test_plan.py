@@ -391,3 +391,19 @@ def test_plan_bad_input_is_one_error_and_exit_2(monkeypatch: pytest.MonkeyPatch,
                                                 args: list[str], message: str) -> None:
     err = run_failing(monkeypatch, capsys, *MACHINE, *args)
     assert err.startswith("error:") and message in err
+
+
+def test_frozen_parameters_move_as_params_only() -> None:
+    """With a unit's trainable prefix given, grads, optimizer states and the stepped params move
+    for it alone; params still move whole for compute."""
+    units = (("embedding", 8192), ("blocks.0", 8192), ("head", 8192))
+    nvme = Placement(*[Tier.NVME] * 5)
+    dense = estimate(nvme, Workload(units, 2, 4, prefetch_depth=1))
+    lora = estimate(nvme, Workload(units, 2, 4, prefetch_depth=1, trainable=(0, 2048, 0)))
+    params = 3 * 8192 * 2
+    # every param is read twice (forward, backward); the trainable ones' grads are written, and
+    # the optimizer reads grad, master and both moments (fp32) and writes those three and the param
+    assert lora.moved_bytes[Link.NVME_TO_HOST] == 2 * params + 2048 * 4 * 4
+    assert lora.moved_bytes[Link.HOST_TO_NVME] == 2048 * 4 + 2048 * 4 * 3 + 2048 * 2
+    assert dense.moved_bytes[Link.NVME_TO_HOST] == 2 * params + 3 * 8192 * 4 * 4
+    assert lora.memory.tiers[Tier.NVME].homes_bytes == params + 2048 * 16

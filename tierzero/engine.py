@@ -528,6 +528,7 @@ class Engine:
             self._unit_sizes(), compute_itemsize=self.dtype.itemsize, grad_itemsize=4,
             gpu_budget=None, host_budget=None, nvme_free=None, world_size=self.comm.world_size,
             prefetch_depth=self.config.prefetch_depth, candidates=fitting,
+            trainable=[u.trainable_numel for u in self.units],
             profile=load_profile(self.config.profile) if self.config.profile else None).placement
 
     def _memory(self, placement: Placement, activations: ActivationEstimate | None = None) -> MemoryModel:

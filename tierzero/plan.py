@@ -77,6 +77,7 @@ class Workload:
     piece_numel: int = PIECE_NUMEL
     overlap: bool = True
     device: str = "cuda"
+    trainable: tuple[int, ...] | None = None  # per unit, its trainable prefix (None: all trained)
 
     def __post_init__(self) -> None:
         if not self.units or any(n < 1 for _, n in self.units):
@@ -93,6 +94,14 @@ class Workload:
     def shard_numel(self) -> int:
         """Parameters one rank holds: every unit's flat buffer padded to split evenly."""
         return sum(math.ceil(n / self.world_size) for _, n in self.units)
+
+    @property
+    def state_shard_numel(self) -> int:
+        """Parameters one rank holds grads and optimizer states for: frozen ones have none
+        (rank 0's share of each unit's trainable prefix, the largest)."""
+        if self.trainable is None:
+            return self.shard_numel
+        return sum(min(math.ceil(n / self.world_size), t) for (_, n), t in zip(self.units, self.trainable))
 
     @property
     def largest_unit_numel(self) -> int:
@@ -175,7 +184,7 @@ def memory_for(placement: Placement, work: Workload) -> MemoryModel:
     return peak_memory(work.units, placement, compute_itemsize=work.compute_itemsize, world_size=work.world_size,
                        device=work.device, tied_embeddings=work.tied_embeddings,
                        prefetch_depth=work.prefetch_depth, piece_numel=work.piece_numel,
-                       overlap=work.overlap, activations=work.activations)
+                       overlap=work.overlap, activations=work.activations, trainable=work.trainable)
 
 
 def _optimizer_tier(p: Placement) -> Tier:
@@ -193,11 +202,13 @@ def _hops(src: Tier, dst: Tier) -> list[Link]:
 
 
 def _traffic(p: Placement, w: Workload) -> tuple[dict[Link, int], dict[Link, int]]:
-    """Bytes per link in the forward/backward phase and in the optimizer phase."""
+    """Bytes per link in the forward/backward phase and in the optimizer phase. Params move
+    whole; grads, optimizer states and the stepped params only for trainable parameters."""
     def move(moved: dict[Link, int], kind: StateKind, src: Tier, dst: Tier, times: int = 1) -> None:
+        numel = w.shard_numel if kind is StateKind.PARAM and moved is fwd_bwd else w.state_shard_numel
         for link in _hops(src, dst):
             ranks = w.world_size if link in _NVME_LINKS else 1
-            moved[link] += times * ranks * w.shard_numel * w.nbytes(kind)
+            moved[link] += times * ranks * numel * w.nbytes(kind)
 
     fwd_bwd = dict.fromkeys(Link, 0)
     move(fwd_bwd, StateKind.PARAM, p.param, Tier.GPU, times=2)  # gathered in forward and again in backward
@@ -231,7 +242,7 @@ def _step_time(p: Placement, w: Workload, prof: Profile,
 
     adam_s = 0.0
     if _optimizer_tier(p) is Tier.HOST:
-        adam_s = w.shard_numel * w.world_size / prof.adam_params_per_s
+        adam_s = w.state_shard_numel * w.world_size / prof.adam_params_per_s
     return max(compute_s, io_s(fwd_bwd)) + max(adam_s, io_s(optimizer))
 
 
@@ -315,6 +326,7 @@ def choose_placement(
     piece_numel: int = PIECE_NUMEL,
     overlap: bool = True,
     device: str = "cuda",
+    trainable: Sequence[int] | None = None,
 ) -> PlacementChoice:
     """The placement `--offload auto` uses: it fits every budget with the least predicted step
     time (with a `profile`) or the least traffic (without).
@@ -326,12 +338,13 @@ def choose_placement(
     compute device; on the CPU device (`device="cpu"`) the host budget holds the gpu tier too.
     `tokens_per_step` (per GPU) only feeds the step-time model; `grad_itemsize` defaults to the
     compute dtype's (pass 4 for fp32 grads). `candidates` (default: every candidate placement)
-    lets a caller pre-filter, as the engine does.
+    lets a caller pre-filter, as the engine does. `trainable` is each unit's trainable prefix
+    (`Unit.trainable_numel`; frozen parameters have a param only), None when all are trained.
     """
     work = Workload(tuple(units), compute_itemsize,
                     compute_itemsize if grad_itemsize is None else grad_itemsize,
                     world_size, prefetch_depth, activations, tokens_per_step, tied_embeddings,
-                    piece_numel, overlap, device)
+                    piece_numel, overlap, device, None if trainable is None else tuple(trainable))
     budgets = {Tier.GPU: gpu_budget, Tier.HOST: host_budget, Tier.NVME: nvme_free}
     placements = candidate_placements() if candidates is None else candidates
     return choose([estimate(p, work, profile) for p in placements], budgets)
