@@ -32,11 +32,11 @@ def test_recompute_runs_under_the_autocast_of_the_forward(tmp_path) -> None:
     CPU), which `ReferenceTrainer` runs for dtype bf16 over fp32 weights."""
     reference = ReferenceTrainer(models.build(SMALL, seed=0), config(tmp_path, dtype="bf16"))
     data = batches()
-    ref_losses = [reference.train_step(data.next_batch()) for _ in range(3)]
+    ref_losses = [reference.train_step(data.next_batch()) for _ in range(2)]
     data = batches()
     losses = []
     with Engine(models.build(SMALL, device="meta", seed=0), config(tmp_path, dtype="fp32")) as engine:
-        for _ in range(3):
+        for _ in range(2):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = engine.forward(data.next_batch())
             engine.backward(loss)
@@ -65,7 +65,7 @@ def test_regulariser_on_gathered_weights_gives_the_plain_models_gradients(tmp_pa
     model = models.build(UNTIED, seed=0)
     trainer = ReferenceTrainer(model, cfg)  # its optimizer and lr schedule; the loss is ours
     data = batches()
-    for _ in range(3 * accumulate):
+    for _ in range(2 * accumulate):
         loss = compute_loss(model, data.next_batch()) + regulariser(dict(model.named_parameters()))
         (loss / accumulate).backward()
         trainer.micro_step += 1
@@ -73,7 +73,7 @@ def test_regulariser_on_gathered_weights_gives_the_plain_models_gradients(tmp_pa
             trainer._step()
     data = batches()
     with Engine(models.build(UNTIED, device="meta", seed=0), cfg) as engine:
-        for _ in range(3 * accumulate):
+        for _ in range(2 * accumulate):
             loss = engine.forward(data.next_batch())
             with engine.gathered(REGULARISED) as weights:
                 assert set(weights) == set(REGULARISED) and all(w.requires_grad for w in weights.values())

@@ -65,7 +65,7 @@ def test_frozen_parameters_bitwise_and_unchanged(tmp_path, name: str) -> None:
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     data = batches()
     losses, weights, ref_losses, ref_weights, engine = train_both(model, config(tmp_path, PLACEMENTS[name]),
-                                                                  [data.next_batch() for _ in range(4)])
+                                                                  [data.next_batch() for _ in range(3)])
     assert losses == ref_losses
     assert_bitwise(weights, ref_weights)
     for n in frozen:
@@ -82,8 +82,8 @@ def test_lora_on_frozen_base_bitwise_loss_falls_only_adapters_change(tmp_path) -
     assert trainable and all("lora_" in n for n in trainable)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     batch = batches().next_batch()  # one batch again and again: the adapters fit it
-    cfg = config(tmp_path, lr=1e-2, warmup_steps=0, total_steps=8)
-    losses, weights, ref_losses, ref_weights, engine = train_both(model, cfg, [batch] * 8)
+    cfg = config(tmp_path, lr=1e-2, warmup_steps=0, total_steps=6)
+    losses, weights, ref_losses, ref_weights, engine = train_both(model, cfg, [batch] * 6)
     assert losses == ref_losses
     assert_bitwise(weights, ref_weights)
     assert losses[-1] < losses[0] - 0.1
