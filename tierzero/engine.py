@@ -86,7 +86,6 @@ class Engine:
         self._broken: str | None = None  # why a step stopped half-way, leaving partial state
         self._root_leaves: list[torch.Tensor] | None = None
         self._stepped_in_backward = False
-        self._overlap_step_args: tuple[float, torch.Tensor | None] = (0.0, None)  # this step's lr, clip factor
         self._previous_norm: torch.Tensor | None = None
         self._notes: list[str] = []
         self._activations_reserved = False
@@ -185,7 +184,6 @@ class Engine:
             coef = None  # clip_previous_norm: the first step is not clipped
             if self.config.clip_grad_norm is not None and self._previous_norm is not None:
                 coef = clip_coefficient(self._previous_norm, self.config.clip_grad_norm)
-            self._overlap_step_args = (lr, coef)
             self.grads.hand_over = lambda unit, grad: self.optimizer.step_unit(
                 unit, grad, self._runs(unit), lr, coef)
             # read each unit's states while the unit before it in backward order still computes
@@ -197,8 +195,6 @@ class Engine:
         try:
             self.grads.extra = self._gathered_grads(scaled)
             scaled.backward()
-            for unit, (grad, present) in self.grads.take_extra().items():  # units backward never reached
-                self.grads.offload(unit, grad, present)
             if self._root_leaves is not None:
                 if self.units[0].trainable_numel:
                     self.grads.offload(0, *flat_grad(self.units[0], self._root_leaves))
@@ -237,11 +233,6 @@ class Engine:
         self.grads.settle()  # and those copied to host memory
         if self._stepped_in_backward:  # overlap_step: every unit was stepped as its grad arrived
             self._stepped_in_backward = False
-            # ... but one that got grads in an earlier micro-batch only is stepped here
-            missed = {u.index: self._runs(u) for u in self.units
-                      if self.grads.present.get(u.index) and u.index not in self.grads.handed}
-            if missed:
-                self.optimizer.step(missed, *self._overlap_step_args)
             if self.config.clip_grad_norm is not None:  # this step's norm clips the next one
                 self._previous_norm = self.grads.total_norm(self.param_order)
                 self.last_grad_norm = self._previous_norm.item()

@@ -49,8 +49,6 @@ class GradShards:
         self.piece_numel = piece_numel
         self.seen: dict[int, int] = {}  # contributions so far in this backward
         self.present: dict[int, set[int]] = {}  # unit -> its slots that got a grad in this step
-        self.stored: set[int] = set()  # units whose grad is in their home (added to from then on)
-        self.handed: set[int] = set()  # units handed to the optimizer in this step (overlap_step)
         self.want_norms = norms  # clipping needs them
         self.want_finite = finite  # fp16 needs the overflow check
         self.micro = 0
@@ -78,7 +76,7 @@ class GradShards:
         self.micro, self.last, self.inv_scale = micro, last, inv_scale
         self.seen = {}
         if micro == 0:
-            self.present, self.stored, self.handed = {}, set(), set()
+            self.present = {}
             self.norms.clear()
             self.sumsq = torch.zeros((), dtype=torch.float32, device=self.tiers.device)
             self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.tiers.device)
@@ -136,24 +134,17 @@ class GradShards:
                 return
         final = self.last
         keys = state_keys(StateKind.GRAD, u, self.comm.rank, self.piece_numel, self.home)
-        if unit in self.stored:  # earlier micro-batches' sum, piece by piece (prev + new: addition commutes)
+        if self.micro > 0:  # earlier micro-batches' sum, piece by piece (prev + new: addition commutes)
             for key, a, b in keys:
                 self._add_previous(key, grad[a:b])
         if final:
             self._measure(u, grad)
             if self.hand_over is not None:
-                self.handed.add(unit)
                 self.hand_over(u, grad)  # the optimizer steps it piece by piece, never stored
                 return
         produced = self.streams.record(self.streams.compute)  # the shard is final on compute
         for key, a, b in keys:
             self._store(key, grad[a:b], produced)
-        self.stored.add(unit)
-
-    def take_extra(self) -> dict[int, tuple[torch.Tensor, frozenset[int]]]:
-        """The gathered copies' gradients no unit's backward has taken (units it never reached)."""
-        extra, self.extra = self.extra, {}
-        return extra
 
     def settle(self) -> None:
         """Wait until every grad piece copied to the host has landed: before host code reads
