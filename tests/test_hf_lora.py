@@ -56,5 +56,7 @@ def test_lora_on_a_frozen_hf_llama_base(tmp_path) -> None:
     nvme = tmp_path / "nvme"
     params = sum(f.stat().st_blocks * 512 for f in (nvme / "param").rglob("*") if f.is_file())
     total = sum(f.stat().st_blocks * 512 for f in nvme.rglob("*") if f.is_file())
+    print(f"loss {losses[0]:.2f} -> {losses[-1]:.2f}; nvme bytes per base param: params "
+          f"{params / base_numel:.2f}, all state {total / base_numel:.2f}")  # the README's figures (-s)
     assert 1.95 <= params / base_numel <= 2.2, params / base_numel
     assert total / base_numel <= 2.5, total / base_numel
