@@ -44,11 +44,14 @@ def evaluate(trainer: Trainer, batches: TokenBatches, n: int,
 def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: RunDir,
                on_step: Callable[[int, dict[str, Any]], None] | None = None, start_step: int = 0,
                checkpoint: Callable[[int], None] | None = None,
-               mean: Callable[[list[float]], list[float]] | None = None) -> LoopResult:
+               mean: Callable[[list[float]], list[float]] | None = None,
+               gather: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = None) -> LoopResult:
     """Run optimizer steps `start_step + 1 .. run.steps` of `accumulate` micro-batches each,
     logging every step; `checkpoint(step)` runs every `run.checkpoint_every` steps and at the end.
-    With several ranks `mean` averages losses over them (a collective: every rank calls it at
-    the same points), so the losses logged are those of the global batch."""
+    With several ranks `mean` averages losses over them and `gather` collects every rank's own
+    counters (collectives: every rank calls them at the same points), so the losses logged are
+    those of the global batch, and each step's record keeps rank 0's counters at the top level
+    and every rank's under "ranks" (their pools, bytes and waits differ)."""
     accumulate = run.engine.accumulate
     tokens_per_step = run.batch_size * run.seq_len * accumulate
     start = time.perf_counter()
@@ -67,9 +70,12 @@ def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: 
         dt = time.perf_counter() - t0
         first = loss if step == start_step else first
         last = loss
+        stats = trainer.stats()
         record = {"step": step + 1, "loss": loss, "lr": lr_at(step, run.engine),
                   "tokens_per_s": tokens_per_step / dt, "step_s": dt,
-                  "wall_s": time.perf_counter() - start, **trainer.stats()}
+                  "wall_s": time.perf_counter() - start, **stats}
+        if gather is not None:
+            record["ranks"] = gather(stats)
         if (step + 1) % run.eval_every == 0 or step + 1 == run.steps:
             record["val_loss"] = evaluate(trainer, batches, run.eval_batches, mean)
             val_losses.append((step + 1, record["val_loss"]))

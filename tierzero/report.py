@@ -21,13 +21,15 @@ def load_run(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's figures; peaks are the busiest rank's where several ranks logged theirs."""
     steps = [r for r in records if "loss" in r]
+    counters = [c for r in steps for c in r.get("ranks", [r])]
     vals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     rates = sorted(r["tokens_per_s"] for r in steps)
     return {"steps": steps[-1]["step"], "first_loss": steps[0]["loss"], "last_loss": steps[-1]["loss"],
             "val_loss": vals[-1][1] if vals else None, "median_tokens_per_s": rates[len(rates) // 2],
             "wall_s": steps[-1]["wall_s"],
-            "peak_bytes": {k[5:-6]: max(r.get(k, 0) for r in steps) for k in steps[-1] if k.startswith("peak_")}}
+            "peak_bytes": {k[5:-6]: max(c.get(k, 0) for c in counters) for k in steps[-1] if k.startswith("peak_")}}
 
 
 def plot(records: list[dict[str, Any]], out: str | Path) -> Path:

@@ -46,8 +46,10 @@ class Session:
             def save(step: int) -> None:
                 self.trainer.save_checkpoint(rundir.path, data=self.batches.state_dict(),
                                              keep=self.run.keep_checkpoints, model=self.model.description)
-        mean = self.trainer.comm.mean if hasattr(self.trainer, "comm") else None
-        return train_loop(self.run, self.trainer, self.batches, rundir, on_step, start_step, save, mean)
+        comm = getattr(self.trainer, "comm", None)
+        mean = comm.mean if comm is not None else None
+        gather = comm.all_gather_json if comm is not None and comm.world_size > 1 else None
+        return train_loop(self.run, self.trainer, self.batches, rundir, on_step, start_step, save, mean, gather)
 
     def resume(self, rundir: RunDir) -> tuple[int, list[str]]:
         """Continue from the run directory's newest intact checkpoint: its step and what to tell
