@@ -30,6 +30,9 @@ def _rank(rank: int, root: str, clip: float | None, reduce_dtype: str = "fp32", 
                      grad_reduce_dtype=reduce_dtype, overlap_comm=overlap_comm)
         data = batches()
         with Engine(models.build(SMALL, device="meta", seed=0), cfg) as engine:
+            # started by mp.spawn, not torchrun (no LOCAL_WORLD_SIZE): the ranks on this machine
+            # are counted by host name, and split its default budgets
+            assert engine.local_ranks == 2
             for _ in range(STEPS):
                 x, y = data.next_batch()
                 engine.train_step((x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]))

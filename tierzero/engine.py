@@ -61,6 +61,7 @@ class Engine:
         self.dtype = compute_dtype(resolve_dtype(config.dtype, self.device), self.device)
         self.model = model
         self.comm = Comm(self.device, TORCH_DTYPES[config.grad_reduce_dtype])
+        self.local_ranks = local_world_size(self.comm)  # they share this machine's RAM and drives
         self.units = partition(model, self.comm.world_size, config.units)
         self.param_steps = ParamSteps(self.units)
         self.param_order = [name for name, _ in model.named_parameters()]
@@ -71,7 +72,7 @@ class Engine:
         homes = {self.placement.home(k) for k in StateKind}
         self.stats_ = StepStats()
         self.tiers = Tiers(config, self.device, homes, self.comm.rank if self.comm.world_size > 1 else None,
-                           self.stats_)
+                           self.stats_, self.local_ranks)
         self.tiers.check_paths()
         self._check_budgets()
         if weights is not None:
@@ -504,9 +505,9 @@ class Engine:
             return self.config.resolved_placement()
         from tierzero.plan import candidate_placements, choose_placement, load_profile
 
-        host, gpu = default_budgets(self.device, local_world_size())
+        host, gpu = default_budgets(self.device, self.local_ranks)
         budgets = {Tier.HOST: self.config.host_budget or host, Tier.GPU: self.config.gpu_budget or gpu,
-                   Tier.NVME: self._nvme_free() * len(self.config.nvme_path) // local_world_size()}
+                   Tier.NVME: self._nvme_free() * len(self.config.nvme_path) // self.local_ranks}
         if self.device.type == "cpu" and self.config.gpu_budget is None:
             del budgets[Tier.GPU]  # the gpu tier is host memory, inside the host budget
         fitting = [p for p in candidate_placements()
@@ -555,7 +556,7 @@ class Engine:
         self._check_pools(self.memory, "")
         if Tier.NVME in {self.placement.home(k) for k in StateKind}:
             free = self._nvme_free()  # the ranks on this machine share its drives
-            total = self.memory.tiers[Tier.NVME].homes_bytes * local_world_size() // len(self.config.nvme_path)
+            total = self.memory.tiers[Tier.NVME].homes_bytes * self.local_ranks // len(self.config.nvme_path)
             if total > free:
                 raise ConfigError(f"nvme path {self.config.nvme_path[0]} has {free / 1e9:.2f} GB free but "
                                   f"the offloaded state needs {total / 1e9:.2f} GB per path; free space "

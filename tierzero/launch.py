@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tierzero.comm import Comm
 from tierzero.errors import ConfigError, TierzeroError
 
 
@@ -57,9 +59,14 @@ def ranks_from_env() -> Ranks:
                           "ranks with torchrun") from None
 
 
-def local_world_size() -> int:
-    """Ranks on this machine (they share its RAM and drives): LOCAL_WORLD_SIZE, else 1."""
-    return ranks_from_env().local_world_size
+def local_world_size(comm: Comm | None = None) -> int:
+    """Ranks on this machine (they share its RAM and drives): torchrun's LOCAL_WORLD_SIZE; in a
+    process group started another way (`mp.spawn`, a user's own launcher), the ranks whose host
+    name is this one's, counted through `comm` (a collective: every rank must call it); else 1."""
+    if "LOCAL_WORLD_SIZE" in os.environ or comm is None or comm.world_size == 1:
+        return ranks_from_env().local_world_size
+    host = socket.gethostname()
+    return sum(name == host for name in comm.all_gather_json(host))
 
 
 def rank_device(ranks: Ranks, device: str | None) -> str | None:

@@ -22,7 +22,6 @@ import torch
 from tierzero import streams as streams_mod
 from tierzero.config import Config, StateKind, Tier
 from tierzero.errors import ConfigError
-from tierzero.launch import local_world_size
 from tierzero.stats import StepStats
 from tierzero.partition import Unit
 from tierzero.storage.base import BudgetExceededError, TierStore
@@ -127,14 +126,15 @@ class Pending:
 
 class Tiers:
     def __init__(self, config: Config, device: torch.device, homes: set[Tier], rank: int | None = None,
-                 stats: StepStats | None = None) -> None:
+                 stats: StepStats | None = None, local_ranks: int = 1) -> None:
+        """`local_ranks`: the ranks on this machine, which split its default budgets."""
         self.config = config
         self.stats = stats or StepStats()
         # ranks on one machine share the drives but never a store directory (each takes a lock)
         self.nvme_paths = [str(Path(p) / f"rank{rank}") if rank is not None else p for p in config.nvme_path]
         self.device = device
         self.homes = homes
-        host, gpu = default_budgets(device, local_world_size())
+        host, gpu = default_budgets(device, local_ranks)
         # what each pool may hold; `share_budgets` takes out what the pools never see
         self.host_budget = config.host_budget or host
         self.gpu_budget = config.gpu_budget or gpu
