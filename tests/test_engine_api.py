@@ -98,3 +98,26 @@ def test_gathered_weights_are_the_current_ones_and_names_are_checked(tmp_path) -
         with pytest.raises(ConfigError, match="'nope' is not a parameter of the model"):
             with engine.gathered(["nope"]):
                 pass
+
+
+def test_backward_after_the_gathered_block_closed_is_refused(tmp_path) -> None:
+    """A loss built on gathered copies must be backpropagated inside the block: after it, the
+    gradients through them would be lost, so the engine refuses before accumulating anything,
+    and the same micro-batch then trains as if the mistake had not happened."""
+    data = batches()
+    cfg = config(tmp_path, placement=Placement(*[Tier.HOST] * 5))
+    with Engine(models.build(UNTIED, device="meta", seed=0), cfg) as engine:
+        batch = data.next_batch()
+        loss = engine.forward(batch)
+        with engine.gathered(REGULARISED) as weights:
+            penalty = regulariser(weights)
+        with pytest.raises(ConfigError, match="gathered. block that has closed"):
+            engine.backward(loss + penalty)
+        engine.backward(loss)  # the same loss alone: its graph never touched the copies
+        engine.step()
+        after_retry = engine.master_state_dict()
+    with Engine(models.build(UNTIED, device="meta", seed=0), cfg) as engine:
+        engine.train_step(batch)
+        plain = engine.master_state_dict()
+    for key, value in plain.items():
+        assert torch.equal(after_retry[key], value), key

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import weakref
 from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -91,6 +92,8 @@ class Engine:
         self._notes: list[str] = []
         self._activations_reserved = False
         self._gathered: list[dict[str, GatheredWeight]] = []  # the open `gathered` blocks
+        # trainable copies of closed `gathered` blocks, by id (tensors do not hash by identity)
+        self._closed_copies: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -179,6 +182,7 @@ class Engine:
         accumulate = self.config.accumulate
         last = (self.micro + 1) % accumulate == 0
         scale = self.scaler.scale
+        self._refuse_closed_copies(loss)
         self.grads.begin(self.micro % accumulate, last, 1.0 / scale)
         if last and self.overlap:
             lr = lr_at(self.step_count, self.config)
@@ -276,6 +280,7 @@ class Engine:
             yield view
         finally:
             self._gathered.remove(weights)
+            self._closed_copies.update({id(w.tensor): w.tensor for w in weights.values() if w.tensor.requires_grad})
             view.clear()
 
     def _full_params(self, unit: Unit) -> torch.Tensor:
@@ -291,6 +296,18 @@ class Engine:
             return {}
         grads = torch.autograd.grad(scaled, [w.tensor for w in leaves], retain_graph=True, allow_unused=True)
         return unit_grads(self.units, leaves, list(grads))
+
+    def _refuse_closed_copies(self, loss: torch.Tensor) -> None:
+        """A gradient that would reach a `gathered` copy after its block closed would be lost:
+        refuse that backward before anything is accumulated (the engine stays usable)."""
+        open_ = {id(w.tensor) for block in self._gathered for w in block.values()}
+        stale = [t for key, t in list(self._closed_copies.items()) if key not in open_ and t.requires_grad]
+        if not stale or not loss.requires_grad:
+            return
+        reached = torch.autograd.grad(loss, stale, retain_graph=True, allow_unused=True)
+        if any(g is not None for g in reached):
+            raise ConfigError("this loss uses weights from an `engine.gathered` block that has closed, "
+                              "so their gradients would be lost; call engine.backward(loss) inside the block")
 
     def train_step(self, batch: Any) -> float:
         """forward + backward + step (the step runs once per `accumulate` calls)."""

@@ -12,7 +12,8 @@ sums for a parameter used in the model and in the regulariser, so the result is 
 
 Changing a copy changes nothing in the engine. The copies are torch allocations beside the
 pools (the memory model does not count them): ask for the names you need. On exit the block's
-dict is cleared; a copy the caller still holds stays valid but no longer feeds gradients back.
+dict is cleared; a copy the caller still holds stays valid as a value, but a backward whose
+loss reaches it is refused (its gradient would be lost) before anything is accumulated.
 """
 
 from __future__ import annotations
