@@ -71,6 +71,30 @@ def test_loss_is_the_models_own(arch, hf_models):
         assert torch.allclose(model(x), logits, atol=1e-5)
 
 
+def test_loss_in_chunks_of_tokens_is_the_whole_loss(hf_models):
+    """The split layout's head runs on chunks of tokens (a small `loss_chunk_bytes`: 5 tokens of
+    logits), each under checkpointing: the loss and every gradient match the unchunked model up
+    to summation order, and the head never sees more than one chunk's tokens, forward or backward."""
+    model = materialise(load_model(hf_models["llama"]), seed=0, weights=hf_models["llama"])
+    assert isinstance(model, SplitCausalLM)
+    x, y = batch()
+    y[0, :3] = -100  # ignored targets count in no chunk's share
+    whole = model(x, y)
+    whole.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    seen: list[int] = []
+    hook = model.lm_head.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[-2]))
+    model.loss_chunk_bytes = 5 * 4 * model.config.vocab_size
+    chunked = model(x, y)
+    chunked.backward()
+    hook.remove()
+    assert seen and max(seen) == 5 and sum(seen) == 2 * x.numel()  # forward, then recomputed in backward
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=0)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_init_is_the_models_own_and_the_engines_matches_in_memory(hf_models, tmp_path):
     """No weights: every unit initialised by the model's `_init_weights` under (seed, unit)."""
     model_dir = tmp_path / "config-only"

@@ -30,13 +30,17 @@ Two layouts (see `tierzero.partition`):
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from tierzero.models.llama import unit_seed
+from tierzero.models.llama import LOSS_CHUNK_BYTES, unit_seed
+from tierzero.models.loss import IGNORE_INDEX, chunk_tokens_for
 
 
 class CausalLM(nn.Module):
@@ -121,6 +125,7 @@ class SplitCausalLM(CausalLM):
 
     def __init__(self, hf_model: nn.Module, blocks: str, base: nn.Module, final_norm: nn.Module) -> None:
         super().__init__(hf_model, blocks)
+        self.loss_chunk_bytes = LOSS_CHUNK_BYTES
         object.__setattr__(self, "base", base)
         object.__setattr__(self, "final_norm", final_norm)
 
@@ -132,11 +137,31 @@ class SplitCausalLM(CausalLM):
 
     def head_out(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, *,
                  labels: torch.Tensor | None = None) -> Any:
-        """Final norm, the model's own head and loss: everything after the blocks."""
+        """Final norm, the model's own head and loss: everything after the blocks.
+
+        With shifted `targets`, in chunks of about `loss_chunk_bytes` of fp32 logits, as the
+        built-in model does (`tierzero.models.loss`): each chunk's logits come from the model's
+        own head and its `loss_function` sums them over the whole batch's token count, under
+        activation checkpointing, so one chunk's logits exist at a time. One chunk (a small
+        vocabulary or batch) is the unchunked loss bitwise; several differ by summation order."""
         hidden = self.final_norm(hidden)
+        chunk = chunk_tokens_for(self.config.vocab_size, self.loss_chunk_bytes)
+        if targets is None or labels is not None or targets.numel() <= chunk:
+            return self._loss(self._logits(hidden), targets, labels)
+        h, t = hidden.reshape(1, -1, hidden.shape[-1]), targets.reshape(1, -1)
+        count = (t != IGNORE_INDEX).sum().clamp(min=1)
+        parts = [checkpoint(self._chunk_loss, h[:, a:a + chunk], t[:, a:a + chunk], count, use_reentrant=False)
+                 for a in range(0, t.shape[1], chunk)]
+        return functools.reduce(operator.add, parts)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's own head (logit scaling and soft-capping included) on `hidden`."""
         with _returning(self.base, hidden):
-            logits = self.hf_model(inputs_embeds=hidden, use_cache=False).logits
-        return self._loss(logits, targets, labels)
+            return self.hf_model(inputs_embeds=hidden, use_cache=False).logits
+
+    def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        return self.hf_model.loss_function(logits=self._logits(hidden), labels=None, shift_labels=targets.contiguous(),
+                                           vocab_size=self.config.vocab_size, num_items_in_batch=count)
 
 
 def _save_renamings(hf_model: nn.Module) -> list[Any]:
