@@ -147,6 +147,11 @@ class Config:
     overlap_step: bool | None = None  # None: on wherever it is exact (no clipping, not fp16)
     grad_reduce_dtype: DType = DType.FP32  # what grads are summed over ranks in: fp32 (exact) or bf16
     overlap_comm: bool = True  # several ranks: all-gather a use ahead, finish reduce-scatters a unit later
+    # several ranks, ZeRO stage: 3 partitions params, grads and optimizer states (each use
+    # all-gathers a unit's params); 2 replicates params (no gathers in the pass; one all-gather
+    # of the new values per unit per step); 1 also keeps full grads over the micro-batches,
+    # reduced once per step. None: the engine picks the least communication that fits.
+    stage: int | None = None
     seed: int = 0
     units: str | None = None
     chunk_bytes: int = 8 << 20
@@ -194,6 +199,8 @@ class Config:
             _positive(self.clip_grad_norm, "clip_grad_norm", strict=True)
         if int(self.accumulate) != self.accumulate or self.accumulate < 1:
             raise ConfigError(f"accumulate must be an integer >= 1, got {self.accumulate}")
+        if self.stage is not None and (isinstance(self.stage, bool) or self.stage not in (1, 2, 3)):
+            raise ConfigError(f"stage must be 1, 2 or 3 (or unset to choose), got {self.stage!r}")
         if int(self.prefetch_depth) != self.prefetch_depth or self.prefetch_depth < 0:
             raise ConfigError(f"prefetch_depth must be an integer >= 0, got {self.prefetch_depth}")
         if self.loss_scale <= 0 or math.log2(self.loss_scale) != int(math.log2(self.loss_scale)):

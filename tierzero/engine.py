@@ -46,7 +46,8 @@ from tierzero.memory import MemoryModel, peak_memory
 from tierzero.models.presets import ModelArgs
 from tierzero.optim import ShardOptimizer
 from tierzero.paramsteps import ParamSteps, Run
-from tierzero.partition import Unit, forward_only, forward_uses, grad_uses, partition
+from tierzero.paramsync import sync_params
+from tierzero.partition import Unit, forward_only, forward_uses, grad_uses, partition, replicate_params
 from tierzero.precision import TORCH_DTYPES, DynamicLossScaler, compute_dtype, resolve_dtype
 from tierzero.reference import compute_loss, to_device
 from tierzero.schedule import Scheduler, build_swap_plan
@@ -69,7 +70,10 @@ class Engine:
         self.scaler = DynamicLossScaler(config.loss_scale, config.loss_scale_window,
                                         enabled=self.dtype == torch.float16)
         self.overlap = self._resolve_overlap()
+        self.stage = config.stage or 3  # `offload auto` picks a placement for the forced stage, else stage 3's
         self.placement = self._resolve_placement()
+        self.stage, self.stage_reason = self._resolve_stage()
+        replicate_params(self.units, self.stage <= 2)
         homes = {self.placement.home(k) for k in StateKind}
         self.stats_ = StepStats()
         self.tiers = Tiers(config, self.device, homes, self.comm.rank if self.comm.world_size > 1 else None,
@@ -118,14 +122,17 @@ class Engine:
                                     grad_uses(self.units), self.config.piece_numel,
                                     norms=self.config.clip_grad_norm is not None,
                                     finite=self.scaler.enabled,
-                                    overlap=self.config.overlap_comm and self.comm.world_size > 1)
+                                    overlap=self.config.overlap_comm and self.comm.world_size > 1,
+                                    full_until_last=self.stage == 1 and self.comm.world_size > 1)
+            self.grads.allocate()
             self.optimizer = ShardOptimizer(self.units, self.tiers, self.placement, self.dtype,
                                             self.comm.rank, self.config, self.stats_)
             self.runner = UnitRunner(self.units, self._gather, self.scheduler.release,
                                      self.grads.offload, self.dtype, forward_only(self.units))
             self.runner.install()
             calls, held = forward_uses(self.units), frozenset(u.index for u in self.units if u.is_root)
-            gather = None if self.comm.world_size == 1 else int(self.config.overlap_comm)
+            replicated = self.comm.world_size == 1 or self.stage <= 2  # nothing to gather
+            gather = None if replicated else int(self.config.overlap_comm)
             self.train_plan = build_swap_plan(calls, self.config.prefetch_depth, backward=True, held=held,
                                               forward_only=forward_only(self.units), gather_ahead=gather)
             self.eval_plan = build_swap_plan(calls, self.config.prefetch_depth, backward=False, held=held,
@@ -242,6 +249,7 @@ class Engine:
                 self._previous_norm = self.grads.total_norm(self.param_order)
                 self.last_grad_norm = self._previous_norm.item()
             self.param_steps.advance(self.grads.present)
+            self._sync_params()
             self.step_count += 1
             return True
         if self.scaler.enabled and not self.scaler.update(self.grads.found_inf()):
@@ -254,8 +262,15 @@ class Engine:
             coef = clip_coefficient(norm, self.config.clip_grad_norm)
         self.optimizer.step({u.index: self._runs(u) for u in self.units}, lr_at(self.step_count, self.config), coef)
         self.param_steps.advance(self.grads.present)
+        self._sync_params()
         self.step_count += 1
         return True
+
+    def _sync_params(self) -> None:
+        """Stage 1/2: every rank stores whole units, so each gets every rank's new values."""
+        if self.comm.world_size > 1 and self.stage <= 2:
+            sync_params(self.units, self.tiers, self.placement.param, self.comm, self.dtype,
+                        self.config.piece_numel, self.stats_)
 
     def _runs(self, unit: Unit) -> list[Run]:
         """What this step updates of this rank's shard of `unit`, with each run's step count."""
@@ -285,7 +300,8 @@ class Engine:
 
     def _full_params(self, unit: Unit) -> torch.Tensor:
         """The unit's full flat param buffer on the compute device (every rank's shard)."""
-        return self.comm.all_gather(self.read_shard(StateKind.PARAM, unit).to(self.device))
+        param = self.read_shard(StateKind.PARAM, unit).to(self.device)
+        return param if unit.replicated else self.comm.all_gather(param)
 
     def _gathered_grads(self, scaled: torch.Tensor) -> dict[int, tuple[torch.Tensor, frozenset[int]]]:
         """The gradients of `scaled` with respect to the open `gathered` blocks' trainable copies,
@@ -390,7 +406,9 @@ class Engine:
         for unit in self.units:
             master = self.read_shard(StateKind.MASTER, unit)
             if unit.has_frozen:  # the shard's frozen rest has params only
-                master = torch.cat([master, self.read_shard(StateKind.PARAM, unit)[master.numel():].float()])
+                lo = unit.param_offset(self.comm.rank)
+                param = self.read_shard(StateKind.PARAM, unit)[lo:lo + unit.shard_numel]
+                master = torch.cat([master, param[master.numel():].float()])
             if self.comm.world_size > 1:  # every rank's shard, end to end: the full flat buffer
                 master = self.comm.all_gather(master.to(self.device)).cpu()
             for slot in unit.slots:
@@ -405,9 +423,10 @@ class Engine:
 
     def read_shard(self, kind: StateKind, unit: Unit) -> torch.Tensor:
         """A CPU copy of this rank's shard of `kind` for `unit` (for inspection and export): for
-        kinds other than `param`, its trainable prefix (`Unit.state_numel`)."""
+        kinds other than `param`, its trainable prefix (`Unit.state_numel`); for `param`, what
+        this rank stores (the whole unit when `unit.replicated`)."""
         if kind is StateKind.PARAM:
-            out = aligned_empty(unit.shard_numel, self.dtype)
+            out = aligned_empty(unit.param_numel, self.dtype)
         else:
             out = aligned_empty(unit.state_numel(self.comm.rank), torch.float32)
         for key, a, b in self.keys(kind, unit):
@@ -475,7 +494,7 @@ class Engine:
             shard = flat[lo:hi].contiguous()
             detach_params(unit, self.dtype)
             self.put_shard(StateKind.MASTER, unit, shard)
-            self.put_shard(StateKind.PARAM, unit, shard.to(self.dtype))
+            self.put_shard(StateKind.PARAM, unit, (flat if unit.replicated else shard).to(self.dtype))
             zeros = torch.zeros_like(shard)
             for kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ, StateKind.GRAD):
                 self.put_shard(kind, unit, zeros)
@@ -522,13 +541,8 @@ class Engine:
             return self.config.resolved_placement()
         from tierzero.plan import candidate_placements, choose_placement, load_profile
 
-        host, gpu = default_budgets(self.device, self.local_ranks)
-        budgets = {Tier.HOST: self.config.host_budget or host, Tier.GPU: self.config.gpu_budget or gpu,
-                   Tier.NVME: self._nvme_free() * len(self.config.nvme_path) // self.local_ranks}
-        if self.device.type == "cpu" and self.config.gpu_budget is None:
-            del budgets[Tier.GPU]  # the gpu tier is host memory, inside the host budget
-        fitting = [p for p in candidate_placements()
-                   if all(n <= budgets[t] for t, n in self._memory(p).needs().items() if t in budgets)]
+        budgets = self._budgets()
+        fitting = [p for p in candidate_placements() if _fits(self._memory(p), budgets)]
         if not fitting:
             raise ConfigError(f"no placement fits the budgets (host {budgets[Tier.HOST] / 1e6:.1f} MB, "
                               f"gpu {budgets.get(Tier.GPU, 0) / 1e6:.1f} MB, nvme {budgets[Tier.NVME] / 1e9:.1f} GB "
@@ -540,9 +554,49 @@ class Engine:
             trainable=[u.trainable_numel for u in self.units],
             profile=load_profile(self.config.profile) if self.config.profile else None).placement
 
-    def _memory(self, placement: Placement, activations: ActivationEstimate | None = None) -> MemoryModel:
+    def _budgets(self) -> dict[Tier, int]:
+        """This rank's budget per tier, as `offload auto` and the stage choice weigh them."""
+        host, gpu = default_budgets(self.device, self.local_ranks)
+        budgets = {Tier.HOST: self.config.host_budget or host, Tier.GPU: self.config.gpu_budget or gpu,
+                   Tier.NVME: self._nvme_free() * len(self.config.nvme_path) // self.local_ranks}
+        if self.device.type == "cpu" and self.config.gpu_budget is None:
+            del budgets[Tier.GPU]  # the gpu tier is host memory, inside the host budget
+        return budgets
+
+    def _resolve_stage(self) -> tuple[int, str]:
+        """The ZeRO stage and why: the forced one (`Config.stage`), refused in one sentence when
+        its replicated state does not fit this rank's budgets; else the least communication that
+        fits -- stage 1 (with `accumulate` > 1), then 2 -- or stage 3. One rank: stage 3 (all
+        three are the same run)."""
+        forced = self.config.stage
+        if self.comm.world_size == 1:
+            return forced or 3, "one rank"
+        budgets = self._budgets()
+        if forced is not None:
+            mem = self._memory(self.placement, stage=forced)
+            if forced <= 2 and not _fits(mem, budgets):
+                tier = next(t for t, n in mem.needs().items() if t in budgets and n > budgets[t])
+                raise ConfigError(
+                    f"--stage {forced} keeps every unit's params{' and grads' if forced == 1 else ''} whole on each "
+                    f"rank, which needs {mem.needs()[tier] / 1e6:.1f} MB of {tier.value} per rank where its budget is "
+                    f"{budgets[tier] / 1e6:.1f} MB; use --stage 3 (or leave --stage unset to choose), or raise the budget")
+            return forced, "forced"
+        for stage in (1, 2) if self.config.accumulate > 1 else (2,):
+            if _fits(self._memory(self.placement, stage=stage), budgets):
+                return stage, "replicated params fit the budgets"
+        return 3, "replicated params do not fit the budgets"
+
+    def stage_text(self) -> str:
+        """One line naming the stage, why, and what it partitions."""
+        what = {1: "params and grads replicated, optimizer states partitioned",
+                2: "params replicated, grads and optimizer states partitioned",
+                3: "params, grads and optimizer states partitioned"}[self.stage]
+        return f"ZeRO stage {self.stage} ({self.stage_reason}): {what}"
+
+    def _memory(self, placement: Placement, activations: ActivationEstimate | None = None,
+                stage: int | None = None) -> MemoryModel:
         """This rank's share of the memory model of this engine's units and config (activations
-        when known): what its own pools and budgets hold."""
+        when known) at `stage` (default: the engine's): what its own pools and budgets hold."""
         return peak_memory(self._unit_sizes(), placement, compute_itemsize=self.dtype.itemsize,
                            world_size=self.comm.world_size,
                            device="cpu" if self.device.type == "cpu" else "cuda",
@@ -550,7 +604,8 @@ class Engine:
                            trainable=[u.trainable_numel for u in self.units],
                            prefetch_depth=self.config.prefetch_depth, piece_numel=self.config.piece_numel,
                            overlap=self.overlap, accumulate=self.config.accumulate,
-                           activations=activations, overlap_comm=self.config.overlap_comm).per_rank()
+                           activations=activations, overlap_comm=self.config.overlap_comm,
+                           stage=stage or self.stage).per_rank()
 
     def _nvme_free(self) -> int:
         """Free bytes on the fullest nvme path (shards stripe evenly across the paths)."""
@@ -612,6 +667,10 @@ class Engine:
                 except BudgetExceededError:
                     pass  # named below, with the figures
         self._check_pools(self.memory, f" with batches of {tokens.shape[0]} x {tokens.shape[1]} tokens")
+
+
+def _fits(mem: MemoryModel, budgets: dict[Tier, int]) -> bool:
+    return all(n <= budgets[t] for t, n in mem.needs().items() if t in budgets)
 
 
 def _unpooled(mem: MemoryModel) -> dict[Tier, int]:

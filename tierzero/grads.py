@@ -17,6 +17,12 @@ I/O thread after it, and earlier micro-batches' sums come back on the h2d stream
 With several ranks and `overlap`, a unit's reduce-scatter is started when its backward ends
 and finished when the next unit's does (`offload` of the next, or `flush` at the end of
 backward), so it runs while that unit's backward computes.
+
+ZeRO stage 1 (`full_until_last`, several ranks): the micro-batches before the last add each
+unit's whole flat gradient into `grad_full` pieces in the grad home, with no communication;
+the last adds that sum to its own and reduce-scatters it once, so a step costs one
+reduction per unit use whatever `accumulate` is. A reduce-scatter rather than an all-reduce:
+each rank steps only its shard, so it needs only its shard of the sum (half the bytes).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 from tierzero.comm import Comm, InFlight
 from tierzero.errors import TierzeroError
 from tierzero.config import StateKind, Tier
-from tierzero.partition import Unit
+from tierzero.partition import Unit, piece_ranges
 from tierzero.stats import StepStats
 from tierzero.storage.base import TierStore
 from tierzero.streams import Event, Streams
@@ -39,7 +45,8 @@ from tierzero.tiers import Tiers, state_keys
 
 class GradShards:
     def __init__(self, units: list[Unit], tiers: Tiers, home: Tier, comm: Comm, stats: StepStats,
-                 uses: dict[int, int], piece_numel: int, norms: bool, finite: bool, overlap: bool = False) -> None:
+                 uses: dict[int, int], piece_numel: int, norms: bool, finite: bool, overlap: bool = False,
+                 full_until_last: bool = False) -> None:
         self.units = units
         self.tiers = tiers
         self.home = home
@@ -66,6 +73,8 @@ class GradShards:
         self.extra: dict[int, tuple[torch.Tensor, frozenset[int]]] = {}
         self.overlap = overlap  # several ranks: a unit's reduction runs beside the next one's backward
         self._reducing: tuple[int, InFlight] | None = None
+        self.full_until_last = full_until_last  # stage 1: see the module docstring
+        self._full_held: set[int] = set()  # units whose `grad_full` pieces hold this step's earlier sum
         self._writes: dict[str, concurrent.futures.Future] = {}  # piece key -> its grad write in flight
         self._landing: dict[str, Event] = {}  # host-homed piece key -> its D2H copy's event
         self._stashes: dict[str, concurrent.futures.Future] = {}  # a tied unit's earlier uses, being stashed
@@ -76,6 +85,7 @@ class GradShards:
         self.micro, self.last, self.inv_scale = micro, last, inv_scale
         self.seen = {}
         if micro == 0:
+            self._full_held.clear()
             self.present = {}
             self.norms.clear()
             self.sumsq = torch.zeros((), dtype=torch.float32, device=self.tiers.device)
@@ -93,7 +103,20 @@ class GradShards:
         if self.comm.world_size > 1:  # ranks must agree on what is stepped: every trainable slot
             present = frozenset(i for i, slot in enumerate(u.slots) if not slot.frozen)
         self.present.setdefault(unit, set()).update(present)
-        reducing = self.comm.reduce_scatter_async(full_grad.float())
+        full_grad = full_grad.float()
+        if self.full_until_last:
+            keys = self.full_keys(u)
+            if unit in self._full_held:  # the earlier micro-batches' (and uses') sum, piece by piece
+                self._full_held.discard(unit)
+                for key, a, b in keys:
+                    self._add_previous(key, full_grad[a:b])
+            if not self.last:  # kept whole until the last micro-batch: no communication
+                produced = self.streams.record(self.streams.compute)
+                for key, a, b in keys:
+                    self._store(key, full_grad[a:b], produced)
+                self._full_held.add(unit)
+                return
+        reducing = self.comm.reduce_scatter_async(full_grad)
         self.flush()
         self._reducing = (unit, reducing)
         if not self.overlap:
@@ -134,7 +157,7 @@ class GradShards:
                 return
         final = self.last
         keys = state_keys(StateKind.GRAD, u, self.comm.rank, self.piece_numel, self.home)
-        if self.micro > 0:  # earlier micro-batches' sum, piece by piece (prev + new: addition commutes)
+        if self.micro > 0 and not self.full_until_last:  # earlier micro-batches' sum, piece by piece (prev + new: addition commutes)
             for key, a, b in keys:
                 self._add_previous(key, grad[a:b])
         if final:
@@ -145,6 +168,19 @@ class GradShards:
         produced = self.streams.record(self.streams.compute)  # the shard is final on compute
         for key, a, b in keys:
             self._store(key, grad[a:b], produced)
+
+    def full_keys(self, unit: Unit) -> list[tuple[str, int, int]]:
+        """Stage 1: this rank's pieces of `unit`'s whole trainable gradient (flat offsets)."""
+        return [(f"grad_full/u{unit.index:04d}/r{self.comm.rank}/p{i:04d}", a, b)
+                for i, (a, b) in enumerate(piece_ranges(unit.trainable_numel, self.piece_numel))]
+
+    def allocate(self) -> None:
+        """Stage 1 with the grad home in memory: make room for the whole gradients there."""
+        if self.full_until_last and self.home is not Tier.NVME:
+            store = self.tiers.stores[self.home]
+            for unit in self.units:
+                for key, a, b in self.full_keys(unit):
+                    self.tiers.run(store.write(key, torch.zeros(b - a, dtype=torch.float32)))
 
     def settle(self) -> None:
         """Wait until every grad piece copied to the host has landed: before host code reads

@@ -56,6 +56,13 @@ What a part means, and which pool holds it (`POOLED`; the others are torch alloc
   values are written from a host buffer of one piece.
 - activations (compute device): see `tierzero.ledger.activation_memory`.
 
+ZeRO stage (several ranks; `stage`): at 3 a rank's param home holds its shard of each unit.
+At 2 and 1 it holds whole units (replicated), so params in flight and the param cache are
+whole units, nothing is gathered in the pass, and after the step each unit's new values are
+all-gathered once (the `param sync` phase: the gathered unit on the compute device; with
+params on nvme, this rank's range staged in host memory). At 1, with `accumulate` > 1, the
+grad home also holds each unit's whole trainable gradient between micro-batches.
+
 Not counted: the process's fixed overhead (interpreter, torch, the I/O threads; README states
 it), the allocator's slack, a model's buffers, the batch itself.
 """
@@ -80,6 +87,7 @@ POOLED = {Tier.GPU: frozenset({"params in flight", "optimizer pieces", "tied gra
                                 "new param staging"})}
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
+PARAM_SYNC = "param sync"  # stage 1/2: each unit's new values all-gathered after the step
 BACKWARD_AND_STEP = "backward+optimizer"  # overlap_step: units stepped as their grads arrive
 
 
@@ -201,6 +209,7 @@ def peak_memory(
     activations: ActivationEstimate | None = None,
     trainable: Sequence[int] | None = None,
     overlap_comm: bool = True,
+    stage: int = 3,
 ) -> MemoryModel:
     """Every tier's peak working set (bytes) for one training step.
 
@@ -210,13 +219,16 @@ def peak_memory(
     device's kind. `activations` come from `ledger.activation_memory` (None: not counted, for
     callers that do not know the batch). `trainable` is each unit's trainable prefix as
     `partition` lays it out (`Unit.trainable_numel`; None: every parameter is trained). The
-    module docstring says what each part is.
+    module docstring says what each part is. `stage` is the ZeRO stage (1, 2 or 3), which
+    matters with several ranks only.
     """
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     w, c, depth = world_size, compute_itemsize, prefetch_depth
     padded = [_padded(n, w) for _, n in units]
     shard = [p // w for p in padded]
+    replicated = w > 1 and stage <= 2
+    stored_param = padded if replicated else shard  # what a rank's param home holds of each unit
     numel = [n for _, n in units]
     # the elements with grads and optimizer states: per rank, and (compute dtype) weight grads
     state = shard if trainable is None else [min(s, t) for s, t in zip(shard, trainable)]
@@ -231,14 +243,17 @@ def peak_memory(
     homes = {Tier.GPU: 0, Tier.HOST: 0, Tier.NVME: 0}
     for kind in StateKind:
         home = placement.home(kind)
-        stored = shard if kind is StateKind.PARAM else state
+        stored = stored_param if kind is StateKind.PARAM else state
         homes[home] += sum(stored) * _nbytes(kind, c) * (1 if home is Tier.GPU else w)
+    full_grads = [min(p, t) for p, t in zip(padded, trainable)] if trainable is not None else padded
+    if w > 1 and stage == 1 and accumulate > 1:  # each unit's whole gradient, between micro-batches
+        homes[placement.grad] += sum(full_grads) * FP32_NBYTES * (1 if placement.grad is Tier.GPU else w)
 
     # -- the pass: params in flight as the swap plan holds them
     plan = build_swap_plan(calls, depth, backward=True, held=held, forward_only=forward_only)
-    flight, staging = _param_peaks(plan, shard, c, placement.param, staged_until_release=device == "cuda")
+    flight, staging = _param_peaks(plan, stored_param, c, placement.param, staged_until_release=device == "cuda")
     full = [sum(padded[u] for u in call) * c for call in calls]
-    if w == 1:
+    if w == 1 or replicated:
         gathered = 0
     elif overlap_comm and depth > 0:  # a call's params and the next call's, gathered ahead
         order = full + full[::-1]  # the forward's calls, then backward's in reverse
@@ -314,6 +329,11 @@ def peak_memory(
         phases[BACKWARD_AND_STEP] = {t: {**bwd[t], **step[t]} for t in (Tier.GPU, Tier.HOST)}
     else:
         phases[OPTIMIZER] = optimizer(during_backward=False)
+    if replicated:  # one unit at a time: its gathered values, and this rank's range read from nvme
+        phases[PARAM_SYNC] = {Tier.GPU: {"gathered params": max(padded) * c + max(shard) * c},
+                              Tier.HOST: {"param staging": w * max(shard) * c if placement.param is Tier.NVME else 0,
+                                          "new param staging": w * min(piece_numel, max(shard)) * c
+                                          if placement.param is Tier.NVME else 0}}
 
     tiers = {t: _tier_peak(t, homes[t], {name: parts[t] for name, parts in phases.items()}, POOLED[t])
              for t in (Tier.GPU, Tier.HOST)}
@@ -329,7 +349,7 @@ def peak_memory(
                                {**{f"gpu {k}": w * v for k, v in gpu.pooled.items()}, **host.pooled},
                                f"gpu {gpu.pooled_phase}, host {host.pooled_phase}",
                                unpooled.unpooled, unpooled.unpooled_phase)
-    cache = w * sum(shard) * c if placement.param is Tier.NVME else 0
+    cache = w * sum(stored_param) * c if placement.param is Tier.NVME else 0
     return MemoryModel(device, w, tiers, host_memory, cache)
 
 

@@ -230,18 +230,22 @@ class ShardOptimizer:
         home = self.placement.home(StateKind.PARAM)
         store = self.tiers.stores[home]
         key = shard_key(StateKind.PARAM, unit.index, self.rank)
+        # replicated params (stage 1/2): this rank's range of the whole unit; the other ranks'
+        # new values arrive after the step (`tierzero.paramsync`)
+        lo = unit.param_offset(self.rank)
         if store.capabilities.zero_copy:
-            store.view(key)[work.start:work.end].copy_(master)  # cast to the compute dtype in the copy
+            store.view(key)[lo + work.start:lo + work.end].copy_(master)  # cast to the compute dtype in the copy
             return
         # params on nvme are written per piece (no buffer the size of a unit); a cached copy of
         # the shard is updated in place, so the next pass reads RAM, never stale values
         cached = self.tiers.host_pool.cache_get(key)
         if cached is not None:
-            cached.view(self.compute_dtype)[work.start:work.end].copy_(master)
+            cached.view(self.compute_dtype)[lo + work.start:lo + work.end].copy_(master)
             self.tiers.host_pool.give_back(cached)
         staged = self.tiers.lease_host(work.numel * self.compute_dtype.itemsize).view(self.compute_dtype)
         staged.copy_(master)
-        future = self.tiers.submit(store.write(piece_key(StateKind.PARAM, unit.index, self.rank, work.piece), staged))
+        piece = unit.param_piece_base(self.config.piece_numel, self.rank) + work.piece
+        future = self.tiers.submit(store.write(piece_key(StateKind.PARAM, unit.index, self.rank, piece), staged))
         self.tiers.pending.add(future, lambda ok: self._release_param(key, staged, ok))
         self.stats.add_bytes("host->nvme", staged.numel() * staged.element_size())
 

@@ -65,6 +65,7 @@ class Unit:
     decay_numel: int = 0  # flat[:decay_numel] is weight-decayed
     trainable_numel: int = 0  # flat[:trainable_numel] has grads and optimizer states; frozen after
     world_size: int = 1
+    replicated: bool = False  # ZeRO stage 1/2: every rank's param home holds the whole flat buffer
 
     @property
     def is_root(self) -> bool:
@@ -77,6 +78,15 @@ class Unit:
     def shard_range(self, rank: int) -> tuple[int, int]:
         start = rank * self.shard_numel
         return start, start + self.shard_numel
+
+    @property
+    def param_numel(self) -> int:
+        """Elements of the param a rank stores: its shard, or the whole flat buffer when replicated."""
+        return self.padded_numel if self.replicated else self.shard_numel
+
+    def param_offset(self, rank: int) -> int:
+        """Where this rank's shard starts in the param it stores."""
+        return self.shard_range(rank)[0] if self.replicated else 0
 
     @property
     def has_frozen(self) -> bool:
@@ -95,8 +105,22 @@ class Unit:
         return piece_ranges(self.state_numel(rank), piece_numel)
 
     def param_pieces(self, piece_numel: int, rank: int) -> list[tuple[int, int]]:
-        """The pieces of the whole param shard: the trainable prefix's (so the optimizer writes
-        param piece i as it steps piece i), then the frozen rest's, which are never written."""
+        """The pieces of the param this rank stores, in its offsets. Per shard: the trainable
+        prefix's (so the optimizer writes param piece i as it steps piece i), then the frozen
+        rest's, which are never written; replicated, every rank's shard's pieces end to end
+        (this rank's from `param_piece_base(rank)` on)."""
+        if self.replicated:
+            return [(lo + a, lo + b) for r in range(self.world_size)
+                    for lo in [self.shard_range(r)[0]] for a, b in self._shard_param_pieces(piece_numel, r)]
+        return self._shard_param_pieces(piece_numel, rank)
+
+    def param_piece_base(self, piece_numel: int, rank: int) -> int:
+        """The index of this rank's first param piece among those it stores (0 unless replicated)."""
+        if not self.replicated:
+            return 0
+        return sum(len(self._shard_param_pieces(piece_numel, r)) for r in range(rank))
+
+    def _shard_param_pieces(self, piece_numel: int, rank: int) -> list[tuple[int, int]]:
         start = self.state_numel(rank)
         frozen = piece_ranges(self.shard_numel - start, piece_numel)
         return self.pieces(piece_numel, rank) + [(start + a, start + b) for a, b in frozen]
@@ -234,6 +258,12 @@ def _lay_out(unit: Unit, pids: list[int], found: dict, world_size: int) -> None:
     quantum = ALIGN_NUMEL * world_size
     unit.padded_numel = max(quantum, -(-offset // quantum) * quantum)
     unit.trainable_numel = unit.padded_numel if frozen_from is None else frozen_from
+
+
+def replicate_params(units: list[Unit], replicated: bool) -> None:
+    """Store every unit's params whole on each rank (ZeRO stage 1/2) or sharded (stage 3)."""
+    for unit in units:
+        unit.replicated = replicated and unit.world_size > 1
 
 
 def forward_uses(units: list[Unit]) -> list[tuple[int, ...]]:

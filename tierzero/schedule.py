@@ -9,6 +9,8 @@ begins computing, when `gather_ahead` is 1 (never further ahead than its fetch),
 its wait when 0. The scheduler replays the plan as the model runs: `acquire(u)` executes every
 op up to `u`'s compute and returns its params on the compute device (gathered from every rank);
 `release(u)` executes the ops after it. It does not decide what to move; the plan does.
+With replicated params (ZeRO stage 1/2) every rank stores whole units: the plan lists no
+gathers and a fetch moves the whole unit.
 
 Every rank must issue its collectives in one order, so a gather is issued exactly where the
 plan lists it, whatever has landed: if its shard's nvme read is still in flight the host waits
@@ -182,7 +184,7 @@ class Scheduler:
         self._wait(record)
         gathered = record.gathered.popleft() if record.gathered else None
         self._run_until(Op.COMPUTE, unit)  # the next use's gathers, beside this compute
-        if self.comm.world_size == 1:
+        if self.comm.world_size == 1 or self.units[unit].replicated:  # the whole unit is stored here
             return self._shard(unit)
         assert gathered is not None, f"the swap plan lists no gather of unit {unit} before its compute"
         with self.stats.waiting():
@@ -260,7 +262,7 @@ class Scheduler:
             return
         unit = self.units[record.unit]
         key = shard_key(StateKind.PARAM, unit.index, self.rank)
-        nbytes = unit.shard_numel * self.dtype.itemsize
+        nbytes = unit.param_numel * self.dtype.itemsize
         if record.home is Tier.GPU:
             record.status = "available"  # resident in the device store: a view, no copy
             return
