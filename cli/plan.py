@@ -33,6 +33,8 @@ def plan(
     piece_numel: int = typer.Option(Config.piece_numel, "--piece-numel", help="Elements per piece in which grads and optimizer states stream."),
     overlap: bool = typer.Option(True, "--overlap/--no-overlap", help="Step each unit during backward (the engine's default without clipping or fp16)."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="A `tierzero bench --profile-out` file: predicts step times."),
+    stage: Optional[int] = typer.Option(None, "--stage", help="With --gpus > 1, the ZeRO stage (1, 2 or 3); default: chosen as `tierzero train` chooses it (1 or 2 when replicated state fits, else 3)."),
+    accumulate: int = typer.Option(1, "--accumulate", help="Micro-batches per step (stage 1 keeps whole grads between them)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Print the 16-byte ledger per GPU (DDP, ZeRO 1-3), the stage-3 offload placements, the
@@ -44,7 +46,7 @@ def plan(
     report = make_plan(model, params=params, gpus=gpus, gpu_mem=gpu_mem, host_mem=host_mem, nvme_free=nvme_free,
                        nvme_path=nvme_path, batch_size=batch_size, seq_len=seq_len, prefetch_depth=prefetch_depth,
                        dtype=dtype, vocab_size=vocab_size, piece_numel=piece_numel, overlap=overlap,
-                       profile=profile).as_dict()
+                       profile=profile, stage=stage, accumulate=accumulate).as_dict()
     out = Output(json_out)
     if json_out:
         out.emit_json(report)
@@ -82,7 +84,10 @@ def _print_report(out: Output, r: dict[str, Any]) -> None:
 
     budgets = {t.value: mach[f"{t.value}_budget_bytes"] for t in Tier}
     step_col = r["placements"][0]["predicted_step_s"] is not None
-    t = Table(title="Stage-3 placements: GB at peak (gpu per GPU, rest per machine), GB moved per step",
+    st = r["stage"]
+    if mach["gpus"] > 1:
+        out.print(f"ZeRO stage {st['stage']} ({st['reason']}): {st['text']}", highlight=False)
+    t = Table(title=f"Stage-{st['stage']} placements: GB at peak (gpu per GPU, rest per machine), GB moved per step",
               box=box.SIMPLE_HEAD, padding=(0, 1))
     for col in ("param/grad/opt", "gpu", "host", "nvme", *_LINK_HEADERS.values(), *(["step s"] if step_col else []), "fits"):
         t.add_column(col, justify="left" if col in ("param/grad/opt", "fits") else "right",

@@ -50,6 +50,7 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --run-dir from its newest intact checkpoint, up to --steps."),
     grad_reduce_dtype: Optional[str] = typer.Option(None, "--grad-reduce-dtype", help="What gradients are summed over ranks in: fp32 (default, exact) or bf16 (half the bytes)."),
     overlap_comm: Optional[bool] = typer.Option(None, "--overlap-comm/--no-overlap-comm", help="Several ranks: all-gather each unit's params while the one before computes, and reduce its grads while the next backward computes (default on)."),
+    stage: Optional[int] = typer.Option(None, "--stage", help="Several ranks, ZeRO stage: 3 partitions params, grads and optimizer states (params all-gathered at each use); 2 replicates params (one all-gather per unit per step); 1 also keeps whole grads over --accumulate micro-batches (one reduction per step). Default: 1 or 2 when replicated state fits the budgets, else 3."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="Ranks on this machine (one per GPU; gloo processes on a CPU): runs torchrun's launcher for you. --batch-size is the global batch, split over them."),
     comm_timeout: float = typer.Option(600.0, "--comm-timeout", help="Seconds a collective waits for the other ranks before the run stops with an error."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
@@ -63,7 +64,7 @@ def train(
                      accumulate=accumulate, lr=lr, warmup_steps=warmup_steps,
                      clip_grad_norm=clip_grad_norm, clip_previous_norm=clip_previous_norm, seed=seed, dtype=dtype, offload=offload,
                      nvme_path=nvme_path or None, host_budget=host_budget, gpu_budget=gpu_budget,
-                     prefetch_depth=prefetch_depth, overlap_step=overlap_step, grad_reduce_dtype=grad_reduce_dtype, overlap_comm=overlap_comm,
+                     prefetch_depth=prefetch_depth, overlap_step=overlap_step, grad_reduce_dtype=grad_reduce_dtype, overlap_comm=overlap_comm, stage=stage,
                      profile=str(profile) if profile else None,
                      run_dir=str(run_dir) if run_dir else None,
                      checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints)
@@ -114,6 +115,9 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, json_out: bool) -> None:
         out.print(f"[bold]tierzero train[/] {run.model} ({session.n_params / 1e6:.2f}M params) "
                   f"on {session.device}, dtype {session.dtype}, "
                   f"offload {run.engine.offload.value}: {session.placement_text}")
+        stage_text = getattr(session.trainer, "stage_text", None)
+        if ranks.world_size > 1 and stage_text is not None:
+            out.print(stage_text(), highlight=False)
         if start_step >= run.steps:
             out.print(f"the run is already at step {start_step} of {run.steps}: nothing to train; raise --steps to go on")
             if json_out:

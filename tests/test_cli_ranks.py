@@ -45,18 +45,20 @@ ARGS = ["--steps", "4", "--batch-size", "4", "--seq-len", "32", "--dtype", "fp32
 HANG_GUARD_S = 300  # a guard against a hang, not a timing threshold
 
 
-def per_rank_prediction() -> MemoryModel:
-    """One rank's share of the memory model for ARGS on two ranks: every state on nvme, fp32,
-    the CPU device, overlap_step, each rank's micro-batch 2 x 32."""
+def per_rank_prediction(stage: int = 3) -> MemoryModel:
+    """One rank's share of the memory model for ARGS on two ranks at ZeRO `stage`: every state
+    on nvme, fp32, the CPU device, overlap_step, each rank's micro-batch 2 x 32."""
     args = models.get_preset("tiny")
     act = activation_memory(args, 2, 32, 4, models.llama.LOSS_CHUNK_BYTES)
     return peak_memory(units_from_args(args), Placement(*[Tier.NVME] * 5), compute_itemsize=4, world_size=2,
                        device="cpu", tied_embeddings=args.tie_embeddings, prefetch_depth=2, overlap=True,
-                       activations=act).per_rank()
+                       activations=act, stage=stage).per_rank()
 
 
-def launch(run_dir: Path, *extra: str) -> subprocess.Popen:
-    budget = str(per_rank_prediction().host_total_bytes)  # the pools fill it: their peaks are measurable
+def launch(run_dir: Path, *extra: str, budget_stage: int = 3) -> subprocess.Popen:
+    """At the host budget stage `budget_stage` needs (so auto picks it), which the pools fill:
+    their peaks are measurable."""
+    budget = str(per_rank_prediction(budget_stage).host_total_bytes)
     return subprocess.Popen([sys.executable, "-m", "tierzero.cli", "train", "--nproc", "2", *ARGS,
                              "--host-budget", budget, "--run-dir", str(run_dir), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -92,13 +94,21 @@ def two_ranks(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("ranks") / "run"
     code, out, err = finish(launch(run_dir))
     assert code == 0, err
+    (run_dir.parent / "stdout.txt").write_text(out)
     return run_dir
 
 
-def test_two_ranks_equal_one_rank_with_the_same_global_batch(two_ranks, tmp_path) -> None:
-    one = CliRunner().invoke(app, ["train", *ARGS, "--run-dir", str(tmp_path / "one")])
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The exported weights of a one-rank run of ARGS (the same global batches)."""
+    root = tmp_path_factory.mktemp("one")
+    one = CliRunner().invoke(app, ["train", *ARGS, "--run-dir", str(root / "run")])
     assert one.exit_code == 0, one.output
-    ref = export(tmp_path / "one", tmp_path / "one.safetensors")
+    return export(root / "run", root / "one.safetensors")
+
+
+def test_two_ranks_equal_one_rank_with_the_same_global_batch(two_ranks, one_rank, tmp_path) -> None:
+    ref = one_rank
     got = export(two_ranks, tmp_path / "two.safetensors")
     assert got.keys() == ref.keys()
     for key in ref:
@@ -212,3 +222,83 @@ def _worker_pid(launcher: int, rank: int) -> int:
         if ppid == launcher and f"RANK={rank}".encode() in environ:
             return int(entry.name)
     raise AssertionError(f"no worker of rank {rank} under pid {launcher}")
+
+
+# -- ZeRO stages 1 and 2 through the CLI (stage 3 is the `two_ranks` run above: its budget is
+# stage 3's, so the automatic choice is 3) ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stage_two(tmp_path_factory) -> tuple[Path, str]:
+    """A two-rank run at the host budget stage 2 needs, stage unset: the engine picks 2."""
+    run_dir = tmp_path_factory.mktemp("stage2") / "run"
+    code, out, err = finish(launch(run_dir, budget_stage=2))
+    assert code == 0, err
+    return run_dir, out
+
+
+def test_the_stage_is_chosen_by_the_budget_and_printed(two_ranks, stage_two) -> None:
+    tight = (two_ranks.parent / "stdout.txt").read_text()
+    assert "ZeRO stage 3 (replicated params do not fit the budgets)" in tight
+    assert "ZeRO stage 2 (replicated params fit the budgets)" in stage_two[1]
+    assert Manifest.load(newest_checkpoint(two_ranks)[0]).stage == 3
+    assert Manifest.load(newest_checkpoint(stage_two[0])[0]).stage == 2
+
+
+def test_stages_one_and_two_equal_one_rank(stage_two, one_rank, two_ranks, tmp_path) -> None:
+    """Stage 1 forced (one micro-batch per step here: its accumulation is test_stages'), stage 2
+    chosen; both within 5e-5 of the one-rank run, and of the stage-3 run."""
+    run_dir = tmp_path / "stage1"
+    code, out, err = finish(launch(run_dir, "--stage", "1", budget_stage=1))
+    assert code == 0, err
+    assert "ZeRO stage 1 (forced)" in out
+    stage3 = export(two_ranks, tmp_path / "stage3.safetensors")
+    for name, got in (("stage1", export(run_dir, tmp_path / "s1.safetensors")),
+                      ("stage2", export(stage_two[0], tmp_path / "s2.safetensors"))):
+        assert got.keys() == one_rank.keys()
+        for key in one_rank:
+            torch.testing.assert_close(got[key], one_rank[key], rtol=0, atol=5e-5, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(got[key], stage3[key], rtol=0, atol=5e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_stage_two_stores_whole_params_and_half_the_rest(stage_two) -> None:
+    run_dir = stage_two[0]
+    units = Manifest.load(newest_checkpoint(run_dir)[0]).units
+    for rank in (0, 1):
+        store = run_dir / "nvme" / f"rank{rank}"
+        for kind, itemsize in (("master", 4), ("exp_avg", 4), ("exp_avg_sq", 4), ("param", 4)):
+            for unit in units:
+                shard = store / kind / f"u{unit.index:04d}" / f"r{rank}"
+                nbytes = sum(_current_array_nbytes(piece) for piece in shard.iterdir() if piece.is_dir())
+                if kind == "param":  # the whole unit on every rank
+                    assert nbytes == unit.padded_numel * itemsize, (rank, kind, unit.name)
+                    assert unit.numel <= nbytes / itemsize < unit.numel + 4096
+                else:
+                    assert nbytes == unit.padded_numel // 2 * itemsize, (rank, kind, unit.name)
+                    assert unit.numel / 2 <= nbytes / itemsize < unit.numel / 2 + 4096
+
+
+def test_stage_two_pool_peaks_match_its_prediction(stage_two) -> None:
+    predicted = per_rank_prediction(stage=2)
+    last = [r for r in read_metrics(stage_two[0]) if "loss" in r][-1]
+    for tier, measured in ((Tier.HOST, last["peak_host_bytes"]), (Tier.GPU, last["peak_gpu_bytes"])):
+        assert 0.9 * predicted.tiers[tier].pool_bytes <= measured <= predicted.tiers[tier].pool_bytes, tier
+
+
+def test_plan_prints_the_stage(tmp_path) -> None:
+    def plan(*extra: str) -> dict:
+        result = CliRunner().invoke(app, ["plan", "--model", "tiny", "--gpus", "2", "--nvme-free", "1TB",
+                                          "--json", *extra])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    roomy = ("--host-mem", "64GB", "--gpu-mem", "80GB")
+    assert plan(*roomy)["stage"]["stage"] == 2 and plan(*roomy, "--accumulate", "2")["stage"]["stage"] == 1
+    tight = plan("--host-mem", "50MB", "--gpu-mem", "24MB")  # stage 3 fits, replicated params do not
+    assert tight["stage"]["stage"] == 3 and tight["verdict"]["fits"], tight["stage"]
+    forced = plan(*roomy, "--stage", "3")
+    assert forced["stage"] == {"stage": 3, "reason": "forced", "text": "params, grads and optimizer states partitioned"}
+    # replicated params: a rank's param home holds the whole model, not half
+    assert plan(*roomy)["per_rank"]["peak_bytes"]["gpu"] > forced["per_rank"]["peak_bytes"]["gpu"]
+    text = CliRunner().invoke(app, ["plan", "--model", "tiny", "--gpus", "2", "--nvme-free", "1TB",
+                                    "--host-mem", "64GB", "--gpu-mem", "80GB"])
+    assert "ZeRO stage 2 (replicated params fit the budgets)" in text.output

@@ -551,7 +551,7 @@ class Engine:
             self._unit_sizes(), compute_itemsize=self.dtype.itemsize, grad_itemsize=4,
             gpu_budget=None, host_budget=None, nvme_free=None, world_size=self.comm.world_size,
             prefetch_depth=self.config.prefetch_depth, candidates=fitting,
-            trainable=[u.trainable_numel for u in self.units],
+            trainable=[u.trainable_numel for u in self.units], stage=self.stage,
             profile=load_profile(self.config.profile) if self.config.profile else None).placement
 
     def _budgets(self) -> dict[Tier, int]:
@@ -568,6 +568,8 @@ class Engine:
         its replicated state does not fit this rank's budgets; else the least communication that
         fits -- stage 1 (with `accumulate` > 1), then 2 -- or stage 3. One rank: stage 3 (all
         three are the same run)."""
+        from tierzero.plan import choose_stage
+
         forced = self.config.stage
         if self.comm.world_size == 1:
             return forced or 3, "one rank"
@@ -576,22 +578,19 @@ class Engine:
             mem = self._memory(self.placement, stage=forced)
             if forced <= 2 and not _fits(mem, budgets):
                 tier = next(t for t, n in mem.needs().items() if t in budgets and n > budgets[t])
+                fix = {Tier.HOST: "raise --host-budget", Tier.GPU: "raise --gpu-budget"}.get(tier, "free disk space")
                 raise ConfigError(
                     f"--stage {forced} keeps every unit's params{' and grads' if forced == 1 else ''} whole on each "
                     f"rank, which needs {mem.needs()[tier] / 1e6:.1f} MB of {tier.value} per rank where its budget is "
-                    f"{budgets[tier] / 1e6:.1f} MB; use --stage 3 (or leave --stage unset to choose), or raise the budget")
-            return forced, "forced"
-        for stage in (1, 2) if self.config.accumulate > 1 else (2,):
-            if _fits(self._memory(self.placement, stage=stage), budgets):
-                return stage, "replicated params fit the budgets"
-        return 3, "replicated params do not fit the budgets"
+                    f"{budgets[tier] / 1e6:.1f} MB; use --stage 3 (or leave --stage unset to choose), or {fix}")
+        return choose_stage(lambda stage: _fits(self._memory(self.placement, stage=stage), budgets),
+                            self.comm.world_size, self.config.accumulate, forced)
 
     def stage_text(self) -> str:
         """One line naming the stage, why, and what it partitions."""
-        what = {1: "params and grads replicated, optimizer states partitioned",
-                2: "params replicated, grads and optimizer states partitioned",
-                3: "params, grads and optimizer states partitioned"}[self.stage]
-        return f"ZeRO stage {self.stage} ({self.stage_reason}): {what}"
+        from tierzero.plan import STAGE_TEXT
+
+        return f"ZeRO stage {self.stage} ({self.stage_reason}): {STAGE_TEXT[self.stage]}"
 
     def _memory(self, placement: Placement, activations: ActivationEstimate | None = None,
                 stage: int | None = None) -> MemoryModel:

@@ -79,6 +79,7 @@ class Manifest:
     bytes_copied: int = 0  # bytes written to make this checkpoint (0 when all hard-linked)
     model: dict[str, Any] | None = None  # what built the model (preset name, shape), for humans
     rank_rng: list[dict[str, Any]] | None = None  # with several ranks: each rank's RNG states, in rank order
+    stage: int = 3  # the ZeRO stage: at 1 and 2 each rank's param arrays hold whole units
 
     @property
     def nbytes(self) -> int:
@@ -107,7 +108,8 @@ class Manifest:
             return cls(int(doc["step"]), float(doc["time"]), int(doc["world_size"]), str(doc["compute_dtype"]),
                        str(doc["config_hash"]), units, arrays, dict(doc.get("engine") or {}),
                        doc.get("data"), dict(doc.get("rng") or {}), int(doc.get("bytes_copied", 0)),
-                       doc.get("model"), _rank_rng(doc.get("rank_rng"), int(doc["world_size"])))
+                       doc.get("model"), _rank_rng(doc.get("rank_rng"), int(doc["world_size"])),
+                       int(doc.get("stage", 3)))
         except CheckpointError:
             raise
         except Exception as e:  # malformed JSON or fields: one sentence, never a traceback
@@ -128,11 +130,16 @@ class Manifest:
     def array_dir(self, checkpoint: Path, key: str) -> Path:
         return checkpoint / STATE_DIR / Path(*key.split("/"))
 
-    def check_compatible(self, units: list[Unit], world_size: int, compute_dtype: str, where: str) -> None:
-        """Refuse, in one sentence, a checkpoint of another model shape, world size or dtype."""
+    def check_compatible(self, units: list[Unit], world_size: int, compute_dtype: str, where: str,
+                         stage: int = 3) -> None:
+        """Refuse, in one sentence, a checkpoint of another model shape, world size, dtype or
+        (several ranks) ZeRO stage: its param arrays are laid out for that stage."""
         if world_size != self.world_size:
             raise CheckpointError(f"{where} was written by {self.world_size} rank(s) but this run has "
                                   f"{world_size}; resume with the same number of ranks")
+        if world_size > 1 and stage != self.stage:
+            raise CheckpointError(f"{where} was written at ZeRO stage {self.stage} but this run is at stage "
+                                  f"{stage}; resume with --stage {self.stage}")
         mine = layout_of(units)
         if mine != self.units:
             diff = next((f"unit {a.name}: {a.numel:,} params here, {b.numel:,} there"

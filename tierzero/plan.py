@@ -6,7 +6,8 @@ each tier at peak is the one memory model's (`tierzero.memory`), which the engin
 Plans are data: everything here is arithmetic on unit sizes and budgets. The only I/O is
 `load_profile` reading a JSON file; probing the machine for budgets is the caller's job.
 
-Accounting conventions (stage 3, `world_size` ranks on one machine, one micro-batch per step):
+Accounting conventions (`world_size` ranks on one machine, one micro-batch per step; ZeRO
+stage 3 unless a workload says otherwise):
 
 - gpu bytes are per GPU; host and nvme bytes are per machine (every rank's shards).
 - traffic is per optimizer step, per link and direction; `host->gpu`/`gpu->host` are per GPU
@@ -23,7 +24,7 @@ import json
 import math
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,8 @@ class Workload:
     overlap: bool = True
     device: str = "cuda"
     trainable: tuple[int, ...] | None = None  # per unit, its trainable prefix (None: all trained)
+    stage: int = 3  # several ranks, the ZeRO stage: at 1 and 2 each rank stores whole units' params
+    accumulate: int = 1  # micro-batches per step (stage 1 keeps whole grads between them)
 
     def __post_init__(self) -> None:
         if not self.units or any(n < 1 for _, n in self.units):
@@ -94,6 +97,15 @@ class Workload:
     def shard_numel(self) -> int:
         """Parameters one rank holds: every unit's flat buffer padded to split evenly."""
         return sum(math.ceil(n / self.world_size) for _, n in self.units)
+
+    @property
+    def param_numel(self) -> int:
+        """Params one rank stores and fetches: its shards, or whole units at stage 1/2."""
+        return self.numel if self.replicated else self.shard_numel
+
+    @property
+    def replicated(self) -> bool:
+        return self.world_size > 1 and self.stage <= 2
 
     @property
     def state_shard_numel(self) -> int:
@@ -184,7 +196,8 @@ def memory_for(placement: Placement, work: Workload) -> MemoryModel:
     return peak_memory(work.units, placement, compute_itemsize=work.compute_itemsize, world_size=work.world_size,
                        device=work.device, tied_embeddings=work.tied_embeddings,
                        prefetch_depth=work.prefetch_depth, piece_numel=work.piece_numel,
-                       overlap=work.overlap, activations=work.activations, trainable=work.trainable)
+                       overlap=work.overlap, activations=work.activations, trainable=work.trainable,
+                       stage=work.stage, accumulate=work.accumulate)
 
 
 def _optimizer_tier(p: Placement) -> Tier:
@@ -205,7 +218,7 @@ def _traffic(p: Placement, w: Workload) -> tuple[dict[Link, int], dict[Link, int
     """Bytes per link in the forward/backward phase and in the optimizer phase. Params move
     whole; grads, optimizer states and the stepped params only for trainable parameters."""
     def move(moved: dict[Link, int], kind: StateKind, src: Tier, dst: Tier, times: int = 1) -> None:
-        numel = w.shard_numel if kind is StateKind.PARAM and moved is fwd_bwd else w.state_shard_numel
+        numel = w.param_numel if kind is StateKind.PARAM and moved is fwd_bwd else w.state_shard_numel
         for link in _hops(src, dst):
             ranks = w.world_size if link in _NVME_LINKS else 1
             moved[link] += times * ranks * numel * w.nbytes(kind)
@@ -220,7 +233,31 @@ def _traffic(p: Placement, w: Workload) -> tuple[dict[Link, int], dict[Link, int
         move(optimizer, kind, p.home(kind), where)
         move(optimizer, kind, where, p.home(kind))
     move(optimizer, StateKind.PARAM, where, p.param)  # the new compute-dtype param
+    if w.replicated and p.param is Tier.NVME:  # stage 1/2: each rank's new range read back, the others' written
+        param = w.nbytes(StateKind.PARAM) * w.world_size
+        optimizer[Link.NVME_TO_HOST] += w.shard_numel * param
+        optimizer[Link.HOST_TO_NVME] += (w.numel - w.shard_numel) * param
     return fwd_bwd, optimizer
+
+
+def choose_stage(fits: Callable[[int], bool], world_size: int, accumulate: int,
+                 forced: int | None = None) -> tuple[int, str]:
+    """The ZeRO stage and why: `forced` when given; with one rank 3 (the stages are one run);
+    else the least communication whose state `fits` the budgets -- stage 1 when `accumulate` > 1
+    (no reduction per micro-batch), then 2 (no all-gather per unit use) -- or stage 3."""
+    if forced is not None:
+        return forced, "forced"
+    if world_size == 1:
+        return 3, "one rank"
+    for stage in (1, 2) if accumulate > 1 else (2,):
+        if fits(stage):
+            return stage, "replicated params fit the budgets"
+    return 3, "replicated params do not fit the budgets"
+
+
+STAGE_TEXT = {1: "params and grads replicated, optimizer states partitioned",
+              2: "params replicated, grads and optimizer states partitioned",
+              3: "params, grads and optimizer states partitioned"}
 
 
 def _step_time(p: Placement, w: Workload, prof: Profile,
@@ -327,6 +364,7 @@ def choose_placement(
     overlap: bool = True,
     device: str = "cuda",
     trainable: Sequence[int] | None = None,
+    stage: int = 3,
 ) -> PlacementChoice:
     """The placement `--offload auto` uses: it fits every budget with the least predicted step
     time (with a `profile`) or the least traffic (without).
@@ -344,7 +382,7 @@ def choose_placement(
     work = Workload(tuple(units), compute_itemsize,
                     compute_itemsize if grad_itemsize is None else grad_itemsize,
                     world_size, prefetch_depth, activations, tokens_per_step, tied_embeddings,
-                    piece_numel, overlap, device, None if trainable is None else tuple(trainable))
+                    piece_numel, overlap, device, None if trainable is None else tuple(trainable), stage)
     budgets = {Tier.GPU: gpu_budget, Tier.HOST: host_budget, Tier.NVME: nvme_free}
     placements = candidate_placements() if candidates is None else candidates
     return choose([estimate(p, work, profile) for p in placements], budgets)

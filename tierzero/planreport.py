@@ -23,7 +23,8 @@ from tierzero.ledger import (GB, ActivationEstimate, Unit, activation_memory, ch
                              nearest_preset, nominal_numel, parse_count, scaled_units, units_from_args)
 from tierzero.models.llama import LOSS_CHUNK_BYTES
 from tierzero.models.presets import ModelArgs, get_preset
-from tierzero.plan import PlacementChoice, PlacementEstimate, Workload, candidate_placements, choose, estimate, load_profile
+from tierzero.plan import (STAGE_TEXT, PlacementChoice, PlacementEstimate, Workload, candidate_placements, choose,
+                           choose_stage, estimate, load_profile)
 from tierzero.precision import TORCH_DTYPES
 
 DEFAULT_PRESET = "7b"
@@ -49,6 +50,8 @@ class PlanReport:
     activations: ActivationEstimate
     estimates: list[PlacementEstimate]
     choice: PlacementChoice
+    stage: int = 3  # the ZeRO stage the estimates are for (several ranks)
+    stage_reason: str = "one rank"
 
     @property
     def placement(self) -> Placement:
@@ -79,6 +82,7 @@ class PlanReport:
             "placements": [{**e.as_dict(), "fits": not e.overflow_bytes(self.budgets)} for e in self.estimates],
             "verdict": {**self.choice.as_dict(), "breakdown": self.choice.estimate.memory.breakdown()},
             "per_rank": self.per_rank(),
+            "stage": {"stage": self.stage, "reason": self.stage_reason, "text": STAGE_TEXT[self.stage]},
         }
 
     def per_rank(self) -> dict[str, Any]:
@@ -108,11 +112,17 @@ def make_plan(
     piece_numel: int = Config.piece_numel,
     overlap: bool = True,
     profile: str | Path | None = None,
+    stage: int | None = None,
+    accumulate: int = 1,
 ) -> PlanReport:
     """Plan `model` (a preset name, default 7b) or `params` (a count, e.g. "7e9" or 70_000_000_000,
     shaped like the nearest preset) on `gpus` GPUs with the given memory sizes ("80GB", or
     bytes); a size not given is this machine's. Arguments are `tierzero plan`'s flags, and
-    the result is what it prints (`as_dict()` is its `--json`)."""
+    the result is what it prints (`as_dict()` is its `--json`). `stage` forces the ZeRO stage;
+    None chooses it as the engine does: the placement for stage 3, then the least communication
+    whose state fits there (`tierzero.plan.choose_stage`), and every estimate at that stage."""
+    if stage is not None and stage not in (1, 2, 3):
+        raise ConfigError(f"--stage must be 1, 2 or 3, got {stage}")
     check_world_size(gpus)
     if vocab_size is not None and vocab_size < 1:
         raise ConfigError(f"--vocab-size must be a positive integer, got {vocab_size}")
@@ -138,12 +148,21 @@ def make_plan(
     # grads are fp32 in every tier, as the engine keeps them (the ledger is the textbook 16 B)
     work = Workload(tuple(units), itemsize, 4, gpus, prefetch_depth, activations,
                     batch_size * activations.seq_len, args.tie_embeddings, piece_numel,
-                    overlap and compute is not DType.FP16, device)
+                    overlap and compute is not DType.FP16, device, stage=stage or 3, accumulate=accumulate)
     prof = load_profile(profile) if profile is not None else None
     estimates = [estimate(p, work, prof) for p in candidate_placements()]
+    choice = choose(estimates, budgets)
+    chosen, reason = choose_stage(
+        lambda s: not estimate(choice.placement, dataclasses.replace(work, stage=s)).overflow_bytes(budgets),
+        gpus, accumulate, stage)
+    if chosen != work.stage:  # the engine keeps the placement and replicates: cost every one at that stage
+        work = dataclasses.replace(work, stage=chosen)
+        estimates = [estimate(p, work, prof) for p in candidate_placements()]
+        mine = next(e for e in estimates if e.placement == choice.placement)
+        choice = PlacementChoice(mine, fits=True)
     return PlanReport(None if params is not None else shape, shape, args, tuple(units), numel, ledger_numel,
                       compute, gpus, budgets, detected, device, work, activations, estimates,
-                      choose(estimates, budgets))
+                      choice, chosen, reason)
 
 
 def _dtype(value: str) -> DType:

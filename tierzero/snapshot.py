@@ -140,14 +140,15 @@ def _commit(engine: Engine, temp: Path, final: Path, parts: list[dict[str, Any]]
                         compute_dtype=dtype_name(engine.dtype), config_hash=numeric_config_hash(engine),
                         units=layout_of(engine.units), arrays=arrays, engine=_engine_state(engine),
                         data=data, rng=parts[0]["rng"], bytes_copied=sum(p["copied"] for p in parts),
-                        model=model, rank_rng=rank_rng)
+                        model=model, rank_rng=rank_rng, stage=engine.stage)
     engine.tiers.run(write_durable(str(temp / MANIFEST_NAME), manifest.to_json()))
     _replace_dir(temp, final)
 
 
 def restore(engine: Engine, path: Path, manifest: Manifest) -> None:
     """Fill the engine's tiers from a verified checkpoint and set its counters and RNG."""
-    manifest.check_compatible(engine.units, engine.comm.world_size, dtype_name(engine.dtype), str(path))
+    manifest.check_compatible(engine.units, engine.comm.world_size, dtype_name(engine.dtype), str(path),
+                              engine.stage)
     tiers = engine.tiers
     wanted = [(unit, kind, key) for unit in engine.units for kind in SAVED_KINDS
               for key, _, _ in engine.keys(kind, unit)]
