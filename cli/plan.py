@@ -37,8 +37,9 @@ def plan(
     accumulate: int = typer.Option(1, "--accumulate", help="Micro-batches per step (stage 1 keeps whole grads between them)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
-    """Print the 16-byte ledger per GPU (DDP, ZeRO 1-3), the stage-3 offload placements, the
-    activation memory, which placement fits this machine, and its peak in every tier, part by part.
+    """Print the 16-byte ledger per GPU (DDP, ZeRO 1-3), the ZeRO stage (--gpus > 1) and its
+    offload placements, the activation memory, which placement fits this machine, and its peak
+    in every tier, part by part.
 
     Model shapes: a preset (--model; the LLaMA-3 shapes are llama3-8b and llama3-70b), a
     parameter count shaped like the nearest preset (--params), and --vocab-size to change a

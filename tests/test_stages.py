@@ -23,7 +23,9 @@ from tierzero import Config, Placement, Tier, models
 from tierzero.comm import Comm
 from tierzero.engine import Engine
 from tierzero.errors import CheckpointError, ConfigError
+from tierzero.memory import peak_memory
 from tierzero.partition import grad_uses, partition
+from tierzero.schedule import Op
 
 from engine_helpers import SMALL, batches, reference_run
 
@@ -61,7 +63,8 @@ def _rank(rank: int, root: str) -> None:
                         engine.save_checkpoint(f"{root}/run", data=data.state_dict())
                     x, y = data.next_batch()
                     engine.train_step((x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]))
-                report[stage] = {"counts": dict(counts), "stage": engine.stage}
+                report[stage] = {"counts": dict(counts), "stage": engine.stage,
+                                 "gathers": sum(op.op is Op.GATHER for op in engine.train_plan.ops)}
                 weights = engine.master_state_dict()  # a collective: every rank gathers
             if rank == 0:
                 save_file({k: v.contiguous() for k, v in weights.items() if k != "head.weight"},
@@ -150,6 +153,29 @@ def test_collectives_per_stage(stages) -> None:
     assert counts[3]["reduce_scatter_async"] == STEPS * ACCUMULATE * reductions
     assert counts[1]["all_gather_async"] == counts[2]["all_gather_async"] == STEPS * len(units)
     assert counts[3]["all_gather_async"] > STEPS * ACCUMULATE * len(units)  # every use, forward and backward
+    gathers = {s: report["gathers"] for s, (_, report) in _runs(stages).items()}
+    assert gathers[1] == gathers[2] == 0 and gathers[3] > 0  # the swap plans' GATHER ops
+
+
+def test_the_memory_model_counts_replicated_state() -> None:
+    """Per rank, two ranks, everything in host memory: stage 2's param home is whole units
+    (stage 3's: half), stage 1 with accumulate 2 adds each unit's whole fp32 grad to the grad
+    home; with replicated params the pass gathers nothing, and the param sync holds one
+    gathered unit and this rank's range."""
+    units = [("embedding", 10_000), ("b0", 20_000), ("b1", 20_000), ("head", 5_000)]
+    padded = [-(-n // 4096) * 4096 for _, n in units]  # ALIGN_NUMEL x 2 ranks
+
+    def mem(stage: int, accumulate: int = 1):
+        return peak_memory(units, Placement(*[Tier.HOST] * 5), compute_itemsize=2, world_size=2, device="cuda",
+                           stage=stage, accumulate=accumulate, overlap=False).per_rank()
+
+    s3, s2, s1 = mem(3), mem(2), mem(1, accumulate=2)
+    assert s2.tiers[Tier.HOST].homes_bytes - s3.tiers[Tier.HOST].homes_bytes == sum(padded) // 2 * 2
+    assert s1.tiers[Tier.HOST].homes_bytes - s2.tiers[Tier.HOST].homes_bytes == sum(padded) * 4
+    assert mem(1).tiers[Tier.HOST].homes_bytes == s2.tiers[Tier.HOST].homes_bytes  # one micro-batch: as stage 2
+    assert s3.tiers[Tier.GPU].parts["gathered params"] > 0
+    assert s2.tiers[Tier.GPU].parts["params in flight"] == s3.tiers[Tier.GPU].parts["params in flight"] * 2
+    assert s2.tiers[Tier.GPU].unpooled_phase == "backward" and s2.tiers[Tier.GPU].parts["gathered params"] == 0
 
 
 def test_a_stage_is_one_two_or_three() -> None:
