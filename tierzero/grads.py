@@ -157,7 +157,9 @@ class GradShards:
                 return
         final = self.last
         keys = state_keys(StateKind.GRAD, u, self.comm.rank, self.piece_numel, self.home)
-        if self.micro > 0 and not self.full_until_last:  # earlier micro-batches' sum, piece by piece (prev + new: addition commutes)
+        # earlier micro-batches' sum, piece by piece (prev + new: addition commutes); stage 1
+        # summed them before the reduction
+        if self.micro > 0 and not self.full_until_last:
             for key, a, b in keys:
                 self._add_previous(key, grad[a:b])
         if final:
