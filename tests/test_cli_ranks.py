@@ -244,20 +244,16 @@ def test_the_stage_is_chosen_by_the_budget_and_printed(two_ranks, stage_two) -> 
     assert Manifest.load(newest_checkpoint(stage_two[0])[0]).stage == 2
 
 
-def test_stages_one_and_two_equal_one_rank(stage_two, one_rank, two_ranks, tmp_path) -> None:
-    """Stage 1 forced (one micro-batch per step here: its accumulation is test_stages'), stage 2
-    chosen; both within 5e-5 of the one-rank run, and of the stage-3 run."""
-    run_dir = tmp_path / "stage1"
-    code, out, err = finish(launch(run_dir, "--stage", "1", budget_stage=1))
-    assert code == 0, err
-    assert "ZeRO stage 1 (forced)" in out
+def test_stage_two_equals_one_rank_and_stage_three(stage_two, one_rank, two_ranks, tmp_path) -> None:
+    """Stage 2 (chosen) within 5e-5 of the one-rank run and of the stage-3 run. Stage 1 differs
+    from stage 2 only under accumulation, which tests/test_stages.py checks in-process (a CLI
+    run of it here would cost the suite ~25 s for the same numbers)."""
     stage3 = export(two_ranks, tmp_path / "stage3.safetensors")
-    for name, got in (("stage1", export(run_dir, tmp_path / "s1.safetensors")),
-                      ("stage2", export(stage_two[0], tmp_path / "s2.safetensors"))):
-        assert got.keys() == one_rank.keys()
-        for key in one_rank:
-            torch.testing.assert_close(got[key], one_rank[key], rtol=0, atol=5e-5, msg=lambda m: f"{name}: {m}")
-            torch.testing.assert_close(got[key], stage3[key], rtol=0, atol=5e-5, msg=lambda m: f"{name}: {m}")
+    got = export(stage_two[0], tmp_path / "s2.safetensors")
+    assert got.keys() == one_rank.keys()
+    for key in one_rank:
+        torch.testing.assert_close(got[key], one_rank[key], rtol=0, atol=5e-5)
+        torch.testing.assert_close(got[key], stage3[key], rtol=0, atol=5e-5)
 
 
 def test_stage_two_stores_whole_params_and_half_the_rest(stage_two) -> None:
