@@ -112,6 +112,12 @@ class RecordingStreams(Streams):
                         self.log.append(("hazard", f"a {stream} copy {what} {other} copy {seq} touches, "
                                                    "unordered with it"))
 
+    def empty_like(self, tensor: torch.Tensor, stream: str) -> torch.Tensor:
+        with self._lock:
+            fresh = torch.empty_like(tensor)
+            self.log.append(("alloc", stream, fresh.data_ptr()))
+            return fresh
+
     def host_wait(self, event: FakeEvent | None) -> None:
         with self._lock:
             self.log.append(("host_wait", event, threading.current_thread().name))
@@ -145,9 +151,15 @@ class RecordingStreams(Streams):
 
 
 def watch_device_pool(monkeypatch, fake: RecordingStreams) -> None:
-    """Log every give-back to a `DevicePool` with its `ready` token (the release event), and
-    every block it drops (its next block at that address is fresh memory)."""
-    give_back, drop = DevicePool.give_back, DevicePool._drop
+    """Log every lease from a `DevicePool`, every give-back with its `ready` token (the release
+    event), and every block it drops (its next block at that address is fresh memory)."""
+    lease, give_back, drop = DevicePool.lease, DevicePool.give_back, DevicePool._drop
+
+    def logged_lease(pool: DevicePool, nbytes: int) -> torch.Tensor:
+        buf = lease(pool, nbytes)
+        with fake._lock:
+            fake.log.append(("lease", buf.data_ptr()))
+        return buf
 
     def logged_give_back(pool: DevicePool, buf: torch.Tensor, ready: object | None = None) -> None:
         with fake._lock:
@@ -159,6 +171,7 @@ def watch_device_pool(monkeypatch, fake: RecordingStreams) -> None:
             fake.log.append(("drop", block.data.data_ptr()))
         drop(pool, block)
 
+    monkeypatch.setattr(DevicePool, "lease", logged_lease)
     monkeypatch.setattr(DevicePool, "give_back", logged_give_back)
     monkeypatch.setattr(DevicePool, "_drop", logged_drop)
 
@@ -196,3 +209,19 @@ def check_d2h_copies_wait_for_their_source(log: list[tuple]) -> list[str]:
     """A grad copied to the host waits for the compute event that produced it."""
     return [f"d2h copy into 0x{e[2]:x} does not wait for compute" for e in log
             if e[0] == "copy" and e[1] == "d2h" and (e[3] is None or e[3].stream != "compute")]
+
+
+def check_h2d_copies_write_pool_or_h2d_memory(log: list[tuple]) -> list[str]:
+    """Every h2d copy fills a buffer just leased from the device pool (ordered by its release
+    event) or memory allocated for the h2d stream (`Streams.empty_like`): memory torch's
+    allocator hands out on compute may still be read by compute's queued kernels."""
+    problems, fresh = [], set()
+    for entry in log:
+        if entry[0] == "lease" or entry[0] == "alloc" and entry[1] == "h2d":
+            fresh.add(entry[-1])
+        elif entry[0] == "copy" and entry[1] == "h2d":
+            if entry[2] not in fresh:
+                problems.append(f"h2d copy into 0x{entry[2]:x}: neither a device pool buffer nor "
+                                "memory allocated for the h2d stream")
+            fresh.discard(entry[2])
+    return problems

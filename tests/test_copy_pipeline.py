@@ -19,7 +19,8 @@ from tierzero.storage.device import DevicePool
 
 from engine_helpers import SMALL, batches, reference_run
 from recording_streams import (RecordingStreams, check_d2h_copies_wait_for_their_source,
-                               check_h2d_copies_wait_only_for_their_buffer, check_no_copy_hazards,
+                               check_h2d_copies_wait_only_for_their_buffer,
+                               check_h2d_copies_write_pool_or_h2d_memory, check_no_copy_hazards,
                                check_no_host_wait_on_compute, watch_device_pool)
 
 HOST = Placement(Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
@@ -68,7 +69,8 @@ def test_pipeline_waits_only_on_events_and_stays_bitwise(tmp_path, monkeypatch, 
         assert torch.equal(weights[key], ref_weights[key]), key
     streams_used = {e[1] for e in fake.log if e[0] == "copy"}
     problems = [p for check in (check_h2d_copies_wait_only_for_their_buffer, check_no_host_wait_on_compute,
-                                check_d2h_copies_wait_for_their_source, check_no_copy_hazards)
+                                check_d2h_copies_wait_for_their_source, check_no_copy_hazards,
+                                check_h2d_copies_write_pool_or_h2d_memory)
                 for p in check(fake.log)[:2]]
     problems += [f"no copy on the {s} stream" for s in ("h2d", "d2h") if s not in streams_used]
     assert not problems, "\n".join(problems)

@@ -218,9 +218,9 @@ class GradShards:
         """`part += host` on the compute device: `host` goes over on the h2d stream (after
         `after`), compute waits for that copy; a leased `stage` goes back once it is done."""
         s = self.streams
-        prev = torch.empty_like(part)
+        prev = s.empty_like(part, s.h2d)  # never memory that compute's queued kernels still read
         copied = s.copy(prev, host, s.h2d, after=after)
-        s.keep_alive(prev, s.h2d)
+        s.keep_alive(prev, s.compute)
         s.wait(s.compute, copied)
         part.add_(prev)
         if stage is not None:

@@ -55,6 +55,15 @@ class Streams(abc.ABC):
         source torch's caching allocator owns)."""
 
     @abc.abstractmethod
+    def empty_like(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
+        """An uninitialised tensor like `tensor` for a copy on `stream` to fill.
+
+        Allocated while `stream` is current: torch's caching allocator reuses memory freed on a
+        stream only for that stream, so a copy on `stream` never overwrites memory that compute
+        freed while its queued kernels still read it. A reader on another stream must
+        `keep_alive` it there."""
+
+    @abc.abstractmethod
     def host_wait(self, event: Event) -> None:
         """Block the calling thread (any thread) until `event` has happened."""
 
@@ -90,6 +99,9 @@ class CpuStreams(Streams):
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream, after: Event = None) -> Event:
         dst.copy_(src)
         return None
+
+    def empty_like(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
+        return torch.empty_like(tensor)
 
     def host_wait(self, event: Event) -> None:
         pass
@@ -138,6 +150,10 @@ class CudaStreams(Streams):
             event = torch.cuda.Event(blocking=True)
             event.record(stream)
         return event
+
+    def empty_like(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            return torch.empty_like(tensor)
 
     def host_wait(self, event: Event) -> None:
         if event is not None:
