@@ -112,6 +112,11 @@ class Engine:
         if self._closed:
             raise TierzeroError("this engine is closed; read master_state_dict() before close(), "
                                 "or build a new Engine")
+        if self.device.type == "cuda":
+            # The training thread's current device is the engine's, as it is on autograd's
+            # thread for it: torch code that uses the current device (an optimizer's
+            # `current_stream()`, `.cuda()`) then never creates a context on cuda:0.
+            torch.cuda.set_device(self.device)
         self.tiers.open()
         try:
             self._place_buffers()

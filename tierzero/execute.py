@@ -204,12 +204,16 @@ def _fill(flat_in: list, positions: list[int], tensors: Any) -> list:
     return filled
 
 
-def _rng_state(tensors: tuple) -> tuple[torch.Tensor, Any]:
-    """CPU (and CUDA) RNG state at forward, so recompute draws the same dropout masks."""
-    cuda = None
-    if any(t.is_cuda for t in tensors):
-        cuda = torch.cuda.get_rng_state()
-    return torch.get_rng_state(), cuda
+RngState = tuple[torch.Tensor, dict[torch.device, torch.Tensor]]
+
+
+def _rng_state(tensors: tuple) -> RngState:
+    """The CPU RNG state and that of each GPU the inputs are on, at forward, so recompute draws
+    the same dropout masks. Each GPU by its index: recompute runs on autograd's thread for that
+    GPU, whose current device need not be the training thread's (`torch.cuda.get_rng_state()`
+    alone is the current device's generator)."""
+    devices = {t.device for t in tensors if t.is_cuda}
+    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
 
 
 AutocastState = tuple[tuple[tuple[str, bool, torch.dtype], ...], bool]
@@ -232,16 +236,20 @@ def _autocast(state: AutocastState) -> contextlib.ExitStack:
 
 
 class _restore_rng:
-    def __init__(self, state: tuple[torch.Tensor, Any]) -> None:
+    """Recompute under the forward's RNG states (`_rng_state`), then put back the ones it replaced."""
+
+    def __init__(self, state: RngState) -> None:
         self.state = state
 
     def __enter__(self) -> None:
-        self.saved = (torch.get_rng_state(), torch.cuda.get_rng_state() if self.state[1] is not None else None)
-        torch.set_rng_state(self.state[0])
-        if self.state[1] is not None:
-            torch.cuda.set_rng_state(self.state[1])
+        cpu, gpus = self.state
+        self.saved = (torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in gpus})
+        torch.set_rng_state(cpu)
+        for device, state in gpus.items():
+            torch.cuda.set_rng_state(state, device)
 
     def __exit__(self, *exc: object) -> None:
-        torch.set_rng_state(self.saved[0])
-        if self.saved[1] is not None:
-            torch.cuda.set_rng_state(self.saved[1])
+        cpu, gpus = self.saved
+        torch.set_rng_state(cpu)
+        for device, state in gpus.items():
+            torch.cuda.set_rng_state(state, device)

@@ -1,0 +1,52 @@
+"""What runs on which GPU, checked on the CPU: torch.cuda's per-device functions are replaced
+by a model of them (one RNG generator per GPU; `cuda` without an index means the calling
+thread's current device, as in torch), so a call that names no device picks the wrong one.
+
+Compared: the RNG state recompute runs under against the one forward ran under, with the
+forward's thread and autograd's thread having different current devices.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierzero import execute
+
+
+class FakeCudaRng:
+    """torch.cuda's RNG state functions over one generator per GPU."""
+
+    def __init__(self, gpus: int) -> None:
+        self.states = {i: torch.tensor([i], dtype=torch.uint8) for i in range(gpus)}
+        self.current = 0  # the calling thread's current device
+
+    def _index(self, device: torch.device | str | int) -> int:
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        return self.current if device.index is None else device.index
+
+    def get_rng_state(self, device: torch.device | str | int = "cuda") -> torch.Tensor:
+        return self.states[self._index(device)].clone()
+
+    def set_rng_state(self, new_state: torch.Tensor, device: torch.device | str | int = "cuda") -> None:
+        self.states[self._index(device)] = new_state.clone()
+
+
+class OnGpu:
+    """An input on cuda:1 (all `_rng_state` asks of a tensor)."""
+
+    is_cuda = True
+    device = torch.device("cuda", 1)
+
+
+def test_recompute_draws_from_the_inputs_gpu_whatever_thread_is_current(monkeypatch) -> None:
+    fake = FakeCudaRng(gpus=2)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", fake.get_rng_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", fake.set_rng_state)
+    fake.current = 0  # forward: the training thread
+    at_forward = execute._rng_state((OnGpu(),))
+    fake.states[1] = torch.tensor([99], dtype=torch.uint8)  # forward's dropout advanced cuda:1's generator
+    fake.current = 1  # backward: autograd's thread for cuda:1
+    with execute._restore_rng(at_forward):
+        assert fake.states[1].item() == 1, "recompute's dropout would draw other masks than forward's"
+        assert fake.states[0].item() == 0
+    assert fake.states[1].item() == 99 and fake.states[0].item() == 0  # put back as it was
