@@ -5,6 +5,12 @@ An asyncio event loop runs in its own daemon thread; its default executor is a b
 reads and writes, copies, fsyncs) lands on these threads and nowhere else. The training thread
 hands coroutines over with `submit()` and waits on the `concurrent.futures.Future` it gets back.
 
+Waits for something that merely has to happen (a device copy's event) go to one more thread,
+the waiter (`wait_off_workers`): a worker asleep on an event is one fewer for the reads and
+writes queued behind it. One is enough: waits are issued in the order their copies were, and
+copies on one stream land in that order. `initializer` runs first on every one of these
+threads (the engine binds its GPU there: see `tierzero.streams.bind_thread`).
+
 Shutdown: `close()` cancels every pending task, lets their cleanup run (stores remove their temp
 files), waits for the threads to finish the chunk they are on, and joins the loop thread. It is
 idempotent and is what the context manager calls on an exception or Ctrl-C, so nothing hangs.
@@ -16,7 +22,7 @@ import asyncio
 import concurrent.futures
 import os
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import aiofiles
@@ -31,29 +37,36 @@ T = TypeVar("T")
 class IOLoop:
     """An event loop in a daemon thread with a bounded thread pool of `threads` workers."""
 
-    def __init__(self, threads: int = 16) -> None:
+    def __init__(self, threads: int = 16, initializer: Callable[[], None] | None = None) -> None:
         if threads < 1:
             raise StorageError(f"IOLoop needs at least one thread, got {threads}")
         self.threads = threads
+        self.initializer = initializer
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._waiter: concurrent.futures.ThreadPoolExecutor | None = None
 
     def open(self) -> None:
         if self._loop is not None:
             return
         loop = asyncio.new_event_loop()
         loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
-            self.threads, thread_name_prefix="tierzero-io"))
+            self.threads, thread_name_prefix="tierzero-io", initializer=self.initializer))
+        self._waiter = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="tierzero-wait", initializer=self.initializer)
         started = threading.Event()
-        self._thread = threading.Thread(target=self._serve, args=(loop, started),
+        self._thread = threading.Thread(target=self._serve, args=(loop, started, self.initializer),
                                         name="tierzero-io-loop", daemon=True)
         self._thread.start()
         started.wait()
         self._loop = loop
 
     @staticmethod
-    def _serve(loop: asyncio.AbstractEventLoop, started: threading.Event) -> None:
+    def _serve(loop: asyncio.AbstractEventLoop, started: threading.Event,
+               initializer: Callable[[], None] | None) -> None:
         asyncio.set_event_loop(loop)
+        if initializer is not None:
+            initializer()
         loop.call_soon(started.set)
         try:
             loop.run_forever()
@@ -69,6 +82,9 @@ class IOLoop:
         asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result()
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
+        if self._waiter is not None:
+            self._waiter.shutdown()  # nothing waits on it now: the loop's tasks are done
+            self._waiter = None
 
     @staticmethod
     async def _shutdown() -> None:
@@ -92,6 +108,11 @@ class IOLoop:
             raise StorageError("the I/O loop is not open: call IOLoop.open() or use it as a "
                                "context manager")
         return self._loop
+
+    async def wait_off_workers(self, wait: Callable[..., None], *args: Any) -> None:
+        """Run a blocking `wait(*args)` on the waiter thread, never on an I/O worker."""
+        assert self._waiter is not None
+        await asyncio.get_running_loop().run_in_executor(self._waiter, wait, *args)
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule `coro` on the loop; the training thread waits on the returned future."""

@@ -225,3 +225,10 @@ def check_h2d_copies_write_pool_or_h2d_memory(log: list[tuple]) -> list[str]:
                                 "memory allocated for the h2d stream")
             fresh.discard(entry[2])
     return problems
+
+
+def check_no_host_wait_on_io_threads(log: list[tuple]) -> list[str]:
+    """No I/O worker (nor the loop's thread) sleeps on an event: that is the waiter's job
+    (`IOLoop.wait_off_workers`), so NVMe reads and the CPU optimizer never queue behind a wait."""
+    return [f"{e[2]} waits for {e[1]}" for e in log
+            if e[0] == "host_wait" and e[1] is not None and e[2].startswith("tierzero-io")]

@@ -4,8 +4,9 @@ Compared: `tierzero.Engine` run through `RecordingStreams` (copies land only whe
 is waited for; NaN before) against plain PyTorch (`ReferenceTrainer`): bitwise equal weights
 mean no compute read a param buffer, and no host code read a grad piece, before its copy's
 event. The log then says what each copy waited for, that the host never waited for the compute
-stream (a device synchronisation) anywhere in the steps, and that an nvme read's copy was
-issued by the I/O loop as it landed.
+stream (a device synchronisation) anywhere in the steps, that every h2d copy filled a pool buffer
+or memory allocated for its stream, that no I/O worker slept on an event, and that an nvme
+read's copy was issued by the I/O loop as it landed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from engine_helpers import SMALL, batches, reference_run
 from recording_streams import (RecordingStreams, check_d2h_copies_wait_for_their_source,
                                check_h2d_copies_wait_only_for_their_buffer,
                                check_h2d_copies_write_pool_or_h2d_memory, check_no_copy_hazards,
-                               check_no_host_wait_on_compute, watch_device_pool)
+                               check_no_host_wait_on_compute, check_no_host_wait_on_io_threads,
+                               watch_device_pool)
 
 HOST = Placement(Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
@@ -70,7 +72,7 @@ def test_pipeline_waits_only_on_events_and_stays_bitwise(tmp_path, monkeypatch, 
     streams_used = {e[1] for e in fake.log if e[0] == "copy"}
     problems = [p for check in (check_h2d_copies_wait_only_for_their_buffer, check_no_host_wait_on_compute,
                                 check_d2h_copies_wait_for_their_source, check_no_copy_hazards,
-                                check_h2d_copies_write_pool_or_h2d_memory)
+                                check_h2d_copies_write_pool_or_h2d_memory, check_no_host_wait_on_io_threads)
                 for p in check(fake.log)[:2]]
     problems += [f"no copy on the {s} stream" for s in ("h2d", "d2h") if s not in streams_used]
     assert not problems, "\n".join(problems)

@@ -3,14 +3,19 @@ by a model of them (one RNG generator per GPU; `cuda` without an index means the
 thread's current device, as in torch), so a call that names no device picks the wrong one.
 
 Compared: the RNG state recompute runs under against the one forward ran under, with the
-forward's thread and autograd's thread having different current devices.
+forward's thread and autograd's thread having different current devices; and the device each
+of the tiers' I/O threads binds against the tiers' own.
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import torch
 
-from tierzero import execute
+from tierzero import Config, Placement, Tier, execute, streams
+from tierzero.tiers import Tiers
 
 
 class FakeCudaRng:
@@ -50,3 +55,32 @@ def test_recompute_draws_from_the_inputs_gpu_whatever_thread_is_current(monkeypa
         assert fake.states[1].item() == 1, "recompute's dropout would draw other masks than forward's"
         assert fake.states[0].item() == 0
     assert fake.states[1].item() == 99 and fake.states[0].item() == 0  # put back as it was
+
+
+def test_bind_thread_makes_a_gpu_current_and_leaves_the_cpu_alone(monkeypatch) -> None:
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    streams.bind_thread(torch.device("cuda", 1))
+    streams.bind_thread(torch.device("cpu"))
+    assert made_current == [torch.device("cuda", 1)]
+
+
+def test_the_tiers_io_threads_bind_the_engines_device(tmp_path, monkeypatch) -> None:
+    """Every I/O thread, the loop's and the waiter included, binds the device the tiers are for."""
+    bound = []
+    monkeypatch.setattr(streams, "bind_thread", lambda device: bound.append((threading.current_thread().name, device)))
+    cfg = Config(placement=Placement(*[Tier.HOST] * 5), nvme_path=[str(tmp_path)], io_threads=2,
+                 host_budget="64MiB", gpu_budget="64MiB")
+    tiers = Tiers(cfg, torch.device("cpu"), {Tier.HOST}).open()
+    try:
+        tiers.run(tiers.landed(None))  # an event that has happened: no thread needed for it
+        tiers.run(tiers.io.wait_off_workers(lambda: None))
+        tiers.run(_on_a_worker())
+    finally:
+        tiers.close()
+    assert {device for _, device in bound} == {torch.device("cpu")}
+    assert {"tierzero-io-loop", "tierzero-io_0", "tierzero-wait_0"} <= {name for name, _ in bound}
+
+
+async def _on_a_worker() -> None:
+    await asyncio.get_running_loop().run_in_executor(None, lambda: None)

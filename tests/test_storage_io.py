@@ -90,3 +90,32 @@ def test_cancelled_writes_leave_no_temp_files(tmp_path: Path,
                     out = torch.empty_like(src)
                     again.run(store.read_into(key, out, verify=True))
                     assert torch.equal(out, src)
+
+
+def test_every_thread_runs_the_initializer_and_a_wait_never_holds_a_worker() -> None:
+    """The engine binds its GPU on every I/O thread (`initializer`); waits sleep on the waiter,
+    so with both workers' worth of waits asleep, a worker's job still runs."""
+    bound, waited_on = set(), []
+    release = threading.Event()
+
+    def wait() -> None:
+        waited_on.append(threading.current_thread().name)
+        release.wait()
+
+    async def on_every_worker() -> None:  # both workers busy at once: both threads exist
+        barrier = threading.Barrier(2)
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(None, barrier.wait) for _ in range(2)))
+
+    async def job() -> int:
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: 7)
+
+    with IOLoop(threads=2, initializer=lambda: bound.add(threading.current_thread().name)) as io:
+        io.run(on_every_worker())
+        waits = [io.submit(io.wait_off_workers(wait)) for _ in range(2)]
+        assert io.submit(job()).result(timeout=60) == 7  # the timeout only stops a hang
+        release.set()
+        for w in waits:
+            w.result()
+    assert waited_on == ["tierzero-wait_0"] * 2
+    assert bound == {"tierzero-io-loop", "tierzero-io_0", "tierzero-io_1", "tierzero-wait_0"}

@@ -39,7 +39,7 @@ from tierzero.config import StateKind, Tier
 from tierzero.partition import Unit, piece_ranges
 from tierzero.stats import StepStats
 from tierzero.storage.base import TierStore
-from tierzero.streams import Event, Streams
+from tierzero.streams import Event
 from tierzero.tiers import Tiers, state_keys
 
 
@@ -244,7 +244,7 @@ class GradShards:
         landed = s.copy(stage, part, s.d2h, after=produced)
         s.keep_alive(part, s.d2h)
         future = self._writes[key] = self.tiers.submit(
-            _write_when_landed(s, landed, self.tiers.stores[Tier.NVME], key, stage))
+            _write_when_landed(self.tiers, landed, self.tiers.stores[Tier.NVME], key, stage))
         self.tiers.pending.add(future, lambda ok: self.tiers.host_pool.give_back(stage.view(torch.uint8)))
         self.stats.add_bytes("host->nvme", nbytes)
 
@@ -268,7 +268,7 @@ class GradShards:
             landed = s.copy(stage, grad, s.d2h, after=s.record(s.compute))
             s.keep_alive(grad, s.d2h)
             add = self.tiers.lease_host(nbytes).view(torch.float32) if stash is not None else None
-            future = self._stashes[key] = self.tiers.submit(_stash_when_landed(s, landed, store, key, stage, add))
+            future = self._stashes[key] = self.tiers.submit(_stash_when_landed(self.tiers, landed, store, key, stage, add))
             self.tiers.pending.add(future, lambda ok: [self.tiers.host_pool.give_back(b.view(torch.uint8))
                                                        for b in (stage, add) if b is not None])
             if stash is not None:
@@ -325,20 +325,19 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
 
 
-async def _write_when_landed(streams: Streams, landed: Event, store: TierStore, key: str,
+async def _write_when_landed(tiers: Tiers, landed: Event, store: TierStore, key: str,
                              stage: torch.Tensor) -> None:
     """Write a grad piece to nvme once its D2H copy into `stage` has happened."""
-    await asyncio.get_running_loop().run_in_executor(None, streams.host_wait, landed)
+    await tiers.landed(landed)
     await store.write(key, stage)
 
 
-async def _stash_when_landed(streams: Streams, landed: Event, store: TierStore, key: str,
+async def _stash_when_landed(tiers: Tiers, landed: Event, store: TierStore, key: str,
                              stage: torch.Tensor, add: torch.Tensor | None) -> None:
     """Once a use's grad has landed in `stage`: add the earlier uses' stash (read into `add`)
     on the host, and write the sum home as the stash."""
-    loop = asyncio.get_running_loop()
-    await loop.run_in_executor(None, streams.host_wait, landed)
+    await tiers.landed(landed)
     if add is not None:
         await store.read_into(key, add)
-        await loop.run_in_executor(None, stage.add_, add)
+        await asyncio.get_running_loop().run_in_executor(None, stage.add_, add)
     await store.write(key, stage)

@@ -44,7 +44,7 @@ class Work:
     tensors: dict[StateKind, torch.Tensor] = field(default_factory=dict)
     leased: dict[StateKind, torch.Tensor] = field(default_factory=dict)  # kind -> leased buffer
     futures: list = field(default_factory=list)
-    grad_landed: Event = None  # the D2H copy of its grad piece (overlap_step), waited for on an I/O thread
+    grad_landed: Event = None  # the D2H copy of its grad piece (overlap_step), waited for by `Tiers.landed`
 
     @property
     def numel(self) -> int:
@@ -138,9 +138,8 @@ class ShardOptimizer:
     async def _step_when_loaded(self, work: Work, lr: float, grad_coef: torch.Tensor | None) -> None:
         for future in work.futures:
             await asyncio.wrap_future(future)
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self.tiers.streams.host_wait, work.grad_landed)
-        await loop.run_in_executor(None, self._step, work, lr, grad_coef)
+        await self.tiers.landed(work.grad_landed)
+        await asyncio.get_running_loop().run_in_executor(None, self._step, work, lr, grad_coef)
 
     def _attach_grad(self, work: Work, grad: torch.Tensor, produced: Event) -> None:
         """Use the piece's slice of the finished grad shard handed over by backward: in place on

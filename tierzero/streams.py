@@ -184,6 +184,14 @@ def bound_device(device: torch.device) -> torch.device:
     return device
 
 
+def bind_thread(device: torch.device) -> None:
+    """Make `device` the calling thread's current one (the I/O loop's threads run this first):
+    torch code that uses the current device, such as `torch.optim.AdamW.step()`'s
+    `current_stream()`, then never creates a context on cuda:0. Nothing to bind on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def open_streams(device: torch.device) -> Streams:
     """The streams of the compute device `device` (tests replace this function)."""
     device = bound_device(device)

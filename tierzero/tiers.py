@@ -8,9 +8,9 @@ pending transfer to give its buffer back before failing.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import ctypes
+import functools
 import os
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -184,7 +184,7 @@ class Tiers:
         pin_malloc_thresholds()
         try:
             self.streams = streams_mod.open_streams(self.device)
-            self.io = self._open(IOLoop(self.config.io_threads))
+            self.io = self._open(IOLoop(self.config.io_threads, functools.partial(streams_mod.bind_thread, self.device)))
             pin_device = self.device if self.device.type == "cuda" else None  # pin in its context
             self.host_pool = self._open(HostPool(self.host_budget, device=pin_device))
             self.device_pool = self._open(DevicePool(self.gpu_budget, self.device))
@@ -235,14 +235,20 @@ class Tiers:
         return self.submit(coro).result()
 
     def when_done(self, event: streams_mod.Event) -> concurrent.futures.Future:
-        """A future that completes once the stream event `event` has happened: an I/O thread
-        waits for it, so the training thread hands buffers back through `pending` unblocked."""
+        """A future that completes once the stream event `event` has happened: the I/O loop's
+        waiter waits for it, so the training thread hands buffers back through `pending` unblocked."""
         assert self.streams is not None
         if self.streams.query(event):
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(None)
             return done
-        return self.submit(_host_wait(self.streams, event))
+        return self.submit(self.landed(event))
+
+    async def landed(self, event: streams_mod.Event) -> None:
+        """Await a stream event from the I/O loop, never holding an I/O worker while it sleeps."""
+        assert self.streams is not None and self.io is not None
+        if not self.streams.query(event):
+            await self.io.wait_off_workers(self.streams.host_wait, event)
 
     def lease_host(self, nbytes: int) -> torch.Tensor:
         """A host buffer; when the pool is full, wait for pending transfers to free one first."""
@@ -282,10 +288,6 @@ def pin_malloc_thresholds() -> bool:
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, from glibc's malloc.h
 _MALLOC_PINNED: bool | None = None
-
-
-async def _host_wait(streams: streams_mod.Streams, event: streams_mod.Event) -> None:
-    await asyncio.get_running_loop().run_in_executor(None, streams.host_wait, event)
 
 
 def _lease(pool: HostPool | DevicePool, nbytes: int, pending: Pending) -> torch.Tensor:
