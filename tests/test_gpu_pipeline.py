@@ -9,7 +9,11 @@ device copies run while compute kernels do.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,16 +120,35 @@ def test_host_to_device_copies_overlap_compute_kernels(tmp_path) -> None:
     assert overlapping, "no host->device copy ran while a compute kernel did"
 
 
+# Run in a fresh process: this one has used cuda:0 already. `_cuda_hasPrimaryContext` asks the
+# driver whether a GPU has this process's context without creating one (PyTorch's own
+# test_cuda_primary_ctx checks the same way); `memory_allocated` would miss a bare context.
+ONLY_CUDA_1 = """
+import sys
+import torch
+from tierzero import Config, Placement, Tier, models
+from tierzero.engine import Engine
+from engine_helpers import SMALL, batches
+
+cfg = Config(placement=Placement(*[Tier.NVME] * 5), nvme_path=[sys.argv[1]], device="cuda:1", piece_numel=6144,
+             host_budget="1GiB", gpu_budget="1GiB", accumulate=2, overlap_step=True)
+data = batches()
+with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
+    for _ in range(4):
+        engine.train_step(data.next_batch())
+    assert engine.tiers.device_pool.device == torch.device("cuda", 1)
+    during = torch._C._cuda_hasPrimaryContext(0)
+print("contexts", during, torch._C._cuda_hasPrimaryContext(0), torch._C._cuda_hasPrimaryContext(1))
+"""
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_an_engine_on_cuda_1_puts_nothing_on_cuda_0(tmp_path) -> None:
-    """The I/O threads (cuda:0 current) lease device buffers and pin host memory too."""
-    cfg = Config(placement=NVME, nvme_path=[str(tmp_path / "nvme")], device="cuda:1", piece_numel=6144,
-                 host_budget="1GiB", gpu_budget="1GiB")
-    before = torch.cuda.memory_allocated(0)
-    data = batches()
-    with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
-        for _ in range(2):
-            engine.train_step(data.next_batch())
-        assert engine.tiers.device_pool.device == torch.device("cuda", 1)
-        assert torch.cuda.memory_allocated(1) > 0
-    assert torch.cuda.memory_allocated(0) == before
+    """No context on cuda:0, while training or after: the training thread, autograd's, the I/O
+    threads (which step AdamW, lease device buffers and pin host memory) all use cuda:1."""
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", ONLY_CUDA_1, str(tmp_path / "nvme")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[-4:] == ["contexts", "False", "False", "True"], run.stdout
