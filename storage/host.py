@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+from collections.abc import Mapping
 
 import torch
 
@@ -32,19 +33,25 @@ class HostPool(BufferPool):
     memory, so a smaller capacity would undercount the budget. Pinning is done in the context of
     `device` (a `cuda:k`; the engine always names it), whichever thread leases: the I/O loop's
     threads have cuda:0 current, and registering there would create a context on it.
-    `registrations` counts `cudaHostRegister` calls (each is a costly, synchronising driver call).
+    `registrations` and `unregistrations` count `cudaHostRegister` / `cudaHostUnregister` calls
+    (each a costly, synchronising driver call). Given size classes (`blocks`, see `BufferPool`),
+    every block of the working set is pinned at `open()` and stays pinned until `close()`.
+    A lease above every class gets a block of its own, pinned like the rest (counted): copies
+    from pageable memory would not be asynchronous, and the engine sizes its classes to cover
+    every size it leases, so these come only from other callers.
     """
 
     kind = "host"
 
     def __init__(self, budget_bytes: int, pin: bool | None = None, alignment: int = 4096,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__(budget_bytes, alignment)
+                 device: torch.device | str | None = None, blocks: Mapping[int, int] | None = None) -> None:
+        super().__init__(budget_bytes, alignment, blocks)
         self.alignment = max(alignment, mmap.PAGESIZE)
         self._pin_request = pin
         self.pin = bool(pin)
         self.device = torch.device(device) if device is not None else None
         self.registrations = 0
+        self.unregistrations = 0
 
     def open(self) -> None:
         cuda = torch.cuda.is_available()
@@ -90,6 +97,7 @@ class HostPool(BufferPool):
         if self.pin:
             with self._in_context():
                 err = int(torch.cuda.cudart().cudaHostUnregister(data.data_ptr()))
+            self.unregistrations += 1
             if err != 0:
                 raise StorageError(f"cannot unpin the {data.numel()}-byte host block at "
                                    f"0x{data.data_ptr():x} (cudaHostUnregister error {err}; "

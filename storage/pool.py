@@ -2,14 +2,27 @@
 
 The pool owns every buffer it hands out. `lease(nbytes)` returns a 1-D uint8 tensor of exactly
 `nbytes` whose data pointer is `alignment`-aligned, cut from a block whose capacity is `nbytes`
-rounded up to `alignment`. Given-back blocks are kept on free lists keyed by capacity and reused
-as-is, because touching fresh memory is slow (a new multi-GB allocation halves copy speed until
-its pages are faulted in).
+rounded up to `alignment` -- or, for a pool given size classes (`blocks`, see
+`tierzero.storage.sizeclass`), up to the smallest class that holds it. Given-back blocks are kept
+on free lists keyed by capacity and reused as-is, because touching fresh memory is slow (a new
+multi-GB allocation halves copy speed until its pages are faulted in) and, for pinned host
+memory, allocating one is a synchronising driver call.
+
+Size classes: `blocks` maps each class capacity to how many blocks of it to allocate at
+`open()`, the working set its owner's memory model predicts. After that a lease takes a free
+block of its class, never a larger class's (it would starve that class); `lease(grow=False)`
+stops there and raises `BudgetExceededError`, so a caller with transfers in flight waits for one
+of them to give a block back rather than allocating. Growing under budget pressure evicts a
+cached block of the lease's class first (reused as it is), before dropping other blocks. A size
+above every class (one the owner did not size the pool for) gets a block of its own aligned
+size, allocated when first leased and reused after.
 
 Budget accounting: `resident_bytes` is the capacity of every block the pool holds -- leased,
 cached, or idle on a free list. It never exceeds `budget_bytes`. When a new block would not fit,
 the pool first drops idle free blocks, then evicts cache entries (least recently used first,
-never one that is leased), and only then raises `BudgetExceededError`. An allocation that is not
+never one that is leased), and only then raises `BudgetExceededError`. Eviction and `cache_drop`
+put a block back on its free list; only this budget pressure, a lower budget (`set_budget`) and
+`close()` drop blocks (and run `_release`). An allocation that is not
 already aligned carries a few bytes of slack to align it (< `alignment` per block), not counted.
 
 The cache maps a shard key to a block: `cache_put(key, buf)` registers a leased buffer,
@@ -34,11 +47,13 @@ from __future__ import annotations
 import abc
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from tierzero.storage.base import BudgetExceededError, StorageError
+from tierzero.storage.sizeclass import aligned, class_for
 
 
 @dataclass(eq=False)
@@ -64,7 +79,7 @@ class BufferPool(abc.ABC):
 
     kind: str  # "host" or "device", for messages
 
-    def __init__(self, budget_bytes: int, alignment: int = 4096) -> None:
+    def __init__(self, budget_bytes: int, alignment: int = 4096, blocks: Mapping[int, int] | None = None) -> None:
         if budget_bytes <= 0:
             raise StorageError(f"{self.kind} pool budget_bytes must be positive, got {budget_bytes}")
         if alignment <= 0 or alignment & (alignment - 1):
@@ -79,6 +94,8 @@ class BufferPool(abc.ABC):
         self._peak_bytes = 0
         self._is_open = False
         self._unreleased: list[_Block] = []  # blocks whose release failed: never freed
+        self._provision = dict(blocks or {})  # class capacity -> blocks allocated at open
+        self.classes = tuple(sorted(self._provision))
 
     @abc.abstractmethod
     def _allocate(self, capacity: int) -> torch.Tensor:
@@ -96,7 +113,26 @@ class BufferPool(abc.ABC):
         """
 
     def open(self) -> None:
+        """Allocate the size classes' blocks (`blocks`), idle on their free lists; on a failure
+        release the ones allocated so far and raise."""
+        bad = [c for c in self.classes if c % self.alignment]
+        if bad:
+            raise StorageError(f"{self.kind} pool classes {bad} are not multiples of its alignment {self.alignment}")
         self._is_open = True
+        try:
+            self.provision(self._provision)
+        except BaseException:
+            self.close()
+            raise
+
+    def provision(self, blocks: Mapping[int, int]) -> None:
+        """Allocate `blocks` (class capacity -> how many) more blocks, idle on their free lists."""
+        with self._lock:
+            for capacity, n in sorted(blocks.items()):
+                if capacity not in self.classes:
+                    raise StorageError(f"{capacity} is not one of the {self.kind} pool's classes {self.classes}")
+                for _ in range(n):
+                    self._free.setdefault(capacity, []).append(self._new_block(capacity, capacity))
 
     def close(self) -> None:
         """Release and forget every block; tensors callers still hold stay valid memory, but
@@ -144,6 +180,15 @@ class BufferPool(abc.ABC):
         return self._peak_bytes
 
     @property
+    def block_capacities(self) -> dict[int, int]:
+        """How many blocks of each capacity the pool holds (leased, cached or idle)."""
+        with self._lock:
+            counts: dict[int, int] = {}
+            for block in self._blocks.values():
+                counts[block.capacity] = counts.get(block.capacity, 0) + 1
+            return counts
+
+    @property
     def leased_bytes(self) -> int:
         with self._lock:
             return sum(b.capacity for b in self._blocks.values() if b.leases)
@@ -181,15 +226,19 @@ class BufferPool(abc.ABC):
         with self._lock:
             self._peak_bytes = self._resident_bytes
 
-    def lease(self, nbytes: int) -> torch.Tensor:
-        """A 1-D uint8 tensor of exactly `nbytes`, aligned; pair it with one `give_back`."""
+    def lease(self, nbytes: int, grow: bool = True) -> torch.Tensor:
+        """A 1-D uint8 tensor of exactly `nbytes`, aligned; pair it with one `give_back`.
+        `grow=False`: only a block the pool holds idle, else `BudgetExceededError`."""
         if nbytes < 0:
             raise StorageError(f"cannot lease {nbytes} bytes from the {self.kind} pool")
-        capacity = max(self.alignment, -(-nbytes // self.alignment) * self.alignment)
+        capacity = class_for(nbytes, self.classes, self.alignment) if self.classes else aligned(nbytes, self.alignment)
         with self._lock:
             if not self._is_open:
                 raise StorageError(f"the {self.kind} pool is not open: call open() first")
-            block = self._reuse(capacity) or self._new_block(capacity, nbytes)
+            block = self._reuse(capacity)
+            if block is None and not grow:
+                raise BudgetExceededError(f"no idle {self.kind} block of {capacity} bytes or more")
+            block = block or self._new_block(capacity, nbytes)
             block.nbytes = nbytes
             block.leases = 1
             return block.view()
@@ -255,12 +304,22 @@ class BufferPool(abc.ABC):
             self._free.setdefault(block.capacity, []).append(block)
 
     def _reuse(self, capacity: int) -> _Block | None:
+        """An idle block of `capacity`; never a larger one (a small lease holding a large block
+        would starve that class)."""
         free = self._free.get(capacity)
         return free.pop() if free else None
 
     def _new_block(self, capacity: int, nbytes: int) -> _Block:
         if capacity > self._budget_bytes:
             raise self._over_budget(nbytes)
+        if self.classes and self._resident_bytes + capacity > self._budget_bytes:
+            # with size classes, a cached block of this class serves as it is (an idle block of
+            # another class would be dropped now and allocated again when its class needs it)
+            key = next((k for k, b in self._cache.items() if b.capacity == capacity and not b.leases), None)
+            if key is not None:
+                block = self._cache.pop(key)
+                block.cache_key = None
+                return block
         # Idle free blocks are pure waste under pressure; cached shards are worth keeping longer.
         for size in sorted(self._free, reverse=True):
             while self._free[size] and self._resident_bytes + capacity > self._budget_bytes:

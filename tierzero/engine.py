@@ -172,6 +172,10 @@ class Engine:
         training = torch.is_grad_enabled()
         if training and not self._activations_reserved:
             self._reserve_activations(batch)
+            if self.device.type == "cpu":  # the host budget is final now: the pool's, and its blocks
+                self.tiers.host_pool.set_budget(max(1, self.tiers.host_budget))
+                provision = self.memory.host_provision(self.tiers.host_budget)
+                self.tiers.host_pool.provision({c: n - self.tiers.host_blocks.get(c, 0) for c, n in provision.items()})
         self.scheduler.begin(self.train_plan if training else self.eval_plan)
         root = self.units[0]
         try:
@@ -630,6 +634,9 @@ class Engine:
         for tier, need in _unpooled(self.memory).items():
             self.tiers.reserve(tier, need)
         self._check_pools(self.memory, "")
+        # the host pool's blocks, pinned at open; with room, the LRU cache's too where the host
+        # budget is final (on the CPU device the first forward takes the activations from it)
+        self.tiers.host_blocks = self.memory.host_provision(self.tiers.host_budget if self.device.type == "cuda" else 0)
         if Tier.NVME in {self.placement.home(k) for k in StateKind}:
             free = self._nvme_free()  # the ranks on this machine share its drives
             total = self.memory.tiers[Tier.NVME].homes_bytes * self.local_ranks // len(self.config.nvme_path)

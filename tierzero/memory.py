@@ -63,20 +63,32 @@ all-gathered once (the `param sync` phase: the gathered unit on the compute devi
 params on nvme, this rank's range staged in host memory). At 1, with `accumulate` > 1, the
 grad home also holds each unit's whole trainable gradient between micro-batches.
 
+Host blocks. The host pool serves every lease from a few size classes (`HOST_CLASSES` at most,
+`storage.sizeclass`), chosen here from every size the engine leases there, and allocates (pins)
+at open the blocks of its homes and of its busiest moment (`MemoryModel.host_blocks`): each host
+buffer above counts at its class's capacity, not its own bytes, and host homes count each key
+at its class, so the pool's figure includes the rounding. Other moments of the step need blocks
+of other classes (a block never serves another class's lease); with budget to spare the pool
+pins those at open too (`host_moment_blocks`, `host_provision`), and without, it drops idle
+blocks of one class to allocate another when they are needed (pinning in the step, counted).
+
 Not counted: the process's fixed overhead (interpreter, torch, the I/O threads; README states
 it), the allocator's slack, a model's buffers, the batch itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from tierzero.config import Placement, StateKind, Tier
 from tierzero.ledger import FP32_NBYTES, GB, ActivationEstimate, Unit
 from tierzero.partition import ALIGN_NUMEL
+from tierzero.hostblocks import HOST_ALIGN, host_classes, key_sizes
 from tierzero.schedule import Op, build_swap_plan
+from tierzero.storage.sizeclass import class_for
 
 PIECE_NUMEL = 16 << 20  # elements per piece (64 MiB of fp32): `Config.piece_numel`'s default
 OPT_KINDS = (StateKind.GRAD, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
@@ -159,6 +171,25 @@ class MemoryModel:
     tiers: dict[Tier, TierPeak]
     host_memory: TierPeak
     host_cache_bytes: int  # what the LRU param cache would hold with budget to spare (nvme params)
+    # one rank's host pool, class capacity -> blocks: its homes' and busiest moment's (every
+    # class; they make up its pool_bytes), those other moments need beyond them, and the param
+    # shards its LRU cache would hold (nvme params)
+    host_blocks: dict[int, int] = field(default_factory=dict)
+    host_moment_blocks: dict[int, int] = field(default_factory=dict)
+    host_cache_blocks: dict[int, int] = field(default_factory=dict)
+
+    def host_provision(self, budget_bytes: int) -> dict[int, int]:
+        """The blocks one rank's host pool allocates (pins) at open under `budget_bytes`: its
+        homes' and busiest moment's, then as many of those other moments need, then of the LRU
+        cache's (which it would fill in the first step anyway), as the budget has room for."""
+        blocks = dict(self.host_blocks)
+        room = budget_bytes - self.per_rank().tiers[Tier.HOST].pool_bytes
+        for extra in (self.host_moment_blocks, self.host_cache_blocks):
+            for capacity, n in sorted(extra.items()):
+                fit = max(0, min(n, room // capacity))
+                blocks[capacity] = blocks.get(capacity, 0) + fit
+                room -= fit * capacity
+        return blocks
 
     @property
     def host_total_bytes(self) -> int:
@@ -187,7 +218,8 @@ class MemoryModel:
         if w == 1:
             return self
         tiers = {**self.tiers, Tier.HOST: self.tiers[Tier.HOST].divided(w), Tier.NVME: self.tiers[Tier.NVME].divided(w)}
-        return MemoryModel(self.device, 1, tiers, self.host_memory.divided(w), self.host_cache_bytes // w)
+        return MemoryModel(self.device, 1, tiers, self.host_memory.divided(w), self.host_cache_bytes // w,
+                           self.host_blocks, self.host_moment_blocks, self.host_cache_blocks)
 
     def as_dict(self) -> dict[str, Any]:
         return {"device": self.device, "tiers": {t.value: p.as_dict() for t, p in self.tiers.items()},
@@ -240,18 +272,33 @@ def peak_memory(
         else frozenset()
     tied = len(calls[-1]) > 1
 
+    step_on_gpu = all(placement.home(k) is Tier.GPU for k in OPT_KINDS[1:])
+    classes = host_classes(placement, stored_param, state, piece_numel, c, tied=tied, step_on_host=not step_on_gpu)
+
+    def blocks(sizes: Sequence[int]) -> int:
+        """Host buffers of one rank at their classes' capacities."""
+        return sum(class_for(n, classes, HOST_ALIGN) for n in sizes)
+
+    def fp32_blocks(pieces: Sequence[int]) -> int:
+        return blocks([p * FP32_NBYTES for p in pieces])
+
     homes = {Tier.GPU: 0, Tier.HOST: 0, Tier.NVME: 0}
     for kind in StateKind:
         home = placement.home(kind)
         stored = stored_param if kind is StateKind.PARAM else state
-        homes[home] += sum(stored) * _nbytes(kind, c) * (1 if home is Tier.GPU else w)
+        if home is Tier.HOST:  # one block per stored key
+            homes[home] += w * blocks(key_sizes(kind, stored_param, state, piece_numel, c, Tier.HOST))
+        else:
+            homes[home] += sum(stored) * _nbytes(kind, c) * (1 if home is Tier.GPU else w)
     full_grads = [min(p, t) for p, t in zip(padded, trainable)] if trainable is not None else padded
     if w > 1 and stage == 1 and accumulate > 1:  # each unit's whole gradient, between micro-batches
         homes[placement.grad] += sum(full_grads) * FP32_NBYTES * (1 if placement.grad is Tier.GPU else w)
 
     # -- the pass: params in flight as the swap plan holds them
     plan = build_swap_plan(calls, depth, backward=True, held=held, forward_only=forward_only)
-    flight, staging = _param_peaks(plan, stored_param, c, placement.param, staged_until_release=device == "cuda")
+    flight, staging, staged_blocks = _param_peaks(plan, stored_param, c, placement.param,
+                                                  staged_until_release=device == "cuda",
+                                                  staged_bytes=lambda u: blocks([stored_param[u] * c]))
     full = [sum(padded[u] for u in call) * c for call in calls]
     if w == 1 or replicated:
         gathered = 0
@@ -263,6 +310,7 @@ def peak_memory(
     reducing = overlap_comm and w > 1  # the previous call's reduce-scatter finishes a call later
     act = activations
     pieces = [min(piece_numel, s - a) for s in state for a in range(0, s, piece_numel)]
+    buffers: dict[str, dict[str, list[int]]] = {}  # phase -> host part -> one rank's buffer bytes
 
     def backward(final_with_overlap: bool) -> dict[Tier, dict[str, int]]:
         # the call being backpropagated: while autograd runs, its recompute's activations and its
@@ -282,18 +330,17 @@ def peak_memory(
             worst = max(worst, moment, key=sum)
         gpu = {"params in flight": flight[BACKWARD], "gathered params": gathered,
                "activations": (act.checkpoints_bytes if act else 0) + worst[0], "unit grads": worst[1]}
-        host = {"param staging": w * staging[BACKWARD]}
+        host = {"param staging": [stored_param[u] * c for u in staging[BACKWARD]]}
         if placement.grad is Tier.NVME and not final_with_overlap:  # pieces written, read-ahead deep
-            host["grad staging"] = w * _window(pieces, max(1, depth) + 1) * FP32_NBYTES
+            host["grad staging"] = [p * FP32_NBYTES for p in _window(pieces, max(1, depth) + 1, fp32_blocks)]
         if tied:  # the first use's grad waits in the grad home; their sum forms in a host buffer
             stash = state[0] * FP32_NBYTES  # and is copied to the compute device
-            host["tied grad stash"] = w * stash * (2 if placement.grad is Tier.HOST else 1)
+            host["tied grad stash"] = [stash] * (2 if placement.grad is Tier.HOST else 1)
             gpu["tied grad stash"] = stash if placement.grad is Tier.GPU else 0
             gpu["tied grad sum"] = stash
         return {Tier.GPU: gpu, Tier.HOST: host}
 
     # -- the optimizer, piece by piece on its stepping device
-    step_on_gpu = all(placement.home(k) is Tier.GPU for k in OPT_KINDS[1:])
     step_tier = Tier.GPU if step_on_gpu else Tier.HOST
     step_device = device if step_on_gpu else "cpu"
     writing = any(placement.home(k) is Tier.NVME for k in StateKind if k is not StateKind.GRAD)
@@ -307,21 +354,24 @@ def peak_memory(
         if during_backward:  # unit u steps as u-1 computes: the first `ahead` pieces of both are read
             # ahead, and the last piece of u+1 (stepped before u) may still be in flight
             per_unit = [pieces[a:b] for a, b in zip(_starts(state, piece_numel), _starts(state, piece_numel)[1:])]
-            most = max(sum(per_unit[u][:ahead]) + (sum(per_unit[u - 1][:ahead]) if u > 0 else 0)
-                       + (per_unit[u + 1][-1] if u + 1 < len(per_unit) and per_unit[u + 1] else 0)
-                       for u in range(len(per_unit)))
+            most = max(([*per_unit[u][:ahead], *(per_unit[u - 1][:ahead] if u > 0 else [])]
+                        + (per_unit[u + 1][-1:] if u + 1 < len(per_unit) else [])
+                        for u in range(len(per_unit))), key=fp32_blocks)
         else:  # `ahead` pieces read, one more whose writes are in flight
-            most = _window(pieces, ahead + (1 if writing else 0))
-        parts: dict[Tier, dict[str, int]] = {Tier.GPU: {}, Tier.HOST: {}}
-        parts[step_tier]["optimizer pieces"] = most * away * FP32_NBYTES * (w if step_tier is Tier.HOST else 1)
+            most = _window(pieces, ahead + (1 if writing else 0), fp32_blocks)
+        parts: dict[Tier, dict[str, list[int] | int]] = {Tier.GPU: {}, Tier.HOST: {}}
+        if step_tier is Tier.HOST:  # a buffer per piece and state kind
+            parts[Tier.HOST]["optimizer pieces"] = [p * FP32_NBYTES for p in most] * away
+        else:
+            parts[Tier.GPU]["optimizer pieces"] = sum(most) * away * FP32_NBYTES
         if placement.param is Tier.NVME:  # each stepped piece's new params, written from a host buffer
-            parts[Tier.HOST]["new param staging"] = w * min(piece_numel, max(state)) * c
+            parts[Tier.HOST]["new param staging"] = [min(piece_numel, max(state)) * c]
         return parts
 
     forward = {Tier.GPU: {"params in flight": flight[FORWARD], "gathered params": gathered,
                           "activations": act.forward_bytes if act else 0},
-               Tier.HOST: {"param staging": w * staging[FORWARD]}}
-    phases: dict[str, dict[Tier, dict[str, int]]] = {FORWARD: forward}
+               Tier.HOST: {"param staging": [stored_param[u] * c for u in staging[FORWARD]]}}
+    phases: dict[str, dict[Tier, dict[str, Any]]] = {FORWARD: forward}
     if not overlap or accumulate > 1:  # micro-batches whose grads are stored in their home
         phases[BACKWARD] = backward(final_with_overlap=False)
     if overlap:  # the last micro-batch: each unit is stepped as its grad arrives
@@ -331,13 +381,36 @@ def peak_memory(
         phases[OPTIMIZER] = optimizer(during_backward=False)
     if replicated:  # one unit at a time: its gathered values, and this rank's range read from nvme
         phases[PARAM_SYNC] = {Tier.GPU: {"gathered params": max(padded) * c + max(shard) * c},
-                              Tier.HOST: {"param staging": w * max(shard) * c if placement.param is Tier.NVME else 0,
-                                          "new param staging": w * min(piece_numel, max(shard)) * c
-                                          if placement.param is Tier.NVME else 0}}
+                              Tier.HOST: {"param staging": [max(shard) * c] if placement.param is Tier.NVME else [],
+                                          "new param staging": [min(piece_numel, max(shard)) * c]
+                                          if placement.param is Tier.NVME else []}}
+    for name, parts in phases.items():  # host parts: one rank's buffers -> every rank's bytes
+        buffers[name] = parts[Tier.HOST]
+        parts[Tier.HOST] = {k: w * blocks(v) for k, v in parts[Tier.HOST].items()}
 
     tiers = {t: _tier_peak(t, homes[t], {name: parts[t] for name, parts in phases.items()}, POOLED[t])
              for t in (Tier.GPU, Tier.HOST)}
     tiers[Tier.NVME] = TierPeak(Tier.NVME, homes[Tier.NVME], {}, "every phase", {}, "every phase")
+    # with room, the host pool holds per class the blocks of the moment that needs most of that
+    # class: a block never serves another class's lease
+    # (in the pass, param staging at every moment of the swap plan, not only at its peak)
+    in_pass = {FORWARD: staged_blocks[FORWARD], BACKWARD: staged_blocks[BACKWARD],
+               BACKWARD_AND_STEP: staged_blocks[BACKWARD]}
+    in_phase = {name: Counter(class_for(n, classes, HOST_ALIGN) for part, bufs in parts.items() for n in bufs
+                              if part != "param staging" or name not in in_pass) | in_pass.get(name, Counter())
+                for name, parts in buffers.items()}
+    host_blocks = Counter(dict.fromkeys(classes, 0))
+    for kind in StateKind:  # the homes' keys, each written into a block of the pool at open
+        if placement.home(kind) is Tier.HOST:
+            host_blocks.update(class_for(n, classes, HOST_ALIGN)
+                               for n in key_sizes(kind, stored_param, state, piece_numel, c, Tier.HOST))
+    working = Counter(dict.fromkeys(classes, 0))
+    for counts in in_phase.values():
+        for k, n in counts.items():
+            working[k] = max(working[k], n)
+    at_peak = Counter(class_for(n, classes, HOST_ALIGN)
+                      for bufs in buffers[tiers[Tier.HOST].pooled_phase].values() for n in bufs)
+    host_blocks.update(at_peak)
     host_memory = tiers[Tier.HOST]
     if device == "cpu":  # one RAM: both pools, each at its own peak, and the compute allocations
         gpu, host = tiers[Tier.GPU], tiers[Tier.HOST]
@@ -349,8 +422,10 @@ def peak_memory(
                                {**{f"gpu {k}": w * v for k, v in gpu.pooled.items()}, **host.pooled},
                                f"gpu {gpu.pooled_phase}, host {host.pooled_phase}",
                                unpooled.unpooled, unpooled.unpooled_phase)
-    cache = w * sum(stored_param) * c if placement.param is Tier.NVME else 0
-    return MemoryModel(device, w, tiers, host_memory, cache)
+    cached = Counter(class_for(n * c, classes, HOST_ALIGN) for n in stored_param) if placement.param is Tier.NVME \
+        else Counter()
+    cache = w * sum(k * n for k, n in cached.items())
+    return MemoryModel(device, w, tiers, host_memory, cache, dict(host_blocks), dict(working - at_peak), dict(cached))
 
 
 def _recompute_bytes(name: str, act: ActivationEstimate | None) -> int:
@@ -386,14 +461,16 @@ def _in_place(home: Tier, device: str, step_device: str) -> bool:
     return (device if home is Tier.GPU else "cpu") == step_device
 
 
-def _param_peaks(plan: Any, shard: list[int], itemsize: int, home: Tier,
-                 staged_until_release: bool) -> tuple[dict[str, int], dict[str, int]]:
-    """Peak bytes of param shards on the device and in host staging, per phase of the pass,
-    replaying the swap plan's fetches, waits and releases."""
+def _param_peaks(plan: Any, shard: list[int], itemsize: int, home: Tier, staged_until_release: bool,
+                 staged_bytes: Callable[[int], int]) -> tuple[dict[str, int], dict[str, list[int]], dict[str, Counter[int]]]:
+    """Per phase of the pass, replaying the swap plan's fetches, waits and releases: the peak
+    bytes of param shards on the device; the units in host staging at its peak (by
+    `staged_bytes`, a unit's host block); and the most host blocks of each size staged at once."""
     flight = {FORWARD: 0, BACKWARD: 0}
-    staging = {FORWARD: 0, BACKWARD: 0}
+    staging: dict[str, list[int]] = {FORWARD: [], BACKWARD: []}
+    most: dict[str, Counter[int]] = {FORWARD: Counter(), BACKWARD: Counter()}
     if home is Tier.GPU:  # resident in the device store: views, nothing in flight
-        return flight, staging
+        return flight, staging, most
     on_device: dict[int, int] = {}
     staged: dict[int, int] = {}
     phase = FORWARD
@@ -404,15 +481,17 @@ def _param_peaks(plan: Any, shard: list[int], itemsize: int, home: Tier,
         if op.op is Op.FETCH:
             on_device[op.unit] = nbytes
             if home is Tier.NVME:
-                staged[op.unit] = nbytes
+                staged[op.unit] = staged_bytes(op.unit)
         elif op.op is Op.WAIT and not staged_until_release:
             staged.pop(op.unit, None)
         elif op.op is Op.RELEASE:
             on_device.pop(op.unit, None)
             staged.pop(op.unit, None)
         flight[phase] = max(flight[phase], sum(on_device.values()))
-        staging[phase] = max(staging[phase], sum(staged.values()))
-    return flight, staging
+        if sum(staged.values()) > sum(staged_bytes(u) for u in staging[phase]):
+            staging[phase] = list(staged)
+        most[phase] |= Counter(staged.values())
+    return flight, staging, most
 
 
 def _starts(shard: list[int], piece_numel: int) -> list[int]:
@@ -423,9 +502,10 @@ def _starts(shard: list[int], piece_numel: int) -> list[int]:
     return starts
 
 
-def _window(pieces: list[int], n: int) -> int:
-    """The most elements in `n` consecutive pieces (the engine streams them in unit order)."""
-    return max((sum(pieces[j:j + n]) for j in range(len(pieces))), default=0)
+def _window(pieces: list[int], n: int, nbytes: Callable[[Sequence[int]], int]) -> list[int]:
+    """The `n` consecutive pieces (the engine streams them in unit order) whose buffers take
+    the most bytes (`nbytes`)."""
+    return max((pieces[j:j + n] for j in range(len(pieces))), key=nbytes, default=[])
 
 
 def _tier_peak(tier: Tier, homes: int, phases: dict[str, dict[str, int]], pooled: frozenset[str]) -> TierPeak:

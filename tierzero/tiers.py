@@ -142,6 +142,7 @@ class Tiers:
         self.total_budgets = {Tier.HOST: self.host_budget, Tier.GPU: self.gpu_budget}
         self.io: IOLoop | None = None
         self.host_pool: HostPool | None = None
+        self.host_blocks: dict[int, int] = {}  # the host pool's size classes and blocks to pin at open
         self.device_pool: DevicePool | None = None
         self.stores: dict[Tier, TierStore] = {}
         self.streams: streams_mod.Streams | None = None
@@ -186,7 +187,11 @@ class Tiers:
             self.streams = streams_mod.open_streams(self.device)
             self.io = self._open(IOLoop(self.config.io_threads, functools.partial(streams_mod.bind_thread, self.device)))
             pin_device = self.device if self.device.type == "cuda" else None  # pin in its context
-            self.host_pool = self._open(HostPool(self.host_budget, device=pin_device))
+            # On the CPU device the first forward still takes the batch's activations from the
+            # host budget: until then the pool holds no more than the blocks it pins at open.
+            pinned = sum(c * n for c, n in self.host_blocks.items())
+            budget = self.host_budget if self.device.type == "cuda" or not pinned else min(self.host_budget, pinned)
+            self.host_pool = self._open(HostPool(budget, device=pin_device, blocks=self.host_blocks))
             self.device_pool = self._open(DevicePool(self.gpu_budget, self.device))
             self.stores[Tier.HOST] = self._open(HostStore(self.host_pool))
             self.stores[Tier.GPU] = self._open(DeviceStore(self.device_pool))
@@ -291,12 +296,18 @@ _MALLOC_PINNED: bool | None = None
 
 
 def _lease(pool: HostPool | DevicePool, nbytes: int, pending: Pending) -> torch.Tensor:
+    """A pool with size classes serves from the blocks it pinned at open, waiting for pending
+    transfers to give one back; only with nothing pending does it allocate (a counted pinning).
+    Without classes it allocates while the budget has room, and waits when it has not."""
     while True:
         try:
-            return pool.lease(nbytes)
+            return pool.lease(nbytes, grow=not pool.classes)
         except BudgetExceededError:
-            if not pending.wait_oldest():
+            if pending.wait_oldest():
+                continue
+            if not pool.classes:
                 raise
+        return pool.lease(nbytes)
 
 
 def _check_nvme_path(path: Path) -> None:
