@@ -3,14 +3,25 @@
 The host and GPU tiers are the same store over different pools; the pool enforces the budget.
 A shard's buffer is given back when the shard is overwritten or deleted -- but only after every
 read copying out of it has finished, so a concurrent write never recycles bytes being read.
-Copies run on the I/O loop's threads (they release the GIL) and wait for the GPU when one is
-involved, so an awaited write or read is complete; the engine, which owns the streams, uses
-`view()` when it wants stream-ordered copies of its own.
+Copies run on the I/O loop's threads (they release the GIL); an awaited write or read is
+complete. The engine, which owns the streams, uses `view()` when it wants stream-ordered copies
+of its own.
+
+On a GPU a copy runs on the store's own stream and the thread waits for that copy's event only,
+never for a whole stream (a blocking `copy_` between host and device would synchronise the
+thread's current stream, where the training thread's compute is queued). What the copy waits
+for on the device: a fresh buffer's release (the token its last holder gave it back with, see
+`BufferPool`), and -- when it reads device memory, which compute may be writing in place through
+`view()` -- the work the device's default stream holds when the copy starts. That is the
+training thread's compute stream as long as the engine computes on the default stream, as it
+does (`streams.CudaStreams.compute`); a write of host bytes into a fresh buffer waits for
+nothing of compute's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,17 +46,42 @@ class _Resident:
         return self.buf.view(self.dtype)
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.copy_(src)
-    for t in (dst, src):
-        if t.is_cuda:  # host-device sync point: the awaited copy must be finished
-            torch.cuda.current_stream(t.device).synchronize()
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one copy stream per GPU, made on first use
+_STREAMS_LOCK = threading.Lock()
 
 
-async def _copy_then(dst: torch.Tensor, src: torch.Tensor, then: Callable[[bool], None]) -> None:
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    with _STREAMS_LOCK:
+        if device not in _STREAMS:
+            _STREAMS[device] = torch.cuda.Stream(device)
+        return _STREAMS[device]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, ready: object | None = None) -> None:
+    """`dst.copy_(src)`, finished on return. On a GPU: on the copy stream, after `ready` (a CUDA
+    event or None) and, when `src` is device memory, after the default stream's work so far."""
+    device = dst.device if dst.is_cuda else src.device if src.is_cuda else None
+    if device is None:
+        dst.copy_(src)
+        return
+    with torch.cuda.device(device):  # this I/O thread's current device may be another GPU
+        stream = _copy_stream(device)
+        if isinstance(ready, torch.cuda.Event):
+            stream.wait_event(ready)
+        if src.is_cuda:
+            stream.wait_stream(torch.cuda.default_stream(device))
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event(blocking=True)
+            done.record(stream)
+        done.synchronize()  # host sync point: this copy's event only
+
+
+async def _copy_then(dst: torch.Tensor, src: torch.Tensor, then: Callable[[bool], None],
+                     ready: object | None = None) -> None:
     """Copy on an I/O thread; `then(ok)` runs once the thread is done with both buffers, even
     if the awaiting task was cancelled meanwhile (the thread cannot be stopped mid-copy)."""
-    fut = asyncio.get_running_loop().run_in_executor(None, _copy, dst, src)
+    fut = asyncio.get_running_loop().run_in_executor(None, _copy, dst, src, ready)
     fut.add_done_callback(lambda f: then(not f.cancelled() and f.exception() is None))
     await asyncio.shield(fut)
 
@@ -79,7 +115,7 @@ class MemoryStore(TierStore):
         dtype_name(src.dtype)
         buf = self.pool.lease(src.numel() * src.element_size())
         shard = _Resident(buf, src.dtype, src.numel())
-        await _copy_then(shard.typed(), src, lambda ok: self._install(key, shard, ok))
+        await _copy_then(shard.typed(), src, lambda ok: self._install(key, shard, ok), self.pool.take_ready(buf))
 
     async def read_into(self, key: str, out: torch.Tensor, verify: bool = False) -> None:
         shard = self._get(key)

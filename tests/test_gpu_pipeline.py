@@ -22,7 +22,9 @@ from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.models import ModelArgs
 from tierzero.reference import ReferenceTrainer
+from tierzero.storage.device import DevicePool, DeviceStore
 from tierzero.storage.host import HostPool
+from tierzero.storage.io import IOLoop
 from tierzero.streams import CudaStreams
 
 from engine_helpers import SMALL, batches
@@ -95,6 +97,33 @@ def test_pinned_blocks_round_trip_through_the_copy_streams() -> None:
         again = pool.lease(16 << 20)  # a block of a size it has: reused, not registered again
         assert pool.registrations == registered
         pool.give_back(again)
+
+
+def test_device_store_copies_see_compute_queued_before_them() -> None:
+    """A GPU store's copies run on its own stream and wait for one event, not a stream: a read
+    still sees what compute wrote in place through `view()`, queued behind slow kernels, and a
+    write into a block given back with a release event lands after that release."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    with IOLoop(2) as io, DevicePool(64 << 20, device) as pool:
+        store = DeviceStore(pool)
+        store.open()
+        src = torch.arange(1 << 20, dtype=torch.float32)
+        io.submit(store.write("param/u0000/r0", src)).result()
+        busy = torch.randn(2048, 2048, device=device)
+        for _ in range(50):  # queue slow work on the compute (default) stream
+            busy = busy @ busy / 2048
+        store.view("param/u0000/r0").mul_(2)  # compute writes the shard in place, after it
+        out = torch.empty(1 << 20)
+        io.submit(store.read_into("param/u0000/r0", out)).result()
+        assert torch.equal(out, src * 2)
+        block = pool.lease(4 << 20)
+        block.view(torch.float32).fill_(5)  # compute still uses the block ...
+        release = torch.cuda.Event()
+        release.record()
+        pool.give_back(block, ready=release)  # ... until this event
+        io.submit(store.write("param/u0001/r0", src)).result()
+        assert torch.equal(store.view("param/u0001/r0").cpu(), src)
+        store.close()
 
 
 def test_host_to_device_copies_overlap_compute_kernels(tmp_path) -> None:
