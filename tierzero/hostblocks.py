@@ -9,6 +9,7 @@ grad -- and the choice of at most `HOST_CLASSES` capacities that round them up t
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 from tierzero.config import Placement, StateKind, Tier
 from tierzero.ledger import FP32_NBYTES
@@ -39,11 +40,12 @@ def _aligned_up(numel: int) -> int:
 
 
 def host_classes(placement: Placement, shard: list[int], state: list[int], piece_numel: int, itemsize: int,
-                 tied: bool, step_on_host: bool) -> tuple[int, ...]:
+                 tied: bool, step_on_host: bool, extra: Sequence[int] = ()) -> tuple[int, ...]:
     """The host pool's size classes: the fewest bytes lost rounding every size the engine
     leases there, each weighted by how many keys or buffers take it -- host homes' keys,
     nvme keys (staged through the host at open and in the step), param shards (staged and
-    cached), the optimizer's pieces when it steps on the host, and a tied embedding's grad."""
+    cached), the optimizer's pieces when it steps on the host, a tied embedding's grad, and any
+    `extra` sizes (a rank's range of a replicated unit, staged for the param sync)."""
     sizes: Counter[int] = Counter()
     for kind in StateKind:  # nvme keys are staged: at open, and (but frozen params) in the step
         home = placement.home(kind)
@@ -53,5 +55,6 @@ def host_classes(placement: Placement, shard: list[int], state: list[int], piece
         sizes.update(s * itemsize for s in shard)
     if tied:
         sizes[state[0] * FP32_NBYTES] += 1
+    sizes.update(extra)
     sizes.pop(0, None)
     return choose_classes(sizes, HOST_CLASSES, HOST_ALIGN)

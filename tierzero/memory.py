@@ -273,7 +273,9 @@ def peak_memory(
     tied = len(calls[-1]) > 1
 
     step_on_gpu = all(placement.home(k) is Tier.GPU for k in OPT_KINDS[1:])
-    classes = host_classes(placement, stored_param, state, piece_numel, c, tied=tied, step_on_host=not step_on_gpu)
+    sync = [s * c for s in shard] if replicated and placement.param is Tier.NVME else []  # param sync staging
+    classes = host_classes(placement, stored_param, state, piece_numel, c, tied=tied, step_on_host=not step_on_gpu,
+                           extra=sync)
 
     def blocks(sizes: Sequence[int]) -> int:
         """Host buffers of one rank at their classes' capacities."""
