@@ -237,7 +237,7 @@ class BufferPool(abc.ABC):
                 raise StorageError(f"the {self.kind} pool is not open: call open() first")
             block = self._reuse(capacity)
             if block is None and not grow:
-                raise BudgetExceededError(f"no idle {self.kind} block of {capacity} bytes or more")
+                raise BudgetExceededError(f"no idle {self.kind} block of {capacity} bytes")
             block = block or self._new_block(capacity, nbytes)
             block.nbytes = nbytes
             block.leases = 1
