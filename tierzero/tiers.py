@@ -301,7 +301,7 @@ def _lease(pool: HostPool | DevicePool, nbytes: int, pending: Pending) -> torch.
     Without classes it allocates while the budget has room, and waits when it has not."""
     while True:
         try:
-            return pool.lease(nbytes, grow=not pool.classes)
+            return pool.lease(nbytes, grow=False) if pool.classes else pool.lease(nbytes)
         except BudgetExceededError:
             if pending.wait_oldest():
                 continue
