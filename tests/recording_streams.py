@@ -76,7 +76,6 @@ class RecordingStreams(Streams):
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: str, after: FakeEvent | None = None) -> FakeEvent:
         with self._lock:
-            self.log.append(("copy", stream, dst.data_ptr(), after, threading.current_thread().name))
             self._order_after(stream, after)
             self._order_after(stream, self._finished)
             self._check_hazards(stream, _span(dst), _span(src))
@@ -92,7 +91,9 @@ class RecordingStreams(Streams):
             else:
                 self._queue[stream].append((self._issued[stream], dst, src.detach().clone()))
                 dst.view(torch.uint8).fill_(0xFF)  # NaN until the copy's event is waited for
-            return FakeEvent(stream, self._issued[stream], dict(self._known[stream]))
+            event = FakeEvent(stream, self._issued[stream], dict(self._known[stream]))
+            self.log.append(("copy", stream, dst.data_ptr(), after, threading.current_thread().name, event))
+            return event
 
     def _order_after(self, stream: str, event: FakeEvent | dict[str, int] | None) -> None:
         if event is not None:
@@ -214,13 +215,14 @@ def check_d2h_copies_wait_for_their_source(log: list[tuple]) -> list[str]:
 def check_h2d_copies_write_pool_or_h2d_memory(log: list[tuple]) -> list[str]:
     """Every h2d copy fills a buffer just leased from the device pool (ordered by its release
     event) or memory allocated for the h2d stream (`Streams.empty_like`): memory torch's
-    allocator hands out on compute may still be read by compute's queued kernels."""
+    allocator hands out on compute may still be read by compute's queued kernels. A copy into
+    a store that compute reads in place (params homed on the device) waits for compute instead."""
     problems, fresh = [], set()
     for entry in log:
         if entry[0] == "lease" or entry[0] == "alloc" and entry[1] == "h2d":
             fresh.add(entry[-1])
         elif entry[0] == "copy" and entry[1] == "h2d":
-            if entry[2] not in fresh:
+            if entry[2] not in fresh and (entry[3] is None or entry[3].stream != "compute"):
                 problems.append(f"h2d copy into 0x{entry[2]:x}: neither a device pool buffer nor "
                                 "memory allocated for the h2d stream")
             fresh.discard(entry[2])
@@ -232,3 +234,21 @@ def check_no_host_wait_on_io_threads(log: list[tuple]) -> list[str]:
     (`IOLoop.wait_off_workers`), so NVMe reads and the CPU optimizer never queue behind a wait."""
     return [f"{e[2]} waits for {e[1]}" for e in log
             if e[0] == "host_wait" and e[1] is not None and e[2].startswith("tierzero-io")]
+
+
+def check_writes_into_read_before_waited(log: list[tuple], spans: list[tuple[int, int]]) -> list[str]:
+    """Memory that compute reads in place (`spans`: params homed on the device) is written by
+    h2d copies, never a blocking copy; each waits for compute (which may still read the old
+    values), and the compute stream itself waits for its event, not only the host."""
+    problems, unwaited = [], {}
+    for entry in log:
+        if entry[0] == "copy" and entry[1] == "h2d" and any(a <= entry[2] < b for a, b in spans):
+            if entry[3] is None or entry[3].stream != "compute":
+                problems.append(f"h2d write into 0x{entry[2]:x} waits for {entry[3]}, not compute")
+            unwaited[entry[5].seq] = entry[2]
+        elif entry[0] == "wait" and entry[1] == "compute" and entry[2] is not None:
+            seen = entry[2].known.get("h2d", 0)
+            unwaited = {seq: ptr for seq, ptr in unwaited.items() if seq > seen}
+    if spans and not any(e[0] == "copy" and e[1] == "h2d" and any(a <= e[2] < b for a, b in spans) for e in log):
+        problems.append("nothing was written into the spans on the h2d stream (a blocking copy?)")
+    return problems + [f"compute never waits for the h2d write into 0x{ptr:x}" for ptr in unwaited.values()]

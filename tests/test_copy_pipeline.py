@@ -5,8 +5,10 @@ is waited for; NaN before) against plain PyTorch (`ReferenceTrainer`): bitwise e
 mean no compute read a param buffer, and no host code read a grad piece, before its copy's
 event. The log then says what each copy waited for, that the host never waited for the compute
 stream (a device synchronisation) anywhere in the steps, that every h2d copy filled a pool buffer
-or memory allocated for its stream, that no I/O worker slept on an event, and that an nvme
-read's copy was issued by the I/O loop as it landed.
+or memory allocated for its stream (or waited for compute), that no I/O worker slept on an
+event, that an nvme read's copy was issued by the I/O loop as it landed, and, with params homed
+on the device and stepped on the host, that each new param piece went up on the h2d stream
+after compute and that compute waited for it before reading the params again.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierzero import Config, Placement, Tier, models, streams
+from tierzero import Config, Offload, Placement, StateKind, Tier, models, streams
 from tierzero.engine import Engine
+from tierzero.tiers import shard_key
 from tierzero.storage.device import DevicePool
 
 from engine_helpers import SMALL, batches, reference_run
@@ -23,16 +26,20 @@ from recording_streams import (RecordingStreams, check_d2h_copies_wait_for_their
                                check_h2d_copies_wait_only_for_their_buffer,
                                check_h2d_copies_write_pool_or_h2d_memory, check_no_copy_hazards,
                                check_no_host_wait_on_compute, check_no_host_wait_on_io_threads,
+                               check_writes_into_read_before_waited,
                                watch_device_pool)
 
 HOST = Placement(Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
+GPU_PARAMS = Placement.for_offload(Offload.HOST)  # params on the device, the step on the host
 
 CASES = {  # (placement, overlap_step, accumulate)
     "host-overlap": (HOST, True, 1),
     "host-accumulate": (HOST, False, 2),
     "nvme-overlap-accumulate": (NVME, True, 2),
     "nvme": (NVME, False, 1),
+    "gpu-params-overlap": (GPU_PARAMS, True, 1),
+    "gpu-params-accumulate": (GPU_PARAMS, False, 2),
 }
 
 
@@ -66,6 +73,10 @@ def test_pipeline_waits_only_on_events_and_stays_bitwise(tmp_path, monkeypatch, 
     with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
         losses = [engine.train_step(data.next_batch()) for _ in range(2 * accumulate)]
         weights = engine.master_state_dict()
+        engine.eval_loss(data.next_batch())  # a pass after the last step reads its params
+        param_spans = [] if placement.param is not Tier.GPU else [
+            (v.data_ptr(), v.data_ptr() + v.numel() * v.element_size())
+            for v in (engine.tiers.stores[Tier.GPU].view(shard_key(StateKind.PARAM, u.index, 0)) for u in engine.units)]
     assert losses == ref_losses
     for key in ref_weights:
         assert torch.equal(weights[key], ref_weights[key]), key
@@ -74,6 +85,7 @@ def test_pipeline_waits_only_on_events_and_stays_bitwise(tmp_path, monkeypatch, 
                                 check_d2h_copies_wait_for_their_source, check_no_copy_hazards,
                                 check_h2d_copies_write_pool_or_h2d_memory, check_no_host_wait_on_io_threads)
                 for p in check(fake.log)[:2]]
+    problems += check_writes_into_read_before_waited(fake.log, param_spans)[:2]
     problems += [f"no copy on the {s} stream" for s in ("h2d", "d2h") if s not in streams_used]
     assert not problems, "\n".join(problems)
     if placement is NVME:  # a landed read's copy is issued by the I/O loop, not at a plan op

@@ -40,7 +40,8 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: 
                             **implementation(params[0].device))
     for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
         p.grad = g
-        opt.state[p] = {"step": torch.tensor(float(step), dtype=torch.float32, device=p.device),
+        # a fill on the device, not torch.tensor's synchronous host-to-device copy per parameter
+        opt.state[p] = {"step": torch.full((), float(step), dtype=torch.float32, device=p.device),
                         "exp_avg": m, "exp_avg_sq": v}
     opt.step()
     for p in params:

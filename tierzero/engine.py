@@ -131,7 +131,7 @@ class Engine:
                                     full_until_last=self.stage == 1 and self.comm.world_size > 1)
             self.grads.allocate()
             self.optimizer = ShardOptimizer(self.units, self.tiers, self.placement, self.dtype,
-                                            self.comm.rank, self.config, self.stats_)
+                                            self.comm.rank, self.config, self.stats_, self.scheduler.written)
             self.runner = UnitRunner(self.units, self._gather, self.scheduler.release,
                                      self.grads.offload, self.dtype, forward_only(self.units))
             self.runner.install()
@@ -204,7 +204,9 @@ class Engine:
             lr = lr_at(self.step_count, self.config)
             coef = None  # clip_previous_norm: the first step is not clipped
             if self.config.clip_grad_norm is not None and self._previous_norm is not None:
-                coef = clip_coefficient(self._previous_norm, self.config.clip_grad_norm)
+                # a host float from the host copy of the norm: no device sync in backward, and
+                # no device tensor for each CPU piece's step to copy to the host
+                coef = clip_coefficient(self._previous_norm, self.config.clip_grad_norm).item()
             self.grads.hand_over = lambda unit, grad: self.optimizer.step_unit(
                 unit, grad, self._runs(unit), lr, coef)
             # read each unit's states while the unit before it in backward order still computes
@@ -255,7 +257,9 @@ class Engine:
         if self._stepped_in_backward:  # overlap_step: every unit was stepped as its grad arrived
             self._stepped_in_backward = False
             if self.config.clip_grad_norm is not None:  # this step's norm clips the next one
-                self._previous_norm = self.grads.total_norm(self.param_order)
+                # copied to the host once here (where it was read anyway): the next backward
+                # derives its clip coefficient from it without touching the device
+                self._previous_norm = self.grads.total_norm(self.param_order).cpu()
                 self.last_grad_norm = self._previous_norm.item()
             self.param_steps.advance(self.grads.present)
             self._sync_params()
@@ -268,7 +272,9 @@ class Engine:
         if self.config.clip_grad_norm is not None:
             norm = self.grads.total_norm(self.param_order)
             self.last_grad_norm = norm.item()
-            coef = clip_coefficient(norm, self.config.clip_grad_norm)
+            # a host float: one sync per step, right after the norm's; stepping with a device
+            # tensor would make every CPU piece's step copy it to the host
+            coef = clip_coefficient(norm, self.config.clip_grad_norm).item()
         self.optimizer.step({u.index: self._runs(u) for u in self.units}, lr_at(self.step_count, self.config), coef)
         self.param_steps.advance(self.grads.present)
         self._sync_params()

@@ -11,12 +11,17 @@ shard: in place where params live in memory, else as the param piece of the same
 their buffers return to the pool as they finish. The step runs on the compute device only when
 master and both moments live there. With overlap_step a piece's grad reaches the host on the
 d2h stream (`tierzero.streams`) and its AdamW, on an I/O thread, waits for that copy's event.
+A host step never copies to or from device memory synchronously: states and new params homed
+on the device move on the d2h/h2d streams through pinned buffers, and the event of each param
+write goes to the scheduler, whose next pass reads the params after it. A device step runs on
+the compute stream, whichever thread issues it.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +50,7 @@ class Work:
     leased: dict[StateKind, torch.Tensor] = field(default_factory=dict)  # kind -> leased buffer
     futures: list = field(default_factory=list)
     grad_landed: Event = None  # the D2H copy of its grad piece (overlap_step), waited for by `Tiers.landed`
+    grad_produced: Event = None  # the compute event that made its grad piece final, where it is used in place
 
     @property
     def numel(self) -> int:
@@ -53,7 +59,8 @@ class Work:
 
 class ShardOptimizer:
     def __init__(self, units: list[Unit], tiers: Tiers, placement: Placement, compute_dtype: torch.dtype,
-                 rank: int, config: Config, stats: StepStats) -> None:
+                 rank: int, config: Config, stats: StepStats,
+                 param_written: Callable[[int, Event], None] = lambda unit, event: None) -> None:
         self.units = units
         self.tiers = tiers
         self.placement = placement
@@ -61,6 +68,9 @@ class ShardOptimizer:
         self.rank = rank
         self.config = config
         self.stats = stats
+        # told the event of each write into a unit's param shard homed on the device
+        # (`Scheduler.written`): the next pass reads that shard in place
+        self.param_written = param_written
         on_gpu = all(placement.home(k) is Tier.GPU for k in OPT_KINDS[1:])
         self.device = tiers.device if on_gpu else torch.device("cpu")
         self._prefetched: dict[tuple[int, int], Work] = {}
@@ -73,7 +83,7 @@ class ShardOptimizer:
             return [Work(unit, i, a, b) for i, (a, b) in pieces]
         return [Work(unit, i, a, b, runs) for i, (a, b) in pieces if any(s < b and e > a for s, e, _, _ in runs)]
 
-    def step(self, runs: dict[int, list[Run]], lr: float, grad_coef: torch.Tensor | None) -> None:
+    def step(self, runs: dict[int, list[Run]], lr: float, grad_coef: float | None) -> None:
         """One AdamW update of the `runs` of every unit's shard (`ParamSteps.runs`, by unit
         index; a unit without runs is skipped), piece by piece; returns when every write has
         finished (the next pass reads what this one wrote)."""
@@ -115,7 +125,7 @@ class ShardOptimizer:
             self._give_back(buf)
 
     def step_unit(self, unit: Unit, grad: torch.Tensor, runs: list[Run], lr: float,
-                  grad_coef: torch.Tensor | None = None) -> None:
+                  grad_coef: float | None = None) -> None:
         """Step one unit as soon as its final grad shard exists (overlap_step), off the training
         thread: each piece's AdamW step runs on an I/O thread once its states land (torch
         releases the GIL, so backward continues meanwhile); its writes are issued when the
@@ -135,7 +145,7 @@ class ShardOptimizer:
             future = self.tiers.submit(self._step_when_loaded(work, lr, grad_coef))
             self.tiers.pending.add(future, lambda ok, w=work: self._write(w) if ok else self._discard(w))
 
-    async def _step_when_loaded(self, work: Work, lr: float, grad_coef: torch.Tensor | None) -> None:
+    async def _step_when_loaded(self, work: Work, lr: float, grad_coef: float | None) -> None:
         for future in work.futures:
             await asyncio.wrap_future(future)
         await self.tiers.landed(work.grad_landed)
@@ -148,6 +158,7 @@ class ShardOptimizer:
         s = self.tiers.streams
         if part.device == self.device and not (s.separate and self.device.type == "cpu"):
             work.tensors[StateKind.GRAD] = part
+            work.grad_produced = produced
             return
         work.tensors[StateKind.GRAD] = work.leased[StateKind.GRAD] = self._lease(work.numel * 4).view(torch.float32)
         work.grad_landed = s.copy(work.leased[StateKind.GRAD], part, s.d2h, after=produced)
@@ -171,6 +182,11 @@ class ShardOptimizer:
             if home is Tier.NVME:
                 work.futures.append(self.tiers.submit(store.read_into(key, buf)))
                 self.stats.add_bytes("nvme->host", buf.numel() * 4)
+            elif self._across(home):
+                s = self.tiers.streams
+                work.futures.append(self.tiers.when_done(
+                    s.copy(buf, store.view(key), s.d2h, after=s.record(s.compute))))
+                self.stats.add_bytes("gpu->host", buf.numel() * 4)
             else:
                 buf.copy_(store.view(key))
                 self.stats.add_bytes(f"{home.value}->{'gpu' if self.device.type == 'cuda' else 'host'}",
@@ -194,11 +210,27 @@ class ShardOptimizer:
                 future.result()
         work.futures.clear()
 
-    def _step(self, work: Work, lr: float, grad_coef: torch.Tensor | None) -> None:
+    def _across(self, home: Tier) -> bool:
+        """Whether a state homed in `home` is device memory while the step runs on the host, so
+        moving it is a real transfer (on the copy streams, never a blocking copy)."""
+        return home is Tier.GPU and self.device.type == "cpu" and self.tiers.streams.separate
+
+    def _step(self, work: Work, lr: float, grad_coef: float | None) -> None:
+        if self.device.type == "cpu":
+            self._adamw(work, lr, grad_coef)
+            return
+        # on the device: on the compute stream, after the grad's producer, whichever thread
+        # issues it (with overlap_step an I/O thread, whose current stream is not compute)
+        s = self.tiers.streams
+        with s.current(s.compute):
+            s.wait(s.compute, work.grad_produced)
+            self._adamw(work, lr, grad_coef)
+
+    def _adamw(self, work: Work, lr: float, grad_coef: float | None) -> None:
         t = work.tensors
         grad = t[StateKind.GRAD]
         if grad_coef is not None:  # clipping: the grad piece is consumed here, so scale in place
-            grad.mul_(grad_coef.to(grad.device))
+            grad.mul_(grad_coef)  # a host float: no device sync, and bitwise clip_grad_norm_'s fp32 product
         runs = [(max(a, work.start) - work.start, min(b, work.end) - work.start, d, step)
                 for a, b, d, step in work.runs if min(b, work.end) > max(a, work.start)]
         adamw_step([t[StateKind.MASTER][a:b] for a, b, _, _ in runs],
@@ -233,7 +265,7 @@ class ShardOptimizer:
         # new values arrive after the step (`tierzero.paramsync`)
         lo = unit.param_offset(self.rank)
         if store.capabilities.zero_copy:
-            store.view(key)[lo + work.start:lo + work.end].copy_(master)  # cast to the compute dtype in the copy
+            self._write_param_in_memory(unit, store.view(key)[lo + work.start:lo + work.end], master)
             return
         # params on nvme are written per piece (no buffer the size of a unit); a cached copy of
         # the shard is updated in place, so the next pass reads RAM, never stale values
@@ -247,6 +279,27 @@ class ShardOptimizer:
         future = self.tiers.submit(store.write(piece_key(StateKind.PARAM, unit.index, self.rank, piece), staged))
         self.tiers.pending.add(future, lambda ok: self._release_param(key, staged, ok))
         self.stats.add_bytes("host->nvme", staged.numel() * staged.element_size())
+
+    def _write_param_in_memory(self, unit: Unit, dst: torch.Tensor, master: torch.Tensor) -> None:
+        """Cast `master` into `dst`, a slice of the param shard in a memory home. From a host step
+        into device memory: cast into pinned staging on the host, then an h2d copy once compute
+        (still reading this unit's params from the pass) is done with it; never a blocking copy.
+        A device step casts on the compute stream. The next pass's reads wait for the write."""
+        home = self.placement.home(StateKind.PARAM)
+        s = self.tiers.streams
+        if self._across(home):
+            staged = self.tiers.lease_host(master.numel() * self.compute_dtype.itemsize).view(self.compute_dtype)
+            staged.copy_(master)
+            event = s.copy(dst, staged, s.h2d, after=s.record(s.compute))
+            self.tiers.pending.add(self.tiers.when_done(event),
+                                   lambda ok: self.tiers.host_pool.give_back(staged.view(torch.uint8)))
+            self.stats.add_bytes("host->gpu", staged.numel() * staged.element_size())
+        elif home is Tier.GPU and self.device.type != "cpu":
+            event = s.copy(dst, master, s.compute)  # cast to the compute dtype in the copy
+        else:
+            dst.copy_(master)  # one memory: cast to the compute dtype in the copy
+            return
+        self.param_written(unit.index, event)
 
     def _release_param(self, key: str, staged: torch.Tensor, ok: bool) -> None:
         if not ok:  # the drive does not hold these params: the cache must not serve them either
@@ -275,6 +328,12 @@ class ShardOptimizer:
             future = self.tiers.submit(store.write(key, buf))
             self.tiers.pending.add(future, lambda ok: self._give_back(buf))
             self.stats.add_bytes("host->nvme", buf.numel() * buf.element_size())
+            return
+        if self._across(home):  # nothing reads this state before the next step's load waits for it
+            s = self.tiers.streams
+            self.tiers.pending.add(self.tiers.when_done(s.copy(store.view(key), buf, s.h2d)),
+                                   lambda ok: self._give_back(buf))
+            self.stats.add_bytes("host->gpu", buf.numel() * buf.element_size())
             return
         store.view(key).copy_(buf)
         self._give_back(buf)

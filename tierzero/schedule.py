@@ -15,7 +15,8 @@ gathers and a fetch moves the whole unit.
 Every rank must issue its collectives in one order, so a gather is issued exactly where the
 plan lists it, whatever has landed: if its shard's nvme read is still in flight the host waits
 for it there (with a fetch depth of 2 it was issued a use earlier). The gather then runs beside
-compute: on gloo's threads, or on NCCL's own stream on a GPU, after the shard's copy event only.
+compute: on gloo's threads, or on NCCL's own stream on a GPU, after the shard's copy event and
+the optimizer's last write of it (params homed on the device are read in place) only.
 
 Copies run on the h2d stream (`tierzero.streams`): a copy into a device buffer waits only for
 that buffer's release event (recorded on the compute stream when the unit that last read it
@@ -149,6 +150,9 @@ class ParamShard:
     staging: torch.Tensor | None = None
     future: concurrent.futures.Future | None = None  # an nvme read; its result is the copy's event
     event: Event = None  # the host->device copy's
+    # the optimizer's last write of this shard where it lives on the device (params homed on the
+    # GPU): the next pass's compute and all-gather read the store itself, so they wait for it
+    written: Event = None
     # several ranks: its uses' all-gathers, oldest first (a tied unit's next use may be gathered
     # before this one's is taken)
     gathered: deque[InFlight] = field(default_factory=deque)
@@ -191,6 +195,11 @@ class Scheduler:
             full = gathered.wait()  # sync point: the host on gloo, the compute stream on NCCL
         self.streams.keep_alive(full, self.streams.compute)
         return full
+
+    def written(self, unit: int, event: Event) -> None:
+        """The optimizer has issued a write of `unit`'s param shard in its home, done at `event`
+        (a later write of the unit is on the same stream, so the latest event covers all)."""
+        self.records[unit].written = event
 
     def release(self, unit: int) -> None:
         """Run the plan's ops after `unit`'s compute, up to the next wait."""
@@ -252,8 +261,10 @@ class Scheduler:
 
     def _issue_gather(self, record: ParamShard) -> InFlight:
         """Start the all-gather of the unit's shard on the comm stream, after its copy's event
-        only (compute keeps running); `InFlight.wait` orders compute after it."""
+        and the optimizer's write of it (compute keeps running); `InFlight.wait` orders compute
+        after it."""
         self.streams.wait(self.streams.comm, record.event)
+        self.streams.wait(self.streams.comm, record.written)
         with self.streams.current(self.streams.comm):
             return self.comm.all_gather_async(self._shard(record.unit))
 
@@ -264,7 +275,9 @@ class Scheduler:
         key = shard_key(StateKind.PARAM, unit.index, self.rank)
         nbytes = unit.param_numel * self.dtype.itemsize
         if record.home is Tier.GPU:
-            record.status = "available"  # resident in the device store: a view, no copy
+            # resident in the device store: a view, no copy, read once the step's write is done
+            self.streams.wait(self.streams.compute, record.written)
+            record.status = "available"
             return
         buf = self.tiers.lease_device(nbytes)
         # The copy into this buffer waits for its release by the compute that last read it, and
