@@ -121,3 +121,21 @@ def test_backward_after_the_gathered_block_closed_is_refused(tmp_path) -> None:
         plain = engine.master_state_dict()
     for key, value in plain.items():
         assert torch.equal(after_retry[key], value), key
+
+
+def test_train_micro_batch_is_train_step_with_the_loss_left_on_the_device(tmp_path) -> None:
+    """`train_micro_batch` (what the CLI loop calls, reading the losses once per step) gives a
+    detached loss tensor whose value is `train_step`'s float, and trains bitwise like plain PyTorch."""
+    cfg = config(tmp_path, placement=Placement(Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST), accumulate=2)
+    reference = ReferenceTrainer(models.build(SMALL, seed=0), cfg)
+    data = batches()
+    ref_losses = [reference.train_step(data.next_batch()) for _ in range(4)]
+    data = batches()
+    with Engine(models.build(SMALL, device="meta", seed=0), cfg) as engine:
+        losses = [engine.train_micro_batch(data.next_batch()) for _ in range(4)]
+        assert engine.step_count == 2
+        weights = engine.master_state_dict()
+    assert all(t.dim() == 0 and not t.requires_grad for t in losses)
+    assert [t.item() for t in losses] == ref_losses
+    for key, value in reference.master_state_dict().items():
+        assert torch.equal(weights[key], value), key

@@ -341,12 +341,17 @@ class Engine:
                               "so their gradients would be lost; call engine.backward(loss) inside the block")
 
     def train_step(self, batch: Any) -> float:
-        """forward + backward + step (the step runs once per `accumulate` calls)."""
+        """forward + backward + step (the step runs once per `accumulate` calls); the loss."""
+        return self.train_micro_batch(batch).item()  # host sync point: waits for the whole pass
+
+    def train_micro_batch(self, batch: Any) -> torch.Tensor:
+        """`train_step` without reading the loss: a detached tensor, so a loop that reads the
+        micro-batches' losses once per step syncs with the device once per step, not per call."""
         self.model.train()
         loss = self.forward(batch)
         self.backward(loss)
         self.step()
-        return loss.item()
+        return loss.detach()
 
     @torch.no_grad()
     def eval_loss(self, batch: Any) -> float:

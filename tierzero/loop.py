@@ -1,8 +1,9 @@
 """The training loop `tierzero train` drives: data in, steps, evaluation, metrics out.
 
 It knows nothing of printing: the CLI passes `on_step` to draw progress. The trainer is either
-the reference trainer (`offload none`) or the `Engine`; both offer `train_step`, `eval_loss`,
-`stats` and `close`.
+the reference trainer (`offload none`) or the `Engine`; both offer `train_micro_batch`,
+`eval_loss`, `stats` and `close`. Micro-batch losses stay on the device until the step's last
+one has run: the loop reads them once per step (one host sync), not once per micro-batch.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+
 from tierzero.config import RunConfig
 from tierzero.data import TokenBatches
 from tierzero.lr import lr_at
@@ -19,7 +22,7 @@ from tierzero.rundir import RunDir
 
 
 class Trainer(Protocol):
-    def train_step(self, batch: Any) -> float: ...
+    def train_micro_batch(self, batch: Any) -> torch.Tensor: ...
     def eval_loss(self, batch: Any) -> float: ...
     def stats(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
@@ -64,8 +67,8 @@ def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: 
     first = last = float("nan")
     for step in range(start_step, run.steps):
         t0 = time.perf_counter()
-        micro_losses = [trainer.train_step(batches.next_batch()) for _ in range(accumulate)]
-        loss = sum(micro_losses) / accumulate
+        micro_losses = [trainer.train_micro_batch(batches.next_batch()) for _ in range(accumulate)]
+        loss = sum(t.item() for t in micro_losses) / accumulate  # host sync point, once per step
         loss = loss if mean is None else mean([loss])[0]
         dt = time.perf_counter() - t0
         first = loss if step == start_step else first

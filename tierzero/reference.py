@@ -53,6 +53,10 @@ class ReferenceTrainer:
 
     def train_step(self, batch: Any) -> float:
         """Forward and backward one micro-batch; step after every `accumulate` of them."""
+        return self.train_micro_batch(batch).item()
+
+    def train_micro_batch(self, batch: Any) -> torch.Tensor:
+        """`train_step`, the loss left on the device (detached)."""
         self.model.train()
         with self._autocast():
             loss = compute_loss(self.model, to_device(batch, self.device))
@@ -60,7 +64,7 @@ class ReferenceTrainer:
         self.micro_step += 1
         if self.micro_step % self.config.accumulate == 0:
             self._step()
-        return loss.item()
+        return loss.detach()
 
     def _step(self) -> None:
         if self.config.clip_grad_norm is not None:
