@@ -18,23 +18,26 @@ state kind on the host (`host`), then every state kind on NVMe (`nvme`). Per pla
   and the step's ratio to it;
 - `cudaHostRegister` calls per timed step (pinning on the hot path costs; should be 0).
 
-It writes a `torch.profiler` trace of the last step of each placement (`--trace-dir`) and the
-figures as JSON with `--json`. Tokens per step: `--micro-batch` sequences of `--seq-len` (the
-largest micro-batch up to 8 whose activations fit, by default) times the accumulation that
-makes compute the bound at the measured rates (at most `--max-accumulate`).
+It writes a `torch.profiler` trace of one micro-batch of each placement, run after the timed
+steps and not among them (`--trace-dir`), and the figures as JSON with `--json`. Tokens per
+step: `--micro-batch` sequences of `--seq-len` (by default the largest micro-batch up to 64
+whose activations fit) times the fewest micro-batches that bring the bound per token near what
+accumulation can reach at the measured rates (at most `--max-accumulate`). A larger micro-batch
+is preferred over accumulation: every micro-batch moves every param to the GPU twice and the
+grads once more, so only a larger one raises compute per byte moved.
 
     python benchmarks/gpu.py --path /mnt/nvme/tz              # ~15-30 min on an 8B-class run
     python benchmarks/gpu.py --dry-run                        # anywhere: the choice and the bound
                                                               # arithmetic from nominal rates
 
-Without CUDA (and without --dry-run) it refuses in one sentence, exit 2.
+Without CUDA, or without `--path` (the NVMe directory: tens of GiB, direct I/O), and without
+--dry-run, it refuses in one sentence, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import statistics
 import sys
@@ -112,7 +115,7 @@ def pick_preset(machine: Machine, seq_len: int) -> str | None:
     return None
 
 
-def pick_micro_batch(args: ModelArgs, machine: Machine, seq_len: int, largest: int = 8) -> int:
+def pick_micro_batch(args: ModelArgs, machine: Machine, seq_len: int, largest: int = 64) -> int:
     """The largest power-of-two micro-batch up to `largest` whose activations fit (at least 1)."""
     best = 1
     while best * 2 <= largest and all(fits(memory(args, p, best * 2, seq_len), machine) for p in PLACEMENTS.values()):
@@ -120,16 +123,20 @@ def pick_micro_batch(args: ModelArgs, machine: Machine, seq_len: int, largest: i
     return best
 
 
-def step_traffic(args: ModelArgs, placement: str) -> dict[str, int]:
-    """Bytes one step moves, by link, with overlap_step (grads go straight to the optimizer):
-    params to the GPU twice (forward, recompute), fp32 grads back once; with nvme homes the
-    optimizer reads and writes master and both moments, and the params are read twice and
-    written once (an upper bound: the host's param cache saves some reads)."""
-    n = args.param_count()
-    out = {"h2d": 2 * n * COMPUTE_ITEMSIZE, "d2h": n * 4, "nvme_read": 0, "nvme_write": 0}
+def step_traffic(args: ModelArgs, placement: str, accumulate: int = 1) -> dict[str, int]:
+    """Bytes one step of `accumulate` micro-batches moves, by link, with overlap_step (the last
+    micro-batch's grads go straight to the optimizer). Every micro-batch fetches every param
+    twice (forward, recompute in backward) and sends its fp32 grads to the host; each after the
+    first brings the earlier micro-batches' sums back to add them on the GPU. With nvme homes
+    the params are read twice per micro-batch (an upper bound: the host's param cache saves
+    some reads) and written once, the optimizer reads and writes master and both moments, and
+    the grad sums of all but the last micro-batch are written, and of all but the first read."""
+    n, sums = args.param_count(), accumulate - 1
+    params = 2 * n * COMPUTE_ITEMSIZE
+    out = {"h2d": accumulate * params + sums * n * 4, "d2h": accumulate * n * 4, "nvme_read": 0, "nvme_write": 0}
     if placement == "nvme":
-        out["nvme_read"] = 2 * n * COMPUTE_ITEMSIZE + 3 * n * 4
-        out["nvme_write"] = n * COMPUTE_ITEMSIZE + 3 * n * 4
+        out["nvme_read"] = accumulate * params + 3 * n * 4 + sums * n * 4
+        out["nvme_write"] = n * COMPUTE_ITEMSIZE + 3 * n * 4 + sums * n * 4
     return out
 
 
@@ -150,14 +157,20 @@ def bound(n_params: int, tokens: int, traffic: dict[str, int], rates: Rates) -> 
     return {**terms, "bound_s": terms[limit], "bound_by": limit}  # type: ignore[dict-item]
 
 
-def accumulation_for_compute_bound(args: ModelArgs, placement: str, micro_tokens: int, rates: Rates,
-                                   most: int) -> int:
-    """Micro-batches per step so that compute is at least every transfer term (at most `most`)."""
+def pick_accumulation(args: ModelArgs, placement: str, micro_tokens: int, rates: Rates, most: int) -> int:
+    """Micro-batches per step: the fewest (at most `most`) whose bound per token is within 10%
+    of the bound per token at `most`. Accumulation amortises only what a step moves once (the
+    optimizer's states, the new params, CPU AdamW); a term that grows with every micro-batch
+    (params twice, grads again) as fast as compute does is not amortised, so where it outruns
+    compute no accumulation makes the step compute-bound and only a larger micro-batch helps."""
     n = args.param_count()
-    others = {k: v for k, v in bound(n, micro_tokens, step_traffic(args, placement), rates).items()
-              if k not in ("compute", "bound_s", "bound_by")}
-    per_micro = 8 * n * micro_tokens / (rates.bf16_tflops * 1e12)
-    return max(1, min(most, math.ceil(max(others.values()) / per_micro)))
+
+    def per_token(accumulate: int) -> float:
+        tokens = micro_tokens * accumulate
+        return bound(n, tokens, step_traffic(args, placement, accumulate), rates)["bound_s"] / tokens
+
+    limit = per_token(most)
+    return next(a for a in range(1, most + 1) if per_token(a) <= 1.1 * limit)
 
 
 # -- the report ------------------------------------------------------------------------------------
@@ -251,7 +264,7 @@ def train(name: str, args: ModelArgs, machine: Machine, device: torch.device, mi
 
     cfg = Config(placement=PLACEMENTS[name], nvme_path=[str(workdir / f"nvme-{name}")], dtype="bf16",
                  device=str(device), host_budget=machine.host_bytes, gpu_budget=machine.gpu_bytes,
-                 prefetch_depth=PREFETCH_DEPTH, accumulate=accumulate, total_steps=steps + 1, warmup_steps=1)
+                 prefetch_depth=PREFETCH_DEPTH, accumulate=accumulate, total_steps=steps + 2, warmup_steps=1)
     data = TokenBatches(default_corpus(64 << 20), micro_batch, seq_len, seed=0)
     times: list[float] = []
     with Engine(models.build(args, device="meta", seed=0), cfg) as engine:
@@ -259,21 +272,23 @@ def train(name: str, args: ModelArgs, machine: Machine, device: torch.device, mi
             torch.cuda.synchronize(device)
             start = time.perf_counter()
             for _ in range(accumulate):
-                engine.train_step(data.next_batch())
+                engine.train_micro_batch(data.next_batch())  # the loss is never read: no sync
             torch.cuda.synchronize(device)
             return time.perf_counter() - start
 
         step()  # warm-up: pools, caches and the allocator settle
         engine.stats()
         registered = engine.tiers.host_pool.registrations
-        for _ in range(steps - 1):
+        for _ in range(steps):
             times.append(step())
-            engine.stats()
+            stats = engine.stats()
+        registrations = (engine.tiers.host_pool.registrations - registered) / steps
+        # one micro-batch (not a whole step of up to --max-accumulate of them: a trace of a big
+        # model's step is gigabytes), after the timed steps and not among them
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
-            times.append(step())
-        stats = engine.stats()
-        registrations = (engine.tiers.host_pool.registrations - registered) / steps
+            engine.train_micro_batch(data.next_batch())
+            torch.cuda.synchronize(device)
     prof.export_chrome_trace(str(trace))
     return statistics.median(times), stats, registrations
 
@@ -284,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gpu-mem", default="24GiB", help="GPU memory torch may use (emulates a workstation card)")
     ap.add_argument("--host-fraction", type=float, default=0.8, help="share of the free RAM the engine may use")
-    ap.add_argument("--path", default=None, help="directory on the NVMe drive (default: a temp dir)")
+    ap.add_argument("--path", default=None, help="directory on the NVMe drive (needs tens of GiB and "
+                    "direct I/O; required but for --dry-run)")
     ap.add_argument("--preset", default=None, help="train this preset instead of the largest that fits")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--micro-batch", type=int, default=None)
@@ -299,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     if not opts.dry_run and not torch.cuda.is_available():
         print("benchmarks/gpu.py needs a CUDA GPU and none is visible here; run it on a GPU machine, "
               "or pass --dry-run to see the preset it would pick and the bound arithmetic", file=sys.stderr)
+        return 2
+    if not opts.dry_run and opts.path is None:
+        print("benchmarks/gpu.py needs --path, a directory on the NVMe drive with tens of GiB free "
+              "(its stores use direct I/O, which a tmpfs refuses); or pass --dry-run", file=sys.stderr)
         return 2
     placements = [p for p in opts.placements.split(",") if p]
     if not placements or set(placements) - set(PLACEMENTS):
@@ -327,10 +347,10 @@ def main(argv: list[str] | None = None) -> int:
         rates = NOMINAL if opts.dry_run else measure_rates(device, workdir)
         rows = []
         for name in placements:
-            accumulate = accumulation_for_compute_bound(args, name, micro * seq_len, rates, opts.max_accumulate)
+            accumulate = pick_accumulation(args, name, micro * seq_len, rates, opts.max_accumulate)
             tokens = micro * seq_len * accumulate
             if opts.dry_run:  # the bound itself, as if the step ran exactly at it
-                traffic = step_traffic(args, name)
+                traffic = step_traffic(args, name, accumulate)
                 stats = {"bytes_host->gpu": traffic["h2d"], "bytes_gpu->host": traffic["d2h"],
                          "bytes_nvme->host": traffic["nvme_read"], "bytes_host->nvme": traffic["nvme_write"],
                          "io_wait_s": 0.0}

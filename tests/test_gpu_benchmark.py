@@ -1,5 +1,6 @@
-"""`benchmarks/gpu.py`'s logic that needs no GPU: the preset it picks, the bound arithmetic,
-the dry run's report, and its refusal without CUDA. (The GPU run itself is never run in CI.)"""
+"""`benchmarks/gpu.py`'s logic that needs no GPU: the preset it picks, the traffic model and
+the bound arithmetic, the micro-batch and accumulation it chooses, the dry run's report, and its
+refusals without CUDA or --path. (The GPU run itself is never run in CI.)"""
 
 from __future__ import annotations
 
@@ -44,10 +45,45 @@ def test_the_bound_is_the_slowest_resource() -> None:
     assert b["compute"] == pytest.approx(8e13 / 1e14)  # 8 N tokens over the peak: 0.8 s
     assert (b["h2d"], b["d2h"], b["nvme"], b["cpu_adam"]) == pytest.approx((1.0, 0.5, 2.0, 1.0))
     assert b["bound_by"] == "nvme" and b["bound_s"] == pytest.approx(2.0)
-    more = gpu.accumulation_for_compute_bound(PRESETS["1b"], "host", 4096, rates, most=1000)
-    n = PRESETS["1b"].param_count()
-    assert gpu.bound(n, 4096 * more, gpu.step_traffic(PRESETS["1b"], "host"), rates)["bound_by"] == "compute"
-    assert gpu.bound(n, 4096 * (more - 1), gpu.step_traffic(PRESETS["1b"], "host"), rates)["bound_by"] != "compute"
+
+
+def test_every_micro_batch_moves_the_params_twice_and_the_grads_again() -> None:
+    args = PRESETS["1b"]
+    n, p = args.param_count(), 2 * args.param_count() * gpu.COMPUTE_ITEMSIZE  # forward + recompute
+    one, three = gpu.step_traffic(args, "host", 1), gpu.step_traffic(args, "host", 3)
+    assert (one["h2d"], one["d2h"]) == (p, 4 * n)
+    assert (three["h2d"], three["d2h"]) == (3 * p + 2 * 4 * n, 3 * 4 * n)  # two earlier sums come back
+    assert three["nvme_read"] == three["nvme_write"] == 0
+    nvme_one, nvme_three = gpu.step_traffic(args, "nvme", 1), gpu.step_traffic(args, "nvme", 3)
+    assert nvme_three["nvme_read"] - nvme_one["nvme_read"] == 2 * p + 2 * 4 * n
+    assert nvme_three["nvme_write"] - nvme_one["nvme_write"] == 2 * 4 * n
+
+
+def test_accumulation_amortises_only_what_a_step_moves_once() -> None:
+    """Where a micro-batch's own transfers outrun its compute, accumulating more gains little
+    (only the optimizer's share); where they do not, it stops once the step is within 10% of
+    its compute."""
+    args, tokens = PRESETS["1b"], 4096
+    n = args.param_count()
+    slow = gpu.Rates(bf16_tflops=1000.0, h2d_gbps=10.0, d2h_gbps=20.0, nvme_read_gbps=4.0,
+                     nvme_write_gbps=2.0, adam_params_per_s=1e9)
+    a = gpu.pick_accumulation(args, "host", tokens, slow, most=64)
+    assert a < 64
+    assert gpu.bound(n, tokens * 64, gpu.step_traffic(args, "host", 64), slow)["bound_by"] == "h2d"
+    fast = gpu.Rates(bf16_tflops=100.0, h2d_gbps=1000.0, d2h_gbps=1000.0, nvme_read_gbps=4.0,
+                     nvme_write_gbps=2.0, adam_params_per_s=1e9)
+    a = gpu.pick_accumulation(args, "host", tokens, fast, most=1000)
+    near, short = (gpu.bound(n, tokens * k, gpu.step_traffic(args, "host", k), fast) for k in (a, a - 1))
+    assert near["bound_s"] <= 1.1 * near["compute"] and short["bound_s"] > 1.1 * short["compute"]
+
+
+def test_it_prefers_the_largest_micro_batch_that_fits() -> None:
+    args = PRESETS["125m"]
+    big = gpu.Machine(gpu_bytes=80 << 30, host_bytes=64 * GB, disk_bytes=2000 * GB)
+    micro = gpu.pick_micro_batch(args, big, seq_len=1024)
+    assert micro > 8  # not capped where accumulation would stand in for it
+    assert all(gpu.fits(gpu.memory(args, p, micro, 1024), big) for p in gpu.PLACEMENTS.values())
+    assert micro == 64 or not all(gpu.fits(gpu.memory(args, p, 2 * micro, 1024), big) for p in gpu.PLACEMENTS.values())
 
 
 def test_dry_run_reports_every_figure_and_no_gpu_refuses(monkeypatch, capsys) -> None:
@@ -59,6 +95,10 @@ def test_dry_run_reports_every_figure_and_no_gpu_refuses(monkeypatch, capsys) ->
         assert row["step_over_bound"] == pytest.approx(1.0)  # a dry run's step is its bound
         assert row["model_tflops"] == pytest.approx(0.75 * row["hw_tflops"])
     assert len(gpu.table_lines(out["rows"])) == 13
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused before any GPU call
+    assert gpu.main(["--preset", "125m"]) == 2
+    err = capsys.readouterr().err
+    assert "needs --path" in err and err.count("\n") == 1
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu.main([]) == 2
     err = capsys.readouterr().err
