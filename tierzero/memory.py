@@ -52,8 +52,8 @@ What a part means, and which pool holds it (`POOLED`; the others are torch alloc
   overlap_step, the first `prefetch_depth` pieces of the unit being stepped and of the next
   one, and the last piece of the one before. The engine issues a whole unit's pieces at once
   in backward, so spare budget lets more be in flight, never less than this.
-- new param staging (host pool): with params on nvme, each stepped piece's new compute-dtype
-  values are written from a host buffer of one piece.
+- new param staging (host pool): with params on nvme, or on the GPU with the step on the CPU,
+  each stepped piece's new compute-dtype values are written from a host buffer of one piece.
 - activations (compute device): see `tierzero.ledger.activation_memory`.
 
 ZeRO stage (several ranks; `stage`): at 3 a rank's param home holds its shard of each unit.
@@ -345,7 +345,9 @@ def peak_memory(
     # -- the optimizer, piece by piece on its stepping device
     step_tier = Tier.GPU if step_on_gpu else Tier.HOST
     step_device = device if step_on_gpu else "cpu"
-    writing = any(placement.home(k) is Tier.NVME for k in StateKind if k is not StateKind.GRAD)
+    # writes that outlive their piece's step: to nvme, or from a host step up to the device (h2d)
+    writing = any(placement.home(k) is Tier.NVME or (placement.home(k) is Tier.GPU and step_device != device)
+                  for k in StateKind if k is not StateKind.GRAD)
 
     def optimizer(during_backward: bool) -> dict[Tier, dict[str, int]]:
         # in backward the grad is handed over on the compute device: in place when it steps there
@@ -366,7 +368,8 @@ def peak_memory(
             parts[Tier.HOST]["optimizer pieces"] = [p * FP32_NBYTES for p in most] * away
         else:
             parts[Tier.GPU]["optimizer pieces"] = sum(most) * away * FP32_NBYTES
-        if placement.param is Tier.NVME:  # each stepped piece's new params, written from a host buffer
+        if placement.param is Tier.NVME or (placement.param is Tier.GPU and step_device != device):
+            # each stepped piece's new params, written (to nvme, or up to the device) from a host buffer
             parts[Tier.HOST]["new param staging"] = [min(piece_numel, max(state)) * c]
         return parts
 
