@@ -50,7 +50,9 @@ class Work:
     leased: dict[StateKind, torch.Tensor] = field(default_factory=dict)  # kind -> leased buffer
     futures: list = field(default_factory=list)
     grad_landed: Event = None  # the D2H copy of its grad piece (overlap_step), waited for by `Tiers.landed`
-    grad_produced: Event = None  # the compute event that made its grad piece final, where it is used in place
+    # overlap_step: the compute event after which its grad is final and its unit's params are
+    # read no more in the pass (their new values may be written over them)
+    produced: Event = None
 
     @property
     def numel(self) -> int:
@@ -156,9 +158,9 @@ class ShardOptimizer:
         the stepping device, else copied on the d2h stream once compute has `produced` it."""
         part = grad[work.start:work.end]
         s = self.tiers.streams
+        work.produced = produced
         if part.device == self.device and not (s.separate and self.device.type == "cpu"):
             work.tensors[StateKind.GRAD] = part
-            work.grad_produced = produced
             return
         work.tensors[StateKind.GRAD] = work.leased[StateKind.GRAD] = self._lease(work.numel * 4).view(torch.float32)
         work.grad_landed = s.copy(work.leased[StateKind.GRAD], part, s.d2h, after=produced)
@@ -223,7 +225,7 @@ class ShardOptimizer:
         # issues it (with overlap_step an I/O thread, whose current stream is not compute)
         s = self.tiers.streams
         with s.current(s.compute):
-            s.wait(s.compute, work.grad_produced)
+            s.wait(s.compute, work.produced)
             self._adamw(work, lr, grad_coef)
 
     def _adamw(self, work: Work, lr: float, grad_coef: float | None) -> None:
@@ -265,7 +267,7 @@ class ShardOptimizer:
         # new values arrive after the step (`tierzero.paramsync`)
         lo = unit.param_offset(self.rank)
         if store.capabilities.zero_copy:
-            self._write_param_in_memory(unit, store.view(key)[lo + work.start:lo + work.end], master)
+            self._write_param_in_memory(work, store.view(key)[lo + work.start:lo + work.end], master)
             return
         # params on nvme are written per piece (no buffer the size of a unit); a cached copy of
         # the shard is updated in place, so the next pass reads RAM, never stale values
@@ -280,17 +282,20 @@ class ShardOptimizer:
         self.tiers.pending.add(future, lambda ok: self._release_param(key, staged, ok))
         self.stats.add_bytes("host->nvme", staged.numel() * staged.element_size())
 
-    def _write_param_in_memory(self, unit: Unit, dst: torch.Tensor, master: torch.Tensor) -> None:
+    def _write_param_in_memory(self, work: Work, dst: torch.Tensor, master: torch.Tensor) -> None:
         """Cast `master` into `dst`, a slice of the param shard in a memory home. From a host step
         into device memory: cast into pinned staging on the host, then an h2d copy once compute
-        (still reading this unit's params from the pass) is done with it; never a blocking copy.
-        A device step casts on the compute stream. The next pass's reads wait for the write."""
+        has read the unit's params for the last time in the pass (`produced`; with overlap_step
+        never compute as it is now, which would hold up the h2d copies queued behind this one);
+        never a blocking copy. A device step casts on the compute stream. The next pass's reads
+        wait for the write."""
         home = self.placement.home(StateKind.PARAM)
         s = self.tiers.streams
         if self._across(home):
             staged = self.tiers.lease_host(master.numel() * self.compute_dtype.itemsize).view(self.compute_dtype)
             staged.copy_(master)
-            event = s.copy(dst, staged, s.h2d, after=s.record(s.compute))
+            done_reading = work.produced if work.produced is not None else s.record(s.compute)
+            event = s.copy(dst, staged, s.h2d, after=done_reading)
             self.tiers.pending.add(self.tiers.when_done(event),
                                    lambda ok: self.tiers.host_pool.give_back(staged.view(torch.uint8)))
             self.stats.add_bytes("host->gpu", staged.numel() * staged.element_size())
@@ -299,7 +304,7 @@ class ShardOptimizer:
         else:
             dst.copy_(master)  # one memory: cast to the compute dtype in the copy
             return
-        self.param_written(unit.index, event)
+        self.param_written(work.unit.index, event)
 
     def _release_param(self, key: str, staged: torch.Tensor, ok: bool) -> None:
         if not ok:  # the drive does not hold these params: the cache must not serve them either
