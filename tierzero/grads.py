@@ -222,6 +222,7 @@ class GradShards:
         copied = s.copy(prev, host, s.h2d, after=after)
         s.keep_alive(prev, s.compute)
         s.wait(s.compute, copied)
+        self.stats.add_bytes("host->gpu", part.numel() * 4)
         part.add_(prev)
         if stage is not None:
             staged = stage.view(torch.uint8)
@@ -243,6 +244,7 @@ class GradShards:
         stage = self.tiers.lease_host(nbytes).view(torch.float32)
         landed = s.copy(stage, part, s.d2h, after=produced)
         s.keep_alive(part, s.d2h)
+        self.stats.add_bytes("gpu->host", nbytes)
         future = self._writes[key] = self.tiers.submit(
             _write_when_landed(self.tiers, landed, self.tiers.stores[Tier.NVME], key, stage))
         self.tiers.pending.add(future, lambda ok: self.tiers.host_pool.give_back(stage.view(torch.uint8)))
@@ -267,6 +269,7 @@ class GradShards:
             stage = self.tiers.lease_host(nbytes).view(torch.float32)
             landed = s.copy(stage, grad, s.d2h, after=s.record(s.compute))
             s.keep_alive(grad, s.d2h)
+            self.stats.add_bytes("gpu->host", nbytes)
             add = self.tiers.lease_host(nbytes).view(torch.float32) if stash is not None else None
             future = self._stashes[key] = self.tiers.submit(_stash_when_landed(self.tiers, landed, store, key, stage, add))
             self.tiers.pending.add(future, lambda ok: [self.tiers.host_pool.give_back(b.view(torch.uint8))

@@ -317,7 +317,7 @@ def _check_nvme_path(path: Path) -> None:
                           "create it or choose another --nvme-path")
     try:
         path.mkdir(exist_ok=True)
-        probe = path / ".tierzero-write-probe"
+        probe = path / f".tierzero-write-probe-{os.getpid()}"  # ranks sharing the path each write their own
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
