@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-KILLS = 10
-STEPS = 28
+KILLS = 6
+STEPS = 18
 ARGS = ["--steps", str(STEPS), "--seq-len", "32", "--batch-size", "2", "--checkpoint-every", "1",
         "--keep-checkpoints", "2", "--json"]
 CLI = [sys.executable, "-c", "from tierzero.cli.app import main; main()"]
