@@ -86,7 +86,7 @@ def _choices(root: str) -> dict[str, object]:
                              host_budget=host_budget))
 
     stage3 = engine(3)
-    tight = stage3._memory(stage3.placement, stage=3).needs()[Tier.HOST]
+    tight = stage3.sizing.memory(stage3.placement, 3).needs()[Tier.HOST]
     try:
         engine(2, tight)
         refused = ""

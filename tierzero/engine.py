@@ -14,14 +14,13 @@ like the rest and never written; a parameter that gets no gradient in a step is 
 as torch's AdamW skips it (`tierzero.paramsteps`).
 
 This file is past 500 lines because the engine is where the step's parts meet (tiers, swap
-plan, grads, optimizer, checkpoints, gathered weights); each part's logic lives in its own
+plan, grads, optimizer, checkpoints, gathered weights, sizing); each part's logic lives in its own
 module and is only wired here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import shutil
 import weakref
 from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator
@@ -31,7 +30,7 @@ import torch
 from torch import nn
 
 from tierzero.comm import Comm
-from tierzero.config import Config, Offload, Placement, StateKind, Tier
+from tierzero.config import Config, StateKind, Tier
 from tierzero.checkpoint import newest_checkpoint, verify_checkpoint
 from tierzero.errors import CheckpointError, ConfigError, TierzeroError
 from tierzero.execute import UnitRunner, bind, detach_params, flat_grad, unbind
@@ -39,11 +38,8 @@ from tierzero.gathered import GatheredWeight, copies, resolve, unit_grads
 from tierzero.grads import GradShards, clip_coefficient
 from tierzero.init import WeightFiles, flat_unit, weight_files
 from tierzero.launch import local_world_size
-from tierzero.ledger import ActivationEstimate, activation_memory
 from tierzero.lr import lr_at
 from tierzero.manifest import MANIFEST_NAME, Manifest
-from tierzero.memory import MemoryModel, peak_memory
-from tierzero.models.presets import ModelArgs
 from tierzero.optim import ShardOptimizer
 from tierzero.paramsteps import ParamSteps, Run
 from tierzero.paramsync import sync_params
@@ -51,9 +47,9 @@ from tierzero.partition import Unit, forward_only, forward_uses, grad_uses, part
 from tierzero.precision import TORCH_DTYPES, DynamicLossScaler, compute_dtype, resolve_dtype
 from tierzero.reference import compute_loss, to_device
 from tierzero.schedule import Scheduler, build_swap_plan
+from tierzero.sizing import Sizing
 from tierzero.stats import StepStats
-from tierzero.storage.base import BudgetExceededError
-from tierzero.tiers import Tiers, aligned_empty, default_budgets, state_keys
+from tierzero.tiers import Tiers, aligned_empty, state_keys
 
 
 class Engine:
@@ -70,16 +66,18 @@ class Engine:
         self.scaler = DynamicLossScaler(config.loss_scale, config.loss_scale_window,
                                         enabled=self.dtype == torch.float16)
         self.overlap = self._resolve_overlap()
-        self.stage = config.stage or 3  # `offload auto` picks a placement for the forced stage, else stage 3's
-        self.placement = self._resolve_placement()
-        self.stage, self.stage_reason = self._resolve_stage()
+        self.sizing = Sizing(config, self.device, self.dtype, self.units, self.comm.world_size,
+                             self.local_ranks, self.overlap)
+        # `offload auto` picks a placement for the forced stage, else stage 3's
+        self.placement = self.sizing.placement(config.stage or 3)
+        self.stage, self.stage_reason = self.sizing.stage(self.placement)
         replicate_params(self.units, self.stage <= 2)
         homes = {self.placement.home(k) for k in StateKind}
         self.stats_ = StepStats()
         self.tiers = Tiers(config, self.device, homes, self.comm.rank if self.comm.world_size > 1 else None,
                            self.stats_, self.local_ranks)
         self.tiers.check_paths()
-        self._check_budgets()
+        self.memory = self.sizing.check(self.tiers, self.placement, self.stage)
         if weights is not None:
             weight_files(weights)  # refuse a wrong path now, before anything is written
         self.weights = weights
@@ -171,7 +169,9 @@ class Engine:
             self.step()  # overlap_step already updated the shards: settle it before reading them
         training = torch.is_grad_enabled()
         if training and not self._activations_reserved:
-            self._reserve_activations(batch)
+            self._activations_reserved = True
+            self.memory = self.sizing.reserve_activations(self.tiers, self.model, batch, self.memory,
+                                                          self.placement, self.stage)
             if self.device.type == "cpu":  # the host budget is final now: the pool's, and its blocks
                 self.tiers.host_pool.set_budget(max(1, self.tiers.host_budget))
                 provision = self.memory.host_provision(self.tiers.host_budget)
@@ -554,160 +554,8 @@ class Engine:
                               "off, or opt in to clipping by the previous step's norm (clip_previous_norm)")
         return possible if self.config.overlap_step is None else self.config.overlap_step
 
-    def _resolve_placement(self) -> Placement:
-        """The configured placement, or for `offload auto` the planner's best among those whose
-        peaks (the one memory model, `tierzero.memory`) fit the budgets."""
-        if self.config.placement is not None or self.config.offload is not Offload.AUTO:
-            return self.config.resolved_placement()
-        from tierzero.plan import candidate_placements, choose_placement, load_profile
-
-        budgets = self._budgets()
-        fitting = [p for p in candidate_placements() if _fits(self._memory(p), budgets)]
-        if not fitting:
-            raise ConfigError(f"no placement fits the budgets (host {budgets[Tier.HOST] / 1e6:.1f} MB, "
-                              f"gpu {budgets.get(Tier.GPU, 0) / 1e6:.1f} MB, nvme {budgets[Tier.NVME] / 1e9:.1f} GB "
-                              "free); raise --host-budget or --gpu-budget, or free disk space")
-        return choose_placement(
-            self._unit_sizes(), compute_itemsize=self.dtype.itemsize, grad_itemsize=4,
-            gpu_budget=None, host_budget=None, nvme_free=None, world_size=self.comm.world_size,
-            prefetch_depth=self.config.prefetch_depth, candidates=fitting,
-            trainable=[u.trainable_numel for u in self.units], stage=self.stage,
-            profile=load_profile(self.config.profile) if self.config.profile else None).placement
-
-    def _budgets(self) -> dict[Tier, int]:
-        """This rank's budget per tier, as `offload auto` and the stage choice weigh them."""
-        host, gpu = default_budgets(self.device, self.local_ranks)
-        budgets = {Tier.HOST: self.config.host_budget or host, Tier.GPU: self.config.gpu_budget or gpu,
-                   Tier.NVME: self._nvme_free() * len(self.config.nvme_path) // self.local_ranks}
-        if self.device.type == "cpu" and self.config.gpu_budget is None:
-            del budgets[Tier.GPU]  # the gpu tier is host memory, inside the host budget
-        return budgets
-
-    def _resolve_stage(self) -> tuple[int, str]:
-        """The ZeRO stage and why: the forced one (`Config.stage`), refused in one sentence when
-        its replicated state does not fit this rank's budgets; else the least communication that
-        fits -- stage 1 (with `accumulate` > 1), then 2 -- or stage 3. One rank: stage 3 (all
-        three are the same run)."""
-        from tierzero.plan import choose_stage
-
-        forced = self.config.stage
-        if self.comm.world_size == 1:
-            return forced or 3, "one rank"
-        budgets = self._budgets()
-        if forced is not None:
-            mem = self._memory(self.placement, stage=forced)
-            if forced <= 2 and not _fits(mem, budgets):
-                tier = next(t for t, n in mem.needs().items() if t in budgets and n > budgets[t])
-                fix = {Tier.HOST: "raise --host-budget", Tier.GPU: "raise --gpu-budget"}.get(tier, "free disk space")
-                raise ConfigError(
-                    f"--stage {forced} keeps every unit's params{' and grads' if forced == 1 else ''} whole on each "
-                    f"rank, which needs {mem.needs()[tier] / 1e6:.1f} MB of {tier.value} per rank where its budget is "
-                    f"{budgets[tier] / 1e6:.1f} MB; use --stage 3 (or leave --stage unset to choose), or {fix}")
-        return choose_stage(lambda stage: _fits(self._memory(self.placement, stage=stage), budgets),
-                            self.comm.world_size, self.config.accumulate, forced)
-
     def stage_text(self) -> str:
         """One line naming the stage, why, and what it partitions."""
         from tierzero.plan import STAGE_TEXT
 
         return f"ZeRO stage {self.stage} ({self.stage_reason}): {STAGE_TEXT[self.stage]}"
-
-    def _memory(self, placement: Placement, activations: ActivationEstimate | None = None,
-                stage: int | None = None) -> MemoryModel:
-        """This rank's share of the memory model of this engine's units and config (activations
-        when known) at `stage` (default: the engine's): what its own pools and budgets hold."""
-        return peak_memory(self._unit_sizes(), placement, compute_itemsize=self.dtype.itemsize,
-                           world_size=self.comm.world_size,
-                           device="cpu" if self.device.type == "cpu" else "cuda",
-                           tied_embeddings=any(u.uses_with for u in self.units),
-                           trainable=[u.trainable_numel for u in self.units],
-                           prefetch_depth=self.config.prefetch_depth, piece_numel=self.config.piece_numel,
-                           overlap=self.overlap, accumulate=self.config.accumulate,
-                           activations=activations, overlap_comm=self.config.overlap_comm,
-                           stage=stage or self.stage).per_rank()
-
-    def _nvme_free(self) -> int:
-        """Free bytes on the fullest nvme path (shards stripe evenly across the paths)."""
-        return min(shutil.disk_usage(_existing(Path(p))).free for p in self.config.nvme_path)
-
-    def _unit_sizes(self) -> list[tuple[str, int]]:
-        return [(u.name, u.numel) for u in self.units]
-
-    def _check_budgets(self) -> None:
-        """Size the pools from the memory model and refuse, before anything is written, budgets
-        or disks too small for this model: each pool's budget, less what torch allocates beside
-        it (unit grads; the batch's activations are taken at the first forward), must hold the
-        homes and the working set the model predicts at the configured read-ahead. On the CPU
-        device the device pool's budget is carved out of the host budget.
-        """
-        self.memory = self._memory(self.placement)
-        self.tiers.share_budgets(self.memory.tiers[Tier.GPU].pool_bytes)
-        for tier, need in _unpooled(self.memory).items():
-            self.tiers.reserve(tier, need)
-        self._check_pools(self.memory, "")
-        # the host pool's blocks, pinned at open; with room, the LRU cache's too where the host
-        # budget is final (on the CPU device the first forward takes the activations from it)
-        self.tiers.host_blocks = self.memory.host_provision(self.tiers.host_budget if self.device.type == "cuda" else 0)
-        if Tier.NVME in {self.placement.home(k) for k in StateKind}:
-            free = self._nvme_free()  # the ranks on this machine share its drives
-            total = self.memory.tiers[Tier.NVME].homes_bytes * self.local_ranks // len(self.config.nvme_path)
-            if total > free:
-                raise ConfigError(f"nvme path {self.config.nvme_path[0]} has {free / 1e9:.2f} GB free but "
-                                  f"the offloaded state needs {total / 1e9:.2f} GB per path; free space "
-                                  "or add another --nvme-path")
-
-    def _check_pools(self, mem: MemoryModel, why: str) -> None:
-        budgets = {Tier.HOST: (self.tiers.host_budget, "--host-budget"),
-                   Tier.GPU: (self.tiers.gpu_budget, "--gpu-budget")}
-        for tier, (budget, flag) in budgets.items():
-            need = mem.tiers[tier].pool_bytes
-            if need > budget:
-                total = self.tiers.total_budgets[tier]
-                raise ConfigError(f"the {tier.value} budget of {total / 1e6:.1f} MB is too small: this model and "
-                                  f"placement{why} need at least {(total - budget + need) / 1e6:.1f} MB there "
-                                  f"({_breakdown(mem, tier)}); raise {flag}, lower the prefetch depth or "
-                                  "offload more state")
-
-    def _reserve_activations(self, batch: Any) -> None:
-        """At the first training forward, take the batch's activations out of the compute
-        device's budget (on the CPU device: the host budget). Only for the built-in model,
-        whose shape says what they take; other models' activations are not reserved."""
-        self._activations_reserved = True
-        args = getattr(self.model, "args", None)
-        tokens = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
-        if not isinstance(args, ModelArgs) or not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 \
-                or tokens.shape[1] > args.max_seq_len:
-            return
-        act = activation_memory(args, tokens.shape[0], tokens.shape[1], self.dtype.itemsize,
-                                getattr(self.model, "loss_chunk_bytes", None))
-        before = _unpooled(self.memory)
-        self.memory = self._memory(self.placement, act)
-        for tier, need in _unpooled(self.memory).items():
-            if need > before.get(tier, 0):
-                try:
-                    self.tiers.reserve(tier, need - before.get(tier, 0))
-                except BudgetExceededError:
-                    pass  # named below, with the figures
-        self._check_pools(self.memory, f" with batches of {tokens.shape[0]} x {tokens.shape[1]} tokens")
-
-
-def _fits(mem: MemoryModel, budgets: dict[Tier, int]) -> bool:
-    return all(n <= budgets[t] for t, n in mem.needs().items() if t in budgets)
-
-
-def _unpooled(mem: MemoryModel) -> dict[Tier, int]:
-    """What torch allocates beside the pools, per tier (on the CPU device: all of it in RAM)."""
-    if mem.device == "cpu":
-        return {Tier.HOST: mem.host_memory.unpooled_bytes}
-    return {Tier.GPU: mem.tiers[Tier.GPU].unpooled_bytes, Tier.HOST: mem.tiers[Tier.HOST].unpooled_bytes}
-
-
-def _breakdown(mem: MemoryModel, tier: Tier) -> str:
-    peak = mem.host_memory if tier is Tier.HOST else mem.tiers[tier]
-    return peak.breakdown()
-
-
-def _existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
