@@ -33,8 +33,7 @@ class HostPool(BufferPool):
     memory, so a smaller capacity would undercount the budget. Pinning is done in the context of
     `device` (a `cuda:k`; the engine always names it), whichever thread leases: the I/O loop's
     threads have cuda:0 current, and registering there would create a context on it.
-    `registrations` and `unregistrations` count `cudaHostRegister` / `cudaHostUnregister` calls
-    (each a costly, synchronising driver call). Given size classes (`blocks`, see `BufferPool`),
+    `registrations` counts `cudaHostRegister` calls (each a costly, synchronising driver call). Given size classes (`blocks`, see `BufferPool`),
     every block of the working set is pinned at `open()` and stays pinned until `close()`.
     A lease above every class gets a block of its own, pinned like the rest (counted): copies
     from pageable memory would not be asynchronous, and the engine sizes its classes to cover
@@ -51,7 +50,6 @@ class HostPool(BufferPool):
         self.pin = bool(pin)
         self.device = torch.device(device) if device is not None else None
         self.registrations = 0
-        self.unregistrations = 0
 
     def open(self) -> None:
         cuda = torch.cuda.is_available()
@@ -97,7 +95,6 @@ class HostPool(BufferPool):
         if self.pin:
             with self._in_context():
                 err = int(torch.cuda.cudart().cudaHostUnregister(data.data_ptr()))
-            self.unregistrations += 1
             if err != 0:
                 raise StorageError(f"cannot unpin the {data.numel()}-byte host block at "
                                    f"0x{data.data_ptr():x} (cudaHostUnregister error {err}; "

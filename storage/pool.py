@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from tierzero.storage.base import BudgetExceededError, StorageError
-from tierzero.storage.sizeclass import aligned, class_for
+from tierzero.storage.sizeclass import class_for
 
 
 @dataclass(eq=False)
@@ -231,7 +231,7 @@ class BufferPool(abc.ABC):
         `grow=False`: only a block the pool holds idle, else `BudgetExceededError`."""
         if nbytes < 0:
             raise StorageError(f"cannot lease {nbytes} bytes from the {self.kind} pool")
-        capacity = class_for(nbytes, self.classes, self.alignment) if self.classes else aligned(nbytes, self.alignment)
+        capacity = class_for(nbytes, self.classes, self.alignment)
         with self._lock:
             if not self._is_open:
                 raise StorageError(f"the {self.kind} pool is not open: call open() first")

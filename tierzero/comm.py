@@ -73,11 +73,6 @@ class Comm:
         """The full flat buffer from every rank's shard (one rank: the shard itself)."""
         return self.all_gather_async(shard).wait()
 
-    def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of the mean over ranks of `full`, as DDP averages gradients
-        (one rank: `full` itself), summed in `reduce_dtype` and returned in `full`'s dtype."""
-        return self.reduce_scatter_async(full).wait()
-
     @_collective
     def all_gather_async(self, shard: torch.Tensor) -> InFlight:
         """Start gathering the full flat buffer; `wait()` returns it. It runs beside compute: on
@@ -90,7 +85,9 @@ class Comm:
 
     @_collective
     def reduce_scatter_async(self, full: torch.Tensor) -> InFlight:
-        """Start reducing `full` to this rank's shard of the mean; `wait()` returns the shard."""
+        """Start reducing `full` to this rank's shard of the mean over ranks, as DDP averages
+        gradients (one rank: `full` itself), summed in `reduce_dtype`; `wait()` returns the
+        shard in `full`'s dtype."""
         if self.world_size == 1:
             return InFlight(self, "reduce_scatter", None, full)
         wire = full.to(self.reduce_dtype)

@@ -225,8 +225,7 @@ class GradShards:
         self.stats.add_bytes("host->gpu", part.numel() * 4)
         part.add_(prev)
         if stage is not None:
-            staged = stage.view(torch.uint8)
-            self.tiers.pending.add(self.tiers.when_done(copied), lambda ok: self.tiers.host_pool.give_back(staged))
+            self.tiers.give_back_when_done(copied, stage)
 
     def _store(self, key: str, part: torch.Tensor, produced: Event) -> None:
         """Put a final piece in its home: D2H on the d2h stream once compute has produced it;

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from tierzero.config import Placement, StateKind, Tier
 from tierzero.ledger import FP32_NBYTES
-from tierzero.partition import ALIGN_NUMEL
+from tierzero.partition import ALIGN_NUMEL, piece_ranges
 from tierzero.storage.sizeclass import choose_classes
 
 HOST_CLASSES = 8  # the host pool's size classes, at most
@@ -26,7 +26,7 @@ def key_sizes(kind: StateKind, shard: list[int], state: list[int], piece_numel: 
     memory tier and pieces of its trainable prefix then its frozen rest on nvme; the other
     kinds, pieces of the trainable prefix."""
     def split(n: int) -> list[int]:
-        return [min(piece_numel, n - a) for a in range(0, n, piece_numel)]
+        return [b - a for a, b in piece_ranges(n, piece_numel)]
 
     if kind is not StateKind.PARAM:
         return [p * FP32_NBYTES for s in state for p in split(s)]

@@ -85,7 +85,7 @@ from typing import Any
 
 from tierzero.config import Placement, StateKind, Tier
 from tierzero.ledger import FP32_NBYTES, GB, ActivationEstimate, Unit
-from tierzero.partition import ALIGN_NUMEL
+from tierzero.partition import ALIGN_NUMEL, piece_ranges
 from tierzero.hostblocks import HOST_ALIGN, host_classes, key_sizes
 from tierzero.schedule import Op, build_swap_plan
 from tierzero.storage.sizeclass import class_for
@@ -311,7 +311,7 @@ def peak_memory(
         gathered = max(full)
     reducing = overlap_comm and w > 1  # the previous call's reduce-scatter finishes a call later
     act = activations
-    pieces = [min(piece_numel, s - a) for s in state for a in range(0, s, piece_numel)]
+    pieces = [b - a for s in state for a, b in piece_ranges(s, piece_numel)]
     buffers: dict[str, dict[str, list[int]]] = {}  # phase -> host part -> one rank's buffer bytes
 
     def backward(final_with_overlap: bool) -> dict[Tier, dict[str, int]]:

@@ -170,6 +170,7 @@ class ShardOptimizer:
     def _load(self, work: Work, with_grad: bool = False) -> Work:
         """Start bringing a piece's optimizer states (and its grad, if asked) to the stepping device."""
         unit = work.unit
+        computed: Event = None  # one compute event serves every state of the piece
         for kind in OPT_KINDS if with_grad else OPT_KINDS[1:]:
             home = self.placement.home(kind)
             key = piece_key(kind, unit.index, self.rank, work.piece)
@@ -186,8 +187,8 @@ class ShardOptimizer:
                 self.stats.add_bytes("nvme->host", buf.numel() * 4)
             elif self._across(home):
                 s = self.tiers.streams
-                work.futures.append(self.tiers.when_done(
-                    s.copy(buf, store.view(key), s.d2h, after=s.record(s.compute))))
+                computed = computed or s.record(s.compute)
+                work.futures.append(self.tiers.when_done(s.copy(buf, store.view(key), s.d2h, after=computed)))
                 self.stats.add_bytes("gpu->host", buf.numel() * 4)
             else:
                 buf.copy_(store.view(key))
@@ -271,12 +272,11 @@ class ShardOptimizer:
             return
         # params on nvme are written per piece (no buffer the size of a unit); a cached copy of
         # the shard is updated in place, so the next pass reads RAM, never stale values
+        staged = self._stage_param(master)
         cached = self.tiers.host_pool.cache_get(key)
         if cached is not None:
-            cached.view(self.compute_dtype)[lo + work.start:lo + work.end].copy_(master)
+            cached.view(self.compute_dtype)[lo + work.start:lo + work.end].copy_(staged)
             self.tiers.host_pool.give_back(cached)
-        staged = self.tiers.lease_host(work.numel * self.compute_dtype.itemsize).view(self.compute_dtype)
-        staged.copy_(master)
         piece = unit.param_piece_base(self.config.piece_numel, self.rank) + work.piece
         future = self.tiers.submit(store.write(piece_key(StateKind.PARAM, unit.index, self.rank, piece), staged))
         self.tiers.pending.add(future, lambda ok: self._release_param(key, staged, ok))
@@ -292,12 +292,10 @@ class ShardOptimizer:
         home = self.placement.home(StateKind.PARAM)
         s = self.tiers.streams
         if self._across(home):
-            staged = self.tiers.lease_host(master.numel() * self.compute_dtype.itemsize).view(self.compute_dtype)
-            staged.copy_(master)
+            staged = self._stage_param(master)
             done_reading = work.produced if work.produced is not None else s.record(s.compute)
             event = s.copy(dst, staged, s.h2d, after=done_reading)
-            self.tiers.pending.add(self.tiers.when_done(event),
-                                   lambda ok: self.tiers.host_pool.give_back(staged.view(torch.uint8)))
+            self.tiers.give_back_when_done(event, staged)
             self.stats.add_bytes("host->gpu", staged.numel() * staged.element_size())
         elif home is Tier.GPU and self.device.type != "cpu":
             event = s.copy(dst, master, s.compute)  # cast to the compute dtype in the copy
@@ -305,6 +303,12 @@ class ShardOptimizer:
             dst.copy_(master)  # one memory: cast to the compute dtype in the copy
             return
         self.param_written(work.unit.index, event)
+
+    def _stage_param(self, master: torch.Tensor) -> torch.Tensor:
+        """`master` cast to the compute dtype in a leased host buffer, on its way to a param home."""
+        staged = self.tiers.lease_host(master.numel() * self.compute_dtype.itemsize).view(self.compute_dtype)
+        staged.copy_(master)
+        return staged
 
     def _release_param(self, key: str, staged: torch.Tensor, ok: bool) -> None:
         if not ok:  # the drive does not hold these params: the cache must not serve them either

@@ -62,7 +62,6 @@ class Unit:
     slots: list[ParamSlot] = field(default_factory=list)
     numel: int = 0  # the flat layout's end before padding (with frozen params: the aligned gap before them too)
     padded_numel: int = 0
-    decay_numel: int = 0  # flat[:decay_numel] is weight-decayed
     trainable_numel: int = 0  # flat[:trainable_numel] has grads and optimizer states; frozen after
     world_size: int = 1
     replicated: bool = False  # ZeRO stage 1/2: every rank's param home holds the whole flat buffer
@@ -252,8 +251,6 @@ def _lay_out(unit: Unit, pids: list[int], found: dict, world_size: int) -> None:
         unit.slots.append(ParamSlot(tuple(names), tuple(attrs), offset, p.numel(), tuple(p.shape),
                                     decays(p) and not frozen, frozen))
         offset += p.numel()
-        if decays(p) and not frozen:
-            unit.decay_numel = offset
     unit.numel = offset
     quantum = ALIGN_NUMEL * world_size
     unit.padded_numel = max(quantum, -(-offset // quantum) * quantum)

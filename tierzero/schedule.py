@@ -352,9 +352,7 @@ class Scheduler:
             self.tiers.device_pool.give_back(record.device_buf.view(torch.uint8), ready=release)
             record.device_buf = None
         if record.staging is not None:
-            staging = record.staging.view(torch.uint8)
-            self.tiers.pending.add(self.tiers.when_done(record.event),
-                                   lambda ok: self.tiers.host_pool.give_back(staging))
+            self.tiers.give_back_when_done(record.event, record.staging)
             record.staging = None
         record.event = None
         record.status = "not_available"

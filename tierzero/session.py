@@ -33,7 +33,6 @@ class Session:
     device: str
     dtype: str
     placement_text: str
-    ranks: Ranks = Ranks()
 
     @property
     def n_params(self) -> int:
@@ -101,6 +100,6 @@ def open_session(run: RunConfig, ranks: Ranks = Ranks()) -> Iterator[Session]:
         trainer = Engine(model.on_meta(), cfg, weights=model.weights)
         text = trainer.placement.describe()
     try:
-        yield Session(run, trainer, batches, model, str(device), dtype.value, text, ranks)
+        yield Session(run, trainer, batches, model, str(device), dtype.value, text)
     finally:
         trainer.close()

@@ -249,6 +249,11 @@ class Tiers:
             return done
         return self.submit(self.landed(event))
 
+    def give_back_when_done(self, event: streams_mod.Event, buf: torch.Tensor) -> None:
+        """Return the leased host buffer `buf` to its pool once the copy done at `event` has happened."""
+        staged = buf.view(torch.uint8)
+        self.pending.add(self.when_done(event), lambda ok: self.host_pool.give_back(staged))
+
     async def landed(self, event: streams_mod.Event) -> None:
         """Await a stream event from the I/O loop, never holding an I/O worker while it sleeps."""
         assert self.streams is not None and self.io is not None
