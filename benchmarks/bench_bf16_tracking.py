@@ -18,9 +18,11 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from tierzero import Config, Engine, models
-from tierzero.data import TokenBatches, default_corpus
-from tierzero.reference import ReferenceTrainer
+from tierzero import Config
+from tierzero import Engine
+from tierzero import models
+from tierzero.run.data import TokenBatches, default_corpus
+from tierzero.engine.reference import ReferenceTrainer
 
 
 def main() -> None:

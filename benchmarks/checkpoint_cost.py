@@ -1,7 +1,7 @@
 """What a checkpoint costs: time and bytes written for 1x and 10x the training state, side by side.
 
 A checkpoint of NVMe-homed state hard-links the store's current chunk files (see
-`tierzero.snapshot`), so its cost should be metadata -- about constant in the state's size --
+`tierzero.engine.snapshot`), so its cost should be metadata -- about constant in the state's size --
 and zero bytes copied while the run directory is on the NVMe path's filesystem. This script
 measures that claim instead of asserting it (the test suite counts `bytes_copied`; it times
 nothing).
@@ -65,10 +65,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tierzero import Config, Engine, models
-from tierzero.checkpoint import prune
-from tierzero.data import TokenBatches, default_corpus
-from tierzero.manifest import Manifest
+from tierzero import Config
+from tierzero import Engine
+from tierzero import models
+from tierzero.checkpoint.catalog import prune
+from tierzero.run.data import TokenBatches, default_corpus
+from tierzero.checkpoint.manifest import Manifest
 from tierzero.models import ModelArgs
 from tierzero.storage import chunkfile
 

@@ -5,7 +5,7 @@ For a machine with a CUDA GPU (never run in CI). It caps the memory torch may us
 measures in the same run the GPU's bf16 matmul peak, pinned host<->GPU copy bandwidth in each
 direction, the drive's store read/write bandwidth and CPU AdamW throughput, then picks the
 largest preset whose state fits the free disk under `--path` and the free RAM (the one memory
-model, `tierzero.memory`), and trains it in bf16 with params and optimizer offloaded: every
+model, `tierzero.planning.memory_model`), and trains it in bf16 with params and optimizer offloaded: every
 state kind on the host (`host`), then every state kind on NVMe (`nvme`). Per placement it prints
 
 - step time, tokens/s, model TFLOPS = 6 N tokens / s and hardware TFLOPS = 8 N tokens / s
@@ -49,13 +49,17 @@ from typing import Any
 
 import torch
 
-from tierzero import Config, Engine, Placement, Tier, models
+from tierzero import Config
+from tierzero import Engine
+from tierzero import Placement
+from tierzero import Tier
+from tierzero import models
 from tierzero.config import parse_bytes
-from tierzero.ledger import activation_memory, units_from_args
-from tierzero.memory import MemoryModel, peak_memory
+from tierzero.planning.ledger import activation_memory, units_from_args
+from tierzero.planning.memory_model import MemoryModel, peak_memory
 from tierzero.models import ModelArgs
 from tierzero.models.presets import PRESETS
-from tierzero.tiers import available_host_bytes
+from tierzero.planning.machine import available_host_bytes
 
 PLACEMENTS = {
     "host": Placement(Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST),
@@ -238,7 +242,7 @@ def print_table(preset: str, rows: list[dict[str, Any]], measured: bool) -> None
 # -- the GPU run -------------------------------------------------------------------------------------
 
 def measure_rates(device: torch.device, disk_dir: Path) -> Rates:
-    from tierzero import bench
+    from tierzero.planning import speeds as bench
     from tierzero.storage.bench import DiskBench
     from tierzero.storage.host import HostPool
     from tierzero.storage.io import IOLoop
@@ -260,7 +264,7 @@ def measure_rates(device: torch.device, disk_dir: Path) -> Rates:
 def train(name: str, args: ModelArgs, machine: Machine, device: torch.device, micro_batch: int, seq_len: int,
           accumulate: int, steps: int, workdir: Path, trace: Path) -> tuple[float, dict[str, float], float]:
     """Median step time, the last step's engine counters, pinning calls per timed step."""
-    from tierzero.data import TokenBatches, default_corpus
+    from tierzero.run.data import TokenBatches, default_corpus
 
     cfg = Config(placement=PLACEMENTS[name], nvme_path=[str(workdir / f"nvme-{name}")], dtype="bf16",
                  device=str(device), host_budget=machine.host_bytes, gpu_budget=machine.gpu_bytes,

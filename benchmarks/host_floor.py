@@ -21,8 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from tierzero import Config, Engine, models
-from tierzero.data import TokenBatches, default_corpus
+from tierzero import Config
+from tierzero import Engine
+from tierzero import models
+from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.models import ModelArgs
 
 SHAPE = ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=32000, ffn_dim=2048,

@@ -22,7 +22,7 @@ import typer
 from typer.core import TyperGroup
 
 from tierzero.errors import TierzeroError
-from tierzero.launch import ranks_from_env
+from tierzero.dist.launch import ranks_from_env
 from tierzero.storage.base import StorageError
 from tierzero.cli.output import fail
 

@@ -1,7 +1,7 @@
 """`tierzero bench`: this machine's disk, copy and compute speeds, side by side in one run.
 
 Runs the interleaved disk plan of `tierzero.storage.bench.DiskBench` (raw direct I/O, the NVMe
-store at several chunk sizes, optionally fio) and the compute measurements of `tierzero.bench`
+store at several chunk sizes, optionally fio) and the compute measurements of `tierzero.planning.speeds`
 under one progress bar, prints a table with the store's ratios to raw and to fio, and can write
 the report as the profile `tierzero plan --profile` reads.
 """
@@ -18,7 +18,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tierzero import bench as compute_bench
+from tierzero.planning import speeds as compute_bench
 from tierzero.cli.output import Output
 from tierzero.config import parse_bytes
 from tierzero.errors import ConfigError

@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from tierzero.cli.output import Output
 from tierzero.config import parse_bytes
-from tierzero.export import export_checkpoint
+from tierzero.checkpoint.export import export_checkpoint
 
 
 def export(

@@ -10,7 +10,7 @@ from rich import box
 from rich.table import Table
 
 from tierzero.cli.output import Output
-from tierzero.runinfo import RunInfo, inspect_run
+from tierzero.checkpoint.inspect import RunInfo, inspect_run
 
 _STATUS_STYLE = {"ok": "green", "complete": "green", "incomplete": "yellow", "damaged": "bold red"}
 

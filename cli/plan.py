@@ -11,10 +11,10 @@ from rich.table import Table
 
 from tierzero.cli.output import Output
 from tierzero.config import Config, StateKind, Tier
-from tierzero.ledger import GB
+from tierzero.planning.ledger import GB
 from tierzero.models.presets import PRESETS
-from tierzero.plan import Link
-from tierzero.planreport import DEFAULT_PRESET, make_plan
+from tierzero.planning.placement import Link
+from tierzero.planning.report import DEFAULT_PRESET, make_plan
 
 
 def plan(

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from tierzero.cli.output import Output
-from tierzero.report import load_run, plot, summarize
+from tierzero.run.report import load_run, plot, summarize
 
 
 def report(

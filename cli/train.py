@@ -12,11 +12,10 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tierzero.cli.output import Output
-from tierzero.config import Offload, RunConfig, load_run_config
+from tierzero.config import RunConfig, load_run_config
 from tierzero.errors import ConfigError
-from tierzero.launch import (Ranks, rank_device, ranks_from_env, run_torchrun, start_process_group,
-                             stop_process_group, under_torchrun)
-from tierzero.rundir import RunDir
+from tierzero.dist.launch import Ranks, rank_device, ranks_from_env, run_torchrun, start_process_group, stop_process_group, under_torchrun
+from tierzero.run.directory import RunDir
 
 
 def train(
@@ -102,7 +101,7 @@ def train(
 
 def _train(run: RunConfig, ranks: Ranks, resume: bool, json_out: bool) -> None:
     """Train on this rank; only rank 0 prints, and it speaks for the run."""
-    from tierzero.session import open_session
+    from tierzero.run.session import open_session
 
     out = Output(json_out, quiet=not ranks.primary)
     with _open_run_dir(run.run_dir, ranks) as rundir, open_session(run, ranks) as session:
@@ -152,7 +151,7 @@ def _run_name(model: str) -> str:
 
 @contextmanager
 def _open_run_dir(path: str, ranks: Ranks) -> Iterator[RunDir]:
-    from tierzero.comm import Comm
+    from tierzero.dist.comm import Comm
 
     with RunDir(path, primary=ranks.primary) as rundir:
         Comm().barrier()  # rank 0 holds the run directory's lock before any rank writes into it

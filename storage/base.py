@@ -63,6 +63,14 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor whose data starts on a 4 KiB boundary, so the NVMe store can use direct I/O."""
+    pad = 4096 // dtype.itemsize
+    raw = torch.empty(numel + pad, dtype=dtype)
+    skip = (-raw.data_ptr() % 4096) // dtype.itemsize
+    return raw[skip:skip + numel]
+
+
 def check_key(key: str) -> str:
     """Return `key` if it is '/'-separated parts of [a-z0-9_]; raise a clear error otherwise."""
     if not isinstance(key, str) or not _KEY.fullmatch(key):

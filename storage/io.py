@@ -9,7 +9,7 @@ Waits for something that merely has to happen (a device copy's event) go to one 
 the waiter (`wait_off_workers`): a worker asleep on an event is one fewer for the reads and
 writes queued behind it. One is enough: waits are issued in the order their copies were, and
 copies on one stream land in that order. `initializer` runs first on every one of these
-threads (the engine binds its GPU there: see `tierzero.streams.bind_thread`).
+threads (the engine binds its GPU there: see `tierzero.engine.streams.bind_thread`).
 
 Shutdown: `close()` cancels every pending task, lets their cleanup run (stores remove their temp
 files), waits for the threads to finish the chunk they are on, and joins the loop thread. It is

@@ -27,8 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tierzero.storage.base import (Capabilities, ShardNotFoundError, StorageError, TierStore,
-                                   check_flat, check_key, check_out, dtype_name)
+from tierzero.storage.base import Capabilities, ShardNotFoundError, StorageError, TierStore, check_flat, check_key, check_out, dtype_name
 from tierzero.storage.pool import BufferPool
 
 

@@ -55,9 +55,7 @@ import torch
 
 from tierzero.storage import chunkfile
 from tierzero.storage.arrays import link_array
-from tierzero.storage.base import (Capabilities, ShardNotFoundError, StorageCorruptError,
-                                   StorageError, StorageFullError, StoreLockedError, TierStore,
-                                   check_flat, check_key, check_out, dtype_name)
+from tierzero.storage.base import Capabilities, ShardNotFoundError, StorageCorruptError, StorageError, StorageFullError, StoreLockedError, TierStore, check_flat, check_key, check_out, dtype_name
 from tierzero.storage.spares import SPARE_DIR, SpareFiles
 from tierzero.storage.zarrmeta import GROUP_JSON, ShardMeta, nchunks
 

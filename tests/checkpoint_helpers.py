@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tierzero.checkpoint import step_dir
+from tierzero.checkpoint.catalog import step_dir
 from tierzero.config import StateKind
-from tierzero.manifest import MANIFEST_NAME, Manifest, layout_of
-from tierzero.partition import Unit, partition
+from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest, layout_of
+from tierzero.layout.partition import Unit, partition
 from tierzero.storage.arrays import chunk_path, write_array
-from tierzero.tiers import shard_key
+from tierzero.layout.keys import shard_key
 
 KINDS = (StateKind.PARAM, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from tierzero import Config, models
-from tierzero.data import TokenBatches, default_corpus
+from tierzero import Config
+from tierzero import models
+from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.models import ModelArgs
-from tierzero.reference import ReferenceTrainer
+from tierzero.engine.reference import ReferenceTrainer
 
 _TOKENS = default_corpus(1 << 20)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierzero.data import default_corpus
+from tierzero.run.data import default_corpus
 
 VOCAB = 256
 LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
-from tierzero import Config, models
+from tierzero import Config
+from tierzero import models
 from tierzero.config import Placement, Tier
 from tierzero.engine import Engine
-from tierzero.ledger import activation_memory, units_from_args
-from tierzero.memory import peak_memory
+from tierzero.planning.ledger import activation_memory, units_from_args
+from tierzero.planning.memory_model import peak_memory
 from tierzero.models import ModelArgs
 
 

@@ -1,4 +1,4 @@
-"""A recording fake of `tierzero.streams.Streams` for CPU tests of the copy pipeline.
+"""A recording fake of `tierzero.engine.streams.Streams` for CPU tests of the copy pipeline.
 
 It behaves like a GPU that runs copies late: a copy on `h2d` or `d2h` takes its source as it is
 when issued, fills its destination with NaN bytes, and writes the source into it only when
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierzero.storage.device import DevicePool
-from tierzero.streams import Streams
+from tierzero.engine.streams import Streams
 
 _ids = itertools.count()
 

@@ -31,14 +31,14 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from tierzero import models
-from tierzero.checkpoint import checkpoint_dirs, newest_checkpoint
+from tierzero.checkpoint.catalog import checkpoint_dirs, newest_checkpoint
 from tierzero.cli.app import app
 from tierzero.config import Placement, Tier
-from tierzero.ledger import activation_memory, units_from_args
-from tierzero.manifest import Manifest
-from tierzero.memory import MemoryModel, peak_memory
-from tierzero.report import load_run, summarize
-from tierzero.rundir import read_metrics
+from tierzero.planning.ledger import activation_memory, units_from_args
+from tierzero.checkpoint.manifest import Manifest
+from tierzero.planning.memory_model import MemoryModel, peak_memory
+from tierzero.run.report import load_run, summarize
+from tierzero.run.directory import read_metrics
 
 ARGS = ["--steps", "4", "--batch-size", "4", "--seq-len", "32", "--dtype", "fp32", "--offload", "nvme",
         "--checkpoint-every", "2", "--keep-checkpoints", "5", "--comm-timeout", "60"]

@@ -7,9 +7,9 @@ import shutil
 
 from typer.testing import CliRunner
 
-from tierzero.checkpoint import checkpoint_dirs
+from tierzero.checkpoint.catalog import checkpoint_dirs
 from tierzero.cli.app import app
-from tierzero.rundir import read_metrics
+from tierzero.run.directory import read_metrics
 
 runner = CliRunner()
 QUICK = ["--batch-size", "2", "--seq-len", "32"]

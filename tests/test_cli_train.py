@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tierzero.cli.app import app
-from tierzero.rundir import read_metrics
+from tierzero.run.directory import read_metrics
 
 runner = CliRunner()
 QUICK = ["--steps", "6", "--batch-size", "2", "--seq-len", "32"]

@@ -16,9 +16,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierzero import Config, Offload, Placement, StateKind, Tier, models, streams
+from tierzero import Config
+from tierzero import Offload
+from tierzero import Placement
+from tierzero import StateKind
+from tierzero import Tier
+from tierzero import models
+from tierzero.engine import streams
 from tierzero.engine import Engine
-from tierzero.tiers import shard_key
+from tierzero.layout.keys import shard_key
 from tierzero.storage.device import DevicePool
 
 from engine_helpers import SMALL, batches, reference_run

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hf_helpers import save_word_tokenizer
-from tierzero.corpus import TextTokenizer, read_corpus
+from tierzero.run.corpus import TextTokenizer, read_corpus
 from tierzero.errors import DataError
 
 DOCS = ["the cat sat on the mat", "a dog ran in the park", "the cat ran"]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tierzero.data import TokenBatches, default_corpus, load_tokens
+from tierzero.run.data import TokenBatches, default_corpus, load_tokens
 from tierzero.errors import ConfigError, DataError
 
 TOKENS = np.arange(10_000, dtype=np.uint16)  # token id == its position in the corpus

@@ -14,8 +14,12 @@ import threading
 
 import torch
 
-from tierzero import Config, Placement, Tier, execute, streams
-from tierzero.tiers import Tiers
+from tierzero import Config
+from tierzero import Placement
+from tierzero import Tier
+from tierzero.engine import execute
+from tierzero.engine import streams
+from tierzero.engine.tiers import Tiers
 
 
 class FakeCudaRng:

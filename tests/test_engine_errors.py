@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from tierzero import Config, models
+from tierzero import Config
+from tierzero import models
 from tierzero.engine import Engine
 from tierzero.errors import ConfigError
 

@@ -12,11 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from tierzero import Config, Placement, StateKind, Tier, models
+from tierzero import Config
+from tierzero import Placement
+from tierzero import StateKind
+from tierzero import Tier
+from tierzero import models
 from tierzero.engine import Engine
-from tierzero.ledger import activation_memory
+from tierzero.planning.ledger import activation_memory
 from tierzero.errors import ConfigError, TierzeroError
-from tierzero.tiers import Pending
+from tierzero.engine.tiers import Pending
 
 from engine_helpers import SMALL, batches, reference_run
 
@@ -141,7 +145,7 @@ class _DropoutNet(nn.Module):
 
 
 def test_dropout_buffers_and_grad_free_inputs_match_plain_pytorch(tmp_path) -> None:
-    from tierzero.reference import ReferenceTrainer
+    from tierzero.engine.reference import ReferenceTrainer
 
     torch.manual_seed(0)
     template = _DropoutNet()

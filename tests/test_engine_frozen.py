@@ -15,13 +15,17 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from tierzero import Config, Placement, StateKind, Tier, models
+from tierzero import Config
+from tierzero import Placement
+from tierzero import StateKind
+from tierzero import Tier
+from tierzero import models
 from tierzero.engine import Engine
 from tierzero.errors import ConfigError
-from tierzero.ledger import activation_memory
+from tierzero.planning.ledger import activation_memory
 from tierzero.models.llama import LOSS_CHUNK_BYTES
-from tierzero.reference import ReferenceTrainer
-from tierzero.schedule import Op
+from tierzero.engine.reference import ReferenceTrainer
+from tierzero.planning.swapplan import Op
 
 from engine_helpers import SMALL, batches
 
@@ -158,7 +162,7 @@ def test_checkpoint_resume_and_export_keep_frozen_weights_and_step_counts(tmp_pa
     per-parameter step counts are saved with it), and export writes the frozen weights too."""
     from safetensors.torch import load_file
 
-    from tierzero.export import export_checkpoint
+    from tierzero.checkpoint.export import export_checkpoint
 
     torch.manual_seed(0)
     model = SideModel()

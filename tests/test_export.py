@@ -26,7 +26,7 @@ from tierzero import models
 from tierzero.cli.app import app
 from tierzero.config import StateKind
 from tierzero.errors import CheckpointError, TierzeroError
-from tierzero.export import export_checkpoint
+from tierzero.checkpoint.export import export_checkpoint
 
 runner = CliRunner()
 
@@ -232,7 +232,7 @@ try:
     open('/proc/self/clear_refs', 'w').write('5')  # VmHWM := VmRSS
 except OSError:
     base = kb('VmHWM')
-tierzero.export.export_checkpoint(sys.argv[1], sys.argv[2], dtype=sys.argv[3])
+tierzero.checkpoint.export.export_checkpoint(sys.argv[1], sys.argv[2], dtype=sys.argv[3])
 print(base * 1024, kb('VmHWM') * 1024)
 """
 

@@ -18,14 +18,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierzero import Config, Placement, Tier, models
+from tierzero import Config
+from tierzero import Placement
+from tierzero import Tier
+from tierzero import models
 from tierzero.engine import Engine
 from tierzero.models import ModelArgs
-from tierzero.reference import ReferenceTrainer
+from tierzero.engine.reference import ReferenceTrainer
 from tierzero.storage.device import DevicePool, DeviceStore
 from tierzero.storage.host import HostPool
 from tierzero.storage.io import IOLoop
-from tierzero.streams import CudaStreams
+from tierzero.engine.streams import CudaStreams
 
 from engine_helpers import SMALL, batches
 
@@ -155,7 +158,10 @@ def test_host_to_device_copies_overlap_compute_kernels(tmp_path) -> None:
 ONLY_CUDA_1 = """
 import sys
 import torch
-from tierzero import Config, Placement, Tier, models
+from tierzero import Config
+from tierzero import Placement
+from tierzero import Tier
+from tierzero import models
 from tierzero.engine import Engine
 from engine_helpers import SMALL, batches
 

@@ -19,9 +19,9 @@ import torch
 
 from hf_helpers import config
 from tierzero.hf import load_model
-from tierzero.init import WeightFiles, flat_unit
-from tierzero.partition import partition
-from tierzero.tiers import pin_malloc_thresholds
+from tierzero.models.init import WeightFiles, flat_unit
+from tierzero.layout.partition import partition
+from tierzero.engine.tiers import pin_malloc_thresholds
 
 
 def _kb(key: str) -> int:

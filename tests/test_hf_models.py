@@ -12,12 +12,13 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from hf_helpers import config
-from tierzero import Config, Engine
+from tierzero import Config
+from tierzero import Engine
 from tierzero.cli.app import app
 from tierzero.errors import ConfigError
 from tierzero.hf import CausalLM, SplitCausalLM, load_model, materialise
-from tierzero.partition import partition
-from tierzero.reference import compute_loss
+from tierzero.layout.partition import partition
+from tierzero.engine.reference import compute_loss
 
 runner = CliRunner()
 

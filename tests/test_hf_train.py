@@ -25,9 +25,9 @@ from hf_helpers import sample_text
 from tierzero.adamw import decays
 from tierzero.cli.app import app
 from tierzero.config import Config
-from tierzero.data import TokenBatches
+from tierzero.run.data import TokenBatches
 from tierzero.lr import lr_at
-from tierzero.rundir import read_metrics
+from tierzero.run.directory import read_metrics
 
 runner = CliRunner()
 STEPS, BATCH, SEQ, LR = 20, 2, 32, 3e-3

@@ -12,10 +12,13 @@ import random
 
 import pytest
 
-from tierzero import Config, Placement, Tier, models
+from tierzero import Config
+from tierzero import Placement
+from tierzero import Tier
+from tierzero import models
 from tierzero.engine import Engine
-from tierzero.hostblocks import HOST_ALIGN, HOST_CLASSES
-from tierzero.memory import peak_memory
+from tierzero.planning.hostblocks import HOST_ALIGN, HOST_CLASSES
+from tierzero.planning.memory_model import peak_memory
 from tierzero.storage.base import BudgetExceededError
 from tierzero.storage.host import HostPool
 from tierzero.storage.sizeclass import choose_classes, class_for

@@ -22,9 +22,9 @@ from tierzero import models
 from tierzero.cli.app import app
 from tierzero.config import load_run_config, to_toml
 from tierzero.errors import RunDirError
-from tierzero.partition import partition
-from tierzero.rundir import RunDir
-from tierzero.runinfo import inspect_run, store_info
+from tierzero.layout.partition import partition
+from tierzero.run.directory import RunDir
+from tierzero.checkpoint.inspect import inspect_run, store_info
 from tierzero.storage.arrays import write_array
 
 runner = CliRunner()

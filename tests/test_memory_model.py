@@ -17,8 +17,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tierzero.config import Placement, Tier
-from tierzero.ledger import GB, activation_memory, units_from_args
-from tierzero.memory import peak_memory
+from tierzero.planning.ledger import GB, activation_memory, units_from_args
+from tierzero.planning.memory_model import peak_memory
 from tierzero.models.presets import PRESETS, ModelArgs
 
 NVME = Placement(*[Tier.NVME] * 5)

@@ -9,7 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierzero import Config, Placement, StateKind, Tier, models
+from tierzero import Config
+from tierzero import Placement
+from tierzero import StateKind
+from tierzero import Tier
+from tierzero import models
 from tierzero.engine import Engine
 from tierzero.errors import ConfigError
 
@@ -171,7 +175,7 @@ def test_bf16_engine_tracks_the_fp32_reference_loss_curve() -> None:
     are slow); `benchmarks/bench_bf16_tracking.py` runs the same comparison on `tiny` itself."""
     import numpy as np
 
-    from tierzero.reference import ReferenceTrainer
+    from tierzero.engine.reference import ReferenceTrainer
 
     common = dict(lr=3e-3, total_steps=200, warmup_steps=10)
     data = batches(8, 32)
@@ -188,7 +192,7 @@ def test_bf16_engine_tracks_the_fp32_reference_loss_curve() -> None:
 def test_clipping_by_the_previous_norm_is_an_opt_in_approximation(tmp_path) -> None:
     """With clip_previous_norm, overlap_step clips step k by step k-1's global norm: step 1 is
     unclipped (bitwise the unclipped reference), and the norm it logs is the reference's."""
-    from tierzero.reference import ReferenceTrainer
+    from tierzero.engine.reference import ReferenceTrainer
 
     with pytest.raises(ConfigError, match="clip_previous_norm"):
         Engine(models.build(SMALL, device="meta"), config(tmp_path, overlap_step=True, clip_grad_norm=0.5,

@@ -13,12 +13,11 @@ from typer.testing import CliRunner
 
 from tierzero.config import Offload, Placement, StateKind, Tier
 from tierzero.errors import ConfigError
-from tierzero.ledger import (GB, Stage, activation_memory, block_numel, ledger, nearest_preset, nominal_numel,
-                             parse_count, scaled_units, units_from_args)
+from tierzero.planning.ledger import GB, Stage, activation_memory, block_numel, ledger, nearest_preset, nominal_numel, parse_count, scaled_units, units_from_args
 from tierzero.models import build
-from tierzero.partition import partition
+from tierzero.layout.partition import partition
 from tierzero.models.presets import PRESETS, ModelArgs
-from tierzero.plan import Link, PlacementChoice, PlacementEstimate, Workload, candidate_placements, choose_placement, estimate, load_profile
+from tierzero.planning.placement import Link, PlacementChoice, PlacementEstimate, Workload, candidate_placements, choose_placement, estimate, load_profile
 
 SEVEN_B = units_from_args(PRESETS["7b"])
 PROFILE = {"nvme": {"read_gbps": 3.0, "write_gbps": 2.0}, "adam": {"params_per_s": 1e9},
@@ -150,7 +149,7 @@ def test_candidates_include_the_offload_presets() -> None:
 
 def test_all_nvme_by_hand() -> None:
     """Two blocks of 100 and 300 params (each padded to 2048, one piece), one rank, bf16,
-    prefetch 1, no overlap: every byte counted (the parts are `tierzero.memory`'s)."""
+    prefetch 1, no overlap: every byte counted (the parts are `tierzero.planning.memory_model`'s)."""
     work = Workload((("a", 100), ("b", 300)), compute_itemsize=2, grad_itemsize=2, prefetch_depth=1,
                     overlap=False)
     e = estimate(Placement(*[Tier.NVME] * 5), work)
@@ -330,7 +329,7 @@ def test_python_plan_returns_what_the_cli_prints(flags: list[str], kwargs: dict)
     import tierzero
 
     printed = json.loads(run_ok(*flags, "--json"))
-    report = tierzero.plan(**kwargs)
+    report = tierzero.planning.placement(**kwargs)
     assert json.loads(json.dumps(report.as_dict(), default=str)) == printed
     assert {k.value: t.value for k, t in zip(StateKind, (report.placement.home(k) for k in StateKind))} \
         == printed["verdict"]["placement"]

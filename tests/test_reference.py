@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierzero import Config, models
-from tierzero.data import TokenBatches, default_corpus
+from tierzero import Config
+from tierzero import models
+from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.lr import lr_at
-from tierzero.reference import ReferenceTrainer
+from tierzero.engine.reference import ReferenceTrainer
 
 VAL_LOSS_BOUND = 3.2  # nats/byte; the untrained model sits near ln(256) = 5.55
 

@@ -19,13 +19,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from tierzero import Config, Placement, Tier, models
-from tierzero.comm import Comm
+from tierzero import Config
+from tierzero import Placement
+from tierzero import Tier
+from tierzero import models
+from tierzero.dist.comm import Comm
 from tierzero.engine import Engine
 from tierzero.errors import CheckpointError, ConfigError
-from tierzero.memory import peak_memory
-from tierzero.partition import grad_uses, partition
-from tierzero.schedule import Op
+from tierzero.planning.memory_model import peak_memory
+from tierzero.layout.partition import grad_uses, partition
+from tierzero.planning.swapplan import Op
 
 from engine_helpers import SMALL, batches, reference_run
 

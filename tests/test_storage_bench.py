@@ -17,11 +17,10 @@ from typer.testing import CliRunner
 
 from tierzero.cli.bench import bench
 from tierzero.errors import ConfigError
-from tierzero.plan import load_profile
+from tierzero.planning.placement import load_profile
 from tierzero.storage import chunkfile
 from tierzero.storage.base import StorageError
-from tierzero.storage.bench import (STORE_SHAPE_JOBS, DiskBench, fio_command, fio_sweep,
-                                    fio_wall_span)
+from tierzero.storage.bench import STORE_SHAPE_JOBS, DiskBench, fio_command, fio_sweep, fio_wall_span
 from tierzero.storage.host import HostPool
 from tierzero.storage.io import IOLoop
 

@@ -13,8 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tierzero.storage.base import (DTYPES, Capabilities, ShardNotFoundError, StorageError,
-                                   TierStore)
+from tierzero.storage.base import DTYPES, Capabilities, ShardNotFoundError, StorageError, TierStore
 from tierzero.storage.device import DevicePool, DeviceStore
 from tierzero.storage.host import HostPool, HostStore
 from tierzero.storage.io import IOLoop

@@ -23,8 +23,7 @@ import torch
 import zarr
 
 from tierzero.storage import spares
-from tierzero.storage.base import (StorageCorruptError, StorageError, StorageFullError,
-                                   StoreLockedError)
+from tierzero.storage.base import StorageCorruptError, StorageError, StorageFullError, StoreLockedError
 from tierzero.storage.io import IOLoop
 from tierzero.storage.nvme import NvmeStore
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierzero.schedule import Op, build_swap_plan
+from tierzero.planning.swapplan import Op, build_swap_plan
 
 
 def replay(plan) -> dict[str, int]:

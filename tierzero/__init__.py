@@ -1,7 +1,7 @@
 """tierzero: train models whose state is larger than GPU memory by tiering it across GPU, host and NVMe."""
 
-from tierzero import plan  # callable: tierzero.plan(model="7b", gpus=1, ...) -> PlanReport
 from tierzero.config import Config, DType, Offload, Placement, StateKind, Tier
 from tierzero.engine import Engine
+from tierzero.planning.report import make_plan as plan  # tierzero.plan(model="7b", gpus=1, ...) -> PlanReport
 
 __all__ = ["Config", "DType", "Engine", "Offload", "Placement", "StateKind", "Tier", "plan"]

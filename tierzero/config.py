@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from tierzero.errors import ConfigError
-from tierzero.streams import bound_device
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -80,7 +79,7 @@ class Placement:
             return cls(Tier.GPU, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
         if offload is Offload.NVME:
             return cls(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
-        raise ConfigError("offload 'auto' has no fixed placement; ask tierzero.plan for one")
+        raise ConfigError("offload 'auto' has no fixed placement; ask tierzero.planning.placement for one")
 
     def describe(self) -> str:
         return " ".join(f"{k.value}={self.home(k).value}" for k in StateKind)
@@ -338,3 +337,18 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, Placement):
         return "{ " + ", ".join(f'{k.value} = "{value.home(k).value}"' for k in StateKind) + " }"
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+TORCH_DTYPES: dict[DType, torch.dtype] = {
+    DType.FP32: torch.float32,
+    DType.BF16: torch.bfloat16,
+    DType.FP16: torch.float16,
+}
+
+
+def bound_device(device: torch.device) -> torch.device:
+    """`device` with its index: `cuda` means the current device *now*, on the training thread,
+    never whatever device a later caller's thread has current."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

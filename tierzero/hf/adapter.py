@@ -15,7 +15,7 @@ soft-capping included) and its `loss_function`, fed `shift_labels`. The KV cache
 (`use_cache=False`): a cache object passed to a layer would be reused by the recompute in
 backward and double the keys and values.
 
-Two layouts (see `tierzero.partition`):
+Two layouts (see `tierzero.layout.partition`):
 
 - *split* -- when every parameter outside the layers, the input embedding and the output
   embedding belongs to one module of the base model registered after the layers (the final

@@ -6,7 +6,7 @@ directory is refused in one sentence. The model is constructed from the config w
 *parameter* on `meta` and every *buffer* real (`_parameters_on_meta`): buffers such as rotary
 `inv_freq` are computed by the constructors from the config and are not in checkpoints, so a
 model built under `torch.device("meta")` would have none the engine could use. Parameters are
-then materialised unit by unit by the engine (`tierzero.init`), from the directory's
+then materialised unit by unit by the engine (`tierzero.models.init`), from the directory's
 safetensors or by the model's own `_init_weights`.
 """
 
@@ -24,7 +24,7 @@ from torch import nn
 
 from tierzero.errors import ConfigError
 from tierzero.hf.adapter import CausalLM, SplitCausalLM
-from tierzero.partition import find_blocks
+from tierzero.layout.partition import find_blocks
 
 PREFIX = "hf:"
 
@@ -147,7 +147,7 @@ def materialise(hf: HFModel, seed: int, device: torch.device | str = "cpu",
                 weights: str | Path | None = None) -> CausalLM:
     """The whole model in memory (the reference trainer's, `--offload none`): every parameter
     on `device`, from `weights` or initialised unit by unit as the engine does."""
-    from tierzero.init import WeightFiles
+    from tierzero.models.init import WeightFiles
 
     model = hf.model
     real: dict[int, nn.Parameter] = {}

@@ -1,0 +1,121 @@
+"""The house rules that can be counted: imports point one way (cli -> tierzero -> storage, and
+down the wings of `tierzero` in the order below), no module imports itself back through a
+circle, every folder says what it owns, and no source file outgrows 450 lines.
+
+Every import counts, including those inside functions and under `TYPE_CHECKING`: a lazy import
+that runs back up is still a circle a reader has to hold in mind.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# where each installed package's files live
+PACKAGE_DIRS = {"tierzero": ROOT / "tierzero", "tierzero.storage": ROOT / "storage", "tierzero.cli": ROOT / "cli"}
+# lower may never import higher; equal ranks may import each other only without a circle
+RANKS = {
+    "tierzero.storage": 0,
+    "tierzero.errors": 1, "tierzero.config": 1, "tierzero.adamw": 2, "tierzero.lr": 2,
+    "tierzero.layout": 3,
+    "tierzero.models": 4,
+    "tierzero.planning": 5,
+    "tierzero.dist": 6,
+    "tierzero.checkpoint": 7,
+    "tierzero.engine": 8,
+    "tierzero.hf": 9,
+    "tierzero.run": 10,
+    "tierzero": 11,  # the package's own __init__: the public names
+    "tierzero.cli": 12,
+}
+MAX_LINES = 450
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package, folder in PACKAGE_DIRS.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            if package == "tierzero" and parts and parts[0] in ("storage", "cli"):
+                continue
+            out[".".join([package, *parts])] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _rank(module: str) -> int:
+    best = max((k for k in RANKS if module == k or module.startswith(k + ".")), key=len)
+    return RANKS[best]
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """The tierzero modules `module` imports (a `from pkg import mod` names the module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                     for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in MODULES:
+                name = name.rpartition(".")[0]
+            if name.startswith("tierzero") and name != module:
+                found.add(name)
+    return found
+
+
+GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+
+
+def test_imports_point_down():
+    upward = [f"{m} -> {t}" for m, targets in GRAPH.items() for t in targets if _rank(t) > _rank(m)]
+    assert upward == []
+
+
+def test_no_import_circle():
+    graph = GRAPH
+    circles, state = [], {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = "open"
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == "open":
+                circles.append(" -> ".join(stack[stack.index(t):] + [m, t]) if t in stack else f"{m} -> {t}")
+            elif t not in state:
+                visit(t, stack + [m])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    assert circles == []
+
+
+def test_every_folder_says_what_it_owns():
+    silent = []
+    for module, path in MODULES.items():
+        if path.name == "__init__.py":
+            doc = ast.get_docstring(ast.parse(path.read_text()))
+            if not doc or not doc.strip():
+                silent.append(module)
+    assert silent == []
+
+
+def test_no_file_outgrows_the_limit():
+    long = {str(p.relative_to(ROOT)): n for p in MODULES.values() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_the_graph_is_read():
+    """The checks above see the engine's real imports (a broken walk would pass them vacuously)."""
+    assert "tierzero.layout.partition" in GRAPH["tierzero.engine.engine"]
+    assert "tierzero.storage.base" in GRAPH["tierzero.engine.tiers"]
+    assert _rank("tierzero.cli.app") > _rank("tierzero.engine.engine") > _rank("tierzero.storage.nvme")

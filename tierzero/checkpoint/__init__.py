@@ -1,0 +1,1 @@
+"""Checkpoints on disk: manifests, finding, verifying and pruning them, inspection and export."""

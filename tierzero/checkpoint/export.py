@@ -1,0 +1,366 @@
+"""Export: a checkpoint's fp32 master weights as safetensors, streamed one unit at a time.
+
+The output is what `safetensors.torch.load_file` reads and `model.load_state_dict` takes:
+every parameter under each of its names (tied aliases are written once per name, as
+`model.state_dict()` lists them; safetensors refuses shared storage, so the bytes repeat).
+
+Why a writer of our own: `safetensors.torch.save_file` needs every tensor in memory at once,
+and the point of a checkpoint is that the model may not fit. The format is simple enough to
+stream: 8 bytes of little-endian header length, a JSON header (dtype, shape and data_offsets per
+tensor, plus `__metadata__`) padded with spaces to a multiple of 8, then the raw little-endian
+bytes in header order. The manifest gives every shape upfront, so headers and file boundaries
+are decided before a byte of data is read (`plan_export`, a value), and the writer then reads
+each unit's master shards from every rank into one reused flat buffer and appends its tensors.
+Peak host memory is the largest unit's flat fp32 buffer plus one tensor in bf16.
+
+A checkpoint of a Hugging Face model (`--model hf:<dir>`) records the model's `config.json`
+in its manifest; export writes it back next to the weights (its dtype set to the export's),
+so the directory loads with `from_pretrained`: the names are the model's own.
+
+Durability: every file is written under a temporary name in the destination directory,
+fsynced, and renamed into place only after all of them are complete (the sharded layout's
+`.index.json` last), so a failure or Ctrl-C leaves no half-written output behind.
+This module never prints; the CLI reports progress through `on_unit`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from tierzero.checkpoint.catalog import find_checkpoint
+from tierzero.config import StateKind
+from tierzero.errors import CheckpointError, ConfigError, TierzeroError
+from tierzero.checkpoint.manifest import Manifest, UnitLayout
+from tierzero.storage.arrays import read_array
+from tierzero.storage.base import StorageError
+from tierzero.layout.keys import shard_key
+
+# --dtype spelling -> (torch dtype, safetensors dtype code)
+DTYPES = {"fp32": (torch.float32, "F32"), "bf16": (torch.bfloat16, "BF16")}
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the Hugging Face default for save_pretrained
+SUFFIX = ".safetensors"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One output tensor: where its values sit in its unit's flat buffer."""
+
+    name: str
+    unit: int
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass
+class ExportFile:
+    """One output file and the tensors it holds, in the order their bytes follow the header."""
+
+    name: str
+    entries: list[TensorEntry] = field(default_factory=list)
+    data_bytes: int = 0
+
+    def header(self, code: str, itemsize: int, metadata: dict[str, str]) -> bytes:
+        """The length prefix and the space-padded JSON header (its length a multiple of 8)."""
+        doc: dict[str, object] = {"__metadata__": metadata}
+        start = 0
+        for e in self.entries:
+            end = start + e.numel * itemsize
+            doc[e.name] = {"dtype": code, "shape": list(e.shape), "data_offsets": [start, end]}
+            start = end
+        raw = json.dumps(doc, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        return struct.pack("<Q", len(raw)) + raw
+
+
+@dataclass
+class ExportPlan:
+    """Every output file, its tensors and sizes, decided from the manifest before any I/O."""
+
+    step: int
+    dtype: str
+    files: list[ExportFile]
+    index_name: str | None  # set when the export is split into several files
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.data_bytes for f in self.files)
+
+    def index_json(self) -> bytes:
+        weight_map = {e.name: f.name for f in self.files for e in f.entries}
+        return json.dumps({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map},
+                          indent=2).encode()
+
+
+@dataclass
+class ExportResult:
+    step: int
+    checkpoint: Path
+    dtype: str
+    files: list[Path]
+    index: Path | None
+    tensors: int
+    nbytes: int
+    config: Path | None = None  # the Hugging Face config.json written beside the weights
+
+
+def plan_export(manifest: Manifest, out_name: str, dtype: str = "fp32",
+                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> ExportPlan:
+    """Lay the tensors out in unit order and cut files at `max_shard_bytes` (a tensor larger
+    than that gets a file of its own). One file keeps `out_name`; several are named
+    `<stem>-00001-of-0000K.safetensors` beside `<stem>.safetensors.index.json`."""
+    itemsize = DTYPES[dtype][0].itemsize
+    groups: list[list[TensorEntry]] = [[]]
+    size = 0
+    for unit in manifest.units:
+        for slot in unit.slots:
+            if math.prod(slot.shape) != slot.numel or slot.offset < 0 or slot.offset + slot.numel > unit.padded_numel:
+                raise CheckpointError(f"checkpoint step {manifest.step} lays out {slot.names[0]} as {slot.numel} "
+                                      f"values of shape {slot.shape} at offset {slot.offset} of a "
+                                      f"{unit.padded_numel}-value unit: its manifest is damaged; "
+                                      "export another step with --step")
+            for name in slot.names:
+                entry = TensorEntry(name, unit.index, slot.offset, slot.numel, tuple(slot.shape))
+                nbytes = entry.numel * itemsize
+                if groups[-1] and size + nbytes > max_shard_bytes:
+                    groups.append([])
+                    size = 0
+                groups[-1].append(entry)
+                size += nbytes
+    stem = out_name[:-len(SUFFIX)]
+    names = ([out_name] if len(groups) == 1 else
+             [f"{stem}-{i + 1:05d}-of-{len(groups):05d}{SUFFIX}" for i in range(len(groups))])
+    files = [ExportFile(n, g, sum(e.numel for e in g) * itemsize) for n, g in zip(names, groups)]
+    index = None if len(files) == 1 else f"{stem}{SUFFIX}.index.json"
+    return ExportPlan(manifest.step, dtype, files, index)
+
+
+def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = None,
+                      dtype: str = "fp32", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                      on_unit: Callable[[int, int], None] | None = None) -> ExportResult:
+    """Write the checkpoint at `step` (default: the newest complete one) of `run_dir` as
+    safetensors at `out` (a `.safetensors` path, or an existing directory for
+    `model.safetensors`). `on_unit(done, total)` is called after each unit."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype '{dtype}' is not an export dtype; choose one of {'|'.join(DTYPES)}")
+    if max_shard_bytes <= 0:
+        raise ConfigError(f"--max-shard-size must be positive, got {max_shard_bytes}")
+    if sys.byteorder != "little":  # safetensors is little-endian; we write host bytes as they are
+        raise TierzeroError("export writes host bytes as they are and needs a little-endian machine; "
+                            "run it on x86-64 or ARM64")
+    if not Path(run_dir).is_dir():
+        raise CheckpointError(f"run directory '{run_dir}' does not exist; pass a directory that "
+                              "`tierzero train` wrote")
+    out_dir, out_name = _destination(Path(out))
+    checkpoint, manifest = find_checkpoint(run_dir, step)
+    plan = plan_export(manifest, out_name, dtype, max_shard_bytes)
+    writer = _StreamingWriter(out_dir, plan, {"format": "pt", "step": str(manifest.step)})
+    written = writer.write(_read_units(checkpoint, manifest), len(manifest.units), on_unit)
+    tensors = sum(len(f.entries) for f in plan.files)
+    index = out_dir / plan.index_name if plan.index_name else None
+    config = _write_hf_config(out_dir, manifest, dtype)
+    return ExportResult(manifest.step, checkpoint, dtype, written, index, tensors, plan.total_bytes, config)
+
+
+def _write_hf_config(out_dir: Path, manifest: Manifest, dtype: str) -> Path | None:
+    """The Hugging Face model's config.json, as the checkpoint recorded it, with this export's
+    dtype (from_pretrained would otherwise cast to the dtype it was saved in); None for others."""
+    config = (manifest.model or {}).get("config")
+    if not isinstance(config, dict):
+        return None
+    name = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+    config = {**config, "dtype": name, **({"torch_dtype": name} if "torch_dtype" in config else {})}
+    path = out_dir / "config.json"
+    temp = out_dir / f".config.json.{os.getpid()}.tmp"
+    try:
+        with open(temp, "w") as handle:
+            handle.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except OSError as e:
+        temp.unlink(missing_ok=True)
+        raise TierzeroError(f"cannot write {path} ({e.strerror or e}); choose a writable --out") from None
+    return path
+
+
+def _destination(out: Path) -> tuple[Path, str]:
+    if out.is_dir():
+        return out, "model" + SUFFIX
+    if not out.name.endswith(SUFFIX) or out.name == SUFFIX:
+        raise TierzeroError(f"--out '{out}' is not a {SUFFIX} file name; name one like "
+                            f"model{SUFFIX} or give an existing directory")
+    if not out.parent.is_dir():
+        raise TierzeroError(f"the directory of --out '{out}' does not exist; create it first")
+    return out.parent, out.name
+
+
+def _read_units(checkpoint: Path, manifest: Manifest) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield (unit index, flat fp32 buffer) per unit: every rank's master shard end to end (and
+    where the unit has frozen parameters, which have no master, its param shard under it; at
+    stages 1 and 2, rank 0's whole param),
+    each chunk checked against the manifest's crc32c. One buffer, sized for the largest unit,
+    is reused, so the caller must finish with a unit before asking for the next."""
+    buffer = torch.empty(max(u.padded_numel for u in manifest.units), dtype=torch.float32)
+    for unit in manifest.units:
+        flat = buffer[:unit.padded_numel]
+        shard = unit.padded_numel // manifest.world_size
+        replicated = manifest.world_size > 1 and manifest.stage <= 2  # rank 0's params are whole units
+        if replicated and unit.trainable_numel < unit.padded_numel:
+            _read_shard(checkpoint, manifest, unit, 0, flat, StateKind.PARAM)
+        for rank in range(manifest.world_size):
+            out = flat[rank * shard:(rank + 1) * shard]
+            trained = min(shard, max(0, unit.trainable_numel - rank * shard))
+            if trained < shard and not replicated:
+                _read_shard(checkpoint, manifest, unit, rank, out, StateKind.PARAM)
+            if trained:
+                _read_shard(checkpoint, manifest, unit, rank, out[:trained], StateKind.MASTER)
+        yield unit.index, flat
+
+
+def _read_shard(checkpoint: Path, manifest: Manifest, unit: UnitLayout, rank: int, out: torch.Tensor,
+                kind: StateKind) -> None:
+    """One rank's shard of `kind`: one array, or (as the engine stores it) one array per piece."""
+    key = shard_key(kind, unit.index, rank)
+    pieces = sorted(k for k in manifest.arrays if k.startswith(key + "/p"))
+    if not pieces:
+        _read_array(checkpoint, manifest, key, out)
+        return
+    start = 0
+    for piece in pieces:
+        numel = manifest.arrays[piece].numel
+        _read_array(checkpoint, manifest, piece, out[start:start + numel])
+        start += numel
+    if start != out.numel():
+        raise CheckpointError(f"checkpoint {checkpoint.name}'s pieces of {key} hold {start} values where the "
+                              f"layout needs {out.numel()}: it is damaged; export another step with --step")
+
+
+def _read_array(checkpoint: Path, manifest: Manifest, key: str, out: torch.Tensor) -> None:
+    """Read one array into `out` (fp32): a master array as it is, a param array (compute
+    dtype, as frozen parameters are stored) through a buffer of its own dtype."""
+    meta = manifest.arrays.get(key)
+    if meta is None:
+        raise CheckpointError(f"checkpoint {checkpoint.name} has no array {key}: it is damaged; "
+                              "export another step with --step")
+    master = key.startswith(StateKind.MASTER.value + "/")
+    if (master and meta.dtype != torch.float32) or not meta.dtype.is_floating_point or meta.numel != out.numel():
+        raise CheckpointError(f"checkpoint {checkpoint.name} array {key} holds {meta.numel} "
+                              f"{meta.dtype} values where the layout needs {out.numel()} "
+                              f"{'float32' if master else 'floating-point'}: it is damaged; export another step with --step")
+    try:
+        if meta.dtype == out.dtype:
+            read_array(str(manifest.array_dir(checkpoint, key)), meta, out=out)
+        else:
+            out.copy_(read_array(str(manifest.array_dir(checkpoint, key)), meta))
+    except StorageError as e:
+        raise CheckpointError(f"checkpoint {checkpoint.name} is damaged: {e}; export another "
+                              "step with --step") from None
+
+
+class _StreamingWriter:
+    """Appends tensors to the plan's files in order, each under a temp name until all are done."""
+
+    def __init__(self, out_dir: Path, plan: ExportPlan, metadata: dict[str, str]) -> None:
+        self.out_dir = out_dir
+        self.plan = plan
+        self.metadata = metadata
+        self.dtype, self.code = DTYPES[plan.dtype]
+        self.temps: list[Path] = []
+
+    def write(self, units: Iterator[tuple[int, torch.Tensor]], total: int,
+              on_unit: Callable[[int, int], None] | None) -> list[Path]:
+        by_unit: dict[int, list[tuple[int, TensorEntry]]] = {}
+        for i, f in enumerate(self.plan.files):
+            for e in f.entries:
+                by_unit.setdefault(e.unit, []).append((i, e))
+        handle: BinaryIO | None = None
+        current = -1
+        try:
+            for done, (index, flat) in enumerate(units, start=1):
+                for file_index, entry in by_unit.get(index, []):
+                    if file_index != current:
+                        if handle is not None:
+                            self._finish(handle, current)
+                        current, handle = file_index, self._start(file_index)
+                    self._append(handle, flat[entry.offset:entry.offset + entry.numel], current)
+                if on_unit is not None:
+                    on_unit(done, total)
+            if handle is not None:
+                self._finish(handle, current)
+                handle = None
+            return self._publish()
+        except BaseException:  # Ctrl-C included: leave nothing half-written behind
+            if handle is not None:
+                handle.close()
+            for temp in self.temps:
+                temp.unlink(missing_ok=True)
+            raise
+
+    def _temp(self, name: str) -> Path:
+        return self.out_dir / f".{name}.{os.getpid()}.tmp"
+
+    def _start(self, file_index: int) -> BinaryIO:
+        f = self.plan.files[file_index]
+        temp = self._temp(f.name)
+        try:
+            handle = open(temp, "wb")
+        except OSError as e:
+            raise self._error(f.name, e) from None
+        self.temps.append(temp)
+        self._io(handle.write, f.header(self.code, self.dtype.itemsize, self.metadata), file_index)
+        return handle
+
+    def _append(self, handle: BinaryIO, values: torch.Tensor, file_index: int) -> None:
+        if self.dtype != values.dtype:
+            values = values.to(self.dtype)  # round to nearest even, as torch's .to() does
+        self._io(handle.write, memoryview(values.view(torch.uint8).numpy()), file_index)
+
+    def _finish(self, handle: BinaryIO, file_index: int) -> None:
+        self._io(handle.flush, None, file_index)
+        self._io(os.fsync, handle.fileno(), file_index)
+        handle.close()
+
+    def _io(self, call: Callable, arg: object, file_index: int) -> None:
+        try:
+            call() if arg is None else call(arg)
+        except OSError as e:
+            raise self._error(self.plan.files[file_index].name, e) from None
+
+    def _error(self, name: str, e: OSError) -> TierzeroError:
+        return TierzeroError(f"cannot write {self.out_dir / name} ({e.strerror or e}); choose a "
+                             "writable --out with enough free space")
+
+    def _publish(self) -> list[Path]:
+        """Rename every file into place, the index last, then make the renames durable."""
+        finals = [self.out_dir / f.name for f in self.plan.files]
+        if self.plan.index_name is not None:
+            temp = self._temp(self.plan.index_name)
+            self.temps.append(temp)
+            try:
+                with open(temp, "wb") as handle:
+                    handle.write(self.plan.index_json())
+                    handle.flush()
+                    os.fsync(handle.fileno())
+            except OSError as e:
+                raise self._error(self.plan.index_name, e) from None
+        targets = finals + ([self.out_dir / self.plan.index_name] if self.plan.index_name else [])
+        assert len(targets) == len(self.temps), "every planned file was started, in order"
+        for temp, final in zip(self.temps, targets):
+            os.replace(temp, final)
+        fd = os.open(self.out_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return finals

@@ -1,0 +1,565 @@
+"""`Engine`: the object a training loop talks to.
+
+    engine = tierzero.Engine(model, config)      # validates; allocates nothing
+    loss = engine.forward(batch)                 # opens the tiers on first use
+    engine.backward(loss)
+    engine.step()                                # steps once per `accumulate` micro-batches
+
+or `engine.train_step(batch)`. The model may be on `meta` (it is materialised unit by unit
+into the tiers) or already built (its weights are adopted and its own storage freed). From
+then on the engine owns every parameter: the modules' weights are views bound while a unit
+computes and meta placeholders otherwise. A frozen parameter (`requires_grad=False`, e.g. the
+base under LoRA adapters) is stored once, as a param in the compute dtype, fetched for compute
+like the rest and never written; a parameter that gets no gradient in a step is not updated,
+as torch's AdamW skips it (`tierzero.engine.paramsteps`).
+
+This file is past 500 lines because the engine is where the step's parts meet (tiers, swap
+plan, grads, optimizer, checkpoints, gathered weights, sizing); each part's logic lives in its own
+module and is only wired here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from tierzero.dist.comm import Comm
+from tierzero.config import Config, StateKind, Tier
+from tierzero.checkpoint.catalog import newest_checkpoint, verify_checkpoint
+from tierzero.errors import CheckpointError, ConfigError, TierzeroError
+from tierzero.engine.execute import UnitRunner, bind, detach_params, flat_grad, unbind
+from tierzero.engine.gathered import GatheredWeight, copies, resolve, unit_grads
+from tierzero.engine.grads import GradShards, clip_coefficient
+from tierzero.models.init import WeightFiles, flat_unit, weight_files
+from tierzero.dist.launch import local_world_size
+from tierzero.lr import lr_at
+from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest
+from tierzero.engine.optim import ShardOptimizer
+from tierzero.engine.paramsteps import ParamSteps, Run
+from tierzero.engine.paramsync import sync_params
+from tierzero.layout.partition import Unit, forward_only, forward_uses, grad_uses, partition, replicate_params
+from tierzero.config import TORCH_DTYPES
+from tierzero.engine.precision import DynamicLossScaler, compute_dtype, resolve_dtype
+from tierzero.engine.reference import compute_loss, to_device
+from tierzero.engine.scheduler import Scheduler
+from tierzero.planning.swapplan import build_swap_plan
+from tierzero.engine.sizing import Sizing
+from tierzero.engine.stats import StepStats
+from tierzero.engine.tiers import Tiers
+from tierzero.storage.base import aligned_empty
+from tierzero.layout.keys import state_keys
+
+
+class Engine:
+    def __init__(self, model: nn.Module, config: Config, weights: str | Path | None = None) -> None:
+        self.config = config
+        self.device = config.resolved_device()
+        self.dtype = compute_dtype(resolve_dtype(config.dtype, self.device), self.device)
+        self.model = model
+        self.comm = Comm(self.device, TORCH_DTYPES[config.grad_reduce_dtype])
+        self.local_ranks = local_world_size(self.comm)  # they share this machine's RAM and drives
+        self.units = partition(model, self.comm.world_size, config.units)
+        self.param_steps = ParamSteps(self.units)
+        self.param_order = [name for name, _ in model.named_parameters()]
+        self.scaler = DynamicLossScaler(config.loss_scale, config.loss_scale_window,
+                                        enabled=self.dtype == torch.float16)
+        self.overlap = self._resolve_overlap()
+        self.sizing = Sizing(config, self.device, self.dtype, self.units, self.comm.world_size,
+                             self.local_ranks, self.overlap)
+        # `offload auto` picks a placement for the forced stage, else stage 3's
+        self.placement = self.sizing.placement(config.stage or 3)
+        self.stage, self.stage_reason = self.sizing.stage(self.placement)
+        replicate_params(self.units, self.stage <= 2)
+        homes = {self.placement.home(k) for k in StateKind}
+        self.stats_ = StepStats()
+        self.tiers = Tiers(config, self.device, homes, self.comm.rank if self.comm.world_size > 1 else None,
+                           self.stats_, self.local_ranks)
+        self.tiers.check_paths()
+        self.memory = self.sizing.check(self.tiers, self.placement, self.stage)
+        if weights is not None:
+            weight_files(weights)  # refuse a wrong path now, before anything is written
+        self.weights = weights
+        self.step_count = 0
+        self.micro = 0
+        self.last_grad_norm: float | None = None
+        self.skipped_steps = 0
+        self._open = False
+        self._closed = False
+        self._broken: str | None = None  # why a step stopped half-way, leaving partial state
+        self._root_leaves: list[torch.Tensor] | None = None
+        self._stepped_in_backward = False
+        self._previous_norm: torch.Tensor | None = None
+        self._notes: list[str] = []
+        self._activations_reserved = False
+        self._gathered: list[dict[str, GatheredWeight]] = []  # the open `gathered` blocks
+        # trainable copies of closed `gathered` blocks, by id (tensors do not hash by identity)
+        self._closed_copies: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def open(self) -> Engine:
+        """Open the tiers and move every unit's state into its home, one unit at a time."""
+        return self._open_with(self._materialise)
+
+    def _open_with(self, fill: Callable[[], None]) -> Engine:
+        """Open the tiers, fill them (`_materialise`, or a checkpoint's restore), build the step."""
+        if self._open:
+            return self
+        if self._closed:
+            raise TierzeroError("this engine is closed; read master_state_dict() before close(), "
+                                "or build a new Engine")
+        if self.device.type == "cuda":
+            # The training thread's current device is the engine's, as it is on autograd's
+            # thread for it: torch code that uses the current device (an optimizer's
+            # `current_stream()`, `.cuda()`) then never creates a context on cuda:0.
+            torch.cuda.set_device(self.device)
+        self.tiers.open()
+        try:
+            self._place_buffers()
+            fill()
+            self.scheduler = Scheduler(self.units, self.tiers, self.placement.param, self.dtype,
+                                       self.comm, self.config.piece_numel, self.stats_)
+            self.grads = GradShards(self.units, self.tiers, self.placement.grad, self.comm, self.stats_,
+                                    grad_uses(self.units), self.config.piece_numel,
+                                    norms=self.config.clip_grad_norm is not None,
+                                    finite=self.scaler.enabled,
+                                    overlap=self.config.overlap_comm and self.comm.world_size > 1,
+                                    full_until_last=self.stage == 1 and self.comm.world_size > 1)
+            self.grads.allocate()
+            self.optimizer = ShardOptimizer(self.units, self.tiers, self.placement, self.dtype,
+                                            self.comm.rank, self.config, self.stats_, self.scheduler.written)
+            self.runner = UnitRunner(self.units, self._gather, self.scheduler.release,
+                                     self.grads.offload, self.dtype, forward_only(self.units))
+            self.runner.install()
+            calls, held = forward_uses(self.units), frozenset(u.index for u in self.units if u.is_root)
+            replicated = self.comm.world_size == 1 or self.stage <= 2  # nothing to gather
+            gather = None if replicated else int(self.config.overlap_comm)
+            self.train_plan = build_swap_plan(calls, self.config.prefetch_depth, backward=True, held=held,
+                                              forward_only=forward_only(self.units), gather_ahead=gather)
+            self.eval_plan = build_swap_plan(calls, self.config.prefetch_depth, backward=False, held=held,
+                                             gather_ahead=gather)
+        except BaseException:
+            self.tiers.close()
+            raise
+        self._open = True
+        return self
+
+    def close(self) -> None:
+        """Finish every transfer, make nvme state durable, release the tiers. Idempotent."""
+        if self._open:
+            self.runner.uninstall()
+            self._open = False
+        self._closed = True
+        self.tiers.close()
+
+    def __enter__(self) -> Engine:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        """The loss of one micro-batch; with grad enabled, ready for `backward`."""
+        self._usable()
+        if self._stepped_in_backward:
+            self.step()  # overlap_step already updated the shards: settle it before reading them
+        training = torch.is_grad_enabled()
+        if training and not self._activations_reserved:
+            self._activations_reserved = True
+            self.memory = self.sizing.reserve_activations(self.tiers, self.model, batch, self.memory,
+                                                          self.placement, self.stage)
+            if self.device.type == "cpu":  # the host budget is final now: the pool's, and its blocks
+                self.tiers.host_pool.set_budget(max(1, self.tiers.host_budget))
+                provision = self.memory.host_provision(self.tiers.host_budget)
+                self.tiers.host_pool.provision({c: n - self.tiers.host_blocks.get(c, 0) for c, n in provision.items()})
+        self.scheduler.begin(self.train_plan if training else self.eval_plan)
+        root = self.units[0]
+        try:
+            if root.is_root:  # a model without embedding/head entry points: bound for the pass
+                self._root_leaves = bind(root, self._gather(0), requires_grad=training)
+            loss = compute_loss(self.model, to_device(batch, self.device))
+        except BaseException:
+            self._abort()
+            raise
+        if not training:
+            if root.is_root:
+                unbind(root, self.dtype)
+                self._root_leaves = None
+            self.scheduler.finish()
+        return loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backprop one micro-batch; every unit's grad is accumulated into its home tier."""
+        self._usable()
+        accumulate = self.config.accumulate
+        last = (self.micro + 1) % accumulate == 0
+        scale = self.scaler.scale
+        self._refuse_closed_copies(loss)
+        self.grads.begin(self.micro % accumulate, last, 1.0 / scale)
+        if last and self.overlap:
+            lr = lr_at(self.step_count, self.config)
+            coef = None  # clip_previous_norm: the first step is not clipped
+            if self.config.clip_grad_norm is not None and self._previous_norm is not None:
+                # a host float from the host copy of the norm: no device sync in backward, and
+                # no device tensor for each CPU piece's step to copy to the host
+                coef = clip_coefficient(self._previous_norm, self.config.clip_grad_norm).item()
+            self.grads.hand_over = lambda unit, grad: self.optimizer.step_unit(
+                unit, grad, self._runs(unit), lr, coef)
+            # read each unit's states while the unit before it in backward order still computes
+            self.runner.on_backward_start = lambda u: [self.optimizer.prefetch(self.units[v])
+                                                       for v in (u, u - 1) if v >= 0]
+            self._stepped_in_backward = True
+        scaled = loss / accumulate if accumulate > 1 else loss
+        scaled = scaled * scale if scale != 1.0 else scaled
+        try:
+            self.grads.extra = self._gathered_grads(scaled)
+            scaled.backward()
+            if self._root_leaves is not None:
+                if self.units[0].trainable_numel:
+                    self.grads.offload(0, *flat_grad(self.units[0], self._root_leaves))
+                unbind(self.units[0], self.dtype)
+                self._root_leaves = None
+            self.grads.flush()  # the last unit's reduction
+            self.scheduler.finish()
+        except BaseException as e:
+            self._broken = f"backward failed: {e!r}"  # some units' grads are accumulated, some not
+            self._abort()
+            raise
+        finally:
+            self.grads.hand_over = None
+            self.grads.extra = {}
+            self.runner.on_backward_start = None
+        self.micro += 1
+
+    def step(self) -> bool:
+        """Update every shard if a global batch is complete; False if none ran (or fp16 skipped)."""
+        self._usable()
+        if self.micro % self.config.accumulate != 0:
+            return False
+        try:
+            stepped = self._step()
+            if stepped and Tier.NVME in self.tiers.stores:
+                # one syncfs per step: the step's writes are durable, and the blocks they
+                # superseded become spares that the next step's writes overwrite in place
+                self.tiers.run(self.tiers.stores[Tier.NVME].flush())
+            return stepped
+        except BaseException as e:
+            self._broken = f"the optimizer step failed: {e!r}"  # some shards are updated, some not
+            raise
+
+    def _step(self) -> bool:
+        self.tiers.pending.drain()  # grads written during backward must land before they are read
+        self.grads.settle()  # and those copied to host memory
+        if self._stepped_in_backward:  # overlap_step: every unit was stepped as its grad arrived
+            self._stepped_in_backward = False
+            if self.config.clip_grad_norm is not None:  # this step's norm clips the next one
+                # copied to the host once here (where it was read anyway): the next backward
+                # derives its clip coefficient from it without touching the device
+                self._previous_norm = self.grads.total_norm(self.param_order).cpu()
+                self.last_grad_norm = self._previous_norm.item()
+            self.param_steps.advance(self.grads.present)
+            self._sync_params()
+            self.step_count += 1
+            return True
+        if self.scaler.enabled and not self.scaler.update(self.grads.found_inf()):
+            self.skipped_steps += 1  # overflow: nothing is written, the schedule does not advance
+            return False
+        coef = None
+        if self.config.clip_grad_norm is not None:
+            norm = self.grads.total_norm(self.param_order)
+            self.last_grad_norm = norm.item()
+            # a host float: one sync per step, right after the norm's; stepping with a device
+            # tensor would make every CPU piece's step copy it to the host
+            coef = clip_coefficient(norm, self.config.clip_grad_norm).item()
+        self.optimizer.step({u.index: self._runs(u) for u in self.units}, lr_at(self.step_count, self.config), coef)
+        self.param_steps.advance(self.grads.present)
+        self._sync_params()
+        self.step_count += 1
+        return True
+
+    def _sync_params(self) -> None:
+        """Stage 1/2: every rank stores whole units, so each gets every rank's new values."""
+        if self.comm.world_size > 1 and self.stage <= 2:
+            sync_params(self.units, self.tiers, self.placement.param, self.comm, self.dtype,
+                        self.config.piece_numel, self.stats_)
+
+    def _runs(self, unit: Unit) -> list[Run]:
+        """What this step updates of this rank's shard of `unit`, with each run's step count."""
+        return self.param_steps.runs(unit, self.comm.rank, self.grads.present.get(unit.index, ()), self.step_count)
+
+    @contextlib.contextmanager
+    def gathered(self, names: Iterable[str] | str | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """The full current weights of `names` (every parameter by default) for user code: a
+        custom loss, a regulariser on the weights, evaluation. Copies on the compute device in
+        the compute dtype; trainable ones require grad, and `engine.backward(loss)` called inside
+        the block adds the gradients that reach them to the step's (see `tierzero.engine.gathered`).
+        Released on exit; changing a copy changes nothing in the engine."""
+        self._usable()
+        if self._stepped_in_backward:
+            self.step()  # overlap_step updated the shards: settle the step before reading them
+        self.tiers.pending.drain()  # params written by the last step must have landed
+        where = resolve(self.units, names)
+        weights = copies(self.units, where, self._full_params)
+        self._gathered.append(weights)
+        view = {name: w.tensor for name, w in weights.items()}
+        try:
+            yield view
+        finally:
+            self._gathered.remove(weights)
+            self._closed_copies.update({id(w.tensor): w.tensor for w in weights.values() if w.tensor.requires_grad})
+            view.clear()
+
+    def _full_params(self, unit: Unit) -> torch.Tensor:
+        """The unit's full flat param buffer on the compute device (every rank's shard)."""
+        param = self.read_shard(StateKind.PARAM, unit).to(self.device)
+        return param if unit.replicated else self.comm.all_gather(param)
+
+    def _gathered_grads(self, scaled: torch.Tensor) -> dict[int, tuple[torch.Tensor, frozenset[int]]]:
+        """The gradients of `scaled` with respect to the open `gathered` blocks' trainable copies,
+        per unit (taken before backward, so each unit's is added to its own as it arrives)."""
+        leaves = list({id(w.tensor): w for block in self._gathered for w in block.values()
+                       if w.tensor.requires_grad}.values())
+        if not leaves or not scaled.requires_grad:
+            return {}
+        grads = torch.autograd.grad(scaled, [w.tensor for w in leaves], retain_graph=True, allow_unused=True)
+        return unit_grads(self.units, leaves, list(grads))
+
+    def _refuse_closed_copies(self, loss: torch.Tensor) -> None:
+        """A gradient that would reach a `gathered` copy after its block closed would be lost:
+        refuse that backward before anything is accumulated (the engine stays usable)."""
+        open_ = {id(w.tensor) for block in self._gathered for w in block.values()}
+        stale = [t for key, t in list(self._closed_copies.items()) if key not in open_ and t.requires_grad]
+        if not stale or not loss.requires_grad:
+            return
+        reached = torch.autograd.grad(loss, stale, retain_graph=True, allow_unused=True)
+        if any(g is not None for g in reached):
+            raise ConfigError("this loss uses weights from an `engine.gathered` block that has closed, "
+                              "so their gradients would be lost; call engine.backward(loss) inside the block")
+
+    def train_step(self, batch: Any) -> float:
+        """forward + backward + step (the step runs once per `accumulate` calls); the loss."""
+        return self.train_micro_batch(batch).item()  # host sync point: waits for the whole pass
+
+    def train_micro_batch(self, batch: Any) -> torch.Tensor:
+        """`train_step` without reading the loss: a detached tensor, so a loop that reads the
+        micro-batches' losses once per step syncs with the device once per step, not per call."""
+        self.model.train()
+        loss = self.forward(batch)
+        self.backward(loss)
+        self.step()
+        return loss.detach()
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Any) -> float:
+        """The loss in eval mode (dropout off), without grad; the model's mode is restored."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return self.forward(batch).item()
+        finally:
+            self.model.train(was_training)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save_checkpoint(self, run_dir: str | Path, data: dict[str, Any] | None = None,
+                        keep: int | None = None, model: dict[str, Any] | None = None) -> Path:
+        """Snapshot every shard at this step into `run_dir/checkpoints/step-<N>` (hard links for
+        NVMe-homed state: metadata, not bytes); `data` is the caller's data position, `keep`
+        prunes to the newest K. See `tierzero.engine.snapshot`."""
+        self._usable()
+        from tierzero.engine import snapshot
+
+        return snapshot.save(self, run_dir, data=data, keep=keep, model=model)
+
+    def load_checkpoint(self, path: str | Path) -> Manifest:
+        """Continue from a checkpoint: `path` is a `step-<N>` directory, or a run directory (its
+        newest intact checkpoint; damaged newer ones are skipped and named in `notes()`). Every
+        array is verified first. Returns the manifest (its `data` is the caller's to restore)."""
+        if self._broken is not None:
+            self._usable()
+        from tierzero.engine import snapshot
+
+        path = Path(path)
+        rank = self.comm.rank if self.comm.world_size > 1 else None  # each rank checks its own shards
+        if (path / MANIFEST_NAME).exists():
+            manifest = Manifest.load(path)
+            verify_checkpoint(path, manifest, rank)
+        else:
+            found = newest_checkpoint(path, rank=rank, all_ok=self.comm.all_ok if rank is not None else None)
+            if found is None:
+                raise CheckpointError(f"'{path}' holds no checkpoint; pass a run directory with "
+                                      "checkpoints/step-<N> in it, or one such directory")
+            path, manifest, skipped = found
+            for line in skipped:
+                self.note(line)
+        if self._open:
+            self.tiers.pending.drain()
+            snapshot.restore(self, path, manifest)
+        else:
+            self._open_with(lambda: snapshot.restore(self, path, manifest))
+        return manifest
+
+    def note(self, text: str) -> None:
+        """Record something the user should hear once (the CLI prints `notes()`)."""
+        if text not in self._notes:
+            self._notes.append(text)
+
+    def notes(self) -> list[str]:
+        """What the engine and its stores could not do as asked, or chose instead, once each."""
+        store_notes = getattr(self.tiers.stores.get(Tier.NVME), "notes", [])
+        return self._notes + [n for n in store_notes if n not in self._notes]
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 master weights under every parameter name (tied aliases included), unit by unit;
+        a frozen parameter's stored values, in fp32.
+
+        This holds the whole fp32 model in host memory: for small models and tests. For large
+        ones, checkpoint and stream the weights out with `tierzero export` (about one unit of RAM)."""
+        self._usable()
+        out: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            master = self.read_shard(StateKind.MASTER, unit)
+            if unit.has_frozen:  # the shard's frozen rest has params only
+                lo = unit.param_offset(self.comm.rank)
+                param = self.read_shard(StateKind.PARAM, unit)[lo:lo + unit.shard_numel]
+                master = torch.cat([master, param[master.numel():].float()])
+            if self.comm.world_size > 1:  # every rank's shard, end to end: the full flat buffer
+                master = self.comm.all_gather(master.to(self.device)).cpu()
+            for slot in unit.slots:
+                value = master[slot.offset:slot.end].view(slot.shape).clone()
+                for name in slot.names:
+                    out[name] = value
+        return out
+
+    def keys(self, kind: StateKind, unit: Unit) -> list[tuple[str, int, int]]:
+        """This rank's store keys of `kind` for `unit`, with the shard range each holds."""
+        return state_keys(kind, unit, self.comm.rank, self.config.piece_numel, self.placement.home(kind))
+
+    def read_shard(self, kind: StateKind, unit: Unit) -> torch.Tensor:
+        """A CPU copy of this rank's shard of `kind` for `unit` (for inspection and export): for
+        kinds other than `param`, its trainable prefix (`Unit.state_numel`); for `param`, what
+        this rank stores (the whole unit when `unit.replicated`)."""
+        if kind is StateKind.PARAM:
+            out = aligned_empty(unit.param_numel, self.dtype)
+        else:
+            out = aligned_empty(unit.state_numel(self.comm.rank), torch.float32)
+        for key, a, b in self.keys(kind, unit):
+            self.read_key(kind, key, out[a:b])
+        return out
+
+    def read_key(self, kind: StateKind, key: str, out: torch.Tensor) -> None:
+        """Fill the CPU tensor `out` from one stored key of `kind` (verified where stored on disk)."""
+        store = self.tiers.stores[self.placement.home(kind)]
+        if kind is StateKind.GRAD and self._open:
+            self.grads.settle()  # a grad piece may still be on its way to the host
+        if store.capabilities.zero_copy:
+            out.copy_(store.view(key))
+        else:
+            self.tiers.run(store.read_into(key, out, verify=True))
+
+    def stats(self) -> dict[str, Any]:
+        """Per-step counters for metrics.jsonl: bytes per direction, I/O wait, peak bytes."""
+        out: dict[str, Any] = dict(self.stats_.take())
+        if self._open:
+            out.update({f"peak_{k}_bytes": v for k, v in self.tiers.peaks().items()})
+        if self.last_grad_norm is not None:
+            out["grad_norm"] = self.last_grad_norm
+        if self.scaler.enabled:
+            out["loss_scale"] = self.scaler.scale
+            out["skipped_steps"] = self.skipped_steps
+        return out
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _usable(self) -> None:
+        """Open on first use; refuse to go on from a step that stopped half-way."""
+        if self._broken is not None:
+            raise TierzeroError(f"the engine stopped in the middle of a step ({self._broken}); its tiers "
+                                "may hold a partial update, so close it and start again")
+        self.open()
+
+    def _place_buffers(self) -> None:
+        """Module buffers (rotary tables, masks) live on the compute device with the activations."""
+        for name, buf in self.model.named_buffers():
+            if buf.is_meta:
+                raise ConfigError(f"buffer '{name}' is on the meta device and the engine cannot "
+                                  "initialise it; build the model with its buffers materialised")
+        for module in self.model.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[key] = buf.to(self.device)
+
+    def _gather(self, unit: int) -> torch.Tensor:
+        return self.scheduler.acquire(unit)
+
+    def _abort(self) -> None:
+        self.grads.discard()
+        self.optimizer.discard_prefetched()
+        if self._root_leaves is not None:
+            unbind(self.units[0], self.dtype)
+            self._root_leaves = None
+        self.scheduler.abort()
+
+    def _materialise(self) -> None:
+        weights = WeightFiles(self.weights) if self.weights is not None else None
+        lo_hi = [u.shard_range(self.comm.rank) for u in self.units]
+        for unit, (lo, hi) in zip(self.units, lo_hi):
+            flat = flat_unit(self.model, unit, self.config.seed, weights)
+            shard = flat[lo:hi].contiguous()
+            detach_params(unit, self.dtype)
+            self.put_shard(StateKind.MASTER, unit, shard)
+            self.put_shard(StateKind.PARAM, unit, (flat if unit.replicated else shard).to(self.dtype))
+            zeros = torch.zeros_like(shard)
+            for kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ, StateKind.GRAD):
+                self.put_shard(kind, unit, zeros)
+            self.tiers.pending.drain()  # peak host memory stays about one unit
+        if Tier.NVME in self.tiers.stores:
+            self.tiers.run(self.tiers.stores[Tier.NVME].flush())
+
+    def put_shard(self, kind: StateKind, unit: Unit, src: torch.Tensor) -> None:
+        """Write this rank's shard of `kind` for `unit` (a CPU tensor) to its home tier."""
+        for key, a, b in self.keys(kind, unit):
+            self.put_key(kind, key, src[a:b])
+
+    def put_key(self, kind: StateKind, key: str, src: torch.Tensor) -> None:
+        """Write one stored key of `kind` (a CPU tensor) to its home tier."""
+        store = self.tiers.stores[self.placement.home(kind)]
+        if self.placement.home(kind) is Tier.NVME:
+            staged = self.tiers.lease_host(src.numel() * src.element_size()).view(src.dtype)
+            staged.copy_(src)
+            future = self.tiers.submit(store.write(key, staged))
+            self.tiers.pending.add(future, lambda ok: self.tiers.host_pool.give_back(staged.view(torch.uint8)))
+        else:
+            self.tiers.run(store.write(key, src))
+
+    def _resolve_overlap(self) -> bool:
+        """Whether units are stepped during backward: on by default wherever that is exact.
+
+        fp16 never (the step waits for the overflow check); clipping only when the user opts in
+        to clipping by the previous step's global norm (`clip_previous_norm`).
+        """
+        clip = self.config.clip_grad_norm is not None
+        if self.config.clip_previous_norm and not clip:
+            raise ConfigError("clip_previous_norm needs clip_grad_norm; set both or neither")
+        possible = not self.scaler.enabled and (not clip or self.config.clip_previous_norm)
+        if self.config.overlap_step and not possible:
+            raise ConfigError("overlap_step cannot be exact with clip_grad_norm or fp16: each unit's "
+                              "step would need the global norm or overflow check first; turn one "
+                              "off, or opt in to clipping by the previous step's norm (clip_previous_norm)")
+        return possible if self.config.overlap_step is None else self.config.overlap_step
+
+    def stage_text(self) -> str:
+        """One line naming the stage, why, and what it partitions."""
+        from tierzero.planning.placement import STAGE_TEXT
+
+        return f"ZeRO stage {self.stage} ({self.stage_reason}): {STAGE_TEXT[self.stage]}"

@@ -1,0 +1,255 @@
+"""Checkpointed unit execution: gather -> compute -> release, and recompute in backward.
+
+Each unit's entry point is wrapped (a block's or the embedding's `forward`, the model's
+`head_out`); a unit that uses another's weights (a head tied to the embedding) binds both. In a training forward the block runs under `no_grad` with
+its parameters bound as views into the gathered flat `param` buffer, and only its input is
+kept. In backward the unit is gathered again, recomputed with grad (under the RNG and autocast
+state the forward ran with) against fresh leaf views of the flat buffer, and backpropagated; the parameters' gradients are packed into one flat fp32
+tensor, which goes to `on_grad`. Module code is unchanged: it reads `self.weight` as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from tierzero.layout.partition import Unit
+
+GatherFn = Callable[[int], torch.Tensor]  # unit index -> full flat param buffer on the device
+ReleaseFn = Callable[[int], None]
+GradFn = Callable[[int, torch.Tensor, frozenset[int]], None]  # unit index, flat grad, slots with a grad
+
+
+def bind(unit: Unit, flat: torch.Tensor, requires_grad: bool = False) -> list[torch.Tensor]:
+    """Point every parameter of `unit` at its slice of `flat` (views, no copies); return them.
+
+    With `requires_grad` each trainable view becomes its own autograd leaf: autograd then
+    writes each parameter's gradient once, instead of scattering every view's gradient into a
+    zeroed copy of the whole flat buffer (which costs one flat-sized pass per parameter).
+    Frozen parameters stay plain views: autograd computes no gradient for them.
+    """
+    leaves = []
+    for slot in unit.slots:
+        view = flat[slot.offset:slot.end].view(slot.shape)
+        if requires_grad and not slot.frozen:
+            view = view.detach().requires_grad_(True)
+        leaves.append(view)
+        for module, attr in slot.module_attrs:
+            setattr(module, attr, view)
+    return leaves
+
+
+def flat_grad(unit: Unit, leaves: list[torch.Tensor]) -> tuple[torch.Tensor, frozenset[int]]:
+    """The gradient of the unit's trainable prefix as one fp32 flat buffer (each parameter's
+    grad copied once; one rank: `trainable_numel` long, several: the padded flat, which is
+    reduce-scattered), and the indices of the slots that got a gradient (torch's AdamW skips
+    a parameter whose `.grad` is None; here its values are zeros)."""
+    device = leaves[0].device if leaves else torch.device("cpu")
+    out = torch.empty(unit.trainable_numel if unit.world_size == 1 else unit.padded_numel,
+                      dtype=torch.float32, device=device)
+    present, end = [], 0
+    for i, (slot, leaf) in enumerate(zip(unit.slots, leaves)):
+        if slot.frozen:
+            continue
+        if leaf.grad is None:
+            out[slot.offset:slot.end].zero_()
+        else:
+            out[slot.offset:slot.end].copy_(leaf.grad.reshape(-1))
+            present.append(i)
+        end = slot.end
+    out[end:].zero_()
+    return out, frozenset(present)
+
+
+def unbind(unit: Unit, dtype: torch.dtype) -> None:
+    """Replace the views with meta placeholders, so a stale use fails loudly and frees nothing."""
+    for slot in unit.slots:
+        placeholder = torch.empty(slot.shape, dtype=dtype, device="meta")
+        for module, attr in slot.module_attrs:
+            setattr(module, attr, placeholder)
+
+
+def detach_params(unit: Unit, dtype: torch.dtype) -> None:
+    """Turn the unit's `nn.Parameter`s into plain attributes; the engine owns them from now on."""
+    for slot in unit.slots:
+        for module, attr in slot.module_attrs:
+            module._parameters.pop(attr, None)
+    unbind(unit, dtype)
+
+
+class UnitRunner:
+    """Installs the checkpointed entry point of every unit that has one (all but a root)."""
+
+    def __init__(self, units: list[Unit], gather: GatherFn, release: ReleaseFn, on_grad: GradFn,
+                 dtype: torch.dtype, forward_only: frozenset[int] = frozenset()) -> None:
+        self.units = units
+        self.gather = gather
+        self.release = release
+        self.on_grad = on_grad
+        self.dtype = dtype
+        self.forward_only = forward_only  # units run without a backward (`partition.forward_only`)
+        self._originals: dict[int, Callable[..., Any]] = {}
+        self._shadowed: set[int] = set()  # entries that were instance attributes already
+        self.on_backward_start: Callable[[int], None] | None = None  # set by the engine per pass
+        self._anchor = torch.empty(0, requires_grad=True)
+
+    def install(self) -> None:
+        for unit in self.units:
+            if unit.entry is not None:
+                owner, attr = unit.entry
+                if attr in vars(owner):
+                    self._shadowed.add(unit.index)
+                self._originals[unit.index] = getattr(owner, attr)
+                setattr(owner, attr, functools.partial(self._run, unit))
+
+    def uninstall(self) -> None:
+        for unit in self.units:
+            if unit.index in self._originals:
+                owner, attr = unit.entry
+                original = self._originals.pop(unit.index)
+                if unit.index in self._shadowed:
+                    setattr(owner, attr, original)
+                else:
+                    delattr(owner, attr)  # the class's own method shows through again
+        self._shadowed.clear()
+
+    def bound_units(self, unit: Unit) -> list[Unit]:
+        """The units a call of `unit` binds, in the order the swap plan waits for them."""
+        return [unit, *(self.units[v] for v in unit.uses_with)]
+
+    def _run(self, unit: Unit, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled() or unit.index in self.forward_only:
+            return self.compute(unit, args, kwargs)
+        flat_in, spec = tree_flatten((args, kwargs))
+        tensor_pos = [i for i, a in enumerate(flat_in) if isinstance(a, torch.Tensor)]
+        # the anchor requires grad, so backward reaches this unit even when no input does
+        outs = _Checkpointed.apply(self, unit, flat_in, spec, tensor_pos, self._anchor,
+                                   *[flat_in[i] for i in tensor_pos])
+        return tree_unflatten(list(outs[:-1]), outs[-1]) if isinstance(outs, tuple) else outs
+
+    def compute(self, unit: Unit, args: tuple, kwargs: dict, leaves: list[torch.Tensor] | None = None) -> Any:
+        """Gather, bind, run the block's own forward, unbind, release — or, given `leaves`
+        (already bound by the caller), just run it: the caller unbinds only after its backward,
+        which may call the modules again (the loss's checkpointed chunks recompute the head)."""
+        if leaves is not None:
+            return self._originals[unit.index](*args, **kwargs)
+        bound = self.bound_units(unit)
+        for u in bound:
+            bind(u, self.gather(u.index))
+        try:
+            return self._originals[unit.index](*args, **kwargs)
+        finally:
+            for u in bound:
+                unbind(u, self.dtype)
+            self.release(unit.index)
+
+
+class _Checkpointed(torch.autograd.Function):
+    """Keeps only the unit's inputs; backward regathers, recomputes, and backprops."""
+
+    @staticmethod
+    def forward(ctx: Any, runner: UnitRunner, unit: Unit, flat_in: list, spec: Any,
+                tensor_pos: list[int], anchor: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        ctx.runner, ctx.unit, ctx.flat_in, ctx.spec, ctx.tensor_pos = runner, unit, flat_in, spec, tensor_pos
+        ctx.save_for_backward(*tensors)
+        ctx.rng = _rng_state(tensors)
+        ctx.autocast = _autocast_state(tensors)
+        with torch.no_grad():
+            args, kwargs = tree_unflatten(_fill(flat_in, tensor_pos, tensors), spec)
+            out = runner.compute(unit, args, kwargs)
+        out_flat, out_spec = tree_flatten(out)
+        ctx.out_tensor_idx = [i for i, o in enumerate(out_flat) if isinstance(o, torch.Tensor)]
+        if isinstance(out, torch.Tensor):
+            return out
+        # autograd returns tensors only; the output structure travels as the last element
+        return (*out_flat, out_spec)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        runner, unit = ctx.runner, ctx.unit
+        if runner.on_backward_start is not None:
+            runner.on_backward_start(unit.index)
+        saved = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in saved]
+        bound = runner.bound_units(unit)
+        leaves = [bind(u, runner.gather(u.index), requires_grad=True) for u in bound]
+        try:
+            with torch.enable_grad(), _restore_rng(ctx.rng), _autocast(ctx.autocast):
+                args, kwargs = tree_unflatten(_fill(ctx.flat_in, ctx.tensor_pos, inputs), ctx.spec)
+                out = runner.compute(unit, args, kwargs, leaves=leaves[0])
+            outs = tree_flatten(out)[0]
+            pairs = [(outs[i], grads[i]) for i in ctx.out_tensor_idx
+                     if outs[i].requires_grad and grads[i] is not None]
+            if pairs:  # none when every weight is frozen and no input needs a grad
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            for u, unit_leaves in zip(bound, leaves):
+                if u.trainable_numel:  # a unit of frozen parameters only has no grad to store
+                    runner.on_grad(u.index, *flat_grad(u, unit_leaves))
+        finally:
+            for u in bound:
+                unbind(u, runner.dtype)
+            runner.release(unit.index)
+        return (None, None, None, None, None, None, *[t.grad if t.requires_grad else None for t in inputs])
+
+
+def _fill(flat_in: list, positions: list[int], tensors: Any) -> list:
+    filled = list(flat_in)
+    for i, t in zip(positions, tensors):
+        filled[i] = t
+    return filled
+
+
+RngState = tuple[torch.Tensor, dict[torch.device, torch.Tensor]]
+
+
+def _rng_state(tensors: tuple) -> RngState:
+    """The CPU RNG state and that of each GPU the inputs are on, at forward, so recompute draws
+    the same dropout masks. Each GPU by its index: recompute runs on autograd's thread for that
+    GPU, whose current device need not be the training thread's (`torch.cuda.get_rng_state()`
+    alone is the current device's generator)."""
+    devices = {t.device for t in tensors if t.is_cuda}
+    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
+
+
+AutocastState = tuple[tuple[tuple[str, bool, torch.dtype], ...], bool]
+
+
+def _autocast_state(tensors: tuple) -> AutocastState:
+    """Autocast as the forward ran, for the CPU and the inputs' device type (a forward under
+    `torch.autocast` must be recomputed under it, or backward differentiates other numerics)."""
+    types = sorted({"cpu", *(t.device.type for t in tensors)})
+    return (tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types),
+            torch.is_autocast_cache_enabled())
+
+
+def _autocast(state: AutocastState) -> contextlib.ExitStack:
+    per_device, cache = state
+    stack = contextlib.ExitStack()
+    for device_type, enabled, dtype in per_device:
+        stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache))
+    return stack
+
+
+class _restore_rng:
+    """Recompute under the forward's RNG states (`_rng_state`), then put back the ones it replaced."""
+
+    def __init__(self, state: RngState) -> None:
+        self.state = state
+
+    def __enter__(self) -> None:
+        cpu, gpus = self.state
+        self.saved = (torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in gpus})
+        torch.set_rng_state(cpu)
+        for device, state in gpus.items():
+            torch.cuda.set_rng_state(state, device)
+
+    def __exit__(self, *exc: object) -> None:
+        cpu, gpus = self.saved
+        torch.set_rng_state(cpu)
+        for device, state in gpus.items():
+            torch.cuda.set_rng_state(state, device)

@@ -1,0 +1,346 @@
+"""Gradient shards: reduce, unscale, accumulate in fp32 in their home tier, and measure.
+
+A unit's flat gradient arrives from backward in the compute dtype, with the slots that got
+one (`present`: the others are zeros, and the optimizer skips them as torch's AdamW skips a
+parameter whose grad is None). It becomes fp32, is reduce-scattered to this rank's shard
+(its trainable prefix: frozen parameters have no grad) and unscaled (fp16); later
+micro-batches of the step add what the earlier ones stored, piece by piece (a resident buffer for `gpu`/`host`, a staged read for
+`nvme`). On the last micro-batch the accumulated shard's norms and its finiteness are
+recorded, so clipping and overflow checks need no second pass, and with overlap_step the
+shard goes straight to the optimizer; otherwise each piece is stored in its home.
+
+Pieces leave the device on the d2h stream (`tierzero.engine.streams`), each copy waiting for the
+compute event that finished its shard; nothing in backward waits for the device. Host code
+reads a host-homed piece only after its copy's event (`settle`), an nvme write is issued by an
+I/O thread after it, and earlier micro-batches' sums come back on the h2d stream.
+
+With several ranks and `overlap`, a unit's reduce-scatter is started when its backward ends
+and finished when the next unit's does (`offload` of the next, or `flush` at the end of
+backward), so it runs while that unit's backward computes.
+
+ZeRO stage 1 (`full_until_last`, several ranks): the micro-batches before the last add each
+unit's whole flat gradient into `grad_full` pieces in the grad home, with no communication;
+the last adds that sum to its own and reduce-scatters it once, so a step costs one
+reduction per unit use whatever `accumulate` is. A reduce-scatter rather than an all-reduce:
+each rank steps only its shard, so it needs only its shard of the sum (half the bytes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable
+
+import torch
+
+from tierzero.dist.comm import Comm, InFlight
+from tierzero.errors import TierzeroError
+from tierzero.config import StateKind, Tier
+from tierzero.layout.partition import Unit, piece_ranges
+from tierzero.engine.stats import StepStats
+from tierzero.storage.base import TierStore
+from tierzero.engine.streams import Event
+from tierzero.engine.tiers import Tiers
+from tierzero.layout.keys import state_keys
+
+
+class GradShards:
+    def __init__(self, units: list[Unit], tiers: Tiers, home: Tier, comm: Comm, stats: StepStats,
+                 uses: dict[int, int], piece_numel: int, norms: bool, finite: bool, overlap: bool = False,
+                 full_until_last: bool = False) -> None:
+        self.units = units
+        self.tiers = tiers
+        self.home = home
+        self.comm = comm
+        self.stats = stats
+        self.uses = uses  # contributions per unit per backward (a tied embedding gets two)
+        self.piece_numel = piece_numel
+        self.seen: dict[int, int] = {}  # contributions so far in this backward
+        self.present: dict[int, set[int]] = {}  # unit -> its slots that got a grad in this step
+        self.want_norms = norms  # clipping needs them
+        self.want_finite = finite  # fp16 needs the overflow check
+        self.micro = 0
+        self.last = True
+        self.inv_scale = 1.0
+        self.norms: dict[str, torch.Tensor] = {}  # param name -> 2-norm (one rank) of its grad, on the device
+        # measured on the compute device, read on the host only when the step needs them (one
+        # host-device sync per step, not one per unit or parameter in backward)
+        self.sumsq = torch.zeros((), dtype=torch.float32, device=tiers.device)  # several ranks: this shard's
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=tiers.device)
+        # overlap_step: on the last micro-batch the optimizer takes each finished shard at once
+        self.hand_over: Callable[[Unit, torch.Tensor], None] | None = None
+        # gradients of this backward that reached `Engine.gathered` copies, by unit: added to the
+        # unit's own at its first contribution (`tierzero.engine.gathered`)
+        self.extra: dict[int, tuple[torch.Tensor, frozenset[int]]] = {}
+        self.overlap = overlap  # several ranks: a unit's reduction runs beside the next one's backward
+        self._reducing: tuple[int, InFlight] | None = None
+        self.full_until_last = full_until_last  # stage 1: see the module docstring
+        self._full_held: set[int] = set()  # units whose `grad_full` pieces hold this step's earlier sum
+        self._writes: dict[str, concurrent.futures.Future] = {}  # piece key -> its grad write in flight
+        self._landing: dict[str, Event] = {}  # host-homed piece key -> its D2H copy's event
+        self._stashes: dict[str, concurrent.futures.Future] = {}  # a tied unit's earlier uses, being stashed
+        self.streams = tiers.streams
+
+    def begin(self, micro: int, last: bool, inv_scale: float) -> None:
+        """Before a backward: which micro-batch it is, whether it ends the step, the 1/scale."""
+        self.micro, self.last, self.inv_scale = micro, last, inv_scale
+        self.seen = {}
+        if micro == 0:
+            self._full_held.clear()
+            self.present = {}
+            self.norms.clear()
+            self.sumsq = torch.zeros((), dtype=torch.float32, device=self.tiers.device)
+            self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.tiers.device)
+
+    def offload(self, unit: int, full_grad: torch.Tensor, present: frozenset[int]) -> None:
+        """Start reducing one unit's gradient over the ranks; with `overlap`, accumulate the
+        previous unit's, whose reduction ran while this unit's backward computed (the last
+        one's at `flush`)."""
+        u = self.units[unit]
+        extra = self.extra.pop(unit, None)
+        if extra is not None:  # unit + regulariser: the two terms autograd sums for a weight used twice
+            full_grad = full_grad.float() + extra[0].to(full_grad.device)
+            present = present | extra[1]
+        if self.comm.world_size > 1:  # ranks must agree on what is stepped: every trainable slot
+            present = frozenset(i for i, slot in enumerate(u.slots) if not slot.frozen)
+        self.present.setdefault(unit, set()).update(present)
+        full_grad = full_grad.float()
+        if self.full_until_last:
+            keys = self.full_keys(u)
+            if unit in self._full_held:  # the earlier micro-batches' (and uses') sum, piece by piece
+                self._full_held.discard(unit)
+                for key, a, b in keys:
+                    self._add_previous(key, full_grad[a:b])
+            if not self.last:  # kept whole until the last micro-batch: no communication
+                produced = self.streams.record(self.streams.compute)
+                for key, a, b in keys:
+                    self._store(key, full_grad[a:b], produced)
+                self._full_held.add(unit)
+                return
+        reducing = self.comm.reduce_scatter_async(full_grad)
+        self.flush()
+        self._reducing = (unit, reducing)
+        if not self.overlap:
+            self.flush()
+
+    def flush(self) -> None:
+        """Accumulate the gradient still being reduced: at the end of backward, and before the
+        next unit's is started."""
+        if self._reducing is None:
+            return
+        (unit, reducing), self._reducing = self._reducing, None
+        with self.stats.waiting():
+            shard = reducing.wait()  # sync point: the host on gloo, the compute stream on NCCL
+        self._accumulate(unit, shard)
+
+    def discard(self) -> None:
+        """Drop a reduction in flight (a backward that failed): let it finish, keep nothing."""
+        if self._reducing is not None:
+            (_, reducing), self._reducing = self._reducing, None
+            try:
+                reducing.wait()
+            except TierzeroError:
+                pass  # a lost rank: the caller's error already stops the step
+
+    def _accumulate(self, unit: int, shard: torch.Tensor) -> None:
+        """Accumulate one unit's reduced shard into its home (and measure it on the last micro-batch)."""
+        u = self.units[unit]
+        self.seen[unit] = self.seen.get(unit, 0) + 1
+        grad = shard[:u.state_numel(self.comm.rank)]
+        if self.inv_scale != 1.0:
+            grad = grad * self.inv_scale
+        if self.uses[unit] > 1:
+            # A unit used twice per pass (a tied embedding): autograd adds a weight's uses
+            # first and then accumulates, so hold the earlier uses' sum in the grad's home
+            # until the last use; adding each to the accumulator would round differently.
+            grad = self._combine_uses(unit, grad)
+            if grad is None:
+                return
+        final = self.last
+        keys = state_keys(StateKind.GRAD, u, self.comm.rank, self.piece_numel, self.home)
+        # earlier micro-batches' sum, piece by piece (prev + new: addition commutes); stage 1
+        # summed them before the reduction
+        if self.micro > 0 and not self.full_until_last:
+            for key, a, b in keys:
+                self._add_previous(key, grad[a:b])
+        if final:
+            self._measure(u, grad)
+            if self.hand_over is not None:
+                self.hand_over(u, grad)  # the optimizer steps it piece by piece, never stored
+                return
+        produced = self.streams.record(self.streams.compute)  # the shard is final on compute
+        for key, a, b in keys:
+            self._store(key, grad[a:b], produced)
+
+    def full_keys(self, unit: Unit) -> list[tuple[str, int, int]]:
+        """Stage 1: this rank's pieces of `unit`'s whole trainable gradient (flat offsets)."""
+        return [(f"grad_full/u{unit.index:04d}/r{self.comm.rank}/p{i:04d}", a, b)
+                for i, (a, b) in enumerate(piece_ranges(unit.trainable_numel, self.piece_numel))]
+
+    def allocate(self) -> None:
+        """Stage 1 with the grad home in memory: make room for the whole gradients there."""
+        if self.full_until_last and self.home is not Tier.NVME:
+            store = self.tiers.stores[self.home]
+            for unit in self.units:
+                for key, a, b in self.full_keys(unit):
+                    self.tiers.run(store.write(key, torch.zeros(b - a, dtype=torch.float32)))
+
+    def settle(self) -> None:
+        """Wait until every grad piece copied to the host has landed: before host code reads
+        the grad home (the optimizer step, a checkpoint). Waits on D2H events only."""
+        for event in self._landing.values():
+            self.streams.host_wait(event)
+        self._landing.clear()
+
+    def _add_previous(self, key: str, part: torch.Tensor) -> None:
+        store = self.tiers.stores[self.home]
+        if self.home is Tier.GPU:
+            part.add_(store.view(key))
+            return
+        if self.home is Tier.HOST:
+            # to the device on the h2d stream, after the last micro-batch's D2H of this piece
+            self._add_from_host(part, store.view(key), after=self._landing.pop(key, None), stage=None)
+            return
+        stage = self.tiers.lease_host(part.numel() * 4).view(torch.float32)
+        try:
+            with self.stats.waiting():
+                write = self._writes.pop(key, None)
+                if write is not None:
+                    write.result()  # read after write: the last micro-batch's must land
+                self.tiers.run(store.read_into(key, stage))
+        except BaseException:
+            self.tiers.host_pool.give_back(stage.view(torch.uint8))
+            raise
+        self.stats.add_bytes("nvme->host", part.numel() * 4)
+        self._add_from_host(part, stage, after=None, stage=stage)
+
+    def _add_from_host(self, part: torch.Tensor, host: torch.Tensor, after: Event,
+                       stage: torch.Tensor | None) -> None:
+        """`part += host` on the compute device: `host` goes over on the h2d stream (after
+        `after`), compute waits for that copy; a leased `stage` goes back once it is done."""
+        s = self.streams
+        prev = s.empty_like(part, s.h2d)  # never memory that compute's queued kernels still read
+        copied = s.copy(prev, host, s.h2d, after=after)
+        s.keep_alive(prev, s.compute)
+        s.wait(s.compute, copied)
+        self.stats.add_bytes("host->gpu", part.numel() * 4)
+        part.add_(prev)
+        if stage is not None:
+            self.tiers.give_back_when_done(copied, stage)
+
+    def _store(self, key: str, part: torch.Tensor, produced: Event) -> None:
+        """Put a final piece in its home: D2H on the d2h stream once compute has produced it;
+        host code waits for `_landing[key]`, an nvme write for the copy's event (I/O thread)."""
+        nbytes = part.numel() * 4
+        s = self.streams
+        if self.home is Tier.GPU:
+            self.tiers.stores[Tier.GPU].view(key).copy_(part)
+            return
+        if self.home is Tier.HOST:
+            self._landing[key] = s.copy(self.tiers.stores[Tier.HOST].view(key), part, s.d2h, after=produced)
+            s.keep_alive(part, s.d2h)
+            self.stats.add_bytes("gpu->host", nbytes)
+            return
+        stage = self.tiers.lease_host(nbytes).view(torch.float32)
+        landed = s.copy(stage, part, s.d2h, after=produced)
+        s.keep_alive(part, s.d2h)
+        self.stats.add_bytes("gpu->host", nbytes)
+        future = self._writes[key] = self.tiers.submit(
+            _write_when_landed(self.tiers, landed, self.tiers.stores[Tier.NVME], key, stage))
+        self.tiers.pending.add(future, lambda ok: self.tiers.host_pool.give_back(stage.view(torch.uint8)))
+        self.stats.add_bytes("host->nvme", nbytes)
+
+    def _combine_uses(self, unit: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """Stash this use's grad (plus earlier ones) in the home tier; at the unit's last use
+        of the pass return the sum of all of them (None before that).
+
+        The stash goes to the host on the d2h stream and an I/O thread, after that copy's
+        event, adds the earlier stash to it and writes it home; the last use brings the stash
+        back on the h2d stream and adds it on the compute device (sums commute bitwise)."""
+        store = self.tiers.stores[self.home]
+        key = f"grad_uses/u{unit:04d}/r{self.comm.rank}"
+        nbytes = grad.numel() * 4
+        stash = self._stashes.pop(key, None)
+        if stash is not None:
+            with self.stats.waiting():
+                stash.result()  # the earlier use's stash is written (long since, normally)
+        if self.seen[unit] < self.uses[unit]:
+            s = self.streams
+            stage = self.tiers.lease_host(nbytes).view(torch.float32)
+            landed = s.copy(stage, grad, s.d2h, after=s.record(s.compute))
+            s.keep_alive(grad, s.d2h)
+            self.stats.add_bytes("gpu->host", nbytes)
+            add = self.tiers.lease_host(nbytes).view(torch.float32) if stash is not None else None
+            future = self._stashes[key] = self.tiers.submit(_stash_when_landed(self.tiers, landed, store, key, stage, add))
+            self.tiers.pending.add(future, lambda ok: [self.tiers.host_pool.give_back(b.view(torch.uint8))
+                                                       for b in (stage, add) if b is not None])
+            if stash is not None:
+                self._count(f"{self.home.value}->host", nbytes)
+            self._count(f"host->{self.home.value}", nbytes)
+            return None
+        stage = self.tiers.lease_host(nbytes).view(torch.float32)
+        try:
+            with self.stats.waiting():
+                self.tiers.run(store.read_into(key, stage))
+            self.tiers.run(store.delete(key))
+        except BaseException:
+            self.tiers.host_pool.give_back(stage.view(torch.uint8))
+            raise
+        self._count(f"{self.home.value}->host", nbytes)
+        self._add_from_host(grad, stage, after=None, stage=stage)
+        return grad
+
+    def _count(self, link: str, nbytes: int) -> None:
+        if self.home is Tier.NVME:  # memory homes: a copy within the tier, not a link
+            self.stats.add_bytes(link, nbytes)
+
+    def _measure(self, unit: Unit, acc: torch.Tensor) -> None:
+        """Only what the step will ask for: each costs a pass over the shard."""
+        if self.want_finite:
+            self.nonfinite |= ~torch.isfinite(acc).all()
+        if not self.want_norms:
+            return
+        if self.comm.world_size == 1:
+            # per-parameter norms, combined later in the model's parameter order, exactly as
+            # torch.nn.utils.clip_grad_norm_ does it, so clipping stays bitwise comparable
+            # (only parameters with a grad: `clip_grad_norm_` leaves out those whose grad is None)
+            for i, slot in enumerate(unit.slots):
+                if i in self.present[unit.index]:
+                    self.norms[slot.names[0]] = torch.linalg.vector_norm(acc[slot.offset:slot.end], 2.0)
+        else:
+            self.sumsq += acc.double().pow(2).sum().float()
+
+    def found_inf(self) -> bool:
+        """Whether any accumulated grad of the step is inf/NaN (one host-device sync)."""
+        flag = self.comm.all_reduce_sum(self.nonfinite.to("cpu", torch.float32))
+        return bool(flag.item() > 0)
+
+    def total_norm(self, param_order: list[str]) -> torch.Tensor:
+        """The global 2-norm (fp32 tensor), combined as `clip_grad_norm_` combines it."""
+        if self.comm.world_size == 1:
+            norms = [self.norms[n] for n in param_order if n in self.norms]
+            return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        return self.comm.all_reduce_sum(self.sumsq.to("cpu", copy=True)).sqrt()
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """`clip_grad_norm_`'s factor, computed the same way (fp32 tensor arithmetic, clamped to 1)."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
+async def _write_when_landed(tiers: Tiers, landed: Event, store: TierStore, key: str,
+                             stage: torch.Tensor) -> None:
+    """Write a grad piece to nvme once its D2H copy into `stage` has happened."""
+    await tiers.landed(landed)
+    await store.write(key, stage)
+
+
+async def _stash_when_landed(tiers: Tiers, landed: Event, store: TierStore, key: str,
+                             stage: torch.Tensor, add: torch.Tensor | None) -> None:
+    """Once a use's grad has landed in `stage`: add the earlier uses' stash (read into `add`)
+    on the host, and write the sum home as the stash."""
+    await tiers.landed(landed)
+    if add is not None:
+        await store.read_into(key, add)
+        await asyncio.get_running_loop().run_in_executor(None, stage.add_, add)
+    await store.write(key, stage)

@@ -1,0 +1,349 @@
+"""CPU Adam over shards streamed through the tiers in pieces: read piece j+1, step j, write j-1.
+
+Grads, master weights and both moments are stored per *piece*: a fixed-size slice of a unit's
+shard (`Config.piece_numel` elements), so the optimizer's working set is a few pieces whatever
+the unit's size -- a 128k-vocabulary embedding streams through the same buffers as a block.
+Per piece, a state whose home is a memory tier on the stepping device is used in place (zero
+copy); any other is read into a leased buffer, `prefetch_depth` pieces ahead. After torch's
+AdamW updates the piece (elementwise, so stepping pieces is bitwise stepping the whole shard),
+off-device states are written back and the new compute-dtype values go into the unit's param
+shard: in place where params live in memory, else as the param piece of the same range. Writes complete in the background;
+their buffers return to the pool as they finish. The step runs on the compute device only when
+master and both moments live there. With overlap_step a piece's grad reaches the host on the
+d2h stream (`tierzero.engine.streams`) and its AdamW, on an I/O thread, waits for that copy's event.
+A host step never copies to or from device memory synchronously: states and new params homed
+on the device move on the d2h/h2d streams through pinned buffers, and the event of each param
+write goes to the scheduler, whose next pass reads the params after it. A device step runs on
+the compute stream, whichever thread issues it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tierzero.adamw import adamw_step
+from tierzero.config import Config, Placement, StateKind, Tier
+from tierzero.engine.paramsteps import Run
+from tierzero.layout.partition import Unit
+from tierzero.engine.stats import StepStats
+from tierzero.engine.streams import Event
+from tierzero.engine.tiers import Tiers
+from tierzero.layout.keys import piece_key, shard_key
+
+OPT_KINDS = (StateKind.GRAD, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
+
+
+@dataclass
+class Work:
+    """One piece of one unit's optimizer shards on the stepping device, and which are borrowed."""
+
+    unit: Unit
+    piece: int
+    start: int  # the piece's range in the shard
+    end: int
+    runs: list[Run] = field(default_factory=list)  # the unit's runs to update (`ParamSteps.runs`)
+    tensors: dict[StateKind, torch.Tensor] = field(default_factory=dict)
+    leased: dict[StateKind, torch.Tensor] = field(default_factory=dict)  # kind -> leased buffer
+    futures: list = field(default_factory=list)
+    grad_landed: Event = None  # the D2H copy of its grad piece (overlap_step), waited for by `Tiers.landed`
+    # overlap_step: the compute event after which its grad is final and its unit's params are
+    # read no more in the pass (their new values may be written over them)
+    produced: Event = None
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+class ShardOptimizer:
+    def __init__(self, units: list[Unit], tiers: Tiers, placement: Placement, compute_dtype: torch.dtype,
+                 rank: int, config: Config, stats: StepStats,
+                 param_written: Callable[[int, Event], None] = lambda unit, event: None) -> None:
+        self.units = units
+        self.tiers = tiers
+        self.placement = placement
+        self.compute_dtype = compute_dtype
+        self.rank = rank
+        self.config = config
+        self.stats = stats
+        # told the event of each write into a unit's param shard homed on the device
+        # (`Scheduler.written`): the next pass reads that shard in place
+        self.param_written = param_written
+        on_gpu = all(placement.home(k) is Tier.GPU for k in OPT_KINDS[1:])
+        self.device = tiers.device if on_gpu else torch.device("cpu")
+        self._prefetched: dict[tuple[int, int], Work] = {}
+
+    def works(self, unit: Unit, runs: list[Run] | None = None) -> list[Work]:
+        """The unit's pieces, in order (nothing loaded yet); given `runs`, only the pieces that
+        hold one (a piece whose parameters all got no gradient is neither read nor written)."""
+        pieces = enumerate(unit.pieces(self.config.piece_numel, self.rank))
+        if runs is None:
+            return [Work(unit, i, a, b) for i, (a, b) in pieces]
+        return [Work(unit, i, a, b, runs) for i, (a, b) in pieces if any(s < b and e > a for s, e, _, _ in runs)]
+
+    def step(self, runs: dict[int, list[Run]], lr: float, grad_coef: float | None) -> None:
+        """One AdamW update of the `runs` of every unit's shard (`ParamSteps.runs`, by unit
+        index; a unit without runs is skipped), piece by piece; returns when every write has
+        finished (the next pass reads what this one wrote)."""
+        depth = max(1, self.config.prefetch_depth)
+        items = [w for unit in self.units for w in self.works(unit, runs.get(unit.index, []))]
+        loads: deque[Work] = deque()
+        issued = 0
+        for j in range(len(items)):
+            while issued < min(len(items), j + depth):  # keep `depth` pieces loaded ahead
+                if issued > j and not self._room_for(items[issued]):
+                    break  # a tight budget: read ahead less rather than fail
+                loads.append(self._load(items[issued], with_grad=True))
+                issued += 1
+            work = loads.popleft()
+            self._wait(work)
+            self._step(work, lr, grad_coef)
+            self._write(work)
+            self.tiers.pending.reap()
+        self.tiers.pending.drain()
+
+    def prefetch(self, unit: Unit) -> None:
+        """Start reading `unit`'s first pieces of master and moments now (overlap_step: while
+        backward computes); later pieces are read as earlier ones are stepped."""
+        for work in self.works(unit)[:max(1, self.config.prefetch_depth)]:
+            if (unit.index, work.piece) not in self._prefetched:
+                self._prefetched[(unit.index, work.piece)] = self._load(work)
+
+    def discard_prefetched(self) -> None:
+        """After an error mid-backward: let prefetches land, then return their buffers."""
+        for work in self._prefetched.values():
+            self._discard(work)
+        self._prefetched.clear()
+
+    def _discard(self, work: Work) -> None:
+        """Give back a piece's buffers without writing anything (its reads or step failed)."""
+        for future in work.futures:
+            future.exception()  # wait: an I/O thread may still be filling the buffer
+        for buf in work.leased.values():
+            self._give_back(buf)
+
+    def step_unit(self, unit: Unit, grad: torch.Tensor, runs: list[Run], lr: float,
+                  grad_coef: float | None = None) -> None:
+        """Step one unit as soon as its final grad shard exists (overlap_step), off the training
+        thread: each piece's AdamW step runs on an I/O thread once its states land (torch
+        releases the GIL, so backward continues meanwhile); its writes are issued when the
+        training thread next reaps the pending queue. Loading a piece waits for buffers the
+        pool does not have yet, so at most a budget's worth of pieces is in flight."""
+        wanted = {w.piece for w in self.works(unit, runs)}
+        produced = self.tiers.streams.record(self.tiers.streams.compute)  # the grad shard is final
+        for work in self.works(unit):
+            prefetched = self._prefetched.pop((unit.index, work.piece), None)
+            if work.piece not in wanted:
+                if prefetched is not None:
+                    self._discard(prefetched)
+                continue
+            work = prefetched or self._load(work)
+            work.runs = runs
+            self._attach_grad(work, grad, produced)
+            future = self.tiers.submit(self._step_when_loaded(work, lr, grad_coef))
+            self.tiers.pending.add(future, lambda ok, w=work: self._write(w) if ok else self._discard(w))
+
+    async def _step_when_loaded(self, work: Work, lr: float, grad_coef: float | None) -> None:
+        for future in work.futures:
+            await asyncio.wrap_future(future)
+        await self.tiers.landed(work.grad_landed)
+        await asyncio.get_running_loop().run_in_executor(None, self._step, work, lr, grad_coef)
+
+    def _attach_grad(self, work: Work, grad: torch.Tensor, produced: Event) -> None:
+        """Use the piece's slice of the finished grad shard handed over by backward: in place on
+        the stepping device, else copied on the d2h stream once compute has `produced` it."""
+        part = grad[work.start:work.end]
+        s = self.tiers.streams
+        work.produced = produced
+        if part.device == self.device and not (s.separate and self.device.type == "cpu"):
+            work.tensors[StateKind.GRAD] = part
+            return
+        work.tensors[StateKind.GRAD] = work.leased[StateKind.GRAD] = self._lease(work.numel * 4).view(torch.float32)
+        work.grad_landed = s.copy(work.leased[StateKind.GRAD], part, s.d2h, after=produced)
+        s.keep_alive(part, s.d2h)
+        self.stats.add_bytes("gpu->host", work.numel * 4)
+
+    def _load(self, work: Work, with_grad: bool = False) -> Work:
+        """Start bringing a piece's optimizer states (and its grad, if asked) to the stepping device."""
+        unit = work.unit
+        computed: Event = None  # one compute event serves every state of the piece
+        for kind in OPT_KINDS if with_grad else OPT_KINDS[1:]:
+            home = self.placement.home(kind)
+            key = piece_key(kind, unit.index, self.rank, work.piece)
+            store = self.tiers.stores[home]
+            if store.capabilities.zero_copy:
+                view = store.view(key)
+                if view.device == self.device:
+                    work.tensors[kind] = view
+                    continue
+            buf = self._lease(work.numel * 4).view(torch.float32)
+            work.tensors[kind] = work.leased[kind] = buf
+            if home is Tier.NVME:
+                work.futures.append(self.tiers.submit(store.read_into(key, buf)))
+                self.stats.add_bytes("nvme->host", buf.numel() * 4)
+            elif self._across(home):
+                s = self.tiers.streams
+                computed = computed or s.record(s.compute)
+                work.futures.append(self.tiers.when_done(s.copy(buf, store.view(key), s.d2h, after=computed)))
+                self.stats.add_bytes("gpu->host", buf.numel() * 4)
+            else:
+                buf.copy_(store.view(key))
+                self.stats.add_bytes(f"{home.value}->{'gpu' if self.device.type == 'cuda' else 'host'}",
+                                     buf.numel() * 4)
+        return work
+
+    def _lease(self, nbytes: int) -> torch.Tensor:
+        """A working buffer on the stepping device (host pool for CPU steps)."""
+        if self.device.type == "cpu":
+            return self.tiers.lease_host(nbytes)
+        return self.tiers.lease_device(nbytes)
+
+    def _give_back(self, buf: torch.Tensor) -> None:
+        pool = self.tiers.host_pool if buf.device.type == "cpu" and self.device.type == "cpu" \
+            else self.tiers.device_pool
+        pool.give_back(buf.view(torch.uint8))
+
+    def _wait(self, work: Work) -> None:
+        with self.stats.waiting():
+            for future in work.futures:
+                future.result()
+        work.futures.clear()
+
+    def _across(self, home: Tier) -> bool:
+        """Whether a state homed in `home` is device memory while the step runs on the host, so
+        moving it is a real transfer (on the copy streams, never a blocking copy)."""
+        return home is Tier.GPU and self.device.type == "cpu" and self.tiers.streams.separate
+
+    def _step(self, work: Work, lr: float, grad_coef: float | None) -> None:
+        if self.device.type == "cpu":
+            self._adamw(work, lr, grad_coef)
+            return
+        # on the device: on the compute stream, after the grad's producer, whichever thread
+        # issues it (with overlap_step an I/O thread, whose current stream is not compute)
+        s = self.tiers.streams
+        with s.current(s.compute):
+            s.wait(s.compute, work.produced)
+            self._adamw(work, lr, grad_coef)
+
+    def _adamw(self, work: Work, lr: float, grad_coef: float | None) -> None:
+        t = work.tensors
+        grad = t[StateKind.GRAD]
+        if grad_coef is not None:  # clipping: the grad piece is consumed here, so scale in place
+            grad.mul_(grad_coef)  # a host float: no device sync, and bitwise clip_grad_norm_'s fp32 product
+        runs = [(max(a, work.start) - work.start, min(b, work.end) - work.start, d, step)
+                for a, b, d, step in work.runs if min(b, work.end) > max(a, work.start)]
+        adamw_step([t[StateKind.MASTER][a:b] for a, b, _, _ in runs],
+                   [grad[a:b] for a, b, _, _ in runs],
+                   [t[StateKind.EXP_AVG][a:b] for a, b, _, _ in runs],
+                   [t[StateKind.EXP_AVG_SQ][a:b] for a, b, _, _ in runs],
+                   [self.config.weight_decay if d else 0.0 for _, _, d, _ in runs],
+                   [step for _, _, _, step in runs], lr, self.config)
+
+    def _write(self, work: Work) -> None:
+        # Order matters: the param piece is cast from the master buffer, and a finished write
+        # of the master gives that buffer back to the pool, where leasing the param's staging
+        # (which may wait on finished writes) could pick it up. So: free the grad, write the
+        # moments, stage and write the param, and only then hand the master to its write.
+        leased = dict(work.leased)
+        if StateKind.GRAD in leased:
+            self._give_back(leased.pop(StateKind.GRAD))
+        master = leased.pop(StateKind.MASTER, None)
+        for kind, buf in leased.items():
+            self._put(kind, work, buf)
+        self._write_param(work)
+        if master is not None:
+            self._put(StateKind.MASTER, work, master)
+
+    def _write_param(self, work: Work) -> None:
+        unit = work.unit
+        master = work.tensors[StateKind.MASTER]
+        home = self.placement.home(StateKind.PARAM)
+        store = self.tiers.stores[home]
+        key = shard_key(StateKind.PARAM, unit.index, self.rank)
+        # replicated params (stage 1/2): this rank's range of the whole unit; the other ranks'
+        # new values arrive after the step (`tierzero.engine.paramsync`)
+        lo = unit.param_offset(self.rank)
+        if store.capabilities.zero_copy:
+            self._write_param_in_memory(work, store.view(key)[lo + work.start:lo + work.end], master)
+            return
+        # params on nvme are written per piece (no buffer the size of a unit); a cached copy of
+        # the shard is updated in place, so the next pass reads RAM, never stale values
+        staged = self._stage_param(master)
+        cached = self.tiers.host_pool.cache_get(key)
+        if cached is not None:
+            cached.view(self.compute_dtype)[lo + work.start:lo + work.end].copy_(staged)
+            self.tiers.host_pool.give_back(cached)
+        piece = unit.param_piece_base(self.config.piece_numel, self.rank) + work.piece
+        future = self.tiers.submit(store.write(piece_key(StateKind.PARAM, unit.index, self.rank, piece), staged))
+        self.tiers.pending.add(future, lambda ok: self._release_param(key, staged, ok))
+        self.stats.add_bytes("host->nvme", staged.numel() * staged.element_size())
+
+    def _write_param_in_memory(self, work: Work, dst: torch.Tensor, master: torch.Tensor) -> None:
+        """Cast `master` into `dst`, a slice of the param shard in a memory home. From a host step
+        into device memory: cast into pinned staging on the host, then an h2d copy once compute
+        has read the unit's params for the last time in the pass (`produced`; with overlap_step
+        never compute as it is now, which would hold up the h2d copies queued behind this one);
+        never a blocking copy. A device step casts on the compute stream. The next pass's reads
+        wait for the write."""
+        home = self.placement.home(StateKind.PARAM)
+        s = self.tiers.streams
+        if self._across(home):
+            staged = self._stage_param(master)
+            done_reading = work.produced if work.produced is not None else s.record(s.compute)
+            event = s.copy(dst, staged, s.h2d, after=done_reading)
+            self.tiers.give_back_when_done(event, staged)
+            self.stats.add_bytes("host->gpu", staged.numel() * staged.element_size())
+        elif home is Tier.GPU and self.device.type != "cpu":
+            event = s.copy(dst, master, s.compute)  # cast to the compute dtype in the copy
+        else:
+            dst.copy_(master)  # one memory: cast to the compute dtype in the copy
+            return
+        self.param_written(work.unit.index, event)
+
+    def _stage_param(self, master: torch.Tensor) -> torch.Tensor:
+        """`master` cast to the compute dtype in a leased host buffer, on its way to a param home."""
+        staged = self.tiers.lease_host(master.numel() * self.compute_dtype.itemsize).view(self.compute_dtype)
+        staged.copy_(master)
+        return staged
+
+    def _release_param(self, key: str, staged: torch.Tensor, ok: bool) -> None:
+        if not ok:  # the drive does not hold these params: the cache must not serve them either
+            self.tiers.host_pool.cache_drop(key)
+        self.tiers.host_pool.give_back(staged.view(torch.uint8))
+
+    def _room_for(self, work: Work) -> bool:
+        """Whether loading a piece ahead of time leaves the pool room for the piece being stepped."""
+        pool = self.tiers.host_pool if self.device.type == "cpu" else self.tiers.device_pool
+        states = self.leased_kinds() * work.numel * 4 + work.numel * self.compute_dtype.itemsize
+        return 2 * states <= pool.budget_bytes - pool.leased_bytes
+
+    def leased_kinds(self) -> int:
+        """How many of grad/master/moments need a working buffer (not memory on the stepping device)."""
+        def in_place(home: Tier) -> bool:
+            store_device = self.tiers.device if home is Tier.GPU else torch.device("cpu")
+            return home is not Tier.NVME and store_device.type == self.device.type
+        return sum(1 for k in OPT_KINDS if not in_place(self.placement.home(k)))
+
+    def _put(self, kind: StateKind, work: Work, buf: torch.Tensor) -> None:
+        """Write a leased working buffer back to `kind`'s home, then return it to its pool."""
+        home = self.placement.home(kind)
+        store = self.tiers.stores[home]
+        key = piece_key(kind, work.unit.index, self.rank, work.piece)
+        if home is Tier.NVME:
+            future = self.tiers.submit(store.write(key, buf))
+            self.tiers.pending.add(future, lambda ok: self._give_back(buf))
+            self.stats.add_bytes("host->nvme", buf.numel() * buf.element_size())
+            return
+        if self._across(home):  # nothing reads this state before the next step's load waits for it
+            s = self.tiers.streams
+            self.tiers.pending.add(self.tiers.when_done(s.copy(store.view(key), buf, s.h2d)),
+                                   lambda ok: self._give_back(buf))
+            self.stats.add_bytes("host->gpu", buf.numel() * buf.element_size())
+            return
+        store.view(key).copy_(buf)
+        self._give_back(buf)

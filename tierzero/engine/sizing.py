@@ -1,0 +1,195 @@
+"""One rank's sizing: its budgets, the memory model of its units, and what they decide.
+
+At construction the engine asks this module where state lives (`offload auto`: the planner's
+best placement among those whose peaks fit the budgets), which ZeRO stage to run (the least
+communication whose replicated state fits), and whether the pools' budgets hold what the one
+memory model (`tierzero.planning.memory_model`) predicts; at the first training forward, what the batch's
+activations take from them. It decides and refuses; the engine only wires the answers in.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierzero.config import Config, Offload, Placement, StateKind, Tier
+from tierzero.errors import ConfigError
+from tierzero.planning.ledger import ActivationEstimate, activation_memory
+from tierzero.planning.memory_model import MemoryModel, peak_memory
+from tierzero.models.presets import ModelArgs
+from tierzero.layout.partition import Unit
+from tierzero.storage.base import BudgetExceededError
+from tierzero.engine.tiers import Tiers
+from tierzero.planning.machine import default_budgets
+
+
+class Sizing:
+    """The memory model of one rank's units under an engine's config; `local_ranks` share the
+    machine's RAM and drives (their default budgets are split)."""
+
+    def __init__(self, config: Config, device: torch.device, dtype: torch.dtype, units: list[Unit],
+                 world_size: int, local_ranks: int, overlap: bool) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.units = units
+        self.world_size = world_size
+        self.local_ranks = local_ranks
+        self.overlap = overlap
+
+    def memory(self, placement: Placement, stage: int, activations: ActivationEstimate | None = None) -> MemoryModel:
+        """This rank's share of the memory model at `placement` and `stage` (activations when
+        known): what its own pools and budgets hold."""
+        return peak_memory(self._unit_sizes(), placement, compute_itemsize=self.dtype.itemsize,
+                           world_size=self.world_size,
+                           device="cpu" if self.device.type == "cpu" else "cuda",
+                           tied_embeddings=any(u.uses_with for u in self.units),
+                           trainable=[u.trainable_numel for u in self.units],
+                           prefetch_depth=self.config.prefetch_depth, piece_numel=self.config.piece_numel,
+                           overlap=self.overlap, accumulate=self.config.accumulate,
+                           activations=activations, overlap_comm=self.config.overlap_comm,
+                           stage=stage).per_rank()
+
+    def budgets(self) -> dict[Tier, int]:
+        """This rank's budget per tier, as `offload auto` and the stage choice weigh them."""
+        host, gpu = default_budgets(self.device, self.local_ranks)
+        budgets = {Tier.HOST: self.config.host_budget or host, Tier.GPU: self.config.gpu_budget or gpu,
+                   Tier.NVME: self.nvme_free() * len(self.config.nvme_path) // self.local_ranks}
+        if self.device.type == "cpu" and self.config.gpu_budget is None:
+            del budgets[Tier.GPU]  # the gpu tier is host memory, inside the host budget
+        return budgets
+
+    def placement(self, stage: int) -> Placement:
+        """The configured placement, or for `offload auto` the planner's best among those whose
+        peaks at `stage` fit the budgets."""
+        if self.config.placement is not None or self.config.offload is not Offload.AUTO:
+            return self.config.resolved_placement()
+        from tierzero.planning.placement import candidate_placements, choose_placement, load_profile
+
+        budgets = self.budgets()
+        fitting = [p for p in candidate_placements() if _fits(self.memory(p, stage), budgets)]
+        if not fitting:
+            raise ConfigError(f"no placement fits the budgets (host {budgets[Tier.HOST] / 1e6:.1f} MB, "
+                              f"gpu {budgets.get(Tier.GPU, 0) / 1e6:.1f} MB, nvme {budgets[Tier.NVME] / 1e9:.1f} GB "
+                              "free); raise --host-budget or --gpu-budget, or free disk space")
+        return choose_placement(
+            self._unit_sizes(), compute_itemsize=self.dtype.itemsize, grad_itemsize=4,
+            gpu_budget=None, host_budget=None, nvme_free=None, world_size=self.world_size,
+            prefetch_depth=self.config.prefetch_depth, candidates=fitting,
+            trainable=[u.trainable_numel for u in self.units], stage=stage,
+            profile=load_profile(self.config.profile) if self.config.profile else None).placement
+
+    def stage(self, placement: Placement) -> tuple[int, str]:
+        """The ZeRO stage and why: the forced one (`Config.stage`), refused in one sentence when
+        its replicated state does not fit this rank's budgets; else the least communication that
+        fits -- stage 1 (with `accumulate` > 1), then 2 -- or stage 3. One rank: stage 3 (all
+        three are the same run)."""
+        from tierzero.planning.placement import choose_stage
+
+        forced = self.config.stage
+        if self.world_size == 1:
+            return forced or 3, "one rank"
+        budgets = self.budgets()
+        if forced is not None:
+            mem = self.memory(placement, forced)
+            if forced <= 2 and not _fits(mem, budgets):
+                tier = next(t for t, n in mem.needs().items() if t in budgets and n > budgets[t])
+                fix = {Tier.HOST: "raise --host-budget", Tier.GPU: "raise --gpu-budget"}.get(tier, "free disk space")
+                raise ConfigError(
+                    f"--stage {forced} keeps every unit's params{' and grads' if forced == 1 else ''} whole on each "
+                    f"rank, which needs {mem.needs()[tier] / 1e6:.1f} MB of {tier.value} per rank where its budget is "
+                    f"{budgets[tier] / 1e6:.1f} MB; use --stage 3 (or leave --stage unset to choose), or {fix}")
+        return choose_stage(lambda stage: _fits(self.memory(placement, stage), budgets),
+                            self.world_size, self.config.accumulate, forced)
+
+    def check(self, tiers: Tiers, placement: Placement, stage: int) -> MemoryModel:
+        """Size the pools from the memory model and refuse, before anything is written, budgets
+        or disks too small for this model: each pool's budget, less what torch allocates beside
+        it (unit grads; the batch's activations are taken at the first forward), must hold the
+        homes and the working set the model predicts at the configured read-ahead. On the CPU
+        device the device pool's budget is carved out of the host budget. The model it checked.
+        """
+        memory = self.memory(placement, stage)
+        tiers.share_budgets(memory.tiers[Tier.GPU].pool_bytes)
+        for tier, need in _unpooled(memory).items():
+            tiers.reserve(tier, need)
+        _check_pools(tiers, memory, "")
+        # the host pool's blocks, pinned at open; with room, the LRU cache's too where the host
+        # budget is final (on the CPU device the first forward takes the activations from it)
+        tiers.host_blocks = memory.host_provision(tiers.host_budget if self.device.type == "cuda" else 0)
+        if Tier.NVME in {placement.home(k) for k in StateKind}:
+            free = self.nvme_free()  # the ranks on this machine share its drives
+            total = memory.tiers[Tier.NVME].homes_bytes * self.local_ranks // len(self.config.nvme_path)
+            if total > free:
+                raise ConfigError(f"nvme path {self.config.nvme_path[0]} has {free / 1e9:.2f} GB free but "
+                                  f"the offloaded state needs {total / 1e9:.2f} GB per path; free space "
+                                  "or add another --nvme-path")
+        return memory
+
+    def reserve_activations(self, tiers: Tiers, model: Any, batch: Any, memory: MemoryModel,
+                            placement: Placement, stage: int) -> MemoryModel:
+        """At the first training forward, take the batch's activations out of the compute
+        device's budget (on the CPU device: the host budget) and refuse a batch the pools then
+        cannot hold. Only for the built-in model, whose shape says what they take; other
+        models' activations are not reserved. The memory model with them (`memory` if none)."""
+        args = getattr(model, "args", None)
+        tokens = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
+        if not isinstance(args, ModelArgs) or not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 \
+                or tokens.shape[1] > args.max_seq_len:
+            return memory
+        act = activation_memory(args, tokens.shape[0], tokens.shape[1], self.dtype.itemsize,
+                                getattr(model, "loss_chunk_bytes", None))
+        before = _unpooled(memory)
+        memory = self.memory(placement, stage, act)
+        for tier, need in _unpooled(memory).items():
+            if need > before.get(tier, 0):
+                try:
+                    tiers.reserve(tier, need - before.get(tier, 0))
+                except BudgetExceededError:
+                    pass  # named below, with the figures
+        _check_pools(tiers, memory, f" with batches of {tokens.shape[0]} x {tokens.shape[1]} tokens")
+        return memory
+
+    def nvme_free(self) -> int:
+        """Free bytes on the fullest nvme path (shards stripe evenly across the paths)."""
+        return min(shutil.disk_usage(_existing(Path(p))).free for p in self.config.nvme_path)
+
+    def _unit_sizes(self) -> list[tuple[str, int]]:
+        return [(u.name, u.numel) for u in self.units]
+
+
+def _check_pools(tiers: Tiers, mem: MemoryModel, why: str) -> None:
+    budgets = {Tier.HOST: (tiers.host_budget, "--host-budget"), Tier.GPU: (tiers.gpu_budget, "--gpu-budget")}
+    for tier, (budget, flag) in budgets.items():
+        need = mem.tiers[tier].pool_bytes
+        if need > budget:
+            total = tiers.total_budgets[tier]
+            raise ConfigError(f"the {tier.value} budget of {total / 1e6:.1f} MB is too small: this model and "
+                              f"placement{why} need at least {(total - budget + need) / 1e6:.1f} MB there "
+                              f"({_breakdown(mem, tier)}); raise {flag}, lower the prefetch depth or "
+                              "offload more state")
+
+
+def _fits(mem: MemoryModel, budgets: dict[Tier, int]) -> bool:
+    return all(n <= budgets[t] for t, n in mem.needs().items() if t in budgets)
+
+
+def _unpooled(mem: MemoryModel) -> dict[Tier, int]:
+    """What torch allocates beside the pools, per tier (on the CPU device: all of it in RAM)."""
+    if mem.device == "cpu":
+        return {Tier.HOST: mem.host_memory.unpooled_bytes}
+    return {Tier.GPU: mem.tiers[Tier.GPU].unpooled_bytes, Tier.HOST: mem.tiers[Tier.HOST].unpooled_bytes}
+
+
+def _breakdown(mem: MemoryModel, tier: Tier) -> str:
+    peak = mem.host_memory if tier is Tier.HOST else mem.tiers[tier]
+    return peak.breakdown()
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path

@@ -1,0 +1,254 @@
+"""Taking a checkpoint of an engine, and restoring one into it.
+
+Saving (at an optimizer-step boundary): finish every transfer, flush the NVMe store (so the
+chunks about to be linked are durable), then build `checkpoints/.step-<N>.tmp-<pid>/`:
+NVMe-homed shards are hard-linked from the store's current generations (metadata, no bytes),
+memory-homed shards are written out; then the filesystem is synced, `manifest.json` is written
+and fsynced, and the directory is renamed to `step-<N>` -- the checkpoint's commit point. A
+kill at any instant leaves either no `step-<N>` or a complete one; temp directories are
+removed at the next save. The store never overwrites a linked chunk (see `storage.spares`).
+
+Restoring: the checkpoint's arrays are verified against the manifest's checksums (by the
+caller), NVMe-homed shards become the store's new current generations by hard links
+(`NvmeStore.adopt`, no bytes copied), memory-homed ones are read in; then the counters, loss
+scaler, clipping norm and RNG states are set, so the next step is bitwise the one an
+uninterrupted run would take (per-parameter step counts included, for parameters that missed
+steps). Gradients are not saved: a checkpoint sits between steps, where every grad shard is
+overwritten before it is read. Frozen parameters are saved as params only.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tierzero.checkpoint.catalog import checkpoints_root, prune, step_dir
+from tierzero.config import StateKind, Tier
+from tierzero.errors import CheckpointError, TierzeroError
+from tierzero.engine.execute import detach_params
+from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest, config_hash, layout_of
+from tierzero.storage import chunkfile
+from tierzero.storage.arrays import read_array, write_array
+from tierzero.storage.base import dtype_name
+from tierzero.storage.zarrmeta import ShardMeta
+from tierzero.storage.io import write_durable
+from tierzero.storage.base import aligned_empty
+
+if TYPE_CHECKING:
+    from tierzero.engine import Engine
+
+SAVED_KINDS = (StateKind.PARAM, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
+# Config fields that change what a step computes; a resumed run with others differs.
+_NUMERIC_FIELDS = ("dtype", "lr", "weight_decay", "betas", "eps", "lr_schedule", "warmup_steps",
+                   "total_steps", "min_lr_ratio", "clip_grad_norm", "clip_previous_norm", "accumulate",
+                   "loss_scale", "loss_scale_window", "seed", "grad_reduce_dtype")
+
+
+def numeric_config_hash(engine: Engine) -> str:
+    return config_hash({f: getattr(engine.config, f) for f in _NUMERIC_FIELDS})
+
+
+def save(engine: Engine, run_dir: str | Path, data: dict[str, Any] | None = None,
+         keep: int | None = None, model: dict[str, Any] | None = None) -> Path:
+    """Write `run_dir/checkpoints/step-<N>` for the engine's current step; returns its path.
+
+    With several ranks it is a collective and they make one checkpoint: rank 0 names the temp
+    directory, every rank puts its own shards into it and syncs them, and rank 0 writes the one
+    manifest (every rank's arrays and RNG state, the world size) and renames the directory into
+    place once all have. A rank that fails leaves no `step-<N>`: the last complete one stays.
+    """
+    comm = engine.comm
+    if engine.micro % engine.config.accumulate != 0:
+        raise TierzeroError(f"a checkpoint needs a finished optimizer step, but {engine.micro % engine.config.accumulate} "
+                            f"of {engine.config.accumulate} micro-batches are accumulated; save after step()")
+    engine.open()
+    tiers = engine.tiers
+    tiers.pending.drain()
+    nvme = tiers.stores.get(Tier.NVME)
+    if nvme is not None:
+        tiers.run(nvme.flush())  # linked chunks must be durable before a manifest names them
+    root = checkpoints_root(run_dir)
+    final = step_dir(run_dir, engine.step_count)
+    if comm.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_temp_dirs(root)
+    temp = root / comm.broadcast_json(f".{final.name}.tmp-{os.getpid()}")
+    committed = False
+    try:
+        arrays, copied = _write_shards(engine, temp)
+        chunkfile.sync_filesystem(str(temp))  # the links and directories, before the manifest
+        parts = comm.all_gather_json({"arrays": {k: m.to_dict() for k, m in arrays.items()},
+                                      "copied": copied, "rng": _rng_state(engine.device)})
+        error = None
+        if comm.rank == 0:
+            try:
+                _commit(engine, temp, final, parts, data, model)
+                committed = True
+            except Exception as e:
+                error = str(e)
+        error = comm.broadcast_json(error)
+        if error is not None:
+            raise CheckpointError(f"rank 0 could not commit checkpoint {final.name} ({error}); the last "
+                                  "complete checkpoint stays")
+    except BaseException:
+        if not committed:
+            shutil.rmtree(temp, ignore_errors=True)
+        raise
+    copied = sum(p["copied"] for p in parts)
+    if copied and nvme is not None and any(engine.placement.home(k) is Tier.NVME for k in SAVED_KINDS):
+        engine.note("checkpoints copy the NVMe state's chunks because the run directory is on another "
+                    "filesystem than --nvme-path; keep them on one filesystem for checkpoints that copy nothing")
+    if keep is not None and comm.rank == 0:
+        prune(run_dir, keep)
+    comm.barrier()  # every rank returns once the checkpoint is in place (and pruned)
+    return final
+
+
+def _write_shards(engine: Engine, temp: Path) -> tuple[dict[str, ShardMeta], int]:
+    """This rank's saved shards under `temp/state`: NVMe-homed ones linked, others written."""
+    tiers, nvme = engine.tiers, engine.tiers.stores.get(Tier.NVME)
+    arrays, copied = {}, 0
+    for unit in engine.units:
+        for kind in SAVED_KINDS:
+            for key, a, b in engine.keys(kind, unit):
+                dst = str(temp / "state" / Path(*key.split("/")))
+                if engine.placement.home(kind) is Tier.NVME:
+                    arrays[key], nbytes = tiers.run(nvme.snapshot(key, dst, sync=False))
+                    copied += nbytes
+                else:
+                    part = aligned_empty(b - a, engine.dtype if kind is StateKind.PARAM else torch.float32)
+                    engine.read_key(kind, key, part)
+                    arrays[key] = write_array(dst, part, engine.config.chunk_bytes)
+                    copied += part.numel() * part.element_size()
+    return arrays, copied
+
+
+def _commit(engine: Engine, temp: Path, final: Path, parts: list[dict[str, Any]],
+            data: dict[str, Any] | None, model: dict[str, Any] | None) -> None:
+    """Rank 0: write the one manifest naming every rank's arrays, then rename into place."""
+    arrays = {k: ShardMeta.from_dict(m, f"rank {r}'s array {k!r}")
+              for r, part in enumerate(parts) for k, m in part["arrays"].items()}
+    rank_rng = [p["rng"] for p in parts] if len(parts) > 1 else None
+    manifest = Manifest(step=engine.step_count, time=time.time(), world_size=engine.comm.world_size,
+                        compute_dtype=dtype_name(engine.dtype), config_hash=numeric_config_hash(engine),
+                        units=layout_of(engine.units), arrays=arrays, engine=_engine_state(engine),
+                        data=data, rng=parts[0]["rng"], bytes_copied=sum(p["copied"] for p in parts),
+                        model=model, rank_rng=rank_rng, stage=engine.stage)
+    engine.tiers.run(write_durable(str(temp / MANIFEST_NAME), manifest.to_json()))
+    _replace_dir(temp, final)
+
+
+def restore(engine: Engine, path: Path, manifest: Manifest) -> None:
+    """Fill the engine's tiers from a verified checkpoint and set its counters and RNG."""
+    manifest.check_compatible(engine.units, engine.comm.world_size, dtype_name(engine.dtype), str(path),
+                              engine.stage)
+    tiers = engine.tiers
+    wanted = [(unit, kind, key) for unit in engine.units for kind in SAVED_KINDS
+              for key, _, _ in engine.keys(kind, unit)]
+    missing = [key for _, _, key in wanted if key not in manifest.arrays]
+    if missing:
+        raise CheckpointError(f"{path / MANIFEST_NAME} lists no array {missing[0]!r}: the checkpoint is "
+                              "incomplete, or was written with another piece size; use another one")
+    copied = 0
+    for unit in engine.units:
+        detach_params(unit, engine.dtype)  # the engine owns the weights (as `_materialise` does)
+    for unit, kind, key in wanted:
+        src, meta = manifest.array_dir(path, key), manifest.arrays[key]
+        if engine.placement.home(kind) is Tier.NVME:
+            copied += tiers.run(tiers.stores[Tier.NVME].adopt(key, str(src), meta))
+        else:
+            engine.put_key(kind, key, read_array(str(src), meta))
+        if kind is StateKind.PARAM and tiers.host_pool is not None:
+            tiers.host_pool.cache_drop(key)  # a cached param of the abandoned run is stale
+        tiers.pending.drain()
+    if engine.placement.home(StateKind.GRAD) is not Tier.NVME:
+        for unit in engine.units:
+            engine.put_shard(StateKind.GRAD, unit, torch.zeros(unit.shard_numel, dtype=torch.float32))
+    if Tier.NVME in tiers.stores:
+        tiers.run(tiers.stores[Tier.NVME].flush())
+    if copied:
+        engine.note(f"resuming copied {copied / 1e6:.1f} MB: the checkpoint is on another filesystem "
+                    "than --nvme-path")
+    if manifest.config_hash != numeric_config_hash(engine):
+        engine.note(f"{path.name} was written with other optimizer or precision settings; the resumed "
+                    "run will not match an uninterrupted one")
+    _load_engine_state(engine, manifest.engine, path)
+    rng = manifest.rng if manifest.rank_rng is None else manifest.rank_rng[engine.comm.rank]
+    _load_rng_state(rng, engine.device, path)
+
+
+def _engine_state(engine: Engine) -> dict[str, Any]:
+    previous = engine._previous_norm
+    return {"step_count": engine.step_count, "skipped_steps": engine.skipped_steps,
+            "scaler": engine.scaler.state_dict(), "last_grad_norm": engine.last_grad_norm,
+            "skipped_updates": engine.param_steps.state_dict(),
+            # a float32 tensor's value is exact as a Python float, and so survives JSON
+            "previous_norm": None if previous is None else float(previous.item())}
+
+
+def _load_engine_state(engine: Engine, state: dict[str, Any], path: Path) -> None:
+    try:
+        engine.step_count = int(state["step_count"])
+        engine.skipped_steps = int(state["skipped_steps"])
+        engine.last_grad_norm = state.get("last_grad_norm")
+        previous = state.get("previous_norm")
+        engine._previous_norm = None if previous is None else torch.tensor(float(previous), dtype=torch.float32)
+        engine.param_steps.load_state_dict(state.get("skipped_updates") or {}, str(path / MANIFEST_NAME))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path / MANIFEST_NAME} has malformed engine state ({e!r}); use another "
+                              "checkpoint") from None
+    if engine.scaler.enabled:
+        engine.scaler.load_state_dict(state.get("scaler") or {})
+    engine.micro = 0
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state = {"torch_cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if device.type == "cuda":
+        state["torch_cuda"] = base64.b64encode(torch.cuda.get_rng_state(device).numpy().tobytes()).decode()
+    return state
+
+
+def _load_rng_state(state: dict[str, Any], device: torch.device, path: Path) -> None:
+    try:
+        torch.set_rng_state(_bytes_tensor(state["torch_cpu"]))
+        if device.type == "cuda" and "torch_cuda" in state:
+            torch.cuda.set_rng_state(_bytes_tensor(state["torch_cuda"]), device)
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path / MANIFEST_NAME} has a malformed RNG state ({e}); use another "
+                              "checkpoint") from None
+
+
+def _bytes_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
+
+
+def _replace_dir(temp: Path, final: Path) -> None:
+    """Rename the finished directory into place (replacing a same-step one), durably."""
+    trash = None
+    if final.exists():  # e.g. a damaged checkpoint of this step that resume skipped
+        trash = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.rename(final, trash)
+    os.rename(temp, final)
+    chunkfile.fsync_path(str(final.parent))
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def _remove_temp_dirs(root: Path) -> None:
+    """A killed save's leftovers (the caller holds the run directory's lock)."""
+    for p in root.iterdir():
+        if p.name.startswith(".step-") and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def model_description(args: Any) -> dict[str, Any] | None:
+    """A JSON-able description of a dataclass of model arguments, for humans reading manifests."""
+    return dataclasses.asdict(args) if dataclasses.is_dataclass(args) else None

@@ -1,0 +1,192 @@
+"""Streams, events and copies: the one interface the engine's copy pipeline is written against.
+
+Four streams per compute device: `compute` (the training thread's current stream), `h2d`
+(params host -> device), `d2h` (grads device -> host) and `comm`, current while collectives are
+issued ahead of their use (NCCL runs them on its own stream, ordered after what the issuing
+stream has queued: `comm` waits only for the events the collective needs, never for compute). Every cross-stream dependency is an
+event: a copy waits only for the event that frees its destination (its buffer's release, or the
+compute event that produced its source), compute waits for a copy's event before it reads the
+destination, and host code waits (`host_wait`) for a D2H copy's event before it reads the
+piece. Nothing here synchronises a whole stream or device.
+
+`CudaStreams` runs this on a GPU, every call bound to its device (`cuda:k`), so work issued from
+the I/O loop's threads never lands on the thread's current device (cuda:0) or creates a stray
+context there. `CpuStreams` is the same discipline on the CPU device: copies are synchronous, so
+every event has already happened. Tests replace both with a recording fake
+(`tests/recording_streams.py`) that defers copies until their event is waited for.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from tierzero.config import bound_device
+
+Event = Any  # torch.cuda.Event, None on the CPU (already happened), or a fake's record
+Stream = Any  # torch.cuda.Stream, or a name
+
+
+class Streams(abc.ABC):
+    """The copy engine's streams on one compute device."""
+
+    device: torch.device
+    separate: bool  # device memory is not host memory: copies between them are real transfers
+    compute: Stream
+    h2d: Stream
+    d2h: Stream
+    comm: Stream
+
+    @abc.abstractmethod
+    def record(self, stream: Stream) -> Event:
+        """An event at `stream`'s current position (after everything issued to it so far)."""
+
+    @abc.abstractmethod
+    def wait(self, stream: Stream, event: Event) -> None:
+        """Make `stream`'s later work wait for `event`, on the device (the host does not block)."""
+
+    @abc.abstractmethod
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream, after: Event = None) -> Event:
+        """Copy `src` into `dst` on `stream` once `after` has happened; the copy's event.
+
+        The caller keeps both buffers alive and unused until the event (`keep_alive` for a
+        source torch's caching allocator owns)."""
+
+    @abc.abstractmethod
+    def empty_like(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
+        """An uninitialised tensor like `tensor` for a copy on `stream` to fill.
+
+        Allocated while `stream` is current: torch's caching allocator reuses memory freed on a
+        stream only for that stream, so a copy on `stream` never overwrites memory that compute
+        freed while its queued kernels still read it. A reader on another stream must
+        `keep_alive` it there."""
+
+    @abc.abstractmethod
+    def host_wait(self, event: Event) -> None:
+        """Block the calling thread (any thread) until `event` has happened."""
+
+    @abc.abstractmethod
+    def query(self, event: Event) -> bool:
+        """Whether `event` has happened (never blocks)."""
+
+    @abc.abstractmethod
+    def keep_alive(self, tensor: torch.Tensor, stream: Stream) -> None:
+        """Keep an allocator-owned `tensor` from being reused before `stream`'s work on it ends."""
+
+    def current(self, stream: Stream) -> contextlib.AbstractContextManager:
+        """Make `stream` the current one while work is issued (a collective ahead of compute);
+        where copies are synchronous there is nothing to order."""
+        return contextlib.nullcontext()
+
+
+class CpuStreams(Streams):
+    """The CPU device: one memory, synchronous copies, events that have always happened."""
+
+    separate = False
+    compute, h2d, d2h, comm = "compute", "h2d", "d2h", "comm"
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def record(self, stream: Stream) -> Event:
+        return None
+
+    def wait(self, stream: Stream, event: Event) -> None:
+        pass
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream, after: Event = None) -> Event:
+        dst.copy_(src)
+        return None
+
+    def empty_like(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
+        return torch.empty_like(tensor)
+
+    def host_wait(self, event: Event) -> None:
+        pass
+
+    def query(self, event: Event) -> bool:
+        return True
+
+    def keep_alive(self, tensor: torch.Tensor, stream: Stream) -> None:
+        pass
+
+
+class CudaStreams(Streams):
+    """Streams and events on `cuda:k`; every call binds the device first (see module docstring)."""
+
+    separate = True
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda" or device.index is None:
+            raise ValueError(f"CudaStreams needs a device with an index (cuda:k), got {device}")
+        self.device = device
+        with torch.cuda.device(device):
+            self.compute = torch.cuda.current_stream(device)
+            self.h2d = torch.cuda.Stream(device)
+            self.d2h = torch.cuda.Stream(device)
+            self.comm = torch.cuda.Stream(device)
+
+    def record(self, stream: Stream) -> Event:
+        with torch.cuda.device(self.device):
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def wait(self, stream: Stream, event: Event) -> None:
+        if event is not None:
+            with torch.cuda.device(self.device):
+                stream.wait_event(event)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream, after: Event = None) -> Event:
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            if after is not None:
+                stream.wait_event(after)
+            # asynchronous only between device memory and pinned host memory (the pools' blocks)
+            dst.copy_(src, non_blocking=True)
+            # blocking: a thread that waits for a copy sleeps instead of spinning on a core the
+            # CPU optimizer needs (copy events are the ones host code waits for)
+            event = torch.cuda.Event(blocking=True)
+            event.record(stream)
+        return event
+
+    def empty_like(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            return torch.empty_like(tensor)
+
+    def host_wait(self, event: Event) -> None:
+        if event is not None:
+            with torch.cuda.device(self.device):
+                event.synchronize()  # host sync point, on this one event only
+
+    def query(self, event: Event) -> bool:
+        if event is None:
+            return True
+        with torch.cuda.device(self.device):
+            return event.query()
+
+    def keep_alive(self, tensor: torch.Tensor, stream: Stream) -> None:
+        if tensor.is_cuda:
+            tensor.record_stream(stream)
+
+    @contextlib.contextmanager
+    def current(self, stream: Stream) -> Iterator[None]:
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            yield
+
+
+def bind_thread(device: torch.device) -> None:
+    """Make `device` the calling thread's current one (the I/O loop's threads run this first):
+    torch code that uses the current device, such as `torch.optim.AdamW.step()`'s
+    `current_stream()`, then never creates a context on cuda:0. Nothing to bind on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def open_streams(device: torch.device) -> Streams:
+    """The streams of the compute device `device` (tests replace this function)."""
+    device = bound_device(device)
+    return CudaStreams(device) if device.type == "cuda" else CpuStreams(device)

@@ -1,0 +1,34 @@
+"""The one machine probe: free host memory, and the default budgets every command uses.
+
+`tierzero plan` and `tierzero train` ask the same functions, so they agree on the budgets (and
+hence on placement) for the same machine.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+
+def available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else total physical memory."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_budgets(device: torch.device, local_ranks: int = 1) -> tuple[int, int]:
+    """(host, gpu) budgets when none is configured: half the free RAM, shared evenly by the
+    `local_ranks` ranks on this machine; 90% of this rank's GPU's free memory (on the CPU
+    device, a quarter of the free RAM, shared likewise)."""
+    host = available_host_bytes() // 2 // local_ranks
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return host, int(free * 0.9)
+    return host, available_host_bytes() // 4 // local_ranks

@@ -1,0 +1,532 @@
+"""The one memory model: every tier's peak bytes during a training step.
+
+Owns the arithmetic of what each tier holds at its busiest: the state kinds homed there
+(resident for the whole run) plus the working set of each phase of a step -- forward,
+backward, and the optimizer (run during backward with overlap_step) -- made of the param
+shards in flight, the gradients of the unit being backpropagated, the optimizer's pieces, the
+activation checkpoints with one unit's recompute, one chunk of logits, and the host buffers
+that stage all of it on its way to and from nvme. `tierzero plan` prints it; the engine sizes
+and checks its budgets with it. Plans are data: this is arithmetic on unit sizes; it allocates
+nothing and never probes the machine.
+
+Conventions (as in `tierzero.planning.placement`): gpu bytes are per rank, host and nvme bytes per machine
+(every rank's shards and buffers). Gradients are fp32 in every tier, as the engine keeps them.
+Frozen parameters have a param and nothing else: grads, master weights, Adam states and the
+optimizer's pieces cover a unit's trainable prefix only (`trainable`; with several ranks
+counted at rank 0's share, the largest, for every rank).
+
+How parts add up. A tier's buffer pool keeps what it has leased (idle buffers are reused, nvme
+params stay cached) until its budget forces it to let go, so a pool's peak persists from its
+busiest phase into every later one: a tier's peak is its homes, plus the pooled parts of the
+phase where they are largest (what the pool's budget must cover, `pool_bytes`), plus the
+other parts -- torch's own allocations, freed as they go -- of the phase where *they* are
+largest. On the CPU device the gpu tier is host memory: `MemoryModel.host_memory` adds both
+pools and the compute device's allocations; that is what `--host-budget` has to cover.
+
+What a part means, and which pool holds it (`POOLED`; the others are torch allocations):
+
+- params in flight (device pool): param shards fetched ahead of compute, as the swap plan
+  holds them (`schedule.build_swap_plan`, `prefetch_depth` uses ahead); none when params live
+  on the compute device. With several ranks a call also gathers its units' full flat params,
+  and with `overlap_comm` (and a fetch depth of at least 1) the next call's gather is in flight
+  beside it.
+- param staging (host pool): nvme param shards read into host buffers on their way to the
+  device, from fetch until the copy is done (the wait on the CPU; the release on CUDA, whose
+  copies are asynchronous). They stay in the pool as its LRU cache of param shards, which
+  only takes spare budget (`host_cache_bytes`: what it would hold at most; never a need).
+- unit grads: the per-parameter grads autograd writes (compute dtype) and the flat fp32 grad
+  they are packed into once autograd is done with the recompute's activations, for the call
+  being backpropagated (a tied head's call: both units); with overlap_step the previous
+  call's grad shard too, until its pieces are stepped; with several ranks and `overlap_comm`
+  the previous call's flat grad and reduced shard, whose reduce-scatter is still in flight. The backward's activations and unit
+  grads are counted at the call and the moment where together they peak.
+- grad staging (host pool): nvme grads on their way out, a piece per buffer, as many pieces
+  in flight as the optimizer reads ahead (`prefetch_depth` + 1); the engine issues a whole
+  unit's pieces at once, so spare budget lets more be in flight, never less than this.
+- tied grad stash (the grad home's pool, and a host buffer): a tied embedding's first use's
+  grad waits in the grad home until the second use's arrives; their sum forms in host memory
+  and is copied to the compute device (tied grad sum).
+- optimizer pieces (the stepping device's pool): per piece of `piece_numel` elements, one fp32
+  buffer per state kind that is not resident on the stepping device: `prefetch_depth` pieces
+  read ahead and one more whose writes are in flight when a state lives on nvme; with
+  overlap_step, the first `prefetch_depth` pieces of the unit being stepped and of the next
+  one, and the last piece of the one before. The engine issues a whole unit's pieces at once
+  in backward, so spare budget lets more be in flight, never less than this.
+- new param staging (host pool): with params on nvme, or on the GPU with the step on the CPU,
+  each stepped piece's new compute-dtype values are written from a host buffer of one piece.
+- activations (compute device): see `tierzero.planning.ledger.activation_memory`.
+
+ZeRO stage (several ranks; `stage`): at 3 a rank's param home holds its shard of each unit.
+At 2 and 1 it holds whole units (replicated), so params in flight and the param cache are
+whole units, nothing is gathered in the pass, and after the step each unit's new values are
+all-gathered once (the `param sync` phase: the gathered unit on the compute device; with
+params on nvme, this rank's range staged in host memory). At 1, with `accumulate` > 1, the
+grad home also holds each unit's whole trainable gradient between micro-batches.
+
+Host blocks. The host pool serves every lease from a few size classes (`HOST_CLASSES` at most,
+`storage.sizeclass`), chosen here from every size the engine leases there, and allocates (pins)
+at open the blocks of its homes and of its busiest moment (`MemoryModel.host_blocks`): each host
+buffer above counts at its class's capacity, not its own bytes, and host homes count each key
+at its class, so the pool's figure includes the rounding. Other moments of the step need blocks
+of other classes (a block never serves another class's lease); with budget to spare the pool
+pins those at open too (`host_moment_blocks`, `host_provision`), and without, it drops idle
+blocks of one class to allocate another when they are needed (pinning in the step, counted).
+
+Not counted: the process's fixed overhead (interpreter, torch, the I/O threads; README states
+it), the allocator's slack, a model's buffers, the batch itself.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierzero.config import Placement, StateKind, Tier
+from tierzero.planning.ledger import FP32_NBYTES, GB, ActivationEstimate, Unit
+from tierzero.layout.partition import ALIGN_NUMEL, piece_ranges
+from tierzero.planning.hostblocks import HOST_ALIGN, host_classes, key_sizes
+from tierzero.planning.swapplan import Op, build_swap_plan
+from tierzero.storage.sizeclass import class_for
+
+PIECE_NUMEL = 16 << 20  # elements per piece (64 MiB of fp32): `Config.piece_numel`'s default
+OPT_KINDS = (StateKind.GRAD, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
+
+# the parts each tier's buffer pool holds (its budget covers these and the homes)
+POOLED = {Tier.GPU: frozenset({"params in flight", "optimizer pieces", "tied grad stash"}),
+          Tier.HOST: frozenset({"param staging", "grad staging", "tied grad stash", "optimizer pieces",
+                                "new param staging"})}
+
+FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
+PARAM_SYNC = "param sync"  # stage 1/2: each unit's new values all-gathered after the step
+BACKWARD_AND_STEP = "backward+optimizer"  # overlap_step: units stepped as their grads arrive
+
+
+@dataclass(frozen=True)
+class TierPeak:
+    """One tier at its busiest: its homes, its pool's working set at the pool's busiest phase
+    (`pooled`), and the torch allocations at theirs (`unpooled`); bytes by part name."""
+
+    tier: Tier
+    homes_bytes: int
+    pooled: dict[str, int]
+    pooled_phase: str
+    unpooled: dict[str, int]
+    unpooled_phase: str
+
+    @property
+    def pool_bytes(self) -> int:
+        """What the tier's buffer pool holds at its peak: the budget it needs."""
+        return self.homes_bytes + sum(self.pooled.values())
+
+    @property
+    def unpooled_bytes(self) -> int:
+        return sum(self.unpooled.values())
+
+    @property
+    def working_bytes(self) -> int:
+        return self.peak_bytes - self.homes_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.pool_bytes + self.unpooled_bytes
+
+    @property
+    def parts(self) -> dict[str, int]:
+        return {**self.pooled, **self.unpooled}
+
+    def breakdown(self) -> str:
+        """`host 12.35 GB = homes 10.00 GB + param staging 1.20 GB [backward] + ...`: each working
+        part with the phase where it peaks."""
+        terms = [f"homes {_size(self.homes_bytes)}"]
+        terms += [f"{name} {_size(n)} ({self.pooled_phase})" for name, n in self.pooled.items() if n]
+        terms += [f"{name} {_size(n)} ({self.unpooled_phase})" for name, n in self.unpooled.items() if n]
+        return f"{self.tier.value} {_size(self.peak_bytes)} = {' + '.join(terms)}"
+
+    def divided(self, n: int) -> TierPeak:
+        """Every figure over `n` (one rank's share of a machine-wide peak)."""
+        def share(parts: dict[str, int]) -> dict[str, int]:
+            return {k: v // n for k, v in parts.items()}
+
+        return TierPeak(self.tier, self.homes_bytes // n, share(self.pooled), self.pooled_phase,
+                        share(self.unpooled), self.unpooled_phase)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"peak_bytes": self.peak_bytes, "homes_bytes": self.homes_bytes, "pool_bytes": self.pool_bytes,
+                "pooled": dict(self.pooled), "pooled_phase": self.pooled_phase,
+                "unpooled": dict(self.unpooled), "unpooled_phase": self.unpooled_phase}
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Every tier's peak for one model, placement and step shape (see `peak_memory`).
+
+    `host_memory` is host RAM as a whole: the host tier alone on a CUDA machine; on the CPU
+    device the host tier, the gpu tier's pool and the compute allocations together.
+    """
+
+    device: str  # "cuda" | "cpu"
+    world_size: int
+    tiers: dict[Tier, TierPeak]
+    host_memory: TierPeak
+    host_cache_bytes: int  # what the LRU param cache would hold with budget to spare (nvme params)
+    # one rank's host pool, class capacity -> blocks: its homes' and busiest moment's (every
+    # class; they make up its pool_bytes), those other moments need beyond them, and the param
+    # shards its LRU cache would hold (nvme params)
+    host_blocks: dict[int, int] = field(default_factory=dict)
+    host_moment_blocks: dict[int, int] = field(default_factory=dict)
+    host_cache_blocks: dict[int, int] = field(default_factory=dict)
+
+    def host_provision(self, budget_bytes: int) -> dict[int, int]:
+        """The blocks one rank's host pool allocates (pins) at open under `budget_bytes`: its
+        homes' and busiest moment's, then as many of those other moments need, then of the LRU
+        cache's (which it would fill in the first step anyway), as the budget has room for."""
+        blocks = dict(self.host_blocks)
+        room = budget_bytes - self.per_rank().tiers[Tier.HOST].pool_bytes
+        for extra in (self.host_moment_blocks, self.host_cache_blocks):
+            for capacity, n in sorted(extra.items()):
+                fit = max(0, min(n, room // capacity))
+                blocks[capacity] = blocks.get(capacity, 0) + fit
+                room -= fit * capacity
+        return blocks
+
+    @property
+    def host_total_bytes(self) -> int:
+        return self.host_memory.peak_bytes
+
+    def needs(self) -> dict[Tier, int]:
+        """Bytes each tier's budget must cover: the host's is all of host RAM's peak. On the CPU
+        device that includes the gpu tier, which lives there too; its own budget then bounds
+        only its pool (the compute allocations are host memory like the rest)."""
+        gpu = self.tiers[Tier.GPU]
+        return {Tier.GPU: gpu.pool_bytes if self.device == "cpu" else gpu.peak_bytes,
+                Tier.HOST: self.host_total_bytes, Tier.NVME: self.tiers[Tier.NVME].peak_bytes}
+
+    def breakdown(self) -> list[str]:
+        lines = [self.tiers[t].breakdown() for t in (Tier.GPU, Tier.HOST, Tier.NVME)]
+        if self.device == "cpu":
+            lines[0] += " (on the CPU device: host memory)"
+            lines.append(f"host memory {_size(self.host_total_bytes)} = host + gpu tiers, both in RAM")
+        return lines
+
+    def per_rank(self) -> MemoryModel:
+        """One rank's share: what its own pools and budgets must hold. Every host and nvme figure
+        is `world_size` ranks' equal shares (gpu figures are one rank's already), so it divides
+        exactly; one rank's model is itself."""
+        w = self.world_size
+        if w == 1:
+            return self
+        tiers = {**self.tiers, Tier.HOST: self.tiers[Tier.HOST].divided(w), Tier.NVME: self.tiers[Tier.NVME].divided(w)}
+        return MemoryModel(self.device, 1, tiers, self.host_memory.divided(w), self.host_cache_bytes // w,
+                           self.host_blocks, self.host_moment_blocks, self.host_cache_blocks)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "tiers": {t.value: p.as_dict() for t, p in self.tiers.items()},
+                "host_total_bytes": self.host_total_bytes, "host_cache_bytes": self.host_cache_bytes}
+
+
+def peak_memory(
+    units: Sequence[Unit],
+    placement: Placement,
+    *,
+    compute_itemsize: int,
+    world_size: int = 1,
+    device: str = "cuda",
+    tied_embeddings: bool = False,
+    prefetch_depth: int = 2,
+    piece_numel: int = PIECE_NUMEL,
+    overlap: bool = False,
+    accumulate: int = 1,
+    activations: ActivationEstimate | None = None,
+    trainable: Sequence[int] | None = None,
+    overlap_comm: bool = True,
+    stage: int = 3,
+) -> MemoryModel:
+    """Every tier's peak working set (bytes) for one training step.
+
+    `units` are (name, parameter count) in execution order as the engine partitions them:
+    `embedding`, the blocks, `head` (a tied head's count excludes the embedding it uses), or a
+    `root` first for models without embedding/head entry points. `device` is the compute
+    device's kind. `activations` come from `ledger.activation_memory` (None: not counted, for
+    callers that do not know the batch). `trainable` is each unit's trainable prefix as
+    `partition` lays it out (`Unit.trainable_numel`; None: every parameter is trained). The
+    module docstring says what each part is. `stage` is the ZeRO stage (1, 2 or 3), which
+    matters with several ranks only.
+    """
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    w, c, depth = world_size, compute_itemsize, prefetch_depth
+    padded = [_padded(n, w) for _, n in units]
+    shard = [p // w for p in padded]
+    replicated = w > 1 and stage <= 2
+    stored_param = padded if replicated else shard  # what a rank's param home holds of each unit
+    numel = [n for _, n in units]
+    # the elements with grads and optimizer states: per rank, and (compute dtype) weight grads
+    state = shard if trainable is None else [min(s, t) for s, t in zip(shard, trainable)]
+    trained = numel if trainable is None else [min(n, t) for n, t in zip(numel, trainable)]
+    calls = _calls(units, tied_embeddings)
+    held = frozenset({0}) if units[0][0] == "root" else frozenset()
+    # a frozen embedding has no backward use (`partition.forward_only`)
+    forward_only = frozenset({0}) if units[0][0] == "embedding" and trainable is not None and not trainable[0] \
+        else frozenset()
+    tied = len(calls[-1]) > 1
+
+    step_on_gpu = all(placement.home(k) is Tier.GPU for k in OPT_KINDS[1:])
+    sync = [s * c for s in shard] if replicated and placement.param is Tier.NVME else []  # param sync staging
+    classes = host_classes(placement, stored_param, state, piece_numel, c, tied=tied, step_on_host=not step_on_gpu,
+                           extra=sync)
+
+    def blocks(sizes: Sequence[int]) -> int:
+        """Host buffers of one rank at their classes' capacities."""
+        return sum(class_for(n, classes, HOST_ALIGN) for n in sizes)
+
+    def fp32_blocks(pieces: Sequence[int]) -> int:
+        return blocks([p * FP32_NBYTES for p in pieces])
+
+    homes = {Tier.GPU: 0, Tier.HOST: 0, Tier.NVME: 0}
+    for kind in StateKind:
+        home = placement.home(kind)
+        stored = stored_param if kind is StateKind.PARAM else state
+        if home is Tier.HOST:  # one block per stored key
+            homes[home] += w * blocks(key_sizes(kind, stored_param, state, piece_numel, c, Tier.HOST))
+        else:
+            homes[home] += sum(stored) * _nbytes(kind, c) * (1 if home is Tier.GPU else w)
+    full_grads = [min(p, t) for p, t in zip(padded, trainable)] if trainable is not None else padded
+    if w > 1 and stage == 1 and accumulate > 1:  # each unit's whole gradient, between micro-batches
+        homes[placement.grad] += sum(full_grads) * FP32_NBYTES * (1 if placement.grad is Tier.GPU else w)
+
+    # -- the pass: params in flight as the swap plan holds them
+    plan = build_swap_plan(calls, depth, backward=True, held=held, forward_only=forward_only)
+    flight, staging, staged_blocks = _param_peaks(plan, stored_param, c, placement.param,
+                                                  staged_until_release=device == "cuda",
+                                                  staged_bytes=lambda u: blocks([stored_param[u] * c]))
+    full = [sum(padded[u] for u in call) * c for call in calls]
+    if w == 1 or replicated:
+        gathered = 0
+    elif overlap_comm and depth > 0:  # a call's params and the next call's, gathered ahead
+        order = full + full[::-1]  # the forward's calls, then backward's in reverse
+        gathered = max(a + b for a, b in zip(order, order[1:] + [0]))
+    else:
+        gathered = max(full)
+    reducing = overlap_comm and w > 1  # the previous call's reduce-scatter finishes a call later
+    act = activations
+    pieces = [b - a for s in state for a, b in piece_ranges(s, piece_numel)]
+    buffers: dict[str, dict[str, list[int]]] = {}  # phase -> host part -> one rank's buffer bytes
+
+    def backward(final_with_overlap: bool) -> dict[Tier, dict[str, int]]:
+        # the call being backpropagated: while autograd runs, its recompute's activations and its
+        # weights' grads (compute dtype); then those grads and the flat fp32 grad they are packed
+        # into (and its reduce-scattered shard). With overlap the previous call's grad shard is
+        # still being stepped.
+        worst = (0, 0)
+        for i, call in enumerate(calls):
+            weights = sum(trained[u] * c for u in call)
+            flat = sum((state[u] if w == 1 else padded[u] + state[u]) * FP32_NBYTES for u in call if state[u])
+            after = calls[i + 1] if final_with_overlap and i + 1 < len(calls) else ()
+            stepping = sum(state[u] * FP32_NBYTES for u in after)  # handed to the optimizer just before
+            if reducing and i + 1 < len(calls):  # backpropagated just before: still being reduced
+                stepping += sum((padded[u] + shard[u]) * FP32_NBYTES for u in calls[i + 1])
+            recompute = _recompute_bytes(units[call[0]][0], act)
+            moment = (recompute, weights + stepping) if recompute > flat else (0, weights + flat + stepping)
+            worst = max(worst, moment, key=sum)
+        gpu = {"params in flight": flight[BACKWARD], "gathered params": gathered,
+               "activations": (act.checkpoints_bytes if act else 0) + worst[0], "unit grads": worst[1]}
+        host = {"param staging": [stored_param[u] * c for u in staging[BACKWARD]]}
+        if placement.grad is Tier.NVME and not final_with_overlap:  # pieces written, read-ahead deep
+            host["grad staging"] = [p * FP32_NBYTES for p in _window(pieces, max(1, depth) + 1, fp32_blocks)]
+        if tied:  # the first use's grad waits in the grad home; their sum forms in a host buffer
+            stash = state[0] * FP32_NBYTES  # and is copied to the compute device
+            host["tied grad stash"] = [stash] * (2 if placement.grad is Tier.HOST else 1)
+            gpu["tied grad stash"] = stash if placement.grad is Tier.GPU else 0
+            gpu["tied grad sum"] = stash
+        return {Tier.GPU: gpu, Tier.HOST: host}
+
+    # -- the optimizer, piece by piece on its stepping device
+    step_tier = Tier.GPU if step_on_gpu else Tier.HOST
+    step_device = device if step_on_gpu else "cpu"
+    # writes that outlive their piece's step: to nvme, or from a host step up to the device (h2d)
+    writing = any(placement.home(k) is Tier.NVME or (placement.home(k) is Tier.GPU and step_device != device)
+                  for k in StateKind if k is not StateKind.GRAD)
+
+    def optimizer(during_backward: bool) -> dict[Tier, dict[str, int]]:
+        # in backward the grad is handed over on the compute device: in place when it steps there
+        grad_in_place = device == step_device if during_backward else _in_place(placement.grad, device, step_device)
+        away = sum(1 for k in OPT_KINDS[1:] if not _in_place(placement.home(k), device, step_device))
+        away += 0 if grad_in_place else 1
+        ahead = max(1, depth)
+        if during_backward:  # unit u steps as u-1 computes: the first `ahead` pieces of both are read
+            # ahead, and the last piece of u+1 (stepped before u) may still be in flight
+            per_unit = [pieces[a:b] for a, b in zip(_starts(state, piece_numel), _starts(state, piece_numel)[1:])]
+            most = max(([*per_unit[u][:ahead], *(per_unit[u - 1][:ahead] if u > 0 else [])]
+                        + (per_unit[u + 1][-1:] if u + 1 < len(per_unit) else [])
+                        for u in range(len(per_unit))), key=fp32_blocks)
+        else:  # `ahead` pieces read, one more whose writes are in flight
+            most = _window(pieces, ahead + (1 if writing else 0), fp32_blocks)
+        parts: dict[Tier, dict[str, list[int] | int]] = {Tier.GPU: {}, Tier.HOST: {}}
+        if step_tier is Tier.HOST:  # a buffer per piece and state kind
+            parts[Tier.HOST]["optimizer pieces"] = [p * FP32_NBYTES for p in most] * away
+        else:
+            parts[Tier.GPU]["optimizer pieces"] = sum(most) * away * FP32_NBYTES
+        if placement.param is Tier.NVME or (placement.param is Tier.GPU and step_device != device):
+            # each stepped piece's new params, written (to nvme, or up to the device) from a host buffer
+            parts[Tier.HOST]["new param staging"] = [min(piece_numel, max(state)) * c]
+        return parts
+
+    forward = {Tier.GPU: {"params in flight": flight[FORWARD], "gathered params": gathered,
+                          "activations": act.forward_bytes if act else 0},
+               Tier.HOST: {"param staging": [stored_param[u] * c for u in staging[FORWARD]]}}
+    phases: dict[str, dict[Tier, dict[str, Any]]] = {FORWARD: forward}
+    if not overlap or accumulate > 1:  # micro-batches whose grads are stored in their home
+        phases[BACKWARD] = backward(final_with_overlap=False)
+    if overlap:  # the last micro-batch: each unit is stepped as its grad arrives
+        bwd, step = backward(final_with_overlap=True), optimizer(during_backward=True)
+        phases[BACKWARD_AND_STEP] = {t: {**bwd[t], **step[t]} for t in (Tier.GPU, Tier.HOST)}
+    else:
+        phases[OPTIMIZER] = optimizer(during_backward=False)
+    if replicated:  # one unit at a time: its gathered values, and this rank's range read from nvme
+        phases[PARAM_SYNC] = {Tier.GPU: {"gathered params": max(padded) * c + max(shard) * c},
+                              Tier.HOST: {"param staging": [max(shard) * c] if placement.param is Tier.NVME else [],
+                                          "new param staging": [min(piece_numel, max(shard)) * c]
+                                          if placement.param is Tier.NVME else []}}
+    for name, parts in phases.items():  # host parts: one rank's buffers -> every rank's bytes
+        buffers[name] = parts[Tier.HOST]
+        parts[Tier.HOST] = {k: w * blocks(v) for k, v in parts[Tier.HOST].items()}
+
+    tiers = {t: _tier_peak(t, homes[t], {name: parts[t] for name, parts in phases.items()}, POOLED[t])
+             for t in (Tier.GPU, Tier.HOST)}
+    tiers[Tier.NVME] = TierPeak(Tier.NVME, homes[Tier.NVME], {}, "every phase", {}, "every phase")
+    # with room, the host pool holds per class the blocks of the moment that needs most of that
+    # class: a block never serves another class's lease
+    # (in the pass, param staging at every moment of the swap plan, not only at its peak)
+    in_pass = {FORWARD: staged_blocks[FORWARD], BACKWARD: staged_blocks[BACKWARD],
+               BACKWARD_AND_STEP: staged_blocks[BACKWARD]}
+    in_phase = {name: Counter(class_for(n, classes, HOST_ALIGN) for part, bufs in parts.items() for n in bufs
+                              if part != "param staging" or name not in in_pass) | in_pass.get(name, Counter())
+                for name, parts in buffers.items()}
+    host_blocks = Counter(dict.fromkeys(classes, 0))
+    for kind in StateKind:  # the homes' keys, each written into a block of the pool at open
+        if placement.home(kind) is Tier.HOST:
+            host_blocks.update(class_for(n, classes, HOST_ALIGN)
+                               for n in key_sizes(kind, stored_param, state, piece_numel, c, Tier.HOST))
+    working = Counter(dict.fromkeys(classes, 0))
+    for counts in in_phase.values():
+        for k, n in counts.items():
+            working[k] = max(working[k], n)
+    at_peak = Counter(class_for(n, classes, HOST_ALIGN)
+                      for bufs in buffers[tiers[Tier.HOST].pooled_phase].values() for n in bufs)
+    host_blocks.update(at_peak)
+    host_memory = tiers[Tier.HOST]
+    if device == "cpu":  # one RAM: both pools, each at its own peak, and the compute allocations
+        gpu, host = tiers[Tier.GPU], tiers[Tier.HOST]
+        unpooled = _tier_peak(Tier.HOST, 0, {name: {**{k: v * w for k, v in parts[Tier.GPU].items()},
+                                                    **{f"host {k}": v for k, v in parts[Tier.HOST].items()}}
+                                             for name, parts in phases.items()},
+                              frozenset(POOLED[Tier.GPU] | {f"host {k}" for k in POOLED[Tier.HOST]}))
+        host_memory = TierPeak(Tier.HOST, host.homes_bytes + w * gpu.homes_bytes,
+                               {**{f"gpu {k}": w * v for k, v in gpu.pooled.items()}, **host.pooled},
+                               f"gpu {gpu.pooled_phase}, host {host.pooled_phase}",
+                               unpooled.unpooled, unpooled.unpooled_phase)
+    cached = Counter(class_for(n * c, classes, HOST_ALIGN) for n in stored_param) if placement.param is Tier.NVME \
+        else Counter()
+    cache = w * sum(k * n for k, n in cached.items())
+    return MemoryModel(device, w, tiers, host_memory, cache, dict(host_blocks), dict(working - at_peak), dict(cached))
+
+
+def _recompute_bytes(name: str, act: ActivationEstimate | None) -> int:
+    """A unit's recompute and backward, beyond the checkpoints: the head's norm and one chunk
+    of logits, a block's saved tensors and temporaries; the embedding's nothing to speak of."""
+    if act is None or name == "embedding":
+        return 0
+    return act.head_backward_bytes if name == "head" else act.block_backward_bytes
+
+
+def _padded(numel: int, world_size: int) -> int:
+    """A unit's flat length as `partition` pads it: whole, aligned shards on every rank."""
+    quantum = ALIGN_NUMEL * world_size
+    return max(quantum, -(-numel // quantum) * quantum)
+
+
+def _nbytes(kind: StateKind, compute_itemsize: int) -> int:
+    return compute_itemsize if kind is StateKind.PARAM else FP32_NBYTES
+
+
+def _calls(units: Sequence[Unit], tied: bool) -> list[tuple[int, ...]]:
+    """The units each forward call binds: the tied head binds the embedding too."""
+    calls = [(i,) for i in range(len(units))]
+    if tied and units[-1][0] == "head" and units[0][0] == "embedding":
+        calls[-1] = (len(units) - 1, 0)
+    return calls
+
+
+def _in_place(home: Tier, device: str, step_device: str) -> bool:
+    """Whether a state homed in `home` is used where it lies by a step on `step_device`."""
+    if home is Tier.NVME:
+        return False
+    return (device if home is Tier.GPU else "cpu") == step_device
+
+
+def _param_peaks(plan: Any, shard: list[int], itemsize: int, home: Tier, staged_until_release: bool,
+                 staged_bytes: Callable[[int], int]) -> tuple[dict[str, int], dict[str, list[int]], dict[str, Counter[int]]]:
+    """Per phase of the pass, replaying the swap plan's fetches, waits and releases: the peak
+    bytes of param shards on the device; the units in host staging at its peak (by
+    `staged_bytes`, a unit's host block); and the most host blocks of each size staged at once."""
+    flight = {FORWARD: 0, BACKWARD: 0}
+    staging: dict[str, list[int]] = {FORWARD: [], BACKWARD: []}
+    most: dict[str, Counter[int]] = {FORWARD: Counter(), BACKWARD: Counter()}
+    if home is Tier.GPU:  # resident in the device store: views, nothing in flight
+        return flight, staging, most
+    on_device: dict[int, int] = {}
+    staged: dict[int, int] = {}
+    phase = FORWARD
+    for op in plan.ops:
+        if op.op in (Op.WAIT, Op.COMPUTE):
+            phase = op.phase
+        nbytes = shard[op.unit] * itemsize
+        if op.op is Op.FETCH:
+            on_device[op.unit] = nbytes
+            if home is Tier.NVME:
+                staged[op.unit] = staged_bytes(op.unit)
+        elif op.op is Op.WAIT and not staged_until_release:
+            staged.pop(op.unit, None)
+        elif op.op is Op.RELEASE:
+            on_device.pop(op.unit, None)
+            staged.pop(op.unit, None)
+        flight[phase] = max(flight[phase], sum(on_device.values()))
+        if sum(staged.values()) > sum(staged_bytes(u) for u in staging[phase]):
+            staging[phase] = list(staged)
+        most[phase] |= Counter(staged.values())
+    return flight, staging, most
+
+
+def _starts(shard: list[int], piece_numel: int) -> list[int]:
+    """Where each unit's pieces start in the list of every piece, and the end of the list."""
+    starts = [0]
+    for s in shard:
+        starts.append(starts[-1] + -(-s // piece_numel))
+    return starts
+
+
+def _window(pieces: list[int], n: int, nbytes: Callable[[Sequence[int]], int]) -> list[int]:
+    """The `n` consecutive pieces (the engine streams them in unit order) whose buffers take
+    the most bytes (`nbytes`)."""
+    return max((pieces[j:j + n] for j in range(len(pieces))), key=nbytes, default=[])
+
+
+def _tier_peak(tier: Tier, homes: int, phases: dict[str, dict[str, int]], pooled: frozenset[str]) -> TierPeak:
+    """The pooled parts at the phase where they are largest, and the rest at theirs."""
+    def split(parts: dict[str, int], in_pool: bool) -> dict[str, int]:
+        return {k: v for k, v in parts.items() if (k in pooled) == in_pool}
+
+    pool_phase = max(phases, key=lambda p: sum(split(phases[p], True).values()))
+    other_phase = max(phases, key=lambda p: sum(split(phases[p], False).values()))
+    return TierPeak(tier, homes, split(phases[pool_phase], True), pool_phase,
+                    split(phases[other_phase], False), other_phase)
+
+
+def _size(nbytes: int) -> str:
+    """Decimal units, three significant figures or so: `12.35 GB`, `48.2 MB`, `4.1 kB`."""
+    for unit, scale in (("GB", GB), ("MB", 10**6), ("kB", 10**3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}" if unit == "GB" else f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"

@@ -1,0 +1,198 @@
+"""`tierzero.planning.placement(...)`: what `tierzero plan` computes, as a value for Python callers.
+
+Owns turning a model shape (a preset, or a parameter count shaped like the nearest one) and a
+machine (given sizes, else detected: RAM, GPU 0, free space at a path) into the ledger, the
+activation estimate, every candidate placement's cost and the choice -- the one computation the
+CLI prints and `tierzero.planning.placement` returns, so the two cannot disagree. The arithmetic is
+`tierzero.planning.placement`'s and `tierzero.planning.memory_model`'s; this module only assembles it and probes the machine
+where a size is not given. It never prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tierzero.config import Config, DType, Placement, Tier, parse_bytes
+from tierzero.errors import ConfigError
+from tierzero.planning.ledger import GB, ActivationEstimate, Unit, activation_memory, check_world_size, ledger, nearest_preset, nominal_numel, parse_count, scaled_units, units_from_args
+from tierzero.models.llama import LOSS_CHUNK_BYTES
+from tierzero.models.presets import ModelArgs, get_preset
+from tierzero.planning.placement import STAGE_TEXT, PlacementChoice, PlacementEstimate, Workload, candidate_placements, choose, choose_stage, estimate, load_profile
+from tierzero.config import TORCH_DTYPES
+
+DEFAULT_PRESET = "7b"
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """A model on a machine: its shape and units, the budgets (and which were detected), the
+    activation estimate, every candidate placement's estimate, and the choice."""
+
+    preset: str | None  # None when shaped from a parameter count
+    shape: str
+    args: ModelArgs
+    units: tuple[Unit, ...]
+    numel: int
+    ledger_numel: int  # the size the ledger table is computed from (a preset's nominal size)
+    dtype: DType
+    gpus: int
+    budgets: dict[Tier, int | None]
+    detected: list[str]
+    device: str  # "cuda" | "cpu": the compute device's kind
+    workload: Workload
+    activations: ActivationEstimate
+    estimates: list[PlacementEstimate]
+    choice: PlacementChoice
+    stage: int = 3  # the ZeRO stage the estimates are for (several ranks)
+    stage_reason: str = "one rank"
+
+    @property
+    def placement(self) -> Placement:
+        """The chosen placement (the nearest miss when nothing fits: see `choice.fits`)."""
+        return self.choice.placement
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON object `tierzero plan --json` prints."""
+        act, itemsize = self.activations, TORCH_DTYPES[self.dtype].itemsize
+        return {
+            "model": {"preset": self.preset, "shape": self.shape, "params": self.numel,
+                      "ledger_params": self.ledger_numel, "units": len(self.units),
+                      "largest_unit_params": self.workload.largest_unit_numel, "vocab_size": self.args.vocab_size},
+            "machine": {"gpus": self.gpus, "detected": self.detected, "device": self.device,
+                        **{f"{t.value}_budget_bytes": b for t, b in self.budgets.items()}},
+            "dtype": self.dtype.value,
+            "ledger": [{"stage": r.stage.value, "bytes_per_param": r.bytes_per_param,
+                        "gb_per_gpu": round(r.bytes_per_gpu / GB, 4),
+                        "exact_gb_per_gpu": round(r.bytes_per_param * self.numel / GB, 4)}
+                       for r in ledger(self.ledger_numel, self.gpus, itemsize)],
+            "activations": {"batch_size": act.batch_size, "seq_len": act.seq_len,
+                            "checkpoints_bytes": act.checkpoints_bytes,
+                            "block_backward_bytes": act.block_backward_bytes,
+                            "head_backward_bytes": act.head_backward_bytes,
+                            "logits_bytes": act.logits_bytes, "chunk_tokens": act.chunk_tokens,
+                            "forward_bytes": act.forward_bytes, "backward_bytes": act.backward_bytes,
+                            "total_bytes": act.total_bytes},
+            "placements": [{**e.as_dict(), "fits": not e.overflow_bytes(self.budgets)} for e in self.estimates],
+            "verdict": {**self.choice.as_dict(), "breakdown": self.choice.estimate.memory.breakdown()},
+            "per_rank": self.per_rank(),
+            "stage": {"stage": self.stage, "reason": self.stage_reason, "text": STAGE_TEXT[self.stage]},
+        }
+
+    def per_rank(self) -> dict[str, Any]:
+        """One rank's share of the chosen placement: what its pools and `tierzero train` budgets
+        hold (train's default host budget is the machine's, split evenly across its ranks)."""
+        mine = self.choice.estimate.memory.per_rank()
+        host = self.budgets[Tier.HOST]
+        return {"ranks": self.gpus, "peak_bytes": {t.value: n for t, n in mine.needs().items()},
+                "pool_bytes": {t.value: mine.tiers[t].pool_bytes for t in (Tier.GPU, Tier.HOST)},
+                "host_budget_bytes": None if host is None else host // self.gpus, "breakdown": mine.breakdown()}
+
+
+def make_plan(
+    model: str | None = None,
+    *,
+    params: str | int | None = None,
+    gpus: int = 1,
+    gpu_mem: str | int | None = None,
+    host_mem: str | int | None = None,
+    nvme_free: str | int | None = None,
+    nvme_path: str | Path = ".",
+    batch_size: int = 1,
+    seq_len: int | None = None,
+    prefetch_depth: int = 2,
+    dtype: str = "bf16",
+    vocab_size: int | None = None,
+    piece_numel: int = Config.piece_numel,
+    overlap: bool = True,
+    profile: str | Path | None = None,
+    stage: int | None = None,
+    accumulate: int = 1,
+) -> PlanReport:
+    """Plan `model` (a preset name, default 7b) or `params` (a count, e.g. "7e9" or 70_000_000_000,
+    shaped like the nearest preset) on `gpus` GPUs with the given memory sizes ("80GB", or
+    bytes); a size not given is this machine's. Arguments are `tierzero plan`'s flags, and
+    the result is what it prints (`as_dict()` is its `--json`). `stage` forces the ZeRO stage;
+    None chooses it as the engine does: the placement for stage 3, then the least communication
+    whose state fits there (`tierzero.planning.placement.choose_stage`), and every estimate at that stage."""
+    if stage is not None and stage not in (1, 2, 3):
+        raise ConfigError(f"--stage must be 1, 2 or 3, got {stage}")
+    check_world_size(gpus)
+    if vocab_size is not None and vocab_size < 1:
+        raise ConfigError(f"--vocab-size must be a positive integer, got {vocab_size}")
+    if model is not None and params is not None:
+        raise ConfigError("give --model or --params, not both")
+    compute = _dtype(dtype)
+    itemsize = TORCH_DTYPES[compute].itemsize
+    if params is not None:
+        numel = parse_count(str(params), "--params")
+        shape, ledger_numel = nearest_preset(numel), numel
+        args = get_preset(shape)
+        units = scaled_units(numel, args)
+    else:
+        shape = model or DEFAULT_PRESET
+        args = get_preset(shape)
+        if vocab_size is not None:
+            args = dataclasses.replace(args, vocab_size=vocab_size)
+        units = units_from_args(args)
+        numel = args.param_count()
+        ledger_numel = (nominal_numel(shape) if vocab_size is None else None) or numel
+    activations = activation_memory(args, batch_size, seq_len or args.max_seq_len, itemsize, LOSS_CHUNK_BYTES)
+    budgets, detected, device = _budgets(gpu_mem, host_mem, nvme_free, Path(nvme_path))
+    # grads are fp32 in every tier, as the engine keeps them (the ledger is the textbook 16 B)
+    work = Workload(tuple(units), itemsize, 4, gpus, prefetch_depth, activations,
+                    batch_size * activations.seq_len, args.tie_embeddings, piece_numel,
+                    overlap and compute is not DType.FP16, device, stage=stage or 3, accumulate=accumulate)
+    prof = load_profile(profile) if profile is not None else None
+    estimates = [estimate(p, work, prof) for p in candidate_placements()]
+    choice = choose(estimates, budgets)
+    chosen, reason = choose_stage(
+        lambda s: not estimate(choice.placement, dataclasses.replace(work, stage=s)).overflow_bytes(budgets),
+        gpus, accumulate, stage)
+    if chosen != work.stage:  # the engine keeps the placement and replicates: cost every one at that stage
+        work = dataclasses.replace(work, stage=chosen)
+        estimates = [estimate(p, work, prof) for p in candidate_placements()]
+        mine = next(e for e in estimates if e.placement == choice.placement)
+        choice = PlacementChoice(mine, fits=True)
+    return PlanReport(None if params is not None else shape, shape, args, tuple(units), numel, ledger_numel,
+                      compute, gpus, budgets, detected, device, work, activations, estimates,
+                      choice, chosen, reason)
+
+
+def _dtype(value: str) -> DType:
+    try:
+        return DType(value.lower())
+    except ValueError:
+        raise ConfigError(f"--dtype '{value}' is not valid; choose one of bf16|fp16|fp32") from None
+
+
+def _budgets(gpu_mem: str | int | None, host_mem: str | int | None, nvme_free: str | int | None,
+             nvme_path: Path) -> tuple[dict[Tier, int | None], list[str], str]:
+    """The given sizes, else what this machine has; a note per size that was detected; and
+    the compute device's kind ("cpu" without CUDA and without --gpu-mem)."""
+    import torch
+
+    detected = []
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    device = "cuda" if gpu_mem is not None or torch.cuda.is_available() else "cpu"
+    host = parse_bytes(host_mem, "--host-mem") if host_mem is not None else None
+    if host is None:
+        host = ram
+        detected.append("host")
+    gpu = parse_bytes(gpu_mem, "--gpu-mem") if gpu_mem is not None else None
+    if gpu is None and device == "cuda":
+        gpu = torch.cuda.get_device_properties(0).total_memory
+        detected.append("gpu")
+    elif gpu is None:  # without CUDA the gpu tier is host memory: the host budget holds it
+        detected.append("gpu (host memory, no CUDA)")
+    nvme = parse_bytes(nvme_free, "--nvme-free") if nvme_free is not None else None
+    if nvme is None:
+        if not nvme_path.is_dir():
+            raise ConfigError(f"--nvme-path '{nvme_path}' is not a directory; give an existing one or --nvme-free")
+        nvme = shutil.disk_usage(nvme_path).free
+        detected.append("nvme")
+    return {Tier.GPU: gpu, Tier.HOST: host, Tier.NVME: nvme}, detected, device

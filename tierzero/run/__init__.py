@@ -1,0 +1,1 @@
+"""A training run as the CLI drives it: session, loop, data, corpus, run directory, report."""

@@ -1,0 +1,91 @@
+"""The training loop `tierzero train` drives: data in, steps, evaluation, metrics out.
+
+It knows nothing of printing: the CLI passes `on_step` to draw progress. The trainer is either
+the reference trainer (`offload none`) or the `Engine`; both offer `train_micro_batch`,
+`eval_loss`, `stats` and `close`. Micro-batch losses stay on the device until the step's last
+one has run: the loop reads them once per step (one host sync), not once per micro-batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from tierzero.config import RunConfig
+from tierzero.run.data import TokenBatches
+from tierzero.lr import lr_at
+from tierzero.run.directory import RunDir
+
+
+class Trainer(Protocol):
+    def train_micro_batch(self, batch: Any) -> torch.Tensor: ...
+    def eval_loss(self, batch: Any) -> float: ...
+    def stats(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class LoopResult:
+    first_loss: float
+    last_loss: float
+    val_losses: list[tuple[int, float]]
+    wall_s: float
+
+
+def evaluate(trainer: Trainer, batches: TokenBatches, n: int,
+             mean: Callable[[list[float]], list[float]] | None = None) -> float:
+    """The validation loss (with several ranks: the mean of every rank's rows)."""
+    losses = [trainer.eval_loss(b) for b in batches.val_batches(n)]
+    local = sum(losses) / len(losses)
+    return local if mean is None else mean([local])[0]
+
+
+def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: RunDir,
+               on_step: Callable[[int, dict[str, Any]], None] | None = None, start_step: int = 0,
+               checkpoint: Callable[[int], None] | None = None,
+               mean: Callable[[list[float]], list[float]] | None = None,
+               gather: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = None) -> LoopResult:
+    """Run optimizer steps `start_step + 1 .. run.steps` of `accumulate` micro-batches each,
+    logging every step; `checkpoint(step)` runs every `run.checkpoint_every` steps and at the end.
+    With several ranks `mean` averages losses over them and `gather` collects every rank's own
+    counters (collectives: every rank calls them at the same points), so the losses logged are
+    those of the global batch, and each step's record keeps rank 0's counters at the top level
+    and every rank's under "ranks" (their pools, bytes and waits differ)."""
+    accumulate = run.engine.accumulate
+    tokens_per_step = run.batch_size * run.seq_len * accumulate
+    start = time.perf_counter()
+    val_losses = []
+    if start_step == 0:
+        val_losses.append((0, evaluate(trainer, batches, run.eval_batches, mean)))
+        rundir.log({"step": 0, "val_loss": val_losses[0][1]})
+    else:  # metrics of steps after the checkpoint were lost with the crash: they are redone
+        rundir.log({"resumed_at": start_step})
+    first = last = float("nan")
+    for step in range(start_step, run.steps):
+        t0 = time.perf_counter()
+        micro_losses = [trainer.train_micro_batch(batches.next_batch()) for _ in range(accumulate)]
+        loss = sum(t.item() for t in micro_losses) / accumulate  # host sync point, once per step
+        loss = loss if mean is None else mean([loss])[0]
+        dt = time.perf_counter() - t0
+        first = loss if step == start_step else first
+        last = loss
+        stats = trainer.stats()
+        record = {"step": step + 1, "loss": loss, "lr": lr_at(step, run.engine),
+                  "tokens_per_s": tokens_per_step / dt, "step_s": dt,
+                  "wall_s": time.perf_counter() - start, **stats}
+        if gather is not None:
+            record["ranks"] = gather(stats)
+        if (step + 1) % run.eval_every == 0 or step + 1 == run.steps:
+            record["val_loss"] = evaluate(trainer, batches, run.eval_batches, mean)
+            val_losses.append((step + 1, record["val_loss"]))
+        rundir.log(record)
+        if checkpoint is not None and ((step + 1) % (run.checkpoint_every or run.steps) == 0
+                                       or step + 1 == run.steps):
+            checkpoint(step + 1)
+        if on_step is not None:
+            on_step(step + 1, record)
+    return LoopResult(first, last, val_losses, time.perf_counter() - start)

@@ -1,0 +1,65 @@
+"""A run's metrics as a picture: loss curves, throughput and tier traffic in one PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tierzero.errors import RunDirError
+from tierzero.run.directory import read_metrics
+
+
+def load_run(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir)
+    if not (path / "metrics.jsonl").is_file():
+        raise RunDirError(f"'{path}' has no metrics.jsonl; point at a run directory that "
+                          "`tierzero train` wrote")
+    records = read_metrics(path)
+    if not any("loss" in r for r in records):
+        raise RunDirError(f"'{path}/metrics.jsonl' has no training steps yet; train first")
+    return records
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's figures; peaks are the busiest rank's where several ranks logged theirs."""
+    steps = [r for r in records if "loss" in r]
+    counters = [c for r in steps for c in r.get("ranks", [r])]
+    vals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    rates = sorted(r["tokens_per_s"] for r in steps)
+    return {"steps": steps[-1]["step"], "first_loss": steps[0]["loss"], "last_loss": steps[-1]["loss"],
+            "val_loss": vals[-1][1] if vals else None, "median_tokens_per_s": rates[len(rates) // 2],
+            "wall_s": steps[-1]["wall_s"],
+            "peak_bytes": {k[5:-6]: max(c.get(k, 0) for c in counters) for k in steps[-1] if k.startswith("peak_")}}
+
+
+def plot(records: list[dict[str, Any]], out: str | Path) -> Path:
+    """Write the run's report PNG: loss (train, val), tokens/s, and bytes per step per link."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    steps = [r for r in records if "loss" in r]
+    xs = [r["step"] for r in steps]
+    fig, (ax_loss, ax_rate, ax_io) = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax_loss.plot(xs, [r["loss"] for r in steps], label="train", lw=1)
+    vals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if vals:
+        ax_loss.plot(*zip(*vals), "o-", label="validation")
+    ax_loss.set(title="loss", xlabel="step", ylabel="nats / token")
+    ax_loss.legend()
+    ax_rate.plot(xs, [r["tokens_per_s"] for r in steps], lw=1)
+    ax_rate.set(title="throughput", xlabel="step", ylabel="tokens / s")
+    links = sorted({k for r in steps for k in r if k.startswith("bytes_")})
+    for link in links:
+        ax_io.plot(xs, [r.get(link, 0) / 1e6 for r in steps], label=link[6:], lw=1)
+    ax_io.set(title="tier traffic per step", xlabel="step", ylabel="MB")
+    if links:
+        ax_io.legend(fontsize="small")
+    else:
+        ax_io.text(0.5, 0.5, "in-memory run: no tier traffic", ha="center", transform=ax_io.transAxes)
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

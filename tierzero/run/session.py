@@ -1,0 +1,105 @@
+"""A training session: the model, the data and the trainer that `tierzero train` runs.
+
+`offload none` trains through the in-memory reference trainer; every other offload through
+the `Engine`, which takes the model on the `meta` device and materialises it unit by unit.
+The model is a built-in preset or a Hugging Face directory (`tierzero.run.model_load`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from tierzero.config import Offload, RunConfig
+from tierzero.run.corpus import read_corpus
+from tierzero.run.data import TokenBatches
+from tierzero.checkpoint.catalog import checkpoint_dirs
+from tierzero.errors import ConfigError
+from tierzero.dist.launch import Ranks
+from tierzero.run.loop import LoopResult, Trainer, train_loop
+from tierzero.engine.precision import check_dtype_supported, resolve_dtype
+from tierzero.run.directory import RunDir
+from tierzero.run.model_load import RunModel, run_model
+
+
+@dataclass
+class Session:
+    run: RunConfig
+    trainer: Trainer
+    batches: TokenBatches
+    model: RunModel
+    device: str
+    dtype: str
+    placement_text: str
+
+    @property
+    def n_params(self) -> int:
+        return self.model.n_params
+
+    def train(self, rundir: RunDir, on_step: Callable[[int, dict[str, Any]], None] | None = None,
+              start_step: int = 0) -> LoopResult:
+        save = None
+        if hasattr(self.trainer, "save_checkpoint"):
+            def save(step: int) -> None:
+                self.trainer.save_checkpoint(rundir.path, data=self.batches.state_dict(),
+                                             keep=self.run.keep_checkpoints, model=self.model.description)
+        comm = getattr(self.trainer, "comm", None)
+        mean = comm.mean if comm is not None else None
+        gather = comm.all_gather_json if comm is not None and comm.world_size > 1 else None
+        return train_loop(self.run, self.trainer, self.batches, rundir, on_step, start_step, save, mean, gather)
+
+    def resume(self, rundir: RunDir) -> tuple[int, list[str]]:
+        """Continue from the run directory's newest intact checkpoint: its step and what to tell
+        the user (damaged checkpoints skipped); step 0 when the run has none yet."""
+        if not checkpoint_dirs(rundir.path):
+            return 0, [f"run directory '{rundir.path}' has no checkpoint yet: starting from step 0"]
+        if not hasattr(self.trainer, "load_checkpoint"):
+            raise ConfigError("--resume needs a tiered run (--offload host, nvme or auto); the in-memory "
+                              "reference trainer keeps no checkpoints")
+        manifest = self.trainer.load_checkpoint(rundir.path)
+        if manifest.data is not None:
+            self.batches.load_state_dict(manifest.data)
+        return manifest.step, [*self.trainer.notes(), f"resumed from checkpoint step {manifest.step}"]
+
+    def notes(self) -> list[str]:
+        return self.model.notes + (self.trainer.notes() if hasattr(self.trainer, "notes") else [])
+
+
+def load_batches(run: RunConfig, model: RunModel, ranks: Ranks = Ranks()) -> TokenBatches:
+    """The run's data, tokenized for `model` and checked against its vocabulary; with several
+    ranks, this rank's rows of every global batch."""
+    tokens = read_corpus(run.data, model.vocab_size, model.tokenizer, run.text_field)
+    return TokenBatches(tokens, run.batch_size, run.seq_len, seed=run.engine.seed,
+                        rank=ranks.rank, world_size=ranks.world_size)
+
+
+@contextmanager
+def open_session(run: RunConfig, ranks: Ranks = Ranks()) -> Iterator[Session]:
+    """Check every input, then build data, model and trainer; close the trainer on exit.
+    With several ranks the process group is already up (`tierzero.dist.launch`)."""
+    cfg = run.engine
+    device = cfg.resolved_device()
+    dtype = resolve_dtype(cfg.dtype, device)
+    check_dtype_supported(dtype, device)
+    model = run_model(run)
+    batches = load_batches(run, model, ranks)
+    run.check_ranks(ranks.world_size)
+    if cfg.offload is Offload.NONE:
+        from tierzero.engine.reference import ReferenceTrainer
+
+        if run.checkpoint_every is not None:
+            raise ConfigError("checkpoints need a tiered run (--offload host, nvme or auto); the in-memory "
+                              "reference trainer keeps none: drop --checkpoint-every or offload")
+        trainer: Trainer = ReferenceTrainer(model.in_memory(device, cfg.seed), cfg, device)
+        text = "everything in memory (reference trainer)"
+    else:
+        from tierzero.engine import Engine
+
+        trainer = Engine(model.on_meta(), cfg, weights=model.weights)
+        text = trainer.placement.describe()
+    try:
+        yield Session(run, trainer, batches, model, str(device), dtype.value, text)
+    finally:
+        trainer.close()
