@@ -63,11 +63,16 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+# Direct I/O needs 4 KiB-aligned offsets, sizes and buffer addresses (it covers every logical
+# block size in use); every shard, chunk, piece and pool block is sized and placed to it.
+ALIGN_BYTES = 4096
+
+
 def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor whose data starts on a 4 KiB boundary, so the NVMe store can use direct I/O."""
-    pad = 4096 // dtype.itemsize
+    pad = ALIGN_BYTES // dtype.itemsize
     raw = torch.empty(numel + pad, dtype=dtype)
-    skip = (-raw.data_ptr() % 4096) // dtype.itemsize
+    skip = (-raw.data_ptr() % ALIGN_BYTES) // dtype.itemsize
     return raw[skip:skip + numel]
 
 
