@@ -1,12 +1,38 @@
-"""Shared fixtures: the I/O loop every store test runs its coroutines on."""
+"""Shared fixtures: the I/O loop every store test runs its coroutines on, and the device pin.
+
+Every test runs on the CPU unless it is marked `cuda`: on a GPU machine `Config(device=None)`
+would otherwise resolve to the GPU (and bf16) while the plain-PyTorch reference it is compared
+with stays on the CPU in fp32. A `cuda` test is skipped where there is no GPU.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from tierzero.storage.io import IOLoop
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cuda: runs on a CUDA GPU; skipped without one")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if item.get_closest_marker("cuda") is not None:
+                item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_marked_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pin an unmarked test, and the subprocesses it starts, to the CPU on a GPU machine."""
+    if request.node.get_closest_marker("cuda") is None and torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ from tierzero.engine.streams import CudaStreams
 
 from engine_helpers import SMALL, batches
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.cuda
 
 ON_GPU = Placement()  # every state on the GPU: the engine's AdamW runs on the GPU like the reference's
 HOST = Placement(Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
@@ -41,7 +41,7 @@ NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 
 def run_pair(tmp_path, placement: Placement, steps: int = 3) -> tuple[dict, dict, list[float], list[float]]:
     cfg = Config(placement=placement, nvme_path=[str(tmp_path / "nvme")], lr=3e-3, warmup_steps=1,
-                 total_steps=steps, device="cuda:0", piece_numel=6144, host_budget="1GiB", gpu_budget="1GiB")
+                 total_steps=steps, device="cuda:0", dtype="fp32", piece_numel=6144, host_budget="1GiB", gpu_budget="1GiB")
     ref = ReferenceTrainer(models.build(SMALL, seed=cfg.seed), cfg, device="cuda:0")
     data = batches()
     ref_losses = [ref.train_step(data.next_batch()) for _ in range(steps)]

@@ -228,7 +228,7 @@ def test_a_block_that_fails_to_unpin_is_never_unmapped(cudart: FakeCudart,
     assert len(cudart.pinned) == 3
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_pinned_blocks_copy_asynchronously_on_a_gpu() -> None:
     with HostPool(4 << 20) as pool:
         host = pool.lease(1 << 20)
