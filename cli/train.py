@@ -15,7 +15,8 @@ from tierzero.cli.output import Output
 from tierzero.config import RunConfig, load_run_config
 from tierzero.errors import ConfigError
 from tierzero.dist.launch import Ranks, rank_device, ranks_from_env, run_torchrun, start_process_group, stop_process_group, under_torchrun
-from tierzero.run.directory import RunDir
+from tierzero.checkpoint.catalog import checkpoint_dirs
+from tierzero.run.directory import CONFIG_NAME, RunDir, enclosing_run_dir, rebase_paths, refuse_fresh_start
 
 
 def train(
@@ -47,6 +48,7 @@ def train(
     checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help="Checkpoint every N optimizer steps (and always at the end)."),
     keep_checkpoints: Optional[int] = typer.Option(None, "--keep-checkpoints", help="Keep the newest K checkpoints (default 2)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --run-dir from its newest intact checkpoint, up to --steps."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start a new run in a --run-dir that holds checkpoints; the old ones are moved into checkpoints/abandoned/."),
     grad_reduce_dtype: Optional[str] = typer.Option(None, "--grad-reduce-dtype", help="What gradients are summed over ranks in: fp32 (default, exact) or bf16 (half the bytes)."),
     overlap_comm: Optional[bool] = typer.Option(None, "--overlap-comm/--no-overlap-comm", help="Several ranks: all-gather each unit's params while the one before computes, and reduce its grads while the next backward computes (default on)."),
     stage: Optional[int] = typer.Option(None, "--stage", help="Several ranks, ZeRO stage: 3 partitions params, grads and optimizer states (params all-gathered at each use); 2 replicates params (one all-gather per unit per step); 1 also keeps whole grads over --accumulate micro-batches (one reduction per step). Default: 1 or 2 when replicated state fits the budgets, else 3."),
@@ -67,11 +69,18 @@ def train(
                      profile=str(profile) if profile else None,
                      run_dir=str(run_dir) if run_dir else None,
                      checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints)
+    if resume and overwrite:
+        raise ConfigError("--resume continues a run and --overwrite starts a new one; pass one of them")
     if resume:
         config = _resume_config(run_dir, config)
         if steps is not None and config is not None and _schedule_follows_steps(config):
             overrides["total_steps"] = steps  # a longer run stretches its lr schedule, as a new one would
     run = load_run_config(config, overrides)
+    if resume and run_dir is not None and config == run_dir / CONFIG_NAME and nvme_path is None:
+        run.engine.nvme_path = rebase_paths(run.engine.nvme_path, run_dir)  # saved relative to the run
+    if not resume and not overwrite and run.run_dir is not None:
+        if steps_held := [s for s, _ in checkpoint_dirs(run.run_dir)]:  # refused before anything starts
+            raise ConfigError(refuse_fresh_start(run.run_dir, steps_held))
     if run.run_dir is None and ranks_from_env().world_size > 1:
         raise ConfigError("ranks started by torchrun must name one run directory; pass --run-dir DIR")
     if run.run_dir is None:
@@ -94,22 +103,24 @@ def train(
     run.engine.device = rank_device(ranks, run.engine.device)
     start_process_group(ranks, run.engine.device, comm_timeout)
     try:
-        _train(run, ranks, resume, json_out)
+        _train(run, ranks, resume, overwrite, json_out)
     finally:
         stop_process_group()
 
 
-def _train(run: RunConfig, ranks: Ranks, resume: bool, json_out: bool) -> None:
+def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out: bool) -> None:
     """Train on this rank; only rank 0 prints, and it speaks for the run."""
     from tierzero.run.session import open_session
 
     out = Output(json_out, quiet=not ranks.primary)
-    with _open_run_dir(run.run_dir, ranks) as rundir, open_session(run, ranks) as session:
+    with _open_run_dir(run.run_dir, ranks, resume, overwrite) as (rundir, notes), \
+            open_session(run, ranks) as session:
         start_step = 0
         if resume:
-            start_step, notes = session.resume(rundir)
-            for note in notes:
-                out.print(f"[yellow]note:[/] {note}", highlight=False)
+            start_step, resumed = session.resume(rundir)
+            notes = [*notes, *resumed]
+        for note in notes:
+            out.print(f"[yellow]note:[/] {note}", highlight=False)
         rundir.write_config(run)
         out.print(f"[bold]tierzero train[/] {run.model} ({session.n_params / 1e6:.2f}M params) "
                   f"on {session.device}, dtype {session.dtype}, "
@@ -150,12 +161,14 @@ def _run_name(model: str) -> str:
 
 
 @contextmanager
-def _open_run_dir(path: str, ranks: Ranks) -> Iterator[RunDir]:
+def _open_run_dir(path: str, ranks: Ranks, resume: bool, overwrite: bool) -> Iterator[tuple[RunDir, list[str]]]:
+    """The locked run directory with its lineage begun or continued, and what to tell the user."""
     from tierzero.dist.comm import Comm
 
     with RunDir(path, primary=ranks.primary) as rundir:
+        notes = rundir.start(resume, overwrite)
         Comm().barrier()  # rank 0 holds the run directory's lock before any rank writes into it
-        yield rundir
+        yield rundir, notes
 
 
 def _given_args(ctx: typer.Context, drop: set[str]) -> list[str]:
@@ -184,7 +197,11 @@ def _resume_config(run_dir: Optional[Path], config: Optional[Path]) -> Optional[
     if not run_dir.is_dir():
         raise ConfigError(f"run directory '{run_dir}' does not exist; --resume continues an existing run "
                           "(drop --resume to start a new one there)")
-    saved = run_dir / "config.toml"
+    outer = enclosing_run_dir(run_dir)
+    if outer is not None and not (run_dir / CONFIG_NAME).is_file():
+        raise ConfigError(f"'{run_dir}' lies inside the run directory '{outer}' (a checkpoint or its store); "
+                          f"resume the run with --run-dir {outer}")
+    saved = run_dir / CONFIG_NAME
     return config if config is not None or not saved.is_file() else saved
 
 

@@ -40,7 +40,8 @@ def write_checkpoint(run_dir: str | Path, model: nn.Module, step: int, world_siz
     units = partition(model, world_size)
     path = step_dir(run_dir, step)
     manifest = Manifest(step=step, time=time.time(), world_size=world_size, compute_dtype="bf16",
-                        config_hash="0" * 16, units=layout_of(units), arrays={})
+                        config_hash="0" * 16, units=layout_of(units), arrays={},
+                        engine={"step_count": step})
     for unit in units:
         master = flat_master(unit)
         values = {StateKind.PARAM: master.to(torch.bfloat16), StateKind.MASTER: master,

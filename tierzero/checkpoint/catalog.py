@@ -3,23 +3,27 @@
 `RUN_DIR/checkpoints/step-<N>/` holds a manifest and frozen arrays (see `tierzero.checkpoint.manifest`).
 A directory only gets its final name once everything in it is durable, so a `step-<N>`
 without a readable manifest, or with an array that fails its checksums, is damage: it is
-skipped with a message naming the file, and the next older one is used.
+skipped with a message naming the file, and the next older one is used. So is a manifest that
+fails its own checksum or whose steps disagree (`Manifest.load`).
+
+Pruning follows lineage (`tierzero.checkpoint.lineage`): it removes only checkpoints that the
+run which just wrote one wrote itself, older than that one; anything else is left alone.
 """
 
 from __future__ import annotations
 
-import re
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 from tierzero.errors import CheckpointError
-from tierzero.checkpoint.manifest import Manifest
-from tierzero.storage.arrays import verify_array
+from tierzero.checkpoint.files import is_regular
+from tierzero.checkpoint.manifest import STEP_DIR, Manifest
+from tierzero.storage.arrays import chunk_path, verify_array
 from tierzero.storage.base import StorageError
 
 CHECKPOINTS_DIR = "checkpoints"
-_STEP_DIR = re.compile(r"step-(\d+)")
 
 
 def checkpoints_root(run_dir: str | Path) -> Path:
@@ -35,7 +39,7 @@ def checkpoint_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
     root = checkpoints_root(run_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir()]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir()]
     return sorted(found)
 
 
@@ -45,8 +49,13 @@ def verify_checkpoint(path: Path, manifest: Manifest, rank: int | None = None) -
     for key, meta in manifest.arrays.items():
         if rank is not None and key.split("/")[2:3] != [f"r{rank}"]:
             continue  # another rank's shard: that rank checks it
+        array = str(manifest.array_dir(path, key))
+        odd = next((c for i in range(meta.nchunks) if not is_regular(c := chunk_path(array, i))
+                    and os.path.lexists(c)), None)
+        if odd is not None:  # a FIFO would block the read below forever
+            raise CheckpointError(f"checkpoint {path.name} is damaged: {odd} is not a regular file")
         try:
-            verify_array(str(manifest.array_dir(path, key)), meta)
+            verify_array(array, meta)
         except StorageError as e:
             raise CheckpointError(f"checkpoint {path.name} is damaged: {e}") from None
 
@@ -101,20 +110,25 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None, verify: bool =
     return found[0], found[1]
 
 
-def prune(run_dir: str | Path, keep: int) -> list[Path]:
-    """Remove all but the newest `keep` complete checkpoints (and incomplete older ones).
+def prune(run_dir: str | Path, keep: int, written: Path) -> list[Path]:
+    """After `written` was made, keep it and the newest `keep - 1` older checkpoints of its
+    lineage; remove that lineage's older ones. Another run's checkpoints, newer ones, and ones
+    whose manifest cannot be read (their lineage unknown) are never removed.
 
     Only checkpoint directories are removed: the live store's chunks that a removed checkpoint
     linked keep their other name, so pruning never touches the live store.
     """
-    dirs = checkpoint_dirs(run_dir)
-    complete = [p for _, p in dirs if (p / "manifest.json").is_file()]
-    kept = set(complete[-keep:]) if keep > 0 else set()
-    newest_kept = max((s for s, p in dirs if p in kept), default=None)
-    removed = []
-    for s, p in dirs:
-        if p in kept or (newest_kept is not None and s > newest_kept):
+    newest = Manifest.load(written)
+    ours = []
+    for step, path in checkpoint_dirs(run_dir):
+        if step >= newest.step:
             continue
-        shutil.rmtree(p, ignore_errors=True)
-        removed.append(p)
+        try:
+            if Manifest.load(path).run_id == newest.run_id:
+                ours.append(path)
+        except CheckpointError:
+            continue  # damaged or incomplete: not ours to delete
+    removed = ours[:max(len(ours) - (max(keep, 1) - 1), 0)]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
     return removed

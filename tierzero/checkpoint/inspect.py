@@ -4,7 +4,8 @@
 safe beside a live trainer (whose files may change under it: a checkpoint half-made, a shard
 mid-swap). Anything odd it meets -- unreadable JSON, a stray file, a missing directory -- is
 recorded as a reason next to the thing it concerns, never raised, except a missing run
-directory. Only host and GPU tiers hold their state in memory, so the arrays it counts are the
+directory. Files are opened only when they are regular files (`checkpoint.files.read_regular`):
+a FIFO or a symlink in the run directory is reported, never blocked on or followed. Only host and GPU tiers hold their state in memory, so the arrays it counts are the
 NVMe store's on disk; the placement says which state kinds the run keeps where.
 
 NVMe store layouts understood (`storage.nvme`): one array per key (`<key>/zarr.json` with
@@ -19,12 +20,14 @@ import json
 import math
 import os
 import re
+import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tierzero.checkpoint.catalog import checkpoint_dirs, verify_checkpoint
-from tierzero.config import Offload, Placement, StateKind, read_toml
+from tierzero.checkpoint.files import read_regular
+from tierzero.config import Offload, Placement, StateKind
 from tierzero.errors import RunDirError, TierzeroError
 from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest
 from tierzero.storage.base import StorageError
@@ -98,10 +101,11 @@ def inspect_run(run_dir: str | Path, verify: bool = False) -> RunInfo:
 
 
 def _nvme_paths(root: Path, config: dict[str, Any] | None) -> list[str]:
-    """The config's nvme_path (relative paths are as the trainer saw them: from its working
-    directory), or the train command's default RUN_DIR/nvme when the config does not say."""
+    """The config's nvme_path (relative paths are relative to the run directory, as the trainer
+    saves them), or the train command's default RUN_DIR/nvme when the config does not say."""
     value = (config or {}).get("nvme_path")
     paths = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+    paths = [root / p for p in paths if isinstance(p, str)]
     if not paths and (root / "nvme").is_dir():
         paths = [root / "nvme"]
     return [str(store) for p in paths for store in _rank_stores(Path(p))]
@@ -118,12 +122,15 @@ def _rank_stores(path: Path) -> list[Path]:
 
 
 def _config(root: Path) -> tuple[dict[str, Any] | None, str | None]:
-    if not (root / "config.toml").is_file():
-        return None, f"{root / 'config.toml'} is missing"
+    path = root / "config.toml"
     try:
-        return read_toml(root / "config.toml"), None
-    except (TierzeroError, OSError, UnicodeDecodeError) as e:
-        return None, str(e)
+        return tomllib.loads(read_regular(path).decode()), None
+    except FileNotFoundError:
+        return None, f"{path} is missing"
+    except OSError as e:
+        return None, f"{path} {e.strerror}"
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        return None, f"{path} is not valid TOML ({e})"
 
 
 def _placement(config: dict[str, Any] | None) -> dict[str, str]:
@@ -143,7 +150,7 @@ def _placement(config: dict[str, Any] | None) -> dict[str, str]:
 
 def _checkpoint(step: int, path: Path, verify: bool) -> CheckpointInfo:
     info = CheckpointInfo(step, str(path), "incomplete")
-    if not (path / MANIFEST_NAME).is_file():
+    if not os.path.lexists(path / MANIFEST_NAME):
         info.reason = f"{MANIFEST_NAME} is missing (being written, or interrupted)"
         return info
     try:
@@ -200,10 +207,13 @@ def store_info(path: str | Path) -> StoreInfo:
 def _node(path: Path, info: StoreInfo) -> dict[str, Any] | None:
     """The parsed zarr.json at `path`, or None (noting why when it exists but is unreadable)."""
     try:
-        doc = json.loads(path.read_bytes())
+        doc = json.loads(read_regular(path))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        info.skipped.append(f"{path}: {e.strerror}")
+        return None
+    except ValueError as e:
         info.skipped.append(f"{path}: {type(e).__name__}: {e}")
         return None
     if not isinstance(doc, dict):

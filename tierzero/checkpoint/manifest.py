@@ -9,24 +9,33 @@ A checkpoint is a directory `RUN_DIR/checkpoints/step-<N>/`:
 
 The manifest records the step, the unit layout (every parameter name, offset and shape, so
 export needs no model code), the world size and dtypes, a hash of the config, the engine's
-counters, loss scaler, data position and RNG states, and one entry per array.
+counters, loss scaler, data position and RNG states, one entry per array, the run id that wrote
+it (`tierzero.checkpoint.lineage`) and the run's config.toml as it was then.
+
+Integrity: the chunks carry crc32c lists in the manifest, and the manifest carries a sha256 over
+its own content (canonical JSON, so the snapshot of config.toml is covered too). One changed
+digit anywhere in it is caught on load, and `load` also insists that the directory's step, the
+manifest's step and the engine's step count agree; anything else is a damaged checkpoint.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierzero.checkpoint.files import read_regular
 from tierzero.errors import CheckpointError
 from tierzero.layout.partition import Unit
 from tierzero.storage.zarrmeta import ShardMeta
 
-FORMAT = "tierzero-checkpoint/1"
+FORMAT = "tierzero-checkpoint/2"  # /2: a checksum over the manifest, its run id
 MANIFEST_NAME = "manifest.json"
 STATE_DIR = "state"
+STEP_DIR = re.compile(r"step-(\d+)")
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,8 @@ class Manifest:
     model: dict[str, Any] | None = None  # what built the model (preset name, shape), for humans
     rank_rng: list[dict[str, Any]] | None = None  # with several ranks: each rank's RNG states, in rank order
     stage: int = 3  # the ZeRO stage: at 1 and 2 each rank's param arrays hold whole units
+    run_id: str | None = None  # the lineage that wrote it (RUN_DIR/run-id then)
+    config_toml: str | None = None  # RUN_DIR/config.toml when it was written, covered by the checksum
 
     @property
     def nbytes(self) -> int:
@@ -89,7 +100,8 @@ class Manifest:
     def to_json(self) -> bytes:
         doc = asdict(self)
         doc["arrays"] = {k: m.to_dict() for k, m in self.arrays.items()}
-        return json.dumps({"format": FORMAT, **doc}, indent=1).encode()
+        doc = {"format": FORMAT, **json.loads(json.dumps(doc))}  # as a reader will see it
+        return json.dumps({**doc, "checksum": _checksum(doc)}, indent=1).encode()
 
     @classmethod
     def from_json(cls, raw: bytes, where: str) -> Manifest:
@@ -98,6 +110,9 @@ class Manifest:
             if doc.get("format") != FORMAT:
                 raise CheckpointError(f"{where} is not a {FORMAT} manifest (format "
                                       f"{doc.get('format')!r}); use a checkpoint this tierzero wrote")
+            if doc.pop("checksum", None) != _checksum(doc):
+                raise CheckpointError(f"{where} fails its checksum (edited or damaged since it was "
+                                      "written); the checkpoint is damaged, use another one")
             units = [UnitLayout(int(u["index"]), str(u["name"]), int(u["numel"]), int(u["padded_numel"]),
                                 [SlotLayout([str(n) for n in s["names"]], int(s["offset"]), int(s["numel"]),
                                             [int(d) for d in s["shape"]], bool(s.get("frozen", False)))
@@ -109,7 +124,8 @@ class Manifest:
                        str(doc["config_hash"]), units, arrays, dict(doc.get("engine") or {}),
                        doc.get("data"), dict(doc.get("rng") or {}), int(doc.get("bytes_copied", 0)),
                        doc.get("model"), _rank_rng(doc.get("rank_rng"), int(doc["world_size"])),
-                       int(doc.get("stage", 3)))
+                       int(doc.get("stage", 3)), _optional_str(doc.get("run_id")),
+                       _optional_str(doc.get("config_toml")))
         except CheckpointError:
             raise
         except Exception as e:  # malformed JSON or fields: one sentence, never a traceback
@@ -118,14 +134,27 @@ class Manifest:
 
     @classmethod
     def load(cls, checkpoint: Path) -> Manifest:
+        """The manifest of `checkpoint`, its checksum verified and its steps agreeing."""
         path = checkpoint / MANIFEST_NAME
         try:
-            raw = path.read_bytes()
+            raw = read_regular(path)
         except FileNotFoundError:
             raise CheckpointError(f"{path} is missing: the checkpoint is incomplete") from None
         except OSError as e:
             raise CheckpointError(f"cannot read {path} ({e.strerror})") from None
-        return cls.from_json(raw, str(path))
+        manifest = cls.from_json(raw, str(path))
+        manifest.check_steps(checkpoint)
+        return manifest
+
+    def check_steps(self, checkpoint: Path) -> None:
+        """The directory's step (when it is named `step-<N>`), the manifest's step and the engine's
+        step count must be one number: a checkpoint that disagrees with itself is damaged."""
+        named = STEP_DIR.fullmatch(checkpoint.name)
+        count = self.engine.get("step_count")
+        if (named is not None and int(named.group(1)) != self.step) or count != self.step:
+            raise CheckpointError(f"checkpoint {checkpoint.name} is damaged: its manifest says step {self.step} "
+                                  f"and step count {count}, which disagree with each other or the directory "
+                                  "name; use another checkpoint")
 
     def array_dir(self, checkpoint: Path, key: str) -> Path:
         return checkpoint / STATE_DIR / Path(*key.split("/"))
@@ -150,6 +179,17 @@ class Manifest:
         if compute_dtype != self.compute_dtype:
             raise CheckpointError(f"{where} was trained in {self.compute_dtype} but this run computes in "
                                   f"{compute_dtype}; resume with --dtype matching it")
+
+
+def _checksum(doc: dict[str, Any]) -> str:
+    """sha256 of the manifest's content as canonical JSON (sorted keys, no spaces)."""
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _optional_str(value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"expected a string, got {type(value).__name__}")
+    return value
 
 
 def _rank_rng(value: Any, world_size: int) -> list[dict[str, Any]] | None:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tierzero.checkpoint import lineage
 from tierzero.checkpoint.catalog import checkpoints_root, prune, step_dir
 from tierzero.config import StateKind, Tier
 from tierzero.errors import CheckpointError, TierzeroError
@@ -106,7 +107,7 @@ def save(engine: Engine, run_dir: str | Path, data: dict[str, Any] | None = None
         engine.note("checkpoints copy the NVMe state's chunks because the run directory is on another "
                     "filesystem than --nvme-path; keep them on one filesystem for checkpoints that copy nothing")
     if keep is not None and comm.rank == 0:
-        prune(run_dir, keep)
+        prune(run_dir, keep, final)  # this lineage's older checkpoints only
     comm.barrier()  # every rank returns once the checkpoint is in place (and pruned)
     return final
 
@@ -140,7 +141,7 @@ def _commit(engine: Engine, temp: Path, final: Path, parts: list[dict[str, Any]]
                         compute_dtype=dtype_name(engine.dtype), config_hash=numeric_config_hash(engine),
                         units=layout_of(engine.units), arrays=arrays, engine=_engine_state(engine),
                         data=data, rng=parts[0]["rng"], bytes_copied=sum(p["copied"] for p in parts),
-                        model=model, rank_rng=rank_rng, stage=engine.stage)
+                        model=model, rank_rng=rank_rng, stage=engine.stage, **lineage.stamp(final))
     engine.tiers.run(write_durable(str(temp / MANIFEST_NAME), manifest.to_json()))
     _replace_dir(temp, final)
 

@@ -3,14 +3,20 @@
 `offload none` trains through the in-memory reference trainer; every other offload through
 the `Engine`, which takes the model on the `meta` device and materialises it unit by unit.
 The model is a built-in preset or a Hugging Face directory (`tierzero.run.model_load`).
+A session seeds torch's global RNG and Python's `random` from `--seed` before anything draws
+from them, so identical runs save identical RNG states (and dropout repeats); a resumed run
+then sets them from its checkpoint.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from tierzero.config import Offload, RunConfig
 from tierzero.run.corpus import read_corpus
@@ -52,7 +58,8 @@ class Session:
 
     def resume(self, rundir: RunDir) -> tuple[int, list[str]]:
         """Continue from the run directory's newest intact checkpoint: its step and what to tell
-        the user (damaged checkpoints skipped); step 0 when the run has none yet."""
+        the user (damaged checkpoints skipped, newer ones moved aside); step 0 when the run has
+        none yet."""
         if not checkpoint_dirs(rundir.path):
             return 0, [f"run directory '{rundir.path}' has no checkpoint yet: starting from step 0"]
         if not hasattr(self.trainer, "load_checkpoint"):
@@ -61,7 +68,8 @@ class Session:
         manifest = self.trainer.load_checkpoint(rundir.path)
         if manifest.data is not None:
             self.batches.load_state_dict(manifest.data)
-        return manifest.step, [*self.trainer.notes(), f"resumed from checkpoint step {manifest.step}"]
+        moved = rundir.abandon_after(manifest.step)  # they would be taken for this run's later ones
+        return manifest.step, [*self.trainer.notes(), *moved, f"resumed from checkpoint step {manifest.step}"]
 
     def notes(self) -> list[str]:
         return self.model.notes + (self.trainer.notes() if hasattr(self.trainer, "notes") else [])
@@ -80,6 +88,8 @@ def open_session(run: RunConfig, ranks: Ranks = Ranks()) -> Iterator[Session]:
     """Check every input, then build data, model and trainer; close the trainer on exit.
     With several ranks the process group is already up (`tierzero.dist.launch`)."""
     cfg = run.engine
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
     device = cfg.resolved_device()
     dtype = resolve_dtype(cfg.dtype, device)
     check_dtype_supported(dtype, device)
