@@ -10,19 +10,11 @@ round's ratio. Throughputs are the best of their rounds. GB/s are 1e9 bytes per 
   on the I/O loop's threads (the same pool the store uses): the ceiling for Python.
 - store: `NvmeStore` writing and reading `shard_bytes` shards of one buffer, all in flight at
   once; the default chunk size in every round, a few other chunk sizes once.
-- fio (optional), direct I/O. A sweep (`fio_sweep`) first picks the best configuration for each
-  direction (its best figure is reported); the rounds then run that one. The sweep covers the
-  store's own shape -- 16 submitters with one request each (psync, io_uring) -- as well as
-  libaio and io_uring at depth, since a review found that fio never had the store's concurrency
-  to pick from. io_uring is swept only where fio has it and a tiny probe run works (`open()`).
-  fio's own group bandwidth divides the bytes by the longest *single* job's runtime, but its
-  jobs start staggered: on short writes here it overstated the aggregate by up to 1.5x. So
-  fio's figure is ours too: all bytes over the wall span from the first request's submission to
-  the last completion, read off its per-request latency logs (`--write_lat_log`, Unix-epoch
-  times in ms, so +-2 ms: about 1% of a 1 GiB run) -- the same definition the store is timed
-  by. fio's own figure is reported beside it. Without O_DIRECT, fio's file is fsynced after it
-  exits and that time is added to a write's span, as the store's writes are timed up to their
-  fsync.
+- fio (optional), direct I/O (`storage.fio`: the sweep, command lines, and its wall-span
+  figure). The sweep first picks the best configuration for each direction (its best figure is
+  reported); the rounds then run that one. fio's own figure is reported beside ours. Without
+  O_DIRECT, fio's file is fsynced after it exits and that time is added to a write's span, as
+  the store's writes are timed up to their fsync.
 
 Data: every path writes incompressible bytes that no block-level dedupe can match, because a
 virtual disk may compress or dedupe (an earlier version wrote a constant 0x5A from raw and the
@@ -52,19 +44,14 @@ hypervisor's cache below a virtual disk is out of any guest's reach (`drop_cache
 which is also machine-wide, so it is not used); the slots only keep it from serving what was
 just written. Direct writes are timed without the final fsync, as fio times them. Everything
 is written under a fresh temp directory inside `directory`, removed by `close()`.
-
-(Past 500 lines: the fio runner shares the plan's slots, samples and temp directory; if it grows
-again, `fio_sweep` / `fio_command` / `_run_fio` / `fio_wall_span` move to a module of their own.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -76,6 +63,7 @@ import torch
 
 from tierzero.storage import chunkfile
 from tierzero.storage.base import StorageError
+from tierzero.storage.fio import FioConfig, check_fio, config_name, fio_command, fio_engines, fio_sweep, fio_wall_span, run_fio
 from tierzero.storage.host import HostPool
 from tierzero.storage.io import IOLoop
 from tierzero.storage.nvme import NvmeStore
@@ -91,39 +79,7 @@ _MiB = 1 << 20
 # peak disk use in multiples of the size: raw and fio two slots each, one store at a time with
 # two slots, each with its spare files
 FOOTPRINT = 8
-FioConfig = tuple[str, int, int, int]  # engine, block bytes, queue depth, jobs
-STORE_SHAPE_JOBS = 16  # the CLI's I/O threads: 16 submitters, one request each
 
-
-def fio_sweep(engines: frozenset[str] | set[str]) -> list[FioConfig]:
-    """fio's configurations to try, for the `engines` this fio can run (psync and libaio always).
-
-    libaio at depth with few jobs (fio's usual best), the store's own shape (16 jobs, one request
-    each: psync is exactly 16 threads calling pwrite), and io_uring at both where available."""
-    depth = [(bs, iodepth, numjobs) for bs in (1 << 20, 8 << 20) for iodepth in (8, 32)
-             for numjobs in (1, 4)]
-    shape = [(bs, 1, STORE_SHAPE_JOBS) for bs in (1 << 20, 8 << 20)]
-    sweep = [("libaio", *c) for c in depth] + [("psync", *c) for c in shape]
-    if "io_uring" in engines:
-        sweep += [("io_uring", *c) for c in depth + shape]
-    return sweep
-
-
-def fio_command(rw: str, config: FioConfig, filename: str, nbytes: int, direct: bool,
-                log_prefix: str) -> list[str]:
-    """The fio command line for one run: `numjobs` jobs splitting `nbytes` of one file into
-    disjoint regions (so every configuration reads and writes the same slot file), with
-    incompressible, never-repeated data (see the module docstring)."""
-    engine, bs, iodepth, numjobs = config
-    per_job = nbytes // numjobs // bs * bs
-    cmd = ["fio", "--name=tierzero", f"--filename={filename}", f"--rw={rw}", f"--bs={bs}",
-           f"--ioengine={engine}", f"--iodepth={iodepth}", f"--numjobs={numjobs}",
-           f"--size={per_job}", f"--offset_increment={per_job}", f"--direct={int(direct)}",
-           "--refill_buffers=1", "--randrepeat=0", "--invalidate=1", "--group_reporting",
-           "--output-format=json", f"--write_lat_log={log_prefix}", "--log_unix_epoch=1"]
-    if rw == "write" and not direct:
-        cmd.append("--end_fsync=1")  # in fio's own figure; its latency logs leave it out
-    return cmd
 
 
 @dataclass(frozen=True)
@@ -186,11 +142,11 @@ class DiskBench:
                                f"({FOOTPRINT}x --size), only {free} are free: pass a smaller "
                                f"--size")
         if self.fio:
-            _check_fio()
+            check_fio()
         self._work = tempfile.mkdtemp(prefix=".tierzero-bench-", dir=self.directory)
         self._direct = chunkfile.probe_direct(self._work)
         if self.fio:
-            self._fio_engines, self._fio_skipped = _fio_engines(self._work, self._direct)
+            self._fio_engines, self._fio_skipped = fio_engines(self._work, self._direct)
         self._buf = self.pool.lease(self.nbytes)
         # Random once (this also faults every page in now, not inside a timed run): filling
         # 1 GiB takes seconds, so each write only redraws the sector stamps (`_stamp`).
@@ -233,9 +189,9 @@ class DiskBench:
                      for s in range(SLOTS)]
             # each configuration writes one slot, then reads the one its predecessor wrote
             for k, c in enumerate(self.fio_configs()):
-                plan += [Step(f"fio sweep: write {_fio_config(*c)}",
+                plan += [Step(f"fio sweep: write {config_name(*c)}",
                               lambda c=c, k=k: self._fio("write", c, k % SLOTS, record="sweep")),
-                         Step(f"fio sweep: read {_fio_config(*c)}",
+                         Step(f"fio sweep: read {config_name(*c)}",
                               lambda c=c, k=k: self._fio("read", c, (k + 1) % SLOTS,
                                                          record="sweep"))]
         for r in range(1, self.rounds + 1):
@@ -303,8 +259,8 @@ class DiskBench:
                 fio[f"{rw}_gbps"] = round(max(gbps, *self._samples[f"fio.{rw}"]), 3)
                 fio[f"{rw}_gbps_fio_reported"] = round(
                     max(reported, *self._samples[f"fio_reported.{rw}"]), 3)
-                fio[f"{rw}_config"] = _fio_config(*config)
-            fio["sweep"] = [{"config": _fio_config(*c),
+                fio[f"{rw}_config"] = config_name(*config)
+            fio["sweep"] = [{"config": config_name(*c),
                              **{f"{rw}_gbps": round(self._fio_sweep[rw][c][0], 3)
                                 for rw in ("write", "read")}}
                             for c in self.fio_configs()]
@@ -419,7 +375,7 @@ class DiskBench:
         cmd = fio_command(rw, config, path, self.nbytes, self._direct,
                           os.path.join(log_dir, "job"))
         try:
-            report = _run_fio(cmd, path)
+            report = run_fio(cmd, path)
             reported = report["jobs"][0][rw]["bw_bytes"] / 1e9
             seconds, nbytes = fio_wall_span(log_dir)
             if rw == "write" and not self._direct:
@@ -442,79 +398,6 @@ class DiskBench:
     def _fio_best(self, rw: str, slot: int) -> None:
         """Run the sweep's best configuration for `rw` again, beside the store."""
         self._fio(rw, self._fio_best_config(rw), slot)
-
-
-def fio_wall_span(log_dir: str) -> tuple[float, int]:
-    """A fio run's wall span in seconds and its bytes, from its per-request total-latency logs.
-
-    Each line is `completion time (ms since the epoch), latency (ns), direction, bytes, ...`
-    (fio 3.x; 2.x logged microseconds); a request was submitted `latency` before it completed."""
-    start, end, nbytes = float("inf"), 0.0, 0
-    for name in os.listdir(log_dir):
-        if not name.startswith("job_lat."):  # job_lat.N.log; skip the slat and clat logs
-            continue
-        path = os.path.join(log_dir, name)
-        with open(path) as f:
-            for line in f:
-                try:
-                    done_ms, lat_ns, _, size = (int(x) for x in line.split(",")[:4])
-                except ValueError:
-                    raise StorageError(f"cannot read fio's latency log line {line.strip()!r} in "
-                                       f"{path}: use fio 3.x or run without --fio") from None
-                start = min(start, done_ms - lat_ns / 1e6)
-                end = max(end, done_ms)
-                nbytes += size
-    if not nbytes:
-        raise StorageError(f"fio wrote no latency log in {log_dir}: it needs --write_lat_log and "
-                           f"--log_unix_epoch (fio 3.x); upgrade fio or run without --fio")
-    return max(end - start, 1.0) / 1e3, nbytes  # ms timestamps: never below one tick
-
-
-def _check_fio() -> None:
-    """fio must be on PATH and 3.x or newer (2.x logged latencies in microseconds)."""
-    if shutil.which("fio") is None:
-        raise StorageError("--fio needs fio on PATH: install it (Debian/Ubuntu: "
-                           "apt-get install fio) or drop --fio")
-    version = subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip()
-    major = version.removeprefix("fio-").split(".")[0]
-    if not major.isdigit() or int(major) < 3:
-        raise StorageError(f"--fio needs fio 3.0 or newer, found {version or 'an unknown fio'}: "
-                           f"upgrade fio or drop --fio")
-
-
-def _fio_engines(work: str, direct: bool) -> tuple[frozenset[str], dict[str, str]]:
-    """The optional engines this fio can run here, and why each other one is skipped.
-
-    io_uring may be built into fio yet refused by the kernel or a container's seccomp filter,
-    so a listed engine must also finish a one-block run."""
-    listed = subprocess.run(["fio", "--enghelp"], capture_output=True, text=True).stdout.split()
-    if "io_uring" not in listed:
-        return frozenset(), {"io_uring": "not built into this fio (fio --enghelp)"}
-    probe = os.path.join(work, "fio-probe.bin")
-    cmd = ["fio", "--name=probe", f"--filename={probe}", "--rw=write", "--bs=4k", "--size=4k",
-           "--ioengine=io_uring", f"--direct={int(direct)}", "--output-format=json"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    finally:
-        if os.path.exists(probe):
-            os.unlink(probe)
-    if done.returncode != 0:
-        return frozenset(), {"io_uring": f"a probe run failed: {done.stderr.strip()[-200:]}"}
-    return frozenset({"io_uring"}), {}
-
-
-def _run_fio(cmd: list[str], path: str) -> dict[str, Any]:
-    """Run fio and return its JSON report; a failure is a domain error naming the file."""
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise StorageError(f"fio failed on {path}: {done.stderr.strip()[-300:]}; run without "
-                           f"--fio or check the fio installation")
-    report: dict[str, Any] = json.loads(done.stdout[done.stdout.index("{"):])
-    return report
-
-
-def _fio_config(engine: str, bs: int, iodepth: int, numjobs: int) -> str:
-    return f"{engine} bs={bs >> 20}M iodepth={iodepth} numjobs={numjobs}"
 
 
 def _drop_cache(path: str) -> None:

@@ -20,7 +20,8 @@ from tierzero.errors import ConfigError
 from tierzero.planning.placement import load_profile
 from tierzero.storage import chunkfile
 from tierzero.storage.base import StorageError
-from tierzero.storage.bench import STORE_SHAPE_JOBS, DiskBench, fio_command, fio_sweep, fio_wall_span
+from tierzero.storage.bench import DiskBench
+from tierzero.storage.fio import STORE_SHAPE_JOBS, fio_command, fio_sweep, fio_wall_span
 from tierzero.storage.host import HostPool
 from tierzero.storage.io import IOLoop
 
