@@ -55,8 +55,10 @@ from tierzero import Placement
 from tierzero import Tier
 from tierzero import models
 from tierzero.config import parse_bytes
-from tierzero.planning.ledger import activation_memory, units_from_args
-from tierzero.planning.memory_model import MemoryModel, peak_memory
+from tierzero.planning.ledger import activation_memory
+from tierzero.planning.memory_model import peak_memory
+from tierzero.planning.peaks import MemoryModel
+from tierzero.planning.workload import Workload
 from tierzero.models import ModelArgs
 from tierzero.models.presets import PRESETS
 from tierzero.planning.machine import available_host_bytes
@@ -99,9 +101,10 @@ NOMINAL = Rates(bf16_tflops=700.0, h2d_gbps=50.0, d2h_gbps=50.0, nvme_read_gbps=
 
 def memory(args: ModelArgs, placement: Placement, micro_batch: int, seq_len: int) -> MemoryModel:
     """The engine's own memory model for this preset, placement and micro-batch."""
-    return peak_memory(units_from_args(args), placement, compute_itemsize=COMPUTE_ITEMSIZE, device="cuda",
-                       tied_embeddings=args.tie_embeddings, prefetch_depth=PREFETCH_DEPTH, overlap=True,
-                       activations=activation_memory(args, micro_batch, seq_len, COMPUTE_ITEMSIZE))
+    return peak_memory(Workload.from_preset(args, COMPUTE_ITEMSIZE, device="cuda", prefetch_depth=PREFETCH_DEPTH,
+                                            overlap=True,
+                                            activations=activation_memory(args, micro_batch, seq_len, COMPUTE_ITEMSIZE)),
+                       placement)
 
 
 def fits(mem: MemoryModel, machine: Machine) -> bool:

@@ -23,8 +23,9 @@ from tierzero import Config
 from tierzero import models
 from tierzero.config import Placement, Tier
 from tierzero.engine import Engine
-from tierzero.planning.ledger import activation_memory, units_from_args
+from tierzero.planning.ledger import activation_memory
 from tierzero.planning.memory_model import peak_memory
+from tierzero.planning.workload import Workload
 from tierzero.models import ModelArgs
 
 
@@ -46,9 +47,8 @@ def run(case: dict, root: Path) -> dict:
     placement = Placement(*[Tier(t) for t in case["placement"]])
     batch_size, seq_len, steps = case["batch"], case["seq"], case.get("steps", 2)
     act = activation_memory(args, batch_size, seq_len, 4, models.llama.LOSS_CHUNK_BYTES)
-    predicted = peak_memory(units_from_args(args), placement, compute_itemsize=4, device="cpu",
-                            tied_embeddings=args.tie_embeddings, prefetch_depth=case["depth"],
-                            piece_numel=case["piece"], overlap=True, activations=act)
+    predicted = peak_memory(Workload.from_preset(args, 4, device="cpu", prefetch_depth=case["depth"],
+                                                 piece_numel=case["piece"], overlap=True, activations=act), placement)
     cfg = Config(placement=placement, device="cpu", dtype="fp32", nvme_path=[str(root / case["name"])],
                  prefetch_depth=case["depth"], piece_numel=case["piece"], lr=1e-3,
                  host_budget=predicted.host_total_bytes)

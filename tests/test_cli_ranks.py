@@ -34,9 +34,11 @@ from tierzero import models
 from tierzero.checkpoint.catalog import checkpoint_dirs, newest_checkpoint
 from tierzero.cli.app import app
 from tierzero.config import Placement, Tier
-from tierzero.planning.ledger import activation_memory, units_from_args
+from tierzero.planning.ledger import activation_memory
 from tierzero.checkpoint.manifest import Manifest
-from tierzero.planning.memory_model import MemoryModel, peak_memory
+from tierzero.planning.memory_model import peak_memory
+from tierzero.planning.peaks import MemoryModel
+from tierzero.planning.workload import Workload
 from tierzero.run.report import load_run, summarize
 from tierzero.run.directory import read_metrics
 
@@ -50,9 +52,8 @@ def per_rank_prediction(stage: int = 3) -> MemoryModel:
     on nvme, fp32, the CPU device, overlap_step, each rank's micro-batch 2 x 32."""
     args = models.get_preset("tiny")
     act = activation_memory(args, 2, 32, 4, models.llama.LOSS_CHUNK_BYTES)
-    return peak_memory(units_from_args(args), Placement(*[Tier.NVME] * 5), compute_itemsize=4, world_size=2,
-                       device="cpu", tied_embeddings=args.tie_embeddings, prefetch_depth=2, overlap=True,
-                       activations=act, stage=stage).per_rank()
+    return peak_memory(Workload.from_preset(args, 4, world_size=2, device="cpu", prefetch_depth=2, overlap=True,
+                                            activations=act, stage=stage), Placement(*[Tier.NVME] * 5)).per_rank()
 
 
 def launch(run_dir: Path, *extra: str, budget_stage: int = 3) -> subprocess.Popen:

@@ -19,6 +19,7 @@ from tierzero import models
 from tierzero.engine import Engine
 from tierzero.planning.hostblocks import HOST_ALIGN, HOST_CLASSES
 from tierzero.planning.memory_model import peak_memory
+from tierzero.planning.workload import Workload
 from tierzero.storage.base import BudgetExceededError
 from tierzero.storage.host import HostPool
 from tierzero.storage.sizeclass import choose_classes, class_for
@@ -109,7 +110,8 @@ def test_the_memory_model_counts_the_blocks_the_pool_pins() -> None:
     classes, so leases round up; the host pool's working set is exactly its blocks."""
     units = [("embedding", 50000), ("b0", 70000), ("b1", 91000), ("b2", 110000), ("b3", 130000), ("head", 30000)]
     placement = Placement(Tier.NVME, Tier.NVME, Tier.HOST, Tier.NVME, Tier.NVME)
-    m = peak_memory(units, placement, compute_itemsize=2, piece_numel=32768, device="cuda")
+    m = peak_memory(Workload.from_sizes(units, compute_itemsize=2, piece_numel=32768, device="cuda", overlap=False),
+                    placement)
     host = m.tiers[Tier.HOST]
     classes = tuple(sorted(m.host_blocks))
     assert len(classes) == HOST_CLASSES and all(c % HOST_ALIGN == 0 for c in classes)

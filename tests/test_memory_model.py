@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from tierzero.config import Placement, Tier
 from tierzero.planning.ledger import GB, activation_memory, units_from_args
 from tierzero.planning.memory_model import peak_memory
+from tierzero.planning.workload import Workload
 from tierzero.models.presets import PRESETS, ModelArgs
 
 NVME = Placement(*[Tier.NVME] * 5)
@@ -27,8 +28,8 @@ SHARD = 2048  # the smallest aligned shard
 
 def test_cpu_device_adds_both_pools_and_the_compute_allocations() -> None:
     """Two blocks, one rank, fp32 on the CPU, all state on nvme, no overlap: every byte by hand."""
-    m = peak_memory([("a", 100), ("b", 300)], NVME, compute_itemsize=4, device="cpu", prefetch_depth=1,
-                    piece_numel=SHARD, overlap=False)
+    m = peak_memory(Workload.from_sizes([("a", 100), ("b", 300)], compute_itemsize=4, device="cpu", prefetch_depth=1,
+                                       piece_numel=SHARD, overlap=False), NVME)
     gpu, host = m.tiers[Tier.GPU], m.tiers[Tier.HOST]
     assert gpu.pooled == {"params in flight": 2 * SHARD * 4}
     assert gpu.unpooled == {"gathered params": 0, "activations": 0, "unit grads": 300 * 4 + SHARD * 4}
@@ -39,16 +40,16 @@ def test_cpu_device_adds_both_pools_and_the_compute_allocations() -> None:
     # one RAM: each pool at its own peak, plus the compute allocations at theirs
     assert m.host_total_bytes == gpu.pool_bytes + host.pool_bytes + gpu.unpooled_bytes
     assert m.needs() == {Tier.GPU: gpu.pool_bytes, Tier.HOST: m.host_total_bytes, Tier.NVME: 2 * SHARD * 20}
-    cuda = peak_memory([("a", 100), ("b", 300)], NVME, compute_itemsize=4, device="cuda", prefetch_depth=1,
-                       piece_numel=SHARD, overlap=False)
+    cuda = peak_memory(Workload.from_sizes([("a", 100), ("b", 300)], compute_itemsize=4, device="cuda", prefetch_depth=1,
+                                          piece_numel=SHARD, overlap=False), NVME)
     assert cuda.host_total_bytes == cuda.tiers[Tier.HOST].peak_bytes  # a GPU's memory is its own
 
 
 def test_overlap_steps_during_backward_and_holds_the_grad_being_stepped() -> None:
     units = [("embedding", 4 * SHARD), ("blocks.0", SHARD), ("head", 4 * SHARD)]
     kw = dict(compute_itemsize=4, device="cpu", prefetch_depth=1, piece_numel=SHARD)
-    apart = peak_memory(units, NVME, overlap=False, **kw)
-    together = peak_memory(units, NVME, overlap=True, **kw)
+    apart = peak_memory(Workload.from_sizes(units, overlap=False, **kw), NVME)
+    together = peak_memory(Workload.from_sizes(units, overlap=True, **kw), NVME)
     assert "backward+optimizer" in together.tiers[Tier.HOST].pooled_phase
     assert "grad staging" not in together.tiers[Tier.HOST].pooled  # grads go straight to the optimizer
     # weights + flat grad of the embedding (fp32: 8 B/param); with overlap the block's grad
@@ -59,7 +60,8 @@ def test_overlap_steps_during_backward_and_holds_the_grad_being_stepped() -> Non
 
 def test_a_tied_embedding_is_bound_by_the_head_and_its_grads_summed() -> None:
     units = [("embedding", 4 * SHARD), ("blocks.0", SHARD), ("head", 64)]
-    m = peak_memory(units, NVME, compute_itemsize=2, tied_embeddings=True, prefetch_depth=0, overlap=True)
+    m = peak_memory(Workload.from_sizes(units, compute_itemsize=2, tied_embeddings=True, prefetch_depth=0, overlap=True),
+                    NVME)
     gpu, host = m.tiers[Tier.GPU], m.tiers[Tier.HOST]
     # the head's call binds the embedding: both units' grads, weights in bf16, flat in fp32
     assert gpu.unpooled["unit grads"] == (4 * SHARD + 64) * 2 + (4 * SHARD + SHARD) * 4
@@ -70,7 +72,8 @@ def test_a_tied_embedding_is_bound_by_the_head_and_its_grads_summed() -> None:
 def test_activations_are_counted_at_the_backward_moment_where_they_peak() -> None:
     args = ModelArgs(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=32000, ffn_dim=768, max_seq_len=64)
     act = activation_memory(args, 2, 64, 4, 64 << 20)
-    m = peak_memory(units_from_args(args), NVME, compute_itemsize=4, device="cpu", activations=act, overlap=False)
+    m = peak_memory(Workload.from_sizes(units_from_args(args), compute_itemsize=4, device="cpu", activations=act,
+                                      overlap=False), NVME)
     gpu = m.tiers[Tier.GPU]
     head = 32000 * 256 + 256
     # the head's backward: its logits with its weights' grads, or later those grads packed
@@ -167,11 +170,11 @@ def test_frozen_parameters_are_counted_as_params_only() -> None:
     pieces count the trainable prefix (`trainable`) only."""
     units = [("embedding", 4 * SHARD), ("blocks.0", 3 * SHARD), ("head", 64)]
     kw = dict(compute_itemsize=2, device="cpu", prefetch_depth=1, piece_numel=SHARD, overlap=False)
-    m = peak_memory(units, NVME, trainable=[0, SHARD, 0], **kw)
+    m = peak_memory(Workload.from_sizes(units, trainable=[0, SHARD, 0], **kw), NVME)
     assert m.tiers[Tier.NVME].homes_bytes == (4 + 3 + 1) * SHARD * 2 + SHARD * 16
     # only the block's call has grads: its trainable weights' (bf16) and their fp32 flat grad
     assert m.tiers[Tier.GPU].unpooled["unit grads"] == SHARD * 2 + SHARD * 4
-    dense = peak_memory(units, NVME, **kw)
+    dense = peak_memory(Workload.from_sizes(units, **kw), NVME)
     assert dense.tiers[Tier.NVME].homes_bytes == (4 + 3 + 1) * SHARD * 18
 
 
@@ -181,13 +184,13 @@ def test_overlapping_collectives_hold_the_next_gather_and_the_previous_reduction
     the previous call's flat grad and reduced shard wait for their reduce-scatter."""
     units = [("a", 2 * SHARD), ("b", 2 * SHARD)]
     kw = dict(compute_itemsize=4, world_size=2, device="cuda", prefetch_depth=1, piece_numel=SHARD, overlap=False)
-    apart = peak_memory(units, NVME, overlap_comm=False, **kw).tiers[Tier.GPU].unpooled
-    together = peak_memory(units, NVME, overlap_comm=True, **kw).tiers[Tier.GPU].unpooled
+    apart = peak_memory(Workload.from_sizes(units, overlap_comm=False, **kw), NVME).tiers[Tier.GPU].unpooled
+    together = peak_memory(Workload.from_sizes(units, overlap_comm=True, **kw), NVME).tiers[Tier.GPU].unpooled
     full = 2 * SHARD * 4  # one unit's gathered params (and its flat fp32 grad)
     assert apart["gathered params"] == full and together["gathered params"] == 2 * full
     # the unit being backpropagated: its weights' grads and flat grad with its shard; with
     # overlap also the unit before it in backward order, flat grad and shard, still reducing
     assert apart["unit grads"] == full + full + SHARD * 4
     assert together["unit grads"] == apart["unit grads"] + full + SHARD * 4
-    no_lookahead = peak_memory(units, NVME, overlap_comm=True, **{**kw, "prefetch_depth": 0})
+    no_lookahead = peak_memory(Workload.from_sizes(units, overlap_comm=True, **{**kw, "prefetch_depth": 0}), NVME)
     assert no_lookahead.tiers[Tier.GPU].unpooled["gathered params"] == full  # never gathered before fetched

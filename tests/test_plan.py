@@ -17,7 +17,9 @@ from tierzero.planning.ledger import GB, Stage, activation_memory, block_numel, 
 from tierzero.models import build
 from tierzero.layout.partition import partition
 from tierzero.models.presets import PRESETS, ModelArgs
-from tierzero.planning.placement import Link, PlacementChoice, PlacementEstimate, Workload, candidate_placements, choose_placement, estimate, load_profile
+from tierzero.planning.placement import Link, PlacementChoice, PlacementEstimate, candidate_placements, choose_placement, estimate, load_profile
+from tierzero.planning import machine as machine_probe
+from tierzero.planning.workload import Workload
 
 SEVEN_B = units_from_args(PRESETS["7b"])
 PROFILE = {"nvme": {"read_gbps": 3.0, "write_gbps": 2.0}, "adam": {"params_per_s": 1e9},
@@ -150,7 +152,7 @@ def test_candidates_include_the_offload_presets() -> None:
 def test_all_nvme_by_hand() -> None:
     """Two blocks of 100 and 300 params (each padded to 2048, one piece), one rank, bf16,
     prefetch 1, no overlap: every byte counted (the parts are `tierzero.planning.memory_model`'s)."""
-    work = Workload((("a", 100), ("b", 300)), compute_itemsize=2, grad_itemsize=2, prefetch_depth=1,
+    work = Workload.from_sizes((("a", 100), ("b", 300)), compute_itemsize=2, grad_itemsize=2, prefetch_depth=1,
                     overlap=False)
     e = estimate(Placement(*[Tier.NVME] * 5), work)
     shard = 2048
@@ -168,7 +170,7 @@ def test_all_nvme_by_hand() -> None:
 
 
 def test_two_ranks_split_states_and_share_the_machine() -> None:
-    work = Workload((("a", 101),), compute_itemsize=2, grad_itemsize=2, world_size=2, prefetch_depth=0,
+    work = Workload.from_sizes((("a", 101),), compute_itemsize=2, grad_itemsize=2, world_size=2, prefetch_depth=0,
                     overlap=False)
     e = estimate(Placement.for_offload(Offload.HOST), work)
     shard = 2048  # 101 padded to two aligned shards
@@ -182,8 +184,8 @@ def test_two_ranks_split_states_and_share_the_machine() -> None:
 
 
 def choose_7b(**budgets: int | None) -> PlacementChoice:
-    return choose_placement(SEVEN_B, compute_itemsize=2, **{"gpu_budget": None, "host_budget": None,
-                                                            "nvme_free": None, **budgets})
+    return choose_placement(Workload.from_sizes(SEVEN_B, 2, grad_itemsize=2),
+                            **{"gpu_budget": None, "host_budget": None, "nvme_free": None, **budgets})
 
 
 def test_ample_budgets_choose_all_gpu() -> None:
@@ -216,7 +218,7 @@ def test_impossible_budgets_name_the_tiers_and_the_missing_bytes() -> None:
     for tier, missing in choice.shortfall_bytes.items():
         assert missing == choice.resident_bytes[tier] - budgets[tier] > 0
         assert f"{missing / GB:.2f} GB more" in choice.shortfall
-    work = Workload(tuple(SEVEN_B), 2, 2)
+    work = Workload.from_sizes(SEVEN_B, 2, grad_itemsize=2)
     fewest = min(sum(estimate(p, work).overflow_bytes(budgets).values()) for p in candidate_placements())
     assert sum(choice.shortfall_bytes.values()) == fewest
     assert "\n" not in choice.shortfall
@@ -233,7 +235,7 @@ def test_profile_predicts_step_time_monotone_in_bandwidth(tmp_path: Path) -> Non
     for gbps in (1.0, 2.0, 4.0, 8.0):
         prof = dict(PROFILE, nvme={"read_gbps": gbps, "write_gbps": gbps})
         profile = load_profile(write_profile(tmp_path, prof))
-        work = Workload(tuple(SEVEN_B), 2, 2, tokens_per_step=4096)
+        work = Workload.from_sizes(SEVEN_B, 2, grad_itemsize=2, tokens_per_step=4096)
         times.append(estimate(Placement(*[Tier.NVME] * 5), work, profile).predicted_step_s)
     assert all(t is not None for t in times)
     assert times == sorted(times, reverse=True) and times[0] > times[-1]
@@ -242,7 +244,7 @@ def test_profile_predicts_step_time_monotone_in_bandwidth(tmp_path: Path) -> Non
 def test_step_time_by_hand(tmp_path: Path) -> None:
     """All on host, one unit: I/O-bound forward/backward, then Adam-bound optimizer."""
     profile = load_profile(write_profile(tmp_path, PROFILE))
-    work = Workload((("u", 10**9),), 2, 2, tokens_per_step=1000)
+    work = Workload.from_sizes((("u", 10**9),), 2, grad_itemsize=2, tokens_per_step=1000)
     e = estimate(Placement(Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST), work, profile)
     compute = 8 * 10**9 * 1000 / 100e12
     pcie = (2 * 2e9 + 2e9) / 20e9  # params in twice, grads out once
@@ -252,14 +254,14 @@ def test_step_time_by_hand(tmp_path: Path) -> None:
 
 def test_choice_minimises_step_time_with_a_profile_and_nvme_traffic_without(tmp_path: Path) -> None:
     budgets = {Tier.GPU: 24 * GB, Tier.HOST: 90 * GB, Tier.NVME: 1000 * GB}
-    kwargs = dict(gpu_budget=24 * GB, host_budget=90 * GB, nvme_free=1000 * GB, tokens_per_step=4096)
+    kwargs = dict(gpu_budget=24 * GB, host_budget=90 * GB, nvme_free=1000 * GB)
     profile = load_profile(write_profile(tmp_path, dict(PROFILE, h2d={"pinned_gbps": 0.5, "pageable_gbps": 0.1})))
-    work = Workload(tuple(SEVEN_B), 2, 2, tokens_per_step=4096)
+    work = Workload.from_sizes(SEVEN_B, 2, grad_itemsize=2, tokens_per_step=4096)
     fitting = [e for e in (estimate(p, work, profile) for p in candidate_placements()) if not e.overflow_bytes(budgets)]
     assert len(fitting) > 1
-    timed = choose_placement(SEVEN_B, compute_itemsize=2, profile=profile, **kwargs)
+    timed = choose_placement(work, profile=profile, **kwargs)
     assert timed.predicted_step_s == min(e.predicted_step_s for e in fitting)
-    untimed = choose_placement(SEVEN_B, compute_itemsize=2, **kwargs)
+    untimed = choose_placement(work, **kwargs)
     assert untimed.predicted_step_s is None
     assert nvme_bytes(untimed) == min(nvme_bytes(e) for e in fitting)
 
@@ -271,7 +273,7 @@ def nvme_bytes(e: PlacementEstimate | PlacementChoice) -> int:
 def test_cpu_only_profile_makes_pcie_free(tmp_path: Path) -> None:
     profile = load_profile(write_profile(tmp_path, dict(PROFILE, h2d=None)))
     assert profile.h2d_pinned_gbps is None
-    work = Workload((("u", 10**6),), 4, 4, tokens_per_step=0)
+    work = Workload.from_sizes((("u", 10**6),), 4, grad_itemsize=4, tokens_per_step=0)
     e = estimate(Placement(Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST), work, profile)
     assert e.predicted_step_s == pytest.approx(10**6 / 1e9)  # Adam only
 
@@ -329,7 +331,7 @@ def test_python_plan_returns_what_the_cli_prints(flags: list[str], kwargs: dict)
     import tierzero
 
     printed = json.loads(run_ok(*flags, "--json"))
-    report = tierzero.planning.placement(**kwargs)
+    report = tierzero.plan(**kwargs)
     assert json.loads(json.dumps(report.as_dict(), default=str)) == printed
     assert {k.value: t.value for k, t in zip(StateKind, (report.placement.home(k) for k in StateKind))} \
         == printed["verdict"]["placement"]
@@ -347,14 +349,15 @@ def test_plan_tables_and_params(tmp_path: Path) -> None:
     assert all(p["predicted_step_s"] > 0 for p in report["placements"])
 
 
-def test_plan_detects_the_machine_when_sizes_are_not_given(tmp_path: Path) -> None:
+def test_plan_detects_the_machine_when_sizes_are_not_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sizes not given are `tierzero train`'s defaults: half the free RAM (issue 18: not all of it)."""
+    monkeypatch.setattr(machine_probe, "available_host_bytes", lambda: 24 * GB)
     report = json.loads(run_ok("--model", "tiny", "--nvme-path", str(tmp_path), "--json"))
     machine = report["machine"]
     assert len(machine["detected"]) == 3
     if not torch.cuda.is_available():  # the gpu tier is host memory, inside the host budget
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         assert machine["device"] == "cpu" and machine["gpu_budget_bytes"] is None
-        assert machine["host_budget_bytes"] == ram
+        assert machine["host_budget_bytes"] == 12 * GB
     else:
         assert all(machine[f"{t.value}_budget_bytes"] > 0 for t in Tier)
 
@@ -399,8 +402,8 @@ def test_frozen_parameters_move_as_params_only() -> None:
     for it alone; params still move whole for compute."""
     units = (("embedding", 8192), ("blocks.0", 8192), ("head", 8192))
     nvme = Placement(*[Tier.NVME] * 5)
-    dense = estimate(nvme, Workload(units, 2, 4, prefetch_depth=1))
-    lora = estimate(nvme, Workload(units, 2, 4, prefetch_depth=1, trainable=(0, 2048, 0)))
+    dense = estimate(nvme, Workload.from_sizes(units, 2, grad_itemsize=4, prefetch_depth=1))
+    lora = estimate(nvme, Workload.from_sizes(units, 2, grad_itemsize=4, prefetch_depth=1, trainable=(0, 2048, 0)))
     params = 3 * 8192 * 2
     # every param is read twice (forward, backward); the trainable ones' grads are written, and
     # the optimizer reads grad, master and both moments (fp32) and writes those three and the param

@@ -27,6 +27,7 @@ from tierzero.dist.comm import Comm
 from tierzero.engine import Engine
 from tierzero.errors import CheckpointError, ConfigError
 from tierzero.planning.memory_model import peak_memory
+from tierzero.planning.workload import Workload
 from tierzero.layout.partition import grad_uses, partition
 from tierzero.planning.swapplan import Op
 
@@ -169,8 +170,9 @@ def test_the_memory_model_counts_replicated_state() -> None:
     padded = [-(-n // 4096) * 4096 for _, n in units]  # ALIGN_NUMEL x 2 ranks
 
     def mem(stage: int, accumulate: int = 1):
-        return peak_memory(units, Placement(*[Tier.HOST] * 5), compute_itemsize=2, world_size=2, device="cuda",
-                           stage=stage, accumulate=accumulate, overlap=False).per_rank()
+        return peak_memory(Workload.from_sizes(units, compute_itemsize=2, world_size=2, device="cuda", stage=stage,
+                                               accumulate=accumulate, overlap=False),
+                           Placement(*[Tier.HOST] * 5)).per_rank()
 
     s3, s2, s1 = mem(3), mem(2), mem(1, accumulate=2)
     assert s2.tiers[Tier.HOST].homes_bytes - s3.tiers[Tier.HOST].homes_bytes == sum(padded) // 2 * 2

@@ -39,6 +39,10 @@ class StateKind(str, enum.Enum):
     EXP_AVG_SQ = "exp_avg_sq"
 
 
+# the optimizer's states: what AdamW steps besides the param, always homed together by the planner
+OPTIMIZER_KINDS = (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
+
+
 class Offload(str, enum.Enum):
     NONE = "none"
     HOST = "host"
@@ -185,7 +189,7 @@ class Config:
             raise ConfigError(f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes}")
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas}")
+            raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas}; e.g. --adam-betas 0.9,0.95")
         _positive(self.lr, "lr", strict=True)
         _positive(self.eps, "eps", strict=True)
         _positive(self.weight_decay, "weight_decay")

@@ -9,21 +9,21 @@ activations take from them. It decides and refuses; the engine only wires the an
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from tierzero.config import Config, Offload, Placement, StateKind, Tier
 from tierzero.errors import ConfigError
-from tierzero.planning.ledger import ActivationEstimate, activation_memory
-from tierzero.planning.memory_model import MemoryModel, peak_memory
-from tierzero.models.presets import ModelArgs
-from tierzero.layout.partition import Unit
-from tierzero.storage.base import BudgetExceededError
 from tierzero.engine.tiers import Tiers
-from tierzero.planning.machine import default_budgets
+from tierzero.layout.partition import Unit
+from tierzero.models.presets import ModelArgs
+from tierzero.planning.ledger import ActivationEstimate, activation_memory
+from tierzero.planning.machine import default_budgets, free_disk_bytes
+from tierzero.planning.memory_model import peak_memory
+from tierzero.planning.peaks import MemoryModel
+from tierzero.planning.workload import Workload
+from tierzero.storage.base import BudgetExceededError
 
 
 class Sizing:
@@ -40,18 +40,19 @@ class Sizing:
         self.local_ranks = local_ranks
         self.overlap = overlap
 
+    def workload(self, stage: int, activations: ActivationEstimate | None = None) -> Workload:
+        """This rank's units and how it steps them at `stage` (activations when known): what the
+        memory model and the planner are asked about, as `tierzero plan` asks them."""
+        c = self.config
+        return Workload.from_units(self.units, self.dtype.itemsize, device="cpu" if self.device.type == "cpu" else "cuda",
+                                   prefetch_depth=c.prefetch_depth, piece_numel=c.piece_numel, overlap=self.overlap,
+                                   overlap_comm=c.overlap_comm, stage=stage, accumulate=c.accumulate,
+                                   activations=activations)
+
     def memory(self, placement: Placement, stage: int, activations: ActivationEstimate | None = None) -> MemoryModel:
         """This rank's share of the memory model at `placement` and `stage` (activations when
         known): what its own pools and budgets hold."""
-        return peak_memory(self._unit_sizes(), placement, compute_itemsize=self.dtype.itemsize,
-                           world_size=self.world_size,
-                           device="cpu" if self.device.type == "cpu" else "cuda",
-                           tied_embeddings=any(u.uses_with for u in self.units),
-                           trainable=[u.trainable_numel for u in self.units],
-                           prefetch_depth=self.config.prefetch_depth, piece_numel=self.config.piece_numel,
-                           overlap=self.overlap, accumulate=self.config.accumulate,
-                           activations=activations, overlap_comm=self.config.overlap_comm,
-                           stage=stage).per_rank()
+        return peak_memory(self.workload(stage, activations), placement).per_rank()
 
     def budgets(self) -> dict[Tier, int]:
         """This rank's budget per tier, as `offload auto` and the stage choice weigh them."""
@@ -75,12 +76,9 @@ class Sizing:
             raise ConfigError(f"no placement fits the budgets (host {budgets[Tier.HOST] / 1e6:.1f} MB, "
                               f"gpu {budgets.get(Tier.GPU, 0) / 1e6:.1f} MB, nvme {budgets[Tier.NVME] / 1e9:.1f} GB "
                               "free); raise --host-budget or --gpu-budget, or free disk space")
-        return choose_placement(
-            self._unit_sizes(), compute_itemsize=self.dtype.itemsize, grad_itemsize=4,
-            gpu_budget=None, host_budget=None, nvme_free=None, world_size=self.world_size,
-            prefetch_depth=self.config.prefetch_depth, candidates=fitting,
-            trainable=[u.trainable_numel for u in self.units], stage=stage,
-            profile=load_profile(self.config.profile) if self.config.profile else None).placement
+        return choose_placement(self.workload(stage), gpu_budget=None, host_budget=None, nvme_free=None,
+                                candidates=fitting,
+                                profile=load_profile(self.config.profile) if self.config.profile else None).placement
 
     def stage(self, placement: Placement) -> tuple[int, str]:
         """The ZeRO stage and why: the forced one (`Config.stage`), refused in one sentence when
@@ -155,10 +153,7 @@ class Sizing:
 
     def nvme_free(self) -> int:
         """Free bytes on the fullest nvme path (shards stripe evenly across the paths)."""
-        return min(shutil.disk_usage(_existing(Path(p))).free for p in self.config.nvme_path)
-
-    def _unit_sizes(self) -> list[tuple[str, int]]:
-        return [(u.name, u.numel) for u in self.units]
+        return free_disk_bytes(self.config.nvme_path)
 
 
 def _check_pools(tiers: Tiers, mem: MemoryModel, why: str) -> None:
@@ -187,9 +182,3 @@ def _unpooled(mem: MemoryModel) -> dict[Tier, int]:
 def _breakdown(mem: MemoryModel, tier: Tier) -> str:
     peak = mem.host_memory if tier is Tier.HOST else mem.tiers[tier]
     return peak.breakdown()
-
-
-def _existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path

@@ -252,9 +252,15 @@ def _lay_out(unit: Unit, pids: list[int], found: dict, world_size: int) -> None:
                                     decays(p) and not frozen, frozen))
         offset += p.numel()
     unit.numel = offset
-    quantum = ALIGN_NUMEL * world_size
-    unit.padded_numel = max(quantum, -(-offset // quantum) * quantum)
+    unit.padded_numel = padded_numel(offset, world_size)
     unit.trainable_numel = unit.padded_numel if frozen_from is None else frozen_from
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    """A flat length of `numel` padded to split into `world_size` equal, aligned shards (at
+    least one aligned element run each, so no rank's shard is empty)."""
+    quantum = ALIGN_NUMEL * world_size
+    return max(quantum, -(-numel // quantum) * quantum)
 
 
 def replicate_params(units: list[Unit], replicated: bool) -> None:

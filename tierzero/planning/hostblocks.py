@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from tierzero.config import Placement, StateKind, Tier
 from tierzero.planning.ledger import FP32_NBYTES
 from tierzero.layout.partition import ALIGN_NUMEL, piece_ranges
+from tierzero.storage.base import ALIGN_BYTES
 from tierzero.storage.sizeclass import choose_classes
 
 HOST_CLASSES = 8  # the host pool's size classes, at most
-HOST_ALIGN = 4096  # the host pool's block alignment: a page (`HostPool`)
+HOST_ALIGN = ALIGN_BYTES  # the host pool's block alignment: a page (`HostPool`), direct I/O's too
 
 
 def key_sizes(kind: StateKind, shard: list[int], state: list[int], piece_numel: int, itemsize: int,

@@ -24,10 +24,12 @@ from tierzero.models.presets import PRESETS, ModelArgs
 GB = 10**9  # sizes in tables are decimal GB, as in "a 7B model is 112 GB"
 
 FP32_NBYTES = 4
+# the unit names partition gives the built-in model's ends (`Workload.from_sizes` reads them as kinds)
 EMBEDDING_UNIT = "embedding"
 HEAD_UNIT = "head"
+ROOT_UNIT = "root"
 
-Unit = tuple[str, int]  # (unit name, parameter count)
+UnitSize = tuple[str, int]  # (unit name, parameter count): what the ledger counts of a partition `Unit`
 
 
 class Stage(str, enum.Enum):
@@ -113,7 +115,7 @@ def head_numel(args: ModelArgs) -> int:
     return args.dim + (0 if args.tie_embeddings else args.vocab_size * args.dim)
 
 
-def units_from_args(args: ModelArgs) -> list[Unit]:
+def units_from_args(args: ModelArgs) -> list[UnitSize]:
     """The model's units in execution order, as the engine partitions the built-in model:
     `embedding`, `blocks.0` .. `blocks.{n-1}`, `head`."""
     block = block_numel(args)
@@ -127,7 +129,7 @@ def nearest_preset(numel: int) -> str:
     return min(PRESETS, key=lambda name: abs(math.log(PRESETS[name].param_count() / numel)))
 
 
-def scaled_units(numel: int, args: ModelArgs) -> list[Unit]:
+def scaled_units(numel: int, args: ModelArgs) -> list[UnitSize]:
     """`args`'s units with every count scaled so they sum to `numel` (the last takes the rounding)."""
     units = units_from_args(args)
     ratio = numel / args.param_count()

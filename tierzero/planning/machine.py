@@ -1,12 +1,15 @@
-"""The one machine probe: free host memory, and the default budgets every command uses.
+"""The one machine probe: free host memory, free disk space, and the default budgets.
 
 `tierzero plan` and `tierzero train` ask the same functions, so they agree on the budgets (and
-hence on placement) for the same machine.
+hence on placement) for the same machine. Nothing else in the package reads /proc/meminfo,
+asks CUDA how much memory is free or measures a disk.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -32,3 +35,15 @@ def default_budgets(device: torch.device, local_ranks: int = 1) -> tuple[int, in
         free, _ = torch.cuda.mem_get_info(device)
         return host, int(free * 0.9)
     return host, available_host_bytes() // 4 // local_ranks
+
+
+def free_disk_bytes(paths: Sequence[str | Path]) -> int:
+    """Free bytes on the fullest of `paths` (shards stripe evenly across them); a path not yet
+    created counts as its nearest existing parent."""
+    return min(shutil.disk_usage(_existing(Path(p))).free for p in paths)
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path

@@ -7,12 +7,13 @@ shards in flight, the gradients of the unit being backpropagated, the optimizer'
 activation checkpoints with one unit's recompute, one chunk of logits, and the host buffers
 that stage all of it on its way to and from nvme. `tierzero plan` prints it; the engine sizes
 and checks its budgets with it. Plans are data: this is arithmetic on unit sizes; it allocates
-nothing and never probes the machine.
+nothing and never probes the machine. What it returns (`TierPeak`, `MemoryModel`) is
+`tierzero.planning.peaks`'s; what it is computed for, a `tierzero.planning.workload.Workload`.
 
 Conventions (as in `tierzero.planning.placement`): gpu bytes are per rank, host and nvme bytes per machine
 (every rank's shards and buffers). Gradients are fp32 in every tier, as the engine keeps them.
 Frozen parameters have a param and nothing else: grads, master weights, Adam states and the
-optimizer's pieces cover a unit's trainable prefix only (`trainable`; with several ranks
+optimizer's pieces cover a unit's trainable prefix only (`Unit.trainable_numel`; with several ranks
 counted at rank 0's share, the largest, for every rank).
 
 How parts add up. A tier's buffer pool keeps what it has leased (idle buffers are reused, nvme
@@ -80,18 +81,16 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from tierzero.config import Placement, StateKind, Tier
-from tierzero.planning.ledger import FP32_NBYTES, GB, ActivationEstimate, Unit
-from tierzero.layout.partition import ALIGN_NUMEL, piece_ranges
+from tierzero.config import OPTIMIZER_KINDS, Placement, StateKind, Tier
+from tierzero.layout.partition import Unit, forward_only, forward_uses, piece_ranges
 from tierzero.planning.hostblocks import HOST_ALIGN, host_classes, key_sizes
+from tierzero.planning.ledger import FP32_NBYTES, ActivationEstimate, state_nbytes
+from tierzero.planning.peaks import MemoryModel, TierPeak, tier_peak
 from tierzero.planning.swapplan import Op, build_swap_plan
+from tierzero.planning.workload import Workload, steps_on_gpu
 from tierzero.storage.sizeclass import class_for
-
-PIECE_NUMEL = 16 << 20  # elements per piece (64 MiB of fp32): `Config.piece_numel`'s default
-OPT_KINDS = (StateKind.GRAD, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
 
 # the parts each tier's buffer pool holds (its budget covers these and the homes)
 POOLED = {Tier.GPU: frozenset({"params in flight", "optimizer pieces", "tied grad stash"}),
@@ -103,176 +102,28 @@ PARAM_SYNC = "param sync"  # stage 1/2: each unit's new values all-gathered afte
 BACKWARD_AND_STEP = "backward+optimizer"  # overlap_step: units stepped as their grads arrive
 
 
-@dataclass(frozen=True)
-class TierPeak:
-    """One tier at its busiest: its homes, its pool's working set at the pool's busiest phase
-    (`pooled`), and the torch allocations at theirs (`unpooled`); bytes by part name."""
+def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
+    """Every tier's peak working set (bytes) for one training step of `work` under `placement`.
 
-    tier: Tier
-    homes_bytes: int
-    pooled: dict[str, int]
-    pooled_phase: str
-    unpooled: dict[str, int]
-    unpooled_phase: str
-
-    @property
-    def pool_bytes(self) -> int:
-        """What the tier's buffer pool holds at its peak: the budget it needs."""
-        return self.homes_bytes + sum(self.pooled.values())
-
-    @property
-    def unpooled_bytes(self) -> int:
-        return sum(self.unpooled.values())
-
-    @property
-    def working_bytes(self) -> int:
-        return self.peak_bytes - self.homes_bytes
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.pool_bytes + self.unpooled_bytes
-
-    @property
-    def parts(self) -> dict[str, int]:
-        return {**self.pooled, **self.unpooled}
-
-    def breakdown(self) -> str:
-        """`host 12.35 GB = homes 10.00 GB + param staging 1.20 GB [backward] + ...`: each working
-        part with the phase where it peaks."""
-        terms = [f"homes {_size(self.homes_bytes)}"]
-        terms += [f"{name} {_size(n)} ({self.pooled_phase})" for name, n in self.pooled.items() if n]
-        terms += [f"{name} {_size(n)} ({self.unpooled_phase})" for name, n in self.unpooled.items() if n]
-        return f"{self.tier.value} {_size(self.peak_bytes)} = {' + '.join(terms)}"
-
-    def divided(self, n: int) -> TierPeak:
-        """Every figure over `n` (one rank's share of a machine-wide peak)."""
-        def share(parts: dict[str, int]) -> dict[str, int]:
-            return {k: v // n for k, v in parts.items()}
-
-        return TierPeak(self.tier, self.homes_bytes // n, share(self.pooled), self.pooled_phase,
-                        share(self.unpooled), self.unpooled_phase)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"peak_bytes": self.peak_bytes, "homes_bytes": self.homes_bytes, "pool_bytes": self.pool_bytes,
-                "pooled": dict(self.pooled), "pooled_phase": self.pooled_phase,
-                "unpooled": dict(self.unpooled), "unpooled_phase": self.unpooled_phase}
-
-
-@dataclass(frozen=True)
-class MemoryModel:
-    """Every tier's peak for one model, placement and step shape (see `peak_memory`).
-
-    `host_memory` is host RAM as a whole: the host tier alone on a CUDA machine; on the CPU
-    device the host tier, the gpu tier's pool and the compute allocations together.
+    Each unit's padded layout, trainable prefix, kind and tied use are its `Unit`'s; the module
+    docstring says what each part is.
     """
-
-    device: str  # "cuda" | "cpu"
-    world_size: int
-    tiers: dict[Tier, TierPeak]
-    host_memory: TierPeak
-    host_cache_bytes: int  # what the LRU param cache would hold with budget to spare (nvme params)
-    # one rank's host pool, class capacity -> blocks: its homes' and busiest moment's (every
-    # class; they make up its pool_bytes), those other moments need beyond them, and the param
-    # shards its LRU cache would hold (nvme params)
-    host_blocks: dict[int, int] = field(default_factory=dict)
-    host_moment_blocks: dict[int, int] = field(default_factory=dict)
-    host_cache_blocks: dict[int, int] = field(default_factory=dict)
-
-    def host_provision(self, budget_bytes: int) -> dict[int, int]:
-        """The blocks one rank's host pool allocates (pins) at open under `budget_bytes`: its
-        homes' and busiest moment's, then as many of those other moments need, then of the LRU
-        cache's (which it would fill in the first step anyway), as the budget has room for."""
-        blocks = dict(self.host_blocks)
-        room = budget_bytes - self.per_rank().tiers[Tier.HOST].pool_bytes
-        for extra in (self.host_moment_blocks, self.host_cache_blocks):
-            for capacity, n in sorted(extra.items()):
-                fit = max(0, min(n, room // capacity))
-                blocks[capacity] = blocks.get(capacity, 0) + fit
-                room -= fit * capacity
-        return blocks
-
-    @property
-    def host_total_bytes(self) -> int:
-        return self.host_memory.peak_bytes
-
-    def needs(self) -> dict[Tier, int]:
-        """Bytes each tier's budget must cover: the host's is all of host RAM's peak. On the CPU
-        device that includes the gpu tier, which lives there too; its own budget then bounds
-        only its pool (the compute allocations are host memory like the rest)."""
-        gpu = self.tiers[Tier.GPU]
-        return {Tier.GPU: gpu.pool_bytes if self.device == "cpu" else gpu.peak_bytes,
-                Tier.HOST: self.host_total_bytes, Tier.NVME: self.tiers[Tier.NVME].peak_bytes}
-
-    def breakdown(self) -> list[str]:
-        lines = [self.tiers[t].breakdown() for t in (Tier.GPU, Tier.HOST, Tier.NVME)]
-        if self.device == "cpu":
-            lines[0] += " (on the CPU device: host memory)"
-            lines.append(f"host memory {_size(self.host_total_bytes)} = host + gpu tiers, both in RAM")
-        return lines
-
-    def per_rank(self) -> MemoryModel:
-        """One rank's share: what its own pools and budgets must hold. Every host and nvme figure
-        is `world_size` ranks' equal shares (gpu figures are one rank's already), so it divides
-        exactly; one rank's model is itself."""
-        w = self.world_size
-        if w == 1:
-            return self
-        tiers = {**self.tiers, Tier.HOST: self.tiers[Tier.HOST].divided(w), Tier.NVME: self.tiers[Tier.NVME].divided(w)}
-        return MemoryModel(self.device, 1, tiers, self.host_memory.divided(w), self.host_cache_bytes // w,
-                           self.host_blocks, self.host_moment_blocks, self.host_cache_blocks)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"device": self.device, "tiers": {t.value: p.as_dict() for t, p in self.tiers.items()},
-                "host_total_bytes": self.host_total_bytes, "host_cache_bytes": self.host_cache_bytes}
-
-
-def peak_memory(
-    units: Sequence[Unit],
-    placement: Placement,
-    *,
-    compute_itemsize: int,
-    world_size: int = 1,
-    device: str = "cuda",
-    tied_embeddings: bool = False,
-    prefetch_depth: int = 2,
-    piece_numel: int = PIECE_NUMEL,
-    overlap: bool = False,
-    accumulate: int = 1,
-    activations: ActivationEstimate | None = None,
-    trainable: Sequence[int] | None = None,
-    overlap_comm: bool = True,
-    stage: int = 3,
-) -> MemoryModel:
-    """Every tier's peak working set (bytes) for one training step.
-
-    `units` are (name, parameter count) in execution order as the engine partitions them:
-    `embedding`, the blocks, `head` (a tied head's count excludes the embedding it uses), or a
-    `root` first for models without embedding/head entry points. `device` is the compute
-    device's kind. `activations` come from `ledger.activation_memory` (None: not counted, for
-    callers that do not know the batch). `trainable` is each unit's trainable prefix as
-    `partition` lays it out (`Unit.trainable_numel`; None: every parameter is trained). The
-    module docstring says what each part is. `stage` is the ZeRO stage (1, 2 or 3), which
-    matters with several ranks only.
-    """
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-    w, c, depth = world_size, compute_itemsize, prefetch_depth
-    padded = [_padded(n, w) for _, n in units]
-    shard = [p // w for p in padded]
-    replicated = w > 1 and stage <= 2
+    units, device = work.units, work.device
+    w, c, depth, piece_numel, stage = work.world_size, work.compute_itemsize, work.prefetch_depth, \
+        work.piece_numel, work.stage
+    padded = [u.padded_numel for u in units]
+    shard = [u.shard_numel for u in units]
+    replicated = work.replicated
     stored_param = padded if replicated else shard  # what a rank's param home holds of each unit
-    numel = [n for _, n in units]
-    # the elements with grads and optimizer states: per rank, and (compute dtype) weight grads
-    state = shard if trainable is None else [min(s, t) for s, t in zip(shard, trainable)]
-    trained = numel if trainable is None else [min(n, t) for n, t in zip(numel, trainable)]
-    calls = _calls(units, tied_embeddings)
-    held = frozenset({0}) if units[0][0] == "root" else frozenset()
-    # a frozen embedding has no backward use (`partition.forward_only`)
-    forward_only = frozenset({0}) if units[0][0] == "embedding" and trainable is not None and not trainable[0] \
-        else frozenset()
-    tied = len(calls[-1]) > 1
+    # the elements with grads and optimizer states: per rank (rank 0's, the largest), and
+    # (compute dtype) weight grads
+    state = [u.state_numel(0) for u in units]
+    trained = [min(u.numel, u.trainable_numel) for u in units]
+    calls = forward_uses(units)
+    held = frozenset(u.index for u in units if u.is_root)
+    tied = work.tied_embeddings
 
-    step_on_gpu = all(placement.home(k) is Tier.GPU for k in OPT_KINDS[1:])
+    step_on_gpu = steps_on_gpu(placement)
     sync = [s * c for s in shard] if replicated and placement.param is Tier.NVME else []  # param sync staging
     classes = host_classes(placement, stored_param, state, piece_numel, c, tied=tied, step_on_host=not step_on_gpu,
                            extra=sync)
@@ -291,26 +142,26 @@ def peak_memory(
         if home is Tier.HOST:  # one block per stored key
             homes[home] += w * blocks(key_sizes(kind, stored_param, state, piece_numel, c, Tier.HOST))
         else:
-            homes[home] += sum(stored) * _nbytes(kind, c) * (1 if home is Tier.GPU else w)
-    full_grads = [min(p, t) for p, t in zip(padded, trainable)] if trainable is not None else padded
-    if w > 1 and stage == 1 and accumulate > 1:  # each unit's whole gradient, between micro-batches
+            homes[home] += sum(stored) * state_nbytes(kind, c, FP32_NBYTES) * (1 if home is Tier.GPU else w)
+    full_grads = [min(u.padded_numel, u.trainable_numel) for u in units]
+    if w > 1 and stage == 1 and work.accumulate > 1:  # each unit's whole gradient, between micro-batches
         homes[placement.grad] += sum(full_grads) * FP32_NBYTES * (1 if placement.grad is Tier.GPU else w)
 
     # -- the pass: params in flight as the swap plan holds them
-    plan = build_swap_plan(calls, depth, backward=True, held=held, forward_only=forward_only)
+    plan = build_swap_plan(calls, depth, backward=True, held=held, forward_only=forward_only(units))
     flight, staging, staged_blocks = _param_peaks(plan, stored_param, c, placement.param,
                                                   staged_until_release=device == "cuda",
                                                   staged_bytes=lambda u: blocks([stored_param[u] * c]))
     full = [sum(padded[u] for u in call) * c for call in calls]
     if w == 1 or replicated:
         gathered = 0
-    elif overlap_comm and depth > 0:  # a call's params and the next call's, gathered ahead
+    elif work.overlap_comm and depth > 0:  # a call's params and the next call's, gathered ahead
         order = full + full[::-1]  # the forward's calls, then backward's in reverse
         gathered = max(a + b for a, b in zip(order, order[1:] + [0]))
     else:
         gathered = max(full)
-    reducing = overlap_comm and w > 1  # the previous call's reduce-scatter finishes a call later
-    act = activations
+    reducing = work.overlap_comm and w > 1  # the previous call's reduce-scatter finishes a call later
+    act = work.activations
     pieces = [b - a for s in state for a, b in piece_ranges(s, piece_numel)]
     buffers: dict[str, dict[str, list[int]]] = {}  # phase -> host part -> one rank's buffer bytes
 
@@ -327,7 +178,7 @@ def peak_memory(
             stepping = sum(state[u] * FP32_NBYTES for u in after)  # handed to the optimizer just before
             if reducing and i + 1 < len(calls):  # backpropagated just before: still being reduced
                 stepping += sum((padded[u] + shard[u]) * FP32_NBYTES for u in calls[i + 1])
-            recompute = _recompute_bytes(units[call[0]][0], act)
+            recompute = _recompute_bytes(units[call[0]], act)
             moment = (recompute, weights + stepping) if recompute > flat else (0, weights + flat + stepping)
             worst = max(worst, moment, key=sum)
         gpu = {"params in flight": flight[BACKWARD], "gathered params": gathered,
@@ -352,7 +203,7 @@ def peak_memory(
     def optimizer(during_backward: bool) -> dict[Tier, dict[str, int]]:
         # in backward the grad is handed over on the compute device: in place when it steps there
         grad_in_place = device == step_device if during_backward else _in_place(placement.grad, device, step_device)
-        away = sum(1 for k in OPT_KINDS[1:] if not _in_place(placement.home(k), device, step_device))
+        away = sum(1 for k in OPTIMIZER_KINDS if not _in_place(placement.home(k), device, step_device))
         away += 0 if grad_in_place else 1
         ahead = max(1, depth)
         if during_backward:  # unit u steps as u-1 computes: the first `ahead` pieces of both are read
@@ -377,9 +228,9 @@ def peak_memory(
                           "activations": act.forward_bytes if act else 0},
                Tier.HOST: {"param staging": [stored_param[u] * c for u in staging[FORWARD]]}}
     phases: dict[str, dict[Tier, dict[str, Any]]] = {FORWARD: forward}
-    if not overlap or accumulate > 1:  # micro-batches whose grads are stored in their home
+    if not work.overlap or work.accumulate > 1:  # micro-batches whose grads are stored in their home
         phases[BACKWARD] = backward(final_with_overlap=False)
-    if overlap:  # the last micro-batch: each unit is stepped as its grad arrives
+    if work.overlap:  # the last micro-batch: each unit is stepped as its grad arrives
         bwd, step = backward(final_with_overlap=True), optimizer(during_backward=True)
         phases[BACKWARD_AND_STEP] = {t: {**bwd[t], **step[t]} for t in (Tier.GPU, Tier.HOST)}
     else:
@@ -393,7 +244,7 @@ def peak_memory(
         buffers[name] = parts[Tier.HOST]
         parts[Tier.HOST] = {k: w * blocks(v) for k, v in parts[Tier.HOST].items()}
 
-    tiers = {t: _tier_peak(t, homes[t], {name: parts[t] for name, parts in phases.items()}, POOLED[t])
+    tiers = {t: tier_peak(t, homes[t], {name: parts[t] for name, parts in phases.items()}, POOLED[t])
              for t in (Tier.GPU, Tier.HOST)}
     tiers[Tier.NVME] = TierPeak(Tier.NVME, homes[Tier.NVME], {}, "every phase", {}, "every phase")
     # with room, the host pool holds per class the blocks of the moment that needs most of that
@@ -419,7 +270,7 @@ def peak_memory(
     host_memory = tiers[Tier.HOST]
     if device == "cpu":  # one RAM: both pools, each at its own peak, and the compute allocations
         gpu, host = tiers[Tier.GPU], tiers[Tier.HOST]
-        unpooled = _tier_peak(Tier.HOST, 0, {name: {**{k: v * w for k, v in parts[Tier.GPU].items()},
+        unpooled = tier_peak(Tier.HOST, 0, {name: {**{k: v * w for k, v in parts[Tier.GPU].items()},
                                                     **{f"host {k}": v for k, v in parts[Tier.HOST].items()}}
                                              for name, parts in phases.items()},
                               frozenset(POOLED[Tier.GPU] | {f"host {k}" for k in POOLED[Tier.HOST]}))
@@ -433,30 +284,13 @@ def peak_memory(
     return MemoryModel(device, w, tiers, host_memory, cache, dict(host_blocks), dict(working - at_peak), dict(cached))
 
 
-def _recompute_bytes(name: str, act: ActivationEstimate | None) -> int:
+def _recompute_bytes(unit: Unit, act: ActivationEstimate | None) -> int:
     """A unit's recompute and backward, beyond the checkpoints: the head's norm and one chunk
-    of logits, a block's saved tensors and temporaries; the embedding's nothing to speak of."""
-    if act is None or name == "embedding":
+    of logits, a block's (or root's) saved tensors and temporaries; the embedding's nothing to
+    speak of."""
+    if act is None or unit.kind == "embedding":
         return 0
-    return act.head_backward_bytes if name == "head" else act.block_backward_bytes
-
-
-def _padded(numel: int, world_size: int) -> int:
-    """A unit's flat length as `partition` pads it: whole, aligned shards on every rank."""
-    quantum = ALIGN_NUMEL * world_size
-    return max(quantum, -(-numel // quantum) * quantum)
-
-
-def _nbytes(kind: StateKind, compute_itemsize: int) -> int:
-    return compute_itemsize if kind is StateKind.PARAM else FP32_NBYTES
-
-
-def _calls(units: Sequence[Unit], tied: bool) -> list[tuple[int, ...]]:
-    """The units each forward call binds: the tied head binds the embedding too."""
-    calls = [(i,) for i in range(len(units))]
-    if tied and units[-1][0] == "head" and units[0][0] == "embedding":
-        calls[-1] = (len(units) - 1, 0)
-    return calls
+    return act.head_backward_bytes if unit.kind == "head" else act.block_backward_bytes
 
 
 def _in_place(home: Tier, device: str, step_device: str) -> bool:
@@ -511,22 +345,3 @@ def _window(pieces: list[int], n: int, nbytes: Callable[[Sequence[int]], int]) -
     """The `n` consecutive pieces (the engine streams them in unit order) whose buffers take
     the most bytes (`nbytes`)."""
     return max((pieces[j:j + n] for j in range(len(pieces))), key=nbytes, default=[])
-
-
-def _tier_peak(tier: Tier, homes: int, phases: dict[str, dict[str, int]], pooled: frozenset[str]) -> TierPeak:
-    """The pooled parts at the phase where they are largest, and the rest at theirs."""
-    def split(parts: dict[str, int], in_pool: bool) -> dict[str, int]:
-        return {k: v for k, v in parts.items() if (k in pooled) == in_pool}
-
-    pool_phase = max(phases, key=lambda p: sum(split(phases[p], True).values()))
-    other_phase = max(phases, key=lambda p: sum(split(phases[p], False).values()))
-    return TierPeak(tier, homes, split(phases[pool_phase], True), pool_phase,
-                    split(phases[other_phase], False), other_phase)
-
-
-def _size(nbytes: int) -> str:
-    """Decimal units, three significant figures or so: `12.35 GB`, `48.2 MB`, `4.1 kB`."""
-    for unit, scale in (("GB", GB), ("MB", 10**6), ("kB", 10**3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}" if unit == "GB" else f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"

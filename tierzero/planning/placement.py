@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierzero.config import Placement, StateKind, Tier
+from tierzero.config import OPTIMIZER_KINDS, Placement, StateKind, Tier
 from tierzero.errors import ConfigError
-from tierzero.planning.ledger import GB, ActivationEstimate, Unit, check_world_size, state_nbytes
-from tierzero.planning.memory_model import PIECE_NUMEL, MemoryModel, peak_memory
-
-OPTIMIZER_KINDS = (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
+from tierzero.planning.ledger import GB
+from tierzero.planning.memory_model import peak_memory
+from tierzero.planning.peaks import MemoryModel
+from tierzero.planning.workload import Workload, steps_on_gpu
 FLOPS_PER_PARAM_TOKEN = 8  # 2 forward + 4 backward + 2 for the checkpointed forward recomputed
 
 
@@ -54,71 +54,6 @@ def candidate_placements() -> list[Placement]:
     offloaded = [Placement(param, grad, opt, opt, opt)
                  for param, grad, opt in itertools.product(_TIER_ORDER, _TIER_ORDER[1:], _TIER_ORDER[1:])]
     return [Placement()] + offloaded
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What a placement is costed for: the model's units and how one rank steps them.
-
-    Memory (`tierzero.planning.memory_model.peak_memory`) also needs how the units are used (a tied embedding),
-    the optimizer's piece size, whether units are stepped during backward, the compute device's
-    kind and, to count activations, `activations` (None: not counted).
-    """
-
-    units: tuple[Unit, ...]
-    compute_itemsize: int
-    grad_itemsize: int
-    world_size: int = 1
-    prefetch_depth: int = 2
-    activations: ActivationEstimate | None = None
-    tokens_per_step: int = 0  # per GPU; only the step-time model uses it
-    tied_embeddings: bool = False
-    piece_numel: int = PIECE_NUMEL
-    overlap: bool = True
-    device: str = "cuda"
-    trainable: tuple[int, ...] | None = None  # per unit, its trainable prefix (None: all trained)
-    stage: int = 3  # several ranks, the ZeRO stage: at 1 and 2 each rank stores whole units' params
-    accumulate: int = 1  # micro-batches per step (stage 1 keeps whole grads between them)
-
-    def __post_init__(self) -> None:
-        if not self.units or any(n < 1 for _, n in self.units):
-            raise ConfigError("a workload needs at least one unit, each with >= 1 parameter")
-        check_world_size(self.world_size)
-        if self.prefetch_depth < 0:
-            raise ConfigError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
-
-    @property
-    def numel(self) -> int:
-        return sum(n for _, n in self.units)
-
-    @property
-    def shard_numel(self) -> int:
-        """Parameters one rank holds: every unit's flat buffer padded to split evenly."""
-        return sum(math.ceil(n / self.world_size) for _, n in self.units)
-
-    @property
-    def param_numel(self) -> int:
-        """Params one rank stores and fetches: its shards, or whole units at stage 1/2."""
-        return self.numel if self.replicated else self.shard_numel
-
-    @property
-    def replicated(self) -> bool:
-        return self.world_size > 1 and self.stage <= 2
-
-    @property
-    def state_shard_numel(self) -> int:
-        """Parameters one rank holds grads and optimizer states for: frozen ones have none
-        (rank 0's share of each unit's trainable prefix, the largest)."""
-        if self.trainable is None:
-            return self.shard_numel
-        return sum(min(math.ceil(n / self.world_size), t) for (_, n), t in zip(self.units, self.trainable))
-
-    @property
-    def largest_unit_numel(self) -> int:
-        return max(n for _, n in self.units)
-
-    def nbytes(self, kind: StateKind) -> int:
-        return state_nbytes(kind, self.compute_itemsize, self.grad_itemsize)
 
 
 @dataclass(frozen=True)
@@ -181,26 +116,17 @@ class PlacementEstimate:
 
 
 def estimate(placement: Placement, work: Workload, profile: Profile | None = None) -> PlacementEstimate:
-    """Cost `placement` for `work`; see the module docstring for the conventions."""
+    """Cost `placement` for `work`; see the module docstring for the conventions. What each
+    tier holds at peak is the one memory model's (`memory_model.peak_memory`)."""
     fwd_bwd, optimizer = _traffic(placement, work)
     moved = {link: fwd_bwd[link] + optimizer[link] for link in Link}
     step_s = None if profile is None else _step_time(placement, work, profile, fwd_bwd, optimizer)
-    memory = memory_for(placement, work)
+    memory = peak_memory(work, placement)
     return PlacementEstimate(placement, memory.needs(), moved, step_s, memory)
 
 
-def memory_for(placement: Placement, work: Workload) -> MemoryModel:
-    """The one memory model (`tierzero.planning.memory_model`) of `work` under `placement`."""
-    return peak_memory(work.units, placement, compute_itemsize=work.compute_itemsize, world_size=work.world_size,
-                       device=work.device, tied_embeddings=work.tied_embeddings,
-                       prefetch_depth=work.prefetch_depth, piece_numel=work.piece_numel,
-                       overlap=work.overlap, activations=work.activations, trainable=work.trainable,
-                       stage=work.stage, accumulate=work.accumulate)
-
-
 def _optimizer_tier(p: Placement) -> Tier:
-    """Adam runs on the GPU only when all its states live there; otherwise on the CPU."""
-    return Tier.GPU if all(p.home(k) is Tier.GPU for k in OPTIMIZER_KINDS) else Tier.HOST
+    return Tier.GPU if steps_on_gpu(p) else Tier.HOST
 
 
 def _hops(src: Tier, dst: Tier) -> list[Link]:
@@ -344,44 +270,23 @@ def _cost(e: PlacementEstimate) -> tuple[float, ...]:
 
 
 def choose_placement(
-    units: Sequence[Unit],
+    work: Workload,
     *,
-    compute_itemsize: int,
     gpu_budget: int | None,
     host_budget: int | None,
     nvme_free: int | None,
-    world_size: int = 1,
-    prefetch_depth: int = 2,
-    activations: ActivationEstimate | None = None,
-    tokens_per_step: int = 0,
     profile: Profile | None = None,
-    grad_itemsize: int | None = None,
     candidates: Sequence[Placement] | None = None,
-    tied_embeddings: bool = False,
-    piece_numel: int = PIECE_NUMEL,
-    overlap: bool = True,
-    device: str = "cuda",
-    trainable: Sequence[int] | None = None,
-    stage: int = 3,
 ) -> PlacementChoice:
-    """The placement `--offload auto` uses: it fits every budget with the least predicted step
-    time (with a `profile`) or the least traffic (without).
+    """The placement `--offload auto` uses for `work`: it fits every budget with the least
+    predicted step time (with a `profile`) or the least traffic (without).
 
-    `units` are (unit name, parameter count) in execution order, as the engine partitioned
-    them (`tierzero.planning.ledger.units_from_args` builds them from a shape). Budgets are bytes:
-    `gpu_budget` per GPU, `host_budget` and `nvme_free` per machine; None = unbounded.
-    What fits is the memory model's (`tierzero.planning.memory_model`): `activations` are charged to the
-    compute device; on the CPU device (`device="cpu"`) the host budget holds the gpu tier too.
-    `tokens_per_step` (per GPU) only feeds the step-time model; `grad_itemsize` defaults to the
-    compute dtype's (pass 4 for fp32 grads). `candidates` (default: every candidate placement)
-    lets a caller pre-filter, as the engine does. `trainable` is each unit's trainable prefix
-    (`Unit.trainable_numel`; frozen parameters have a param only), None when all are trained.
+    Budgets are bytes: `gpu_budget` per GPU, `host_budget` and `nvme_free` per machine; None =
+    unbounded. What fits is the memory model's (`tierzero.planning.memory_model`): `work`'s
+    activations are charged to the compute device; on the CPU device the host budget holds the
+    gpu tier too. `candidates` (default: every candidate placement) lets a caller pre-filter,
+    as the engine does.
     """
-    work = Workload(tuple(units), compute_itemsize,
-                    compute_itemsize if grad_itemsize is None else grad_itemsize,
-                    world_size, prefetch_depth, activations, tokens_per_step, tied_embeddings,
-                    piece_numel, overlap, device, None if trainable is None else tuple(trainable), stage)
     budgets = {Tier.GPU: gpu_budget, Tier.HOST: host_budget, Tier.NVME: nvme_free}
     placements = candidate_placements() if candidates is None else candidates
     return choose([estimate(p, work, profile) for p in placements], budgets)
-

@@ -1,29 +1,34 @@
-"""`tierzero.planning.placement(...)`: what `tierzero plan` computes, as a value for Python callers.
+"""`tierzero.plan(...)`: what `tierzero plan` computes, as a value for Python callers.
 
-Owns turning a model shape (a preset, or a parameter count shaped like the nearest one) and a
-machine (given sizes, else detected: RAM, GPU 0, free space at a path) into the ledger, the
-activation estimate, every candidate placement's cost and the choice -- the one computation the
-CLI prints and `tierzero.planning.placement` returns, so the two cannot disagree. The arithmetic is
-`tierzero.planning.placement`'s and `tierzero.planning.memory_model`'s; this module only assembles it and probes the machine
-where a size is not given. It never prints.
+Owns turning a model shape (a preset, a parameter count shaped like the nearest one, or a
+caller's own `Workload`) and a machine (given sizes, else `tierzero train`'s defaults for this
+machine from `tierzero.planning.machine`) into the ledger, the activation estimate, every
+candidate placement's cost and the choice -- the one computation the CLI prints and
+`tierzero.plan` returns, so the two cannot disagree. The arithmetic is
+`tierzero.planning.placement`'s and `tierzero.planning.memory_model`'s; this module only
+assembles it. It never prints.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tierzero.config import Config, DType, Placement, Tier, parse_bytes
+import torch
+
+from tierzero.config import TORCH_DTYPES, Config, DType, Placement, Tier, parse_bytes
 from tierzero.errors import ConfigError
-from tierzero.planning.ledger import GB, ActivationEstimate, Unit, activation_memory, check_world_size, ledger, nearest_preset, nominal_numel, parse_count, scaled_units, units_from_args
+from tierzero.layout.partition import Unit
 from tierzero.models.llama import LOSS_CHUNK_BYTES
 from tierzero.models.presets import ModelArgs, get_preset
-from tierzero.planning.placement import STAGE_TEXT, PlacementChoice, PlacementEstimate, Workload, candidate_placements, choose, choose_stage, estimate, load_profile
-from tierzero.config import TORCH_DTYPES
+from tierzero.planning.ledger import (GB, ActivationEstimate, activation_memory, check_world_size, ledger,
+                                      nearest_preset, nominal_numel, parse_count)
+from tierzero.planning.machine import default_budgets, free_disk_bytes
+from tierzero.planning.placement import (STAGE_TEXT, PlacementChoice, PlacementEstimate, candidate_placements, choose,
+                                         choose_stage, estimate, load_profile)
+from tierzero.planning.workload import Workload
 
 DEFAULT_PRESET = "7b"
 
@@ -36,7 +41,6 @@ class PlanReport:
     preset: str | None  # None when shaped from a parameter count
     shape: str
     args: ModelArgs
-    units: tuple[Unit, ...]
     numel: int
     ledger_numel: int  # the size the ledger table is computed from (a preset's nominal size)
     dtype: DType
@@ -50,6 +54,10 @@ class PlanReport:
     choice: PlacementChoice
     stage: int = 3  # the ZeRO stage the estimates are for (several ranks)
     stage_reason: str = "one rank"
+
+    @property
+    def units(self) -> tuple[Unit, ...]:
+        return self.workload.units
 
     @property
     def placement(self) -> Placement:
@@ -132,21 +140,21 @@ def make_plan(
         numel = parse_count(str(params), "--params")
         shape, ledger_numel = nearest_preset(numel), numel
         args = get_preset(shape)
-        units = scaled_units(numel, args)
     else:
         shape = model or DEFAULT_PRESET
         args = get_preset(shape)
         if vocab_size is not None:
             args = dataclasses.replace(args, vocab_size=vocab_size)
-        units = units_from_args(args)
         numel = args.param_count()
         ledger_numel = (nominal_numel(shape) if vocab_size is None else None) or numel
     activations = activation_memory(args, batch_size, seq_len or args.max_seq_len, itemsize, LOSS_CHUNK_BYTES)
     budgets, detected, device = _budgets(gpu_mem, host_mem, nvme_free, Path(nvme_path))
     # grads are fp32 in every tier, as the engine keeps them (the ledger is the textbook 16 B)
-    work = Workload(tuple(units), itemsize, 4, gpus, prefetch_depth, activations,
-                    batch_size * activations.seq_len, args.tie_embeddings, piece_numel,
-                    overlap and compute is not DType.FP16, device, stage=stage or 3, accumulate=accumulate)
+    work = Workload.from_preset(args, itemsize, numel=numel if params is not None else None, world_size=gpus,
+                                device=device, prefetch_depth=prefetch_depth, piece_numel=piece_numel,
+                                overlap=overlap and compute is not DType.FP16, stage=stage or 3,
+                                accumulate=accumulate, activations=activations,
+                                tokens_per_step=batch_size * activations.seq_len)
     prof = load_profile(profile) if profile is not None else None
     estimates = [estimate(p, work, prof) for p in candidate_placements()]
     choice = choose(estimates, budgets)
@@ -158,7 +166,7 @@ def make_plan(
         estimates = [estimate(p, work, prof) for p in candidate_placements()]
         mine = next(e for e in estimates if e.placement == choice.placement)
         choice = PlacementChoice(mine, fits=True)
-    return PlanReport(None if params is not None else shape, shape, args, tuple(units), numel, ledger_numel,
+    return PlanReport(None if params is not None else shape, shape, args, numel, ledger_numel,
                       compute, gpus, budgets, detected, device, work, activations, estimates,
                       choice, chosen, reason)
 
@@ -172,27 +180,30 @@ def _dtype(value: str) -> DType:
 
 def _budgets(gpu_mem: str | int | None, host_mem: str | int | None, nvme_free: str | int | None,
              nvme_path: Path) -> tuple[dict[Tier, int | None], list[str], str]:
-    """The given sizes, else what this machine has; a note per size that was detected; and
-    the compute device's kind ("cpu" without CUDA and without --gpu-mem)."""
-    import torch
-
+    """The given sizes, else what `tierzero train` would take on this machine
+    (`machine.default_budgets`: half the free RAM, 90% of GPU 0's free memory, the free space
+    at `nvme_path`); a note per size that was detected; and the compute device's kind ("cpu"
+    without CUDA and without --gpu-mem, where the gpu tier is host memory inside the host
+    budget)."""
     detected = []
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     device = "cuda" if gpu_mem is not None or torch.cuda.is_available() else "cpu"
     host = parse_bytes(host_mem, "--host-mem") if host_mem is not None else None
-    if host is None:
-        host = ram
-        detected.append("host")
     gpu = parse_bytes(gpu_mem, "--gpu-mem") if gpu_mem is not None else None
-    if gpu is None and device == "cuda":
-        gpu = torch.cuda.get_device_properties(0).total_memory
-        detected.append("gpu")
-    elif gpu is None:  # without CUDA the gpu tier is host memory: the host budget holds it
+    if host is None or (gpu is None and device == "cuda"):
+        host_default, gpu_default = default_budgets(torch.device("cuda", 0) if device == "cuda" and gpu is None
+                                                    else torch.device("cpu"))
+        if host is None:
+            host = host_default
+            detected.append("host")
+        if gpu is None and device == "cuda":
+            gpu = gpu_default
+            detected.append("gpu")
+    if gpu is None and device == "cpu":
         detected.append("gpu (host memory, no CUDA)")
     nvme = parse_bytes(nvme_free, "--nvme-free") if nvme_free is not None else None
     if nvme is None:
         if not nvme_path.is_dir():
             raise ConfigError(f"--nvme-path '{nvme_path}' is not a directory; give an existing one or --nvme-free")
-        nvme = shutil.disk_usage(nvme_path).free
+        nvme = free_disk_bytes([nvme_path])
         detected.append("nvme")
     return {Tier.GPU: gpu, Tier.HOST: host, Tier.NVME: nvme}, detected, device
