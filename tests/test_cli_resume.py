@@ -73,3 +73,53 @@ def test_resume_with_another_model_shape_is_refused(tmp_path) -> None:
 def test_checkpoints_with_the_in_memory_trainer_are_refused(tmp_path) -> None:
     line = one_line_error(train("--offload", "none", "--checkpoint-every", "1", "--run-dir", str(tmp_path / "r")))
     assert "tiered run" in line
+
+
+def test_resume_pointed_inside_a_run_directory_names_the_run_directory(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    assert train("--steps", "1", "--run-dir", str(run_dir)).exit_code == 0
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    for inside in (checkpoint_dirs(run_dir)[-1][1], run_dir / "nvme"):
+        line = one_line_error(train("--resume", "--run-dir", str(inside), "--steps", "2"))
+        assert f"lies inside the run directory '{run_dir}'" in line and f"--run-dir {run_dir}" in line
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before  # nothing written
+
+
+def test_resume_and_overwrite_together_are_refused(tmp_path) -> None:
+    assert "pass one of them" in one_line_error(train("--resume", "--overwrite", "--run-dir", str(tmp_path)))
+
+
+def test_a_copied_run_directory_resumes_against_its_own_store(tmp_path) -> None:
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    assert train("--steps", "1", "--run-dir", str(original)).exit_code == 0
+    assert 'nvme_path = ["nvme"]' in (original / "config.toml").read_text()  # relative to the run dir
+    shutil.copytree(original, copy)
+    shutil.rmtree(original)
+    result = train("--resume", "--run-dir", str(copy), "--steps", "2")
+    assert result.exit_code == 0, result.output
+    assert not original.exists()  # nothing went to the original's store
+
+
+def test_an_absolute_run_dir_resumes_from_any_working_directory(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert train("--steps", "1", "--run-dir", str(tmp_path / "run"), "--nvme-path", "run/store").exit_code == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    result = train("--resume", "--run-dir", str(tmp_path / "run"), "--steps", "2")
+    assert result.exit_code == 0, result.output
+    assert "resumed from checkpoint step 1" in result.output
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_identical_runs_save_identical_rng_states(tmp_path) -> None:
+    import torch
+
+    from tierzero.checkpoint.catalog import newest_checkpoint
+
+    states = []
+    for name in ("a", "b"):
+        torch.rand(7)  # whatever ran before in this process must not matter
+        assert train("--steps", "1", "--seed", "3", "--run-dir", str(tmp_path / name)).exit_code == 0
+        states.append(newest_checkpoint(tmp_path / name)[1].rng)
+    assert states[0] == states[1]

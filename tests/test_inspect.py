@@ -179,3 +179,51 @@ def test_missing_run_dir_is_one_line_exit_2(tmp_path):
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "does not exist" in lines[0]
+
+
+def _fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def test_fifos_and_symlinks_are_reported_never_read(run, tmp_path):
+    """A FIFO would block a plain open() forever; inspect refuses it (the alarm only turns a
+    hang into a failure)."""
+    import signal
+
+    run = copy_run(run, tmp_path)
+    _fifo(run / "config.toml")
+    steps = sorted((run / "checkpoints").iterdir())
+    _fifo(steps[0] / "manifest.json")
+    (steps[1] / "manifest.json").rename(tmp_path / "elsewhere.json")
+    (steps[1] / "manifest.json").symlink_to(tmp_path / "elsewhere.json")
+    previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("inspect blocked on a FIFO"))
+    signal.alarm(60)
+    try:
+        info = inspect_run(run, verify=True)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert info.config is None and "not a regular file" in info.config_error
+    first, second = info.checkpoints[:2]  # steps 2 and 5 (9 is half-made)
+    assert first.status == "damaged" and "not a regular file" in first.reason
+    assert second.status == "damaged" and "symbolic link" in second.reason
+
+
+def test_verify_refuses_a_fifo_chunk(run, tmp_path):
+    import signal
+
+    from tierzero.storage.arrays import chunk_path
+
+    run = copy_run(run, tmp_path)
+    step = sorted((run / "checkpoints").iterdir())[0]
+    chunk = Path(chunk_path(str(step / "state" / "master" / "u0000" / "r0"), 0))
+    _fifo(chunk)
+    previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("verify blocked on a FIFO"))
+    signal.alarm(60)
+    try:
+        info = inspect_run(run, verify=True)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert info.checkpoints[0].status == "damaged" and "not a regular file" in info.checkpoints[0].reason
