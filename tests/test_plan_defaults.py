@@ -1,0 +1,81 @@
+"""`tierzero plan` and `tierzero train` on the same machine: the same default budgets, the same
+units, the same placement (issue 18). The machine probe (`tierzero.planning.machine`) is
+patched to fixed numbers, so the test describes one machine wherever it runs."""
+
+from __future__ import annotations
+
+import shutil
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierzero import Config, models
+from tierzero.config import Placement, Tier
+from tierzero.engine import Engine
+from tierzero.planning import machine
+from tierzero.planning.ledger import GB
+from tierzero.planning.placement import candidate_placements, estimate
+from tierzero.planning.report import make_plan
+
+DISK_FREE = 40 * GB
+Usage = namedtuple("Usage", "total used free")
+
+
+@pytest.fixture
+def one_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No CUDA, a fixed disk; RAM is set by each test through `available_host_bytes`."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(2 * DISK_FREE, DISK_FREE, DISK_FREE))
+
+
+def engine(tmp_path: Path) -> Engine:
+    config = Config(offload="auto", device="cpu", dtype="fp32", nvme_path=[str(tmp_path / "nvme")])
+    return Engine(models.build("tiny", device="meta"), config)
+
+
+def test_plan_and_train_agree_on_budgets_and_placement(one_machine: None, monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    """Free RAM set so half of it (the default host budget) lies between the largest host
+    needs: all-gpu does not fit, so both must offload the same way."""
+    monkeypatch.setattr(machine, "available_host_bytes", lambda: 64 * GB)
+    probe = engine(tmp_path)
+    work = probe.sizing.workload(3)
+    needs = sorted({estimate(p, work).resident_bytes[Tier.HOST] for p in candidate_placements()})
+    gap = max(range(1, len(needs)), key=lambda i: needs[i] - needs[i - 1])  # the widest gap between needs
+    host_budget = (needs[gap - 1] + needs[gap]) // 2
+    monkeypatch.setattr(machine, "available_host_bytes", lambda: 2 * host_budget)
+
+    trained = engine(tmp_path)
+    planned = make_plan("tiny", dtype="fp32", seq_len=8, nvme_path=tmp_path)
+    assert planned.device == "cpu" and planned.detected == ["host", "gpu (host memory, no CUDA)", "nvme"]
+    assert planned.budgets == {Tier.GPU: None, Tier.HOST: host_budget, Tier.NVME: DISK_FREE}
+    assert trained.sizing.budgets() == {Tier.HOST: host_budget, Tier.NVME: DISK_FREE}
+    assert [(u.name, u.kind, u.padded_numel, u.trainable_numel, u.uses_with) for u in planned.units] \
+        == [(u.name, u.kind, u.padded_numel, u.trainable_numel, u.uses_with) for u in trained.units]
+    assert planned.choice.fits
+    assert planned.placement == trained.placement != Placement()
+
+
+def test_plan_takes_the_gpu_budget_train_would(one_machine: None, monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    """With CUDA: 90% of GPU 0's free memory, as `machine.default_budgets` gives `train`."""
+    monkeypatch.setattr(machine, "available_host_bytes", lambda: 64 * GB)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * GB, 80 * GB))
+    planned = make_plan("tiny", nvme_path=tmp_path)
+    assert planned.device == "cuda" and planned.detected == ["host", "gpu", "nvme"]
+    assert planned.budgets == {Tier.GPU: 9 * GB, Tier.HOST: 32 * GB, Tier.NVME: DISK_FREE}
+    assert (planned.budgets[Tier.HOST], planned.budgets[Tier.GPU]) \
+        == machine.default_budgets(torch.device("cuda", 0))
+
+
+def test_given_sizes_are_not_probed(one_machine: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def no_probe() -> int:
+        raise AssertionError("probed the machine for a size that was given")
+
+    monkeypatch.setattr(machine, "available_host_bytes", no_probe)
+    planned = make_plan("tiny", host_mem="8GB", gpu_mem="4GB", nvme_free="1TB", nvme_path=tmp_path)
+    assert planned.detected == []
+    assert planned.budgets == {Tier.GPU: 4 * GB, Tier.HOST: 8 * GB, Tier.NVME: 1000 * GB}
