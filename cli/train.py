@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tierzero.cli.output import Output
 from tierzero.config import RunConfig, load_run_config
 from tierzero.errors import ConfigError
-from tierzero.dist.launch import Ranks, rank_device, ranks_from_env, run_torchrun, start_process_group, stop_process_group, under_torchrun
+from tierzero.dist.launch import Ranks, die_with_launcher, rank_device, ranks_from_env, run_torchrun, start_process_group, stop_process_group, under_torchrun
 from tierzero.checkpoint.catalog import checkpoint_dirs
 from tierzero.run.directory import CONFIG_NAME, RunDir, enclosing_run_dir, rebase_paths, refuse_fresh_start
 
@@ -32,6 +32,9 @@ def train(
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence."),
     accumulate: Optional[int] = typer.Option(None, "--accumulate", help="Micro-batches per optimizer step."),
     lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate."),
+    weight_decay: Optional[float] = typer.Option(None, "--weight-decay", help="AdamW's decoupled weight decay (default 0.1); 1-D parameters (norms, biases) get none, as in torch AdamW param groups that exclude them."),
+    adam_betas: Optional[str] = typer.Option(None, "--adam-betas", help="AdamW's beta1,beta2 (default 0.9,0.95)."),
+    adam_eps: Optional[float] = typer.Option(None, "--adam-eps", help="AdamW's epsilon (default 1e-8)."),
     warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps", help="Linear warmup steps."),
     clip_grad_norm: Optional[float] = typer.Option(None, "--clip-grad-norm", help="Clip the global grad norm to this."),
     clip_previous_norm: Optional[bool] = typer.Option(None, "--clip-previous-norm", help="Clip by the previous step's norm, so clipping can overlap the step with backward."),
@@ -62,7 +65,8 @@ def train(
     Several ranks: `--nproc N` on one machine, or `torchrun --nproc-per-node N -m tierzero.cli
     train ...` (add torchrun's --nnodes/--rdzv-* flags for several machines)."""
     overrides = dict(model=model, units=units, data=data, text_field=text_field, weights=weights, steps=steps, batch_size=batch_size, seq_len=seq_len,
-                     accumulate=accumulate, lr=lr, warmup_steps=warmup_steps,
+                     accumulate=accumulate, lr=lr, weight_decay=weight_decay, betas=_betas(adam_betas), eps=adam_eps,
+                     warmup_steps=warmup_steps,
                      clip_grad_norm=clip_grad_norm, clip_previous_norm=clip_previous_norm, seed=seed, dtype=dtype, offload=offload,
                      nvme_path=nvme_path or None, host_budget=host_budget, gpu_budget=gpu_budget,
                      prefetch_depth=prefetch_depth, overlap_step=overlap_step, grad_reduce_dtype=grad_reduce_dtype, overlap_comm=overlap_comm, stage=stage,
@@ -101,6 +105,7 @@ def train(
     if nvme_path is None and not _file_sets(config, "nvme_path"):
         run.engine.nvme_path = [str(Path(run.run_dir) / "nvme")]
     run.engine.device = rank_device(ranks, run.engine.device)
+    die_with_launcher()
     start_process_group(ranks, run.engine.device, comm_timeout)
     try:
         _train(run, ranks, resume, overwrite, json_out)
@@ -153,6 +158,17 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
         out.print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}, val loss "
                   f"{summary['val_loss_start']:.4f} -> {summary['val_loss_end']:.4f} in "
                   f"{result.wall_s:.1f}s; metrics in {run.run_dir}/metrics.jsonl")
+
+
+def _betas(text: Optional[str]) -> Optional[tuple[float, float]]:
+    """`--adam-betas 0.9,0.95` as two floats (Config checks their range)."""
+    if text is None:
+        return None
+    try:
+        beta1, beta2 = (float(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--adam-betas '{text}' is not two numbers; write them like 0.9,0.95") from None
+    return beta1, beta2
 
 
 def _run_name(model: str) -> str:

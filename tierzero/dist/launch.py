@@ -11,13 +11,21 @@ small CPU ones: the mixed backend `cpu:gloo,cuda:nccl`), else the CPU with gloo.
 time out after `timeout_s`, so a rank that hangs ends the others with an error instead of a
 silent wait; a rank that dies closes its connections, which the others see at once, and
 torchrun's agent stops the survivors when any worker exits with an error.
+
+Ctrl-C reaches the launcher only (torchrun starts each worker in a session of its own); its agent
+passes the signal on to every worker, waits for them, and `run_torchrun` raises `RanksStopped`.
+Workers die with their launcher: each asks the kernel for SIGTERM when its parent dies
+(`die_with_launcher`), so a launcher killed by SIGKILL leaves no rank training.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 import signal
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -107,10 +115,38 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
+class RanksStopped(KeyboardInterrupt):
+    """The launcher got `signum` (Ctrl-C: SIGINT) and torchrun's agent passed it on to the ranks
+    and waited for them: on SIGINT rank 0 has already said where the run stopped."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+_LAUNCHER_PID = "TIERZERO_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_launcher() -> None:
+    """Ask the kernel to send this rank SIGTERM when the process that started it (torchrun's
+    agent) dies, however it dies; exit now if it is already gone. Linux only: elsewhere a no-op."""
+    if not sys.platform.startswith("linux") or not under_torchrun():
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return  # no death signal to be had: the rank still ends when its collectives time out
+    launcher = os.environ.get(_LAUNCHER_PID)
+    if launcher is not None and os.getppid() != int(launcher):  # it died before prctl took hold
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run_torchrun(nproc: int, module: str, args: list[str]) -> None:
     """Run `python -m module args` as `nproc` ranks on this machine through torchrun's own
     launcher (standalone rendezvous); returns when all finished, raises naming the first rank
-    that failed (torchrun's agent stops the others then)."""
+    that failed (torchrun's agent stops the others then), or `RanksStopped` when a signal
+    (Ctrl-C) stopped the launcher and, through it, the ranks."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -119,10 +155,23 @@ def run_torchrun(nproc: int, module: str, args: list[str]) -> None:
     launcher = get_args_parser().parse_args(
         ["--standalone", "--nproc-per-node", str(nproc), "--monitor-interval", "0.5",
          "--module", module, *args])
+    os.environ[_LAUNCHER_PID] = str(os.getpid())  # the ranks' parent: torchrun runs in this process
+    # the agent's warnings ("death signal, shutting down workers") would be noise around our one line;
+    # each of its modules sets its own logger's level
+    agent_logs = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+                  if name.startswith("torch.distributed.elastic")]
+    levels = [log.level for log in agent_logs]
+    for log in agent_logs:
+        log.setLevel(logging.ERROR)
     try:
         run(launcher)
     except ChildFailedError as e:
         raise TierzeroError(failure_text(e.failures)) from None
+    except SignalException as e:
+        raise RanksStopped(int(e.sigval)) from None
+    finally:
+        for log, level in zip(agent_logs, levels):
+            log.setLevel(level)
 
 
 def failure_text(failures: dict[int, Any]) -> str:

@@ -4,6 +4,7 @@ It knows nothing of printing: the CLI passes `on_step` to draw progress. The tra
 the reference trainer (`offload none`) or the `Engine`; both offer `train_micro_batch`,
 `eval_loss`, `stats` and `close`. Micro-batch losses stay on the device until the step's last
 one has run: the loop reads them once per step (one host sync), not once per micro-batch.
+Ctrl-C leaves it as `Interrupted`, which says how far the run got and what it can resume from.
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ class Trainer(Protocol):
     def eval_loss(self, batch: Any) -> float: ...
     def stats(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during training: `step` optimizer steps are finished, and `checkpoint_step` is the
+    newest checkpoint the run directory holds (None: none yet), which --resume continues from."""
+
+    def __init__(self, step: int, checkpoint_step: int | None) -> None:
+        super().__init__(step, checkpoint_step)
+        self.step = step
+        self.checkpoint_step = checkpoint_step
 
 
 @dataclass
@@ -59,33 +70,39 @@ def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: 
     tokens_per_step = run.batch_size * run.seq_len * accumulate
     start = time.perf_counter()
     val_losses = []
-    if start_step == 0:
-        val_losses.append((0, evaluate(trainer, batches, run.eval_batches, mean)))
-        rundir.log({"step": 0, "val_loss": val_losses[0][1]})
-    else:  # metrics of steps after the checkpoint were lost with the crash: they are redone
-        rundir.log({"resumed_at": start_step})
     first = last = float("nan")
-    for step in range(start_step, run.steps):
-        t0 = time.perf_counter()
-        micro_losses = [trainer.train_micro_batch(batches.next_batch()) for _ in range(accumulate)]
-        loss = sum(t.item() for t in micro_losses) / accumulate  # host sync point, once per step
-        loss = loss if mean is None else mean([loss])[0]
-        dt = time.perf_counter() - t0
-        first = loss if step == start_step else first
-        last = loss
-        stats = trainer.stats()
-        record = {"step": step + 1, "loss": loss, "lr": lr_at(step, run.engine),
-                  "tokens_per_s": tokens_per_step / dt, "step_s": dt,
-                  "wall_s": time.perf_counter() - start, **stats}
-        if gather is not None:
-            record["ranks"] = gather(stats)
-        if (step + 1) % run.eval_every == 0 or step + 1 == run.steps:
-            record["val_loss"] = evaluate(trainer, batches, run.eval_batches, mean)
-            val_losses.append((step + 1, record["val_loss"]))
-        rundir.log(record)
-        if checkpoint is not None and ((step + 1) % (run.checkpoint_every or run.steps) == 0
-                                       or step + 1 == run.steps):
-            checkpoint(step + 1)
-        if on_step is not None:
-            on_step(step + 1, record)
+    done, saved = start_step, (start_step or None)  # a resumed run starts from a checkpoint
+    try:
+        if start_step == 0:
+            val_losses.append((0, evaluate(trainer, batches, run.eval_batches, mean)))
+            rundir.log({"step": 0, "val_loss": val_losses[0][1]})
+        else:  # metrics of steps after the checkpoint were lost with the crash: they are redone
+            rundir.log({"resumed_at": start_step})
+        for step in range(start_step, run.steps):
+            t0 = time.perf_counter()
+            micro_losses = [trainer.train_micro_batch(batches.next_batch()) for _ in range(accumulate)]
+            loss = sum(t.item() for t in micro_losses) / accumulate  # host sync point, once per step
+            loss = loss if mean is None else mean([loss])[0]
+            dt = time.perf_counter() - t0
+            first = loss if step == start_step else first
+            last = loss
+            stats = trainer.stats()
+            record = {"step": step + 1, "loss": loss, "lr": lr_at(step, run.engine),
+                      "tokens_per_s": tokens_per_step / dt, "step_s": dt,
+                      "wall_s": time.perf_counter() - start, **stats}
+            if gather is not None:
+                record["ranks"] = gather(stats)
+            if (step + 1) % run.eval_every == 0 or step + 1 == run.steps:
+                record["val_loss"] = evaluate(trainer, batches, run.eval_batches, mean)
+                val_losses.append((step + 1, record["val_loss"]))
+            rundir.log(record)
+            done = step + 1
+            if checkpoint is not None and ((step + 1) % (run.checkpoint_every or run.steps) == 0
+                                           or step + 1 == run.steps):
+                checkpoint(step + 1)
+                saved = step + 1
+            if on_step is not None:
+                on_step(step + 1, record)
+    except KeyboardInterrupt:
+        raise Interrupted(done, saved) from None
     return LoopResult(first, last, val_losses, time.perf_counter() - start)
