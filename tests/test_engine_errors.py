@@ -18,6 +18,7 @@ from engine_helpers import SMALL
 
 
 def nvme_config(tmp_path, **kw) -> Config:
+    (tmp_path / "nvme").mkdir(exist_ok=True)  # an existing directory, which a refused engine leaves empty
     return Config(offload="nvme", nvme_path=[str(tmp_path / "nvme")], **kw)
 
 

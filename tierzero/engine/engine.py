@@ -13,15 +13,15 @@ base under LoRA adapters) is stored once, as a param in the compute dtype, fetch
 like the rest and never written; a parameter that gets no gradient in a step is not updated,
 as torch's AdamW skips it (`tierzero.engine.paramsteps`).
 
-This file is past 500 lines because the engine is where the step's parts meet (tiers, swap
-plan, grads, optimizer, checkpoints, gathered weights, sizing); each part's logic lives in its own
-module and is only wired here.
+The engine is where the step's parts meet; each lives in its own module and is only wired
+here: the counters (`state.StepState`), stored shards (`shards`), tiers, sizing, the swap plan
+and its scheduler, unit execution, one backward's facts (`backward.BackwardPass`), grads, the
+optimizer, checkpoints (`snapshot`) and `gathered` blocks.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -31,15 +31,18 @@ from torch import nn
 
 from tierzero.dist.comm import Comm
 from tierzero.config import Config, StateKind, Tier
-from tierzero.checkpoint.catalog import newest_checkpoint, verify_checkpoint
-from tierzero.errors import CheckpointError, ConfigError, TierzeroError
-from tierzero.engine.execute import UnitRunner, bind, detach_params, flat_grad, unbind
-from tierzero.engine.gathered import GatheredWeight, copies, resolve, unit_grads
+from tierzero.errors import ConfigError, TierzeroError
+from tierzero.engine.backward import BackwardPass, StepInBackward, resolve_overlap
+from tierzero.engine.execute import UnitRunner, bind, flat_grad, place_buffers, unbind
+from tierzero.engine.gathered import GatheredBlocks, copies, resolve
 from tierzero.engine.grads import GradShards, clip_coefficient
-from tierzero.models.init import WeightFiles, flat_unit, weight_files
+from tierzero.engine.shards import Shards
+from tierzero.engine import snapshot
+from tierzero.engine.state import StepState
+from tierzero.models.init import weight_files
 from tierzero.dist.launch import local_world_size
 from tierzero.lr import lr_at
-from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest
+from tierzero.checkpoint.manifest import Manifest
 from tierzero.engine.optim import ShardOptimizer
 from tierzero.engine.paramsteps import ParamSteps, Run
 from tierzero.engine.paramsync import sync_params
@@ -52,8 +55,6 @@ from tierzero.planning.swapplan import build_swap_plan
 from tierzero.engine.sizing import Sizing
 from tierzero.engine.stats import StepStats
 from tierzero.engine.tiers import Tiers
-from tierzero.storage.base import aligned_empty
-from tierzero.layout.keys import state_keys
 
 
 class Engine:
@@ -69,7 +70,7 @@ class Engine:
         self.param_order = [name for name, _ in model.named_parameters()]
         self.scaler = DynamicLossScaler(config.loss_scale, config.loss_scale_window,
                                         enabled=self.dtype == torch.float16)
-        self.overlap = self._resolve_overlap()
+        self.overlap = resolve_overlap(config, self.scaler.enabled)  # units step in backward
         self.sizing = Sizing(config, self.device, self.dtype, self.units, self.comm.world_size,
                              self.local_ranks, self.overlap)
         # `offload auto` picks a placement for the forced stage, else stage 3's
@@ -80,35 +81,36 @@ class Engine:
         self.stats_ = StepStats()
         self.tiers = Tiers(config, self.device, homes, self.comm.rank if self.comm.world_size > 1 else None,
                            self.stats_, self.local_ranks)
-        self.tiers.check_paths()
+        self.tiers.check_paths()  # reads metadata only: `open` makes the directories
+        self.shards = Shards(self.tiers, self.placement, self.comm.rank, config.piece_numel, self.dtype)
         self.memory = self.sizing.check(self.tiers, self.placement, self.stage)
         if weights is not None:
             weight_files(weights)  # refuse a wrong path now, before anything is written
         self.weights = weights
-        self.step_count = 0
-        self.micro = 0
-        self.last_grad_norm: float | None = None
-        self.skipped_steps = 0
+        self.state = StepState()
         self._open = False
         self._closed = False
         self._broken: str | None = None  # why a step stopped half-way, leaving partial state
         self._root_leaves: list[torch.Tensor] | None = None
-        self._stepped_in_backward = False
-        self._previous_norm: torch.Tensor | None = None
         self._notes: list[str] = []
         self._activations_reserved = False
-        self._gathered: list[dict[str, GatheredWeight]] = []  # the open `gathered` blocks
-        # trainable copies of closed `gathered` blocks, by id (tensors do not hash by identity)
-        self._closed_copies: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self._blocks = GatheredBlocks(self.units)
+
+    # the counters, read-only here: the step and checkpoints advance and restore `state`
+    step_count = property(lambda self: self.state.step_count, doc="Optimizer steps taken.")
+    micro = property(lambda self: self.state.micro, doc="Micro-batches backpropagated.")
+    skipped_steps = property(lambda self: self.state.skipped_steps, doc="fp16 steps skipped for overflow.")
+    last_grad_norm = property(lambda self: self.state.last_grad_norm, doc="The latest global grad norm.")
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def open(self) -> Engine:
         """Open the tiers and move every unit's state into its home, one unit at a time."""
-        return self._open_with(self._materialise)
+        return self._open_with(lambda: self.shards.materialise(self.model, self.units, self.config.seed,
+                                                               self.weights))
 
     def _open_with(self, fill: Callable[[], None]) -> Engine:
-        """Open the tiers, fill them (`_materialise`, or a checkpoint's restore), build the step."""
+        """Open the tiers, fill them (`Shards.materialise`, or a checkpoint's restore), build the step."""
         if self._open:
             return self
         if self._closed:
@@ -121,7 +123,7 @@ class Engine:
             torch.cuda.set_device(self.device)
         self.tiers.open()
         try:
-            self._place_buffers()
+            place_buffers(self.model, self.device)
             fill()
             self.scheduler = Scheduler(self.units, self.tiers, self.placement.param, self.dtype,
                                        self.comm, self.config.piece_numel, self.stats_)
@@ -169,17 +171,14 @@ class Engine:
     def forward(self, batch: Any) -> torch.Tensor:
         """The loss of one micro-batch; with grad enabled, ready for `backward`."""
         self._usable()
-        if self._stepped_in_backward:
+        if self.state.stepped_in_backward:
             self.step()  # overlap_step already updated the shards: settle it before reading them
         training = torch.is_grad_enabled()
         if training and not self._activations_reserved:
             self._activations_reserved = True
             self.memory = self.sizing.reserve_activations(self.tiers, self.model, batch, self.memory,
                                                           self.placement, self.stage)
-            if self.device.type == "cpu":  # the host budget is final now: the pool's, and its blocks
-                self.tiers.host_pool.set_budget(max(1, self.tiers.host_budget))
-                provision = self.memory.host_provision(self.tiers.host_budget)
-                self.tiers.host_pool.provision({c: n - self.tiers.host_blocks.get(c, 0) for c, n in provision.items()})
+            self.tiers.provision_host(self.memory)
         self.scheduler.begin(self.train_plan if training else self.eval_plan)
         root = self.units[0]
         try:
@@ -199,50 +198,42 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backprop one micro-batch; every unit's grad is accumulated into its home tier."""
         self._usable()
-        accumulate = self.config.accumulate
-        last = (self.micro + 1) % accumulate == 0
+        accumulate, state = self.config.accumulate, self.state
+        last = state.ends_step(accumulate)
         scale = self.scaler.scale
-        self._refuse_closed_copies(loss)
-        self.grads.begin(self.micro % accumulate, last, 1.0 / scale)
+        self._blocks.refuse_closed(loss)
+        step = None
         if last and self.overlap:
-            lr = lr_at(self.step_count, self.config)
             coef = None  # clip_previous_norm: the first step is not clipped
-            if self.config.clip_grad_norm is not None and self._previous_norm is not None:
+            if self.config.clip_grad_norm is not None and state.previous_norm is not None:
                 # a host float from the host copy of the norm: no device sync in backward, and
                 # no device tensor for each CPU piece's step to copy to the host
-                coef = clip_coefficient(self._previous_norm, self.config.clip_grad_norm).item()
-            self.grads.hand_over = lambda unit, grad: self.optimizer.step_unit(
-                unit, grad, self._runs(unit), lr, coef)
-            # read each unit's states while the unit before it in backward order still computes
-            self.runner.on_backward_start = lambda u: [self.optimizer.prefetch(self.units[v])
-                                                       for v in (u, u - 1) if v >= 0]
-            self._stepped_in_backward = True
+                coef = clip_coefficient(state.previous_norm, self.config.clip_grad_norm).item()
+            step = StepInBackward(self.optimizer, self.units, lr_at(state.step_count, self.config), coef, self._runs)
+            state.stepped_in_backward = True
         scaled = loss / accumulate if accumulate > 1 else loss
         scaled = scaled * scale if scale != 1.0 else scaled
         try:
-            self.grads.extra = self._gathered_grads(scaled)
-            scaled.backward()
-            if self._root_leaves is not None:
-                if self.units[0].trainable_numel:
-                    self.grads.offload(0, *flat_grad(self.units[0], self._root_leaves))
-                unbind(self.units[0], self.dtype)
-                self._root_leaves = None
-            self.grads.flush()  # the last unit's reduction
+            pass_ = BackwardPass(state.micro % accumulate, last, 1.0 / scale, self._blocks.grads(scaled), step)
+            with self.grads.running(pass_), self.runner.running(pass_):
+                scaled.backward()
+                if self._root_leaves is not None:
+                    if self.units[0].trainable_numel:
+                        self.grads.offload(0, *flat_grad(self.units[0], self._root_leaves))
+                    unbind(self.units[0], self.dtype)
+                    self._root_leaves = None
+                self.grads.flush()  # the last unit's reduction
             self.scheduler.finish()
         except BaseException as e:
             self._broken = f"backward failed: {e!r}"  # some units' grads are accumulated, some not
             self._abort()
             raise
-        finally:
-            self.grads.hand_over = None
-            self.grads.extra = {}
-            self.runner.on_backward_start = None
-        self.micro += 1
+        state.micro += 1
 
     def step(self) -> bool:
         """Update every shard if a global batch is complete; False if none ran (or fp16 skipped)."""
         self._usable()
-        if self.micro % self.config.accumulate != 0:
+        if not self.state.between_steps(self.config.accumulate):
             return False
         try:
             stepped = self._step()
@@ -258,31 +249,32 @@ class Engine:
     def _step(self) -> bool:
         self.tiers.pending.drain()  # grads written during backward must land before they are read
         self.grads.settle()  # and those copied to host memory
-        if self._stepped_in_backward:  # overlap_step: every unit was stepped as its grad arrived
-            self._stepped_in_backward = False
+        state = self.state
+        if state.stepped_in_backward:  # overlap_step: every unit was stepped as its grad arrived
+            state.stepped_in_backward = False
             if self.config.clip_grad_norm is not None:  # this step's norm clips the next one
                 # copied to the host once here (where it was read anyway): the next backward
                 # derives its clip coefficient from it without touching the device
-                self._previous_norm = self.grads.total_norm(self.param_order).cpu()
-                self.last_grad_norm = self._previous_norm.item()
+                state.previous_norm = self.grads.total_norm(self.param_order).cpu()
+                state.last_grad_norm = state.previous_norm.item()
             self.param_steps.advance(self.grads.present)
             self._sync_params()
-            self.step_count += 1
+            state.step_count += 1
             return True
         if self.scaler.enabled and not self.scaler.update(self.grads.found_inf()):
-            self.skipped_steps += 1  # overflow: nothing is written, the schedule does not advance
+            state.skipped_steps += 1  # overflow: nothing is written, the schedule does not advance
             return False
         coef = None
         if self.config.clip_grad_norm is not None:
             norm = self.grads.total_norm(self.param_order)
-            self.last_grad_norm = norm.item()
+            state.last_grad_norm = norm.item()
             # a host float: one sync per step, right after the norm's; stepping with a device
             # tensor would make every CPU piece's step copy it to the host
             coef = clip_coefficient(norm, self.config.clip_grad_norm).item()
-        self.optimizer.step({u.index: self._runs(u) for u in self.units}, lr_at(self.step_count, self.config), coef)
+        self.optimizer.step({u.index: self._runs(u) for u in self.units}, lr_at(state.step_count, self.config), coef)
         self.param_steps.advance(self.grads.present)
         self._sync_params()
-        self.step_count += 1
+        state.step_count += 1
         return True
 
     def _sync_params(self) -> None:
@@ -293,7 +285,7 @@ class Engine:
 
     def _runs(self, unit: Unit) -> list[Run]:
         """What this step updates of this rank's shard of `unit`, with each run's step count."""
-        return self.param_steps.runs(unit, self.comm.rank, self.grads.present.get(unit.index, ()), self.step_count)
+        return self.param_steps.runs(unit, self.comm.rank, self.grads.present.get(unit.index, ()), self.state.step_count)
 
     @contextlib.contextmanager
     def gathered(self, names: Iterable[str] | str | None = None) -> Iterator[dict[str, torch.Tensor]]:
@@ -303,46 +295,16 @@ class Engine:
         the block adds the gradients that reach them to the step's (see `tierzero.engine.gathered`).
         Released on exit; changing a copy changes nothing in the engine."""
         self._usable()
-        if self._stepped_in_backward:
+        if self.state.stepped_in_backward:
             self.step()  # overlap_step updated the shards: settle the step before reading them
         self.tiers.pending.drain()  # params written by the last step must have landed
-        where = resolve(self.units, names)
-        weights = copies(self.units, where, self._full_params)
-        self._gathered.append(weights)
-        view = {name: w.tensor for name, w in weights.items()}
-        try:
+        with self._blocks.block(copies(self.units, resolve(self.units, names), self._full_params)) as view:
             yield view
-        finally:
-            self._gathered.remove(weights)
-            self._closed_copies.update({id(w.tensor): w.tensor for w in weights.values() if w.tensor.requires_grad})
-            view.clear()
 
     def _full_params(self, unit: Unit) -> torch.Tensor:
         """The unit's full flat param buffer on the compute device (every rank's shard)."""
-        param = self.read_shard(StateKind.PARAM, unit).to(self.device)
+        param = self.shards.read_shard(StateKind.PARAM, unit).to(self.device)
         return param if unit.replicated else self.comm.all_gather(param)
-
-    def _gathered_grads(self, scaled: torch.Tensor) -> dict[int, tuple[torch.Tensor, frozenset[int]]]:
-        """The gradients of `scaled` with respect to the open `gathered` blocks' trainable copies,
-        per unit (taken before backward, so each unit's is added to its own as it arrives)."""
-        leaves = list({id(w.tensor): w for block in self._gathered for w in block.values()
-                       if w.tensor.requires_grad}.values())
-        if not leaves or not scaled.requires_grad:
-            return {}
-        grads = torch.autograd.grad(scaled, [w.tensor for w in leaves], retain_graph=True, allow_unused=True)
-        return unit_grads(self.units, leaves, list(grads))
-
-    def _refuse_closed_copies(self, loss: torch.Tensor) -> None:
-        """A gradient that would reach a `gathered` copy after its block closed would be lost:
-        refuse that backward before anything is accumulated (the engine stays usable)."""
-        open_ = {id(w.tensor) for block in self._gathered for w in block.values()}
-        stale = [t for key, t in list(self._closed_copies.items()) if key not in open_ and t.requires_grad]
-        if not stale or not loss.requires_grad:
-            return
-        reached = torch.autograd.grad(loss, stale, retain_graph=True, allow_unused=True)
-        if any(g is not None for g in reached):
-            raise ConfigError("this loss uses weights from an `engine.gathered` block that has closed, "
-                              "so their gradients would be lost; call engine.backward(loss) inside the block")
 
     def train_step(self, batch: Any) -> float:
         """forward + backward + step (the step runs once per `accumulate` calls); the loss."""
@@ -375,9 +337,7 @@ class Engine:
         NVMe-homed state: metadata, not bytes); `data` is the caller's data position, `keep`
         prunes to the newest K. See `tierzero.engine.snapshot`."""
         self._usable()
-        from tierzero.engine import snapshot
-
-        return snapshot.save(self, run_dir, data=data, keep=keep, model=model)
+        return snapshot.save(self._checkpointed(), run_dir, data=data, keep=keep, model=model)
 
     def load_checkpoint(self, path: str | Path) -> Manifest:
         """Continue from a checkpoint: `path` is a `step-<N>` directory, or a run directory (its
@@ -385,27 +345,17 @@ class Engine:
         array is verified first. Returns the manifest (its `data` is the caller's to restore)."""
         if self._broken is not None:
             self._usable()
-        from tierzero.engine import snapshot
-
-        path = Path(path)
-        rank = self.comm.rank if self.comm.world_size > 1 else None  # each rank checks its own shards
-        if (path / MANIFEST_NAME).exists():
-            manifest = Manifest.load(path)
-            verify_checkpoint(path, manifest, rank)
-        else:
-            found = newest_checkpoint(path, rank=rank, all_ok=self.comm.all_ok if rank is not None else None)
-            if found is None:
-                raise CheckpointError(f"'{path}' holds no checkpoint; pass a run directory with "
-                                      "checkpoints/step-<N> in it, or one such directory")
-            path, manifest, skipped = found
-            for line in skipped:
-                self.note(line)
+        path, manifest = snapshot.find(Path(path), self.comm, self.note)
         if self._open:
             self.tiers.pending.drain()
-            snapshot.restore(self, path, manifest)
+            snapshot.restore(self._checkpointed(), path, manifest)
         else:
-            self._open_with(lambda: snapshot.restore(self, path, manifest))
+            self._open_with(lambda: snapshot.restore(self._checkpointed(), path, manifest))
         return manifest
+
+    def _checkpointed(self) -> snapshot.Checkpointed:
+        return snapshot.Checkpointed(self.config, self.comm, self.units, self.shards, self.state, self.scaler,
+                                     self.param_steps, self.stage, self.device, self.note)
 
     def note(self, text: str) -> None:
         """Record something the user should hear once (the CLI prints `notes()`)."""
@@ -426,57 +376,45 @@ class Engine:
         This holds the whole fp32 model in host memory: for small models and tests. For large
         ones, checkpoint and stream the weights out with `tierzero export` (about one unit of RAM)."""
         self._usable()
-        out: dict[str, torch.Tensor] = {}
-        for unit in self.units:
-            master = self.read_shard(StateKind.MASTER, unit)
-            if unit.has_frozen:  # the shard's frozen rest has params only
-                lo = unit.param_offset(self.comm.rank)
-                param = self.read_shard(StateKind.PARAM, unit)[lo:lo + unit.shard_numel]
-                master = torch.cat([master, param[master.numel():].float()])
-            if self.comm.world_size > 1:  # every rank's shard, end to end: the full flat buffer
-                master = self.comm.all_gather(master.to(self.device)).cpu()
-            for slot in unit.slots:
-                value = master[slot.offset:slot.end].view(slot.shape).clone()
-                for name in slot.names:
-                    out[name] = value
-        return out
+        return self.shards.master_state_dict(self.units, self.comm)
 
     def keys(self, kind: StateKind, unit: Unit) -> list[tuple[str, int, int]]:
         """This rank's store keys of `kind` for `unit`, with the shard range each holds."""
-        return state_keys(kind, unit, self.comm.rank, self.config.piece_numel, self.placement.home(kind))
+        return self.shards.keys(kind, unit)
 
     def read_shard(self, kind: StateKind, unit: Unit) -> torch.Tensor:
-        """A CPU copy of this rank's shard of `kind` for `unit` (for inspection and export): for
-        kinds other than `param`, its trainable prefix (`Unit.state_numel`); for `param`, what
-        this rank stores (the whole unit when `unit.replicated`)."""
-        if kind is StateKind.PARAM:
-            out = aligned_empty(unit.param_numel, self.dtype)
-        else:
-            out = aligned_empty(unit.state_numel(self.comm.rank), torch.float32)
-        for key, a, b in self.keys(kind, unit):
-            self.read_key(kind, key, out[a:b])
-        return out
+        """A CPU copy of this rank's shard of `kind` for `unit` (for inspection and export; see
+        `Shards.read_shard`)."""
+        self._settle(kind)
+        return self.shards.read_shard(kind, unit)
 
     def read_key(self, kind: StateKind, key: str, out: torch.Tensor) -> None:
         """Fill the CPU tensor `out` from one stored key of `kind` (verified where stored on disk)."""
-        store = self.tiers.stores[self.placement.home(kind)]
+        self._settle(kind)
+        self.shards.read_key(kind, key, out)
+
+    def put_shard(self, kind: StateKind, unit: Unit, src: torch.Tensor) -> None:
+        """Write this rank's shard of `kind` for `unit` (a CPU tensor) to its home tier."""
+        self.shards.put_shard(kind, unit, src)
+
+    def put_key(self, kind: StateKind, key: str, src: torch.Tensor) -> None:
+        """Write one stored key of `kind` (a CPU tensor) to its home tier."""
+        self.shards.put_key(kind, key, src)
+
+    def _settle(self, kind: StateKind) -> None:
         if kind is StateKind.GRAD and self._open:
             self.grads.settle()  # a grad piece may still be on its way to the host
-        if store.capabilities.zero_copy:
-            out.copy_(store.view(key))
-        else:
-            self.tiers.run(store.read_into(key, out, verify=True))
 
     def stats(self) -> dict[str, Any]:
         """Per-step counters for metrics.jsonl: bytes per direction, I/O wait, peak bytes."""
         out: dict[str, Any] = dict(self.stats_.take())
         if self._open:
             out.update({f"peak_{k}_bytes": v for k, v in self.tiers.peaks().items()})
-        if self.last_grad_norm is not None:
-            out["grad_norm"] = self.last_grad_norm
+        if self.state.last_grad_norm is not None:
+            out["grad_norm"] = self.state.last_grad_norm
         if self.scaler.enabled:
             out["loss_scale"] = self.scaler.scale
-            out["skipped_steps"] = self.skipped_steps
+            out["skipped_steps"] = self.state.skipped_steps
         return out
 
     # -- internals ------------------------------------------------------------------------------
@@ -488,17 +426,6 @@ class Engine:
                                 "may hold a partial update, so close it and start again")
         self.open()
 
-    def _place_buffers(self) -> None:
-        """Module buffers (rotary tables, masks) live on the compute device with the activations."""
-        for name, buf in self.model.named_buffers():
-            if buf.is_meta:
-                raise ConfigError(f"buffer '{name}' is on the meta device and the engine cannot "
-                                  "initialise it; build the model with its buffers materialised")
-        for module in self.model.modules():
-            for key, buf in module._buffers.items():
-                if buf is not None:
-                    module._buffers[key] = buf.to(self.device)
-
     def _gather(self, unit: int) -> torch.Tensor:
         return self.scheduler.acquire(unit)
 
@@ -509,54 +436,6 @@ class Engine:
             unbind(self.units[0], self.dtype)
             self._root_leaves = None
         self.scheduler.abort()
-
-    def _materialise(self) -> None:
-        weights = WeightFiles(self.weights) if self.weights is not None else None
-        lo_hi = [u.shard_range(self.comm.rank) for u in self.units]
-        for unit, (lo, hi) in zip(self.units, lo_hi):
-            flat = flat_unit(self.model, unit, self.config.seed, weights)
-            shard = flat[lo:hi].contiguous()
-            detach_params(unit, self.dtype)
-            self.put_shard(StateKind.MASTER, unit, shard)
-            self.put_shard(StateKind.PARAM, unit, (flat if unit.replicated else shard).to(self.dtype))
-            zeros = torch.zeros_like(shard)
-            for kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ, StateKind.GRAD):
-                self.put_shard(kind, unit, zeros)
-            self.tiers.pending.drain()  # peak host memory stays about one unit
-        if Tier.NVME in self.tiers.stores:
-            self.tiers.run(self.tiers.stores[Tier.NVME].flush())
-
-    def put_shard(self, kind: StateKind, unit: Unit, src: torch.Tensor) -> None:
-        """Write this rank's shard of `kind` for `unit` (a CPU tensor) to its home tier."""
-        for key, a, b in self.keys(kind, unit):
-            self.put_key(kind, key, src[a:b])
-
-    def put_key(self, kind: StateKind, key: str, src: torch.Tensor) -> None:
-        """Write one stored key of `kind` (a CPU tensor) to its home tier."""
-        store = self.tiers.stores[self.placement.home(kind)]
-        if self.placement.home(kind) is Tier.NVME:
-            staged = self.tiers.lease_host(src.numel() * src.element_size()).view(src.dtype)
-            staged.copy_(src)
-            future = self.tiers.submit(store.write(key, staged))
-            self.tiers.pending.add(future, lambda ok: self.tiers.host_pool.give_back(staged.view(torch.uint8)))
-        else:
-            self.tiers.run(store.write(key, src))
-
-    def _resolve_overlap(self) -> bool:
-        """Whether units are stepped during backward: on by default wherever that is exact.
-
-        fp16 never (the step waits for the overflow check); clipping only when the user opts in
-        to clipping by the previous step's global norm (`clip_previous_norm`).
-        """
-        clip = self.config.clip_grad_norm is not None
-        if self.config.clip_previous_norm and not clip:
-            raise ConfigError("clip_previous_norm needs clip_grad_norm; set both or neither")
-        possible = not self.scaler.enabled and (not clip or self.config.clip_previous_norm)
-        if self.config.overlap_step and not possible:
-            raise ConfigError("overlap_step cannot be exact with clip_grad_norm or fp16: each unit's "
-                              "step would need the global norm or overflow check first; turn one "
-                              "off, or opt in to clipping by the previous step's norm (clip_previous_norm)")
-        return possible if self.config.overlap_step is None else self.config.overlap_step
 
     def stage_text(self) -> str:
         """One line naming the stage, why, and what it partitions."""

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from tierzero.engine.backward import BackwardPass
+from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit
 
 GatherFn = Callable[[int], torch.Tensor]  # unit index -> full flat param buffer on the device
@@ -82,6 +84,18 @@ def detach_params(unit: Unit, dtype: torch.dtype) -> None:
     unbind(unit, dtype)
 
 
+def place_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Module buffers (rotary tables, masks) live on the compute device with the activations."""
+    for name, buf in model.named_buffers():
+        if buf.is_meta:
+            raise ConfigError(f"buffer '{name}' is on the meta device and the engine cannot "
+                              "initialise it; build the model with its buffers materialised")
+    for module in model.modules():
+        for key, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[key] = buf.to(device)
+
+
 class UnitRunner:
     """Installs the checkpointed entry point of every unit that has one (all but a root)."""
 
@@ -95,7 +109,7 @@ class UnitRunner:
         self.forward_only = forward_only  # units run without a backward (`partition.forward_only`)
         self._originals: dict[int, Callable[..., Any]] = {}
         self._shadowed: set[int] = set()  # entries that were instance attributes already
-        self.on_backward_start: Callable[[int], None] | None = None  # set by the engine per pass
+        self.pass_ = BackwardPass()  # the backward in progress (`running`)
         self._anchor = torch.empty(0, requires_grad=True)
 
     def install(self) -> None:
@@ -117,6 +131,15 @@ class UnitRunner:
                 else:
                     delattr(owner, attr)  # the class's own method shows through again
         self._shadowed.clear()
+
+    @contextlib.contextmanager
+    def running(self, pass_: BackwardPass) -> Iterator[None]:
+        """Run the units' backward as part of `pass_` (which may read optimizer states ahead)."""
+        self.pass_ = pass_
+        try:
+            yield
+        finally:
+            self.pass_ = BackwardPass()
 
     def bound_units(self, unit: Unit) -> list[Unit]:
         """The units a call of `unit` binds, in the order the swap plan waits for them."""
@@ -172,8 +195,7 @@ class _Checkpointed(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         runner, unit = ctx.runner, ctx.unit
-        if runner.on_backward_start is not None:
-            runner.on_backward_start(unit.index)
+        runner.pass_.unit_starting(unit.index)
         saved = ctx.saved_tensors
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in saved]
         bound = runner.bound_units(unit)

@@ -18,7 +18,9 @@ loss reaches it is refused (its gradient would be lost) before anything is accum
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import weakref
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -85,3 +87,47 @@ def unit_grads(units: list[Unit], weights: list[GatheredWeight], grads: list[tor
         flat[slot.offset:slot.end].copy_(grad.reshape(-1))
         out[weight.unit] = (flat, present | {weight.slot})
     return out
+
+
+class GatheredBlocks:
+    """The open `gathered` blocks and the trainable copies of closed ones, for one engine."""
+
+    def __init__(self, units: list[Unit]) -> None:
+        self.units = units
+        self._open: list[dict[str, GatheredWeight]] = []
+        # trainable copies of closed blocks, by id (tensors do not hash by identity)
+        self._closed: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+    @contextlib.contextmanager
+    def block(self, weights: dict[str, GatheredWeight]) -> Iterator[dict[str, torch.Tensor]]:
+        """`weights` open for user code as name -> tensor; cleared on exit."""
+        self._open.append(weights)
+        view = {name: w.tensor for name, w in weights.items()}
+        try:
+            yield view
+        finally:
+            self._open.remove(weights)
+            self._closed.update({id(w.tensor): w.tensor for w in weights.values() if w.tensor.requires_grad})
+            view.clear()
+
+    def grads(self, scaled: torch.Tensor) -> dict[int, UnitGrad]:
+        """The gradients of `scaled` with respect to the open blocks' trainable copies, per unit
+        (taken before backward, so each unit's is added to its own as it arrives)."""
+        leaves = list({id(w.tensor): w for block in self._open for w in block.values()
+                       if w.tensor.requires_grad}.values())
+        if not leaves or not scaled.requires_grad:
+            return {}
+        grads = torch.autograd.grad(scaled, [w.tensor for w in leaves], retain_graph=True, allow_unused=True)
+        return unit_grads(self.units, leaves, list(grads))
+
+    def refuse_closed(self, loss: torch.Tensor) -> None:
+        """A gradient that would reach a copy after its block closed would be lost: refuse that
+        backward before anything is accumulated (the engine stays usable)."""
+        open_ = {id(w.tensor) for block in self._open for w in block.values()}
+        stale = [t for key, t in list(self._closed.items()) if key not in open_ and t.requires_grad]
+        if not stale or not loss.requires_grad:
+            return
+        reached = torch.autograd.grad(loss, stale, retain_graph=True, allow_unused=True)
+        if any(g is not None for g in reached):
+            raise ConfigError("this loss uses weights from an `engine.gathered` block that has closed, "
+                              "so their gradients would be lost; call engine.backward(loss) inside the block")

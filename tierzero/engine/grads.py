@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Callable
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
 from tierzero.dist.comm import Comm, InFlight
+from tierzero.engine.backward import BackwardPass
 from tierzero.errors import TierzeroError
 from tierzero.config import StateKind, Tier
 from tierzero.layout.partition import Unit, piece_ranges
@@ -59,19 +61,12 @@ class GradShards:
         self.present: dict[int, set[int]] = {}  # unit -> its slots that got a grad in this step
         self.want_norms = norms  # clipping needs them
         self.want_finite = finite  # fp16 needs the overflow check
-        self.micro = 0
-        self.last = True
-        self.inv_scale = 1.0
+        self.pass_ = BackwardPass()  # the backward in progress (`running`)
         self.norms: dict[str, torch.Tensor] = {}  # param name -> 2-norm (one rank) of its grad, on the device
         # measured on the compute device, read on the host only when the step needs them (one
         # host-device sync per step, not one per unit or parameter in backward)
         self.sumsq = torch.zeros((), dtype=torch.float32, device=tiers.device)  # several ranks: this shard's
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=tiers.device)
-        # overlap_step: on the last micro-batch the optimizer takes each finished shard at once
-        self.hand_over: Callable[[Unit, torch.Tensor], None] | None = None
-        # gradients of this backward that reached `Engine.gathered` copies, by unit: added to the
-        # unit's own at its first contribution (`tierzero.engine.gathered`)
-        self.extra: dict[int, tuple[torch.Tensor, frozenset[int]]] = {}
         self.overlap = overlap  # several ranks: a unit's reduction runs beside the next one's backward
         self._reducing: tuple[int, InFlight] | None = None
         self.full_until_last = full_until_last  # stage 1: see the module docstring
@@ -81,23 +76,29 @@ class GradShards:
         self._stashes: dict[str, concurrent.futures.Future] = {}  # a tied unit's earlier uses, being stashed
         self.streams = tiers.streams
 
-    def begin(self, micro: int, last: bool, inv_scale: float) -> None:
-        """Before a backward: which micro-batch it is, whether it ends the step, the 1/scale."""
-        self.micro, self.last, self.inv_scale = micro, last, inv_scale
+    @contextlib.contextmanager
+    def running(self, pass_: BackwardPass) -> Iterator[None]:
+        """Accumulate the grads of the backward `pass_` (which micro-batch, whether it ends the
+        step, the 1/scale, what `gathered` blocks add, whether units are stepped at once)."""
+        self.pass_ = pass_
         self.seen = {}
-        if micro == 0:
+        if pass_.micro == 0:
             self._full_held.clear()
             self.present = {}
             self.norms.clear()
             self.sumsq = torch.zeros((), dtype=torch.float32, device=self.tiers.device)
             self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.tiers.device)
+        try:
+            yield
+        finally:
+            self.pass_ = BackwardPass()  # drops the pass's tensors and its optimizer
 
     def offload(self, unit: int, full_grad: torch.Tensor, present: frozenset[int]) -> None:
         """Start reducing one unit's gradient over the ranks; with `overlap`, accumulate the
         previous unit's, whose reduction ran while this unit's backward computed (the last
         one's at `flush`)."""
         u = self.units[unit]
-        extra = self.extra.pop(unit, None)
+        extra = self.pass_.extra.pop(unit, None)
         if extra is not None:  # unit + regulariser: the two terms autograd sums for a weight used twice
             full_grad = full_grad.float() + extra[0].to(full_grad.device)
             present = present | extra[1]
@@ -111,7 +112,7 @@ class GradShards:
                 self._full_held.discard(unit)
                 for key, a, b in keys:
                     self._add_previous(key, full_grad[a:b])
-            if not self.last:  # kept whole until the last micro-batch: no communication
+            if not self.pass_.last:  # kept whole until the last micro-batch: no communication
                 produced = self.streams.record(self.streams.compute)
                 for key, a, b in keys:
                     self._store(key, full_grad[a:b], produced)
@@ -147,8 +148,8 @@ class GradShards:
         u = self.units[unit]
         self.seen[unit] = self.seen.get(unit, 0) + 1
         grad = shard[:u.state_numel(self.comm.rank)]
-        if self.inv_scale != 1.0:
-            grad = grad * self.inv_scale
+        if self.pass_.inv_scale != 1.0:
+            grad = grad * self.pass_.inv_scale
         if self.uses[unit] > 1:
             # A unit used twice per pass (a tied embedding): autograd adds a weight's uses
             # first and then accumulates, so hold the earlier uses' sum in the grad's home
@@ -156,17 +157,16 @@ class GradShards:
             grad = self._combine_uses(unit, grad)
             if grad is None:
                 return
-        final = self.last
         keys = state_keys(StateKind.GRAD, u, self.comm.rank, self.piece_numel, self.home)
         # earlier micro-batches' sum, piece by piece (prev + new: addition commutes); stage 1
         # summed them before the reduction
-        if self.micro > 0 and not self.full_until_last:
+        if self.pass_.micro > 0 and not self.full_until_last:
             for key, a, b in keys:
                 self._add_previous(key, grad[a:b])
-        if final:
+        if self.pass_.last:
             self._measure(u, grad)
-            if self.hand_over is not None:
-                self.hand_over(u, grad)  # the optimizer steps it piece by piece, never stored
+            if self.pass_.step is not None:
+                self.pass_.step.grad_ready(u, grad)  # the optimizer steps it piece by piece, never stored
                 return
         produced = self.streams.record(self.streams.compute)  # the shard is final on compute
         for key, a, b in keys:

@@ -24,16 +24,24 @@ import dataclasses
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from tierzero.checkpoint import lineage
-from tierzero.checkpoint.catalog import checkpoints_root, prune, step_dir
-from tierzero.config import StateKind, Tier
+from tierzero.checkpoint.catalog import checkpoints_root, newest_checkpoint, prune, step_dir, verify_checkpoint
+from tierzero.config import Config, Placement, StateKind, Tier
+from tierzero.dist.comm import Comm
 from tierzero.errors import CheckpointError, TierzeroError
 from tierzero.engine.execute import detach_params
+from tierzero.engine.paramsteps import ParamSteps
+from tierzero.engine.precision import DynamicLossScaler
+from tierzero.engine.shards import Shards
+from tierzero.engine.state import StepState
+from tierzero.engine.tiers import Tiers
+from tierzero.layout.partition import Unit
 from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest, config_hash, layout_of
 from tierzero.storage import chunkfile
 from tierzero.storage.arrays import read_array, write_array
@@ -42,9 +50,6 @@ from tierzero.storage.zarrmeta import ShardMeta
 from tierzero.storage.io import write_durable
 from tierzero.storage.base import aligned_empty
 
-if TYPE_CHECKING:
-    from tierzero.engine import Engine
-
 SAVED_KINDS = (StateKind.PARAM, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
 # Config fields that change what a step computes; a resumed run with others differs.
 _NUMERIC_FIELDS = ("dtype", "lr", "weight_decay", "betas", "eps", "lr_schedule", "warmup_steps",
@@ -52,11 +57,40 @@ _NUMERIC_FIELDS = ("dtype", "lr", "weight_decay", "betas", "eps", "lr_schedule",
                    "loss_scale", "loss_scale_window", "seed", "grad_reduce_dtype")
 
 
-def numeric_config_hash(engine: Engine) -> str:
-    return config_hash({f: getattr(engine.config, f) for f in _NUMERIC_FIELDS})
+@dataclasses.dataclass(frozen=True)
+class Checkpointed:
+    """The parts of an engine a checkpoint saves and restores, handed over explicitly so this
+    module never reaches into the engine (`Engine.save_checkpoint` builds it)."""
+
+    config: Config
+    comm: Comm
+    units: list[Unit]
+    shards: Shards  # this rank's stored state, key by key
+    state: StepState  # restored in place
+    scaler: DynamicLossScaler
+    param_steps: ParamSteps
+    stage: int
+    device: torch.device
+    note: Callable[[str], None]  # what the user should hear once
+
+    @property
+    def tiers(self) -> Tiers:
+        return self.shards.tiers
+
+    @property
+    def placement(self) -> Placement:
+        return self.shards.placement
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.shards.dtype
 
 
-def save(engine: Engine, run_dir: str | Path, data: dict[str, Any] | None = None,
+def numeric_config_hash(config: Config) -> str:
+    return config_hash({f: getattr(config, f) for f in _NUMERIC_FIELDS})
+
+
+def save(engine: Checkpointed, run_dir: str | Path, data: dict[str, Any] | None = None,
          keep: int | None = None, model: dict[str, Any] | None = None) -> Path:
     """Write `run_dir/checkpoints/step-<N>` for the engine's current step; returns its path.
 
@@ -66,17 +100,16 @@ def save(engine: Engine, run_dir: str | Path, data: dict[str, Any] | None = None
     place once all have. A rank that fails leaves no `step-<N>`: the last complete one stays.
     """
     comm = engine.comm
-    if engine.micro % engine.config.accumulate != 0:
-        raise TierzeroError(f"a checkpoint needs a finished optimizer step, but {engine.micro % engine.config.accumulate} "
+    if not engine.state.between_steps(engine.config.accumulate):
+        raise TierzeroError(f"a checkpoint needs a finished optimizer step, but {engine.state.micro % engine.config.accumulate} "
                             f"of {engine.config.accumulate} micro-batches are accumulated; save after step()")
-    engine.open()
     tiers = engine.tiers
     tiers.pending.drain()
     nvme = tiers.stores.get(Tier.NVME)
     if nvme is not None:
         tiers.run(nvme.flush())  # linked chunks must be durable before a manifest names them
     root = checkpoints_root(run_dir)
-    final = step_dir(run_dir, engine.step_count)
+    final = step_dir(run_dir, engine.state.step_count)
     if comm.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         _remove_temp_dirs(root)
@@ -112,33 +145,33 @@ def save(engine: Engine, run_dir: str | Path, data: dict[str, Any] | None = None
     return final
 
 
-def _write_shards(engine: Engine, temp: Path) -> tuple[dict[str, ShardMeta], int]:
+def _write_shards(engine: Checkpointed, temp: Path) -> tuple[dict[str, ShardMeta], int]:
     """This rank's saved shards under `temp/state`: NVMe-homed ones linked, others written."""
     tiers, nvme = engine.tiers, engine.tiers.stores.get(Tier.NVME)
     arrays, copied = {}, 0
     for unit in engine.units:
         for kind in SAVED_KINDS:
-            for key, a, b in engine.keys(kind, unit):
+            for key, a, b in engine.shards.keys(kind, unit):
                 dst = str(temp / "state" / Path(*key.split("/")))
                 if engine.placement.home(kind) is Tier.NVME:
                     arrays[key], nbytes = tiers.run(nvme.snapshot(key, dst, sync=False))
                     copied += nbytes
                 else:
                     part = aligned_empty(b - a, engine.dtype if kind is StateKind.PARAM else torch.float32)
-                    engine.read_key(kind, key, part)
+                    engine.shards.read_key(kind, key, part)
                     arrays[key] = write_array(dst, part, engine.config.chunk_bytes)
                     copied += part.numel() * part.element_size()
     return arrays, copied
 
 
-def _commit(engine: Engine, temp: Path, final: Path, parts: list[dict[str, Any]],
+def _commit(engine: Checkpointed, temp: Path, final: Path, parts: list[dict[str, Any]],
             data: dict[str, Any] | None, model: dict[str, Any] | None) -> None:
     """Rank 0: write the one manifest naming every rank's arrays, then rename into place."""
     arrays = {k: ShardMeta.from_dict(m, f"rank {r}'s array {k!r}")
               for r, part in enumerate(parts) for k, m in part["arrays"].items()}
     rank_rng = [p["rng"] for p in parts] if len(parts) > 1 else None
-    manifest = Manifest(step=engine.step_count, time=time.time(), world_size=engine.comm.world_size,
-                        compute_dtype=dtype_name(engine.dtype), config_hash=numeric_config_hash(engine),
+    manifest = Manifest(step=engine.state.step_count, time=time.time(), world_size=engine.comm.world_size,
+                        compute_dtype=dtype_name(engine.dtype), config_hash=numeric_config_hash(engine.config),
                         units=layout_of(engine.units), arrays=arrays, engine=_engine_state(engine),
                         data=data, rng=parts[0]["rng"], bytes_copied=sum(p["copied"] for p in parts),
                         model=model, rank_rng=rank_rng, stage=engine.stage, **lineage.stamp(final))
@@ -146,38 +179,56 @@ def _commit(engine: Engine, temp: Path, final: Path, parts: list[dict[str, Any]]
     _replace_dir(temp, final)
 
 
-def restore(engine: Engine, path: Path, manifest: Manifest) -> None:
+def find(path: Path, comm: Comm, note: Callable[[str], None]) -> tuple[Path, Manifest]:
+    """The checkpoint to resume from, verified: `path` itself (a `step-<N>` directory), or a run
+    directory's newest intact one (damaged newer ones are skipped, and `note`d)."""
+    rank = comm.rank if comm.world_size > 1 else None  # each rank checks its own shards
+    if (path / MANIFEST_NAME).exists():
+        manifest = Manifest.load(path)
+        verify_checkpoint(path, manifest, rank)
+        return path, manifest
+    found = newest_checkpoint(path, rank=rank, all_ok=comm.all_ok if rank is not None else None)
+    if found is None:
+        raise CheckpointError(f"'{path}' holds no checkpoint; pass a run directory with "
+                              "checkpoints/step-<N> in it, or one such directory")
+    path, manifest, skipped = found
+    for line in skipped:
+        note(line)
+    return path, manifest
+
+
+def restore(engine: Checkpointed, path: Path, manifest: Manifest) -> None:
     """Fill the engine's tiers from a verified checkpoint and set its counters and RNG."""
     manifest.check_compatible(engine.units, engine.comm.world_size, dtype_name(engine.dtype), str(path),
                               engine.stage)
     tiers = engine.tiers
     wanted = [(unit, kind, key) for unit in engine.units for kind in SAVED_KINDS
-              for key, _, _ in engine.keys(kind, unit)]
+              for key, _, _ in engine.shards.keys(kind, unit)]
     missing = [key for _, _, key in wanted if key not in manifest.arrays]
     if missing:
         raise CheckpointError(f"{path / MANIFEST_NAME} lists no array {missing[0]!r}: the checkpoint is "
                               "incomplete, or was written with another piece size; use another one")
     copied = 0
     for unit in engine.units:
-        detach_params(unit, engine.dtype)  # the engine owns the weights (as `_materialise` does)
+        detach_params(unit, engine.dtype)  # the engine owns the weights (as `Shards.materialise` does)
     for unit, kind, key in wanted:
         src, meta = manifest.array_dir(path, key), manifest.arrays[key]
         if engine.placement.home(kind) is Tier.NVME:
             copied += tiers.run(tiers.stores[Tier.NVME].adopt(key, str(src), meta))
         else:
-            engine.put_key(kind, key, read_array(str(src), meta))
+            engine.shards.put_key(kind, key, read_array(str(src), meta))
         if kind is StateKind.PARAM and tiers.host_pool is not None:
             tiers.host_pool.cache_drop(key)  # a cached param of the abandoned run is stale
         tiers.pending.drain()
     if engine.placement.home(StateKind.GRAD) is not Tier.NVME:
         for unit in engine.units:
-            engine.put_shard(StateKind.GRAD, unit, torch.zeros(unit.shard_numel, dtype=torch.float32))
+            engine.shards.put_shard(StateKind.GRAD, unit, torch.zeros(unit.shard_numel, dtype=torch.float32))
     if Tier.NVME in tiers.stores:
         tiers.run(tiers.stores[Tier.NVME].flush())
     if copied:
         engine.note(f"resuming copied {copied / 1e6:.1f} MB: the checkpoint is on another filesystem "
                     "than --nvme-path")
-    if manifest.config_hash != numeric_config_hash(engine):
+    if manifest.config_hash != numeric_config_hash(engine.config):
         engine.note(f"{path.name} was written with other optimizer or precision settings; the resumed "
                     "run will not match an uninterrupted one")
     _load_engine_state(engine, manifest.engine, path)
@@ -185,29 +236,20 @@ def restore(engine: Engine, path: Path, manifest: Manifest) -> None:
     _load_rng_state(rng, engine.device, path)
 
 
-def _engine_state(engine: Engine) -> dict[str, Any]:
-    previous = engine._previous_norm
-    return {"step_count": engine.step_count, "skipped_steps": engine.skipped_steps,
-            "scaler": engine.scaler.state_dict(), "last_grad_norm": engine.last_grad_norm,
-            "skipped_updates": engine.param_steps.state_dict(),
-            # a float32 tensor's value is exact as a Python float, and so survives JSON
-            "previous_norm": None if previous is None else float(previous.item())}
+def _engine_state(engine: Checkpointed) -> dict[str, Any]:
+    return {**engine.state.to_dict(), "scaler": engine.scaler.state_dict(),
+            "skipped_updates": engine.param_steps.state_dict()}
 
 
-def _load_engine_state(engine: Engine, state: dict[str, Any], path: Path) -> None:
+def _load_engine_state(engine: Checkpointed, state: dict[str, Any], path: Path) -> None:
     try:
-        engine.step_count = int(state["step_count"])
-        engine.skipped_steps = int(state["skipped_steps"])
-        engine.last_grad_norm = state.get("last_grad_norm")
-        previous = state.get("previous_norm")
-        engine._previous_norm = None if previous is None else torch.tensor(float(previous), dtype=torch.float32)
+        engine.state.load(state)
         engine.param_steps.load_state_dict(state.get("skipped_updates") or {}, str(path / MANIFEST_NAME))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{path / MANIFEST_NAME} has malformed engine state ({e!r}); use another "
                               "checkpoint") from None
     if engine.scaler.enabled:
         engine.scaler.load_state_dict(state.get("scaler") or {})
-    engine.micro = 0
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from tierzero.config import Config, Tier
 from tierzero.errors import ConfigError
 from tierzero.engine.stats import StepStats
 from tierzero.planning.machine import default_budgets
+from tierzero.planning.memory_model import MemoryModel
 from tierzero.storage.base import BudgetExceededError, TierStore
 from tierzero.storage.device import DevicePool, DeviceStore
 from tierzero.storage.host import HostPool, HostStore
@@ -124,15 +125,28 @@ class Tiers:
             pool.set_budget(max(1, budget))
 
     def check_paths(self) -> None:
-        """Refuse unusable nvme paths before anything is written (called at engine construction)."""
+        """Refuse unusable nvme paths without writing anything (called at engine construction);
+        `open()` creates the directories and proves each writable."""
         if Tier.NVME in self.homes:
             for path in self.config.nvme_path:
                 _check_nvme_path(Path(path))
-            for path in self.nvme_paths:
-                Path(path).mkdir(exist_ok=True)
+
+    def provision_host(self, memory: MemoryModel) -> None:
+        """The CPU device: once the first forward has reserved the activations the host budget
+        is final, so the host pool takes it and pins the blocks `memory` provisions under it."""
+        if self.device.type == "cpu":
+            assert self.host_pool is not None
+            self.host_pool.set_budget(max(1, self.host_budget))
+            provision = memory.host_provision(self.host_budget)
+            self.host_pool.provision({c: n - self.host_blocks.get(c, 0) for c, n in provision.items()})
 
     def open(self) -> Tiers:
         pin_malloc_thresholds()
+        if Tier.NVME in self.homes:
+            for path in self.config.nvme_path:
+                _probe_nvme_path(Path(path))
+            for path in self.nvme_paths:
+                Path(path).mkdir(exist_ok=True)
         try:
             self.streams = streams_mod.open_streams(self.device)
             self.io = self._open(IOLoop(self.config.io_threads, functools.partial(streams_mod.bind_thread, self.device)))
@@ -266,10 +280,21 @@ def _lease(pool: HostPool | DevicePool, nbytes: int, pending: Pending) -> torch.
 
 
 def _check_nvme_path(path: Path) -> None:
-    """Refuse a missing parent, a read-only directory or a full disk before anything is written."""
+    """Refuse a missing parent, or a directory this process may not write, reading metadata
+    only (the disk's free space is `Sizing`'s check)."""
     if not path.parent.exists():
         raise ConfigError(f"nvme path '{path}' is not usable: its parent directory does not exist; "
                           "create it or choose another --nvme-path")
+    where = path if path.exists() else path.parent  # a new directory is made in its parent
+    why = ("permission denied" if not os.access(where, os.W_OK | os.X_OK)
+           # a filesystem of no blocks (proc, sysfs) holds no files, even for root
+           else "not a filesystem for files" if os.statvfs(where).f_blocks == 0 else None)
+    if why is not None:
+        raise ConfigError(f"nvme path '{path}' is not writable ({why}); choose a writable --nvme-path")
+
+
+def _probe_nvme_path(path: Path) -> None:
+    """Create the directory and write and remove a file there: the proof `_check_nvme_path` can't give."""
     try:
         path.mkdir(exist_ok=True)
         probe = path / f".tierzero-write-probe-{os.getpid()}"  # ranks sharing the path each write their own

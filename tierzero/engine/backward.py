@@ -1,0 +1,77 @@
+"""`BackwardPass`: one backward's own facts, handed to the gradient shards and the unit runner
+for the length of that pass (`GradShards.running`, `UnitRunner.running`) instead of callbacks
+patched onto them.
+
+Every backward accumulates each unit's gradient into its home: which micro-batch of the step
+it is, whether it ends the step, the loss scale to undo and the gradients that reached open
+`gathered` blocks belong to the pass. With overlap_step the step's last pass also steps each
+unit as its gradient arrives (`StepInBackward`: this step's lr, the clip coefficient from the
+previous step's norm, the runs to update), reading a unit's optimizer states ahead while the
+unit before it in backward order still computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tierzero.config import Config
+from tierzero.engine.gathered import UnitGrad
+from tierzero.errors import ConfigError
+from tierzero.engine.optim import ShardOptimizer
+from tierzero.engine.paramsteps import Run
+from tierzero.layout.partition import Unit
+
+
+@dataclass(frozen=True)
+class StepInBackward:
+    """overlap_step: the optimizer steps each unit's finished grad shard, never stored."""
+
+    optimizer: ShardOptimizer
+    units: list[Unit]
+    lr: float
+    coef: float | None  # clip_previous_norm's factor as a host float; None: not clipped
+    runs: Callable[[Unit], list[Run]]  # what of this rank's shard the step updates
+
+    def unit_starting(self, unit: int) -> None:
+        """Read the states of this unit and the next one in backward order ahead of their grads."""
+        for v in (unit, unit - 1):
+            if v >= 0:
+                self.optimizer.prefetch(self.units[v])
+
+    def grad_ready(self, unit: Unit, grad: torch.Tensor) -> None:
+        self.optimizer.step_unit(unit, grad, self.runs(unit), self.lr, self.coef)
+
+
+@dataclass(frozen=True)
+class BackwardPass:
+    micro: int = 0  # the micro-batch's index within its step
+    last: bool = True  # it ends the step: its grads are final
+    inv_scale: float = 1.0  # undoes the loss scale
+    # grads that reached `gathered` copies, by unit; each is taken once, at its unit's first grad
+    extra: dict[int, UnitGrad] = field(default_factory=dict)
+    step: StepInBackward | None = None
+
+    def unit_starting(self, unit: int) -> None:
+        """A unit's backward begins (the runner calls this before regathering it)."""
+        if self.step is not None:
+            self.step.unit_starting(unit)
+
+
+def resolve_overlap(config: Config, fp16: bool) -> bool:
+    """Whether units are stepped during backward: on by default wherever that is exact.
+
+    fp16 never (the step waits for the overflow check); clipping only when the user opts in
+    to clipping by the previous step's global norm (`clip_previous_norm`).
+    """
+    clip = config.clip_grad_norm is not None
+    if config.clip_previous_norm and not clip:
+        raise ConfigError("clip_previous_norm needs clip_grad_norm; set both or neither")
+    possible = not fp16 and (not clip or config.clip_previous_norm)
+    if config.overlap_step and not possible:
+        raise ConfigError("overlap_step cannot be exact with clip_grad_norm or fp16: each unit's "
+                          "step would need the global norm or overflow check first; turn one "
+                          "off, or opt in to clipping by the previous step's norm (clip_previous_norm)")
+    return possible if config.overlap_step is None else config.overlap_step
