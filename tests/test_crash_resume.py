@@ -4,7 +4,9 @@ weights bitwise equal to a run that never stopped.
 Each kill lands 0-0.4 s after a step's metrics line: inside that step's checkpoint (hard links,
 manifest, rename), inside the next step's shard writes, or at the start of the next step. The
 exported fp32 weights of both runs are compared tensor by tensor. Bounded: a tiny model, short
-sequences, a few seconds per life.
+sequences, a few seconds per life. Beyond the weights, the final checkpoints of both runs
+must hold bitwise equal master weights and Adam moments (every shard), the same engine counters
+(step count, skipped steps, loss scaler, per-parameter steps), data position and RNG state.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+from tierzero.checkpoint.catalog import newest_checkpoint
+from tierzero.storage.arrays import read_array
 
 KILLS = 6
 STEPS = 18
@@ -58,6 +63,18 @@ def export(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out))
 
 
+def assert_same_final_state(crashed: Path, straight: Path) -> None:
+    """Every saved shard (master, Adam moments, params) and every counter of the newest
+    checkpoints, compared bitwise."""
+    (a_path, a, _), (b_path, b, _) = newest_checkpoint(crashed), newest_checkpoint(straight)
+    assert a.step == b.step == STEPS
+    assert a.engine == b.engine and a.data == b.data and a.rng == b.rng
+    assert a.arrays.keys() == b.arrays.keys() and any(k.startswith("exp_avg_sq/") for k in a.arrays)
+    for key in a.arrays:
+        assert torch.equal(read_array(str(a.array_dir(a_path, key)), a.arrays[key]),
+                           read_array(str(b.array_dir(b_path, key)), b.arrays[key])), key
+
+
 def test_sigkilled_training_resumes_to_bitwise_equal_weights(tmp_path: Path) -> None:
     rng = random.Random(0)
     crashed = tmp_path / "crashed"
@@ -86,6 +103,7 @@ def test_sigkilled_training_resumes_to_bitwise_equal_weights(tmp_path: Path) -> 
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
 
+    assert_same_final_state(crashed, straight)
     resumed, reference = export(crashed, tmp_path / "a.safetensors"), export(straight, tmp_path / "b.safetensors")
     assert resumed.keys() == reference.keys()
     for name in reference:
