@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 from rich import box
@@ -11,10 +11,11 @@ from rich.table import Table
 
 from tierzero.cli.output import Output
 from tierzero.config import Config, StateKind, Tier
-from tierzero.planning.ledger import GB
 from tierzero.models.presets import PRESETS
+from tierzero.planning.ledger import GB
+from tierzero.planning.peaks import MemoryModel, format_bytes
 from tierzero.planning.placement import Link
-from tierzero.planning.report import DEFAULT_PRESET, make_plan
+from tierzero.planning.report import DEFAULT_PRESET, PlanReport, make_plan
 
 
 def plan(
@@ -47,76 +48,129 @@ def plan(
     report = make_plan(model, params=params, gpus=gpus, gpu_mem=gpu_mem, host_mem=host_mem, nvme_free=nvme_free,
                        nvme_path=nvme_path, batch_size=batch_size, seq_len=seq_len, prefetch_depth=prefetch_depth,
                        dtype=dtype, vocab_size=vocab_size, piece_numel=piece_numel, overlap=overlap,
-                       profile=profile, stage=stage, accumulate=accumulate).as_dict()
+                       profile=profile, stage=stage, accumulate=accumulate)
     out = Output(json_out)
     if json_out:
-        out.emit_json(report)
+        out.emit_json(report.as_dict())
         return
     _print_report(out, report)
 
 
-_LINK_HEADERS = {Link.NVME_TO_HOST: "nvme rd", Link.HOST_TO_NVME: "nvme wr",
+# Plan's output fits an 80-column terminal: free text wraps at the console's width (the other
+# commands print unwrapped lines), tables use one size unit for every cell and two-line headers.
+_LINK_HEADERS = {Link.NVME_TO_HOST: "nvme\nread", Link.HOST_TO_NVME: "nvme\nwrite",
                  Link.HOST_TO_GPU: "h2d", Link.GPU_TO_HOST: "d2h"}
+_UNITS = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3), ("B", 1))
 
 
-def _gb(nbytes: float) -> str:
-    gb = nbytes / GB
-    return f"{gb:.1f}" if gb < 100 else f"{gb:.0f}"
+def _say(out: Output, text: str) -> None:
+    out.print(text, soft_wrap=False, highlight=False)
 
 
-def _print_report(out: Output, r: dict[str, Any]) -> None:
-    m, mach, act = r["model"], r["machine"], r["activations"]
+def _count(n: float) -> str:
+    """`6.74B`, `125.0M`, `3.21M`, `786.4k`: parameter counts at a glance."""
+    for suffix, scale in (("B", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix}" if suffix == "B" else f"{n / scale:.1f}{suffix}"
+    return f"{n:.0f}"
+
+
+def _unit(largest: float) -> tuple[str, int]:
+    """A table's one unit: the largest in which `largest` bytes is at least 10, so the table's
+    smaller figures keep two significant digits (`1360` GB, not `1.36` TB beside `0.02`)."""
+    return next((u for u in _UNITS if largest >= 10 * u[1]), _UNITS[-1])
+
+
+def _cell(nbytes: float, scale: int) -> str:
+    """At most five characters: `0`, `<0.01`, `0.25`, `12.5`, `512`, `9999`."""
+    return _figure(nbytes / scale)
+
+
+def _figure(v: float) -> str:
+    if v == 0:
+        return "0"
+    if v < 0.01:
+        return "<0.01"
+    return f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 100 else f"{v:.0f}"
+
+
+def _print_report(out: Output, report: PlanReport) -> None:
+    r = report.as_dict()
+    m, act = r["model"], report.activations
+    what = m["preset"] or f"{_count(m['params'])} params shaped like {m['shape']}"
+    _say(out, f"[bold]tierzero plan[/] {what}: {_count(m['params'])} params in {m['units']} units "
+              f"(largest {_count(m['largest_unit_params'])}), {report.gpus} GPU(s), {r['dtype']}")
+
     basis = "nominal size" if m["ledger_params"] != m["params"] else "exact size"
-    what = m["preset"] or f"{m['params'] / 1e9:g}B params shaped like {m['shape']}"
-    out.print(f"[bold]tierzero plan[/] {what}: {m['params'] / 1e9:.3f}B params in {m['units']} units "
-              f"(largest {m['largest_unit_params'] / 1e6:,.1f}M), {mach['gpus']} GPU(s), {r['dtype']}")
-
-    t = Table(title=f"Training state per GPU ({basis}: {m['ledger_params'] / 1e9:g}B params)")
-    for col in ("stage", "bytes/param", "GB per GPU", f"GB per GPU (exact {m['params'] / 1e9:.2f}B)"):
-        t.add_column(col, justify="right" if col != "stage" else "left")
+    t = Table(title=f"Training state per GPU ({basis}: {_count(m['ledger_params'])} params)", box=box.SIMPLE_HEAD)
+    for col in ("stage", "bytes/param", "per GPU", f"per GPU (exact {_count(m['params'])})"):
+        t.add_column(col, justify="right" if col != "stage" else "left", no_wrap=True)
     for row in r["ledger"]:
-        t.add_row(row["stage"], f"{row['bytes_per_param']:g}", f"{row['gb_per_gpu']:g}", f"{row['exact_gb_per_gpu']:.2f}")
+        t.add_row(row["stage"], f"{row['bytes_per_param']:g}", format_bytes(round(row["gb_per_gpu"] * GB)),
+                  format_bytes(round(row["exact_gb_per_gpu"] * GB)))
     out.print(t)
 
-    out.print(f"Activations per GPU (batch {act['batch_size']} x seq {act['seq_len']}, per-unit checkpointing, "
-              f"loss in chunks of {act['chunk_tokens']} tokens): {_gb(act['total_bytes'])} GB = checkpoints "
-              f"{_gb(act['checkpoints_bytes'])} + max(block backward {_gb(act['block_backward_bytes'])}, "
-              f"head backward {_gb(act['head_backward_bytes'])})")
+    _say(out, f"Activations per GPU: {format_bytes(act.total_bytes)} (batch {act.batch_size} x seq {act.seq_len}, "
+              f"per-unit checkpointing, loss in chunks of {act.chunk_tokens} tokens) = checkpoints "
+              f"{format_bytes(act.checkpoints_bytes)} + max(block backward {format_bytes(act.block_backward_bytes)}, "
+              f"head backward {format_bytes(act.head_backward_bytes)})")
 
-    budgets = {t.value: mach[f"{t.value}_budget_bytes"] for t in Tier}
-    step_col = r["placements"][0]["predicted_step_s"] is not None
     st = r["stage"]
-    if mach["gpus"] > 1:
-        out.print(f"ZeRO stage {st['stage']} ({st['reason']}): {st['text']}", highlight=False)
-    t = Table(title=f"Stage-{st['stage']} placements: GB at peak (gpu per GPU, rest per machine), GB moved per step",
-              box=box.SIMPLE_HEAD, padding=(0, 1))
-    for col in ("param/grad/opt", "gpu", "host", "nvme", *_LINK_HEADERS.values(), *(["step s"] if step_col else []), "fits"):
-        t.add_column(col, justify="left" if col in ("param/grad/opt", "fits") else "right",
-                     no_wrap=col in ("param/grad/opt", "fits"))
-    for p in r["placements"]:
-        homes, res, moved = p["placement"], p["resident_bytes"], p["moved_bytes"]
-        over = [tier for tier, b in budgets.items() if b is not None and res[tier] > b]
-        t.add_row("/".join(homes[k.value] for k in (StateKind.PARAM, StateKind.GRAD, StateKind.MASTER)),
-                  *(_gb(res[tier]) for tier in budgets), *(_gb(moved[link.value]) for link in _LINK_HEADERS),
-                  *([f"{p['predicted_step_s']:.2f}"] if step_col else []),
-                  "[green]yes[/]" if p["fits"] else f"[red]no ({','.join(over)})[/]")
+    if report.gpus > 1:
+        _say(out, f"ZeRO stage {st['stage']} ({st['reason']}): {st['text']}")
+    _print_placements(out, report)
+
+    budgets = report.budgets
+    sizes = [f"{tier.value} {format_bytes(b)}" for tier, b in budgets.items() if b is not None]
+    detected = f" (detected: {', '.join(report.detected)})" if report.detected else ""
+    _say(out, f"Machine: {', '.join(sizes)}{detected}")
+    choice = report.choice
+    if choice.fits:
+        _say(out, f"[bold green]fits:[/] {choice.placement.describe()}")
+    else:
+        _say(out, f"[bold red]does not fit:[/] {choice.shortfall}")
+    _say(out, "Peak per tier, part by part (the phase where each part peaks):")
+    _print_peaks(out, choice.estimate.memory)
+    rank = r["per_rank"]
+    if report.gpus > 1:
+        budget = "" if rank["host_budget_bytes"] is None else f" (its host budget: {format_bytes(rank['host_budget_bytes'])})"
+        _say(out, f"Per rank, 1 of {report.gpus} on this machine{budget}; the ranks share the machine's drives, "
+                  "so nvme traffic above is all ranks' on one bandwidth:")
+        _print_peaks(out, choice.estimate.memory.per_rank())
+
+
+def _print_placements(out: Output, report: PlanReport) -> None:
+    """Every candidate: its peak per tier (gpu per GPU, the rest per machine) and what it moves
+    per step, in one unit; a tier over its budget is named in `fits`."""
+    estimates = report.estimates
+    step_col = estimates[0].predicted_step_s is not None
+    largest = max(max(e.resident_bytes.values()) for e in estimates)
+    largest = max(largest, max(max(e.moved_bytes.values()) for e in estimates))
+    unit, scale = _unit(largest)
+    _say(out, f"Stage-{report.stage} placements, in {unit}: peak per tier (gpu per GPU, the rest per machine) "
+              "and bytes moved per step")
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
+    t.add_column("param/grad/opt", no_wrap=True)
+    for col in (*(tier.value for tier in Tier), *_LINK_HEADERS.values(), *(["step\ns"] if step_col else [])):
+        t.add_column(col, justify="right", no_wrap=True)
+    t.add_column("fits", overflow="fold")
+    for e in estimates:
+        over = e.overflow_bytes(report.budgets)
+        t.add_row("/".join(e.placement.home(k).value for k in (StateKind.PARAM, StateKind.GRAD, StateKind.MASTER)),
+                  *(_cell(e.resident_bytes[tier], scale) for tier in Tier),
+                  *(_cell(e.moved_bytes[link], scale) for link in _LINK_HEADERS),
+                  *([_figure(e.predicted_step_s)] if step_col else []),
+                  "[green]yes[/]" if not over else f"[red]no: {'+'.join(tier.value for tier in over)}[/]")
     out.print(t)
 
-    detected = f" (detected: {', '.join(mach['detected'])})" if mach["detected"] else ""
-    out.print("Machine: " + ", ".join(f"{tier} {_gb(b)} GB" for tier, b in budgets.items() if b is not None)
-              + detected)
-    v = r["verdict"]
-    if v["fits"]:
-        out.print(f"[bold green]fits:[/] {' '.join(f'{k}={t}' for k, t in v['placement'].items())}")
-    else:
-        out.print(f"[bold red]does not fit:[/] {v['shortfall']}")
-    out.print("Peak per tier, part by part (the phase where each part peaks):", highlight=False)
-    for line in v["breakdown"]:
-        out.print(f"  {line}", highlight=False)
-    rank = r["per_rank"]
-    if rank["ranks"] > 1:
-        budget = "" if rank["host_budget_bytes"] is None else f" (its host budget: {_gb(rank['host_budget_bytes'])} GB)"
-        out.print(f"Per rank, 1 of {rank['ranks']} on this machine{budget}; the ranks share the machine's "
-                  "drives, so nvme traffic above is all ranks' on one bandwidth:", highlight=False)
-        for line in rank["breakdown"]:
-            out.print(f"  {line}", highlight=False)
+
+def _print_peaks(out: Output, memory: MemoryModel) -> None:
+    """Each tier's peak, then its parts one per line."""
+    for tier in Tier:
+        peak = memory.tiers[tier]
+        note = " (on the CPU device: host memory)" if tier is Tier.GPU and memory.device == "cpu" else ""
+        _say(out, f"  {tier.value} {format_bytes(peak.peak_bytes)}{note}")
+        for term in peak.terms():
+            _say(out, f"    {term}")
+    if memory.device == "cpu":
+        _say(out, f"  host memory {format_bytes(memory.host_total_bytes)}: the host and gpu tiers, both in RAM")

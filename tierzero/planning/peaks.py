@@ -48,13 +48,17 @@ class TierPeak:
     def parts(self) -> dict[str, int]:
         return {**self.pooled, **self.unpooled}
 
-    def breakdown(self) -> str:
-        """`host 12.35 GB = homes 10.00 GB + param staging 1.20 GB [backward] + ...`: each working
-        part with the phase where it peaks."""
+    def terms(self) -> list[str]:
+        """`homes 10.00 GB`, then each working part with the phase where it peaks:
+        `param staging 1.20 GB (backward)`."""
         terms = [f"homes {format_bytes(self.homes_bytes)}"]
         terms += [f"{name} {format_bytes(n)} ({self.pooled_phase})" for name, n in self.pooled.items() if n]
         terms += [f"{name} {format_bytes(n)} ({self.unpooled_phase})" for name, n in self.unpooled.items() if n]
-        return f"{self.tier.value} {format_bytes(self.peak_bytes)} = {' + '.join(terms)}"
+        return terms
+
+    def breakdown(self) -> str:
+        """`host 12.35 GB = homes 10.00 GB + param staging 1.20 GB (backward) + ...`."""
+        return f"{self.tier.value} {format_bytes(self.peak_bytes)} = {' + '.join(self.terms())}"
 
     def divided(self, n: int) -> TierPeak:
         """Every figure over `n` (one rank's share of a machine-wide peak)."""
@@ -150,8 +154,8 @@ def tier_peak(tier: Tier, homes: int, phases: dict[str, dict[str, int]], pooled:
 
 
 def format_bytes(nbytes: int) -> str:
-    """Decimal units, three significant figures or so: `12.35 GB`, `48.2 MB`, `4.1 kB`."""
-    for unit, scale in (("GB", GB), ("MB", 10**6), ("kB", 10**3)):
+    """Decimal units, three significant figures or so: `1.12 TB`, `12.35 GB`, `48.2 MB`, `4.1 kB`."""
+    for unit, scale in (("TB", 1000 * GB), ("GB", GB), ("MB", 10**6), ("kB", 10**3)):
         if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}" if unit == "GB" else f"{nbytes / scale:.1f} {unit}"
+            return f"{nbytes / scale:.2f} {unit}" if scale >= GB else f"{nbytes / scale:.1f} {unit}"
     return f"{nbytes} B"
