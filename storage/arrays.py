@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tierzero.storage import chunkfile
-from tierzero.storage.base import StorageCorruptError, StorageError
+from tierzero.storage.base import StorageCorruptError, StorageError, os_error
 from tierzero.storage.zarrmeta import ShardMeta
 
 
@@ -35,7 +35,18 @@ def link_array(src_dir: str, dst_dir: str, meta: ShardMeta, with_meta: bool = Tr
     """Make `dst_dir` an array holding `src_dir`'s chunks by hard links (and its zarr.json,
     unless the caller writes that); returns the bytes copied instead (0 on one filesystem,
     the array's size where links cannot cross). `sync=False`: the caller syncs the
-    filesystem afterwards (one syncfs instead of three fsyncs per array)."""
+    filesystem afterwards (one syncfs instead of three fsyncs per array). An OSError
+    (ENOSPC, EIO, EACCES) is a `StorageError` naming the path and the fix."""
+    try:
+        return _link_array(src_dir, dst_dir, meta, with_meta, sync)
+    except FileNotFoundError as e:
+        raise StorageCorruptError(f"{e.filename} is missing, so {src_dir} cannot be linked: "
+                                  f"restore it from a checkpoint") from e
+    except OSError as e:  # os.link names (src, dst): the write that failed is dst's
+        raise os_error(e, "linking", e.filename2 or e.filename or dst_dir) from e
+
+
+def _link_array(src_dir: str, dst_dir: str, meta: ShardMeta, with_meta: bool, sync: bool) -> int:
     os.makedirs(os.path.join(dst_dir, "c"), exist_ok=True)
     copied = 0
     for i in range(meta.nchunks):
@@ -59,18 +70,24 @@ def link_array(src_dir: str, dst_dir: str, meta: ShardMeta, with_meta: bool = Tr
 
 
 def write_array(dst_dir: str, src: torch.Tensor, chunk_bytes: int) -> ShardMeta:
-    """Write the contiguous 1-D host tensor `src` as a new frozen array, fsynced; its meta."""
+    """Write the contiguous 1-D host tensor `src` as a new frozen array, fsynced; its meta.
+    An OSError (ENOSPC, EIO, EACCES) is a `StorageError` naming the path and the fix."""
     data = memoryview(src.detach().contiguous().view(-1).view(torch.uint8).numpy())
-    os.makedirs(os.path.join(dst_dir, "c"), exist_ok=True)
-    crcs = []
-    for i in range(0, max(1, -(-len(data) // chunk_bytes))):
-        part = data[i * chunk_bytes:(i + 1) * chunk_bytes]
-        crcs.append(crc32c.crc32c(part))
-        path = chunk_path(dst_dir, i)
-        chunkfile.write_chunk(path, part, chunk_bytes, direct=False)
-        chunkfile.fsync_path(path)
-    meta = ShardMeta(src.dtype, src.numel(), chunk_bytes, crcs)
-    _write_meta(dst_dir, meta)
+    path = dst_dir
+    try:
+        os.makedirs(os.path.join(dst_dir, "c"), exist_ok=True)
+        crcs = []
+        for i in range(0, max(1, -(-len(data) // chunk_bytes))):
+            part = data[i * chunk_bytes:(i + 1) * chunk_bytes]
+            crcs.append(crc32c.crc32c(part))
+            path = chunk_path(dst_dir, i)
+            chunkfile.write_chunk(path, part, chunk_bytes, direct=False)
+            chunkfile.fsync_path(path)
+        meta = ShardMeta(src.dtype, src.numel(), chunk_bytes, crcs)
+        path = os.path.join(dst_dir, "zarr.json")
+        _write_meta(dst_dir, meta)
+    except OSError as e:
+        raise os_error(e, "writing", path) from e
     return meta
 
 

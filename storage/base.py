@@ -12,6 +12,7 @@ parts of ``[a-z0-9_]``. Stores never interpret the parts.
 from __future__ import annotations
 
 import abc
+import errno
 import re
 from dataclasses import dataclass
 from types import TracebackType
@@ -42,6 +43,24 @@ class StoreLockedError(StorageError):
 
 class ShardNotFoundError(StorageError):
     """No shard is stored under the key."""
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_NO_PERMISSION = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def os_error(e: OSError, doing: str, path: str) -> StorageError:
+    """An OSError met while `doing` ("writing", "linking") `path`, as one sentence naming the
+    fix: ENOSPC is a `StorageFullError`; anything else (EACCES, EIO, ...) a `StorageError`."""
+    where = "point --nvme-path/--run-dir at"
+    if e.errno in _NO_SPACE:
+        return StorageFullError(f"no space left on device {doing} {path}; free space or {where} "
+                                f"a larger filesystem")
+    if e.errno in _NO_PERMISSION:
+        return StorageError(f"permission denied {doing} {path} ({e.strerror}); make it writable "
+                            f"or {where} a writable filesystem")
+    return StorageError(f"{doing} {path} failed ({e.strerror or e}); check the drive (dmesg) or "
+                        f"{where} another filesystem")
 
 
 @dataclass(frozen=True)

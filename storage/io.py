@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import aiofiles
 import aiofiles.os
 
-from tierzero.storage.base import StorageError
+from tierzero.storage.base import StorageError, os_error
 from tierzero.storage.chunkfile import fsync_path
 
 T = TypeVar("T")
@@ -137,9 +137,13 @@ async def write_durable(path: str, raw: bytes) -> None:
     """Write a small file (a manifest) from the I/O loop and fsync it and its directory.
 
     aiofiles runs the blocking calls on the loop's executor, so the loop keeps serving chunk
-    jobs meanwhile. The caller renames the directory holding it into place afterwards."""
-    async with aiofiles.open(path, "wb") as f:
-        await f.write(raw)
-        await f.flush()
-        await aiofiles.os.wrap(os.fsync)(f.fileno())
-    await aiofiles.os.wrap(fsync_path)(os.path.dirname(path) or ".")
+    jobs meanwhile. The caller renames the directory holding it into place afterwards. An
+    OSError (ENOSPC, EIO, EACCES) is a `StorageError` naming `path` and the fix."""
+    try:
+        async with aiofiles.open(path, "wb") as f:
+            await f.write(raw)
+            await f.flush()
+            await aiofiles.os.wrap(os.fsync)(f.fileno())
+        await aiofiles.os.wrap(fsync_path)(os.path.dirname(path) or ".")
+    except OSError as e:
+        raise os_error(e, "writing", path) from e

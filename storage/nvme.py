@@ -30,7 +30,8 @@ commit point, so a reader sees the whole old version or the whole new one.
 Checkpoints rely on that: they flush, then hard-link the current generations (`snapshot`).
 
 Reads and writes return only when no I/O thread can touch the caller's buffer any more, even
-when a chunk failed or the call was cancelled. Direct I/O that is not possible (a filesystem
+when chunks failed or the call was cancelled (`chunkjobs`); pointer and generation files are
+`generations`', the directory lock `dirlock`'s. Direct I/O that is not possible (a filesystem
 without O_DIRECT, tmpfs, an unaligned buffer) falls back to buffered I/O and says so once in
 `notes`. Metadata is cached in memory after the first read of each key.
 """
@@ -39,15 +40,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import fcntl
-import itertools
-import json
 import os
-import re
 import shutil
 import threading
 import zlib
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import crc32c
@@ -55,34 +52,16 @@ import torch
 
 from tierzero.storage import chunkfile
 from tierzero.storage.arrays import link_array
-from tierzero.storage.base import Capabilities, ShardNotFoundError, StorageCorruptError, StorageError, StorageFullError, StoreLockedError, TierStore, check_flat, check_key, check_out, dtype_name
-from tierzero.storage.spares import SPARE_DIR, SpareFiles
+from tierzero.storage.base import Capabilities, ShardNotFoundError, StorageCorruptError, StorageError, StorageFullError, TierStore, check_flat, check_key, check_out, dtype_name, os_error
+from tierzero.storage.chunkjobs import ChunkJobs, shielded
+from tierzero.storage.dirlock import lock_directory
+from tierzero.storage.generations import GEN_NAME, gen_name, pointer_json, read_pointer, remove_orphans, write_atomic, write_file
+from tierzero.storage.spares import SpareFiles
 from tierzero.storage.zarrmeta import GROUP_JSON, ShardMeta, nchunks
-
-LOCK_NAME = ".tierzero.lock"
-TMP_SUFFIX = ".tmp"
-_tmp_ids = itertools.count()
-_TMP_NAME = re.compile(r"\..+\.\d+-\d+" + re.escape(TMP_SUFFIX))
-_GEN_NAME = re.compile(r"g(\d{6,})")
-
 
 def _byte_view(t: torch.Tensor) -> memoryview:
     """The tensor's bytes as a writable memoryview over the same storage (no copy)."""
     return memoryview(t.detach().view(-1).view(torch.uint8).numpy())
-
-
-def _temp_for(final: str) -> str:
-    head, tail = os.path.split(final)
-    return os.path.join(head, f".{tail}.{os.getpid()}-{next(_tmp_ids)}{TMP_SUFFIX}")
-
-
-def _pointer_json(gen: int) -> bytes:
-    return json.dumps({"attributes": {"tierzero": {"current": _gen_name(gen)}},
-                       "zarr_format": 3, "node_type": "group"}).encode()
-
-
-def _gen_name(gen: int) -> str:
-    return f"g{gen:06d}"
 
 
 @dataclass
@@ -91,47 +70,6 @@ class _Current:
 
     gen: int
     meta: ShardMeta
-
-
-class _Jobs:
-    """The chunk jobs of one call, with an abort flag workers check before touching a file."""
-
-    def __init__(self) -> None:
-        self.aborted = False
-
-    async def run(self, jobs: list[Awaitable]) -> list:
-        """Every job's result; on any failure or cancellation, abort the ones not yet started
-        and return (raising) only after every job has finished with the caller's buffer.
-
-        `asyncio.wait`, not `gather`: a cancelled gather cancels its executor futures, which
-        marks them done while their threads still run."""
-        futures = [asyncio.ensure_future(j) for j in jobs]
-        try:
-            await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
-            failed = next((f for f in futures if f.done() and f.exception() is not None), None)
-            if failed is not None:
-                raise failed.exception()  # type: ignore[misc]
-        except BaseException:
-            self.aborted = True
-            await _settle(futures)
-            raise
-        return [f.result() for f in futures]
-
-
-async def _settle(futures: list[asyncio.Future]) -> None:
-    """Wait until every future is done, even through further cancellations.
-
-    A cancelled `run_in_executor` future is marked done while its thread may still run, so
-    these futures are never cancelled: workers see the abort flag instead."""
-    pending = [f for f in futures if not f.done()]
-    while pending:
-        try:
-            await asyncio.wait(pending)
-        except asyncio.CancelledError:
-            pass
-        pending = [f for f in pending if not f.done()]
-
-
 
 
 class NvmeStore(TierStore):
@@ -191,31 +129,18 @@ class NvmeStore(TierStore):
         if not os.access(path, os.W_OK | os.X_OK):
             raise StorageError(f"NVMe store directory {path} is not writable: fix its "
                                f"permissions or choose another path")
-        lock_path = os.path.join(path, LOCK_NAME)
+        self._lock_fds.append(lock_directory(path))
         try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._direct.append(self._probe_direct(path))
+            spares = SpareFiles(path, self.chunk_bytes)
+            spares.open()
+            self._spares.append(spares)
+            root_json = os.path.join(path, "zarr.json")
+            if not os.path.exists(root_json):
+                write_atomic(root_json, GROUP_JSON)
+            remove_orphans(path)
         except OSError as e:
-            raise StorageError(f"cannot create the lock file {lock_path} ({e.strerror}): make "
-                               f"{path} writable or choose another path") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise StoreLockedError(
-                f"NVMe store directory {path} is in use by another tierzero store (pid "
-                f"{holder}): stop that run, or give this one a different directory") from None
-        self._lock_fds.append(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._direct.append(self._probe_direct(path))
-        spares = SpareFiles(path, self.chunk_bytes)
-        spares.open()
-        self._spares.append(spares)
-        root_json = os.path.join(path, "zarr.json")
-        if not os.path.exists(root_json):
-            _write_atomic(root_json, GROUP_JSON)
-        _remove_orphans(path)
+            raise os_error(e, "opening the NVMe store in", path) from e
 
     def _probe_direct(self, path: str) -> bool:
         fs = chunkfile.filesystem_type(path)
@@ -256,7 +181,7 @@ class NvmeStore(TierStore):
         return self._gen_dir(key, self._current[key].gen)
 
     def _gen_dir(self, key: str, gen: int) -> str:
-        return os.path.join(self.shard_dir(key), _gen_name(gen))
+        return os.path.join(self.shard_dir(key), gen_name(gen))
 
     def _require_open(self) -> None:
         if not self._lock_fds:
@@ -276,7 +201,7 @@ class NvmeStore(TierStore):
             group_json = os.path.join(node, "zarr.json")
             if not os.path.exists(group_json):
                 os.makedirs(node, exist_ok=True)
-                _write_atomic(group_json, GROUP_JSON)
+                write_atomic(group_json, GROUP_JSON)
             self._made_dirs.add(node)
         os.makedirs(self.shard_dir(key), exist_ok=True)
 
@@ -321,7 +246,7 @@ class NvmeStore(TierStore):
             data = _byte_view(src)
             direct = self._use_direct(key, src)
             cb = self.chunk_bytes
-            jobs = _Jobs()
+            jobs = ChunkJobs()
             spares = self._spares[self._dir_index(key)]
             committed = False
             try:
@@ -331,14 +256,14 @@ class NvmeStore(TierStore):
                 meta = ShardMeta(src.dtype, src.numel(), cb, crcs)
                 # the commit runs to the end even if this call is cancelled meanwhile
                 commit = loop.run_in_executor(None, self._commit, key, gen, meta, current)
-                await _shielded(commit)
+                await shielded(commit)
                 committed = True
             finally:
                 if not committed:  # nothing names this generation: remove it whole
-                    await _shielded(loop.run_in_executor(
+                    await shielded(loop.run_in_executor(
                         None, lambda: shutil.rmtree(gen_dir, ignore_errors=True)))
 
-    def _write_chunk(self, jobs: _Jobs, spares: SpareFiles, key: str, index: int, data: memoryview,
+    def _write_chunk(self, jobs: ChunkJobs, spares: SpareFiles, key: str, index: int, data: memoryview,
                      direct: bool, final: str) -> int | None:
         if jobs.aborted:
             return None
@@ -359,8 +284,10 @@ class NvmeStore(TierStore):
         """Write the generation's array metadata, then switch the shard to it (one rename)."""
         gen_dir = self._gen_dir(key, gen)
         try:
-            _write_file(os.path.join(gen_dir, "zarr.json"), meta.to_zarr_json())
-            _write_atomic(os.path.join(self.shard_dir(key), "zarr.json"), _pointer_json(gen))
+            write_file(os.path.join(gen_dir, "zarr.json"), meta.to_zarr_json())
+            # the commit point; the rename is made durable by the next flush (`generations`)
+            write_atomic(os.path.join(self.shard_dir(key), "zarr.json"), pointer_json(gen),
+                         durable=False)
         except OSError as e:
             raise self._write_error(key, "zarr.json", e) from e
         self._current[key] = _Current(gen, meta)
@@ -372,11 +299,12 @@ class NvmeStore(TierStore):
     def _write_error(self, key: str, what: str, e: OSError) -> StorageError:
         root = self.paths[self._dir_index(key)]
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return StorageFullError(f"no space left in {root} writing {what} of shard {key!r}; "
-                                    f"the previous version is intact. Free space there or add "
-                                    f"another NVMe directory")
-        return StorageError(f"writing {what} of shard {key!r} in {root} failed: {e}; the "
-                            f"previous version is intact")
+            return StorageFullError(f"no space left in {root} writing {what} of shard {key!r} "
+                                    f"(the previous version is intact): free space there or point "
+                                    f"--nvme-path/--run-dir at a larger filesystem")
+        return StorageError(f"writing {what} of shard {key!r} in {root} failed ({e}; the "
+                            f"previous version is intact): check the drive (dmesg) or point "
+                            f"--nvme-path/--run-dir at another filesystem")
 
     async def read_into(self, key: str, out: torch.Tensor, verify: bool = False) -> None:
         self._check_call(key, out, "out")
@@ -390,12 +318,12 @@ class NvmeStore(TierStore):
             verify = verify or self.verify_always
             cb = meta.chunk_bytes
             gen_dir = self._gen_dir(key, current.gen)
-            jobs = _Jobs()
+            jobs = ChunkJobs()
             await jobs.run([loop.run_in_executor(None, self._read_chunk, jobs, key, gen_dir, i, meta,
                                                  data[i * cb:(i + 1) * cb], direct, verify)
                             for i in range(meta.nchunks)])
 
-    def _read_chunk(self, jobs: _Jobs, key: str, gen_dir: str, index: int, meta: ShardMeta,
+    def _read_chunk(self, jobs: ChunkJobs, key: str, gen_dir: str, index: int, meta: ShardMeta,
                     out: memoryview, direct: bool, verify: bool) -> None:
         if jobs.aborted:
             return
@@ -425,30 +353,10 @@ class NvmeStore(TierStore):
         return found
 
     def _load_current(self, key: str) -> _Current | None:
-        pointer = os.path.join(self.shard_dir(key), "zarr.json")
-        try:
-            with open(pointer, "rb") as f:
-                doc = json.loads(f.read())
-            match = _GEN_NAME.fullmatch(doc["attributes"]["tierzero"]["current"])
-            if match is None:
-                raise ValueError("no generation name")
-        except FileNotFoundError:
+        found = read_pointer(self.shard_dir(key))
+        if found is None:
             return None
-        except (ValueError, KeyError, TypeError) as e:
-            raise StorageCorruptError(f"{pointer} does not name a current generation ({e!r}): "
-                                      f"delete the shard or restore it from a checkpoint") from e
-        gen = int(match.group(1))
-        array_json = os.path.join(self._gen_dir(key, gen), "zarr.json")
-        try:
-            with open(array_json, "rb") as f:
-                meta = ShardMeta.from_zarr_json(f.read(), array_json)
-        except FileNotFoundError:
-            raise StorageCorruptError(f"{array_json} is missing: the shard's current generation "
-                                      f"is gone; restore it from a checkpoint") from None
-        if len(meta.crcs) != meta.nchunks:
-            raise StorageCorruptError(f"{array_json} records {len(meta.crcs)} checksums for "
-                                      f"{meta.nchunks} chunks: restore the shard from a checkpoint")
-        self._current[key] = _Current(gen, meta)
+        self._current[key] = _Current(*found)
         return self._current[key]
 
     async def exists(self, key: str) -> bool:
@@ -483,8 +391,11 @@ class NvmeStore(TierStore):
                                    for p in self.paths))
         except OSError as e:
             raise StorageError(f"syncing the NVMe store failed ({e}): check the drive") from e
-        for spares in self._spares:
-            await loop.run_in_executor(None, spares.recycle)
+        try:
+            for spares in self._spares:
+                await loop.run_in_executor(None, spares.recycle)
+        except OSError as e:
+            raise os_error(e, "recycling spare chunks in", e.filename or spares.directory) from e
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -513,15 +424,18 @@ class NvmeStore(TierStore):
             except StorageCorruptError:  # e.g. a pointer torn by a power loss: replace it whole
                 current = None
             gen = current.gen + 1 if current is not None else self._next_free_gen(key)
-            gen_dir = await loop.run_in_executor(None, self._new_gen_dir, key, gen)
+            try:
+                gen_dir = await loop.run_in_executor(None, self._new_gen_dir, key, gen)
+            except OSError as e:
+                raise self._write_error(key, "its generation directory", e) from e
             committed = False
             try:
                 copied = await loop.run_in_executor(None, link_array, src_dir, gen_dir, meta, False)
-                await _shielded(loop.run_in_executor(None, self._commit, key, gen, meta, current))
+                await shielded(loop.run_in_executor(None, self._commit, key, gen, meta, current))
                 committed = True
             finally:
                 if not committed:
-                    await _shielded(loop.run_in_executor(
+                    await shielded(loop.run_in_executor(
                         None, lambda: shutil.rmtree(gen_dir, ignore_errors=True)))
         return copied
 
@@ -531,76 +445,4 @@ class NvmeStore(TierStore):
             names = os.listdir(self.shard_dir(key))
         except FileNotFoundError:
             return 1
-        return 1 + max((int(m.group(1)) for n in names if (m := _GEN_NAME.fullmatch(n))), default=0)
-
-
-async def _shielded(future: Awaitable) -> None:
-    """Await an executor job to its end: a cancellation is re-raised only after it finished."""
-    fut = asyncio.ensure_future(future)
-    cancelled = False
-    while True:
-        try:
-            await asyncio.shield(fut)
-            break
-        except asyncio.CancelledError:
-            if fut.done():
-                break
-            cancelled = True
-    if fut.exception() is not None:
-        raise fut.exception()  # type: ignore[misc]
-    if cancelled:
-        raise asyncio.CancelledError
-
-
-def _write_file(path: str, raw: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(raw)
-        while view:
-            view = view[os.write(fd, view):]
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: str, raw: bytes) -> None:
-    temp = _temp_for(path)
-    try:
-        _write_file(temp, raw)
-        os.replace(temp, path)
-    except BaseException:
-        _unlink(temp)
-        raise
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _remove_orphans(root: str) -> None:
-    """Remove what a killed writer left (the caller holds the directory lock): temp files, and
-    generation directories that their shard's zarr.json does not name."""
-    for dirpath, dirnames, names in os.walk(root):
-        if dirpath == root:
-            dirnames[:] = [d for d in dirnames if d != SPARE_DIR]
-        for name in names:
-            if _TMP_NAME.fullmatch(name):
-                _unlink(os.path.join(dirpath, name))
-        gens = [d for d in dirnames if _GEN_NAME.fullmatch(d)]
-        if not gens:
-            continue
-        current = _current_name(os.path.join(dirpath, "zarr.json"))
-        for d in gens:
-            if current is not None and d != current:  # an unreadable pointer: keep everything
-                shutil.rmtree(os.path.join(dirpath, d), ignore_errors=True)
-        dirnames[:] = [d for d in dirnames if d not in gens]  # never walk the chunk directories
-
-
-def _current_name(pointer: str) -> str | None:
-    try:
-        with open(pointer, "rb") as f:
-            return json.loads(f.read())["attributes"]["tierzero"]["current"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        return 1 + max((int(m.group(1)) for n in names if (m := GEN_NAME.fullmatch(n))), default=0)

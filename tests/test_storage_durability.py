@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierzero.storage import chunkfile, nvme
+from tierzero.storage import chunkfile, generations, nvme
 from tierzero.storage.base import StorageError, StorageFullError
 from tierzero.storage.io import IOLoop
 from tierzero.storage.nvme import NvmeStore
@@ -259,3 +260,53 @@ def test_an_unaligned_buffer_is_said_once(tmp_path: Path, io_loop: IOLoop) -> No
         for _ in range(3):
             io_loop.run(store.write(KEY, unaligned))
         assert sum("not aligned" in n for n in store.notes) == 1
+
+
+class MetadataCalls:
+    """Records os.fsync (by the path its descriptor names) and os.replace, in call order."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[str, str]] = []
+        real_fsync, real_replace = os.fsync, os.replace
+
+        def fsync(fd: int) -> None:
+            self.calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+            real_fsync(fd)
+
+        def replace(src: str, dst: str) -> None:
+            self.calls.append(("replace", str(dst)))
+            real_replace(src, dst)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "replace", replace)
+
+    def around(self, final: Path) -> list[tuple[str, str]]:
+        """The calls that touched `final`: its temp file's fsync, its rename, its directory's fsync."""
+        temp = re.compile(re.escape(f"{final.parent}/.{final.name}.") + r"\d+-\d+\.tmp")
+        return [("fsync temp" if temp.fullmatch(path) else what, path) for what, path in self.calls
+                if temp.fullmatch(path) or path in (str(final), str(final.parent))]
+
+
+def test_a_metadata_file_is_fsynced_then_renamed_then_its_directory_fsynced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = MetadataCalls(monkeypatch)
+    final = tmp_path / "zarr.json"
+    generations.write_atomic(str(final), b"{}")
+    temp_name = calls.calls[0][1]
+    assert calls.calls == [("fsync", temp_name), ("replace", str(final)), ("fsync", str(tmp_path))]
+    assert final.read_bytes() == b"{}" and not Path(temp_name).exists()
+
+
+def test_the_store_fsyncs_its_group_files_and_every_commit_pointer_before_the_rename(
+        tmp_path: Path, io_loop: IOLoop, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = MetadataCalls(monkeypatch)
+    with NvmeStore([tmp_path], chunk_bytes=CHUNK_BYTES) as store:
+        src = random_tensor(torch.float32, 2 * CHUNK_BYTES // 4, seed=3)
+        io_loop.run(store.write(KEY, src))
+        io_loop.run(store.write(KEY, src))
+    *groups, shard = [tmp_path.joinpath(*KEY.split("/")[:n]) for n in range(KEY.count("/") + 2)]
+    for group in groups:  # the root group and one per key prefix: written once, durably
+        assert [what for what, _ in calls.around(group / "zarr.json")] == [
+            "fsync temp", "replace", "fsync"], group
+    # the commit pointer: fsynced before each rename; the rename is made durable by flush()
+    assert [what for what, _ in calls.around(shard / "zarr.json")] == ["fsync temp", "replace"] * 2

@@ -1,0 +1,139 @@
+"""A shard's generations on disk: the pointer that names the current one, and its small files.
+
+Each write of a shard fills a new generation directory (`g000017/`); the shard's group
+zarr.json (the *pointer*) names the current one, and replacing the pointer with one rename is
+the write's commit point (`NvmeStore`). This module owns those names and files: the generation
+and temp-file names, the atomic small-file write, reading a pointer back, and removing what a
+killed writer left. It never moves chunk bytes.
+
+Ordering of an atomic write (`write_atomic`): write a temp file, fsync it, rename it over the
+final name, fsync the directory. The file fsync keeps a rename from ever naming unwritten bytes
+(after a power loss the name holds the old content or the new, never an empty file); the
+directory fsync makes the rename itself durable. The store's commit pointer skips only that
+last fsync (`durable=False`): its rename becomes durable at the store's next `flush()`, one
+syncfs with the chunk renames it depends on -- exactly the power-loss guarantee `NvmeStore`
+documents -- instead of one more journal commit per shard write.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import shutil
+
+from tierzero.storage import chunkfile
+from tierzero.storage.base import StorageCorruptError
+from tierzero.storage.spares import SPARE_DIR
+from tierzero.storage.zarrmeta import ShardMeta
+
+TMP_SUFFIX = ".tmp"
+_tmp_ids = itertools.count()
+_TMP_NAME = re.compile(r"\..+\.\d+-\d+" + re.escape(TMP_SUFFIX))
+GEN_NAME = re.compile(r"g(\d{6,})")
+
+
+def gen_name(gen: int) -> str:
+    return f"g{gen:06d}"
+
+
+def pointer_json(gen: int) -> bytes:
+    """The group zarr.json of a shard whose current generation is `gen`."""
+    return json.dumps({"attributes": {"tierzero": {"current": gen_name(gen)}},
+                       "zarr_format": 3, "node_type": "group"}).encode()
+
+
+def read_pointer(shard_dir: str) -> tuple[int, ShardMeta] | None:
+    """The current generation of the shard in `shard_dir` and its array metadata; None when
+    the shard has no pointer (it was never written)."""
+    pointer = os.path.join(shard_dir, "zarr.json")
+    try:
+        with open(pointer, "rb") as f:
+            doc = json.loads(f.read())
+        match = GEN_NAME.fullmatch(doc["attributes"]["tierzero"]["current"])
+        if match is None:
+            raise ValueError("no generation name")
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as e:
+        raise StorageCorruptError(f"{pointer} does not name a current generation ({e!r}): "
+                                  f"delete the shard or restore it from a checkpoint") from e
+    gen = int(match.group(1))
+    array_json = os.path.join(shard_dir, gen_name(gen), "zarr.json")
+    try:
+        with open(array_json, "rb") as f:
+            meta = ShardMeta.from_zarr_json(f.read(), array_json)
+    except FileNotFoundError:
+        raise StorageCorruptError(f"{array_json} is missing: the shard's current generation "
+                                  f"is gone; restore it from a checkpoint") from None
+    if len(meta.crcs) != meta.nchunks:
+        raise StorageCorruptError(f"{array_json} records {len(meta.crcs)} checksums for "
+                                  f"{meta.nchunks} chunks: restore the shard from a checkpoint")
+    return gen, meta
+
+
+def write_file(path: str, raw: bytes, sync: bool = False) -> None:
+    """Create `path` (it must not exist) holding `raw`; `sync`: fsync it before closing."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(raw)
+        while view:
+            view = view[os.write(fd, view):]
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, raw: bytes, durable: bool = True) -> None:
+    """Replace `path` with `raw` all at once: temp file, fsync, rename, directory fsync (the
+    last only when `durable`; see the module docstring)."""
+    temp = _temp_for(path)
+    try:
+        write_file(temp, raw, sync=True)
+        os.replace(temp, path)
+    except BaseException:
+        unlink(temp)
+        raise
+    if durable:
+        chunkfile.fsync_path(os.path.dirname(path) or ".")
+
+
+def unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def remove_orphans(root: str) -> None:
+    """Remove what a killed writer left (the caller holds the directory lock): temp files, and
+    generation directories that their shard's pointer does not name."""
+    for dirpath, dirnames, names in os.walk(root):
+        if dirpath == root:
+            dirnames[:] = [d for d in dirnames if d != SPARE_DIR]
+        for name in names:
+            if _TMP_NAME.fullmatch(name):
+                unlink(os.path.join(dirpath, name))
+        gens = [d for d in dirnames if GEN_NAME.fullmatch(d)]
+        if not gens:
+            continue
+        current = _current_name(os.path.join(dirpath, "zarr.json"))
+        for d in gens:
+            if current is not None and d != current:  # an unreadable pointer: keep everything
+                shutil.rmtree(os.path.join(dirpath, d), ignore_errors=True)
+        dirnames[:] = [d for d in dirnames if d not in gens]  # never walk the chunk directories
+
+
+def _temp_for(final: str) -> str:
+    head, tail = os.path.split(final)
+    return os.path.join(head, f".{tail}.{os.getpid()}-{next(_tmp_ids)}{TMP_SUFFIX}")
+
+
+def _current_name(pointer: str) -> str | None:
+    try:
+        with open(pointer, "rb") as f:
+            return json.loads(f.read())["attributes"]["tierzero"]["current"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
