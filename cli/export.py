@@ -15,7 +15,7 @@ from tierzero.checkpoint.export import export_checkpoint
 
 def export(
     run_dir: Path = typer.Argument(..., help="A run directory written by `tierzero train`."),
-    out: Path = typer.Option(..., "--out", help="The .safetensors file to write (or an existing directory, for model.safetensors)."),
+    out: Path = typer.Option(..., "--out", help="The .safetensors file to write, or a directory (created if missing) for model.safetensors."),
     step: Optional[int] = typer.Option(None, "--step", help="The checkpoint's step. Default: the newest complete one."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32 (the master weights as they are) or bf16 (rounded from them)."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Split into model-0000i-of-0000K files with an index past this size, e.g. 5GB or 500MiB."),
@@ -23,7 +23,8 @@ def export(
 ) -> None:
     """Write a checkpoint's master weights as safetensors, loadable with `load_file` and
     `model.load_state_dict`, streaming one unit at a time (host memory: about one unit).
-    For an hf: model, export to a directory: its config.json is written too, for `from_pretrained`."""
+    For an hf: model, export to a directory: its config.json is written too, for `from_pretrained`,
+    and the tokenizer files of the directory the run started from are copied there."""
     max_shard_bytes = parse_bytes(max_shard_size, "--max-shard-size")
     output = Output(json_out)
     progress = Progress(TextColumn("export"), MofNCompleteColumn(), TextColumn("units"), BarColumn(),
@@ -36,11 +37,13 @@ def export(
                "dtype": result.dtype, "files": [str(f) for f in result.files],
                "index": str(result.index) if result.index else None,
                "tensors": result.tensors, "bytes": result.nbytes,
-               "config": str(result.config) if result.config else None}
+               "config": str(result.config) if result.config else None,
+               "tokenizer": [str(f) for f in result.tokenizer]}
     if json_out:
         output.emit_json(summary)
         return
     where = result.index if result.index else result.files[0]
     output.print(f"exported step {result.step} ({result.tensors} tensors, {result.nbytes / 1e6:,.1f} MB "
                  f"{result.dtype}) to {where}" + (f" and {len(result.files)} files" if result.index else "")
-                 + (f", with the model's {result.config.name}" if result.config else ""))
+                 + (f", with the model's {result.config.name}" if result.config else "")
+                 + (f" and {len(result.tokenizer)} tokenizer files" if result.tokenizer else ""))

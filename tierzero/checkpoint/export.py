@@ -15,7 +15,8 @@ Peak host memory is the largest unit's flat fp32 buffer plus one tensor in bf16.
 
 A checkpoint of a Hugging Face model (`--model hf:<dir>`) records the model's `config.json`
 in its manifest; export writes it back next to the weights (its dtype set to the export's),
-so the directory loads with `from_pretrained`: the names are the model's own.
+so the directory loads with `from_pretrained`: the names are the model's own; the tokenizer files
+of the directory the run started from are copied beside them.
 
 Durability: every file is written under a temporary name in the destination directory,
 fsynced, and renamed into place only after all of them are complete (the sharded layout's
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import struct
 import sys
 from collections.abc import Callable, Iterator
@@ -49,6 +51,10 @@ from tierzero.layout.keys import shard_key
 DTYPES = {"fp32": (torch.float32, "F32"), "bf16": (torch.bfloat16, "BF16")}
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the Hugging Face default for save_pretrained
 SUFFIX = ".safetensors"
+# what AutoTokenizer.from_pretrained reads from a model directory (whichever the model has)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
+                   "chat_template.jinja", "chat_template.json", "generation_config.json")
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,7 @@ class ExportResult:
     tensors: int
     nbytes: int
     config: Path | None = None  # the Hugging Face config.json written beside the weights
+    tokenizer: list[Path] = field(default_factory=list)  # its tokenizer files, copied beside them
 
 
 def plan_export(manifest: Manifest, out_name: str, dtype: str = "fp32",
@@ -164,12 +171,15 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = N
     out_dir, out_name = _destination(Path(out))
     checkpoint, manifest = find_checkpoint(run_dir, step)
     plan = plan_export(manifest, out_name, dtype, max_shard_bytes)
+    _make_dir(out_dir)
     writer = _StreamingWriter(out_dir, plan, {"format": "pt", "step": str(manifest.step)})
     written = writer.write(_read_units(checkpoint, manifest), len(manifest.units), on_unit)
     tensors = sum(len(f.entries) for f in plan.files)
     index = out_dir / plan.index_name if plan.index_name else None
     config = _write_hf_config(out_dir, manifest, dtype)
-    return ExportResult(manifest.step, checkpoint, dtype, written, index, tensors, plan.total_bytes, config)
+    tokenizer = _copy_tokenizer(out_dir, manifest)
+    return ExportResult(manifest.step, checkpoint, dtype, written, index, tensors, plan.total_bytes, config,
+                        tokenizer)
 
 
 def _write_hf_config(out_dir: Path, manifest: Manifest, dtype: str) -> Path | None:
@@ -195,14 +205,48 @@ def _write_hf_config(out_dir: Path, manifest: Manifest, dtype: str) -> Path | No
 
 
 def _destination(out: Path) -> tuple[Path, str]:
-    if out.is_dir():
+    """The directory and file name `--out` names: an existing directory or a name without a
+    suffix (a directory, created at the end with its parents) takes `model.safetensors`."""
+    if out.is_dir() or (not out.suffix and not out.exists()):
         return out, "model" + SUFFIX
     if not out.name.endswith(SUFFIX) or out.name == SUFFIX:
         raise TierzeroError(f"--out '{out}' is not a {SUFFIX} file name; name one like "
-                            f"model{SUFFIX} or give an existing directory")
+                            f"model{SUFFIX} or give a directory")
     if not out.parent.is_dir():
         raise TierzeroError(f"the directory of --out '{out}' does not exist; create it first")
     return out.parent, out.name
+
+
+def _make_dir(out_dir: Path) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TierzeroError(f"cannot create --out directory {out_dir} ({e.strerror or e}); choose a "
+                            "writable --out") from None
+
+
+def _copy_tokenizer(out_dir: Path, manifest: Manifest) -> list[Path]:
+    """The tokenizer files of the Hugging Face directory the run started from, copied beside the
+    weights (each through a temp name), so the export loads with AutoTokenizer too; none when
+    that directory is gone or the model is not from one."""
+    source = (manifest.model or {}).get("hf")
+    if not isinstance(source, str) or not Path(source).is_dir() or Path(source).resolve() == out_dir.resolve():
+        return []
+    copied = []
+    for name in TOKENIZER_FILES:
+        src = Path(source) / name
+        if not src.is_file():
+            continue
+        temp = out_dir / f".{name}.{os.getpid()}.tmp"
+        try:
+            shutil.copyfile(src, temp)
+            os.replace(temp, out_dir / name)
+        except OSError as e:
+            temp.unlink(missing_ok=True)
+            raise TierzeroError(f"cannot copy {src} to {out_dir} ({e.strerror or e}); choose a writable "
+                                "--out") from None
+        copied.append(out_dir / name)
+    return copied
 
 
 def _read_units(checkpoint: Path, manifest: Manifest) -> Iterator[tuple[int, torch.Tensor]]:

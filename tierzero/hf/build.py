@@ -46,6 +46,25 @@ class HFModel:
     def param_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
+    def position_limit(self) -> int | None:
+        """The longest sequence a learned position table (GPT-2's `wpe`, OPT's offset one) can
+        index: `max_position_embeddings`; None when positions are computed (rotary, ALiBi)."""
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if not isinstance(limit, int):
+            return None
+        tokens = self.model.get_input_embeddings()
+        blocks = {id(m) for m in self.model.blocks.modules()}
+        learned = any(isinstance(m, nn.Embedding) and m is not tokens and id(m) not in blocks
+                      and limit <= m.num_embeddings <= limit + 2 for m in self.model.modules())
+        return limit if learned else None
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """Refuse sequences longer than a learned position table (an IndexError in the forward)."""
+        limit = self.position_limit()
+        if limit is not None and seq_len > limit:
+            raise ConfigError(f"--seq-len {seq_len} is longer than {self.path.name}'s learned position table "
+                              f"({limit} positions, max_position_embeddings); use --seq-len {limit} or less")
+
     def description(self) -> dict[str, Any]:
         """What a checkpoint records (`save_checkpoint(model=...)`): export writes the config back."""
         return {"hf": str(self.path.resolve()), "config": self.config}
@@ -87,6 +106,7 @@ def load_model(name: str | Path, units: str | None = None) -> HFModel:
     except ValueError as e:
         raise ConfigError(f"{path} is not a causal language model transformers can build "
                           f"({_first_line(e)}); pass a *ForCausalLM model directory") from None
+    _check_causal(hf_model, path)
     model = adapt(hf_model, units)
     weights = path if any(path.glob("*.safetensors")) else None
     pickled = sorted(path.glob("*.bin")) + sorted(path.glob("*.pt")) + sorted(path.glob("*.pth"))
@@ -95,6 +115,15 @@ def load_model(name: str | Path, units: str | None = None) -> HFModel:
                           "never loads; convert them to safetensors (save_pretrained writes them by default)")
     tokenizer = path / "tokenizer.json"
     return HFModel(model, path, raw, weights, tokenizer if tokenizer.is_file() else None)
+
+
+def _check_causal(hf_model: nn.Module, path: Path) -> None:
+    """Refuse an encoder (BERT-style: attention that sees the whole sequence), which transformers
+    builds as a `*LMHeadModel` too: trained on next tokens it would see the token it predicts."""
+    if any(getattr(m, "is_causal", True) is False for m in hf_model.modules()):
+        raise ConfigError(f"{path} holds {type(hf_model).__name__}, whose attention is bidirectional (an encoder): "
+                          "trained as a causal LM each token would see the one it predicts; pass a decoder model "
+                          "directory (or set \"is_decoder\": true in its config.json to make this one causal)")
 
 
 def adapt(hf_model: nn.Module, units: str | None = None) -> CausalLM:

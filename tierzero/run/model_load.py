@@ -67,6 +67,7 @@ def run_model(run: RunConfig) -> RunModel:
     from tierzero.hf import load_model
 
     hf = load_model(run.model, run.engine.units)
+    hf.check_seq_len(run.seq_len)
     weights = run.weights or (str(hf.weights) if hf.weights is not None else None)
     tokenizer, notes = None, []
     if weights is None:
