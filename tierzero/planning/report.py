@@ -12,6 +12,7 @@ assembles it. It never prints.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,13 +121,17 @@ def make_plan(
     profile: str | Path | None = None,
     stage: int | None = None,
     accumulate: int = 1,
+    units: Sequence[Unit] | None = None,
+    args: ModelArgs | None = None,
 ) -> PlanReport:
     """Plan `model` (a preset name, default 7b) or `params` (a count, e.g. "7e9" or 70_000_000_000,
     shaped like the nearest preset) on `gpus` GPUs with the given memory sizes ("80GB", or
     bytes); a size not given is this machine's. Arguments are `tierzero plan`'s flags, and
     the result is what it prints (`as_dict()` is its `--json`). `stage` forces the ZeRO stage;
     None chooses it as the engine does: the placement for stage 3, then the least communication
-    whose state fits there (`tierzero.planning.placement.choose_stage`), and every estimate at that stage."""
+    whose state fits there (`tierzero.planning.placement.choose_stage`), and every estimate at that stage.
+    A model built elsewhere (the CLI's hf:DIR) comes as `units`, its partition for `gpus` ranks,
+    and `args`, the LLaMA-like shape its activations are estimated from; `model` then names it."""
     if stage is not None and stage not in (1, 2, 3):
         raise ConfigError(f"--stage must be 1, 2 or 3, got {stage}")
     check_world_size(gpus)
@@ -136,7 +141,12 @@ def make_plan(
         raise ConfigError("give --model or --params, not both")
     compute = _dtype(dtype)
     itemsize = TORCH_DTYPES[compute].itemsize
-    if params is not None:
+    if units is not None:
+        if args is None or params is not None or vocab_size is not None:
+            raise ConfigError("a built model's plan takes its own shape; drop --params and --vocab-size")
+        shape, numel = model or "model", sum(u.numel for u in units)
+        ledger_numel = numel
+    elif params is not None:
         numel = parse_count(str(params), "--params")
         shape, ledger_numel = nearest_preset(numel), numel
         args = get_preset(shape)
@@ -147,14 +157,15 @@ def make_plan(
             args = dataclasses.replace(args, vocab_size=vocab_size)
         numel = args.param_count()
         ledger_numel = (nominal_numel(shape) if vocab_size is None else None) or numel
+    assert args is not None
     activations = activation_memory(args, batch_size, seq_len or args.max_seq_len, itemsize, LOSS_CHUNK_BYTES)
     budgets, detected, device = _budgets(gpu_mem, host_mem, nvme_free, Path(nvme_path))
     # grads are fp32 in every tier, as the engine keeps them (the ledger is the textbook 16 B)
-    work = Workload.from_preset(args, itemsize, numel=numel if params is not None else None, world_size=gpus,
-                                device=device, prefetch_depth=prefetch_depth, piece_numel=piece_numel,
-                                overlap=overlap and compute is not DType.FP16, stage=stage or 3,
-                                accumulate=accumulate, activations=activations,
-                                tokens_per_step=batch_size * activations.seq_len)
+    how: dict[str, Any] = dict(world_size=gpus, device=device, prefetch_depth=prefetch_depth, piece_numel=piece_numel,
+                               overlap=overlap and compute is not DType.FP16, stage=stage or 3, accumulate=accumulate,
+                               activations=activations, tokens_per_step=batch_size * activations.seq_len)
+    work = Workload.from_units(units, itemsize, **how) if units is not None else \
+        Workload.from_preset(args, itemsize, numel=numel if params is not None else None, **how)
     prof = load_profile(profile) if profile is not None else None
     estimates = [estimate(p, work, prof) for p in candidate_placements()]
     choice = choose(estimates, budgets)

@@ -71,7 +71,7 @@ class Workload:
     def from_units(cls, units: Sequence[Unit], compute_itemsize: int, **how: Any) -> Workload:
         """The engine's partition (`tierzero.layout.partition.partition`) as a workload; `how`
         are the other fields. Its units' own world size is the workload's."""
-        return cls(tuple(units), compute_itemsize, world_size=units[0].world_size if units else 1, **how)
+        return cls(tuple(units), compute_itemsize, **{"world_size": units[0].world_size if units else 1, **how})
 
     @classmethod
     def from_sizes(cls, sizes: Sequence[UnitSize], compute_itemsize: int, *, world_size: int = 1,

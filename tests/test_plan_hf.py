@@ -1,0 +1,48 @@
+"""`tierzero plan --model hf:DIR` (issue 22, item 4): the directory's model is planned from its
+config.json -- built on `meta`, partitioned as the engine partitions it -- not refused as an
+unknown preset."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+pytest.importorskip("transformers")
+
+from tierzero.cli.app import app  # noqa: E402
+from tierzero.hf import load_model  # noqa: E402
+from tierzero.layout.partition import partition  # noqa: E402
+
+MACHINE = ["--host-mem", "8GB", "--gpu-mem", "4GB", "--nvme-free", "1TB"]
+
+
+def plan(*args: str) -> str:
+    result = CliRunner().invoke(app, ["plan", *args], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+@pytest.mark.parametrize("arch, gpus", [("llama", 1), ("gpt2", 2)])
+def test_plan_reads_an_hf_directory(hf_models: dict[str, Path], arch: str, gpus: int) -> None:
+    name = f"hf:{hf_models[arch]}"
+    report = json.loads(plan("--model", name, "--gpus", str(gpus), *MACHINE, "--json"))
+    built = load_model(name).model
+    units = partition(built, gpus)
+    assert report["model"]["preset"] == name
+    assert report["model"]["params"] == sum(p.numel() for p in built.parameters())
+    assert report["model"]["units"] == len(units)
+    assert report["model"]["largest_unit_params"] == max(u.numel for u in units)
+    assert report["verdict"]["fits"]
+    text = plan("--model", name, "--gpus", str(gpus), *MACHINE)
+    assert all(len(line) <= 80 for line in text.splitlines())
+    assert "unknown model preset" not in text
+
+
+def test_hf_plans_refuse_preset_shape_flags(hf_models: dict[str, Path]) -> None:
+    result = CliRunner().invoke(app, ["plan", "--model", f"hf:{hf_models['llama']}", "--vocab-size", "512",
+                                      *MACHINE])
+    assert result.exit_code != 0
+    assert "drop --params and --vocab-size" in str(result.exception) + result.output
