@@ -31,13 +31,17 @@ def chunk_path(array_dir: str, index: int) -> str:
 
 
 def link_array(src_dir: str, dst_dir: str, meta: ShardMeta, with_meta: bool = True,
-               sync: bool = True) -> int:
+               sync: bool = True, verify: bool = False) -> int:
     """Make `dst_dir` an array holding `src_dir`'s chunks by hard links (and its zarr.json,
     unless the caller writes that); returns the bytes copied instead (0 on one filesystem,
     the array's size where links cannot cross). `sync=False`: the caller syncs the
-    filesystem afterwards (one syncfs instead of three fsyncs per array). An OSError
-    (ENOSPC, EIO, EACCES) is a `StorageError` naming the path and the fix."""
+    filesystem afterwards (one syncfs instead of three fsyncs per array). `verify`: check each
+    chunk against `meta` first, so a damaged chunk is named and never linked into a checkpoint
+    (a link shares the damage). An OSError (ENOSPC, EIO, EACCES) is a `StorageError` naming the
+    path and the fix."""
     try:
+        if verify:
+            verify_array(src_dir, meta)
         return _link_array(src_dir, dst_dir, meta, with_meta, sync)
     except FileNotFoundError as e:
         raise StorageCorruptError(f"{e.filename} is missing, so {src_dir} cannot be linked: "

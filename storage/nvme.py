@@ -399,17 +399,19 @@ class NvmeStore(TierStore):
 
     # -- checkpoints ----------------------------------------------------------------------
 
-    async def snapshot(self, key: str, dst_dir: str, sync: bool = True) -> tuple[ShardMeta, int]:
+    async def snapshot(self, key: str, dst_dir: str, sync: bool = True,
+                       verify: bool = False) -> tuple[ShardMeta, int]:
         """Hard-link the current generation of `key` into the frozen array `dst_dir`; returns
         its metadata and the bytes copied (0 unless `dst_dir` is on another filesystem).
         Call `flush()` first: a checkpoint must link durable chunks. `sync=False`: the caller
-        syncs `dst_dir`'s filesystem afterwards."""
+        syncs `dst_dir`'s filesystem afterwards. `verify`: link no chunk that fails its crc32c."""
         check_key(key)
         self._require_open()
         async with self._key_lock(key):
             current = await self._lookup(key)
             copied = await asyncio.get_running_loop().run_in_executor(
-                None, link_array, self._gen_dir(key, current.gen), dst_dir, current.meta, True, sync)
+                None, link_array, self._gen_dir(key, current.gen), dst_dir, current.meta, True, sync,
+                verify)
         return current.meta, copied
 
     async def adopt(self, key: str, src_dir: str, meta: ShardMeta) -> int:

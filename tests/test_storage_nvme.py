@@ -389,3 +389,20 @@ def test_sigkill_mid_write_leaves_one_whole_version(tmp_path: Path, io_loop: IOL
         out = torch.empty(8 * chunk_bytes, dtype=torch.uint8)
         io_loop.run(store.read_into(key, out, verify=True))
         assert (out == out[0]).all() and 1 <= int(out[0]) <= 250
+
+
+def test_a_verified_snapshot_never_links_a_flipped_bit_into_a_checkpoint(
+        store: NvmeStore, tmp_path: Path, io_loop: IOLoop) -> None:
+    """A hard link shares the damage: a checkpoint that linked a flipped chunk would hold it too."""
+    src = random_tensor(torch.float32, 3 * CHUNK_BYTES // 4, seed=4)
+    io_loop.run(store.write(KEY, src))
+    path = chunk_file(tmp_path, KEY, 2)
+    raw = bytearray(path.read_bytes())
+    raw[77] ^= 0x10
+    path.write_bytes(raw)
+    frozen = tmp_path.parent / f"{tmp_path.name}-checkpoint"
+    with pytest.raises(StorageCorruptError, match=rf"{re.escape(str(current_gen(tmp_path, KEY)))}/c/2 fails its crc32c"):
+        io_loop.run(store.snapshot(KEY, str(frozen / "a"), verify=True))
+    assert not (frozen / "a").exists()
+    io_loop.run(store.snapshot(KEY, str(frozen / "b")))  # unverified: linked as it is
+    assert os.path.samefile(frozen / "b" / "c" / "2", path)
