@@ -17,7 +17,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from tierzero.config import StateKind
+from tierzero.config import OPTIMIZER_KINDS, StateKind
 from tierzero.errors import ConfigError
 from tierzero.models.presets import PRESETS, ModelArgs
 
@@ -42,8 +42,8 @@ class Stage(str, enum.Enum):
 # which state kinds each stage partitions across the data-parallel ranks
 _PARTITIONED: dict[Stage, frozenset[StateKind]] = {
     Stage.DDP: frozenset(),
-    Stage.STAGE1: frozenset({StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ}),
-    Stage.STAGE2: frozenset({StateKind.GRAD, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ}),
+    Stage.STAGE1: frozenset(OPTIMIZER_KINDS),
+    Stage.STAGE2: frozenset({StateKind.GRAD, *OPTIMIZER_KINDS}),
     Stage.STAGE3: frozenset(StateKind),
 }
 
