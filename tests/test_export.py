@@ -224,7 +224,7 @@ def test_cli_errors_are_one_line_exit_2(run, tmp_path, args, message):
 # which would hide the child's growth entirely.
 _MEASURE = """
 import sys
-import tierzero.export
+import tierzero.checkpoint.export
 def kb(field):
     return int(open('/proc/self/status').read().split(field + ':')[1].split()[0])
 base = kb('VmRSS')

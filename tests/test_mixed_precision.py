@@ -146,7 +146,7 @@ def test_fp16_scale_grows_after_a_run_of_good_steps(tmp_path) -> None:
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_unsupported_compute_dtype_is_refused_before_anything_is_written(tmp_path, monkeypatch, dtype) -> None:
-    import tierzero.precision as precision
+    import tierzero.engine.precision as precision
 
     monkeypatch.setattr(precision, "_supports", lambda d, device: False)
     with pytest.raises(ConfigError, match=f"dtype {dtype} is not supported .* use --dtype fp32"):
