@@ -29,6 +29,7 @@ from torch import nn
 from tierzero.adamw import decays
 from tierzero.errors import ConfigError
 from tierzero.storage.base import ALIGN_BYTES  # direct I/O's 4 KiB: every shard's byte size is a multiple
+
 ALIGN_NUMEL = ALIGN_BYTES // 2  # numel multiple that keeps 2-byte (bf16/fp16) shards aligned too
 
 
