@@ -59,7 +59,9 @@ def bench(
 
     def measure(label: str, section: dict[str, Any], key: str, fn: Any, **kwargs: Any) -> Step:
         return Step(label, lambda: section.__setitem__(
-            key, round(fn(seconds=compute_seconds, **kwargs), 3)))
+            # four significant figures, not three decimals: a loaded CPU's bf16 matmul runs at
+            # a few GFLOP/s, which three decimals of TFLOP/s rounded to 0 (a rate of zero)
+            key, float(f"{fn(seconds=compute_seconds, **kwargs):.4g}")))
 
     compute_steps = [
         measure("CPU AdamW", report["adam"], "params_per_s", compute_bench.adam_params_per_s),
