@@ -24,12 +24,12 @@ def plan(
     model: Optional[str] = typer.Option(None, "--model", help=f"Model preset: {', '.join(PRESETS)} (default {DEFAULT_PRESET}); or hf:DIR, a local Hugging Face causal LM directory (read from its config.json)."),
     params: Optional[str] = typer.Option(None, "--params", help="A parameter count instead of a preset, e.g. 7e9 or 70B; shaped like the nearest preset."),
     gpus: int = typer.Option(1, "--gpus", help="Data-parallel GPUs (ranks), all on this machine."),
-    gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="Memory per GPU, e.g. 80GB or 24GiB. Default: GPU 0's; without CUDA, half of RAM split across ranks."),
-    host_mem: Optional[str] = typer.Option(None, "--host-mem", help="Host memory, e.g. 512GB. Default: this machine's RAM (half of it without CUDA)."),
+    gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="Memory per GPU, e.g. 80GB or 24GiB. Default: 90% of GPU 0's free memory, as `tierzero train` takes; without CUDA the gpu tier is host memory, inside --host-mem."),
+    host_mem: Optional[str] = typer.Option(None, "--host-mem", help="Host memory, e.g. 512GB. Default: half the free RAM, as `tierzero train` takes (split across its ranks)."),
     nvme_free: Optional[str] = typer.Option(None, "--nvme-free", help="Free NVMe space, e.g. 2TB. Default: free space at --nvme-path."),
     nvme_path: Path = typer.Option(Path("."), "--nvme-path", help="Where offloaded state would go (for the free-space default)."),
     batch_size: int = typer.Option(1, "--batch-size", help="Sequences per micro-batch per GPU (activation memory)."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence. Default: the model's max_seq_len."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence. Default: the model's max_seq_len (hf:DIR: max_position_embeddings)."),
     prefetch_depth: int = typer.Option(2, "--prefetch-depth", help="Units fetched ahead of compute."),
     dtype: str = typer.Option("bf16", "--dtype", help="Compute dtype: bf16, fp16 or fp32."),
     vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="Override the shape's vocabulary, e.g. 128256."),
@@ -45,8 +45,9 @@ def plan(
     in every tier, part by part.
 
     Model shapes: a preset (--model; the LLaMA-3 shapes are llama3-8b and llama3-70b), a
-    parameter count shaped like the nearest preset (--params), and --vocab-size to change a
-    shape's vocabulary."""
+    parameter count shaped like the nearest preset (--params), --vocab-size to change a
+    shape's vocabulary, or hf:DIR (--model), a Hugging Face directory's own model. Sizes not
+    given are what `tierzero train` would take on this machine."""
     built = _hf_model(model, gpus) if model is not None and is_hf(model) else {}
     report = make_plan(model, params=params, gpus=gpus, gpu_mem=gpu_mem, host_mem=host_mem, nvme_free=nvme_free,
                        nvme_path=nvme_path, batch_size=batch_size, seq_len=seq_len, prefetch_depth=prefetch_depth,
