@@ -62,3 +62,62 @@ def test_lora_on_a_frozen_hf_llama_base(tmp_path) -> None:
           f"{params / base_numel:.2f}, all state {total / base_numel:.2f}")  # the README's figures (-s)
     assert 1.95 <= params / base_numel <= 2.2, params / base_numel
     assert total / base_numel <= 2.5, total / base_numel
+
+
+def test_lora_export_loads_as_a_peft_adapter_and_merged(tmp_path) -> None:
+    """Export of a LoRA run: the adapter directory loads with `PeftModel.from_pretrained` on the
+    base and holds exactly the trained weights; `--merge` loads with `from_pretrained`, equals
+    peft's own `merge_and_unload` of that adapter and gives its loss."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from tierzero.cli.app import app
+    from tierzero.hf import describe
+
+    base_dir = save_model("llama", tmp_path / "base")
+    hf = load_model(f"hf:{base_dir}")
+    model = get_peft_model(materialise(hf, seed=0, weights=hf.weights),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    data = TokenBatches(default_corpus(1 << 16), batch_size=2, seq_len=32, seed=0)
+    cfg = Config(placement=NVME, nvme_path=[str(tmp_path / "nvme")], dtype="fp32", lr=1e-2)
+    with Engine(model, cfg) as engine:
+        for _ in range(3):
+            engine.train_step(data.next_batch())
+        trained = engine.master_state_dict()
+        engine.save_checkpoint(tmp_path / "run", model=describe(hf, model))
+    runner = CliRunner()
+    plain = runner.invoke(app, ["export", str(tmp_path / "run"), "--out", str(tmp_path / "adapter")])
+    assert plain.exit_code == 0, plain.output
+    merged = runner.invoke(app, ["export", str(tmp_path / "run"), "--out", str(tmp_path / "merged"), "--merge"])
+    assert merged.exit_code == 0, merged.output
+    assert {f.name for f in (tmp_path / "adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), tmp_path / "adapter")
+    state = dict(loaded.named_parameters(remove_duplicate=False))
+    assert {n for n in trained if "lora_" in n} <= set(state)
+    for name, value in trained.items():
+        assert torch.equal(state[name].detach(), value), name
+    whole = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    reference = loaded.merge_and_unload()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(whole.state_dict()[name], value), name
+    x, _ = data.next_batch()
+    with torch.no_grad():
+        adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), tmp_path / "adapter")
+        assert abs(adapter(input_ids=x, labels=x).loss.item() - whole(input_ids=x, labels=x).loss.item()) < 1e-5
+
+
+def test_export_of_lora_tensors_without_their_config_is_refused(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from tierzero.cli.app import app
+
+    hf = load_model(f"hf:{save_model('llama', tmp_path / 'base')}")
+    model = get_peft_model(materialise(hf, seed=0, weights=hf.weights),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], lora_dropout=0.0))
+    with Engine(model, Config(placement=NVME, nvme_path=[str(tmp_path / "nvme")], dtype="fp32")) as engine:
+        engine.save_checkpoint(tmp_path / "run", model=hf.description())
+    result = CliRunner().invoke(app, ["export", str(tmp_path / "run"), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "holds LoRA tensors" in result.output and "but not their peft config" in result.output

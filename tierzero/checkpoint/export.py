@@ -16,7 +16,8 @@ Peak host memory is the largest unit's flat fp32 buffer plus one tensor in bf16.
 A checkpoint of a Hugging Face model (`--model hf:<dir>`) records the model's `config.json`
 in its manifest; export writes it back next to the weights (its dtype set to the export's),
 so the directory loads with `from_pretrained`: the names are the model's own; the tokenizer files
-of the directory the run started from are copied beside them.
+of the directory the run started from are copied beside them. A LoRA (peft) run exports a peft
+adapter, or with `merge` its merged base (`tierzero.checkpoint.lora`).
 
 Durability: every file is written under a temporary name in the destination directory,
 fsynced, and renamed into place only after all of them are complete (the sharded layout's
@@ -42,6 +43,8 @@ import torch
 from tierzero.checkpoint.catalog import find_checkpoint
 from tierzero.config import StateKind
 from tierzero.errors import CheckpointError, ConfigError, TierzeroError
+from tierzero.checkpoint.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, Merge, adapter_config, adapter_entries,
+                                      merged_entries, peft_adapters)
 from tierzero.checkpoint.manifest import Manifest, UnitLayout
 from tierzero.storage.arrays import read_array
 from tierzero.storage.base import StorageError
@@ -66,6 +69,12 @@ class TensorEntry:
     offset: int
     numel: int
     shape: tuple[int, ...]
+    merge: Merge | None = None  # a LoRA-wrapped weight exported with its adapter merged in
+
+    def values(self, flat: torch.Tensor) -> torch.Tensor:
+        """This tensor's values, flat, from its unit's flat buffer."""
+        values = flat[self.offset:self.offset + self.numel]
+        return values if self.merge is None else self.merge.apply(values.view(self.shape), flat).reshape(-1)
 
 
 @dataclass
@@ -117,18 +126,13 @@ class ExportResult:
     index: Path | None
     tensors: int
     nbytes: int
-    config: Path | None = None  # the Hugging Face config.json written beside the weights
+    config: Path | None = None  # config.json (a peft adapter's adapter_config.json) beside the weights
     tokenizer: list[Path] = field(default_factory=list)  # its tokenizer files, copied beside them
 
 
-def plan_export(manifest: Manifest, out_name: str, dtype: str = "fp32",
-                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> ExportPlan:
-    """Lay the tensors out in unit order and cut files at `max_shard_bytes` (a tensor larger
-    than that gets a file of its own). One file keeps `out_name`; several are named
-    `<stem>-00001-of-0000K.safetensors` beside `<stem>.safetensors.index.json`."""
-    itemsize = DTYPES[dtype][0].itemsize
-    groups: list[list[TensorEntry]] = [[]]
-    size = 0
+def manifest_entries(manifest: Manifest) -> list[TensorEntry]:
+    """Every tensor of the checkpoint under each of its names, in unit order."""
+    entries = []
     for unit in manifest.units:
         for slot in unit.slots:
             if math.prod(slot.shape) != slot.numel or slot.offset < 0 or slot.offset + slot.numel > unit.padded_numel:
@@ -136,14 +140,25 @@ def plan_export(manifest: Manifest, out_name: str, dtype: str = "fp32",
                                       f"values of shape {slot.shape} at offset {slot.offset} of a "
                                       f"{unit.padded_numel}-value unit: its manifest is damaged; "
                                       "export another step with --step")
-            for name in slot.names:
-                entry = TensorEntry(name, unit.index, slot.offset, slot.numel, tuple(slot.shape))
-                nbytes = entry.numel * itemsize
-                if groups[-1] and size + nbytes > max_shard_bytes:
-                    groups.append([])
-                    size = 0
-                groups[-1].append(entry)
-                size += nbytes
+            entries += [TensorEntry(name, unit.index, slot.offset, slot.numel, tuple(slot.shape)) for name in slot.names]
+    return entries
+
+
+def plan_export(manifest: Manifest, out_name: str, dtype: str = "fp32",
+                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, entries: list[TensorEntry] | None = None) -> ExportPlan:
+    """Lay `entries` (default: the checkpoint's tensors) out in unit order and cut files at
+    `max_shard_bytes` (a tensor larger than that gets a file of its own). One file keeps `out_name`;
+    several are named `<stem>-00001-of-0000K.safetensors` beside `<stem>.safetensors.index.json`."""
+    itemsize = DTYPES[dtype][0].itemsize
+    groups: list[list[TensorEntry]] = [[]]
+    size = 0
+    for entry in manifest_entries(manifest) if entries is None else entries:
+        nbytes = entry.numel * itemsize
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry)
+        size += nbytes
     stem = out_name[:-len(SUFFIX)]
     names = ([out_name] if len(groups) == 1 else
              [f"{stem}-{i + 1:05d}-of-{len(groups):05d}{SUFFIX}" for i in range(len(groups))])
@@ -154,10 +169,11 @@ def plan_export(manifest: Manifest, out_name: str, dtype: str = "fp32",
 
 def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = None,
                       dtype: str = "fp32", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                      on_unit: Callable[[int, int], None] | None = None) -> ExportResult:
+                      on_unit: Callable[[int, int], None] | None = None, merge: bool = False) -> ExportResult:
     """Write the checkpoint at `step` (default: the newest complete one) of `run_dir` as
-    safetensors at `out` (a `.safetensors` path, or an existing directory for
-    `model.safetensors`). `on_unit(done, total)` is called after each unit."""
+    safetensors at `out` (a `.safetensors` path, or a directory for `model.safetensors`); a LoRA
+    run's as a peft adapter directory, or with `merge` as its base model with the adapter merged
+    in (`tierzero.checkpoint.lora`). `on_unit(done, total)` is called after each unit."""
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype '{dtype}' is not an export dtype; choose one of {'|'.join(DTYPES)}")
     if max_shard_bytes <= 0:
@@ -170,31 +186,48 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = N
                               "`tierzero train` wrote")
     out_dir, out_name = _destination(Path(out))
     checkpoint, manifest = find_checkpoint(run_dir, step)
-    plan = plan_export(manifest, out_name, dtype, max_shard_bytes)
+    entries = manifest_entries(manifest)
+    adapters = peft_adapters(manifest.model, [e.name for e in entries])
+    if merge and adapters is None:
+        raise ConfigError("--merge merges a LoRA run's adapter into its base, and this run has none; drop --merge")
+    extra: tuple[str, dict] | None = _hf_config(manifest, dtype)
+    if adapters is not None:
+        [(adapter, peft_config)] = adapters.items()
+        entries = merged_entries(entries, adapter, peft_config) if merge else adapter_entries(entries, adapter)
+        if not merge:
+            if out_name != "model" + SUFFIX:
+                raise ConfigError(f"a LoRA run exports a peft adapter directory; give --out a directory, not "
+                                  f"'{out_name}' (or add --merge for whole merged weights)")
+            out_name = ADAPTER_WEIGHTS
+            extra = (ADAPTER_CONFIG, adapter_config(peft_config, (manifest.model or {}).get("hf")))
+    plan = plan_export(manifest, out_name, dtype, max_shard_bytes, entries)
     _make_dir(out_dir)
     writer = _StreamingWriter(out_dir, plan, {"format": "pt", "step": str(manifest.step)})
     written = writer.write(_read_units(checkpoint, manifest), len(manifest.units), on_unit)
     tensors = sum(len(f.entries) for f in plan.files)
     index = out_dir / plan.index_name if plan.index_name else None
-    config = _write_hf_config(out_dir, manifest, dtype)
+    config = _write_json(out_dir, *extra) if extra is not None else None
     tokenizer = _copy_tokenizer(out_dir, manifest)
     return ExportResult(manifest.step, checkpoint, dtype, written, index, tensors, plan.total_bytes, config,
                         tokenizer)
 
 
-def _write_hf_config(out_dir: Path, manifest: Manifest, dtype: str) -> Path | None:
+def _hf_config(manifest: Manifest, dtype: str) -> tuple[str, dict] | None:
     """The Hugging Face model's config.json, as the checkpoint recorded it, with this export's
     dtype (from_pretrained would otherwise cast to the dtype it was saved in); None for others."""
     config = (manifest.model or {}).get("config")
     if not isinstance(config, dict):
         return None
     name = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
-    config = {**config, "dtype": name, **({"torch_dtype": name} if "torch_dtype" in config else {})}
-    path = out_dir / "config.json"
-    temp = out_dir / f".config.json.{os.getpid()}.tmp"
+    return "config.json", {**config, "dtype": name, **({"torch_dtype": name} if "torch_dtype" in config else {})}
+
+
+def _write_json(out_dir: Path, name: str, doc: dict) -> Path:
+    path = out_dir / name
+    temp = out_dir / f".{name}.{os.getpid()}.tmp"
     try:
         with open(temp, "w") as handle:
-            handle.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            handle.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temp, path)
@@ -337,7 +370,7 @@ class _StreamingWriter:
                         if handle is not None:
                             self._finish(handle, current)
                         current, handle = file_index, self._start(file_index)
-                    self._append(handle, flat[entry.offset:entry.offset + entry.numel], current)
+                    self._append(handle, entry.values(flat), current)
                 if on_unit is not None:
                     on_unit(done, total)
             if handle is not None:

@@ -70,6 +70,23 @@ class HFModel:
         return {"hf": str(self.path.resolve()), "config": self.config}
 
 
+def describe(hf: HFModel, model: nn.Module | None = None) -> dict[str, Any]:
+    """What a checkpoint records of `hf` (`save_checkpoint(model=...)`), with the peft configs of
+    `model` when it is a peft model built on it: export then writes a peft adapter, or merges it."""
+    doc = hf.description()
+    configs = getattr(model, "peft_config", None)
+    if isinstance(configs, dict) and configs:
+        doc["peft"] = {name: json.loads(json.dumps(config.to_dict(), default=_json_value))
+                       for name, config in configs.items()}
+    return doc
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return str(value)
+
+
 def is_hf(name: str) -> bool:
     return name.startswith(PREFIX)
 
