@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import os
 import shutil
 import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -229,11 +231,30 @@ def restore(engine: Checkpointed, path: Path, manifest: Manifest) -> None:
         engine.note(f"resuming copied {copied / 1e6:.1f} MB: the checkpoint is on another filesystem "
                     "than --nvme-path")
     if manifest.config_hash != numeric_config_hash(engine.config):
-        engine.note(f"{path.name} was written with other optimizer or precision settings; the resumed "
-                    "run will not match an uninterrupted one")
+        engine.note(_settings_note(path, manifest, engine.config))
     _load_engine_state(engine, manifest.engine, path)
     rng = manifest.rng if manifest.rank_rng is None else manifest.rank_rng[engine.comm.rank]
     _load_rng_state(rng, engine.device, path)
+
+
+def _settings_note(path: Path, manifest: Manifest, config: Config) -> str:
+    """What differs from the settings of the run that wrote the checkpoint (its config.toml), by
+    name: a longer --steps only stretches the lr schedule, which is no other optimizer setting."""
+    saved = tomllib.loads(manifest.config_toml) if manifest.config_toml else None
+    if saved is None:
+        return (f"{path.name} was written with other optimizer or precision settings; the resumed run will "
+                "not match an uninterrupted one")
+    changed = [f for f in _NUMERIC_FIELDS if _plain(saved.get(f)) != _plain(getattr(config, f))]
+    if changed == ["total_steps"]:
+        return (f"the lr schedule now spans {config.total_steps} steps, not the {saved['total_steps']} of the run "
+                f"that wrote {path.name} (--steps changed): from here the lr follows the longer schedule")
+    return (f"{path.name} was written with other settings ({', '.join(changed) or 'unrecorded'}); the resumed "
+            "run will not match an uninterrupted one")
+
+
+def _plain(value: Any) -> Any:
+    """A setting as `config_hash` sees it (enums as their values, tuples as lists), as TOML reads it back."""
+    return json.loads(json.dumps(value, default=str))
 
 
 def _engine_state(engine: Checkpointed) -> dict[str, Any]:
