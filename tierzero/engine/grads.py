@@ -44,6 +44,7 @@ from tierzero.storage.base import TierStore
 from tierzero.engine.streams import Event
 from tierzero.engine.tiers import Tiers
 from tierzero.layout.keys import state_keys
+from tierzero.planning.placement import Link
 
 
 class GradShards:
@@ -211,7 +212,7 @@ class GradShards:
         except BaseException:
             self.tiers.host_pool.give_back(stage.view(torch.uint8))
             raise
-        self.stats.add_bytes("nvme->host", part.numel() * 4)
+        self.stats.add_bytes(Link.NVME_TO_HOST, part.numel() * 4)
         self._add_from_host(part, stage, after=None, stage=stage)
 
     def _add_from_host(self, part: torch.Tensor, host: torch.Tensor, after: Event,
@@ -223,7 +224,7 @@ class GradShards:
         copied = s.copy(prev, host, s.h2d, after=after)
         s.keep_alive(prev, s.compute)
         s.wait(s.compute, copied)
-        self.stats.add_bytes("host->gpu", part.numel() * 4)
+        self.stats.add_bytes(Link.HOST_TO_GPU, part.numel() * 4)
         part.add_(prev)
         if stage is not None:
             self.tiers.give_back_when_done(copied, stage)
@@ -239,16 +240,16 @@ class GradShards:
         if self.home is Tier.HOST:
             self._landing[key] = s.copy(self.tiers.stores[Tier.HOST].view(key), part, s.d2h, after=produced)
             s.keep_alive(part, s.d2h)
-            self.stats.add_bytes("gpu->host", nbytes)
+            self.stats.add_bytes(Link.GPU_TO_HOST, nbytes)
             return
         stage = self.tiers.lease_host(nbytes).view(torch.float32)
         landed = s.copy(stage, part, s.d2h, after=produced)
         s.keep_alive(part, s.d2h)
-        self.stats.add_bytes("gpu->host", nbytes)
+        self.stats.add_bytes(Link.GPU_TO_HOST, nbytes)
         future = self._writes[key] = self.tiers.submit(
             _write_when_landed(self.tiers, landed, self.tiers.stores[Tier.NVME], key, stage))
         self.tiers.pending.add(future, lambda ok: self.tiers.host_pool.give_back(stage.view(torch.uint8)))
-        self.stats.add_bytes("host->nvme", nbytes)
+        self.stats.add_bytes(Link.HOST_TO_NVME, nbytes)
 
     def _combine_uses(self, unit: int, grad: torch.Tensor) -> torch.Tensor | None:
         """Stash this use's grad (plus earlier ones) in the home tier; at the unit's last use
@@ -269,14 +270,14 @@ class GradShards:
             stage = self.tiers.lease_host(nbytes).view(torch.float32)
             landed = s.copy(stage, grad, s.d2h, after=s.record(s.compute))
             s.keep_alive(grad, s.d2h)
-            self.stats.add_bytes("gpu->host", nbytes)
+            self.stats.add_bytes(Link.GPU_TO_HOST, nbytes)
             add = self.tiers.lease_host(nbytes).view(torch.float32) if stash is not None else None
             future = self._stashes[key] = self.tiers.submit(_stash_when_landed(self.tiers, landed, store, key, stage, add))
             self.tiers.pending.add(future, lambda ok: [self.tiers.host_pool.give_back(b.view(torch.uint8))
                                                        for b in (stage, add) if b is not None])
             if stash is not None:
-                self._count(f"{self.home.value}->host", nbytes)
-            self._count(f"host->{self.home.value}", nbytes)
+                self._count(Link.NVME_TO_HOST, nbytes)
+            self._count(Link.HOST_TO_NVME, nbytes)
             return None
         stage = self.tiers.lease_host(nbytes).view(torch.float32)
         try:
@@ -286,11 +287,11 @@ class GradShards:
         except BaseException:
             self.tiers.host_pool.give_back(stage.view(torch.uint8))
             raise
-        self._count(f"{self.home.value}->host", nbytes)
+        self._count(Link.NVME_TO_HOST, nbytes)
         self._add_from_host(grad, stage, after=None, stage=stage)
         return grad
 
-    def _count(self, link: str, nbytes: int) -> None:
+    def _count(self, link: Link, nbytes: int) -> None:
         if self.home is Tier.NVME:  # memory homes: a copy within the tier, not a link
             self.stats.add_bytes(link, nbytes)
 

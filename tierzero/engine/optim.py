@@ -34,6 +34,7 @@ from tierzero.engine.stats import StepStats
 from tierzero.engine.streams import Event
 from tierzero.engine.tiers import Tiers
 from tierzero.layout.keys import piece_key, shard_key
+from tierzero.planning.placement import Link
 
 OPT_KINDS = (StateKind.GRAD, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
 
@@ -166,7 +167,7 @@ class ShardOptimizer:
         work.tensors[StateKind.GRAD] = work.leased[StateKind.GRAD] = self._lease(work.numel * 4).view(torch.float32)
         work.grad_landed = s.copy(work.leased[StateKind.GRAD], part, s.d2h, after=produced)
         s.keep_alive(part, s.d2h)
-        self.stats.add_bytes("gpu->host", work.numel * 4)
+        self.stats.add_bytes(Link.GPU_TO_HOST, work.numel * 4)
 
     def _load(self, work: Work, with_grad: bool = False) -> Work:
         """Start bringing a piece's optimizer states (and its grad, if asked) to the stepping device."""
@@ -185,15 +186,15 @@ class ShardOptimizer:
             work.tensors[kind] = work.leased[kind] = buf
             if home is Tier.NVME:
                 work.futures.append(self.tiers.submit(store.read_into(key, buf)))
-                self.stats.add_bytes("nvme->host", buf.numel() * 4)
+                self.stats.add_bytes(Link.NVME_TO_HOST, buf.numel() * 4)
             elif self._across(home):
                 s = self.tiers.streams
                 computed = computed or s.record(s.compute)
                 work.futures.append(self.tiers.when_done(s.copy(buf, store.view(key), s.d2h, after=computed)))
-                self.stats.add_bytes("gpu->host", buf.numel() * 4)
+                self.stats.add_bytes(Link.GPU_TO_HOST, buf.numel() * 4)
             else:
                 buf.copy_(store.view(key))
-                self.stats.add_bytes(f"{home.value}->{'gpu' if self.device.type == 'cuda' else 'host'}",
+                self.stats.add_bytes(Link.HOST_TO_GPU if self.device.type == "cuda" else Link.GPU_TO_HOST,
                                      buf.numel() * 4)
         return work
 
@@ -281,7 +282,7 @@ class ShardOptimizer:
         piece = unit.param_piece_base(self.config.piece_numel, self.rank) + work.piece
         future = self.tiers.submit(store.write(piece_key(StateKind.PARAM, unit.index, self.rank, piece), staged))
         self.tiers.pending.add(future, lambda ok: self._release_param(key, staged, ok))
-        self.stats.add_bytes("host->nvme", staged.numel() * staged.element_size())
+        self.stats.add_bytes(Link.HOST_TO_NVME, staged.numel() * staged.element_size())
 
     def _write_param_in_memory(self, work: Work, dst: torch.Tensor, master: torch.Tensor) -> None:
         """Cast `master` into `dst`, a slice of the param shard in a memory home. From a host step
@@ -297,7 +298,7 @@ class ShardOptimizer:
             done_reading = work.produced if work.produced is not None else s.record(s.compute)
             event = s.copy(dst, staged, s.h2d, after=done_reading)
             self.tiers.give_back_when_done(event, staged)
-            self.stats.add_bytes("host->gpu", staged.numel() * staged.element_size())
+            self.stats.add_bytes(Link.HOST_TO_GPU, staged.numel() * staged.element_size())
         elif home is Tier.GPU and self.device.type != "cpu":
             event = s.copy(dst, master, s.compute)  # cast to the compute dtype in the copy
         else:
@@ -337,13 +338,13 @@ class ShardOptimizer:
         if home is Tier.NVME:
             future = self.tiers.submit(store.write(key, buf))
             self.tiers.pending.add(future, lambda ok: self._give_back(buf))
-            self.stats.add_bytes("host->nvme", buf.numel() * buf.element_size())
+            self.stats.add_bytes(Link.HOST_TO_NVME, buf.numel() * buf.element_size())
             return
         if self._across(home):  # nothing reads this state before the next step's load waits for it
             s = self.tiers.streams
             self.tiers.pending.add(self.tiers.when_done(s.copy(store.view(key), buf, s.h2d)),
                                    lambda ok: self._give_back(buf))
-            self.stats.add_bytes("host->gpu", buf.numel() * buf.element_size())
+            self.stats.add_bytes(Link.HOST_TO_GPU, buf.numel() * buf.element_size())
             return
         store.view(key).copy_(buf)
         self._give_back(buf)

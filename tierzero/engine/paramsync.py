@@ -20,6 +20,7 @@ from tierzero.layout.partition import Unit
 from tierzero.engine.stats import StepStats
 from tierzero.engine.tiers import Tiers
 from tierzero.layout.keys import shard_key, state_keys
+from tierzero.planning.placement import Link
 
 
 def sync_params(units: list[Unit], tiers: Tiers, home: Tier, comm: Comm, dtype: torch.dtype,
@@ -48,7 +49,7 @@ def _sync_unit(unit: Unit, tiers: Tiers, home: Tier, comm: Comm, dtype: torch.dt
         for k, a, b in keys:
             if lo <= a < hi:
                 tiers.run(store.read_into(k, mine[a - lo:b - lo]))
-        stats.add_bytes("nvme->host", unit.shard_numel * dtype.itemsize)
+        stats.add_bytes(Link.NVME_TO_HOST, unit.shard_numel * dtype.itemsize)
         full = comm.all_gather(mine.to(tiers.device)).cpu()
     finally:
         tiers.host_pool.give_back(mine.view(torch.uint8))
@@ -63,7 +64,7 @@ def _sync_unit(unit: Unit, tiers: Tiers, home: Tier, comm: Comm, dtype: torch.dt
         staged.copy_(full[a:b])
         future = tiers.submit(store.write(k, staged))
         tiers.pending.add(future, lambda ok, s=staged, k=key: _written(tiers, k, s, ok))
-        stats.add_bytes("host->nvme", (b - a) * dtype.itemsize)
+        stats.add_bytes(Link.HOST_TO_NVME, (b - a) * dtype.itemsize)
 
 
 def _written(tiers: Tiers, key: str, staged: torch.Tensor, ok: bool) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import enum
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -37,7 +38,16 @@ from tierzero.engine.stats import StepStats
 from tierzero.engine.streams import Event, Streams
 from tierzero.engine.tiers import Tiers
 from tierzero.layout.keys import shard_key, state_keys
+from tierzero.planning.placement import Link
 from tierzero.planning.swapplan import Op, SwapOp, SwapPlan
+
+
+class ShardStatus(str, enum.Enum):
+    """Where a param shard is on its way to the compute device (DeepSpeed's per-partition status)."""
+
+    NOT_AVAILABLE = "not_available"
+    IN_FLIGHT = "in_flight"  # a fetch is issued: an nvme read and/or a host->device copy
+    AVAILABLE = "available"  # on the device, usable once compute has waited for its copy
 
 
 @dataclass
@@ -46,7 +56,7 @@ class ParamShard:
 
     unit: int
     home: Tier
-    status: str = "not_available"  # -> "in_flight" -> "available"
+    status: ShardStatus = ShardStatus.NOT_AVAILABLE
     device_buf: torch.Tensor | None = None
     staging: torch.Tensor | None = None
     future: concurrent.futures.Future | None = None  # an nvme read; its result is the copy's event
@@ -170,7 +180,7 @@ class Scheduler:
             return self.comm.all_gather_async(self._shard(record.unit))
 
     def _fetch(self, record: ParamShard) -> None:
-        if record.status != "not_available":
+        if record.status is not ShardStatus.NOT_AVAILABLE:
             return
         unit = self.units[record.unit]
         key = shard_key(StateKind.PARAM, unit.index, self.rank)
@@ -178,7 +188,7 @@ class Scheduler:
         if record.home is Tier.GPU:
             # resident in the device store: a view, no copy, read once the step's write is done
             self.streams.wait(self.streams.compute, record.written)
-            record.status = "available"
+            record.status = ShardStatus.AVAILABLE
             return
         buf = self.tiers.lease_device(nbytes)
         # The copy into this buffer waits for its release by the compute that last read it, and
@@ -188,8 +198,8 @@ class Scheduler:
         if ready is None:
             ready = self.streams.record(self.streams.compute)
         record.device_buf = buf.view(self.dtype)
-        record.status = "in_flight"
-        self.stats.add_bytes("host->gpu", nbytes)
+        record.status = ShardStatus.IN_FLIGHT
+        self.stats.add_bytes(Link.HOST_TO_GPU, nbytes)
         if record.home is Tier.HOST:
             record.event = self.streams.copy(record.device_buf, self.tiers.stores[Tier.HOST].view(key),
                                              self.streams.h2d, after=ready)
@@ -198,7 +208,7 @@ class Scheduler:
         if cached is not None:  # still in RAM since its last use (backward replays forward reversed)
             record.staging = cached.view(self.dtype)
             record.event = self.streams.copy(record.device_buf, record.staging, self.streams.h2d, after=ready)
-            self.stats.add_bytes("host_cache_hit", nbytes)
+            self.stats.add_cache_hit(nbytes)
             return
         record.staging = self.tiers.lease_host(nbytes).view(self.dtype)
         # cached from now on: the pool evicts it (least recently used first) when space is short
@@ -206,7 +216,7 @@ class Scheduler:
         keys = state_keys(StateKind.PARAM, unit, self.rank, self.piece_numel, Tier.NVME)
         record.future = self.tiers.submit(_read_then_copy(
             self.tiers.stores[Tier.NVME], keys, record.staging, self.streams, record.device_buf, ready))
-        self.stats.add_bytes("nvme->host", nbytes)
+        self.stats.add_bytes(Link.NVME_TO_HOST, nbytes)
 
     def _land(self, record: ParamShard) -> None:
         """Take the copy event of an nvme read (its I/O thread issued the copy as it landed)."""
@@ -219,9 +229,9 @@ class Scheduler:
             raise
 
     def _wait(self, record: ParamShard) -> None:
-        if record.status == "available":
+        if record.status is ShardStatus.AVAILABLE:
             return
-        if record.status == "not_available":  # its look-ahead fetch did not fit the budget
+        if record.status is ShardStatus.NOT_AVAILABLE:  # its look-ahead fetch did not fit the budget
             self._fetch(record)
         if record.future is not None:
             with self.stats.waiting():
@@ -231,7 +241,7 @@ class Scheduler:
         if record.staging is not None and self.streams.query(record.event):
             self.tiers.host_pool.give_back(record.staging.view(torch.uint8))  # its copy is done
             record.staging = None
-        record.status = "available"
+        record.status = ShardStatus.AVAILABLE
 
     def _drop(self, record: ParamShard) -> None:
         """Give the unit's buffers back: the device buffer with a release event (compute may
@@ -247,7 +257,7 @@ class Scheduler:
             if future.exception() is None:
                 record.event = future.result()
         if record.device_buf is not None:
-            if record.status != "available":  # compute never waited for the copy: order it now
+            if record.status is not ShardStatus.AVAILABLE:  # compute never waited for the copy: order it now
                 self.streams.wait(self.streams.compute, record.event)
             release = self.streams.record(self.streams.compute)
             self.tiers.device_pool.give_back(record.device_buf.view(torch.uint8), ready=release)
@@ -256,7 +266,7 @@ class Scheduler:
             self.tiers.give_back_when_done(record.event, record.staging)
             record.staging = None
         record.event = None
-        record.status = "not_available"
+        record.status = ShardStatus.NOT_AVAILABLE
 
     def _shard(self, unit: int) -> torch.Tensor:
         record = self.records[unit]

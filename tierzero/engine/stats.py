@@ -1,4 +1,5 @@
-"""Per-step counters: bytes moved per tier and direction, time spent waiting on I/O."""
+"""Per-step counters: bytes moved per link (`planning.placement.Link`, whose values name the
+metrics), param bytes the host cache served, time spent waiting on I/O."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from tierzero.planning.placement import Link
+
 
 class StepStats:
     def __init__(self) -> None:
@@ -14,8 +17,12 @@ class StepStats:
         self.wait_s = 0.0
         self._depth = 0  # nested waits count once
 
-    def add_bytes(self, direction: str, nbytes: int) -> None:
-        self.bytes[direction] += nbytes
+    def add_bytes(self, link: Link, nbytes: int) -> None:
+        self.bytes[link.value] += nbytes
+
+    def add_cache_hit(self, nbytes: int) -> None:
+        """Param bytes copied to the device from the host pool's cache, not read from NVMe."""
+        self.bytes["host_cache_hit"] += nbytes
 
     @contextmanager
     def waiting(self) -> Iterator[None]:

@@ -24,14 +24,19 @@ class Op(str, enum.Enum):
     RELEASE = "release"  # drop the device copy (params never change during a pass)
 
 
+class Phase(str, enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"  # the unit's forward recomputed, then its backward
+
+
 @dataclass(frozen=True)
 class SwapOp:
     op: Op
     unit: int
-    phase: str  # "forward" | "backward"
+    phase: Phase
 
     def __str__(self) -> str:
-        return f"{self.op.value:8s} u{self.unit} ({self.phase})"
+        return f"{self.op.value:8s} u{self.unit} ({self.phase.value})"
 
 
 @dataclass(frozen=True)
@@ -72,9 +77,9 @@ def build_swap_plan(calls: list[tuple[int, ...]], prefetch_depth: int, backward:
     if gather_ahead is not None and gather_ahead not in (0, 1):
         raise ValueError(f"gather_ahead must be 0, 1 or None, got {gather_ahead}")
     ahead = 0 if gather_ahead is None else min(gather_ahead, prefetch_depth)
-    uses = [(call, "forward") for call in calls]
+    uses = [(call, Phase.FORWARD) for call in calls]
     if backward:
-        uses += [(call, "backward") for call in reversed(calls)
+        uses += [(call, Phase.BACKWARD) for call in reversed(calls)
                  if not set(call) & held and not set(call) <= forward_only]
     ops: list[SwapOp] = []
     resident: set[int] = set()
@@ -105,6 +110,6 @@ def build_swap_plan(calls: list[tuple[int, ...]], prefetch_depth: int, backward:
     return SwapPlan(tuple(ops), prefetch_depth)
 
 
-def _used_again_soon(uses: list[tuple[tuple[int, ...], str]], i: int, unit: int, fetched_until: int) -> bool:
+def _used_again_soon(uses: list[tuple[tuple[int, ...], Phase]], i: int, unit: int, fetched_until: int) -> bool:
     """Whether a later use of `unit` has already been fetched (so releasing it would be wrong)."""
     return any(unit in call for call, _ in uses[i + 1:fetched_until + 1])
