@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierzero.adamw import adamw_step
-from tierzero.config import Config, Placement, StateKind, Tier
+from tierzero.config import OPTIMIZER_KINDS, Config, Placement, StateKind, Tier
 from tierzero.engine.paramsteps import Run
 from tierzero.layout.partition import Unit
 from tierzero.engine.stats import StepStats
@@ -35,8 +35,9 @@ from tierzero.engine.streams import Event
 from tierzero.engine.tiers import Tiers
 from tierzero.layout.keys import piece_key, shard_key
 from tierzero.planning.placement import Link
+from tierzero.planning.workload import steps_on_gpu
 
-OPT_KINDS = (StateKind.GRAD, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
+STEP_KINDS = (StateKind.GRAD, *OPTIMIZER_KINDS)  # what one piece's step reads
 
 
 @dataclass
@@ -75,7 +76,7 @@ class ShardOptimizer:
         # told the event of each write into a unit's param shard homed on the device
         # (`Scheduler.written`): the next pass reads that shard in place
         self.param_written = param_written
-        on_gpu = all(placement.home(k) is Tier.GPU for k in OPT_KINDS[1:])
+        on_gpu = steps_on_gpu(placement)
         self.device = tiers.device if on_gpu else torch.device("cpu")
         self._prefetched: dict[tuple[int, int], Work] = {}
 
@@ -173,7 +174,7 @@ class ShardOptimizer:
         """Start bringing a piece's optimizer states (and its grad, if asked) to the stepping device."""
         unit = work.unit
         computed: Event = None  # one compute event serves every state of the piece
-        for kind in OPT_KINDS if with_grad else OPT_KINDS[1:]:
+        for kind in STEP_KINDS if with_grad else OPTIMIZER_KINDS:
             home = self.placement.home(kind)
             key = piece_key(kind, unit.index, self.rank, work.piece)
             store = self.tiers.stores[home]
@@ -328,7 +329,7 @@ class ShardOptimizer:
         def in_place(home: Tier) -> bool:
             store_device = self.tiers.device if home is Tier.GPU else torch.device("cpu")
             return home is not Tier.NVME and store_device.type == self.device.type
-        return sum(1 for k in OPT_KINDS if not in_place(self.placement.home(k)))
+        return sum(1 for k in STEP_KINDS if not in_place(self.placement.home(k)))
 
     def _put(self, kind: StateKind, work: Work, buf: torch.Tensor) -> None:
         """Write a leased working buffer back to `kind`'s home, then return it to its pool."""
