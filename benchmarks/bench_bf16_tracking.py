@@ -18,9 +18,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from tierzero import Config
-from tierzero import Engine
-from tierzero import models
+from tierzero import Config, Engine, models
 from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.engine.reference import ReferenceTrainer
 

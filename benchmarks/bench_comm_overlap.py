@@ -34,9 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tierzero import Config
-from tierzero import Placement
-from tierzero import models
+from tierzero import Config, Placement, models
 from tierzero.dist.comm import InFlight
 from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.engine import Engine

@@ -28,10 +28,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tierzero import Config
-from tierzero import Placement
-from tierzero import Tier
-from tierzero import models
+from tierzero import Config, Placement, Tier, models
 from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.engine import Engine
 from tierzero.models import ModelArgs

@@ -65,9 +65,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tierzero import Config
-from tierzero import Engine
-from tierzero import models
+from tierzero import Config, Engine, models
 from tierzero.checkpoint.catalog import prune
 from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.checkpoint.manifest import Manifest

@@ -49,11 +49,7 @@ from typing import Any
 
 import torch
 
-from tierzero import Config
-from tierzero import Engine
-from tierzero import Placement
-from tierzero import Tier
-from tierzero import models
+from tierzero import Config, Engine, Placement, Tier, models
 from tierzero.config import parse_bytes
 from tierzero.planning.ledger import activation_memory
 from tierzero.planning.memory_model import peak_memory

@@ -21,9 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tierzero import Config
-from tierzero import Engine
-from tierzero import models
+from tierzero import Config, Engine, models
 from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.models import ModelArgs
 

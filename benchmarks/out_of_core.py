@@ -61,16 +61,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tierzero import Config
-from tierzero import Engine
-from tierzero import models
+from tierzero import Config, Engine, models
 from tierzero.planning import speeds as compute_bench
 from tierzero.config import parse_bytes
 from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.errors import ConfigError
 from tierzero.models import ModelArgs
-from tierzero.storage.bench import FOOTPRINT as BENCH_FOOTPRINT
-from tierzero.storage.bench import DiskBench
+from tierzero.storage.bench import FOOTPRINT as BENCH_FOOTPRINT, DiskBench
 from tierzero.storage.host import HostPool
 from tierzero.storage.io import IOLoop
 from tierzero.storage.spares import SpareFiles

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tierzero import Config
-from tierzero import models
+from tierzero import Config, models
 from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.models import ModelArgs
 from tierzero.engine.reference import ReferenceTrainer

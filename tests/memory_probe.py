@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tierzero import Config
-from tierzero import models
+from tierzero import Config, models
 from tierzero.config import Placement, Tier
 from tierzero.engine import Engine
 from tierzero.planning.ledger import activation_memory

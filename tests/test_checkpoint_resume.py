@@ -10,10 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierzero import Config
-from tierzero import Placement
-from tierzero import Tier
-from tierzero import models
+from tierzero import Config, Placement, Tier, models
 from tierzero.checkpoint.catalog import checkpoint_dirs
 from tierzero.engine import Engine
 from tierzero.errors import CheckpointError

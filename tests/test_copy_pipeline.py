@@ -16,14 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierzero import Config
-from tierzero import Offload
-from tierzero import Placement
-from tierzero import StateKind
-from tierzero import Tier
-from tierzero import models
-from tierzero.engine import streams
-from tierzero.engine import Engine
+from tierzero import Config, Offload, Placement, StateKind, Tier, models
+from tierzero.engine import streams, Engine
 from tierzero.layout.keys import shard_key
 from tierzero.storage.device import DevicePool
 

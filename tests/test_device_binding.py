@@ -14,11 +14,8 @@ import threading
 
 import torch
 
-from tierzero import Config
-from tierzero import Placement
-from tierzero import Tier
-from tierzero.engine import execute
-from tierzero.engine import streams
+from tierzero import Config, Placement, Tier
+from tierzero.engine import execute, streams
 from tierzero.engine.tiers import Tiers
 
 

@@ -11,10 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from tierzero import Config
-from tierzero import Placement
-from tierzero import Tier
-from tierzero import models
+from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.errors import ConfigError
 from tierzero.engine.reference import ReferenceTrainer, compute_loss

@@ -9,8 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from tierzero import Config
-from tierzero import models
+from tierzero import Config, models
 from tierzero.engine import Engine
 from tierzero.errors import ConfigError
 

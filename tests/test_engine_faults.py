@@ -12,14 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from tierzero import Config
-from tierzero import Placement
-from tierzero import StateKind
-from tierzero import Tier
-from tierzero import models
+from tierzero import Config, Placement, StateKind, Tier, models
 from tierzero.engine import Engine
 from tierzero.planning.ledger import activation_memory
-from tierzero.errors import ConfigError, TierzeroError
+from tierzero.errors import TierzeroError
 from tierzero.engine.tiers import Pending
 
 from engine_helpers import SMALL, batches, reference_run

@@ -15,11 +15,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from tierzero import Config
-from tierzero import Placement
-from tierzero import StateKind
-from tierzero import Tier
-from tierzero import models
+from tierzero import Config, Placement, StateKind, Tier, models
 from tierzero.engine import Engine
 from tierzero.errors import ConfigError
 from tierzero.planning.ledger import activation_memory

@@ -10,10 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierzero import Config
-from tierzero import Placement
-from tierzero import Tier
-from tierzero import models
+from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.models.loss import chunk_tokens_for
 from tierzero.engine.reference import ReferenceTrainer

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tierzero import Config
-from tierzero import Placement
-from tierzero import Tier
-from tierzero import models
+from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 
 from engine_helpers import batches, reference_run

@@ -18,10 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierzero import Config
-from tierzero import Placement
-from tierzero import Tier
-from tierzero import models
+from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.models import ModelArgs
 from tierzero.engine.reference import ReferenceTrainer
@@ -158,10 +155,7 @@ def test_host_to_device_copies_overlap_compute_kernels(tmp_path) -> None:
 ONLY_CUDA_1 = """
 import sys
 import torch
-from tierzero import Config
-from tierzero import Placement
-from tierzero import Tier
-from tierzero import models
+from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from engine_helpers import SMALL, batches
 

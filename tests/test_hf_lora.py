@@ -15,9 +15,7 @@ import hashlib
 import torch
 from peft import LoraConfig, get_peft_model
 
-from tierzero import Config
-from tierzero import Placement
-from tierzero import Tier
+from tierzero import Config, Placement, Tier
 from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.engine import Engine
 from tierzero.hf import load_model, materialise

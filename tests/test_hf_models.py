@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from hf_helpers import config
-from tierzero import Config
-from tierzero import Engine
+from tierzero import Config, Engine
 from tierzero.cli.app import app
 from tierzero.errors import ConfigError
 from tierzero.hf import CausalLM, SplitCausalLM, load_model, materialise

@@ -12,10 +12,7 @@ import random
 
 import pytest
 
-from tierzero import Config
-from tierzero import Placement
-from tierzero import Tier
-from tierzero import models
+from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.planning.hostblocks import HOST_ALIGN, HOST_CLASSES
 from tierzero.planning.memory_model import peak_memory

@@ -9,11 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierzero import Config
-from tierzero import Placement
-from tierzero import StateKind
-from tierzero import Tier
-from tierzero import models
+from tierzero import Config, Placement, StateKind, Tier, models
 from tierzero.engine import Engine
 from tierzero.errors import ConfigError
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tierzero.errors import ConfigError
-from tierzero.models import PRESETS, ModelArgs, Transformer, build, get_preset
+from tierzero.models import PRESETS, ModelArgs, build, get_preset
 
 # The public parameter count each preset is compared with, and where it comes from.
 PUBLIC_PARAMS = {

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierzero import Config
-from tierzero import models
+from tierzero import Config, models
 from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.lr import lr_at
 from tierzero.engine.reference import ReferenceTrainer

@@ -19,10 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from tierzero import Config
-from tierzero import Placement
-from tierzero import Tier
-from tierzero import models
+from tierzero import Config, Placement, Tier, models
 from tierzero.dist.comm import Comm
 from tierzero.engine import Engine
 from tierzero.errors import CheckpointError, ConfigError

@@ -31,7 +31,7 @@ from torch import nn
 
 from tierzero.dist.comm import Comm
 from tierzero.config import Config, StateKind, Tier
-from tierzero.errors import ConfigError, TierzeroError
+from tierzero.errors import TierzeroError
 from tierzero.engine.backward import BackwardPass, StepInBackward, resolve_overlap
 from tierzero.engine.execute import UnitRunner, bind, flat_grad, place_buffers, unbind
 from tierzero.engine.gathered import GatheredBlocks, copies, resolve
