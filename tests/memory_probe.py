@@ -6,7 +6,7 @@ first (the first opens the engine and reserves the activations), and the growth 
 process's resident memory over the same steps (VmHWM reset through /proc/self/clear_refs) from
 its size before the engine was built. The first case runs once unmeasured first: it pays
 torch's and the I/O thread pool's one-time costs (the fixed overhead README states).
-Used by tests/test_memory_model.py; a subprocess, so the RSS is this run's alone.
+Used by tests/planning/test_memory_model.py; a subprocess, so the RSS is this run's alone.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from tierzero.storage.host import HostPool
 from tierzero.storage.sizeclass import choose_classes, class_for
 
 from engine_helpers import SMALL, batches
-from test_storage_host_pool import PAGE, FakeCudart, cudart, mappings  # noqa: F401 - fixtures
+from pinning_fakes import PAGE, FakeCudart, cudart, mappings  # noqa: F401 - fixtures
 
 NVME = Placement(*[Tier.NVME] * 5)
 

@@ -175,7 +175,7 @@ print("contexts", during, torch._C._cuda_hasPrimaryContext(0), torch._C._cuda_ha
 def test_an_engine_on_cuda_1_puts_nothing_on_cuda_0(tmp_path) -> None:
     """No context on cuda:0, while training or after: the training thread, autograd's, the I/O
     threads (which step AdamW, lease device buffers and pin host memory) all use cuda:1."""
-    tests = str(Path(__file__).parent)
+    tests = str(Path(__file__).parents[1])  # tests/: recording_streams and the helpers
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-c", ONLY_CUDA_1, str(tmp_path / "nvme")], env=env,
                          capture_output=True, text=True, timeout=600)

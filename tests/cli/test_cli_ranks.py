@@ -247,7 +247,7 @@ def test_the_stage_is_chosen_by_the_budget_and_printed(two_ranks, stage_two) -> 
 
 def test_stage_two_equals_one_rank_and_stage_three(stage_two, one_rank, two_ranks, tmp_path) -> None:
     """Stage 2 (chosen) within 5e-5 of the one-rank run and of the stage-3 run. Stage 1 differs
-    from stage 2 only under accumulation, which tests/test_stages.py checks in-process (a CLI
+    from stage 2 only under accumulation, which tests/engine/test_stages.py checks in-process (a CLI
     run of it here would cost the suite ~25 s for the same numbers)."""
     stage3 = export(two_ranks, tmp_path / "stage3.safetensors")
     got = export(stage_two[0], tmp_path / "s2.safetensors")

@@ -152,7 +152,7 @@ def test_predicted_peaks_are_within_ten_percent_of_measured() -> None:
     fp32, overlap_step on, pieces smaller than the embedding. The pools fill their budgets (the
     LRU cache and read-ahead use whatever is spare), so their peaks must reach the prediction;
     the process's RSS growth must be within 10% of the predicted host total."""
-    probe = Path(__file__).with_name("memory_probe.py")
+    probe = Path(__file__).parents[1] / "memory_probe.py"
     out = subprocess.run([sys.executable, str(probe), json.dumps(_cases())], capture_output=True, text=True,
                          timeout=600, cwd=probe.parent)
     assert out.returncode == 0, out.stderr[-3000:]
