@@ -130,8 +130,9 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 def die_with_launcher() -> None:
     """Ask the kernel to send this rank SIGTERM when the process that started it (torchrun's
-    agent) dies, however it dies; exit now if it is already gone. Linux only: elsewhere a no-op."""
-    if not sys.platform.startswith("linux") or not under_torchrun():
+    agent) dies, however it dies; exit now if it is already gone. Linux only, and only under torchrun's
+    agent (TORCHELASTIC_RUN_ID): a user's own launcher script may exit while its ranks train."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
