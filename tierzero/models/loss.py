@@ -8,7 +8,7 @@ recomputes its logits), so at most one chunk's logits exist at once, forward or 
 Exactness: each chunk's loss is a sum in fp32; the chunks' sums are added in order and divided
 by the token count. A single chunk (the default for small vocabularies) is bitwise the plain
 `F.cross_entropy(logits.float(), targets)`; several chunks differ from it only by summation
-order (relative error ~1e-7 in fp32, measured in tests/test_models.py).
+order (relative error ~1e-7 in fp32, measured in tests/models/test_models.py).
 """
 
 from __future__ import annotations
