@@ -4,7 +4,8 @@ Saving (at an optimizer-step boundary): finish every transfer, flush the NVMe st
 chunks about to be linked are durable), then build `checkpoints/.step-<N>.tmp-<pid>/`:
 NVMe-homed shards are hard-linked from the store's current generations (metadata, no bytes),
 memory-homed shards are written out; then the filesystem is synced, `manifest.json` is written
-and fsynced, and the directory is renamed to `step-<N>` -- the checkpoint's commit point. A
+and fsynced, and the directory is renamed to `step-<N>` -- the checkpoint's commit point --
+and `checkpoints/` fsynced (tests/checkpoint/test_save_order.py records that order). A
 kill at any instant leaves either no `step-<N>` or a complete one; temp directories are
 removed at the next save. The store never overwrites a linked chunk (see `storage.spares`).
 
@@ -47,7 +48,7 @@ from tierzero.layout.partition import Unit
 from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest, config_hash, layout_of
 from tierzero.storage import chunkfile
 from tierzero.storage.arrays import read_array, write_array
-from tierzero.storage.base import dtype_name
+from tierzero.storage.base import dtype_name, os_error
 from tierzero.storage.zarrmeta import ShardMeta
 from tierzero.storage.io import write_durable
 from tierzero.storage.base import aligned_empty
@@ -113,8 +114,7 @@ def save(engine: Checkpointed, run_dir: str | Path, data: dict[str, Any] | None 
     root = checkpoints_root(run_dir)
     final = step_dir(run_dir, engine.state.step_count)
     if comm.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        _remove_temp_dirs(root)
+        _prepare_root(root)
     temp = root / comm.broadcast_json(f".{final.name}.tmp-{os.getpid()}")
     committed = False
     try:
@@ -128,6 +128,8 @@ def save(engine: Checkpointed, run_dir: str | Path, data: dict[str, Any] | None 
                 _commit(engine, temp, final, parts, data, model)
                 committed = True
             except Exception as e:
+                if comm.world_size == 1:
+                    raise  # its own sentence (the caller's ENOSPC names the file)
                 error = str(e)
         error = comm.broadcast_json(error)
         if error is not None:
@@ -178,7 +180,10 @@ def _commit(engine: Checkpointed, temp: Path, final: Path, parts: list[dict[str,
                         data=data, rng=parts[0]["rng"], bytes_copied=sum(p["copied"] for p in parts),
                         model=model, rank_rng=rank_rng, stage=engine.stage, **lineage.stamp(final))
     engine.tiers.run(write_durable(str(temp / MANIFEST_NAME), manifest.to_json()))
-    _replace_dir(temp, final)
+    try:
+        _replace_dir(temp, final)
+    except OSError as e:
+        raise os_error(e, "committing checkpoint", str(final)) from e
 
 
 def find(path: Path, comm: Comm, note: Callable[[str], None]) -> tuple[Path, Manifest]:
@@ -306,11 +311,19 @@ def _replace_dir(temp: Path, final: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
-def _remove_temp_dirs(root: Path) -> None:
-    """A killed save's leftovers (the caller holds the run directory's lock)."""
-    for p in root.iterdir():
-        if p.name.startswith(".step-") and p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
+def _prepare_root(root: Path) -> None:
+    """Create `checkpoints/` durably (its own name must survive a power loss with the first
+    checkpoint in it) and remove a killed save's leftovers (the caller holds the run directory's
+    lock). An OSError is one sentence naming the path."""
+    try:
+        if not root.is_dir():
+            root.mkdir(parents=True, exist_ok=True)
+            chunkfile.fsync_path(str(root.parent))
+        for p in root.iterdir():
+            if p.name.startswith(".step-") and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+    except OSError as e:
+        raise os_error(e, "creating", str(root)) from e
 
 
 def model_description(args: Any) -> dict[str, Any] | None:
