@@ -27,6 +27,10 @@ def train(
     data: Optional[str] = typer.Option(None, "--data", help="A text file, a folder of text files, a .jsonl file, or .bin/.npy token ids; default: the stdlib's own sources. Text is tokenized by an hf: model's tokenizer.json, else read as bytes."),
     text_field: Optional[str] = typer.Option(None, "--text-field", help="The field of each .jsonl record that holds its text (default: text)."),
     weights: Optional[str] = typer.Option(None, "--weights", help="Start from local .safetensors weights (a file or a directory of them)."),
+    lora_r: Optional[int] = typer.Option(None, "--lora-r", help="Train LoRA adapters of this rank (peft) on the frozen hf:DIR base; export writes a peft adapter, or merged weights with --merge."),
+    lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA's alpha: adapters scale by alpha/r (default 16)."),
+    lora_dropout: Optional[float] = typer.Option(None, "--lora-dropout", help="Dropout on the adapters' input (default 0)."),
+    lora_targets: Optional[str] = typer.Option(None, "--lora-targets", help="Comma-separated module names to adapt, e.g. q_proj,v_proj (default: peft's choice for the model)."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences per micro-batch."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence."),
@@ -72,7 +76,9 @@ def train(
                      prefetch_depth=prefetch_depth, overlap_step=overlap_step, grad_reduce_dtype=grad_reduce_dtype, overlap_comm=overlap_comm, stage=stage,
                      profile=str(profile) if profile else None,
                      run_dir=str(run_dir) if run_dir else None,
-                     checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints)
+                     checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+                     lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                     lora_targets=[t.strip() for t in lora_targets.split(",") if t.strip()] if lora_targets else None)
     if resume and overwrite:
         raise ConfigError("--resume continues a run and --overwrite starts a new one; pass one of them")
     if resume:

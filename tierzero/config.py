@@ -253,6 +253,10 @@ class RunConfig:
     eval_batches: int = 4
     checkpoint_every: int | None = None  # None: checkpoint only when the run finishes
     keep_checkpoints: int = 2
+    lora_r: int | None = None  # LoRA rank: train peft adapters on a frozen hf: base; None: full training
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: list[str] | None = None  # module names to adapt; None: peft's default for the model
     engine: Config = field(default_factory=Config)
 
     def __post_init__(self) -> None:
@@ -265,6 +269,20 @@ class RunConfig:
         every = self.checkpoint_every
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ConfigError(f"checkpoint_every must be an integer >= 1 (optimizer steps), got {every!r}")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        r, targets = self.lora_r, self.lora_targets
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
+            raise ConfigError(f"lora_r must be an integer >= 1 (the adapters' rank), got {r!r}")
+        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or self.lora_alpha <= 0:
+            raise ConfigError(f"lora_alpha must be a number > 0, got {self.lora_alpha!r}")
+        if isinstance(self.lora_dropout, bool) or not isinstance(self.lora_dropout, (int, float)) \
+                or not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"lora_dropout must be a number in [0, 1), got {self.lora_dropout!r}")
+        if targets is not None and (not isinstance(targets, list) or not targets
+                                    or not all(isinstance(t, str) and t for t in targets)):
+            raise ConfigError(f"lora_targets must be module names such as q_proj,v_proj, got {targets!r}")
 
 
     def check_ranks(self, world_size: int) -> None:

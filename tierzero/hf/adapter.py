@@ -46,6 +46,8 @@ from tierzero.models.loss import IGNORE_INDEX, chunk_tokens_for
 class CausalLM(nn.Module):
     """A Hugging Face `*ForCausalLM` with tierzero's batch contract; the root layout."""
 
+    OUTSIDE: tuple[str, ...] = ("root",)  # the units outside the blocks
+
     def __init__(self, hf_model: nn.Module, blocks: str) -> None:
         super().__init__()
         for name, child in hf_model.named_children():
@@ -94,34 +96,46 @@ class CausalLM(nn.Module):
 
     # -- init -----------------------------------------------------------------------------------
 
-    def init_unit(self, seed: int, which: int | str) -> None:
-        """Initialise one unit with the model's own `_init_weights` (LlamaRMSNorm has no
-        `reset_parameters`; Linear/Embedding get the config's `initializer_range`), under a
-        seed that depends only on (seed, unit): block `which` (an index), "embedding", "head"
-        or "root" (everything outside the blocks)."""
+    def unit_kinds(self) -> list[int | str]:
+        """What `init_unit` takes for each unit: the units outside the blocks, then each block."""
+        return [*self.OUTSIDE, *range(len(self.blocks))]
+
+    def unit_modules(self, which: int | str) -> tuple[int, list[nn.Module]]:
+        """Unit `which`'s index and modules: block `which` (an index), "embedding", "head" or
+        "root" (everything outside the blocks). A tied output layer is the embedding's."""
         n = len(self.blocks)
         blocks = {id(m) for m in self.blocks.modules()}
         embedding = self.get_input_embeddings()
         if which == "root":
-            unit_id, modules = 0, [m for m in self.hf_model.modules() if id(m) not in blocks]
-        elif which == "embedding":
-            unit_id, modules = 0, list(embedding.modules())
-        elif which == "head":  # a tied output layer is the embedding's, initialised with it
+            return 0, [m for m in self.hf_model.modules() if id(m) not in blocks]
+        if which == "embedding":
+            return 0, list(embedding.modules())
+        if which == "head":
             skip = blocks | {id(m) for m in embedding.modules()}
             output = self.hf_model.get_output_embeddings()
             if output is not None and output.weight is embedding.weight:
                 skip.add(id(output))
-            unit_id, modules = n + 1, [m for m in self.hf_model.modules() if id(m) not in skip]
-        else:
-            unit_id, modules = int(which) + 1, list(self.blocks[int(which)].modules())
+            return n + 1, [m for m in self.hf_model.modules() if id(m) not in skip]
+        return int(which) + 1, list(self.blocks[int(which)].modules())
+
+    def init_unit(self, seed: int, which: int | str) -> None:
+        """Initialise one unit (`unit_modules`) with the model's own `_init_weights` (LlamaRMSNorm
+        has no `reset_parameters`; Linear/Embedding get the config's `initializer_range`), under
+        a seed that depends only on (seed, unit)."""
+        unit_id, modules = self.unit_modules(which)
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(unit_seed(seed, unit_id))
-            for module in reversed(modules):  # children before parents, as nn.Module.apply does
-                self.hf_model._init_weights(module)
+            self.init_modules(modules)
+
+    def init_modules(self, modules: list[nn.Module]) -> None:
+        for module in reversed(modules):  # children before parents, as nn.Module.apply does
+            self.hf_model._init_weights(module)
 
 
 class SplitCausalLM(CausalLM):
     """The split layout: the final norm and the output layer run in `head_out`, the head unit."""
+
+    OUTSIDE = ("embedding", "head")
 
     def __init__(self, hf_model: nn.Module, blocks: str, base: nn.Module, final_norm: nn.Module) -> None:
         super().__init__(hf_model, blocks)

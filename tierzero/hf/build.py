@@ -196,6 +196,23 @@ def materialise(hf: HFModel, seed: int, device: torch.device | str = "cpu",
     from tierzero.models.init import WeightFiles
 
     model = hf.model
+    real_parameters(model)
+    with torch.no_grad():
+        if weights is None:
+            for which in model.unit_kinds():
+                model.init_unit(seed, which)
+        else:
+            files = WeightFiles(weights)
+            names: dict[int, list[str]] = {}
+            for name, p in model.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), []).append(name)
+            for p in model.parameters():
+                p.copy_(files.load(model.checkpoint_names(tuple(names[id(p)])), tuple(p.shape)))
+    return model.to(device)
+
+
+def real_parameters(model: nn.Module) -> None:
+    """Every parameter of `model` an fp32 CPU tensor, not yet written (tied ones stay one)."""
     real: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for attr, p in list(module._parameters.items()):
@@ -203,19 +220,6 @@ def materialise(hf: HFModel, seed: int, device: torch.device | str = "cpu",
                 if id(p) not in real:
                     real[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=torch.float32), p.requires_grad)
                 module._parameters[attr] = real[id(p)]
-    files = WeightFiles(weights) if weights is not None else None
-    with torch.no_grad():
-        if files is None:
-            layout = ["embedding", "head"] if isinstance(model, SplitCausalLM) else ["root"]
-            for which in [*layout, *range(len(model.blocks))]:
-                model.init_unit(seed, which)
-        else:
-            names: dict[int, list[str]] = {}
-            for name, p in model.named_parameters(remove_duplicate=False):
-                names.setdefault(id(p), []).append(name)
-            for p in model.parameters():
-                p.copy_(files.load(model.checkpoint_names(tuple(names[id(p)])), tuple(p.shape)))
-    return model.to(device)
 
 
 def _first_line(e: BaseException) -> str:

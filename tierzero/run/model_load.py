@@ -17,6 +17,7 @@ from torch import nn
 
 from tierzero import models
 from tierzero.config import RunConfig
+from tierzero.errors import ConfigError
 from tierzero.run.corpus import TOKEN_SUFFIXES, TextTokenizer
 
 if TYPE_CHECKING:
@@ -33,14 +34,27 @@ class RunModel:
     description: dict[str, Any]  # what checkpoints record about the model
     notes: list[str] = field(default_factory=list)
     hf_model: HFModel | None = None  # for hf:<dir>
+    lora_model: nn.Module | None = None  # hf_model's model under LoRA adapters (tierzero.hf.lora), on meta
+
+    @property
+    def engine_weights(self) -> str | None:
+        """The files the engine reads by parameter name; None under LoRA, whose model reads its
+        base itself unit by unit (`tierzero.hf.lora`): the adapters are in no file."""
+        return None if self.lora_model is not None else self.weights
 
     def on_meta(self) -> nn.Module:
+        if self.lora_model is not None:
+            return self.lora_model
         if self.hf_model is not None:
             return self.hf_model.model
         return models.build(self.name, device="meta")
 
     def in_memory(self, device: torch.device, seed: int) -> nn.Module:
         """Every parameter on `device`: from `weights`, or initialised as the engine would."""
+        if self.lora_model is not None:
+            from tierzero.hf.lora import materialise_lora
+
+            return materialise_lora(self.lora_model, seed, device)
         if self.hf_model is not None:
             from tierzero.hf import materialise
 
@@ -61,6 +75,9 @@ def run_model(run: RunConfig) -> RunModel:
     from tierzero.hf import is_hf
 
     if not is_hf(run.model):
+        if run.lora_r is not None:
+            raise ConfigError(f"--lora-r adapts a Hugging Face model; pass --model hf:DIR, not the preset "
+                              f"'{run.model}' (or drop --lora-r to train it whole)")
         args = models.get_preset(run.model)
         return RunModel(run.model, args.vocab_size, args.param_count(), run.weights, None,
                         {"preset": run.model})
@@ -78,8 +95,20 @@ def run_model(run: RunConfig) -> RunModel:
     elif not (run.data and Path(run.data).suffix in TOKEN_SUFFIXES):
         notes.append(f"model directory {hf.path} has no tokenizer.json: text is read as bytes (ids 0-255), "
                      "which this model was not trained on; copy the model's tokenizer.json there")
-    return RunModel(f"hf:{hf.path}", hf.vocab_size, hf.param_count(), weights, tokenizer, hf.description(),
-                    notes, hf)
+    if run.lora_r is None:
+        return RunModel(f"hf:{hf.path}", hf.vocab_size, hf.param_count(), weights, tokenizer, hf.description(),
+                        notes, hf)
+    from tierzero.hf import describe
+    from tierzero.hf.lora import LoraSpec, add_lora
+
+    spec = LoraSpec(run.lora_r, run.lora_alpha, run.lora_dropout,
+                    tuple(run.lora_targets) if run.lora_targets else None)
+    model = add_lora(hf, spec, weights)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    notes.append(f"LoRA r={spec.r} alpha={spec.alpha:g} on {', '.join(sorted(model.peft_config['default'].target_modules))}: "
+                 f"{trained:,} trainable parameters, the base's {hf.param_count() - trained:,} frozen")
+    return RunModel(f"hf:{hf.path}", hf.vocab_size, hf.param_count(), weights, tokenizer, describe(hf, model),
+                    notes, hf, model)
 
 
 def _eos_id(config: dict[str, Any]) -> int | None:

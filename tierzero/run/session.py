@@ -107,7 +107,7 @@ def open_session(run: RunConfig, ranks: Ranks = Ranks()) -> Iterator[Session]:
     else:
         from tierzero.engine import Engine
 
-        trainer = Engine(model.on_meta(), cfg, weights=model.weights)
+        trainer = Engine(model.on_meta(), cfg, weights=model.engine_weights)
         text = trainer.placement.describe()
     try:
         yield Session(run, trainer, batches, model, str(device), dtype.value, text)

@@ -1,0 +1,106 @@
+"""LoRA adapters (peft) on a Hugging Face model still on `meta`, initialised unit by unit.
+
+`add_lora(hf, spec, weights)` wraps `hf.model` with peft's LoRA on `spec.targets` (the base
+frozen) while every parameter is still on meta, and gives the wrapped model an `init_unit`
+(`LoraInit`): the engine materialises one unit at a time (`tierzero.models.init`) and calls it,
+so the unit's base tensors are read from the directory's safetensors one at a time
+(`WeightFiles`; the model's own `_init_weights` when there are none) and its adapters get
+peft's own init (lora_A Kaiming-uniform, lora_B zero) under a seed that depends only on
+(seed, unit). The base is never whole in host memory, and `materialise_lora` (the in-memory
+reference trainer's `--offload none`) starts from the same values.
+
+Hand the engine the wrapped model and no `weights`: the adapters' names are in no file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tierzero.errors import ConfigError
+from tierzero.hf.adapter import CausalLM
+from tierzero.hf.build import HFModel, real_parameters
+from tierzero.models.llama import unit_seed
+from tierzero.models.weights import WeightFiles
+
+BASE_LAYER = ".base_layer"  # peft's name for the layer an adapter wraps
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """`--lora-r/--lora-alpha/--lora-dropout/--lora-targets`: peft's `LoraConfig` fields."""
+
+    r: int
+    alpha: float
+    dropout: float = 0.0
+    targets: tuple[str, ...] | None = None  # module names; None: peft's default for the architecture
+
+    def config(self) -> object:
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                          target_modules=list(self.targets) if self.targets else None)
+
+
+def add_lora(hf: HFModel, spec: LoraSpec, weights: str | Path | None) -> nn.Module:
+    """`hf.model` (on meta) wrapped by peft's LoRA, with `init_unit` reading the base from
+    `weights` (None: the model's own init)."""
+    try:
+        from peft import get_peft_model
+    except ImportError:
+        raise ConfigError("--lora-r needs peft; pip install 'tierzero[hf]'") from None
+    try:
+        model = get_peft_model(hf.model, spec.config())
+    except ValueError as e:
+        raise ConfigError(f"LoRA cannot wrap {hf.path.name} ({str(e).strip().splitlines()[0]}); name its "
+                          "linear layers with --lora-targets, e.g. q_proj,v_proj") from None
+    model.init_unit = LoraInit(hf.model, WeightFiles(weights) if weights is not None else None)
+    return model
+
+
+def materialise_lora(model: nn.Module, seed: int, device: torch.device | str) -> nn.Module:
+    """`add_lora`'s model whole in memory, every unit initialised as the engine would."""
+    init: LoraInit = model.init_unit
+    real_parameters(model)
+    for which in init.causal.unit_kinds():
+        init(seed, which)
+    return model.to(device)
+
+
+class LoraInit:
+    """A LoRA model's `init_unit(seed, which)`: the base from the files, then the adapters."""
+
+    def __init__(self, causal: CausalLM, files: WeightFiles | None) -> None:
+        self.causal = causal
+        self.files = files
+
+    def __call__(self, seed: int, which: int | str) -> None:
+        from peft.tuners.lora import LoraLayer
+
+        unit_id, modules = self.causal.unit_modules(which)
+        adapters = [m for m in modules if isinstance(m, LoraLayer)]
+        inside = {id(m) for a in adapters for m in a.modules() if m is not a.get_base_layer()}
+        base = [m for m in modules if id(m) not in inside]
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(unit_seed(seed, unit_id))
+            if self.files is None:
+                self.causal.init_modules(base)
+            else:
+                self._load(base)
+            for layer in adapters:
+                for name in sorted({*layer.lora_A, *layer.lora_embedding_A}):
+                    layer.reset_lora_parameters(name, True)
+
+    def _load(self, modules: list[nn.Module]) -> None:
+        """The modules' own parameters from the files, under the base model's names (tied
+        aliases too: the files may hold either)."""
+        aliases: dict[int, list[str]] = {}
+        for name, p in self.causal.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name.replace(BASE_LAYER + ".", "."))
+        for module in modules:
+            for p in module.parameters(recurse=False):
+                if not p.is_meta:  # meta: another unit's (a tied weight the embedding unit holds)
+                    p.copy_(self.files.load(self.causal.checkpoint_names(tuple(aliases[id(p)])), tuple(p.shape)))
