@@ -5,11 +5,13 @@ An asyncio event loop runs in its own daemon thread; its default executor is a b
 reads and writes, copies, fsyncs) lands on these threads and nowhere else. The training thread
 hands coroutines over with `submit()` and waits on the `concurrent.futures.Future` it gets back.
 
-Waits for something that merely has to happen (a device copy's event) go to one more thread,
-the waiter (`wait_off_workers`): a worker asleep on an event is one fewer for the reads and
-writes queued behind it. One is enough: waits are issued in the order their copies were, and
-copies on one stream land in that order. `initializer` runs first on every one of these
-threads (the engine binds its GPU there: see `tierzero.engine.streams.bind_thread`).
+Waits for something that merely has to happen (a device copy's event) go to a waiter thread
+(`wait_off_workers`), never a worker: a worker asleep on an event is one fewer for the reads
+and writes queued behind it. One waiter per `lane` (the engine's lane is a stream): copies on
+one stream land in the order they were issued, so one thread per stream suffices, and a wait
+for a grad's D2H copy never queues behind a wait for an H2D copy stuck behind other work.
+`initializer` runs first on every one of these threads (the engine binds its GPU there: see
+`tierzero.engine.streams.bind_thread`).
 
 Shutdown: `close()` cancels every pending task, lets their cleanup run (stores remove their temp
 files), waits for the threads to finish the chunk they are on, and joins the loop thread. It is
@@ -44,7 +46,8 @@ class IOLoop:
         self.initializer = initializer
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._waiter: concurrent.futures.ThreadPoolExecutor | None = None
+        self._waiters: dict[str, concurrent.futures.ThreadPoolExecutor] = {}  # lane -> its thread
+        self._waiters_lock = threading.Lock()
 
     def open(self) -> None:
         if self._loop is not None:
@@ -52,8 +55,6 @@ class IOLoop:
         loop = asyncio.new_event_loop()
         loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
             self.threads, thread_name_prefix="tierzero-io", initializer=self.initializer))
-        self._waiter = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="tierzero-wait", initializer=self.initializer)
         started = threading.Event()
         self._thread = threading.Thread(target=self._serve, args=(loop, started, self.initializer),
                                         name="tierzero-io-loop", daemon=True)
@@ -82,9 +83,10 @@ class IOLoop:
         asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result()
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
-        if self._waiter is not None:
-            self._waiter.shutdown()  # nothing waits on it now: the loop's tasks are done
-            self._waiter = None
+        with self._waiters_lock:
+            waiters, self._waiters = self._waiters, {}
+        for waiter in waiters.values():
+            waiter.shutdown()  # nothing waits on it now: the loop's tasks are done
 
     @staticmethod
     async def _shutdown() -> None:
@@ -109,10 +111,19 @@ class IOLoop:
                                "context manager")
         return self._loop
 
-    async def wait_off_workers(self, wait: Callable[..., None], *args: Any) -> None:
-        """Run a blocking `wait(*args)` on the waiter thread, never on an I/O worker."""
-        assert self._waiter is not None
-        await asyncio.get_running_loop().run_in_executor(self._waiter, wait, *args)
+    async def wait_off_workers(self, wait: Callable[..., None], *args: Any, lane: str = "") -> None:
+        """Run a blocking `wait(*args)` on `lane`'s waiter thread (started on first use), never on
+        an I/O worker."""
+        await asyncio.get_running_loop().run_in_executor(self._waiter(lane), wait, *args)
+
+    def _waiter(self, lane: str) -> concurrent.futures.ThreadPoolExecutor:
+        assert self._loop is not None, "the I/O loop is not open"
+        with self._waiters_lock:
+            if lane not in self._waiters:
+                name = "tierzero-wait" + (f"-{lane}" if lane else "")
+                self._waiters[lane] = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix=name, initializer=self.initializer)
+            return self._waiters[lane]
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule `coro` on the loop; the training thread waits on the returned future."""

@@ -12,18 +12,20 @@ never for a whole stream (a blocking `copy_` between host and device would synch
 thread's current stream, where the training thread's compute is queued). What the copy waits
 for on the device: a fresh buffer's release (the token its last holder gave it back with, see
 `BufferPool`), and -- when it reads device memory, which compute may be writing in place through
-`view()` -- the work the device's default stream holds when the copy starts. That is the
-training thread's compute stream as long as the engine computes on the default stream, as it
-does (`streams.CudaStreams.compute`); a write of host bytes into a fresh buffer waits for
-nothing of compute's.
+`view()` -- the work queued on the stream the caller is given: the calling thread's current
+stream when it calls `write`/`read_into` (an event recorded there and then, so a caller that
+computes on a stream of its own is followed, not the device's default stream). The coroutine
+runs later on an I/O thread, whose current stream is not the caller's. A write of host bytes
+into a fresh buffer waits for nothing of compute's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -56,19 +58,29 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
         return _STREAMS[device]
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, ready: object | None = None) -> None:
-    """`dst.copy_(src)`, finished on return. On a GPU: on the copy stream, after `ready` (a CUDA
-    event or None) and, when `src` is device memory, after the default stream's work so far."""
+def _issued_before(src: torch.Tensor) -> object | None:
+    """Where `src` is device memory: an event after everything the calling thread's current
+    stream has queued so far (compute that may still write `src`); None otherwise."""
+    if not src.is_cuda:
+        return None
+    with torch.cuda.device(src.device):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(src.device))
+    return event
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, *ready: object | None) -> None:
+    """`dst.copy_(src)`, finished on return. On a GPU: on the copy stream, after every event in
+    `ready` (CUDA events or None): a buffer's release, the source's producer."""
     device = dst.device if dst.is_cuda else src.device if src.is_cuda else None
     if device is None:
         dst.copy_(src)
         return
     with torch.cuda.device(device):  # this I/O thread's current device may be another GPU
         stream = _copy_stream(device)
-        if isinstance(ready, torch.cuda.Event):
-            stream.wait_event(ready)
-        if src.is_cuda:
-            stream.wait_stream(torch.cuda.default_stream(device))
+        for event in ready:
+            if isinstance(event, torch.cuda.Event):
+                stream.wait_event(event)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event(blocking=True)
@@ -77,10 +89,10 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, ready: object | None = None) -> 
 
 
 async def _copy_then(dst: torch.Tensor, src: torch.Tensor, then: Callable[[bool], None],
-                     ready: object | None = None) -> None:
+                     *ready: object | None) -> None:
     """Copy on an I/O thread; `then(ok)` runs once the thread is done with both buffers, even
     if the awaiting task was cancelled meanwhile (the thread cannot be stopped mid-copy)."""
-    fut = asyncio.get_running_loop().run_in_executor(None, _copy, dst, src, ready)
+    fut = asyncio.get_running_loop().run_in_executor(None, _copy, dst, src, *ready)
     fut.add_done_callback(lambda f: then(not f.cancelled() and f.exception() is None))
     await asyncio.shield(fut)
 
@@ -108,19 +120,30 @@ class MemoryStore(TierStore):
         """The resident tensor itself; valid until `key` is next written or deleted."""
         return self._get(key).typed()
 
-    async def write(self, key: str, src: torch.Tensor) -> None:
+    def write(self, key: str, src: torch.Tensor) -> Coroutine[Any, Any, None]:
+        """Store `src` under `key`; ordered after the calling thread's current stream (see above)."""
+        return self._write(key, src, _issued_before(src))
+
+    async def _write(self, key: str, src: torch.Tensor, produced: object | None) -> None:
         check_key(key)
         check_flat(src, "src", key)
         dtype_name(src.dtype)
         buf = self.pool.lease(src.numel() * src.element_size())
         shard = _Resident(buf, src.dtype, src.numel())
-        await _copy_then(shard.typed(), src, lambda ok: self._install(key, shard, ok), self.pool.take_ready(buf))
+        await _copy_then(shard.typed(), src, lambda ok: self._install(key, shard, ok),
+                         self.pool.take_ready(buf), produced)
 
-    async def read_into(self, key: str, out: torch.Tensor, verify: bool = False) -> None:
+    def read_into(self, key: str, out: torch.Tensor, verify: bool = False) -> Coroutine[Any, Any, None]:
+        """Copy `key`'s shard into `out`; ordered after the calling thread's current stream when
+        the shard is device memory (see above)."""
+        shard = self._shards.get(key)
+        return self._read_into(key, out, _issued_before(shard.buf) if shard is not None else None)
+
+    async def _read_into(self, key: str, out: torch.Tensor, produced: object | None) -> None:
         shard = self._get(key)
         check_out(key, out, shard.dtype, shard.numel)
         shard.readers += 1
-        await _copy_then(out, shard.typed(), lambda ok: self._release_reader(shard))
+        await _copy_then(out, shard.typed(), lambda ok: self._release_reader(shard), produced)
 
     async def exists(self, key: str) -> bool:
         return check_key(key) in self._shards

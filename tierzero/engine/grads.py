@@ -12,7 +12,7 @@ shard goes straight to the optimizer; otherwise each piece is stored in its home
 Pieces leave the device on the d2h stream (`tierzero.engine.streams`), each copy waiting for the
 compute event that finished its shard; nothing in backward waits for the device. Host code
 reads a host-homed piece only after its copy's event (`settle`), an nvme write is issued by an
-I/O thread after it, and earlier micro-batches' sums come back on the h2d stream.
+I/O thread after it, and earlier micro-batches' sums come back on the h2d_write stream.
 
 With several ranks and `overlap`, a unit's reduce-scatter is started when its backward ends
 and finished when the next unit's does (`offload` of the next, or `flush` at the end of
@@ -75,6 +75,7 @@ class GradShards:
         self._writes: dict[str, concurrent.futures.Future] = {}  # piece key -> its grad write in flight
         self._landing: dict[str, Event] = {}  # host-homed piece key -> its D2H copy's event
         self._stashes: dict[str, concurrent.futures.Future] = {}  # a tied unit's earlier uses, being stashed
+        self._held: dict[int, torch.Tensor] = {}  # grad home on the device: unit -> its earlier uses' sum
         self.streams = tiers.streams
 
     @contextlib.contextmanager
@@ -93,6 +94,8 @@ class GradShards:
             yield
         finally:
             self.pass_ = BackwardPass()  # drops the pass's tensors and its optimizer
+            for unit in list(self._held):  # a backward that failed between a tied unit's uses
+                self._give_back_held(unit)
 
     def offload(self, unit: int, full_grad: torch.Tensor, present: frozenset[int]) -> None:
         """Start reducing one unit's gradient over the ranks; with `overlap`, accumulate the
@@ -199,7 +202,7 @@ class GradShards:
             part.add_(store.view(key))
             return
         if self.home is Tier.HOST:
-            # to the device on the h2d stream, after the last micro-batch's D2H of this piece
+            # to the device on the h2d_write stream, after the last micro-batch's D2H of this piece
             self._add_from_host(part, store.view(key), after=self._landing.pop(key, None), stage=None)
             return
         stage = self.tiers.lease_host(part.numel() * 4).view(torch.float32)
@@ -217,11 +220,12 @@ class GradShards:
 
     def _add_from_host(self, part: torch.Tensor, host: torch.Tensor, after: Event,
                        stage: torch.Tensor | None) -> None:
-        """`part += host` on the compute device: `host` goes over on the h2d stream (after
+        """`part += host` on the compute device: `host` goes over on the h2d_write stream (after
         `after`), compute waits for that copy; a leased `stage` goes back once it is done."""
         s = self.streams
-        prev = s.empty_like(part, s.h2d)  # never memory that compute's queued kernels still read
-        copied = s.copy(prev, host, s.h2d, after=after)
+        # on the write stream, never behind (or ahead of) the param fetches on `h2d`
+        prev = s.empty_like(part, s.h2d_write)  # never memory that compute's queued kernels still read
+        copied = s.copy(prev, host, s.h2d_write, after=after)
         s.keep_alive(prev, s.compute)
         s.wait(s.compute, copied)
         self.stats.add_bytes(Link.HOST_TO_GPU, part.numel() * 4)
@@ -257,7 +261,10 @@ class GradShards:
 
         The stash goes to the host on the d2h stream and an I/O thread, after that copy's
         event, adds the earlier stash to it and writes it home; the last use brings the stash
-        back on the h2d stream and adds it on the compute device (sums commute bitwise)."""
+        back on the h2d stream and adds it on the compute device (sums commute bitwise). With
+        the grad home on the device the stash never leaves it (`_combine_on_device`)."""
+        if self.home is Tier.GPU:
+            return self._combine_on_device(unit, grad)
         store = self.tiers.stores[self.home]
         key = f"grad_uses/u{unit:04d}/r{self.comm.rank}"
         nbytes = grad.numel() * 4
@@ -291,6 +298,30 @@ class GradShards:
         self._add_from_host(grad, stage, after=None, stage=stage)
         return grad
 
+    def _combine_on_device(self, unit: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """`_combine_uses` with the grad home on the device: the earlier uses' sum is held in a
+        device pool buffer and summed on the compute stream -- no PCIe trip and no host wait,
+        where a store round trip would cost four trips and a sync per use."""
+        s = self.streams
+        held = self._held.get(unit)
+        if self.seen[unit] < self.uses[unit]:
+            if held is None:
+                buf = self.tiers.lease_device(grad.numel() * 4)
+                s.wait(s.compute, self.tiers.device_pool.take_ready(buf))  # its last holder's release
+                self._held[unit] = buf.view(torch.float32).copy_(grad)
+            else:
+                held.add_(grad)  # earlier + this use: addition commutes bitwise
+            return None
+        assert held is not None, f"unit {unit}'s earlier uses left no stash"
+        grad.add_(held)
+        self._give_back_held(unit)
+        return grad
+
+    def _give_back_held(self, unit: int) -> None:
+        held = self._held.pop(unit)
+        s = self.streams
+        self.tiers.device_pool.give_back(held.view(torch.uint8), ready=s.record(s.compute))
+
     def _count(self, link: Link, nbytes: int) -> None:
         if self.home is Tier.NVME:  # memory homes: a copy within the tier, not a link
             self.stats.add_bytes(link, nbytes)
@@ -308,8 +339,11 @@ class GradShards:
             for i, slot in enumerate(unit.slots):
                 if i in self.present[unit.index]:
                     self.norms[slot.names[0]] = torch.linalg.vector_norm(acc[slot.offset:slot.end], 2.0)
-        else:
-            self.sumsq += acc.double().pow(2).sum().float()
+        else:  # in fp64 a piece at a time: no fp64 copy of the whole shard
+            sumsq = torch.zeros((), dtype=torch.float64, device=acc.device)
+            for a, b in piece_ranges(acc.numel(), self.piece_numel):
+                sumsq += acc[a:b].double().pow(2).sum()
+            self.sumsq += sumsq.float()
 
     def found_inf(self) -> bool:
         """Whether any accumulated grad of the step is inf/NaN (one host-device sync)."""

@@ -1,13 +1,16 @@
 """Streams, events and copies: the one interface the engine's copy pipeline is written against.
 
-Four streams per compute device: `compute` (the training thread's current stream), `h2d`
-(params host -> device), `d2h` (grads device -> host) and `comm`, current while collectives are
+Five streams per compute device: `compute` (the current stream of the thread issuing compute),
+`h2d` (param fetches host -> device, nothing else, so a prefetch never queues behind a write),
+`h2d_write` (the optimizer's writes into device homes and earlier micro-batches' grad sums
+coming back), `d2h` (grads device -> host) and `comm`, current while collectives are
 issued ahead of their use (NCCL runs them on its own stream, ordered after what the issuing
 stream has queued: `comm` waits only for the events the collective needs, never for compute). Every cross-stream dependency is an
 event: a copy waits only for the event that frees its destination (its buffer's release, or the
 compute event that produced its source), compute waits for a copy's event before it reads the
 destination, and host code waits (`host_wait`) for a D2H copy's event before it reads the
-piece. Nothing here synchronises a whole stream or device.
+piece. Nothing here synchronises a whole stream or device. Host waits go to one waiter thread
+per stream (`lane`), so a wait for a d2h copy never sits behind one for an h2d copy.
 
 `CudaStreams` runs this on a GPU, every call bound to its device (`cuda:k`), so work issued from
 the I/O loop's threads never lands on the thread's current device (cuda:0) or creates a stray
@@ -77,6 +80,17 @@ class Streams(abc.ABC):
     def keep_alive(self, tensor: torch.Tensor, stream: Stream) -> None:
         """Keep an allocator-owned `tensor` from being reused before `stream`'s work on it ends."""
 
+    @property
+    def h2d_write(self) -> Stream:
+        """The stream for host -> device writes (see the module docstring); `h2d` itself where
+        there is only one (the CPU, the recording fake), which orders them after fetches."""
+        return self.h2d
+
+    def lane(self, event: Event) -> str:
+        """The stream `event` is on, naming the waiter thread that waits for it on the host."""
+        stream = getattr(event, "stream", None)  # the recording fake names its event's stream
+        return stream if isinstance(stream, str) else "copy"
+
     def current(self, stream: Stream) -> contextlib.AbstractContextManager:
         """Make `stream` the current one while work is issued (a collective ahead of compute);
         where copies are synchronous there is nothing to order."""
@@ -125,10 +139,26 @@ class CudaStreams(Streams):
             raise ValueError(f"CudaStreams needs a device with an index (cuda:k), got {device}")
         self.device = device
         with torch.cuda.device(device):
-            self.compute = torch.cuda.current_stream(device)
             self.h2d = torch.cuda.Stream(device)
+            self._h2d_write = torch.cuda.Stream(device)
             self.d2h = torch.cuda.Stream(device)
             self.comm = torch.cuda.Stream(device)
+        self._lanes = {self.h2d: "h2d", self._h2d_write: "h2d_write", self.d2h: "d2h", self.comm: "comm"}
+
+    @property
+    def h2d_write(self) -> Stream:
+        return self._h2d_write
+
+    def lane(self, event: Event) -> str:
+        return getattr(event, "lane", "compute")  # `copy` names the events it returns
+
+    @property
+    def compute(self) -> Stream:
+        """The calling thread's current stream on the device: where the training thread issues
+        forward and autograd's thread the backward of each op (autograd runs an op's backward on
+        the stream its forward ran on), not a stream captured once at open, so a loop that
+        computes inside `torch.cuda.stream(s)` is followed. Only compute-issuing threads ask."""
+        return torch.cuda.current_stream(self.device)
 
     def record(self, stream: Stream) -> Event:
         with torch.cuda.device(self.device):
@@ -151,6 +181,7 @@ class CudaStreams(Streams):
             # CPU optimizer needs (copy events are the ones host code waits for)
             event = torch.cuda.Event(blocking=True)
             event.record(stream)
+        event.lane = self._lanes.get(stream, "compute")
         return event
 
     def empty_like(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:

@@ -164,7 +164,7 @@ class Tiers:
 
                 self.stores[Tier.NVME] = self._open(NvmeStore(
                     self.nvme_paths, chunk_bytes=self.config.chunk_bytes,
-                    verify_always=self.config.verify_always))
+                    verify_reads={"on": True, "off": False}.get(self.config.verify_reads)))
         except BaseException:
             self.close()
             raise
@@ -219,10 +219,11 @@ class Tiers:
         self.pending.add(self.when_done(event), lambda ok: self.host_pool.give_back(staged))
 
     async def landed(self, event: streams_mod.Event) -> None:
-        """Await a stream event from the I/O loop, never holding an I/O worker while it sleeps."""
+        """Await a stream event from the I/O loop, never holding an I/O worker while it sleeps
+        (on its stream's waiter thread: see `IOLoop.wait_off_workers`)."""
         assert self.streams is not None and self.io is not None
         if not self.streams.query(event):
-            await self.io.wait_off_workers(self.streams.host_wait, event)
+            await self.io.wait_off_workers(self.streams.host_wait, event, lane=self.streams.lane(event))
 
     def lease_host(self, nbytes: int) -> torch.Tensor:
         """A host buffer; when the pool is full, wait for pending transfers to free one first."""
