@@ -27,8 +27,16 @@ is preferred over accumulation: every micro-batch moves every param to the GPU t
 grads once more, so only a larger one raises compute per byte moved.
 
     python benchmarks/gpu.py --path /mnt/nvme/tz              # ~15-30 min on an 8B-class run
-    python benchmarks/gpu.py --dry-run                        # anywhere: the choice and the bound
-                                                              # arithmetic from nominal rates
+    python benchmarks/gpu.py --dry-run                        # anywhere: the choice, the bound
+
+`--quick` is the first-run check for one H200 (16 cores, 128 GB RAM, 64 GB disk), under 6
+minutes: short peak measurements with a 1 GiB disk probe, the CUDA tests (`pytest -m cuda`,
+time-limited), and the `1b` preset trained a few steps per placement on the whole GPU, writing
+`table.txt`, `results.json`, `pytest-cuda.txt` and a profiler trace per placement to `--out`.
+`--quick --dry-run` prints that plan, each stage's budget and each placement's bound, anywhere.
+
+    python benchmarks/gpu.py --quick --path /mnt/nvme/tz --out gpu-quick   # on the GPU machine; or
+    python benchmarks/gpu.py --quick --dry-run                             # anywhere
 
 Without CUDA, or without `--path` (the NVMe directory: tens of GiB, direct I/O), and without
 --dry-run, it refuses in one sentence, exit 2.
@@ -40,6 +48,7 @@ import argparse
 import json
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -91,6 +100,50 @@ class Rates:
 # An H200-class machine's rough figures, only for --dry-run's arithmetic (never reported as measured).
 NOMINAL = Rates(bf16_tflops=700.0, h2d_gbps=50.0, d2h_gbps=50.0, nvme_read_gbps=6.0,
                 nvme_write_gbps=4.0, adam_params_per_s=1.5e9)
+
+
+
+@dataclass(frozen=True)
+class Quick:
+    """`--quick`'s plan: fixed sizes, so a first GPU run fits its budget (seconds per stage; the
+    CUDA tests are killed at theirs)."""
+
+    preset: str = "1b"
+    seq_len: int = 2048
+    largest_micro_batch: int = 16
+    # nvme: each micro-batch reads the params from the drive again, so it is not accumulated
+    max_accumulate: tuple[tuple[str, int], ...] = (("host", 8), ("nvme", 1))
+    steps: int = 2  # timed, after one warm-up step
+    disk_probe_bytes: int = 1 << 30
+    budget_s: tuple[tuple[str, int], ...] = (("peaks and 1 GiB disk probe", 30), ("pytest -m cuda", 150),
+                                             ("train host", 60), ("train nvme", 110))
+
+
+def quick_plan(quick: Quick, machine: Machine, rates: Rates) -> list[str]:
+    """What `--quick` will do, each stage's time budget, and the predicted step bound per placement."""
+    args = PRESETS[quick.preset]
+    micro = pick_micro_batch(args, machine, quick.seq_len, quick.largest_micro_batch)
+    lines = [*(f"{name}: at most {limit} s" for name, limit in quick.budget_s),
+             f"in all: at most {sum(limit for _, limit in quick.budget_s)} s"]
+    for name in PLACEMENTS:
+        acc = pick_accumulation(args, name, micro * quick.seq_len, rates, dict(quick.max_accumulate)[name])
+        b = bound(n := args.param_count(), tokens := micro * quick.seq_len * acc, step_traffic(args, name, acc), rates)
+        lines.append(f"{name}: {quick.preset}, {micro} x {quick.seq_len} x {acc} tokens, {quick.steps} timed steps; bound "
+                     f"{b['bound_s']:.2f} s ({b['bound_by']}), model TFLOPS there {6 * n * tokens / b['bound_s'] / 1e12:.0f}"
+                     f" of peak {rates.bf16_tflops:.0f}")
+    return lines
+
+
+def run_cuda_tests(out: Path, timeout_s: int) -> int:
+    """`pytest -m cuda` in a child process killed at `timeout_s`, its output in `out`; its exit code (124: killed)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider"]
+    with out.open("w") as log:
+        try:
+            return subprocess.run(cmd, cwd=Path(__file__).parents[1], stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            log.write(f"\ntimed out after {timeout_s} s\n")
+            return 124
 
 
 # -- the choice of preset, micro-batch and tokens per step (no GPU needed) -------------------------
@@ -240,24 +293,23 @@ def print_table(preset: str, rows: list[dict[str, Any]], measured: bool) -> None
 
 # -- the GPU run -------------------------------------------------------------------------------------
 
-def measure_rates(device: torch.device, disk_dir: Path) -> Rates:
+def measure_rates(device: torch.device, disk_dir: Path, nbytes: int = 4 << 30, seconds: float = 1.0) -> Rates:
     from tierzero.planning import speeds as bench
     from tierzero.storage.bench import DiskBench
     from tierzero.storage.host import HostPool
     from tierzero.storage.io import IOLoop
 
     with torch.cuda.device(device):
-        tflops = bench.matmul_tflops(torch.bfloat16, n=8192, seconds=2.0, device=device)
-        h2d = bench.h2d_gbps(1 << 30, seconds=1.0)
-        d2h = bench.h2d_gbps(1 << 30, seconds=1.0, to_host=True)
-    nbytes = 4 << 30
+        tflops = bench.matmul_tflops(torch.bfloat16, n=8192, seconds=2 * seconds, device=device)
+        h2d = bench.h2d_gbps(1 << 30, seconds=seconds)
+        d2h = bench.h2d_gbps(1 << 30, seconds=seconds, to_host=True)
     with IOLoop(16) as io_loop, HostPool(nbytes, pin=False) as pool, \
             DiskBench(str(disk_dir), nbytes, io_loop, pool, rounds=1) as disk:
         for step in disk.steps():
             if step.group == 0:
                 step.run()
         nvme = disk.result()["nvme"]
-    return Rates(tflops, h2d, d2h, nvme["read_gbps"], nvme["write_gbps"], bench.adam_params_per_s(1 << 24, 1.0))
+    return Rates(tflops, h2d, d2h, nvme["read_gbps"], nvme["write_gbps"], bench.adam_params_per_s(1 << 24, seconds))
 
 
 def train(name: str, args: ModelArgs, machine: Machine, device: torch.device, micro_batch: int, seq_len: int,
@@ -313,7 +365,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-dir", default=".")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="no GPU needed: the choice and the bound from nominal rates")
+    ap.add_argument("--quick", action="store_true", help="the first-run check in under 6 minutes (module docstring)")
+    ap.add_argument("--out", default="gpu-quick", help="--quick: the directory for its table, results and traces")
     opts = ap.parse_args(argv)
+    quick = Quick() if opts.quick else None
+    if quick is not None:
+        opts.preset, opts.seq_len, opts.steps, opts.trace_dir = quick.preset, quick.seq_len, quick.steps, opts.out
+        opts.gpu_mem = "139GiB"  # the whole H200 (capped at what the GPU has): the micro-batch it allows
+    if quick is not None and opts.dry_run:  # the machine it is for, not this one
+        h200 = Machine(parse_bytes(opts.gpu_mem, "--gpu-mem"), int(128e9 * opts.host_fraction), int(64e9 * 0.9))
+        print("\n".join(["benchmarks/gpu.py --quick, one H200 (nominal rates):", *quick_plan(quick, h200, NOMINAL)]))
+        return 0
 
     if not opts.dry_run and not torch.cuda.is_available():
         print("benchmarks/gpu.py needs a CUDA GPU and none is visible here; run it on a GPU machine, "
@@ -346,11 +408,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         args = PRESETS[preset]
         seq_len = min(opts.seq_len, args.max_seq_len)
-        micro = opts.micro_batch or pick_micro_batch(args, machine, seq_len)
-        rates = NOMINAL if opts.dry_run else measure_rates(device, workdir)
+        micro = opts.micro_batch or pick_micro_batch(args, machine, seq_len, quick.largest_micro_batch if quick else 64)
+        rates = (NOMINAL if opts.dry_run else measure_rates(device, workdir, quick.disk_probe_bytes, 0.5) if quick
+                 else measure_rates(device, workdir))
+        if quick is not None:
+            Path(opts.out).mkdir(parents=True, exist_ok=True)
+            tests_rc = run_cuda_tests(Path(opts.out) / "pytest-cuda.txt", dict(quick.budget_s)["pytest -m cuda"])
         rows = []
         for name in placements:
-            accumulate = pick_accumulation(args, name, micro * seq_len, rates, opts.max_accumulate)
+            most = dict(quick.max_accumulate)[name] if quick else opts.max_accumulate
+            accumulate = pick_accumulation(args, name, micro * seq_len, rates, most)
             tokens = micro * seq_len * accumulate
             if opts.dry_run:  # the bound itself, as if the step ran exactly at it
                 traffic = step_traffic(args, name, accumulate)
@@ -366,6 +433,10 @@ def main(argv: list[str] | None = None) -> int:
                          "micro_batch": micro, "seq_len": seq_len, "accumulate": accumulate})
         out = {"preset": preset, "machine": asdict(machine), "rates": asdict(rates), "measured": not opts.dry_run,
                "gpu": torch.cuda.get_device_name(device) if not opts.dry_run else None, "rows": rows}
+        if quick is not None:
+            (Path(opts.out) / "results.json").write_text(json.dumps({**out, "cuda_tests_exit_code": tests_rc}, indent=2))
+            (Path(opts.out) / "table.txt").write_text("\n".join(" | ".join(line) for line in table_lines(rows))
+                                                      + f"\npytest -m cuda: exit {tests_rc}\n")
         if opts.json:
             print(json.dumps(out, indent=2))
         else:

@@ -103,3 +103,66 @@ def test_dry_run_reports_every_figure_and_no_gpu_refuses(monkeypatch, capsys) ->
     assert gpu.main([]) == 2
     err = capsys.readouterr().err
     assert "needs a CUDA GPU" in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_quick_dry_run_prints_a_plan_within_six_minutes_and_each_placements_bound(capsys) -> None:
+    assert gpu.main(["--quick", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    quick = gpu.Quick()
+    assert sum(limit for _, limit in quick.budget_s) <= 6 * 60 and quick.disk_probe_bytes == 1 << 30
+    assert any(line.startswith("in all: at most") for line in lines)
+    rows = {line.split(":")[0]: line for line in lines if "bound" in line}
+    assert set(rows) == set(gpu.PLACEMENTS) and all(quick.preset in row for row in rows.values())
+    # the host placement's plan can reach half the peak: its bound is compute, not a link
+    h200 = gpu.Machine(139 << 30, int(128 * GB * 0.8), int(64 * GB * 0.9))
+    args = PRESETS[quick.preset]
+    micro = gpu.pick_micro_batch(args, h200, quick.seq_len, quick.largest_micro_batch)
+    acc = gpu.pick_accumulation(args, "host", micro * quick.seq_len, gpu.NOMINAL, dict(quick.max_accumulate)["host"])
+    tokens = micro * quick.seq_len * acc
+    b = gpu.bound(args.param_count(), tokens, gpu.step_traffic(args, "host", acc), gpu.NOMINAL)
+    assert 6 * args.param_count() * tokens / b["bound_s"] / 1e12 >= 0.5 * gpu.NOMINAL.bf16_tflops
+    assert f"bound {b['bound_s']:.2f} s" in rows["host"]
+
+
+def test_quick_runs_the_cuda_tests_trains_both_placements_and_writes_its_directory(tmp_path, monkeypatch) -> None:
+    """The GPU calls replaced (no GPU in CI): what --quick runs, in which order, and what it writes."""
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 141 * GB}))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "a fake H200")
+    monkeypatch.setattr(gpu, "available_host_bytes", lambda: 128 * GB)
+    monkeypatch.setattr(gpu.shutil, "disk_usage", lambda p: type("U", (), {"free": 64 * GB}))
+
+    def rates(device, disk_dir, nbytes, seconds):
+        calls.append(f"rates {nbytes}")
+        return gpu.NOMINAL
+
+    def train(name, args, machine, device, micro, seq_len, accumulate, steps, workdir, trace):
+        calls.append(f"train {name} {trace.name} {steps}")
+        trace.write_text("{}")
+        return 1.0, {"bytes_host->gpu": GB, "io_wait_s": 0.1}, 0.0
+
+    monkeypatch.setattr(gpu, "measure_rates", rates)
+    monkeypatch.setattr(gpu, "run_cuda_tests", lambda out, limit: calls.append(f"tests {limit}") or 0)
+    monkeypatch.setattr(gpu, "train", train)
+    out = tmp_path / "out"
+    assert gpu.main(["--quick", "--path", str(tmp_path / "nvme"), "--out", str(out)]) == 0
+    assert calls == [f"rates {1 << 30}", "tests 150", "train host gpu-bench-1b-host.json 2",
+                     "train nvme gpu-bench-1b-nvme.json 2"]
+    results = json.loads((out / "results.json").read_text())
+    assert results["cuda_tests_exit_code"] == 0 and results["gpu"] == "a fake H200"
+    assert [r["placement"] for r in results["rows"]] == ["host", "nvme"]
+    assert "step / bound" in (out / "table.txt").read_text()
+    assert {p.name for p in out.iterdir()} >= {"gpu-bench-1b-host.json", "gpu-bench-1b-nvme.json"}
+
+
+def test_the_cuda_tests_are_killed_at_their_limit(tmp_path, monkeypatch) -> None:
+    def too_slow(cmd, **kw):
+        assert cmd[-4:] == ["-m", "cuda", "-p", "no:cacheprovider"] and kw["timeout"] == 5
+        raise gpu.subprocess.TimeoutExpired(cmd, kw["timeout"])
+
+    monkeypatch.setattr(gpu.subprocess, "run", too_slow)
+    assert gpu.run_cuda_tests(tmp_path / "log.txt", 5) == 124
+    assert "timed out after 5 s" in (tmp_path / "log.txt").read_text()
