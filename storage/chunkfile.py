@@ -15,7 +15,9 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import time
 
+import crc32c
 import numpy as np
 
 ALIGN = 4096
@@ -181,3 +183,42 @@ def sync_filesystem(path: str) -> None:
         for name in names:
             fsync_path(os.path.join(dirpath, name))
         fsync_path(dirpath)
+
+
+# `verify_reads="auto"` verifies every read when crc32c runs at this many times the speed one
+# thread reads the store: then checking a read costs at most 1/20 (5%) of the read itself, so of
+# a step however I/O-bound (benchmarks/verify_cost.py measures the real share).
+CHEAP_CRC_RATIO = 20
+
+
+def verify_is_cheap(directory: str, chunk_bytes: int, direct: bool) -> bool:
+    """Whether crc32c outruns one thread's reads of `directory` `CHEAP_CRC_RATIO` times over."""
+    return crc32c_rate() >= CHEAP_CRC_RATIO * read_rate(directory, chunk_bytes, direct)
+
+
+def crc32c_rate(nbytes: int = 8 << 20) -> float:
+    """Bytes per second crc32c checks on this CPU (best of 3 over an `nbytes` buffer)."""
+    buffer = memoryview(np.ones(nbytes, dtype=np.uint8))
+    return nbytes / _best_of(3, lambda: crc32c.crc32c(buffer))
+
+
+def read_rate(directory: str, nbytes: int, direct: bool) -> float:
+    """Bytes per second one thread reads a fresh `nbytes` chunk file in `directory` (best of 3,
+    O_DIRECT when `direct`, else through the page cache as the store then reads)."""
+    raw = np.ones(nbytes + ALIGN, dtype=np.uint8)
+    data = memoryview(raw[-raw.ctypes.data % ALIGN:][:nbytes])
+    path = os.path.join(directory, f".read-probe.{os.getpid()}-0.tmp")
+    try:
+        write_chunk(path, data, nbytes, direct)
+        return nbytes / _best_of(3, lambda: read_chunk(path, data, nbytes, direct))
+    finally:
+        os.unlink(path)
+
+
+def _best_of(n: int, op) -> float:  # type: ignore[no-untyped-def]
+    best = float("inf")
+    for _ in range(n):
+        start = time.perf_counter()
+        op()
+        best = min(best, time.perf_counter() - start)
+    return max(best, 1e-9)

@@ -33,7 +33,8 @@ Reads and writes return only when no I/O thread can touch the caller's buffer an
 when chunks failed or the call was cancelled (`chunkjobs`); pointer and generation files are
 `generations`', the directory lock `dirlock`'s. Direct I/O that is not possible (a filesystem
 without O_DIRECT, tmpfs, an unaligned buffer) falls back to buffered I/O and says so once in
-`notes`. Metadata is cached in memory after the first read of each key.
+`notes`. Metadata is cached in memory after the first read of each key. `verify_reads`: every
+read checks each chunk's crc32c, so a flipped bit stops the caller with the chunk named.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class NvmeStore(TierStore):
     tier = "nvme"
 
     def __init__(self, paths: Sequence[str | os.PathLike[str]], chunk_bytes: int = 8 << 20,
-                 direct: bool | None = None, verify_always: bool = False) -> None:
+                 direct: bool | None = None, verify_reads: bool | None = False) -> None:
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         if not paths:
@@ -88,7 +89,7 @@ class NvmeStore(TierStore):
                                f"(direct I/O alignment), got {chunk_bytes}")
         self.paths = [os.path.abspath(os.fspath(p)) for p in paths]
         self.chunk_bytes = chunk_bytes
-        self.verify_always = verify_always
+        self.verify_reads = verify_reads  # crc32c-check every read; None: decided at open
         self.notes: list[str] = []  # what the store could not do as asked, each said once
         self._direct_request = direct
         self._direct: list[bool] = []  # per directory, probed at open()
@@ -118,6 +119,8 @@ class NvmeStore(TierStore):
         try:
             for path in self.paths:
                 self._open_dir(path)
+            if self.verify_reads is None:  # auto: on where checking costs under 5% of a read
+                self.verify_reads = chunkfile.verify_is_cheap(self.paths[0], self.chunk_bytes, self._direct[0])
         except BaseException:
             self.close()
             raise
@@ -315,7 +318,7 @@ class NvmeStore(TierStore):
             check_out(key, out, meta.dtype, meta.numel)
             data = _byte_view(out)
             direct = self._use_direct(key, out)
-            verify = verify or self.verify_always
+            verify = verify or bool(self.verify_reads)
             cb = meta.chunk_bytes
             gen_dir = self._gen_dir(key, current.gen)
             jobs = ChunkJobs()
@@ -370,16 +373,12 @@ class NvmeStore(TierStore):
         async with self._key_lock(key):
             self._current.pop(key, None)
             shard_dir = self.shard_dir(key)
-
-            def remove() -> None:
-                try:
-                    shutil.rmtree(shard_dir)
-                except FileNotFoundError:
-                    pass
-                except OSError as e:
-                    raise StorageError(f"deleting shard {key!r} ({shard_dir}) failed: {e}") from e
-
-            await asyncio.get_running_loop().run_in_executor(None, remove)
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, shard_dir)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise StorageError(f"deleting shard {key!r} ({shard_dir}) failed: {e}") from e
 
     async def flush(self) -> None:
         """Make every completed write durable (syncfs per directory), then let superseded

@@ -160,7 +160,7 @@ class Config:
     chunk_bytes: int = 8 << 20
     piece_numel: int = 16 << 20  # elements per piece: grads and optimizer states stream in these
     io_threads: int = 16
-    verify_always: bool = False
+    verify_reads: str = "auto"  # crc32c-check every NVMe read: on, off, or auto (on where it is cheap)
     profile: str | None = None
 
     def __post_init__(self) -> None:
@@ -187,6 +187,8 @@ class Config:
                               f"dtype), got {self.piece_numel!r}; e.g. 16777216 (64 MiB of fp32)")
         if self.chunk_bytes <= 0 or self.chunk_bytes % 4096:
             raise ConfigError(f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes}")
+        if self.verify_reads not in ("auto", "on", "off"):
+            raise ConfigError(f"verify_reads must be auto, on or off, got {self.verify_reads!r}")
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas}; e.g. --adam-betas 0.9,0.95")

@@ -110,7 +110,7 @@ def test_flipped_byte_is_named_on_a_verified_read(tmp_path: Path, io_loop: IOLoo
             io_loop.run(store.read_into(KEY, out, verify=True))
         io_loop.run(store.read_into(KEY, out))  # unverified reads trust the disk
         assert not same_bytes(out, src)
-    with NvmeStore([tmp_path], chunk_bytes=CHUNK_BYTES, verify_always=True) as store:
+    with NvmeStore([tmp_path], chunk_bytes=CHUNK_BYTES, verify_reads=True) as store:
         with pytest.raises(StorageCorruptError, match="chunk 1 .* crc32c"):
             io_loop.run(store.read_into(KEY, out))
 

@@ -158,7 +158,8 @@ def _write_shards(engine: Checkpointed, temp: Path) -> tuple[dict[str, ShardMeta
             for key, a, b in engine.shards.keys(kind, unit):
                 dst = str(temp / "state" / Path(*key.split("/")))
                 if engine.placement.home(kind) is Tier.NVME:
-                    arrays[key], nbytes = tiers.run(nvme.snapshot(key, dst, sync=False))
+                    # verified reads: a chunk written since its last read is checked before it is linked
+                    arrays[key], nbytes = tiers.run(nvme.snapshot(key, dst, sync=False, verify=bool(nvme.verify_reads)))
                     copied += nbytes
                 else:
                     part = aligned_empty(b - a, engine.dtype if kind is StateKind.PARAM else torch.float32)
