@@ -12,18 +12,32 @@ It also keeps, per stream, which other streams' copies it is ordered after (thro
 it waited for, transitively), and logs a hazard when a copy reads or writes bytes that a copy on
 another stream writes (or reads) without that order: a hazard a real GPU would race on even
 where the fake's late landing happened to hide it.
+
+What a real GPU would do that the fake's landing makes visible, each logged as a hazard:
+- a copy reads its source when it runs, not when it is issued: it lands the source as it is at
+  landing, and a source that host code changed while the copy was in flight is named;
+- a destination host code wrote while its copy was in flight (the late copy overwrites it);
+- a host pool block handed out while a copy still reads or writes it (`watch_host_pool`).
+Compute events have happened only once the host synchronised with one at or after them
+(`host_wait`), as on a GPU whose kernels run behind the host. `SyncWatch` counts the implicit
+synchronisations (`.item()`, `.cpu()`, blocking `.to(device)`, ...) the training thread makes.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import traceback
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from torch.overrides import TorchFunctionMode
+
 from tierzero.storage.device import DevicePool
+from tierzero.storage.host import HostPool
 from tierzero.engine.streams import Streams
 
 _ids = itertools.count()
@@ -45,6 +59,11 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
+                                      and torch.equal(a.nan_to_num(), b.nan_to_num())))
+
+
 class RecordingStreams(Streams):
     separate = True
     compute, h2d, d2h = "compute", "h2d", "d2h"
@@ -60,11 +79,17 @@ class RecordingStreams(Streams):
         self._copies: dict[str, list] = {s: [] for s in self._issued}  # stream -> (dst, src) by seq
         # copies the host has seen finish (host_wait, query): anything issued later is after them
         self._finished = dict(self._issued)
+        self.device_spans: set[tuple[int, int]] = set()  # the device pool's blocks (`watch_device_pool`)
+        self._compute_marks = 0  # compute events recorded so far
+        self._compute_synced = 0  # the latest compute event the host synchronised with
 
     def record(self, stream: str) -> FakeEvent:
         with self._lock:
             self._order_after(stream, self._finished)
             event = FakeEvent(stream, self._issued[stream], dict(self._known[stream]))
+            if stream == self.compute:
+                self._compute_marks += 1
+                object.__setattr__(event, "mark", self._compute_marks)
             self.log.append(("record", stream, event))
             return event
 
@@ -89,7 +114,7 @@ class RecordingStreams(Streams):
                 dst.copy_(src)
                 self._done[stream] = self._issued[stream]
             else:
-                self._queue[stream].append((self._issued[stream], dst, src.detach().clone()))
+                self._queue[stream].append((self._issued[stream], dst, src, src.detach().clone()))
                 dst.view(torch.uint8).fill_(0xFF)  # NaN until the copy's event is waited for
             event = FakeEvent(stream, self._issued[stream], dict(self._known[stream]))
             self.log.append(("copy", stream, dst.data_ptr(), after, threading.current_thread().name, event))
@@ -124,10 +149,15 @@ class RecordingStreams(Streams):
             self.log.append(("host_wait", event, threading.current_thread().name))
             self._run_until(event)
             self._finish(event)
+            if event is not None and event.stream == self.compute:
+                self._compute_synced = max(self._compute_synced, event.mark)
 
     def query(self, event: FakeEvent | None) -> bool:
         with self._lock:
-            done = event is None or self._done[event.stream] >= event.seq
+            if event is not None and event.stream == self.compute:  # kernels run behind the host
+                done = event.mark <= self._compute_synced
+            else:
+                done = event is None or self._done[event.stream] >= event.seq
             if done:
                 self._finish(event)
             return done
@@ -146,9 +176,24 @@ class RecordingStreams(Streams):
             return
         queue = self._queue[event.stream]
         while queue and queue[0][0] <= event.seq:
-            seq, dst, src = queue.popleft()
-            dst.copy_(src)
+            seq, dst, src, issued = queue.popleft()
+            if not _same(src, issued):
+                self.log.append(("hazard", f"the source of {event.stream} copy {seq} changed while it was in flight"))
+            if not self._overlaps_queued(_span(dst)) and not bool((dst.view(torch.uint8) == 0xFF).all()):
+                self.log.append(("hazard", f"the destination of {event.stream} copy {seq} was written while "
+                                           "it was in flight"))
+            dst.copy_(src)  # the source as it is now: a GPU reads it when the copy runs
             self._done[event.stream] = seq
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        """Whether `t` lies in device memory (a device pool block, as far as the fake knows)."""
+        span = _span(t)
+        return any(a <= span[0] < b for a, b in self.device_spans)
+
+    def _overlaps_queued(self, span: tuple[int, int]) -> bool:
+        """Whether a copy still in flight reads or writes bytes in `span`."""
+        return any(_overlap(span, _span(dst)) or _overlap(span, _span(src))
+                   for queue in self._queue.values() for _, dst, src, _ in queue)
 
 
 def watch_device_pool(monkeypatch, fake: RecordingStreams) -> None:
@@ -160,6 +205,7 @@ def watch_device_pool(monkeypatch, fake: RecordingStreams) -> None:
         buf = lease(pool, nbytes)
         with fake._lock:
             fake.log.append(("lease", buf.data_ptr()))
+            fake.device_spans.add(_span(buf))
         return buf
 
     def logged_give_back(pool: DevicePool, buf: torch.Tensor, ready: object | None = None) -> None:
@@ -175,6 +221,85 @@ def watch_device_pool(monkeypatch, fake: RecordingStreams) -> None:
     monkeypatch.setattr(DevicePool, "lease", logged_lease)
     monkeypatch.setattr(DevicePool, "give_back", logged_give_back)
     monkeypatch.setattr(DevicePool, "_drop", logged_drop)
+
+
+def watch_host_pool(monkeypatch, fake: RecordingStreams) -> None:
+    """Log a hazard when the host pool hands out a block that a copy in flight still reads or
+    writes: its holder gave it back before the copy's event (the pool has no `ready` token)."""
+    lease = HostPool.lease
+
+    def checked_lease(pool: HostPool, nbytes: int, grow: bool = True) -> torch.Tensor:
+        buf = lease(pool, nbytes, grow)
+        with fake._lock:
+            if fake._overlaps_queued(_span(buf)):
+                fake.log.append(("hazard", f"the host pool hands out 0x{buf.data_ptr():x} while a copy "
+                                           "still uses it"))
+        return buf
+
+    monkeypatch.setattr(HostPool, "lease", checked_lease)
+
+
+_SYNCING = {"item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__", "nonzero"}
+
+
+class SyncWatch(TorchFunctionMode):
+    """Count the calls that make the host wait for the device (on a GPU), while active on the
+    training thread: reading a value (`.item()`, `.tolist()`, `bool(t)`, `.nonzero()`),
+    `.cpu()`, a `.to(device)` that is not `non_blocking` (from pageable memory even that
+    blocks), and a blocking `.copy_()` into or out of device memory (`fake.device_spans`: the
+    device pool's blocks). On the CPU every tensor is host memory, so the watch tells host
+    values apart by where they came from: what `.cpu()` returns (a copy, as from a GPU) and what
+    is computed from such values alone are host values, and reading them is not counted. `where`
+    names the tierzero file and line of each counted call."""
+
+    def __init__(self, fake: RecordingStreams) -> None:
+        super().__init__()
+        self.fake = fake
+        self.where: list[str] = []
+        self.host: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        inputs = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else [a])
+                  if isinstance(t, torch.Tensor)]
+        on_host = bool(inputs) and all(t in self.host for t in inputs)
+        if (name in _SYNCING and not on_host or name == "to" and _moves(args, kwargs)
+                or name == "copy_" and self._device_copy(args, kwargs)):
+            caller = _caller()
+            if caller is not None:
+                self.where.append(f"{name} at {caller}")
+        out = func(*args, **kwargs)
+        if name == "cpu":
+            out = out.clone()  # a new host tensor, as from a GPU
+        if on_host or name == "cpu":
+            for t in out if isinstance(out, (list, tuple)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.host.add(t)
+        return out
+
+    def _device_copy(self, args: tuple, kwargs: dict) -> bool:
+        if kwargs.get("non_blocking") or len(args) > 2 and args[2]:
+            return False
+        return any(isinstance(t, torch.Tensor) and self.fake.on_device(t) for t in args[:2])
+
+
+def _moves(args: tuple, kwargs: dict) -> bool:
+    """Whether a `.to(...)` names a device (or a tensor to follow) and may block."""
+    if kwargs.get("non_blocking") or any(a is True for a in args[2:]):
+        return False
+    return any(isinstance(a, (torch.device, torch.Tensor, str)) for a in [*args[1:], kwargs.get("device")])
+
+
+def _caller() -> str | None:
+    """The tierzero line that made the call; None when the fake itself made it."""
+    for frame in reversed(traceback.extract_stack(limit=16)[:-2]):
+        name = frame.filename
+        if name.endswith("recording_streams.py"):
+            return None
+        if "/torch/" not in name:
+            return f"{name.rsplit('/', 1)[-1]}:{frame.lineno}"
+    return "torch"
 
 
 def check_h2d_copies_wait_only_for_their_buffer(log: list[tuple]) -> list[str]:

@@ -32,6 +32,7 @@ from torch import nn
 from tierzero.dist.comm import Comm
 from tierzero.config import Config, StateKind, Tier
 from tierzero.errors import TierzeroError
+from tierzero.engine.batch import BatchStaging
 from tierzero.engine.backward import BackwardPass, StepInBackward, resolve_overlap
 from tierzero.engine.execute import UnitRunner, bind, flat_grad, place_buffers, unbind
 from tierzero.engine.gathered import GatheredBlocks, copies, resolve
@@ -49,7 +50,7 @@ from tierzero.engine.paramsync import sync_params
 from tierzero.layout.partition import Unit, forward_only, forward_uses, grad_uses, partition, replicate_params
 from tierzero.config import TORCH_DTYPES
 from tierzero.engine.precision import DynamicLossScaler, compute_dtype, resolve_dtype
-from tierzero.engine.reference import compute_loss, to_device
+from tierzero.engine.reference import compute_loss
 from tierzero.engine.scheduler import Scheduler
 from tierzero.planning.swapplan import build_swap_plan
 from tierzero.engine.sizing import Sizing
@@ -125,6 +126,7 @@ class Engine:
         try:
             place_buffers(self.model, self.device)
             fill()
+            self.batches = BatchStaging(self.tiers.streams)  # pinned, reused across micro-batches
             self.scheduler = Scheduler(self.units, self.tiers, self.placement.param, self.dtype,
                                        self.comm, self.config.piece_numel, self.stats_)
             self.grads = GradShards(self.units, self.tiers, self.placement.grad, self.comm, self.stats_,
@@ -184,7 +186,7 @@ class Engine:
         try:
             if root.is_root:  # a model without embedding/head entry points: bound for the pass
                 self._root_leaves = bind(root, self._gather(0), requires_grad=training)
-            loss = compute_loss(self.model, to_device(batch, self.device))
+            loss = compute_loss(self.model, self.batches.to_device(batch))
         except BaseException:
             self._abort()
             raise

@@ -126,6 +126,9 @@ class ShardOptimizer:
         """Give back a piece's buffers without writing anything (its reads or step failed)."""
         for future in work.futures:
             future.exception()  # wait: an I/O thread may still be filling the buffer
+        # and a grad piece on its way to the host (overlap_step) until its D2H copy has landed:
+        # given back earlier, the late copy would overwrite the block's next holder
+        self.tiers.streams.host_wait(work.grad_landed)
         for buf in work.leased.values():
             self._give_back(buf)
 
