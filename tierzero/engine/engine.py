@@ -53,7 +53,7 @@ from tierzero.engine.precision import DynamicLossScaler, compute_dtype, resolve_
 from tierzero.engine.reference import compute_loss
 from tierzero.engine.scheduler import Scheduler
 from tierzero.planning.swapplan import build_swap_plan
-from tierzero.engine.sizing import Sizing
+from tierzero.engine.sizing import Sizing, check_runnable
 from tierzero.engine.stats import StepStats
 from tierzero.engine.tiers import Tiers
 
@@ -76,6 +76,7 @@ class Engine:
                              self.local_ranks, self.overlap)
         # `offload auto` picks a placement for the forced stage, else stage 3's
         self.placement = self.sizing.placement(config.stage or 3)
+        check_runnable(self.placement)
         self.stage, self.stage_reason = self.sizing.stage(self.placement)
         replicate_params(self.units, self.stage <= 2)
         homes = {self.placement.home(k) for k in StateKind}

@@ -22,7 +22,7 @@ from tierzero.planning.ledger import ActivationEstimate, activation_memory
 from tierzero.planning.machine import default_budgets, free_disk_bytes
 from tierzero.planning.memory_model import peak_memory
 from tierzero.planning.peaks import MemoryModel
-from tierzero.planning.workload import Workload
+from tierzero.planning.workload import Workload, steps_on_gpu
 from tierzero.storage.base import BudgetExceededError
 
 
@@ -182,3 +182,14 @@ def _unpooled(mem: MemoryModel) -> dict[Tier, int]:
 def _breakdown(mem: MemoryModel, tier: Tier) -> str:
     peak = mem.host_memory if tier is Tier.HOST else mem.tiers[tier]
     return peak.breakdown()
+
+
+def check_runnable(placement: Placement) -> None:
+    """Refuse, at construction, a placement the engine cannot run: with master and both moments
+    on the GPU the optimizer steps there, and grads homed on NVMe would be read straight into
+    device memory, which the NVMe store refuses (it moves host buffers only). Refused on every
+    device alike, so a config tried on the CPU runs on a GPU."""
+    if steps_on_gpu(placement) and placement.home(StateKind.GRAD) is Tier.NVME:
+        raise ConfigError(f"placement {placement.describe()} steps the optimizer on the GPU (master and both "
+                          "moments live there) but homes grads on nvme, which the GPU step cannot read; "
+                          "home grads on host (grad = \"host\") or move master and moments off the GPU")
