@@ -10,7 +10,8 @@ off-device states are written back and the new compute-dtype values go into the 
 shard: in place where params live in memory, else as the param piece of the same range. Writes complete in the background;
 their buffers return to the pool as they finish. The step runs on the compute device only when
 master and both moments live there. With overlap_step a piece's grad reaches the host on the
-d2h stream (`tierzero.engine.streams`) and its AdamW, on an I/O thread, waits for that copy's event.
+d2h stream (`tierzero.engine.streams`) and its AdamW, on the optimizer's own thread (one OpenMP
+team, never the I/O workers'), waits for that copy's event.
 A host step never copies to or from device memory synchronously: states and new params homed
 on the device move on the d2h/h2d streams through pinned buffers, and the event of each param
 write goes to the scheduler, whose next pass reads the params after it. A device step runs on
@@ -20,6 +21,7 @@ the compute stream, whichever thread issues it.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +40,7 @@ from tierzero.planning.placement import Link
 from tierzero.planning.workload import steps_on_gpu
 
 STEP_KINDS = (StateKind.GRAD, *OPTIMIZER_KINDS)  # what one piece's step reads
+OPTIMIZER_LANE = "optimizer"  # the I/O loop's thread that runs every overlapped piece's step
 
 
 @dataclass
@@ -78,6 +81,11 @@ class ShardOptimizer:
         self.param_written = param_written
         on_gpu = steps_on_gpu(placement)
         self.device = tiers.device if on_gpu else torch.device("cpu")
+        if not on_gpu and tiers.device.type == "cuda":
+            # the host step's threads: every core but the training thread's and the I/O loop's
+            # (I/O workers sleep in pread/pwrite). Not on the CPU device, where the model's own
+            # matmuls use these threads and their count may change how they sum.
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 2))
         self._prefetched: dict[tuple[int, int], Work] = {}
 
     def works(self, unit: Unit, runs: list[Run] | None = None) -> list[Work]:
@@ -135,7 +143,7 @@ class ShardOptimizer:
     def step_unit(self, unit: Unit, grad: torch.Tensor, runs: list[Run], lr: float,
                   grad_coef: float | None = None) -> None:
         """Step one unit as soon as its final grad shard exists (overlap_step), off the training
-        thread: each piece's AdamW step runs on an I/O thread once its states land (torch
+        thread: each piece's AdamW step runs on the optimizer's thread once its states land (torch
         releases the GIL, so backward continues meanwhile); its writes are issued when the
         training thread next reaps the pending queue. Loading a piece waits for buffers the
         pool does not have yet, so at most a budget's worth of pieces is in flight."""
@@ -157,7 +165,10 @@ class ShardOptimizer:
         for future in work.futures:
             await asyncio.wrap_future(future)
         await self.tiers.landed(work.grad_landed)
-        await asyncio.get_running_loop().run_in_executor(None, self._step, work, lr, grad_coef)
+        # on the optimizer's own thread (an I/O loop lane), never an I/O worker: one OpenMP team
+        # steps the pieces one after another instead of one full team per worker, competing
+        # with the chunk reads and writes
+        await self.tiers.io.wait_off_workers(self._step, work, lr, grad_coef, lane=OPTIMIZER_LANE)
 
     def _attach_grad(self, work: Work, grad: torch.Tensor, produced: Event) -> None:
         """Use the piece's slice of the finished grad shard handed over by backward: in place on
