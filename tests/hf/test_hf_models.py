@@ -15,7 +15,7 @@ from hf_helpers import config
 from tierzero import Config, Engine
 from tierzero.cli.app import app
 from tierzero.errors import ConfigError
-from tierzero.hf import CausalLM, SplitCausalLM, load_model, materialise
+from tierzero.hf import SplitCausalLM, load_model, materialise
 from tierzero.layout.partition import partition
 from tierzero.engine.reference import compute_loss
 
@@ -47,9 +47,9 @@ def test_layouts(hf_models):
     assert [u.kind for u in units] == ["embedding", "block", "block", "head"]
     assert units[-1].uses_with == (0,)  # tied: the head uses the embedding unit
     assert {n for s in units[-1].slots for n in s.names} == {"model.norm.weight"}
-    # GPT-2's position embedding runs before the blocks, outside any entry point: root layout
-    assert type(gpt2.model) is CausalLM
-    assert [u.kind for u in partition(gpt2.model)] == ["root", "block", "block"]
+    # GPT-2's position embedding runs before the blocks: the embedding unit's (tierzero.hf.prelude)
+    assert isinstance(gpt2.model, SplitCausalLM)
+    assert [u.kind for u in partition(gpt2.model)] == ["embedding", "block", "block", "head"]
     assert [u.name for u in partition(load_model(hf_models["llama"], units="model.layers").model)][1] == "model.layers.0"
     with pytest.raises(ConfigError, match="units 'model.nope'"):
         load_model(hf_models["llama"], units="model.nope")

@@ -18,13 +18,16 @@ backward and double the keys and values.
 Two layouts (see `tierzero.layout.partition`):
 
 - *split* -- when every parameter outside the layers, the input embedding and the output
-  embedding belongs to one module of the base model registered after the layers (the final
-  norm: LLaMA, Mistral, Qwen, Gemma, NeoX...). Its call inside the base model's forward passes
-  the hidden state through (`_deferred`), and `head_out` applies it, then runs the model's own
-  head on that hidden state by having the base model return it (`_returning`).
-- *root* -- otherwise (GPT-2's position embedding `wpe` runs before the layers, outside any
-  entry point): no `head_out`, so everything outside the layers is one root unit, bound for
-  the whole pass, and the forward is the model's own.
+  embedding belongs to a learned position table (GPT-2's `wpe`, OPT's `embed_positions`) or to
+  one final norm (LLaMA, Mistral, Qwen, Gemma, NeoX, GPT-2, OPT; OLMo's has no parameters).
+  The base model is the module that runs the layers (OPT's head calls `model.decoder` itself).
+  Position tables join the token embedding in the embedding unit (`tierzero.hf.prelude`). The
+  final norm's call inside the base model's forward passes the hidden state through
+  (`_deferred`), and `head_out` applies it, then runs the model's own head on that hidden state
+  by having the base model return it (`_returning`).
+- *root* -- otherwise (two norms, a projection after the layers): no `head_out`, so
+  everything outside the layers is one root unit, bound for the whole pass, and the forward
+  is the model's own.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tierzero.errors import ConfigError
+from tierzero.hf.prelude import Prelude, replaying, stop_at
 from tierzero.models.llama import LOSS_CHUNK_BYTES, unit_seed
 from tierzero.models.loss import IGNORE_INDEX, chunk_tokens_for
 
@@ -105,18 +110,21 @@ class CausalLM(nn.Module):
         "root" (everything outside the blocks). A tied output layer is the embedding's."""
         n = len(self.blocks)
         blocks = {id(m) for m in self.blocks.modules()}
-        embedding = self.get_input_embeddings()
+        embedding = self.embedding_modules()
         if which == "root":
             return 0, [m for m in self.hf_model.modules() if id(m) not in blocks]
         if which == "embedding":
-            return 0, list(embedding.modules())
+            return 0, embedding
         if which == "head":
-            skip = blocks | {id(m) for m in embedding.modules()}
+            skip = blocks | {id(m) for m in embedding}
             output = self.hf_model.get_output_embeddings()
-            if output is not None and output.weight is embedding.weight:
+            if output is not None and output.weight is self.hf_model.get_input_embeddings().weight:
                 skip.add(id(output))
             return n + 1, [m for m in self.hf_model.modules() if id(m) not in skip]
         return int(which) + 1, list(self.blocks[int(which)].modules())
+
+    def embedding_modules(self) -> list[nn.Module]:
+        return list(self.get_input_embeddings().modules())
 
     def init_unit(self, seed: int, which: int | str) -> None:
         """Initialise one unit (`unit_modules`) with the model's own `_init_weights` (LlamaRMSNorm
@@ -133,21 +141,45 @@ class CausalLM(nn.Module):
 
 
 class SplitCausalLM(CausalLM):
-    """The split layout: the final norm and the output layer run in `head_out`, the head unit."""
+    """The split layout: the final norm and the output layer run in `head_out`, the head unit;
+    position tables that run before the blocks are the embedding unit's (`tierzero.hf.prelude`)."""
 
     OUTSIDE = ("embedding", "head")
 
-    def __init__(self, hf_model: nn.Module, blocks: str, base: nn.Module, final_norm: nn.Module) -> None:
+    def __init__(self, hf_model: nn.Module, blocks: str, base: nn.Module, final_norm: nn.Module | None,
+                 tables: list[nn.Module] | None = None) -> None:
         super().__init__(hf_model, blocks)
         self.loss_chunk_bytes = LOSS_CHUNK_BYTES
         object.__setattr__(self, "base", base)
-        object.__setattr__(self, "final_norm", final_norm)
+        object.__setattr__(self, "final_norm", final_norm)  # None: it has no parameters (OLMo's)
+        prelude = Prelude(hf_model.get_input_embeddings(), tables, self._prelude) if tables else None
+        object.__setattr__(self, "prelude", prelude)
+        inside = {id(m) for m in self.blocks.modules()}
+        object.__setattr__(self, "dropouts", [m for m in hf_model.modules()
+                                              if isinstance(m, nn.Dropout) and id(m) not in inside])
+
+    def get_input_embeddings(self) -> nn.Module:
+        """The embedding unit's entry: the input embedding, or the prelude holding it."""
+        return self.prelude if self.prelude is not None else self.hf_model.get_input_embeddings()
+
+    def embedding_modules(self) -> list[nn.Module]:
+        return self.prelude.parts() if self.prelude is not None else super().embedding_modules()
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
                 labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> Any:
-        with _deferred(self.final_norm):
+        with contextlib.ExitStack() as stack:
+            if self.prelude is not None:
+                first = self.prelude(input_ids, attention_mask)  # the embedding unit
+                stack.enter_context(replaying(self.blocks[0], first, self.prelude, self.dropouts))
+            stack.enter_context(_deferred(self.final_norm, self.blocks[-1]))
             hidden = self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return self.head_out(hidden.last_hidden_state, targets, labels=labels)
+
+    def _prelude(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """The base model's own forward up to its first block: the hidden state it gets."""
+        with stop_at(self.blocks[0]) as until_block:
+            return until_block(lambda: self.base(input_ids=input_ids, attention_mask=attention_mask,
+                                                 use_cache=False))
 
     def head_out(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, *,
                  labels: torch.Tensor | None = None) -> Any:
@@ -158,7 +190,8 @@ class SplitCausalLM(CausalLM):
         own head and its `loss_function` sums them over the whole batch's token count, under
         activation checkpointing, so one chunk's logits exist at a time. One chunk (a small
         vocabulary or batch) is the unchunked loss bitwise; several differ by summation order."""
-        hidden = self.final_norm(hidden)
+        if self.final_norm is not None:
+            hidden = self.final_norm(hidden)
         chunk = chunk_tokens_for(self.config.vocab_size, self.loss_chunk_bytes)
         if targets is None or labels is not None or targets.numel() <= chunk:
             return self._loss(self._logits(hidden), targets, labels)
@@ -191,21 +224,35 @@ def _save_renamings(hf_model: nn.Module) -> list[Any]:
 
 
 @contextlib.contextmanager
-def _deferred(module: nn.Module) -> Iterator[None]:
-    """`module` passes its input through while the base model runs (head_out applies it)."""
-    module.forward = _identity
+def _deferred(module: nn.Module | None, last_block: nn.Module) -> Iterator[None]:
+    """`module` passes its input through while the base model runs (head_out applies it); it
+    must run after `last_block` (else it is no final norm: refused, not trained wrongly)."""
+    if module is None:
+        yield
+        return
+    called: list[bool] = []
+
+    def deferred(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not called:
+            raise ConfigError(f"{type(module).__name__} runs before the model's last block, so it is not a "
+                              "final norm tierzero can run in the head unit; report this model")
+        return x
+
+    handle = last_block.register_forward_pre_hook(lambda *_: called.append(True))
+    module.forward = deferred
     try:
         yield
     finally:
+        handle.remove()
         del module.forward
 
 
 @contextlib.contextmanager
 def _returning(base: nn.Module, hidden: torch.Tensor) -> Iterator[None]:
     """The base model returns `hidden` as its last hidden state, without computing anything."""
-    from transformers.modeling_outputs import BaseModelOutputWithPast
+    from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions as Outputs
 
-    base.forward = lambda *args, **kwargs: BaseModelOutputWithPast(last_hidden_state=hidden)
+    base.forward = lambda *args, **kwargs: Outputs(last_hidden_state=hidden)  # every field a head reads
     try:
         yield
     finally:

@@ -52,7 +52,7 @@ class HFModel:
         limit = getattr(self.model.config, "max_position_embeddings", None)
         if not isinstance(limit, int):
             return None
-        tokens = self.model.get_input_embeddings()
+        tokens = self.model.hf_model.get_input_embeddings()
         blocks = {id(m) for m in self.model.blocks.modules()}
         learned = any(isinstance(m, nn.Embedding) and m is not tokens and id(m) not in blocks
                       and limit <= m.num_embeddings <= limit + 2 for m in self.model.modules())
@@ -145,19 +145,35 @@ def _check_causal(hf_model: nn.Module, path: Path) -> None:
 
 def adapt(hf_model: nn.Module, units: str | None = None) -> CausalLM:
     """Wrap a built `*ForCausalLM`: split layout when its only parameters outside the blocks,
-    input and output embeddings are one module of the base model after the blocks (the final
-    norm); else root. `units` names the blocks (`model.layers`) if the largest list is wrong."""
+    input and output embeddings are learned position tables (GPT-2, OPT) and at most one final
+    norm (none: OLMo's has no parameters); else root. `units` names the blocks (`model.layers`)
+    if the largest list is wrong."""
     blocks_path, blocks = find_blocks(hf_model, units)
-    base = getattr(hf_model, "base_model", None)
+    parent = blocks_path.rpartition(".")[0]
+    if not parent:
+        return CausalLM(hf_model, blocks_path)
+    base = hf_model.get_submodule(parent)  # runs the blocks (OPT's head calls model.decoder itself)
     leftover = _leftover_modules(hf_model, blocks)
-    if isinstance(base, nn.Module) and base is not hf_model and len(leftover) == 1:
-        children = list(base.named_children())
-        names = [n for n, _ in children]
-        norm = [n for n, m in children if m is leftover[0]]
-        lists = [n for n, m in children if m is blocks]
-        if norm and lists and names.index(norm[0]) > names.index(lists[0]):
-            return SplitCausalLM(hf_model, blocks_path, base, leftover[0])
-    return CausalLM(hf_model, blocks_path)
+    tables = [m for m in leftover if _position_table(m, hf_model.config)]
+    norms = [m for m in leftover if m not in tables]
+    if len(norms) > 1 or (norms and not _final_norm(norms[0], base, blocks)):
+        return CausalLM(hf_model, blocks_path)
+    return SplitCausalLM(hf_model, blocks_path, base, norms[0] if norms else None, tables)
+
+
+def _position_table(module: nn.Module, config: Any) -> bool:
+    """A learned position table: an embedding of `max_position_embeddings` rows (OPT's has
+    an offset of 2), which the base model adds to the token embeddings before the blocks."""
+    limit = getattr(config, "max_position_embeddings", None)
+    return isinstance(module, nn.Embedding) and isinstance(limit, int) and limit <= module.num_embeddings <= limit + 2
+
+
+def _final_norm(module: nn.Module, base: nn.Module, blocks: nn.ModuleList) -> bool:
+    """A norm after the blocks: registered after them (LLaMA's `norm`, GPT-2's `ln_f`) or a norm
+    class beside them (OPT registers `final_layer_norm` first); the forward checks it runs last."""
+    order = [id(m) for m in base.modules()]
+    after = id(module) in order and order.index(id(module)) > order.index(id(blocks))
+    return after or isinstance(module, nn.LayerNorm) or "norm" in type(module).__name__.lower()
 
 
 def _leftover_modules(hf_model: nn.Module, blocks: nn.ModuleList) -> list[nn.Module]:
