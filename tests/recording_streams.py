@@ -17,7 +17,9 @@ What a real GPU would do that the fake's landing makes visible, each logged as a
 - a copy reads its source when it runs, not when it is issued: it lands the source as it is at
   landing, and a source that host code changed while the copy was in flight is named;
 - a destination host code wrote while its copy was in flight (the late copy overwrites it);
-- a host pool block handed out while a copy still reads or writes it (`watch_host_pool`).
+- a host pool block handed out while a copy still reads or writes it (`watch_host_pool`);
+- allocator memory used on another stream without `keep_alive` (record_stream) there
+  (`check_allocator_memory_kept_alive`).
 Compute events have happened only once the host synchronised with one at or after them
 (`host_wait`), as on a GPU whose kernels run behind the host. `SyncWatch` counts the implicit
 synchronisations (`.item()`, `.cpu()`, blocking `.to(device)`, ...) the training thread makes.
@@ -117,7 +119,8 @@ class RecordingStreams(Streams):
                 self._queue[stream].append((self._issued[stream], dst, src, src.detach().clone()))
                 dst.view(torch.uint8).fill_(0xFF)  # NaN until the copy's event is waited for
             event = FakeEvent(stream, self._issued[stream], dict(self._known[stream]))
-            self.log.append(("copy", stream, dst.data_ptr(), after, threading.current_thread().name, event))
+            self.log.append(("copy", stream, dst.data_ptr(), after, threading.current_thread().name, event,
+                             src.data_ptr()))
             return event
 
     def _order_after(self, stream: str, event: FakeEvent | dict[str, int] | None) -> None:
@@ -359,6 +362,20 @@ def check_no_host_wait_on_io_threads(log: list[tuple]) -> list[str]:
     (`IOLoop.wait_off_workers`), so NVMe reads and the CPU optimizer never queue behind a wait."""
     return [f"{e[2]} waits for {e[1]}" for e in log
             if e[0] == "host_wait" and e[1] is not None and e[2].startswith("tierzero-io")]
+
+
+def check_allocator_memory_kept_alive(log: list[tuple], device_spans: set[tuple[int, int]]) -> list[str]:
+    """Memory torch's caching allocator owns, used on a stream other than the one it was
+    allocated on, is `keep_alive`d there (`record_stream` on a GPU), or the allocator may hand
+    it out again while that stream still reads it: a d2h copy's source outside the device
+    pool's blocks (a grad autograd allocated on compute) for the d2h stream, and memory
+    allocated for the h2d stream (which compute then reads) for compute."""
+    kept = {(e[2], e[1]) for e in log if e[0] == "keep_alive"}
+    problems = [f"d2h copy from 0x{e[6]:x} (allocator memory) without keep_alive on d2h" for e in log
+                if e[0] == "copy" and e[1] == "d2h" and (e[6], "d2h") not in kept
+                and not any(a <= e[6] < b for a, b in device_spans)]
+    return problems + [f"memory allocated for {e[1]} at 0x{e[2]:x} never kept alive for compute" for e in log
+                       if e[0] == "alloc" and e[1] != "compute" and (e[2], "compute") not in kept]
 
 
 def check_writes_into_read_before_waited(log: list[tuple], spans: list[tuple[int, int]]) -> list[str]:
