@@ -5,11 +5,12 @@ Compared: a tied embedding's grad stash with the grad home on the device against
 one stream's copy against a stuck wait for another's (the waiter of one stream never holds up
 the other's); each stream's events named by their stream. On a GPU (`cuda`): the compute
 stream is the caller's current stream, and a device store copies what compute on a side stream
-wrote, not what the default stream saw (in both directions).
+wrote, not what the default stream saw (in both directions). And a look-ahead lease against a full pool, which never waits.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 
 import pytest
@@ -17,6 +18,8 @@ import torch
 
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import streams, Engine
+from tierzero.engine.tiers import Tiers
+from tierzero.storage.base import BudgetExceededError
 from tierzero.storage.device import DevicePool, DeviceStore
 from tierzero.storage.io import IOLoop
 
@@ -116,3 +119,26 @@ def test_a_device_store_copies_after_compute_on_the_callers_stream() -> None:
             io.submit(store.read_into("u0", out)).result()
         assert bool((out == 9.0).all())
         store.close()
+
+
+def test_a_look_ahead_lease_takes_what_finished_jobs_freed_and_never_waits_for_one(tmp_path) -> None:
+    """Autograd's thread issues prefetches: with the pool full, a lease without `wait` reaps
+    finished transfers and otherwise fails at once (the plan fetches the unit at its wait)
+    instead of blocking on the oldest transfer in flight."""
+    cfg = Config(placement=Placement(*[Tier.HOST] * 5), nvme_path=[str(tmp_path)], io_threads=1,
+                 host_budget="1MiB", gpu_budget="1MiB")
+    tiers = Tiers(cfg, torch.device("cpu"), {Tier.HOST}).open()
+    try:
+        held = tiers.lease_host(1 << 20)
+        finished: concurrent.futures.Future = concurrent.futures.Future()
+        finished.set_result(None)
+        tiers.pending.add(finished, lambda ok: tiers.host_pool.give_back(held))
+        again = tiers.lease_host(1 << 20, wait=False)  # the finished job's buffer
+        in_flight: concurrent.futures.Future = concurrent.futures.Future()
+        tiers.pending.add(in_flight, lambda ok: tiers.host_pool.give_back(again))
+        with pytest.raises(BudgetExceededError):
+            tiers.lease_host(1 << 20, wait=False)  # a blocking lease would wait here forever
+        in_flight.set_result(None)
+        tiers.pending.drain()
+    finally:
+        tiers.close()

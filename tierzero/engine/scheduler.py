@@ -161,7 +161,7 @@ class Scheduler:
         record = self.records[op.unit]
         if op.op is Op.FETCH:
             try:
-                self._fetch(record)
+                self._fetch(record, wait=False)  # autograd's thread issues; it never waits for a job here
             except BudgetExceededError:
                 self._drop(record)  # a tight budget: this unit is fetched at its wait instead
         elif op.op is Op.RELEASE:
@@ -179,7 +179,9 @@ class Scheduler:
         with self.streams.current(self.streams.comm):
             return self.comm.all_gather_async(self._shard(record.unit))
 
-    def _fetch(self, record: ParamShard) -> None:
+    def _fetch(self, record: ParamShard, wait: bool = True) -> None:
+        """Start moving the unit's shard to the device. `wait=False` (a look-ahead fetch): a
+        buffer the pools do not have now fails the fetch instead of waiting for a transfer."""
         if record.status is not ShardStatus.NOT_AVAILABLE:
             return
         unit = self.units[record.unit]
@@ -190,7 +192,7 @@ class Scheduler:
             self.streams.wait(self.streams.compute, record.written)
             record.status = ShardStatus.AVAILABLE
             return
-        buf = self.tiers.lease_device(nbytes)
+        buf = self.tiers.lease_device(nbytes, wait)
         # The copy into this buffer waits for its release by the compute that last read it, and
         # for nothing else. A fresh block may be memory torch's allocator just freed from
         # compute, so it waits for compute as it is now (rare: the pool reuses its blocks).
@@ -199,8 +201,8 @@ class Scheduler:
             ready = self.streams.record(self.streams.compute)
         record.device_buf = buf.view(self.dtype)
         record.status = ShardStatus.IN_FLIGHT
-        self.stats.add_bytes(Link.HOST_TO_GPU, nbytes)
         if record.home is Tier.HOST:
+            self.stats.add_bytes(Link.HOST_TO_GPU, nbytes)
             record.event = self.streams.copy(record.device_buf, self.tiers.stores[Tier.HOST].view(key),
                                              self.streams.h2d, after=ready)
             return
@@ -208,9 +210,12 @@ class Scheduler:
         if cached is not None:  # still in RAM since its last use (backward replays forward reversed)
             record.staging = cached.view(self.dtype)
             record.event = self.streams.copy(record.device_buf, record.staging, self.streams.h2d, after=ready)
+            self.stats.add_bytes(Link.HOST_TO_GPU, nbytes)
             self.stats.add_cache_hit(nbytes)
             return
-        record.staging = self.tiers.lease_host(nbytes).view(self.dtype)
+        # (a failed look-ahead lease leaves `device_buf` to `_drop`, which gives it back)
+        record.staging = self.tiers.lease_host(nbytes, wait).view(self.dtype)
+        self.stats.add_bytes(Link.HOST_TO_GPU, nbytes)
         # cached from now on: the pool evicts it (least recently used first) when space is short
         self.tiers.host_pool.cache_put(key, record.staging.view(torch.uint8))
         keys = state_keys(StateKind.PARAM, unit, self.rank, self.piece_numel, Tier.NVME)

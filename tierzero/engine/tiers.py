@@ -99,6 +99,7 @@ class Tiers:
         self.streams: streams_mod.Streams | None = None
         self.pending = Pending(self.stats)
         self._opened: list[Any] = []
+        self._flushing: concurrent.futures.Future | None = None  # `flush_behind`'s, in flight
 
     def share_budgets(self, device_pool_bytes: int) -> None:
         """On the CPU device the gpu tier is host memory: its pool's budget is what the memory
@@ -184,6 +185,7 @@ class Tiers:
         try:
             if self.io is not None:
                 self.pending.drain()
+                self._wait_flush()
                 if Tier.NVME in self.stores:
                     self.run(self.stores[Tier.NVME].flush())
         finally:
@@ -202,6 +204,20 @@ class Tiers:
 
     def run(self, coro: Coroutine) -> Any:
         return self.submit(coro).result()
+
+    def flush_behind(self) -> None:
+        """After a step: start an NVMe flush without waiting for it, so the blocks the step
+        superseded become spares (`storage.spares`) while the next step runs. Durability is
+        the checkpoints' (and `close`'s), which flush and wait. One at a time: the previous
+        flush is waited for first, and its failure raised here."""
+        if Tier.NVME in self.stores:
+            self._wait_flush()
+            self._flushing = self.submit(self.stores[Tier.NVME].flush())
+
+    def _wait_flush(self) -> None:
+        flushing, self._flushing = self._flushing, None
+        if flushing is not None:
+            flushing.result()
 
     def when_done(self, event: streams_mod.Event) -> concurrent.futures.Future:
         """A future that completes once the stream event `event` has happened: the I/O loop's
@@ -225,14 +241,16 @@ class Tiers:
         if not self.streams.query(event):
             await self.io.wait_off_workers(self.streams.host_wait, event, lane=self.streams.lane(event))
 
-    def lease_host(self, nbytes: int) -> torch.Tensor:
-        """A host buffer; when the pool is full, wait for pending transfers to free one first."""
+    def lease_host(self, nbytes: int, wait: bool = True) -> torch.Tensor:
+        """A host buffer; when the pool is full, wait for pending transfers to free one first.
+        `wait=False` (a prefetch, issued from autograd's thread): take what completed transfers
+        have freed, and otherwise raise `BudgetExceededError` rather than block on one."""
         assert self.host_pool is not None
-        return _lease(self.host_pool, nbytes, self.pending)
+        return _lease(self.host_pool, nbytes, self.pending, wait)
 
-    def lease_device(self, nbytes: int) -> torch.Tensor:
+    def lease_device(self, nbytes: int, wait: bool = True) -> torch.Tensor:
         assert self.device_pool is not None
-        return _lease(self.device_pool, nbytes, self.pending)
+        return _lease(self.device_pool, nbytes, self.pending, wait)
 
     def peaks(self) -> dict[str, int]:
         assert self.host_pool is not None and self.device_pool is not None
@@ -265,14 +283,19 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, from glibc'
 _MALLOC_PINNED: bool | None = None
 
 
-def _lease(pool: HostPool | DevicePool, nbytes: int, pending: Pending) -> torch.Tensor:
+def _lease(pool: HostPool | DevicePool, nbytes: int, pending: Pending, wait: bool = True) -> torch.Tensor:
     """A pool with size classes serves from the blocks it pinned at open, waiting for pending
     transfers to give one back; only with nothing pending does it allocate (a counted pinning).
-    Without classes it allocates while the budget has room, and waits when it has not."""
+    Without classes it allocates while the budget has room, and waits when it has not.
+    Without `wait`, a transfer still in flight is never waited for: the lease fails instead."""
+    if not wait:
+        pending.reap()
     while True:
         try:
             return pool.lease(nbytes, grow=False) if pool.classes else pool.lease(nbytes)
         except BudgetExceededError:
+            if not wait and len(pending):
+                raise
             if pending.wait_oldest():
                 continue
             if not pool.classes:
