@@ -24,7 +24,7 @@ def train(
     config: Optional[Path] = typer.Option(None, "--config", help="TOML file of run and engine keys; flags override it."),
     model: Optional[str] = typer.Option(None, "--model", help="Model preset (tiny, 125m, 350m, 1b, 3b, 7b, 13b, 70b, llama3-8b, llama3-70b), or hf:DIR, a local Hugging Face causal LM directory."),
     units: Optional[str] = typer.Option(None, "--units", help="Attribute path of the model's repeated blocks (e.g. model.layers); default: its largest list of one block class."),
-    data: Optional[str] = typer.Option(None, "--data", help="A text file, a folder of text files, a .jsonl file, or .bin/.npy token ids; default: the stdlib's own sources. Text is tokenized by an hf: model's tokenizer.json, else read as bytes."),
+    data: Optional[str] = typer.Option(None, "--data", help="A text file, a folder of text files, a .jsonl file, .parquet files or a datasets save_to_disk directory, or .bin/.npy token ids; default: the stdlib's own sources. Text is tokenized by an hf: model's tokenizer.json, else read as bytes. Records with messages (the model's chat template) or prompt/completion train on the assistant turns / completion only."),
     text_field: Optional[str] = typer.Option(None, "--text-field", help="The field of each .jsonl record that holds its text (default: text)."),
     weights: Optional[str] = typer.Option(None, "--weights", help="Start from local .safetensors weights (a file or a directory of them)."),
     lora_r: Optional[int] = typer.Option(None, "--lora-r", help="Train LoRA adapters of this rank (peft) on the frozen hf:DIR base; export writes a peft adapter, or merged weights with --merge."),

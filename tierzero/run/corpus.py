@@ -1,7 +1,10 @@
 """Fine-tuning data: what `--data` names, read into one token array for `TokenBatches`.
 
 `--data` is a text file, a folder of text files, a `.jsonl` file of records with a text field
-(`--text-field`, default `text`), or token ids (`.bin`/`.npy`, see `tierzero.run.data`). Text is
+(`--text-field`, default `text`), Parquet files or a `datasets` `save_to_disk` directory of
+such records, or token ids (`.bin`/`.npy`, see `tierzero.run.data`). Records with `messages`
+or `prompt`/`completion` are fine-tuning examples (`tierzero.run.examples`): `read_data` also
+says which of their tokens are trained. Text is
 tokenized by the model directory's own `tokenizer.json` (the `tokenizers` library) when there
 is one -- each document's ids, then the model's end-of-sequence id where its config names
 one -- else read as bytes (ids 0-255). Every id is checked against the model's vocabulary
@@ -11,15 +14,18 @@ It never touches a model or a device.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from tierzero.run.data import default_corpus, load_tokens
 from tierzero.errors import DataError
+from tierzero.run.data import default_corpus, load_tokens
+from tierzero.run.examples import ChatTemplate, arrow_records, encode_examples, is_arrow_data, is_example
 
 TOKEN_SUFFIXES = (".bin", ".npy")
 
@@ -31,24 +37,58 @@ class TextTokenizer:
     path: Path
     eos_id: int | None = None
 
-    def encode(self, documents: list[str]) -> np.ndarray:
+    def load(self) -> Any:
+        """The `tokenizers.Tokenizer` of `path`."""
         try:
             from tokenizers import Tokenizer
         except ImportError:
             raise DataError("tokenizing text with a model's tokenizer.json needs tokenizers; "
                             "pip install 'tierzero[hf]'") from None
         try:
-            tokenizer = Tokenizer.from_file(str(self.path))
+            return Tokenizer.from_file(str(self.path))
         except Exception as e:  # tokenizers raises plain Exceptions for unreadable files
             raise DataError(f"{self.path} is not a tokenizer the tokenizers library reads "
                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); replace it with "
                             "the model's own tokenizer.json") from None
+
+    def encode(self, documents: list[str]) -> np.ndarray:
         ids: list[int] = []
-        for encoding in tokenizer.encode_batch(documents):
+        for encoding in self.load().encode_batch(documents):
             ids.extend(encoding.ids)
             if self.eos_id is not None:
                 ids.append(self.eos_id)
         return np.asarray(ids, dtype=np.uint32)
+
+
+def read_data(data: str | None, vocab_size: int, tokenizer: TextTokenizer | None = None,
+              text_field: str = "text") -> tuple[np.ndarray, np.ndarray | None]:
+    """The tokens of `data` and, for fine-tuning examples (`tierzero.run.examples`), which of
+    them are trained (None: every one)."""
+    path = Path(data) if data is not None else None
+    if path is None or not (path.suffix == ".jsonl" or is_arrow_data(path)):
+        return read_corpus(data, vocab_size, tokenizer, text_field), None
+    if not path.exists():
+        raise DataError(f"data '{path}' does not exist; pass a .jsonl file, Parquet files or a "
+                        "datasets save_to_disk directory")
+    numbered = enumerate(arrow_records(path), start=1) if is_arrow_data(path) else _json_objects(path)
+    where = "record" if is_arrow_data(path) else "line"
+    first = next(numbered, None)
+    numbered = itertools.chain([first] if first is not None else [], numbered)
+    if first is None or not is_example(first[1]):
+        documents = [_text(r, text_field, f"{path} {where} {i}") for i, r in numbered]
+        if not any(documents):
+            raise DataError(f"data '{path}' holds no text; pass files with text in them")
+        tokens = (tokenizer.encode(documents) if tokenizer is not None
+                  else np.frombuffer("\n".join(documents).encode(), dtype=np.uint8))
+        return _checked(tokens, vocab_size, str(path), tokenizer), None
+    if tokenizer is None:
+        raise DataError(f"data '{path}' holds prompt/completion or chat records, which need the model's "
+                        "tokenizer.json; train an hf: model whose directory has one")
+    ids, trained = encode_examples((r for _, r in numbered), tokenizer.load(), tokenizer.eos_id,
+                                   ChatTemplate(tokenizer.path.parent), str(path))
+    if not trained.any():
+        raise DataError(f"data '{path}' has no completion or assistant tokens to train on; check its records")
+    return _checked(ids, vocab_size, str(path), tokenizer), trained
 
 
 def read_corpus(data: str | None, vocab_size: int, tokenizer: TextTokenizer | None = None,
@@ -94,19 +134,28 @@ def _documents(path: Path, text_field: str) -> Iterator[str]:
 
 
 def _records(path: Path, text_field: str) -> Iterator[str]:
+    for number, record in _json_objects(path):
+        yield _text(record, text_field, f"{path} line {number}")
+
+
+def _json_objects(path: Path) -> Iterator[tuple[int, Any]]:
+    """Each record of a .jsonl file, with its line number."""
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield number, json.loads(line)
             except ValueError:
                 raise DataError(f"{path} line {number} is not JSON; write one JSON object per line") from None
-            text = record.get(text_field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise DataError(f"{path} line {number} has no string field '{text_field}'; name the "
-                                "field that holds the text with --text-field")
-            yield text
+
+
+def _text(record: Any, text_field: str, where: str) -> str:
+    text = record.get(text_field) if isinstance(record, dict) else None
+    if not isinstance(text, str):
+        raise DataError(f"{where} has no string field '{text_field}'; name the field that holds the text "
+                        "with --text-field")
+    return text
 
 
 def _hidden(f: Path, root: Path) -> bool:

@@ -9,6 +9,10 @@ Batch order: the training split is cut into non-overlapping windows of seq_len +
 visits every window once, in a permutation drawn from (seed, epoch). The position in that
 order is the whole state, so a resumed run sees exactly the batches an uninterrupted one would.
 
+Fine-tuning examples come with a `trained` mask, one entry per token (`tierzero.run.corpus`):
+a target that is not trained is -100 in y, which the loss ignores (its mean is over trained
+targets), and a window without a trained target is never drawn.
+
 Ranks: `batch_size` is the global batch. Every rank walks the same order and takes its own
 contiguous rows of each batch (rank r of N: rows r*B/N .. (r+1)*B/N), so the global batch is
 the same for any world size, the slices are disjoint, and the position is one number for all
@@ -26,6 +30,7 @@ import torch
 from numpy.typing import DTypeLike
 
 from tierzero.errors import ConfigError, DataError
+from tierzero.models.loss import IGNORE_INDEX
 
 TOKEN_DTYPES = (np.dtype(np.uint16), np.dtype(np.uint32))
 SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
@@ -104,7 +109,8 @@ class TokenBatches:
     """Deterministic (x, y) batches from a token array, with a held-out validation tail."""
 
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
-                 val_fraction: float = 0.05, rank: int = 0, world_size: int = 1) -> None:
+                 val_fraction: float = 0.05, rank: int = 0, world_size: int = 1,
+                 trained: np.ndarray | None = None) -> None:
         if batch_size < 1 or seq_len < 1:
             raise ConfigError(f"batch_size {batch_size} and seq_len {seq_len} must both be at least 1")
         if batch_size % world_size:
@@ -117,6 +123,9 @@ class TokenBatches:
             raise ConfigError(f"val_fraction {val_fraction} must be in [0, 1)")
         n_val = int(len(tokens) * val_fraction)
         self.train, self.val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
+        self.trained = trained  # which tokens are targets (fine-tuning examples); None: all
+        if trained is not None and len(trained) != len(tokens):
+            raise ConfigError(f"the trained mask has {len(trained)} entries for {len(tokens)} tokens; give one per token")
         for split, split_tokens in (("training", self.train), ("validation", self.val)):
             if len(split_tokens) < seq_len + 1 and (split == "training" or n_val > 0):
                 raise DataError(
@@ -124,7 +133,12 @@ class TokenBatches:
                     f"for seq_len {seq_len} (needs {seq_len + 1}); use a larger corpus or a smaller --seq-len"
                 )
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
-        self.n_windows = (len(self.train) - 1) // seq_len
+        self._starts = self._window_starts(0, len(self.train))
+        self._val_starts = self._window_starts(len(self.train), len(self.val)) if n_val else self._starts
+        if len(self._starts) == 0 or len(self._val_starts) == 0:
+            raise DataError(f"no window of {seq_len + 1} tokens in the {'training' if len(self._starts) == 0 else 'validation'} "
+                            "split has a completion or assistant token to train on; use a longer --seq-len or more data")
+        self.n_windows = len(self._starts)
         self.epoch, self.position = 0, 0
         self._order = self._permutation(0)
 
@@ -140,20 +154,19 @@ class TokenBatches:
         starts = []
         while len(starts) < self.batch_size:
             take = min(self.batch_size - len(starts), self.n_windows - self.position)
-            starts.extend(self._order[self.position: self.position + take] * self.seq_len)
+            starts.extend(self._starts[self._order[self.position: self.position + take]])
             self.position += take
             if self.position == self.n_windows:
                 self.epoch, self.position = self.epoch + 1, 0
                 self._order = self._permutation(self.epoch)
-        return self._gather(self.train, np.asarray(starts)[self.rows])
+        return self._gather(self.train, np.asarray(starts)[self.rows], 0)
 
     def val_batches(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The first n validation batches: windows in order, cycling if the split is short."""
         if len(self.val) == 0:
             raise ConfigError("there is no validation split; set val_fraction above 0")
-        n_windows = (len(self.val) - 1) // self.seq_len
-        window = np.arange(n * self.batch_size) % n_windows
-        return [self._gather(self.val, starts[self.rows] * self.seq_len)
+        window = np.arange(n * self.batch_size) % len(self._val_starts)
+        return [self._gather(self.val, self._val_starts[starts[self.rows]], len(self.train))
                 for starts in window.reshape(n, self.batch_size)]
 
     def state_dict(self) -> dict[str, int]:
@@ -177,6 +190,20 @@ class TokenBatches:
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
 
-    def _gather(self, tokens: np.ndarray, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        windows = torch.from_numpy(tokens[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int64))
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    def _window_starts(self, offset: int, length: int) -> np.ndarray:
+        """Where each window of a split starts (in the split): every seq_len-th token, keeping
+        with a trained mask only the windows with a trained target."""
+        starts = np.arange((length - 1) // self.seq_len) * self.seq_len
+        if self.trained is None:
+            return starts
+        seen = np.concatenate([[0], np.cumsum(self.trained[offset + 1: offset + length], dtype=np.int64)])
+        return starts[seen[starts + self.seq_len] > seen[starts]]  # targets of the window starting there
+
+    def _gather(self, tokens: np.ndarray, starts: np.ndarray, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x and y of windows at `starts` of a split at `offset`: y is -100 where not trained."""
+        index = starts[:, None] + np.arange(self.seq_len + 1)
+        windows = torch.from_numpy(tokens[index].astype(np.int64))
+        x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        if self.trained is not None:
+            y[~torch.from_numpy(self.trained[offset + index[:, 1:]].astype(bool))] = IGNORE_INDEX
+        return x, y

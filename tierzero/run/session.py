@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from tierzero.config import Offload, RunConfig
-from tierzero.run.corpus import read_corpus
+from tierzero.run.corpus import read_data
 from tierzero.run.data import TokenBatches
 from tierzero.checkpoint.catalog import checkpoint_dirs
 from tierzero.errors import ConfigError
@@ -78,9 +78,9 @@ class Session:
 def load_batches(run: RunConfig, model: RunModel, ranks: Ranks = Ranks()) -> TokenBatches:
     """The run's data, tokenized for `model` and checked against its vocabulary; with several
     ranks, this rank's rows of every global batch."""
-    tokens = read_corpus(run.data, model.vocab_size, model.tokenizer, run.text_field)
+    tokens, trained = read_data(run.data, model.vocab_size, model.tokenizer, run.text_field)
     return TokenBatches(tokens, run.batch_size, run.seq_len, seed=run.engine.seed,
-                        rank=ranks.rank, world_size=ranks.world_size)
+                        rank=ranks.rank, world_size=ranks.world_size, trained=trained)
 
 
 @contextmanager

@@ -1,0 +1,140 @@
+"""Fine-tuning examples: records that say which tokens to train on, as ids and a trained mask.
+
+A record is a chat (`messages`: a list of {"role", "content"}, rendered by the tokenizer's own
+chat template, as transformers' `apply_chat_template` renders it) or an instruction pair
+(`prompt` and `completion`, joined, then the end-of-sequence id). Only the assistant turns /
+the completion (and its end-of-sequence id) are *trained*: every other token is context, and
+its target is masked (-100) by `TokenBatches`, so the loss is the mean over trained tokens.
+
+Which tokens a turn covers comes from character spans: the chat is rendered up to the turn
+(with the generation prompt) and through it, and the tokens of the whole rendering whose
+character offsets fall between the two are the turn's. Templates that do not render a chat's
+beginning the same way when it is cut short are refused rather than masked wrongly.
+
+Records come from a `.jsonl` file, Parquet files, or a `datasets` `save_to_disk` directory
+(Arrow files); the last two need `pyarrow` (`pip install 'tierzero[data]'`) and are read one
+record batch at a time, never whole. It never touches a model or a device.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tierzero.errors import DataError
+
+BATCH_RECORDS = 1024  # records per Arrow batch read and tokenized at once
+ARROW_MARKER = "state.json"  # what `Dataset.save_to_disk` writes beside its .arrow files
+
+
+def is_example(record: Any) -> bool:
+    return isinstance(record, dict) and ("messages" in record or {"prompt", "completion"} <= record.keys())
+
+
+def is_arrow_data(path: Path) -> bool:
+    return path.suffix == ".parquet" or (path.is_dir() and (path / ARROW_MARKER).is_file())
+
+
+def arrow_records(path: Path) -> Iterator[dict[str, Any]]:
+    """The records of a Parquet file, a folder of them, or a `save_to_disk` directory, one
+    Arrow record batch at a time."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"reading {path.name} needs pyarrow; pip install 'tierzero[data]'") from None
+    try:
+        if path.is_dir() and (path / ARROW_MARKER).is_file():
+            state = json.loads((path / ARROW_MARKER).read_text())
+            files = [path / f["filename"] for f in state.get("_data_files", [])] or sorted(path.glob("*.arrow"))
+            for f in files:
+                with pa.memory_map(str(f)) as source:
+                    for batch in pa.ipc.open_stream(source):
+                        yield from batch.to_pylist()
+            return
+        files = sorted(path.rglob("*.parquet")) if path.is_dir() else [path]
+        for f in files:
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=BATCH_RECORDS):
+                yield from batch.to_pylist()
+    except (OSError, ValueError, KeyError, pa.ArrowException) as e:
+        raise DataError(f"cannot read '{path}' as Parquet or a datasets save_to_disk directory ({e}); "
+                        "check the files") from None
+
+
+class ChatTemplate:
+    """The model directory's chat template (transformers reads it), rendering chats to text."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        self._tokenizer: Any = None
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        if self._tokenizer is None:
+            try:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+            except (ImportError, OSError, ValueError) as e:
+                raise DataError(f"chat records need the tokenizer of {self.model_dir} through transformers "
+                                f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                                "pip install 'tierzero[hf]'") from None
+            if not self._tokenizer.chat_template:
+                raise DataError(f"{self.model_dir} has no chat template (tokenizer_config.json's chat_template "
+                                "or chat_template.jinja); use prompt/completion records, or add the template")
+        return self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def encode_examples(records: Iterable[dict[str, Any]], tokenizer: Any, eos_id: int | None,
+                    template: ChatTemplate | None, source: str) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of every record, end to end, and whether each is trained (uint8 0/1)."""
+    ids: list[int] = []
+    trained: list[int] = []
+    batch: list[tuple[str, list[tuple[int, int]], bool]] = []
+
+    def flush() -> None:
+        for (text, spans, eos), encoding in zip(batch, tokenizer.encode_batch([t for t, _, _ in batch],
+                                                                              add_special_tokens=False)):
+            ids.extend(encoding.ids)
+            trained.extend(int(any(a <= start < b for a, b in spans)) for start, _ in encoding.offsets)
+            if eos and eos_id is not None:
+                ids.append(eos_id)
+                trained.append(1)
+        batch.clear()
+
+    for number, record in enumerate(records, start=1):
+        batch.append(_rendered(record, template, f"{source} record {number}"))
+        if len(batch) == BATCH_RECORDS:
+            flush()
+    flush()
+    return np.asarray(ids, dtype=np.uint32), np.asarray(trained, dtype=np.uint8)
+
+
+def _rendered(record: dict[str, Any], template: ChatTemplate | None, where: str) -> tuple[str, list[tuple[int, int]], bool]:
+    """The record's text, the character spans to train on, and whether an end-of-sequence id follows."""
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise DataError(f"{where}: 'messages' is not a list of {{'role', 'content'}} objects")
+        if template is None:
+            raise DataError(f"{where} is a chat, which needs the model's tokenizer and chat template; "
+                            "train an hf: model whose directory has them")
+        text = template.render(messages)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = template.render(messages[:i], add_generation_prompt=True) if i else ""
+            through = template.render(messages[:i + 1])
+            if not (text.startswith(through) and through.startswith(before)):
+                raise DataError(f"{where}: the chat template renders the chat's first turns differently when "
+                                "it is cut short, so the assistant's tokens cannot be found; use prompt/completion")
+            spans.append((len(before), len(through)))
+        return text, spans, False
+    prompt, completion = record.get("prompt"), record.get("completion")
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        raise DataError(f"{where}: 'prompt' and 'completion' must both be strings")
+    return prompt + completion, [(len(prompt), len(prompt) + len(completion))], True
