@@ -382,17 +382,19 @@ class NvmeStore(TierStore):
 
     async def flush(self) -> None:
         """Make every completed write durable (syncfs per directory), then let superseded
-        generations' blocks be reused."""
+        generations' blocks be reused: those retired before the sync began (writes may go on
+        meanwhile; a commit the sync may have missed waits for the next flush)."""
         self._require_open()
         loop = asyncio.get_running_loop()
+        marks = [spares.mark() for spares in self._spares]
         try:
             await asyncio.gather(*(loop.run_in_executor(None, chunkfile.sync_filesystem, p)
                                    for p in self.paths))
         except OSError as e:
             raise StorageError(f"syncing the NVMe store failed ({e}): check the drive") from e
         try:
-            for spares in self._spares:
-                await loop.run_in_executor(None, spares.recycle)
+            for spares, mark in zip(self._spares, marks):
+                await loop.run_in_executor(None, spares.recycle, mark)
         except OSError as e:
             raise os_error(e, "recycling spare chunks in", e.filename or spares.directory) from e
 

@@ -8,7 +8,8 @@ When is it safe to overwrite a file's blocks? When nothing can ever read them ag
 - the generation that held the file is no longer current, *and* that switch is durable: a
   commit only `retire()`s the old generation's files; they become spares at `recycle()`, which
   the store calls after a flush made the commit durable. Before that, a power loss could bring
-  the old generation back, and it must still hold its bytes;
+  the old generation back, and it must still hold its bytes. A flush may run while writes go
+  on: it recycles only what was retired before it began (`mark`), the commits its sync covers;
 - no checkpoint links the file: a file with more than one link (`st_nlink > 1`) is never
   recycled, only its live name is removed, so a checkpoint's chunks are never overwritten.
 Retired files beyond `max_bytes` are simply unlinked (the filesystem itself does not reuse
@@ -36,8 +37,10 @@ class SpareFiles:
         self.max_spares = max(1, max_bytes // chunk_bytes)
         self._lock = threading.Lock()
         self._idle: list[str] = []
-        self._retired: list[str] = []  # files of superseded generations, not yet durable
-        self._retired_dirs: list[str] = []
+        # files and directories of superseded generations, not yet durable, by retirement number
+        self._retired: list[tuple[int, str]] = []
+        self._retired_dirs: list[tuple[int, str]] = []
+        self._retirements = 0
         self._names = itertools.count()
 
     def open(self) -> None:
@@ -62,19 +65,29 @@ class SpareFiles:
     def retire(self, files: list[str], gen_dir: str) -> None:
         """Record a superseded generation; its blocks are reusable only after `recycle()`."""
         with self._lock:
-            self._retired.extend(files)
-            self._retired_dirs.append(gen_dir)
+            self._retirements += 1
+            self._retired.extend((self._retirements, path) for path in files)
+            self._retired_dirs.append((self._retirements, gen_dir))
             overflow = len(self._retired) - self.max_spares
             dropped = self._retired[:overflow] if overflow > 0 else []
             del self._retired[:len(dropped)]
-        for path in dropped:
+        for _, path in dropped:
             _unlink(path)
 
-    def recycle(self) -> None:
-        """After a flush made every retirement so far durable: turn retired files into spares."""
+    def mark(self) -> int:
+        """The retirements so far: a flush that begins now makes them durable (`recycle(mark)`)."""
         with self._lock:
-            retired, self._retired = self._retired, []
-            dirs, self._retired_dirs = self._retired_dirs, []
+            return self._retirements
+
+    def recycle(self, upto: int | None = None) -> None:
+        """After a flush made the retirements up to `upto` (`mark()` before it; all by default)
+        durable: turn their files into spares. Later ones wait for the next flush."""
+        with self._lock:
+            upto = self._retirements if upto is None else upto
+            retired = [path for n, path in self._retired if n <= upto]
+            dirs = [path for n, path in self._retired_dirs if n <= upto]
+            self._retired = [(n, path) for n, path in self._retired if n > upto]
+            self._retired_dirs = [(n, path) for n, path in self._retired_dirs if n > upto]
         for path in retired:
             try:
                 if os.stat(path).st_nlink != 1:  # a checkpoint links it: never overwrite it

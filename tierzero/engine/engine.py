@@ -240,10 +240,8 @@ class Engine:
             return False
         try:
             stepped = self._step()
-            if stepped and Tier.NVME in self.tiers.stores:
-                # one syncfs per step: the step's writes are durable, and the blocks they
-                # superseded become spares that the next step's writes overwrite in place
-                self.tiers.run(self.tiers.stores[Tier.NVME].flush())
+            if stepped:  # superseded blocks become spares, behind the next step (no sync here)
+                self.tiers.flush_behind()
             return stepped
         except BaseException as e:
             self._broken = f"the optimizer step failed: {e!r}"  # some shards are updated, some not
