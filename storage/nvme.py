@@ -381,9 +381,8 @@ class NvmeStore(TierStore):
                 raise StorageError(f"deleting shard {key!r} ({shard_dir}) failed: {e}") from e
 
     async def flush(self) -> None:
-        """Make every completed write durable (syncfs per directory), then let superseded
-        generations' blocks be reused: those retired before the sync began (writes may go on
-        meanwhile; a commit the sync may have missed waits for the next flush)."""
+        """Make every completed write durable (syncfs per directory), then let the blocks of
+        generations retired before the sync began be reused (later ones wait for the next)."""
         self._require_open()
         loop = asyncio.get_running_loop()
         marks = [spares.mark() for spares in self._spares]
