@@ -214,6 +214,10 @@ def restore(engine: Checkpointed, path: Path, manifest: Manifest) -> None:
               for key, _, _ in engine.shards.keys(kind, unit)]
     missing = [key for _, _, key in wanted if key not in manifest.arrays]
     if missing:
+        written = manifest.engine.get("piece_numel")
+        if written is not None and written != engine.config.piece_numel:
+            raise CheckpointError(f"{path} was written with pieces of {written} elements and this engine "
+                                  f"streams {engine.config.piece_numel}; build it with piece_numel={written}")
         raise CheckpointError(f"{path / MANIFEST_NAME} lists no array {missing[0]!r}: the checkpoint is "
                               "incomplete, or was written with another piece size; use another one")
     copied = 0
@@ -264,8 +268,21 @@ def _plain(value: Any) -> Any:
 
 
 def _engine_state(engine: Checkpointed) -> dict[str, Any]:
+    # the piece size the shards are keyed by: a resume whose budgets would choose another one
+    # keeps this one (`checkpoint_piece_numel`), or it could not find its arrays
     return {**engine.state.to_dict(), "scaler": engine.scaler.state_dict(),
-            "skipped_updates": engine.param_steps.state_dict()}
+            "skipped_updates": engine.param_steps.state_dict(), "piece_numel": engine.config.piece_numel}
+
+
+def checkpoint_piece_numel(run_dir: str | Path) -> int | None:
+    """The piece size the newest checkpoint of `run_dir` was written with (None: no checkpoint,
+    or one that predates the record), so a resume that leaves `piece_numel` to the budget
+    chooser reads its arrays back under the same keys. Integrity is checked later, by the load."""
+    found = newest_checkpoint(run_dir, verify=False)
+    if found is None:
+        return None
+    value = found[1].engine.get("piece_numel")
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def _load_engine_state(engine: Checkpointed, state: dict[str, Any], path: Path) -> None:
