@@ -49,7 +49,7 @@ def train(
     nvme_path: Optional[list[str]] = typer.Option(None, "--nvme-path", help="SSD directory for offloaded state; repeat once per drive. Default: RUN_DIR/nvme."),
     host_budget: Optional[str] = typer.Option(None, "--host-budget", help="Host memory budget, e.g. 8GiB."),
     gpu_budget: Optional[str] = typer.Option(None, "--gpu-budget", help="GPU memory budget, e.g. 20GiB."),
-    prefetch_depth: Optional[int] = typer.Option(None, "--prefetch-depth", help="Units fetched ahead of compute. Default: the deepest (at most 2) that fits the budgets, with the largest pieces (piece_numel in a --config file; at most 16Mi elements) that fit."),
+    prefetch_depth: Optional[int] = typer.Option(None, "--prefetch-depth", help="Units fetched ahead of compute."),
     overlap_step: Optional[bool] = typer.Option(None, "--overlap-step/--no-overlap-step", help="Step each unit's optimizer during backward where exact."),
     verify_reads: Optional[str] = typer.Option(None, "--verify-reads", help="Check every NVMe read's crc32c, so a flipped bit stops the run naming the chunk: on, off, or auto (default: on where crc32c runs at 20x one thread's read speed of --nvme-path)."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="`tierzero bench --profile-out` file; --offload auto uses it to predict step time."),

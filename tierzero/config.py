@@ -42,11 +42,6 @@ class StateKind(str, enum.Enum):
 # the optimizer's states: what AdamW steps besides the param, always homed together by the planner
 OPTIMIZER_KINDS = (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
 
-# the largest piece (64 MiB of fp32) and deepest read-ahead the engine chooses when they are left
-# to it (None, or "auto"): where the budgets allow, smaller otherwise (tierzero.planning.streaming)
-PIECE_NUMEL = 16 << 20
-PREFETCH_DEPTH = 2
-
 
 class Offload(str, enum.Enum):
     NONE = "none"
@@ -128,9 +123,7 @@ class Config:
     """What the `Engine` needs: precision, optimizer, schedule and where state lives.
 
     `placement=None` derives the placement from `offload`; budgets of `None` mean "a safe
-    share of what the machine has" and are resolved when the engine opens. `piece_numel` and
-    `prefetch_depth` of `None` (or "auto") are chosen by the engine to fit the budgets; a value
-    given is used as it is.
+    share of what the machine has" and are resolved when the engine opens.
     """
 
     offload: Offload = Offload.NVME
@@ -140,7 +133,7 @@ class Config:
     placement: Placement | None = None
     host_budget: int | None = None
     gpu_budget: int | None = None
-    prefetch_depth: int | None = None  # units fetched ahead; None: the deepest that fits (at most 2)
+    prefetch_depth: int = 2
     lr: float = 1e-3
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
@@ -165,7 +158,7 @@ class Config:
     seed: int = 0
     units: str | None = None
     chunk_bytes: int = 8 << 20
-    piece_numel: int | None = None  # elements per piece that grads and optimizer states stream in; None: chosen
+    piece_numel: int = 16 << 20  # elements per piece: grads and optimizer states stream in these
     io_threads: int = 16
     verify_reads: str = "auto"  # crc32c-check every NVMe read: on, off, or auto (on where it is cheap)
     profile: str | None = None
@@ -188,12 +181,10 @@ class Config:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, parse_bytes(value, name))
-        self.piece_numel = None if self.piece_numel == "auto" else self.piece_numel
-        self.prefetch_depth = None if self.prefetch_depth == "auto" else self.prefetch_depth
-        if self.piece_numel is not None and (isinstance(self.piece_numel, bool) or not isinstance(self.piece_numel, int)
-                                             or self.piece_numel <= 0 or self.piece_numel % 2048):
+        if isinstance(self.piece_numel, bool) or not isinstance(self.piece_numel, int) \
+                or self.piece_numel <= 0 or self.piece_numel % 2048:
             raise ConfigError(f"piece_numel must be a positive multiple of 2048 elements (aligned in every "
-                              f"dtype) or auto, got {self.piece_numel!r}; e.g. 16777216 (64 MiB of fp32)")
+                              f"dtype), got {self.piece_numel!r}; e.g. 16777216 (64 MiB of fp32)")
         if self.chunk_bytes <= 0 or self.chunk_bytes % 4096:
             raise ConfigError(f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes}")
         if self.verify_reads not in ("auto", "on", "off"):
@@ -215,10 +206,8 @@ class Config:
             raise ConfigError(f"accumulate must be an integer >= 1, got {self.accumulate}")
         if self.stage is not None and (isinstance(self.stage, bool) or self.stage not in (1, 2, 3)):
             raise ConfigError(f"stage must be 1, 2 or 3 (or unset to choose), got {self.stage!r}")
-        depth = self.prefetch_depth
-        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, (int, float))
-                                  or int(depth) != depth or depth < 0):
-            raise ConfigError(f"prefetch_depth must be an integer >= 0 or auto, got {depth!r}")
+        if int(self.prefetch_depth) != self.prefetch_depth or self.prefetch_depth < 0:
+            raise ConfigError(f"prefetch_depth must be an integer >= 0, got {self.prefetch_depth}")
         if self.loss_scale <= 0 or math.log2(self.loss_scale) != int(math.log2(self.loss_scale)):
             raise ConfigError(f"loss_scale must be a power of two (like 65536), got {self.loss_scale}")
         _positive(self.loss_scale_window, "loss_scale_window", strict=True)

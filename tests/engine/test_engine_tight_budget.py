@@ -7,15 +7,10 @@ new param piece must be taken from the master buffer before the master's write c
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
-from tierzero.errors import ConfigError
-from tierzero.models import ModelArgs
-from tierzero.models.llama import LOSS_CHUNK_BYTES
-from tierzero.planning.ledger import activation_memory
 
 from engine_helpers import batches, reference_run
 from test_engine_out_of_core import DEEP
@@ -32,73 +27,3 @@ def test_overlap_under_budget_pressure_stays_bitwise(tmp_path) -> None:
         weights = engine.master_state_dict()
     for key in ref_weights:
         assert torch.equal(weights[key], ref_weights[key]), key
-
-
-# --- piece size and prefetch depth left to the engine: the largest that fit the host budget ----
-
-WIDE = ModelArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=256, ffn_dim=384, max_seq_len=64,
-                 tie_embeddings=True)  # blocks of 215040 params: pieces under 256 Ki elements split them
-NVME = Placement(*[Tier.NVME] * 5)
-
-
-def wide_config(tmp_path, **kw) -> Config:
-    return Config(**{"placement": NVME, "nvme_path": [str(tmp_path / "nvme")], "device": "cpu", "dtype": "fp32",
-                     "lr": 3e-3, "total_steps": 3, **kw})
-
-
-def host_need(tmp_path, piece_numel: int, prefetch_depth: int) -> int:
-    engine = Engine(models.build(WIDE, device="meta"), wide_config(tmp_path, piece_numel=piece_numel,
-                                                                  prefetch_depth=prefetch_depth))
-    return engine.memory.needs()[Tier.HOST]
-
-
-def test_a_budget_the_defaults_overflow_trains_with_smaller_pieces_bitwise(tmp_path) -> None:
-    """At the host budget of 128 Ki-element pieces and depth 1 (and the batch's activations),
-    the old defaults (16 Mi, depth 2) are refused; left unset, the engine takes the first
-    rung of the ladder that fits -- no larger piece fits at depth 1 (each covers a whole block),
-    nor 128 Ki at depth 2 -- and trains bitwise as the same setting given explicitly does."""
-    act = activation_memory(WIDE, 4, 32, 4, LOSS_CHUNK_BYTES).total_bytes  # reserved at the first forward
-    budget = host_need(tmp_path, 128 << 10, 1) + act
-    assert host_need(tmp_path, 16 << 20, 1) > budget and host_need(tmp_path, 128 << 10, 2) > budget
-    with pytest.raises(ConfigError, match="host budget .* too small"):
-        Engine(models.build(WIDE, device="meta"), wide_config(tmp_path, host_budget=budget, piece_numel=16 << 20,
-                                                              prefetch_depth=2))
-    weights = {}
-    for name, kw in (("chosen", {}), ("given", {"piece_numel": 128 << 10, "prefetch_depth": 1})):
-        (tmp_path / name).mkdir()
-        cfg = wide_config(tmp_path / name, host_budget=budget, **kw)
-        data = batches()
-        with Engine(models.build(WIDE, device="meta", seed=cfg.seed), cfg) as engine:
-            assert (engine.config.piece_numel, engine.config.prefetch_depth) == (128 << 10, 1)
-            for _ in range(2):
-                engine.train_step(data.next_batch())
-            assert engine.tiers.peaks()["host"] <= budget
-            weights[name] = engine.master_state_dict()
-    _, ref_weights = reference_run(WIDE, wide_config(tmp_path), steps=2)
-    for key in ref_weights:
-        assert torch.equal(weights["chosen"][key], weights["given"][key]), key
-        assert torch.equal(weights["chosen"][key], ref_weights[key]), key
-
-
-def test_below_the_least_setting_the_refusal_names_host_memory_and_its_need(tmp_path) -> None:
-    least = host_need(tmp_path, 64 << 10, 0)
-    with pytest.raises(ConfigError) as refused:
-        Engine(models.build(WIDE, device="meta"), wide_config(tmp_path, host_budget=least - 4096))
-    message = str(refused.value)
-    assert f"need at least {least / 1e6:.1f} MB of host memory even with pieces of 64 Ki elements" in message
-    assert "prefetch depth 0" in message and "gpu" not in message and "--host-budget" in message
-
-
-def test_the_issue_134m_untied_on_nvme_fits_512mib_of_host_memory(tmp_path) -> None:
-    """Issue 22's case: 134M parameters (GPT-3 small's shape with LLaMA's blocks, vocab 32000,
-    untied), fp32, everything on nvme, --host-budget 512MiB on the CPU: refused at the old
-    defaults (1066.8 MB), it now runs with pieces of 1 Mi elements (4 MiB requests) at depth 1."""
-    args = ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=32000, ffn_dim=2048)
-    assert args.param_count() == 134_105_856
-    cfg = wide_config(tmp_path, host_budget="512MiB")
-    engine = Engine(models.build(args, device="meta"), cfg)
-    assert (engine.config.piece_numel, engine.config.prefetch_depth) == (1 << 20, 1)
-    assert engine.memory.needs()[Tier.HOST] <= 512 << 20
-    with pytest.raises(ConfigError, match=r"need at least 1066\.8 MB of host memory"):
-        Engine(models.build(args, device="meta"), wide_config(tmp_path, host_budget="512MiB", piece_numel=16 << 20,
-                                                              prefetch_depth=2))

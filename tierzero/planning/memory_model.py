@@ -275,8 +275,8 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
                                              for name, parts in phases.items()},
                               frozenset(POOLED[Tier.GPU] | {f"host {k}" for k in POOLED[Tier.HOST]}))
         host_memory = TierPeak(Tier.HOST, host.homes_bytes + w * gpu.homes_bytes,
-                               {**{f"compute {k}": w * v for k, v in gpu.pooled.items()}, **host.pooled},
-                               f"compute pool at {gpu.pooled_phase}, host pool at {host.pooled_phase}",
+                               {**{f"gpu {k}": w * v for k, v in gpu.pooled.items()}, **host.pooled},
+                               f"gpu {gpu.pooled_phase}, host {host.pooled_phase}",
                                unpooled.unpooled, unpooled.unpooled_phase)
     cached = Counter(class_for(n * c, classes, HOST_ALIGN) for n in stored_param) if placement.param is Tier.NVME \
         else Counter()

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tierzero.config import TORCH_DTYPES, DType, Placement, Tier, parse_bytes
+from tierzero.config import TORCH_DTYPES, Config, DType, Placement, Tier, parse_bytes
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit
 from tierzero.models.llama import LOSS_CHUNK_BYTES
@@ -29,7 +29,6 @@ from tierzero.planning.ledger import (GB, ActivationEstimate, activation_memory,
 from tierzero.planning.machine import default_budgets, free_disk_bytes
 from tierzero.planning.placement import (STAGE_TEXT, PlacementChoice, PlacementEstimate, candidate_placements, choose,
                                          choose_stage, estimate, load_profile)
-from tierzero.planning.streaming import Shortfall, choose_streaming, ladder, streamed
 from tierzero.planning.workload import Workload
 
 DEFAULT_PRESET = "7b"
@@ -56,7 +55,6 @@ class PlanReport:
     choice: PlacementChoice
     stage: int = 3  # the ZeRO stage the estimates are for (several ranks)
     stage_reason: str = "one rank"
-    chosen: tuple[str, ...] = ()  # the streaming settings chosen to fit (not given): piece_numel, prefetch_depth
 
     @property
     def units(self) -> tuple[Unit, ...]:
@@ -92,8 +90,6 @@ class PlanReport:
             "verdict": {**self.choice.as_dict(), "breakdown": self.choice.estimate.memory.breakdown()},
             "per_rank": self.per_rank(),
             "stage": {"stage": self.stage, "reason": self.stage_reason, "text": STAGE_TEXT[self.stage]},
-            "streaming": {"piece_numel": self.workload.piece_numel, "prefetch_depth": self.workload.prefetch_depth,
-                          "chosen": list(self.chosen)},
         }
 
     def per_rank(self) -> dict[str, Any]:
@@ -117,10 +113,10 @@ def make_plan(
     nvme_path: str | Path = ".",
     batch_size: int = 1,
     seq_len: int | None = None,
-    prefetch_depth: int | None = None,
+    prefetch_depth: int = 2,
     dtype: str = "bf16",
     vocab_size: int | None = None,
-    piece_numel: int | None = None,
+    piece_numel: int = Config.piece_numel,
     overlap: bool = True,
     profile: str | Path | None = None,
     stage: int | None = None,
@@ -134,8 +130,6 @@ def make_plan(
     the result is what it prints (`as_dict()` is its `--json`). `stage` forces the ZeRO stage;
     None chooses it as the engine does: the placement for stage 3, then the least communication
     whose state fits there (`tierzero.planning.placement.choose_stage`), and every estimate at that stage.
-    `piece_numel` and `prefetch_depth` of None are chosen as the engine chooses them, per
-    placement: the largest that fit (`tierzero.planning.streaming`).
     A model built elsewhere (the CLI's hf:DIR) comes as `units`, its partition for `gpus` ranks,
     and `args`, the LLaMA-like shape its activations are estimated from; `model` then names it."""
     if stage is not None and stage not in (1, 2, 3):
@@ -167,41 +161,25 @@ def make_plan(
     activations = activation_memory(args, batch_size, seq_len or args.max_seq_len, itemsize, LOSS_CHUNK_BYTES)
     budgets, detected, device = _budgets(gpu_mem, host_mem, nvme_free, Path(nvme_path))
     # grads are fp32 in every tier, as the engine keeps them (the ledger is the textbook 16 B)
-    top = ladder(piece_numel, prefetch_depth)[0]
-    how: dict[str, Any] = dict(world_size=gpus, device=device, prefetch_depth=top.prefetch_depth,
-                               piece_numel=top.piece_numel,
+    how: dict[str, Any] = dict(world_size=gpus, device=device, prefetch_depth=prefetch_depth, piece_numel=piece_numel,
                                overlap=overlap and compute is not DType.FP16, stage=stage or 3, accumulate=accumulate,
                                activations=activations, tokens_per_step=batch_size * activations.seq_len)
     work = Workload.from_units(units, itemsize, **how) if units is not None else \
         Workload.from_preset(args, itemsize, numel=numel if params is not None else None, **how)
     prof = load_profile(profile) if profile is not None else None
-    memory_budgets = {t: b for t, b in budgets.items() if t is not Tier.NVME}  # streaming saves no disk
-
-    def fitted(p: Placement, w: Workload) -> Workload:
-        """`w` streaming as the engine would run `p`: the settings given, the rest chosen."""
-        if piece_numel is not None and prefetch_depth is not None:
-            return w
-        choice = choose_streaming(w, p, memory_budgets, piece_numel=piece_numel, prefetch_depth=prefetch_depth)
-        return streamed(w, choice.streaming if isinstance(choice, Shortfall) else choice)
-
-    def cost_all(w: Workload) -> tuple[list[PlacementEstimate], dict[Placement, Workload]]:
-        works = {p: fitted(p, w) for p in candidate_placements()}
-        return [estimate(p, pw, prof) for p, pw in works.items()], works
-
-    estimates, works = cost_all(work)
+    estimates = [estimate(p, work, prof) for p in candidate_placements()]
     choice = choose(estimates, budgets)
     chosen, reason = choose_stage(
-        lambda s: not estimate(choice.placement, fitted(choice.placement, dataclasses.replace(work, stage=s)))
-        .overflow_bytes(budgets), gpus, accumulate, stage)
+        lambda s: not estimate(choice.placement, dataclasses.replace(work, stage=s)).overflow_bytes(budgets),
+        gpus, accumulate, stage)
     if chosen != work.stage:  # the engine keeps the placement and replicates: cost every one at that stage
-        estimates, works = cost_all(dataclasses.replace(work, stage=chosen))
+        work = dataclasses.replace(work, stage=chosen)
+        estimates = [estimate(p, work, prof) for p in candidate_placements()]
         mine = next(e for e in estimates if e.placement == choice.placement)
         choice = PlacementChoice(mine, fits=True)
-    left_open = tuple(name for name, v in (("piece_numel", piece_numel), ("prefetch_depth", prefetch_depth))
-                      if v is None)
     return PlanReport(None if params is not None else shape, shape, args, numel, ledger_numel,
-                      compute, gpus, budgets, detected, device, works[choice.placement], activations, estimates,
-                      choice, chosen, reason, left_open)
+                      compute, gpus, budgets, detected, device, work, activations, estimates,
+                      choice, chosen, reason)
 
 
 def _dtype(value: str) -> DType:
