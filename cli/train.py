@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -126,12 +125,6 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
     from tierzero.run.session import open_session
 
     out = Output(json_out, quiet=not ranks.primary)
-    if resume and run.engine.piece_numel is None and run.run_dir is not None:
-        # the shards are keyed by the checkpoint's piece size: keep it, whatever today's budgets choose
-        from tierzero.engine.snapshot import checkpoint_piece_numel
-
-        written = checkpoint_piece_numel(run.run_dir)
-        run = dataclasses.replace(run, engine=dataclasses.replace(run.engine, piece_numel=written))
     with _open_run_dir(run.run_dir, ranks, resume, overwrite) as (rundir, notes), \
             open_session(run, ranks) as session:
         start_step = 0

@@ -124,16 +124,3 @@ def test_identical_runs_save_identical_rng_states(tmp_path) -> None:
         states.append(newest_checkpoint(tmp_path / name)[1].rng)
     assert states[0] == states[1]
 
-
-def test_resume_keeps_the_piece_size_its_checkpoint_was_written_with(tmp_path) -> None:
-    """The budget chooser picks the piece size when none is given, and a resume under another
-    budget would pick another one: the shards are keyed by the checkpoint's, so that one stays."""
-    run_dir = tmp_path / "run"
-    first = train("--offload", "nvme", "--dtype", "fp32", "--host-budget", "40MiB", "--steps", "1",
-                  "--run-dir", str(run_dir))
-    assert first.exit_code == 0, first.output
-    manifest = json.loads((checkpoint_dirs(run_dir)[-1][1] / "manifest.json").read_text())
-    assert manifest["engine"]["piece_numel"] < 788480  # a block's shard spans several pieces
-    result = train("--resume", "--host-budget", "400MiB", "--run-dir", str(run_dir), "--steps", "2")
-    assert result.exit_code == 0, result.output
-    assert "resumed from checkpoint step 1" in result.output

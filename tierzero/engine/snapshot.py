@@ -268,21 +268,11 @@ def _plain(value: Any) -> Any:
 
 
 def _engine_state(engine: Checkpointed) -> dict[str, Any]:
-    # the piece size the shards are keyed by: a resume whose budgets would choose another one
-    # keeps this one (`checkpoint_piece_numel`), or it could not find its arrays
+    # the piece size the shards are keyed by: a load into an engine with another one is refused
+    # naming it
     return {**engine.state.to_dict(), "scaler": engine.scaler.state_dict(),
             "skipped_updates": engine.param_steps.state_dict(), "piece_numel": engine.config.piece_numel}
 
-
-def checkpoint_piece_numel(run_dir: str | Path) -> int | None:
-    """The piece size the newest checkpoint of `run_dir` was written with (None: no checkpoint,
-    or one that predates the record), so a resume that leaves `piece_numel` to the budget
-    chooser reads its arrays back under the same keys. Integrity is checked later, by the load."""
-    found = newest_checkpoint(run_dir, verify=False)
-    if found is None:
-        return None
-    value = found[1].engine.get("piece_numel")
-    return value if isinstance(value, int) and value > 0 else None
 
 
 def _load_engine_state(engine: Checkpointed, state: dict[str, Any], path: Path) -> None:
