@@ -6,31 +6,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from typer.testing import CliRunner
-
 from checkpoint_helpers import flip_byte, write_checkpoint
 from engine_helpers import SMALL, batches
 from tierzero import Config, Placement, Tier, models
 from tierzero.checkpoint.catalog import checkpoint_dirs, step_dir
 from tierzero.checkpoint.lineage import ABANDONED_DIR, read_run_id
 from tierzero.checkpoint.manifest import Manifest
-from tierzero.cli.app import app
+from cli_helpers import one_line_error, train
 from tierzero.engine import Engine
 
-runner = CliRunner()
-QUICK = ["--batch-size", "2", "--seq-len", "32"]
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
-
-
-def train(*args: str):
-    return runner.invoke(app, ["train", *QUICK, *args])
-
-
-def one_line_error(result) -> str:
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
-    return lines[0]
 
 
 def steps_in(run_dir: Path) -> list[int]:

@@ -5,26 +5,10 @@ from __future__ import annotations
 import json
 import shutil
 
-from typer.testing import CliRunner
-
 from tierzero.checkpoint.catalog import checkpoint_dirs
-from tierzero.cli.app import app
+from cli_helpers import one_line_error, train
 from tierzero.run.directory import read_metrics
 
-runner = CliRunner()
-QUICK = ["--batch-size", "2", "--seq-len", "32"]
-
-
-def train(*args: str):
-    return runner.invoke(app, ["train", *QUICK, *args])
-
-
-def one_line_error(result) -> str:
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
-    assert "Traceback" not in result.output
-    return lines[0]
 
 
 def test_resume_continues_to_the_configured_steps(tmp_path) -> None:
