@@ -1,0 +1,1 @@
+"""Several ranks: collectives over torch.distributed and the process launcher."""
