@@ -189,41 +189,38 @@ def _fifo(path: Path) -> None:
 def test_fifos_and_symlinks_are_reported_never_read(run, tmp_path):
     """A FIFO would block a plain open() forever; inspect refuses it (the alarm only turns a
     hang into a failure)."""
-    import signal
-
     run = copy_run(run, tmp_path)
     _fifo(run / "config.toml")
     steps = sorted((run / "checkpoints").iterdir())
     _fifo(steps[0] / "manifest.json")
     (steps[1] / "manifest.json").rename(tmp_path / "elsewhere.json")
     (steps[1] / "manifest.json").symlink_to(tmp_path / "elsewhere.json")
-    previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("inspect blocked on a FIFO"))
-    signal.alarm(60)
-    try:
-        info = inspect_run(run, verify=True)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
+    info = _inspect_within_a_minute(run, "inspect")
     assert info.config is None and "not a regular file" in info.config_error
     first, second = info.checkpoints[:2]  # steps 2 and 5 (9 is half-made)
     assert first.status == "damaged" and "not a regular file" in first.reason
     assert second.status == "damaged" and "symbolic link" in second.reason
 
 
-def test_verify_refuses_a_fifo_chunk(run, tmp_path):
+def _inspect_within_a_minute(run, what: str):
+    """`inspect_run(run, verify=True)`, failing the test instead of hanging if it blocks."""
     import signal
 
+    previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail(f"{what} blocked on a FIFO"))
+    signal.alarm(60)
+    try:
+        return inspect_run(run, verify=True)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_verify_refuses_a_fifo_chunk(run, tmp_path):
     from tierzero.storage.arrays import chunk_path
 
     run = copy_run(run, tmp_path)
     step = sorted((run / "checkpoints").iterdir())[0]
     chunk = Path(chunk_path(str(step / "state" / "master" / "u0000" / "r0"), 0))
     _fifo(chunk)
-    previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("verify blocked on a FIFO"))
-    signal.alarm(60)
-    try:
-        info = inspect_run(run, verify=True)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
+    info = _inspect_within_a_minute(run, "verify")
     assert info.checkpoints[0].status == "damaged" and "not a regular file" in info.checkpoints[0].reason
