@@ -185,7 +185,7 @@ class Tiers:
         try:
             if self.io is not None:
                 self.pending.drain()
-                self._wait_flush()
+                self.wait_flush()
                 if Tier.NVME in self.stores:
                     self.run(self.stores[Tier.NVME].flush())
         finally:
@@ -211,10 +211,11 @@ class Tiers:
         the checkpoints' (and `close`'s), which flush and wait. One at a time: the previous
         flush is waited for first, and its failure raised here."""
         if Tier.NVME in self.stores:
-            self._wait_flush()
+            self.wait_flush()
             self._flushing = self.submit(self.stores[Tier.NVME].flush())
 
-    def _wait_flush(self) -> None:
+    def wait_flush(self) -> None:
+        """Wait for the flush `flush_behind` started (if any); raise its failure."""
         flushing, self._flushing = self._flushing, None
         if flushing is not None:
             flushing.result()
