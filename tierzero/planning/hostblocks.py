@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from tierzero.config import Placement, StateKind, Tier
 from tierzero.planning.ledger import FP32_NBYTES
-from tierzero.layout.partition import ALIGN_NUMEL, piece_ranges
+from tierzero.layout.partition import ALIGN_NUMEL
 from tierzero.storage.base import ALIGN_BYTES
 from tierzero.storage.sizeclass import choose_classes
 
@@ -22,18 +22,29 @@ HOST_ALIGN = ALIGN_BYTES  # the host pool's block alignment: a page (`HostPool`)
 
 
 def key_sizes(kind: StateKind, shard: list[int], state: list[int], piece_numel: int, itemsize: int,
-              home: Tier) -> list[int]:
-    """One rank's stored keys of `kind`, in bytes (`tiers.state_keys`): a param is one key in a
-    memory tier and pieces of its trainable prefix then its frozen rest on nvme; the other
-    kinds, pieces of the trainable prefix."""
-    def split(n: int) -> list[int]:
-        return [b - a for a, b in piece_ranges(n, piece_numel)]
-
+              home: Tier) -> Counter[int]:
+    """One rank's stored keys of `kind` (`tiers.state_keys`), as bytes -> how many keys: a param
+    is one key in a memory tier and pieces of its trainable prefix then its frozen rest on nvme;
+    the other kinds, pieces of the trainable prefix. Counted, not listed: at small pieces a
+    large model has millions of keys, but only a few sizes."""
+    keys: Counter[int] = Counter()
     if kind is not StateKind.PARAM:
-        return [p * FP32_NBYTES for s in state for p in split(s)]
-    if home is not Tier.NVME:
-        return [s * itemsize for s in shard]
-    return [p * itemsize for s, t in zip(shard, state) for p in split(t) + split(s - _aligned_up(t))]
+        for s in state:
+            keys.update({n * FP32_NBYTES: k for n, k in piece_counts(s, piece_numel).items()})
+    elif home is not Tier.NVME:
+        keys.update(s * itemsize for s in shard)
+    else:
+        for s, t in zip(shard, state):
+            for n, k in (piece_counts(t, piece_numel) + piece_counts(s - _aligned_up(t), piece_numel)).items():
+                keys[n * itemsize] += k
+    return keys
+
+
+def piece_counts(numel: int, piece_numel: int) -> Counter[int]:
+    """How many pieces of each size `piece_ranges(numel, piece_numel)` cuts: whole pieces, then
+    the rest (none of a numel <= 0)."""
+    whole, rest = divmod(max(0, numel), piece_numel)
+    return Counter({n: k for n, k in ((piece_numel, whole), (rest, 1)) if n and k})
 
 
 def _aligned_up(numel: int) -> int:

@@ -84,7 +84,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tierzero.config import OPTIMIZER_KINDS, Placement, StateKind, Tier
-from tierzero.layout.partition import Unit, forward_only, forward_uses, piece_ranges
+from tierzero.layout.partition import Unit, forward_only, forward_uses
 from tierzero.planning.hostblocks import HOST_ALIGN, host_classes, key_sizes
 from tierzero.planning.ledger import FP32_NBYTES, ActivationEstimate, state_nbytes
 from tierzero.planning.peaks import MemoryModel, TierPeak, tier_peak
@@ -132,6 +132,10 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
         """Host buffers of one rank at their classes' capacities."""
         return sum(class_for(n, classes, HOST_ALIGN) for n in sizes)
 
+    def counted_blocks(sizes: Counter[int]) -> int:
+        """As `blocks`, of sizes counted (bytes -> how many)."""
+        return sum(class_for(n, classes, HOST_ALIGN) * k for n, k in sizes.items())
+
     def fp32_blocks(pieces: Sequence[int]) -> int:
         return blocks([p * FP32_NBYTES for p in pieces])
 
@@ -140,7 +144,7 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
         home = placement.home(kind)
         stored = stored_param if kind is StateKind.PARAM else state
         if home is Tier.HOST:  # one block per stored key
-            homes[home] += w * blocks(key_sizes(kind, stored_param, state, piece_numel, c, Tier.HOST))
+            homes[home] += w * counted_blocks(key_sizes(kind, stored_param, state, piece_numel, c, Tier.HOST))
         else:
             homes[home] += sum(stored) * state_nbytes(kind, c, FP32_NBYTES) * (1 if home is Tier.GPU else w)
     full_grads = [min(u.padded_numel, u.trainable_numel) for u in units]
@@ -162,7 +166,9 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
         gathered = max(full)
     reducing = work.overlap_comm and w > 1  # the previous call's reduce-scatter finishes a call later
     act = work.activations
-    pieces = [b - a for s in state for a, b in piece_ranges(s, piece_numel)]
+    # every piece in the order they stream, each unit's run of whole pieces cut to the longest
+    # window asked for: the windows' contents are the same, and at small pieces there are millions
+    pieces = _stream(state, piece_numel, max(1, depth) + 1)
     buffers: dict[str, dict[str, list[int]]] = {}  # phase -> host part -> one rank's buffer bytes
 
     def backward(final_with_overlap: bool) -> dict[Tier, dict[str, int]]:
@@ -208,9 +214,10 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
         ahead = max(1, depth)
         if during_backward:  # unit u steps as u-1 computes: the first `ahead` pieces of both are read
             # ahead, and the last piece of u+1 (stepped before u) may still be in flight
-            per_unit = [pieces[a:b] for a, b in zip(_starts(state, piece_numel), _starts(state, piece_numel)[1:])]
+            per_unit = [_stream([s], piece_numel, ahead) for s in state]  # each unit's first `ahead` pieces
+            last = [_stream([s], piece_numel, 1)[-1:] for s in state]
             most = max(([*per_unit[u][:ahead], *(per_unit[u - 1][:ahead] if u > 0 else [])]
-                        + (per_unit[u + 1][-1:] if u + 1 < len(per_unit) else [])
+                        + (last[u + 1] if u + 1 < len(per_unit) else [])
                         for u in range(len(per_unit))), key=fp32_blocks)
         else:  # `ahead` pieces read, one more whose writes are in flight
             most = _window(pieces, ahead + (1 if writing else 0), fp32_blocks)
@@ -258,8 +265,8 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
     host_blocks = Counter(dict.fromkeys(classes, 0))
     for kind in StateKind:  # the homes' keys, each written into a block of the pool at open
         if placement.home(kind) is Tier.HOST:
-            host_blocks.update(class_for(n, classes, HOST_ALIGN)
-                               for n in key_sizes(kind, stored_param, state, piece_numel, c, Tier.HOST))
+            for n, k in key_sizes(kind, stored_param, state, piece_numel, c, Tier.HOST).items():
+                host_blocks[class_for(n, classes, HOST_ALIGN)] += k
     working = Counter(dict.fromkeys(classes, 0))
     for counts in in_phase.values():
         for k, n in counts.items():
@@ -333,12 +340,15 @@ def _param_peaks(plan: Any, shard: list[int], itemsize: int, home: Tier, staged_
     return flight, staging, most
 
 
-def _starts(shard: list[int], piece_numel: int) -> list[int]:
-    """Where each unit's pieces start in the list of every piece, and the end of the list."""
-    starts = [0]
-    for s in shard:
-        starts.append(starts[-1] + -(-s // piece_numel))
-    return starts
+def _stream(state: list[int], piece_numel: int, most: int) -> list[int]:
+    """The pieces (elements) of every unit's `state` numel in stream order, as `piece_ranges` cuts
+    them, with each unit's whole pieces cut to `most`: any `most` consecutive pieces of the
+    real stream are some `most` consecutive ones of this, and the other way round."""
+    stream: list[int] = []
+    for s in state:
+        whole, rest = divmod(s, piece_numel)
+        stream += [piece_numel] * min(whole, most) + ([rest] if rest else [])
+    return stream
 
 
 def _window(pieces: list[int], n: int, nbytes: Callable[[Sequence[int]], int]) -> list[int]:
