@@ -10,7 +10,7 @@ from rich import box
 from rich.table import Table
 
 from tierzero.cli.output import Output
-from tierzero.config import Config, StateKind, Tier
+from tierzero.config import StateKind, Tier
 from tierzero.hf import is_hf, load_model
 from tierzero.layout.partition import partition
 from tierzero.models.presets import PRESETS, ModelArgs
@@ -18,6 +18,7 @@ from tierzero.planning.ledger import GB, check_world_size
 from tierzero.planning.peaks import MemoryModel, format_bytes
 from tierzero.planning.placement import Link
 from tierzero.planning.report import DEFAULT_PRESET, PlanReport, make_plan
+from tierzero.planning.streaming import DEFAULT
 
 
 def plan(
@@ -30,10 +31,10 @@ def plan(
     nvme_path: Path = typer.Option(Path("."), "--nvme-path", help="Where offloaded state would go (for the free-space default)."),
     batch_size: int = typer.Option(1, "--batch-size", help="Sequences per micro-batch per GPU (activation memory)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence. Default: the model's max_seq_len (hf:DIR: max_position_embeddings)."),
-    prefetch_depth: int = typer.Option(2, "--prefetch-depth", help="Units fetched ahead of compute."),
+    prefetch_depth: Optional[int] = typer.Option(None, "--prefetch-depth", help="Units fetched ahead of compute. Default: 2, or 1 where that does not fit, as `tierzero train` chooses it."),
     dtype: str = typer.Option("bf16", "--dtype", help="Compute dtype: bf16, fp16 or fp32."),
     vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="Override the shape's vocabulary, e.g. 128256."),
-    piece_numel: int = typer.Option(Config.piece_numel, "--piece-numel", help="Elements per piece in which grads and optimizer states stream."),
+    piece_numel: Optional[int] = typer.Option(None, "--piece-numel", help="Elements per piece in which grads and optimizer states stream. Default: 16Mi, or the largest that fits, as `tierzero train` chooses it."),
     overlap: bool = typer.Option(True, "--overlap/--no-overlap", help="Step each unit during backward (the engine's default without clipping or fp16)."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="A `tierzero bench --profile-out` file: predicts step times."),
     stage: Optional[int] = typer.Option(None, "--stage", help="With --gpus > 1, the ZeRO stage (1, 2 or 3); default: chosen as `tierzero train` chooses it (1 or 2 when replicated state fits, else 3)."),
@@ -150,6 +151,10 @@ def _print_report(out: Output, report: PlanReport) -> None:
         _say(out, f"[bold green]fits:[/] {choice.placement.describe()}")
     else:
         _say(out, f"[bold red]does not fit:[/] {choice.shortfall}")
+    if report.streaming != DEFAULT:
+        why = "as given" if not report.chosen else "chosen: the defaults do not fit" if choice.fits \
+            else "the least tierzero chooses, counted there"
+        _say(out, f"Streaming: {report.streaming.describe()} ({why})")
     _say(out, "Peak per tier, part by part (the phase where each part peaks):")
     _print_peaks(out, choice.estimate.memory)
     rank = r["per_rank"]

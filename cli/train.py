@@ -35,6 +35,7 @@ def train(
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences per micro-batch."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence."),
     accumulate: Optional[int] = typer.Option(None, "--accumulate", help="Micro-batches per optimizer step."),
+    schedule: Optional[str] = typer.Option(None, "--schedule", help="How --accumulate micro-batches run: horizontal (default: each through every unit), vertical (each unit for all of them: params read once per pass, grads written once per step; the built-in models) or auto (vertical where it applies)."),
     lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate."),
     weight_decay: Optional[float] = typer.Option(None, "--weight-decay", help="AdamW's decoupled weight decay (default 0.1); 1-D parameters (norms, biases) get none, as in torch AdamW param groups that exclude them."),
     adam_betas: Optional[str] = typer.Option(None, "--adam-betas", help="AdamW's beta1,beta2 (default 0.9,0.95)."),
@@ -48,7 +49,7 @@ def train(
     nvme_path: Optional[list[str]] = typer.Option(None, "--nvme-path", help="SSD directory for offloaded state; repeat once per drive. Default: RUN_DIR/nvme."),
     host_budget: Optional[str] = typer.Option(None, "--host-budget", help="Host memory budget, e.g. 8GiB."),
     gpu_budget: Optional[str] = typer.Option(None, "--gpu-budget", help="GPU memory budget, e.g. 20GiB."),
-    prefetch_depth: Optional[int] = typer.Option(None, "--prefetch-depth", help="Units fetched ahead of compute."),
+    prefetch_depth: Optional[int] = typer.Option(None, "--prefetch-depth", help="Units fetched ahead of compute. Default: 2, or 1 where the budgets need it, with the largest pieces (piece_numel in a --config file; at most 16Mi elements) that fit."),
     overlap_step: Optional[bool] = typer.Option(None, "--overlap-step/--no-overlap-step", help="Step each unit's optimizer during backward where exact."),
     verify_reads: Optional[str] = typer.Option(None, "--verify-reads", help="Check every NVMe read's crc32c, so a flipped bit stops the run naming the chunk: on, off, or auto (default: on where crc32c runs at 20x one thread's read speed of --nvme-path)."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="`tierzero bench --profile-out` file; --offload auto uses it to predict step time."),
@@ -70,7 +71,7 @@ def train(
     Several ranks: `--nproc N` on one machine, or `torchrun --nproc-per-node N -m tierzero.cli
     train ...` (add torchrun's --nnodes/--rdzv-* flags for several machines)."""
     overrides = dict(model=model, units=units, data=data, text_field=text_field, weights=weights, steps=steps, batch_size=batch_size, seq_len=seq_len,
-                     accumulate=accumulate, lr=lr, weight_decay=weight_decay, betas=_betas(adam_betas), eps=adam_eps,
+                     accumulate=accumulate, schedule=schedule, lr=lr, weight_decay=weight_decay, betas=_betas(adam_betas), eps=adam_eps,
                      warmup_steps=warmup_steps,
                      clip_grad_norm=clip_grad_norm, clip_previous_norm=clip_previous_norm, seed=seed, dtype=dtype, offload=offload,
                      nvme_path=nvme_path or None, host_budget=host_budget, gpu_budget=gpu_budget,
@@ -125,6 +126,8 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
     from tierzero.run.session import open_session
 
     out = Output(json_out, quiet=not ranks.primary)
+    if resume and run.engine.piece_numel is None:  # its shards are keyed by it, whatever the budgets choose now
+        run.engine.piece_numel = _checkpoint_piece_numel(run.run_dir)
     with _open_run_dir(run.run_dir, ranks, resume, overwrite) as (rundir, notes), \
             open_session(run, ranks) as session:
         start_step = 0
@@ -165,6 +168,16 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
         out.print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}, val loss "
                   f"{summary['val_loss_start']:.4f} -> {summary['val_loss_end']:.4f} in "
                   f"{result.wall_s:.1f}s; metrics in {run.run_dir}/metrics.jsonl")
+
+
+def _checkpoint_piece_numel(run_dir: str) -> Optional[int]:
+    """The piece size the run's newest checkpoint was written with (its manifest records it);
+    None: no checkpoint yet, or one that predates the record. Integrity is the load's to check."""
+    from tierzero.checkpoint.catalog import newest_checkpoint
+
+    found = newest_checkpoint(run_dir, verify=False)
+    value = found[1].engine.get("piece_numel") if found is not None else None
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def _betas(text: Optional[str]) -> Optional[tuple[float, float]]:

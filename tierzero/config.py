@@ -42,6 +42,11 @@ class StateKind(str, enum.Enum):
 # the optimizer's states: what AdamW steps besides the param, always homed together by the planner
 OPTIMIZER_KINDS = (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
 
+# the piece size (64 MiB of fp32) and read-ahead the engine runs with when they are left to it
+# (None, or "auto") and the budgets hold them; smaller where they do not (tierzero.planning.streaming)
+PIECE_NUMEL = 16 << 20
+PREFETCH_DEPTH = 2
+
 
 class Offload(str, enum.Enum):
     NONE = "none"
@@ -123,7 +128,9 @@ class Config:
     """What the `Engine` needs: precision, optimizer, schedule and where state lives.
 
     `placement=None` derives the placement from `offload`; budgets of `None` mean "a safe
-    share of what the machine has" and are resolved when the engine opens.
+    share of what the machine has" and are resolved when the engine opens. `piece_numel` and
+    `prefetch_depth` of `None` (or "auto") are `PIECE_NUMEL` and `PREFETCH_DEPTH` where the
+    budgets hold them, else chosen by the engine to fit; a value given is used as it is.
     """
 
     offload: Offload = Offload.NVME
@@ -133,7 +140,7 @@ class Config:
     placement: Placement | None = None
     host_budget: int | None = None
     gpu_budget: int | None = None
-    prefetch_depth: int = 2
+    prefetch_depth: int | None = None  # units fetched ahead; None: PREFETCH_DEPTH, or less to fit
     lr: float = 1e-3
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
@@ -158,7 +165,7 @@ class Config:
     seed: int = 0
     units: str | None = None
     chunk_bytes: int = 8 << 20
-    piece_numel: int = 16 << 20  # elements per piece: grads and optimizer states stream in these
+    piece_numel: int | None = None  # elements per piece grads and optimizer states stream in; None: chosen
     io_threads: int = 16
     verify_reads: str = "auto"  # crc32c-check every NVMe read: on, off, or auto (on where it is cheap)
     profile: str | None = None
@@ -181,10 +188,12 @@ class Config:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, parse_bytes(value, name))
-        if isinstance(self.piece_numel, bool) or not isinstance(self.piece_numel, int) \
-                or self.piece_numel <= 0 or self.piece_numel % 2048:
+        self.piece_numel = None if self.piece_numel == "auto" else self.piece_numel
+        self.prefetch_depth = None if self.prefetch_depth == "auto" else self.prefetch_depth
+        if self.piece_numel is not None and (isinstance(self.piece_numel, bool) or not isinstance(self.piece_numel, int)
+                                             or self.piece_numel <= 0 or self.piece_numel % 2048):
             raise ConfigError(f"piece_numel must be a positive multiple of 2048 elements (aligned in every "
-                              f"dtype), got {self.piece_numel!r}; e.g. 16777216 (64 MiB of fp32)")
+                              f"dtype) or auto, got {self.piece_numel!r}; e.g. 16777216 (64 MiB of fp32)")
         if self.chunk_bytes <= 0 or self.chunk_bytes % 4096:
             raise ConfigError(f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes}")
         if self.verify_reads not in ("auto", "on", "off"):
@@ -206,8 +215,10 @@ class Config:
             raise ConfigError(f"accumulate must be an integer >= 1, got {self.accumulate}")
         if self.stage is not None and (isinstance(self.stage, bool) or self.stage not in (1, 2, 3)):
             raise ConfigError(f"stage must be 1, 2 or 3 (or unset to choose), got {self.stage!r}")
-        if int(self.prefetch_depth) != self.prefetch_depth or self.prefetch_depth < 0:
-            raise ConfigError(f"prefetch_depth must be an integer >= 0, got {self.prefetch_depth}")
+        depth = self.prefetch_depth
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, (int, float))
+                                  or int(depth) != depth or depth < 0):
+            raise ConfigError(f"prefetch_depth must be an integer >= 0 or auto, got {depth!r}")
         if self.loss_scale <= 0 or math.log2(self.loss_scale) != int(math.log2(self.loss_scale)):
             raise ConfigError(f"loss_scale must be a power of two (like 65536), got {self.loss_scale}")
         _positive(self.loss_scale_window, "loss_scale_window", strict=True)

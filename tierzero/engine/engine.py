@@ -78,6 +78,8 @@ class Engine:
         self.placement = self.sizing.placement(config.stage or 3)
         check_runnable(self.placement)
         self.stage, self.stage_reason = self.sizing.stage(self.placement)
+        # piece size and prefetch depth left unset: the defaults, or the largest that fit the budgets
+        self.config = config = self.sizing.resolve(self.placement, self.stage)
         replicate_params(self.units, self.stage <= 2)
         homes = {self.placement.home(k) for k in StateKind}
         self.stats_ = StepStats()

@@ -2,13 +2,17 @@
 
 At construction the engine asks this module where state lives (`offload auto`: the planner's
 best placement among those whose peaks fit the budgets), which ZeRO stage to run (the least
-communication whose replicated state fits), and whether the pools' budgets hold what the one
-memory model (`tierzero.planning.memory_model`) predicts; at the first training forward, what the batch's
-activations take from them. It decides and refuses; the engine only wires the answers in.
+communication whose replicated state fits), the piece size and prefetch depth the user left to
+it (the defaults where they fit, else the first that fits on `tierzero.planning.streaming`'s
+ladder), and whether the pools' budgets hold what the one memory model
+(`tierzero.planning.memory_model`) predicts; at the first training forward, what the batch's
+activations take from them (not known before: the streaming choice leaves them what the budget
+has beyond the rest). It decides and refuses; the engine only wires the answers in.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -21,7 +25,8 @@ from tierzero.models.presets import ModelArgs
 from tierzero.planning.ledger import ActivationEstimate, activation_memory
 from tierzero.planning.machine import default_budgets, free_disk_bytes
 from tierzero.planning.memory_model import peak_memory
-from tierzero.planning.peaks import MemoryModel
+from tierzero.planning.peaks import MemoryModel, format_bytes
+from tierzero.planning.streaming import Shortfall, Streaming, choose_streaming, ladder
 from tierzero.planning.workload import Workload, steps_on_gpu
 from tierzero.storage.base import BudgetExceededError
 
@@ -39,20 +44,46 @@ class Sizing:
         self.world_size = world_size
         self.local_ranks = local_ranks
         self.overlap = overlap
+        # the streaming settings the user gave: a refusal suggests lowering those
+        self.given = [name for name, v in (("piece_numel", config.piece_numel),
+                                           ("--prefetch-depth", config.prefetch_depth)) if v is not None]
 
-    def workload(self, stage: int, activations: ActivationEstimate | None = None) -> Workload:
-        """This rank's units and how it steps them at `stage` (activations when known): what the
+    def workload(self, stage: int, activations: ActivationEstimate | None = None,
+                 streaming: Streaming | None = None) -> Workload:
+        """This rank's units and how it steps them at `stage` (activations when known) with
+        `streaming` (default: the ladder's top where the config leaves a setting open): what the
         memory model and the planner are asked about, as `tierzero plan` asks them."""
         c = self.config
+        s = streaming or ladder(c.piece_numel, c.prefetch_depth)[0]
         return Workload.from_units(self.units, self.dtype.itemsize, device="cpu" if self.device.type == "cpu" else "cuda",
-                                   prefetch_depth=c.prefetch_depth, piece_numel=c.piece_numel, overlap=self.overlap,
+                                   prefetch_depth=s.prefetch_depth, piece_numel=s.piece_numel, overlap=self.overlap,
                                    overlap_comm=c.overlap_comm, stage=stage, accumulate=c.accumulate,
                                    activations=activations)
 
     def memory(self, placement: Placement, stage: int, activations: ActivationEstimate | None = None) -> MemoryModel:
         """This rank's share of the memory model at `placement` and `stage` (activations when
-        known): what its own pools and budgets hold."""
-        return peak_memory(self.workload(stage, activations), placement).per_rank()
+        known), streaming as `streaming` chooses: what its own pools and budgets hold."""
+        return peak_memory(self.workload(stage, activations, self.streaming(placement, stage)), placement).per_rank()
+
+    def streaming(self, placement: Placement, stage: int) -> Streaming:
+        """The configured piece size and prefetch depth; where the config leaves one open
+        (None), the defaults if this rank's memory budgets hold them at `placement` and
+        `stage`, else the first rung of the ladder that fits, else the one the shortfall was
+        counted at (`check` then refuses it with the figures)."""
+        c = self.config
+        if c.piece_numel is not None and c.prefetch_depth is not None:
+            return Streaming(c.piece_numel, c.prefetch_depth)
+        memory_budgets = {t: b for t, b in self.budgets().items() if t is not Tier.NVME}  # streaming saves no disk
+        choice = choose_streaming(self.workload(stage), placement, memory_budgets, piece_numel=c.piece_numel,
+                                  prefetch_depth=c.prefetch_depth, per_rank=True)
+        return choice.streaming if isinstance(choice, Shortfall) else choice
+
+    def resolve(self, placement: Placement, stage: int) -> Config:
+        """The config with the piece size and prefetch depth this rank runs with at `placement`
+        and `stage` (`streaming`), which sizing and the engine use from then on."""
+        s = self.streaming(placement, stage)
+        self.config = dataclasses.replace(self.config, piece_numel=s.piece_numel, prefetch_depth=s.prefetch_depth)
+        return self.config
 
     def budgets(self) -> dict[Tier, int]:
         """This rank's budget per tier, as `offload auto` and the stage choice weigh them."""
@@ -73,9 +104,12 @@ class Sizing:
         budgets = self.budgets()
         fitting = [p for p in candidate_placements() if _fits(self.memory(p, stage), budgets)]
         if not fitting:
-            raise ConfigError(f"no placement fits the budgets (host {budgets[Tier.HOST] / 1e6:.1f} MB, "
-                              f"gpu {budgets.get(Tier.GPU, 0) / 1e6:.1f} MB, nvme {budgets[Tier.NVME] / 1e9:.1f} GB "
-                              "free); raise --host-budget or --gpu-budget, or free disk space")
+            sizes = ", ".join(f"{_tier_name(t, self.device)} {format_bytes(n)}" for t, n in budgets.items()
+                              if t is not Tier.NVME)
+            least = "" if self.given else " even at the least piece size and prefetch depth tierzero chooses"
+            flags = "--host-budget" if Tier.GPU not in budgets else "--host-budget or --gpu-budget"
+            raise ConfigError(f"no placement fits the budgets ({sizes}, nvme {budgets[Tier.NVME] / 1e9:.1f} GB free)"
+                              f"{least}; raise {flags}, or free disk space")
         return choose_placement(self.workload(stage), gpu_budget=None, host_budget=None, nvme_free=None,
                                 candidates=fitting,
                                 profile=load_profile(self.config.profile) if self.config.profile else None).placement
@@ -114,7 +148,7 @@ class Sizing:
         tiers.share_budgets(memory.tiers[Tier.GPU].pool_bytes)
         for tier, need in _unpooled(memory).items():
             tiers.reserve(tier, need)
-        _check_pools(tiers, memory, "")
+        _check_pools(tiers, memory, "", self.config, self.given)
         # the host pool's blocks, pinned at open; with room, the LRU cache's too where the host
         # budget is final (on the CPU device the first forward takes the activations from it)
         tiers.host_blocks = memory.host_provision(tiers.host_budget if self.device.type == "cuda" else 0)
@@ -148,7 +182,8 @@ class Sizing:
                     tiers.reserve(tier, need - before.get(tier, 0))
                 except BudgetExceededError:
                     pass  # named below, with the figures
-        _check_pools(tiers, memory, f" with batches of {tokens.shape[0]} x {tokens.shape[1]} tokens")
+        _check_pools(tiers, memory, f" with batches of {tokens.shape[0]} x {tokens.shape[1]} tokens", self.config,
+                     self.given)
         return memory
 
     def nvme_free(self) -> int:
@@ -156,16 +191,36 @@ class Sizing:
         return free_disk_bytes(self.config.nvme_path)
 
 
-def _check_pools(tiers: Tiers, mem: MemoryModel, why: str) -> None:
+def _check_pools(tiers: Tiers, mem: MemoryModel, why: str, config: Config, given: list[str]) -> None:
+    """Refuse a pool whose budget (less what torch takes beside it) is below the memory model's
+    figure, naming the tier as the user knows it (on the CPU device the host budget is all host
+    memory), the piece size and prefetch depth it was counted at (resolved in `config`: the
+    least tierzero chooses unless `given` or the batch is the reason), and the fixes left."""
+    streaming = Streaming(config.piece_numel, config.prefetch_depth)
+    least = not given and not why and streaming == ladder()[-1]
     budgets = {Tier.HOST: (tiers.host_budget, "--host-budget"), Tier.GPU: (tiers.gpu_budget, "--gpu-budget")}
     for tier, (budget, flag) in budgets.items():
         need = mem.tiers[tier].pool_bytes
         if need > budget:
             total = tiers.total_budgets[tier]
-            raise ConfigError(f"the {tier.value} budget of {total / 1e6:.1f} MB is too small: this model and "
-                              f"placement{why} need at least {(total - budget + need) / 1e6:.1f} MB there "
-                              f"({_breakdown(mem, tier)}); raise {flag}, lower the prefetch depth or "
-                              "offload more state")
+            at = f"even with {streaming.describe()}, the least tierzero chooses" if least \
+                else f"with {streaming.describe()}"
+            lower = (", use smaller batches" if why else "") + \
+                (f", lower {' or '.join(given)} (or leave it unset)" if given else "")
+            raise ConfigError(f"the {tier.value} budget of {total / 1e6:.1f} MB{_cpu_note(mem, tier)} is too small: "
+                              f"this model and placement{why} need at least {(total - budget + need) / 1e6:.1f} MB "
+                              f"of {_tier_name(tier, torch.device(mem.device))} {at} ({_breakdown(mem, tier)}); "
+                              f"raise {flag}{lower} or offload more state")
+
+
+def _cpu_note(mem: MemoryModel, tier: Tier) -> str:
+    return " (on the CPU device, the compute device's share of host memory)" if mem.device == "cpu" \
+        and tier is Tier.GPU else ""
+
+
+def _tier_name(tier: Tier, device: torch.device) -> str:
+    """A budget's tier as the user knows it: on the CPU device the host budget is all host memory."""
+    return "host memory" if device.type == "cpu" and tier is Tier.HOST else f"{tier.value} memory"
 
 
 def _fits(mem: MemoryModel, budgets: dict[Tier, int]) -> bool:
@@ -180,6 +235,14 @@ def _unpooled(mem: MemoryModel) -> dict[Tier, int]:
 
 
 def _breakdown(mem: MemoryModel, tier: Tier) -> str:
+    if tier is Tier.HOST and mem.device == "cpu":  # both pools and torch's allocations, each phase named once
+        peak = mem.host_memory
+
+        def parts(named: dict[str, int]) -> str:
+            return " + ".join(f"{k} {format_bytes(n)}" for k, n in named.items() if n) or "nothing"
+
+        return (f"host memory {format_bytes(peak.peak_bytes)} = homes {format_bytes(peak.homes_bytes)} + pools "
+                f"({peak.pooled_phase}) {parts(peak.pooled)} + torch ({peak.unpooled_phase}) {parts(peak.unpooled)}")
     peak = mem.host_memory if tier is Tier.HOST else mem.tiers[tier]
     return peak.breakdown()
 

@@ -139,17 +139,8 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
     def fp32_blocks(pieces: Sequence[int]) -> int:
         return blocks([p * FP32_NBYTES for p in pieces])
 
-    homes = {Tier.GPU: 0, Tier.HOST: 0, Tier.NVME: 0}
-    for kind in StateKind:
-        home = placement.home(kind)
-        stored = stored_param if kind is StateKind.PARAM else state
-        if home is Tier.HOST:  # one block per stored key
-            homes[home] += w * counted_blocks(key_sizes(kind, stored_param, state, piece_numel, c, Tier.HOST))
-        else:
-            homes[home] += sum(stored) * state_nbytes(kind, c, FP32_NBYTES) * (1 if home is Tier.GPU else w)
-    full_grads = [min(u.padded_numel, u.trainable_numel) for u in units]
-    if w > 1 and stage == 1 and work.accumulate > 1:  # each unit's whole gradient, between micro-batches
-        homes[placement.grad] += sum(full_grads) * FP32_NBYTES * (1 if placement.grad is Tier.GPU else w)
+    homes = _homes(work, placement,  # a host home: one block per stored key
+                   lambda kind: w * counted_blocks(key_sizes(kind, stored_param, state, piece_numel, c, Tier.HOST)))
 
     # -- the pass: params in flight as the swap plan holds them
     plan = build_swap_plan(calls, depth, backward=True, held=held, forward_only=forward_only(units))
@@ -282,13 +273,43 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
                                              for name, parts in phases.items()},
                               frozenset(POOLED[Tier.GPU] | {f"host {k}" for k in POOLED[Tier.HOST]}))
         host_memory = TierPeak(Tier.HOST, host.homes_bytes + w * gpu.homes_bytes,
-                               {**{f"gpu {k}": w * v for k, v in gpu.pooled.items()}, **host.pooled},
-                               f"gpu {gpu.pooled_phase}, host {host.pooled_phase}",
+                               {**{f"compute {k}": w * v for k, v in gpu.pooled.items()}, **host.pooled},
+                               f"compute pool at {gpu.pooled_phase}, host pool at {host.pooled_phase}",
                                unpooled.unpooled, unpooled.unpooled_phase)
     cached = Counter(class_for(n * c, classes, HOST_ALIGN) for n in stored_param) if placement.param is Tier.NVME \
         else Counter()
     cache = w * sum(k * n for k, n in cached.items())
     return MemoryModel(device, w, tiers, host_memory, cache, dict(host_blocks), dict(working - at_peak), dict(cached))
+
+
+def homes_floor(work: Workload, placement: Placement) -> dict[Tier, int]:
+    """What the homes alone take of each tier's budget, as `MemoryModel.needs` counts it (on the
+    CPU device the host's includes the gpu tier's), whatever the piece size and prefetch depth:
+    host keys at their own bytes, before the pool's blocks round them up. A budget below it fits
+    no streaming setting (`tierzero.planning.streaming`); arithmetic on a few sums."""
+    homes = _homes(work, placement)
+    host = homes[Tier.HOST] + (work.world_size * homes[Tier.GPU] if work.device == "cpu" else 0)
+    return {Tier.GPU: homes[Tier.GPU], Tier.HOST: host, Tier.NVME: homes[Tier.NVME]}
+
+
+def _homes(work: Workload, placement: Placement, host_keys: Callable[[StateKind], int] | None = None) -> dict[Tier, int]:
+    """Bytes each tier's homes hold (gpu per rank, host and nvme per machine); a host home's
+    keys as `host_keys(kind)` counts them (default: their bytes)."""
+    w, c = work.world_size, work.compute_itemsize
+    stored_param = [u.padded_numel if work.replicated else u.shard_numel for u in work.units]
+    state = [u.state_numel(0) for u in work.units]
+    homes = {Tier.GPU: 0, Tier.HOST: 0, Tier.NVME: 0}
+    for kind in StateKind:
+        home = placement.home(kind)
+        stored = stored_param if kind is StateKind.PARAM else state
+        if home is Tier.HOST and host_keys is not None:
+            homes[home] += host_keys(kind)
+        else:
+            homes[home] += sum(stored) * state_nbytes(kind, c, FP32_NBYTES) * (1 if home is Tier.GPU else w)
+    if w > 1 and work.stage == 1 and work.accumulate > 1:  # each unit's whole gradient, between micro-batches
+        full_grads = sum(min(u.padded_numel, u.trainable_numel) for u in work.units)
+        homes[placement.grad] += full_grads * FP32_NBYTES * (1 if placement.grad is Tier.GPU else w)
+    return homes
 
 
 def _recompute_bytes(unit: Unit, act: ActivationEstimate | None) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tierzero.config import TORCH_DTYPES, Config, DType, Placement, Tier, parse_bytes
+from tierzero.config import TORCH_DTYPES, DType, Placement, Tier, parse_bytes
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit
 from tierzero.models.llama import LOSS_CHUNK_BYTES
@@ -29,6 +29,7 @@ from tierzero.planning.ledger import (GB, ActivationEstimate, activation_memory,
 from tierzero.planning.machine import default_budgets, free_disk_bytes
 from tierzero.planning.placement import (STAGE_TEXT, PlacementChoice, PlacementEstimate, candidate_placements, choose,
                                          choose_stage, estimate, load_profile)
+from tierzero.planning.streaming import DEFAULT, Shortfall, Streaming, choose_streaming, ladder, streamed
 from tierzero.planning.workload import Workload
 
 DEFAULT_PRESET = "7b"
@@ -55,10 +56,16 @@ class PlanReport:
     choice: PlacementChoice
     stage: int = 3  # the ZeRO stage the estimates are for (several ranks)
     stage_reason: str = "one rank"
+    chosen: tuple[str, ...] = ()  # the streaming settings left to the planner: piece_numel, prefetch_depth
 
     @property
     def units(self) -> tuple[Unit, ...]:
         return self.workload.units
+
+    @property
+    def streaming(self) -> Streaming:
+        """The piece size and prefetch depth the chosen placement is costed at (and the engine runs)."""
+        return Streaming(self.workload.piece_numel, self.workload.prefetch_depth)
 
     @property
     def placement(self) -> Placement:
@@ -90,6 +97,8 @@ class PlanReport:
             "verdict": {**self.choice.as_dict(), "breakdown": self.choice.estimate.memory.breakdown()},
             "per_rank": self.per_rank(),
             "stage": {"stage": self.stage, "reason": self.stage_reason, "text": STAGE_TEXT[self.stage]},
+            "streaming": {"piece_numel": self.streaming.piece_numel, "prefetch_depth": self.streaming.prefetch_depth,
+                          "default": self.streaming == DEFAULT, "chosen": list(self.chosen)},
         }
 
     def per_rank(self) -> dict[str, Any]:
@@ -113,10 +122,10 @@ def make_plan(
     nvme_path: str | Path = ".",
     batch_size: int = 1,
     seq_len: int | None = None,
-    prefetch_depth: int = 2,
+    prefetch_depth: int | None = None,
     dtype: str = "bf16",
     vocab_size: int | None = None,
-    piece_numel: int = Config.piece_numel,
+    piece_numel: int | None = None,
     overlap: bool = True,
     profile: str | Path | None = None,
     stage: int | None = None,
@@ -130,6 +139,9 @@ def make_plan(
     the result is what it prints (`as_dict()` is its `--json`). `stage` forces the ZeRO stage;
     None chooses it as the engine does: the placement for stage 3, then the least communication
     whose state fits there (`tierzero.planning.placement.choose_stage`), and every estimate at that stage.
+    `piece_numel` and `prefetch_depth` of None are chosen per placement as the engine chooses
+    them (`tierzero.planning.streaming`): the defaults, or where those do not fit, the largest
+    that do; a placement that fits at none is costed where the engine would refuse it.
     A model built elsewhere (the CLI's hf:DIR) comes as `units`, its partition for `gpus` ranks,
     and `args`, the LLaMA-like shape its activations are estimated from; `model` then names it."""
     if stage is not None and stage not in (1, 2, 3):
@@ -161,25 +173,43 @@ def make_plan(
     activations = activation_memory(args, batch_size, seq_len or args.max_seq_len, itemsize, LOSS_CHUNK_BYTES)
     budgets, detected, device = _budgets(gpu_mem, host_mem, nvme_free, Path(nvme_path))
     # grads are fp32 in every tier, as the engine keeps them (the ledger is the textbook 16 B)
-    how: dict[str, Any] = dict(world_size=gpus, device=device, prefetch_depth=prefetch_depth, piece_numel=piece_numel,
+    top = ladder(piece_numel, prefetch_depth)[0]
+    how: dict[str, Any] = dict(world_size=gpus, device=device, prefetch_depth=top.prefetch_depth,
+                               piece_numel=top.piece_numel,
                                overlap=overlap and compute is not DType.FP16, stage=stage or 3, accumulate=accumulate,
                                activations=activations, tokens_per_step=batch_size * activations.seq_len)
     work = Workload.from_units(units, itemsize, **how) if units is not None else \
         Workload.from_preset(args, itemsize, numel=numel if params is not None else None, **how)
     prof = load_profile(profile) if profile is not None else None
-    estimates = [estimate(p, work, prof) for p in candidate_placements()]
+
+    def costed(p: Placement, w: Workload) -> tuple[PlacementEstimate, Workload]:
+        """`p`'s estimate streaming as the engine would run it: at `w`'s settings where they fit,
+        else at the first rung of the ladder that does (the settings given kept), else where the
+        engine would refuse it (the last rung; the top when even the homes do not fit); and `w` so."""
+        e = estimate(p, w, prof)
+        if not e.overflow_bytes(budgets):
+            return e, w
+        fit = choose_streaming(w, p, budgets, piece_numel=piece_numel, prefetch_depth=prefetch_depth)
+        s = fit.streaming if isinstance(fit, Shortfall) else fit
+        return (e, w) if s == top else (estimate(p, streamed(w, s), prof), streamed(w, s))
+
+    def cost_all(w: Workload) -> tuple[list[PlacementEstimate], dict[Placement, Workload]]:
+        costs = {p: costed(p, w) for p in candidate_placements()}
+        return [e for e, _ in costs.values()], {p: pw for p, (_, pw) in costs.items()}
+
+    estimates, works = cost_all(work)
     choice = choose(estimates, budgets)
     chosen, reason = choose_stage(
-        lambda s: not estimate(choice.placement, dataclasses.replace(work, stage=s)).overflow_bytes(budgets),
+        lambda s: not costed(choice.placement, dataclasses.replace(work, stage=s))[0].overflow_bytes(budgets),
         gpus, accumulate, stage)
     if chosen != work.stage:  # the engine keeps the placement and replicates: cost every one at that stage
-        work = dataclasses.replace(work, stage=chosen)
-        estimates = [estimate(p, work, prof) for p in candidate_placements()]
+        estimates, works = cost_all(dataclasses.replace(work, stage=chosen))
         mine = next(e for e in estimates if e.placement == choice.placement)
         choice = PlacementChoice(mine, fits=True)
     return PlanReport(None if params is not None else shape, shape, args, numel, ledger_numel,
-                      compute, gpus, budgets, detected, device, work, activations, estimates,
-                      choice, chosen, reason)
+                      compute, gpus, budgets, detected, device, works[choice.placement], activations, estimates,
+                      choice, chosen, reason, tuple(name for name, v in (("piece_numel", piece_numel),
+                                                                         ("prefetch_depth", prefetch_depth)) if v is None))
 
 
 def _dtype(value: str) -> DType:

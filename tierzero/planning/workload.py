@@ -16,15 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tierzero.config import OPTIMIZER_KINDS, Config, Placement, StateKind, Tier
+from tierzero.config import OPTIMIZER_KINDS, PIECE_NUMEL, PREFETCH_DEPTH, Placement, StateKind, Tier
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit, padded_numel
 from tierzero.models.presets import ModelArgs
 from tierzero.planning.ledger import (EMBEDDING_UNIT, HEAD_UNIT, ROOT_UNIT, ActivationEstimate, UnitSize,
                                       check_world_size, scaled_units, state_nbytes, units_from_args)
-
-PIECE_NUMEL = Config.piece_numel  # elements per piece (64 MiB of fp32), the engine's default
-
 
 def steps_on_gpu(placement: Placement) -> bool:
     """Whether the optimizer steps on the compute device: only when every optimizer state lives
@@ -48,8 +45,8 @@ class Workload:
     grad_itemsize: int = 4  # what grads move as (the engine keeps them fp32 in every tier)
     world_size: int = 1
     device: str = "cuda"
-    prefetch_depth: int = 2
-    piece_numel: int = PIECE_NUMEL
+    prefetch_depth: int = PREFETCH_DEPTH
+    piece_numel: int = PIECE_NUMEL  # the engine's default (tierzero.planning.streaming: smaller to fit)
     overlap: bool = True  # each unit stepped as its grad arrives in backward (overlap_step)
     overlap_comm: bool = True  # the next call's gather and the last one's reduce-scatter in flight
     stage: int = 3
