@@ -152,8 +152,7 @@ def _print_report(out: Output, report: PlanReport) -> None:
     else:
         _say(out, f"[bold red]does not fit:[/] {choice.shortfall}")
     if report.streaming != DEFAULT:
-        why = "as given" if not report.chosen else "chosen: the defaults do not fit" if choice.fits \
-            else "the least tierzero chooses, counted there"
+        why = "chosen: the defaults do not fit" if report.chosen else "as given"
         _say(out, f"Streaming: {report.streaming.describe()} ({why})")
     _say(out, "Peak per tier, part by part (the phase where each part peaks):")
     _print_peaks(out, choice.estimate.memory)

@@ -141,7 +141,8 @@ def make_plan(
     whose state fits there (`tierzero.planning.placement.choose_stage`), and every estimate at that stage.
     `piece_numel` and `prefetch_depth` of None are chosen per placement as the engine chooses
     them (`tierzero.planning.streaming`): the defaults, or where those do not fit, the largest
-    that do; a placement that fits at none is costed where the engine would refuse it.
+    that do; a placement that fits at none is costed at the defaults (the engine refuses it at
+    the ladder's least, with that figure).
     A model built elsewhere (the CLI's hf:DIR) comes as `units`, its partition for `gpus` ranks,
     and `args`, the LLaMA-like shape its activations are estimated from; `model` then names it."""
     if stage is not None and stage not in (1, 2, 3):
@@ -183,15 +184,14 @@ def make_plan(
     prof = load_profile(profile) if profile is not None else None
 
     def costed(p: Placement, w: Workload) -> tuple[PlacementEstimate, Workload]:
-        """`p`'s estimate streaming as the engine would run it: at `w`'s settings where they fit,
-        else at the first rung of the ladder that does (the settings given kept), else where the
-        engine would refuse it (the last rung; the top when even the homes do not fit); and `w` so."""
+        """`p`'s estimate streaming as the engine would run it, and `w` so: at `w`'s settings where
+        they fit, else at the first rung of the ladder that does (the settings given kept). One
+        that fits at none keeps `w`'s, so its figures and the verdict stay those of the defaults."""
         e = estimate(p, w, prof)
         if not e.overflow_bytes(budgets):
             return e, w
         fit = choose_streaming(w, p, budgets, piece_numel=piece_numel, prefetch_depth=prefetch_depth)
-        s = fit.streaming if isinstance(fit, Shortfall) else fit
-        return (e, w) if s == top else (estimate(p, streamed(w, s), prof), streamed(w, s))
+        return (e, w) if isinstance(fit, Shortfall) else (estimate(p, streamed(w, fit), prof), streamed(w, fit))
 
     def cost_all(w: Workload) -> tuple[list[PlacementEstimate], dict[Placement, Workload]]:
         costs = {p: costed(p, w) for p in candidate_placements()}
