@@ -20,6 +20,10 @@ What a real GPU would do that the fake's landing makes visible, each logged as a
 - a host pool block handed out while a copy still reads or writes it (`watch_host_pool`);
 - allocator memory used on another stream without `keep_alive` (record_stream) there
   (`check_allocator_memory_kept_alive`).
+- a collective (`collective`; `nccl_like_collectives` routes the engine's through it, for
+  two gloo ranks) runs on its own `comm` stream after what the issuing stream has queued: its
+  output is NaN until something waits for its event, and an input changed before then, an
+  input another stream's copy writes unordered, and a collective never waited for are named.
 Compute events have happened only once the host synchronised with one at or after them
 (`host_wait`), as on a GPU whose kernels run behind the host. `SyncWatch` counts the implicit
 synchronisations (`.item()`, `.cpu()`, blocking `.to(device)`, ...) the training thread makes.
@@ -67,16 +71,21 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class RecordingStreams(Streams):
-    separate = True
-    compute, h2d, d2h = "compute", "h2d", "d2h"
+    """`separate_writes`: host -> device writes on their own `h2d_write` stream, as on a GPU
+    (by default they share `h2d`, which orders them after fetches)."""
 
-    def __init__(self) -> None:
+    separate = True
+    compute, h2d, d2h, comm = "compute", "h2d", "d2h", "comm"
+
+    def __init__(self, separate_writes: bool = False) -> None:
         self.device = torch.device("cpu")
         self.log: list[tuple] = []
         self._lock = threading.RLock()
-        self._issued = {s: 0 for s in ("compute", "h2d", "d2h")}
+        self._writes = "h2d_write" if separate_writes else "h2d"
+        self.log.append(("writes_on", self._writes))
+        self._issued = {s: 0 for s in ("compute", "h2d", "d2h", "comm", self._writes)}
         self._done = dict(self._issued)
-        self._queue: dict[str, deque] = {s: deque() for s in ("h2d", "d2h")}
+        self._queue: dict[str, deque] = {s: deque() for s in self._issued if s != "compute"}
         self._known = {s: dict(self._issued) for s in self._issued}  # stream -> what it is ordered after
         self._copies: dict[str, list] = {s: [] for s in self._issued}  # stream -> (dst, src) by seq
         # copies the host has seen finish (host_wait, query): anything issued later is after them
@@ -84,6 +93,18 @@ class RecordingStreams(Streams):
         self.device_spans: set[tuple[int, int]] = set()  # the device pool's blocks (`watch_device_pool`)
         self._compute_marks = 0  # compute events recorded so far
         self._compute_synced = 0  # the latest compute event the host synchronised with
+        self._current = threading.local()  # the stream `current` made current on this thread
+
+    @property
+    def h2d_write(self) -> str:
+        return self._writes
+
+    def current(self, stream: str):
+        return _Current(self._current, stream)
+
+    def current_stream(self) -> str:
+        """The calling thread's current stream: compute unless `current` says otherwise."""
+        return getattr(self._current, "stream", self.compute)
 
     def record(self, stream: str) -> FakeEvent:
         with self._lock:
@@ -116,7 +137,7 @@ class RecordingStreams(Streams):
                 dst.copy_(src)
                 self._done[stream] = self._issued[stream]
             else:
-                self._queue[stream].append((self._issued[stream], dst, src, src.detach().clone()))
+                self._queue[stream].append((self._issued[stream], dst, src, src, src.detach().clone()))
                 dst.view(torch.uint8).fill_(0xFF)  # NaN until the copy's event is waited for
             event = FakeEvent(stream, self._issued[stream], dict(self._known[stream]))
             self.log.append(("copy", stream, dst.data_ptr(), after, threading.current_thread().name, event,
@@ -140,6 +161,28 @@ class RecordingStreams(Streams):
                     if hit:
                         self.log.append(("hazard", f"a {stream} copy {what} {other} copy {seq} touches, "
                                                    "unordered with it"))
+
+    def collective(self, out: torch.Tensor, result: torch.Tensor, inp: torch.Tensor) -> FakeEvent:
+        """An NCCL collective issued now, as NCCL runs one: on `comm`, after everything the
+        issuing (current) stream has queued, reading `inp` and filling `out` -- NaN until its
+        event is waited for, then `result`, what the ranks' real collective computed from `inp`
+        as issued (an input changed before then is named, as a copy's source is). An output
+        allocated while `comm` is current is memory for that stream (`check_allocator_memory_kept_alive`)."""
+        with self._lock:
+            issuing = self.current_stream()
+            if issuing == self.comm and not self.on_device(out):
+                self.log.append(("alloc", self.comm, out.data_ptr()))
+            self._order_after(self.comm, self._known[issuing])
+            self._order_after(self.comm, self._finished)
+            self._check_hazards(self.comm, _span(out), _span(inp))
+            self._issued[self.comm] += 1
+            seq = self._known[self.comm][self.comm] = self._issued[self.comm]
+            self._copies[self.comm].append((out, inp))
+            self._queue[self.comm].append((seq, out, result, inp, inp.detach().clone()))
+            out.view(torch.uint8).fill_(0xFF)
+            event = FakeEvent(self.comm, seq, dict(self._known[self.comm]))
+            self.log.append(("collective", issuing, out.data_ptr(), event, threading.current_thread().name))
+            return event
 
     def empty_like(self, tensor: torch.Tensor, stream: str) -> torch.Tensor:
         with self._lock:
@@ -179,9 +222,11 @@ class RecordingStreams(Streams):
             return
         queue = self._queue[event.stream]
         while queue and queue[0][0] <= event.seq:
-            seq, dst, src, issued = queue.popleft()
-            if not _same(src, issued):
-                self.log.append(("hazard", f"the source of {event.stream} copy {seq} changed while it was in flight"))
+            seq, dst, src, read, issued = queue.popleft()
+            if not _same(read, issued):
+                self.log.append(("hazard", f"the input of comm collective {seq} was changed while it was in flight"
+                                 if event.stream == self.comm else
+                                 f"the source of {event.stream} copy {seq} changed while it was in flight"))
             if not self._overlaps_queued(_span(dst)) and not bool((dst.view(torch.uint8) == 0xFF).all()):
                 self.log.append(("hazard", f"the destination of {event.stream} copy {seq} was written while "
                                            "it was in flight"))
@@ -195,8 +240,53 @@ class RecordingStreams(Streams):
 
     def _overlaps_queued(self, span: tuple[int, int]) -> bool:
         """Whether a copy still in flight reads or writes bytes in `span`."""
-        return any(_overlap(span, _span(dst)) or _overlap(span, _span(src))
-                   for queue in self._queue.values() for _, dst, src, _ in queue)
+        return any(_overlap(span, _span(dst)) or _overlap(span, _span(read))
+                   for queue in self._queue.values() for _, dst, _, read, _ in queue)
+
+
+class _Current:
+    """`RecordingStreams.current`: `stream` is the thread's current one inside the block."""
+
+    def __init__(self, local: threading.local, stream: str) -> None:
+        self.local, self.stream = local, stream
+
+    def __enter__(self) -> None:
+        self.previous = getattr(self.local, "stream", None)
+        self.local.stream = self.stream
+
+    def __exit__(self, *exc: object) -> None:
+        self.local.stream = self.previous if self.previous is not None else "compute"
+
+
+class _FakeWork:
+    """A collective's work handle: `wait()` makes the current stream wait for it (NCCL's)."""
+
+    def __init__(self, fake: RecordingStreams, event: FakeEvent) -> None:
+        self.fake, self.event = fake, event
+
+    def wait(self) -> bool:
+        self.fake.wait(self.fake.current_stream(), self.event)
+        return True
+
+
+def nccl_like_collectives(fake: RecordingStreams, patch=setattr) -> None:
+    """Route `tierzero.dist.comm`'s asynchronous all-gathers and reduce-scatters through
+    `fake.collective`: the real (gloo) collective runs at issue into a scratch buffer, and the
+    output the engine sees lands only when its event is waited for. `patch`: a monkeypatch's
+    `setattr` in a test, plain `setattr` in a spawned rank."""
+    from tierzero.dist import comm
+
+    def deferred(real):
+        def collective(out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+            if not async_op:
+                return real(out, inp)
+            result = torch.empty_like(out)
+            real(result, inp)
+            return _FakeWork(fake, fake.collective(out, result, inp))
+        return collective
+
+    patch(comm, "_all_gather", deferred(comm._all_gather))
+    patch(comm, "_reduce_scatter", deferred(comm._reduce_scatter))
 
 
 def watch_device_pool(monkeypatch, fake: RecordingStreams) -> None:
@@ -329,6 +419,16 @@ def check_no_host_wait_on_compute(log: list[tuple]) -> list[str]:
             for e in log if e[0] == "host_wait" and e[1] is not None and e[1].stream == "compute"]
 
 
+def check_collectives_waited_for(log: list[tuple]) -> list[str]:
+    """Every collective's output was waited for (by a stream or the host) before the run ended:
+    one never waited for was read unordered with it, or not at all."""
+    waited = {e[2].known.get("comm", 0) for e in log if e[0] == "wait" and e[2] is not None}
+    waited |= {e[1].known.get("comm", 0) for e in log if e[0] == "host_wait" and e[1] is not None}
+    latest = max(waited, default=0)
+    return [f"comm collective {e[3].seq} (issued on {e[1]}) was never waited for" for e in log
+            if e[0] == "collective" and e[3].seq > latest]
+
+
 def check_no_copy_hazards(log: list[tuple]) -> list[str]:
     """No copy touches bytes another stream's copy writes (or reads) without waiting for it."""
     return [e[1] for e in log if e[0] == "hazard"]
@@ -340,16 +440,20 @@ def check_d2h_copies_wait_for_their_source(log: list[tuple]) -> list[str]:
             if e[0] == "copy" and e[1] == "d2h" and (e[3] is None or e[3].stream != "compute")]
 
 
+_H2D = ("h2d", "h2d_write")  # the host -> device streams (one where writes share h2d)
+
+
 def check_h2d_copies_write_pool_or_h2d_memory(log: list[tuple]) -> list[str]:
-    """Every h2d copy fills a buffer just leased from the device pool (ordered by its release
-    event) or memory allocated for the h2d stream (`Streams.empty_like`): memory torch's
-    allocator hands out on compute may still be read by compute's queued kernels. A copy into
-    a store that compute reads in place (params homed on the device) waits for compute instead."""
+    """Every h2d (or h2d_write) copy fills a buffer just leased from the device pool (ordered by
+    its release event) or memory allocated for a host -> device stream (`Streams.empty_like`):
+    memory torch's allocator hands out on compute may still be read by compute's queued kernels.
+    A copy into a store that compute reads in place (params homed on the device) waits for
+    compute instead."""
     problems, fresh = [], set()
     for entry in log:
-        if entry[0] == "lease" or entry[0] == "alloc" and entry[1] == "h2d":
+        if entry[0] == "lease" or entry[0] == "alloc" and entry[1] in _H2D:
             fresh.add(entry[-1])
-        elif entry[0] == "copy" and entry[1] == "h2d":
+        elif entry[0] == "copy" and entry[1] in _H2D:
             if entry[2] not in fresh and (entry[3] is None or entry[3].stream != "compute"):
                 problems.append(f"h2d copy into 0x{entry[2]:x}: neither a device pool buffer nor "
                                 "memory allocated for the h2d stream")
@@ -380,17 +484,22 @@ def check_allocator_memory_kept_alive(log: list[tuple], device_spans: set[tuple[
 
 def check_writes_into_read_before_waited(log: list[tuple], spans: list[tuple[int, int]]) -> list[str]:
     """Memory that compute reads in place (`spans`: params homed on the device) is written by
-    h2d copies, never a blocking copy; each waits for compute (which may still read the old
-    values), and the compute stream itself waits for its event, not only the host."""
-    problems, unwaited = [], {}
+    copies on the host -> device write stream (`h2d_write`, h2d itself where the fake has one),
+    never a blocking copy; each waits for compute (which may still read the old values), and
+    the compute stream itself waits for its event, not only the host."""
+    problems, unwaited, writes = [], {}, "h2d"
     for entry in log:
-        if entry[0] == "copy" and entry[1] == "h2d" and any(a <= entry[2] < b for a, b in spans):
+        if entry[0] == "writes_on":
+            writes = entry[1]
+        elif entry[0] == "copy" and entry[1] in _H2D and any(a <= entry[2] < b for a, b in spans):
+            if entry[1] != writes:
+                problems.append(f"a write into 0x{entry[2]:x} on {entry[1]}, not the {writes} stream")
             if entry[3] is None or entry[3].stream != "compute":
-                problems.append(f"h2d write into 0x{entry[2]:x} waits for {entry[3]}, not compute")
-            unwaited[entry[5].seq] = entry[2]
+                problems.append(f"{entry[1]} write into 0x{entry[2]:x} waits for {entry[3]}, not compute")
+            unwaited[(entry[1], entry[5].seq)] = entry[2]
         elif entry[0] == "wait" and entry[1] == "compute" and entry[2] is not None:
-            seen = entry[2].known.get("h2d", 0)
-            unwaited = {seq: ptr for seq, ptr in unwaited.items() if seq > seen}
-    if spans and not any(e[0] == "copy" and e[1] == "h2d" and any(a <= e[2] < b for a, b in spans) for e in log):
-        problems.append("nothing was written into the spans on the h2d stream (a blocking copy?)")
+            known = entry[2].known
+            unwaited = {(s, seq): ptr for (s, seq), ptr in unwaited.items() if seq > known.get(s, 0)}
+    if spans and not any(e[0] == "copy" and e[1] in _H2D and any(a <= e[2] < b for a, b in spans) for e in log):
+        problems.append("nothing was written into the spans on a host -> device stream (a blocking copy?)")
     return problems + [f"compute never waits for the h2d write into 0x{ptr:x}" for ptr in unwaited.values()]
