@@ -113,14 +113,15 @@ def test_the_sync_watch_counts_what_makes_the_host_wait_for_the_device() -> None
     assert [w.split()[0] for w in watch.where] == ["item", "cpu", "to", "copy_"]
 
 
-def train_through_fake(tmp_path, monkeypatch, case: str) -> tuple[list[str], tuple, tuple]:
-    """Train `case` through the fake and PyTorch: what the fake's checks report, and the
-    (losses, weights) of each."""
+def train_through_fake(tmp_path, monkeypatch, case: str,
+                       separate_writes: bool = False) -> tuple[list[str], tuple, tuple]:
+    """Train `case` through the fake (host -> device writes on their own stream if
+    `separate_writes`) and PyTorch: what the fake's checks report, and the (losses, weights) of each."""
     placement, overlap, accumulate = CASES[case]
     cfg = Config(placement=placement, nvme_path=[str(tmp_path / "nvme")], lr=3e-3, warmup_steps=1,
                  total_steps=3, host_budget="256MiB", gpu_budget="256MiB", piece_numel=6144,
                  overlap_step=overlap, accumulate=accumulate, prefetch_depth=2)
-    fake = RecordingStreams()
+    fake = RecordingStreams(separate_writes)
     monkeypatch.setattr(streams, "open_streams", lambda device: fake)
     watch_device_pool(monkeypatch, fake)
     watch_host_pool(monkeypatch, fake)

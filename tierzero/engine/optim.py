@@ -7,13 +7,16 @@ Per piece, a state whose home is a memory tier on the stepping device is used in
 copy); any other is read into a leased buffer, `prefetch_depth` pieces ahead. After torch's
 AdamW updates the piece (elementwise, so stepping pieces is bitwise stepping the whole shard),
 off-device states are written back and the new compute-dtype values go into the unit's param
-shard: in place where params live in memory, else as the param piece of the same range. Writes complete in the background;
-their buffers return to the pool as they finish. The step runs on the compute device only when
-master and both moments live there. With overlap_step a piece's grad reaches the host on the
+shard: in place where params live in memory, else as the param piece of the same range. The
+stepping thread also casts the new params (into the grad's buffer, which the step consumed,
+where it is a host one) and updates a cached copy; the I/O loop then issues every write and
+gives the piece's buffers back once all have finished (with overlap_step no cast, copy or
+write runs on autograd's thread). The step runs on the compute device only when master and
+both moments live there. With overlap_step a piece's grad reaches the host on the
 d2h stream (`tierzero.engine.streams`) and its AdamW, on the optimizer's own thread (one OpenMP
 team, never the I/O workers'), waits for that copy's event.
 A host step never copies to or from device memory synchronously: states and new params homed
-on the device move on the d2h/h2d streams through pinned buffers, and the event of each param
+on the device move on the d2h/h2d_write streams through pinned buffers, and the event of each param
 write goes to the scheduler, whose next pass reads the params after it. A device step runs on
 the compute stream, whichever thread issues it.
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +41,7 @@ from tierzero.engine.tiers import Tiers
 from tierzero.layout.keys import piece_key, shard_key
 from tierzero.planning.placement import Link
 from tierzero.planning.workload import steps_on_gpu
+from tierzero.storage.base import BudgetExceededError, TierStore
 
 STEP_KINDS = (StateKind.GRAD, *OPTIMIZER_KINDS)  # what one piece's step reads
 OPTIMIZER_LANE = "optimizer"  # the I/O loop's thread that runs every overlapped piece's step
@@ -59,6 +63,7 @@ class Work:
     # overlap_step: the compute event after which its grad is final and its unit's params are
     # read no more in the pass (their new values may be written over them)
     produced: Event = None
+    copies: dict[StateKind, Event] = field(default_factory=dict)  # leased buffers read by h2d_write copies
 
     @property
     def numel(self) -> int:
@@ -112,6 +117,7 @@ class ShardOptimizer:
                 issued += 1
             work = loads.popleft()
             self._wait(work)
+            self._reserve_staging(work)
             self._step(work, lr, grad_coef)
             self._write(work)
             self.tiers.pending.reap()
@@ -119,10 +125,14 @@ class ShardOptimizer:
 
     def prefetch(self, unit: Unit) -> None:
         """Start reading `unit`'s first pieces of master and moments now (overlap_step: while
-        backward computes); later pieces are read as earlier ones are stepped."""
+        backward computes); later pieces are read as earlier ones are stepped. A look-ahead on
+        autograd's thread: with the pool short it stops rather than wait for a transfer."""
         for work in self.works(unit)[:max(1, self.config.prefetch_depth)]:
             if (unit.index, work.piece) not in self._prefetched:
-                self._prefetched[(unit.index, work.piece)] = self._load(work)
+                try:
+                    self._prefetched[(unit.index, work.piece)] = self._load(work, wait=False)
+                except BudgetExceededError:
+                    return  # `step_unit` loads it
 
     def discard_prefetched(self) -> None:
         """After an error mid-backward: let prefetches land, then return their buffers."""
@@ -137,6 +147,8 @@ class ShardOptimizer:
         # and a grad piece on its way to the host (overlap_step) until its D2H copy has landed:
         # given back earlier, the late copy would overwrite the block's next holder
         self.tiers.streams.host_wait(work.grad_landed)
+        for event in work.copies.values():  # and a buffer an h2d_write copy still reads
+            self.tiers.streams.host_wait(event)
         for buf in work.leased.values():
             self._give_back(buf)
 
@@ -144,9 +156,9 @@ class ShardOptimizer:
                   grad_coef: float | None = None) -> None:
         """Step one unit as soon as its final grad shard exists (overlap_step), off the training
         thread: each piece's AdamW step runs on the optimizer's thread once its states land (torch
-        releases the GIL, so backward continues meanwhile); its writes are issued when the
-        training thread next reaps the pending queue. Loading a piece waits for buffers the
-        pool does not have yet, so at most a budget's worth of pieces is in flight."""
+        releases the GIL, so backward continues meanwhile), then the I/O loop issues its writes.
+        Loading a piece waits for buffers the pool does not have yet, so at most a budget's
+        worth of pieces is in flight."""
         wanted = {w.piece for w in self.works(unit, runs)}
         produced = self.tiers.streams.record(self.tiers.streams.compute)  # the grad shard is final
         for work in self.works(unit):
@@ -158,8 +170,10 @@ class ShardOptimizer:
             work = prefetched or self._load(work)
             work.runs = runs
             self._attach_grad(work, grad, produced)
+            self._reserve_staging(work)
+            self._count_writes(work)
             future = self.tiers.submit(self._step_when_loaded(work, lr, grad_coef))
-            self.tiers.pending.add(future, lambda ok, w=work: self._write(w) if ok else self._discard(w))
+            self.tiers.pending.add(future, lambda ok, w=work: self._settle(w) if ok else self._discard(w))
 
     async def _step_when_loaded(self, work: Work, lr: float, grad_coef: float | None) -> None:
         for future in work.futures:
@@ -167,8 +181,9 @@ class ShardOptimizer:
         await self.tiers.landed(work.grad_landed)
         # on the optimizer's own thread (an I/O loop lane), never an I/O worker: one OpenMP team
         # steps the pieces one after another instead of one full team per worker, competing
-        # with the chunk reads and writes
+        # with the chunk reads and writes; the new params' cast runs there too
         await self.tiers.io.wait_off_workers(self._step, work, lr, grad_coef, lane=OPTIMIZER_LANE)
+        await self._write_back(work)
 
     def _attach_grad(self, work: Work, grad: torch.Tensor, produced: Event) -> None:
         """Use the piece's slice of the finished grad shard handed over by backward: in place on
@@ -184,21 +199,33 @@ class ShardOptimizer:
         s.keep_alive(part, s.d2h)
         self.stats.add_bytes(Link.GPU_TO_HOST, work.numel * 4)
 
-    def _load(self, work: Work, with_grad: bool = False) -> Work:
-        """Start bringing a piece's optimizer states (and its grad, if asked) to the stepping device."""
+    def _load(self, work: Work, with_grad: bool = False, wait: bool = True) -> Work:
+        """Start bringing a piece's optimizer states (and its grad, if asked) to the stepping
+        device. Every buffer is leased before any read starts, so `wait=False` (a look-ahead)
+        that finds the pool short gives back what it took and raises `BudgetExceededError`."""
         unit = work.unit
         computed: Event = None  # one compute event serves every state of the piece
-        for kind in STEP_KINDS if with_grad else OPTIMIZER_KINDS:
-            home = self.placement.home(kind)
-            key = piece_key(kind, unit.index, self.rank, work.piece)
-            store = self.tiers.stores[home]
+        kinds = STEP_KINDS if with_grad else OPTIMIZER_KINDS
+        for kind in kinds:
+            store = self.tiers.stores[self.placement.home(kind)]
             if store.capabilities.zero_copy:
-                view = store.view(key)
+                view = store.view(piece_key(kind, unit.index, self.rank, work.piece))
                 if view.device == self.device:
                     work.tensors[kind] = view
                     continue
-            buf = self._lease(work.numel * 4).view(torch.float32)
-            work.tensors[kind] = work.leased[kind] = buf
+            try:
+                work.leased[kind] = self._lease(work.numel * 4, wait).view(torch.float32)
+            except BudgetExceededError:
+                for buf in work.leased.values():
+                    self._give_back(buf)
+                raise
+        for kind in kinds:
+            if kind not in work.leased:
+                continue
+            home = self.placement.home(kind)
+            key = piece_key(kind, unit.index, self.rank, work.piece)
+            store = self.tiers.stores[home]
+            buf = work.tensors[kind] = work.leased[kind]
             if home is Tier.NVME:
                 work.futures.append(self.tiers.submit(store.read_into(key, buf)))
                 self.stats.add_bytes(Link.NVME_TO_HOST, buf.numel() * 4)
@@ -213,11 +240,11 @@ class ShardOptimizer:
                                      buf.numel() * 4)
         return work
 
-    def _lease(self, nbytes: int) -> torch.Tensor:
+    def _lease(self, nbytes: int, wait: bool = True) -> torch.Tensor:
         """A working buffer on the stepping device (host pool for CPU steps)."""
         if self.device.type == "cpu":
-            return self.tiers.lease_host(nbytes)
-        return self.tiers.lease_device(nbytes)
+            return self.tiers.lease_host(nbytes, wait)
+        return self.tiers.lease_device(nbytes, wait)
 
     def _give_back(self, buf: torch.Tensor) -> None:
         pool = self.tiers.host_pool if buf.device.type == "cpu" and self.device.type == "cpu" \
@@ -236,8 +263,11 @@ class ShardOptimizer:
         return home is Tier.GPU and self.device.type == "cpu" and self.tiers.streams.separate
 
     def _step(self, work: Work, lr: float, grad_coef: float | None) -> None:
+        """AdamW on the piece, then its new params cast where they go (`_cast_param`), on the
+        thread that steps it."""
         if self.device.type == "cpu":
             self._adamw(work, lr, grad_coef)
+            self._cast_param(work)
             return
         # on the device: on the compute stream, after the grad's producer, whichever thread
         # issues it (with overlap_step an I/O thread, whose current stream is not compute)
@@ -245,6 +275,7 @@ class ShardOptimizer:
         with s.current(s.compute):
             s.wait(s.compute, work.produced)
             self._adamw(work, lr, grad_coef)
+            self._cast_param(work)
 
     def _adamw(self, work: Work, lr: float, grad_coef: float | None) -> None:
         t = work.tensors
@@ -260,77 +291,126 @@ class ShardOptimizer:
                    [self.config.weight_decay if d else 0.0 for _, _, d, _ in runs],
                    [step for _, _, _, step in runs], lr, self.config)
 
-    def _write(self, work: Work) -> None:
-        # Order matters: the param piece is cast from the master buffer, and a finished write
-        # of the master gives that buffer back to the pool, where leasing the param's staging
-        # (which may wait on finished writes) could pick it up. So: free the grad, write the
-        # moments, stage and write the param, and only then hand the master to its write.
-        leased = dict(work.leased)
-        if StateKind.GRAD in leased:
-            self._give_back(leased.pop(StateKind.GRAD))
-        master = leased.pop(StateKind.MASTER, None)
-        for kind, buf in leased.items():
-            self._put(kind, work, buf)
-        self._write_param(work)
-        if master is not None:
-            self._put(StateKind.MASTER, work, master)
-
-    def _write_param(self, work: Work) -> None:
-        unit = work.unit
-        master = work.tensors[StateKind.MASTER]
+    def _staged(self) -> bool:
+        """Whether new params reach their home through host staging: on nvme, or in device
+        memory from a host step."""
         home = self.placement.home(StateKind.PARAM)
-        store = self.tiers.stores[home]
-        key = shard_key(StateKind.PARAM, unit.index, self.rank)
-        # replicated params (stage 1/2): this rank's range of the whole unit; the other ranks'
-        # new values arrive after the step (`tierzero.engine.paramsync`)
-        lo = unit.param_offset(self.rank)
-        if store.capabilities.zero_copy:
-            self._write_param_in_memory(work, store.view(key)[lo + work.start:lo + work.end], master)
+        return home is Tier.NVME or self._across(home)
+
+    def _reserve_staging(self, work: Work) -> None:
+        """On the leasing thread, before the step: the host buffer the new params will be cast
+        into. The grad's buffer serves where it is a host one (the step consumes the grad, and
+        numel compute-dtype values fit in its fp32 bytes); only otherwise is one leased."""
+        if not self._staged():
             return
-        # params on nvme are written per piece (no buffer the size of a unit); a cached copy of
-        # the shard is updated in place, so the next pass reads RAM, never stale values
-        staged = self._stage_param(master)
-        cached = self.tiers.host_pool.cache_get(key)
-        if cached is not None:
-            cached.view(self.compute_dtype)[lo + work.start:lo + work.end].copy_(staged)
-            self.tiers.host_pool.give_back(cached)
-        piece = unit.param_piece_base(self.config.piece_numel, self.rank) + work.piece
-        future = self.tiers.submit(store.write(piece_key(StateKind.PARAM, unit.index, self.rank, piece), staged))
-        self.tiers.pending.add(future, lambda ok: self._release_param(key, staged, ok))
-        self.stats.add_bytes(Link.HOST_TO_NVME, staged.numel() * staged.element_size())
+        if StateKind.GRAD in work.leased and self.device.type == "cpu":
+            work.leased[StateKind.PARAM] = work.leased.pop(StateKind.GRAD)
+        else:
+            work.leased[StateKind.PARAM] = self.tiers.lease_host(work.numel * self.compute_dtype.itemsize)
 
-    def _write_param_in_memory(self, work: Work, dst: torch.Tensor, master: torch.Tensor) -> None:
-        """Cast `master` into `dst`, a slice of the param shard in a memory home. From a host step
-        into device memory: cast into pinned staging on the host, then an h2d copy once compute
-        has read the unit's params for the last time in the pass (`produced`; with overlap_step
-        never compute as it is now, which would hold up the h2d copies queued behind this one);
-        never a blocking copy. A device step casts on the compute stream. The next pass's reads
-        wait for the write."""
+    def _staging(self, work: Work) -> torch.Tensor:
+        nbytes = work.numel * self.compute_dtype.itemsize
+        return work.leased[StateKind.PARAM].view(torch.uint8)[:nbytes].view(self.compute_dtype)
+
+    def _param_home(self, work: Work) -> tuple[Tier, TierStore, str, int]:
+        """The param home, its store, the unit's param shard key and this rank's offset in it
+        (replicated params, stage 1/2: this rank's range of the whole unit; the other ranks'
+        new values arrive after the step, `tierzero.engine.paramsync`)."""
         home = self.placement.home(StateKind.PARAM)
-        s = self.tiers.streams
-        if self._across(home):
-            staged = self._stage_param(master)
-            done_reading = work.produced if work.produced is not None else s.record(s.compute)
-            event = s.copy(dst, staged, s.h2d, after=done_reading)
-            self.tiers.give_back_when_done(event, staged)
-            self.stats.add_bytes(Link.HOST_TO_GPU, staged.numel() * staged.element_size())
-        elif home is Tier.GPU and self.device.type != "cpu":
-            event = s.copy(dst, master, s.compute)  # cast to the compute dtype in the copy
+        key = shard_key(StateKind.PARAM, work.unit.index, self.rank)
+        return home, self.tiers.stores[home], key, work.unit.param_offset(self.rank)
+
+    def _cast_param(self, work: Work) -> None:
+        """The new params in the compute dtype: straight into a param home in the same memory
+        (on the device, on the compute stream, its event to the scheduler), else into the
+        piece's staging, and into a cached copy of an nvme shard, so the next pass reads RAM,
+        never stale values."""
+        master = work.tensors[StateKind.MASTER]
+        home, store, key, lo = self._param_home(work)
+        if self._staged():
+            self._staging(work).copy_(master)
+            cached = self.tiers.host_pool.cache_get(key) if home is Tier.NVME else None
+            if cached is not None:
+                cached.view(self.compute_dtype)[lo + work.start:lo + work.end].copy_(self._staging(work))
+                self.tiers.host_pool.give_back(cached)
+            return
+        dst = store.view(key)[lo + work.start:lo + work.end]
+        if home is Tier.GPU and self.device.type != "cpu":
+            s = self.tiers.streams
+            self.param_written(work.unit.index, s.copy(dst, master, s.compute))  # cast in the copy
         else:
             dst.copy_(master)  # one memory: cast to the compute dtype in the copy
-            return
+
+    def _write(self, work: Work) -> None:
+        """From the training thread (`step`): count the piece's writes and hand them to the I/O loop."""
+        self._count_writes(work)
+        if work.produced is None and self._across(self.placement.home(StateKind.PARAM)):
+            # what the param write waits for: compute as it is now, done with this pass's params
+            work.produced = self.tiers.streams.record(self.tiers.streams.compute)
+        future = self.tiers.submit(self._write_back(work))
+        self.tiers.pending.add(future, lambda ok: self._settle(work) if ok else self._discard(work))
+
+    def _count_writes(self, work: Work) -> None:
+        """The bytes `_write_back` will move, counted on the training thread (the counters are its)."""
+        for kind in OPTIMIZER_KINDS:
+            if kind in work.leased:
+                self._count(self.placement.home(kind), work.numel * 4)
+        if self._staged():
+            self._count(self.placement.home(StateKind.PARAM), work.numel * self.compute_dtype.itemsize)
+
+    def _count(self, home: Tier, nbytes: int) -> None:
+        if home is Tier.NVME:
+            self.stats.add_bytes(Link.HOST_TO_NVME, nbytes)
+        elif self._across(home):
+            self.stats.add_bytes(Link.HOST_TO_GPU, nbytes)
+
+    async def _write_back(self, work: Work) -> None:
+        """On the I/O loop, after the step: write the leased states and the staged params to their
+        homes at once, then give back every buffer no h2d_write copy reads (`_settle` hands
+        those back once their copies land); after a failure, once every write has finished,
+        the buffers stay for `_discard`."""
+        grad = work.leased.pop(StateKind.GRAD, None)
+        if grad is not None:
+            self._give_back(grad)  # consumed by the step
+        writes = [self._write_param(work) if kind is StateKind.PARAM else self._put(kind, work, buf)
+                  for kind, buf in work.leased.items()]
+        done = await asyncio.gather(*(w for w in writes if w is not None), return_exceptions=True)
+        failed = [r for r in done if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
+        for kind in [k for k in work.leased if k not in work.copies]:
+            self._give_back(work.leased.pop(kind))
+
+    def _settle(self, work: Work) -> None:
+        """On the training thread, once `_write_back` is done: the buffers h2d_write copies
+        read go back to the pool when their copies have landed."""
+        for kind, event in work.copies.items():
+            self.tiers.give_back_when_done(event, work.leased.pop(kind))
+        work.copies.clear()
+
+    def _write_param(self, work: Work) -> Coroutine | None:
+        """Start writing the staged params to their home: per piece on nvme (no buffer the size of
+        a unit; the write to await), or on the h2d_write stream into device memory once compute
+        has read the unit's params for the last time in the pass (`produced`), never a blocking
+        copy; the next pass's reads wait for the copy's event (`param_written`)."""
+        home, store, key, lo = self._param_home(work)
+        staged = self._staging(work)
+        if home is Tier.NVME:
+            piece = work.unit.param_piece_base(self.config.piece_numel, self.rank) + work.piece
+            return self._write_param_piece(store, piece_key(StateKind.PARAM, work.unit.index, self.rank, piece),
+                                           staged, key)
+        s = self.tiers.streams
+        event = s.copy(store.view(key)[lo + work.start:lo + work.end], staged, s.h2d_write, after=work.produced)
+        work.copies[StateKind.PARAM] = event
         self.param_written(work.unit.index, event)
+        return None
 
-    def _stage_param(self, master: torch.Tensor) -> torch.Tensor:
-        """`master` cast to the compute dtype in a leased host buffer, on its way to a param home."""
-        staged = self.tiers.lease_host(master.numel() * self.compute_dtype.itemsize).view(self.compute_dtype)
-        staged.copy_(master)
-        return staged
-
-    def _release_param(self, key: str, staged: torch.Tensor, ok: bool) -> None:
-        if not ok:  # the drive does not hold these params: the cache must not serve them either
+    async def _write_param_piece(self, store: TierStore, piece: str, staged: torch.Tensor, key: str) -> None:
+        try:
+            await store.write(piece, staged)
+        except BaseException:  # the drive does not hold these params: the cache must not serve them either
             self.tiers.host_pool.cache_drop(key)
-        self.tiers.host_pool.give_back(staged.view(torch.uint8))
+            raise
 
     def _room_for(self, work: Work) -> bool:
         """Whether loading a piece ahead of time leaves the pool room for the piece being stepped."""
@@ -345,21 +425,17 @@ class ShardOptimizer:
             return home is not Tier.NVME and store_device.type == self.device.type
         return sum(1 for k in STEP_KINDS if not in_place(self.placement.home(k)))
 
-    def _put(self, kind: StateKind, work: Work, buf: torch.Tensor) -> None:
-        """Write a leased working buffer back to `kind`'s home, then return it to its pool."""
+    def _put(self, kind: StateKind, work: Work, buf: torch.Tensor) -> Coroutine | None:
+        """Start writing a leased working buffer back to `kind`'s home: an nvme write to await,
+        or an h2d_write copy whose event `work.copies` keeps."""
         home = self.placement.home(kind)
         store = self.tiers.stores[home]
         key = piece_key(kind, work.unit.index, self.rank, work.piece)
         if home is Tier.NVME:
-            future = self.tiers.submit(store.write(key, buf))
-            self.tiers.pending.add(future, lambda ok: self._give_back(buf))
-            self.stats.add_bytes(Link.HOST_TO_NVME, buf.numel() * buf.element_size())
-            return
+            return store.write(key, buf)
         if self._across(home):  # nothing reads this state before the next step's load waits for it
             s = self.tiers.streams
-            self.tiers.pending.add(self.tiers.when_done(s.copy(store.view(key), buf, s.h2d)),
-                                   lambda ok: self._give_back(buf))
-            self.stats.add_bytes(Link.HOST_TO_GPU, buf.numel() * buf.element_size())
-            return
-        store.view(key).copy_(buf)
-        self._give_back(buf)
+            work.copies[kind] = s.copy(store.view(key), buf, s.h2d_write)
+        else:
+            store.view(key).copy_(buf)
+        return None

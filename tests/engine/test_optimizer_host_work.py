@@ -1,0 +1,77 @@
+"""The optimizer's host work stays off the training thread, and its writes into device memory go
+up on the h2d_write stream (S6 of issue 20).
+
+Compared: with overlap_step, the tensor calls `tierzero/engine/optim.py` makes on the training
+thread (where autograd runs backward on the CPU) while training -- none: the new params' cast
+into staging and into a cached nvme shard happen on the optimizer's thread, and the writes are
+issued by the I/O loop -- in runs whose weights equal plain PyTorch's bitwise. And through the
+recording fake with a write stream of its own, that every param write into device memory is an
+h2d_write copy after compute, which compute waits for, still bitwise.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from tierzero import Config, Offload, Placement, Tier, models
+from tierzero.engine import Engine, streams
+
+from engine_helpers import SMALL, batches, reference_run
+from recording_streams import RecordingStreams
+from test_copy_pipeline import train_through_fake
+
+
+_METADATA = {"view", "__getitem__", "__get__", "numel", "size", "element_size", "data_ptr", "dim"}
+
+
+class OptimizerCalls(TorchFunctionMode):
+    """The tensor calls that touch elements (not views of a buffer, not its size) made from
+    optim.py on the thread that enters the mode (modes are per thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in _METADATA:
+            return func(*args, **(kwargs or {}))
+        files = [f.filename for f in traceback.extract_stack(limit=12)[:-1]]
+        if any(f.endswith("engine/optim.py") for f in files) and not any(f.endswith("recording_streams.py")
+                                                                          for f in files):
+            self.calls.append(f"{getattr(func, '__name__', func)} on {threading.current_thread().name}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("placement", [Placement(*[Tier.NVME] * 5), Placement.for_offload(Offload.HOST)],
+                         ids=["nvme", "gpu-params"])
+def test_no_optimizer_tensor_work_on_the_training_thread(tmp_path, monkeypatch, placement: Placement) -> None:
+    cfg = Config(placement=placement, nvme_path=[str(tmp_path / "nvme")], lr=3e-3, warmup_steps=1, total_steps=3,
+                 host_budget="256MiB", gpu_budget="256MiB", piece_numel=6144, overlap_step=True, prefetch_depth=2)
+    if placement.param is Tier.GPU:  # device memory apart from the host's: through the fake
+        fake = RecordingStreams(separate_writes=True)
+        monkeypatch.setattr(streams, "open_streams", lambda device: fake)
+    _, ref_weights = reference_run(SMALL, cfg, steps=2)
+    data = batches()
+    with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
+        with OptimizerCalls() as watch:
+            for _ in range(2):
+                engine.train_step(data.next_batch())
+        weights = engine.master_state_dict()
+    assert not watch.calls, "\n".join(watch.calls[:5])
+    for key in ref_weights:
+        assert torch.equal(weights[key], ref_weights[key]), key
+
+
+@pytest.mark.parametrize("case", ["gpu-params-overlap", "gpu-params-accumulate"])
+def test_param_writes_into_device_memory_go_up_on_h2d_write(tmp_path, monkeypatch, case: str) -> None:
+    problems, (losses, weights), (ref_losses, ref_weights) = train_through_fake(tmp_path, monkeypatch, case,
+                                                                                separate_writes=True)
+    assert losses == ref_losses
+    for key in ref_weights:
+        assert torch.equal(weights[key], ref_weights[key]), key
+    assert not problems, "\n".join(problems)
