@@ -109,8 +109,7 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
     docstring says what each part is.
     """
     units, device = work.units, work.device
-    w, c, depth, piece_numel, stage = work.world_size, work.compute_itemsize, work.prefetch_depth, \
-        work.piece_numel, work.stage
+    w, c, depth, piece_numel = work.world_size, work.compute_itemsize, work.prefetch_depth, work.piece_numel
     padded = [u.padded_numel for u in units]
     shard = [u.shard_numel for u in units]
     replicated = work.replicated
