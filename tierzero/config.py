@@ -123,6 +123,14 @@ def _enum(cls: type[enum.Enum], value: Any, what: str) -> Any:
         raise ConfigError(f"{what} '{value}' is not valid; choose one of {choices}") from None
 
 
+class Schedule(str, enum.Enum):
+    """How `accumulate` micro-batches go through the units (`tierzero.engine.vertical`)."""
+
+    HORIZONTAL = "horizontal"  # each micro-batch through every unit, forward then backward
+    VERTICAL = "vertical"  # each unit for every micro-batch: params fetched once per pass
+    AUTO = "auto"  # vertical where accumulating a chain model whose activations fit
+
+
 @dataclass
 class Config:
     """What the `Engine` needs: precision, optimizer, schedule and where state lives.
@@ -152,6 +160,10 @@ class Config:
     clip_grad_norm: float | None = None
     clip_previous_norm: bool = False  # opt-in approximation that lets overlap_step clip
     accumulate: int = 1
+    schedule: Schedule = Schedule.HORIZONTAL
+    # the vertical schedule's waiting activations in host memory (beyond it they spill to nvme);
+    # None: what the host budget leaves
+    activation_budget: int | None = None
     loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
     overlap_step: bool | None = None  # None: on wherever it is exact (no clipping, not fp16)
@@ -174,6 +186,7 @@ class Config:
         self.offload = _enum(Offload, self.offload, "offload")
         self.dtype = None if self.dtype is None else _enum(DType, self.dtype, "dtype")
         self.lr_schedule = _enum(LRSchedule, self.lr_schedule, "lr_schedule")
+        self.schedule = _enum(Schedule, self.schedule, "schedule")
         self.grad_reduce_dtype = _enum(DType, self.grad_reduce_dtype, "grad_reduce_dtype")
         if self.grad_reduce_dtype is DType.FP16:
             raise ConfigError("grad_reduce_dtype 'fp16' could overflow a sum of gradients; choose fp32 or bf16")
@@ -184,7 +197,7 @@ class Config:
             raise ConfigError("nvme_path is empty; give at least one directory on a local SSD")
         if isinstance(self.placement, dict):
             self.placement = placement_from_dict(self.placement)
-        for name in ("host_budget", "gpu_budget", "chunk_bytes"):
+        for name in ("host_budget", "gpu_budget", "chunk_bytes", "activation_budget"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, parse_bytes(value, name))

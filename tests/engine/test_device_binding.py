@@ -38,7 +38,7 @@ class FakeCudaRng:
 
 
 class OnGpu:
-    """An input on cuda:1 (all `_rng_state` asks of a tensor)."""
+    """An input on cuda:1 (all `rng_state` asks of a tensor)."""
 
     is_cuda = True
     device = torch.device("cuda", 1)
@@ -49,10 +49,10 @@ def test_recompute_draws_from_the_inputs_gpu_whatever_thread_is_current(monkeypa
     monkeypatch.setattr(torch.cuda, "get_rng_state", fake.get_rng_state)
     monkeypatch.setattr(torch.cuda, "set_rng_state", fake.set_rng_state)
     fake.current = 0  # forward: the training thread
-    at_forward = execute._rng_state((OnGpu(),))
+    at_forward = execute.rng_state((OnGpu(),))
     fake.states[1] = torch.tensor([99], dtype=torch.uint8)  # forward's dropout advanced cuda:1's generator
     fake.current = 1  # backward: autograd's thread for cuda:1
-    with execute._restore_rng(at_forward):
+    with execute.restore_rng(at_forward):
         assert fake.states[1].item() == 1, "recompute's dropout would draw other masks than forward's"
         assert fake.states[0].item() == 0
     assert fake.states[1].item() == 99 and fake.states[0].item() == 0  # put back as it was

@@ -23,6 +23,8 @@ from tierzero.errors import ConfigError
 from tierzero.engine.optim import ShardOptimizer
 from tierzero.engine.paramsteps import Run
 from tierzero.layout.partition import Unit
+from tierzero.engine.state import StepState
+from tierzero.lr import lr_at
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,18 @@ class StepInBackward:
     lr: float
     coef: float | None  # clip_previous_norm's factor as a host float; None: not clipped
     runs: Callable[[Unit], list[Run]]  # what of this rank's shard the step updates
+
+    @staticmethod
+    def for_step(optimizer: ShardOptimizer, units: list[Unit], config: Config, state: StepState,
+                 runs: Callable[[Unit], list[Run]]) -> StepInBackward:
+        """The step of `state`'s step count; it marks the step as taken in backward."""
+        coef = None  # clip_previous_norm: the first step is not clipped
+        if config.clip_grad_norm is not None and state.previous_norm is not None:
+            # a host float from the host copy of the norm: no device sync in backward, and
+            # no device tensor for each CPU piece's step to copy to the host
+            coef = clip_coefficient(state.previous_norm, config.clip_grad_norm).item()
+        state.stepped_in_backward = True
+        return StepInBackward(optimizer, units, lr_at(state.step_count, config), coef, runs)
 
     def unit_starting(self, unit: int) -> None:
         """Read the states of this unit and the next one in backward order ahead of their grads."""
@@ -53,11 +67,19 @@ class BackwardPass:
     # grads that reached `gathered` copies, by unit; each is taken once, at its unit's first grad
     extra: dict[int, UnitGrad] = field(default_factory=dict)
     step: StepInBackward | None = None
+    # the vertical schedule: each unit's grad arrives once, already summed over its uses (a
+    # tied embedding's) and the step's micro-batches (`tierzero.engine.vertical`)
+    combined: bool = False
 
     def unit_starting(self, unit: int) -> None:
         """A unit's backward begins (the runner calls this before regathering it)."""
         if self.step is not None:
             self.step.unit_starting(unit)
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """`clip_grad_norm_`'s factor, computed the same way (fp32 tensor arithmetic, clamped to 1)."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
 
 
 def resolve_overlap(config: Config, fp16: bool) -> bool:

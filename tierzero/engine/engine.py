@@ -33,10 +33,10 @@ from tierzero.dist.comm import Comm
 from tierzero.config import Config, StateKind, Tier
 from tierzero.errors import TierzeroError
 from tierzero.engine.batch import BatchStaging
-from tierzero.engine.backward import BackwardPass, StepInBackward, resolve_overlap
+from tierzero.engine.backward import BackwardPass, StepInBackward, clip_coefficient, resolve_overlap
 from tierzero.engine.execute import UnitRunner, bind, flat_grad, place_buffers, unbind
 from tierzero.engine.gathered import GatheredBlocks, copies, resolve
-from tierzero.engine.grads import GradShards, clip_coefficient
+from tierzero.engine.grads import GradShards
 from tierzero.engine.shards import Shards
 from tierzero.engine import snapshot
 from tierzero.engine.state import StepState
@@ -47,15 +47,17 @@ from tierzero.checkpoint.manifest import Manifest
 from tierzero.engine.optim import ShardOptimizer
 from tierzero.engine.paramsteps import ParamSteps, Run
 from tierzero.engine.paramsync import sync_params
-from tierzero.layout.partition import Unit, forward_only, forward_uses, grad_uses, partition, replicate_params
+from tierzero.layout.partition import Unit, forward_only, grad_uses, partition, replicate_params
 from tierzero.config import TORCH_DTYPES
 from tierzero.engine.precision import DynamicLossScaler, compute_dtype, resolve_dtype
 from tierzero.engine.reference import compute_loss
 from tierzero.engine.scheduler import Scheduler
-from tierzero.planning.swapplan import build_swap_plan
+from tierzero.planning.placement import STAGE_TEXT
+from tierzero.planning.swapplan import swap_plans
 from tierzero.engine.sizing import Sizing, check_runnable
 from tierzero.engine.stats import StepStats
 from tierzero.engine.tiers import Tiers
+from tierzero.engine.vertical import VerticalSteps
 
 
 class Engine:
@@ -99,6 +101,7 @@ class Engine:
         self._notes: list[str] = []
         self._activations_reserved = False
         self._blocks = GatheredBlocks(self.units)
+        self.vertical = VerticalSteps(self)  # `config.schedule`: decided at the first training step
 
     # the counters, read-only here: the step and checkpoints advance and restore `state`
     step_count = property(lambda self: self.state.step_count, doc="Optimizer steps taken.")
@@ -141,16 +144,13 @@ class Engine:
             self.grads.allocate()
             self.optimizer = ShardOptimizer(self.units, self.tiers, self.placement, self.dtype,
                                             self.comm.rank, self.config, self.stats_, self.scheduler.written)
-            self.runner = UnitRunner(self.units, self._gather, self.scheduler.release,
+            self.runner = UnitRunner(self.units, self.scheduler.acquire, self.scheduler.release,
                                      self.grads.offload, self.dtype, forward_only(self.units))
             self.runner.install()
-            calls, held = forward_uses(self.units), frozenset(u.index for u in self.units if u.is_root)
             replicated = self.comm.world_size == 1 or self.stage <= 2  # nothing to gather
-            gather = None if replicated else int(self.config.overlap_comm)
-            self.train_plan = build_swap_plan(calls, self.config.prefetch_depth, backward=True, held=held,
-                                              forward_only=forward_only(self.units), gather_ahead=gather)
-            self.eval_plan = build_swap_plan(calls, self.config.prefetch_depth, backward=False, held=held,
-                                             gather_ahead=gather)
+            self.train_plan, self.eval_plan, self.vertical_plan = swap_plans(
+                self.units, self.config.prefetch_depth, None if replicated else int(self.config.overlap_comm),
+                self.config.accumulate)
         except BaseException:
             self.tiers.close()
             raise
@@ -179,19 +179,17 @@ class Engine:
         if self.state.stepped_in_backward:
             self.step()  # overlap_step already updated the shards: settle it before reading them
         training = torch.is_grad_enabled()
-        if training and not self._activations_reserved:
-            self._activations_reserved = True
-            self.memory = self.sizing.reserve_activations(self.tiers, self.model, batch, self.memory,
-                                                          self.placement, self.stage)
-            self.tiers.provision_host(self.memory)
+        if training:
+            self.vertical.horizontal()
+            self.reserve_activations(batch)
         self.scheduler.begin(self.train_plan if training else self.eval_plan)
         root = self.units[0]
         try:
             if root.is_root:  # a model without embedding/head entry points: bound for the pass
-                self._root_leaves = bind(root, self._gather(0), requires_grad=training)
+                self._root_leaves = bind(root, self.scheduler.acquire(0), requires_grad=training)
             loss = compute_loss(self.model, self.batches.to_device(batch))
         except BaseException:
-            self._abort()
+            self.abort()
             raise
         if not training:
             if root.is_root:
@@ -200,6 +198,14 @@ class Engine:
             self.scheduler.finish()
         return loss
 
+    def reserve_activations(self, batch: Any) -> None:
+        """At the first training step: take its activations out of the budgets (`Sizing`)."""
+        if not self._activations_reserved:
+            self._activations_reserved = True
+            self.memory = self.sizing.reserve_activations(self.tiers, self.model, batch, self.memory,
+                                                          self.placement, self.stage)
+            self.tiers.provision_host(self.memory)
+
     def backward(self, loss: torch.Tensor) -> None:
         """Backprop one micro-batch; every unit's grad is accumulated into its home tier."""
         self._usable()
@@ -207,19 +213,10 @@ class Engine:
         last = state.ends_step(accumulate)
         scale = self.scaler.scale
         self._blocks.refuse_closed(loss)
-        step = None
-        if last and self.overlap:
-            coef = None  # clip_previous_norm: the first step is not clipped
-            if self.config.clip_grad_norm is not None and state.previous_norm is not None:
-                # a host float from the host copy of the norm: no device sync in backward, and
-                # no device tensor for each CPU piece's step to copy to the host
-                coef = clip_coefficient(state.previous_norm, self.config.clip_grad_norm).item()
-            step = StepInBackward(self.optimizer, self.units, lr_at(state.step_count, self.config), coef, self._runs)
-            state.stepped_in_backward = True
         scaled = loss / accumulate if accumulate > 1 else loss
         scaled = scaled * scale if scale != 1.0 else scaled
         try:
-            pass_ = BackwardPass(state.micro % accumulate, last, 1.0 / scale, self._blocks.grads(scaled), step)
+            pass_ = self.backward_pass(state.micro % accumulate, last, self._blocks.grads(scaled))
             with self.grads.running(pass_), self.runner.running(pass_):
                 scaled.backward()
                 if self._root_leaves is not None:
@@ -230,10 +227,15 @@ class Engine:
                 self.grads.flush()  # the last unit's reduction
             self.scheduler.finish()
         except BaseException as e:
-            self._broken = f"backward failed: {e!r}"  # some units' grads are accumulated, some not
-            self._abort()
+            self.abort(f"backward failed: {e!r}")  # some units' grads are accumulated, some not
             raise
         state.micro += 1
+
+    def backward_pass(self, micro: int, last: bool, extra: dict | None = None, combined: bool = False) -> BackwardPass:
+        """One backward's facts; with overlap_step the step's last also steps each unit."""
+        step = StepInBackward.for_step(self.optimizer, self.units, self.config, self.state, self._runs) \
+            if last and self.overlap else None
+        return BackwardPass(micro, last, 1.0 / self.scaler.scale, extra or {}, step, combined)
 
     def step(self) -> bool:
         """Update every shard if a global batch is complete; False if none ran (or fp16 skipped)."""
@@ -311,12 +313,15 @@ class Engine:
 
     def train_step(self, batch: Any) -> float:
         """forward + backward + step (the step runs once per `accumulate` calls); the loss."""
+        self.vertical.refuse_unknown_loss(batch)
         return self.train_micro_batch(batch).item()  # host sync point: waits for the whole pass
 
     def train_micro_batch(self, batch: Any) -> torch.Tensor:
         """`train_step` without reading the loss: a detached tensor, so a loop that reads the
         micro-batches' losses once per step syncs with the device once per step, not per call."""
         self.model.train()
+        if self.vertical.wants(batch):  # opens the engine
+            return self.vertical.micro_batch(batch)
         loss = self.forward(batch)
         self.backward(loss)
         self.step()
@@ -386,8 +391,7 @@ class Engine:
         return self.shards.keys(kind, unit)
 
     def read_shard(self, kind: StateKind, unit: Unit) -> torch.Tensor:
-        """A CPU copy of this rank's shard of `kind` for `unit` (for inspection and export; see
-        `Shards.read_shard`)."""
+        """A CPU copy of this rank's shard of `kind` for `unit` (inspection, export: `Shards.read_shard`)."""
         self._settle(kind)
         return self.shards.read_shard(kind, unit)
 
@@ -429,12 +433,12 @@ class Engine:
                                 "may hold a partial update, so close it and start again")
         self.open()
 
-    def _gather(self, unit: int) -> torch.Tensor:
-        return self.scheduler.acquire(unit)
-
-    def _abort(self) -> None:
+    def abort(self, broken: str | None = None) -> None:
+        """Drop what a pass holds; `broken`: why it stopped half-way (then `_usable` refuses)."""
+        self._broken = broken or self._broken
         self.grads.discard()
         self.optimizer.discard_prefetched()
+        self.vertical.abort()
         if self._root_leaves is not None:
             unbind(self.units[0], self.dtype)
             self._root_leaves = None
@@ -442,6 +446,4 @@ class Engine:
 
     def stage_text(self) -> str:
         """One line naming the stage, why, and what it partitions."""
-        from tierzero.planning.placement import STAGE_TEXT
-
         return f"ZeRO stage {self.stage} ({self.stage_reason}): {STAGE_TEXT[self.stage]}"

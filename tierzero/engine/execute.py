@@ -180,8 +180,8 @@ class _Checkpointed(torch.autograd.Function):
                 tensor_pos: list[int], anchor: torch.Tensor, *tensors: torch.Tensor) -> Any:
         ctx.runner, ctx.unit, ctx.flat_in, ctx.spec, ctx.tensor_pos = runner, unit, flat_in, spec, tensor_pos
         ctx.save_for_backward(*tensors)
-        ctx.rng = _rng_state(tensors)
-        ctx.autocast = _autocast_state(tensors)
+        ctx.rng = rng_state(tensors)
+        ctx.autocast = autocast_state(tensors)
         with torch.no_grad():
             args, kwargs = tree_unflatten(_fill(flat_in, tensor_pos, tensors), spec)
             out = runner.compute(unit, args, kwargs)
@@ -201,7 +201,7 @@ class _Checkpointed(torch.autograd.Function):
         bound = runner.bound_units(unit)
         leaves = [bind(u, runner.gather(u.index), requires_grad=True) for u in bound]
         try:
-            with torch.enable_grad(), _restore_rng(ctx.rng), _autocast(ctx.autocast):
+            with torch.enable_grad(), restore_rng(ctx.rng), autocast_as(ctx.autocast):
                 args, kwargs = tree_unflatten(_fill(ctx.flat_in, ctx.tensor_pos, inputs), ctx.spec)
                 out = runner.compute(unit, args, kwargs, leaves=leaves[0])
             outs = tree_flatten(out)[0]
@@ -229,7 +229,7 @@ def _fill(flat_in: list, positions: list[int], tensors: Any) -> list:
 RngState = tuple[torch.Tensor, dict[torch.device, torch.Tensor]]
 
 
-def _rng_state(tensors: tuple) -> RngState:
+def rng_state(tensors: tuple) -> RngState:
     """The CPU RNG state and that of each GPU the inputs are on, at forward, so recompute draws
     the same dropout masks. Each GPU by its index: recompute runs on autograd's thread for that
     GPU, whose current device need not be the training thread's (`torch.cuda.get_rng_state()`
@@ -241,7 +241,7 @@ def _rng_state(tensors: tuple) -> RngState:
 AutocastState = tuple[tuple[tuple[str, bool, torch.dtype], ...], bool]
 
 
-def _autocast_state(tensors: tuple) -> AutocastState:
+def autocast_state(tensors: tuple) -> AutocastState:
     """Autocast as the forward ran, for the CPU and the inputs' device type (a forward under
     `torch.autocast` must be recomputed under it, or backward differentiates other numerics)."""
     types = sorted({"cpu", *(t.device.type for t in tensors)})
@@ -249,7 +249,7 @@ def _autocast_state(tensors: tuple) -> AutocastState:
             torch.is_autocast_cache_enabled())
 
 
-def _autocast(state: AutocastState) -> contextlib.ExitStack:
+def autocast_as(state: AutocastState) -> contextlib.ExitStack:
     per_device, cache = state
     stack = contextlib.ExitStack()
     for device_type, enabled, dtype in per_device:
@@ -257,8 +257,8 @@ def _autocast(state: AutocastState) -> contextlib.ExitStack:
     return stack
 
 
-class _restore_rng:
-    """Recompute under the forward's RNG states (`_rng_state`), then put back the ones it replaced."""
+class restore_rng:
+    """Recompute under the forward's RNG states (`rng_state`), then put back the ones it replaced."""
 
     def __init__(self, state: RngState) -> None:
         self.state = state

@@ -154,7 +154,7 @@ class GradShards:
         grad = shard[:u.state_numel(self.comm.rank)]
         if self.pass_.inv_scale != 1.0:
             grad = grad * self.pass_.inv_scale
-        if self.uses[unit] > 1:
+        if self.uses[unit] > 1 and not self.pass_.combined:
             # A unit used twice per pass (a tied embedding): autograd adds a weight's uses
             # first and then accumulates, so hold the earlier uses' sum in the grad's home
             # until the last use; adding each to the accumulator would round differently.
@@ -356,11 +356,6 @@ class GradShards:
             norms = [self.norms[n] for n in param_order if n in self.norms]
             return torch.linalg.vector_norm(torch.stack(norms), 2.0)
         return self.comm.all_reduce_sum(self.sumsq.to("cpu", copy=True)).sqrt()
-
-
-def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """`clip_grad_norm_`'s factor, computed the same way (fp32 tensor arithmetic, clamped to 1)."""
-    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
 
 
 async def _write_when_landed(tiers: Tiers, landed: Event, store: TierStore, key: str,

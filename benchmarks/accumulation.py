@@ -1,0 +1,92 @@
+"""What gradient accumulation costs in NVMe traffic: the horizontal and vertical schedules side by side.
+
+With everything on NVMe, horizontally each extra micro-batch of a step reads every param twice
+more and reads and writes every unit's fp32 grad again; vertically (`--schedule vertical`)
+each unit's params are read once per pass and its grad written once per step, whatever k is.
+For k = 1, 4, 16 and both schedules this runs one step (after one warm-up step at k = 1 per
+schedule, which fills the page cache and allocator) and prints NVMe bytes per parameter per
+step (read + written, and any param bytes the host cache served instead of NVMe) and the
+step's time, and the ratio of vertical's bytes at k = 16 to its bytes at k = 1.
+
+    python benchmarks/accumulation.py            # the 134M shape (125m preset, untied), vocab 32000
+    python benchmarks/accumulation.py --quick    # a small shape, in seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from tierzero import Config, Placement, Tier, models
+from tierzero.engine import Engine
+from tierzero.models import ModelArgs
+from tierzero.models.presets import get_preset
+from tierzero.run.data import TokenBatches, default_corpus
+
+NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
+ACCUMULATIONS = (1, 4, 16)
+
+
+def one_step(args: ModelArgs, k: int, schedule: str, opts: argparse.Namespace, path: str) -> dict[str, float]:
+    """The NVMe bytes and wall time of one step of `k` micro-batches (after a warm-up step)."""
+    cfg = Config(placement=NVME, nvme_path=[path], dtype="fp32", lr=1e-4, total_steps=4, accumulate=k,
+                 schedule=schedule, host_budget=opts.host_budget, prefetch_depth=opts.prefetch_depth)
+    data = TokenBatches(default_corpus(4 << 20), opts.batch_size, opts.seq_len, seed=0)
+    with Engine(models.build(args, device="meta"), cfg) as engine:
+        for _ in range(k):  # warm-up step
+            engine.train_micro_batch(data.next_batch())
+        engine.stats()
+        t0 = time.perf_counter()
+        losses = [engine.train_micro_batch(data.next_batch()) for _ in range(k)]
+        _ = [t.item() for t in losses]  # the step has run
+        seconds = time.perf_counter() - t0
+        stats = engine.stats()
+        spilled = engine.vertical.store.spilled if engine.vertical.store is not None else 0
+    n = args.param_count()
+    return {"read": stats.get("bytes_nvme->host", 0) / n, "written": stats.get("bytes_host->nvme", 0) / n,
+            "cache": stats.get("host_cache_hit", 0) / n, "seconds": seconds, "spilled": spilled}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a small shape (4 layers, dim 256, vocab 4096)")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--host-budget", default="768MiB", help="small enough that the host cache cannot hold the params")
+    p.add_argument("--prefetch-depth", type=int, default=2)
+    p.add_argument("--nvme-path", default=None, help="a directory on the drive to measure (default: a temp dir)")
+    opts = p.parse_args()
+    args = dataclasses.replace(get_preset("125m"), tie_embeddings=False)  # 134M parameters, vocab 32000
+    if opts.quick:
+        args = dataclasses.replace(args, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=4096)
+        opts.host_budget = "256MiB"
+    console = Console()
+    console.print(f"{args.param_count() / 1e6:.1f}M params, fp32, everything on NVMe, micro-batch "
+                  f"{opts.batch_size} x {opts.seq_len}, host budget {opts.host_budget}")
+    rows: dict[tuple[str, int], dict[str, float]] = {}
+    for schedule in ("horizontal", "vertical"):
+        for k in ACCUMULATIONS:
+            with tempfile.TemporaryDirectory(dir=opts.nvme_path) as path:
+                rows[schedule, k] = one_step(args, k, schedule, opts, path)
+            console.print(f"  {schedule} k={k}: {rows[schedule, k]}")
+    table = Table(title="NVMe bytes per parameter per step, and step time")
+    for column in ("k", "horizontal B/param", "vertical B/param", "horizontal s", "vertical s", "spilled acts"):
+        table.add_column(column, justify="right")
+    for k in ACCUMULATIONS:
+        h, v = rows["horizontal", k], rows["vertical", k]
+        table.add_row(str(k), f"{h['read'] + h['written']:.1f} (+{h['cache']:.1f} cached)",
+                      f"{v['read'] + v['written']:.1f} (+{v['cache']:.1f} cached)",
+                      f"{h['seconds']:.1f}", f"{v['seconds']:.1f}", str(int(v["spilled"])))
+    console.print(table)
+    total = {s: {k: rows[s, k]["read"] + rows[s, k]["written"] for k in ACCUMULATIONS} for s in ("horizontal", "vertical")}
+    console.print(f"vertical k=16 / k=1: {total['vertical'][16] / total['vertical'][1]:.3f}x; "
+                  f"horizontal: {total['horizontal'][16] / total['horizontal'][1]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""The vertical schedule (`tierzero.engine.vertical`) against plain PyTorch and the horizontal one.
+
+fp32, one rank: k micro-batches run unit by unit must leave parameters bitwise equal to
+`torch.optim.AdamW` with gradient accumulation (`reference_run`), for every placement, tied
+and untied, and with the waiting activations spilled to NVMe by a small budget. What it saves is
+counted: per step each unit's params are read from NVMe once per pass whatever k is, and each
+grad is written once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from tierzero import Config, models
+from tierzero.config import Schedule
+from tierzero.engine import Engine
+from tierzero.errors import ConfigError, TierzeroError
+from tierzero.planning.swapplan import Op, Phase, build_swap_plan
+
+from engine_helpers import SMALL, batches, reference_run
+from test_engine_exact import PLACEMENTS, config
+
+K, STEPS = 3, 2
+UNTIED = dataclasses.replace(SMALL, tie_embeddings=False)
+
+
+def train(args, cfg: Config, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor], Engine]:
+    """`steps` steps of `cfg.accumulate` micro-batches through `Engine.train_micro_batch`."""
+    data, losses = batches(), []
+    with Engine(models.build(args, device="meta", seed=cfg.seed), cfg) as engine:
+        for _ in range(steps):
+            micro = [engine.train_micro_batch(data.next_batch()) for _ in range(cfg.accumulate)]
+            losses += [t.item() for t in micro]  # known once the step's last micro-batch has run
+        weights = engine.master_state_dict()
+    return losses, weights, engine
+
+
+def fresh(tmp_path, name: str):
+    """A directory of its own under `tmp_path` (one engine's nvme store)."""
+    (tmp_path / name).mkdir()
+    return tmp_path / name
+
+
+def assert_same(weights: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    assert weights.keys() == ref.keys()
+    for key in ref:
+        assert torch.equal(weights[key], ref[key]), key
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("name", list(PLACEMENTS))
+def test_vertical_is_bitwise_equal_to_pytorch_accumulation(tmp_path, name: str, tied: bool) -> None:
+    args = SMALL if tied else UNTIED
+    cfg = config(tmp_path, PLACEMENTS[name], accumulate=K, schedule="vertical")
+    ref_losses, ref_weights = reference_run(args, cfg, steps=STEPS)
+    losses, weights, engine = train(args, cfg)
+    assert engine.vertical.on
+    assert losses == ref_losses
+    assert_same(weights, ref_weights)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_vertical_equals_horizontal_with_activations_spilled(tmp_path, tied: bool) -> None:
+    """A budget of two activations: most wait on NVMe and come back before their backward."""
+    args = SMALL if tied else UNTIED
+    act_bytes = 4 * 32 * args.dim * 4  # batch x seq x dim, fp32
+    horizontal = train(args, config(fresh(tmp_path, "h"), PLACEMENTS["everything-on-nvme"], accumulate=K))
+    cfg = config(fresh(tmp_path, "v"), PLACEMENTS["everything-on-nvme"], accumulate=K, schedule="vertical",
+                 activation_budget=2 * act_bytes)
+    losses, weights, engine = train(args, cfg)
+    store = engine.vertical.store
+    assert store.budget_bytes == 2 * act_bytes
+    assert store.spilled > STEPS * K  # spilled every step, not once
+    assert 0 < store.peak_bytes <= store.budget_bytes
+    assert losses == horizontal[0]
+    assert_same(weights, horizontal[1])
+
+
+def test_params_are_read_once_per_pass_whatever_the_accumulation(tmp_path) -> None:
+    """Everything on NVMe, a host cache too small to keep params: the bytes read per step are
+    the same at k = 1 and k = 3 vertically, and grow with k horizontally."""
+    def nvme_bytes(k: int, schedule: str) -> tuple[int, int]:
+        cfg = config(fresh(tmp_path, f"{schedule}{k}"), PLACEMENTS["everything-on-nvme"], accumulate=k,
+                     schedule=schedule, prefetch_depth=0)
+        data = batches()
+        with Engine(models.build(UNTIED, device="meta", seed=0), cfg) as engine:
+            for _ in range(k):
+                engine.train_micro_batch(data.next_batch())  # the first step: the host cache warms
+            engine.stats()
+            for _ in range(k):
+                engine.train_micro_batch(data.next_batch())
+            stats = engine.stats()
+        return stats["bytes_nvme->host"] + stats.get("host_cache_hit", 0), stats["bytes_host->nvme"]
+
+    read1, written1 = nvme_bytes(1, "vertical")
+    read3, written3 = nvme_bytes(3, "vertical")
+    assert (read3, written3) == (read1, written1)
+    horizontal3 = nvme_bytes(3, "horizontal")
+    assert horizontal3[0] > read3 and horizontal3[1] > written3
+
+
+def test_the_swap_plan_carries_micro_batches(tmp_path) -> None:
+    """One fetch, wait and release per use; each unit computed once per micro-batch and phase;
+    the head has no forward use (its loss is computed in its backward)."""
+    cfg = config(tmp_path, PLACEMENTS["everything-on-nvme"], accumulate=K, schedule="vertical")
+    with Engine(models.build(UNTIED, device="meta"), cfg) as engine:
+        plan, n = engine.vertical_plan, len(engine.units)
+    head = n - 1
+    for phase in Phase:
+        units = range(n - 1) if phase is Phase.FORWARD else range(n)
+        computes = [(op.unit, op.micro) for op in plan.ops if op.op is Op.COMPUTE and op.phase is phase]
+        assert sorted(computes) == sorted((u, m) for u in units for m in range(K))
+        waits = [op.unit for op in plan.ops if op.op is Op.WAIT and op.phase is phase]
+        assert sorted(waits) == list(units)
+    assert not any(op.unit == head and op.phase is Phase.FORWARD for op in plan.ops)
+    assert "compute  u1 m2 (forward)" in str(plan)
+
+
+def test_auto_runs_vertically_only_where_it_helps(tmp_path) -> None:
+    def chosen(k: int) -> bool:
+        cfg = config(fresh(tmp_path, str(k)), PLACEMENTS["everything-on-nvme"], accumulate=k, schedule="auto")
+        with Engine(models.build(SMALL, device="meta"), cfg) as engine:
+            engine.train_micro_batch(batches().next_batch())
+            return engine.vertical.on
+    assert chosen(2) and not chosen(1)
+
+
+class _NotAChain(nn.Module):
+    """Blocks the engine can split, but a forward of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = models.build(SMALL, seed=0)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.model(idx, targets)
+
+
+def test_refusals_are_one_sentence(tmp_path) -> None:
+    cfg = config(fresh(tmp_path, "a"), PLACEMENTS["all-gpu"], accumulate=2, schedule="vertical")
+    with Engine(_NotAChain(), cfg) as engine, pytest.raises(ConfigError, match="needs a chain of units"):
+        engine.train_micro_batch(batches().next_batch())
+    with Engine(models.build(SMALL, device="meta"), config(fresh(tmp_path, "b"), PLACEMENTS["all-gpu"], accumulate=2,
+                                                            schedule="vertical")) as engine:
+        with pytest.raises(ConfigError, match="call train_micro_batch"):
+            engine.forward(batches().next_batch())
+        with pytest.raises(TierzeroError, match="known once its step's last micro-batch has run"):
+            engine.train_step(batches().next_batch())
+    with pytest.raises(ConfigError, match="schedule 'sideways' is not valid"):
+        Config(schedule="sideways")
+    assert Config().schedule is Schedule.HORIZONTAL
+
+
+def test_each_unit_is_gathered_once_per_pass_for_every_micro_batch() -> None:
+    """Several ranks: the vertical plan lists one all-gather per use, however many micro-batches."""
+    calls = [(0,), (1,), (2,), (3,), (4, 0)]  # a tied head binds the embedding
+    plan = build_swap_plan(calls, 2, backward=True, gather_ahead=1, micro_batches=K)
+    gathers = [(op.unit, op.phase) for op in plan.ops if op.op is Op.GATHER]
+    assert sorted(gathers) == sorted([(u, Phase.FORWARD) for u in range(4)] +
+                                     [(u, Phase.BACKWARD) for u in (4, 0, 3, 2, 1, 0)])
+
+
+def _rank(rank: int, root: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
+    try:
+        cfg = Config(placement=PLACEMENTS["mixed"], nvme_path=[f"{root}/nvme"], lr=3e-3, total_steps=STEPS,
+                     accumulate=2, schedule="vertical")
+        data = batches()
+        with Engine(models.build(SMALL, device="meta", seed=0), cfg) as engine:
+            for _ in range(STEPS * 2):
+                x, y = data.next_batch()
+                engine.train_micro_batch((x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]))
+            assert engine.vertical.on
+            weights = engine.master_state_dict()  # a collective: every rank gathers
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in weights.items() if k != "head.weight"},
+                      f"{root}/weights.safetensors")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_vertically_match_the_full_batch_reference(tmp_path) -> None:
+    """Within `test_engine_two_ranks`'s tolerance: each unit's grad is summed over the
+    micro-batches on each rank and reduce-scattered once, so the sum's order differs."""
+    mp.spawn(_rank, args=(str(tmp_path),), nprocs=2, join=True)
+    weights = load_file(str(tmp_path / "weights.safetensors"))
+    _, ref = reference_run(SMALL, Config(offload="none", lr=3e-3, total_steps=STEPS, accumulate=2), steps=STEPS)
+    for key, value in weights.items():
+        torch.testing.assert_close(value, ref[key], rtol=0, atol=5e-5)

@@ -1,0 +1,219 @@
+"""`BoundaryStore`: the vertical schedule's waiting activations, in host memory under a byte
+budget, spilled to the NVMe store when the budget is full and read back before they are needed.
+
+With the vertical schedule (`tierzero.engine.vertical`) every micro-batch's input to every
+block waits from that block's forward to its backward, k times what one micro-batch keeps.
+They are kept here, keyed by (unit, micro-batch), never on the compute device between uses.
+
+Order is what makes one small policy enough. `put` runs in forward order (units ascending, each
+unit's micro-batches in order) and `get` in backward order (units descending), so the entries
+needed last are the oldest: when the budget is full the oldest resident entry is written to
+NVMe (`act/u<unit>/m<micro>`) and its buffer freed once written, and as `get` frees room,
+`prefetch` reads spilled entries back, the next needed first. Every host buffer counts against
+the budget from allocation until what frees it has happened: its write, or its copy to the
+device (`peak_bytes` is asserted in tests); a prefetched entry gives its buffer up again when
+an entry put later needs the room. Keys are overwritten step after step (new
+generations of the same arrays), never deleted.
+
+On a GPU the buffers are pinned, an activation goes to the host on the d2h stream after the
+compute that produced it, a spill write waits for that copy on an I/O thread, and it comes
+back on the h2d stream, compute waiting for its event. On the CPU device copies are memcpys.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from tierzero.config import Tier
+from tierzero.engine.streams import Event
+from tierzero.engine.tiers import Tiers
+from tierzero.errors import ConfigError
+from tierzero.planning.placement import Link
+from tierzero.storage.base import ALIGN_BYTES, TierStore, aligned_empty
+
+
+@dataclass
+class _Buffer:
+    """One host buffer, counted until `free_after` (None: its entry still holds it) is done."""
+
+    data: torch.Tensor  # uint8, its size a multiple of ALIGN_BYTES
+    free_after: concurrent.futures.Future | None = None
+
+
+@dataclass
+class _Entry:
+    shape: torch.Size
+    dtype: torch.dtype
+    buffer: _Buffer | None  # None: on NVMe only
+    landed: Event = None  # its copy into `buffer`
+    written: concurrent.futures.Future | None = None  # its spill write
+    read: concurrent.futures.Future | None = None  # a prefetch into `buffer`
+
+    def view(self) -> torch.Tensor:
+        assert self.buffer is not None
+        numel = self.shape.numel()
+        return self.buffer.data[:numel * self.dtype.itemsize].view(self.dtype).view(self.shape)
+
+
+class BoundaryStore:
+    def __init__(self, tiers: Tiers, budget_bytes: int) -> None:
+        self.tiers = tiers
+        self.budget_bytes = budget_bytes
+        self.peak_bytes = 0
+        self.spilled = 0  # entries written to NVMe since open
+        self._entries: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
+        self._buffers: list[_Buffer] = []
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(b.data.numel() for b in self._buffers)
+
+    def put(self, unit: int, micro: int, x: torch.Tensor) -> None:
+        """Keep `x` (on the compute device) until `get(unit, micro)`."""
+        s = self.tiers.streams
+        buffer = self._allocate(_aligned(x.numel() * x.element_size()))
+        entry = _Entry(x.shape, x.dtype, buffer)
+        entry.landed = s.copy(entry.view(), x, s.d2h, after=s.record(s.compute))
+        s.keep_alive(x, s.d2h)
+        if s.separate:
+            self.tiers.stats.add_bytes(Link.GPU_TO_HOST, buffer.data.numel())
+        self._entries[(unit, micro)] = entry
+
+    def get(self, unit: int, micro: int) -> torch.Tensor:
+        """The activation `put` under (unit, micro), on the compute device; its buffer is freed."""
+        entry = self._entries.pop((unit, micro))
+        if entry.buffer is None:  # on NVMe and not prefetched: read it now
+            self._wait(entry.written)
+            entry.buffer = self._allocate(_aligned(entry.shape.numel() * entry.dtype.itemsize))
+            self._read(unit, micro, entry)
+        self._wait(entry.read)
+        s = self.tiers.streams
+        with s.current(s.h2d):  # allocated for the stream that writes it
+            out = torch.empty(entry.shape, dtype=entry.dtype, device=s.device)
+        copied = s.copy(out, entry.view(), s.h2d, after=entry.landed)
+        s.wait(s.compute, copied)
+        s.keep_alive(out, s.compute)
+        if s.separate:
+            self.tiers.stats.add_bytes(Link.HOST_TO_GPU, entry.buffer.data.numel())
+        entry.buffer.free_after = self.tiers.when_done(copied)
+        return out
+
+    def prefetch(self) -> None:
+        """Read spilled entries back, the next needed first (backward order), while they fit."""
+        self._reap()
+        for (unit, micro), entry in self._backward_order():
+            if entry.buffer is not None:
+                continue
+            nbytes = _aligned(entry.shape.numel() * entry.dtype.itemsize)
+            if self.used_bytes + nbytes > self.budget_bytes or not entry.written.done():
+                return
+            entry.buffer = self._take(nbytes)
+            self._read(unit, micro, entry)
+
+    def clear(self) -> None:
+        """Forget every entry (after an error in the middle of a step); wait for I/O in flight."""
+        for entry in self._entries.values():
+            for future in (entry.written, entry.read):
+                if future is not None:
+                    future.exception()
+        for buffer in self._buffers:
+            if buffer.free_after is not None:
+                buffer.free_after.exception()
+        self._entries.clear()
+        self._buffers.clear()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _allocate(self, nbytes: int) -> _Buffer:
+        """A buffer of `nbytes`, making room first: spill the oldest resident entry, or wait for
+        the oldest buffer being freed."""
+        self._reap()
+        while self.used_bytes + nbytes > self.budget_bytes:
+            oldest = next((e for e in self._entries.values() if e.buffer is not None and e.written is None
+                           and e.read is None), None)
+            freeing = [b for b in self._buffers if b.free_after is not None]
+            read_back = [e for _, e in self._backward_order() if e.buffer is not None and e.read is not None]
+            if oldest is not None:
+                self._spill(oldest)
+            elif freeing:
+                self._wait(freeing[0].free_after)
+            elif read_back:  # a prefetched entry, the one needed last: it is on NVMe still
+                entry = read_back[-1]
+                self._wait(entry.read)
+                self._buffers.remove(entry.buffer)
+                entry.buffer, entry.read = None, None
+            else:
+                raise ConfigError(f"the vertical schedule's activation budget ({self.budget_bytes} bytes) cannot "
+                                  f"hold one activation of {nbytes} bytes; raise --activation-budget")
+            self._reap()
+        return self._take(nbytes)
+
+    def _backward_order(self) -> list[tuple[tuple[int, int], _Entry]]:
+        """The entries in the order `get` takes them: units descending, micro-batches in order."""
+        return sorted(self._entries.items(), key=lambda kv: (-kv[0][0], kv[0][1]))
+
+    def _take(self, nbytes: int) -> _Buffer:
+        pinned = self.tiers.streams.separate
+        data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pinned \
+            else aligned_empty(nbytes, torch.uint8)  # 4 KiB-aligned: direct I/O to NVMe
+        buffer = _Buffer(data)
+        self._buffers.append(buffer)
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+        return buffer
+
+    def _spill(self, entry: _Entry) -> None:
+        unit, micro = next(k for k, e in self._entries.items() if e is entry)
+        store = self._nvme()
+        assert entry.buffer is not None
+        buffer, entry.buffer = entry.buffer, None
+        entry.written = buffer.free_after = self.tiers.submit(
+            _write_when_landed(self.tiers, entry.landed, store, _key(unit, micro), buffer.data))
+        entry.landed = None
+        self.spilled += 1
+        self.tiers.stats.add_bytes(Link.HOST_TO_NVME, buffer.data.numel())
+
+    def _read(self, unit: int, micro: int, entry: _Entry) -> None:
+        assert entry.buffer is not None
+        entry.read = self.tiers.submit(self._nvme().read_into(_key(unit, micro), entry.buffer.data))
+        self.tiers.stats.add_bytes(Link.NVME_TO_HOST, entry.buffer.data.numel())
+
+    def _nvme(self) -> TierStore:
+        store = self.tiers.stores.get(Tier.NVME)
+        if store is None:
+            raise ConfigError(f"the vertical schedule's waiting activations overflow their host budget "
+                              f"({self.budget_bytes} bytes) and no state lives on nvme to spill them to; "
+                              "raise --activation-budget or --host-budget, or use --schedule horizontal")
+        return store
+
+    def _wait(self, future: concurrent.futures.Future | None) -> None:
+        if future is not None:
+            with self.tiers.stats.waiting():
+                future.result()  # sync point: an NVMe write or read of an activation
+
+    def _reap(self) -> None:
+        """Drop the buffers whose write or copy has happened (raising a failed write's error)."""
+        live = []
+        for buffer in self._buffers:
+            if buffer.free_after is not None and buffer.free_after.done():
+                buffer.free_after.result()
+            else:
+                live.append(buffer)
+        self._buffers = live
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def _key(unit: int, micro: int) -> str:
+    return f"act/u{unit:04d}/m{micro:04d}"
+
+
+async def _write_when_landed(tiers: Tiers, landed: Event, store: TierStore, key: str, data: torch.Tensor) -> None:
+    """Spill an activation to NVMe once its copy into the host buffer `data` has happened."""
+    await tiers.landed(landed)
+    await store.write(key, data)
