@@ -6,11 +6,14 @@ thread (where autograd runs backward on the CPU) while training -- none: the new
 into staging and into a cached nvme shard happen on the optimizer's thread, and the writes are
 issued by the I/O loop -- in runs whose weights equal plain PyTorch's bitwise. And through the
 recording fake with a write stream of its own, that every param write into device memory is an
-h2d_write copy after compute, which compute waits for, still bitwise.
+h2d_write copy after compute, which compute waits for, still bitwise. And a look-ahead read of
+optimizer states against a full pool with a transfer in flight: it returns before the transfer
+finishes, having started nothing.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import traceback
 
@@ -22,6 +25,8 @@ from tierzero import Config, Offload, Placement, Tier, models
 from tierzero.engine import Engine, streams
 
 from engine_helpers import SMALL, batches, reference_run
+from tierzero.storage.base import BudgetExceededError
+
 from recording_streams import RecordingStreams
 from test_copy_pipeline import train_through_fake
 
@@ -75,3 +80,27 @@ def test_param_writes_into_device_memory_go_up_on_h2d_write(tmp_path, monkeypatc
     for key in ref_weights:
         assert torch.equal(weights[key], ref_weights[key]), key
     assert not problems, "\n".join(problems)
+
+
+def test_a_look_ahead_read_of_optimizer_states_never_waits_for_a_transfer(tmp_path) -> None:
+    cfg = Config(placement=Placement(*[Tier.NVME] * 5), nvme_path=[str(tmp_path / "nvme")], lr=3e-3,
+                 host_budget="256MiB", piece_numel=6144, overlap_step=True)
+    with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
+        engine.train_step(batches().next_batch())  # the first forward sizes the host pool
+        tiers, optimizer, unit = engine.tiers, engine.optimizer, engine.units[1]
+        held: list[torch.Tensor] = []
+        in_flight: concurrent.futures.Future = concurrent.futures.Future()
+        tiers.pending.add(in_flight, lambda ok: [tiers.host_pool.give_back(b) for b in held])
+        while True:  # every block of a piece's size leased
+            try:
+                held.append(tiers.lease_host(optimizer.works(unit)[0].numel * 4, wait=False))
+            except BudgetExceededError:
+                break
+        # were the look-ahead to wait for the transfer, this would end it (and the test) in a minute
+        finish = threading.Timer(60, in_flight.set_result, [None])
+        finish.start()
+        optimizer.prefetch(unit)
+        finish.cancel()
+        assert not in_flight.done() and not optimizer._prefetched
+        in_flight.set_result(None)
+        tiers.pending.drain()
