@@ -8,7 +8,7 @@ schedule, which fills the page cache and allocator) and prints NVMe bytes per pa
 step (read + written, and any param bytes the host cache served instead of NVMe) and the
 step's time, and the ratio of vertical's bytes at k = 16 to its bytes at k = 1.
 
-    python benchmarks/accumulation.py            # the 134M shape (125m preset, untied), vocab 32000
+    python benchmarks/accumulation.py            # 134M: GPT-3 small's shape, LLaMA blocks, vocab 32000, untied
     python benchmarks/accumulation.py --quick    # a small shape, in seconds
 """
 
@@ -25,7 +25,6 @@ from rich.table import Table
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.models import ModelArgs
-from tierzero.models.presets import get_preset
 from tierzero.run.data import TokenBatches, default_corpus
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
@@ -49,7 +48,7 @@ def one_step(args: ModelArgs, k: int, schedule: str, opts: argparse.Namespace, p
         spilled = engine.vertical.store.spilled if engine.vertical.store is not None else 0
     n = args.param_count()
     return {"read": stats.get("bytes_nvme->host", 0) / n, "written": stats.get("bytes_host->nvme", 0) / n,
-            "cache": stats.get("host_cache_hit", 0) / n, "seconds": seconds, "spilled": spilled}
+            "cache": stats.get("bytes_host_cache_hit", 0) / n, "seconds": seconds, "spilled": spilled}
 
 
 def main() -> None:
@@ -57,11 +56,11 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a small shape (4 layers, dim 256, vocab 4096)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--host-budget", default="768MiB", help="small enough that the host cache cannot hold the params")
-    p.add_argument("--prefetch-depth", type=int, default=2)
+    p.add_argument("--host-budget", default="512MiB", help="small enough that the host cache cannot hold the params")
+    p.add_argument("--prefetch-depth", type=int, default=None, help="default: the engine's choice for the budget")
     p.add_argument("--nvme-path", default=None, help="a directory on the drive to measure (default: a temp dir)")
     opts = p.parse_args()
-    args = dataclasses.replace(get_preset("125m"), tie_embeddings=False)  # 134M parameters, vocab 32000
+    args = ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=32000, ffn_dim=2048)  # 134.1M
     if opts.quick:
         args = dataclasses.replace(args, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=4096)
         opts.host_budget = "256MiB"

@@ -22,6 +22,7 @@ from tierzero import Config, models
 from tierzero.config import Schedule
 from tierzero.engine import Engine
 from tierzero.errors import ConfigError, TierzeroError
+from tierzero.planning.memory_model import waiting_activations_bytes
 from tierzero.planning.swapplan import Op, Phase, build_swap_plan
 
 from engine_helpers import SMALL, batches, reference_run
@@ -97,7 +98,7 @@ def test_params_are_read_once_per_pass_whatever_the_accumulation(tmp_path) -> No
             for _ in range(k):
                 engine.train_micro_batch(data.next_batch())
             stats = engine.stats()
-        return stats["bytes_nvme->host"] + stats.get("host_cache_hit", 0), stats["bytes_host->nvme"]
+        return stats["bytes_nvme->host"] + stats.get("bytes_host_cache_hit", 0), stats["bytes_host->nvme"]
 
     read1, written1 = nvme_bytes(1, "vertical")
     read3, written3 = nvme_bytes(3, "vertical")
@@ -194,3 +195,16 @@ def test_two_ranks_vertically_match_the_full_batch_reference(tmp_path) -> None:
     _, ref = reference_run(SMALL, Config(offload="none", lr=3e-3, total_steps=STEPS, accumulate=2), steps=STEPS)
     for key, value in weights.items():
         torch.testing.assert_close(value, ref[key], rtol=0, atol=5e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_waiting_activations_peak_at_the_memory_models_count(tmp_path, tied: bool) -> None:
+    """Room for all of them: nothing spills, and the store's peak is the predicted bytes (every
+    block input of every micro-batch, and a tied embedding's grads from the head)."""
+    args = SMALL if tied else UNTIED
+    _, _, engine = train(args, config(tmp_path, PLACEMENTS["everything-on-nvme"], accumulate=K, schedule="vertical"))
+    store = engine.vertical.store
+    tokens = 4 * 32
+    predicted = waiting_activations_bytes(args.n_layers, args.dim, args.vocab_size, tied, tokens, K, 4)
+    assert store.spilled == 0
+    assert store.peak_bytes == store.budget_bytes == predicted

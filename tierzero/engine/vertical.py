@@ -46,6 +46,7 @@ from tierzero.engine.grads import GradShards
 from tierzero.errors import ConfigError, TierzeroError
 from tierzero.layout.partition import Unit, forward_only
 from tierzero.models.llama import Transformer
+from tierzero.planning.memory_model import waiting_activations_bytes
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # token ids, targets
 
@@ -64,13 +65,10 @@ def has_dropout(model: nn.Module) -> bool:
 
 
 def waiting_bytes(model: Transformer, batch: Batch, accumulate: int, itemsize: int) -> int:
-    """Host bytes the vertical schedule's waiting activations take at most: every micro-batch's
-    input to every block, and a tied embedding's grads from the head (fp32)."""
-    tokens = batch[0].numel()
+    """Host bytes the vertical schedule's waiting activations take at most (the memory model's count)."""
     args = model.args
-    tied = model.head.weight is model.tok_emb.weight
-    per_micro = args.n_layers * tokens * args.dim * itemsize + (args.vocab_size * args.dim * 4 if tied else 0)
-    return accumulate * per_micro
+    return waiting_activations_bytes(args.n_layers, args.dim, args.vocab_size, model.head.weight is model.tok_emb.weight,
+                                     batch[0].numel(), accumulate, itemsize)
 
 
 def choose(config: Config, model: nn.Module, units: list[Unit], batch: Any, spill: bool,
