@@ -47,6 +47,7 @@ class Sizing:
         # the streaming settings the user gave: a refusal suggests lowering those
         self.given = [name for name, v in (("piece_numel", config.piece_numel),
                                            ("--prefetch-depth", config.prefetch_depth)) if v is not None]
+        self._walks: bool | None = None  # `walks()`, decided once
 
     def workload(self, stage: int, activations: ActivationEstimate | None = None,
                  streaming: Streaming | None = None) -> Workload:
@@ -65,14 +66,32 @@ class Sizing:
         known), streaming as `streaming` chooses: what its own pools and budgets hold."""
         return peak_memory(self.workload(stage, activations, self.streaming(placement, stage)), placement).per_rank()
 
+    def walks(self) -> bool:
+        """Whether the settings left open are chosen on the ladder: only where, at the defaults,
+        nothing fits this rank's budgets at stage 3 (the least replicated) -- the placement
+        configured or, for `offload auto`, any candidate. Budgets the defaults fit keep every
+        choice they made before (placement, stage, streaming); a forced stage they do not fit
+        is refused where stage 3 fits them."""
+        c = self.config
+        if self._walks is None and None not in (c.piece_numel, c.prefetch_depth):
+            self._walks = False  # nothing left open
+        elif self._walks is None:
+            from tierzero.planning.placement import candidate_placements
+
+            auto = c.placement is None and c.offload is Offload.AUTO
+            at_defaults = self.workload(3)  # the ladder's top, the values given kept
+            self._walks = not any(_fits(peak_memory(at_defaults, p).per_rank(), self.budgets())
+                                  for p in (candidate_placements() if auto else [c.resolved_placement()]))
+        return self._walks
+
     def streaming(self, placement: Placement, stage: int) -> Streaming:
         """The configured piece size and prefetch depth; where the config leaves one open
-        (None), the defaults if this rank's memory budgets hold them at `placement` and
-        `stage`, else the first rung of the ladder that fits, else the one the shortfall was
-        counted at (`check` then refuses it with the figures)."""
+        (None), the defaults unless `walks()`, else the first rung of the ladder whose memory
+        model at `placement` and `stage` fits this rank's memory budgets, else the one the
+        shortfall was counted at (`check` then refuses it with the figures)."""
         c = self.config
-        if c.piece_numel is not None and c.prefetch_depth is not None:
-            return Streaming(c.piece_numel, c.prefetch_depth)
+        if not self.walks():
+            return ladder(c.piece_numel, c.prefetch_depth)[0]
         memory_budgets = {t: b for t, b in self.budgets().items() if t is not Tier.NVME}  # streaming saves no disk
         choice = choose_streaming(self.workload(stage), placement, memory_budgets, piece_numel=c.piece_numel,
                                   prefetch_depth=c.prefetch_depth, per_rank=True)
@@ -106,7 +125,8 @@ class Sizing:
         if not fitting:
             sizes = ", ".join(f"{_tier_name(t, self.device)} {format_bytes(n)}" for t, n in budgets.items()
                               if t is not Tier.NVME)
-            least = "" if self.given else " even at the least piece size and prefetch depth tierzero chooses"
+            least = " even at the least piece size and prefetch depth tierzero chooses" \
+                if self.walks() and not self.given else ""
             flags = "--host-budget" if Tier.GPU not in budgets else "--host-budget or --gpu-budget"
             raise ConfigError(f"no placement fits the budgets ({sizes}, nvme {budgets[Tier.NVME] / 1e9:.1f} GB free)"
                               f"{least}; raise {flags}, or free disk space")

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tierzero.config import TORCH_DTYPES, DType, Placement, Tier, parse_bytes
+from tierzero.config import TORCH_DTYPES, DType, Placement, Schedule, StateKind, Tier, parse_bytes
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit
 from tierzero.models.llama import LOSS_CHUNK_BYTES
@@ -27,9 +27,11 @@ from tierzero.models.presets import ModelArgs, get_preset
 from tierzero.planning.ledger import (GB, ActivationEstimate, activation_memory, check_world_size, ledger,
                                       nearest_preset, nominal_numel, parse_count)
 from tierzero.planning.machine import default_budgets, free_disk_bytes
-from tierzero.planning.placement import (STAGE_TEXT, PlacementChoice, PlacementEstimate, candidate_placements, choose,
-                                         choose_stage, estimate, load_profile)
-from tierzero.planning.streaming import DEFAULT, Shortfall, Streaming, choose_streaming, ladder, streamed
+from tierzero.planning.placement import (STAGE_TEXT, Link, PlacementChoice, PlacementEstimate, candidate_placements,
+                                         choose, choose_stage, estimate, load_profile)
+from tierzero.planning.streaming import DEFAULT, Streaming, choose_streaming, ladder, streamed
+from tierzero.planning.memory_model import waiting_activations_bytes
+from tierzero.planning.swapplan import step_nvme_bytes
 from tierzero.planning.workload import Workload
 
 DEFAULT_PRESET = "7b"
@@ -57,6 +59,7 @@ class PlanReport:
     stage: int = 3  # the ZeRO stage the estimates are for (several ranks)
     stage_reason: str = "one rank"
     chosen: tuple[str, ...] = ()  # the streaming settings left to the planner: piece_numel, prefetch_depth
+    vertical: bool = False  # `--schedule`: the workload's micro-batches run layer-major (`engine.vertical`)
 
     @property
     def units(self) -> tuple[Unit, ...]:
@@ -71,6 +74,22 @@ class PlanReport:
     def placement(self) -> Placement:
         """The chosen placement (the nearest miss when nothing fits: see `choice.fits`)."""
         return self.choice.placement
+
+    def step_nvme_bytes(self) -> dict[str, int]:
+        """The chosen placement's NVMe bytes (read + written) per step of `accumulate`
+        micro-batches under each schedule (`swapplan.step_nvme_bytes`; params as if the host
+        cache held none); vertically with the waiting activations beyond the host's room spilled."""
+        w, p, e = self.workload, self.placement, self.choice.estimate
+        one = e.moved_bytes[Link.NVME_TO_HOST] + e.moved_bytes[Link.HOST_TO_NVME]
+        param = w.world_size * w.param_numel * w.nbytes(StateKind.PARAM) if p.param is Tier.NVME else 0
+        grad = w.world_size * w.state_shard_numel * w.nbytes(StateKind.GRAD) if p.grad is Tier.NVME else 0
+        waiting = self.gpus * waiting_activations_bytes(
+            self.args.n_layers, self.args.dim, self.args.vocab_size, self.args.tie_embeddings,
+            self.activations.batch_size * self.activations.seq_len, w.accumulate, w.compute_itemsize)
+        host = self.budgets[Tier.HOST]
+        spilled = 0 if host is None else max(0, waiting - max(0, host - e.memory.needs()[Tier.HOST]))
+        return {"horizontal": step_nvme_bytes(one, param, grad, w.accumulate, False),
+                "vertical": step_nvme_bytes(one, param, grad, w.accumulate, True, spilled)}
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON object `tierzero plan --json` prints."""
@@ -97,6 +116,8 @@ class PlanReport:
             "verdict": {**self.choice.as_dict(), "breakdown": self.choice.estimate.memory.breakdown()},
             "per_rank": self.per_rank(),
             "stage": {"stage": self.stage, "reason": self.stage_reason, "text": STAGE_TEXT[self.stage]},
+            "schedule": {"schedule": "vertical" if self.vertical else "horizontal", "accumulate": self.workload.accumulate,
+                         "nvme_bytes_per_step": self.step_nvme_bytes()},
             "streaming": {"piece_numel": self.streaming.piece_numel, "prefetch_depth": self.streaming.prefetch_depth,
                           "default": self.streaming == DEFAULT, "chosen": list(self.chosen)},
         }
@@ -130,6 +151,7 @@ def make_plan(
     profile: str | Path | None = None,
     stage: int | None = None,
     accumulate: int = 1,
+    schedule: str = "horizontal",
     units: Sequence[Unit] | None = None,
     args: ModelArgs | None = None,
 ) -> PlanReport:
@@ -139,14 +161,23 @@ def make_plan(
     the result is what it prints (`as_dict()` is its `--json`). `stage` forces the ZeRO stage;
     None chooses it as the engine does: the placement for stage 3, then the least communication
     whose state fits there (`tierzero.planning.placement.choose_stage`), and every estimate at that stage.
-    `piece_numel` and `prefetch_depth` of None are chosen per placement as the engine chooses
-    them (`tierzero.planning.streaming`): the defaults, or where those do not fit, the largest
-    that do; a placement that fits at none is costed at the defaults (the engine refuses it at
-    the ladder's least, with that figure).
+    `piece_numel` and `prefetch_depth` of None are chosen as the engine chooses them
+    (`tierzero.planning.streaming`): the defaults, unless no placement fits stage 3 with them;
+    then per placement the largest that fit, a placement that fits at none costed at the
+    defaults (the engine refuses it at the ladder's least, with that figure).
+    `schedule` (horizontal, vertical or auto: vertical for a built-in shape when accumulating)
+    is how the `accumulate` micro-batches run.
     A model built elsewhere (the CLI's hf:DIR) comes as `units`, its partition for `gpus` ranks,
     and `args`, the LLaMA-like shape its activations are estimated from; `model` then names it."""
     if stage is not None and stage not in (1, 2, 3):
         raise ConfigError(f"--stage must be 1, 2 or 3, got {stage}")
+    try:
+        schedule = Schedule(schedule)
+    except ValueError:
+        raise ConfigError(f"--schedule '{schedule}' is not valid; choose one of horizontal|vertical|auto") from None
+    if schedule is Schedule.VERTICAL and units is not None:
+        raise ConfigError("--schedule vertical needs a built-in model's chain of units; use --schedule horizontal")
+    vertical = schedule is Schedule.VERTICAL or (schedule is Schedule.AUTO and accumulate > 1 and units is None)
     check_world_size(gpus)
     if vocab_size is not None and vocab_size < 1:
         raise ConfigError(f"--vocab-size must be a positive integer, got {vocab_size}")
@@ -183,25 +214,31 @@ def make_plan(
         Workload.from_preset(args, itemsize, numel=numel if params is not None else None, **how)
     prof = load_profile(profile) if profile is not None else None
 
-    def costed(p: Placement, w: Workload) -> tuple[PlacementEstimate, Workload]:
-        """`p`'s estimate streaming as the engine would run it, and `w` so: at `w`'s settings where
-        they fit, else at the first rung of the ladder that does (the settings given kept). One
-        that fits at none keeps `w`'s, so its figures and the verdict stay those of the defaults."""
-        e = estimate(p, w, prof)
-        if not e.overflow_bytes(budgets):
-            return e, w
-        fit = choose_streaming(w, p, budgets, piece_numel=piece_numel, prefetch_depth=prefetch_depth)
-        return (e, w) if isinstance(fit, Shortfall) else (estimate(p, streamed(w, fit), prof), streamed(w, fit))
+    at_defaults = [estimate(p, work, prof) for p in candidate_placements()]
+    # as the engine: the ladder only where nothing fits stage 3 at the defaults, so budgets the
+    # defaults fit keep every choice they made before
+    at_stage3 = at_defaults if work.stage == 3 else \
+        [estimate(p, dataclasses.replace(work, stage=3)) for p in candidate_placements()]
+    walk = None in (piece_numel, prefetch_depth) and all(e.overflow_bytes(budgets) for e in at_stage3)
 
-    def cost_all(w: Workload) -> tuple[list[PlacementEstimate], dict[Placement, Workload]]:
-        costs = {p: costed(p, w) for p in candidate_placements()}
-        return [e for e, _ in costs.values()], {p: pw for p, (_, pw) in costs.items()}
+    def fitted(p: Placement, w: Workload) -> Workload:
+        """`w` streaming as the engine would run it at `p`: when walking, the first rung that
+        fits (the settings given kept), else (or where none does) `w`'s own."""
+        fit = choose_streaming(w, p, budgets, piece_numel=piece_numel, prefetch_depth=prefetch_depth) if walk else None
+        return streamed(w, fit) if isinstance(fit, Streaming) else w
 
-    estimates, works = cost_all(work)
+    def cost_all(w: Workload, known: Sequence[PlacementEstimate] = ()) -> tuple[list[PlacementEstimate],
+                                                                               dict[Placement, Workload]]:
+        """Every placement's estimate as `fitted` streams it (`known`: those at `w` itself)."""
+        works = {p: fitted(p, w) for p in candidate_placements()}
+        at_w = {e.placement: e for e in known}
+        return [at_w[p] if pw is w and p in at_w else estimate(p, pw, prof) for p, pw in works.items()], works
+
+    estimates, works = cost_all(work, at_defaults) if walk else (at_defaults, {e.placement: work for e in at_defaults})
     choice = choose(estimates, budgets)
     chosen, reason = choose_stage(
-        lambda s: not costed(choice.placement, dataclasses.replace(work, stage=s))[0].overflow_bytes(budgets),
-        gpus, accumulate, stage)
+        lambda s: not estimate(choice.placement, fitted(choice.placement, dataclasses.replace(work, stage=s)))
+        .overflow_bytes(budgets), gpus, accumulate, stage)
     if chosen != work.stage:  # the engine keeps the placement and replicates: cost every one at that stage
         estimates, works = cost_all(dataclasses.replace(work, stage=chosen))
         mine = next(e for e in estimates if e.placement == choice.placement)
@@ -209,7 +246,7 @@ def make_plan(
     return PlanReport(None if params is not None else shape, shape, args, numel, ledger_numel,
                       compute, gpus, budgets, detected, device, works[choice.placement], activations, estimates,
                       choice, chosen, reason, tuple(name for name, v in (("piece_numel", piece_numel),
-                                                                         ("prefetch_depth", prefetch_depth)) if v is None))
+                                                                         ("prefetch_depth", prefetch_depth)) if v is None), vertical)
 
 
 def _dtype(value: str) -> DType:

@@ -10,6 +10,8 @@ The ladder's order is the preference. A piece of fp32 state is one read or write
 so pieces stay at `MIN_REQUEST_BYTES` or more while anything fits there: the largest pieces
 first, each at the deepest read-ahead, then smaller pieces. A prefetch depth of 0 is never
 chosen -- every fetch would then wait in the open, the compute device idle -- only given.
+The engine (`Sizing.walks`) and `tierzero plan` ask it only where nothing fits stage 3 at the
+defaults, so budgets the defaults fit keep every choice they made before (placement, stage).
 
 Cheap by construction, since the planner asks it for every candidate placement: defaults that
 fit are kept after one evaluation (a roomy budget changes nothing); a budget below the homes
