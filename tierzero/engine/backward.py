@@ -5,9 +5,10 @@ patched onto them.
 Every backward accumulates each unit's gradient into its home: which micro-batch of the step
 it is, whether it ends the step, the loss scale to undo and the gradients that reached open
 `gathered` blocks belong to the pass. With overlap_step the step's last pass also steps each
-unit as its gradient arrives (`StepInBackward`: this step's lr, the clip coefficient from the
-previous step's norm, the runs to update), reading a unit's optimizer states ahead while the
-unit before it in backward order still computes.
+unit as its gradient arrives (`StepInBackward`: this step's lr, the runs to update and, with
+clipping, either the previous step's norm's coefficient (clip_previous_norm) or a kept
+generation to re-step from once this step's norm is known, `settle_clip`), reading a unit's
+optimizer states ahead while the unit before it in backward order still computes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tierzero.engine.gathered import UnitGrad
 from tierzero.errors import ConfigError
 from tierzero.engine.optim import ShardOptimizer
 from tierzero.engine.paramsteps import Run
+from tierzero.engine.restep import KeptGeneration
 from tierzero.layout.partition import Unit
 from tierzero.engine.state import StepState
 from tierzero.lr import lr_at
@@ -34,7 +36,7 @@ class StepInBackward:
     optimizer: ShardOptimizer
     units: list[Unit]
     lr: float
-    coef: float | None  # clip_previous_norm's factor as a host float; None: not clipped
+    coef: float | None  # clip_previous_norm's factor as a host float; None: not clipped now
     runs: Callable[[Unit], list[Run]]  # what of this rank's shard the step updates
 
     @staticmethod
@@ -42,7 +44,9 @@ class StepInBackward:
                  runs: Callable[[Unit], list[Run]]) -> StepInBackward:
         """The step of `state`'s step count; it marks the step as taken in backward."""
         coef = None  # clip_previous_norm: the first step is not clipped
-        if config.clip_grad_norm is not None and state.previous_norm is not None:
+        if config.clip_grad_norm is not None and not config.clip_previous_norm:
+            optimizer.kept = KeptGeneration()  # exact: stepped unclipped, re-stepped if the clip fires
+        elif config.clip_grad_norm is not None and state.previous_norm is not None:
             # a host float from the host copy of the norm: no device sync in backward, and
             # no device tensor for each CPU piece's step to copy to the host
             coef = clip_coefficient(state.previous_norm, config.clip_grad_norm).item()
@@ -82,18 +86,29 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
 
 
-def resolve_overlap(config: Config, fp16: bool) -> bool:
-    """Whether units are stepped during backward: on by default wherever that is exact.
+def settle_clip(optimizer: ShardOptimizer, norm: torch.Tensor, config: Config, step_count: int) -> None:
+    """Once an overlapped step's global norm is known: where the clip fires, step every kept
+    piece again from its kept generation with the coefficient; either way drop the copies."""
+    kept, optimizer.kept = optimizer.kept, None
+    if kept is None:  # clip_previous_norm, or no clipping
+        return
+    coef = clip_coefficient(norm, config.clip_grad_norm).item()
+    if coef < 1.0:
+        optimizer.step({}, lr_at(step_count, config), coef, kept)
 
-    fp16 never (the step waits for the overflow check); clipping only when the user opts in
-    to clipping by the previous step's global norm (`clip_previous_norm`).
+
+def resolve_overlap(config: Config, fp16: bool) -> bool:
+    """Whether units are stepped during backward: on by default wherever that is free.
+
+    fp16 never (the step waits for the overflow check). With clipping it is exact when asked
+    for (each fired clip re-steps every unit from its kept generation, `settle_clip`), and on
+    by default when the user opts in to clipping by the previous step's norm (`clip_previous_norm`).
     """
     clip = config.clip_grad_norm is not None
     if config.clip_previous_norm and not clip:
         raise ConfigError("clip_previous_norm needs clip_grad_norm; set both or neither")
-    possible = not fp16 and (not clip or config.clip_previous_norm)
-    if config.overlap_step and not possible:
-        raise ConfigError("overlap_step cannot be exact with clip_grad_norm or fp16: each unit's "
-                          "step would need the global norm or overflow check first; turn one "
-                          "off, or opt in to clipping by the previous step's norm (clip_previous_norm)")
-    return possible if config.overlap_step is None else config.overlap_step
+    if config.overlap_step and fp16:
+        raise ConfigError("overlap_step cannot be exact with fp16: each unit's step would need the "
+                          "overflow check first; turn one of them off")
+    free = not fp16 and (not clip or config.clip_previous_norm)
+    return free if config.overlap_step is None else config.overlap_step

@@ -33,7 +33,7 @@ from tierzero.dist.comm import Comm
 from tierzero.config import Config, StateKind, Tier
 from tierzero.errors import TierzeroError
 from tierzero.engine.batch import BatchStaging
-from tierzero.engine.backward import BackwardPass, StepInBackward, clip_coefficient, resolve_overlap
+from tierzero.engine.backward import BackwardPass, StepInBackward, clip_coefficient, resolve_overlap, settle_clip
 from tierzero.engine.execute import UnitRunner, bind, flat_grad, place_buffers, unbind
 from tierzero.engine.gathered import GatheredBlocks, copies, resolve
 from tierzero.engine.grads import GradShards
@@ -257,11 +257,11 @@ class Engine:
         state = self.state
         if state.stepped_in_backward:  # overlap_step: every unit was stepped as its grad arrived
             state.stepped_in_backward = False
-            if self.config.clip_grad_norm is not None:  # this step's norm clips the next one
-                # copied to the host once here (where it was read anyway): the next backward
-                # derives its clip coefficient from it without touching the device
+            if self.config.clip_grad_norm is not None:  # this step's norm: a fired clip re-steps it,
+                # or (clip_previous_norm) it clips the next, from this host copy without a device sync
                 state.previous_norm = self.grads.total_norm(self.param_order).cpu()
                 state.last_grad_norm = state.previous_norm.item()
+                settle_clip(self.optimizer, state.previous_norm, self.config, state.step_count)
             self.param_steps.advance(self.grads.present)
             self._sync_params()
             state.step_count += 1

@@ -34,6 +34,7 @@ import torch
 from tierzero.adamw import adamw_step
 from tierzero.config import OPTIMIZER_KINDS, Config, Placement, StateKind, Tier
 from tierzero.engine.paramsteps import Run
+from tierzero.engine.restep import KeptGeneration
 from tierzero.layout.partition import Unit
 from tierzero.engine.stats import StepStats
 from tierzero.engine.streams import Event
@@ -92,6 +93,7 @@ class ShardOptimizer:
             # matmuls use these threads and their count may change how they sum.
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 2))
         self._prefetched: dict[tuple[int, int], Work] = {}
+        self.kept: KeptGeneration | None = None  # set while overlapped steps keep their generation
 
     def works(self, unit: Unit, runs: list[Run] | None = None) -> list[Work]:
         """The unit's pieces, in order (nothing loaded yet); given `runs`, only the pieces that
@@ -101,22 +103,26 @@ class ShardOptimizer:
             return [Work(unit, i, a, b) for i, (a, b) in pieces]
         return [Work(unit, i, a, b, runs) for i, (a, b) in pieces if any(s < b and e > a for s, e, _, _ in runs)]
 
-    def step(self, runs: dict[int, list[Run]], lr: float, grad_coef: float | None) -> None:
+    def step(self, runs: dict[int, list[Run]], lr: float, grad_coef: float | None,
+             kept: KeptGeneration | None = None) -> None:
         """One AdamW update of the `runs` of every unit's shard (`ParamSteps.runs`, by unit
         index; a unit without runs is skipped), piece by piece; returns when every write has
-        finished (the next pass reads what this one wrote)."""
+        finished (the next pass reads what this one wrote). Given `kept`, steps each kept piece
+        again from its kept generation instead (`tierzero.engine.restep`): nothing is read."""
         depth = max(1, self.config.prefetch_depth)
-        items = [w for unit in self.units for w in self.works(unit, runs.get(unit.index, []))]
+        items = [Work(p.unit, p.piece, p.start, p.end, p.runs) for p in kept.pieces()] if kept else \
+            [w for unit in self.units for w in self.works(unit, runs.get(unit.index, []))]
         loads: deque[Work] = deque()
         issued = 0
         for j in range(len(items)):
             while issued < min(len(items), j + depth):  # keep `depth` pieces loaded ahead
                 if issued > j and not self._room_for(items[issued]):
                     break  # a tight budget: read ahead less rather than fail
-                loads.append(self._load(items[issued], with_grad=True))
+                loads.append(self._load(items[issued], with_grad=kept is None, fill=kept is None))
                 issued += 1
             work = loads.popleft()
             self._wait(work)
+            kept and kept.restore(work.unit.index, work.piece, work.tensors)
             self._reserve_staging(work)
             self._step(work, lr, grad_coef)
             self._write(work)
@@ -199,10 +205,10 @@ class ShardOptimizer:
         s.keep_alive(part, s.d2h)
         self.stats.add_bytes(Link.GPU_TO_HOST, work.numel * 4)
 
-    def _load(self, work: Work, with_grad: bool = False, wait: bool = True) -> Work:
+    def _load(self, work: Work, with_grad: bool = False, wait: bool = True, fill: bool = True) -> Work:
         """Start bringing a piece's optimizer states (and its grad, if asked) to the stepping
-        device. Every buffer is leased before any read starts, so `wait=False` (a look-ahead)
-        that finds the pool short gives back what it took and raises `BudgetExceededError`."""
+        device (`fill=False`: lease only, a re-step fills them). Every buffer is leased before any
+        read starts, so `wait=False` (a look-ahead) short of buffers gives them back and raises."""
         unit = work.unit
         computed: Event = None  # one compute event serves every state of the piece
         kinds = STEP_KINDS if with_grad else OPTIMIZER_KINDS
@@ -214,18 +220,18 @@ class ShardOptimizer:
                     work.tensors[kind] = view
                     continue
             try:
-                work.leased[kind] = self._lease(work.numel * 4, wait).view(torch.float32)
+                work.tensors[kind] = work.leased[kind] = self._lease(work.numel * 4, wait).view(torch.float32)
             except BudgetExceededError:
                 for buf in work.leased.values():
                     self._give_back(buf)
                 raise
         for kind in kinds:
-            if kind not in work.leased:
+            if kind not in work.leased or not fill:
                 continue
             home = self.placement.home(kind)
             key = piece_key(kind, unit.index, self.rank, work.piece)
             store = self.tiers.stores[home]
-            buf = work.tensors[kind] = work.leased[kind]
+            buf = work.leased[kind]
             if home is Tier.NVME:
                 work.futures.append(self.tiers.submit(store.read_into(key, buf)))
                 self.stats.add_bytes(Link.NVME_TO_HOST, buf.numel() * 4)
@@ -279,6 +285,8 @@ class ShardOptimizer:
 
     def _adamw(self, work: Work, lr: float, grad_coef: float | None) -> None:
         t = work.tensors
+        if self.kept is not None:  # exact clipping beside backward: what a re-step starts from
+            self.kept.keep(work.unit, work.piece, work.start, work.end, work.runs, t)
         grad = t[StateKind.GRAD]
         if grad_coef is not None:  # clipping: the grad piece is consumed here, so scale in place
             grad.mul_(grad_coef)  # a host float: no device sync, and bitwise clip_grad_norm_'s fp32 product

@@ -1,0 +1,71 @@
+"""Exact clipping with the optimizer step beside backward (issue 21 item 3).
+
+overlap_step steps each unit before the global norm exists; the optimizer keeps the generation
+each piece was stepped from and, where the clip fires, re-steps every piece from it with the
+coefficient (`tierzero.engine.restep`). Compared bitwise with `clip_grad_norm_` + AdamW
+(`ReferenceTrainer`), the clip firing and not, for host and nvme homes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierzero import Config, Placement, Tier, models
+from tierzero.engine import Engine
+from tierzero.engine.restep import KeptGeneration
+from tierzero.errors import ConfigError
+
+from engine_helpers import SMALL, batches, reference_run
+
+NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
+HOST = Placement(Tier.GPU, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
+FIRES, NEVER_FIRES = 0.5, 1e6  # SMALL's grad norms are above 0.5 in these steps
+
+
+def config(tmp_path, placement: Placement, clip: float, **kw) -> Config:
+    return Config(placement=placement, nvme_path=[str(tmp_path / "nvme")], total_steps=6, lr=3e-3,
+                  piece_numel=8192, host_budget="256MiB", gpu_budget="256MiB", clip_grad_norm=clip,
+                  overlap_step=True, **kw)
+
+
+class CountingKept(KeptGeneration):
+    """Counts the pieces each re-step restores (a re-step restores every kept piece once)."""
+
+    restored = 0
+
+    def restore(self, unit, piece, tensors) -> None:
+        CountingKept.restored += 1
+        super().restore(unit, piece, tensors)
+
+
+@pytest.mark.parametrize("placement, clip, accumulate", [
+    (NVME, FIRES, 1), (NVME, NEVER_FIRES, 1), (HOST, FIRES, 1), (HOST, NEVER_FIRES, 1), (NVME, FIRES, 2)],
+    ids=["nvme-fires", "nvme-never-fires", "host-fires", "host-never-fires", "nvme-fires-accumulate-2"])
+def test_overlapped_step_with_clipping_is_bitwise_the_reference(tmp_path, monkeypatch, placement, clip,
+                                                                accumulate) -> None:
+    monkeypatch.setattr("tierzero.engine.backward.KeptGeneration", CountingKept)
+    CountingKept.restored = 0
+    cfg = config(tmp_path, placement, clip, accumulate=accumulate)
+    ref_losses, ref_weights = reference_run(SMALL, cfg, steps=3)
+    data = batches()
+    with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
+        assert engine.overlap
+        losses = [engine.train_step(data.next_batch()) for _ in range(3 * accumulate)]
+        weights = engine.master_state_dict()
+        assert engine.optimizer.kept is None  # settled: nothing kept between steps
+        assert engine.last_grad_norm > FIRES
+    assert losses == ref_losses
+    assert weights.keys() == ref_weights.keys()
+    for key in weights:
+        assert torch.equal(weights[key], ref_weights[key]), key
+    assert (CountingKept.restored > 0) == (clip == FIRES)  # re-stepped exactly when the clip fired
+
+
+def test_clipping_with_overlap_is_allowed_and_fp16_is_still_refused(tmp_path) -> None:
+    """Asked for, overlap_step clips exactly without clip_previous_norm; fp16's overflow check
+    is still refused (each unit's step would need it first)."""
+    model = models.build(SMALL, device="meta")
+    assert Engine(model, config(tmp_path, HOST, FIRES)).overlap
+    with pytest.raises(ConfigError, match="fp16"):
+        Engine(model, config(tmp_path, HOST, FIRES, dtype="fp16"))
