@@ -1,0 +1,92 @@
+"""The cost of a re-step: exact clipping with the optimizer step beside backward (issue 21 item 3).
+
+With overlap_step and clip_grad_norm each unit is stepped unclipped as its grad arrives, from a
+kept generation; where the clip fires, every piece is stepped again with the coefficient once the
+global norm is known. Measured side by side, host and nvme homes, a tiny model, median step time:
+
+- separate step: overlap_step off, the clip firing (the step waits for the norm, steps once);
+- overlap, clip not firing (max norm 1e6): one step, plus copying the kept generation;
+- overlap, clip firing (max norm 1e-3): the speculative step, then the re-step.
+
+    python benchmarks/restep.py --layers 4 --dim 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from tierzero import Config, Placement, Tier, models
+from tierzero.engine import Engine
+from tierzero.models import ModelArgs
+from tierzero.run.data import TokenBatches, default_corpus
+
+PLACEMENTS = {"host": Placement(Tier.GPU, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST),
+              "nvme": Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)}
+VARIANTS = {"separate step, clip fires": (False, 1e-3),
+            "overlap, clip does not fire": (True, 1e6),
+            "overlap, clip fires (re-step)": (True, 1e-3)}
+
+
+def step_times(args: ModelArgs, placement: Placement, overlap: bool, clip: float, a: argparse.Namespace,
+               path: str) -> tuple[list[float], float]:
+    """Step times after a warm-up step, and nvme bytes written per step."""
+    cfg = Config(placement=placement, nvme_path=[path], lr=1e-4, total_steps=a.steps + 2,
+                 overlap_step=overlap, clip_grad_norm=clip)
+    data = TokenBatches(default_corpus(4 << 20), a.batch_size, a.seq_len, seed=0)
+    times = []
+    with Engine(models.build(args, device="meta"), cfg) as engine:
+        engine.train_step(data.next_batch())  # warm-up: allocator, page cache, threads
+        engine.stats()
+        for _ in range(a.steps):
+            t0 = time.perf_counter()
+            engine.train_step(data.next_batch())
+            times.append(time.perf_counter() - t0)
+        written = engine.stats().get("bytes_host->nvme", 0) / a.steps
+    return times, written
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all variants")
+    p.add_argument("--path", default=None, help="NVMe directory (default: a temp dir under .)")
+    a = p.parse_args()
+    args = ModelArgs(dim=a.dim, n_layers=a.layers, n_heads=a.dim // 64, n_kv_heads=a.dim // 64,
+                     vocab_size=256, ffn_dim=a.dim * 8 // 3 // 64 * 64, max_seq_len=a.seq_len,
+                     tie_embeddings=True)
+    console = Console(width=120)
+    console.print(f"model: {a.layers} layers x dim {a.dim} = {args.param_count() / 1e6:.2f}M params "
+                  f"(kept generation {16 * args.param_count() / 1e6:.0f} MB); batch {a.batch_size} x "
+                  f"{a.seq_len}; torch threads {torch.get_num_threads()}")
+    samples: dict[tuple[str, str], list[float]] = {}
+    written: dict[tuple[str, str], float] = {}
+    with tempfile.TemporaryDirectory(dir=a.path or ".") as root:
+        for r in range(a.rounds):
+            for home, placement in PLACEMENTS.items():
+                for name, (overlap, clip) in VARIANTS.items():
+                    times, moved = step_times(args, placement, overlap, clip, a, f"{root}/{r}-{home}-{name[:8]}")
+                    samples.setdefault((home, name), []).extend(times)
+                    written[(home, name)] = moved
+    table = Table(title="step time, median over interleaved rounds")
+    for col in ("homes", "variant", "step s", "vs not firing", "nvme written / step"):
+        table.add_column(col, justify="left" if col in ("homes", "variant") else "right")
+    for (home, name), times in samples.items():
+        t = statistics.median(times)
+        base = statistics.median(samples[(home, "overlap, clip does not fire")])
+        table.add_row(home, name, f"{t:.3f}", f"{t / base:.2f}x", f"{written[(home, name)] / 1e6:,.1f} MB")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
