@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+from dataclasses import dataclass
 
 from tierzero.storage import chunkfile
 from tierzero.storage.base import StorageCorruptError
@@ -32,6 +33,14 @@ TMP_SUFFIX = ".tmp"
 _tmp_ids = itertools.count()
 _TMP_NAME = re.compile(r"\..+\.\d+-\d+" + re.escape(TMP_SUFFIX))
 GEN_NAME = re.compile(r"g(\d{6,})")
+
+
+@dataclass
+class Current:
+    """A shard's current generation and its metadata (cached per key by `NvmeStore`)."""
+
+    gen: int
+    meta: ShardMeta
 
 
 def gen_name(gen: int) -> str:

@@ -46,7 +46,6 @@ import shutil
 import threading
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import crc32c
 import torch
@@ -56,21 +55,13 @@ from tierzero.storage.arrays import link_array
 from tierzero.storage.base import Capabilities, ShardNotFoundError, StorageCorruptError, StorageError, StorageFullError, TierStore, check_flat, check_key, check_out, dtype_name, os_error
 from tierzero.storage.chunkjobs import ChunkJobs, shielded
 from tierzero.storage.dirlock import lock_directory
-from tierzero.storage.generations import GEN_NAME, gen_name, pointer_json, read_pointer, remove_orphans, write_atomic, write_file
+from tierzero.storage.generations import GEN_NAME, Current, gen_name, pointer_json, read_pointer, remove_orphans, write_atomic, write_file
 from tierzero.storage.spares import SpareFiles
 from tierzero.storage.zarrmeta import GROUP_JSON, ShardMeta, nchunks
 
 def _byte_view(t: torch.Tensor) -> memoryview:
     """The tensor's bytes as a writable memoryview over the same storage (no copy)."""
     return memoryview(t.detach().view(-1).view(torch.uint8).numpy())
-
-
-@dataclass
-class _Current:
-    """A shard's current generation and its metadata (cached per key)."""
-
-    gen: int
-    meta: ShardMeta
 
 
 class NvmeStore(TierStore):
@@ -95,7 +86,8 @@ class NvmeStore(TierStore):
         self._direct: list[bool] = []  # per directory, probed at open()
         self._lock_fds: list[int] = []
         self._spares: list[SpareFiles] = []  # per directory
-        self._current: dict[str, _Current] = {}
+        self._current: dict[str, Current] = {}
+        self._previous: dict[str, Current] | None = None  # while `hold`ing: each key's first replaced generation
         self._key_locks: dict[str, asyncio.Lock] = {}
         self._made_dirs: set[str] = set()
         self._note_lock = threading.Lock()
@@ -283,18 +275,19 @@ class NvmeStore(TierStore):
             raise
         return crc
 
-    def _commit(self, key: str, gen: int, meta: ShardMeta, previous: _Current | None) -> None:
+    def _commit(self, key: str, gen: int, meta: ShardMeta, previous: Current | None) -> None:
         """Write the generation's array metadata, then switch the shard to it (one rename)."""
         gen_dir = self._gen_dir(key, gen)
         try:
             write_file(os.path.join(gen_dir, "zarr.json"), meta.to_zarr_json())
             # the commit point; the rename is made durable by the next flush (`generations`)
-            write_atomic(os.path.join(self.shard_dir(key), "zarr.json"), pointer_json(gen),
-                         durable=False)
+            write_atomic(os.path.join(self.shard_dir(key), "zarr.json"), pointer_json(gen), durable=False)
         except OSError as e:
             raise self._write_error(key, "zarr.json", e) from e
-        self._current[key] = _Current(gen, meta)
+        self._current[key] = Current(gen, meta)
         if previous is not None:
+            if self._previous is not None:  # held: whole and readable until `hold(False)`
+                self._previous.setdefault(key, previous)
             old_dir = self._gen_dir(key, previous.gen)
             self._spares[self._dir_index(key)].retire(
                 [os.path.join(old_dir, "c", str(i)) for i in range(previous.meta.nchunks)], old_dir)
@@ -309,11 +302,12 @@ class NvmeStore(TierStore):
                             f"previous version is intact): check the drive (dmesg) or point "
                             f"--nvme-path/--run-dir at another filesystem")
 
-    async def read_into(self, key: str, out: torch.Tensor, verify: bool = False) -> None:
+    async def read_into(self, key: str, out: torch.Tensor, verify: bool = False, previous: bool = False) -> None:
         self._check_call(key, out, "out")
         loop = asyncio.get_running_loop()
         async with self._key_lock(key):
             current = await self._lookup(key)
+            current = self._previous.get(key, current) if previous else current  # `hold`: as it began
             meta = current.meta
             check_out(key, out, meta.dtype, meta.numel)
             data = _byte_view(out)
@@ -346,7 +340,13 @@ class NvmeStore(TierStore):
             raise StorageCorruptError(f"{where} fails its crc32c check: restore the shard from "
                                       f"a checkpoint")
 
-    async def _lookup(self, key: str, missing_ok: bool = False) -> _Current | None:
+    def hold(self, on: bool) -> None:
+        """While on, each shard's generation of when it began stays readable: `read_into(previous=True)`."""
+        self._previous = {} if on else None
+        for spares in self._spares:
+            spares.hold(on)
+
+    async def _lookup(self, key: str, missing_ok: bool = False) -> Current | None:
         if key in self._current:
             return self._current[key]
         found = await asyncio.get_running_loop().run_in_executor(None, self._load_current, key)
@@ -355,11 +355,11 @@ class NvmeStore(TierStore):
                                      f"has no zarr.json): write it before reading it")
         return found
 
-    def _load_current(self, key: str) -> _Current | None:
+    def _load_current(self, key: str) -> Current | None:
         found = read_pointer(self.shard_dir(key))
         if found is None:
             return None
-        self._current[key] = _Current(*found)
+        self._current[key] = Current(*found)
         return self._current[key]
 
     async def exists(self, key: str) -> bool:

@@ -41,6 +41,7 @@ class SpareFiles:
         self._retired: list[tuple[int, str]] = []
         self._retired_dirs: list[tuple[int, str]] = []
         self._retirements = 0
+        self._held: list[tuple[list[str], str]] | None = None  # retirements kept back (`hold`)
         self._names = itertools.count()
 
     def open(self) -> None:
@@ -65,6 +66,9 @@ class SpareFiles:
     def retire(self, files: list[str], gen_dir: str) -> None:
         """Record a superseded generation; its blocks are reusable only after `recycle()`."""
         with self._lock:
+            if self._held is not None:
+                self._held.append((files, gen_dir))
+                return
             self._retirements += 1
             self._retired.extend((self._retirements, path) for path in files)
             self._retired_dirs.append((self._retirements, gen_dir))
@@ -73,6 +77,14 @@ class SpareFiles:
             del self._retired[:len(dropped)]
         for _, path in dropped:
             _unlink(path)
+
+    def hold(self, on: bool) -> None:
+        """While on, superseded generations stay whole (neither recycled nor unlinked: a re-step
+        may read them); turned off, they are retired as if now."""
+        with self._lock:
+            held, self._held = ([], self._held or []) if on else (self._held or [], None)
+        for files, gen_dir in held:
+            self.retire(files, gen_dir)
 
     def mark(self) -> int:
         """The retirements so far: a flush that begins now makes them durable (`recycle(mark)`)."""

@@ -158,7 +158,7 @@ class Config:
     total_steps: int | None = None
     min_lr_ratio: float = 0.1
     clip_grad_norm: float | None = None
-    clip_previous_norm: bool = False  # opt-in approximation that lets overlap_step clip
+    clip_previous_norm: bool = False  # opt-in approximation: overlap_step clips by the previous norm, never re-steps
     accumulate: int = 1
     schedule: Schedule = Schedule.HORIZONTAL
     # the vertical schedule's waiting activations in host memory (beyond it they spill to nvme);
@@ -166,7 +166,8 @@ class Config:
     activation_budget: int | None = None
     loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
-    overlap_step: bool | None = None  # None: on wherever it is exact (no clipping, not fp16)
+    # None: on wherever it is free (no clipping, not fp16); True with clipping: exact, a fired clip re-steps
+    overlap_step: bool | None = None
     grad_reduce_dtype: DType = DType.FP32  # what grads are summed over ranks in: fp32 (exact) or bf16
     overlap_comm: bool = True  # several ranks: all-gather a use ahead, finish reduce-scatters a unit later
     # several ranks, ZeRO stage: 3 partitions params, grads and optimizer states (each use

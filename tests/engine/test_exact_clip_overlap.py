@@ -8,13 +8,17 @@ coefficient (`tierzero.engine.restep`). Compared bitwise with `clip_grad_norm_` 
 
 from __future__ import annotations
 
+import asyncio
+import re
+
 import pytest
 import torch
 
-from tierzero import Config, Placement, Tier, models
+from tierzero import Config, Placement, StateKind, Tier, models
 from tierzero.engine import Engine
 from tierzero.engine.restep import KeptGeneration
 from tierzero.errors import ConfigError
+from tierzero.storage.nvme import NvmeStore
 
 from engine_helpers import SMALL, batches, reference_run
 
@@ -30,9 +34,15 @@ def config(tmp_path, placement: Placement, clip: float, **kw) -> Config:
 
 
 class CountingKept(KeptGeneration):
-    """Counts the pieces each re-step restores (a re-step restores every kept piece once)."""
+    """Counts the pieces each re-step restores (a re-step restores every kept piece once) and
+    records what was copied rather than held on the drive."""
 
     restored = 0
+    copied: set[StateKind] = set()
+
+    def keep(self, unit, piece, start, end, runs, tensors) -> None:
+        CountingKept.copied |= self.copied
+        super().keep(unit, piece, start, end, runs, tensors)
 
     def restore(self, unit, piece, tensors) -> None:
         CountingKept.restored += 1
@@ -45,7 +55,7 @@ class CountingKept(KeptGeneration):
 def test_overlapped_step_with_clipping_is_bitwise_the_reference(tmp_path, monkeypatch, placement, clip,
                                                                 accumulate) -> None:
     monkeypatch.setattr("tierzero.engine.backward.KeptGeneration", CountingKept)
-    CountingKept.restored = 0
+    CountingKept.restored, CountingKept.copied = 0, set()
     cfg = config(tmp_path, placement, clip, accumulate=accumulate)
     ref_losses, ref_weights = reference_run(SMALL, cfg, steps=3)
     data = batches()
@@ -60,6 +70,35 @@ def test_overlapped_step_with_clipping_is_bitwise_the_reference(tmp_path, monkey
     for key in weights:
         assert torch.equal(weights[key], ref_weights[key]), key
     assert (CountingKept.restored > 0) == (clip == FIRES)  # re-stepped exactly when the clip fired
+    # nvme-homed master and moments are kept as held generations on the drive, not copied
+    assert CountingKept.copied == ({StateKind.GRAD} if placement == NVME else
+                                   {StateKind.GRAD, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ})
+
+
+def test_the_drive_holds_what_writes_replace_until_released(tmp_path) -> None:
+    """`NvmeStore.hold`: a generation replaced while held stays whole and readable through
+    writes and flushes (no recycling); released, the next flush recycles it."""
+    key = "master/u0003/r0"
+    generations = lambda: sorted(n for n in (tmp_path / "master/u0003/r0").iterdir() if re.fullmatch(r"g\d+", n.name))
+
+    async def run(store: NvmeStore) -> None:
+        out = torch.empty(8192)
+        await store.write(key, torch.full((8192,), 1.0))
+        store.hold(True)
+        for value in (2.0, 3.0):
+            await store.write(key, torch.full((8192,), value))
+            await store.flush()
+        await store.read_into(key, out, previous=True)
+        assert torch.equal(out, torch.full((8192,), 1.0))
+        await store.read_into(key, out)
+        assert torch.equal(out, torch.full((8192,), 3.0))
+        assert len(generations()) == 3
+        store.hold(False)
+        await store.flush()
+        assert len(generations()) == 1
+
+    with NvmeStore([tmp_path], chunk_bytes=16 << 10) as store:
+        asyncio.run(run(store))
 
 
 def test_clipping_with_overlap_is_allowed_and_fp16_is_still_refused(tmp_path) -> None:

@@ -45,7 +45,8 @@ class StepInBackward:
         """The step of `state`'s step count; it marks the step as taken in backward."""
         coef = None  # clip_previous_norm: the first step is not clipped
         if config.clip_grad_norm is not None and not config.clip_previous_norm:
-            optimizer.kept = KeptGeneration()  # exact: stepped unclipped, re-stepped if the clip fires
+            # exact: stepped unclipped, re-stepped from what is kept if the clip fires
+            optimizer.kept = KeptGeneration.begin(optimizer.placement, optimizer.tiers.stores)
         elif config.clip_grad_norm is not None and state.previous_norm is not None:
             # a host float from the host copy of the norm: no device sync in backward, and
             # no device tensor for each CPU piece's step to copy to the host
@@ -93,8 +94,11 @@ def settle_clip(optimizer: ShardOptimizer, norm: torch.Tensor, config: Config, s
     if kept is None:  # clip_previous_norm, or no clipping
         return
     coef = clip_coefficient(norm, config.clip_grad_norm).item()
-    if coef < 1.0:
-        optimizer.step({}, lr_at(step_count, config), coef, kept)
+    try:
+        if coef < 1.0:
+            optimizer.step({}, lr_at(step_count, config), coef, kept)
+    finally:
+        kept.end()
 
 
 def resolve_overlap(config: Config, fp16: bool) -> bool:

@@ -108,7 +108,7 @@ class ShardOptimizer:
         """One AdamW update of the `runs` of every unit's shard (`ParamSteps.runs`, by unit
         index; a unit without runs is skipped), piece by piece; returns when every write has
         finished (the next pass reads what this one wrote). Given `kept`, steps each kept piece
-        again from its kept generation instead (`tierzero.engine.restep`): nothing is read."""
+        again from its kept generation instead (`tierzero.engine.restep`)."""
         depth = max(1, self.config.prefetch_depth)
         items = [Work(p.unit, p.piece, p.start, p.end, p.runs) for p in kept.pieces()] if kept else \
             [w for unit in self.units for w in self.works(unit, runs.get(unit.index, []))]
@@ -118,7 +118,7 @@ class ShardOptimizer:
             while issued < min(len(items), j + depth):  # keep `depth` pieces loaded ahead
                 if issued > j and not self._room_for(items[issued]):
                     break  # a tight budget: read ahead less rather than fail
-                loads.append(self._load(items[issued], with_grad=kept is None, fill=kept is None))
+                loads.append(self._load(items[issued], with_grad=kept is None, previous=kept is not None))
                 issued += 1
             work = loads.popleft()
             self._wait(work)
@@ -205,10 +205,10 @@ class ShardOptimizer:
         s.keep_alive(part, s.d2h)
         self.stats.add_bytes(Link.GPU_TO_HOST, work.numel * 4)
 
-    def _load(self, work: Work, with_grad: bool = False, wait: bool = True, fill: bool = True) -> Work:
-        """Start bringing a piece's optimizer states (and its grad, if asked) to the stepping
-        device (`fill=False`: lease only, a re-step fills them). Every buffer is leased before any
-        read starts, so `wait=False` (a look-ahead) short of buffers gives them back and raises."""
+    def _load(self, work: Work, with_grad: bool = False, wait: bool = True, previous: bool = False) -> Work:
+        """Start bringing a piece's optimizer states (and its grad, if asked) to the stepping device;
+        `previous` (a re-step): only nvme ones, as held (`NvmeStore.hold`). Every buffer is leased
+        first, so `wait=False` (a look-ahead) short of buffers gives them back and raises."""
         unit = work.unit
         computed: Event = None  # one compute event serves every state of the piece
         kinds = STEP_KINDS if with_grad else OPTIMIZER_KINDS
@@ -226,14 +226,15 @@ class ShardOptimizer:
                     self._give_back(buf)
                 raise
         for kind in kinds:
-            if kind not in work.leased or not fill:
-                continue
             home = self.placement.home(kind)
+            if kind not in work.leased or (previous and home is not Tier.NVME):
+                continue
             key = piece_key(kind, unit.index, self.rank, work.piece)
             store = self.tiers.stores[home]
             buf = work.leased[kind]
             if home is Tier.NVME:
-                work.futures.append(self.tiers.submit(store.read_into(key, buf)))
+                read = store.read_into(key, buf, previous=True) if previous else store.read_into(key, buf)
+                work.futures.append(self.tiers.submit(read))
                 self.stats.add_bytes(Link.NVME_TO_HOST, buf.numel() * 4)
             elif self._across(home):
                 s = self.tiers.streams
