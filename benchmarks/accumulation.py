@@ -40,12 +40,14 @@ def one_step(args: ModelArgs, k: int, schedule: str, opts: argparse.Namespace, p
         for _ in range(k):  # warm-up step
             engine.train_micro_batch(data.next_batch())
         engine.stats()
+        store = engine.vertical.store
+        before = store.spilled if store is not None else 0
         t0 = time.perf_counter()
         losses = [engine.train_micro_batch(data.next_batch()) for _ in range(k)]
         _ = [t.item() for t in losses]  # the step has run
         seconds = time.perf_counter() - t0
         stats = engine.stats()
-        spilled = engine.vertical.store.spilled if engine.vertical.store is not None else 0
+        spilled = store.spilled - before if store is not None else 0  # activations spilled in this step
     n = args.param_count()
     return {"read": stats.get("bytes_nvme->host", 0) / n, "written": stats.get("bytes_host->nvme", 0) / n,
             "cache": stats.get("bytes_host_cache_hit", 0) / n, "seconds": seconds, "spilled": spilled}
