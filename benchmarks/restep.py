@@ -35,8 +35,8 @@ VARIANTS = {"separate step, clip fires": (False, 1e-3),
 
 
 def step_times(args: ModelArgs, placement: Placement, overlap: bool, clip: float, a: argparse.Namespace,
-               path: str) -> tuple[list[float], float]:
-    """Step times after a warm-up step, and nvme bytes written per step."""
+               path: str) -> tuple[list[float], tuple[float, float]]:
+    """Step times after a warm-up step, and nvme bytes read and written per step."""
     cfg = Config(placement=placement, nvme_path=[path], lr=1e-4, total_steps=a.steps + 2,
                  overlap_step=overlap, clip_grad_norm=clip)
     data = TokenBatches(default_corpus(4 << 20), a.batch_size, a.seq_len, seed=0)
@@ -48,8 +48,8 @@ def step_times(args: ModelArgs, placement: Placement, overlap: bool, clip: float
             t0 = time.perf_counter()
             engine.train_step(data.next_batch())
             times.append(time.perf_counter() - t0)
-        written = engine.stats().get("bytes_host->nvme", 0) / a.steps
-    return times, written
+        stats = engine.stats()
+    return times, (stats.get("bytes_nvme->host", 0) / a.steps, stats.get("bytes_host->nvme", 0) / a.steps)
 
 
 def main() -> None:
@@ -66,25 +66,28 @@ def main() -> None:
                      vocab_size=256, ffn_dim=a.dim * 8 // 3 // 64 * 64, max_seq_len=a.seq_len,
                      tie_embeddings=True)
     console = Console(width=120)
-    console.print(f"model: {a.layers} layers x dim {a.dim} = {args.param_count() / 1e6:.2f}M params "
-                  f"(kept generation {16 * args.param_count() / 1e6:.0f} MB); batch {a.batch_size} x "
-                  f"{a.seq_len}; torch threads {torch.get_num_threads()}")
+    n = args.param_count()
+    console.print(f"model: {a.layers} layers x dim {a.dim} = {n / 1e6:.2f}M params; batch {a.batch_size} x "
+                  f"{a.seq_len}; torch threads {torch.get_num_threads()}; kept copies: host homes "
+                  f"{16 * n / 1e6:.0f} MB (grad, master, moments), nvme homes {4 * n / 1e6:.0f} MB (grad; "
+                  "master and moments held on the drive)")
     samples: dict[tuple[str, str], list[float]] = {}
-    written: dict[tuple[str, str], float] = {}
+    moved: dict[tuple[str, str], tuple[float, float]] = {}
     with tempfile.TemporaryDirectory(dir=a.path or ".") as root:
         for r in range(a.rounds):
             for home, placement in PLACEMENTS.items():
                 for name, (overlap, clip) in VARIANTS.items():
-                    times, moved = step_times(args, placement, overlap, clip, a, f"{root}/{r}-{home}-{name[:8]}")
+                    times, nbytes = step_times(args, placement, overlap, clip, a, f"{root}/{r}-{home}-{name[:8]}")
                     samples.setdefault((home, name), []).extend(times)
-                    written[(home, name)] = moved
+                    moved[(home, name)] = nbytes
     table = Table(title="step time, median over interleaved rounds")
-    for col in ("homes", "variant", "step s", "vs not firing", "nvme written / step"):
+    for col in ("homes", "variant", "step s", "vs not firing", "nvme read / step", "nvme written / step"):
         table.add_column(col, justify="left" if col in ("homes", "variant") else "right")
     for (home, name), times in samples.items():
         t = statistics.median(times)
         base = statistics.median(samples[(home, "overlap, clip does not fire")])
-        table.add_row(home, name, f"{t:.3f}", f"{t / base:.2f}x", f"{written[(home, name)] / 1e6:,.1f} MB")
+        read, written = moved[(home, name)]
+        table.add_row(home, name, f"{t:.3f}", f"{t / base:.2f}x", f"{read / 1e6:,.1f} MB", f"{written / 1e6:,.1f} MB")
     console.print(table)
 
 
