@@ -42,7 +42,7 @@ def train(
     adam_eps: Optional[float] = typer.Option(None, "--adam-eps", help="AdamW's epsilon (default 1e-8)."),
     warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps", help="Linear warmup steps."),
     clip_grad_norm: Optional[float] = typer.Option(None, "--clip-grad-norm", help="Clip the global grad norm to this."),
-    clip_previous_norm: Optional[bool] = typer.Option(None, "--clip-previous-norm", help="Clip by the previous step's norm, so clipping can overlap the step with backward."),
+    clip_previous_norm: Optional[bool] = typer.Option(None, "--clip-previous-norm", help="With --overlap-step and --clip-grad-norm: clip step k by step k-1's norm (an approximation) instead of re-stepping exactly when the clip fires."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for init and data order."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype: fp32, bf16 or fp16."),
     offload: Optional[str] = typer.Option(None, "--offload", help="Where state lives: none (in memory), host, nvme or auto."),
