@@ -18,13 +18,13 @@ state kind on the host (`host`), then every state kind on NVMe (`nvme`). Per pla
   and the step's ratio to it;
 - `cudaHostRegister` calls per timed step (pinning on the hot path costs; should be 0).
 
-It writes a `torch.profiler` trace of one micro-batch of each placement, run after the timed
-steps and not among them (`--trace-dir`), and the figures as JSON with `--json`. Tokens per
+It writes a `torch.profiler` trace of one micro-batch (of a vertical step: the whole step) of
+each placement, run after the timed steps and not among them (`--trace-dir`), and the figures as JSON with `--json`. Tokens per
 step: `--micro-batch` sequences of `--seq-len` (by default the largest micro-batch up to 64
 whose activations fit) times the fewest micro-batches that bring the bound per token near what
 accumulation can reach at the measured rates (at most `--max-accumulate`). A larger micro-batch
-is preferred over accumulation: every micro-batch moves every param to the GPU twice and the
-grads once more, so only a larger one raises compute per byte moved.
+is preferred over accumulation, which runs layer-major (`--schedule vertical`: params move
+twice per step whatever the count, but each micro-batch's block inputs wait in host memory).
 
     python benchmarks/gpu.py --path /mnt/nvme/tz              # ~15-30 min on an 8B-class run
     python benchmarks/gpu.py --dry-run                        # anywhere: the choice, the bound
@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from tierzero import Config, Engine, Placement, Tier, models
-from tierzero.config import parse_bytes
+from tierzero.config import Schedule, parse_bytes
 from tierzero.planning.ledger import activation_memory
 from tierzero.planning.memory_model import peak_memory
 from tierzero.planning.peaks import MemoryModel
@@ -111,8 +111,8 @@ class Quick:
     preset: str = "1b"
     seq_len: int = 2048
     largest_micro_batch: int = 16
-    # nvme: each micro-batch reads the params from the drive again, so it is not accumulated
-    max_accumulate: tuple[tuple[str, int], ...] = (("host", 8), ("nvme", 1))
+    # accumulation runs layer-major (vertical): params cross each link twice per step whatever k
+    max_accumulate: tuple[tuple[str, int], ...] = (("host", 8), ("nvme", 4))
     steps: int = 2  # timed, after one warm-up step
     disk_probe_bytes: int = 1 << 30
     budget_s: tuple[tuple[str, int], ...] = (("peaks and 1 GiB disk probe", 30), ("pytest -m cuda", 150),
@@ -127,7 +127,8 @@ def quick_plan(quick: Quick, machine: Machine, rates: Rates) -> list[str]:
              f"in all: at most {sum(limit for _, limit in quick.budget_s)} s"]
     for name in PLACEMENTS:
         acc = pick_accumulation(args, name, micro * quick.seq_len, rates, dict(quick.max_accumulate)[name])
-        b = bound(n := args.param_count(), tokens := micro * quick.seq_len * acc, step_traffic(args, name, acc), rates)
+        traffic = step_traffic(args, name, acc, schedule_for(acc), micro * quick.seq_len)
+        b = bound(n := args.param_count(), tokens := micro * quick.seq_len * acc, traffic, rates)
         lines.append(f"{name}: {quick.preset}, {micro} x {quick.seq_len} x {acc} tokens, {quick.steps} timed steps; bound "
                      f"{b['bound_s']:.2f} s ({b['bound_by']}), model TFLOPS there {6 * n * tokens / b['bound_s'] / 1e12:.0f}"
                      f" of peak {rates.bf16_tflops:.0f}")
@@ -179,19 +180,32 @@ def pick_micro_batch(args: ModelArgs, machine: Machine, seq_len: int, largest: i
     return best
 
 
-def step_traffic(args: ModelArgs, placement: str, accumulate: int = 1) -> dict[str, int]:
+def schedule_for(accumulate: int) -> Schedule:
+    """The benchmark accumulates layer-major: horizontal would move every param again per micro-batch."""
+    return Schedule.VERTICAL if accumulate > 1 else Schedule.HORIZONTAL
+
+
+def step_traffic(args: ModelArgs, placement: str, accumulate: int = 1, schedule: Schedule = Schedule.HORIZONTAL,
+                 micro_tokens: int = 0) -> dict[str, int]:
     """Bytes one step of `accumulate` micro-batches moves, by link, with overlap_step (the last
-    micro-batch's grads go straight to the optimizer). Every micro-batch fetches every param
-    twice (forward, recompute in backward) and sends its fp32 grads to the host; each after the
-    first brings the earlier micro-batches' sums back to add them on the GPU. With nvme homes
-    the params are read twice per micro-batch (an upper bound: the host's param cache saves
-    some reads) and written once, the optimizer reads and writes master and both moments, and
-    the grad sums of all but the last micro-batch are written, and of all but the first read."""
-    n, sums = args.param_count(), accumulate - 1
+    micro-batch's grads go straight to the optimizer). Horizontal: every micro-batch fetches
+    every param twice (forward, recompute in backward) and sends its fp32 grads to the host;
+    each after the first brings the earlier micro-batches' sums back to add them on the GPU.
+    Vertical: each unit's params come twice per step and its grad, summed on the GPU, goes
+    once; each micro-batch's input to every block (`micro_tokens` x dim) waits in host memory
+    between the passes (out and back). With nvme homes the params are read twice per pass (an
+    upper bound: the host's param cache saves some reads) and written once, the optimizer reads
+    and writes master and both moments, and horizontally the grad sums of all but the last
+    micro-batch are written, and of all but the first read."""
+    n = args.param_count()
+    passes, sums = (1, 0) if schedule == Schedule.VERTICAL else (accumulate, accumulate - 1)
     params = 2 * n * COMPUTE_ITEMSIZE
-    out = {"h2d": accumulate * params + sums * n * 4, "d2h": accumulate * n * 4, "nvme_read": 0, "nvme_write": 0}
+    waiting = (accumulate * args.n_layers * micro_tokens * args.dim * COMPUTE_ITEMSIZE
+               if schedule == Schedule.VERTICAL else 0)
+    out = {"h2d": passes * params + sums * n * 4 + waiting, "d2h": passes * n * 4 + waiting,
+           "nvme_read": 0, "nvme_write": 0}
     if placement == "nvme":
-        out["nvme_read"] = accumulate * params + 3 * n * 4 + sums * n * 4
+        out["nvme_read"] = passes * params + 3 * n * 4 + sums * n * 4
         out["nvme_write"] = n * COMPUTE_ITEMSIZE + 3 * n * 4 + sums * n * 4
     return out
 
@@ -215,15 +229,15 @@ def bound(n_params: int, tokens: int, traffic: dict[str, int], rates: Rates) -> 
 
 def pick_accumulation(args: ModelArgs, placement: str, micro_tokens: int, rates: Rates, most: int) -> int:
     """Micro-batches per step: the fewest (at most `most`) whose bound per token is within 10%
-    of the bound per token at `most`. Accumulation amortises only what a step moves once (the
-    optimizer's states, the new params, CPU AdamW); a term that grows with every micro-batch
-    (params twice, grads again) as fast as compute does is not amortised, so where it outruns
-    compute no accumulation makes the step compute-bound and only a larger micro-batch helps."""
+    of the bound per token at `most`. Layer-major accumulation amortises what a step moves once
+    (params twice, grads, the optimizer's states, CPU AdamW); the waiting activations grow with
+    every micro-batch as compute does, so where they outrun compute only a larger micro-batch helps."""
     n = args.param_count()
 
     def per_token(accumulate: int) -> float:
         tokens = micro_tokens * accumulate
-        return bound(n, tokens, step_traffic(args, placement, accumulate), rates)["bound_s"] / tokens
+        traffic = step_traffic(args, placement, accumulate, schedule_for(accumulate), micro_tokens)
+        return bound(n, tokens, traffic, rates)["bound_s"] / tokens
 
     limit = per_token(most)
     return next(a for a in range(1, most + 1) if per_token(a) <= 1.1 * limit)
@@ -319,7 +333,8 @@ def train(name: str, args: ModelArgs, machine: Machine, device: torch.device, mi
 
     cfg = Config(placement=PLACEMENTS[name], nvme_path=[str(workdir / f"nvme-{name}")], dtype="bf16",
                  device=str(device), host_budget=machine.host_bytes, gpu_budget=machine.gpu_bytes,
-                 prefetch_depth=PREFETCH_DEPTH, accumulate=accumulate, total_steps=steps + 2, warmup_steps=1)
+                 prefetch_depth=PREFETCH_DEPTH, accumulate=accumulate, schedule=schedule_for(accumulate),
+                 total_steps=steps + 2, warmup_steps=1)
     data = TokenBatches(default_corpus(64 << 20), micro_batch, seq_len, seed=0)
     times: list[float] = []
     with Engine(models.build(args, device="meta", seed=0), cfg) as engine:
@@ -338,11 +353,13 @@ def train(name: str, args: ModelArgs, machine: Machine, device: torch.device, mi
             times.append(step())
             stats = engine.stats()
         registrations = (engine.tiers.host_pool.registrations - registered) / steps
-        # one micro-batch (not a whole step of up to --max-accumulate of them: a trace of a big
-        # model's step is gigabytes), after the timed steps and not among them
+        # one horizontal micro-batch (not a whole step of up to --max-accumulate of them: a trace
+        # of a big model's step is gigabytes), after the timed steps and not among them; a
+        # vertical step runs when its last micro-batch arrives, so its trace is the whole step
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
-            engine.train_micro_batch(data.next_batch())
+            for _ in range(accumulate if cfg.schedule == Schedule.VERTICAL else 1):
+                engine.train_micro_batch(data.next_batch())
             torch.cuda.synchronize(device)
     prof.export_chrome_trace(str(trace))
     return statistics.median(times), stats, registrations
@@ -420,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
             accumulate = pick_accumulation(args, name, micro * seq_len, rates, most)
             tokens = micro * seq_len * accumulate
             if opts.dry_run:  # the bound itself, as if the step ran exactly at it
-                traffic = step_traffic(args, name, accumulate)
+                traffic = step_traffic(args, name, accumulate, schedule_for(accumulate), micro * seq_len)
                 stats = {"bytes_host->gpu": traffic["h2d"], "bytes_gpu->host": traffic["d2h"],
                          "bytes_nvme->host": traffic["nvme_read"], "bytes_host->nvme": traffic["nvme_write"],
                          "io_wait_s": 0.0}

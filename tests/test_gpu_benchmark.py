@@ -59,6 +59,16 @@ def test_every_micro_batch_moves_the_params_twice_and_the_grads_again() -> None:
     assert nvme_three["nvme_write"] - nvme_one["nvme_write"] == 2 * 4 * n
 
 
+def test_layer_major_accumulation_moves_the_params_once_per_pass_and_the_waiting_inputs() -> None:
+    args, micro_tokens = PRESETS["1b"], 4096
+    n, p = args.param_count(), 2 * args.param_count() * gpu.COMPUTE_ITEMSIZE
+    waiting = 3 * args.n_layers * micro_tokens * args.dim * gpu.COMPUTE_ITEMSIZE  # out after forward, back for backward
+    three = gpu.step_traffic(args, "nvme", 3, gpu.Schedule.VERTICAL, micro_tokens)
+    assert (three["h2d"], three["d2h"]) == (p + waiting, 4 * n + waiting)
+    assert (three["nvme_read"], three["nvme_write"]) == (p + 12 * n, n * gpu.COMPUTE_ITEMSIZE + 12 * n)
+    assert gpu.schedule_for(1) == gpu.Schedule.HORIZONTAL and gpu.schedule_for(3) == gpu.Schedule.VERTICAL
+
+
 def test_accumulation_amortises_only_what_a_step_moves_once() -> None:
     """Where a micro-batch's own transfers outrun its compute, accumulating more gains little
     (only the optimizer's share); where they do not, it stops once the step is within 10% of
