@@ -208,3 +208,31 @@ def test_the_waiting_activations_peak_at_the_memory_models_count(tmp_path, tied:
     predicted = waiting_activations_bytes(args.n_layers, args.dim, args.vocab_size, tied, tokens, K, 4)
     assert store.spilled == 0
     assert store.peak_bytes == store.budget_bytes == predicted
+
+
+def test_queued_micro_batches_are_never_lost_or_mixed(tmp_path) -> None:
+    """A checkpoint with micro-batches queued is refused (a resume would drop them); a load
+    drops the queue (they belong to no step of the loaded run); once auto chose vertical, a
+    horizontal forward is refused instead of running beside the queue."""
+    cfg = config(fresh(tmp_path, "a"), PLACEMENTS["everything-on-nvme"], accumulate=2, schedule="auto")
+    data = batches()
+    with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
+        saved = engine.save_checkpoint(tmp_path / "run")
+        engine.train_micro_batch(data.next_batch())
+        assert engine.vertical.on
+        with pytest.raises(TierzeroError, match="1 of 2 micro-batches are queued"):
+            engine.save_checkpoint(tmp_path / "run")
+        with pytest.raises(ConfigError, match="call train_micro_batch"):
+            engine.forward(data.next_batch())
+        engine.load_checkpoint(saved)
+        engine.train_micro_batch(data.next_batch())
+        assert engine.state.step_count == 0  # one micro-batch of the loaded run's step, not two
+
+
+def test_waiting_activations_that_cannot_spill_are_refused_before_the_step(tmp_path) -> None:
+    cfg = config(fresh(tmp_path, "a"), PLACEMENTS["all-gpu"], accumulate=2, schedule="vertical",
+                 activation_budget=4096)
+    with Engine(models.build(SMALL, device="meta"), cfg) as engine:
+        with pytest.raises(ConfigError, match="no state lives on NVMe to spill them to"):
+            engine.train_micro_batch(batches().next_batch())
+        assert engine.state.step_count == 0

@@ -95,7 +95,7 @@ def settle_clip(optimizer: ShardOptimizer, norm: torch.Tensor, config: Config, s
         return
     coef = clip_coefficient(norm, config.clip_grad_norm).item()
     try:
-        if coef < 1.0:
+        if not coef >= 1.0:  # a NaN norm too: clip_grad_norm_ scales the grads by it
             optimizer.step({}, lr_at(step_count, config), coef, kept)
     finally:
         kept.end()

@@ -175,9 +175,7 @@ class Engine:
 
     def forward(self, batch: Any) -> torch.Tensor:
         """The loss of one micro-batch; with grad enabled, ready for `backward`."""
-        self._usable()
-        if self.state.stepped_in_backward:
-            self.step()  # overlap_step already updated the shards: settle it before reading them
+        self._settle()
         training = torch.is_grad_enabled()
         if training:
             self.vertical.horizontal()
@@ -240,9 +238,10 @@ class Engine:
     def step(self) -> bool:
         """Update every shard if a global batch is complete; False if none ran (or fp16 skipped)."""
         self._usable()
-        if not self.state.between_steps(self.config.accumulate):
+        if not self.state.step_due(self.config.accumulate):
             return False
         try:
+            self.state.stepped_at = self.state.micro
             stepped = self._step()
             if stepped:  # superseded blocks become spares, behind the next step (no sync here)
                 self.tiers.flush_behind()
@@ -273,8 +272,7 @@ class Engine:
         if self.config.clip_grad_norm is not None:
             norm = self.grads.total_norm(self.param_order)
             state.last_grad_norm = norm.item()
-            # a host float: one sync per step, right after the norm's; stepping with a device
-            # tensor would make every CPU piece's step copy it to the host
+            # a host float (one sync per step): with a device tensor every CPU piece's step would copy it
             coef = clip_coefficient(norm, self.config.clip_grad_norm).item()
         self.optimizer.step({u.index: self._runs(u) for u in self.units}, lr_at(state.step_count, self.config), coef)
         self.param_steps.advance(self.grads.present)
@@ -299,9 +297,7 @@ class Engine:
         the compute dtype; trainable ones require grad, and `engine.backward(loss)` called inside
         the block adds the gradients that reach them to the step's (see `tierzero.engine.gathered`).
         Released on exit; changing a copy changes nothing in the engine."""
-        self._usable()
-        if self.state.stepped_in_backward:
-            self.step()  # overlap_step updated the shards: settle the step before reading them
+        self._settle()
         self.tiers.pending.drain()  # params written by the last step must have landed
         with self._blocks.block(copies(self.units, resolve(self.units, names), self._full_params)) as view:
             yield view
@@ -344,7 +340,8 @@ class Engine:
         """Snapshot every shard at this step into `run_dir/checkpoints/step-<N>` (hard links for
         NVMe-homed state: metadata, not bytes); `data` is the caller's data position, `keep`
         prunes to the newest K. See `tierzero.engine.snapshot`."""
-        self._usable()
+        self._settle()
+        self.vertical.refuse_queued()
         return snapshot.save(self._checkpointed(), run_dir, data=data, keep=keep, model=model)
 
     def load_checkpoint(self, path: str | Path) -> Manifest:
@@ -354,6 +351,7 @@ class Engine:
         if self._broken is not None:
             self._usable()
         path, manifest = snapshot.find(Path(path), self.comm, self.note)
+        self.vertical.abort()  # micro-batches queued before the load belong to no step of it
         if self._open:
             self.tiers.pending.drain()
             snapshot.restore(self._checkpointed(), path, manifest)
@@ -379,11 +377,9 @@ class Engine:
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights under every parameter name (tied aliases included), unit by unit;
-        a frozen parameter's stored values, in fp32.
-
-        This holds the whole fp32 model in host memory: for small models and tests. For large
-        ones, checkpoint and stream the weights out with `tierzero export` (about one unit of RAM)."""
-        self._usable()
+        a frozen parameter's stored values, in fp32. The whole model in host memory: for small
+        models and tests (large ones: checkpoint and stream out with `tierzero export`)."""
+        self._settle()
         return self.shards.master_state_dict(self.units, self.comm)
 
     def keys(self, kind: StateKind, unit: Unit) -> list[tuple[str, int, int]]:
@@ -408,9 +404,14 @@ class Engine:
         """Write one stored key of `kind` (a CPU tensor) to its home tier."""
         self.shards.put_key(kind, key, src)
 
-    def _settle(self, kind: StateKind) -> None:
+    def _settle(self, kind: StateKind | None = None) -> None:
+        """Before shards are read: usable (`read_*` of one kind: as it is), an overlapped step settled, a grad landed."""
+        if kind is None:
+            self._usable()
+        if self.state.stepped_in_backward and self._broken is None:
+            self.step()  # overlap_step already updated the shards: settle it before reading them
         if kind is StateKind.GRAD and self._open:
-            self.grads.settle()  # a grad piece may still be on its way to the host
+            self.grads.settle()
 
     def stats(self) -> dict[str, Any]:
         """Per-step counters for metrics.jsonl: bytes per direction, I/O wait, peak bytes."""
@@ -437,7 +438,7 @@ class Engine:
         """Drop what a pass holds; `broken`: why it stopped half-way (then `_usable` refuses)."""
         self._broken = broken or self._broken
         self.grads.discard()
-        self.optimizer.discard_prefetched()
+        self.optimizer.abort()
         self.vertical.abort()
         if self._root_leaves is not None:
             unbind(self.units[0], self.dtype)

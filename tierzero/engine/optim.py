@@ -1,24 +1,23 @@
 """CPU Adam over shards streamed through the tiers in pieces: read piece j+1, step j, write j-1.
 
-Grads, master weights and both moments are stored per *piece*: a fixed-size slice of a unit's
-shard (`Config.piece_numel` elements), so the optimizer's working set is a few pieces whatever
-the unit's size -- a 128k-vocabulary embedding streams through the same buffers as a block.
-Per piece, a state whose home is a memory tier on the stepping device is used in place (zero
-copy); any other is read into a leased buffer, `prefetch_depth` pieces ahead. After torch's
-AdamW updates the piece (elementwise, so stepping pieces is bitwise stepping the whole shard),
-off-device states are written back and the new compute-dtype values go into the unit's param
-shard: in place where params live in memory, else as the param piece of the same range. The
-stepping thread also casts the new params (into the grad's buffer, which the step consumed,
-where it is a host one) and updates a cached copy; the I/O loop then issues every write and
-gives the piece's buffers back once all have finished (with overlap_step no cast, copy or
-write runs on autograd's thread). The step runs on the compute device only when master and
-both moments live there. With overlap_step a piece's grad reaches the host on the
-d2h stream (`tierzero.engine.streams`) and its AdamW, on the optimizer's own thread (one OpenMP
-team, never the I/O workers'), waits for that copy's event.
-A host step never copies to or from device memory synchronously: states and new params homed
-on the device move on the d2h/h2d_write streams through pinned buffers, and the event of each param
-write goes to the scheduler, whose next pass reads the params after it. A device step runs on
-the compute stream, whichever thread issues it.
+Grads, master weights and both moments are stored per *piece*: a fixed-size slice of a unit's shard
+(`Config.piece_numel` elements), so the optimizer's working set is a few pieces whatever the unit's
+size -- a 128k-vocabulary embedding streams through the same buffers as a block. Per piece, a state
+whose home is a memory tier on the stepping device is used in place (zero copy); any other is read
+into a leased buffer, `prefetch_depth` pieces ahead. After torch's AdamW updates the piece
+(elementwise, so stepping pieces is bitwise stepping the whole shard), off-device states are
+written back and the new compute-dtype values go into the unit's param shard: in place where params
+live in memory, else as the param piece of the same range. The stepping thread also casts the new
+params (into the grad's buffer, which the step consumed, where it is a host one) and updates a
+cached copy; the I/O loop then issues every write and gives the piece's buffers back once all have
+finished (with overlap_step no cast, copy or write runs on autograd's thread). The step runs on the
+compute device only when master and both moments live there. With overlap_step a piece's grad
+reaches the host on the d2h stream (`tierzero.engine.streams`) and its AdamW, on the optimizer's
+own thread (one OpenMP team, never the I/O workers'), waits for that copy's event. A host step
+never copies to or from device memory synchronously: states and new params homed on the device move
+on the d2h/h2d_write streams through pinned buffers, and the event of each param write goes to the
+scheduler, whose next pass reads the params after it. A device step runs on the compute stream,
+whichever thread issues it.
 """
 
 from __future__ import annotations
@@ -61,9 +60,7 @@ class Work:
     leased: dict[StateKind, torch.Tensor] = field(default_factory=dict)  # kind -> leased buffer
     futures: list = field(default_factory=list)
     grad_landed: Event = None  # the D2H copy of its grad piece (overlap_step), waited for by `Tiers.landed`
-    # overlap_step: the compute event after which its grad is final and its unit's params are
-    # read no more in the pass (their new values may be written over them)
-    produced: Event = None
+    produced: Event = None  # overlap_step: after it the grad is final, the params no more read in the pass
     copies: dict[StateKind, Event] = field(default_factory=dict)  # leased buffers read by h2d_write copies
 
     @property
@@ -82,9 +79,7 @@ class ShardOptimizer:
         self.rank = rank
         self.config = config
         self.stats = stats
-        # told the event of each write into a unit's param shard homed on the device
-        # (`Scheduler.written`): the next pass reads that shard in place
-        self.param_written = param_written
+        self.param_written = param_written  # each device param write's event (`Scheduler.written`)
         on_gpu = steps_on_gpu(placement)
         self.device = tiers.device if on_gpu else torch.device("cpu")
         if not on_gpu and tiers.device.type == "cuda":
@@ -140,11 +135,15 @@ class ShardOptimizer:
                 except BudgetExceededError:
                     return  # `step_unit` loads it
 
-    def discard_prefetched(self) -> None:
-        """After an error mid-backward: let prefetches land, then return their buffers."""
+    def abort(self) -> None:
+        """After an error mid-step: let prefetches land and return their buffers; release the
+        generations an overlapped step kept for a re-step (else they stay on disk until reopened)."""
         for work in self._prefetched.values():
             self._discard(work)
         self._prefetched.clear()
+        kept, self.kept = self.kept, None
+        if kept is not None:
+            kept.end()
 
     def _discard(self, work: Work) -> None:
         """Give back a piece's buffers without writing anything (its reads or step failed)."""

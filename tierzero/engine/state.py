@@ -23,6 +23,7 @@ class StepState:
     # clip_previous_norm: the norm that clips the next overlapped step (host fp32; None at first)
     previous_norm: torch.Tensor | None = None
     stepped_in_backward: bool = False  # overlap_step stepped every unit; `step()` settles it
+    stepped_at: int = 0  # `micro` at the last step (or open/resume): a step needs new micro-batches
 
     def ends_step(self, accumulate: int) -> bool:
         """Whether the next backward is the last micro-batch of an optimizer step."""
@@ -31,6 +32,10 @@ class StepState:
     def between_steps(self, accumulate: int) -> bool:
         """Whether every micro-batch backpropagated belongs to a finished step."""
         return self.micro % accumulate == 0
+
+    def step_due(self, accumulate: int) -> bool:
+        """A global batch is complete and not stepped yet: a second `step()` does nothing."""
+        return self.between_steps(accumulate) and self.micro != self.stepped_at
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest's counters (a checkpoint sits between steps: `micro` is 0 on resume)."""
@@ -47,5 +52,5 @@ class StepState:
         self.previous_norm = None if previous is None else torch.tensor(float(previous), dtype=torch.float32)
         self.step_count, self.skipped_steps = step_count, skipped
         self.last_grad_norm = state.get("last_grad_norm")
-        self.micro = 0
+        self.micro = self.stepped_at = 0
         self.stepped_in_backward = False

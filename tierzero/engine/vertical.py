@@ -220,7 +220,7 @@ class VerticalSteps:
 
     def horizontal(self) -> None:
         """The caller drives forward/backward itself: refuse `--schedule vertical`, else decide horizontal."""
-        if self.engine.config.schedule is Schedule.VERTICAL:
+        if self.engine.config.schedule is Schedule.VERTICAL or self.on:
             raise ConfigError("--schedule vertical runs whole steps: call train_micro_batch (or "
                               "train_step) instead of forward/backward, or use --schedule horizontal")
         if self.on is None:
@@ -232,6 +232,13 @@ class VerticalSteps:
             raise TierzeroError("with the vertical schedule a micro-batch's loss is known once its step's last "
                                 "micro-batch has run: call train_micro_batch and read the losses after the "
                                 "step, or use --schedule horizontal")
+
+    def refuse_queued(self) -> None:
+        """A checkpoint needs a finished step: queued micro-batches would be lost on resume."""
+        if self._queued:
+            raise TierzeroError(f"a checkpoint needs a finished optimizer step, but {len(self._queued)} of "
+                                f"{self.engine.config.accumulate} micro-batches are queued for the vertical "
+                                "schedule; save after the step's last train_micro_batch")
 
     def abort(self) -> None:
         """Drop the activations of a step that failed (its queued micro-batches go too)."""
@@ -276,6 +283,10 @@ class VerticalSteps:
         e.reserve_activations(batch)
         need = waiting_bytes(e.model, tuple(batch), e.config.accumulate, e.dtype.itemsize)
         budget = min(need, e.config.activation_budget if e.config.activation_budget is not None else self._room())
+        if budget < need and Tier.NVME not in e.tiers.stores:
+            raise ConfigError(f"the vertical schedule's waiting activations need {need / 1e6:.1f} MB of host "
+                              f"memory, {budget / 1e6:.1f} MB is left and no state lives on NVMe to spill "
+                              "them to; raise --host-budget, lower --accumulate or use --schedule horizontal")
         if budget > self._room():
             raise ConfigError(f"--activation-budget {budget / 1e6:.1f} MB is more than the host budget leaves "
                               f"({self._room() / 1e6:.1f} MB); lower it or raise --host-budget")
