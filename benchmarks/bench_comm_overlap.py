@@ -40,6 +40,8 @@ from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.engine import Engine
 from tierzero.models import ModelArgs
 
+from shapes import add_shape_flags, shape
+
 
 class SlowLink:
     """Wraps a rank's `Comm` so collectives cross one link of `bytes_per_s`, in issue order: a
@@ -94,9 +96,7 @@ def _rank(rank: int, a: argparse.Namespace, root: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
     try:
-        args = ModelArgs(dim=a.dim, n_layers=a.layers, n_heads=a.dim // 64, n_kv_heads=a.dim // 64,
-                         vocab_size=256, ffn_dim=a.dim * 8 // 3 // 64 * 64, max_seq_len=a.seq_len,
-                         tie_embeddings=True)
+        args = shape(a)
         rows: dict[str, list[list[float]]] = {"compute": []}
         links: dict[float, float] = {}  # balance -> bytes per second
         for r in range(a.rounds):
@@ -118,12 +118,7 @@ def _rank(rank: int, a: argparse.Namespace, root: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--dim", type=int, default=384)
-    p.add_argument("--batch-size", type=int, default=4, help="the global batch (2 rows per rank)")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all variants")
+    add_shape_flags(p, layers=8, dim=384, batch_size=4, seq_len=128, batch_help="the global batch (2 rows per rank)")
     p.add_argument("--balance", type=float, nargs="+", default=[0.5, 1.0, 2.0],
                    help="injected comm per step / the compute step, one row each")
     a = p.parse_args()

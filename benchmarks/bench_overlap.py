@@ -33,6 +33,8 @@ from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.engine import Engine
 from tierzero.models import ModelArgs
 
+from shapes import add_shape_flags, shape
+
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 
 
@@ -54,17 +56,10 @@ def step_times(args: ModelArgs, placement: Placement, batch_size: int, seq_len: 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all variants")
+    add_shape_flags(p, layers=8, dim=512, batch_size=8, seq_len=256)
     p.add_argument("--path", default=None, help="NVMe directory (default: a temp dir under .)")
     a = p.parse_args()
-    args = ModelArgs(dim=a.dim, n_layers=a.layers, n_heads=a.dim // 64, n_kv_heads=a.dim // 64,
-                     vocab_size=256, ffn_dim=a.dim * 8 // 3 // 64 * 64, max_seq_len=a.seq_len,
-                     tie_embeddings=True)
+    args = shape(a)
     console = Console()
     console.print(f"model: {a.layers} layers x dim {a.dim} = {args.param_count() / 1e6:.1f}M params; "
                   f"batch {a.batch_size} x {a.seq_len}; torch threads {torch.get_num_threads()}")

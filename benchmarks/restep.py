@@ -25,6 +25,8 @@ from rich.table import Table
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.models import ModelArgs
+
+from shapes import add_shape_flags, shape
 from tierzero.run.data import TokenBatches, default_corpus
 
 PLACEMENTS = {"host": Placement(Tier.GPU, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST),
@@ -54,17 +56,10 @@ def step_times(args: ModelArgs, placement: Placement, overlap: bool, clip: float
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all variants")
+    add_shape_flags(p, layers=4, dim=256, batch_size=4, seq_len=128)
     p.add_argument("--path", default=None, help="NVMe directory (default: a temp dir under .)")
     a = p.parse_args()
-    args = ModelArgs(dim=a.dim, n_layers=a.layers, n_heads=a.dim // 64, n_kv_heads=a.dim // 64,
-                     vocab_size=256, ffn_dim=a.dim * 8 // 3 // 64 * 64, max_seq_len=a.seq_len,
-                     tie_embeddings=True)
+    args = shape(a)
     console = Console(width=120)
     n = args.param_count()
     console.print(f"model: {a.layers} layers x dim {a.dim} = {n / 1e6:.2f}M params; batch {a.batch_size} x "
