@@ -236,3 +236,24 @@ def test_waiting_activations_that_cannot_spill_are_refused_before_the_step(tmp_p
         with pytest.raises(ConfigError, match="no state lives on NVMe to spill them to"):
             engine.train_micro_batch(batches().next_batch())
         assert engine.state.step_count == 0
+
+
+def test_activation_buffers_are_allocated_in_the_first_step_only(tmp_path, monkeypatch) -> None:
+    """Freed host buffers are reused (on a GPU each new one would also be pinned): with spills
+    every step, the steps after the first allocate none."""
+    from tierzero.engine import boundary
+
+    allocations: list[int] = []
+    real = boundary.aligned_empty
+    monkeypatch.setattr(boundary, "aligned_empty", lambda n, dtype: allocations.append(n) or real(n, dtype))
+    cfg = config(fresh(tmp_path, "v"), PLACEMENTS["everything-on-nvme"], accumulate=K, schedule="vertical",
+                 activation_budget=2 * 4 * 32 * SMALL.dim * 4)
+    data = batches()
+    with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
+        for step in range(3):
+            for _ in range(K):
+                engine.train_micro_batch(data.next_batch())
+            if step == 0:
+                first = len(allocations)
+        assert engine.vertical.store.spilled > 2 * K
+    assert 0 < first == len(allocations)

@@ -12,8 +12,10 @@ NVMe (`act/u<unit>/m<micro>`) and its buffer freed once written, and as `get` fr
 `prefetch` reads spilled entries back, the next needed first. Every host buffer counts against
 the budget from allocation until what frees it has happened: its write, or its copy to the
 device (`peak_bytes` is asserted in tests); a prefetched entry gives its buffer up again when
-an entry put later needs the room. Keys are overwritten step after step (new
-generations of the same arrays), never deleted.
+an entry put later needs the room. A freed buffer is kept for the next entry of its size
+(allocating, and on a GPU pinning, per activation would sit on every micro-batch's path);
+kept and used buffers together stay within the budget. Keys are overwritten step after step
+(new generations of the same arrays), never deleted.
 
 On a GPU the buffers are pinned, an activation goes to the host on the d2h stream after the
 compute that produced it, a spill write waits for that copy on an I/O thread, and it comes
@@ -53,6 +55,16 @@ class _Entry:
     written: concurrent.futures.Future | None = None  # its spill write
     read: concurrent.futures.Future | None = None  # a prefetch into `buffer`
 
+    @property
+    def nbytes(self) -> int:
+        """Its bytes, rounded up to direct I/O's alignment (its buffer may be a larger reused one)."""
+        return _aligned(self.shape.numel() * self.dtype.itemsize)
+
+    def raw(self) -> torch.Tensor:
+        """The first `nbytes` of its buffer: what is written to and read from NVMe."""
+        assert self.buffer is not None
+        return self.buffer.data[:self.nbytes]
+
     def view(self) -> torch.Tensor:
         assert self.buffer is not None
         numel = self.shape.numel()
@@ -67,6 +79,7 @@ class BoundaryStore:
         self.spilled = 0  # entries written to NVMe since open
         self._entries: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
         self._buffers: list[_Buffer] = []
+        self._idle: list[torch.Tensor] = []  # freed buffers, reused by the next entry of their size
 
     @property
     def used_bytes(self) -> int:
@@ -80,7 +93,7 @@ class BoundaryStore:
         entry.landed = s.copy(entry.view(), x, s.d2h, after=s.record(s.compute))
         s.keep_alive(x, s.d2h)
         if s.separate:
-            self.tiers.stats.add_bytes(Link.GPU_TO_HOST, buffer.data.numel())
+            self.tiers.stats.add_bytes(Link.GPU_TO_HOST, entry.nbytes)
         self._entries[(unit, micro)] = entry
 
     def get(self, unit: int, micro: int) -> torch.Tensor:
@@ -88,7 +101,7 @@ class BoundaryStore:
         entry = self._entries.pop((unit, micro))
         if entry.buffer is None:  # on NVMe and not prefetched: read it now
             self._wait(entry.written)
-            entry.buffer = self._allocate(_aligned(entry.shape.numel() * entry.dtype.itemsize))
+            entry.buffer = self._allocate(entry.nbytes)
             self._read(unit, micro, entry)
         self._wait(entry.read)
         s = self.tiers.streams
@@ -98,7 +111,7 @@ class BoundaryStore:
         s.wait(s.compute, copied)
         s.keep_alive(out, s.compute)
         if s.separate:
-            self.tiers.stats.add_bytes(Link.HOST_TO_GPU, entry.buffer.data.numel())
+            self.tiers.stats.add_bytes(Link.HOST_TO_GPU, entry.nbytes)
         entry.buffer.free_after = self.tiers.when_done(copied)
         return out
 
@@ -108,10 +121,9 @@ class BoundaryStore:
         for (unit, micro), entry in self._backward_order():
             if entry.buffer is not None:
                 continue
-            nbytes = _aligned(entry.shape.numel() * entry.dtype.itemsize)
-            if self.used_bytes + nbytes > self.budget_bytes or not entry.written.done():
+            if self.used_bytes + entry.nbytes > self.budget_bytes or not entry.written.done():
                 return
-            entry.buffer = self._take(nbytes)
+            entry.buffer = self._take(entry.nbytes)
             self._read(unit, micro, entry)
 
     def clear(self) -> None:
@@ -125,6 +137,7 @@ class BoundaryStore:
                 buffer.free_after.exception()
         self._entries.clear()
         self._buffers.clear()
+        self._idle.clear()
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -145,6 +158,7 @@ class BoundaryStore:
                 entry = read_back[-1]
                 self._wait(entry.read)
                 self._buffers.remove(entry.buffer)
+                self._idle.append(entry.buffer.data)
                 entry.buffer, entry.read = None, None
             else:
                 raise ConfigError(f"the vertical schedule's activation budget ({self.budget_bytes} bytes) cannot "
@@ -157,9 +171,16 @@ class BoundaryStore:
         return sorted(self._entries.items(), key=lambda kv: (-kv[0][0], kv[0][1]))
 
     def _take(self, nbytes: int) -> _Buffer:
-        pinned = self.tiers.streams.separate
-        data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pinned \
-            else aligned_empty(nbytes, torch.uint8)  # 4 KiB-aligned: direct I/O to NVMe
+        """A buffer of at least `nbytes` (room for it made): the smallest freed one that fits
+        the budget, else a new one, dropping freed ones first so that everything held fits."""
+        fits = [i for i, d in enumerate(self._idle) if nbytes <= d.numel() <= self.budget_bytes - self.used_bytes]
+        if fits:
+            data = self._idle.pop(min(fits, key=lambda i: self._idle[i].numel()))
+        else:
+            while self._idle and self.used_bytes + sum(d.numel() for d in self._idle) + nbytes > self.budget_bytes:
+                self._idle.pop(0)
+            data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if self.tiers.streams.separate \
+                else aligned_empty(nbytes, torch.uint8)  # 4 KiB-aligned: direct I/O to NVMe
         buffer = _Buffer(data)
         self._buffers.append(buffer)
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
@@ -168,18 +189,16 @@ class BoundaryStore:
     def _spill(self, entry: _Entry) -> None:
         unit, micro = next(k for k, e in self._entries.items() if e is entry)
         store = self._nvme()
-        assert entry.buffer is not None
-        buffer, entry.buffer = entry.buffer, None
+        raw, buffer, entry.buffer = entry.raw(), entry.buffer, None
         entry.written = buffer.free_after = self.tiers.submit(
-            _write_when_landed(self.tiers, entry.landed, store, _key(unit, micro), buffer.data))
+            _write_when_landed(self.tiers, entry.landed, store, _key(unit, micro), raw))
         entry.landed = None
         self.spilled += 1
-        self.tiers.stats.add_bytes(Link.HOST_TO_NVME, buffer.data.numel())
+        self.tiers.stats.add_bytes(Link.HOST_TO_NVME, entry.nbytes)
 
     def _read(self, unit: int, micro: int, entry: _Entry) -> None:
-        assert entry.buffer is not None
-        entry.read = self.tiers.submit(self._nvme().read_into(_key(unit, micro), entry.buffer.data))
-        self.tiers.stats.add_bytes(Link.NVME_TO_HOST, entry.buffer.data.numel())
+        entry.read = self.tiers.submit(self._nvme().read_into(_key(unit, micro), entry.raw()))
+        self.tiers.stats.add_bytes(Link.NVME_TO_HOST, entry.nbytes)
 
     def _nvme(self) -> TierStore:
         store = self.tiers.stores.get(Tier.NVME)
@@ -200,6 +219,7 @@ class BoundaryStore:
         for buffer in self._buffers:
             if buffer.free_after is not None and buffer.free_after.done():
                 buffer.free_after.result()
+                self._idle.append(buffer.data)
             else:
                 live.append(buffer)
         self._buffers = live
