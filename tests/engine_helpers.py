@@ -25,3 +25,15 @@ def reference_run(args: ModelArgs, config: Config, steps: int, **batch_kw: int) 
     data = batches(**batch_kw)
     losses = [trainer.train_step(data.next_batch()) for _ in range(steps * config.accumulate)]
     return losses, trainer.master_state_dict()
+
+
+def engine_weights(args: ModelArgs, config: Config, steps: int) -> dict[str, torch.Tensor]:
+    """Final fp32 master weights of the engine after `steps` train_steps on `batches()`: what
+    `reference_run`'s are compared with."""
+    from tierzero.engine import Engine
+
+    data = batches()
+    with Engine(models.build(args, device="meta", seed=config.seed), config) as engine:
+        for _ in range(steps):
+            engine.train_step(data.next_batch())
+        return engine.master_state_dict()

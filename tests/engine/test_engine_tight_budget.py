@@ -19,7 +19,7 @@ from tierzero.models import ModelArgs
 from tierzero.models.llama import LOSS_CHUNK_BYTES
 from tierzero.planning.ledger import activation_memory
 
-from engine_helpers import batches, reference_run
+from engine_helpers import batches, engine_weights, reference_run
 from test_engine_out_of_core import DEEP
 
 
@@ -27,11 +27,7 @@ def test_overlap_under_budget_pressure_stays_bitwise(tmp_path) -> None:
     cfg = Config(placement=Placement(*[Tier.NVME] * 5), nvme_path=[str(tmp_path / "nvme")], lr=3e-3,
                  total_steps=5, host_budget=4 << 20, piece_numel=8192, prefetch_depth=2, overlap_step=True)
     _, ref_weights = reference_run(DEEP, cfg, steps=2)
-    data = batches()
-    with Engine(models.build(DEEP, device="meta", seed=cfg.seed), cfg) as engine:
-        for _ in range(2):
-            engine.train_step(data.next_batch())
-        weights = engine.master_state_dict()
+    weights = engine_weights(DEEP, cfg, steps=2)
     for key in ref_weights:
         assert torch.equal(weights[key], ref_weights[key]), key
 

@@ -9,10 +9,10 @@ import threading
 
 import torch
 
-from tierzero import Config, Placement, Tier, models
-from tierzero.engine import Engine, optim
+from tierzero import Config, Placement, Tier
+from tierzero.engine import optim
 
-from engine_helpers import SMALL, batches, reference_run
+from engine_helpers import SMALL, engine_weights, reference_run
 
 
 def test_overlapped_steps_run_on_the_optimizer_thread_and_stay_bitwise(tmp_path, monkeypatch) -> None:
@@ -28,11 +28,7 @@ def test_overlapped_steps_run_on_the_optimizer_thread_and_stay_bitwise(tmp_path,
                  warmup_steps=1, total_steps=3, host_budget="256MiB", piece_numel=6144, overlap_step=True,
                  io_threads=4)
     _, ref_weights = reference_run(SMALL, cfg, steps=2)
-    data = batches()
-    with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
-        for _ in range(2):
-            engine.train_step(data.next_batch())
-        weights = engine.master_state_dict()
+    weights = engine_weights(SMALL, cfg, steps=2)
     assert threads == {f"tierzero-wait-{optim.OPTIMIZER_LANE}_0"}
     for key in ref_weights:
         assert torch.equal(weights[key], ref_weights[key]), key

@@ -117,7 +117,8 @@ class ShardOptimizer:
                 issued += 1
             work = loads.popleft()
             self._wait(work)
-            kept and kept.restore(work.unit.index, work.piece, work.tensors)
+            if kept is not None:
+                kept.restore(work.unit.index, work.piece, work.tensors)
             self._reserve_staging(work)
             self._step(work, lr, grad_coef)
             self._write(work)
