@@ -26,6 +26,7 @@ RANKS = {
     "tierzero.engine": 8,
     "tierzero.hf": 9,
     "tierzero.run": 10,
+    "tierzero.bench": 10,  # the benchmarks' logic: drives an Engine as run/ does
     "tierzero": 11,  # the package's own __init__: the public names
     "tierzero.cli": 12,
 }
