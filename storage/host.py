@@ -8,6 +8,7 @@ Each block is its own anonymous mapping, pinned in place with `cudaHostRegister`
 of two and keeps freed blocks pinned for the life of the process, so real pinned memory could
 reach twice the budget and never come back. A mapping is exactly the bytes the budget counts,
 is unpinned when the pool drops it, and goes back to the OS with its last reference.
+`pinned_empty` makes one such block outside any pool, unpinned when its last view dies.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import contextlib
 import mmap
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from tierzero.storage.base import StorageError
@@ -80,13 +82,8 @@ class HostPool(BufferPool):
         data = raw[offset: offset + capacity]
         if self.pin:
             with self._in_context():
-                err = int(torch.cuda.cudart().cudaHostRegister(data.data_ptr(), capacity,
-                                                              _REGISTER_PORTABLE))
+                _register(data.data_ptr(), capacity)
             self.registrations += 1
-            if err != 0:
-                raise StorageError(
-                    f"cannot pin {capacity} bytes of host memory (cudaHostRegister error {err}): "
-                    "lower the host budget, or raise the locked-memory limit (ulimit -l)")
         return data
 
     def _release(self, data: torch.Tensor) -> None:
@@ -100,6 +97,47 @@ class HostPool(BufferPool):
                                    f"0x{data.data_ptr():x} (cudaHostUnregister error {err}; "
                                    "it may be left over from an earlier CUDA call: rerun with "
                                    "CUDA_LAUNCH_BLOCKING=1 to find it)")
+
+
+def _register(ptr: int, nbytes: int) -> None:
+    """Pin `nbytes` at `ptr` for every CUDA context (the caller makes its device current)."""
+    err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE))
+    if err != 0:
+        raise StorageError(f"cannot pin {nbytes} bytes of host memory (cudaHostRegister error {err}): "
+                           "lower the host budget, or raise the locked-memory limit (ulimit -l)")
+
+
+def _context(device: torch.device | None) -> contextlib.AbstractContextManager:
+    """`device`'s CUDA context made current on the calling thread (pinning there, not on cuda:0)."""
+    return torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()
+
+
+class _PinnedPages(np.ndarray):
+    """A pinned mapping's bytes: unpinned in `__del__`, which runs while the array's base (the
+    mapping) is still mapped -- a weakref callback on the mapping would run after the unmap."""
+
+    pinned: tuple[int, torch.device | None] | None = None
+
+    def __del__(self) -> None:
+        if self.pinned is not None:
+            ptr, device = self.pinned
+            with _context(device):
+                torch.cuda.cudart().cudaHostUnregister(ptr)  # nothing to report to from a finaliser
+
+
+def pinned_empty(nbytes: int, device: torch.device | None = None) -> torch.Tensor:
+    """`nbytes` of page-aligned host memory pinned in `device`'s context, outside torch's caching
+    host allocator (which would round it up to a power of two and keep it pinned for the life of
+    the process, see the module docstring): exactly the pages the budget counts, unpinned and
+    unmapped when the last view of the tensor dies. The caller keeps it alive while a copy into or
+    out of it can still run."""
+    capacity = max(1, -(-nbytes // mmap.PAGESIZE)) * mmap.PAGESIZE
+    region = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    pages = np.frombuffer(region, dtype=np.uint8).view(_PinnedPages)
+    with _context(device):
+        _register(pages.ctypes.data, capacity)
+    pages.pinned = (pages.ctypes.data, device)
+    return torch.from_numpy(pages)[:nbytes]  # the tensor holds `pages`, which holds the mapping
 
 
 class HostStore(MemoryStore):

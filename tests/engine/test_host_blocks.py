@@ -7,13 +7,17 @@ the memory model against the blocks the pool pins.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
+from tierzero.engine.boundary import BoundaryStore
 from tierzero.planning.hostblocks import HOST_ALIGN, HOST_CLASSES
 from tierzero.planning.memory_model import peak_memory
 from tierzero.planning.workload import Workload
@@ -126,3 +130,18 @@ def test_the_memory_model_counts_the_blocks_the_pool_pins() -> None:
     assert moments and nbytes(m.host_provision(host.pool_bytes + moments)) == host.pool_bytes + moments
     roomy = m.host_provision(host.pool_bytes + 10 * max(classes))
     assert nbytes(roomy) == host.pool_bytes + moments + m.host_cache_bytes
+
+
+def test_waiting_activations_pin_their_own_pages_not_the_caching_allocators(cudart: FakeCudart) -> None:
+    """The vertical schedule's host buffers on a GPU: each pinned as exactly its pages (a 3-page
+    activation pins 3, where torch's caching host allocator pins 4 and never unpins them), and
+    unpinned once the store drops it."""
+    streams = SimpleNamespace(separate=True, device=torch.device("cpu"))
+    store = BoundaryStore(SimpleNamespace(streams=streams), budget_bytes=64 * PAGE)
+    three, five = store._take(3 * PAGE), store._take(5 * PAGE)
+    ptrs = [three.data.data_ptr(), five.data.data_ptr()]
+    assert cudart.pinned == {ptrs[0]: 3 * PAGE, ptrs[1]: 5 * PAGE}
+    del three, five
+    store.clear()
+    gc.collect()
+    assert sorted(cudart.unregistered) == sorted(ptrs) and not cudart.pinned

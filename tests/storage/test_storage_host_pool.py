@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tierzero.storage.base import BudgetExceededError, StorageError
-from tierzero.storage.host import HostPool
+from tierzero.storage.host import HostPool, pinned_empty
 
 from pinning_fakes import PAGE, FakeCudart, Mappings, cudart, mappings  # noqa: F401 - fixtures
 
@@ -162,3 +162,20 @@ def test_pinned_blocks_copy_asynchronously_on_a_gpu() -> None:
         pool.give_back(host)
         pool.give_back(back)
     assert not host.is_pinned()  # close() unpinned it; the memory itself stays valid
+
+
+def test_a_pinned_buffer_outside_the_pool_is_its_own_pages_unpinned_before_they_are_unmapped(
+        cudart: FakeCudart, mappings: Mappings) -> None:
+    """`pinned_empty`: exactly the pages asked for (torch's caching host allocator would pin a
+    power of two and keep it), pinned once, unpinned when its last view dies while still mapped
+    (the fake refuses an unpin of unmapped memory)."""
+    buf = pinned_empty(3 * PAGE + 1)
+    view = buf[PAGE:]
+    ptr = buf.data_ptr()
+    assert buf.numel() == 3 * PAGE + 1 and ptr % PAGE == 0
+    assert cudart.pinned == {ptr: 4 * PAGE}
+    del buf
+    assert cudart.pinned == {ptr: 4 * PAGE}  # a view still holds it
+    view.fill_(7)
+    del view
+    assert cudart.unregistered == [ptr] and not cudart.pinned and mappings.live() == 0

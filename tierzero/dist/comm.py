@@ -57,6 +57,16 @@ def _cause(e: Exception) -> str:
     return text.split(". ")[0].splitlines()[0] if text else type(e).__name__
 
 
+def reduces_cpu_tensors(backend: str) -> bool:
+    """Whether a process group of `backend` (`dist.get_backend()`) takes CPU tensors: "gloo"
+    does, "nccl" alone does not, and a per-device one such as the launcher's "cpu:gloo,cuda:nccl"
+    does where it names a backend for "cpu"."""
+    backend = str(backend).lower()
+    if ":" not in backend:
+        return backend != "nccl"
+    return any(entry.split(":", 1)[0].strip() == "cpu" for entry in backend.split(","))
+
+
 class Comm:
     """`device`: where NCCL's tensors go (this rank's cuda:k). `reduce_dtype`: the dtype
     gradients travel and are summed in (fp32 by default, for exact sums; bf16 halves the bytes
@@ -98,10 +108,11 @@ class Comm:
 
     @_collective
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum a small (CPU) tensor over ranks; NCCL only reduces GPU tensors, so it travels there."""
+        """Sum a small (CPU) tensor over ranks; where only NCCL serves the group, which reduces GPU
+        tensors only, it travels there."""
         if self.world_size == 1:
             return value
-        if dist.get_backend() == "nccl":
+        if not reduces_cpu_tensors(dist.get_backend()):
             on_gpu = value.to(self.device)
             dist.all_reduce(on_gpu)
             return on_gpu.cpu()
@@ -147,8 +158,8 @@ class Comm:
         return self.all_gather_json(obj if self.rank == 0 else None)[0]
 
     def _gather_cpu(self, value: torch.Tensor) -> torch.Tensor:
-        """all_gather of a small CPU tensor (through the GPU where the backend is NCCL only)."""
-        device = self.device if dist.get_backend() == "nccl" else value.device
+        """all_gather of a small CPU tensor (through the GPU where no backend serves the CPU)."""
+        device = value.device if reduces_cpu_tensors(dist.get_backend()) else self.device
         out = torch.empty(value.numel() * self.world_size, dtype=value.dtype, device=device)
         _all_gather(out, value.to(device))
         return out.cpu()

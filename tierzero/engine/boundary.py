@@ -36,6 +36,7 @@ from tierzero.engine.tiers import Tiers
 from tierzero.errors import ConfigError
 from tierzero.planning.placement import Link
 from tierzero.storage.base import ALIGN_BYTES, TierStore, aligned_empty
+from tierzero.storage.host import pinned_empty
 
 
 @dataclass
@@ -129,6 +130,7 @@ class BoundaryStore:
     def clear(self) -> None:
         """Forget every entry (after an error in the middle of a step); wait for I/O in flight."""
         for entry in self._entries.values():
+            self.tiers.streams.host_wait(entry.landed)  # a copy into a buffer about to be unpinned and unmapped
             for future in (entry.written, entry.read):
                 if future is not None:
                     future.exception()
@@ -179,8 +181,10 @@ class BoundaryStore:
         else:
             while self._idle and self.used_bytes + sum(d.numel() for d in self._idle) + nbytes > self.budget_bytes:
                 self._idle.pop(0)
-            data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if self.tiers.streams.separate \
-                else aligned_empty(nbytes, torch.uint8)  # 4 KiB-aligned: direct I/O to NVMe
+            # pinned pages of exactly this size, never from torch's caching host allocator (which
+            # rounds up to a power of two and never unpins); page-aligned either way: direct I/O
+            data = pinned_empty(nbytes, self.tiers.streams.device) if self.tiers.streams.separate \
+                else aligned_empty(nbytes, torch.uint8)
         buffer = _Buffer(data)
         self._buffers.append(buffer)
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
