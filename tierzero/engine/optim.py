@@ -254,8 +254,7 @@ class ShardOptimizer:
         return self.tiers.lease_device(nbytes, wait)
 
     def _give_back(self, buf: torch.Tensor) -> None:
-        pool = self.tiers.host_pool if buf.device.type == "cpu" and self.device.type == "cpu" \
-            else self.tiers.device_pool
+        pool = self.tiers.host_pool if buf.device.type == self.device.type == "cpu" else self.tiers.device_pool
         pool.give_back(buf.view(torch.uint8))
 
     def _wait(self, work: Work) -> None:
@@ -265,24 +264,25 @@ class ShardOptimizer:
         work.futures.clear()
 
     def _across(self, home: Tier) -> bool:
-        """Whether a state homed in `home` is device memory while the step runs on the host, so
-        moving it is a real transfer (on the copy streams, never a blocking copy)."""
+        """Whether `home` is device memory while the step runs on the host: a transfer on the copy streams."""
         return home is Tier.GPU and self.device.type == "cpu" and self.tiers.streams.separate
 
     def _step(self, work: Work, lr: float, grad_coef: float | None) -> None:
         """AdamW on the piece, then its new params cast where they go (`_cast_param`), on the
-        thread that steps it."""
+        thread that steps it. On the device: on that thread's current stream (with overlap_step
+        the optimizer thread's, not autograd's) after the grad's producer; what it read is marked
+        used there (`keep_alive`), so the allocator never hands the grad out while it runs."""
         if self.device.type == "cpu":
             self._adamw(work, lr, grad_coef)
             self._cast_param(work)
             return
-        # on the device: on the compute stream, after the grad's producer, whichever thread
-        # issues it (with overlap_step an I/O thread, whose current stream is not compute)
         s = self.tiers.streams
-        with s.current(s.compute):
-            s.wait(s.compute, work.produced)
+        with s.current(stream := s.compute):
+            s.wait(stream, work.produced)
             self._adamw(work, lr, grad_coef)
             self._cast_param(work)
+            for tensor in work.tensors.values():
+                s.keep_alive(tensor, stream)
 
     def _adamw(self, work: Work, lr: float, grad_coef: float | None) -> None:
         t = work.tensors
