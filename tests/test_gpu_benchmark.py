@@ -274,3 +274,18 @@ def test_a_run_killed_mid_step_keeps_every_finished_result(tmp_path) -> None:
     steps = [r for r in records if r["kind"] == "step" and not r.get("warm_up")]
     assert [r["step"] for r in steps][:3] == [1, 2, 3] and all(r["step_s"] > 0 for r in steps)
     assert {"start", "machine", "rates", "plan", "opened"} <= {r["kind"] for r in records}
+
+
+def test_the_watchdog_records_the_deadline_kills_the_child_and_ends_the_process(tmp_path, monkeypatch) -> None:
+    exits: list[int] = []
+    monkeypatch.setattr(gpu_run.os, "_exit", exits.append)
+    said: list[str] = []
+    with ResultLog(tmp_path / "results.jsonl", run="r") as log:
+        log.append("start")
+        watchdog = gpu_run.Watchdog(0.01, log, said.append)
+        watchdog.child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        watchdog.start()
+        watchdog._timer.join()
+    assert exits == [124] and watchdog.child.wait() == -signal.SIGKILL
+    assert [r["kind"] for r in read_results(tmp_path / "results.jsonl")] == ["start", "deadline"]
+    assert "time budget" in said[0]

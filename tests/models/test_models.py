@@ -8,6 +8,8 @@ import torch
 
 from tierzero.errors import ConfigError
 from tierzero.models import PRESETS, ModelArgs, build, get_preset
+from tierzero.models.loss import chunk_tokens_for
+from tierzero.planning.ledger import activation_memory
 
 # The public parameter count each preset is compared with, and where it comes from.
 PUBLIC_PARAMS = {
@@ -149,3 +151,15 @@ def test_sequence_longer_than_max_seq_len_is_a_config_error() -> None:
     model = build("tiny")
     with pytest.raises(ConfigError, match="max_seq_len 512"):
         model(torch.zeros(1, 513, dtype=torch.long))
+
+
+@pytest.mark.parametrize(("name", "tokens"), [("1b", 1024), ("7b", 1024), ("tiny", 65536)])
+def test_loss_chunks_are_at_least_1024_tokens(name: str, tokens: int) -> None:
+    """A 128k vocabulary's 64 MiB of logits is 130 tokens: a head GEMM too thin for a GPU, run
+    three times per chunk. Chunks hold 1024 tokens at least, more where 64 MiB holds more."""
+    model = build(get_preset(name), device="meta")
+    assert chunk_tokens_for(model.args.vocab_size, model.loss_chunk_bytes) == tokens
+    n = 4 * 512
+    estimate = activation_memory(model.args, 4, 512, 2, model.loss_chunk_bytes)
+    one_chunk = activation_memory(model.args, 4, 512, 2, 4 * model.args.vocab_size * min(n, tokens))
+    assert estimate == one_chunk  # the memory model counts the chunk the model computes

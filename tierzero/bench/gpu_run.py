@@ -89,11 +89,11 @@ def stores_dir(work_dir: Path) -> Path:
 
 
 def machine_now(options: Options, device: torch.device) -> Machine:
-    """What the run may use at this moment; the GPU's figure is its free memory (capped)."""
+    """What the run may use at this moment; the GPU's figure is 90% of its free memory (capped)."""
     stores = stores_dir(options.work_dir)
     stores.mkdir(parents=True, exist_ok=True)
-    if device.type == "cuda":
-        gpu = torch.cuda.mem_get_info(device)[0]
+    if device.type == "cuda":  # as the engine's default budget: room for the allocator's own slack
+        gpu = int(torch.cuda.mem_get_info(device)[0] * 0.9)
     else:  # the CPU device's "GPU" is host memory too
         gpu = available_host_bytes() // 4
     if options.gpu_bytes is not None:

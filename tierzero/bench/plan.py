@@ -16,6 +16,7 @@ from typing import Any
 
 from tierzero.config import Placement, Schedule, StateKind, Tier
 from tierzero.models import ModelArgs
+from tierzero.models.llama import loss_chunk_bytes
 from tierzero.models.presets import PRESETS
 from tierzero.planning.ledger import activation_memory, state_nbytes
 from tierzero.planning.memory_model import peak_memory
@@ -120,7 +121,8 @@ def memory(args: ModelArgs, placement: Placement, micro_batch: int, seq_len: int
     """The engine's own memory model for this preset, placement and micro-batch."""
     return peak_memory(Workload.from_preset(args, COMPUTE_ITEMSIZE, device="cuda", prefetch_depth=PREFETCH_DEPTH,
                                             overlap=True,
-                                            activations=activation_memory(args, micro_batch, seq_len, COMPUTE_ITEMSIZE)),
+                                            activations=activation_memory(args, micro_batch, seq_len, COMPUTE_ITEMSIZE,
+                                                                          loss_chunk_bytes(args.vocab_size))),
                        placement)
 
 

@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tierzero.errors import ConfigError
 from tierzero.hf.prelude import Prelude, replaying, stop_at
-from tierzero.models.llama import LOSS_CHUNK_BYTES, unit_seed
+from tierzero.models.llama import loss_chunk_bytes, unit_seed
 from tierzero.models.loss import IGNORE_INDEX, chunk_tokens_for
 
 
@@ -149,7 +149,7 @@ class SplitCausalLM(CausalLM):
     def __init__(self, hf_model: nn.Module, blocks: str, base: nn.Module, final_norm: nn.Module | None,
                  tables: list[nn.Module] | None = None) -> None:
         super().__init__(hf_model, blocks)
-        self.loss_chunk_bytes = LOSS_CHUNK_BYTES
+        self.loss_chunk_bytes = loss_chunk_bytes(hf_model.config.vocab_size)
         object.__setattr__(self, "base", base)
         object.__setattr__(self, "final_norm", final_norm)  # None: it has no parameters (OLMo's)
         prelude = Prelude(hf_model.get_input_embeddings(), tables, self._prelude) if tables else None

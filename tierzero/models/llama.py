@@ -26,7 +26,15 @@ from tierzero.models.loss import chunk_tokens_for, chunked_cross_entropy
 from tierzero.models.presets import ModelArgs
 
 INIT_STD = 0.02  # every Linear/Embedding weight ~ N(0, 0.02), residual projections included
-LOSS_CHUNK_BYTES = 64 << 20  # fp32 logits per loss chunk: one chunk lives at a time
+LOSS_CHUNK_BYTES = 64 << 20  # fp32 logits per loss chunk where that holds LOSS_CHUNK_TOKENS: one lives at a time
+LOSS_CHUNK_TOKENS = 1024  # tokens per loss chunk at least
+
+
+def loss_chunk_bytes(vocab_size: int) -> int:
+    """fp32 logit bytes per loss chunk: `LOSS_CHUNK_TOKENS` tokens at least, as many as 64 MiB
+    holds where the vocabulary is small. Chunks sized in bytes alone were 130 tokens at a 128k
+    vocabulary: 252 skinny head GEMMs per 32k tokens (each run three times), too thin to fill a GPU."""
+    return 4 * vocab_size * max(LOSS_CHUNK_TOKENS, LOSS_CHUNK_BYTES // (4 * vocab_size))
 
 
 class RMSNorm(nn.Module):
@@ -122,7 +130,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.loss_chunk_bytes = LOSS_CHUNK_BYTES
+        self.loss_chunk_bytes = loss_chunk_bytes(args.vocab_size)
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -22,7 +22,7 @@ import torch
 from tierzero.config import TORCH_DTYPES, DType, Placement, Schedule, StateKind, Tier, parse_bytes
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit
-from tierzero.models.llama import LOSS_CHUNK_BYTES
+from tierzero.models.llama import loss_chunk_bytes
 from tierzero.models.presets import ModelArgs, get_preset
 from tierzero.planning.ledger import (GB, ActivationEstimate, activation_memory, check_world_size, ledger,
                                       nearest_preset, nominal_numel, parse_count)
@@ -202,7 +202,8 @@ def make_plan(
         numel = args.param_count()
         ledger_numel = (nominal_numel(shape) if vocab_size is None else None) or numel
     assert args is not None
-    activations = activation_memory(args, batch_size, seq_len or args.max_seq_len, itemsize, LOSS_CHUNK_BYTES)
+    activations = activation_memory(args, batch_size, seq_len or args.max_seq_len, itemsize,
+                                    loss_chunk_bytes(args.vocab_size))
     budgets, detected, device = _budgets(gpu_mem, host_mem, nvme_free, Path(nvme_path))
     # grads are fp32 in every tier, as the engine keeps them (the ledger is the textbook 16 B)
     top = ladder(piece_numel, prefetch_depth)[0]
