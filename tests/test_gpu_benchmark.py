@@ -289,3 +289,17 @@ def test_the_watchdog_records_the_deadline_kills_the_child_and_ends_the_process(
     assert exits == [124] and watchdog.child.wait() == -signal.SIGKILL
     assert [r["kind"] for r in read_results(tmp_path / "results.jsonl")] == ["start", "deadline"]
     assert "time budget" in said[0]
+
+
+def test_an_error_before_any_placement_is_recorded_with_its_message(tmp_path, monkeypatch) -> None:
+    def no_disk(*a):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gpu_run, "machine_now", lambda options, device: Machine(GB, GB, GB))
+    monkeypatch.setattr(gpu_run, "measure_rates", no_disk)
+    said: list[str] = []
+    with ResultLog(tmp_path / "results.jsonl", run="r") as log:
+        assert gpu_run.run(_options(tmp_path), log, said.append) == 1
+    last = read_results(tmp_path / "results.jsonl")[-1]
+    assert last["kind"] == "error" and last["error"] == "OSError: [Errno 28] No space left on device"
+    assert said[-1].endswith("stopped: OSError: [Errno 28] No space left on device")

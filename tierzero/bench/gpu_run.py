@@ -225,7 +225,8 @@ def run_cuda_tests(repo: Path, out: Path, timeout_s: float, watchdog: Watchdog) 
 
 
 def run(options: Options, log: ResultLog, say: Say) -> int:
-    """The whole benchmark; 0 when it ran to the end (refusals and errors included, as records)."""
+    """The whole benchmark; 0 when it ran to the end (a placement's refusal or error is a record),
+    1 when an error outside any placement ended it (recorded too)."""
     start = time.monotonic()
     watchdog = Watchdog(options.budget_s, log, say)
     watchdog.start()
@@ -255,6 +256,10 @@ def run(options: Options, log: ResultLog, say: Say) -> int:
                 _run_stage(stage, options, device, rates, log, say)
         _say(say, log.append("end", seconds=time.monotonic() - start), f"done; results in {log.path}")
         return 0
+    except Exception as exc:  # outside a placement (the probe, the machine): recorded, and the run ends
+        message = f"{type(exc).__name__}: {exc}"
+        _say(say, log.append("error", placement=None, error=message), f"stopped: {message}")
+        return 1
     finally:
         watchdog.cancel()
         shutil.rmtree(stores, ignore_errors=True)
