@@ -45,7 +45,7 @@ def run(case: dict, root: Path) -> dict:
     args = ModelArgs(**case["args"])
     placement = Placement(*[Tier(t) for t in case["placement"]])
     batch_size, seq_len, steps = case["batch"], case["seq"], case.get("steps", 2)
-    act = activation_memory(args, batch_size, seq_len, 4, models.llama.LOSS_CHUNK_BYTES)
+    act = activation_memory(args, batch_size, seq_len, 4, models.llama.loss_chunk_bytes(args.vocab_size))
     predicted = peak_memory(Workload.from_preset(args, 4, device="cpu", prefetch_depth=case["depth"],
                                                  piece_numel=case["piece"], overlap=True, activations=act), placement)
     cfg = Config(placement=placement, device="cpu", dtype="fp32", nvme_path=[str(root / case["name"])],
