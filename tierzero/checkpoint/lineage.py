@@ -10,18 +10,15 @@ may be the only copy of someone's work. Moving is a rename within the directory 
 
 from __future__ import annotations
 
-import os
 import uuid
 from pathlib import Path
 from typing import Any
 
-from tierzero.checkpoint.catalog import checkpoint_dirs, checkpoints_root
+from tierzero.checkpoint.catalog import ABANDONED_DIR, checkpoint_dirs, checkpoints_root, move_aside
 from tierzero.checkpoint.files import is_regular, read_regular, write_small_durable
 from tierzero.errors import RunDirError
-from tierzero.storage.chunkfile import fsync_path
 
 RUN_ID_NAME = "run-id"
-ABANDONED_DIR = "abandoned"
 
 
 def read_run_id(run_dir: str | Path) -> str | None:
@@ -67,24 +64,6 @@ def abandon(run_dir: str | Path, newer_than: int | None = None) -> list[Path]:
     `checkpoints/abandoned/`; returns where they went. Same-named ones there are kept too."""
     return [move_aside(run_dir, path) for step, path in checkpoint_dirs(run_dir)
             if newer_than is None or step > newer_than]
-
-
-def move_aside(run_dir: str | Path, path: Path) -> Path:
-    """Move `path` (a checkpoint, or what else a run leaves) into `checkpoints/abandoned/`,
-    durably, under its own name or a numbered one; returns where it went."""
-    aside = checkpoints_root(run_dir) / ABANDONED_DIR
-    target, n = aside / path.name, 1
-    while os.path.lexists(target):
-        target, n = aside / f"{path.name}.{n}", n + 1
-    try:
-        aside.mkdir(parents=True, exist_ok=True)
-        os.rename(path, target)
-    except OSError as e:
-        raise RunDirError(f"cannot move {path} aside into {aside} ({e.strerror}); make the "
-                          "run directory writable") from None
-    fsync_path(str(aside))
-    fsync_path(str(path.parent))
-    return target
 
 
 def abandoned_note(run_dir: str | Path, moved: list[Path], why: str) -> str:

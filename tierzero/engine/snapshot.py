@@ -144,7 +144,8 @@ def save(engine: Checkpointed, run_dir: str | Path, data: dict[str, Any] | None 
         engine.note("checkpoints copy the NVMe state's chunks because the run directory is on another "
                     "filesystem than --nvme-path; keep them on one filesystem for checkpoints that copy nothing")
     if keep is not None and comm.rank == 0:
-        prune(run_dir, keep, final)  # this lineage's older checkpoints only
+        for note in prune(run_dir, keep, final):  # this lineage's older checkpoints only
+            engine.note(note)
     comm.barrier()  # every rank returns once the checkpoint is in place (and pruned)
     return final
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from tierzero.checkpoint import lineage
-from tierzero.checkpoint.catalog import CHECKPOINTS_DIR, checkpoint_dirs
+from tierzero.checkpoint.catalog import CHECKPOINTS_DIR, checkpoint_dirs, move_aside
 from tierzero.checkpoint.files import read_regular, write_small_durable
 from tierzero.config import RunConfig, to_toml
 from tierzero.errors import RunDirError
@@ -120,7 +120,7 @@ class RunDir:
         moved = lineage.abandon(self.path)
         metrics = self.path / METRICS_NAME
         if moved and os.path.isfile(metrics):  # the old run's metrics belong with its checkpoints
-            lineage.move_aside(self.path, metrics)
+            move_aside(self.path, metrics)
         return [lineage.abandoned_note(self.path, moved, why)] if moved else []
 
     def _write_pid(self) -> None:
