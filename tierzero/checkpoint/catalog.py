@@ -25,6 +25,7 @@ from tierzero.checkpoint.manifest import MANIFEST_NAME, STEP_DIR, Manifest
 from tierzero.storage.arrays import chunk_path, verify_array
 from tierzero.storage.base import StorageError
 from tierzero.storage.chunkfile import fsync_path
+from tierzero.storage.filekind import kind_of
 
 CHECKPOINTS_DIR = "checkpoints"
 ABANDONED_DIR = "abandoned"
@@ -93,10 +94,14 @@ def _none_left(skipped: list[str]) -> None:
                           "without --resume or restore the files")
 
 
-def find_checkpoint(run_dir: str | Path, step: int | None = None, verify: bool = False) -> tuple[Path, Manifest]:
-    """The checkpoint at `step`, or the newest complete one (for export and inspect)."""
+def find_checkpoint(run_dir: str | Path, step: int | None = None,
+                    verify: bool = False) -> tuple[Path, Manifest, list[str]]:
+    """The checkpoint at `step`, or the newest complete one, and why newer ones were skipped (for
+    export and inspect)."""
     if not Path(run_dir).is_dir():
-        raise CheckpointError(f"run directory '{run_dir}' does not exist; pass the --run-dir of a run")
+        kind = kind_of(run_dir)
+        raise CheckpointError(f"run directory '{run_dir}' " + (f"is {kind}, not a directory" if kind else
+                                                              "does not exist") + "; pass the directory of a run")
     if step is not None:
         path = step_dir(run_dir, step)
         if not path.is_dir():
@@ -106,12 +111,12 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None, verify: bool =
         manifest = Manifest.load(path)
         if verify:
             verify_checkpoint(path, manifest)
-        return path, manifest
+        return path, manifest, []
     found = newest_checkpoint(run_dir, verify=verify)
     if found is None:
         raise CheckpointError(f"run '{run_dir}' has no complete checkpoint yet; train with "
                               "--checkpoint-every N (a run also checkpoints when it finishes)")
-    return found[0], found[1]
+    return found
 
 
 def prune(run_dir: str | Path, keep: int, written: Path) -> list[str]:

@@ -40,7 +40,7 @@ from tierzero.checkpoint.files import read_regular, write_small_durable
 from tierzero.config import RunConfig, to_toml
 from tierzero.errors import RunDirError
 from tierzero.storage.dirlock import is_store_root
-from tierzero.storage.filekind import kind_of, open_regular
+from tierzero.storage.filekind import kind_of, not_a_file, open_regular
 
 CONFIG_NAME = "config.toml"
 METRICS_NAME = "metrics.jsonl"
@@ -92,6 +92,9 @@ class RunDir:
         durable; a resumed one keeps its run id (see the module docstring for the order)."""
         if not self.primary:
             return []
+        for name in (CONFIG_NAME, lineage.RUN_ID_NAME, METRICS_NAME):  # before anything is written
+            if (why := not_a_file(self.path / name)) is not None:
+                raise RunDirError(f"{why}; remove it, or choose another --run-dir")
         notes: list[str] = []
         if resume:
             self.run_id = config_run_id(self.path) or lineage.run_id(self.path)
