@@ -113,3 +113,16 @@ def test_an_export_into_a_directory_removes_temp_files_a_killed_export_left(tmp_
     stale.write_bytes(b"half a file")
     assert runner.invoke(app, ["export", str(run_dir), "--out", str(out)]).exit_code == 0
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+
+
+def test_a_store_path_above_another_runs_store_is_refused_naming_both(tmp_path) -> None:
+    inner = tmp_path / "p" / "a"
+    inner.mkdir(parents=True)
+    assert train("--steps", "1", "--nvme-path", str(inner), "--run-dir", str(tmp_path / "a")).exit_code == 0
+    before = sorted(str(p) for p in inner.rglob("*"))
+    refused = train("--steps", "1", "--nvme-path", str(tmp_path / "p"), "--run-dir", str(tmp_path / "b"))
+    assert refused.exit_code == 2, refused.output
+    line = " ".join(refused.output.split("error:")[1].split())  # the store opens once training starts
+    assert f"{tmp_path / 'p'} holds the store directory {inner}" in line
+    assert sorted(str(p) for p in inner.rglob("*")) == before
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["a"]

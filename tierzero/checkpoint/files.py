@@ -18,7 +18,7 @@ import stat
 from pathlib import Path
 
 from tierzero.storage.chunkfile import fsync_path
-from tierzero.storage.filekind import describe_mode
+from tierzero.storage.filekind import describe_mode, open_regular
 
 _TEMP_NAME = re.compile(r"\..+\.(\d+)\.tmp")
 
@@ -59,7 +59,7 @@ def is_regular(path: str | Path) -> bool:
 def write_small_durable(path: Path, raw: bytes) -> None:
     """Write a small file by temp file, fsync, rename and directory fsync (power-loss safe)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with os.fdopen(open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:  # a FIFO there: named
         f.write(raw)
         f.flush()
         os.fsync(f.fileno())
