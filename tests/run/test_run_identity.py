@@ -90,6 +90,7 @@ def test_a_fresh_run_stopped_before_its_config_is_refused_on_resume(tmp_path, mo
 
 
 def test_an_overwrite_stopped_anywhere_resumes_as_the_old_run_or_the_new(tmp_path, monkeypatch) -> None:
+    # every kill point of the transaction, each followed by a resume: about ten short CLI runs
     finished = tmp_path / "finished"
     assert train(*OLD, "--run-dir", str(finished)).exit_code == 0
     old_id = read_run_id(finished)
