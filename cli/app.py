@@ -4,7 +4,8 @@ Errors are one line on stderr. Bad input -- a domain error (`TierzeroError`, `St
 a flag click cannot parse -- is one sentence with a hint, exit code 2. Anything else is a bug or
 a failure of the machine: one line naming it and the file its full traceback was written to,
 exit code 1. Ctrl-C is exit code 130 and one line, from rank 0 alone when there are several: where
-training stopped and what --resume continues from. When torchrun started several ranks, a domain
+training stopped and what --resume continues from; SIGTERM says the same, with exit code 143 (a
+rank that torchrun started keeps SIGTERM's default: that is how torchrun stops the survivors). When torchrun started several ranks, a domain
 error is prefixed with the rank that says it.
 """
 
@@ -26,7 +27,7 @@ import typer
 from typer.core import TyperGroup
 
 from tierzero.errors import TierzeroError
-from tierzero.dist.launch import RanksStopped, ranks_from_env
+from tierzero.dist.launch import RanksStopped, ranks_from_env, under_torchrun
 from tierzero.run.loop import Interrupted
 from tierzero.storage.base import StorageError
 from tierzero.cli.output import fail
@@ -68,17 +69,18 @@ def guarded(command: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> None:
+        received: list[int] = []
         try:
-            with _noting_ctrl_c() as signalled:
+            with _noting_signals(received):
                 command(*args, **kwargs)
         except KeyboardInterrupt as e:
-            interrupted(e)
+            interrupted(e, received[-1] if received else signal.SIGINT)
         except (TierzeroError, StorageError) as e:
             ranks = ranks_from_env()
             fail(f"rank {ranks.rank}: {e}" if ranks.world_size > 1 else str(e))
         except Exception as e:  # a bug, or the machine failing: keep the evidence, say where
-            if signalled.is_set():  # a collective broken by a rank that Ctrl-C stopped first
-                interrupted(KeyboardInterrupt())
+            if received:  # a collective broken by a rank that Ctrl-C stopped first
+                interrupted(KeyboardInterrupt(), received[-1])
             path = write_traceback(command.__name__)
             message = str(e).strip().splitlines()[0] if str(e).strip() else "no message"
             fail(f"`tierzero {command.__name__}` failed unexpectedly ({type(e).__name__}: {message}); the full "
@@ -87,44 +89,48 @@ def guarded(command: Callable[..., None]) -> Callable[..., None]:
     return run
 
 
-def interrupted(e: KeyboardInterrupt) -> None:
-    """Ctrl-C: exit 130 with one line saying where training stopped, from rank 0 alone (the
-    launcher of `--nproc` ranks says nothing: its rank 0 spoke); another signal that stopped the
-    launcher exits 128 + its number."""
+def interrupted(e: KeyboardInterrupt, signum: int = signal.SIGINT) -> None:
+    """Ctrl-C (or SIGTERM): exit 128 + the signal's number with one line saying where training
+    stopped, from rank 0 alone (the launcher of `--nproc` ranks says nothing: its rank 0 spoke);
+    another signal that stopped the launcher exits 128 + its number."""
     if isinstance(e, RanksStopped):
         if e.signum == signal.SIGINT:
             raise SystemExit(130)
         fail(f"stopped by {signal.Signals(e.signum).name}, which the launcher passed on to the ranks; the run "
              "directory keeps its last complete checkpoint (continue with --resume)", code=128 + e.signum)
+    code = 128 + signum
     if not ranks_from_env().primary:
-        raise SystemExit(130)
+        raise SystemExit(code)
+    stopped = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
     if not isinstance(e, Interrupted):
-        fail("interrupted", code=130)
+        fail(stopped, code=code)
     if e.checkpoint_step is None:
-        fail(f"interrupted at step {e.step}; no checkpoint yet (one is written every --checkpoint-every steps "
-             "and at the end), so a new run starts from step 0", code=130)
-    fail(f"interrupted at step {e.step}; last checkpoint step {e.checkpoint_step}; continue with --resume",
-         code=130)
+        fail(f"{stopped} at step {e.step}; no checkpoint yet (one is written every --checkpoint-every steps "
+             "and at the end), so a new run starts from step 0", code=code)
+    fail(f"{stopped} at step {e.step}; last checkpoint step {e.checkpoint_step}; continue with --resume",
+         code=code)
 
 
 @contextlib.contextmanager
-def _noting_ctrl_c() -> Iterator[threading.Event]:
-    """An event set when SIGINT arrives (which still raises KeyboardInterrupt), so a failure it
-    caused elsewhere first -- a peer rank's broken collective -- is reported as the interrupt."""
-    signalled = threading.Event()
+def _noting_signals(received: list[int]) -> Iterator[None]:
+    """Note in `received` each SIGINT (or SIGTERM) that arrives, and raise KeyboardInterrupt for
+    it, so the training loop stops as for Ctrl-C and a failure it caused elsewhere first -- a peer
+    rank's broken collective -- is reported as the interrupt."""
     if threading.current_thread() is not threading.main_thread():
-        yield signalled
+        yield
         return
 
-    def on_sigint(signum: int, frame: Any) -> None:
-        signalled.set()
+    def on_signal(signum: int, frame: Any) -> None:
+        received.append(signum)
         signal.default_int_handler(signum, frame)
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    signals = [signal.SIGINT] + ([] if under_torchrun() else [signal.SIGTERM])
+    previous = {signum: signal.signal(signum, on_signal) for signum in signals}
     try:
-        yield signalled
+        yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def write_traceback(command: str) -> Path:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tierzero.cli.output import Output
@@ -39,7 +40,9 @@ def export(
                "index": str(result.index) if result.index else None,
                "tensors": result.tensors, "bytes": result.nbytes,
                "config": str(result.config) if result.config else None,
-               "tokenizer": [str(f) for f in result.tokenizer]}
+               "tokenizer": [str(f) for f in result.tokenizer], "skipped": result.skipped}
+    for reason in result.skipped:  # a newer checkpoint passed over is never silent
+        output.print(f"[yellow]note:[/] {escape(reason)}; exported an older one", highlight=False)
     if json_out:
         output.emit_json(summary)
         return

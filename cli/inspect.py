@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 from rich import box
+from rich.markup import escape
 from rich.table import Table
 
 from tierzero.cli.output import Output
@@ -28,6 +29,8 @@ def inspect(
         output.emit_json(info.to_dict())
         return
     output.print(_checkpoints(info))
+    for reason in info.skipped:  # what a resume or export passes over, and why
+        output.print(f"[yellow]skipped[/] newer checkpoint: {escape(reason)}", highlight=False)
     output.print(_stores(info))
     for store in info.stores:
         for reason in store.skipped:

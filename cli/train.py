@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,7 +17,8 @@ from tierzero.config import RunConfig, load_run_config
 from tierzero.errors import ConfigError
 from tierzero.dist.launch import Ranks, die_with_launcher, rank_device, ranks_from_env, run_torchrun, start_process_group, stop_process_group, under_torchrun
 from tierzero.checkpoint.catalog import checkpoint_dirs
-from tierzero.run.directory import CONFIG_NAME, RunDir, enclosing_run_dir, rebase_paths, refuse_fresh_start
+from tierzero.run.directory import CONFIG_NAME, RunDir, enclosing_run_dir, never_configured, rebase_paths, refuse_fresh_start
+from tierzero.storage.filekind import kind_of, not_a_file
 
 
 def train(
@@ -128,7 +130,7 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
     out = Output(json_out, quiet=not ranks.primary)
     if resume and run.engine.piece_numel is None:  # its shards are keyed by it, whatever the budgets choose now
         run.engine.piece_numel = _checkpoint_piece_numel(run.run_dir)
-    with _open_run_dir(run.run_dir, ranks, resume, overwrite) as (rundir, notes), \
+    with _open_run_dir(run, ranks, resume, overwrite) as (rundir, notes), \
             open_session(run, ranks) as session:
         start_step = 0
         if resume:
@@ -136,7 +138,8 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
             notes = [*notes, *resumed]
         for note in notes:
             out.print(f"[yellow]note:[/] {note}", highlight=False)
-        rundir.write_config(run)
+        if resume:  # a new run's config was written first, in `start`
+            rundir.write_config(run)
         out.print(f"[bold]tierzero train[/] {run.model} ({session.n_params / 1e6:.2f}M params) "
                   f"on {session.device}, dtype {session.dtype}, "
                   f"offload {run.engine.offload.value}: {session.placement_text}")
@@ -152,6 +155,7 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
                             TextColumn("loss {task.fields[loss]:.4f}"),
                             TextColumn("{task.fields[tps]:,.0f} tok/s"), TimeElapsedColumn(),
                             console=out.console, disable=json_out or out.quiet)
+        rundir.open_metrics(start_step)
         with progress:
             task = progress.add_task("train", total=run.steps, completed=start_step, loss=float("nan"), tps=0.0)
             result = session.train(rundir, lambda step, rec: progress.update(
@@ -197,12 +201,13 @@ def _run_name(model: str) -> str:
 
 
 @contextmanager
-def _open_run_dir(path: str, ranks: Ranks, resume: bool, overwrite: bool) -> Iterator[tuple[RunDir, list[str]]]:
-    """The locked run directory with its lineage begun or continued, and what to tell the user."""
+def _open_run_dir(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool) -> Iterator[tuple[RunDir, list[str]]]:
+    """The locked run directory with its identity written and its lineage begun or continued,
+    and what to tell the user."""
     from tierzero.dist.comm import Comm
 
-    with RunDir(path, primary=ranks.primary) as rundir:
-        notes = rundir.start(resume, overwrite)
+    with RunDir(run.run_dir, primary=ranks.primary) as rundir:
+        notes = rundir.start(run, resume, overwrite)
         Comm().barrier()  # rank 0 holds the run directory's lock before any rank writes into it
         yield rundir, notes
 
@@ -231,13 +236,19 @@ def _resume_config(run_dir: Optional[Path], config: Optional[Path]) -> Optional[
     if run_dir is None:
         raise ConfigError("--resume needs --run-dir; pass the run directory to continue with --run-dir DIR")
     if not run_dir.is_dir():
-        raise ConfigError(f"run directory '{run_dir}' does not exist; --resume continues an existing run "
-                          "(drop --resume to start a new one there)")
+        kind = kind_of(run_dir)
+        raise ConfigError(f"run directory '{run_dir}' is {kind}, not a directory; pass the run's directory "
+                          "as --run-dir" if kind else f"run directory '{run_dir}' does not exist; --resume "
+                          "continues an existing run (drop --resume to start a new one there)")
     outer = enclosing_run_dir(run_dir)
-    if outer is not None and not (run_dir / CONFIG_NAME).is_file():
+    saved = run_dir / CONFIG_NAME
+    if outer is not None and not os.path.lexists(saved):
         raise ConfigError(f"'{run_dir}' lies inside the run directory '{outer}' (a checkpoint or its store); "
                           f"resume the run with --run-dir {outer}")
-    saved = run_dir / CONFIG_NAME
+    if (why := not_a_file(saved)) is not None:
+        raise ConfigError(f"{why}; restore the run's config there, or start it again with --overwrite")
+    if (why := never_configured(run_dir)) is not None:
+        raise ConfigError(why)
     return config if config is not None or not saved.is_file() else saved
 
 

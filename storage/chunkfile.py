@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import stat
 import time
 
 import crc32c
@@ -122,9 +123,12 @@ def write_chunk(path: str, data: memoryview, chunk_bytes: int, direct: bool) -> 
 def read_chunk(path: str, out: memoryview, chunk_bytes: int, direct: bool) -> None:
     """Fill `out` from the start of the chunk file `path`; a file that is not `chunk_bytes`
     long raises `ShortChunkError`."""
-    fd = os.open(path, os.O_RDONLY | _flags(direct))
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _flags(direct))  # a FIFO must not block
     try:
-        size = os.fstat(fd).st_size
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode):
+            raise OSError(errno.EINVAL, "is not a regular file (a FIFO, device or socket)", path)
+        size = found.st_size
         if size != chunk_bytes:
             raise ShortChunkError(f"{size} bytes instead of {chunk_bytes}")
         body = len(out) - len(out) % ALIGN if direct else len(out)

@@ -22,10 +22,12 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tierzero.storage import chunkfile
 from tierzero.storage.base import StorageCorruptError
+from tierzero.storage.filekind import open_regular
 from tierzero.storage.spares import SPARE_DIR
 from tierzero.storage.zarrmeta import ShardMeta
 
@@ -58,24 +60,27 @@ def read_pointer(shard_dir: str) -> tuple[int, ShardMeta] | None:
     the shard has no pointer (it was never written)."""
     pointer = os.path.join(shard_dir, "zarr.json")
     try:
-        with open(pointer, "rb") as f:
-            doc = json.loads(f.read())
+        doc = json.loads(_read_small(pointer))
         match = GEN_NAME.fullmatch(doc["attributes"]["tierzero"]["current"])
         if match is None:
             raise ValueError("no generation name")
     except FileNotFoundError:
         return None
+    except OSError as e:  # a FIFO or device where the pointer belongs
+        raise StorageCorruptError(f"{pointer} {e.strerror}: delete the shard or restore it from a "
+                                  f"checkpoint") from None
     except (ValueError, KeyError, TypeError) as e:
         raise StorageCorruptError(f"{pointer} does not name a current generation ({e!r}): "
                                   f"delete the shard or restore it from a checkpoint") from e
     gen = int(match.group(1))
     array_json = os.path.join(shard_dir, gen_name(gen), "zarr.json")
     try:
-        with open(array_json, "rb") as f:
-            meta = ShardMeta.from_zarr_json(f.read(), array_json)
+        meta = ShardMeta.from_zarr_json(_read_small(array_json), array_json)
     except FileNotFoundError:
         raise StorageCorruptError(f"{array_json} is missing: the shard's current generation "
                                   f"is gone; restore it from a checkpoint") from None
+    except OSError as e:
+        raise StorageCorruptError(f"{array_json} {e.strerror}: restore the shard from a checkpoint") from None
     if len(meta.crcs) != meta.nchunks:
         raise StorageCorruptError(f"{array_json} records {len(meta.crcs)} checksums for "
                                   f"{meta.nchunks} chunks: restore the shard from a checkpoint")
@@ -116,12 +121,14 @@ def unlink(path: str) -> None:
         pass
 
 
-def remove_orphans(root: str) -> None:
+def remove_orphans(root: str, foreign: Callable[[str], bool]) -> None:
     """Remove what a killed writer left (the caller holds the directory lock): temp files, and
-    generation directories that their shard's pointer does not name."""
+    generation directories that their shard's pointer does not name. Only under `root`, and
+    never in a directory that `foreign` says is another store's."""
     for dirpath, dirnames, names in os.walk(root):
         if dirpath == root:
             dirnames[:] = [d for d in dirnames if d != SPARE_DIR]
+        dirnames[:] = [d for d in dirnames if not foreign(os.path.join(dirpath, d))]
         for name in names:
             if _TMP_NAME.fullmatch(name):
                 unlink(os.path.join(dirpath, name))
@@ -142,7 +149,12 @@ def _temp_for(final: str) -> str:
 
 def _current_name(pointer: str) -> str | None:
     try:
-        with open(pointer, "rb") as f:
-            return json.loads(f.read())["attributes"]["tierzero"]["current"]
+        return json.loads(_read_small(pointer))["attributes"]["tierzero"]["current"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _read_small(path: str) -> bytes:
+    """A pointer or array zarr.json; a FIFO or device there is an OSError, never a hang."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        return f.read()

@@ -54,7 +54,7 @@ from tierzero.storage import chunkfile
 from tierzero.storage.arrays import link_array
 from tierzero.storage.base import Capabilities, ShardNotFoundError, StorageCorruptError, StorageError, StorageFullError, TierStore, check_flat, check_key, check_out, dtype_name, os_error
 from tierzero.storage.chunkjobs import ChunkJobs, shielded
-from tierzero.storage.dirlock import lock_directory
+from tierzero.storage.dirlock import check_directory, is_store_root, lock_directory
 from tierzero.storage.generations import GEN_NAME, Current, gen_name, pointer_json, read_pointer, remove_orphans, write_atomic, write_file
 from tierzero.storage.spares import SpareFiles
 from tierzero.storage.zarrmeta import GROUP_JSON, ShardMeta, nchunks
@@ -118,12 +118,7 @@ class NvmeStore(TierStore):
             raise
 
     def _open_dir(self, path: str) -> None:
-        if not os.path.isdir(path):
-            raise StorageError(f"NVMe store directory {path} does not exist: create it (one "
-                               f"directory per drive) or fix the path")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise StorageError(f"NVMe store directory {path} is not writable: fix its "
-                               f"permissions or choose another path")
+        check_directory(path)  # before anything is written there
         self._lock_fds.append(lock_directory(path))
         try:
             self._direct.append(self._probe_direct(path))
@@ -133,7 +128,7 @@ class NvmeStore(TierStore):
             root_json = os.path.join(path, "zarr.json")
             if not os.path.exists(root_json):
                 write_atomic(root_json, GROUP_JSON)
-            remove_orphans(path)
+            remove_orphans(path, foreign=is_store_root)
         except OSError as e:
             raise os_error(e, "opening the NVMe store in", path) from e
 

@@ -41,7 +41,8 @@ def test_a_fresh_run_into_a_directory_with_checkpoints_is_refused_and_overwrite_
     new_id = read_run_id(run_dir)
     assert new_id != old_id and Manifest.load(step_dir(run_dir, 2)).run_id == new_id
     aside = run_dir / "checkpoints" / ABANDONED_DIR
-    assert {p.name: (p / "manifest.json").read_bytes() for p in aside.iterdir()} == before
+    assert {p.name: (p / "manifest.json").read_bytes() for p in aside.iterdir() if p.is_dir()} == before
+    assert (aside / "metrics.jsonl").is_file()  # the old run's metrics went with its checkpoints
 
 
 def test_resume_keeps_the_run_id_and_every_manifest_records_it(tmp_path) -> None:

@@ -1,5 +1,5 @@
 """Ctrl-C ends `tierzero train` with exit code 130 and one line saying where it stopped and what
---resume continues from, on one rank and on `--nproc 2` ranks (the launcher passes SIGINT on and
+--resume continues from (SIGTERM the same, with exit code 143), on one rank and on `--nproc 2` ranks (the launcher passes SIGINT on and
 rank 0 speaks); ranks die with their launcher, so SIGKILL of it leaves none training."""
 
 from __future__ import annotations
@@ -37,21 +37,21 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen) -> None:
     raise AssertionError(f"step {step} never finished")
 
 
-def interrupt(run_dir: Path, proc: subprocess.Popen) -> tuple[int, str]:
+def interrupt(run_dir: Path, proc: subprocess.Popen, signum: int = signal.SIGINT) -> tuple[int, str]:
     try:
         wait_for_step(run_dir, 3, proc)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         _, err = proc.communicate(timeout=HANG_GUARD_S)
     finally:
         proc.kill()
     return proc.returncode, err
 
 
-def check_line(err: str, run_dir: Path) -> tuple[int, int]:
+def check_line(err: str, run_dir: Path, line: re.Pattern = LINE) -> tuple[int, int]:
     """The one line on stderr; the steps it names agree with the run directory."""
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
-    match = LINE.fullmatch(lines[0])
+    match = line.fullmatch(lines[0])
     assert match, err
     step, saved = int(match[1]), int(match[2])
     assert step >= 3 and saved == step - step % 2
@@ -68,6 +68,13 @@ def test_ctrl_c_on_one_rank_exits_130_and_says_where_to_resume(tmp_path) -> None
                               "--steps", str(saved + 1)], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from checkpoint step {saved}" in resumed.stdout
+
+
+def test_sigterm_exits_143_with_the_same_line(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    code, err = interrupt(run_dir, start(run_dir), signal.SIGTERM)
+    assert code == 143, err
+    check_line(err, run_dir, re.compile(LINE.pattern.replace("interrupted", "stopped by SIGTERM")))
 
 
 def test_ctrl_c_with_nproc_exits_130_with_one_line(tmp_path) -> None:

@@ -258,7 +258,7 @@ def test_bad_paths_fail_at_open(tmp_path: Path) -> None:
         NvmeStore([tmp_path / "missing"]).open()
     a_file = tmp_path / "file"
     a_file.write_text("")
-    with pytest.raises(StorageError, match="does not exist"):
+    with pytest.raises(StorageError, match="is a regular file, not a directory"):
         NvmeStore([a_file]).open()
     with pytest.raises(StorageError, match="multiple of 4096"):
         NvmeStore([tmp_path], chunk_bytes=1000)

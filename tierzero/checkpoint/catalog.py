@@ -7,23 +7,28 @@ skipped with a message naming the file, and the next older one is used. So is a 
 fails its own checksum or whose steps disagree (`Manifest.load`).
 
 Pruning follows lineage (`tierzero.checkpoint.lineage`): it removes only checkpoints that the
-run which just wrote one wrote itself, older than that one; anything else is left alone.
+run which just wrote one wrote itself, older than that one; anything else is left alone. And
+of such a checkpoint it deletes only the files its manifest lists: anything else found in it
+(another run's directory, a user's file) is moved into `checkpoints/abandoned/`, with a note.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from tierzero.errors import CheckpointError
+from tierzero.errors import CheckpointError, RunDirError
 from tierzero.checkpoint.files import is_regular
-from tierzero.checkpoint.manifest import STEP_DIR, Manifest
+from tierzero.checkpoint.manifest import MANIFEST_NAME, STEP_DIR, Manifest
 from tierzero.storage.arrays import chunk_path, verify_array
 from tierzero.storage.base import StorageError
+from tierzero.storage.chunkfile import fsync_path
+from tierzero.storage.filekind import kind_of
 
 CHECKPOINTS_DIR = "checkpoints"
+ABANDONED_DIR = "abandoned"
 
 
 def checkpoints_root(run_dir: str | Path) -> Path:
@@ -89,10 +94,14 @@ def _none_left(skipped: list[str]) -> None:
                           "without --resume or restore the files")
 
 
-def find_checkpoint(run_dir: str | Path, step: int | None = None, verify: bool = False) -> tuple[Path, Manifest]:
-    """The checkpoint at `step`, or the newest complete one (for export and inspect)."""
+def find_checkpoint(run_dir: str | Path, step: int | None = None,
+                    verify: bool = False) -> tuple[Path, Manifest, list[str]]:
+    """The checkpoint at `step`, or the newest complete one, and why newer ones were skipped (for
+    export and inspect)."""
     if not Path(run_dir).is_dir():
-        raise CheckpointError(f"run directory '{run_dir}' does not exist; pass the --run-dir of a run")
+        kind = kind_of(run_dir)
+        raise CheckpointError(f"run directory '{run_dir}' " + (f"is {kind}, not a directory" if kind else
+                                                              "does not exist") + "; pass the directory of a run")
     if step is not None:
         path = step_dir(run_dir, step)
         if not path.is_dir():
@@ -102,21 +111,22 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None, verify: bool =
         manifest = Manifest.load(path)
         if verify:
             verify_checkpoint(path, manifest)
-        return path, manifest
+        return path, manifest, []
     found = newest_checkpoint(run_dir, verify=verify)
     if found is None:
         raise CheckpointError(f"run '{run_dir}' has no complete checkpoint yet; train with "
                               "--checkpoint-every N (a run also checkpoints when it finishes)")
-    return found[0], found[1]
+    return found
 
 
-def prune(run_dir: str | Path, keep: int, written: Path) -> list[Path]:
+def prune(run_dir: str | Path, keep: int, written: Path) -> list[str]:
     """After `written` was made, keep it and the newest `keep - 1` older checkpoints of its
-    lineage; remove that lineage's older ones. Another run's checkpoints, newer ones, and ones
-    whose manifest cannot be read (their lineage unknown) are never removed.
+    lineage; remove that lineage's older ones; returns what to tell the user. Another run's
+    checkpoints, newer ones, and ones whose manifest cannot be read (their lineage unknown) are
+    never removed.
 
-    Only checkpoint directories are removed: the live store's chunks that a removed checkpoint
-    linked keep their other name, so pruning never touches the live store.
+    Only the files a removed checkpoint's manifest lists are deleted: the live store's chunks
+    that it linked keep their other name, so pruning never touches the live store.
     """
     newest = Manifest.load(written)
     ours = []
@@ -124,11 +134,49 @@ def prune(run_dir: str | Path, keep: int, written: Path) -> list[Path]:
         if step >= newest.step:
             continue
         try:
-            if Manifest.load(path).run_id == newest.run_id:
-                ours.append(path)
+            manifest = Manifest.load(path)
         except CheckpointError:
             continue  # damaged or incomplete: not ours to delete
-    removed = ours[:max(len(ours) - (max(keep, 1) - 1), 0)]
-    for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
-    return removed
+        if manifest.run_id == newest.run_id:
+            ours.append((path, manifest))
+    notes = []
+    for path, manifest in ours[:max(len(ours) - (max(keep, 1) - 1), 0)]:
+        if _remove_listed(path, manifest):
+            target = move_aside(run_dir, path)
+            notes.append(f"pruning checkpoint {path.name} found files its manifest does not list; they "
+                         f"were moved into {target}, not deleted: delete them there once no longer wanted")
+    return notes
+
+
+def _remove_listed(path: Path, manifest: Manifest) -> bool:
+    """Delete the files of checkpoint `path` that `manifest` lists, then its emptied folders;
+    whether anything else is left in it."""
+    listed = [path / MANIFEST_NAME]
+    for key, meta in manifest.arrays.items():
+        array = manifest.array_dir(path, key)
+        listed += [array / "zarr.json", *(Path(chunk_path(str(array), i)) for i in range(meta.nchunks))]
+    for file in listed:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(file)
+    for folder, _, _ in os.walk(path, topdown=False):
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)  # only an empty folder goes: what is left was not listed
+    return os.path.lexists(path)
+
+
+def move_aside(run_dir: str | Path, path: Path) -> Path:
+    """Move `path` (a checkpoint, or what else a run leaves) into `checkpoints/abandoned/`,
+    durably, under its own name or a numbered one; returns where it went."""
+    aside = checkpoints_root(run_dir) / ABANDONED_DIR
+    target, n = aside / path.name, 1
+    while os.path.lexists(target):
+        target, n = aside / f"{path.name}.{n}", n + 1
+    try:
+        aside.mkdir(parents=True, exist_ok=True)
+        os.rename(path, target)
+    except OSError as e:
+        raise RunDirError(f"cannot move {path} aside into {aside} ({e.strerror}); make the "
+                          "run directory writable") from None
+    fsync_path(str(aside))
+    fsync_path(str(path.parent))
+    return target

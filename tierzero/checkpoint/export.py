@@ -41,6 +41,7 @@ from typing import BinaryIO
 import torch
 
 from tierzero.checkpoint.catalog import find_checkpoint
+from tierzero.checkpoint.files import remove_stale_temps
 from tierzero.config import StateKind
 from tierzero.errors import CheckpointError, ConfigError, TierzeroError
 from tierzero.checkpoint.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, Merge, adapter_config, adapter_entries,
@@ -128,6 +129,7 @@ class ExportResult:
     nbytes: int
     config: Path | None = None  # config.json (a peft adapter's adapter_config.json) beside the weights
     tokenizer: list[Path] = field(default_factory=list)  # its tokenizer files, copied beside them
+    skipped: list[str] = field(default_factory=list)  # newer checkpoints passed over, each with why
 
 
 def manifest_entries(manifest: Manifest) -> list[TensorEntry]:
@@ -181,11 +183,8 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = N
     if sys.byteorder != "little":  # safetensors is little-endian; we write host bytes as they are
         raise TierzeroError("export writes host bytes as they are and needs a little-endian machine; "
                             "run it on x86-64 or ARM64")
-    if not Path(run_dir).is_dir():
-        raise CheckpointError(f"run directory '{run_dir}' does not exist; pass a directory that "
-                              "`tierzero train` wrote")
     out_dir, out_name = _destination(Path(out))
-    checkpoint, manifest = find_checkpoint(run_dir, step)
+    checkpoint, manifest, skipped = find_checkpoint(run_dir, step)
     entries = manifest_entries(manifest)
     adapters = peft_adapters(manifest.model, [e.name for e in entries])
     if merge and adapters is None:
@@ -202,6 +201,7 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = N
             extra = (ADAPTER_CONFIG, adapter_config(peft_config, (manifest.model or {}).get("hf")))
     plan = plan_export(manifest, out_name, dtype, max_shard_bytes, entries)
     _make_dir(out_dir)
+    remove_stale_temps(out_dir)  # an export killed before it could remove its own
     writer = _StreamingWriter(out_dir, plan, {"format": "pt", "step": str(manifest.step)})
     written = writer.write(_read_units(checkpoint, manifest), len(manifest.units), on_unit)
     tensors = sum(len(f.entries) for f in plan.files)
@@ -209,7 +209,7 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = N
     config = _write_json(out_dir, *extra) if extra is not None else None
     tokenizer = _copy_tokenizer(out_dir, manifest)
     return ExportResult(manifest.step, checkpoint, dtype, written, index, tensors, plan.total_bytes, config,
-                        tokenizer)
+                        tokenizer, skipped)
 
 
 def _hf_config(manifest: Manifest, dtype: str) -> tuple[str, dict] | None:

@@ -5,16 +5,22 @@ device or a symbolic link. `read_regular` opens without following a final symlin
 blocking (O_NOFOLLOW | O_NONBLOCK), then refuses anything that is not a regular file, so a
 reader such as `tierzero inspect` never hangs on a FIFO and never reads outside the directory
 through a link. Small-file writes that must survive power loss go through `write_small_durable`.
+A writer killed mid-file leaves its `.NAME.PID.tmp`; `remove_stale_temps` removes those of
+processes that are gone.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from pathlib import Path
 
 from tierzero.storage.chunkfile import fsync_path
+from tierzero.storage.filekind import describe_mode, open_regular
+
+_TEMP_NAME = re.compile(r"\..+\.(\d+)\.tmp")
 
 MAX_SMALL_BYTES = 1 << 30  # a manifest of a very large model is megabytes; never read more
 
@@ -30,7 +36,7 @@ def read_regular(path: str | Path, limit: int = MAX_SMALL_BYTES) -> bytes:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise OSError(errno.EINVAL, "is not a regular file (a FIFO, device or socket)", str(path))
+            raise OSError(errno.EINVAL, f"is {describe_mode(mode)}, not a regular file", str(path))
         chunks, total = [], 0
         while chunk := os.read(fd, 1 << 20):
             chunks.append(chunk)
@@ -53,9 +59,32 @@ def is_regular(path: str | Path) -> bool:
 def write_small_durable(path: Path, raw: bytes) -> None:
     """Write a small file by temp file, fsync, rename and directory fsync (power-loss safe)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with os.fdopen(open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:  # a FIFO there: named
         f.write(raw)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_path(str(path.parent))
+
+
+def remove_stale_temps(folder: Path) -> list[Path]:
+    """Remove the `.NAME.PID.tmp` files in `folder` whose writer (PID) is no longer running;
+    returns them. A live writer's are left to it."""
+    removed = []
+    for entry in os.scandir(folder):
+        match = _TEMP_NAME.fullmatch(entry.name)
+        if match is None or not entry.is_file(follow_symlinks=False) or _running(int(match.group(1))):
+            continue
+        Path(entry.path).unlink(missing_ok=True)
+        removed.append(Path(entry.path))
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True

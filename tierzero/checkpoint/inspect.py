@@ -31,6 +31,7 @@ from tierzero.config import Offload, Placement, StateKind
 from tierzero.errors import RunDirError, TierzeroError
 from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest
 from tierzero.storage.base import StorageError
+from tierzero.storage.filekind import kind_of
 
 # bytes per element of the zarr data types the store writes (bf16 is stored as uint16)
 _ITEMSIZE = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
@@ -81,6 +82,7 @@ class RunInfo:
     placement: dict[str, str]  # state kind -> tier ("auto" when the planner chose at run time)
     checkpoints: list[CheckpointInfo]
     stores: list[StoreInfo]
+    skipped: list[str] = field(default_factory=list)  # checkpoints newer than the one a resume would use, with why
 
     def to_dict(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -92,12 +94,24 @@ def inspect_run(run_dir: str | Path, verify: bool = False) -> RunInfo:
     """The run's checkpoints (checked chunk by chunk with `verify`), NVMe stores and config."""
     root = Path(run_dir)
     if not root.is_dir():
-        raise RunDirError(f"run directory '{run_dir}' does not exist; pass a directory that "
+        kind = kind_of(root)
+        raise RunDirError(f"run directory '{run_dir}' " + (f"is {kind}, not a directory" if kind else
+                                                          "does not exist") + "; pass a directory that "
                           "`tierzero train` wrote")
     config, config_error = _config(root)
-    return RunInfo(str(run_dir), config, config_error, _placement(config),
-                   [_checkpoint(step, path, verify) for step, path in checkpoint_dirs(root)],
-                   [store_info(p) for p in _nvme_paths(root, config)])
+    checkpoints = [_checkpoint(step, path, verify) for step, path in checkpoint_dirs(root)]
+    return RunInfo(str(run_dir), config, config_error, _placement(config), checkpoints,
+                   [store_info(p) for p in _nvme_paths(root, config)], _skipped_newer(checkpoints))
+
+
+def _skipped_newer(checkpoints: list[CheckpointInfo]) -> list[str]:
+    """The checkpoints newer than the newest usable one (which resume and export take), each with why."""
+    skipped = []
+    for c in reversed(checkpoints):
+        if c.status in ("complete", "ok"):
+            break
+        skipped.append(f"step {c.step} is {c.status}" + (f": {c.reason}" if c.reason else ""))
+    return skipped
 
 
 def _nvme_paths(root: Path, config: dict[str, Any] | None) -> list[str]:

@@ -10,18 +10,15 @@ may be the only copy of someone's work. Moving is a rename within the directory 
 
 from __future__ import annotations
 
-import os
 import uuid
 from pathlib import Path
 from typing import Any
 
-from tierzero.checkpoint.catalog import checkpoint_dirs, checkpoints_root
+from tierzero.checkpoint.catalog import ABANDONED_DIR, checkpoint_dirs, checkpoints_root, move_aside
 from tierzero.checkpoint.files import is_regular, read_regular, write_small_durable
 from tierzero.errors import RunDirError
-from tierzero.storage.chunkfile import fsync_path
 
 RUN_ID_NAME = "run-id"
-ABANDONED_DIR = "abandoned"
 
 
 def read_run_id(run_dir: str | Path) -> str | None:
@@ -35,7 +32,11 @@ def read_run_id(run_dir: str | Path) -> str | None:
 
 def new_run_id(run_dir: str | Path) -> str:
     """Start a new lineage: a fresh id, written durably to `RUN_DIR/run-id`."""
-    run_id = uuid.uuid4().hex
+    return write_run_id(run_dir, uuid.uuid4().hex)
+
+
+def write_run_id(run_dir: str | Path, run_id: str) -> str:
+    """Record `run_id` durably as the directory's lineage."""
     try:
         write_small_durable(Path(run_dir) / RUN_ID_NAME, f"{run_id}\n".encode())
     except OSError as e:
@@ -61,25 +62,8 @@ def stamp(checkpoint: Path) -> dict[str, Any]:
 def abandon(run_dir: str | Path, newer_than: int | None = None) -> list[Path]:
     """Move the checkpoints of steps after `newer_than` (all, when None) into
     `checkpoints/abandoned/`; returns where they went. Same-named ones there are kept too."""
-    moved = []
-    for step, path in checkpoint_dirs(run_dir):
-        if newer_than is not None and step <= newer_than:
-            continue
-        aside = checkpoints_root(run_dir) / ABANDONED_DIR
-        target, n = aside / path.name, 1
-        while os.path.lexists(target):
-            target, n = aside / f"{path.name}.{n}", n + 1
-        try:
-            aside.mkdir(exist_ok=True)
-            os.rename(path, target)
-        except OSError as e:
-            raise RunDirError(f"cannot move checkpoint {path} aside into {aside} ({e.strerror}); make the "
-                              "run directory writable") from None
-        moved.append(target)
-    if moved:
-        fsync_path(str(moved[0].parent))
-        fsync_path(str(checkpoints_root(run_dir)))
-    return moved
+    return [move_aside(run_dir, path) for step, path in checkpoint_dirs(run_dir)
+            if newer_than is None or step > newer_than]
 
 
 def abandoned_note(run_dir: str | Path, moved: list[Path], why: str) -> str:

@@ -144,7 +144,8 @@ def save(engine: Checkpointed, run_dir: str | Path, data: dict[str, Any] | None 
         engine.note("checkpoints copy the NVMe state's chunks because the run directory is on another "
                     "filesystem than --nvme-path; keep them on one filesystem for checkpoints that copy nothing")
     if keep is not None and comm.rank == 0:
-        prune(run_dir, keep, final)  # this lineage's older checkpoints only
+        for note in prune(run_dir, keep, final):  # this lineage's older checkpoints only
+            engine.note(note)
     comm.barrier()  # every rank returns once the checkpoint is in place (and pruned)
     return final
 
@@ -256,8 +257,9 @@ def _settings_note(path: Path, manifest: Manifest, config: Config) -> str:
                 "not match an uninterrupted one")
     changed = [f for f in _NUMERIC_FIELDS if _plain(saved.get(f)) != _plain(getattr(config, f))]
     if changed == ["total_steps"]:
+        which = "longer" if config.total_steps > saved["total_steps"] else "shorter"
         return (f"the lr schedule now spans {config.total_steps} steps, not the {saved['total_steps']} of the run "
-                f"that wrote {path.name} (--steps changed): from here the lr follows the longer schedule")
+                f"that wrote {path.name} (--steps changed): from here the lr follows the {which} schedule")
     return (f"{path.name} was written with other settings ({', '.join(changed) or 'unrecorded'}); the resumed "
             "run will not match an uninterrupted one")
 

@@ -1,9 +1,20 @@
-"""The run directory: its lock, its lineage, its resolved `config.toml` and its `metrics.jsonl`.
+"""The run directory: its lock, its identity (config.toml, run-id), its lineage and its `metrics.jsonl`.
 
 One trainer per directory: `open()` takes an exclusive, non-blocking `flock` on `lock`, so a
 second trainer is refused at once (and a crashed one leaves no stale lock: the kernel drops it).
 With several ranks the run is one trainer: rank 0 (`primary`) holds the lock and writes the
 config and metrics; the other ranks only make sure the directory exists.
+
+The run's identity comes first (`start`): its resolved config.toml, whose first line records the
+run id, is written durably before `run-id`, the lock's pid or any move-aside, so no kill leaves a
+directory that resumes with settings other than the ones it was started with. That write is an
+`--overwrite`'s commit point: the old checkpoints are moved aside after it and `run-id` written
+last, and a resume that finds config.toml naming another run id than `run-id` finishes the move
+(`_finish_overwrite`). A kill at any instant leaves the old run, resumable as itself, or the new.
+
+A run directory is never inside another run's checkpoints/ nor inside an NVMe store (a prune or
+a store's start-up cleanup would delete it), never something other than a directory, and never
+read-only for a trainer; each is refused in one sentence before anything is written.
 
 Paths in config.toml that lie inside the run directory (the default `nvme`) are stored relative
 to it, and read back against it (`rebase_paths`), so a copied or moved run directory resumes
@@ -13,30 +24,42 @@ against its own store, from any working directory. Paths outside it are stored a
 from __future__ import annotations
 
 import copy
+import errno
 import fcntl
 import json
 import os
+import re
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 from tierzero.checkpoint import lineage
-from tierzero.checkpoint.catalog import checkpoint_dirs
-from tierzero.checkpoint.files import write_small_durable
+from tierzero.checkpoint.catalog import CHECKPOINTS_DIR, checkpoint_dirs, move_aside
+from tierzero.checkpoint.files import read_regular, write_small_durable
 from tierzero.config import RunConfig, to_toml
 from tierzero.errors import RunDirError
+from tierzero.storage.dirlock import is_store_root
+from tierzero.storage.filekind import kind_of, not_a_file, open_regular
 
 CONFIG_NAME = "config.toml"
+METRICS_NAME = "metrics.jsonl"
+LOCK_NAME = "lock"
+_RUN_ID_LINE = re.compile(r"# run-id: ([0-9a-f]+)")
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 class RunDir:
     def __init__(self, path: str | os.PathLike, primary: bool = True) -> None:
         self.path = Path(path)
         self.primary = primary
+        self.run_id: str | None = None
         self._lock_fd: int | None = None
         self._metrics = None
 
     def open(self) -> RunDir:
+        """Create the directory if need be and take its lock; writes nothing else."""
+        check_place(self.path)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -44,7 +67,13 @@ class RunDir:
                               "choose a writable --run-dir") from None
         if not self.primary:
             return self
-        fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        if not os.access(self.path, os.W_OK | os.X_OK):
+            raise RunDirError(read_only(self.path))
+        try:
+            fd = open_regular(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT)
+        except OSError as e:
+            raise RunDirError(read_only(self.path) if e.errno in _READ_ONLY else
+                              f"cannot open {self.path / LOCK_NAME} ({e.strerror}); remove it") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -52,30 +81,55 @@ class RunDir:
             os.close(fd)
             raise RunDirError(f"run directory '{self.path}' is in use by another trainer (pid {owner}); "
                               "wait for it to finish or choose another --run-dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
-        self._metrics = open(self.path / "metrics.jsonl", "a", buffering=1)
         return self
 
-    def start(self, resume: bool, overwrite: bool = False) -> list[str]:
+    def start(self, run: RunConfig, resume: bool, overwrite: bool = False) -> list[str]:
         """Begin or continue this directory's lineage (rank 0; under the lock); returns notes.
 
         A fresh run into a directory holding checkpoints is refused unless `overwrite`, which
-        moves them aside into checkpoints/abandoned/; a resumed one keeps its run id."""
+        moves them aside into checkpoints/abandoned/ once the new config (and its run id) is
+        durable; a resumed one keeps its run id (see the module docstring for the order)."""
         if not self.primary:
             return []
+        for name in (CONFIG_NAME, lineage.RUN_ID_NAME, METRICS_NAME):  # before anything is written
+            if (why := not_a_file(self.path / name)) is not None:
+                raise RunDirError(f"{why}; remove it, or choose another --run-dir")
+        notes: list[str] = []
         if resume:
-            lineage.run_id(self.path)
-            return []
-        steps = [s for s, _ in checkpoint_dirs(self.path)]
-        if steps and not overwrite:
-            raise RunDirError(refuse_fresh_start(self.path, steps))
-        notes = []
-        if steps:
-            notes.append(lineage.abandoned_note(self.path, lineage.abandon(self.path), "--overwrite starts over"))
-        lineage.new_run_id(self.path)
+            self.run_id = config_run_id(self.path) or lineage.run_id(self.path)
+            notes = self._finish_overwrite()
+        else:
+            steps = [s for s, _ in checkpoint_dirs(self.path)]
+            if steps and not overwrite:
+                raise RunDirError(refuse_fresh_start(self.path, steps))
+            self.run_id = uuid.uuid4().hex
+            self.write_config(run)  # the commit point of a new run, and of an --overwrite
+            notes = self._move_old_run_aside("--overwrite starts over")
+            lineage.write_run_id(self.path, self.run_id)
+        self._write_pid()
         return notes
+
+    def _finish_overwrite(self) -> list[str]:
+        """A resume after an --overwrite stopped between its config and its run id: the config
+        names the new run, so the old run's checkpoints go aside and run-id follows."""
+        if lineage.read_run_id(self.path) == self.run_id:
+            return []
+        notes = self._move_old_run_aside("an --overwrite that was stopped before it finished started over")
+        lineage.write_run_id(self.path, self.run_id)
+        return notes
+
+    def _move_old_run_aside(self, why: str) -> list[str]:
+        moved = lineage.abandon(self.path)
+        metrics = self.path / METRICS_NAME
+        if moved and os.path.isfile(metrics):  # the old run's metrics belong with its checkpoints
+            move_aside(self.path, metrics)
+        return [lineage.abandoned_note(self.path, moved, why)] if moved else []
+
+    def _write_pid(self) -> None:
+        assert self._lock_fd is not None, "RunDir.open() first"
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
 
     def abandon_after(self, step: int) -> list[str]:
         """A run resumed at `step`: move its newer checkpoints aside (rank 0); returns notes."""
@@ -86,15 +140,18 @@ class RunDir:
                                        "from")] if moved else []
 
     def write_config(self, run: RunConfig) -> None:
-        """Write the resolved config durably (temp file, fsync, rename); rank 0 only. Paths inside
-        the run directory are written relative to it."""
+        """Write the resolved config durably (temp file, fsync, rename, directory fsync), its
+        first line naming the run id; rank 0 only. Paths inside the run directory are written
+        relative to it."""
         if not self.primary:
             return
+        assert self.run_id is not None, "RunDir.start() first"
         saved = copy.copy(run)
         saved.engine = copy.copy(run.engine)
         saved.engine.nvme_path = [self._stored_path(p) for p in run.engine.nvme_path]
+        text = f"# run-id: {self.run_id}\n{to_toml(saved)}"
         try:
-            write_small_durable(self.path / CONFIG_NAME, to_toml(saved).encode())
+            write_small_durable(self.path / CONFIG_NAME, text.encode())
         except OSError as e:
             raise RunDirError(f"cannot write {self.path / CONFIG_NAME} ({e.strerror}); make the run "
                               "directory writable") from None
@@ -103,10 +160,27 @@ class RunDir:
         here, root = os.path.abspath(path), os.path.abspath(self.path)
         return os.path.relpath(here, root) if os.path.commonpath([here, root]) == root else here
 
+    def open_metrics(self, start_step: int) -> None:
+        """Open metrics.jsonl for appending, after dropping the rows of steps after `start_step`
+        (a resume redoes them: their rows are replaced, not repeated; a new run keeps none)."""
+        if not self.primary:
+            return
+        path = self.path / METRICS_NAME
+        try:
+            lines = _metrics_lines(path)
+            kept = [line for line in lines if _before(line, start_step)]
+            if len(kept) < len(lines):
+                write_small_durable(path, "".join(f"{line}\n" for line in kept).encode())
+            fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        except OSError as e:
+            raise RunDirError(f"cannot write {path} ({e.strerror}); remove it or choose another "
+                              "--run-dir") from None
+        self._metrics = os.fdopen(fd, "a", buffering=1)
+
     def log(self, record: dict[str, Any]) -> None:
         if not self.primary:
             return
-        assert self._metrics is not None, "RunDir.open() first"
+        assert self._metrics is not None, "RunDir.open_metrics() first"
         self._metrics.write(json.dumps({**record, "time": time.time()}) + "\n")
 
     def close(self) -> None:
@@ -122,6 +196,73 @@ class RunDir:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_place(path: str | os.PathLike) -> None:
+    """Refuse a run directory that is not a directory, or that lies inside another run's
+    checkpoints/ or inside an NVMe store (whose pruning or cleanup would delete it)."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise RunDirError(f"run directory '{path}' is {kind_of(path)}, not a directory; pass the path of a "
+                          "directory (or of none yet) as --run-dir")
+    here = Path(os.path.realpath(path))
+    for parent in [here, *here.parents]:
+        if is_store_root(parent):
+            raise RunDirError(f"run directory '{path}' lies inside the NVMe store directory {parent}, whose "
+                              "start-up cleanup would delete it; choose a --run-dir outside it")
+        if parent.name == CHECKPOINTS_DIR and _looks_like_run(parent.parent) and parent != here:
+            raise RunDirError(f"run directory '{path}' lies inside the checkpoints of the run directory "
+                              f"{parent.parent}, whose pruning would delete it; choose a --run-dir outside it")
+
+
+def _looks_like_run(path: Path) -> bool:
+    return any(os.path.lexists(path / name) for name in (CONFIG_NAME, lineage.RUN_ID_NAME, LOCK_NAME))
+
+
+def read_only(path: str | os.PathLike) -> str:
+    return (f"run directory '{path}' is read-only, and a trainer writes its lock, config, metrics and "
+            "checkpoints there; make it writable or copy the run to a writable --run-dir (inspect and "
+            "export read it as it is)")
+
+
+def never_configured(path: str | os.PathLike) -> str | None:
+    """Why `--resume` must refuse `path`: a run was started there (its lock, run id, metrics or
+    checkpoints exist) but its config.toml was never written; None when it has one, or nothing."""
+    if os.path.lexists(Path(path) / CONFIG_NAME):
+        return None
+    started = [n for n in (lineage.RUN_ID_NAME, LOCK_NAME, METRICS_NAME, CHECKPOINTS_DIR)
+               if os.path.lexists(Path(path) / n)]
+    if checkpoint_dirs(path):
+        return (f"run directory '{path}' holds checkpoints but no {CONFIG_NAME}: restore it (every "
+                "checkpoint's manifest.json records it as config_toml), or start over with --overwrite")
+    return (f"run directory '{path}' was started but never configured (it has {', '.join(started)} but no "
+            f"{CONFIG_NAME}): start it again with --overwrite") if started else None
+
+
+def config_run_id(run_dir: str | os.PathLike) -> str | None:
+    """The run id a run's config.toml records on its first line (None: none, or no config)."""
+    try:
+        first = read_regular(Path(run_dir) / CONFIG_NAME).decode(errors="replace").split("\n", 1)[0]
+    except OSError:
+        return None
+    match = _RUN_ID_LINE.fullmatch(first.strip())
+    return match.group(1) if match else None
+
+
+def _metrics_lines(path: Path) -> list[str]:
+    if not os.path.lexists(path):
+        return []
+    return read_regular(path).decode(errors="replace").splitlines()
+
+
+def _before(line: str, start_step: int) -> bool:
+    """Whether a metrics row stays when a run (re)starts at `start_step` (torn lines do not)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    if start_step == 0 or not isinstance(record, dict):
+        return False
+    return record.get("step", record.get("resumed_at", 0)) <= start_step
 
 
 def refuse_fresh_start(path: str | os.PathLike, steps: list[int]) -> str:
@@ -150,7 +291,13 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of a run's metrics.jsonl (a torn line from a kill is skipped). A resume
     marker drops the records of the steps after its checkpoint, which the resumed run redid."""
     records: list[dict[str, Any]] = []
-    for line in Path(path, "metrics.jsonl").read_text().splitlines():
+    metrics = Path(path, METRICS_NAME)
+    try:
+        text = read_regular(metrics).decode(errors="replace")
+    except OSError as e:
+        raise RunDirError(f"cannot read {metrics} ({e.strerror}); point at a run directory that "
+                          "`tierzero train` wrote") from None
+    for line in text.splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:

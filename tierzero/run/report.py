@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from tierzero.errors import RunDirError
 from tierzero.run.directory import read_metrics
+from tierzero.storage.filekind import kind_of
 
 
 def load_run(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir)
-    if not (path / "metrics.jsonl").is_file():
+    if os.path.lexists(path) and not path.is_dir():
+        raise RunDirError(f"'{path}' is {kind_of(path)}, not a directory; point at a run directory that "
+                          "`tierzero train` wrote")
+    if not os.path.lexists(path / "metrics.jsonl"):
         raise RunDirError(f"'{path}' has no metrics.jsonl; point at a run directory that "
                           "`tierzero train` wrote")
     records = read_metrics(path)
@@ -34,6 +39,10 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def plot(records: list[dict[str, Any]], out: str | Path) -> Path:
     """Write the run's report PNG: loss (train, val), tokens/s, and bytes per step per link."""
+    out = Path(out)
+    if not os.access(out.parent, os.W_OK | os.X_OK):  # refused before any drawing
+        raise RunDirError(f"cannot write the report {out}: {out.parent} is read-only; pass --out a "
+                          "writable path")
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
@@ -59,7 +68,10 @@ def plot(records: list[dict[str, Any]], out: str | Path) -> Path:
     else:
         ax_io.text(0.5, 0.5, "in-memory run: no tier traffic", ha="center", transform=ax_io.transAxes)
     fig.tight_layout()
-    out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=110)
+    except OSError as e:
+        raise RunDirError(f"cannot write the report {out} ({e.strerror}); pass --out a writable path") from None
+    finally:
+        plt.close(fig)
     return out
