@@ -203,7 +203,7 @@ def save_once(v: Variant, stat: str | None, flush_first: bool) -> None:
                     "files": len(files), "linked": sum(os.stat(p).st_nlink > 1 for p in files),
                     "step_s": step_s, "drain_s": phases.drain_s, "syncfs_s": phases.syncfs_s,
                     "flush_s": flush_s})
-    prune(v.run_dir, 2)  # outside the timed save: bounds disk use
+    prune(v.run_dir, 2, path)  # outside the timed save: bounds disk use
 
 
 def resume_once(v: Variant, stat: str | None) -> None:
