@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tierzero.cli.output import Output
@@ -45,6 +46,6 @@ def export(
         return
     where = result.index if result.index else result.files[0]
     output.print(f"exported step {result.step} ({result.tensors} tensors, {result.nbytes / 1e6:,.1f} MB "
-                 f"{result.dtype}) to {where}" + (f" and {len(result.files)} files" if result.index else "")
-                 + (f", with the model's {result.config.name}" if result.config else "")
+                 f"{result.dtype}) to {escape(str(where))}" + (f" and {len(result.files)} files" if result.index else "")
+                 + (f", with the model's {escape(result.config.name)}" if result.config else "")
                  + (f" and {len(result.tokenizer)} tokenizer files" if result.tokenizer else ""))

@@ -304,7 +304,7 @@ def run_ok(*args: str) -> str:
 
 
 def test_plan_json_reproduces_the_seed_account() -> None:
-    report = json.loads(run_ok("--model", "7b", "--gpus", "8", "--json"))
+    report = json.loads(run_ok("--model", "7b", "--gpus", "8", "--dtype", "bf16", "--json"))
     assert [row["gb_per_gpu"] for row in report["ledger"]] == [112, 38.5, 26.25, 14]
     assert report["model"]["params"] == PRESETS["7b"].param_count()
     assert report["model"]["ledger_params"] == 7 * 10**9
