@@ -137,7 +137,7 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
         if resume:
             start_step, resumed = session.resume(rundir)
             notes = [*notes, *resumed]
-        for note in notes:
+        for note in [*notes, *session.model.notes]:
             out.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
         rundir.write_config(run)
         out.print(f"[bold]tierzero train[/] {escape(run.model)} ({session.n_params / 1e6:.2f}M params) "
