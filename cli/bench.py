@@ -22,7 +22,7 @@ from rich.table import Table
 
 from tierzero.planning import speeds as compute_bench
 from tierzero.cli.output import Output
-from tierzero.config import parse_bytes
+from tierzero.config import PIECE_NUMEL, parse_bytes
 from tierzero.errors import ConfigError
 from tierzero.storage.bench import FOOTPRINT, DiskBench, Step
 from tierzero.storage.host import HostPool
@@ -157,7 +157,7 @@ def _print_report(out: Output, r: dict[str, Any]) -> None:
     other = Table(title=f"compute and copies ({r['compute']['device']})")
     other.add_column("measurement")
     other.add_column("value", justify="right")
-    other.add_row("CPU AdamW (fused), params/s", f"{r['adam']['params_per_s']:.3g}")
+    other.add_row(f"CPU AdamW (fused, {PIECE_NUMEL >> 20}Mi-element piece), params/s", f"{r['adam']['params_per_s']:.3g}")
     other.add_row("matmul fp32, TFLOP/s", f"{r['compute']['fp32_tflops']:.3g}")
     other.add_row("matmul bf16, TFLOP/s", f"{r['compute']['bf16_tflops']:.3g}")
     if r["h2d"] is not None:
