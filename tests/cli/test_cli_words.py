@@ -40,6 +40,14 @@ def test_a_refused_config_file_value_is_named_by_its_key(tmp_path: Path) -> None
     assert line.startswith("error: total_steps must be a finite number > 0, got 0"), line
 
 
+def test_a_model_without_repeated_blocks_is_told_the_flag(tmp_path: Path) -> None:
+    from hf_helpers import save_model
+
+    path = save_model("llama", tmp_path / "one-layer", num_hidden_layers=1)
+    line = one_line_error(train("--model", f"hf:{path}", "--run-dir", str(tmp_path / "run")))
+    assert "LlamaForCausalLM has no nn.ModuleList of repeated blocks" in line and "with --units" in line, line
+
+
 def test_a_refusal_in_the_first_step_prints_no_progress_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(self, batch):
         raise ConfigError("this step cannot run; change the thing that stops it")
