@@ -172,6 +172,14 @@ def make_plan(
     and `args`, the LLaMA-like shape its activations are estimated from; `model` then names it."""
     if stage is not None and stage not in (1, 2, 3):
         raise ConfigError(f"--stage must be 1, 2 or 3, got {stage}")
+    for flag, value, least in (("--batch-size", batch_size, 1), ("--seq-len", seq_len, 1),
+                               ("--accumulate", accumulate, 1), ("--prefetch-depth", prefetch_depth, 0)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise ConfigError(f"{flag} must be an integer >= {least}, got {value!r}")
+    if piece_numel is not None and (isinstance(piece_numel, bool) or not isinstance(piece_numel, int)
+                                    or piece_numel <= 0 or piece_numel % 2048):
+        raise ConfigError(f"--piece-numel must be a positive multiple of 2048 elements, got {piece_numel!r}; "
+                          "e.g. 16777216 (64 MiB of fp32)")
     try:
         schedule = Schedule(schedule)
     except ValueError:
