@@ -1,7 +1,7 @@
 """`--seq-len` against a Hugging Face model's positions (`tierzero.hf.positions`): refused in one
 sentence where transformers' own forward fails past them (MPT's ALiBi bias of `max_seq_len`,
 GPT-J's rotary table), said once where rotary embeddings run on (LLaMA at 4x its
-`max_position_embeddings`), and nothing where positions have no limit (Bloom's ALiBi)."""
+`max_position_embeddings`), and nothing where positions have no limit (Bloom's and Falcon's ALiBi)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,15 @@ QUICK = ["--steps", "1", "--batch-size", "1", "--offload", "nvme", "--dtype", "f
 
 
 def save(kind: str, path: Path) -> Path:
-    from transformers import AutoModelForCausalLM, BloomConfig, GPTJConfig, MptConfig
+    from transformers import AutoModelForCausalLM, BloomConfig, FalconConfig, GPTJConfig, MptConfig
 
     config = {"mpt": lambda: MptConfig(d_model=32, n_layers=2, n_heads=2, vocab_size=256, max_seq_len=POSITIONS),
               "gptj": lambda: GPTJConfig(n_embd=32, n_layer=2, n_head=2, vocab_size=256, n_positions=POSITIONS,
                                          rotary_dim=8, bos_token_id=0, eos_token_id=0),
-              "bloom": lambda: BloomConfig(hidden_size=32, n_layer=2, n_head=2, vocab_size=256)}[kind]()
+              "bloom": lambda: BloomConfig(hidden_size=32, n_layer=2, n_head=2, vocab_size=256),
+              "falcon": lambda: FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                             vocab_size=256, alibi=True, max_position_embeddings=POSITIONS,
+                                             bos_token_id=0, eos_token_id=0)}[kind]()
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return path
@@ -66,7 +69,8 @@ def test_rotary_model_past_its_positions_trains_and_says_so_once(hf_models, tmp_
     assert load_model(hf_models["llama"]).check_seq_len(128) is None
 
 
-def test_positions_without_a_limit_are_not_checked(tmp_path: Path) -> None:
-    path = save("bloom", tmp_path / "bloom")
+@pytest.mark.parametrize("kind", ["bloom", "falcon"])  # ALiBi computed per call (Falcon's rotary module unused)
+def test_positions_without_a_limit_are_not_checked(kind: str, tmp_path: Path) -> None:
+    path = save(kind, tmp_path / kind)
     own_forward(path, 4 * POSITIONS)
     assert load_model(path).check_seq_len(1 << 20) is None

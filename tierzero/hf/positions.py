@@ -11,8 +11,8 @@ does not, accordingly (checked on the built model, so a family is judged by what
   not broadcast against it (a size mismatch): refused;
 - rotary embeddings computed for any position (LLaMA, Mistral, Qwen, Gemma, Phi, NeoX, Falcon,
   ...) -- a longer sequence runs, on positions the model never saw in pre-training: said once,
-  before training. ALiBi computed per call (Bloom, Falcon's) and sinusoids that grow (XGLM)
-  have no limit.
+  before training. ALiBi computed per call (Bloom, Falcon with `alibi`) and sinusoids that grow
+  (XGLM) have no limit.
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ def position_limit(model: nn.Module, config: Any, tokens: nn.Module, blocks: nn.
                and limit <= m.num_embeddings <= limit + 2 for m in model.modules()):
             return PositionLimit(limit, True, "learned position table", "max_position_embeddings")
         rotary = [m for m in model.modules() if "rotary" in type(m).__name__.lower()]
-        if any(b.ndim and b.shape[0] == limit for m in rotary for b in m.buffers(recurse=False)):
+        # a table is 2-D, positions by features (`inv_freq`, 1-D, has a row per frequency)
+        if any(b.ndim >= 2 and b.shape[0] == limit for m in rotary for b in m.buffers(recurse=False)):
             return PositionLimit(limit, True, "rotary table", "max_position_embeddings")
-        if rotary:
+        if rotary and not getattr(config, "alibi", False):  # Falcon with ALiBi builds an unused one
             return PositionLimit(limit, False, "rotary embeddings", "max_position_embeddings")
         return None
     length = getattr(config, "max_seq_len", None)  # MPT: its ALiBi bias is built this long
