@@ -9,18 +9,20 @@ the report as the profile `tierzero plan --profile` reads.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from tierzero.planning import speeds as compute_bench
 from tierzero.cli.output import Output
-from tierzero.config import parse_bytes
+from tierzero.config import PIECE_NUMEL, parse_bytes
 from tierzero.errors import ConfigError
 from tierzero.storage.bench import FOOTPRINT, DiskBench, Step
 from tierzero.storage.host import HostPool
@@ -45,10 +47,10 @@ def bench(
     nbytes = parse_bytes(size, "--size")
     if not 1 << 20 <= nbytes <= MAX_SIZE_BYTES:
         raise ConfigError(f"--size {size} is out of range: use 1MiB to 16GiB")
-    if max_seconds <= 0:
-        raise ConfigError(f"--max-seconds must be positive, got {max_seconds}")
-    if compute_seconds <= 0:
-        raise ConfigError(f"--compute-seconds must be positive, got {compute_seconds}")
+    if not math.isfinite(max_seconds) or max_seconds <= 0:
+        raise ConfigError(f"--max-seconds must be a finite positive number, got {max_seconds}")
+    if not math.isfinite(compute_seconds) or compute_seconds <= 0:
+        raise ConfigError(f"--compute-seconds must be a finite positive number, got {compute_seconds}")
     out = Output(json_out)
     directory = str((path or Path.cwd()).resolve())
     cuda = torch.cuda.is_available()
@@ -87,7 +89,7 @@ def bench(
     else:
         _print_report(out, report)
         if profile_out is not None:
-            out.print(f"profile written to {profile_out}")
+            out.print(f"profile written to {escape(str(profile_out))}", highlight=False)
 
 
 def _run(out: Output, steps: list[Step], max_seconds: float) -> None:
@@ -114,7 +116,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def _print_report(out: Output, r: dict[str, Any]) -> None:
     nvme, fio, ratios = r["nvme"], r["fio"], r["ratios"]
     mode = "O_DIRECT" if nvme["direct_io"] else "buffered (no O_DIRECT here), cold via fadvise"
-    out.print(f"[bold]tierzero bench[/] {r['path']}: {nvme['bytes'] / 1e9:.2f} GB per run, "
+    out.print(f"[bold]tierzero bench[/] {escape(r['path'])}: {nvme['bytes'] / 1e9:.2f} GB per run, "
               f"{nvme['shard_bytes'] >> 20} MiB shards, {IO_THREADS} threads, {mode}, "
               f"best of {nvme['rounds']} interleaved rounds; random data, reads of the slot "
               f"written a round earlier")
@@ -151,11 +153,11 @@ def _print_report(out: Output, r: dict[str, Any]) -> None:
                   f"{fmt(ratios['write_vs_fio'])}, read {fmt(ratios['read_vs_fio'])} (fio best: "
                   f"write {fio['write_config']}, read {fio['read_config']})")
         for engine, why in fio["engines_skipped"].items():
-            out.print(f"[yellow]fio sweep without {engine}: {why}[/]")
+            out.print(f"[yellow]fio sweep without {engine}: {escape(why)}[/]")
     other = Table(title=f"compute and copies ({r['compute']['device']})")
     other.add_column("measurement")
     other.add_column("value", justify="right")
-    other.add_row("CPU AdamW (fused), params/s", f"{r['adam']['params_per_s']:.3g}")
+    other.add_row(f"CPU AdamW (fused, {PIECE_NUMEL >> 20}Mi-element piece), params/s", f"{r['adam']['params_per_s']:.3g}")
     other.add_row("matmul fp32, TFLOP/s", f"{r['compute']['fp32_tflops']:.3g}")
     other.add_row("matmul bf16, TFLOP/s", f"{r['compute']['bf16_tflops']:.3g}")
     if r["h2d"] is not None:

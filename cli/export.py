@@ -48,6 +48,6 @@ def export(
         return
     where = result.index if result.index else result.files[0]
     output.print(f"exported step {result.step} ({result.tensors} tensors, {result.nbytes / 1e6:,.1f} MB "
-                 f"{result.dtype}) to {where}" + (f" and {len(result.files)} files" if result.index else "")
-                 + (f", with the model's {result.config.name}" if result.config else "")
+                 f"{result.dtype}) to {escape(str(where))}" + (f" and {len(result.files)} files" if result.index else "")
+                 + (f", with the model's {escape(result.config.name)}" if result.config else "")
                  + (f" and {len(result.tokenizer)} tokenizer files" if result.tokenizer else ""))

@@ -34,20 +34,20 @@ def inspect(
     output.print(_stores(info))
     for store in info.stores:
         for reason in store.skipped:
-            output.print(f"[yellow]skipped[/] {reason}", highlight=False)
+            output.print(f"[yellow]skipped[/] {escape(reason)}", highlight=False)
     output.print(_config(info))
 
 
 def _checkpoints(info: RunInfo) -> Table | str:
     if not info.checkpoints:
-        return f"run {info.run_dir}: no checkpoints"
-    table = Table(title=f"checkpoints of {info.run_dir}", box=box.SIMPLE)
+        return f"run {escape(str(info.run_dir))}: no checkpoints"
+    table = Table(title=f"checkpoints of {escape(str(info.run_dir))}", box=box.SIMPLE)
     for column in ("step", "time", "state", "copied", "status"):
         table.add_column(column, justify="right" if column in ("step", "state", "copied") else "left")
     for c in info.checkpoints:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.time)) if c.time else "-"
         style = _STATUS_STYLE.get(c.status, "")
-        status = f"[{style}]{c.status}[/]" + (f": {c.reason}" if c.reason else "")
+        status = f"[{style}]{c.status}[/]" + (f": {escape(c.reason)}" if c.reason else "")
         table.add_row(str(c.step), when, _mb(c.nbytes), _mb(c.bytes_copied), status)
     return table
 
@@ -65,17 +65,17 @@ def _stores(info: RunInfo) -> Table:
     for kind in others:
         totals = [s.kinds[kind] for s in info.stores if kind in s.kinds]
         table.add_row(kind, "nvme", str(sum(t.arrays for t in totals)), _mb(sum(t.nbytes for t in totals)))
-    paths = ", ".join(s.path + ("" if s.exists else " (missing)") for s in info.stores) or "none"
+    paths = ", ".join(escape(s.path) + ("" if s.exists else " (missing)") for s in info.stores) or "none"
     table.caption = f"NVMe paths: {paths}; host and GPU state lives in memory only while a run is open"
     return table
 
 
 def _config(info: RunInfo) -> Table | str:
     if info.config is None:
-        return f"config: {info.config_error}"
+        return f"config: {escape(info.config_error)}"
     table = Table(title="config.toml", box=box.SIMPLE, show_header=False)
     for key in sorted(info.config):
-        table.add_row(key, str(info.config[key]))
+        table.add_row(escape(key), escape(str(info.config[key])))
     return table
 
 

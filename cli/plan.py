@@ -7,10 +7,11 @@ from typing import Any, Optional
 
 import typer
 from rich import box
+from rich.markup import escape
 from rich.table import Table
 
 from tierzero.cli.output import Output
-from tierzero.config import StateKind, Tier
+from tierzero.config import RunConfig, StateKind, Tier
 from tierzero.hf import is_hf, load_model
 from tierzero.layout.partition import partition
 from tierzero.models.presets import PRESETS, ModelArgs
@@ -29,10 +30,10 @@ def plan(
     host_mem: Optional[str] = typer.Option(None, "--host-mem", help="Host memory, e.g. 512GB. Default: half the free RAM, as `tierzero train` takes (split across its ranks)."),
     nvme_free: Optional[str] = typer.Option(None, "--nvme-free", help="Free NVMe space, e.g. 2TB. Default: free space at --nvme-path."),
     nvme_path: Path = typer.Option(Path("."), "--nvme-path", help="Where offloaded state would go (for the free-space default)."),
-    batch_size: int = typer.Option(1, "--batch-size", help="Sequences per micro-batch per GPU (activation memory)."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence. Default: the model's max_seq_len (hf:DIR: max_position_embeddings)."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help=f"Sequences per micro-batch per GPU (activation memory). Default: `tierzero train`'s batch ({RunConfig.batch_size}) split over --gpus."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help=f"Tokens per sequence. Default: {RunConfig.seq_len}, as `tierzero train` takes."),
     prefetch_depth: Optional[int] = typer.Option(None, "--prefetch-depth", help="Units fetched ahead of compute. Default: 2, or 1 where that does not fit, as `tierzero train` chooses it."),
-    dtype: str = typer.Option("bf16", "--dtype", help="Compute dtype: bf16, fp16 or fp32."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype: bf16, fp16 or fp32. Default: as `tierzero train` here: bf16 on a GPU that computes in it (or one given by --gpu-mem), else fp32."),
     vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="Override the shape's vocabulary, e.g. 128256."),
     piece_numel: Optional[int] = typer.Option(None, "--piece-numel", help="Elements per piece in which grads and optimizer states stream. Default: 16Mi, or the largest that fits, as `tierzero train` chooses it."),
     overlap: bool = typer.Option(True, "--overlap/--no-overlap", help="Step each unit during backward (the engine's default without clipping or fp16)."),
@@ -120,7 +121,7 @@ def _figure(v: float) -> str:
 def _print_report(out: Output, report: PlanReport) -> None:
     r = report.as_dict()
     m, act = r["model"], report.activations
-    what = m["preset"] or f"{_count(m['params'])} params shaped like {m['shape']}"
+    what = escape(m["preset"]) if m["preset"] else f"{_count(m['params'])} params shaped like {m['shape']}"
     _say(out, f"[bold]tierzero plan[/] {what}: {_count(m['params'])} params in {m['units']} units "
               f"(largest {_count(m['largest_unit_params'])}), {report.gpus} GPU(s), {r['dtype']}")
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from tierzero.cli.output import Output
@@ -26,11 +27,11 @@ def report(
     if json_out:
         output.emit_json(summary)
         return
-    table = Table(title=f"run {run_dir}", show_header=False)
+    table = Table(title=f"run {escape(str(run_dir))}", show_header=False)
     for key in ("steps", "first_loss", "last_loss", "val_loss", "median_tokens_per_s", "wall_s"):
         value = summary[key]
         table.add_row(key, f"{value:,.4g}" if isinstance(value, float) else str(value))
     for tier, nbytes in summary["peak_bytes"].items():
         table.add_row(f"peak {tier}", f"{nbytes / 1e6:,.1f} MB")
     output.print(table)
-    output.print(f"plot: {png}")
+    output.print(f"plot: {escape(str(png))}", highlight=False)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tierzero.cli.output import Output
@@ -89,7 +91,7 @@ def train(
         config = _resume_config(run_dir, config)
         if steps is not None and config is not None and _schedule_follows_steps(config):
             overrides["total_steps"] = steps  # a longer run stretches its lr schedule, as a new one would
-    run = load_run_config(config, overrides)
+    run = _load(config, overrides)
     if resume and run_dir is not None and config == run_dir / CONFIG_NAME and nvme_path is None:
         run.engine.nvme_path = rebase_paths(run.engine.nvme_path, run_dir)  # saved relative to the run
     if not resume and not overwrite and run.run_dir is not None:
@@ -99,8 +101,8 @@ def train(
         raise ConfigError("ranks started by torchrun must name one run directory; pass --run-dir DIR")
     if run.run_dir is None:
         run.run_dir = str(Path("runs") / f"{_run_name(run.model)}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if comm_timeout <= 0:
-        raise ConfigError(f"--comm-timeout must be a positive number of seconds, got {comm_timeout}")
+    if not math.isfinite(comm_timeout) or comm_timeout <= 0:
+        raise ConfigError(f"--comm-timeout must be a finite positive number of seconds, got {comm_timeout}")
     ranks = ranks_from_env()
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {nproc}")
@@ -136,11 +138,11 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
         if resume:
             start_step, resumed = session.resume(rundir)
             notes = [*notes, *resumed]
-        for note in notes:
-            out.print(f"[yellow]note:[/] {note}", highlight=False)
+        for note in [*notes, *session.model.notes]:
+            out.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
         if resume:  # a new run's config was written first, in `start`
             rundir.write_config(run)
-        out.print(f"[bold]tierzero train[/] {run.model} ({session.n_params / 1e6:.2f}M params) "
+        out.print(f"[bold]tierzero train[/] {escape(run.model)} ({session.n_params / 1e6:.2f}M params) "
                   f"on {session.device}, dtype {session.dtype}, "
                   f"offload {run.engine.offload.value}: {session.placement_text}")
         stage_text = getattr(session.trainer, "stage_text", None)
@@ -156,12 +158,21 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
                             TextColumn("{task.fields[tps]:,.0f} tok/s"), TimeElapsedColumn(),
                             console=out.console, disable=json_out or out.quiet)
         rundir.open_metrics(start_step)
-        with progress:
-            task = progress.add_task("train", total=run.steps, completed=start_step, loss=float("nan"), tps=0.0)
-            result = session.train(rundir, lambda step, rec: progress.update(
-                task, completed=step, loss=rec["loss"], tps=rec["tokens_per_s"]), start_step=start_step)
+        task = progress.add_task("train", total=run.steps, completed=start_step, loss=float("nan"), tps=0.0)
+
+        def on_step(step: int, record: dict[str, Any]) -> None:
+            # drawn from the first finished step on: a refusal in the first step stands alone,
+            # after no "step 0/N loss nan 0 tok/s"
+            progress.update(task, completed=step, loss=record["loss"], tps=record["tokens_per_s"])
+            progress.start()
+
+        try:
+            result = session.train(rundir, on_step, start_step=start_step)
+        finally:
+            if progress.live.is_started:
+                progress.stop()
         for note in session.notes():
-            out.print(f"[yellow]note:[/] {note}", highlight=False)
+            out.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     summary = {"run_dir": run.run_dir, "steps": run.steps, "start_step": start_step,
                "first_loss": result.first_loss, "last_loss": result.last_loss,
                "val_loss_start": result.val_losses[0][1], "val_loss_end": result.val_losses[-1][1],
@@ -171,7 +182,23 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
     else:
         out.print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}, val loss "
                   f"{summary['val_loss_start']:.4f} -> {summary['val_loss_end']:.4f} in "
-                  f"{result.wall_s:.1f}s; metrics in {run.run_dir}/metrics.jsonl")
+                  f"{result.wall_s:.1f}s; metrics in {escape(run.run_dir)}/metrics.jsonl", highlight=False)
+
+
+# the config keys whose flags are not spelled `--key-with-dashes`
+_FLAGS = {"total_steps": "--steps", "betas": "--adam-betas", "eps": "--adam-eps"}
+
+
+def _load(config: Optional[Path], overrides: dict[str, Any]) -> RunConfig:
+    """The run's config; a refused value the user gave as a flag is named by that flag
+    (`--steps`, not the `total_steps` it sets), one from --config by its key."""
+    try:
+        return load_run_config(config, overrides)
+    except ConfigError as e:
+        key = e.key
+        if key is None or overrides.get(key) is None or not str(e).startswith(key):
+            raise
+        raise ConfigError(_FLAGS.get(key, "--" + key.replace("_", "-")) + str(e)[len(key):]) from None
 
 
 def _checkpoint_piece_numel(run_dir: str) -> Optional[int]:

@@ -103,13 +103,13 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9
 def parse_bytes(value: int | float | str, what: str) -> int:
     """`8GiB`, `512MB`, `1e9` or an int -> bytes."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value < 0:
-            raise ConfigError(f"{what} must be a positive size in bytes, got {value}")
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"{what} must be a positive size in bytes, got {value}", key=what)
         return int(value)
     m = _SIZE_RE.match(str(value))
     unit = (m.group(2) or "").lower() if m else None
     if not m or unit not in _SIZE_UNITS:
-        raise ConfigError(f"{what} '{value}' is not a size; write it like 8GiB, 512MB or 1000000")
+        raise ConfigError(f"{what} '{value}' is not a size; write it like 8GiB, 512MB or 1000000", key=what)
     return int(float(m.group(1)) * _SIZE_UNITS[unit])
 
 
@@ -120,7 +120,7 @@ def _enum(cls: type[enum.Enum], value: Any, what: str) -> Any:
         return cls(str(value).lower())
     except ValueError:
         choices = "|".join(m.value for m in cls)
-        raise ConfigError(f"{what} '{value}' is not valid; choose one of {choices}") from None
+        raise ConfigError(f"{what} '{value}' is not valid; choose one of {choices}", key=what) from None
 
 
 class Schedule(str, enum.Enum):
@@ -206,37 +206,42 @@ class Config:
         self.prefetch_depth = None if self.prefetch_depth == "auto" else self.prefetch_depth
         if self.piece_numel is not None and (isinstance(self.piece_numel, bool) or not isinstance(self.piece_numel, int)
                                              or self.piece_numel <= 0 or self.piece_numel % 2048):
-            raise ConfigError(f"piece_numel must be a positive multiple of 2048 elements (aligned in every "
-                              f"dtype) or auto, got {self.piece_numel!r}; e.g. 16777216 (64 MiB of fp32)")
+            raise _refused("piece_numel", f"must be a positive multiple of 2048 elements (aligned in every "
+                           f"dtype) or auto, got {self.piece_numel!r}; e.g. 16777216 (64 MiB of fp32)")
         if self.chunk_bytes <= 0 or self.chunk_bytes % 4096:
-            raise ConfigError(f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes}")
+            raise _refused("chunk_bytes", f"must be a positive multiple of 4096, got {self.chunk_bytes}")
         if self.verify_reads not in ("auto", "on", "off"):
-            raise ConfigError(f"verify_reads must be auto, on or off, got {self.verify_reads!r}")
+            raise _refused("verify_reads", f"must be auto, on or off, got {self.verify_reads!r}")
+        self._check_optimizer()
+        if self.stage is not None and (isinstance(self.stage, bool) or self.stage not in (1, 2, 3)):
+            raise _refused("stage", f"must be 1, 2 or 3 (or unset to choose), got {self.stage!r}")
+        depth = self.prefetch_depth
+        if depth is not None and (not _whole(depth) or depth < 0):
+            raise _refused("prefetch_depth", f"must be an integer >= 0 or auto, got {depth!r}")
+        _positive(self.io_threads, "io_threads", strict=True)
+
+    def _check_optimizer(self) -> None:
+        """The step's numbers: every one finite, since a NaN or infinite hyper-parameter trains
+        to NaN (weight decay) or freezes every weight (eps) without another word."""
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas}; e.g. --adam-betas 0.9,0.95")
+            raise _refused("betas", f"must be two numbers in [0, 1), got {self.betas}; e.g. --adam-betas 0.9,0.95")
         _positive(self.lr, "lr", strict=True)
         _positive(self.eps, "eps", strict=True)
         _positive(self.weight_decay, "weight_decay")
         _positive(self.warmup_steps, "warmup_steps")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not _number(self.min_lr_ratio) or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise _refused("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio!r}")
         if self.total_steps is not None:
             _positive(self.total_steps, "total_steps", strict=True)
         if self.clip_grad_norm is not None:
             _positive(self.clip_grad_norm, "clip_grad_norm", strict=True)
-        if int(self.accumulate) != self.accumulate or self.accumulate < 1:
-            raise ConfigError(f"accumulate must be an integer >= 1, got {self.accumulate}")
-        if self.stage is not None and (isinstance(self.stage, bool) or self.stage not in (1, 2, 3)):
-            raise ConfigError(f"stage must be 1, 2 or 3 (or unset to choose), got {self.stage!r}")
-        depth = self.prefetch_depth
-        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, (int, float))
-                                  or int(depth) != depth or depth < 0):
-            raise ConfigError(f"prefetch_depth must be an integer >= 0 or auto, got {depth!r}")
-        if self.loss_scale <= 0 or math.log2(self.loss_scale) != int(math.log2(self.loss_scale)):
-            raise ConfigError(f"loss_scale must be a power of two (like 65536), got {self.loss_scale}")
+        if not _whole(self.accumulate) or self.accumulate < 1:
+            raise _refused("accumulate", f"must be an integer >= 1, got {self.accumulate!r}")
+        scale = self.loss_scale
+        if not _number(scale) or scale <= 0 or not math.log2(scale).is_integer():
+            raise _refused("loss_scale", f"must be a power of two (like 65536), got {scale!r}")
         _positive(self.loss_scale_window, "loss_scale_window", strict=True)
-        _positive(self.io_threads, "io_threads", strict=True)
 
     def resolved_device(self) -> torch.device:
         """`device`, or the GPU when there is one, else the CPU; a GPU always with its index
@@ -258,10 +263,32 @@ def placement_from_dict(d: dict[str, Any]) -> Placement:
     return Placement(**{k: _enum(Tier, v, f"placement.{k}") for k, v in d.items()})
 
 
+def _number(value: Any) -> bool:
+    """A finite int or float (not a bool): NaN and infinities are refused wherever a number is."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _whole(value: Any) -> bool:
+    return _number(value) and int(value) == value
+
+
 def _positive(value: float, name: str, strict: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (strict and value == 0):
+    """A finite number >= 0 (`strict`: > 0)."""
+    if not _number(value) or value < 0 or (strict and value == 0):
         need = "> 0" if strict else ">= 0"
-        raise ConfigError(f"{name} must be a number {need}, got {value!r}")
+        raise _refused(name, f"must be a finite number {need}, got {value!r}")
+
+
+def _count(value: Any, name: str) -> int:
+    """An integer >= 1 (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _refused(name, f"must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _refused(key: str, problem: str) -> ConfigError:
+    """The refusal of one key's value: `key problem`, tagged with the key (the CLI names its flag)."""
+    return ConfigError(f"{key} {problem}", key=key)
 
 
 @dataclass
@@ -288,28 +315,24 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "keep_checkpoints"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+            _count(getattr(self, name), name)
         if not isinstance(self.text_field, str) or not self.text_field:
-            raise ConfigError(f"text_field must name a .jsonl field, got {self.text_field!r}")
+            raise _refused("text_field", f"must name a .jsonl field, got {self.text_field!r}")
         every = self.checkpoint_every
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise ConfigError(f"checkpoint_every must be an integer >= 1 (optimizer steps), got {every!r}")
+            raise _refused("checkpoint_every", f"must be an integer >= 1 (optimizer steps), got {every!r}")
         self._check_lora()
 
     def _check_lora(self) -> None:
         r, targets = self.lora_r, self.lora_targets
         if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
-            raise ConfigError(f"lora_r must be an integer >= 1 (the adapters' rank), got {r!r}")
-        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or self.lora_alpha <= 0:
-            raise ConfigError(f"lora_alpha must be a number > 0, got {self.lora_alpha!r}")
-        if isinstance(self.lora_dropout, bool) or not isinstance(self.lora_dropout, (int, float)) \
-                or not 0 <= self.lora_dropout < 1:
-            raise ConfigError(f"lora_dropout must be a number in [0, 1), got {self.lora_dropout!r}")
+            raise _refused("lora_r", f"must be an integer >= 1 (the adapters' rank), got {r!r}")
+        _positive(self.lora_alpha, "lora_alpha", strict=True)
+        if not _number(self.lora_dropout) or not 0 <= self.lora_dropout < 1:
+            raise _refused("lora_dropout", f"must be a number in [0, 1), got {self.lora_dropout!r}")
         if targets is not None and (not isinstance(targets, list) or not targets
                                     or not all(isinstance(t, str) and t for t in targets)):
-            raise ConfigError(f"lora_targets must be module names such as q_proj,v_proj, got {targets!r}")
+            raise _refused("lora_targets", f"must be module names such as q_proj,v_proj, got {targets!r}")
 
 
     def check_ranks(self, world_size: int) -> None:
@@ -342,7 +365,8 @@ def load_run_config(path: str | Path | None = None, overrides: dict[str, Any] | 
                           f"{', '.join(sorted(_RUN_FIELDS | _ENGINE_FIELDS))}")
     engine_values = {k: v for k, v in values.items() if k in _ENGINE_FIELDS}
     run_values = {k: v for k, v in values.items() if k in _RUN_FIELDS}
-    engine_values.setdefault("total_steps", run_values.get("steps", RunConfig.steps))
+    if "total_steps" not in engine_values:  # the schedule follows the run's length: refuse a bad one as `steps`
+        engine_values["total_steps"] = _count(run_values.get("steps", RunConfig.steps), "steps")
     try:
         engine = Config(**engine_values)
         return RunConfig(**run_values, engine=engine)

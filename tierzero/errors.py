@@ -10,7 +10,14 @@ class TierzeroError(Exception):
 
 
 class ConfigError(TierzeroError):
-    """A configuration value, flag, file or preset is invalid."""
+    """A configuration value, flag, file or preset is invalid.
+
+    `key`: the config key whose value is refused, when the message starts with it; the CLI then
+    names the flag the user typed instead (`--steps`, not `total_steps`)."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class DataError(TierzeroError):

@@ -74,7 +74,7 @@ def test_unknown_toml_key(tmp_path) -> None:
 
 
 def test_negative_batch() -> None:
-    assert "batch_size must be an integer >= 1" in one_line_error(train("--batch-size", "-4"))
+    assert "--batch-size must be an integer >= 1" in one_line_error(train("--batch-size", "-4"))
 
 
 def test_bad_dtype_and_offload() -> None:
@@ -132,7 +132,7 @@ def test_train_starts_from_local_safetensors(tmp_path, offload: str) -> None:
     (["--nproc", "2", "--batch-size", "3"], "--batch-size 3 (the global batch) does not split evenly over 2 ranks"),
     (["--nproc", "2", "--offload", "none"], "--offload none trains in memory on one rank, not 2"),
     (["--nproc", "0"], "--nproc must be at least 1"),
-    (["--comm-timeout", "0"], "--comm-timeout must be a positive number"),
+    (["--comm-timeout", "0"], "--comm-timeout must be a finite positive number"),
 ])
 def test_ranks_refused_before_any_starts(tmp_path, args: list[str], message: str) -> None:
     assert message in one_line_error(train(*args, "--run-dir", str(tmp_path / "run")))

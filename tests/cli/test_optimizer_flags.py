@@ -53,9 +53,18 @@ def test_optimizer_flags_reach_the_engine(tmp_path) -> None:
 
 @pytest.mark.parametrize("args, fragment", [
     (["--adam-betas", "0.9"], "--adam-betas '0.9' is not two numbers"),
-    (["--adam-betas", "0.9,1.0"], "betas must be two numbers in [0, 1)"),
-    (["--weight-decay", "-0.1"], "weight_decay must be a number >= 0"),
-    (["--adam-eps", "0"], "eps must be a number > 0"),
+    (["--adam-betas", "0.9,1.0"], "--adam-betas must be two numbers in [0, 1)"),
+    (["--adam-betas", "0.9,nan"], "--adam-betas must be two numbers in [0, 1)"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be a finite number >= 0"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0, got nan"),  # trained to a NaN loss
+    (["--adam-eps", "0"], "--adam-eps must be a finite number > 0"),
+    (["--adam-eps", "inf"], "--adam-eps must be a finite number > 0, got inf"),  # froze every weight
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    (["--clip-grad-norm", "nan"], "--clip-grad-norm must be a finite number > 0, got nan"),
+    (["--clip-grad-norm", "inf"], "--clip-grad-norm must be a finite number > 0, got inf"),
+    (["--lora-alpha", "nan"], "--lora-alpha must be a finite number > 0, got nan"),
+    (["--comm-timeout", "nan"], "--comm-timeout must be a finite positive number of seconds, got nan"),
 ])
 def test_bad_optimizer_values_are_one_sentence(tmp_path, args: list[str], fragment: str) -> None:
     result = runner.invoke(app, ["train", *args, "--run-dir", str(tmp_path / "run")])

@@ -95,7 +95,7 @@ def plan_json(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
-@pytest.mark.parametrize("model, extra", [("llama3-8b", []), ("llama3-70b", ["--seq-len", "4096"])])
+@pytest.mark.parametrize("model, extra", [("llama3-8b", []), ("llama3-70b", ["--seq-len", "4096", "--batch-size", "1"])])
 def test_llama3_shapes_find_a_placement_that_fits(model: str, extra: list[str]) -> None:
     report = plan_json("--model", model, *extra)
     assert report["model"]["params"] == PRESETS[model].param_count()
@@ -107,7 +107,7 @@ def test_llama3_shapes_find_a_placement_that_fits(model: str, extra: list[str]) 
 
 
 def test_llama3_70b_at_its_full_context_says_what_the_gpu_lacks() -> None:
-    verdict = plan_json("--model", "llama3-70b")["verdict"]
+    verdict = plan_json("--model", "llama3-70b", "--seq-len", "8192", "--batch-size", "1")["verdict"]
     assert not verdict["fits"] and set(verdict["shortfall_bytes"]) == {"gpu"}
 
 

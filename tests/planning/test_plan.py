@@ -304,7 +304,7 @@ def run_ok(*args: str) -> str:
 
 
 def test_plan_json_reproduces_the_seed_account() -> None:
-    report = json.loads(run_ok("--model", "7b", "--gpus", "8", "--json"))
+    report = json.loads(run_ok("--model", "7b", "--gpus", "8", "--dtype", "bf16", "--json"))
     assert [row["gb_per_gpu"] for row in report["ledger"]] == [112, 38.5, 26.25, 14]
     assert report["model"]["params"] == PRESETS["7b"].param_count()
     assert report["model"]["ledger_params"] == 7 * 10**9
@@ -389,6 +389,10 @@ def test_missing_nvme_path_is_an_error_when_free_space_is_detected(
     (["--dtype", "fp8"], "--dtype 'fp8' is not valid"),
     (["--profile", "/nonexistent/profile.json"], "profile '/nonexistent/profile.json' does not exist"),
     (["--model", "tiny", "--seq-len", "4096"], "exceeds the model's max_seq_len"),
+    (["--model", "tiny", "--batch-size", "0"], "--batch-size must be an integer >= 1, got 0"),
+    (["--model", "tiny", "--accumulate", "0"], "--accumulate must be an integer >= 1, got 0"),  # was planned
+    (["--model", "tiny", "--prefetch-depth", "-1"], "--prefetch-depth must be an integer >= 0, got -1"),
+    (["--model", "tiny", "--piece-numel", "0"], "--piece-numel must be a positive multiple of 2048"),  # crashed
 ])
 def test_plan_bad_input_is_one_error_and_exit_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
                                                 args: list[str], message: str) -> None:

@@ -4,6 +4,8 @@ patched to fixed numbers, so the test describes one machine wherever it runs."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import shutil
 from collections import namedtuple
 from pathlib import Path
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from tierzero import Config, models
-from tierzero.config import Placement, Tier
+from tierzero.config import DType, Placement, RunConfig, Tier
 from tierzero.engine import Engine
 from tierzero.planning import machine
 from tierzero.planning.ledger import GB
@@ -60,10 +62,15 @@ def test_plan_and_train_agree_on_budgets_and_placement(one_machine: None, monkey
 
 def test_plan_takes_the_gpu_budget_train_would(one_machine: None, monkeypatch: pytest.MonkeyPatch,
                                                tmp_path: Path) -> None:
-    """With CUDA: 90% of GPU 0's free memory, as `machine.default_budgets` gives `train`."""
+    """With CUDA: 90% of GPU 0's free memory, as `machine.default_budgets` gives `train`, and
+    bf16 where the GPU computes in it, fp32 where it does not (`machine.default_dtype`)."""
     monkeypatch.setattr(machine, "available_host_bytes", lambda: 64 * GB)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * GB, 80 * GB))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    for native, dtype in ((False, DType.FP32), (True, DType.BF16)):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native)
+        assert make_plan("tiny", nvme_path=tmp_path).dtype is dtype
     planned = make_plan("tiny", nvme_path=tmp_path)
     assert planned.device == "cuda" and planned.detected == ["host", "gpu", "nvme"]
     assert planned.budgets == {Tier.GPU: 9 * GB, Tier.HOST: 32 * GB, Tier.NVME: DISK_FREE}
@@ -79,3 +86,26 @@ def test_given_sizes_are_not_probed(one_machine: None, monkeypatch: pytest.Monke
     planned = make_plan("tiny", host_mem="8GB", gpu_mem="4GB", nvme_free="1TB", nvme_path=tmp_path)
     assert planned.detected == []
     assert planned.budgets == {Tier.GPU: 4 * GB, Tier.HOST: 8 * GB, Tier.NVME: 1000 * GB}
+
+
+def test_plan_defaults_are_what_train_takes(one_machine: None, monkeypatch: pytest.MonkeyPatch,
+                                            tmp_path: Path) -> None:
+    """Without CUDA `train` computes in fp32 (`Config(dtype=None)`), on `RunConfig`'s batch and
+    sequence length: `plan` with no --dtype, --batch-size or --seq-len plans that run, not a
+    bf16 one at the model's whole context."""
+    from typer.testing import CliRunner
+
+    from tierzero.cli.app import app
+    from tierzero.engine.precision import resolve_dtype
+
+    monkeypatch.setattr(machine, "available_host_bytes", lambda: 64 * GB)
+    config = Config()
+    assert resolve_dtype(config.dtype, config.resolved_device()) is DType.FP32
+    planned = make_plan("tiny", nvme_path=tmp_path)
+    assert planned.dtype is DType.FP32
+    assert (planned.activations.batch_size, planned.activations.seq_len) == (RunConfig.batch_size, RunConfig.seq_len)
+    assert make_plan("tiny", gpus=2, nvme_path=tmp_path).activations.batch_size == RunConfig.batch_size // 2
+    result = CliRunner().invoke(app, ["plan", "--model", "tiny", "--nvme-path", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["dtype"] == "fp32"
+    assert make_plan("tiny", gpu_mem="80GB", nvme_path=tmp_path).dtype is DType.BF16  # a GPU described, not here

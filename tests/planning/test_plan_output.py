@@ -49,7 +49,7 @@ def test_plan_with_a_profile_fits_80_columns_with_its_step_times(profile: str) -
 
 
 def test_a_small_model_is_sized_in_megabytes_not_zero_gigabytes() -> None:
-    text = plan_at_80_columns("--model", "tiny", "--host-mem", "8GB", "--nvme-free", "1TB")
+    text = plan_at_80_columns("--model", "tiny", "--host-mem", "8GB", "--nvme-free", "1TB", "--dtype", "bf16")
     assert "0.0 GB" not in text and "0.00 GB" not in text
     assert "51.4 MB" in text  # the ledger: 16 B x 3.2M params
     assert "placements, in MB" in text

@@ -113,7 +113,7 @@ def test_plan_keeps_the_defaults_where_they_fit_and_prints_the_choice_where_not(
     args = ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=32000, ffn_dim=2048)
     assert args.param_count() == 134_105_856 and not args.tie_embeddings
     units = partition(models.build(args, device="meta"), 1, None)
-    kw = dict(units=units, args=args, dtype="fp32", seq_len=128, nvme_free="1TB")
+    kw = dict(units=units, args=args, dtype="fp32", batch_size=1, seq_len=128, nvme_free="1TB")
     roomy = make_plan("134m", host_mem="64GB", **kw)
     assert roomy.streaming == DEFAULT and roomy.as_dict()["streaming"]["default"]
     report = make_plan("134m", host_mem="512MiB", **kw)

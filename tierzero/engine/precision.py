@@ -16,6 +16,8 @@ import torch
 
 from tierzero.config import TORCH_DTYPES, DType
 from tierzero.errors import ConfigError, TierzeroError
+from tierzero.planning.machine import default_dtype
+
 
 def compute_dtype(dtype: DType, device: torch.device) -> torch.dtype:
     """The torch dtype to compute in, after checking `device` can compute in it."""
@@ -35,14 +37,6 @@ def check_dtype_supported(dtype: DType, device: torch.device) -> None:
 def resolve_dtype(dtype: DType | None, device: torch.device) -> DType:
     """The configured dtype, or the device's default when none is configured."""
     return default_dtype(device) if dtype is None else dtype
-
-
-def default_dtype(device: torch.device) -> DType:
-    """bf16 on GPUs that compute in it natively, else fp32 (CPU bf16 is slow, fp16 needs a scaler)."""
-    device = torch.device(device)
-    if device.type == "cuda" and _supports(DType.BF16, device):
-        return DType.BF16
-    return DType.FP32
 
 
 @functools.lru_cache(maxsize=None)

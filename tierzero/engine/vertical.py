@@ -54,7 +54,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # token ids, targets
 def not_a_chain(model: nn.Module, units: list[Unit]) -> str | None:
     """Why the vertical schedule cannot drive `model` (None: it can)."""
     if not isinstance(model, Transformer) or type(model).forward is not Transformer.forward:
-        return f"{type(model).__name__} is not the built-in model, whose forward the engine can run unit by unit"
+        return "only a built-in preset has a forward the engine can run unit by unit"
     if units[0].kind != "embedding" or units[-1].kind != "head":
         return "its units are not an embedding, blocks and a head"
     return None

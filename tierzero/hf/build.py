@@ -24,6 +24,7 @@ from torch import nn
 
 from tierzero.errors import ConfigError
 from tierzero.hf.adapter import CausalLM, SplitCausalLM
+from tierzero.hf.positions import check_seq_len, position_limit
 from tierzero.layout.partition import find_blocks
 
 PREFIX = "hf:"
@@ -46,24 +47,12 @@ class HFModel:
     def param_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
-    def position_limit(self) -> int | None:
-        """The longest sequence a learned position table (GPT-2's `wpe`, OPT's offset one) can
-        index: `max_position_embeddings`; None when positions are computed (rotary, ALiBi)."""
-        limit = getattr(self.model.config, "max_position_embeddings", None)
-        if not isinstance(limit, int):
-            return None
-        tokens = self.model.hf_model.get_input_embeddings()
-        blocks = {id(m) for m in self.model.blocks.modules()}
-        learned = any(isinstance(m, nn.Embedding) and m is not tokens and id(m) not in blocks
-                      and limit <= m.num_embeddings <= limit + 2 for m in self.model.modules())
-        return limit if learned else None
-
-    def check_seq_len(self, seq_len: int) -> None:
-        """Refuse sequences longer than a learned position table (an IndexError in the forward)."""
-        limit = self.position_limit()
-        if limit is not None and seq_len > limit:
-            raise ConfigError(f"--seq-len {seq_len} is longer than {self.path.name}'s learned position table "
-                              f"({limit} positions, max_position_embeddings); use --seq-len {limit} or less")
+    def check_seq_len(self, seq_len: int) -> str | None:
+        """Refuse `seq_len` where the model cannot run it; past the positions of rotary
+        embeddings, which run on, the note to print once (`tierzero.hf.positions`)."""
+        limit = position_limit(self.model, self.model.config, self.model.hf_model.get_input_embeddings(),
+                               self.model.blocks)
+        return check_seq_len(limit, seq_len, self.path.name)
 
     def description(self) -> dict[str, Any]:
         """What a checkpoint records (`save_checkpoint(model=...)`): export writes the config back."""

@@ -148,7 +148,7 @@ def find_blocks(model: nn.Module, units: str | None = None) -> tuple[str, nn.Mod
             best = (name, module)
     if best is None:
         raise ConfigError(f"{type(model).__name__} has no nn.ModuleList of repeated blocks to split "
-                          "into units; name one with Config(units='path.to.blocks')")
+                          "into units; name its attribute path with --units (Config(units=...)), e.g. model.layers")
     return best
 
 

@@ -1,7 +1,7 @@
-"""The one machine probe: free host memory, free disk space, and the default budgets.
+"""The one machine probe: free host memory, free disk space, the default budgets and dtype.
 
 `tierzero plan` and `tierzero train` ask the same functions, so they agree on the budgets (and
-hence on placement) for the same machine. Nothing else in the package reads /proc/meminfo,
+hence on placement and precision) for the same machine. Nothing else in the package reads /proc/meminfo,
 asks CUDA how much memory is free or measures a disk.
 """
 
@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+
+from tierzero.config import DType
 
 
 def available_host_bytes() -> int:
@@ -35,6 +37,17 @@ def default_budgets(device: torch.device, local_ranks: int = 1) -> tuple[int, in
         free, _ = torch.cuda.mem_get_info(device)
         return host, int(free * 0.9)
     return host, available_host_bytes() // 4 // local_ranks
+
+
+def default_dtype(device: torch.device | str) -> DType:
+    """bf16 on GPUs that compute in it natively, else fp32 (CPU bf16 is slow, fp16 needs a
+    scaler; emulated bf16 before Ampere computes at fp32 cost with bf16 rounding)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            if torch.cuda.is_bf16_supported(including_emulation=False):
+                return DType.BF16
+    return DType.FP32
 
 
 def free_disk_bytes(paths: Sequence[str | Path]) -> int:

@@ -19,14 +19,14 @@ from typing import Any
 
 import torch
 
-from tierzero.config import TORCH_DTYPES, DType, Placement, Schedule, StateKind, Tier, parse_bytes
+from tierzero.config import TORCH_DTYPES, DType, Placement, RunConfig, Schedule, StateKind, Tier, parse_bytes
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit
 from tierzero.models.llama import loss_chunk_bytes
 from tierzero.models.presets import ModelArgs, get_preset
 from tierzero.planning.ledger import (GB, ActivationEstimate, activation_memory, check_world_size, ledger,
                                       nearest_preset, nominal_numel, parse_count)
-from tierzero.planning.machine import default_budgets, free_disk_bytes
+from tierzero.planning.machine import default_budgets, default_dtype, free_disk_bytes
 from tierzero.planning.placement import (STAGE_TEXT, Link, PlacementChoice, PlacementEstimate, candidate_placements,
                                          choose, choose_stage, estimate, load_profile)
 from tierzero.planning.streaming import DEFAULT, Streaming, choose_streaming, ladder, streamed
@@ -141,10 +141,10 @@ def make_plan(
     host_mem: str | int | None = None,
     nvme_free: str | int | None = None,
     nvme_path: str | Path = ".",
-    batch_size: int = 1,
+    batch_size: int | None = None,
     seq_len: int | None = None,
     prefetch_depth: int | None = None,
-    dtype: str = "bf16",
+    dtype: str | None = None,
     vocab_size: int | None = None,
     piece_numel: int | None = None,
     overlap: bool = True,
@@ -157,7 +157,8 @@ def make_plan(
 ) -> PlanReport:
     """Plan `model` (a preset name, default 7b) or `params` (a count, e.g. "7e9" or 70_000_000_000,
     shaped like the nearest preset) on `gpus` GPUs with the given memory sizes ("80GB", or
-    bytes); a size not given is this machine's. Arguments are `tierzero plan`'s flags, and
+    bytes); a size not given is this machine's, and `dtype`, `batch_size` (per GPU) and `seq_len`
+    not given are what `tierzero train` takes here by default. Arguments are `tierzero plan`'s flags, and
     the result is what it prints (`as_dict()` is its `--json`). `stage` forces the ZeRO stage;
     None chooses it as the engine does: the placement for stage 3, then the least communication
     whose state fits there (`tierzero.planning.placement.choose_stage`), and every estimate at that stage.
@@ -171,6 +172,14 @@ def make_plan(
     and `args`, the LLaMA-like shape its activations are estimated from; `model` then names it."""
     if stage is not None and stage not in (1, 2, 3):
         raise ConfigError(f"--stage must be 1, 2 or 3, got {stage}")
+    for flag, value, least in (("--batch-size", batch_size, 1), ("--seq-len", seq_len, 1),
+                               ("--accumulate", accumulate, 1), ("--prefetch-depth", prefetch_depth, 0)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise ConfigError(f"{flag} must be an integer >= {least}, got {value!r}")
+    if piece_numel is not None and (isinstance(piece_numel, bool) or not isinstance(piece_numel, int)
+                                    or piece_numel <= 0 or piece_numel % 2048):
+        raise ConfigError(f"--piece-numel must be a positive multiple of 2048 elements, got {piece_numel!r}; "
+                          "e.g. 16777216 (64 MiB of fp32)")
     try:
         schedule = Schedule(schedule)
     except ValueError:
@@ -183,8 +192,11 @@ def make_plan(
         raise ConfigError(f"--vocab-size must be a positive integer, got {vocab_size}")
     if model is not None and params is not None:
         raise ConfigError("give --model or --params, not both")
-    compute = _dtype(dtype)
+    budgets, detected, device = _budgets(gpu_mem, host_mem, nvme_free, Path(nvme_path))
+    compute = _dtype(dtype) if dtype is not None else _train_dtype(device)
     itemsize = TORCH_DTYPES[compute].itemsize
+    batch_size = batch_size if batch_size is not None else max(1, RunConfig.batch_size // gpus)
+    seq_len = seq_len if seq_len is not None else RunConfig.seq_len
     if units is not None:
         if args is None or params is not None or vocab_size is not None:
             raise ConfigError("a built model's plan takes its own shape; drop --params and --vocab-size")
@@ -202,9 +214,7 @@ def make_plan(
         numel = args.param_count()
         ledger_numel = (nominal_numel(shape) if vocab_size is None else None) or numel
     assert args is not None
-    activations = activation_memory(args, batch_size, seq_len or args.max_seq_len, itemsize,
-                                    loss_chunk_bytes(args.vocab_size))
-    budgets, detected, device = _budgets(gpu_mem, host_mem, nvme_free, Path(nvme_path))
+    activations = activation_memory(args, batch_size, seq_len, itemsize, loss_chunk_bytes(args.vocab_size))
     # grads are fp32 in every tier, as the engine keeps them (the ledger is the textbook 16 B)
     top = ladder(piece_numel, prefetch_depth)[0]
     how: dict[str, Any] = dict(world_size=gpus, device=device, prefetch_depth=top.prefetch_depth,
@@ -255,6 +265,14 @@ def _dtype(value: str) -> DType:
         return DType(value.lower())
     except ValueError:
         raise ConfigError(f"--dtype '{value}' is not valid; choose one of bf16|fp16|fp32") from None
+
+
+def _train_dtype(device: str) -> DType:
+    """The dtype `tierzero train` computes in by default: fp32 on the CPU, and on a GPU what it
+    has (`machine.default_dtype`); bf16 on a GPU sized by --gpu-mem on a machine without one."""
+    if device == "cuda" and not torch.cuda.is_available():
+        return DType.BF16
+    return default_dtype(torch.device("cuda", 0) if device == "cuda" else torch.device("cpu"))
 
 
 def _budgets(gpu_mem: str | int | None, host_mem: str | int | None, nvme_free: str | int | None,

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from tierzero.config import PIECE_NUMEL
 from tierzero.storage.host import HostPool
 
 
@@ -36,8 +37,13 @@ def _no_sync() -> None:
     pass
 
 
-def adam_params_per_s(numel: int = 1 << 22, seconds: float = 0.5) -> float:
-    """Parameters per second through one fused CPU `torch.optim.AdamW` step on fp32 state."""
+def adam_params_per_s(numel: int = PIECE_NUMEL, seconds: float = 0.5) -> float:
+    """Parameters per second through one fused CPU `torch.optim.AdamW` step on fp32 state.
+
+    By default on one piece, what the engine's optimizer steps at a time: its four fp32 tensors
+    (256 MiB) stream from memory as the engine's do. A few million elements would sit in the
+    CPU's last-level cache and run several times faster than any real step (1.83e9 against
+    5.8e8 params/s for 4Mi against 32Mi elements on one machine)."""
     param = torch.nn.Parameter(torch.randn(numel))
     param.grad = torch.randn(numel)
     opt = torch.optim.AdamW([param], lr=1e-4, fused=True)

@@ -84,9 +84,9 @@ def run_model(run: RunConfig) -> RunModel:
     from tierzero.hf import load_model
 
     hf = load_model(run.model, run.engine.units)
-    hf.check_seq_len(run.seq_len)
+    past_positions = hf.check_seq_len(run.seq_len)
     weights = run.weights or (str(hf.weights) if hf.weights is not None else None)
-    tokenizer, notes = None, []
+    tokenizer, notes = None, [past_positions] if past_positions else []
     if weights is None:
         notes.append(f"model directory {hf.path} has no *.safetensors: every unit is initialised by the "
                      f"model's own _init_weights from seed {run.engine.seed}")

@@ -72,7 +72,8 @@ class Session:
         return manifest.step, [*self.trainer.notes(), *moved, f"resumed from checkpoint step {manifest.step}"]
 
     def notes(self) -> list[str]:
-        return self.model.notes + (self.trainer.notes() if hasattr(self.trainer, "notes") else [])
+        """What the trainer has to say after training (the model's `notes` are said before it)."""
+        return self.trainer.notes() if hasattr(self.trainer, "notes") else []
 
 
 def load_batches(run: RunConfig, model: RunModel, ranks: Ranks = Ranks()) -> TokenBatches:
