@@ -39,7 +39,7 @@ def plan(
     profile: Optional[Path] = typer.Option(None, "--profile", help="A `tierzero bench --profile-out` file: predicts step times."),
     stage: Optional[int] = typer.Option(None, "--stage", help="With --gpus > 1, the ZeRO stage (1, 2 or 3); default: chosen as `tierzero train` chooses it (1 or 2 when replicated state fits, else 3)."),
     accumulate: int = typer.Option(1, "--accumulate", help="Micro-batches per step (stage 1 keeps whole grads between them)."),
-    schedule: str = typer.Option("horizontal", "--schedule", help="How the --accumulate micro-batches run: horizontal, vertical (each unit for all of them; built-in shapes) or auto, as `tierzero train --schedule`; the NVMe bytes per step are printed for both."),
+    schedule: str = typer.Option("auto", "--schedule", help="How the --accumulate micro-batches run: horizontal, vertical (each unit for all of them; built-in shapes and Hugging Face decoders) or auto (default: vertical when accumulating, where it applies), as `tierzero train --schedule`; the NVMe bytes per step are printed for both."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Print the 16-byte ledger per GPU (DDP, ZeRO 1-3), the ZeRO stage (--gpus > 1) and its

@@ -24,7 +24,9 @@ Two layouts (see `tierzero.layout.partition`):
   Position tables join the token embedding in the embedding unit (`tierzero.hf.prelude`). The
   final norm's call inside the base model's forward passes the hidden state through
   (`_deferred`), and `head_out` applies it, then runs the model's own head on that hidden state
-  by having the base model return it (`_returning`).
+  by having the base model return it (`_returning`). The vertical schedule calls its units
+  one by one: `layer_calls` records what the base model's forward passes each layer
+  (`tierzero.hf.layercalls`), `first_hidden` is that forward up to the first layer.
 - *root* -- otherwise (two norms, a projection after the layers): no `head_out`, so
   everything outside the layers is one root unit, bound for the whole pass, and the forward
   is the model's own.
@@ -43,6 +45,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tierzero.errors import ConfigError
+from tierzero.hf.layercalls import LayerCall, check_chain, recording
 from tierzero.hf.prelude import Prelude, replaying, stop_at
 from tierzero.models.llama import LOSS_CHUNK_BYTES, unit_seed
 from tierzero.models.loss import IGNORE_INDEX, chunk_tokens_for
@@ -180,6 +183,18 @@ class SplitCausalLM(CausalLM):
         with stop_at(self.blocks[0]) as until_block:
             return until_block(lambda: self.base(input_ids=input_ids, attention_mask=attention_mask,
                                                  use_cache=False))
+
+    def first_hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The hidden state the first layer gets (the embedding unit's part of the forward)."""
+        return self._prelude(input_ids, None)
+
+    def layer_calls(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[LayerCall]]:
+        """The first layer's hidden input and every layer's call, from the base model's own
+        forward with the layers recording (`tierzero.hf.layercalls`) and the final norm deferred."""
+        with recording(self.blocks) as calls, _deferred(self.final_norm, self.blocks[-1]):
+            out = self.base(input_ids=input_ids, use_cache=False)
+        check_chain(calls, len(self.blocks), out.last_hidden_state, type(self.hf_model).__name__)
+        return calls[0].hidden, calls
 
     def head_out(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, *,
                  labels: torch.Tensor | None = None) -> Any:
