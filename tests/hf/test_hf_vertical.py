@@ -6,7 +6,9 @@ fp32, one rank, every state on NVMe, k = 3 micro-batches a step: a LLaMA with at
 vertically leaves losses and weights bitwise equal to the horizontal schedule and to a plain
 loop: the model from `from_pretrained` (peft on it for LoRA), `torch.optim.AdamW` with
 accumulation, each decoder layer's call drawing its dropout masks from the generator seeded for
-(step, micro-batch, unit) as tierzero documents (`tierzero.engine.draws.draw_seed`).
+(step, micro-batch, unit) as tierzero documents (`tierzero.engine.draws.draw_seed`). Other
+families (GPT-2's position table and dropouts, MPT's tuple-returning layers, Gemma2's
+alternating sliding-window masks) run vertically as horizontally, bitwise.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tierzero import Config, Engine, Placement, Tier
 from tierzero.adamw import decays, implementation
 from tierzero.config import Schedule
 from tierzero.engine.draws import draw_seed
+from tierzero.errors import ConfigError
 from tierzero.hf import load_model
 from tierzero.hf.lora import LoraSpec, add_lora, materialise_lora
 from tierzero.lr import lr_at
@@ -149,3 +152,48 @@ def test_auto_runs_hf_decoders_vertically_when_accumulating(tmp_path) -> None:
             return bool(engine.vertical.on)
 
     assert chosen(2) and not chosen(1)
+
+
+FAMILIES = {  # beyond LLaMA: a prelude with dropout, layers returning tuples, alternating attention
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1),
+    "mpt": dict(d_model=64, n_layers=2, n_heads=4, max_seq_len=128),
+    "gemma2": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   intermediate_size=128, sliding_window=8, attention_dropout=0.1),
+}
+
+
+def save_family(arch: str, path: Path, **overrides) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(arch, vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, **overrides)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_other_families_run_vertically_as_horizontally(tmp_path, arch: str) -> None:
+    model_dir = save_family(arch, tmp_path / arch, **FAMILIES[arch])
+    runs = {}
+    for schedule in ("horizontal", "vertical"):
+        (tmp_path / schedule).mkdir()
+        runs[schedule] = engine_run(model_dir, tmp_path / schedule, schedule, lora=False)
+    (h_losses, h_weights, _), (v_losses, v_weights, v_on) = runs["horizontal"], runs["vertical"]
+    assert v_on and v_losses == h_losses
+    for name in h_weights:
+        assert torch.equal(v_weights[name], h_weights[name]), name
+
+
+def test_a_final_norm_without_parameters_stays_horizontal(tmp_path) -> None:
+    """OLMo's final norm runs inside its model's forward, not in the head unit: `auto` keeps it
+    horizontal, `vertical` is refused in one sentence."""
+    model_dir = save_family("olmo", tmp_path / "olmo", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=128)
+    hf = load_model(f"hf:{model_dir}")
+    with Engine(hf.model, config(tmp_path / "a", "auto"), weights=model_dir) as engine:
+        engine.train_micro_batch(batches().next_batch())
+        assert engine.vertical.on is False
+    hf = load_model(f"hf:{model_dir}")
+    with Engine(hf.model, config(tmp_path / "v", "vertical"), weights=model_dir) as engine:
+        with pytest.raises(ConfigError, match="final norm has no parameters"):
+            engine.train_micro_batch(batches().next_batch())

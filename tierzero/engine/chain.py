@@ -104,6 +104,6 @@ def chain_of(model: nn.Module, units: list[Unit]) -> Chain | str:
         return Chain(model)
     owner = next((m for m in model.modules() if callable(getattr(type(m), "layer_calls", None))), None)
     if owner is not None:
-        return LayerChain(owner)
+        return owner.layer_calls_refusal() or LayerChain(owner)
     return (f"{type(model).__name__} is neither the built-in model nor a decoder whose layer calls the "
             "engine can record")

@@ -40,22 +40,26 @@ from torch import nn
 
 from tierzero.config import Config, Schedule, StateKind, Tier
 from tierzero.engine.backward import BackwardPass
-from tierzero.engine.boundary import BoundaryStore
+from tierzero.engine.boundary import BoundaryStore, aligned_nbytes
 from tierzero.engine.chain import Chain, chain_of
 from tierzero.engine.draws import seeded
 from tierzero.engine.execute import UnitRunner, bind, flat_grad, unbind
 from tierzero.engine.grads import GradShards
 from tierzero.errors import ConfigError, TierzeroError
 from tierzero.layout.partition import Unit, forward_only
-from tierzero.planning.memory_model import waiting_activations_bytes
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # token ids, targets
 
 
 def waiting_bytes(chain: Chain, units: list[Unit], batch: Batch, accumulate: int, itemsize: int) -> int:
-    """Host bytes the vertical schedule's waiting activations take at most (the memory model's count)."""
-    return waiting_activations_bytes(len(units) - 2, chain.dim, chain.vocab_size, bool(units[-1].uses_with),
-                                     batch[0].numel(), accumulate, itemsize)
+    """Host bytes the vertical schedule's waiting activations take at most, as the store holds
+    them (the memory model's `waiting_activations_bytes`, each entry aligned): every block
+    input of every micro-batch, and a tied embedding unit's whole fp32 grad from the head
+    (position tables included)."""
+    embedding = units[0]
+    tied = embedding.trainable_numel if embedding.world_size == 1 else embedding.padded_numel
+    per_micro = (len(units) - 2) * aligned_nbytes(batch[0].numel() * chain.dim * itemsize)
+    return accumulate * (per_micro + (aligned_nbytes(tied * 4) if units[-1].uses_with else 0))
 
 
 def choose(config: Config, model: nn.Module, units: list[Unit], batch: Any, spill: bool,

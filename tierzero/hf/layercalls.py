@@ -11,6 +11,8 @@ that alternate attention kinds get each layer's own mask).
 
 That is only the model's forward if the forward hands each layer's output to the next layer
 and the last one's to the final norm unchanged; `check_chain` refuses a model that does not.
+Layers of older families return a tuple whose first element is the hidden state (MPT's): the
+recorders then return `(hidden,)` (`as_tuple`), which such a forward unpacks the same way.
 """
 
 from __future__ import annotations
@@ -44,13 +46,14 @@ class LayerCall:
 
 
 @contextlib.contextmanager
-def recording(layers: nn.ModuleList) -> Iterator[list[LayerCall]]:
+def recording(layers: nn.ModuleList, as_tuple: bool = False) -> Iterator[list[LayerCall]]:
     """Inside, each layer of `layers` records its call (appended to the yielded list) and
-    returns its hidden input; their forwards (the engine's entries among them) come back after."""
+    returns its hidden input (in a 1-tuple `as_tuple`); their forwards (the engine's entries
+    among them) come back after."""
     calls: list[LayerCall] = []
     saved = [vars(layer).get("forward") for layer in layers]
     for layer in layers:
-        layer.forward = functools.partial(_record, calls)
+        layer.forward = functools.partial(_record, calls, as_tuple)
     try:
         yield calls
     finally:
@@ -61,21 +64,23 @@ def recording(layers: nn.ModuleList) -> Iterator[list[LayerCall]]:
                 layer.forward = forward
 
 
-def _record(calls: list[LayerCall], *args: Any, **kwargs: Any) -> torch.Tensor:
+def _record(calls: list[LayerCall], as_tuple: bool, *args: Any, **kwargs: Any) -> Any:
     if args:
         calls.append(LayerCall(args[0], args[1:], kwargs, True))
     else:
         kwargs = dict(kwargs)
         calls.append(LayerCall(kwargs.pop("hidden_states"), (), kwargs, False))
-    return calls[-1].hidden
+    return (calls[-1].hidden,) if as_tuple else calls[-1].hidden
 
 
-def check_chain(calls: list[LayerCall], layers: int, last_hidden: torch.Tensor, model: str) -> None:
-    """Refuse a forward that calls its layers otherwise than once each in a chain."""
+def chained(calls: list[LayerCall], layers: int, last_hidden: Any) -> bool:
+    """Whether the forward called its layers once each in a chain, ending at `last_hidden`."""
     first = calls[0].hidden if calls else None
-    if (len(calls) != layers or any(not _same(c.hidden, first) for c in calls)
-            or not _same(last_hidden, first)):
-        raise ConfigError(f"{model}'s forward changes the hidden state between its layers, so the vertical "
+    return len(calls) == layers and all(_same(c.hidden, first) for c in calls) and _same(last_hidden, first)
+
+
+def refuse_unchained(model: str) -> None:
+    raise ConfigError(f"{model}'s forward changes the hidden state between its layers, so the vertical "
                           "schedule cannot call them one by one; use --schedule horizontal")
 
 
