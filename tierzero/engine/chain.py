@@ -41,10 +41,6 @@ class Chain:
     def dim(self) -> int:
         return self.model.args.dim
 
-    @property
-    def vocab_size(self) -> int:
-        return self.model.args.vocab_size
-
     def check(self, ids: torch.Tensor) -> None:
         if ids.shape[1] > self.model.args.max_seq_len:
             raise ConfigError(f"sequence length {ids.shape[1]} exceeds the model's max_seq_len "
@@ -74,10 +70,6 @@ class LayerChain(Chain):
     @property
     def dim(self) -> int:
         return int(self.model.config.hidden_size)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.model.config.vocab_size)
 
     def check(self, ids: torch.Tensor) -> None:
         pass  # the model's loader checks --seq-len against its positions
