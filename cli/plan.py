@@ -11,6 +11,7 @@ from rich.table import Table
 
 from tierzero.cli.output import Output
 from tierzero.config import StateKind, Tier
+from tierzero.engine.chain import chain_of
 from tierzero.hf import is_hf, load_model
 from tierzero.layout.partition import partition
 from tierzero.models.presets import PRESETS, ModelArgs
@@ -65,7 +66,8 @@ def plan(
 def _hf_model(model: str, gpus: int) -> dict[str, Any]:
     """hf:DIR built from its config.json with its parameters on `meta` (nothing is read but the
     config): its units as the engine would partition them, and the LLaMA-like shape the
-    activation estimate uses (dim, layers, heads, kv heads, MLP width, vocabulary, positions)."""
+    activation estimate uses (dim, layers, heads, kv heads, MLP width, vocabulary, positions),
+    and why the vertical schedule cannot drive it, if it cannot."""
     check_world_size(gpus)
     hf = load_model(model)
     cfg = hf.model.config
@@ -76,7 +78,9 @@ def _hf_model(model: str, gpus: int) -> dict[str, Any]:
     args = ModelArgs(dim=dim, n_layers=cfg.num_hidden_layers, n_heads=heads,
                      n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, vocab_size=cfg.vocab_size,
                      ffn_dim=ffn, max_seq_len=positions, tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)))
-    return {"units": partition(hf.model, gpus), "args": args}
+    units = partition(hf.model, gpus)
+    chain = chain_of(hf.model, units)
+    return {"units": units, "args": args, "not_a_chain": chain if isinstance(chain, str) else None}
 
 
 # Plan's output fits an 80-column terminal: free text wraps at the console's width (the other

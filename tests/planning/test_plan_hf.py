@@ -63,3 +63,17 @@ def test_hf_plans_print_both_schedules_and_auto_runs_vertically(tmp_path: Path) 
     horizontal = json.loads(plan(*args, "--schedule", "horizontal", "--json"))["schedule"]
     assert horizontal["schedule"] == "horizontal" and horizontal["nvme_bytes_per_step"] == moved
     assert "Schedule: vertical, 4 micro-batch(es) per step" in plan(*args)
+
+
+def test_hf_plans_keep_a_model_the_engine_runs_horizontally_horizontal(tmp_path: Path) -> None:
+    """OLMo's final norm has no parameters (the engine keeps it horizontal): auto plans it so,
+    and --schedule vertical is refused in one sentence naming why."""
+    from transformers import OlmoConfig
+
+    OlmoConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               vocab_size=256).save_pretrained(tmp_path / "olmo")
+    args = ["--model", f"hf:{tmp_path / 'olmo'}", *MACHINE, "--seq-len", "64", "--accumulate", "4"]
+    assert json.loads(plan(*args, "--json"))["schedule"]["schedule"] == "horizontal"
+    result = CliRunner().invoke(app, ["plan", *args, "--schedule", "vertical"])
+    assert result.exit_code != 0
+    assert "final norm has no parameters" in str(result.exception) + result.output

@@ -154,6 +154,7 @@ def make_plan(
     schedule: str = "auto",
     units: Sequence[Unit] | None = None,
     args: ModelArgs | None = None,
+    not_a_chain: str | None = None,
 ) -> PlanReport:
     """Plan `model` (a preset name, default 7b) or `params` (a count, e.g. "7e9" or 70_000_000_000,
     shaped like the nearest preset) on `gpus` GPUs with the given memory sizes ("80GB", or
@@ -167,7 +168,8 @@ def make_plan(
     defaults (the engine refuses it at the ladder's least, with that figure).
     `schedule` (horizontal, vertical or auto: vertical wherever it applies when accumulating)
     is how the `accumulate` micro-batches run; it applies to a built-in shape and to a built
-    model whose units are an embedding, blocks and a head (a split Hugging Face decoder).
+    model whose units are an embedding, blocks and a head (a split Hugging Face decoder) unless
+    `not_a_chain` says why the engine cannot drive it so (`tierzero.engine.chain.chain_of`).
     A model built elsewhere (the CLI's hf:DIR) comes as `units`, its partition for `gpus` ranks,
     and `args`, the LLaMA-like shape its activations are estimated from; `model` then names it."""
     if stage is not None and stage not in (1, 2, 3):
@@ -176,10 +178,11 @@ def make_plan(
         schedule = Schedule(schedule)
     except ValueError:
         raise ConfigError(f"--schedule '{schedule}' is not valid; choose one of horizontal|vertical|auto") from None
-    chain = units is None or (units[0].kind == "embedding" and units[-1].kind == "head")
+    if units is not None and not_a_chain is None and (units[0].kind != "embedding" or units[-1].kind != "head"):
+        not_a_chain = "its units are not an embedding, blocks and a head"
+    chain = not_a_chain is None
     if schedule is Schedule.VERTICAL and not chain:
-        raise ConfigError("--schedule vertical needs a chain of units (an embedding, blocks and a head), and this "
-                          "model's are not; use --schedule horizontal")
+        raise ConfigError(f"--schedule vertical needs a chain of units, but {not_a_chain}; use --schedule horizontal")
     vertical = schedule is Schedule.VERTICAL or (schedule is Schedule.AUTO and accumulate > 1 and chain)
     check_world_size(gpus)
     if vocab_size is not None and vocab_size < 1:
