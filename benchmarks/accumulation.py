@@ -10,6 +10,11 @@ step's time, and the ratio of vertical's bytes at k = 16 to its bytes at k = 1.
 
     python benchmarks/accumulation.py            # 134M: GPT-3 small's shape, LLaMA blocks, vocab 32000, untied
     python benchmarks/accumulation.py --quick    # a small shape, in seconds
+    python benchmarks/accumulation.py --model hf:DIR [--quick]   # a Hugging Face decoder
+
+`--model hf:DIR` trains the directory's model (its weights, or its own init without them);
+a DIR without config.json gets one: a `LlamaForCausalLM` of the same shape (134M; `--quick`:
+the small one), written there with `save_pretrained` (config only).
 """
 
 from __future__ import annotations
@@ -18,12 +23,15 @@ import argparse
 import dataclasses
 import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
+from tierzero.hf import is_hf, load_model
 from tierzero.models import ModelArgs
 from tierzero.run.data import TokenBatches, default_corpus
 
@@ -31,12 +39,34 @@ NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 ACCUMULATIONS = (1, 4, 16)
 
 
-def one_step(args: ModelArgs, k: int, schedule: str, opts: argparse.Namespace, path: str) -> dict[str, float]:
+Model = Callable[[], tuple[object, Path | None]]  # a fresh model (on meta) and its weights
+
+
+def hf_model(name: str, args: ModelArgs) -> Model:
+    """`hf:DIR`'s model; a DIR without config.json first gets a LLaMA config of `args`' shape."""
+    path = Path(name[len("hf:"):])
+    if not (path / "config.json").is_file():
+        from transformers import LlamaConfig
+
+        LlamaConfig(hidden_size=args.dim, intermediate_size=args.ffn_dim, num_hidden_layers=args.n_layers,
+                    num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+                    vocab_size=args.vocab_size, tie_word_embeddings=False,
+                    max_position_embeddings=args.max_seq_len).save_pretrained(path)
+
+    def build() -> tuple[object, Path | None]:
+        hf = load_model(name)
+        return hf.model, hf.weights
+    return build
+
+
+def one_step(model: Model, k: int, schedule: str, opts: argparse.Namespace, path: str) -> dict[str, float]:
     """The NVMe bytes and wall time of one step of `k` micro-batches (after a warm-up step)."""
     cfg = Config(placement=NVME, nvme_path=[path], dtype="fp32", lr=1e-4, total_steps=4, accumulate=k,
                  schedule=schedule, host_budget=opts.host_budget, prefetch_depth=opts.prefetch_depth)
     data = TokenBatches(default_corpus(4 << 20), opts.batch_size, opts.seq_len, seed=0)
-    with Engine(models.build(args, device="meta"), cfg) as engine:
+    module, weights = model()
+    n = sum(p.numel() for p in module.parameters())
+    with Engine(module, cfg, weights=weights) as engine:
         for _ in range(k):  # warm-up step
             engine.train_micro_batch(data.next_batch())
         engine.stats()
@@ -48,7 +78,6 @@ def one_step(args: ModelArgs, k: int, schedule: str, opts: argparse.Namespace, p
         seconds = time.perf_counter() - t0
         stats = engine.stats()
         spilled = store.spilled - before if store is not None else 0  # activations spilled in this step
-    n = args.param_count()
     return {"read": stats.get("bytes_nvme->host", 0) / n, "written": stats.get("bytes_host->nvme", 0) / n,
             "cache": stats.get("bytes_host_cache_hit", 0) / n, "seconds": seconds, "spilled": spilled}
 
@@ -56,6 +85,8 @@ def one_step(args: ModelArgs, k: int, schedule: str, opts: argparse.Namespace, p
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small shape (4 layers, dim 256, vocab 4096)")
+    p.add_argument("--model", default=None, help="hf:DIR, a Hugging Face decoder (default: the built-in model)")
+    p.add_argument("--accumulate", default=",".join(map(str, ACCUMULATIONS)), help="the k to measure, comma-separated")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--host-budget", default="512MiB", help="small enough that the host cache cannot hold the params")
@@ -66,27 +97,34 @@ def main() -> None:
     if opts.quick:
         args = dataclasses.replace(args, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=4096)
         opts.host_budget = "256MiB"
+    accumulations = tuple(int(k) for k in opts.accumulate.split(","))
+    if opts.model is not None and not is_hf(opts.model):
+        p.error("--model takes hf:DIR")
+    model = hf_model(opts.model, args) if opts.model else lambda: (models.build(args, device="meta"), None)
+    module, _ = model()
     console = Console()
-    console.print(f"{args.param_count() / 1e6:.1f}M params, fp32, everything on NVMe, micro-batch "
-                  f"{opts.batch_size} x {opts.seq_len}, host budget {opts.host_budget}")
+    console.print(f"{opts.model or 'built-in'}: {sum(p.numel() for p in module.parameters()) / 1e6:.1f}M params, "
+                  f"fp32, everything on NVMe, micro-batch {opts.batch_size} x {opts.seq_len}, "
+                  f"host budget {opts.host_budget}", markup=False)
     rows: dict[tuple[str, int], dict[str, float]] = {}
     for schedule in ("horizontal", "vertical"):
-        for k in ACCUMULATIONS:
+        for k in accumulations:
             with tempfile.TemporaryDirectory(dir=opts.nvme_path) as path:
-                rows[schedule, k] = one_step(args, k, schedule, opts, path)
+                rows[schedule, k] = one_step(model, k, schedule, opts, path)
             console.print(f"  {schedule} k={k}: {rows[schedule, k]}")
     table = Table(title="NVMe bytes per parameter per step, and step time")
     for column in ("k", "horizontal B/param", "vertical B/param", "horizontal s", "vertical s", "spilled acts"):
         table.add_column(column, justify="right")
-    for k in ACCUMULATIONS:
+    for k in accumulations:
         h, v = rows["horizontal", k], rows["vertical", k]
         table.add_row(str(k), f"{h['read'] + h['written']:.1f} (+{h['cache']:.1f} cached)",
                       f"{v['read'] + v['written']:.1f} (+{v['cache']:.1f} cached)",
                       f"{h['seconds']:.1f}", f"{v['seconds']:.1f}", str(int(v["spilled"])))
     console.print(table)
-    total = {s: {k: rows[s, k]["read"] + rows[s, k]["written"] for k in ACCUMULATIONS} for s in ("horizontal", "vertical")}
-    console.print(f"vertical k=16 / k=1: {total['vertical'][16] / total['vertical'][1]:.3f}x; "
-                  f"horizontal: {total['horizontal'][16] / total['horizontal'][1]:.2f}x")
+    total = {s: {k: rows[s, k]["read"] + rows[s, k]["written"] for k in accumulations} for s in ("horizontal", "vertical")}
+    first, last = accumulations[0], accumulations[-1]
+    console.print(f"vertical k={last} / k={first}: {total['vertical'][last] / total['vertical'][first]:.3f}x; "
+                  f"horizontal: {total['horizontal'][last] / total['horizontal'][first]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from tierzero.cli.output import Output
 from tierzero.config import RunConfig, StateKind, Tier
+from tierzero.engine.chain import chain_of
 from tierzero.hf import is_hf, load_model
 from tierzero.layout.partition import partition
 from tierzero.models.presets import PRESETS, ModelArgs
@@ -40,7 +41,7 @@ def plan(
     profile: Optional[Path] = typer.Option(None, "--profile", help="A `tierzero bench --profile-out` file: predicts step times."),
     stage: Optional[int] = typer.Option(None, "--stage", help="With --gpus > 1, the ZeRO stage (1, 2 or 3); default: chosen as `tierzero train` chooses it (1 or 2 when replicated state fits, else 3)."),
     accumulate: int = typer.Option(1, "--accumulate", help="Micro-batches per step (stage 1 keeps whole grads between them)."),
-    schedule: str = typer.Option("horizontal", "--schedule", help="How the --accumulate micro-batches run: horizontal, vertical (each unit for all of them; built-in shapes) or auto, as `tierzero train --schedule`; the NVMe bytes per step are printed for both."),
+    schedule: str = typer.Option("auto", "--schedule", help="How the --accumulate micro-batches run: horizontal, vertical (each unit for all of them; built-in shapes and Hugging Face decoders) or auto (default: vertical when accumulating, where it applies), as `tierzero train --schedule`; the NVMe bytes per step are printed for both."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Print the 16-byte ledger per GPU (DDP, ZeRO 1-3), the ZeRO stage (--gpus > 1) and its
@@ -66,7 +67,8 @@ def plan(
 def _hf_model(model: str, gpus: int) -> dict[str, Any]:
     """hf:DIR built from its config.json with its parameters on `meta` (nothing is read but the
     config): its units as the engine would partition them, and the LLaMA-like shape the
-    activation estimate uses (dim, layers, heads, kv heads, MLP width, vocabulary, positions)."""
+    activation estimate uses (dim, layers, heads, kv heads, MLP width, vocabulary, positions),
+    and why the vertical schedule cannot drive it, if it cannot."""
     check_world_size(gpus)
     hf = load_model(model)
     cfg = hf.model.config
@@ -77,7 +79,9 @@ def _hf_model(model: str, gpus: int) -> dict[str, Any]:
     args = ModelArgs(dim=dim, n_layers=cfg.num_hidden_layers, n_heads=heads,
                      n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, vocab_size=cfg.vocab_size,
                      ffn_dim=ffn, max_seq_len=positions, tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)))
-    return {"units": partition(hf.model, gpus), "args": args}
+    units = partition(hf.model, gpus)
+    chain = chain_of(hf.model, units)
+    return {"units": units, "args": args, "not_a_chain": chain if isinstance(chain, str) else None}
 
 
 # Plan's output fits an 80-column terminal: free text wraps at the console's width (the other

@@ -39,7 +39,7 @@ def train(
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences per micro-batch."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence."),
     accumulate: Optional[int] = typer.Option(None, "--accumulate", help="Micro-batches per optimizer step."),
-    schedule: Optional[str] = typer.Option(None, "--schedule", help="How --accumulate micro-batches run: horizontal (default: each through every unit), vertical (each unit for all of them: params read once per pass, grads written once per step; the built-in models) or auto (vertical where it applies)."),
+    schedule: Optional[str] = typer.Option(None, "--schedule", help="How --accumulate micro-batches run: horizontal (each through every unit), vertical (each unit for all of them: params read once per pass, grads written once per step; built-in models and Hugging Face decoders) or auto (default: vertical when accumulating, where it applies)."),
     lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate."),
     weight_decay: Optional[float] = typer.Option(None, "--weight-decay", help="AdamW's decoupled weight decay (default 0.1); 1-D parameters (norms, biases) get none, as in torch AdamW param groups that exclude them."),
     adam_betas: Optional[str] = typer.Option(None, "--adam-betas", help="AdamW's beta1,beta2 (default 0.9,0.95)."),

@@ -128,7 +128,7 @@ class Schedule(str, enum.Enum):
 
     HORIZONTAL = "horizontal"  # each micro-batch through every unit, forward then backward
     VERTICAL = "vertical"  # each unit for every micro-batch: params fetched once per pass
-    AUTO = "auto"  # vertical where accumulating a chain model whose activations fit
+    AUTO = "auto"  # vertical where accumulating a chain model (built-in or a split HF decoder), else horizontal
 
 
 @dataclass
@@ -160,7 +160,7 @@ class Config:
     clip_grad_norm: float | None = None
     clip_previous_norm: bool = False  # opt-in approximation: overlap_step clips by the previous norm, never re-steps
     accumulate: int = 1
-    schedule: Schedule = Schedule.HORIZONTAL
+    schedule: Schedule = Schedule.AUTO
     # the vertical schedule's waiting activations in host memory (beyond it they spill to nvme);
     # None: what the host budget leaves
     activation_budget: int | None = None

@@ -2,8 +2,8 @@
 by a model of them (one RNG generator per GPU; `cuda` without an index means the calling
 thread's current device, as in torch), so a call that names no device picks the wrong one.
 
-Compared: the RNG state recompute runs under against the one forward ran under, with the
-forward's thread and autograd's thread having different current devices; and the device each
+Compared: the generator a unit's call seeds (forward and recompute alike) is its inputs' GPU's,
+with the forward's thread and autograd's thread having different current devices; and the device each
 of the tiers' I/O threads binds against the tiers' own.
 """
 
@@ -15,16 +15,17 @@ import threading
 import torch
 
 from tierzero import Config, Placement, Tier
-from tierzero.engine import execute, streams
+from tierzero.engine import draws, streams
 from tierzero.engine.tiers import Tiers
 
 
 class FakeCudaRng:
-    """torch.cuda's RNG state functions over one generator per GPU."""
+    """torch.cuda's RNG state functions and default generators over one seed per GPU."""
 
     def __init__(self, gpus: int) -> None:
         self.states = {i: torch.tensor([i], dtype=torch.uint8) for i in range(gpus)}
         self.current = 0  # the calling thread's current device
+        self.generators = tuple(_FakeGenerator(self, i) for i in range(gpus))
 
     def _index(self, device: torch.device | str | int) -> int:
         device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
@@ -37,25 +38,36 @@ class FakeCudaRng:
         self.states[self._index(device)] = new_state.clone()
 
 
-class OnGpu:
-    """An input on cuda:1 (all `rng_state` asks of a tensor)."""
+class _FakeGenerator:
+    def __init__(self, fake: FakeCudaRng, index: int) -> None:
+        self.fake, self.index = fake, index
+
+    def manual_seed(self, seed: int) -> None:
+        self.fake.states[self.index] = torch.tensor([seed % 251], dtype=torch.uint8)
+
+
+class OnGpu(torch.Tensor):
+    """An input on cuda:1 (all `draws_for` asks of a tensor)."""
 
     is_cuda = True
     device = torch.device("cuda", 1)
 
+    def __new__(cls) -> OnGpu:
+        return torch.Tensor._make_subclass(cls, torch.empty(0))
 
-def test_recompute_draws_from_the_inputs_gpu_whatever_thread_is_current(monkeypatch) -> None:
+
+def test_a_units_draws_seed_the_inputs_gpu_whatever_thread_is_current(monkeypatch) -> None:
     fake = FakeCudaRng(gpus=2)
     monkeypatch.setattr(torch.cuda, "get_rng_state", fake.get_rng_state)
     monkeypatch.setattr(torch.cuda, "set_rng_state", fake.set_rng_state)
-    fake.current = 0  # forward: the training thread
-    at_forward = execute.rng_state((OnGpu(),))
-    fake.states[1] = torch.tensor([99], dtype=torch.uint8)  # forward's dropout advanced cuda:1's generator
+    monkeypatch.setattr(torch.cuda, "default_generators", fake.generators)
+    d = draws.draws_for(0, 0, 0, 1, (OnGpu(),))
+    assert d.devices == (torch.device("cuda", 1),)
     fake.current = 1  # backward: autograd's thread for cuda:1
-    with execute.restore_rng(at_forward):
-        assert fake.states[1].item() == 1, "recompute's dropout would draw other masks than forward's"
+    with draws.seeded(d):
+        assert fake.states[1].item() == d.seed % 251, "recompute's dropout would draw other masks than forward's"
         assert fake.states[0].item() == 0
-    assert fake.states[1].item() == 99 and fake.states[0].item() == 0  # put back as it was
+    assert fake.states[1].item() == 1 and fake.states[0].item() == 0  # put back as it was
 
 
 def test_bind_thread_makes_a_gpu_current_and_leaves_the_cpu_alone(monkeypatch) -> None:

@@ -4,7 +4,8 @@ Compared: the implicit syncs (`SyncWatch`: `.item()`, `.cpu()`, blocking `.to(de
 blocking copies into device memory) and host waits on the compute stream that the training
 thread makes over two steps of micro-batches fed with `train_micro_batch` (the loop reads the
 losses itself, once per step), for one configuration and for the same with three times the
-micro-batches per step, and with more units. The counts must be equal -- what a step syncs
+micro-batches per step, and with more units, on the horizontal schedule (the vertical one's
+waiting activations pin host buffers, which this fake GPU does not provide). The counts must be equal -- what a step syncs
 (reading the grad norm to clip with) does not grow with either -- and at most two per step.
 """
 
@@ -35,8 +36,8 @@ def syncs(tmp_path, monkeypatch, case: str, accumulate: int, n_layers: int) -> l
     placement, overlap, clip = CASES[case]
     cfg = Config(placement=placement, nvme_path=[str(tmp_path / f"nvme-{accumulate}-{n_layers}")], lr=3e-3,
                  warmup_steps=1, total_steps=4, host_budget="256MiB", gpu_budget="256MiB", piece_numel=6144,
-                 overlap_step=overlap, accumulate=accumulate, prefetch_depth=2, clip_grad_norm=clip,
-                 clip_previous_norm=overlap and clip is not None)
+                 overlap_step=overlap, accumulate=accumulate, schedule="horizontal", prefetch_depth=2,
+                 clip_grad_norm=clip, clip_previous_norm=overlap and clip is not None)
     fake = RecordingStreams()
     monkeypatch.setattr(streams, "open_streams", lambda device: fake)
     watch_device_pool(monkeypatch, fake)

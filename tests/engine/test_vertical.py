@@ -156,7 +156,42 @@ def test_refusals_are_one_sentence(tmp_path) -> None:
             engine.train_step(batches().next_batch())
     with pytest.raises(ConfigError, match="schedule 'sideways' is not valid"):
         Config(schedule="sideways")
-    assert Config().schedule is Schedule.HORIZONTAL
+    assert Config().schedule is Schedule.AUTO
+
+
+def with_dropout(seed: int, device: str = "meta") -> nn.Module:
+    """The built-in model with dropout 0.1 after every block's MLP."""
+    model = models.build(UNTIED, device=device, seed=seed)
+    for block in model.blocks:
+        block.mlp = nn.Sequential(block.mlp, nn.Dropout(0.1))
+    return model
+
+
+def test_dropout_draws_the_same_masks_in_both_schedules(tmp_path) -> None:
+    """Each (micro-batch, unit) call draws from a state seeded by (step, micro-batch, unit),
+    so the schedules' orders do not matter: vertical == horizontal == the reference trainer
+    (plain PyTorch AdamW, each unit's call seeded alike), bitwise, and dropout does draw."""
+    from tierzero.engine.reference import ReferenceTrainer
+
+    def run(schedule: str) -> tuple[list[float], dict[str, torch.Tensor], bool]:
+        cfg = config(fresh(tmp_path, schedule), PLACEMENTS["everything-on-nvme"], accumulate=K, schedule=schedule)
+        data = batches()
+        with Engine(with_dropout(cfg.seed), cfg) as engine:
+            losses = [engine.train_micro_batch(data.next_batch()) for _ in range(STEPS * K)]
+            return [t.item() for t in losses], engine.master_state_dict(), bool(engine.vertical.on)
+
+    h_losses, h_weights, h_on = run("horizontal")
+    v_losses, v_weights, v_on = run("vertical")
+    assert v_on and not h_on
+    assert v_losses == h_losses
+    assert_same(v_weights, h_weights)
+    cfg = config(fresh(tmp_path, "ref"), PLACEMENTS["everything-on-nvme"], accumulate=K)
+    reference, data = ReferenceTrainer(with_dropout(cfg.seed, "cpu"), cfg), batches()
+    assert [reference.train_step(data.next_batch()) for _ in range(STEPS * K)] == v_losses
+    assert_same(v_weights, reference.master_state_dict())
+    _, no_dropout, _ = train(UNTIED, config(fresh(tmp_path, "none"), PLACEMENTS["everything-on-nvme"], accumulate=K,
+                                            schedule="vertical"))
+    assert not torch.equal(no_dropout["head.weight"], v_weights["head.weight"])
 
 
 def test_each_unit_is_gathered_once_per_pass_for_every_micro_batch() -> None:

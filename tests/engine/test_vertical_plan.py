@@ -32,7 +32,8 @@ def test_vertical_moves_one_micro_batchs_bytes_per_step() -> None:
 def test_auto_is_vertical_only_when_accumulating() -> None:
     assert make_plan("125m", accumulate=4, schedule="auto", **MACHINE).vertical
     assert not make_plan("125m", accumulate=1, schedule="auto", **MACHINE).vertical
-    assert not make_plan("125m", accumulate=4, **MACHINE).vertical  # horizontal is the default
+    assert make_plan("125m", accumulate=4, **MACHINE).vertical  # auto is the default
+    assert not make_plan("125m", accumulate=4, schedule="horizontal", **MACHINE).vertical
 
 
 def test_a_bad_schedule_is_one_sentence() -> None:

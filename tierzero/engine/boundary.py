@@ -59,7 +59,7 @@ class _Entry:
     @property
     def nbytes(self) -> int:
         """Its bytes, rounded up to direct I/O's alignment (its buffer may be a larger reused one)."""
-        return _aligned(self.shape.numel() * self.dtype.itemsize)
+        return aligned_nbytes(self.shape.numel() * self.dtype.itemsize)
 
     def raw(self) -> torch.Tensor:
         """The first `nbytes` of its buffer: what is written to and read from NVMe."""
@@ -89,7 +89,7 @@ class BoundaryStore:
     def put(self, unit: int, micro: int, x: torch.Tensor) -> None:
         """Keep `x` (on the compute device) until `get(unit, micro)`."""
         s = self.tiers.streams
-        buffer = self._allocate(_aligned(x.numel() * x.element_size()))
+        buffer = self._allocate(aligned_nbytes(x.numel() * x.element_size()))
         entry = _Entry(x.shape, x.dtype, buffer)
         entry.landed = s.copy(entry.view(), x, s.d2h, after=s.record(s.compute))
         s.keep_alive(x, s.d2h)
@@ -229,7 +229,8 @@ class BoundaryStore:
         self._buffers = live
 
 
-def _aligned(nbytes: int) -> int:
+def aligned_nbytes(nbytes: int) -> int:
+    """`nbytes` rounded up to direct I/O's alignment: what an entry of `nbytes` holds."""
     return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
 
 

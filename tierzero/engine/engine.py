@@ -22,15 +22,15 @@ optimizer, checkpoints (`snapshot`) and `gathered` blocks.
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from tierzero.dist.comm import Comm
-from tierzero.config import Config, StateKind, Tier
+from tierzero.config import TORCH_DTYPES, Config, StateKind, Tier
 from tierzero.errors import TierzeroError
 from tierzero.engine.batch import BatchStaging
 from tierzero.engine.backward import BackwardPass, StepInBackward, clip_coefficient, resolve_overlap, settle_clip
@@ -48,7 +48,6 @@ from tierzero.engine.optim import ShardOptimizer
 from tierzero.engine.paramsteps import ParamSteps, Run
 from tierzero.engine.paramsync import sync_params
 from tierzero.layout.partition import Unit, forward_only, grad_uses, partition, replicate_params
-from tierzero.config import TORCH_DTYPES
 from tierzero.engine.precision import DynamicLossScaler, compute_dtype, resolve_dtype
 from tierzero.engine.reference import compute_loss
 from tierzero.engine.scheduler import Scheduler
@@ -144,8 +143,8 @@ class Engine:
             self.grads.allocate()
             self.optimizer = ShardOptimizer(self.units, self.tiers, self.placement, self.dtype,
                                             self.comm.rank, self.config, self.stats_, self.scheduler.written)
-            self.runner = UnitRunner(self.units, self.scheduler.acquire, self.scheduler.release,
-                                     self.grads.offload, self.dtype, forward_only(self.units))
+            self.runner = UnitRunner(self.units, self.scheduler.acquire, self.scheduler.release, self.grads.offload,
+                                     self.dtype, forward_only(self.units), self.config.seed)
             self.runner.install()
             replicated = self.comm.world_size == 1 or self.stage <= 2  # nothing to gather
             self.train_plan, self.eval_plan, self.vertical_plan = swap_plans(
@@ -180,6 +179,7 @@ class Engine:
         if training:
             self.vertical.horizontal()
             self.reserve_activations(batch)
+            self.runner.position = self.state.step_count, self.state.micro % self.config.accumulate  # its draws
         self.scheduler.begin(self.train_plan if training else self.eval_plan)
         root = self.units[0]
         try:

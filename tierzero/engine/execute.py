@@ -3,8 +3,8 @@
 Each unit's entry point is wrapped (a block's or the embedding's `forward`, the model's
 `head_out`); a unit that uses another's weights (a head tied to the embedding) binds both. In a training forward the block runs under `no_grad` with
 its parameters bound as views into the gathered flat `param` buffer, and only its input is
-kept. In backward the unit is gathered again, recomputed with grad (under the RNG and autocast
-state the forward ran with) against fresh leaf views of the flat buffer, and backpropagated; the parameters' gradients are packed into one flat fp32
+kept. In backward the unit is gathered again, recomputed with grad (under the autocast state
+the forward ran with and the same seeded RNG draws, `tierzero.engine.draws`) against fresh leaf views of the flat buffer, and backpropagated; the parameters' gradients are packed into one flat fp32
 tensor, which goes to `on_grad`. Module code is unchanged: it reads `self.weight` as usual.
 """
 
@@ -19,6 +19,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tierzero.engine.backward import BackwardPass
+from tierzero.engine.draws import Draws, draws_for, seeded
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit
 
@@ -100,8 +101,11 @@ class UnitRunner:
     """Installs the checkpointed entry point of every unit that has one (all but a root)."""
 
     def __init__(self, units: list[Unit], gather: GatherFn, release: ReleaseFn, on_grad: GradFn,
-                 dtype: torch.dtype, forward_only: frozenset[int] = frozenset()) -> None:
+                 dtype: torch.dtype, forward_only: frozenset[int] = frozenset(), seed: int = 0) -> None:
         self.units = units
+        self.seed = seed
+        self.position = (0, 0)  # (step, micro-batch within it) of the training forward under way
+        self.held: set[int] = set()  # units the vertical schedule has bound: their entry runs as is
         self.gather = gather
         self.release = release
         self.on_grad = on_grad
@@ -145,13 +149,34 @@ class UnitRunner:
         """The units a call of `unit` binds, in the order the swap plan waits for them."""
         return [unit, *(self.units[v] for v in unit.uses_with)]
 
+    def draws(self, unit: int, inputs: Any, micro: int | None = None) -> Draws:
+        """What unit `unit`'s call on `inputs` draws, for micro-batch `micro` of this step
+        (default: the one under way)."""
+        step, current = self.position
+        return draws_for(self.seed, step, current if micro is None else micro, unit, inputs)
+
+    @contextlib.contextmanager
+    def holding(self, unit: Unit) -> Iterator[None]:
+        """Inside, a call of `unit`'s entry runs its own forward on the weights its caller bound."""
+        self.held.add(unit.index)
+        try:
+            yield
+        finally:
+            self.held.discard(unit.index)
+
     def _run(self, unit: Unit, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled() or unit.index in self.forward_only:
+        if unit.index in self.held:
+            return self._originals[unit.index](*args, **kwargs)
+        if not torch.is_grad_enabled():
             return self.compute(unit, args, kwargs)
+        draws = self.draws(unit.index, (args, kwargs))
+        if unit.index in self.forward_only:
+            with seeded(draws):
+                return self.compute(unit, args, kwargs)
         flat_in, spec = tree_flatten((args, kwargs))
         tensor_pos = [i for i, a in enumerate(flat_in) if isinstance(a, torch.Tensor)]
         # the anchor requires grad, so backward reaches this unit even when no input does
-        outs = _Checkpointed.apply(self, unit, flat_in, spec, tensor_pos, self._anchor,
+        outs = _Checkpointed.apply(self, unit, flat_in, spec, tensor_pos, self._anchor, draws,
                                    *[flat_in[i] for i in tensor_pos])
         return tree_unflatten(list(outs[:-1]), outs[-1]) if isinstance(outs, tuple) else outs
 
@@ -177,12 +202,12 @@ class _Checkpointed(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, runner: UnitRunner, unit: Unit, flat_in: list, spec: Any,
-                tensor_pos: list[int], anchor: torch.Tensor, *tensors: torch.Tensor) -> Any:
+                tensor_pos: list[int], anchor: torch.Tensor, draws: Draws, *tensors: torch.Tensor) -> Any:
         ctx.runner, ctx.unit, ctx.flat_in, ctx.spec, ctx.tensor_pos = runner, unit, flat_in, spec, tensor_pos
         ctx.save_for_backward(*tensors)
-        ctx.rng = rng_state(tensors)
+        ctx.draws = draws
         ctx.autocast = autocast_state(tensors)
-        with torch.no_grad():
+        with torch.no_grad(), seeded(draws):
             args, kwargs = tree_unflatten(_fill(flat_in, tensor_pos, tensors), spec)
             out = runner.compute(unit, args, kwargs)
         out_flat, out_spec = tree_flatten(out)
@@ -201,7 +226,7 @@ class _Checkpointed(torch.autograd.Function):
         bound = runner.bound_units(unit)
         leaves = [bind(u, runner.gather(u.index), requires_grad=True) for u in bound]
         try:
-            with torch.enable_grad(), restore_rng(ctx.rng), autocast_as(ctx.autocast):
+            with torch.enable_grad(), seeded(ctx.draws), autocast_as(ctx.autocast):
                 args, kwargs = tree_unflatten(_fill(ctx.flat_in, ctx.tensor_pos, inputs), ctx.spec)
                 out = runner.compute(unit, args, kwargs, leaves=leaves[0])
             outs = tree_flatten(out)[0]
@@ -216,7 +241,7 @@ class _Checkpointed(torch.autograd.Function):
             for u in bound:
                 unbind(u, runner.dtype)
             runner.release(unit.index)
-        return (None, None, None, None, None, None, *[t.grad if t.requires_grad else None for t in inputs])
+        return (None, None, None, None, None, None, None, *[t.grad if t.requires_grad else None for t in inputs])
 
 
 def _fill(flat_in: list, positions: list[int], tensors: Any) -> list:
@@ -224,18 +249,6 @@ def _fill(flat_in: list, positions: list[int], tensors: Any) -> list:
     for i, t in zip(positions, tensors):
         filled[i] = t
     return filled
-
-
-RngState = tuple[torch.Tensor, dict[torch.device, torch.Tensor]]
-
-
-def rng_state(tensors: tuple) -> RngState:
-    """The CPU RNG state and that of each GPU the inputs are on, at forward, so recompute draws
-    the same dropout masks. Each GPU by its index: recompute runs on autograd's thread for that
-    GPU, whose current device need not be the training thread's (`torch.cuda.get_rng_state()`
-    alone is the current device's generator)."""
-    devices = {t.device for t in tensors if t.is_cuda}
-    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
 
 
 AutocastState = tuple[tuple[tuple[str, bool, torch.dtype], ...], bool]
@@ -255,23 +268,3 @@ def autocast_as(state: AutocastState) -> contextlib.ExitStack:
     for device_type, enabled, dtype in per_device:
         stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache))
     return stack
-
-
-class restore_rng:
-    """Recompute under the forward's RNG states (`rng_state`), then put back the ones it replaced."""
-
-    def __init__(self, state: RngState) -> None:
-        self.state = state
-
-    def __enter__(self) -> None:
-        cpu, gpus = self.state
-        self.saved = (torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in gpus})
-        torch.set_rng_state(cpu)
-        for device, state in gpus.items():
-            torch.cuda.set_rng_state(state, device)
-
-    def __exit__(self, *exc: object) -> None:
-        cpu, gpus = self.saved
-        torch.set_rng_state(cpu)
-        for device, state in gpus.items():
-            torch.cuda.set_rng_state(state, device)

@@ -1,7 +1,9 @@
 """The reference trainer: plain in-memory PyTorch, the oracle every tiered path is compared with.
 
 It is also what `tierzero train --offload none` runs. Nothing here is clever on purpose: the
-model lives on one device, `torch.optim.AdamW` steps it, `clip_grad_norm_` clips it.
+model lives on one device, `torch.optim.AdamW` steps it, `clip_grad_norm_` clips it. Its one
+concession to the engine: each unit's call draws its dropout masks from the state the engine's
+does (`tierzero.engine.draws`), so models with dropout compare bitwise too.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from torch import nn
 
 from tierzero.adamw import decays, implementation
 from tierzero.config import Config, DType
+from tierzero.engine.draws import SeededEntries, unit_entries
 from tierzero.lr import lr_at
 from tierzero.engine.precision import resolve_dtype
 
@@ -49,6 +52,7 @@ class ReferenceTrainer:
                                            **implementation(self.device))
         self.step_count = 0
         self.micro_step = 0
+        SeededEntries(unit_entries(model), config.seed, lambda: (self.step_count, self.micro_step % config.accumulate))
         self.last_grad_norm: float | None = None
 
     def train_step(self, batch: Any) -> float:

@@ -13,20 +13,21 @@ Exactness. A micro-batch's unit runs the same code on the same inputs as horizon
 grad is added in the same fp32 arithmetic in micro-batch order (a tied embedding's two uses
 first summed per micro-batch, as autograd sums them); so fp32 on one rank is bitwise equal to
 horizontal and to plain PyTorch. The head computes each micro-batch's loss inside its backward
-use (no separate forward), from the same ops. What cannot be matched is the RNG's order: each
-(micro-batch, unit) recomputes under the RNG state its forward had, but the forward draws in
-unit-major order, so a model with dropout gets other (equally valid) masks than horizontally;
-`auto` keeps such models horizontal. The built-in models have no dropout.
+use (no separate forward), from the same ops. Dropout draws the same masks as horizontally:
+each (micro-batch, unit) call draws from a state seeded by (step, micro-batch, unit), in its
+forward and its recompute, whichever schedule runs it (`tierzero.engine.draws`).
 
 What waits. Each micro-batch's input to each block waits from the block's forward to its
 backward in a `BoundaryStore` (host memory under a budget, spilled to NVMe); the last block's
 outputs stay on the device for the head, and the gradients flowing back between units are k
 activation-sized tensors on the device. A tied embedding's grads from the head wait in the
-store too, until the embedding's own backward adds them micro-batch by micro-batch.
+store too, until the embedding's own backward adds them micro-batch by micro-batch. A
+micro-batch's context (what a Hugging Face decoder's layers take beside the hidden state:
+position embeddings, masks) is computed once, with the embedding, and stays on the device.
 
-Which models. A chain: the built-in LLaMA family, whose forward is exactly
-`head_out(blocks(tok_emb(ids)), targets)` on a batch `(ids, targets)`; anything else is refused
-(or, with `auto`, run horizontally).
+Which models. A chain (`tierzero.engine.chain`) on batches `(ids, targets)`: the built-in LLaMA
+family, and Hugging Face decoders in the split layout (LoRA adapters and frozen bases too);
+anything else is refused (or, with `auto`, run horizontally).
 """
 
 from __future__ import annotations
@@ -39,36 +40,26 @@ from torch import nn
 
 from tierzero.config import Config, Schedule, StateKind, Tier
 from tierzero.engine.backward import BackwardPass
-from tierzero.engine.boundary import BoundaryStore
-from tierzero.engine.execute import (UnitRunner, autocast_as, autocast_state, bind, flat_grad, restore_rng,
-                                     rng_state, unbind)
+from tierzero.engine.boundary import BoundaryStore, aligned_nbytes
+from tierzero.engine.chain import Chain, chain_of
+from tierzero.engine.draws import seeded
+from tierzero.engine.execute import UnitRunner, bind, flat_grad, unbind
 from tierzero.engine.grads import GradShards
 from tierzero.errors import ConfigError, TierzeroError
 from tierzero.layout.partition import Unit, forward_only
-from tierzero.models.llama import Transformer
-from tierzero.planning.memory_model import waiting_activations_bytes
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # token ids, targets
 
 
-def not_a_chain(model: nn.Module, units: list[Unit]) -> str | None:
-    """Why the vertical schedule cannot drive `model` (None: it can)."""
-    if not isinstance(model, Transformer) or type(model).forward is not Transformer.forward:
-        return "only a built-in preset has a forward the engine can run unit by unit"
-    if units[0].kind != "embedding" or units[-1].kind != "head":
-        return "its units are not an embedding, blocks and a head"
-    return None
-
-
-def has_dropout(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
-
-
-def waiting_bytes(model: Transformer, batch: Batch, accumulate: int, itemsize: int) -> int:
-    """Host bytes the vertical schedule's waiting activations take at most (the memory model's count)."""
-    args = model.args
-    return waiting_activations_bytes(args.n_layers, args.dim, args.vocab_size, model.head.weight is model.tok_emb.weight,
-                                     batch[0].numel(), accumulate, itemsize)
+def waiting_bytes(chain: Chain, units: list[Unit], batch: Batch, accumulate: int, itemsize: int) -> int:
+    """Host bytes the vertical schedule's waiting activations take at most, as the store holds
+    them (the memory model's `waiting_activations_bytes`, each entry aligned): every block
+    input of every micro-batch, and a tied embedding unit's whole fp32 grad from the head
+    (position tables included)."""
+    embedding = units[0]
+    tied = embedding.trainable_numel if embedding.world_size == 1 else embedding.padded_numel
+    per_micro = (len(units) - 2) * aligned_nbytes(batch[0].numel() * chain.dim * itemsize)
+    return accumulate * (per_micro + (aligned_nbytes(tied * 4) if units[-1].uses_with else 0))
 
 
 def choose(config: Config, model: nn.Module, units: list[Unit], batch: Any, spill: bool,
@@ -76,67 +67,66 @@ def choose(config: Config, model: nn.Module, units: list[Unit], batch: Any, spil
     """Whether this engine runs its steps vertically (decided at the first training step)."""
     if config.schedule is Schedule.HORIZONTAL or (config.schedule is Schedule.AUTO and config.accumulate == 1):
         return False
-    why = not_a_chain(model, units)
+    chain = chain_of(model, units)
+    why = chain if isinstance(chain, str) else None
     if why is None and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         why = "its batches are not (token ids, targets) pairs"
     if config.schedule is Schedule.VERTICAL:
         if why is not None:
             raise ConfigError(f"--schedule vertical needs a chain of units, but {why}; use --schedule horizontal")
         return True
-    if why is not None or has_dropout(model):
+    if why is not None:
         return False
-    return spill or fits(waiting_bytes(model, tuple(batch), config.accumulate, itemsize))
+    assert isinstance(chain, Chain)
+    return spill or fits(waiting_bytes(chain, units, tuple(batch), config.accumulate, itemsize))
 
 
 class VerticalSchedule:
     """Runs one step's micro-batches unit by unit (see the module docstring)."""
 
-    def __init__(self, model: Transformer, units: list[Unit], runner: UnitRunner, grads: GradShards,
+    def __init__(self, chain: Chain, units: list[Unit], runner: UnitRunner, grads: GradShards,
                  store: BoundaryStore, dtype: torch.dtype, forward_only: frozenset[int]) -> None:
-        self.model = model
+        self.chain = chain
         self.units = units
         self.runner = runner
         self.grads = grads
         self.store = store
         self.dtype = dtype
         self.forward_only = forward_only
-        self._rng: dict[tuple[int, int], tuple[Any, Any]] = {}
 
     def run(self, batches: list[Batch], pass_: BackwardPass, loss_scale: float) -> list[torch.Tensor]:
         """Forward and backward every micro-batch of one step; their losses (detached)."""
         for ids, _ in batches:
-            if ids.shape[1] > self.model.args.max_seq_len:
-                raise ConfigError(f"sequence length {ids.shape[1]} exceeds the model's max_seq_len "
-                                  f"{self.model.args.max_seq_len}; use a shorter --seq-len")
+            self.chain.check(ids)
         try:
-            last = self._forward([ids for ids, _ in batches])
-            return self._backward(batches, last, pass_, loss_scale)
+            last, contexts = self._forward([ids for ids, _ in batches])
+            return self._backward(batches, last, contexts, pass_, loss_scale)
         except BaseException:
             self.store.clear()
             raise
-        finally:
-            self._rng.clear()
 
-    def _forward(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _forward(self, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
         """The embedding and the blocks, each over every micro-batch with one fetch; the last
-        block's outputs (the head's inputs)."""
-        xs = list(xs)
+        block's outputs (the head's inputs) and each micro-batch's context."""
+        xs, contexts = list(xs), [None] * len(xs)
         for unit in self.units[:-1]:
             bind(unit, self.runner.gather(unit.index))
             try:
                 for m, x in enumerate(xs):
                     if unit.kind == "block":
                         self.store.put(unit.index, m, x)
-                    self._rng[unit.index, m] = rng_state((x,)), autocast_state((x,))
-                    with torch.no_grad():
-                        xs[m] = self._call(unit, x)
+                    with torch.no_grad(), seeded(self.runner.draws(unit.index, x, m)):
+                        if unit.kind == "embedding":
+                            xs[m], contexts[m] = self.chain.embed(self.runner, unit, x)
+                        else:
+                            xs[m] = self.chain.block(self.runner, unit, x, contexts[m])
             finally:
                 unbind(unit, self.dtype)
                 self.runner.release(unit.index)
-        return xs
+        return xs, contexts
 
-    def _backward(self, batches: list[Batch], head_in: list[torch.Tensor], pass_: BackwardPass,
-                  loss_scale: float) -> list[torch.Tensor]:
+    def _backward(self, batches: list[Batch], head_in: list[torch.Tensor], contexts: list[Any],
+                  pass_: BackwardPass, loss_scale: float) -> list[torch.Tensor]:
         """The head (each micro-batch's loss and backward), then the blocks and the embedding in
         reverse, each over every micro-batch with one fetch; each unit's grad summed on the device."""
         k = len(batches)
@@ -157,9 +147,8 @@ class VerticalSchedule:
                     else:
                         x = batches[m][0] if unit.kind == "embedding" else self.store.get(unit.index, m)
                     inp = x.detach().requires_grad_(x.is_floating_point())
-                    rng, autocast = self._rng.pop((unit.index, m), (rng_state((x,)), autocast_state((x,))))
-                    with torch.enable_grad(), restore_rng(rng), autocast_as(autocast):
-                        out = self._call(unit, inp, batches[m][1])
+                    with torch.enable_grad(), seeded(self.runner.draws(unit.index, x, m)):
+                        out = self._call(unit, inp, batches[m][1], contexts[m])
                     if unit.kind == "head":
                         losses.append(out.detach())
                         scaled = out / k if k > 1 else out  # as `Engine.backward` scales it
@@ -200,10 +189,13 @@ class VerticalSchedule:
             return flat, present
         return flat.add_(total[0]), present | total[1]
 
-    def _call(self, unit: Unit, x: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
-        """The unit's own forward (bound already), as the model's forward calls it."""
-        args = (x, targets) if unit.kind == "head" else (x,)
-        return self.runner.compute(unit, args, {}, leaves=[])
+    def _call(self, unit: Unit, x: torch.Tensor, targets: torch.Tensor, context: Any) -> torch.Tensor:
+        """The unit's own forward (bound already), as the model's forward calls it, with grad."""
+        if unit.kind == "head":
+            return self.chain.head(self.runner, unit, x, targets)
+        if unit.kind == "embedding":
+            return self.chain.first_hidden(self.runner, unit, x)
+        return self.chain.block(self.runner, unit, x, context)
 
 
 class VerticalSteps:
@@ -227,7 +219,10 @@ class VerticalSteps:
             self.on = False
 
     def refuse_unknown_loss(self, batch: Any) -> None:
-        """`train_step` reads its micro-batch's loss at once: only the step's last has one."""
+        """`train_step` reads its micro-batch's loss at once: only the step's last has one (so
+        `auto`, undecided, decides horizontal)."""
+        if self.on is None and self.engine.config.schedule is Schedule.AUTO:
+            self.on = False
         if self.wants(batch) and len(self._queued) + 1 < self.engine.config.accumulate:
             raise TierzeroError("with the vertical schedule a micro-batch's loss is known once its step's last "
                                 "micro-batch has run: call train_micro_batch and read the losses after the "
@@ -281,7 +276,9 @@ class VerticalSteps:
         """Reserve the waiting activations' host budget and build the schedule."""
         e = self.engine
         e.reserve_activations(batch)
-        need = waiting_bytes(e.model, tuple(batch), e.config.accumulate, e.dtype.itemsize)
+        chain = chain_of(e.model, e.units)
+        assert isinstance(chain, Chain)  # `choose` checked it
+        need = waiting_bytes(chain, e.units, tuple(batch), e.config.accumulate, e.dtype.itemsize)
         budget = min(need, e.config.activation_budget if e.config.activation_budget is not None else self._room())
         if budget < need and Tier.NVME not in e.tiers.stores:
             raise ConfigError(f"the vertical schedule's waiting activations need {need / 1e6:.1f} MB of host "
@@ -292,14 +289,14 @@ class VerticalSteps:
                               f"({self._room() / 1e6:.1f} MB); lower it or raise --host-budget")
         e.tiers.reserve(Tier.HOST, budget)
         self.store = BoundaryStore(e.tiers, budget)
-        self.schedule = VerticalSchedule(e.model, e.units, e.runner, e.grads, self.store, e.dtype,
-                                         forward_only(e.units))
+        self.schedule = VerticalSchedule(chain, e.units, e.runner, e.grads, self.store, e.dtype, forward_only(e.units))
 
     def _run(self, batches: list[Any]) -> list[torch.Tensor]:
         e = self.engine
         assert self.schedule is not None
         k = len(batches)
         on_device = [tuple(e.batches.to_device(b)) for b in batches]
+        e.runner.position = e.state.step_count, 0  # the step's draws (`tierzero.engine.draws`)
         pass_ = e.backward_pass(0, True, combined=True)
         e.scheduler.begin(e.vertical_plan)
         try:

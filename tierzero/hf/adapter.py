@@ -24,7 +24,9 @@ Two layouts (see `tierzero.layout.partition`):
   Position tables join the token embedding in the embedding unit (`tierzero.hf.prelude`). The
   final norm's call inside the base model's forward passes the hidden state through
   (`_deferred`), and `head_out` applies it, then runs the model's own head on that hidden state
-  by having the base model return it (`_returning`).
+  by having the base model return it (`_returning`). The vertical schedule calls its units
+  one by one: `layer_calls` records what the base model's forward passes each layer
+  (`tierzero.hf.layercalls`), `first_hidden` is that forward up to the first layer.
 - *root* -- otherwise (two norms, a projection after the layers): no `head_out`, so
   everything outside the layers is one root unit, bound for the whole pass, and the forward
   is the model's own.
@@ -43,6 +45,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tierzero.errors import ConfigError
+from tierzero.hf.layercalls import LayerCall, chained, recording, refuse_unchained
 from tierzero.hf.prelude import Prelude, replaying, stop_at
 from tierzero.models.llama import loss_chunk_bytes, unit_seed
 from tierzero.models.loss import IGNORE_INDEX, chunk_tokens_for
@@ -157,6 +160,7 @@ class SplitCausalLM(CausalLM):
         inside = {id(m) for m in self.blocks.modules()}
         object.__setattr__(self, "dropouts", [m for m in hf_model.modules()
                                               if isinstance(m, nn.Dropout) and id(m) not in inside])
+        self.layers_as_tuple: bool | None = None  # how its layers return (`layer_calls` finds out)
 
     def get_input_embeddings(self) -> nn.Module:
         """The embedding unit's entry: the input embedding, or the prelude holding it."""
@@ -180,6 +184,31 @@ class SplitCausalLM(CausalLM):
         with stop_at(self.blocks[0]) as until_block:
             return until_block(lambda: self.base(input_ids=input_ids, attention_mask=attention_mask,
                                                  use_cache=False))
+
+    def first_hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The hidden state the first layer gets (the embedding unit's part of the forward)."""
+        return self._prelude(input_ids, None)
+
+    def layer_calls_refusal(self) -> str | None:
+        """Why `layer_calls` cannot give the head unit the hidden state the model's forward does."""
+        if self.final_norm is None:
+            return (f"{type(self.hf_model).__name__}'s final norm has no parameters, so it runs inside the "
+                    "model's forward rather than in the head unit")
+        return None
+
+    def layer_calls(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[LayerCall]]:
+        """The first layer's hidden input and every layer's call, from the base model's own
+        forward with the layers recording (`tierzero.hf.layercalls`) and the final norm deferred."""
+        # layers returning the hidden state, or a tuple of it first: each try draws the same dropout
+        modes = (False, True) if self.layers_as_tuple is None else (self.layers_as_tuple,)
+        for as_tuple in modes:
+            with (torch.random.fork_rng(devices=[input_ids.device] if input_ids.is_cuda else []),
+                  recording(self.blocks, as_tuple) as calls, _deferred(self.final_norm, self.blocks[-1])):
+                out = self.base(input_ids=input_ids, use_cache=False)
+            if chained(calls, len(self.blocks), out.last_hidden_state):
+                self.layers_as_tuple = as_tuple
+                return calls[0].hidden, calls
+        refuse_unchained(type(self.hf_model).__name__)
 
     def head_out(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, *,
                  labels: torch.Tensor | None = None) -> Any:

@@ -151,9 +151,10 @@ def make_plan(
     profile: str | Path | None = None,
     stage: int | None = None,
     accumulate: int = 1,
-    schedule: str = "horizontal",
+    schedule: str = "auto",
     units: Sequence[Unit] | None = None,
     args: ModelArgs | None = None,
+    not_a_chain: str | None = None,
 ) -> PlanReport:
     """Plan `model` (a preset name, default 7b) or `params` (a count, e.g. "7e9" or 70_000_000_000,
     shaped like the nearest preset) on `gpus` GPUs with the given memory sizes ("80GB", or
@@ -166,8 +167,10 @@ def make_plan(
     (`tierzero.planning.streaming`): the defaults, unless no placement fits stage 3 with them;
     then per placement the largest that fit, a placement that fits at none costed at the
     defaults (the engine refuses it at the ladder's least, with that figure).
-    `schedule` (horizontal, vertical or auto: vertical for a built-in shape when accumulating)
-    is how the `accumulate` micro-batches run.
+    `schedule` (horizontal, vertical or auto: vertical wherever it applies when accumulating)
+    is how the `accumulate` micro-batches run; it applies to a built-in shape and to a built
+    model whose units are an embedding, blocks and a head (a split Hugging Face decoder) unless
+    `not_a_chain` says why the engine cannot drive it so (`tierzero.engine.chain.chain_of`).
     A model built elsewhere (the CLI's hf:DIR) comes as `units`, its partition for `gpus` ranks,
     and `args`, the LLaMA-like shape its activations are estimated from; `model` then names it."""
     if stage is not None and stage not in (1, 2, 3):
@@ -184,9 +187,12 @@ def make_plan(
         schedule = Schedule(schedule)
     except ValueError:
         raise ConfigError(f"--schedule '{schedule}' is not valid; choose one of horizontal|vertical|auto") from None
-    if schedule is Schedule.VERTICAL and units is not None:
-        raise ConfigError("--schedule vertical needs a built-in model's chain of units; use --schedule horizontal")
-    vertical = schedule is Schedule.VERTICAL or (schedule is Schedule.AUTO and accumulate > 1 and units is None)
+    if units is not None and not_a_chain is None and (units[0].kind != "embedding" or units[-1].kind != "head"):
+        not_a_chain = "its units are not an embedding, blocks and a head"
+    chain = not_a_chain is None
+    if schedule is Schedule.VERTICAL and not chain:
+        raise ConfigError(f"--schedule vertical needs a chain of units, but {not_a_chain}; use --schedule horizontal")
+    vertical = schedule is Schedule.VERTICAL or (schedule is Schedule.AUTO and accumulate > 1 and chain)
     check_world_size(gpus)
     if vocab_size is not None and vocab_size < 1:
         raise ConfigError(f"--vocab-size must be a positive integer, got {vocab_size}")
