@@ -52,15 +52,18 @@ def write_jsonl(path, records) -> str:
 
 
 def test_chats_train_on_the_assistant_turns_only(tokenizer, tmp_path) -> None:
-    ids, trained = read_data(write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS]), 64, tokenizer)
-    assert trained is not None and len(trained) == len(ids)
+    ids, examples = read_data(write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS]), 64, tokenizer)
+    trained = examples.trained
+    assert len(trained) == len(ids) and list(examples.bounds) == [0, 12, len(ids)]
     assert [w for w, t in zip(words(tokenizer, ids), trained) if t] == ["five", ".", "because", "light", "scatters",
                                                                         ".", "ok", "."]
     assert words(tokenizer, ids)[:8] == ["user", ":", "what", "is", "two", "and", "three", "."]
 
 
 def test_prompt_completion_trains_on_the_completion_and_its_end(tokenizer, tmp_path) -> None:
-    ids, trained = read_data(write_jsonl(tmp_path / "pairs.jsonl", PAIRS), 64, tokenizer)
+    ids, examples = read_data(write_jsonl(tmp_path / "pairs.jsonl", PAIRS), 64, tokenizer)
+    trained = examples.trained
+    assert list(examples.bounds) == [0, 7, 12]
     assert list(ids[trained == 1]) == [*tokenizer.load().encode("five").ids, EOS, *tokenizer.load().encode("blue").ids, EOS]
     assert trained.sum() == 4 and len(ids) == 12  # 6 + 4 words, an end after each
 
@@ -70,7 +73,8 @@ def test_masked_targets_and_the_loss_is_the_mean_over_trained_ones(tokenizer, tm
 
     from tierzero.hf.build import adapt
 
-    ids, trained = read_data(write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS * 20]), 64, tokenizer)
+    ids, examples = read_data(write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS * 20]), 64, tokenizer)
+    trained = examples.trained
     batches = TokenBatches(ids, batch_size=4, seq_len=8, seed=0, trained=trained)
     x, y = batches.next_batch()
     kept = y != -100
@@ -100,7 +104,8 @@ def test_parquet_and_save_to_disk_read_as_the_jsonl(form, tokenizer, tmp_path) -
         datasets.Dataset.from_list(records).save_to_disk(str(path))
     expected = read_data(write_jsonl(tmp_path / "chat.jsonl", records), 64, tokenizer)
     got = read_data(str(path), 64, tokenizer)
-    assert np.array_equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])
+    assert np.array_equal(got[0], expected[0]) and np.array_equal(got[1].trained, expected[1].trained)
+    assert np.array_equal(got[1].bounds, expected[1].bounds)
 
 
 def test_refusals(tokenizer, tmp_path) -> None:
@@ -114,9 +119,9 @@ def test_refusals(tokenizer, tmp_path) -> None:
         read_data(chats, 64, TextTokenizer(bare / "tokenizer.json", EOS))
     with pytest.raises(DataError, match="'prompt' and 'completion' must both be strings"):
         read_data(write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "what", "completion": 3}]), 64, tokenizer)
-    ids, trained = read_data(write_jsonl(tmp_path / "pairs.jsonl", PAIRS), 64, tokenizer)
+    ids, examples = read_data(write_jsonl(tmp_path / "pairs.jsonl", PAIRS), 64, tokenizer)
     with pytest.raises(DataError, match="no window of 3 tokens .* has a completion"):
-        TokenBatches(ids, 1, 2, seed=0, trained=np.zeros_like(trained), val_fraction=0.0)
+        TokenBatches(ids, 1, 2, seed=0, trained=np.zeros_like(examples.trained), val_fraction=0.0)
 
 
 def test_train_on_prompt_completion_records_from_the_cli(hf_models, tmp_path) -> None:

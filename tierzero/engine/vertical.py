@@ -43,6 +43,7 @@ from tierzero.engine.boundary import BoundaryStore
 from tierzero.engine.execute import (UnitRunner, autocast_as, autocast_state, bind, flat_grad, restore_rng,
                                      rng_state, unbind)
 from tierzero.engine.grads import GradShards
+from tierzero.engine.reference import loss_divisor
 from tierzero.errors import ConfigError, TierzeroError
 from tierzero.layout.partition import Unit, forward_only
 from tierzero.models.llama import Transformer
@@ -102,15 +103,17 @@ class VerticalSchedule:
         self.forward_only = forward_only
         self._rng: dict[tuple[int, int], tuple[Any, Any]] = {}
 
-    def run(self, batches: list[Batch], pass_: BackwardPass, loss_scale: float) -> list[torch.Tensor]:
-        """Forward and backward every micro-batch of one step; their losses (detached)."""
+    def run(self, batches: list[Batch], pass_: BackwardPass, loss_scale: float,
+            divisors: list[float | None]) -> list[torch.Tensor]:
+        """Forward and backward every micro-batch of one step; their losses (detached), each
+        divided by its divisor (`engine.reference.loss_divisor`)."""
         for ids, _ in batches:
             if ids.shape[1] > self.model.args.max_seq_len:
                 raise ConfigError(f"sequence length {ids.shape[1]} exceeds the model's max_seq_len "
                                   f"{self.model.args.max_seq_len}; use a shorter --seq-len")
         try:
             last = self._forward([ids for ids, _ in batches])
-            return self._backward(batches, last, pass_, loss_scale)
+            return self._backward(batches, last, pass_, loss_scale, divisors)
         except BaseException:
             self.store.clear()
             raise
@@ -136,7 +139,7 @@ class VerticalSchedule:
         return xs
 
     def _backward(self, batches: list[Batch], head_in: list[torch.Tensor], pass_: BackwardPass,
-                  loss_scale: float) -> list[torch.Tensor]:
+                  loss_scale: float, divisors: list[float | None]) -> list[torch.Tensor]:
         """The head (each micro-batch's loss and backward), then the blocks and the embedding in
         reverse, each over every micro-batch with one fetch; each unit's grad summed on the device."""
         k = len(batches)
@@ -159,7 +162,7 @@ class VerticalSchedule:
                     inp = x.detach().requires_grad_(x.is_floating_point())
                     rng, autocast = self._rng.pop((unit.index, m), (rng_state((x,)), autocast_state((x,))))
                     with torch.enable_grad(), restore_rng(rng), autocast_as(autocast):
-                        out = self._call(unit, inp, batches[m][1])
+                        out = self._call(unit, inp, batches[m][1], divisors[m])
                     if unit.kind == "head":
                         losses.append(out.detach())
                         scaled = out / k if k > 1 else out  # as `Engine.backward` scales it
@@ -200,10 +203,12 @@ class VerticalSchedule:
             return flat, present
         return flat.add_(total[0]), present | total[1]
 
-    def _call(self, unit: Unit, x: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
+    def _call(self, unit: Unit, x: torch.Tensor, targets: torch.Tensor | None = None,
+              divisor: float | None = None) -> Any:
         """The unit's own forward (bound already), as the model's forward calls it."""
         args = (x, targets) if unit.kind == "head" else (x,)
-        return self.runner.compute(unit, args, {}, leaves=[])
+        kwargs = {} if divisor is None else {"num_items_in_batch": divisor}
+        return self.runner.compute(unit, args, kwargs, leaves=[])
 
 
 class VerticalSteps:
@@ -216,7 +221,7 @@ class VerticalSteps:
         self.on: bool | None = None  # None: not decided yet
         self.schedule: VerticalSchedule | None = None
         self.store: BoundaryStore | None = None
-        self._queued: list[tuple[Any, torch.Tensor]] = []
+        self._queued: list[tuple[Any, torch.Tensor, float | None]] = []  # batch, its loss, its divisor
 
     def horizontal(self) -> None:
         """The caller drives forward/backward itself: refuse `--schedule vertical`, else decide horizontal."""
@@ -257,15 +262,15 @@ class VerticalSteps:
                 self._open(batch)
         return self.on
 
-    def micro_batch(self, batch: Any) -> torch.Tensor:
+    def micro_batch(self, batch: Any, step_tokens: int | None = None) -> torch.Tensor:
         """Queue `batch`; at the step's last micro-batch run the step. A tensor that holds this
-        micro-batch's loss once its step has run."""
+        micro-batch's loss once its step has run (`step_tokens`: as `Engine.forward`)."""
         e = self.engine
         loss = torch.empty((), dtype=torch.float32, device=e.device)
-        self._queued.append((batch, loss))
+        self._queued.append((batch, loss, loss_divisor(step_tokens, False, e.config.accumulate, e.comm.world_size)))
         if len(self._queued) == e.config.accumulate:
             queued, self._queued = self._queued, []
-            for (_, out), value in zip(queued, self._run([b for b, _ in queued])):
+            for (_, out, _), value in zip(queued, self._run([b for b, _, _ in queued], [d for _, _, d in queued])):
                 out.copy_(value)
             e.step()
         return loss
@@ -295,7 +300,7 @@ class VerticalSteps:
         self.schedule = VerticalSchedule(e.model, e.units, e.runner, e.grads, self.store, e.dtype,
                                          forward_only(e.units))
 
-    def _run(self, batches: list[Any]) -> list[torch.Tensor]:
+    def _run(self, batches: list[Any], divisors: list[float | None]) -> list[torch.Tensor]:
         e = self.engine
         assert self.schedule is not None
         k = len(batches)
@@ -304,7 +309,7 @@ class VerticalSteps:
         e.scheduler.begin(e.vertical_plan)
         try:
             with e.grads.running(pass_), e.runner.running(pass_):
-                losses = self.schedule.run(on_device, pass_, e.scaler.scale)
+                losses = self.schedule.run(on_device, pass_, e.scaler.scale, divisors)
                 e.grads.flush()  # the last unit's reduction
             e.scheduler.finish()
         except BaseException as err:
