@@ -207,7 +207,7 @@ class VerticalSchedule:
               divisor: float | None = None) -> Any:
         """The unit's own forward (bound already), as the model's forward calls it."""
         args = (x, targets) if unit.kind == "head" else (x,)
-        kwargs = {} if divisor is None else {"num_items_in_batch": divisor}
+        kwargs = {"num_items_in_batch": divisor} if unit.kind == "head" and divisor is not None else {}
         return self.runner.compute(unit, args, kwargs, leaves=[])
 
 
