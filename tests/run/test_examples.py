@@ -124,6 +124,43 @@ def test_refusals(tokenizer, tmp_path) -> None:
         TokenBatches(ids, 1, 2, seed=0, trained=np.zeros_like(examples.trained), val_fraction=0.0)
 
 
+@pytest.mark.parametrize("form", ["pairs", "chats"])
+def test_micro_batch_1_trains_and_long_examples_are_counted(form, hf_models, tmp_path) -> None:
+    """One row per micro-batch (its targets masked, its inputs intact), and the run says how many
+    examples were longer than a window and what --long-examples did with them."""
+    from typer.testing import CliRunner
+
+    from tierzero.cli.app import app
+    from tierzero.run.directory import read_metrics
+
+    model = tmp_path / "model"
+    shutil.copytree(hf_models["llama"], model)
+    (model / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                             "chat_template": TEMPLATE}))
+    text = "def return import class for in if else while with as from".split()
+    long = {"prompt": " ".join(text * 3) + " ", "completion": " ".join(text[:5])}
+    if form == "pairs":
+        records = [{"prompt": " ".join(text[i % 7:i % 7 + 4]) + " ", "completion": " ".join(text[i % 5:i % 5 + 3])}
+                   for i in range(60)] + [long]
+    else:
+        records = [{"messages": [{"role": "user", "content": " ".join(text[i % 7:i % 7 + 4])},
+                                 {"role": "assistant", "content": " ".join(text[i % 5:i % 5 + 3])}]}
+                   for i in range(60)] + [{"messages": [{"role": "user", "content": long["prompt"]},
+                                                        {"role": "assistant", "content": long["completion"]}]}]
+    data = write_jsonl(tmp_path / "data.jsonl", records)
+    for policy in ("truncate", "drop"):
+        run_dir = tmp_path / policy
+        result = CliRunner().invoke(app, ["train", "--model", f"hf:{model}", "--data", data, "--steps", "3",
+                                          "--batch-size", "1", "--accumulate", "2", "--seq-len", "16",
+                                          "--long-examples", policy, "--offload", "host", "--dtype", "fp32",
+                                          "--run-dir", str(run_dir), "--json"])
+        assert result.exit_code == 0, result.output
+        assert "1 of 61 examples are longer than --seq-len 16 allows" in result.output
+        assert json.loads(result.stdout[result.stdout.index("{"):])["long_examples"] == \
+            {"policy": policy, "examples": 61, "touched": 1}
+        assert all(np.isfinite(r["loss"]) for r in read_metrics(run_dir) if "loss" in r)
+
+
 def test_train_on_prompt_completion_records_from_the_cli(hf_models, tmp_path) -> None:
     """The run's batches mask the prompts: its losses are those of the completions only."""
     from typer.testing import CliRunner
