@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from tierzero import Config, Placement, Tier, models
 from tierzero.adamw import decays
 from tierzero.engine import Engine
+from tierzero.errors import ConfigError
 from tierzero.lr import lr_at
 from tierzero.models.loss import trained_targets
 from tierzero.run.data import TokenBatches, default_corpus
@@ -208,3 +209,30 @@ def test_two_ranks_of_two_rows_are_two_rows_accumulated_twice(kind, two_ranks, t
     four, four_weights = plain(kind)
     assert max(abs(a - b) for a, b in zip(losses, four)) <= LOSS_TOL
     assert_close(weights, four_weights, WEIGHT_TOL)
+
+
+def test_hf_labels_are_divided_by_the_given_count_and_a_model_without_it_is_refused() -> None:
+    """`labels=` (unshifted: the model's own loss shifts them) takes the same divisor."""
+    from tierzero.engine.reference import ReferenceTrainer
+
+    x, y = masked_batches()[0]
+    labels = torch.cat([x[:, :1], y], dim=1)  # x's tokens then its targets: shifted back by the model
+    model = hf_model()
+    with torch.no_grad():
+        logits = model(x).float().flatten(0, 1)
+        summed = F.cross_entropy(logits, y.flatten(), reduction="sum")
+        got = model(torch.cat([x, y[:, -1:]], dim=1), labels=labels, num_items_in_batch=7.5)
+    torch.testing.assert_close(got, summed / 7.5, rtol=1e-6, atol=0)
+
+    class NoCount(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self.w * 0
+
+    trainer = ReferenceTrainer(NoCount(), Config(offload="none"))
+    trainer.train_micro_batch((x, y))  # without step_tokens: its own loss
+    with pytest.raises(ConfigError, match="takes no num_items_in_batch"):
+        trainer.train_micro_batch((x, y), step_tokens=np.int64(10))

@@ -7,6 +7,8 @@ model lives on one device, `torch.optim.AdamW` steps it, `clip_grad_norm_` clips
 from __future__ import annotations
 
 import contextlib
+import inspect
+import numbers
 from typing import Any
 
 import torch
@@ -24,6 +26,10 @@ def compute_loss(model: nn.Module, batch: Any, num_items_in_batch: float | None 
     `num_items_in_batch`, when given, is passed on: the model divides its tokens' summed loss by
     it instead of by their own count (`tierzero.models.loss`)."""
     kwargs = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
+    if kwargs and not _takes_num_items(model):
+        raise ConfigError(f"{type(model).__name__}.forward takes no num_items_in_batch, so its loss cannot be "
+                          "divided by the step's trained tokens; add that keyword (divide the summed token loss "
+                          "by it) or leave step_tokens out")
     if isinstance(batch, dict):
         out = model(**batch, **kwargs)
     elif isinstance(batch, (tuple, list)):
@@ -31,6 +37,11 @@ def compute_loss(model: nn.Module, batch: Any, num_items_in_batch: float | None 
     else:
         out = model(batch, **kwargs)
     return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def _takes_num_items(model: nn.Module) -> bool:
+    params = inspect.signature(model.forward).parameters.values()
+    return any(p.name == "num_items_in_batch" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def loss_divisor(step_tokens: int | None, summed: bool, accumulate: int, world_size: int) -> float | None:
@@ -46,10 +57,10 @@ def loss_divisor(step_tokens: int | None, summed: bool, accumulate: int, world_s
         return 1.0
     if step_tokens is None:
         return None
-    if isinstance(step_tokens, bool) or not isinstance(step_tokens, int) or step_tokens < 0:
+    if isinstance(step_tokens, bool) or not isinstance(step_tokens, numbers.Integral) or step_tokens < 0:
         raise ConfigError(f"step_tokens must be the step's number of trained tokens (an integer >= 0), "
                           f"got {step_tokens!r}")
-    return max(step_tokens, 1) / (accumulate * world_size)
+    return max(int(step_tokens), 1) / (accumulate * world_size)
 
 
 class ReferenceTrainer:
