@@ -149,3 +149,24 @@ def test_sequence_longer_than_max_seq_len_is_a_config_error() -> None:
     model = build("tiny")
     with pytest.raises(ConfigError, match="max_seq_len 512"):
         model(torch.zeros(1, 513, dtype=torch.long))
+
+
+@pytest.mark.parametrize("chunk_tokens", [1 << 20, 7])  # one chunk, and several
+def test_the_loss_over_its_own_count_is_bitwise_its_mean(chunk_tokens: int) -> None:
+    """`num_items_in_batch` equal to the micro-batch's trained targets: the same loss and grads
+    bitwise; another count scales the sum (what a step over several micro-batches passes)."""
+    from tierzero.models.loss import chunked_cross_entropy, trained_targets
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(3, 10, 16)
+    targets = torch.randint(0, 50, (3, 10))
+    targets[:, ::3] = -100
+    results = []
+    for count in (None, float(trained_targets(targets)), 4.0):
+        head.zero_grad()
+        loss = chunked_cross_entropy(head, hidden, targets, chunk_tokens, count)
+        loss.backward()
+        results.append((loss.detach(), head.weight.grad.clone()))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    torch.testing.assert_close(results[2][0], results[0][0] * trained_targets(targets) / 4.0)
