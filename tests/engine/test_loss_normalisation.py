@@ -23,6 +23,7 @@ for nearly every element), against the 1e-3-scale differences of a mean of means
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,7 @@ LOSS_TOL, WEIGHT_TOL = 1e-6, 2e-5
 UNTIED = dataclasses.replace(SMALL, tie_embeddings=False)
 
 
+@functools.cache
 def masked_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     """STEPS global batches of 4 rows whose trained targets vary from a few to most per row."""
     tokens = default_corpus(1 << 16)
