@@ -15,12 +15,13 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tierzero.cli.output import Output
-from tierzero.config import RunConfig, load_run_config
+from tierzero.config import LongExamples, RunConfig, load_run_config
 from tierzero.errors import ConfigError
 from tierzero.dist.launch import Ranks, die_with_launcher, rank_device, ranks_from_env, run_torchrun, start_process_group, stop_process_group, under_torchrun
 from tierzero.checkpoint.catalog import checkpoint_dirs
 from tierzero.run.directory import CONFIG_NAME, RunDir, enclosing_run_dir, never_configured, rebase_paths, refuse_fresh_start
 from tierzero.storage.filekind import kind_of, not_a_file
+from tierzero.run.packing import Fitted
 
 
 def train(
@@ -38,6 +39,7 @@ def train(
     steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences per micro-batch."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence."),
+    long_examples: Optional[str] = typer.Option(None, "--long-examples", help="A prompt/completion or chat example longer than --seq-len: truncate (default: keep the prompt's end and the reply's start), split (into windows; later ones train without the prompt) or drop."),
     accumulate: Optional[int] = typer.Option(None, "--accumulate", help="Micro-batches per optimizer step."),
     schedule: Optional[str] = typer.Option(None, "--schedule", help="How --accumulate micro-batches run: horizontal (each through every unit), vertical (each unit for all of them: params read once per pass, grads written once per step; built-in models and Hugging Face decoders) or auto (default: vertical when accumulating, where it applies)."),
     lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate."),
@@ -75,6 +77,7 @@ def train(
     Several ranks: `--nproc N` on one machine, or `torchrun --nproc-per-node N -m tierzero.cli
     train ...` (add torchrun's --nnodes/--rdzv-* flags for several machines)."""
     overrides = dict(model=model, units=units, data=data, text_field=text_field, weights=weights, steps=steps, batch_size=batch_size, seq_len=seq_len,
+                     long_examples=long_examples,
                      accumulate=accumulate, schedule=schedule, lr=lr, weight_decay=weight_decay, betas=_betas(adam_betas), eps=adam_eps,
                      warmup_steps=warmup_steps,
                      clip_grad_norm=clip_grad_norm, clip_previous_norm=clip_previous_norm, seed=seed, dtype=dtype, offload=offload,
@@ -145,6 +148,8 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
         out.print(f"[bold]tierzero train[/] {escape(run.model)} ({session.n_params / 1e6:.2f}M params) "
                   f"on {session.device}, dtype {session.dtype}, "
                   f"offload {run.engine.offload.value}: {session.placement_text}")
+        if session.fitted is not None and session.fitted.long:
+            out.print(f"[yellow]note:[/] {_long_examples_text(session.fitted)}", highlight=False)
         stage_text = getattr(session.trainer, "stage_text", None)
         if ranks.world_size > 1 and stage_text is not None:
             out.print(stage_text(), highlight=False)
@@ -177,6 +182,9 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
                "first_loss": result.first_loss, "last_loss": result.last_loss,
                "val_loss_start": result.val_losses[0][1], "val_loss_end": result.val_losses[-1][1],
                "wall_s": result.wall_s}
+    if session.fitted is not None:
+        summary["long_examples"] = {"policy": session.fitted.policy.value, "examples": session.fitted.examples,
+                                    "touched": session.fitted.long}
     if json_out:
         out.emit_json(summary)
     else:
@@ -199,6 +207,15 @@ def _load(config: Optional[Path], overrides: dict[str, Any]) -> RunConfig:
         if key is None or overrides.get(key) is None or not str(e).startswith(key):
             raise
         raise ConfigError(_FLAGS.get(key, "--" + key.replace("_", "-")) + str(e)[len(key):]) from None
+
+
+def _long_examples_text(fitted: Fitted) -> str:
+    """What --long-examples did, in one sentence."""
+    done = {LongExamples.TRUNCATE: "truncated, keeping each prompt's end and reply's start",
+            LongExamples.SPLIT: "split into windows (later ones train without their prompt)",
+            LongExamples.DROP: "dropped"}[fitted.policy]
+    return (f"{fitted.long} of {fitted.examples} examples are longer than --seq-len {fitted.window - 1} allows "
+            f"({fitted.window} tokens with the last target): {done} (--long-examples {fitted.policy.value})")
 
 
 def _checkpoint_piece_numel(run_dir: str) -> Optional[int]:

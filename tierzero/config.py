@@ -131,6 +131,14 @@ class Schedule(str, enum.Enum):
     AUTO = "auto"  # vertical where accumulating a chain model (built-in or a split HF decoder), else horizontal
 
 
+class LongExamples(str, enum.Enum):
+    """What happens to a fine-tuning example longer than a window (`tierzero.run.packing`)."""
+
+    TRUNCATE = "truncate"  # keep the prompt's end and the reply's start
+    SPLIT = "split"  # windows that share one token; later ones train without the prompt
+    DROP = "drop"
+
+
 @dataclass
 class Config:
     """What the `Engine` needs: precision, optimizer, schedule and where state lives.
@@ -304,7 +312,8 @@ class RunConfig:
     seq_len: int = 128
     run_dir: str | None = None
     eval_every: int = 40
-    eval_batches: int = 4
+    eval_tokens: int = 4096  # the validation set: this many tokens' windows, whatever the batch size
+    long_examples: LongExamples = LongExamples.TRUNCATE
     checkpoint_every: int | None = None  # None: checkpoint only when the run finishes
     keep_checkpoints: int = 2
     lora_r: int | None = None  # LoRA rank: train peft adapters on a frozen hf: base; None: full training
@@ -314,8 +323,13 @@ class RunConfig:
     engine: Config = field(default_factory=Config)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "keep_checkpoints"):
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_tokens", "keep_checkpoints"):
             _count(getattr(self, name), name)
+        try:
+            self.long_examples = LongExamples(self.long_examples)
+        except ValueError:
+            raise _refused("long_examples", f"must be one of {', '.join(e.value for e in LongExamples)}, "
+                                            f"got {self.long_examples!r}") from None
         if not isinstance(self.text_field, str) or not self.text_field:
             raise _refused("text_field", f"must name a .jsonl field, got {self.text_field!r}")
         every = self.checkpoint_every

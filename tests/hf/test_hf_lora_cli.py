@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from hf_helpers import sample_text
 from tierzero.cli.app import app
 from tierzero.run.corpus import TextTokenizer, read_corpus
+from tierzero.config import RunConfig
 from tierzero.run.data import TokenBatches
 from tierzero.run.directory import read_metrics
 
@@ -25,12 +26,13 @@ LORA = ["--lora-r", "4", "--lora-alpha", "8", "--lora-dropout", "0.0", "--lora-t
 COMMON = ["--steps", "3", "--batch-size", "2", "--seq-len", "32", "--lr", "1e-2", "--dtype", "fp32", "--json"]
 
 
-def val_loss(model: torch.nn.Module, batches: TokenBatches, n: int) -> float:
-    """The mean of each validation batch's next-token cross-entropy, as tierzero's evaluate."""
+def val_loss(model: torch.nn.Module, batches: TokenBatches) -> float:
+    """The next-token cross-entropy over every validation token, as tierzero's evaluate (its
+    default set: the windows that hold RunConfig.eval_tokens tokens)."""
     with torch.no_grad():
-        losses = [F.cross_entropy(model(input_ids=x).logits.float().flatten(0, 1), y.flatten()).item()
-                  for x, y in batches.val_batches(n)]
-    return sum(losses) / len(losses)
+        val = batches.val_batches(RunConfig.eval_tokens)
+        logits = torch.cat([model(input_ids=x).logits.float().flatten(0, 1) for x, _ in val])
+        return F.cross_entropy(logits, torch.cat([y.flatten() for _, y in val])).item()
 
 
 def test_a_cli_lora_run_exports_an_adapter_that_gives_its_losses(hf_models, tmp_path) -> None:
@@ -54,12 +56,12 @@ def test_a_cli_lora_run_exports_an_adapter_that_gives_its_losses(hf_models, tmp_
     tokens = read_corpus(str(data), 256, TextTokenizer(base_dir / "tokenizer.json", 0))
     batches = TokenBatches(tokens, 2, 32, seed=0)
     base = AutoModelForCausalLM.from_pretrained(base_dir)
-    assert abs(val_loss(base, batches, 4) - reported[0]) < 1e-5  # the base, read unit by unit, is the base
+    assert abs(val_loss(base, batches) - reported[0]) < 1e-5  # the base, read unit by unit, is the base
     adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), tmp_path / "adapter")
     assert any("lora_B" in n and p.abs().sum() > 0 for n, p in adapter.named_parameters())
-    assert abs(val_loss(adapter, batches, 4) - reported[-1]) < 1e-5
+    assert abs(val_loss(adapter, batches) - reported[-1]) < 1e-5
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
-    assert abs(val_loss(merged, batches, 4) - reported[-1]) < 1e-5
+    assert abs(val_loss(merged, batches) - reported[-1]) < 1e-5
 
 
 def test_lora_in_memory_starts_and_trains_as_the_tiered_run(hf_models, tmp_path) -> None:

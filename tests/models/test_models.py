@@ -163,3 +163,24 @@ def test_loss_chunks_are_at_least_1024_tokens(name: str, tokens: int) -> None:
     estimate = activation_memory(model.args, 4, 512, 2, model.loss_chunk_bytes)
     one_chunk = activation_memory(model.args, 4, 512, 2, 4 * model.args.vocab_size * min(n, tokens))
     assert estimate == one_chunk  # the memory model counts the chunk the model computes
+
+
+@pytest.mark.parametrize("chunk_tokens", [1 << 20, 7])  # one chunk, and several
+def test_the_loss_over_its_own_count_is_bitwise_its_mean(chunk_tokens: int) -> None:
+    """`num_items_in_batch` equal to the micro-batch's trained targets: the same loss and grads
+    bitwise; another count scales the sum (what a step over several micro-batches passes)."""
+    from tierzero.models.loss import chunked_cross_entropy, trained_targets
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(3, 10, 16)
+    targets = torch.randint(0, 50, (3, 10))
+    targets[:, ::3] = -100
+    results = []
+    for count in (None, float(trained_targets(targets)), 4.0):
+        head.zero_grad()
+        loss = chunked_cross_entropy(head, hidden, targets, chunk_tokens, count)
+        loss.backward()
+        results.append((loss.detach(), head.weight.grad.clone()))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    torch.testing.assert_close(results[2][0], results[0][0] * trained_targets(targets) / 4.0)

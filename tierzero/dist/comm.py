@@ -139,6 +139,12 @@ class Comm:
         total = self.all_reduce_sum(torch.tensor(values, dtype=torch.float64))
         return (total / self.world_size).tolist()
 
+    def total(self, values: list[float]) -> list[float]:
+        """The sum over ranks of each value (fp64: integer counts below 2**53 stay exact)."""
+        if self.world_size == 1:
+            return values
+        return self.all_reduce_sum(torch.tensor(values, dtype=torch.float64)).tolist()
+
     @_collective
     def all_gather_json(self, obj: Any) -> list[Any]:
         """Every rank's JSON-able `obj`, in rank order. JSON rather than pickle: nothing a peer

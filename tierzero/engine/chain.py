@@ -56,8 +56,11 @@ class Chain:
     def block(self, runner: UnitRunner, unit: Unit, x: torch.Tensor, context: Any) -> torch.Tensor:
         return runner.compute(unit, (x,), {}, leaves=[])
 
-    def head(self, runner: UnitRunner, unit: Unit, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return runner.compute(unit, (x, targets), {}, leaves=[])
+    def head(self, runner: UnitRunner, unit: Unit, x: torch.Tensor, targets: torch.Tensor,
+             divisor: float | None = None) -> torch.Tensor:
+        """The loss; `divisor`, the step's `num_items_in_batch` (`engine.reference.loss_divisor`)."""
+        kwargs = {} if divisor is None else {"num_items_in_batch": divisor}
+        return runner.compute(unit, (x, targets), kwargs, leaves=[])
 
 
 class LayerChain(Chain):

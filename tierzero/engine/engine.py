@@ -49,7 +49,7 @@ from tierzero.engine.paramsteps import ParamSteps, Run
 from tierzero.engine.paramsync import sync_params
 from tierzero.layout.partition import Unit, forward_only, grad_uses, partition, replicate_params
 from tierzero.engine.precision import DynamicLossScaler, compute_dtype, resolve_dtype
-from tierzero.engine.reference import compute_loss
+from tierzero.engine.reference import compute_loss, loss_divisor
 from tierzero.engine.scheduler import Scheduler
 from tierzero.planning.placement import STAGE_TEXT
 from tierzero.planning.swapplan import swap_plans
@@ -172,8 +172,9 @@ class Engine:
 
     # -- one step -------------------------------------------------------------------------------
 
-    def forward(self, batch: Any) -> torch.Tensor:
-        """The loss of one micro-batch; with grad enabled, ready for `backward`."""
+    def forward(self, batch: Any, step_tokens: int | None = None, summed: bool = False) -> torch.Tensor:
+        """One micro-batch's loss (with grad: for `backward`), divided as `loss_divisor` says for `step_tokens`."""
+        divisor = loss_divisor(step_tokens, summed, self.config.accumulate, self.comm.world_size)
         self._settle()
         training = torch.is_grad_enabled()
         if training:
@@ -185,7 +186,7 @@ class Engine:
         try:
             if root.is_root:  # a model without embedding/head entry points: bound for the pass
                 self._root_leaves = bind(root, self.scheduler.acquire(0), requires_grad=training)
-            loss = compute_loss(self.model, self.batches.to_device(batch))
+            loss = compute_loss(self.model, self.batches.to_device(batch), divisor)
         except BaseException:
             self.abort()
             raise
@@ -307,29 +308,29 @@ class Engine:
         param = self.shards.read_shard(StateKind.PARAM, unit).to(self.device)
         return param if unit.replicated else self.comm.all_gather(param)
 
-    def train_step(self, batch: Any) -> float:
+    def train_step(self, batch: Any, step_tokens: int | None = None) -> float:
         """forward + backward + step (the step runs once per `accumulate` calls); the loss."""
         self.vertical.refuse_unknown_loss(batch)
-        return self.train_micro_batch(batch).item()  # host sync point: waits for the whole pass
+        return self.train_micro_batch(batch, step_tokens).item()  # host sync point: waits for the whole pass
 
-    def train_micro_batch(self, batch: Any) -> torch.Tensor:
-        """`train_step` without reading the loss: a detached tensor, so a loop that reads the
+    def train_micro_batch(self, batch: Any, step_tokens: int | None = None) -> torch.Tensor:
+        """`train_step` without reading the loss (a detached tensor): a loop that reads the
         micro-batches' losses once per step syncs with the device once per step, not per call."""
         self.model.train()
         if self.vertical.wants(batch):  # opens the engine
-            return self.vertical.micro_batch(batch)
-        loss = self.forward(batch)
+            return self.vertical.micro_batch(batch, step_tokens)
+        loss = self.forward(batch, step_tokens)
         self.backward(loss)
         self.step()
         return loss.detach()
 
     @torch.no_grad()
-    def eval_loss(self, batch: Any) -> float:
-        """The loss in eval mode (dropout off), without grad; the model's mode is restored."""
+    def eval_loss(self, batch: Any, summed: bool = False) -> float:
+        """The loss in eval mode (dropout off), without grad; the model's mode is restored. `summed`: as `forward`."""
         was_training = self.model.training
         self.model.eval()
         try:
-            return self.forward(batch).item()
+            return self.forward(batch, summed=summed).item()
         finally:
             self.model.train(was_training)
 

@@ -45,6 +45,7 @@ from tierzero.engine.chain import Chain, chain_of
 from tierzero.engine.draws import seeded
 from tierzero.engine.execute import UnitRunner, bind, flat_grad, unbind
 from tierzero.engine.grads import GradShards
+from tierzero.engine.reference import loss_divisor
 from tierzero.errors import ConfigError, TierzeroError
 from tierzero.layout.partition import Unit, forward_only
 
@@ -94,13 +95,15 @@ class VerticalSchedule:
         self.dtype = dtype
         self.forward_only = forward_only
 
-    def run(self, batches: list[Batch], pass_: BackwardPass, loss_scale: float) -> list[torch.Tensor]:
-        """Forward and backward every micro-batch of one step; their losses (detached)."""
+    def run(self, batches: list[Batch], pass_: BackwardPass, loss_scale: float,
+            divisors: list[float | None]) -> list[torch.Tensor]:
+        """Forward and backward every micro-batch of one step; their losses (detached), each
+        divided by its divisor (`engine.reference.loss_divisor`)."""
         for ids, _ in batches:
             self.chain.check(ids)
         try:
             last, contexts = self._forward([ids for ids, _ in batches])
-            return self._backward(batches, last, contexts, pass_, loss_scale)
+            return self._backward(batches, last, contexts, pass_, loss_scale, divisors)
         except BaseException:
             self.store.clear()
             raise
@@ -126,7 +129,7 @@ class VerticalSchedule:
         return xs, contexts
 
     def _backward(self, batches: list[Batch], head_in: list[torch.Tensor], contexts: list[Any],
-                  pass_: BackwardPass, loss_scale: float) -> list[torch.Tensor]:
+                  pass_: BackwardPass, loss_scale: float, divisors: list[float | None]) -> list[torch.Tensor]:
         """The head (each micro-batch's loss and backward), then the blocks and the embedding in
         reverse, each over every micro-batch with one fetch; each unit's grad summed on the device."""
         k = len(batches)
@@ -148,7 +151,7 @@ class VerticalSchedule:
                         x = batches[m][0] if unit.kind == "embedding" else self.store.get(unit.index, m)
                     inp = x.detach().requires_grad_(x.is_floating_point())
                     with torch.enable_grad(), seeded(self.runner.draws(unit.index, x, m)):
-                        out = self._call(unit, inp, batches[m][1], contexts[m])
+                        out = self._call(unit, inp, batches[m][1], contexts[m], divisors[m])
                     if unit.kind == "head":
                         losses.append(out.detach())
                         scaled = out / k if k > 1 else out  # as `Engine.backward` scales it
@@ -189,10 +192,11 @@ class VerticalSchedule:
             return flat, present
         return flat.add_(total[0]), present | total[1]
 
-    def _call(self, unit: Unit, x: torch.Tensor, targets: torch.Tensor, context: Any) -> torch.Tensor:
+    def _call(self, unit: Unit, x: torch.Tensor, targets: torch.Tensor, context: Any,
+              divisor: float | None) -> torch.Tensor:
         """The unit's own forward (bound already), as the model's forward calls it, with grad."""
         if unit.kind == "head":
-            return self.chain.head(self.runner, unit, x, targets)
+            return self.chain.head(self.runner, unit, x, targets, divisor)
         if unit.kind == "embedding":
             return self.chain.first_hidden(self.runner, unit, x)
         return self.chain.block(self.runner, unit, x, context)
@@ -208,7 +212,7 @@ class VerticalSteps:
         self.on: bool | None = None  # None: not decided yet
         self.schedule: VerticalSchedule | None = None
         self.store: BoundaryStore | None = None
-        self._queued: list[tuple[Any, torch.Tensor]] = []
+        self._queued: list[tuple[Any, torch.Tensor, float | None]] = []  # batch, its loss, its divisor
 
     def horizontal(self) -> None:
         """The caller drives forward/backward itself: refuse `--schedule vertical`, else decide horizontal."""
@@ -252,15 +256,15 @@ class VerticalSteps:
                 self._open(batch)
         return self.on
 
-    def micro_batch(self, batch: Any) -> torch.Tensor:
+    def micro_batch(self, batch: Any, step_tokens: int | None = None) -> torch.Tensor:
         """Queue `batch`; at the step's last micro-batch run the step. A tensor that holds this
-        micro-batch's loss once its step has run."""
+        micro-batch's loss once its step has run (`step_tokens`: as `Engine.forward`)."""
         e = self.engine
         loss = torch.empty((), dtype=torch.float32, device=e.device)
-        self._queued.append((batch, loss))
+        self._queued.append((batch, loss, loss_divisor(step_tokens, False, e.config.accumulate, e.comm.world_size)))
         if len(self._queued) == e.config.accumulate:
             queued, self._queued = self._queued, []
-            for (_, out), value in zip(queued, self._run([b for b, _ in queued])):
+            for (_, out, _), value in zip(queued, self._run([b for b, _, _ in queued], [d for _, _, d in queued])):
                 out.copy_(value)
             e.step()
         return loss
@@ -291,7 +295,7 @@ class VerticalSteps:
         self.store = BoundaryStore(e.tiers, budget)
         self.schedule = VerticalSchedule(chain, e.units, e.runner, e.grads, self.store, e.dtype, forward_only(e.units))
 
-    def _run(self, batches: list[Any]) -> list[torch.Tensor]:
+    def _run(self, batches: list[Any], divisors: list[float | None]) -> list[torch.Tensor]:
         e = self.engine
         assert self.schedule is not None
         k = len(batches)
@@ -301,7 +305,7 @@ class VerticalSteps:
         e.scheduler.begin(e.vertical_plan)
         try:
             with e.grads.running(pass_), e.runner.running(pass_):
-                losses = self.schedule.run(on_device, pass_, e.scaler.scale)
+                losses = self.schedule.run(on_device, pass_, e.scaler.scale, divisors)
                 e.grads.flush()  # the last unit's reduction
             e.scheduler.finish()
         except BaseException as err:

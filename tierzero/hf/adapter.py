@@ -88,19 +88,22 @@ class CausalLM(nn.Module):
         return self
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
-                labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> Any:
-        """The loss of `targets` (shifted) or `labels` (unshifted); logits when given neither."""
+                labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                num_items_in_batch: float | torch.Tensor | None = None) -> Any:
+        """The loss of `targets` (shifted) or `labels` (unshifted); logits when given neither.
+        `num_items_in_batch`: what the summed token losses are divided by (`tierzero.models.loss`)."""
         logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        return self._loss(logits, targets, labels)
+        return self._loss(logits, targets, labels, num_items_in_batch)
 
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor | None,
-              labels: torch.Tensor | None) -> torch.Tensor:
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor | None, labels: torch.Tensor | None,
+              num_items_in_batch: float | torch.Tensor | None = None) -> torch.Tensor:
         if targets is None and labels is None:
             return logits
-        # the model's own loss; ForCausalLMLoss takes shift_labels as they are (no second shift)
+        # the model's own loss; ForCausalLMLoss takes shift_labels as they are (no second shift),
+        # and divides its summed token losses by num_items_in_batch where given (else their mean)
         shifted = None if targets is None else targets.contiguous()
         return self.hf_model.loss_function(logits=logits, labels=labels, shift_labels=shifted,
-                                           vocab_size=self.config.vocab_size)
+                                           vocab_size=self.config.vocab_size, num_items_in_batch=num_items_in_batch)
 
     # -- init -----------------------------------------------------------------------------------
 
@@ -170,14 +173,15 @@ class SplitCausalLM(CausalLM):
         return self.prelude.parts() if self.prelude is not None else super().embedding_modules()
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
-                labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> Any:
+                labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                num_items_in_batch: float | torch.Tensor | None = None) -> Any:
         with contextlib.ExitStack() as stack:
             if self.prelude is not None:
                 first = self.prelude(input_ids, attention_mask)  # the embedding unit
                 stack.enter_context(replaying(self.blocks[0], first, self.prelude, self.dropouts))
             stack.enter_context(_deferred(self.final_norm, self.blocks[-1]))
             hidden = self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return self.head_out(hidden.last_hidden_state, targets, labels=labels)
+        return self.head_out(hidden.last_hidden_state, targets, labels=labels, num_items_in_batch=num_items_in_batch)
 
     def _prelude(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """The base model's own forward up to its first block: the hidden state it gets."""
@@ -211,21 +215,22 @@ class SplitCausalLM(CausalLM):
         refuse_unchained(type(self.hf_model).__name__)
 
     def head_out(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, *,
-                 labels: torch.Tensor | None = None) -> Any:
+                 labels: torch.Tensor | None = None, num_items_in_batch: float | torch.Tensor | None = None) -> Any:
         """Final norm, the model's own head and loss: everything after the blocks.
 
         With shifted `targets`, in chunks of about `loss_chunk_bytes` of fp32 logits, as the
         built-in model does (`tierzero.models.loss`): each chunk's logits come from the model's
         own head and its `loss_function` sums them over the whole batch's token count, under
         activation checkpointing, so one chunk's logits exist at a time. One chunk (a small
-        vocabulary or batch) is the unchunked loss bitwise; several differ by summation order."""
+        vocabulary or batch) is the unchunked loss bitwise; several differ by summation order.
+        `num_items_in_batch` replaces the batch's own count (`tierzero.models.loss`)."""
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
         chunk = chunk_tokens_for(self.config.vocab_size, self.loss_chunk_bytes)
         if targets is None or labels is not None or targets.numel() <= chunk:
-            return self._loss(self._logits(hidden), targets, labels)
+            return self._loss(self._logits(hidden), targets, labels, num_items_in_batch)
         h, t = hidden.reshape(1, -1, hidden.shape[-1]), targets.reshape(1, -1)
-        count = (t != IGNORE_INDEX).sum().clamp(min=1)
+        count = (t != IGNORE_INDEX).sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         parts = [checkpoint(self._chunk_loss, h[:, a:a + chunk], t[:, a:a + chunk], count, use_reentrant=False)
                  for a in range(0, t.shape[1], chunk)]
         return functools.reduce(operator.add, parts)

@@ -141,7 +141,8 @@ class Transformer(nn.Module):
         if self.args.tie_embeddings:
             self.head.weight = self.tok_emb.weight
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                num_items_in_batch: float | torch.Tensor | None = None) -> torch.Tensor:
         T = idx.shape[1]
         if T > self.args.max_seq_len:
             raise ConfigError(
@@ -151,10 +152,12 @@ class Transformer(nn.Module):
         x = self.tok_emb(idx)
         for block in self.blocks:
             x = block(x)
-        return self.head_out(x, targets)
+        return self.head_out(x, targets, num_items_in_batch)
 
-    def head_out(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Final norm and head: logits, or the mean cross-entropy without full logits.
+    def head_out(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                 num_items_in_batch: float | torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm and head: logits, or the mean cross-entropy without full logits (the sum
+        over `num_items_in_batch` when given: a step's count, see `models.loss`).
 
         The tiered engine runs this as the head unit, so it takes everything after the blocks.
         Loss in fp32 (a bf16 sum over batch*seq tokens would round away the signal), computed
@@ -164,7 +167,7 @@ class Transformer(nn.Module):
         if targets is None:
             return self.head(x)
         chunk = chunk_tokens_for(self.args.vocab_size, self.loss_chunk_bytes)
-        return chunked_cross_entropy(self.head, x, targets, chunk)
+        return chunked_cross_entropy(self.head, x, targets, chunk, num_items_in_batch)
 
     def get_input_embeddings(self) -> nn.Module:
         return self.tok_emb

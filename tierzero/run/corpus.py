@@ -4,7 +4,7 @@
 (`--text-field`, default `text`), Parquet files or a `datasets` `save_to_disk` directory of
 such records, or token ids (`.bin`/`.npy`, see `tierzero.run.data`). Records with `messages`
 or `prompt`/`completion` are fine-tuning examples (`tierzero.run.examples`): `read_data` also
-says which of their tokens are trained. Text is
+says which of their tokens are trained and where each example starts. Text is
 tokenized by the model directory's own `tokenizer.json` (the `tokenizers` library) when there
 is one -- each document's ids, then the model's end-of-sequence id where its config names
 one -- else read as bytes (ids 0-255). Every id is checked against the model's vocabulary
@@ -26,6 +26,7 @@ import numpy as np
 from tierzero.errors import DataError
 from tierzero.run.data import default_corpus, load_tokens
 from tierzero.run.examples import ChatTemplate, arrow_records, encode_examples, is_arrow_data, is_example
+from tierzero.run.packing import Examples
 
 TOKEN_SUFFIXES = (".bin", ".npy")
 
@@ -61,9 +62,9 @@ class TextTokenizer:
 
 
 def read_data(data: str | None, vocab_size: int, tokenizer: TextTokenizer | None = None,
-              text_field: str = "text") -> tuple[np.ndarray, np.ndarray | None]:
-    """The tokens of `data` and, for fine-tuning examples (`tierzero.run.examples`), which of
-    them are trained (None: every one)."""
+              text_field: str = "text") -> tuple[np.ndarray, Examples | None]:
+    """The tokens of `data` and, for fine-tuning examples (`tierzero.run.examples`), the same
+    tokens as examples: which are trained and where each example starts (None: plain text)."""
     path = Path(data) if data is not None else None
     if path is None or not (path.suffix == ".jsonl" or is_arrow_data(path)):
         return read_corpus(data, vocab_size, tokenizer, text_field), None
@@ -84,11 +85,12 @@ def read_data(data: str | None, vocab_size: int, tokenizer: TextTokenizer | None
     if tokenizer is None:
         raise DataError(f"data '{path}' holds prompt/completion or chat records, which need the model's "
                         "tokenizer.json; train an hf: model whose directory has one")
-    ids, trained = encode_examples((r for _, r in numbered), tokenizer.load(), tokenizer.eos_id,
-                                   ChatTemplate(tokenizer.path.parent), str(path))
-    if not trained.any():
+    examples = encode_examples((r for _, r in numbered), tokenizer.load(), tokenizer.eos_id,
+                               ChatTemplate(tokenizer.path.parent), str(path))
+    if not examples.trained.any():
         raise DataError(f"data '{path}' has no completion or assistant tokens to train on; check its records")
-    return _checked(ids, vocab_size, str(path), tokenizer), trained
+    ids = _checked(examples.ids, vocab_size, str(path), tokenizer)
+    return ids, Examples(ids, examples.trained, examples.bounds)
 
 
 def read_corpus(data: str | None, vocab_size: int, tokenizer: TextTokenizer | None = None,

@@ -10,8 +10,14 @@ visits every window once, in a permutation drawn from (seed, epoch). The positio
 order is the whole state, so a resumed run sees exactly the batches an uninterrupted one would.
 
 Fine-tuning examples come with a `trained` mask, one entry per token (`tierzero.run.corpus`):
-a target that is not trained is -100 in y, which the loss ignores (its mean is over trained
-targets), and a window without a trained target is never drawn.
+a target that is not trained is -100 in y, which the loss ignores (a step's loss is the mean
+over its trained targets), and a window without a trained target is never drawn. Given where
+each example starts (`examples`), windows are whole examples packed together instead of every
+seq_len-th token (`tierzero.run.packing`); the targets past a window's last example are -100.
+
+Validation: the split's first windows that hold `eval_tokens` tokens, in batches of the
+training batch's rows (the last one filled with rows whose targets are all -100), so the set,
+and the loss over its trained targets, is the same for any batch size and number of ranks.
 
 Ranks: `batch_size` is the global batch. Every rank walks the same order and takes its own
 contiguous rows of each batch (rank r of N: rows r*B/N .. (r+1)*B/N), so the global batch is
@@ -31,6 +37,7 @@ from numpy.typing import DTypeLike
 
 from tierzero.errors import ConfigError, DataError
 from tierzero.models.loss import IGNORE_INDEX
+from tierzero.run.packing import pack
 
 TOKEN_DTYPES = (np.dtype(np.uint16), np.dtype(np.uint32))
 SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
@@ -110,7 +117,7 @@ class TokenBatches:
 
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
                  val_fraction: float = 0.05, rank: int = 0, world_size: int = 1,
-                 trained: np.ndarray | None = None) -> None:
+                 trained: np.ndarray | None = None, examples: np.ndarray | None = None) -> None:
         if batch_size < 1 or seq_len < 1:
             raise ConfigError(f"batch_size {batch_size} and seq_len {seq_len} must both be at least 1")
         if batch_size % world_size:
@@ -121,24 +128,30 @@ class TokenBatches:
             raise ConfigError(f"data seed {seed} is negative; use a seed >= 0")
         if not 0.0 <= val_fraction < 1.0:
             raise ConfigError(f"val_fraction {val_fraction} must be in [0, 1)")
-        n_val = int(len(tokens) * val_fraction)
-        self.train, self.val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
         self.trained = trained  # which tokens are targets (fine-tuning examples); None: all
         if trained is not None and len(trained) != len(tokens):
             raise ConfigError(f"the trained mask has {len(trained)} entries for {len(tokens)} tokens; give one per token")
-        for split, split_tokens in (("training", self.train), ("validation", self.val)):
-            if len(split_tokens) < seq_len + 1 and (split == "training" or n_val > 0):
+        self.examples = examples  # where each example starts, then the end; None: plain text
+        if examples is not None and (examples[0] != 0 or examples[-1] != len(tokens)):
+            raise ConfigError(f"the example offsets run from {examples[0]} to {examples[-1]}, not over the "
+                              f"{len(tokens)} tokens; give each example's first offset, then the end")
+        split = self._split_at(len(tokens), int(len(tokens) * val_fraction))
+        n_val = len(tokens) - split
+        self.train, self.val = tokens[:split], tokens[split:]
+        for name, split_tokens in (("training", self.train), ("validation", self.val)):
+            if len(split_tokens) < seq_len + 1 and (name == "training" or n_val > 0):
                 raise DataError(
-                    f"the corpus of {len(tokens)} tokens leaves {len(split_tokens)} for {split}, too short "
+                    f"the corpus of {len(tokens)} tokens leaves {len(split_tokens)} for {name}, too short "
                     f"for seq_len {seq_len} (needs {seq_len + 1}); use a larger corpus or a smaller --seq-len"
                 )
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
-        self._starts = self._window_starts(0, len(self.train))
-        self._val_starts = self._window_starts(len(self.train), len(self.val)) if n_val else self._starts
-        if len(self._starts) == 0 or len(self._val_starts) == 0:
-            raise DataError(f"no window of {seq_len + 1} tokens in the {'training' if len(self._starts) == 0 else 'validation'} "
-                            "split has a completion or assistant token to train on; use a longer --seq-len or more data")
-        self.n_windows = len(self._starts)
+        self._windows = self._split_windows(0, len(self.train))
+        self._val_windows = self._split_windows(len(self.train), len(self.val)) if n_val else self._windows
+        if len(self._windows[0]) == 0 or len(self._val_windows[0]) == 0:
+            raise DataError(f"no window of {seq_len + 1} tokens in the "
+                            f"{'training' if len(self._windows[0]) == 0 else 'validation'} split has a "
+                            "completion or assistant token to train on; use a longer --seq-len or more data")
+        self.n_windows = len(self._windows[0])
         self.epoch, self.position = 0, 0
         self._order = self._permutation(0)
 
@@ -151,23 +164,31 @@ class TokenBatches:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the next global batch: x and y (x shifted by one), int64."""
-        starts = []
-        while len(starts) < self.batch_size:
-            take = min(self.batch_size - len(starts), self.n_windows - self.position)
-            starts.extend(self._starts[self._order[self.position: self.position + take]])
+        chosen = []
+        while len(chosen) < self.batch_size:
+            take = min(self.batch_size - len(chosen), self.n_windows - self.position)
+            chosen.extend(self._order[self.position: self.position + take])
             self.position += take
             if self.position == self.n_windows:
                 self.epoch, self.position = self.epoch + 1, 0
                 self._order = self._permutation(self.epoch)
-        return self._gather(self.train, np.asarray(starts)[self.rows], 0)
+        rows = np.asarray(chosen)[self.rows]
+        firsts, lasts = self._windows
+        return self._gather(self.train, firsts[rows], lasts[rows], 0)
 
-    def val_batches(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The first n validation batches: windows in order, cycling if the split is short."""
+    def val_batches(self, eval_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's rows of the validation set: the split's first windows, in order, that hold
+        `eval_tokens` tokens (all of them if the split is shorter), batch_size rows a batch."""
         if len(self.val) == 0:
             raise ConfigError("there is no validation split; set val_fraction above 0")
-        window = np.arange(n * self.batch_size) % len(self._val_starts)
-        return [self._gather(self.val, self._val_starts[starts[self.rows]], len(self.train))
-                for starts in window.reshape(n, self.batch_size)]
+        firsts, lasts = self._val_windows
+        n = min(len(firsts), -(-eval_tokens // self.seq_len))
+        pad = -n % self.batch_size  # rows with no target: the same set for every batch size
+        firsts = np.concatenate([firsts[:n], np.repeat(firsts[:1], pad)])
+        lasts = np.concatenate([lasts[:n], np.repeat(firsts[:1], pad)])
+        offset = len(self.train)
+        return [self._gather(self.val, firsts[i:i + self.batch_size][self.rows], lasts[i:i + self.batch_size][self.rows],
+                             offset) for i in range(0, n + pad, self.batch_size)]
 
     def state_dict(self) -> dict[str, int]:
         """The position in the batch order (JSON-serialisable), plus what it is only valid for."""
@@ -190,20 +211,47 @@ class TokenBatches:
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
 
-    def _window_starts(self, offset: int, length: int) -> np.ndarray:
-        """Where each window of a split starts (in the split): every seq_len-th token, keeping
-        with a trained mask only the windows with a trained target."""
-        starts = np.arange((length - 1) // self.seq_len) * self.seq_len
-        if self.trained is None:
-            return starts
-        seen = np.concatenate([[0], np.cumsum(self.trained[offset + 1: offset + length], dtype=np.int64)])
-        return starts[seen[starts + self.seq_len] > seen[starts]]  # targets of the window starting there
+    def _split_at(self, length: int, n_val: int) -> int:
+        """Where validation starts: `n_val` tokens from the end, moved to the next example's start."""
+        if self.examples is None or n_val == 0:
+            return length - n_val
+        after = self.examples[np.searchsorted(self.examples, length - n_val)]
+        return int(after) if after < length else int(self.examples[-2])
 
-    def _gather(self, tokens: np.ndarray, starts: np.ndarray, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """x and y of windows at `starts` of a split at `offset`: y is -100 where not trained."""
-        index = starts[:, None] + np.arange(self.seq_len + 1)
-        windows = torch.from_numpy(tokens[index].astype(np.int64))
-        x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    def _split_windows(self, offset: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each window of a split (offsets in the split): where it starts and where its last
+        target's token ends. Plain tokens: every seq_len-th token, windows of seq_len + 1. With
+        examples: whole examples packed together. With a trained mask only the windows with a
+        trained target are kept."""
+        window = self.seq_len + 1
+        if self.examples is None:
+            firsts = np.arange((length - 1) // self.seq_len) * self.seq_len
+            lasts = firsts + window
+        else:
+            inside = self.examples[(self.examples >= offset) & (self.examples <= offset + length)] - offset
+            firsts, lasts = pack(inside, window)
+            if len(firsts) and (lasts - firsts).max() > window:
+                raise ConfigError(f"an example is longer than a window of {window} tokens; pass examples through "
+                                  "tierzero.run.packing.fit_examples first")
+        if self.trained is None:
+            return firsts, lasts
+        seen = np.concatenate([[0], np.cumsum(self.trained[offset + 1: offset + length], dtype=np.int64)])
+        keep = seen[lasts - 1] > seen[firsts]  # the window's targets: tokens first + 1 .. last - 1
+        return firsts[keep], lasts[keep]
+
+    def _gather(self, tokens: np.ndarray, firsts: np.ndarray, lasts: np.ndarray,
+                offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x and y of the windows at `firsts` of a split at `offset`: y is -100 where not trained
+        and past each window's `lasts`. x and y are separate tensors (as views of one buffer, a
+        one-row batch's masked targets would overwrite its inputs)."""
+        positions = np.arange(self.seq_len + 1)
+        index = np.minimum(firsts[:, None] + positions, len(tokens) - 1)  # past the split: masked
+        x = torch.from_numpy(tokens[index[:, :-1]].astype(np.int64))
+        y = torch.from_numpy(tokens[index[:, 1:]].astype(np.int64))
+        if self.trained is None and (lasts - firsts == len(positions)).all():
+            return x, y
+        keep = positions[1:] < (lasts - firsts)[:, None]
         if self.trained is not None:
-            y[~torch.from_numpy(self.trained[offset + index[:, 1:]].astype(bool))] = IGNORE_INDEX
+            keep &= self.trained[offset + index[:, 1:]].astype(bool)
+        y[~torch.from_numpy(keep)] = IGNORE_INDEX
         return x, y

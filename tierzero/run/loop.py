@@ -4,6 +4,13 @@ It knows nothing of printing: the CLI passes `on_step` to draw progress. The tra
 the reference trainer (`offload none`) or the `Engine`; both offer `train_micro_batch`,
 `eval_loss`, `stats` and `close`. Micro-batch losses stay on the device until the step's last
 one has run: the loop reads them once per step (one host sync), not once per micro-batch.
+
+One definition of the loss, for training and validation alike: the sum of every trained
+token's loss over the global batch (all micro-batches, all ranks) divided by their number. The
+loop draws a step's micro-batches first, counts their trained targets and sums the count over
+the ranks, and passes it with each micro-batch (`step_tokens`, see `Engine.forward`); the mean
+of the micro-batches' losses over them and the ranks is then that step's loss. Validation sums
+each batch's token losses and divides by the set's trained targets.
 Ctrl-C leaves it as `Interrupted`, which says how far the run got and what it can resume from.
 """
 
@@ -17,14 +24,15 @@ from typing import Any, Protocol
 import torch
 
 from tierzero.config import RunConfig
+from tierzero.models.loss import trained_targets
 from tierzero.run.data import TokenBatches
 from tierzero.lr import lr_at
 from tierzero.run.directory import RunDir
 
 
 class Trainer(Protocol):
-    def train_micro_batch(self, batch: Any) -> torch.Tensor: ...
-    def eval_loss(self, batch: Any) -> float: ...
+    def train_micro_batch(self, batch: Any, step_tokens: int | None = None) -> torch.Tensor: ...
+    def eval_loss(self, batch: Any, summed: bool = False) -> float: ...
     def stats(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
 
@@ -47,25 +55,31 @@ class LoopResult:
     wall_s: float
 
 
-def evaluate(trainer: Trainer, batches: TokenBatches, n: int,
-             mean: Callable[[list[float]], list[float]] | None = None) -> float:
-    """The validation loss (with several ranks: the mean of every rank's rows)."""
-    losses = [trainer.eval_loss(b) for b in batches.val_batches(n)]
-    local = sum(losses) / len(losses)
-    return local if mean is None else mean([local])[0]
+Total = Callable[[list[float]], list[float]]  # each value summed over the ranks
+
+
+def evaluate(trainer: Trainer, batches: TokenBatches, eval_tokens: int, total: Total | None = None) -> float:
+    """The validation loss: every rank's trained tokens' losses summed, over their number."""
+    val = batches.val_batches(eval_tokens)
+    summed = sum(trainer.eval_loss(b, summed=True) for b in val)
+    count = sum(trained_targets(y) for _, y in val)
+    summed, count = (summed, count) if total is None else total([summed, count])
+    return summed / max(count, 1)
 
 
 def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: RunDir,
                on_step: Callable[[int, dict[str, Any]], None] | None = None, start_step: int = 0,
                checkpoint: Callable[[int], None] | None = None,
                mean: Callable[[list[float]], list[float]] | None = None,
-               gather: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = None) -> LoopResult:
+               gather: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = None,
+               total: Total | None = None) -> LoopResult:
     """Run optimizer steps `start_step + 1 .. run.steps` of `accumulate` micro-batches each,
     logging every step; `checkpoint(step)` runs every `run.checkpoint_every` steps and at the end.
-    With several ranks `mean` averages losses over them and `gather` collects every rank's own
-    counters (collectives: every rank calls them at the same points), so the losses logged are
-    those of the global batch, and each step's record keeps rank 0's counters at the top level
-    and every rank's under "ranks" (their pools, bytes and waits differ)."""
+    With several ranks `mean` averages losses over them, `total` sums trained-token counts and
+    `gather` collects every rank's own counters (collectives: every rank calls them at the same
+    points), so the losses logged are those of the global batch, and each step's record keeps
+    rank 0's counters at the top level and every rank's under "ranks" (their pools, bytes and
+    waits differ)."""
     accumulate = run.engine.accumulate
     tokens_per_step = run.batch_size * run.seq_len * accumulate
     start = time.perf_counter()
@@ -74,13 +88,16 @@ def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: 
     done, saved = start_step, (start_step or None)  # a resumed run starts from a checkpoint
     try:
         if start_step == 0:
-            val_losses.append((0, evaluate(trainer, batches, run.eval_batches, mean)))
+            val_losses.append((0, evaluate(trainer, batches, run.eval_tokens, total)))
             rundir.log({"step": 0, "val_loss": val_losses[0][1]})
         else:  # metrics of steps after the checkpoint were lost with the crash: they are redone
             rundir.log({"resumed_at": start_step})
         for step in range(start_step, run.steps):
             t0 = time.perf_counter()
-            micro_losses = [trainer.train_micro_batch(batches.next_batch()) for _ in range(accumulate)]
+            micro = [batches.next_batch() for _ in range(accumulate)]
+            tokens = sum(trained_targets(y) for _, y in micro)  # before the step's first backward
+            tokens = tokens if total is None else int(total([tokens])[0])
+            micro_losses = [trainer.train_micro_batch(b, step_tokens=tokens) for b in micro]
             loss = sum(t.item() for t in micro_losses) / accumulate  # host sync point, once per step
             loss = loss if mean is None else mean([loss])[0]
             dt = time.perf_counter() - t0
@@ -93,7 +110,7 @@ def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: 
             if gather is not None:
                 record["ranks"] = gather(stats)
             if (step + 1) % run.eval_every == 0 or step + 1 == run.steps:
-                record["val_loss"] = evaluate(trainer, batches, run.eval_batches, mean)
+                record["val_loss"] = evaluate(trainer, batches, run.eval_tokens, total)
                 val_losses.append((step + 1, record["val_loss"]))
             rundir.log(record)
             done = step + 1

@@ -22,12 +22,13 @@ from tierzero.config import Offload, RunConfig
 from tierzero.run.corpus import read_data
 from tierzero.run.data import TokenBatches
 from tierzero.checkpoint.catalog import checkpoint_dirs
-from tierzero.errors import ConfigError
+from tierzero.errors import ConfigError, DataError
 from tierzero.dist.launch import Ranks
 from tierzero.run.loop import LoopResult, Trainer, train_loop
 from tierzero.engine.precision import check_dtype_supported, resolve_dtype
 from tierzero.run.directory import RunDir
 from tierzero.run.model_load import RunModel, run_model
+from tierzero.run.packing import Fitted, fit_examples
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Session:
     device: str
     dtype: str
     placement_text: str
+    fitted: Fitted | None = None  # what --long-examples did to the fine-tuning examples
 
     @property
     def n_params(self) -> int:
@@ -54,7 +56,8 @@ class Session:
         comm = getattr(self.trainer, "comm", None)
         mean = comm.mean if comm is not None else None
         gather = comm.all_gather_json if comm is not None and comm.world_size > 1 else None
-        return train_loop(self.run, self.trainer, self.batches, rundir, on_step, start_step, save, mean, gather)
+        total = comm.total if comm is not None else None
+        return train_loop(self.run, self.trainer, self.batches, rundir, on_step, start_step, save, mean, gather, total)
 
     def resume(self, rundir: RunDir) -> tuple[int, list[str]]:
         """Continue from the run directory's newest intact checkpoint: its step and what to tell
@@ -76,12 +79,20 @@ class Session:
         return self.trainer.notes() if hasattr(self.trainer, "notes") else []
 
 
-def load_batches(run: RunConfig, model: RunModel, ranks: Ranks = Ranks()) -> TokenBatches:
+def load_batches(run: RunConfig, model: RunModel, ranks: Ranks = Ranks()) -> tuple[TokenBatches, Fitted | None]:
     """The run's data, tokenized for `model` and checked against its vocabulary; with several
-    ranks, this rank's rows of every global batch."""
-    tokens, trained = read_data(run.data, model.vocab_size, model.tokenizer, run.text_field)
-    return TokenBatches(tokens, run.batch_size, run.seq_len, seed=run.engine.seed,
-                        rank=ranks.rank, world_size=ranks.world_size, trained=trained)
+    ranks, this rank's rows of every global batch. Fine-tuning examples longer than a window
+    are fitted by `run.long_examples`; what that touched (None: plain text)."""
+    tokens, examples = read_data(run.data, model.vocab_size, model.tokenizer, run.text_field)
+    if examples is None:
+        return TokenBatches(tokens, run.batch_size, run.seq_len, seed=run.engine.seed,
+                            rank=ranks.rank, world_size=ranks.world_size), None
+    examples, fitted = fit_examples(examples, run.seq_len + 1, run.long_examples)
+    if not len(examples.ids):
+        raise DataError(f"every one of the {fitted.examples} examples is longer than --seq-len {run.seq_len} "
+                        "allows and --long-examples drop left none; raise --seq-len or truncate them")
+    return TokenBatches(examples.ids, run.batch_size, run.seq_len, seed=run.engine.seed, rank=ranks.rank,
+                        world_size=ranks.world_size, trained=examples.trained, examples=examples.bounds), fitted
 
 
 @contextmanager
@@ -95,7 +106,7 @@ def open_session(run: RunConfig, ranks: Ranks = Ranks()) -> Iterator[Session]:
     dtype = resolve_dtype(cfg.dtype, device)
     check_dtype_supported(dtype, device)
     model = run_model(run)
-    batches = load_batches(run, model, ranks)
+    batches, fitted = load_batches(run, model, ranks)
     run.check_ranks(ranks.world_size)
     if cfg.offload is Offload.NONE:
         from tierzero.engine.reference import ReferenceTrainer
@@ -111,6 +122,6 @@ def open_session(run: RunConfig, ranks: Ranks = Ranks()) -> Iterator[Session]:
         trainer = Engine(model.on_meta(), cfg, weights=model.engine_weights)
         text = trainer.placement.describe()
     try:
-        yield Session(run, trainer, batches, model, str(device), dtype.value, text)
+        yield Session(run, trainer, batches, model, str(device), dtype.value, text, fitted)
     finally:
         trainer.close()
