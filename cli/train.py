@@ -19,6 +19,7 @@ from tierzero.config import LongExamples, RunConfig, load_run_config
 from tierzero.errors import ConfigError
 from tierzero.dist.launch import Ranks, die_with_launcher, rank_device, ranks_from_env, run_torchrun, start_process_group, stop_process_group, under_torchrun
 from tierzero.checkpoint.catalog import checkpoint_dirs
+from tierzero.planning.placement import STAGE_TEXT
 from tierzero.run.directory import CONFIG_NAME, RunDir, enclosing_run_dir, never_configured, rebase_paths, refuse_fresh_start
 from tierzero.storage.filekind import kind_of, not_a_file
 from tierzero.run.packing import Fitted
@@ -150,9 +151,9 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
                   f"offload {run.engine.offload.value}: {session.placement_text}")
         if session.fitted is not None and session.fitted.long:
             out.print(f"[yellow]note:[/] {_long_examples_text(session.fitted)}", highlight=False)
-        stage_text = getattr(session.trainer, "stage_text", None)
-        if ranks.world_size > 1 and stage_text is not None:
-            out.print(stage_text(), highlight=False)
+        stage = getattr(session.trainer, "stage", None)
+        if ranks.world_size > 1 and stage is not None:
+            out.print(f"ZeRO stage {stage} ({session.trainer.stage_reason}): {STAGE_TEXT[stage]}", highlight=False)
         if start_step >= run.steps:
             out.print(f"the run is already at step {start_step} of {run.steps}: nothing to train; raise --steps to go on")
             if json_out:

@@ -51,7 +51,6 @@ from tierzero.layout.partition import Unit, forward_only, grad_uses, partition, 
 from tierzero.engine.precision import DynamicLossScaler, compute_dtype, resolve_dtype
 from tierzero.engine.reference import compute_loss, loss_divisor
 from tierzero.engine.scheduler import Scheduler
-from tierzero.planning.placement import STAGE_TEXT
 from tierzero.planning.swapplan import swap_plans
 from tierzero.engine.sizing import Sizing, check_runnable
 from tierzero.engine.stats import StepStats
@@ -392,19 +391,6 @@ class Engine:
         self._settle(kind)
         return self.shards.read_shard(kind, unit)
 
-    def read_key(self, kind: StateKind, key: str, out: torch.Tensor) -> None:
-        """Fill the CPU tensor `out` from one stored key of `kind` (verified where stored on disk)."""
-        self._settle(kind)
-        self.shards.read_key(kind, key, out)
-
-    def put_shard(self, kind: StateKind, unit: Unit, src: torch.Tensor) -> None:
-        """Write this rank's shard of `kind` for `unit` (a CPU tensor) to its home tier."""
-        self.shards.put_shard(kind, unit, src)
-
-    def put_key(self, kind: StateKind, key: str, src: torch.Tensor) -> None:
-        """Write one stored key of `kind` (a CPU tensor) to its home tier."""
-        self.shards.put_key(kind, key, src)
-
     def _settle(self, kind: StateKind | None = None) -> None:
         """Before shards are read: usable (`read_*` of one kind: as it is), an overlapped step settled, a grad landed."""
         if kind is None:
@@ -445,7 +431,3 @@ class Engine:
             unbind(self.units[0], self.dtype)
             self._root_leaves = None
         self.scheduler.abort()
-
-    def stage_text(self) -> str:
-        """One line naming the stage, why, and what it partitions."""
-        return f"ZeRO stage {self.stage} ({self.stage_reason}): {STAGE_TEXT[self.stage]}"
