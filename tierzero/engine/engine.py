@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from tierzero.dist.comm import Comm
-from tierzero.config import Config, StateKind, Tier
+from tierzero.config import TORCH_DTYPES, Config, StateKind, Tier
 from tierzero.errors import TierzeroError
 from tierzero.engine.batch import BatchStaging
 from tierzero.engine.backward import BackwardPass, StepInBackward, clip_coefficient, resolve_overlap, settle_clip
@@ -48,7 +48,6 @@ from tierzero.engine.optim import ShardOptimizer
 from tierzero.engine.paramsteps import ParamSteps, Run
 from tierzero.engine.paramsync import sync_params
 from tierzero.layout.partition import Unit, forward_only, grad_uses, partition, replicate_params
-from tierzero.config import TORCH_DTYPES
 from tierzero.engine.precision import DynamicLossScaler, compute_dtype, resolve_dtype
 from tierzero.engine.reference import compute_loss
 from tierzero.engine.scheduler import Scheduler
@@ -200,8 +199,9 @@ class Engine:
         """At the first training step: take its activations out of the budgets (`Sizing`)."""
         if not self._activations_reserved:
             self._activations_reserved = True
-            self.memory = self.sizing.reserve_activations(self.tiers, self.model, batch, self.memory,
-                                                          self.placement, self.stage)
+            self.memory = self.sizing.reserve_activations(self.tiers, self.model, batch, self.memory, self.placement,
+                                                          self.stage, vertical=bool(self.vertical.on))
+            self.runner.kept = self.sizing.kept  # blocks whose forward keeps its graph (`planning.recompute`)
             self.tiers.provision_host(self.memory)
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -13,10 +13,10 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from tierzero.engine.backward import BackwardPass
 from tierzero.errors import ConfigError
@@ -107,6 +107,7 @@ class UnitRunner:
         self.on_grad = on_grad
         self.dtype = dtype
         self.forward_only = forward_only  # units run without a backward (`partition.forward_only`)
+        self.kept: frozenset[int] = frozenset()  # units whose forward keeps its graph (`planning.recompute`)
         self._originals: dict[int, Callable[..., Any]] = {}
         self._shadowed: set[int] = set()  # entries that were instance attributes already
         self.pass_ = BackwardPass()  # the backward in progress (`running`)
@@ -179,12 +180,17 @@ class _Checkpointed(torch.autograd.Function):
     def forward(ctx: Any, runner: UnitRunner, unit: Unit, flat_in: list, spec: Any,
                 tensor_pos: list[int], anchor: torch.Tensor, *tensors: torch.Tensor) -> Any:
         ctx.runner, ctx.unit, ctx.flat_in, ctx.spec, ctx.tensor_pos = runner, unit, flat_in, spec, tensor_pos
-        ctx.save_for_backward(*tensors)
-        ctx.rng = rng_state(tensors)
-        ctx.autocast = autocast_state(tensors)
-        with torch.no_grad():
-            args, kwargs = tree_unflatten(_fill(flat_in, tensor_pos, tensors), spec)
-            out = runner.compute(unit, args, kwargs)
+        ctx.kept = None
+        if unit.index in runner.kept and not unit.uses_with:
+            ctx.kept = _KeptGraph.run(runner, unit, _fill(flat_in, tensor_pos, tensors), spec, tensor_pos)
+            out = tree_map(lambda o: o.detach() if isinstance(o, torch.Tensor) else o, ctx.kept.out)
+        else:
+            ctx.save_for_backward(*tensors)
+            ctx.rng = rng_state(tensors)
+            ctx.autocast = autocast_state(tensors)
+            with torch.no_grad():
+                args, kwargs = tree_unflatten(_fill(flat_in, tensor_pos, tensors), spec)
+                out = runner.compute(unit, args, kwargs)
         out_flat, out_spec = tree_flatten(out)
         ctx.out_tensor_idx = [i for i, o in enumerate(out_flat) if isinstance(o, torch.Tensor)]
         if isinstance(out, torch.Tensor):
@@ -196,6 +202,9 @@ class _Checkpointed(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         runner, unit = ctx.runner, ctx.unit
         runner.pass_.unit_starting(unit.index)
+        if ctx.kept is not None:
+            kept, ctx.kept = ctx.kept, None
+            return (None, None, None, None, None, None, *kept.backward(runner, unit, grads, ctx.out_tensor_idx))
         saved = ctx.saved_tensors
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in saved]
         bound = runner.bound_units(unit)
@@ -217,6 +226,78 @@ class _Checkpointed(torch.autograd.Function):
                 unbind(u, runner.dtype)
             runner.release(unit.index)
         return (None, None, None, None, None, None, *[t.grad if t.requires_grad else None for t in inputs])
+
+
+class _KeptGraph:
+    """A unit's forward run once, with grad, its autograd graph kept until its backward: no
+    recompute. The unit's gathered param buffer is released after the forward as usual (its
+    device buffer goes back to the pool), so the graph must not hold its storage: every tensor
+    autograd saves that is a view of the buffer (a weight a matmul needs for its input's grad)
+    is saved as its place in the buffer (`_ParamViews`) and read in backward from the buffer
+    gathered again there, as the swap plan gathers every unit in backward anyway. The values
+    are those the forward read, so the gradients are the recompute's, bit for bit."""
+
+    def __init__(self, inputs: list[torch.Tensor], leaves: list[torch.Tensor], out: Any, params: _ParamViews) -> None:
+        self.inputs, self.leaves, self.out, self.params = inputs, leaves, out, params
+
+    @staticmethod
+    def run(runner: UnitRunner, unit: Unit, flat_in: list, spec: Any, tensor_pos: list[int]) -> _KeptGraph:
+        inputs = [flat_in[i].detach().requires_grad_(flat_in[i].requires_grad) for i in tensor_pos]
+        flat = runner.gather(unit.index)
+        params = _ParamViews(flat)
+        leaves = bind(unit, flat, requires_grad=True)
+        try:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(params.pack, params.unpack):
+                args, kwargs = tree_unflatten(_fill(flat_in, tensor_pos, inputs), spec)
+                out = runner.compute(unit, args, kwargs, leaves=leaves)
+        finally:
+            unbind(unit, runner.dtype)
+            runner.release(unit.index)
+            params.flat = None
+        return _KeptGraph(inputs, leaves, out, params)
+
+    def backward(self, runner: UnitRunner, unit: Unit, grads: tuple, out_idx: list[int]) -> list[torch.Tensor | None]:
+        """Backprop the kept graph against the unit's buffer gathered again; the inputs' grads."""
+        self.params.flat = runner.gather(unit.index)
+        try:
+            outs = tree_flatten(self.out)[0]
+            pairs = [(outs[i], grads[i]) for i in out_idx if outs[i].requires_grad and grads[i] is not None]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            if unit.trainable_numel:
+                runner.on_grad(unit.index, *flat_grad(unit, self.leaves))
+        finally:
+            self.params.flat = None
+            runner.release(unit.index)
+        return [t.grad if t.requires_grad else None for t in self.inputs]
+
+
+class _ParamViews:
+    """Saved-tensor hooks that save a view of the unit's param buffer by its place in it."""
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self.flat: torch.Tensor | None = flat
+        self.ptr, self.start, self.end = flat.untyped_storage().data_ptr(), flat.storage_offset(), \
+            flat.storage_offset() + flat.numel()
+        self.dtype, self.device = flat.dtype, flat.device
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if t.dtype == self.dtype and t.device == self.device and t.untyped_storage().data_ptr() == self.ptr \
+                and self.start <= t.storage_offset() < self.end:
+            return _ParamView(t.storage_offset() - self.start, tuple(t.shape), t.stride())
+        return t
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _ParamView):
+            return saved
+        assert self.flat is not None, "a kept graph's params are read in its backward only"
+        return self.flat.as_strided(saved.shape, saved.stride, self.flat.storage_offset() + saved.offset)
+
+
+class _ParamView(NamedTuple):
+    offset: int  # elements from the start of the unit's param buffer
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
 
 
 def _fill(flat_in: list, positions: list[int], tensors: Any) -> list:

@@ -155,17 +155,25 @@ class ActivationEstimate:
     head_backward_bytes: int  # the head's recompute + backward: its norm and one chunk of logits
     logits_bytes: int  # one loss chunk's logits in forward (no grad): the head's forward peak
     chunk_tokens: int
+    # blocks whose forward keeps its autograd graph until their backward instead of being
+    # recomputed (`tierzero.planning.recompute`): each holds `recompute_bytes` the whole pass
+    kept_blocks: int = 0
+
+    @property
+    def kept_bytes(self) -> int:
+        return self.kept_blocks * self.recompute_bytes
 
     @property
     def forward_bytes(self) -> int:
-        """Peak of the forward pass: every checkpoint plus the larger of a block's or the loss's
-        temporaries (the last block's forward runs with all but one checkpoint held)."""
-        return self.checkpoints_bytes + max(self.block_forward_bytes, self.logits_bytes)
+        """Peak of the forward pass: every checkpoint and kept graph plus the larger of a block's
+        or the loss's temporaries (the last block's forward runs with all but one checkpoint held)."""
+        return self.checkpoints_bytes + self.kept_bytes + max(self.block_forward_bytes, self.logits_bytes)
 
     @property
     def backward_bytes(self) -> int:
-        """Peak of the backward pass, weight gradients aside (the memory model adds those)."""
-        return self.checkpoints_bytes + max(self.block_backward_bytes, self.head_backward_bytes)
+        """Peak of the backward pass, weight gradients aside (the memory model adds those): the
+        head's backward runs with every kept graph still held."""
+        return self.checkpoints_bytes + self.kept_bytes + max(self.block_backward_bytes, self.head_backward_bytes)
 
     @property
     def total_bytes(self) -> int:
