@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierzero.config import Config, Schedule, StateKind, Tier
+from tierzero.config import Config, Recompute, Schedule, StateKind, Tier
 from tierzero.engine.backward import BackwardPass
 from tierzero.engine.boundary import BoundaryStore
 from tierzero.engine.execute import (UnitRunner, autocast_as, autocast_state, bind, flat_grad, restore_rng,
@@ -83,7 +83,7 @@ def choose(config: Config, model: nn.Module, units: list[Unit], batch: Any, spil
         if why is not None:
             raise ConfigError(f"--schedule vertical needs a chain of units, but {why}; use --schedule horizontal")
         return True
-    if why is not None or has_dropout(model):
+    if why is not None or has_dropout(model) or config.recompute is Recompute.NONE:  # none keeps graphs: horizontal
         return False
     return spill or fits(waiting_bytes(model, tuple(batch), config.accumulate, itemsize))
 

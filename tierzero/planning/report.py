@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tierzero.config import TORCH_DTYPES, DType, Placement, Schedule, StateKind, Tier, parse_bytes
+from tierzero.config import TORCH_DTYPES, DType, Placement, Recompute, Schedule, StateKind, Tier, parse_bytes
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit
 from tierzero.models.llama import loss_chunk_bytes
@@ -31,6 +31,7 @@ from tierzero.planning.placement import (STAGE_TEXT, Link, PlacementChoice, Plac
                                          choose, choose_stage, estimate, load_profile)
 from tierzero.planning.streaming import DEFAULT, Streaming, choose_streaming, ladder, streamed
 from tierzero.planning.memory_model import waiting_activations_bytes
+from tierzero.planning.recompute import keepable, kept_count
 from tierzero.planning.swapplan import step_nvme_bytes
 from tierzero.planning.workload import Workload
 
@@ -60,6 +61,9 @@ class PlanReport:
     stage_reason: str = "one rank"
     chosen: tuple[str, ...] = ()  # the streaming settings left to the planner: piece_numel, prefetch_depth
     vertical: bool = False  # `--schedule`: the workload's micro-batches run layer-major (`engine.vertical`)
+    recompute: Recompute = Recompute.AUTO
+    kept_blocks: int = 0  # blocks that keep their activations (`planning.recompute`), of `keepable_blocks`
+    keepable_blocks: int = 0
 
     @property
     def units(self) -> tuple[Unit, ...]:
@@ -118,6 +122,9 @@ class PlanReport:
             "stage": {"stage": self.stage, "reason": self.stage_reason, "text": STAGE_TEXT[self.stage]},
             "schedule": {"schedule": "vertical" if self.vertical else "horizontal", "accumulate": self.workload.accumulate,
                          "nvme_bytes_per_step": self.step_nvme_bytes()},
+            "recompute": {"recompute": self.recompute.value, "kept_blocks": self.kept_blocks,
+                          "blocks": self.keepable_blocks, "bytes_per_block": act.recompute_bytes,
+                          "kept_bytes": self.kept_blocks * act.recompute_bytes},
             "streaming": {"piece_numel": self.streaming.piece_numel, "prefetch_depth": self.streaming.prefetch_depth,
                           "default": self.streaming == DEFAULT, "chosen": list(self.chosen)},
         }
@@ -152,6 +159,7 @@ def make_plan(
     stage: int | None = None,
     accumulate: int = 1,
     schedule: str = "horizontal",
+    recompute: str = "auto",
     units: Sequence[Unit] | None = None,
     args: ModelArgs | None = None,
 ) -> PlanReport:
@@ -166,7 +174,9 @@ def make_plan(
     then per placement the largest that fit, a placement that fits at none costed at the
     defaults (the engine refuses it at the ladder's least, with that figure).
     `schedule` (horizontal, vertical or auto: vertical for a built-in shape when accumulating)
-    is how the `accumulate` micro-batches run.
+    is how the `accumulate` micro-batches run. `recompute` (auto, all or none) says how many
+    blocks keep their activations in the compute device's budget the chosen placement leaves
+    (the engine's choice, `tierzero.planning.recompute`; the built-in shapes, horizontally).
     A model built elsewhere (the CLI's hf:DIR) comes as `units`, its partition for `gpus` ranks,
     and `args`, the LLaMA-like shape its activations are estimated from; `model` then names it."""
     if stage is not None and stage not in (1, 2, 3):
@@ -178,6 +188,10 @@ def make_plan(
     if schedule is Schedule.VERTICAL and units is not None:
         raise ConfigError("--schedule vertical needs a built-in model's chain of units; use --schedule horizontal")
     vertical = schedule is Schedule.VERTICAL or (schedule is Schedule.AUTO and accumulate > 1 and units is None)
+    try:
+        recompute = Recompute(recompute)
+    except ValueError:
+        raise ConfigError(f"--recompute '{recompute}' is not valid; choose one of auto|all|none") from None
     check_world_size(gpus)
     if vocab_size is not None and vocab_size < 1:
         raise ConfigError(f"--vocab-size must be a positive integer, got {vocab_size}")
@@ -244,10 +258,19 @@ def make_plan(
         estimates, works = cost_all(dataclasses.replace(work, stage=chosen))
         mine = next(e for e in estimates if e.placement == choice.placement)
         choice = PlacementChoice(mine, fits=True)
+    blocks = 0 if vertical or units is not None else len(keepable(work.units))
+    if not blocks and recompute is Recompute.NONE:
+        raise ConfigError("--recompute none keeps the activations the built-in model's shape counts, in the "
+                          "horizontal schedule only; use --recompute auto or all for this model or schedule")
+    tier = Tier.HOST if device == "cpu" else Tier.GPU
+    budget = budgets[tier]
+    room = 0 if budget is None else budget - choice.estimate.memory.per_rank().needs()[tier]
+    kept = kept_count(recompute, blocks, activations, room)
     return PlanReport(None if params is not None else shape, shape, args, numel, ledger_numel,
                       compute, gpus, budgets, detected, device, works[choice.placement], activations, estimates,
                       choice, chosen, reason, tuple(name for name, v in (("piece_numel", piece_numel),
-                                                                         ("prefetch_depth", prefetch_depth)) if v is None), vertical)
+                                                                         ("prefetch_depth", prefetch_depth)) if v is None),
+                      vertical, recompute, kept, blocks)
 
 
 def _dtype(value: str) -> DType:

@@ -1,0 +1,38 @@
+"""`tierzero plan --recompute`: how many blocks keep their activations in the room the chosen
+placement leaves on the compute device, as the engine chooses them (`planning.recompute`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierzero.config import Tier
+from tierzero.errors import ConfigError
+from tierzero.planning.report import make_plan
+
+
+def plan(gpu_mem: str | int, recompute: str = "auto", **kw):
+    return make_plan("tiny", gpu_mem=gpu_mem, host_mem="64GB", nvme_free="1TB", batch_size=2, seq_len=128,
+                     dtype="fp32", recompute=recompute, **kw)
+
+
+def test_kept_blocks_follow_the_room_on_the_compute_device() -> None:
+    roomy = plan("8GB")
+    per = roomy.activations.recompute_bytes
+    assert roomy.kept_blocks == roomy.keepable_blocks == 4
+    assert roomy.as_dict()["recompute"] == {"recompute": "auto", "kept_blocks": 4, "blocks": 4,
+                                            "bytes_per_block": per, "kept_bytes": 4 * per}
+    gpu_need = roomy.choice.estimate.memory.needs()[Tier.GPU]
+    tight = plan(gpu_need + 5 * per // 2)  # the same placement, room for two and a half blocks
+    assert tight.placement == roomy.placement
+    assert tight.kept_blocks == 2
+    assert plan("8GB", "all").kept_blocks == 0
+    with pytest.raises(ConfigError, match="--recompute none keeps 4 blocks' activations"):
+        plan(gpu_need + 5 * per // 2, "none")
+
+
+def test_the_vertical_schedule_keeps_none() -> None:
+    assert plan("8GB", accumulate=2, schedule="vertical").kept_blocks == 0
+    with pytest.raises(ConfigError, match="horizontal schedule only"):
+        plan("8GB", "none", accumulate=2, schedule="vertical")
+    with pytest.raises(ConfigError, match="--recompute 'some' is not valid"):
+        plan("8GB", "some")
