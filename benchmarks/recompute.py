@@ -30,7 +30,7 @@ from tierzero.run.data import TokenBatches, default_corpus
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small shape (4 layers, dim 256, vocab 4096)")
-    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=4, help="timed steps per engine, after one warm-up step each")
     p.add_argument("--host-budget", default="8GiB")

@@ -161,9 +161,11 @@ def _print_report(out: Output, report: PlanReport) -> None:
     _say(out, f"Schedule: {sched['schedule']}, {sched['accumulate']} micro-batch(es) per step: NVMe "
               f"{format_bytes(moved[sched['schedule']])} per step ({other}: {format_bytes(moved[other])})")
     rc = r["recompute"]
-    _say(out, f"Recompute: {rc['recompute']}: {rc['kept_blocks']} of {rc['blocks']} blocks keep their activations "
-              f"({format_bytes(rc['bytes_per_block'])} each, {format_bytes(rc['kept_bytes'])} beyond the peak below), "
-              "the other units run their forward again in backward")
+    head = " and the head" if rc["kept_head"] else ""
+    _say(out, f"Recompute: {rc['recompute']}: {rc['kept_blocks']} blocks{head} of {rc['keepable_units']} units that "
+              f"can keep their activations do ({format_bytes(rc['kept_bytes'])} beyond the peak below; a block "
+              f"{format_bytes(rc['bytes_per_block'])}, the head {format_bytes(rc['head_bytes'])}); the other units run "
+              "their forward again in backward")
     _say(out, "Peak per tier, part by part (the phase where each part peaks):")
     _print_peaks(out, choice.estimate.memory)
     rank = r["per_rank"]

@@ -18,20 +18,21 @@ def plan(gpu_mem: str | int, recompute: str = "auto", **kw):
 def test_kept_blocks_follow_the_room_on_the_compute_device() -> None:
     roomy = plan("8GB")
     per = roomy.activations.recompute_bytes
-    assert roomy.kept_blocks == roomy.keepable_blocks == 4
-    assert roomy.as_dict()["recompute"] == {"recompute": "auto", "kept_blocks": 4, "blocks": 4,
-                                            "bytes_per_block": per, "kept_bytes": 4 * per}
+    assert roomy.kept.kept_blocks == roomy.keepable_units == 4  # tiny's head is tied: recomputed
+    assert roomy.as_dict()["recompute"] == {"recompute": "auto", "keepable_units": 4, "kept_blocks": 4,
+                                            "kept_head": False, "bytes_per_block": per,
+                                            "head_bytes": roomy.activations.head_kept_bytes, "kept_bytes": 4 * per}
     gpu_need = roomy.choice.estimate.memory.needs()[Tier.GPU]
     tight = plan(gpu_need + 5 * per // 2)  # the same placement, room for two and a half blocks
     assert tight.placement == roomy.placement
-    assert tight.kept_blocks == 2
-    assert plan("8GB", "all").kept_blocks == 0
-    with pytest.raises(ConfigError, match="--recompute none keeps 4 blocks' activations"):
+    assert tight.kept.kept_blocks == 2
+    assert plan("8GB", "all").kept.kept_bytes == 0
+    with pytest.raises(ConfigError, match="--recompute none keeps 4 units' activations"):
         plan(gpu_need + 5 * per // 2, "none")
 
 
 def test_the_vertical_schedule_keeps_none() -> None:
-    assert plan("8GB", accumulate=2, schedule="vertical").kept_blocks == 0
+    assert plan("8GB", accumulate=2, schedule="vertical").kept.kept_bytes == 0
     with pytest.raises(ConfigError, match="horizontal schedule only"):
         plan("8GB", "none", accumulate=2, schedule="vertical")
     with pytest.raises(ConfigError, match="--recompute 'some' is not valid"):

@@ -257,8 +257,10 @@ class _KeptGraph:
         return _KeptGraph(inputs, leaves, out, params)
 
     def backward(self, runner: UnitRunner, unit: Unit, grads: tuple, out_idx: list[int]) -> list[torch.Tensor | None]:
-        """Backprop the kept graph against the unit's buffer gathered again; the inputs' grads."""
+        """Backprop the kept graph against the unit's buffer gathered again; the inputs' grads.
+        The modules are bound to it too: the loss's checkpointed chunks call the head again."""
         self.params.flat = runner.gather(unit.index)
+        bind(unit, self.params.flat, requires_grad=True)
         try:
             outs = tree_flatten(self.out)[0]
             pairs = [(outs[i], grads[i]) for i in out_idx if outs[i].requires_grad and grads[i] is not None]
@@ -267,6 +269,7 @@ class _KeptGraph:
             if unit.trainable_numel:
                 runner.on_grad(unit.index, *flat_grad(unit, self.leaves))
         finally:
+            unbind(unit, runner.dtype)
             self.params.flat = None
             runner.release(unit.index)
         return [t.grad if t.requires_grad else None for t in self.inputs]

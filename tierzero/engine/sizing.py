@@ -26,7 +26,7 @@ from tierzero.planning.ledger import ActivationEstimate, activation_memory
 from tierzero.planning.machine import default_budgets, free_disk_bytes
 from tierzero.planning.memory_model import peak_memory
 from tierzero.planning.peaks import MemoryModel, format_bytes
-from tierzero.planning.recompute import keepable, kept_count, kept_units
+from tierzero.planning.recompute import choose_kept, with_kept
 from tierzero.planning.streaming import Shortfall, Streaming, choose_streaming, ladder
 from tierzero.planning.workload import Workload, steps_on_gpu
 from tierzero.storage.base import BudgetExceededError
@@ -49,7 +49,7 @@ class Sizing:
         self.given = [name for name, v in (("piece_numel", config.piece_numel),
                                            ("--prefetch-depth", config.prefetch_depth)) if v is not None]
         self._walks: bool | None = None  # `walks()`, decided once
-        self.kept: frozenset[int] = frozenset()  # blocks that keep their graph (`reserve_activations`)
+        self.kept: frozenset[int] = frozenset()  # units that keep their graph (`reserve_activations`)
         self.activations: ActivationEstimate | None = None  # the first training batch's, once reserved
 
     def workload(self, stage: int, activations: ActivationEstimate | None = None,
@@ -188,7 +188,7 @@ class Sizing:
                             placement: Placement, stage: int, vertical: bool = False) -> MemoryModel:
         """At the first training forward, take the batch's activations out of the compute
         device's budget (on the CPU device: the host budget) and refuse a batch the pools then
-        cannot hold; then choose the blocks that keep their graph (`kept`) in what is left.
+        cannot hold; then choose the units that keep their graph (`kept`) in what is left.
         Only for the built-in model, whose shape says what they take; other models' activations
         are not reserved and every unit is recomputed, as in the `vertical` schedule. The
         memory model with them (`memory` if none)."""
@@ -206,18 +206,16 @@ class Sizing:
         return memory if vertical else self._keep(tiers, memory, placement, stage)
 
     def _keep(self, tiers: Tiers, memory: MemoryModel, placement: Placement, stage: int) -> MemoryModel:
-        """Choose the kept blocks in the compute device's budget left after `memory` (whose
+        """Choose the kept units in the compute device's budget left after `memory` (whose
         activations keep none) and reserve their graphs' bytes too."""
         act = self.activations
         assert act is not None
         tier = Tier.HOST if self.device.type == "cpu" else Tier.GPU
         room = (tiers.host_budget if tier is Tier.HOST else tiers.gpu_budget) - memory.tiers[tier].pool_bytes
-        fo = forward_only(self.units)
-        count = kept_count(self.config.recompute, len(keepable(self.units, fo)), act, room)
-        self.kept = kept_units(self.units, count, fo)
-        if not count:
+        self.kept = choose_kept(self.config.recompute, self.units, act, room, forward_only(self.units))
+        if not self.kept:
             return memory
-        self.activations = dataclasses.replace(act, kept_blocks=count)
+        self.activations = with_kept(act, self.units, self.kept)
         tiers.reserve(tier, self.activations.kept_bytes)
         return self.memory(placement, stage, self.activations)
 

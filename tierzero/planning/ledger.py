@@ -155,13 +155,16 @@ class ActivationEstimate:
     head_backward_bytes: int  # the head's recompute + backward: its norm and one chunk of logits
     logits_bytes: int  # one loss chunk's logits in forward (no grad): the head's forward peak
     chunk_tokens: int
-    # blocks whose forward keeps its autograd graph until their backward instead of being
-    # recomputed (`tierzero.planning.recompute`): each holds `recompute_bytes` the whole pass
+    head_kept_bytes: int = 0  # what the head's forward with grad saves for its backward
+    # units whose forward keeps its autograd graph until their backward instead of being
+    # recomputed (`tierzero.planning.recompute`): each block holds `recompute_bytes`, the head
+    # `head_kept_bytes`, from its forward to its backward
     kept_blocks: int = 0
+    kept_head: bool = False
 
     @property
     def kept_bytes(self) -> int:
-        return self.kept_blocks * self.recompute_bytes
+        return self.kept_blocks * self.recompute_bytes + (self.head_kept_bytes if self.kept_head else 0)
 
     @property
     def forward_bytes(self) -> int:
@@ -206,6 +209,9 @@ def activation_memory(args: ModelArgs, batch_size: int, seq_len: int, compute_it
     - head backward: the final norm's saved tensors (2 * n * D * 4 + n * D * c) and one chunk's
       logits in backward (12 * t * V: the saved fp32 log-softmax, its grad, the logits' grad).
     - logits: one chunk's fp32 logits and log-softmax in forward: 8 * t * V.
+    - head kept: the head's forward with grad, its graph kept to its backward: the final norm's
+      saved tensors (2 * n * D * 4 + n * D * c) and, where the loss is one chunk (t >= n), its
+      saved fp32 log-softmax (4 * n * V); several chunks each keep only their hidden slice.
 
     (The per-logit and per-block factors were measured with RSS on the CPU, fp32.)
     """
@@ -225,7 +231,8 @@ def activation_memory(args: ModelArgs, batch_size: int, seq_len: int, compute_it
         block_backward_bytes=recompute + n * (3 * d + f) * c,
         head_backward_bytes=n * d * (2 * FP32_NBYTES + c) + LOGITS_BACKWARD_BYTES * chunk * args.vocab_size,
         logits_bytes=LOGITS_FORWARD_BYTES * chunk * args.vocab_size,
-        chunk_tokens=chunk)
+        chunk_tokens=chunk,
+        head_kept_bytes=n * d * (2 * FP32_NBYTES + c) + (FP32_NBYTES * n * args.vocab_size if chunk >= n else 0))
 
 
 def check_world_size(world_size: int) -> None:

@@ -31,7 +31,7 @@ from tierzero.planning.placement import (STAGE_TEXT, Link, PlacementChoice, Plac
                                          choose, choose_stage, estimate, load_profile)
 from tierzero.planning.streaming import DEFAULT, Streaming, choose_streaming, ladder, streamed
 from tierzero.planning.memory_model import waiting_activations_bytes
-from tierzero.planning.recompute import keepable, kept_count
+from tierzero.planning.recompute import choose_kept, keepable, with_kept
 from tierzero.planning.swapplan import step_nvme_bytes
 from tierzero.planning.workload import Workload
 
@@ -62,8 +62,8 @@ class PlanReport:
     chosen: tuple[str, ...] = ()  # the streaming settings left to the planner: piece_numel, prefetch_depth
     vertical: bool = False  # `--schedule`: the workload's micro-batches run layer-major (`engine.vertical`)
     recompute: Recompute = Recompute.AUTO
-    kept_blocks: int = 0  # blocks that keep their activations (`planning.recompute`), of `keepable_blocks`
-    keepable_blocks: int = 0
+    kept: ActivationEstimate | None = None  # `activations` counting the kept units' graphs (`planning.recompute`)
+    keepable_units: int = 0  # of which `kept.kept_blocks` blocks and the head if `kept.kept_head` keep theirs
 
     @property
     def units(self) -> tuple[Unit, ...]:
@@ -122,9 +122,11 @@ class PlanReport:
             "stage": {"stage": self.stage, "reason": self.stage_reason, "text": STAGE_TEXT[self.stage]},
             "schedule": {"schedule": "vertical" if self.vertical else "horizontal", "accumulate": self.workload.accumulate,
                          "nvme_bytes_per_step": self.step_nvme_bytes()},
-            "recompute": {"recompute": self.recompute.value, "kept_blocks": self.kept_blocks,
-                          "blocks": self.keepable_blocks, "bytes_per_block": act.recompute_bytes,
-                          "kept_bytes": self.kept_blocks * act.recompute_bytes},
+            "recompute": {"recompute": self.recompute.value, "keepable_units": self.keepable_units,
+                          "kept_blocks": self.kept.kept_blocks if self.kept else 0,
+                          "kept_head": self.kept.kept_head if self.kept else False,
+                          "bytes_per_block": act.recompute_bytes, "head_bytes": act.head_kept_bytes,
+                          "kept_bytes": self.kept.kept_bytes if self.kept else 0},
             "streaming": {"piece_numel": self.streaming.piece_numel, "prefetch_depth": self.streaming.prefetch_depth,
                           "default": self.streaming == DEFAULT, "chosen": list(self.chosen)},
         }
@@ -258,19 +260,19 @@ def make_plan(
         estimates, works = cost_all(dataclasses.replace(work, stage=chosen))
         mine = next(e for e in estimates if e.placement == choice.placement)
         choice = PlacementChoice(mine, fits=True)
-    blocks = 0 if vertical or units is not None else len(keepable(work.units))
-    if not blocks and recompute is Recompute.NONE:
+    if (vertical or units is not None) and recompute is Recompute.NONE:
         raise ConfigError("--recompute none keeps the activations the built-in model's shape counts, in the "
                           "horizontal schedule only; use --recompute auto or all for this model or schedule")
+    candidates = [] if vertical or units is not None else work.units
     tier = Tier.HOST if device == "cpu" else Tier.GPU
     budget = budgets[tier]
     room = 0 if budget is None else budget - choice.estimate.memory.per_rank().needs()[tier]
-    kept = kept_count(recompute, blocks, activations, room)
+    kept = with_kept(activations, work.units, choose_kept(recompute, candidates, activations, room))
     return PlanReport(None if params is not None else shape, shape, args, numel, ledger_numel,
                       compute, gpus, budgets, detected, device, works[choice.placement], activations, estimates,
                       choice, chosen, reason, tuple(name for name, v in (("piece_numel", piece_numel),
                                                                          ("prefetch_depth", prefetch_depth)) if v is None),
-                      vertical, recompute, kept, blocks)
+                      vertical, recompute, kept, len(keepable(candidates, activations)))
 
 
 def _dtype(value: str) -> DType:
