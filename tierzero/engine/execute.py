@@ -6,6 +6,8 @@ its parameters bound as views into the gathered flat `param` buffer, and only it
 kept. In backward the unit is gathered again, recomputed with grad (under the RNG and autocast
 state the forward ran with) against fresh leaf views of the flat buffer, and backpropagated; the parameters' gradients are packed into one flat fp32
 tensor, which goes to `on_grad`. Module code is unchanged: it reads `self.weight` as usual.
+A unit in `UnitRunner.kept` (`tierzero.planning.recompute`) runs its forward once, with grad,
+and keeps that graph until its backward instead (`_KeptGraph`).
 """
 
 from __future__ import annotations
