@@ -64,8 +64,9 @@ def main() -> None:
                                                          for m in times))
             auto = engines["auto"]
             act = auto.sizing.activations
+            head = f" + the head {act.head_kept_bytes / 1e6:.1f} MB" if act.kept_head else ""
             print(f"auto kept units {sorted(auto.runner.kept)} of {len(auto.units)}: {act.kept_blocks} blocks x "
-                  f"{act.recompute_bytes / 1e6:.1f} MB = {act.kept_bytes / 1e6:.1f} MB counted by the memory model")
+                  f"{act.recompute_bytes / 1e6:.1f} MB{head} = {act.kept_bytes / 1e6:.1f} MB counted by the memory model")
             weights = {m: e.master_state_dict() for m, e in engines.items()}
         finally:
             for e in engines.values():
