@@ -4,7 +4,9 @@ placement leaves on the compute device, as the engine chooses them (`planning.re
 from __future__ import annotations
 
 import pytest
+from typer.testing import CliRunner
 
+from tierzero.cli.app import app
 from tierzero.config import Tier
 from tierzero.errors import ConfigError
 from tierzero.planning.report import make_plan
@@ -37,3 +39,26 @@ def test_the_vertical_schedule_keeps_none() -> None:
         plan("8GB", "none", accumulate=2, schedule="vertical")
     with pytest.raises(ConfigError, match="--recompute 'some' is not valid"):
         plan("8GB", "some")
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["plan", "--model", "tiny", "--gpu-mem", "8GB", "--host-mem", "64GB", "--nvme-free", "1TB", "--recompute", "some"],
+     "--recompute 'some' is not valid"),
+    (["plan", "--model", "7b", "--gpu-mem", "2GB", "--host-mem", "8GB", "--nvme-free", "1TB", "--seq-len", "4096",
+      "--recompute", "none"], "--recompute none keeps 33 units' activations"),
+    (["train", "--recompute", "some"], "recompute 'some' is not valid"),
+], ids=["plan-unknown", "plan-none-does-not-fit", "train-unknown"])
+def test_the_flag_refuses_in_one_sentence(tmp_path, monkeypatch, args: list[str], fragment: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], result.output
+
+
+def test_plan_prints_the_kept_units() -> None:
+    result = CliRunner().invoke(app, ["plan", "--model", "tiny", "--gpu-mem", "8GB", "--host-mem", "64GB",
+                                      "--nvme-free", "1TB", "--batch-size", "2", "--seq-len", "128", "--dtype", "fp32"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "Recompute: auto: 4 blocks of 4 units that can keep their activations do" in text
