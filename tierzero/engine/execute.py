@@ -256,7 +256,7 @@ class _KeptGraph:
             unbind(unit, runner.dtype)
             runner.release(unit.index)
             params.flat = None
-        return _KeptGraph(inputs, leaves, out, params)
+        return _KeptGraph(inputs, [_storageless(leaf) for leaf in leaves], out, params)
 
     def backward(self, runner: UnitRunner, unit: Unit, grads: tuple, out_idx: list[int]) -> list[torch.Tensor | None]:
         """Backprop the kept graph against the unit's buffer gathered again; the inputs' grads.
@@ -275,6 +275,17 @@ class _KeptGraph:
             self.params.flat = None
             runner.release(unit.index)
         return [t.grad if t.requires_grad else None for t in self.inputs]
+
+
+def _storageless(leaf: torch.Tensor) -> torch.Tensor:
+    """`leaf` holding no part of the gathered buffer (with several ranks a buffer of its own,
+    which the graph's grad accumulators would otherwise keep alive until backward): one element
+    broadcast to its shape. Autograd reads a leaf's metadata only, and a gradient's values do
+    not depend on its layout; a frozen parameter (no leaf) is dropped for a placeholder."""
+    if not leaf.requires_grad:
+        return torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
+    leaf.data = torch.zeros((), dtype=leaf.dtype, device=leaf.device).expand(leaf.shape)
+    return leaf
 
 
 class _ParamViews:
