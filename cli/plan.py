@@ -42,6 +42,7 @@ def plan(
     stage: Optional[int] = typer.Option(None, "--stage", help="With --gpus > 1, the ZeRO stage (1, 2 or 3); default: chosen as `tierzero train` chooses it (1 or 2 when replicated state fits, else 3)."),
     accumulate: int = typer.Option(1, "--accumulate", help="Micro-batches per step (stage 1 keeps whole grads between them)."),
     schedule: str = typer.Option("auto", "--schedule", help="How the --accumulate micro-batches run: horizontal, vertical (each unit for all of them; built-in shapes and Hugging Face decoders) or auto (default: vertical when accumulating, where it applies), as `tierzero train --schedule`; the NVMe bytes per step are printed for both."),
+    recompute: str = typer.Option("auto", "--recompute", help="Which blocks run their forward again in backward: auto (default: keep the activations of as many as the compute device's budget holds), all, or none (refused where they do not fit), as `tierzero train --recompute`."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Print the 16-byte ledger per GPU (DDP, ZeRO 1-3), the ZeRO stage (--gpus > 1) and its
@@ -56,7 +57,7 @@ def plan(
     report = make_plan(model, params=params, gpus=gpus, gpu_mem=gpu_mem, host_mem=host_mem, nvme_free=nvme_free,
                        nvme_path=nvme_path, batch_size=batch_size, seq_len=seq_len, prefetch_depth=prefetch_depth,
                        dtype=dtype, vocab_size=vocab_size, piece_numel=piece_numel, overlap=overlap,
-                       profile=profile, stage=stage, accumulate=accumulate, schedule=schedule, **built)
+                       profile=profile, stage=stage, accumulate=accumulate, schedule=schedule, recompute=recompute, **built)
     out = Output(json_out)
     if json_out:
         out.emit_json(report.as_dict())
@@ -164,6 +165,12 @@ def _print_report(out: Output, report: PlanReport) -> None:
     other = "horizontal" if sched["schedule"] == "vertical" else "vertical"
     _say(out, f"Schedule: {sched['schedule']}, {sched['accumulate']} micro-batch(es) per step: NVMe "
               f"{format_bytes(moved[sched['schedule']])} per step ({other}: {format_bytes(moved[other])})")
+    rc = r["recompute"]
+    head = " and the head" if rc["kept_head"] else ""
+    _say(out, f"Recompute: {rc['recompute']}: {rc['kept_blocks']} blocks{head} of {rc['keepable_units']} units that "
+              f"can keep their activations do ({format_bytes(rc['kept_bytes'])} beyond the peak below; a block "
+              f"{format_bytes(rc['bytes_per_block'])}, the head {format_bytes(rc['head_bytes'])}); the other units run "
+              "their forward again in backward")
     _say(out, "Peak per tier, part by part (the phase where each part peaks):")
     _print_peaks(out, choice.estimate.memory)
     rank = r["per_rank"]

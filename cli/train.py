@@ -43,6 +43,7 @@ def train(
     long_examples: Optional[str] = typer.Option(None, "--long-examples", help="A prompt/completion or chat example longer than --seq-len: truncate (default: keep the prompt's end and the reply's start), split (into windows; later ones train without the prompt) or drop."),
     accumulate: Optional[int] = typer.Option(None, "--accumulate", help="Micro-batches per optimizer step."),
     schedule: Optional[str] = typer.Option(None, "--schedule", help="How --accumulate micro-batches run: horizontal (each through every unit), vertical (each unit for all of them: params read once per pass, grads written once per step; built-in models and Hugging Face decoders) or auto (default: vertical when accumulating, where it applies)."),
+    recompute: Optional[str] = typer.Option(None, "--recompute", help="Which blocks run their forward again in backward: auto (default: keep the activations of as many as the compute device's budget holds; the built-in models, horizontal schedule), all (activation checkpointing everywhere), or none (refused where they do not fit)."),
     lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate."),
     weight_decay: Optional[float] = typer.Option(None, "--weight-decay", help="AdamW's decoupled weight decay (default 0.1); 1-D parameters (norms, biases) get none, as in torch AdamW param groups that exclude them."),
     adam_betas: Optional[str] = typer.Option(None, "--adam-betas", help="AdamW's beta1,beta2 (default 0.9,0.95)."),
@@ -79,7 +80,7 @@ def train(
     train ...` (add torchrun's --nnodes/--rdzv-* flags for several machines)."""
     overrides = dict(model=model, units=units, data=data, text_field=text_field, weights=weights, steps=steps, batch_size=batch_size, seq_len=seq_len,
                      long_examples=long_examples,
-                     accumulate=accumulate, schedule=schedule, lr=lr, weight_decay=weight_decay, betas=_betas(adam_betas), eps=adam_eps,
+                     accumulate=accumulate, schedule=schedule, recompute=recompute, lr=lr, weight_decay=weight_decay, betas=_betas(adam_betas), eps=adam_eps,
                      warmup_steps=warmup_steps,
                      clip_grad_norm=clip_grad_norm, clip_previous_norm=clip_previous_norm, seed=seed, dtype=dtype, offload=offload,
                      nvme_path=nvme_path or None, host_budget=host_budget, gpu_budget=gpu_budget,

@@ -139,6 +139,14 @@ class LongExamples(str, enum.Enum):
     DROP = "drop"
 
 
+class Recompute(str, enum.Enum):
+    """Which units' forwards run again in backward (`tierzero.planning.recompute`)."""
+
+    AUTO = "auto"  # keep the activations of as many blocks as the compute device's budget holds
+    ALL = "all"  # every unit keeps only its input and is recomputed (activation checkpointing)
+    NONE = "none"  # every block keeps its activations; refused where they do not fit
+
+
 @dataclass
 class Config:
     """What the `Engine` needs: precision, optimizer, schedule and where state lives.
@@ -169,6 +177,7 @@ class Config:
     clip_previous_norm: bool = False  # opt-in approximation: overlap_step clips by the previous norm, never re-steps
     accumulate: int = 1
     schedule: Schedule = Schedule.AUTO
+    recompute: Recompute = Recompute.AUTO
     # the vertical schedule's waiting activations in host memory (beyond it they spill to nvme);
     # None: what the host budget leaves
     activation_budget: int | None = None
@@ -196,6 +205,7 @@ class Config:
         self.dtype = None if self.dtype is None else _enum(DType, self.dtype, "dtype")
         self.lr_schedule = _enum(LRSchedule, self.lr_schedule, "lr_schedule")
         self.schedule = _enum(Schedule, self.schedule, "schedule")
+        self.recompute = _enum(Recompute, self.recompute, "recompute")
         self.grad_reduce_dtype = _enum(DType, self.grad_reduce_dtype, "grad_reduce_dtype")
         if self.grad_reduce_dtype is DType.FP16:
             raise ConfigError("grad_reduce_dtype 'fp16' could overflow a sum of gradients; choose fp32 or bf16")

@@ -200,8 +200,9 @@ class Engine:
         """At the first training step: take its activations out of the budgets (`Sizing`)."""
         if not self._activations_reserved:
             self._activations_reserved = True
-            self.memory = self.sizing.reserve_activations(self.tiers, self.model, batch, self.memory,
-                                                          self.placement, self.stage)
+            self.memory = self.sizing.reserve_activations(self.tiers, self.model, batch, self.memory, self.placement,
+                                                          self.stage, vertical=bool(self.vertical.on))
+            self.runner.kept = self.sizing.kept  # blocks whose forward keeps its graph (`planning.recompute`)
             self.tiers.provision_host(self.memory)
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -6,6 +6,8 @@ its parameters bound as views into the gathered flat `param` buffer, and only it
 kept. In backward the unit is gathered again, recomputed with grad (under the autocast state
 the forward ran with and the same seeded RNG draws, `tierzero.engine.draws`) against fresh leaf views of the flat buffer, and backpropagated; the parameters' gradients are packed into one flat fp32
 tensor, which goes to `on_grad`. Module code is unchanged: it reads `self.weight` as usual.
+A unit in `UnitRunner.kept` (`tierzero.planning.recompute`) runs its forward once, with grad,
+and keeps that graph until its backward instead (`_KeptGraph`).
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from tierzero.engine.backward import BackwardPass
 from tierzero.engine.draws import Draws, draws_for, seeded
@@ -111,6 +113,7 @@ class UnitRunner:
         self.on_grad = on_grad
         self.dtype = dtype
         self.forward_only = forward_only  # units run without a backward (`partition.forward_only`)
+        self.kept: frozenset[int] = frozenset()  # units whose forward keeps its graph (`planning.recompute`)
         self._originals: dict[int, Callable[..., Any]] = {}
         self._shadowed: set[int] = set()  # entries that were instance attributes already
         self.pass_ = BackwardPass()  # the backward in progress (`running`)
@@ -204,12 +207,18 @@ class _Checkpointed(torch.autograd.Function):
     def forward(ctx: Any, runner: UnitRunner, unit: Unit, flat_in: list, spec: Any,
                 tensor_pos: list[int], anchor: torch.Tensor, draws: Draws, *tensors: torch.Tensor) -> Any:
         ctx.runner, ctx.unit, ctx.flat_in, ctx.spec, ctx.tensor_pos = runner, unit, flat_in, spec, tensor_pos
-        ctx.save_for_backward(*tensors)
-        ctx.draws = draws
-        ctx.autocast = autocast_state(tensors)
-        with torch.no_grad(), seeded(draws):
-            args, kwargs = tree_unflatten(_fill(flat_in, tensor_pos, tensors), spec)
-            out = runner.compute(unit, args, kwargs)
+        ctx.kept = None
+        if unit.index in runner.kept and not unit.uses_with:
+            with seeded(draws):
+                ctx.kept = _KeptGraph.run(runner, unit, _fill(flat_in, tensor_pos, tensors), spec, tensor_pos)
+            out = tree_map(lambda o: o.detach() if isinstance(o, torch.Tensor) else o, ctx.kept.out)
+        else:
+            ctx.save_for_backward(*tensors)
+            ctx.draws = draws
+            ctx.autocast = autocast_state(tensors)
+            with torch.no_grad(), seeded(draws):
+                args, kwargs = tree_unflatten(_fill(flat_in, tensor_pos, tensors), spec)
+                out = runner.compute(unit, args, kwargs)
         out_flat, out_spec = tree_flatten(out)
         ctx.out_tensor_idx = [i for i, o in enumerate(out_flat) if isinstance(o, torch.Tensor)]
         if isinstance(out, torch.Tensor):
@@ -221,6 +230,9 @@ class _Checkpointed(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         runner, unit = ctx.runner, ctx.unit
         runner.pass_.unit_starting(unit.index)
+        if ctx.kept is not None:
+            kept, ctx.kept = ctx.kept, None
+            return (None, None, None, None, None, None, None, *kept.backward(runner, unit, grads, ctx.out_tensor_idx))
         saved = ctx.saved_tensors
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in saved]
         bound = runner.bound_units(unit)
@@ -242,6 +254,92 @@ class _Checkpointed(torch.autograd.Function):
                 unbind(u, runner.dtype)
             runner.release(unit.index)
         return (None, None, None, None, None, None, None, *[t.grad if t.requires_grad else None for t in inputs])
+
+
+class _KeptGraph:
+    """A unit's forward run once, with grad, its autograd graph kept until its backward: no
+    recompute. The unit's gathered param buffer is released after the forward as usual (its
+    device buffer goes back to the pool), so the graph must not hold its storage: every tensor
+    autograd saves that is a view of the buffer (a weight a matmul needs for its input's grad)
+    is saved as its place in the buffer (`_ParamViews`) and read in backward from the buffer
+    gathered again there, as the swap plan gathers every unit in backward anyway. The values
+    are those the forward read, so the gradients are the recompute's, bit for bit."""
+
+    def __init__(self, inputs: list[torch.Tensor], leaves: list[torch.Tensor], out: Any, params: _ParamViews) -> None:
+        self.inputs, self.leaves, self.out, self.params = inputs, leaves, out, params
+
+    @staticmethod
+    def run(runner: UnitRunner, unit: Unit, flat_in: list, spec: Any, tensor_pos: list[int]) -> _KeptGraph:
+        inputs = [flat_in[i].detach().requires_grad_(flat_in[i].requires_grad) for i in tensor_pos]
+        flat = runner.gather(unit.index)
+        params = _ParamViews(flat)
+        leaves = bind(unit, flat, requires_grad=True)
+        try:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(params.pack, params.unpack):
+                args, kwargs = tree_unflatten(_fill(flat_in, tensor_pos, inputs), spec)
+                out = runner.compute(unit, args, kwargs, leaves=leaves)
+        finally:
+            unbind(unit, runner.dtype)
+            runner.release(unit.index)
+            params.flat = None
+        return _KeptGraph(inputs, [_storageless(leaf) for leaf in leaves], out, params)
+
+    def backward(self, runner: UnitRunner, unit: Unit, grads: tuple, out_idx: list[int]) -> list[torch.Tensor | None]:
+        """Backprop the kept graph against the unit's buffer gathered again; the inputs' grads.
+        The modules are bound to it too: the loss's checkpointed chunks call the head again."""
+        self.params.flat = runner.gather(unit.index)
+        bind(unit, self.params.flat, requires_grad=True)
+        try:
+            outs = tree_flatten(self.out)[0]
+            pairs = [(outs[i], grads[i]) for i in out_idx if outs[i].requires_grad and grads[i] is not None]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            if unit.trainable_numel:
+                runner.on_grad(unit.index, *flat_grad(unit, self.leaves))
+        finally:
+            unbind(unit, runner.dtype)
+            self.params.flat = None
+            runner.release(unit.index)
+        return [t.grad if t.requires_grad else None for t in self.inputs]
+
+
+def _storageless(leaf: torch.Tensor) -> torch.Tensor:
+    """`leaf` holding no part of the gathered buffer (with several ranks a buffer of its own,
+    which the graph's grad accumulators would otherwise keep alive until backward): one element
+    broadcast to its shape. Autograd reads a leaf's metadata only, and a gradient's values do
+    not depend on its layout; a frozen parameter (no leaf) is dropped for a placeholder."""
+    if not leaf.requires_grad:
+        return torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
+    leaf.data = torch.zeros((), dtype=leaf.dtype, device=leaf.device).expand(leaf.shape)
+    return leaf
+
+
+class _ParamViews:
+    """Saved-tensor hooks that save a view of the unit's param buffer by its place in it."""
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self.flat: torch.Tensor | None = flat
+        self.ptr, self.start, self.end = flat.untyped_storage().data_ptr(), flat.storage_offset(), \
+            flat.storage_offset() + flat.numel()
+        self.dtype, self.device = flat.dtype, flat.device
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if t.dtype == self.dtype and t.device == self.device and t.untyped_storage().data_ptr() == self.ptr \
+                and self.start <= t.storage_offset() < self.end:
+            return _ParamView(t.storage_offset() - self.start, tuple(t.shape), t.stride())
+        return t
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _ParamView):
+            return saved
+        assert self.flat is not None, "a kept graph's params are read in its backward only"
+        return self.flat.as_strided(saved.shape, saved.stride, self.flat.storage_offset() + saved.offset)
+
+
+class _ParamView(NamedTuple):
+    offset: int  # elements from the start of the unit's param buffer
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
 
 
 def _fill(flat_in: list, positions: list[int], tensors: Any) -> list:

@@ -17,15 +17,16 @@ from typing import Any
 
 import torch
 
-from tierzero.config import Config, Offload, Placement, StateKind, Tier
+from tierzero.config import Config, Offload, Placement, Recompute, StateKind, Tier
 from tierzero.errors import ConfigError
 from tierzero.engine.tiers import Tiers
-from tierzero.layout.partition import Unit
+from tierzero.layout.partition import Unit, forward_only
 from tierzero.models.presets import ModelArgs
 from tierzero.planning.ledger import ActivationEstimate, activation_memory
 from tierzero.planning.machine import default_budgets, free_disk_bytes
 from tierzero.planning.memory_model import peak_memory
 from tierzero.planning.peaks import MemoryModel, format_bytes
+from tierzero.planning.recompute import choose_kept, with_kept
 from tierzero.planning.streaming import Shortfall, Streaming, choose_streaming, ladder
 from tierzero.planning.workload import Workload, steps_on_gpu
 from tierzero.storage.base import BudgetExceededError
@@ -48,6 +49,8 @@ class Sizing:
         self.given = [name for name, v in (("piece_numel", config.piece_numel),
                                            ("--prefetch-depth", config.prefetch_depth)) if v is not None]
         self._walks: bool | None = None  # `walks()`, decided once
+        self.kept: frozenset[int] = frozenset()  # units that keep their graph (`reserve_activations`)
+        self.activations: ActivationEstimate | None = None  # the first training batch's, once reserved
 
     def workload(self, stage: int, activations: ActivationEstimate | None = None,
                  streaming: Streaming | None = None) -> Workload:
@@ -182,18 +185,43 @@ class Sizing:
         return memory
 
     def reserve_activations(self, tiers: Tiers, model: Any, batch: Any, memory: MemoryModel,
-                            placement: Placement, stage: int) -> MemoryModel:
+                            placement: Placement, stage: int, vertical: bool = False) -> MemoryModel:
         """At the first training forward, take the batch's activations out of the compute
         device's budget (on the CPU device: the host budget) and refuse a batch the pools then
-        cannot hold. Only for the built-in model, whose shape says what they take; other
-        models' activations are not reserved. The memory model with them (`memory` if none)."""
+        cannot hold; then choose the units that keep their graph (`kept`) in what is left.
+        Only for the built-in model, whose shape says what they take; other models' activations
+        are not reserved and every unit is recomputed, as in the `vertical` schedule. The
+        memory model with them (`memory` if none)."""
         args = getattr(model, "args", None)
         tokens = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
-        if not isinstance(args, ModelArgs) or not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 \
-                or tokens.shape[1] > args.max_seq_len:
+        builtin = isinstance(args, ModelArgs) and isinstance(tokens, torch.Tensor) and tokens.dim() == 2 \
+            and tokens.shape[1] <= args.max_seq_len
+        if (not builtin or vertical) and self.config.recompute is Recompute.NONE:
+            raise ConfigError("--recompute none keeps the activations the built-in model's shape counts, in the "
+                              "horizontal schedule only; use --recompute auto or all for this model or schedule")
+        if not builtin:
             return memory
-        act = activation_memory(args, tokens.shape[0], tokens.shape[1], self.dtype.itemsize,
-                                getattr(model, "loss_chunk_bytes", None))
+        memory = self._reserve(tiers, memory, placement, stage, activation_memory(
+            args, tokens.shape[0], tokens.shape[1], self.dtype.itemsize, getattr(model, "loss_chunk_bytes", None)))
+        return memory if vertical else self._keep(tiers, memory, placement, stage)
+
+    def _keep(self, tiers: Tiers, memory: MemoryModel, placement: Placement, stage: int) -> MemoryModel:
+        """Choose the kept units in the compute device's budget left after `memory` (whose
+        activations keep none) and reserve their graphs' bytes too."""
+        act = self.activations
+        assert act is not None
+        tier = Tier.HOST if self.device.type == "cpu" else Tier.GPU
+        room = (tiers.host_budget if tier is Tier.HOST else tiers.gpu_budget) - memory.tiers[tier].pool_bytes
+        self.kept = choose_kept(self.config.recompute, self.units, act, room, forward_only(self.units))
+        if not self.kept:
+            return memory
+        self.activations = with_kept(act, self.units, self.kept)
+        tiers.reserve(tier, self.activations.kept_bytes)
+        return self.memory(placement, stage, self.activations)
+
+    def _reserve(self, tiers: Tiers, memory: MemoryModel, placement: Placement, stage: int,
+                 act: ActivationEstimate) -> MemoryModel:
+        self.activations = act
         before = _unpooled(memory)
         memory = self.memory(placement, stage, act)
         for tier, need in _unpooled(memory).items():
@@ -202,7 +230,7 @@ class Sizing:
                     tiers.reserve(tier, need - before.get(tier, 0))
                 except BudgetExceededError:
                     pass  # named below, with the figures
-        _check_pools(tiers, memory, f" with batches of {tokens.shape[0]} x {tokens.shape[1]} tokens", self.config,
+        _check_pools(tiers, memory, f" with batches of {act.batch_size} x {act.seq_len} tokens", self.config,
                      self.given)
         return memory
 

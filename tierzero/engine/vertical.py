@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierzero.config import Config, Schedule, StateKind, Tier
+from tierzero.config import Config, Recompute, Schedule, StateKind, Tier
 from tierzero.engine.backward import BackwardPass
 from tierzero.engine.boundary import BoundaryStore, aligned_nbytes
 from tierzero.engine.chain import Chain, chain_of
@@ -76,7 +76,7 @@ def choose(config: Config, model: nn.Module, units: list[Unit], batch: Any, spil
         if why is not None:
             raise ConfigError(f"--schedule vertical needs a chain of units, but {why}; use --schedule horizontal")
         return True
-    if why is not None:
+    if why is not None or config.recompute is Recompute.NONE:  # none keeps graphs: horizontal
         return False
     assert isinstance(chain, Chain)
     return spill or fits(waiting_bytes(chain, units, tuple(batch), config.accumulate, itemsize))

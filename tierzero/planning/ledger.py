@@ -155,17 +155,28 @@ class ActivationEstimate:
     head_backward_bytes: int  # the head's recompute + backward: its norm and one chunk of logits
     logits_bytes: int  # one loss chunk's logits in forward (no grad): the head's forward peak
     chunk_tokens: int
+    head_kept_bytes: int = 0  # what the head's forward with grad saves for its backward
+    # units whose forward keeps its autograd graph until their backward instead of being
+    # recomputed (`tierzero.planning.recompute`): each block holds `recompute_bytes`, the head
+    # `head_kept_bytes`, from its forward to its backward
+    kept_blocks: int = 0
+    kept_head: bool = False
+
+    @property
+    def kept_bytes(self) -> int:
+        return self.kept_blocks * self.recompute_bytes + (self.head_kept_bytes if self.kept_head else 0)
 
     @property
     def forward_bytes(self) -> int:
-        """Peak of the forward pass: every checkpoint plus the larger of a block's or the loss's
-        temporaries (the last block's forward runs with all but one checkpoint held)."""
-        return self.checkpoints_bytes + max(self.block_forward_bytes, self.logits_bytes)
+        """Peak of the forward pass: every checkpoint and kept graph plus the larger of a block's
+        or the loss's temporaries (the last block's forward runs with all but one checkpoint held)."""
+        return self.checkpoints_bytes + self.kept_bytes + max(self.block_forward_bytes, self.logits_bytes)
 
     @property
     def backward_bytes(self) -> int:
-        """Peak of the backward pass, weight gradients aside (the memory model adds those)."""
-        return self.checkpoints_bytes + max(self.block_backward_bytes, self.head_backward_bytes)
+        """Peak of the backward pass, weight gradients aside (the memory model adds those): the
+        head's backward runs with every kept graph still held."""
+        return self.checkpoints_bytes + self.kept_bytes + max(self.block_backward_bytes, self.head_backward_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -198,6 +209,9 @@ def activation_memory(args: ModelArgs, batch_size: int, seq_len: int, compute_it
     - head backward: the final norm's saved tensors (2 * n * D * 4 + n * D * c) and one chunk's
       logits in backward (12 * t * V: the saved fp32 log-softmax, its grad, the logits' grad).
     - logits: one chunk's fp32 logits and log-softmax in forward: 8 * t * V.
+    - head kept: the head's forward with grad, its graph kept to its backward: the final norm's
+      saved tensors (2 * n * D * 4 + n * D * c) and, where the loss is one chunk (t >= n), its
+      saved fp32 log-softmax (4 * n * V); several chunks each keep only their hidden slice.
 
     (The per-logit and per-block factors were measured with RSS on the CPU, fp32.)
     """
@@ -217,7 +231,8 @@ def activation_memory(args: ModelArgs, batch_size: int, seq_len: int, compute_it
         block_backward_bytes=recompute + n * (3 * d + f) * c,
         head_backward_bytes=n * d * (2 * FP32_NBYTES + c) + LOGITS_BACKWARD_BYTES * chunk * args.vocab_size,
         logits_bytes=LOGITS_FORWARD_BYTES * chunk * args.vocab_size,
-        chunk_tokens=chunk)
+        chunk_tokens=chunk,
+        head_kept_bytes=n * d * (2 * FP32_NBYTES + c) + (FP32_NBYTES * n * args.vocab_size if chunk >= n else 0))
 
 
 def check_world_size(world_size: int) -> None:

@@ -55,7 +55,9 @@ What a part means, and which pool holds it (`POOLED`; the others are torch alloc
   in backward, so spare budget lets more be in flight, never less than this.
 - new param staging (host pool): with params on nvme, or on the GPU with the step on the CPU,
   each stepped piece's new compute-dtype values are written from a host buffer of one piece.
-- activations (compute device): see `tierzero.planning.ledger.activation_memory`.
+- activations (compute device): see `tierzero.planning.ledger.activation_memory`; a block
+  that keeps its graph instead of being recomputed (`tierzero.planning.recompute`) adds its
+  saved tensors (`recompute_bytes`) from its forward to its backward, so to both passes' peaks.
 
 ZeRO stage (several ranks; `stage`): at 3 a rank's param home holds its shard of each unit.
 At 2 and 1 it holds whole units (replicated), so params in flight and the param cache are
@@ -178,7 +180,7 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
             moment = (recompute, weights + stepping) if recompute > flat else (0, weights + flat + stepping)
             worst = max(worst, moment, key=sum)
         gpu = {"params in flight": flight[BACKWARD], "gathered params": gathered,
-               "activations": (act.checkpoints_bytes if act else 0) + worst[0], "unit grads": worst[1]}
+               "activations": (act.checkpoints_bytes + act.kept_bytes if act else 0) + worst[0], "unit grads": worst[1]}
         host = {"param staging": [stored_param[u] * c for u in staging[BACKWARD]]}
         if placement.grad is Tier.NVME and not final_with_overlap:  # pieces written, read-ahead deep
             host["grad staging"] = [p * FP32_NBYTES for p in _window(pieces, max(1, depth) + 1, fp32_blocks)]

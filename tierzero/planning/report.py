@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tierzero.config import TORCH_DTYPES, DType, Placement, RunConfig, Schedule, StateKind, Tier, parse_bytes
+from tierzero.config import TORCH_DTYPES, DType, Placement, Recompute, RunConfig, Schedule, StateKind, Tier, parse_bytes
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit
 from tierzero.models.llama import loss_chunk_bytes
@@ -31,6 +31,7 @@ from tierzero.planning.placement import (STAGE_TEXT, Link, PlacementChoice, Plac
                                          choose, choose_stage, estimate, load_profile)
 from tierzero.planning.streaming import DEFAULT, Streaming, choose_streaming, ladder, streamed
 from tierzero.planning.memory_model import waiting_activations_bytes
+from tierzero.planning.recompute import choose_kept, keepable, with_kept
 from tierzero.planning.swapplan import step_nvme_bytes
 from tierzero.planning.workload import Workload
 
@@ -60,6 +61,9 @@ class PlanReport:
     stage_reason: str = "one rank"
     chosen: tuple[str, ...] = ()  # the streaming settings left to the planner: piece_numel, prefetch_depth
     vertical: bool = False  # `--schedule`: the workload's micro-batches run layer-major (`engine.vertical`)
+    recompute: Recompute = Recompute.AUTO
+    kept: ActivationEstimate | None = None  # `activations` counting the kept units' graphs (`planning.recompute`)
+    keepable_units: int = 0  # of which `kept.kept_blocks` blocks and the head if `kept.kept_head` keep theirs
 
     @property
     def units(self) -> tuple[Unit, ...]:
@@ -118,6 +122,11 @@ class PlanReport:
             "stage": {"stage": self.stage, "reason": self.stage_reason, "text": STAGE_TEXT[self.stage]},
             "schedule": {"schedule": "vertical" if self.vertical else "horizontal", "accumulate": self.workload.accumulate,
                          "nvme_bytes_per_step": self.step_nvme_bytes()},
+            "recompute": {"recompute": self.recompute.value, "keepable_units": self.keepable_units,
+                          "kept_blocks": self.kept.kept_blocks if self.kept else 0,
+                          "kept_head": self.kept.kept_head if self.kept else False,
+                          "bytes_per_block": act.recompute_bytes, "head_bytes": act.head_kept_bytes,
+                          "kept_bytes": self.kept.kept_bytes if self.kept else 0},
             "streaming": {"piece_numel": self.streaming.piece_numel, "prefetch_depth": self.streaming.prefetch_depth,
                           "default": self.streaming == DEFAULT, "chosen": list(self.chosen)},
         }
@@ -152,6 +161,7 @@ def make_plan(
     stage: int | None = None,
     accumulate: int = 1,
     schedule: str = "auto",
+    recompute: str = "auto",
     units: Sequence[Unit] | None = None,
     args: ModelArgs | None = None,
     not_a_chain: str | None = None,
@@ -171,6 +181,9 @@ def make_plan(
     is how the `accumulate` micro-batches run; it applies to a built-in shape and to a built
     model whose units are an embedding, blocks and a head (a split Hugging Face decoder) unless
     `not_a_chain` says why the engine cannot drive it so (`tierzero.engine.chain.chain_of`).
+    `recompute` (auto, all or none) says how many blocks keep their activations in the compute
+    device's budget the chosen placement leaves (the engine's choice, `tierzero.planning.recompute`;
+    the built-in shapes, horizontally).
     A model built elsewhere (the CLI's hf:DIR) comes as `units`, its partition for `gpus` ranks,
     and `args`, the LLaMA-like shape its activations are estimated from; `model` then names it."""
     if stage is not None and stage not in (1, 2, 3):
@@ -193,6 +206,11 @@ def make_plan(
     if schedule is Schedule.VERTICAL and not chain:
         raise ConfigError(f"--schedule vertical needs a chain of units, but {not_a_chain}; use --schedule horizontal")
     vertical = schedule is Schedule.VERTICAL or (schedule is Schedule.AUTO and accumulate > 1 and chain)
+    try:
+        recompute = Recompute(recompute)
+    except ValueError:
+        raise ConfigError(f"--recompute '{recompute}' is not valid; choose one of auto|all|none") from None
+    vertical = vertical and not (schedule is Schedule.AUTO and recompute is Recompute.NONE)  # as the engine chooses
     check_world_size(gpus)
     if vocab_size is not None and vocab_size < 1:
         raise ConfigError(f"--vocab-size must be a positive integer, got {vocab_size}")
@@ -260,10 +278,19 @@ def make_plan(
         estimates, works = cost_all(dataclasses.replace(work, stage=chosen))
         mine = next(e for e in estimates if e.placement == choice.placement)
         choice = PlacementChoice(mine, fits=True)
+    if (vertical or units is not None) and recompute is Recompute.NONE:
+        raise ConfigError("--recompute none keeps the activations the built-in model's shape counts, in the "
+                          "horizontal schedule only; use --recompute auto or all for this model or schedule")
+    candidates = [] if vertical or units is not None else work.units
+    tier = Tier.HOST if device == "cpu" else Tier.GPU
+    budget = budgets[tier]
+    room = 0 if budget is None else budget - choice.estimate.memory.per_rank().needs()[tier]
+    kept = with_kept(activations, work.units, choose_kept(recompute, candidates, activations, room))
     return PlanReport(None if params is not None else shape, shape, args, numel, ledger_numel,
                       compute, gpus, budgets, detected, device, works[choice.placement], activations, estimates,
                       choice, chosen, reason, tuple(name for name, v in (("piece_numel", piece_numel),
-                                                                         ("prefetch_depth", prefetch_depth)) if v is None), vertical)
+                                                                         ("prefetch_depth", prefetch_depth)) if v is None),
+                      vertical, recompute, kept, len(keepable(candidates, activations)))
 
 
 def _dtype(value: str) -> DType:
