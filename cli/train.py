@@ -15,7 +15,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tierzero.cli.output import Output
-from tierzero.config import LongExamples, RunConfig, load_run_config
+from tierzero.config import LongExamples, RunConfig
+from tierzero.configfile import load_run_config
 from tierzero.errors import ConfigError
 from tierzero.dist.launch import Ranks, die_with_launcher, rank_device, ranks_from_env, run_torchrun, start_process_group, stop_process_group, under_torchrun
 from tierzero.checkpoint.catalog import checkpoint_dirs
@@ -300,7 +301,7 @@ def _resume_config(run_dir: Optional[Path], config: Optional[Path]) -> Optional[
 
 def _schedule_follows_steps(config: Path) -> bool:
     """Whether a saved run's lr schedule was derived from its --steps (not set on its own)."""
-    from tierzero.config import read_toml
+    from tierzero.configfile import read_toml
 
     saved = read_toml(config)
     return saved.get("total_steps") == saved.get("steps", RunConfig.steps)
@@ -309,6 +310,6 @@ def _schedule_follows_steps(config: Path) -> bool:
 def _file_sets(config: Optional[Path], key: str) -> bool:
     if config is None:
         return False
-    from tierzero.config import read_toml
+    from tierzero.configfile import read_toml
 
     return key in read_toml(config)

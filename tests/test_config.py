@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from tierzero.config import Config, RunConfig, load_run_config
+from tierzero.config import Config, RunConfig
+from tierzero.configfile import load_run_config
 from tierzero.errors import ConfigError
 
 NUMBERS = ["lr", "eps", "weight_decay", "warmup_steps", "total_steps", "clip_grad_norm", "min_lr_ratio",

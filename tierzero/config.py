@@ -6,11 +6,9 @@ downstream needs to re-check user input. This module does no I/O beyond reading 
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,11 +16,6 @@ from typing import Any
 import torch
 
 from tierzero.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
 
 
 class Tier(str, enum.Enum):
@@ -370,70 +363,6 @@ class RunConfig:
         if self.engine.offload is Offload.NONE:
             raise ConfigError(f"--offload none trains in memory on one rank, not {world_size}; use --offload "
                               "host, nvme or auto with several ranks")
-
-
-_RUN_FIELDS = {f.name for f in dataclasses.fields(RunConfig)} - {"engine"}
-_ENGINE_FIELDS = {f.name for f in dataclasses.fields(Config)}
-
-
-def load_run_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Read a flat TOML file (run and engine keys side by side), then apply `overrides`.
-
-    Overrides are the CLI flags that were given; `None` values mean "not given".
-    """
-    values = read_toml(path) if path is not None else {}
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    unknown = set(values) - _RUN_FIELDS - _ENGINE_FIELDS
-    if unknown:
-        raise ConfigError(f"unknown config keys {sorted(unknown)}; valid keys are "
-                          f"{', '.join(sorted(_RUN_FIELDS | _ENGINE_FIELDS))}")
-    engine_values = {k: v for k, v in values.items() if k in _ENGINE_FIELDS}
-    run_values = {k: v for k, v in values.items() if k in _RUN_FIELDS}
-    if "total_steps" not in engine_values:  # the schedule follows the run's length: refuse a bad one as `steps`
-        engine_values["total_steps"] = _count(run_values.get("steps", RunConfig.steps), "steps")
-    try:
-        engine = Config(**engine_values)
-        return RunConfig(**run_values, engine=engine)
-    except TypeError as e:
-        raise ConfigError(f"config has a value of the wrong type ({e}); check the TOML types") from None
-
-
-def read_toml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file '{p}' does not exist; check the --config path")
-    try:
-        return tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file '{p}' is not valid TOML ({e}); fix the line it names") from None
-
-
-def to_toml(run: RunConfig) -> str:
-    """The resolved config as flat TOML, readable back by `load_run_config`."""
-    lines = []
-    items = {k: getattr(run, k) for k in sorted(_RUN_FIELDS)}
-    items.update({f.name: getattr(run.engine, f.name) for f in dataclasses.fields(Config)})
-    for key, value in items.items():
-        if value is None:
-            continue
-        lines.append(f"{key} = {_toml_value(value)}")
-    return "\n".join(lines) + "\n"
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, enum.Enum):
-        return f'"{value.value}"'
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, Placement):
-        return "{ " + ", ".join(f'{k.value} = "{value.home(k).value}"' for k in StateKind) + " }"
-    raise TypeError(f"cannot write {type(value).__name__} to TOML")
 
 
 TORCH_DTYPES: dict[DType, torch.dtype] = {

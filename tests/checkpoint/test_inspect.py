@@ -20,7 +20,7 @@ from checkpoint_helpers import flip_byte, write_checkpoint
 from engine_helpers import SMALL
 from tierzero import models
 from tierzero.cli.app import app
-from tierzero.config import load_run_config, to_toml
+from tierzero.configfile import load_run_config, to_toml
 from tierzero.errors import RunDirError
 from tierzero.layout.partition import partition
 from tierzero.run.directory import RunDir

@@ -37,7 +37,8 @@ from typing import Any
 from tierzero.checkpoint import lineage
 from tierzero.checkpoint.catalog import CHECKPOINTS_DIR, checkpoint_dirs, move_aside
 from tierzero.checkpoint.files import read_regular, write_small_durable
-from tierzero.config import RunConfig, to_toml
+from tierzero.config import RunConfig
+from tierzero.configfile import to_toml
 from tierzero.errors import RunDirError
 from tierzero.storage.dirlock import is_store_root
 from tierzero.storage.filekind import kind_of, not_a_file, open_regular
