@@ -223,7 +223,7 @@ def materialise(hf: HFModel, seed: int, device: torch.device | str = "cpu",
             for name, p in model.named_parameters(remove_duplicate=False):
                 names.setdefault(id(p), []).append(name)
             for p in model.parameters():
-                p.copy_(files.load(model.checkpoint_names(tuple(names[id(p)])), tuple(p.shape)))
+                p.copy_(model.read_weight(files, tuple(names[id(p)]), tuple(p.shape)))
     return model.to(device)
 
 

@@ -109,6 +109,10 @@ class WeightFiles:
     def names(self) -> set[str]:
         return set(self._where)
 
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor `name` as stored (its dtype and shape)."""
+        return self._where[name].read(name)
+
     def load(self, names: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
         """The first of `names` the files hold, as fp32, checked against `shape`."""
         for name in names:
