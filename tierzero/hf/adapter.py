@@ -99,7 +99,7 @@ class CausalLM(nn.Module):
         logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                                **self.quiet).logits
         loss = self._loss(logits, targets, labels)
-        if self.router is None or (targets is None and labels is None):
+        if self.router is None or not self.router.logits or (targets is None and labels is None):
             return loss
         stand_in = logits.new_zeros(1, 1, self.config.get_text_config().hidden_size)
         return loss + self._router_loss(stand_in, tuple(self.router.logits))
@@ -204,7 +204,7 @@ class SplitCausalLM(CausalLM):
                 stack.enter_context(replaying(self.blocks[0], first, self.prelude, self.dropouts))
             stack.enter_context(_deferred(self.final_norm, self.blocks[-1]))
             hidden = self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **self.quiet)
-        logits = tuple(self.router.logits) if self.router is not None else None
+        logits = tuple(self.router.logits) or None if self.router is not None else None  # None: no MoE layer ran
         return self.head_out(hidden.last_hidden_state, targets, labels=labels, router_logits=logits)
 
     def _prelude(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
