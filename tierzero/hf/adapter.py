@@ -64,6 +64,7 @@ class CausalLM(nn.Module):
         object.__setattr__(self, "hf_model", hf_model)  # not a child: names stay the checkpoint's
         self.blocks_path = blocks
         self.config = hf_model.config
+        self.base_model_prefix = hf_model.base_model_prefix  # peft reads it to scope the conversion mapping
         self.saved_format = SavedFormat(hf_model)
         parent = blocks.rpartition(".")[0]
         object.__setattr__(self, "base", hf_model.get_submodule(parent) if parent else hf_model)
