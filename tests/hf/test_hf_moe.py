@@ -208,3 +208,25 @@ def test_cli_trains_and_exports_for_from_pretrained(arch, weights, tmp_path):
     assert keys(out) == saved  # one tensor per expert, as save_pretrained writes
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert loaded.config.output_router_logits and type(loaded).__name__.lower().startswith(arch.split("_")[0])
+
+
+def test_lora_on_a_mixture_of_experts_base_exports_merged_for_from_pretrained(tmp_path):
+    """peft reads the adapter's `base_model_prefix` to scope the MoE conversion mapping."""
+    from transformers import AutoModelForCausalLM
+    import numpy as np
+
+    model_dir = save("mixtral", tmp_path / "mixtral")
+    data = tmp_path / "ids.npy"
+    np.save(data, default_corpus(1 << 14).astype(np.uint16))
+    run_dir, out = tmp_path / "run", tmp_path / "merged"
+    result = CliRunner().invoke(app, ["train", "--model", f"hf:{model_dir}", "--data", str(data), "--steps", "2",
+                                      "--batch-size", "2", "--seq-len", "16", "--lora-r", "4",
+                                      "--lora-targets", "q_proj,v_proj", "--run-dir", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(app, ["export", str(run_dir), "--out", str(out), "--merge"])
+    assert result.exit_code == 0, result.output
+    assert keys(out) == keys(model_dir)  # the merged base, as save_pretrained writes it
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    changed = [n for n, p in merged.named_parameters() if not torch.equal(p, base.get_parameter(n))]
+    assert changed and all(n.endswith(("q_proj.weight", "v_proj.weight")) for n in changed)
