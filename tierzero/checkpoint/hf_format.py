@@ -68,8 +68,7 @@ class SavedFormat:
     def read(self, files: WeightFiles, names: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
         """The parameter called `names` (its aliases), fp32, from `files`: under one of its own
         names, or renamed or converted (stacked experts) from what the files hold."""
-        held = files.names()
-        own = [n for n in names if n in held]
+        own = [n for n in names if files.holds(n)]
         if own:
             return files.load((own[0],), shape)
         _, renamed, groups = self._indexed(files)
