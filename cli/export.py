@@ -20,6 +20,7 @@ def export(
     step: Optional[int] = typer.Option(None, "--step", help="The checkpoint's step. Default: the newest complete one."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32 (the master weights as they are) or bf16 (rounded from them)."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Split into model-0000i-of-0000K files with an index past this size, e.g. 5GB or 500MiB."),
+    tensors: str = typer.Option("saved", "--tensors", help="An hf: model's tensors as save_pretrained writes them (saved: a Mixture-of-Experts layer's experts one tensor each, as on the hub) or as the model holds them (model: fused experts); from_pretrained loads either."),
     merge: bool = typer.Option(False, "--merge", help="A LoRA run: write the base model with the adapter merged in (loads with from_pretrained) instead of the peft adapter (loads with PeftModel.from_pretrained)."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
 ) -> None:
@@ -34,7 +35,7 @@ def export(
     with progress:
         task = progress.add_task("export", total=None)
         result = export_checkpoint(run_dir, out, step=step, dtype=dtype.lower(), max_shard_bytes=max_shard_bytes, merge=merge,
-                                   on_unit=lambda done, total: progress.update(task, completed=done, total=total))
+                                   tensors=tensors.lower(), on_unit=lambda done, total: progress.update(task, completed=done, total=total))
     summary = {"run_dir": str(run_dir), "step": result.step, "checkpoint": str(result.checkpoint),
                "dtype": result.dtype, "files": [str(f) for f in result.files],
                "index": str(result.index) if result.index else None,

@@ -11,11 +11,15 @@ tensor, plus `__metadata__`) padded with spaces to a multiple of 8, then the raw
 bytes in header order. The manifest gives every shape upfront, so headers and file boundaries
 are decided before a byte of data is read (`plan_export`, a value), and the writer then reads
 each unit's master shards from every rank into one reused flat buffer and appends its tensors.
-Peak host memory is the largest unit's flat fp32 buffer plus one tensor in bf16.
+Peak host memory is the largest unit's flat fp32 buffer plus one tensor in bf16 (plus, for
+tensors save_pretrained computes from a fused one, that one parameter's saved tensors).
 
 A checkpoint of a Hugging Face model (`--model hf:<dir>`) records the model's `config.json`
 in its manifest; export writes it back next to the weights (its dtype set to the export's),
-so the directory loads with `from_pretrained`: the names are the model's own; the tokenizer files
+so the directory loads with `from_pretrained`: its tensors named and laid out as
+`save_pretrained` writes them (a Mixture-of-Experts layer's experts one tensor each, as on the
+hub; `tierzero.checkpoint.hf_format`), or with `tensors="model"` as the model holds them
+(fused experts), which `from_pretrained` loads too; the tokenizer files
 of the directory the run started from are copied beside them. A LoRA (peft) run exports a peft
 adapter, or with `merge` its merged base (`tierzero.checkpoint.lora`).
 
@@ -30,7 +34,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import struct
 import sys
 from collections.abc import Callable, Iterator
@@ -46,6 +49,8 @@ from tierzero.config import StateKind
 from tierzero.errors import CheckpointError, ConfigError, TierzeroError
 from tierzero.checkpoint.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, Merge, adapter_config, adapter_entries,
                                       merged_entries, peft_adapters)
+from tierzero.checkpoint.hf_files import copy_tokenizer, hf_config, write_json
+from tierzero.checkpoint.hf_format import Converted, SavedFormat, meta_model
 from tierzero.checkpoint.manifest import Manifest, UnitLayout
 from tierzero.storage.arrays import read_array
 from tierzero.storage.base import StorageError
@@ -53,12 +58,9 @@ from tierzero.layout.keys import shard_key
 
 # --dtype spelling -> (torch dtype, safetensors dtype code)
 DTYPES = {"fp32": (torch.float32, "F32"), "bf16": (torch.bfloat16, "BF16")}
+TENSORS = ("saved", "model")  # a Hugging Face model's tensors as save_pretrained writes them, or as it holds them
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the Hugging Face default for save_pretrained
 SUFFIX = ".safetensors"
-# what AutoTokenizer.from_pretrained reads from a model directory (whichever the model has)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
-                   "chat_template.jinja", "chat_template.json", "generation_config.json")
 
 
 @dataclass(frozen=True)
@@ -71,9 +73,12 @@ class TensorEntry:
     numel: int
     shape: tuple[int, ...]
     merge: Merge | None = None  # a LoRA-wrapped weight exported with its adapter merged in
+    converted: Converted | None = None  # a tensor save_pretrained computes from others (one expert's)
 
     def values(self, flat: torch.Tensor) -> torch.Tensor:
         """This tensor's values, flat, from its unit's flat buffer."""
+        if self.converted is not None:
+            return self.converted.take(self.name, flat).reshape(-1)
         values = flat[self.offset:self.offset + self.numel]
         return values if self.merge is None else self.merge.apply(values.view(self.shape), flat).reshape(-1)
 
@@ -171,11 +176,17 @@ def plan_export(manifest: Manifest, out_name: str, dtype: str = "fp32",
 
 def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = None,
                       dtype: str = "fp32", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                      on_unit: Callable[[int, int], None] | None = None, merge: bool = False) -> ExportResult:
+                      on_unit: Callable[[int, int], None] | None = None, merge: bool = False,
+                      tensors: str = "saved") -> ExportResult:
     """Write the checkpoint at `step` (default: the newest complete one) of `run_dir` as
     safetensors at `out` (a `.safetensors` path, or a directory for `model.safetensors`); a LoRA
     run's as a peft adapter directory, or with `merge` as its base model with the adapter merged
-    in (`tierzero.checkpoint.lora`). `on_unit(done, total)` is called after each unit."""
+    in (`tierzero.checkpoint.lora`). A Hugging Face model's tensors are laid out as
+    `save_pretrained` writes them (`tensors` "saved": a Mixture-of-Experts layer's experts one
+    tensor each, `tierzero.checkpoint.hf_format`) or as the model holds them ("model": fused).
+    `on_unit(done, total)` is called after each unit."""
+    if tensors not in TENSORS:
+        raise ConfigError(f"--tensors '{tensors}' is not a layout of exported tensors; choose one of {'|'.join(TENSORS)}")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype '{dtype}' is not an export dtype; choose one of {'|'.join(DTYPES)}")
     if max_shard_bytes <= 0:
@@ -189,7 +200,7 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = N
     adapters = peft_adapters(manifest.model, [e.name for e in entries])
     if merge and adapters is None:
         raise ConfigError("--merge merges a LoRA run's adapter into its base, and this run has none; drop --merge")
-    extra: tuple[str, dict] | None = _hf_config(manifest, dtype)
+    extra: tuple[str, dict] | None = hf_config(manifest, dtype)
     if adapters is not None:
         [(adapter, peft_config)] = adapters.items()
         entries = merged_entries(entries, adapter, peft_config) if merge else adapter_entries(entries, adapter)
@@ -199,6 +210,8 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = N
                                   f"'{out_name}' (or add --merge for whole merged weights)")
             out_name = ADAPTER_WEIGHTS
             extra = (ADAPTER_CONFIG, adapter_config(peft_config, (manifest.model or {}).get("hf")))
+    if tensors == "saved" and extra is not None and extra[0] == "config.json":  # whole Hugging Face weights
+        entries = SavedFormat(meta_model(extra[1])).saved(entries, _converted_entry)
     plan = plan_export(manifest, out_name, dtype, max_shard_bytes, entries)
     _make_dir(out_dir)
     remove_stale_temps(out_dir)  # an export killed before it could remove its own
@@ -206,35 +219,14 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = N
     written = writer.write(_read_units(checkpoint, manifest), len(manifest.units), on_unit)
     tensors = sum(len(f.entries) for f in plan.files)
     index = out_dir / plan.index_name if plan.index_name else None
-    config = _write_json(out_dir, *extra) if extra is not None else None
-    tokenizer = _copy_tokenizer(out_dir, manifest)
+    config = write_json(out_dir, *extra) if extra is not None else None
+    tokenizer = copy_tokenizer(out_dir, manifest)
     return ExportResult(manifest.step, checkpoint, dtype, written, index, tensors, plan.total_bytes, config,
                         tokenizer, skipped)
 
 
-def _hf_config(manifest: Manifest, dtype: str) -> tuple[str, dict] | None:
-    """The Hugging Face model's config.json, as the checkpoint recorded it, with this export's
-    dtype (from_pretrained would otherwise cast to the dtype it was saved in); None for others."""
-    config = (manifest.model or {}).get("config")
-    if not isinstance(config, dict):
-        return None
-    name = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
-    return "config.json", {**config, "dtype": name, **({"torch_dtype": name} if "torch_dtype" in config else {})}
-
-
-def _write_json(out_dir: Path, name: str, doc: dict) -> Path:
-    path = out_dir / name
-    temp = out_dir / f".{name}.{os.getpid()}.tmp"
-    try:
-        with open(temp, "w") as handle:
-            handle.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    except OSError as e:
-        temp.unlink(missing_ok=True)
-        raise TierzeroError(f"cannot write {path} ({e.strerror or e}); choose a writable --out") from None
-    return path
+def _converted_entry(name: str, unit: int, shape: tuple[int, ...], converted: Converted) -> TensorEntry:
+    return TensorEntry(name, unit, -1, math.prod(shape), shape, converted=converted)
 
 
 def _destination(out: Path) -> tuple[Path, str]:
@@ -256,30 +248,6 @@ def _make_dir(out_dir: Path) -> None:
     except OSError as e:
         raise TierzeroError(f"cannot create --out directory {out_dir} ({e.strerror or e}); choose a "
                             "writable --out") from None
-
-
-def _copy_tokenizer(out_dir: Path, manifest: Manifest) -> list[Path]:
-    """The tokenizer files of the Hugging Face directory the run started from, copied beside the
-    weights (each through a temp name), so the export loads with AutoTokenizer too; none when
-    that directory is gone or the model is not from one."""
-    source = (manifest.model or {}).get("hf")
-    if not isinstance(source, str) or not Path(source).is_dir() or Path(source).resolve() == out_dir.resolve():
-        return []
-    copied = []
-    for name in TOKENIZER_FILES:
-        src = Path(source) / name
-        if not src.is_file():
-            continue
-        temp = out_dir / f".{name}.{os.getpid()}.tmp"
-        try:
-            shutil.copyfile(src, temp)
-            os.replace(temp, out_dir / name)
-        except OSError as e:
-            temp.unlink(missing_ok=True)
-            raise TierzeroError(f"cannot copy {src} to {out_dir} ({e.strerror or e}); choose a writable "
-                                "--out") from None
-        copied.append(out_dir / name)
-    return copied
 
 
 def _read_units(checkpoint: Path, manifest: Manifest) -> Iterator[tuple[int, torch.Tensor]]:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import operator
 from collections.abc import Iterator
 from typing import Any
@@ -44,11 +45,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tierzero.checkpoint.hf_format import SavedFormat
 from tierzero.errors import ConfigError
 from tierzero.hf.layercalls import LayerCall, chained, recording, refuse_unchained
 from tierzero.hf.prelude import Prelude, replaying, stop_at
+from tierzero.hf.router import RouterLogits, routes
 from tierzero.models.llama import loss_chunk_bytes, unit_seed
 from tierzero.models.loss import IGNORE_INDEX, chunk_tokens_for
+from tierzero.models.weights import WeightFiles
 
 
 class CausalLM(nn.Module):
@@ -63,7 +67,14 @@ class CausalLM(nn.Module):
         object.__setattr__(self, "hf_model", hf_model)  # not a child: names stay the checkpoint's
         self.blocks_path = blocks
         self.config = hf_model.config
-        self.save_renamings = _save_renamings(hf_model)
+        self.base_model_prefix = hf_model.base_model_prefix  # peft reads it to scope the conversion mapping
+        self.saved_format = SavedFormat(hf_model)
+        parent = blocks.rpartition(".")[0]
+        object.__setattr__(self, "base", hf_model.get_submodule(parent) if parent else hf_model)
+        moe = routes(self.base)
+        self.quiet = {"output_router_logits": False} if moe else {}  # the base collects no router logits
+        aux = moe and bool(getattr(self.config, "output_router_logits", False))
+        self.router = RouterLogits(self.base, self.blocks) if aux else None
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -72,15 +83,12 @@ class CausalLM(nn.Module):
     def get_input_embeddings(self) -> nn.Module:
         return self.hf_model.get_input_embeddings()
 
-    def checkpoint_names(self, names: tuple[str, ...]) -> tuple[str, ...]:
-        """`names`, then what `save_pretrained` calls them where transformers renames keys on
-        saving (GPT-NeoX's `lm_head.weight` is saved as `embed_out.weight`)."""
-        saved = []
-        for name in names:
-            for renaming in self.save_renamings:
-                name, _ = renaming.rename_source_key(name)
-            saved.append(name)
-        return names + tuple(n for n in saved if n not in names)
+    def read_weight(self, files: WeightFiles, names: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """The parameter called `names` from `files`, fp32: under its own name, or as transformers
+        loads it from what `save_pretrained` wrote (GPT-NeoX's `lm_head.weight` saved as
+        `embed_out.weight`; a Mixture-of-Experts layer's fused experts stacked from one tensor
+        per expert), one parameter at a time (`tierzero.checkpoint.hf_format`)."""
+        return self.saved_format.read(files, names, shape)
 
     def train(self, mode: bool = True) -> CausalLM:
         super().train(mode)
@@ -92,8 +100,30 @@ class CausalLM(nn.Module):
                 num_items_in_batch: float | torch.Tensor | None = None) -> Any:
         """The loss of `targets` (shifted) or `labels` (unshifted); logits when given neither.
         `num_items_in_batch`: what the summed token losses are divided by (`tierzero.models.loss`)."""
-        logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        return self._loss(logits, targets, labels, num_items_in_batch)
+        if self.router is not None:
+            self.router.start(attention_mask)
+        logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                               **self.quiet).logits
+        loss = self._loss(logits, targets, labels, num_items_in_batch)
+        if self.router is None or not self.router.logits or (targets is None and labels is None):
+            return loss
+        stand_in = logits.new_zeros(1, 1, self.config.get_text_config().hidden_size)
+        return loss + self._router_loss(stand_in, tuple(self.router.logits))
+
+    def _router_loss(self, hidden: torch.Tensor, router_logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """`router_aux_loss_coef * aux_loss` exactly as the model's own forward adds it to its loss
+        (which coefficient, which load-balancing loss, the attention mask): the forward runs on
+        the collected router logits with a loss function that returns zero for the cross-entropy,
+        so what it returns as its loss is `0 + coef * aux` (`tierzero.hf.router`). `hidden` is
+        a stand-in the head turns into one token's logits, which nothing uses."""
+        assert self.router is not None
+        zero = hidden.new_zeros((), dtype=torch.float32)
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.hf_model.forward).parameters else {}
+        with _returning(self.base, hidden, router_logits), _loss_function(self.hf_model, zero):
+            out = self.hf_model(inputs_embeds=hidden, attention_mask=self.router.attention_mask, use_cache=False,
+                                labels=torch.zeros(1, 1, dtype=torch.long, device=hidden.device),
+                                output_router_logits=True, **keep)
+        return out.loss
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor | None, labels: torch.Tensor | None,
               num_items_in_batch: float | torch.Tensor | None = None) -> torch.Tensor:
@@ -175,13 +205,17 @@ class SplitCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
                 labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 num_items_in_batch: float | torch.Tensor | None = None) -> Any:
+        if self.router is not None:
+            self.router.start(attention_mask)
         with contextlib.ExitStack() as stack:
             if self.prelude is not None:
                 first = self.prelude(input_ids, attention_mask)  # the embedding unit
                 stack.enter_context(replaying(self.blocks[0], first, self.prelude, self.dropouts))
             stack.enter_context(_deferred(self.final_norm, self.blocks[-1]))
-            hidden = self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return self.head_out(hidden.last_hidden_state, targets, labels=labels, num_items_in_batch=num_items_in_batch)
+            hidden = self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **self.quiet)
+        logits = tuple(self.router.logits) or None if self.router is not None else None  # None: no MoE layer ran
+        return self.head_out(hidden.last_hidden_state, targets, labels=labels, router_logits=logits,
+                             num_items_in_batch=num_items_in_batch)
 
     def _prelude(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """The base model's own forward up to its first block: the hidden state it gets."""
@@ -198,6 +232,9 @@ class SplitCausalLM(CausalLM):
         if self.final_norm is None:
             return (f"{type(self.hf_model).__name__}'s final norm has no parameters, so it runs inside the "
                     "model's forward rather than in the head unit")
+        if self.router is not None:
+            return ("its router aux loss reads every layer's router logits from one forward of the "
+                    "micro-batch, which the schedule does not carry from unit to unit")
         return None
 
     def layer_calls(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[LayerCall]]:
@@ -215,8 +252,11 @@ class SplitCausalLM(CausalLM):
         refuse_unchained(type(self.hf_model).__name__)
 
     def head_out(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, *,
-                 labels: torch.Tensor | None = None, num_items_in_batch: float | torch.Tensor | None = None) -> Any:
-        """Final norm, the model's own head and loss: everything after the blocks.
+                 labels: torch.Tensor | None = None, router_logits: tuple[torch.Tensor, ...] | None = None,
+                 num_items_in_batch: float | torch.Tensor | None = None) -> Any:
+        """Final norm, the model's own head and loss: everything after the blocks (a
+        Mixture-of-Experts model's router aux loss too, from `router_logits`: the head unit's
+        inputs, so its gradient reaches every block's router through the engine).
 
         With shifted `targets`, in chunks of about `loss_chunk_bytes` of fp32 logits, as the
         built-in model does (`tierzero.models.loss`): each chunk's logits come from the model's
@@ -228,33 +268,25 @@ class SplitCausalLM(CausalLM):
             hidden = self.final_norm(hidden)
         chunk = chunk_tokens_for(self.config.vocab_size, self.loss_chunk_bytes)
         if targets is None or labels is not None or targets.numel() <= chunk:
-            return self._loss(self._logits(hidden), targets, labels, num_items_in_batch)
-        h, t = hidden.reshape(1, -1, hidden.shape[-1]), targets.reshape(1, -1)
-        count = (t != IGNORE_INDEX).sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        parts = [checkpoint(self._chunk_loss, h[:, a:a + chunk], t[:, a:a + chunk], count, use_reentrant=False)
-                 for a in range(0, t.shape[1], chunk)]
-        return functools.reduce(operator.add, parts)
+            loss = self._loss(self._logits(hidden), targets, labels, num_items_in_batch)
+        else:
+            h, t = hidden.reshape(1, -1, hidden.shape[-1]), targets.reshape(1, -1)
+            count = (t != IGNORE_INDEX).sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+            parts = [checkpoint(self._chunk_loss, h[:, a:a + chunk], t[:, a:a + chunk], count, use_reentrant=False)
+                     for a in range(0, t.shape[1], chunk)]
+            loss = functools.reduce(operator.add, parts)
+        if router_logits is None or (targets is None and labels is None):
+            return loss
+        return loss + self._router_loss(hidden.new_zeros(1, 1, hidden.shape[-1]), router_logits)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's own head (logit scaling and soft-capping included) on `hidden`."""
         with _returning(self.base, hidden):
-            return self.hf_model(inputs_embeds=hidden, use_cache=False).logits
+            return self.hf_model(inputs_embeds=hidden, use_cache=False, **self.quiet).logits
 
     def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         return self.hf_model.loss_function(logits=self._logits(hidden), labels=None, shift_labels=targets.contiguous(),
                                            vocab_size=self.config.vocab_size, num_items_in_batch=count)
-
-
-def _save_renamings(hf_model: nn.Module) -> list[Any]:
-    """The key renamings transformers applies when saving this model (its loading renamings,
-    reversed; tensor conversions such as packing experts are not followed)."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming
-    except ImportError:  # a transformers without conversion mappings renames nothing
-        return []
-    loading = [t for t in get_model_conversion_mapping(hf_model) if type(t) is WeightRenaming]
-    return [t.reverse_transform() for t in reversed(loading)]
 
 
 @contextlib.contextmanager
@@ -282,16 +314,32 @@ def _deferred(module: nn.Module | None, last_block: nn.Module) -> Iterator[None]
 
 
 @contextlib.contextmanager
-def _returning(base: nn.Module, hidden: torch.Tensor) -> Iterator[None]:
-    """The base model returns `hidden` as its last hidden state, without computing anything."""
-    from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions as Outputs
+def _returning(base: nn.Module, hidden: torch.Tensor,
+               router_logits: tuple[torch.Tensor, ...] | None = None) -> Iterator[None]:
+    """The base model returns `hidden` as its last hidden state (and a Mixture-of-Experts base
+    `router_logits`), without computing anything."""
+    from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, MoeModelOutputWithPast
 
-    base.forward = lambda *args, **kwargs: Outputs(last_hidden_state=hidden)  # every field a head reads
+    if routes(base):  # every field an MoE head reads
+        outputs: Any = MoeModelOutputWithPast(last_hidden_state=hidden, router_logits=router_logits)
+    else:  # every field a head reads
+        outputs = BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden)
+    base.forward = lambda *args, **kwargs: outputs
     try:
         yield
     finally:
         del base.forward
 
 
-def _identity(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return x
+@contextlib.contextmanager
+def _loss_function(hf_model: nn.Module, value: torch.Tensor) -> Iterator[None]:
+    """The model's `loss_function` returns `value` (a fresh tensor) whatever it is given."""
+    before = hf_model.__dict__.get("_loss_function")
+    hf_model.loss_function = lambda *args, **kwargs: value.clone()
+    try:
+        yield
+    finally:
+        if before is None:
+            del hf_model._loss_function
+        else:
+            hf_model._loss_function = before

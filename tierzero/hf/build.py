@@ -137,7 +137,7 @@ def adapt(hf_model: nn.Module, units: str | None = None) -> CausalLM:
     input and output embeddings are learned position tables (GPT-2, OPT) and at most one final
     norm (none: OLMo's has no parameters); else root. `units` names the blocks (`model.layers`)
     if the largest list is wrong."""
-    blocks_path, blocks = find_blocks(hf_model, units)
+    blocks_path, blocks = find_blocks(hf_model, units or _decoder_layers(hf_model))
     parent = blocks_path.rpartition(".")[0]
     if not parent:
         return CausalLM(hf_model, blocks_path)
@@ -148,6 +148,18 @@ def adapt(hf_model: nn.Module, units: str | None = None) -> CausalLM:
     if len(norms) > 1 or (norms and not _final_norm(norms[0], base, blocks)):
         return CausalLM(hf_model, blocks_path)
     return SplitCausalLM(hf_model, blocks_path, base, norms[0] if norms else None, tables)
+
+
+def _decoder_layers(hf_model: nn.Module) -> str | None:
+    """The list of decoder layers when they are of several classes (a hybrid such as Jamba, whose
+    attention and Mamba layers alternate): the largest `ModuleList` of the classes transformers
+    names as layers (`_no_split_modules`); None when one class repeats (`find_blocks` finds it)."""
+    layers = set(getattr(hf_model, "_no_split_modules", None) or ())
+    lists = [(name, m) for name, m in hf_model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
+    if any(len({type(b) for b in m}) == 1 for _, m in lists):
+        return None
+    hybrid = [(len(m), name) for name, m in lists if {type(b).__name__ for b in m} <= layers]
+    return max(hybrid)[1] if hybrid else None
 
 
 def _position_table(module: nn.Module, config: Any) -> bool:
@@ -212,7 +224,7 @@ def materialise(hf: HFModel, seed: int, device: torch.device | str = "cpu",
             for name, p in model.named_parameters(remove_duplicate=False):
                 names.setdefault(id(p), []).append(name)
             for p in model.parameters():
-                p.copy_(files.load(model.checkpoint_names(tuple(names[id(p)])), tuple(p.shape)))
+                p.copy_(model.read_weight(files, tuple(names[id(p)]), tuple(p.shape)))
     return model.to(device)
 
 

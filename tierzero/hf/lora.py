@@ -103,4 +103,4 @@ class LoraInit:
         for module in modules:
             for p in module.parameters(recurse=False):
                 if not p.is_meta:  # meta: another unit's (a tied weight the embedding unit holds)
-                    p.copy_(self.files.load(self.causal.checkpoint_names(tuple(aliases[id(p)])), tuple(p.shape)))
+                    p.copy_(self.causal.read_weight(self.files, tuple(aliases[id(p)]), tuple(p.shape)))

@@ -130,7 +130,9 @@ def piece_ranges(shard_numel: int, piece_numel: int) -> list[tuple[int, int]]:
 
 
 def find_blocks(model: nn.Module, units: str | None = None) -> tuple[str, nn.ModuleList]:
-    """The model's repeated blocks: the named `ModuleList`, or its largest one of one class."""
+    """The model's repeated blocks: the named `ModuleList` (or the one the model names as its
+    `blocks_path`: a Hugging Face hybrid's layers are of several classes), or its largest one of one class."""
+    units = units if units is not None else vars(model).get("blocks_path")  # its own, not a wrapper's
     if units is not None:
         try:
             blocks = model.get_submodule(units)

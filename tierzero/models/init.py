@@ -23,10 +23,10 @@ def flat_unit(model: nn.Module, unit: Unit, seed: int, weights: WeightFiles | No
     flat = torch.zeros(unit.padded_numel, dtype=torch.float32)
     on_meta = any(getattr(m, a).is_meta for s in unit.slots for m, a in s.module_attrs)
     if weights is not None:
-        saved_as = getattr(model, "checkpoint_names", None)  # a Hugging Face model's saved names
+        read = getattr(model, "read_weight", None)  # a Hugging Face model's: its files' layout may differ
         for slot in unit.slots:
-            names = saved_as(slot.names) if callable(saved_as) else slot.names
-            flat[slot.offset:slot.end] = weights.load(names, slot.shape).reshape(-1)
+            value = read(weights, slot.names, slot.shape) if callable(read) else weights.load(slot.names, slot.shape)
+            flat[slot.offset:slot.end] = value.reshape(-1)
         return flat
     if on_meta:
         _materialise(unit)

@@ -75,6 +75,9 @@ class _TensorFile:
         self.data_start = 8 + length
         self.entries = {k: v for k, v in header.items() if k != "__metadata__"}
 
+    def holds(self, name: str) -> bool:
+        return name in self._where
+
     def read(self, name: str) -> torch.Tensor:
         entry = self.entries[name]
         dtype = _DTYPES.get(entry.get("dtype"))
@@ -108,6 +111,13 @@ class WeightFiles:
 
     def names(self) -> set[str]:
         return set(self._where)
+
+    def holds(self, name: str) -> bool:
+        return name in self._where
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor `name` as stored (its dtype and shape)."""
+        return self._where[name].read(name)
 
     def load(self, names: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
         """The first of `names` the files hold, as fp32, checked against `shape`."""
