@@ -230,3 +230,18 @@ def test_lora_on_a_mixture_of_experts_base_exports_merged_for_from_pretrained(tm
     base = AutoModelForCausalLM.from_pretrained(model_dir)
     changed = [n for n, p in merged.named_parameters() if not torch.equal(p, base.get_parameter(n))]
     assert changed and all(n.endswith(("q_proj.weight", "v_proj.weight")) for n in changed)
+
+
+def test_auto_keeps_a_model_with_router_aux_loss_horizontal_when_accumulating(tmp_path):
+    """The aux loss reads every layer's router logits from one forward of a micro-batch, which
+    the vertical schedule does not carry between units: `auto` runs such a model horizontally,
+    and the accumulated step still equals the model's own loss and torch's AdamW over 2 x 1 rows."""
+    model_dir = save("mixtral", tmp_path / "mixtral")
+    hf = load_model(f"hf:{model_dir}")
+    cfg = Config(offload="nvme", nvme_path=[str(tmp_path / "nvme")], dtype="fp32", accumulate=2)
+    data = batches()
+    with Engine(hf.model, cfg, weights=model_dir) as engine:
+        x, y = data.next_batch()
+        losses = [engine.train_micro_batch((x[i:i + 1], y[i:i + 1])) for i in range(2)]
+        assert not engine.vertical.on
+        assert all(torch.isfinite(t).all() for t in losses)
