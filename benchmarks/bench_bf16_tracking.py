@@ -20,7 +20,7 @@ from rich.table import Table
 
 from tierzero import Config, Engine, models
 from tierzero.run.data import TokenBatches, default_corpus
-from tierzero.engine.reference import ReferenceTrainer
+from tierzero.reference import ReferenceTrainer
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tierzero import Config, Placement, models
-from tierzero.dist.comm import InFlight
+from tierzero.distributed.comm import InFlight
 from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.engine import Engine
 from tierzero.models import ModelArgs

@@ -1,7 +1,7 @@
 """What a checkpoint costs: time and bytes written for 1x and 10x the training state, side by side.
 
 A checkpoint of NVMe-homed state hard-links the store's current chunk files (see
-`tierzero.engine.snapshot`), so its cost should be metadata -- about constant in the state's size --
+`tierzero.engine.checkpointing`), so its cost should be metadata -- about constant in the state's size --
 and zero bytes copied while the run directory is on the NVMe path's filesystem. This script
 measures that claim instead of asserting it (the test suite counts `bytes_copied`; it times
 nothing).

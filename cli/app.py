@@ -27,7 +27,7 @@ import typer
 from typer.core import TyperGroup
 
 from tierzero.errors import TierzeroError
-from tierzero.dist.launch import RanksStopped, ranks_from_env, under_torchrun
+from tierzero.distributed.launch import RanksStopped, ranks_from_env, under_torchrun
 from tierzero.run.loop import Interrupted
 from tierzero.storage.base import StorageError
 from tierzero.cli.output import fail

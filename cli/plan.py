@@ -12,7 +12,7 @@ from rich.table import Table
 
 from tierzero.cli.output import Output
 from tierzero.config import RunConfig, StateKind, Tier
-from tierzero.engine.chain import chain_of
+from tierzero.engine.vertical.chain import chain_of
 from tierzero.hf import is_hf, load_model
 from tierzero.layout.partition import partition
 from tierzero.models.presets import PRESETS, ModelArgs

@@ -18,7 +18,7 @@ from tierzero.cli.output import Output
 from tierzero.config import LongExamples, RunConfig
 from tierzero.configfile import load_run_config
 from tierzero.errors import ConfigError
-from tierzero.dist.launch import Ranks, die_with_launcher, rank_device, ranks_from_env, run_torchrun, start_process_group, stop_process_group, under_torchrun
+from tierzero.distributed.launch import Ranks, die_with_launcher, rank_device, ranks_from_env, run_torchrun, start_process_group, stop_process_group, under_torchrun
 from tierzero.checkpoint.catalog import checkpoint_dirs
 from tierzero.planning.placement import STAGE_TEXT
 from tierzero.run.directory import CONFIG_NAME, RunDir, enclosing_run_dir, never_configured, rebase_paths, refuse_fresh_start
@@ -251,7 +251,7 @@ def _run_name(model: str) -> str:
 def _open_run_dir(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool) -> Iterator[tuple[RunDir, list[str]]]:
     """The locked run directory with its identity written and its lineage begun or continued,
     and what to tell the user."""
-    from tierzero.dist.comm import Comm
+    from tierzero.distributed.comm import Comm
 
     with RunDir(run.run_dir, primary=ranks.primary) as rundir:
         notes = rundir.start(run, resume, overwrite)

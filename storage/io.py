@@ -11,7 +11,7 @@ and writes queued behind it. One waiter per `lane` (the engine's lane is a strea
 one stream land in the order they were issued, so one thread per stream suffices, and a wait
 for a grad's D2H copy never queues behind a wait for an H2D copy stuck behind other work.
 `initializer` runs first on every one of these threads (the engine binds its GPU there: see
-`tierzero.engine.streams.bind_thread`).
+`tierzero.engine.runtime.streams.bind_thread`).
 
 Shutdown: `close()` cancels every pending task, lets their cleanup run (stores remove their temp
 files), waits for the threads to finish the chunk they are on, and joins the loop thread. It is

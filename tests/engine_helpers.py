@@ -7,7 +7,7 @@ import torch
 from tierzero import Config, models
 from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.models import ModelArgs
-from tierzero.engine.reference import ReferenceTrainer
+from tierzero.reference import ReferenceTrainer
 
 _TOKENS = default_corpus(1 << 20)
 

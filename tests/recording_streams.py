@@ -1,4 +1,4 @@
-"""A recording fake of `tierzero.engine.streams.Streams` for CPU tests of the copy pipeline.
+"""A recording fake of `tierzero.engine.runtime.streams.Streams` for CPU tests of the copy pipeline.
 
 It behaves like a GPU that runs copies late: a copy on `h2d` or `d2h` takes its source as it is
 when issued, fills its destination with NaN bytes, and writes the source into it only when
@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from tierzero.storage.device import DevicePool
 from tierzero.storage.host import HostPool
-from tierzero.engine.streams import Streams
+from tierzero.engine.runtime.streams import Streams
 
 _ids = itertools.count()
 
@@ -270,11 +270,11 @@ class _FakeWork:
 
 
 def nccl_like_collectives(fake: RecordingStreams, patch=setattr) -> None:
-    """Route `tierzero.dist.comm`'s asynchronous all-gathers and reduce-scatters through
+    """Route `tierzero.distributed.comm`'s asynchronous all-gathers and reduce-scatters through
     `fake.collective`: the real (gloo) collective runs at issue into a scratch buffer, and the
     output the engine sees lands only when its event is waited for. `patch`: a monkeypatch's
     `setattr` in a test, plain `setattr` in a spawned rank."""
-    from tierzero.dist import comm
+    from tierzero.distributed import comm
 
     def deferred(real):
         def collective(out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):

@@ -117,7 +117,7 @@ def _enum(cls: type[enum.Enum], value: Any, what: str) -> Any:
 
 
 class Schedule(str, enum.Enum):
-    """How `accumulate` micro-batches go through the units (`tierzero.engine.vertical`)."""
+    """How `accumulate` micro-batches go through the units (`tierzero.engine.vertical.schedule`)."""
 
     HORIZONTAL = "horizontal"  # each micro-batch through every unit, forward then backward
     VERTICAL = "vertical"  # each unit for every micro-batch: params fetched once per pass

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from engine_helpers import SMALL, batches  # noqa: E402
 from tierzero import Config, Placement, Tier, models  # noqa: E402
 from tierzero.checkpoint import catalog  # noqa: E402
-from tierzero.engine import Engine, snapshot  # noqa: E402
+from tierzero.engine import Engine, checkpointing  # noqa: E402
 from tierzero.storage import chunkfile  # noqa: E402
 from tierzero.storage.arrays import read_array  # noqa: E402
 from tierzero.storage.spares import SpareFiles  # noqa: E402
@@ -47,8 +47,8 @@ PHASES = {
     "save": (Engine, "save_checkpoint"),
     "resume": (Engine, "load_checkpoint"),
     "step": (Engine, "train_step"),
-    "commit": (snapshot, "_replace_dir"),
-    "prune": (snapshot, "prune"),
+    "commit": (checkpointing, "_replace_dir"),
+    "prune": (checkpointing, "prune"),
     "recycle": (SpareFiles, "recycle"),
     "flush": (chunkfile, "sync_filesystem"),
 }

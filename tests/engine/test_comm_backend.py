@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierzero.dist.comm import reduces_cpu_tensors
+from tierzero.distributed.comm import reduces_cpu_tensors
 
 
 @pytest.mark.parametrize(("backend", "cpu"), [

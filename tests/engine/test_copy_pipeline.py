@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from tierzero import Config, Offload, Placement, StateKind, Tier, models
-from tierzero.engine import streams, Engine
+from tierzero.engine import Engine
+from tierzero.engine.runtime import streams
 from tierzero.layout.keys import shard_key
-from tierzero.engine.optim import ShardOptimizer
-from tierzero.engine.tiers import Tiers
+from tierzero.engine.step.optim import ShardOptimizer
+from tierzero.engine.runtime.tiers import Tiers
 from tierzero.storage.device import DevicePool
 from tierzero.storage.host import HostPool
 

@@ -15,8 +15,9 @@ import threading
 import torch
 
 from tierzero import Config, Placement, Tier
-from tierzero.engine import draws, streams
-from tierzero.engine.tiers import Tiers
+from tierzero.engine.runtime import streams
+from tierzero.models import draws
+from tierzero.engine.runtime.tiers import Tiers
 
 
 class FakeCudaRng:

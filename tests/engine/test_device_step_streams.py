@@ -13,7 +13,7 @@ import threading
 import torch
 
 from tierzero.config import StateKind
-from tierzero.engine.optim import ShardOptimizer, Work
+from tierzero.engine.step.optim import ShardOptimizer, Work
 
 
 class PerThreadStreams:

@@ -14,7 +14,7 @@ import torch
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.errors import ConfigError
-from tierzero.engine.reference import ReferenceTrainer, compute_loss
+from tierzero.reference import ReferenceTrainer, compute_loss
 
 from engine_helpers import SMALL, batches
 

@@ -16,7 +16,7 @@ from tierzero import Config, Placement, StateKind, Tier, models
 from tierzero.engine import Engine
 from tierzero.planning.ledger import activation_memory
 from tierzero.errors import TierzeroError
-from tierzero.engine.tiers import Pending
+from tierzero.engine.runtime.tiers import Pending
 
 from engine_helpers import SMALL, batches, reference_run
 
@@ -141,7 +141,7 @@ class _DropoutNet(nn.Module):
 
 
 def test_dropout_buffers_and_grad_free_inputs_match_plain_pytorch(tmp_path) -> None:
-    from tierzero.engine.reference import ReferenceTrainer
+    from tierzero.reference import ReferenceTrainer
 
     torch.manual_seed(0)
     template = _DropoutNet()

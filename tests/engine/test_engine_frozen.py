@@ -20,7 +20,7 @@ from tierzero.engine import Engine
 from tierzero.errors import ConfigError
 from tierzero.planning.ledger import activation_memory
 from tierzero.models.llama import LOSS_CHUNK_BYTES
-from tierzero.engine.reference import ReferenceTrainer
+from tierzero.reference import ReferenceTrainer
 from tierzero.planning.swapplan import Op
 
 from engine_helpers import SMALL, batches

@@ -13,7 +13,7 @@ import torch
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.models.loss import chunk_tokens_for
-from tierzero.engine.reference import ReferenceTrainer
+from tierzero.reference import ReferenceTrainer
 
 from engine_helpers import SMALL, batches
 

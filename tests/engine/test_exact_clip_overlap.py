@@ -2,7 +2,7 @@
 
 overlap_step steps each unit before the global norm exists; the optimizer keeps the generation
 each piece was stepped from and, where the clip fires, re-steps every piece from it with the
-coefficient (`tierzero.engine.restep`). Compared bitwise with `clip_grad_norm_` + AdamW
+coefficient (`tierzero.engine.step.restep`). Compared bitwise with `clip_grad_norm_` + AdamW
 (`ReferenceTrainer`), the clip firing and not, for host and nvme homes.
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from tierzero import Config, Placement, StateKind, Tier, models
 from tierzero.engine import Engine
-from tierzero.engine.restep import KeptGeneration
+from tierzero.engine.step.restep import KeptGeneration
 from tierzero.errors import ConfigError
 from tierzero.storage.nvme import NvmeStore
 
@@ -54,7 +54,7 @@ class CountingKept(KeptGeneration):
     ids=["nvme-fires", "nvme-never-fires", "host-fires", "host-never-fires", "nvme-fires-accumulate-2"])
 def test_overlapped_step_with_clipping_is_bitwise_the_reference(tmp_path, monkeypatch, placement, clip,
                                                                 accumulate) -> None:
-    monkeypatch.setattr("tierzero.engine.backward.KeptGeneration", CountingKept)
+    monkeypatch.setattr("tierzero.engine.step.backward.KeptGeneration", CountingKept)
     CountingKept.restored, CountingKept.copied = 0, set()
     cfg = config(tmp_path, placement, clip, accumulate=accumulate)
     ref_losses, ref_weights = reference_run(SMALL, cfg, steps=3)

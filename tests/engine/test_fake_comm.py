@@ -21,8 +21,9 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from tierzero import Config, Placement, Tier, models
-from tierzero.engine import Engine, streams
-from tierzero.engine.scheduler import ParamShard, Scheduler
+from tierzero.engine import Engine
+from tierzero.engine.runtime import streams
+from tierzero.engine.runtime.scheduler import ParamShard, Scheduler
 
 from engine_helpers import SMALL, batches, reference_run
 from recording_streams import (RecordingStreams, check_allocator_memory_kept_alive, check_collectives_waited_for,
@@ -110,7 +111,7 @@ def _train(rank: int, root: str, name: str) -> None:
 def _rank(rank: int, root: str) -> None:
     """One spawn for both runs (spawning costs more than training): the engine, then the mutation."""
     dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
-    from tierzero.dist import comm
+    from tierzero.distributed import comm
     collectives = comm._all_gather, comm._reduce_scatter
     try:
         _train(rank, root, "engine")

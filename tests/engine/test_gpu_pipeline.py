@@ -21,11 +21,11 @@ import torch
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.models import ModelArgs
-from tierzero.engine.reference import ReferenceTrainer
+from tierzero.reference import ReferenceTrainer
 from tierzero.storage.device import DevicePool, DeviceStore
 from tierzero.storage.host import HostPool
 from tierzero.storage.io import IOLoop
-from tierzero.engine.streams import CudaStreams
+from tierzero.engine.runtime.streams import CudaStreams
 
 from engine_helpers import SMALL, batches
 

@@ -17,7 +17,7 @@ import torch
 
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
-from tierzero.engine.boundary import BoundaryStore
+from tierzero.engine.vertical.boundary import BoundaryStore
 from tierzero.planning.hostblocks import HOST_ALIGN, HOST_CLASSES
 from tierzero.planning.memory_model import peak_memory
 from tierzero.planning.workload import Workload

@@ -16,9 +16,10 @@ from dataclasses import replace
 import pytest
 
 from tierzero import Config, Offload, Placement, Tier, models
-from tierzero.engine import Engine, streams
-from tierzero.engine.batch import BatchStaging
-from tierzero.engine.reference import to_device
+from tierzero.engine import Engine
+from tierzero.engine.runtime import streams
+from tierzero.engine.runtime.batch import BatchStaging
+from tierzero.reference import to_device
 
 from engine_helpers import SMALL, batches
 from recording_streams import RecordingStreams, SyncWatch, check_no_host_wait_on_compute, watch_device_pool

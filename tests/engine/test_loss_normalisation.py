@@ -215,7 +215,7 @@ def test_two_ranks_of_two_rows_are_two_rows_accumulated_twice(kind, two_ranks, t
 
 def test_hf_labels_are_divided_by_the_given_count_and_a_model_without_it_is_refused() -> None:
     """`labels=` (unshifted: the model's own loss shifts them) takes the same divisor."""
-    from tierzero.engine.reference import ReferenceTrainer
+    from tierzero.reference import ReferenceTrainer
 
     x, y = masked_batches()[0]
     labels = torch.cat([x[:, :1], y], dim=1)  # x's tokens then its targets: shifted back by the model

@@ -142,7 +142,7 @@ def test_fp16_scale_grows_after_a_run_of_good_steps(tmp_path) -> None:
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_unsupported_compute_dtype_is_refused_before_anything_is_written(tmp_path, monkeypatch, dtype) -> None:
-    import tierzero.engine.precision as precision
+    import tierzero.precision as precision
 
     monkeypatch.setattr(precision, "_supports", lambda d, device: False)
     with pytest.raises(ConfigError, match=f"dtype {dtype} is not supported .* use --dtype fp32"):
@@ -171,7 +171,7 @@ def test_bf16_engine_tracks_the_fp32_reference_loss_curve() -> None:
     are slow); `benchmarks/bench_bf16_tracking.py` runs the same comparison on `tiny` itself."""
     import numpy as np
 
-    from tierzero.engine.reference import ReferenceTrainer
+    from tierzero.reference import ReferenceTrainer
 
     common = dict(lr=3e-3, total_steps=100, warmup_steps=10)
     data = batches(8, 32)
@@ -188,7 +188,7 @@ def test_bf16_engine_tracks_the_fp32_reference_loss_curve() -> None:
 def test_clipping_by_the_previous_norm_is_an_opt_in_approximation(tmp_path) -> None:
     """With clip_previous_norm, overlap_step clips step k by step k-1's global norm: step 1 is
     unclipped (bitwise the unclipped reference), and the norm it logs is the reference's."""
-    from tierzero.engine.reference import ReferenceTrainer
+    from tierzero.reference import ReferenceTrainer
 
     cfg = config(tmp_path, clip_grad_norm=0.5, clip_previous_norm=True)
     engine = Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg)

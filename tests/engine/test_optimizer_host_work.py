@@ -1,7 +1,7 @@
 """The optimizer's host work stays off the training thread, and its writes into device memory go
 up on the h2d_write stream (S6 of issue 20).
 
-Compared: with overlap_step, the tensor calls `tierzero/engine/optim.py` makes on the training
+Compared: with overlap_step, the tensor calls `tierzero/engine/step/optim.py` makes on the training
 thread (where autograd runs backward on the CPU) while training -- none: the new params' cast
 into staging and into a cached nvme shard happen on the optimizer's thread, and the writes are
 issued by the I/O loop -- in runs whose weights equal plain PyTorch's bitwise. And through the
@@ -22,7 +22,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tierzero import Config, Offload, Placement, Tier, models
-from tierzero.engine import Engine, streams
+from tierzero.engine import Engine
+from tierzero.engine.runtime import streams
 
 from engine_helpers import SMALL, batches, reference_run
 from tierzero.storage.base import BudgetExceededError
@@ -46,7 +47,7 @@ class OptimizerCalls(TorchFunctionMode):
         if getattr(func, "__name__", "") in _METADATA:
             return func(*args, **(kwargs or {}))
         files = [f.filename for f in traceback.extract_stack(limit=12)[:-1]]
-        if any(f.endswith("engine/optim.py") for f in files) and not any(f.endswith("recording_streams.py")
+        if any(f.endswith("engine/step/optim.py") for f in files) and not any(f.endswith("recording_streams.py")
                                                                           for f in files):
             self.calls.append(f"{getattr(func, '__name__', func)} on {threading.current_thread().name}")
         return func(*args, **(kwargs or {}))

@@ -10,7 +10,7 @@ import threading
 import torch
 
 from tierzero import Config, Placement, Tier
-from tierzero.engine import optim
+from tierzero.engine.step import optim
 
 from engine_helpers import SMALL, engine_weights, reference_run
 

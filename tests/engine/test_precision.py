@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from tierzero.engine import precision
+from tierzero import precision
 from tierzero.config import DType
 from tierzero.errors import ConfigError, TierzeroError
-from tierzero.engine.precision import DynamicLossScaler, check_dtype_supported, compute_dtype, default_dtype
+from tierzero.precision import DynamicLossScaler, check_dtype_supported, compute_dtype, default_dtype
 
 CPU = torch.device("cpu")
 

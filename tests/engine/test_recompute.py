@@ -1,4 +1,4 @@
-"""Recompute only what the budget forces (`tierzero.planning.recompute`, `engine.execute._KeptGraph`).
+"""Recompute only what the budget forces (`tierzero.planning.recompute`, `engine.runtime.execute._KeptGraph`).
 
 A block whose activations fit the compute device's budget keeps the autograd graph of its one
 forward until its backward instead of being recomputed. fp32, one rank: the weights are
@@ -18,7 +18,8 @@ import torch
 
 from tierzero import Config, models
 from tierzero.config import Recompute, Tier
-from tierzero.engine import Engine, execute
+from tierzero.engine import Engine
+from tierzero.engine.runtime import execute
 from tierzero.errors import ConfigError
 from tierzero.models import ModelArgs
 from tierzero.models.llama import Block, Transformer

@@ -8,7 +8,7 @@ import torch
 from tierzero import Config, models
 from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.lr import lr_at
-from tierzero.engine.reference import ReferenceTrainer
+from tierzero.reference import ReferenceTrainer
 
 VAL_LOSS_BOUND = 3.2  # nats/byte; the untrained model sits near ln(256) = 5.55
 

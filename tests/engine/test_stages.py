@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from tierzero import Config, Placement, Tier, models
-from tierzero.dist.comm import Comm
+from tierzero.distributed.comm import Comm
 from tierzero.engine import Engine
 from tierzero.errors import CheckpointError, ConfigError
 from tierzero.planning.memory_model import peak_memory

@@ -11,8 +11,8 @@ import torch
 from tierzero import Config, Placement, Tier, models
 from tierzero.checkpoint.manifest import Manifest
 from tierzero.engine import Engine
-from tierzero.engine.backward import BackwardPass, StepInBackward
-from tierzero.engine.state import StepState
+from tierzero.engine.step.backward import BackwardPass, StepInBackward
+from tierzero.engine.step.state import StepState
 
 from engine_helpers import SMALL, batches
 
@@ -81,8 +81,8 @@ def test_a_backward_pass_steps_units_only_when_it_carries_a_step() -> None:
 def test_states_are_enums_spelled_as_before() -> None:
     """Plans, shard records and byte counters use enums whose values are the old strings, so
     printed plans and metrics.jsonl keys (`bytes_nvme->host`) do not change."""
-    from tierzero.engine.scheduler import ShardStatus
-    from tierzero.engine.stats import StepStats
+    from tierzero.engine.runtime.scheduler import ShardStatus
+    from tierzero.engine.runtime.stats import StepStats
     from tierzero.planning.placement import Link
     from tierzero.planning.swapplan import Op, Phase, build_swap_plan
 

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from tierzero import Config, Placement, Tier, models
-from tierzero.engine import streams, Engine
-from tierzero.engine.tiers import Tiers
+from tierzero.engine import Engine
+from tierzero.engine.runtime import streams
+from tierzero.engine.runtime.tiers import Tiers
 from tierzero.storage.base import BudgetExceededError
 from tierzero.storage.device import DevicePool, DeviceStore
 from tierzero.storage.io import IOLoop

@@ -1,4 +1,4 @@
-"""The vertical schedule (`tierzero.engine.vertical`) against plain PyTorch and the horizontal one.
+"""The vertical schedule (`tierzero.engine.vertical.schedule`) against plain PyTorch and the horizontal one.
 
 fp32, one rank: k micro-batches run unit by unit must leave parameters bitwise equal to
 `torch.optim.AdamW` with gradient accumulation (`reference_run`), for every placement, tied
@@ -171,7 +171,7 @@ def test_dropout_draws_the_same_masks_in_both_schedules(tmp_path) -> None:
     """Each (micro-batch, unit) call draws from a state seeded by (step, micro-batch, unit),
     so the schedules' orders do not matter: vertical == horizontal == the reference trainer
     (plain PyTorch AdamW, each unit's call seeded alike), bitwise, and dropout does draw."""
-    from tierzero.engine.reference import ReferenceTrainer
+    from tierzero.reference import ReferenceTrainer
 
     def run(schedule: str) -> tuple[list[float], dict[str, torch.Tensor], bool]:
         cfg = config(fresh(tmp_path, schedule), PLACEMENTS["everything-on-nvme"], accumulate=K, schedule=schedule)
@@ -276,7 +276,7 @@ def test_waiting_activations_that_cannot_spill_are_refused_before_the_step(tmp_p
 def test_activation_buffers_are_allocated_in_the_first_step_only(tmp_path, monkeypatch) -> None:
     """Freed host buffers are reused (on a GPU each new one would also be pinned): with spills
     every step, the steps after the first allocate none."""
-    from tierzero.engine import boundary
+    from tierzero.engine.vertical import boundary
 
     allocations: list[int] = []
     real = boundary.aligned_empty

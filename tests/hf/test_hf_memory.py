@@ -21,7 +21,7 @@ from hf_helpers import config
 from tierzero.hf import load_model
 from tierzero.models.init import WeightFiles, flat_unit
 from tierzero.layout.partition import partition
-from tierzero.engine.tiers import pin_malloc_thresholds
+from tierzero.engine.runtime.tiers import pin_malloc_thresholds
 
 
 def _kb(key: str) -> int:

@@ -6,7 +6,7 @@ fp32, one rank, every state on NVMe, k = 3 micro-batches a step: a LLaMA with at
 vertically leaves losses and weights bitwise equal to the horizontal schedule and to a plain
 loop: the model from `from_pretrained` (peft on it for LoRA), `torch.optim.AdamW` with
 accumulation, each decoder layer's call drawing its dropout masks from the generator seeded for
-(step, micro-batch, unit) as tierzero documents (`tierzero.engine.draws.draw_seed`). Other
+(step, micro-batch, unit) as tierzero documents (`tierzero.models.draws.draw_seed`). Other
 families (GPT-2's position table and dropouts, MPT's tuple-returning layers, Gemma2's
 alternating sliding-window masks) run vertically as horizontally, bitwise.
 """
@@ -23,7 +23,7 @@ from hf_helpers import save_model
 from tierzero import Config, Engine, Placement, Tier
 from tierzero.adamw import decays, implementation
 from tierzero.config import Schedule
-from tierzero.engine.draws import draw_seed
+from tierzero.models.draws import draw_seed
 from tierzero.errors import ConfigError
 from tierzero.hf import load_model
 from tierzero.hf.lora import LoraSpec, add_lora, materialise_lora

@@ -96,7 +96,7 @@ def test_plan_defaults_are_what_train_takes(one_machine: None, monkeypatch: pyte
     from typer.testing import CliRunner
 
     from tierzero.cli.app import app
-    from tierzero.engine.precision import resolve_dtype
+    from tierzero.precision import resolve_dtype
 
     monkeypatch.setattr(machine, "available_host_bytes", lambda: 64 * GB)
     config = Config()

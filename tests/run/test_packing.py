@@ -9,7 +9,7 @@ import torch
 
 from tierzero import Config, models
 from tierzero.config import LongExamples
-from tierzero.engine.reference import ReferenceTrainer
+from tierzero.reference import ReferenceTrainer
 from tierzero.models import ModelArgs
 from tierzero.run.data import TokenBatches
 from tierzero.run.loop import evaluate

@@ -1,4 +1,4 @@
-"""The training step: `Engine` and the parts it wires (tiers, scheduler, unit execution, grads, optimizer, snapshots)."""
+"""The training step: `Engine` and the rooms it wires (runtime, step, vertical), sizing, gathered weights, checkpointing."""
 
 from tierzero.engine.engine import Engine
 

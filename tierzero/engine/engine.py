@@ -11,12 +11,12 @@ then on the engine owns every parameter: the modules' weights are views bound wh
 computes and meta placeholders otherwise. A frozen parameter (`requires_grad=False`, e.g. the
 base under LoRA adapters) is stored once, as a param in the compute dtype, fetched for compute
 like the rest and never written; a parameter that gets no gradient in a step is not updated,
-as torch's AdamW skips it (`tierzero.engine.paramsteps`).
+as torch's AdamW skips it (`tierzero.engine.step.paramsteps`).
 
 The engine is where the step's parts meet; each lives in its own module and is only wired
 here: the counters (`state.StepState`), stored shards (`shards`), tiers, sizing, the swap plan
 and its scheduler, unit execution, one backward's facts (`backward.BackwardPass`), grads, the
-optimizer, checkpoints (`snapshot`) and `gathered` blocks.
+optimizer, checkpoints (`checkpointing`) and `gathered` blocks.
 """
 
 from __future__ import annotations
@@ -29,33 +29,33 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierzero.dist.comm import Comm
+from tierzero.distributed.comm import Comm
 from tierzero.config import TORCH_DTYPES, Config, StateKind, Tier
 from tierzero.errors import TierzeroError
-from tierzero.engine.batch import BatchStaging
-from tierzero.engine.backward import BackwardPass, StepInBackward, clip_coefficient, resolve_overlap, settle_clip
-from tierzero.engine.execute import UnitRunner, bind, flat_grad, place_buffers, unbind
+from tierzero.engine.runtime.batch import BatchStaging
+from tierzero.engine.step.backward import BackwardPass, StepInBackward, clip_coefficient, resolve_overlap, settle_clip
+from tierzero.engine.runtime.execute import UnitRunner, bind, flat_grad, place_buffers, unbind
 from tierzero.engine.gathered import GatheredBlocks, copies, resolve
-from tierzero.engine.grads import GradShards
-from tierzero.engine.shards import Shards
-from tierzero.engine import snapshot
-from tierzero.engine.state import StepState
+from tierzero.engine.step.grads import GradShards
+from tierzero.engine.runtime.shards import Shards
+from tierzero.engine import checkpointing
+from tierzero.engine.step.state import StepState
 from tierzero.models.init import weight_files
-from tierzero.dist.launch import local_world_size
+from tierzero.distributed.launch import local_world_size
 from tierzero.lr import lr_at
 from tierzero.checkpoint.manifest import Manifest
-from tierzero.engine.optim import ShardOptimizer
-from tierzero.engine.paramsteps import ParamSteps, Run
-from tierzero.engine.paramsync import sync_params
+from tierzero.engine.step.optim import ShardOptimizer
+from tierzero.engine.step.paramsteps import ParamSteps, Run
+from tierzero.engine.step.paramsync import sync_params
 from tierzero.layout.partition import Unit, forward_only, grad_uses, partition, replicate_params
-from tierzero.engine.precision import DynamicLossScaler, compute_dtype, resolve_dtype
-from tierzero.engine.reference import compute_loss, loss_divisor
-from tierzero.engine.scheduler import Scheduler
+from tierzero.precision import DynamicLossScaler, compute_dtype, resolve_dtype
+from tierzero.reference import compute_loss, loss_divisor
+from tierzero.engine.runtime.scheduler import Scheduler
 from tierzero.planning.swapplan import swap_plans
 from tierzero.engine.sizing import Sizing, check_runnable
-from tierzero.engine.stats import StepStats
-from tierzero.engine.tiers import Tiers
-from tierzero.engine.vertical import VerticalSteps
+from tierzero.engine.runtime.stats import StepStats
+from tierzero.engine.runtime.tiers import Tiers
+from tierzero.engine.vertical.schedule import VerticalSteps
 
 
 class Engine:
@@ -340,10 +340,10 @@ class Engine:
                         keep: int | None = None, model: dict[str, Any] | None = None) -> Path:
         """Snapshot every shard at this step into `run_dir/checkpoints/step-<N>` (hard links for
         NVMe-homed state: metadata, not bytes); `data` is the caller's data position, `keep`
-        prunes to the newest K. See `tierzero.engine.snapshot`."""
+        prunes to the newest K. See `tierzero.engine.checkpointing`."""
         self._settle()
         self.vertical.refuse_queued()
-        return snapshot.save(self._checkpointed(), run_dir, data=data, keep=keep, model=model)
+        return checkpointing.save(self._checkpointed(), run_dir, data=data, keep=keep, model=model)
 
     def load_checkpoint(self, path: str | Path) -> Manifest:
         """Continue from a checkpoint: `path` is a `step-<N>` directory, or a run directory (its
@@ -351,17 +351,17 @@ class Engine:
         array is verified first. Returns the manifest (its `data` is the caller's to restore)."""
         if self._broken is not None:
             self._usable()
-        path, manifest = snapshot.find(Path(path), self.comm, self.note)
+        path, manifest = checkpointing.find(Path(path), self.comm, self.note)
         self.vertical.abort()  # micro-batches queued before the load belong to no step of it
         if self._open:
             self.tiers.pending.drain()
-            snapshot.restore(self._checkpointed(), path, manifest)
+            checkpointing.restore(self._checkpointed(), path, manifest)
         else:
-            self._open_with(lambda: snapshot.restore(self._checkpointed(), path, manifest))
+            self._open_with(lambda: checkpointing.restore(self._checkpointed(), path, manifest))
         return manifest
 
-    def _checkpointed(self) -> snapshot.Checkpointed:
-        return snapshot.Checkpointed(self.config, self.comm, self.units, self.shards, self.state, self.scaler,
+    def _checkpointed(self) -> checkpointing.Checkpointed:
+        return checkpointing.Checkpointed(self.config, self.comm, self.units, self.shards, self.state, self.scaler,
                                      self.param_steps, self.stage, self.device, self.note)
 
     def note(self, text: str) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from tierzero.config import Config, Offload, Placement, Recompute, StateKind, Tier
 from tierzero.errors import ConfigError
-from tierzero.engine.tiers import Tiers
+from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.partition import Unit, forward_only
 from tierzero.models.presets import ModelArgs
 from tierzero.planning.ledger import ActivationEstimate, activation_memory

@@ -1,5 +1,5 @@
 """`LayerCall`: one decoder layer's call as the model's own forward makes it, recorded so that
-the vertical schedule (`tierzero.engine.chain`) can make it again, layer by layer.
+the vertical schedule (`tierzero.engine.vertical.chain`) can make it again, layer by layer.
 
 A Hugging Face decoder computes, between its embedding and its first layer, what its layers
 take beside the hidden state: rotary position embeddings, the causal (or sliding-window) mask,

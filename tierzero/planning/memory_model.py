@@ -315,7 +315,7 @@ def _homes(work: Workload, placement: Placement, host_keys: Callable[[StateKind]
 
 def waiting_activations_bytes(n_blocks: int, dim: int, vocab_size: int, tied: bool, tokens: int,
                               accumulate: int, itemsize: int) -> int:
-    """Host bytes the vertical schedule's waiting activations take at most (`engine.boundary`,
+    """Host bytes the vertical schedule's waiting activations take at most (`engine.vertical.boundary`,
     beyond its budget spilled to nvme): every micro-batch's input to every block, and a tied
     embedding's grads from the head (fp32), for `accumulate` micro-batches of `tokens` each."""
     return accumulate * (n_blocks * tokens * dim * itemsize + (vocab_size * dim * FP32_NBYTES if tied else 0))

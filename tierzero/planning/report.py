@@ -60,7 +60,7 @@ class PlanReport:
     stage: int = 3  # the ZeRO stage the estimates are for (several ranks)
     stage_reason: str = "one rank"
     chosen: tuple[str, ...] = ()  # the streaming settings left to the planner: piece_numel, prefetch_depth
-    vertical: bool = False  # `--schedule`: the workload's micro-batches run layer-major (`engine.vertical`)
+    vertical: bool = False  # `--schedule`: the workload's micro-batches run layer-major (`engine.vertical.schedule`)
     recompute: Recompute = Recompute.AUTO
     kept: ActivationEstimate | None = None  # `activations` counting the kept units' graphs (`planning.recompute`)
     keepable_units: int = 0  # of which `kept.kept_blocks` blocks and the head if `kept.kept_head` keep theirs
@@ -180,7 +180,7 @@ def make_plan(
     `schedule` (horizontal, vertical or auto: vertical wherever it applies when accumulating)
     is how the `accumulate` micro-batches run; it applies to a built-in shape and to a built
     model whose units are an embedding, blocks and a head (a split Hugging Face decoder) unless
-    `not_a_chain` says why the engine cannot drive it so (`tierzero.engine.chain.chain_of`).
+    `not_a_chain` says why the engine cannot drive it so (`tierzero.engine.vertical.chain.chain_of`).
     `recompute` (auto, all or none) says how many blocks keep their activations in the compute
     device's budget the chosen placement leaves (the engine's choice, `tierzero.planning.recompute`;
     the built-in shapes, horizontally).

@@ -23,9 +23,9 @@ from tierzero.run.corpus import read_data
 from tierzero.run.data import TokenBatches
 from tierzero.checkpoint.catalog import checkpoint_dirs
 from tierzero.errors import ConfigError, DataError
-from tierzero.dist.launch import Ranks
+from tierzero.distributed.launch import Ranks
 from tierzero.run.loop import LoopResult, Trainer, train_loop
-from tierzero.engine.precision import check_dtype_supported, resolve_dtype
+from tierzero.precision import check_dtype_supported, resolve_dtype
 from tierzero.run.directory import RunDir
 from tierzero.run.model_load import RunModel, run_model
 from tierzero.run.packing import Fitted, fit_examples
@@ -98,7 +98,7 @@ def load_batches(run: RunConfig, model: RunModel, ranks: Ranks = Ranks()) -> tup
 @contextmanager
 def open_session(run: RunConfig, ranks: Ranks = Ranks()) -> Iterator[Session]:
     """Check every input, then build data, model and trainer; close the trainer on exit.
-    With several ranks the process group is already up (`tierzero.dist.launch`)."""
+    With several ranks the process group is already up (`tierzero.distributed.launch`)."""
     cfg = run.engine
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -109,7 +109,7 @@ def open_session(run: RunConfig, ranks: Ranks = Ranks()) -> Iterator[Session]:
     batches, fitted = load_batches(run, model, ranks)
     run.check_ranks(ranks.world_size)
     if cfg.offload is Offload.NONE:
-        from tierzero.engine.reference import ReferenceTrainer
+        from tierzero.reference import ReferenceTrainer
 
         if run.checkpoint_every is not None:
             raise ConfigError("checkpoints need a tiered run (--offload host, nvme or auto); the in-memory "

@@ -15,7 +15,7 @@ first summed per micro-batch, as autograd sums them); so fp32 on one rank is bit
 horizontal and to plain PyTorch. The head computes each micro-batch's loss inside its backward
 use (no separate forward), from the same ops. Dropout draws the same masks as horizontally:
 each (micro-batch, unit) call draws from a state seeded by (step, micro-batch, unit), in its
-forward and its recompute, whichever schedule runs it (`tierzero.engine.draws`).
+forward and its recompute, whichever schedule runs it (`tierzero.models.draws`).
 
 What waits. Each micro-batch's input to each block waits from the block's forward to its
 backward in a `BoundaryStore` (host memory under a budget, spilled to NVMe); the last block's
@@ -25,7 +25,7 @@ store too, until the embedding's own backward adds them micro-batch by micro-bat
 micro-batch's context (what a Hugging Face decoder's layers take beside the hidden state:
 position embeddings, masks) is computed once, with the embedding, and stays on the device.
 
-Which models. A chain (`tierzero.engine.chain`) on batches `(ids, targets)`: the built-in LLaMA
+Which models. A chain (`tierzero.engine.vertical.chain`) on batches `(ids, targets)`: the built-in LLaMA
 family, and Hugging Face decoders in the split layout (LoRA adapters and frozen bases too);
 anything else is refused (or, with `auto`, run horizontally).
 """
@@ -39,13 +39,13 @@ import torch
 from torch import nn
 
 from tierzero.config import Config, Recompute, Schedule, StateKind, Tier
-from tierzero.engine.backward import BackwardPass
-from tierzero.engine.boundary import BoundaryStore, aligned_nbytes
-from tierzero.engine.chain import Chain, chain_of
-from tierzero.engine.draws import seeded
-from tierzero.engine.execute import UnitRunner, bind, flat_grad, unbind
-from tierzero.engine.grads import GradShards
-from tierzero.engine.reference import loss_divisor
+from tierzero.engine.step.backward import BackwardPass
+from tierzero.engine.vertical.boundary import BoundaryStore, aligned_nbytes
+from tierzero.engine.vertical.chain import Chain, chain_of
+from tierzero.models.draws import seeded
+from tierzero.engine.runtime.execute import UnitRunner, bind, flat_grad, unbind
+from tierzero.engine.step.grads import GradShards
+from tierzero.reference import loss_divisor
 from tierzero.errors import ConfigError, TierzeroError
 from tierzero.layout.partition import Unit, forward_only
 
@@ -300,7 +300,7 @@ class VerticalSteps:
         assert self.schedule is not None
         k = len(batches)
         on_device = [tuple(e.batches.to_device(b)) for b in batches]
-        e.runner.position = e.state.step_count, 0  # the step's draws (`tierzero.engine.draws`)
+        e.runner.position = e.state.step_count, 0  # the step's draws (`tierzero.models.draws`)
         pass_ = e.backward_pass(0, True, combined=True)
         e.scheduler.begin(e.vertical_plan)
         try:

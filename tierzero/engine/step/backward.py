@@ -21,11 +21,11 @@ import torch
 from tierzero.config import Config
 from tierzero.engine.gathered import UnitGrad
 from tierzero.errors import ConfigError
-from tierzero.engine.optim import ShardOptimizer
-from tierzero.engine.paramsteps import Run
-from tierzero.engine.restep import KeptGeneration
+from tierzero.engine.step.optim import ShardOptimizer
+from tierzero.engine.step.paramsteps import Run
+from tierzero.engine.step.restep import KeptGeneration
 from tierzero.layout.partition import Unit
-from tierzero.engine.state import StepState
+from tierzero.engine.step.state import StepState
 from tierzero.lr import lr_at
 
 
@@ -73,7 +73,7 @@ class BackwardPass:
     extra: dict[int, UnitGrad] = field(default_factory=dict)
     step: StepInBackward | None = None
     # the vertical schedule: each unit's grad arrives once, already summed over its uses (a
-    # tied embedding's) and the step's micro-batches (`tierzero.engine.vertical`)
+    # tied embedding's) and the step's micro-batches (`tierzero.engine.vertical.schedule`)
     combined: bool = False
 
     def unit_starting(self, unit: int) -> None:

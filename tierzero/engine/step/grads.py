@@ -9,7 +9,7 @@ micro-batches of the step add what the earlier ones stored, piece by piece (a re
 recorded, so clipping and overflow checks need no second pass, and with overlap_step the
 shard goes straight to the optimizer; otherwise each piece is stored in its home.
 
-Pieces leave the device on the d2h stream (`tierzero.engine.streams`), each copy waiting for the
+Pieces leave the device on the d2h stream (`tierzero.engine.runtime.streams`), each copy waiting for the
 compute event that finished its shard; nothing in backward waits for the device. Host code
 reads a host-homed piece only after its copy's event (`settle`), an nvme write is issued by an
 I/O thread after it, and earlier micro-batches' sums come back on the h2d_write stream.
@@ -34,15 +34,15 @@ from collections.abc import Iterator
 
 import torch
 
-from tierzero.dist.comm import Comm, InFlight
-from tierzero.engine.backward import BackwardPass
+from tierzero.distributed.comm import Comm, InFlight
+from tierzero.engine.step.backward import BackwardPass
 from tierzero.errors import TierzeroError
 from tierzero.config import StateKind, Tier
 from tierzero.layout.partition import Unit, piece_ranges
-from tierzero.engine.stats import StepStats
+from tierzero.engine.runtime.stats import StepStats
 from tierzero.storage.base import TierStore
-from tierzero.engine.streams import Event
-from tierzero.engine.tiers import Tiers
+from tierzero.engine.runtime.streams import Event
+from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.keys import state_keys
 from tierzero.planning.placement import Link
 

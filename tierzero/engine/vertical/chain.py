@@ -1,4 +1,4 @@
-"""`Chain`: how the vertical schedule (`tierzero.engine.vertical`) runs a model unit by unit.
+"""`Chain`: how the vertical schedule (`tierzero.engine.vertical.schedule`) runs a model unit by unit.
 
 The schedule calls each unit itself, micro-batch after micro-batch, so it needs the model as a
 chain: what enters the first block, each block's call, and the head's. Two kinds of model are
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierzero.engine.execute import UnitRunner
+from tierzero.engine.runtime.execute import UnitRunner
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit
 from tierzero.models.llama import Transformer

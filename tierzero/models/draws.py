@@ -2,7 +2,7 @@
 (seed, step, micro-batch, unit).
 
 Horizontally a step runs micro-batch after micro-batch through every unit; vertically
-(`tierzero.engine.vertical`) unit after unit over every micro-batch. A single RNG stream drawn
+(`tierzero.engine.vertical.schedule`) unit after unit over every micro-batch. A single RNG stream drawn
 in call order would give the two schedules different masks, so each unit's call of each
 micro-batch draws from its own seeded generator state instead (`seeded`), in its forward and
 again in its recompute, and puts the stream it replaced back afterwards: the masks are the same

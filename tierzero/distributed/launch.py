@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tierzero.dist.comm import Comm
+from tierzero.distributed.comm import Comm
 from tierzero.errors import ConfigError, TierzeroError
 
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from tierzero.engine.reference import to_device
-from tierzero.engine.streams import Event, Streams
+from tierzero.reference import to_device
+from tierzero.engine.runtime.streams import Event, Streams
 
 
 class BatchStaging:

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from tierzero.config import Placement, StateKind, Tier
-from tierzero.dist.comm import Comm
-from tierzero.engine.execute import detach_params
-from tierzero.engine.tiers import Tiers
+from tierzero.distributed.comm import Comm
+from tierzero.engine.runtime.execute import detach_params
+from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.keys import state_keys
 from tierzero.layout.partition import Unit
 from tierzero.models.init import WeightFiles, flat_unit

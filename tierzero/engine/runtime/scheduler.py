@@ -12,7 +12,7 @@ for it there (with a fetch depth of 2 it was issued a use earlier). The gather t
 compute: on gloo's threads, or on NCCL's own stream on a GPU, after the shard's copy event and
 the optimizer's last write of it (params homed on the device are read in place) only.
 
-Copies run on the h2d stream (`tierzero.engine.streams`): a copy into a device buffer waits only for
+Copies run on the h2d stream (`tierzero.engine.runtime.streams`): a copy into a device buffer waits only for
 that buffer's release event (recorded on the compute stream when the unit that last read it
 was released), compute waits for the copy's event before it reads, and a staging buffer goes
 back to the host pool once its copy's event has happened. An nvme read hands its copy to the
@@ -29,14 +29,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierzero.dist.comm import Comm, InFlight
+from tierzero.distributed.comm import Comm, InFlight
 from tierzero.config import StateKind, Tier
 from tierzero.errors import TierzeroError
 from tierzero.storage.base import BudgetExceededError, TierStore
 from tierzero.layout.partition import Unit
-from tierzero.engine.stats import StepStats
-from tierzero.engine.streams import Event, Streams
-from tierzero.engine.tiers import Tiers
+from tierzero.engine.runtime.stats import StepStats
+from tierzero.engine.runtime.streams import Event, Streams
+from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.keys import shard_key, state_keys
 from tierzero.planning.placement import Link
 from tierzero.planning.swapplan import Op, SwapOp, SwapPlan

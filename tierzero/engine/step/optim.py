@@ -12,7 +12,7 @@ params (into the grad's buffer, which the step consumed, where it is a host one)
 cached copy; the I/O loop then issues every write and gives the piece's buffers back once all have
 finished (with overlap_step no cast, copy or write runs on autograd's thread). The step runs on the
 compute device only when master and both moments live there. With overlap_step a piece's grad
-reaches the host on the d2h stream (`tierzero.engine.streams`) and its AdamW, on the optimizer's
+reaches the host on the d2h stream (`tierzero.engine.runtime.streams`) and its AdamW, on the optimizer's
 own thread (one OpenMP team, never the I/O workers'), waits for that copy's event. A host step
 never copies to or from device memory synchronously: states and new params homed on the device move
 on the d2h/h2d_write streams through pinned buffers, and the event of each param write goes to the
@@ -32,12 +32,12 @@ import torch
 
 from tierzero.adamw import adamw_step
 from tierzero.config import OPTIMIZER_KINDS, Config, Placement, StateKind, Tier
-from tierzero.engine.paramsteps import Run
-from tierzero.engine.restep import KeptGeneration
+from tierzero.engine.step.paramsteps import Run
+from tierzero.engine.step.restep import KeptGeneration
 from tierzero.layout.partition import Unit
-from tierzero.engine.stats import StepStats
-from tierzero.engine.streams import Event
-from tierzero.engine.tiers import Tiers
+from tierzero.engine.runtime.stats import StepStats
+from tierzero.engine.runtime.streams import Event
+from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.keys import piece_key, shard_key
 from tierzero.planning.placement import Link
 from tierzero.planning.workload import steps_on_gpu
@@ -103,7 +103,7 @@ class ShardOptimizer:
         """One AdamW update of the `runs` of every unit's shard (`ParamSteps.runs`, by unit
         index; a unit without runs is skipped), piece by piece; returns when every write has
         finished (the next pass reads what this one wrote). Given `kept`, steps each kept piece
-        again from its kept generation instead (`tierzero.engine.restep`)."""
+        again from its kept generation instead (`tierzero.engine.step.restep`)."""
         depth = max(1, self.config.prefetch_depth)
         items = [Work(p.unit, p.piece, p.start, p.end, p.runs) for p in kept.pieces()] if kept else \
             [w for unit in self.units for w in self.works(unit, runs.get(unit.index, []))]
@@ -324,7 +324,7 @@ class ShardOptimizer:
     def _param_home(self, work: Work) -> tuple[Tier, TierStore, str, int]:
         """The param home, its store, the unit's param shard key and this rank's offset in it
         (replicated params, stage 1/2: this rank's range of the whole unit; the other ranks'
-        new values arrive after the step, `tierzero.engine.paramsync`)."""
+        new values arrive after the step, `tierzero.engine.step.paramsync`)."""
         home = self.placement.home(StateKind.PARAM)
         key = shard_key(StateKind.PARAM, work.unit.index, self.rank)
         return home, self.tiers.stores[home], key, work.unit.param_offset(self.rank)

@@ -1,7 +1,7 @@
 """`BoundaryStore`: the vertical schedule's waiting activations, in host memory under a byte
 budget, spilled to the NVMe store when the budget is full and read back before they are needed.
 
-With the vertical schedule (`tierzero.engine.vertical`) every micro-batch's input to every
+With the vertical schedule (`tierzero.engine.vertical.schedule`) every micro-batch's input to every
 block waits from that block's forward to its backward, k times what one micro-batch keeps.
 They are kept here, keyed by (unit, micro-batch), never on the compute device between uses.
 
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from tierzero.config import Tier
-from tierzero.engine.streams import Event
-from tierzero.engine.tiers import Tiers
+from tierzero.engine.runtime.streams import Event
+from tierzero.engine.runtime.tiers import Tiers
 from tierzero.errors import ConfigError
 from tierzero.planning.placement import Link
 from tierzero.storage.base import ALIGN_BYTES, TierStore, aligned_empty

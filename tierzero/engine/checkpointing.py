@@ -36,14 +36,14 @@ import torch
 from tierzero.checkpoint import lineage
 from tierzero.checkpoint.catalog import checkpoints_root, newest_checkpoint, prune, step_dir, verify_checkpoint
 from tierzero.config import Config, Placement, StateKind, Tier
-from tierzero.dist.comm import Comm
+from tierzero.distributed.comm import Comm
 from tierzero.errors import CheckpointError, TierzeroError
-from tierzero.engine.execute import detach_params
-from tierzero.engine.paramsteps import ParamSteps
-from tierzero.engine.precision import DynamicLossScaler
-from tierzero.engine.shards import Shards
-from tierzero.engine.state import StepState
-from tierzero.engine.tiers import Tiers
+from tierzero.engine.runtime.execute import detach_params
+from tierzero.engine.step.paramsteps import ParamSteps
+from tierzero.precision import DynamicLossScaler
+from tierzero.engine.runtime.shards import Shards
+from tierzero.engine.step.state import StepState
+from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.partition import Unit
 from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest, config_hash, layout_of
 from tierzero.storage import chunkfile

@@ -3,7 +3,7 @@
 It is also what `tierzero train --offload none` runs. Nothing here is clever on purpose: the
 model lives on one device, `torch.optim.AdamW` steps it, `clip_grad_norm_` clips it. Its one
 concession to the engine: each unit's call draws its dropout masks from the state the engine's
-does (`tierzero.engine.draws`), so models with dropout compare bitwise too.
+does (`tierzero.models.draws`), so models with dropout compare bitwise too.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from torch import nn
 
 from tierzero.adamw import decays, implementation
 from tierzero.config import Config, DType
-from tierzero.engine.draws import SeededEntries, unit_entries
+from tierzero.models.draws import SeededEntries, unit_entries
 from tierzero.errors import ConfigError
 from tierzero.lr import lr_at
-from tierzero.engine.precision import resolve_dtype
+from tierzero.precision import resolve_dtype
 
 
 def compute_loss(model: nn.Module, batch: Any, num_items_in_batch: float | None = None) -> torch.Tensor:

@@ -4,7 +4,7 @@ Each unit's entry point is wrapped (a block's or the embedding's `forward`, the 
 `head_out`); a unit that uses another's weights (a head tied to the embedding) binds both. In a training forward the block runs under `no_grad` with
 its parameters bound as views into the gathered flat `param` buffer, and only its input is
 kept. In backward the unit is gathered again, recomputed with grad (under the autocast state
-the forward ran with and the same seeded RNG draws, `tierzero.engine.draws`) against fresh leaf views of the flat buffer, and backpropagated; the parameters' gradients are packed into one flat fp32
+the forward ran with and the same seeded RNG draws, `tierzero.models.draws`) against fresh leaf views of the flat buffer, and backpropagated; the parameters' gradients are packed into one flat fp32
 tensor, which goes to `on_grad`. Module code is unchanged: it reads `self.weight` as usual.
 A unit in `UnitRunner.kept` (`tierzero.planning.recompute`) runs its forward once, with grad,
 and keeps that graph until its backward instead (`_KeptGraph`).
@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from tierzero.engine.backward import BackwardPass
-from tierzero.engine.draws import Draws, draws_for, seeded
+from tierzero.engine.step.backward import BackwardPass
+from tierzero.models.draws import Draws, draws_for, seeded
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit
 

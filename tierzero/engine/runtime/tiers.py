@@ -1,5 +1,5 @@
 """The tiers an engine runs on: the I/O loop, the host and device pools, one store per tier, and
-the compute device's streams (`tierzero.engine.streams`).
+the compute device's streams (`tierzero.engine.runtime.streams`).
 
 It owns their lifetimes (open in dependency order, close in reverse, even after errors), the
 key of every shard, and leasing with back-pressure: when a pool is full, wait for the oldest
@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from tierzero.engine import streams as streams_mod
+from tierzero.engine.runtime import streams as streams_mod
 from tierzero.config import Config, Tier
 from tierzero.errors import ConfigError
-from tierzero.engine.stats import StepStats
+from tierzero.engine.runtime.stats import StepStats
 from tierzero.planning.machine import default_budgets
 from tierzero.planning.memory_model import MemoryModel
 from tierzero.storage.base import BudgetExceededError, TierStore

@@ -17,12 +17,12 @@ from collections.abc import Callable
 
 import torch
 
-from tierzero.dist.comm import Comm, InFlight
+from tierzero.distributed.comm import Comm, InFlight
 from tierzero.config import StateKind, Tier
 from tierzero.layout.partition import Unit
-from tierzero.engine.stats import StepStats
-from tierzero.engine.streams import Event
-from tierzero.engine.tiers import Tiers
+from tierzero.engine.runtime.stats import StepStats
+from tierzero.engine.runtime.streams import Event
+from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.keys import shard_key, state_keys
 from tierzero.planning.placement import Link
 
