@@ -38,7 +38,7 @@ from tierzero.planning.placement import Link
 from tierzero.storage.base import ALIGN_BYTES, TierStore, aligned_empty
 
 
-@dataclass
+@dataclass(eq=False)  # found by identity (`list.remove`): comparing tensors by value is ambiguous
 class _Buffer:
     """One host buffer, counted until `free_after` (None: its entry still holds it) is done."""
 
