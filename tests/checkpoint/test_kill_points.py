@@ -35,7 +35,9 @@ PATH_POINTS = [
     ({"path": "vertical", "phase": "step", "nth": 4, "k": 3}, "/act/"),  # an activation's spill
     ({"path": "restep", "phase": "step", "nth": 2, "k": 40}, None),  # a step while kept generations are held
     ({"path": "bf16", "phase": "save", "nth": 2, "k": 30}, None),
-    ({"path": "fp16", "phase": "commit", "nth": 2, "k": 1}, ".step-00000001.old-"),  # a skipped step's save replacing its step's
+    # a skipped step's save replacing its step's checkpoint: at the swap, and right after it
+    ({"path": "fp16", "phase": "commit", "nth": 2, "k": 1}, "exchange"),
+    ({"path": "fp16", "phase": "commit", "nth": 2, "k": 2}, None),
     ({"path": "host", "phase": "save", "nth": 2, "k": 60}, "/checkpoints/"),  # memory-homed shards written
     ({"path": "auto", "phase": "save", "nth": 2, "k": 60}, "/checkpoints/"),
     ({"path": "two-ranks", "rank": 1, "phase": "save", "nth": 2, "k": 20}, "/rank1/"),  # rank 1's own store
