@@ -2,20 +2,21 @@
 stopped (run as a script by tests/checkpoint/test_kill_points.py).
 
 Each *life* is a child forked from this process (which imports torch and builds a model on
-meta once but runs nothing, so a fork starts in well under a second): it resumes from the run directory's newest checkpoint if
-there is one, trains to `STEPS` with a checkpoint after every step (keep 1, so every save also
-prunes, and every flush retires and recycles chunks), and SIGKILLs itself at the `k`-th
-file-system call (link, rename, exchange, unlink, mkdir, rmdir, open, fsync, syncfs, ftruncate, pwrite)
-made inside the `nth` call of a phase -- a function wrapped by name -- or, with `k` = 0, right
-after that call returns (`k` = -1 never kills: the life only counts the calls). A later life
-resumes and finishes; its final checkpoint must equal the reference's bitwise (every array, the
-engine counters, data position and RNG state of every rank), or the resume must be refused
-in one sentence (a `TierzeroError`, no traceback of anything else).
+meta once but runs nothing, so a fork starts in well under a second): it resumes from the run
+directory's newest checkpoint if there is one, trains to `STEPS` with a checkpoint after every
+step (keep 1, so every save also prunes, and every flush retires and recycles chunks), and
+SIGKILLs itself at the `k`-th file-system call (link, rename, exchange, unlink, mkdir, rmdir,
+open, fsync, syncfs, ftruncate, pwrite) made inside the `nth` call of a phase -- a function
+wrapped by name -- or, with `k` = 0, right after that call returns (`k` = -1 never kills: the
+life only counts the calls). A kill must leave the newest checkpoint committed before it; a
+later life resumes and finishes, and its final checkpoint must equal the reference's bitwise
+(every array, the engine counters, data position and RNG state of every rank), or the resume
+must be refused in one sentence (a `TierzeroError`).
 
 A point names the *path* it trains (`PATHS`): everything on NVMe (the default); the vertical
 schedule with most waiting activations spilled to NVMe; the exact clip re-step of an overlapped
-step with the kept generations held on the drive; bf16 and fp16 compute (fp16's first step
-overflows and is skipped); host and auto placements; two ranks (gloo, forked: a kill there
+step with the kept generations held on the drive; bf16 and fp16 compute (fp16 with a loss scale
+that grows until steps overflow and are skipped); host and auto placements; two ranks (gloo, forked: a kill there
 SIGKILLs both, as a launcher tears down a job whose rank died).
 
     python kill_sweep.py WORKDIR '[{"path": "vertical", "phase": "save", "nth": 2, "k": 5}, ...]'
@@ -225,7 +226,8 @@ def life(work: Path, path: TrainPath, switch: KillSwitch | None, rank: int = 0) 
                 x, y = data.next_batch()
                 engine.train_micro_batch((x[rank * BATCH:(rank + 1) * BATCH], y[rank * BATCH:(rank + 1) * BATCH]))
             engine.save_checkpoint(run_dir, data=data.state_dict(), keep=1)
-            _record(work / "committed", str(engine.step_count))
+            if rank == 0:
+                _record(work / "committed", str(engine.step_count))
     finally:
         engine.close()
     if switch is not None:
@@ -295,8 +297,10 @@ def _lost_checkpoint(work: Path) -> str | None:
         return None
     found = catalog.newest_checkpoint(work / "run")
     newest = found[1].step if found is not None else None
-    if newest is None or newest < int(committed.read_text()):
-        return f"the kill left {'no checkpoint' if newest is None else f'step {newest}'} after step {committed.read_text()} had been committed"
+    step = int(committed.read_text())
+    if newest is None or newest < step:
+        left = "no checkpoint" if newest is None else f"step {newest}"
+        return f"the kill left {left} after step {step} had been committed"
     return None
 
 
@@ -353,7 +357,7 @@ def run_point(work: Path, reference: Path, point: dict) -> dict:
 
 def main() -> None:
     base, points = Path(sys.argv[1]), json.loads(sys.argv[2])
-    models.build(SMALL, device="meta")  # imports what a build on meta imports (torch._dynamo: seconds) once, not per life
+    models.build(SMALL, device="meta")  # its imports (torch._dynamo: seconds) once, not in every life
     try:
         references: dict[str, Path] = {}
         for i, point in enumerate(points):
