@@ -35,6 +35,20 @@ def _load_syncfs():  # type: ignore[no-untyped-def]
 
 
 _syncfs = _load_syncfs()
+
+
+def _load_renameat2():  # type: ignore[no-untyped-def]
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2  # glibc 2.28+
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_renameat2 = _load_renameat2()
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 # Filesystems in RAM: O_DIRECT there (accepted by recent kernels) is still a memory copy.
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
 
@@ -169,6 +183,19 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def exchange(a: str, b: str) -> bool:
+    """Swap two existing paths in one atomic step (Linux `renameat2` with RENAME_EXCHANGE): True
+    once done, False where the C library or the filesystem cannot (the caller falls back)."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), a)
 
 
 def sync_filesystem(path: str) -> None:

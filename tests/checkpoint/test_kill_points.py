@@ -1,10 +1,14 @@
 """Kills after a checkpoint's commit, after pruning retired the old one, and while the store
 recycles retired chunks into spares -- not only before the rename -- each resumed to a final
-checkpoint bitwise equal to an uninterrupted run's (every array, counters, data position, RNG).
+checkpoint bitwise equal to an uninterrupted run's (every array, counters, data position, RNG);
+and one kill in each other path the engine trains on (`kill_sweep.PATHS`: the vertical schedule
+spilling activations, the clip re-step holding kept generations, bf16, fp16 with a skipped step,
+host and auto placements, two ranks), each resumed bitwise or refused in one sentence.
 
 The lives run in one driver process (tests/checkpoint/kill_sweep.py: forked children on a tiny
-model, a few seconds each). `TIERZERO_KILL_SWEEP=all` instead kills at every file-system call
-of a save and of a resume (hundreds of lives; minutes, run by hand)."""
+model, a few seconds each). The soak, `TIERZERO_KILL_SWEEP=all` (or a comma-separated list of
+path names), instead kills at every file-system call of a step, of a save and of a resume on
+each path (thousands of lives; hours, run by hand)."""
 
 from __future__ import annotations
 
@@ -16,18 +20,28 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from kill_sweep import PATHS  # noqa: E402
+
 DRIVER = Path(__file__).with_name("kill_sweep.py")
 POINTS = [
     {"phase": "commit", "nth": 2, "k": 0},   # right after step-2's rename, before prune
     {"phase": "prune", "nth": 2, "k": 0},    # right after step-1 was removed
     {"phase": "recycle", "nth": 2, "k": 1},  # during the flush's recycling, at its first call
 ]  # kills before the rename: tests/checkpoint/test_crash_resume.py
-
-
-def sweep_points() -> list[dict]:
-    """Every call of the second save and of a resume (counts found by a run that is not killed)."""
-    return ([{"phase": "save", "nth": 2, "k": k} for k in range(1, 340)]
-            + [{"phase": "resume", "nth": 1, "k": k} for k in range(1, 350)])
+# One kill per path, in that path's own calls; where the order of the calls is fixed, the text
+# the killed call's target must contain.
+PATH_POINTS = [
+    ({"path": "vertical", "phase": "step", "nth": 4, "k": 3}, "/act/"),  # an activation's spill
+    ({"path": "restep", "phase": "step", "nth": 2, "k": 40}, None),  # a step while kept generations are held
+    ({"path": "bf16", "phase": "save", "nth": 2, "k": 30}, None),
+    # a skipped step's save replacing its step's checkpoint: at the swap, and right after it
+    ({"path": "fp16", "phase": "commit", "nth": 2, "k": 1}, "exchange"),
+    ({"path": "fp16", "phase": "commit", "nth": 2, "k": 2}, None),
+    ({"path": "host", "phase": "save", "nth": 2, "k": 60}, "/checkpoints/"),  # memory-homed shards written
+    ({"path": "auto", "phase": "save", "nth": 2, "k": 60}, "/checkpoints/"),
+    ({"path": "two-ranks", "rank": 1, "phase": "save", "nth": 2, "k": 20}, "/rank1/"),  # rank 1's own store
+]
 
 
 def run_driver(work: Path, points: list[dict], timeout_s: float) -> list[dict]:
@@ -45,7 +59,46 @@ def test_kills_after_commit_prune_and_during_recycle_resume_bitwise(tmp_path: Pa
         assert r["killed"] and r["ok"], r
 
 
-@pytest.mark.skipif(os.environ.get("TIERZERO_KILL_SWEEP") != "all", reason="minutes: TIERZERO_KILL_SWEEP=all")
-def test_a_kill_at_every_file_system_call_of_a_save_and_a_resume(tmp_path: Path) -> None:
-    bad = [r for r in run_driver(tmp_path, sweep_points(), timeout_s=6 * 3600) if not r["ok"]]
+def test_a_kill_in_each_path_resumes_bitwise_or_is_refused(tmp_path: Path) -> None:
+    results = run_driver(tmp_path, [p for p, _ in PATH_POINTS], timeout_s=900)
+    assert len(results) == len(PATH_POINTS)
+    for r, (_, where) in zip(results, PATH_POINTS):
+        assert r["killed"] and r["ok"], r
+        assert where is None or where in r["at"], r  # the kill landed where the path differs
+
+
+def soak_phases(name: str) -> list[dict]:
+    """Every phase the soak kills in on a path: the second step (a previous checkpoint to resume
+    from; vertically, its last micro-batch runs it), the second save, the first resume -- on
+    each rank."""
+    nth_step = 2 * PATHS[name].accumulate
+    return [{"path": name, "rank": rank, "phase": phase, "nth": nth}
+            for rank in range(PATHS[name].ranks)
+            for phase, nth in (("step", nth_step), ("save", 2), ("resume", 1))]
+
+
+def soak_points(tmp_path: Path, name: str) -> list[dict]:
+    """k = 0 (right after the phase) and every call of each soak phase: counted by lives that
+    are not killed (k = -1)."""
+    counted = run_driver(tmp_path, [{**p, "k": -1} for p in soak_phases(name)], timeout_s=3600)
+    return [{**r["point"], "k": k} for r in counted for k in range(r["calls"][0] + 1)]
+
+
+SOAK = os.environ.get("TIERZERO_KILL_SWEEP", "")
+
+
+@pytest.mark.parametrize("name", list(PATHS))
+@pytest.mark.skipif(not SOAK, reason="hours: TIERZERO_KILL_SWEEP=all, or a comma-separated list of paths")
+def test_a_kill_at_every_file_system_call_of_a_step_a_save_and_a_resume(tmp_path: Path, name: str) -> None:
+    if SOAK != "all" and name not in SOAK.split(","):
+        pytest.skip(f"{name} is not in TIERZERO_KILL_SWEEP")
+    results = run_driver(tmp_path, soak_points(tmp_path, name), timeout_s=48 * 3600)
+    bad = [r for r in results if not r["ok"]]
+    refused = sum("refused" in r for r in results)
+    by_phase = {}
+    for r in results:
+        key = f"{r['point']['phase']}@rank{r['point']['rank']}"
+        by_phase[key] = by_phase.get(key, 0) + 1
+    print(f"\n{name}: {len(results)} kill points {by_phase}, {len(bad)} failed, {refused} refused, "
+          f"the rest bitwise")
     assert not bad, bad[:3]

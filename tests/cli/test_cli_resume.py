@@ -108,3 +108,32 @@ def test_identical_runs_save_identical_rng_states(tmp_path) -> None:
         states.append(newest_checkpoint(tmp_path / name)[1].rng)
     assert states[0] == states[1]
 
+
+
+def test_a_resume_after_skipped_fp16_steps_trains_the_batches_an_uninterrupted_run_does(tmp_path) -> None:
+    """A loss scale that doubles after every good step overflows fp16 again and again: steps are
+    skipped, each taking a batch. A resume from a checkpoint after a skip goes on from the batches
+    taken (its step plus the skips), so it ends bitwise where the uninterrupted run does, not
+    with extra batches trained."""
+    import torch
+
+    from tierzero.checkpoint.catalog import newest_checkpoint
+    from tierzero.storage.arrays import read_array
+
+    config = tmp_path / "fp16.toml"
+    config.write_text('dtype = "fp16"\nloss_scale = 65536.0\nloss_scale_window = 1\n')
+    args = ["--config", str(config), "--steps", "5", "--checkpoint-every", "1", "--keep-checkpoints", "9"]
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    assert train(*args, "--run-dir", str(straight)).exit_code == 0
+    shutil.copytree(straight, crashed)
+    for step, path in checkpoint_dirs(crashed):  # as if killed right after the first checkpoint past a skip
+        if step > 2:
+            shutil.rmtree(path)
+    assert newest_checkpoint(crashed)[1].engine["skipped_steps"] > 0
+    result = train(*args, "--resume", "--run-dir", str(crashed))
+    assert result.exit_code == 0, result.output
+    (a_path, a, _), (b_path, b, _) = newest_checkpoint(crashed), newest_checkpoint(straight)
+    assert (a.step, a.data, a.engine) == (b.step, b.data, b.engine)
+    for key in b.arrays:
+        assert torch.equal(read_array(str(a.array_dir(a_path, key)), a.arrays[key]),
+                           read_array(str(b.array_dir(b_path, key)), b.arrays[key])), key

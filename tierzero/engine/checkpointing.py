@@ -310,9 +310,16 @@ def _bytes_tensor(text: str) -> torch.Tensor:
 
 
 def _replace_dir(temp: Path, final: Path) -> None:
-    """Rename the finished directory into place (replacing a same-step one), durably."""
+    """Rename the finished directory into place, durably. A same-step one (a damaged checkpoint
+    resume skipped, or the step of an fp16 overflow saved again) is swapped out in one atomic
+    exchange where the filesystem can: renaming it aside first left an instant with no
+    checkpoint of the step, and a kill there lost it (with keep 1, every checkpoint)."""
     trash = None
-    if final.exists():  # e.g. a damaged checkpoint of this step that resume skipped
+    if final.exists() and chunkfile.exchange(str(temp), str(final)):
+        chunkfile.fsync_path(str(final.parent))
+        shutil.rmtree(temp, ignore_errors=True)  # the old one, under the temp name (or the next save's)
+        return
+    if final.exists():
         trash = final.with_name(f".{final.name}.old-{os.getpid()}")
         os.rename(final, trash)
     os.rename(temp, final)

@@ -60,9 +60,10 @@ class Session:
         return train_loop(self.run, self.trainer, self.batches, rundir, on_step, start_step, save, mean, gather, total)
 
     def resume(self, rundir: RunDir) -> tuple[int, list[str]]:
-        """Continue from the run directory's newest intact checkpoint: its step and what to tell
-        the user (damaged checkpoints skipped, newer ones moved aside); step 0 when the run has
-        none yet."""
+        """Continue from the run directory's newest intact checkpoint: the loop's step to go on
+        from and what to tell the user (damaged checkpoints skipped, newer ones moved aside);
+        step 0 when the run has none yet. The loop counts global batches, so that is the
+        checkpoint's step plus the fp16 steps it skipped for overflow (each took a batch)."""
         if not checkpoint_dirs(rundir.path):
             return 0, [f"run directory '{rundir.path}' has no checkpoint yet: starting from step 0"]
         if not hasattr(self.trainer, "load_checkpoint"):
@@ -72,7 +73,8 @@ class Session:
         if manifest.data is not None:
             self.batches.load_state_dict(manifest.data)
         moved = rundir.abandon_after(manifest.step)  # they would be taken for this run's later ones
-        return manifest.step, [*self.trainer.notes(), *moved, f"resumed from checkpoint step {manifest.step}"]
+        done = manifest.step + int(manifest.engine.get("skipped_steps") or 0)
+        return done, [*self.trainer.notes(), *moved, f"resumed from checkpoint step {manifest.step}"]
 
     def notes(self) -> list[str]:
         """What the trainer has to say after training (the model's `notes` are said before it)."""

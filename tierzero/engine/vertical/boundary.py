@@ -39,7 +39,7 @@ from tierzero.storage.base import ALIGN_BYTES, TierStore, aligned_empty
 from tierzero.storage.host import pinned_empty
 
 
-@dataclass
+@dataclass(eq=False)  # found by identity (`list.remove`): comparing tensors by value is ambiguous
 class _Buffer:
     """One host buffer, counted until `free_after` (None: its entry still holds it) is done."""
 
