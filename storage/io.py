@@ -22,16 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-import aiofiles
-import aiofiles.os
-
 from tierzero.storage.base import StorageError, os_error
-from tierzero.storage.chunkfile import fsync_path
+from tierzero.storage.durable import write_atomic
 
 T = TypeVar("T")
 
@@ -145,16 +141,10 @@ class IOLoop:
 
 
 async def write_durable(path: str, raw: bytes) -> None:
-    """Write a small file (a manifest) from the I/O loop and fsync it and its directory.
-
-    aiofiles runs the blocking calls on the loop's executor, so the loop keeps serving chunk
-    jobs meanwhile. The caller renames the directory holding it into place afterwards. An
-    OSError (ENOSPC, EIO, EACCES) is a `StorageError` naming `path` and the fix."""
+    """Write a small file (a manifest) with `durable.write_atomic` on the loop's executor, so the
+    loop keeps serving chunk jobs meanwhile. An OSError (ENOSPC, EIO, EACCES) is a
+    `StorageError` naming `path` and the fix."""
     try:
-        async with aiofiles.open(path, "wb") as f:
-            await f.write(raw)
-            await f.flush()
-            await aiofiles.os.wrap(os.fsync)(f.fileno())
-        await aiofiles.os.wrap(fsync_path)(os.path.dirname(path) or ".")
+        await asyncio.get_running_loop().run_in_executor(None, write_atomic, path, raw)
     except OSError as e:
         raise os_error(e, "writing", path) from e

@@ -35,9 +35,9 @@ from engine_helpers import SMALL, batches  # noqa: E402
 from tierzero import Config, Placement, Tier, models  # noqa: E402
 from tierzero.checkpoint import catalog  # noqa: E402
 from tierzero.engine import Engine, snapshot  # noqa: E402
-from tierzero.storage import chunkfile  # noqa: E402
-from tierzero.storage.arrays import read_array  # noqa: E402
-from tierzero.storage.spares import SpareFiles  # noqa: E402
+from tierzero.storage.nvme.arrays import read_array  # noqa: E402
+from tierzero.storage.nvme import chunkfile  # noqa: E402
+from tierzero.storage.nvme.spares import SpareFiles  # noqa: E402
 
 STEPS = 3
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)

@@ -18,7 +18,7 @@ import pytest
 
 from tierzero.checkpoint.catalog import checkpoints_root
 from tierzero.checkpoint.manifest import MANIFEST_NAME
-from tierzero.storage import chunkfile
+from tierzero.storage.nvme import chunkfile
 
 from engine_helpers import batches
 from test_checkpoint_resume import PLACEMENTS, config, engine_for
@@ -63,7 +63,8 @@ class SaveRecorder:
 
         def on_fsync(fd: int) -> None:
             path = fd_path(fd)
-            name = ("manifest fsync" if self._temp(path) and path.endswith("/" + MANIFEST_NAME)
+            manifest = os.path.basename(path) == MANIFEST_NAME or os.path.basename(path).startswith(f".{MANIFEST_NAME}.")
+            name = ("manifest fsync" if self._temp(path) and manifest
                     else "dir fsync" if path == self.root else None)
             if self._step(name):
                 fsync(fd)

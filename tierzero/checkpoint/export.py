@@ -47,8 +47,8 @@ from tierzero.errors import CheckpointError, ConfigError, TierzeroError
 from tierzero.checkpoint.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, Merge, adapter_config, adapter_entries,
                                       merged_entries, peft_adapters)
 from tierzero.checkpoint.manifest import Manifest, UnitLayout
-from tierzero.storage.arrays import read_array
 from tierzero.storage.base import StorageError
+from tierzero.storage.nvme.arrays import read_array
 from tierzero.layout.keys import shard_key
 
 # --dtype spelling -> (torch dtype, safetensors dtype code)
