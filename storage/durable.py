@@ -11,6 +11,8 @@ that last fsync, for a caller whose next flush syncs the whole filesystem anyway
 store's commit pointer: one syncfs with the chunk renames it depends on instead of one more
 journal commit per shard write).
 
+A file created inside a directory whose own rename is the commit (a checkpoint's manifest) needs
+no temp name: `write_file(sync=True)` then `fsync_path` of its directory (`io.write_durable`).
 A killed writer leaves its `.NAME.PID-N.tmp`; the NVMe store removes those at open
 (`storage.nvme.generations.remove_orphans`).
 """

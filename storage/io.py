@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
+import os
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from tierzero.storage.base import StorageError, os_error
-from tierzero.storage.durable import write_atomic
+from tierzero.storage.durable import fsync_path, write_file
 
 T = TypeVar("T")
 
@@ -141,10 +143,13 @@ class IOLoop:
 
 
 async def write_durable(path: str, raw: bytes) -> None:
-    """Write a small file (a manifest) with `durable.write_atomic` on the loop's executor, so the
-    loop keeps serving chunk jobs meanwhile. An OSError (ENOSPC, EIO, EACCES) is a
-    `StorageError` naming `path` and the fix."""
+    """Create a small file (a manifest) durably from the I/O loop, on its executor so the loop
+    keeps serving chunk jobs meanwhile: `durable.write_file` (created exclusively, fsynced), then
+    its directory fsynced. No temp name: the caller's commit is renaming the directory holding
+    it. An OSError (ENOSPC, EIO, EACCES) is a `StorageError` naming `path` and the fix."""
+    loop = asyncio.get_running_loop()
     try:
-        await asyncio.get_running_loop().run_in_executor(None, write_atomic, path, raw)
+        await loop.run_in_executor(None, functools.partial(write_file, path, raw, sync=True))
+        await loop.run_in_executor(None, fsync_path, os.path.dirname(path) or ".")
     except OSError as e:
         raise os_error(e, "writing", path) from e

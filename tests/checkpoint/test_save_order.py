@@ -63,8 +63,7 @@ class SaveRecorder:
 
         def on_fsync(fd: int) -> None:
             path = fd_path(fd)
-            manifest = os.path.basename(path) == MANIFEST_NAME or os.path.basename(path).startswith(f".{MANIFEST_NAME}.")
-            name = ("manifest fsync" if self._temp(path) and manifest
+            name = ("manifest fsync" if self._temp(path) and path.endswith("/" + MANIFEST_NAME)
                     else "dir fsync" if path == self.root else None)
             if self._step(name):
                 fsync(fd)
