@@ -158,8 +158,8 @@ class Tiers:
             budget = self.host_budget if self.device.type == "cuda" or not pinned else min(self.host_budget, pinned)
             self.host_pool = self._open(HostPool(budget, device=pin_device, blocks=self.host_blocks))
             self.device_pool = self._open(DevicePool(self.gpu_budget, self.device))
-            self.stores[Tier.HOST] = self._open(HostStore(self.host_pool))
-            self.stores[Tier.GPU] = self._open(DeviceStore(self.device_pool))
+            self.stores[Tier.HOST] = self._open(HostStore(self.host_pool, self.streams.store_copy))
+            self.stores[Tier.GPU] = self._open(DeviceStore(self.device_pool, self.streams.store_copy))
             if Tier.NVME in self.homes:
                 from tierzero.storage.nvme.store import NvmeStore
 
