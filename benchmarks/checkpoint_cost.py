@@ -70,7 +70,7 @@ from tierzero.checkpoint.catalog import prune
 from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.checkpoint.manifest import Manifest
 from tierzero.models import ModelArgs
-from tierzero.storage import chunkfile
+from tierzero.storage.nvme import chunkfile
 
 SHAPES = {
     "1x": ModelArgs(dim=512, n_layers=6, n_heads=8, n_kv_heads=8, vocab_size=256, ffn_dim=1408,

@@ -17,7 +17,7 @@ steps through `tierzero.Engine` with a host budget of `--host-fraction` x RAM. I
   the I/O wait share: the engine's `io_wait_s` (every wait of the training thread on a
   transfer, the step's drains and pool back-pressure included);
 - the drive's store read and write bandwidth, measured in the same run right before training
-  by `tierzero.storage.bench.DiskBench` (its first, always-run group: layout, one round of raw
+  by `tierzero.planning.diskbench.DiskBench` (its first, always-run group: layout, one round of raw
   direct I/O and of the store, cold reads of a slot written earlier, random data) on the same
   directory; and from them the I/O bounds of a step,
       serial     = nvme bytes read / read GB/s + nvme bytes written / write GB/s
@@ -67,10 +67,10 @@ from tierzero.config import parse_bytes
 from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.errors import ConfigError
 from tierzero.models import ModelArgs
-from tierzero.storage.bench import FOOTPRINT as BENCH_FOOTPRINT, DiskBench
+from tierzero.planning.diskbench import FOOTPRINT as BENCH_FOOTPRINT, DiskBench
 from tierzero.storage.host import HostPool
 from tierzero.storage.io import IOLoop
-from tierzero.storage.spares import SpareFiles
+from tierzero.storage.nvme.spares import SpareFiles
 
 VOCAB = 32000
 # Widths tried in order; the first whose depth stays within dim / 100 layers (LLaMA-2 7B: 4096
@@ -216,7 +216,7 @@ class Estimate:
     measured CPU AdamW rate; a step's estimate is compute + the serial I/O time, a ceiling,
     since the engine overlaps them. Materialising draws every weight (the measured normal_
     rate) and writes the whole state into new files, which on ext4 go at about half the speed
-    of overwrites (`tierzero.storage.spares`), one unit at a time.
+    of overwrites (`tierzero.storage.nvme.spares`), one unit at a time.
     """
 
     materialise_s: float

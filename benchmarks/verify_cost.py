@@ -10,7 +10,7 @@ links it (`NvmeStore.snapshot(verify=True)`), so this is what never linking a da
 
 It prints the median step and save time per variant and their ratio (on / off), plus the
 crc32c rate and one thread's read rate of the store that `verify_reads="auto"` compares
-(`storage.chunkfile.verify_is_cheap`). Never run in CI.
+(`storage.nvme.chunkfile.verify_is_cheap`). Never run in CI.
 
     python benchmarks/verify_cost.py [--dim 512] [--layers 6] [--rounds 5] [--steps 3] [--dir DIR]
 """
@@ -27,7 +27,7 @@ from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.models import ModelArgs
 from tierzero.run.data import TokenBatches, default_corpus
-from tierzero.storage import chunkfile
+from tierzero.storage.nvme import chunkfile
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 

@@ -1,6 +1,6 @@
 """`tierzero bench`: this machine's disk, copy and compute speeds, side by side in one run.
 
-Runs the interleaved disk plan of `tierzero.storage.bench.DiskBench` (raw direct I/O, the NVMe
+Runs the interleaved disk plan of `tierzero.planning.diskbench.DiskBench` (raw direct I/O, the NVMe
 store at several chunk sizes, optionally fio) and the compute measurements of `tierzero.planning.speeds`
 under one progress bar, prints a table with the store's ratios to raw and to fio, and can write
 the report as the profile `tierzero plan --profile` reads.
@@ -24,7 +24,7 @@ from tierzero.planning import speeds as compute_bench
 from tierzero.cli.output import Output
 from tierzero.config import PIECE_NUMEL, parse_bytes
 from tierzero.errors import ConfigError
-from tierzero.storage.bench import FOOTPRINT, DiskBench, Step
+from tierzero.planning.diskbench import FOOTPRINT, DiskBench, Step
 from tierzero.storage.host import HostPool
 from tierzero.storage.io import IOLoop
 

@@ -31,7 +31,7 @@ import aiofiles
 import aiofiles.os
 
 from tierzero.storage.base import StorageError, os_error
-from tierzero.storage.chunkfile import fsync_path
+from tierzero.storage.durable import fsync_path
 
 T = TypeVar("T")
 
@@ -148,8 +148,9 @@ async def write_durable(path: str, raw: bytes) -> None:
     """Write a small file (a manifest) from the I/O loop and fsync it and its directory.
 
     aiofiles runs the blocking calls on the loop's executor, so the loop keeps serving chunk
-    jobs meanwhile. The caller renames the directory holding it into place afterwards. An
-    OSError (ENOSPC, EIO, EACCES) is a `StorageError` naming `path` and the fix."""
+    jobs meanwhile. No temp name: the caller's commit is renaming the directory holding it
+    (`durable.write_atomic` is the writer for a file that is its own commit). An OSError
+    (ENOSPC, EIO, EACCES) is a `StorageError` naming `path` and the fix."""
     try:
         async with aiofiles.open(path, "wb") as f:
             await f.write(raw)

@@ -7,9 +7,10 @@ Copies run on the I/O loop's threads (they release the GIL); an awaited write or
 complete. The engine, which owns the streams, uses `view()` when it wants stream-ordered copies
 of its own.
 
-On a GPU a copy runs on the store's own stream and the thread waits for that copy's event only,
-never for a whole stream (a blocking `copy_` between host and device would synchronise the
-thread's current stream, where the training thread's compute is queued). What the copy waits
+On a GPU a copy runs on the stream the store is handed (the engine's `Streams.store_copy`; a
+store built without one makes its own on the first copy that needs it) and the thread waits for
+that copy's event only, never for a whole stream (a blocking `copy_` between host and device
+would synchronise the thread's current stream, where the training thread's compute is queued). What the copy waits
 for on the device: a fresh buffer's release (the token its last holder gave it back with, see
 `BufferPool`), and -- when it reads device memory, which compute may be writing in place through
 `view()` -- the work queued on the stream the caller is given: the calling thread's current
@@ -47,17 +48,6 @@ class _Resident:
         return self.buf.view(self.dtype)
 
 
-_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one copy stream per GPU, made on first use
-_STREAMS_LOCK = threading.Lock()
-
-
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    with _STREAMS_LOCK:
-        if device not in _STREAMS:
-            _STREAMS[device] = torch.cuda.Stream(device)
-        return _STREAMS[device]
-
-
 def _issued_before(src: torch.Tensor) -> object | None:
     """Where `src` is device memory: an event after everything the calling thread's current
     stream has queued so far (compute that may still write `src`); None otherwise."""
@@ -69,15 +59,16 @@ def _issued_before(src: torch.Tensor) -> object | None:
     return event
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, *ready: object | None) -> None:
-    """`dst.copy_(src)`, finished on return. On a GPU: on the copy stream, after every event in
-    `ready` (CUDA events or None): a buffer's release, the source's producer."""
+def _copy(dst: torch.Tensor, src: torch.Tensor, stream_for: Callable[[torch.device], torch.cuda.Stream],
+          *ready: object | None) -> None:
+    """`dst.copy_(src)`, finished on return. On a GPU: on `stream_for(device)`, after every event
+    in `ready` (CUDA events or None): a buffer's release, the source's producer."""
     device = dst.device if dst.is_cuda else src.device if src.is_cuda else None
     if device is None:
         dst.copy_(src)
         return
     with torch.cuda.device(device):  # this I/O thread's current device may be another GPU
-        stream = _copy_stream(device)
+        stream = stream_for(device)
         for event in ready:
             if isinstance(event, torch.cuda.Event):
                 stream.wait_event(event)
@@ -89,19 +80,22 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, *ready: object | None) -> None:
 
 
 async def _copy_then(dst: torch.Tensor, src: torch.Tensor, then: Callable[[bool], None],
-                     *ready: object | None) -> None:
+                     stream_for: Callable[[torch.device], torch.cuda.Stream], *ready: object | None) -> None:
     """Copy on an I/O thread; `then(ok)` runs once the thread is done with both buffers, even
     if the awaiting task was cancelled meanwhile (the thread cannot be stopped mid-copy)."""
-    fut = asyncio.get_running_loop().run_in_executor(None, _copy, dst, src, *ready)
+    fut = asyncio.get_running_loop().run_in_executor(None, _copy, dst, src, stream_for, *ready)
     fut.add_done_callback(lambda f: then(not f.cancelled() and f.exception() is None))
     await asyncio.shield(fut)
 
 
 class MemoryStore(TierStore):
-    """Shards resident in a pool's buffers; zero-copy `view(key)`."""
+    """Shards resident in a pool's buffers; zero-copy `view(key)`. `stream`: where copies that
+    touch a GPU run (see the module docstring)."""
 
-    def __init__(self, pool: BufferPool) -> None:
+    def __init__(self, pool: BufferPool, stream: torch.cuda.Stream | None = None) -> None:
         self.pool = pool
+        self.stream = stream
+        self._stream_lock = threading.Lock()
         self._shards: dict[str, _Resident] = {}
 
     @property
@@ -130,7 +124,7 @@ class MemoryStore(TierStore):
         dtype_name(src.dtype)
         buf = self.pool.lease(src.numel() * src.element_size())
         shard = _Resident(buf, src.dtype, src.numel())
-        await _copy_then(shard.typed(), src, lambda ok: self._install(key, shard, ok),
+        await _copy_then(shard.typed(), src, lambda ok: self._install(key, shard, ok), self._stream_for,
                          self.pool.take_ready(buf), produced)
 
     def read_into(self, key: str, out: torch.Tensor, verify: bool = False) -> Coroutine[Any, Any, None]:
@@ -143,7 +137,7 @@ class MemoryStore(TierStore):
         shard = self._get(key)
         check_out(key, out, shard.dtype, shard.numel)
         shard.readers += 1
-        await _copy_then(out, shard.typed(), lambda ok: self._release_reader(shard), produced)
+        await _copy_then(out, shard.typed(), lambda ok: self._release_reader(shard), self._stream_for, produced)
 
     async def exists(self, key: str) -> bool:
         return check_key(key) in self._shards
@@ -155,6 +149,13 @@ class MemoryStore(TierStore):
 
     async def flush(self) -> None:
         """Nothing to do: memory tiers are not durable."""
+
+    def _stream_for(self, device: torch.device) -> torch.cuda.Stream:
+        """The stream copies on `device` run on: the one handed in, else one made on first use."""
+        with self._stream_lock:
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(device)
+            return self.stream
 
     def _get(self, key: str) -> _Resident:
         shard = self._shards.get(check_key(key))

@@ -18,7 +18,7 @@ from tierzero.checkpoint.catalog import step_dir
 from tierzero.config import StateKind
 from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest, layout_of
 from tierzero.layout.partition import Unit, partition
-from tierzero.storage.arrays import chunk_path, write_array
+from tierzero.storage.nvme.arrays import chunk_path, write_array
 from tierzero.layout.keys import shard_key
 
 KINDS = (StateKind.PARAM, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)

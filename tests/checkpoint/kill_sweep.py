@@ -50,9 +50,9 @@ from tierzero import Config, Placement, Tier, models  # noqa: E402
 from tierzero.checkpoint import catalog  # noqa: E402
 from tierzero.engine import Engine, checkpointing  # noqa: E402
 from tierzero.errors import TierzeroError  # noqa: E402
-from tierzero.storage import chunkfile  # noqa: E402
-from tierzero.storage.arrays import read_array  # noqa: E402
-from tierzero.storage.spares import SpareFiles  # noqa: E402
+from tierzero.storage.nvme import chunkfile  # noqa: E402
+from tierzero.storage.nvme.arrays import read_array  # noqa: E402
+from tierzero.storage.nvme.spares import SpareFiles  # noqa: E402
 
 STEPS = 3
 BATCH = 2  # sequences per micro-batch (per rank: each of two ranks trains on its half of 2 x BATCH)

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from tierzero.checkpoint.catalog import newest_checkpoint
 from tierzero.checkpoint.export import export_checkpoint
-from tierzero.storage.arrays import read_array
+from tierzero.storage.nvme.arrays import read_array
 
 KILLS = int(os.environ.get("TIERZERO_CRASH_KILLS", "4"))  # more for a soak: TIERZERO_CRASH_KILLS=50
 STEPS = 3 * KILLS

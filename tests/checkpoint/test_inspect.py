@@ -25,7 +25,7 @@ from tierzero.errors import RunDirError
 from tierzero.layout.partition import partition
 from tierzero.run.directory import RunDir
 from tierzero.checkpoint.inspect import inspect_run, store_info
-from tierzero.storage.arrays import write_array
+from tierzero.storage.nvme.arrays import write_array
 
 runner = CliRunner()
 
@@ -216,7 +216,7 @@ def _inspect_within_a_minute(run, what: str):
 
 
 def test_verify_refuses_a_fifo_chunk(run, tmp_path):
-    from tierzero.storage.arrays import chunk_path
+    from tierzero.storage.nvme.arrays import chunk_path
 
     run = copy_run(run, tmp_path)
     step = sorted((run / "checkpoints").iterdir())[0]

@@ -18,7 +18,7 @@ import pytest
 
 from tierzero.checkpoint.catalog import checkpoints_root
 from tierzero.checkpoint.manifest import MANIFEST_NAME
-from tierzero.storage import chunkfile
+from tierzero.storage.nvme import chunkfile
 
 from engine_helpers import batches
 from test_checkpoint_resume import PLACEMENTS, config, engine_for

@@ -14,10 +14,10 @@ from tierzero.checkpoint.catalog import checkpoint_dirs
 from tierzero.cli.app import app
 from tierzero.config import Config
 from tierzero.errors import ConfigError
-from tierzero.storage import chunkfile
 from tierzero.storage.base import StorageCorruptError
-from tierzero.storage.generations import gen_name, read_pointer
-from tierzero.storage.nvme import NvmeStore
+from tierzero.storage.nvme import chunkfile
+from tierzero.storage.nvme.generations import gen_name, read_pointer
+from tierzero.storage.nvme.store import NvmeStore
 
 from engine_helpers import batches
 from test_checkpoint_resume import PLACEMENTS, config, engine_for

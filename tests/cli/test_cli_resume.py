@@ -118,7 +118,7 @@ def test_a_resume_after_skipped_fp16_steps_trains_the_batches_an_uninterrupted_r
     import torch
 
     from tierzero.checkpoint.catalog import newest_checkpoint
-    from tierzero.storage.arrays import read_array
+    from tierzero.storage.nvme.arrays import read_array
 
     config = tmp_path / "fp16.toml"
     config.write_text('dtype = "fp16"\nloss_scale = 65536.0\nloss_scale_window = 1\n')

@@ -18,7 +18,7 @@ from tierzero import Config, Placement, StateKind, Tier, models
 from tierzero.engine import Engine
 from tierzero.engine.step.restep import KeptGeneration
 from tierzero.errors import ConfigError
-from tierzero.storage.nvme import NvmeStore
+from tierzero.storage.nvme.store import NvmeStore
 
 from engine_helpers import SMALL, batches, reference_run
 

@@ -12,7 +12,7 @@ import torch
 
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
-from tierzero.storage import chunkfile
+from tierzero.storage.nvme import chunkfile
 
 from engine_helpers import SMALL, batches, reference_run
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from tierzero.storage.spares import SpareFiles
+from tierzero.storage.nvme.spares import SpareFiles
 
 
 def test_recycle_up_to_a_mark_keeps_later_retirements(tmp_path) -> None:

@@ -17,7 +17,7 @@ from tierzero.storage.base import DTYPES, Capabilities, ShardNotFoundError, Stor
 from tierzero.storage.device import DevicePool, DeviceStore
 from tierzero.storage.host import HostPool, HostStore
 from tierzero.storage.io import IOLoop
-from tierzero.storage.nvme import NvmeStore
+from tierzero.storage.nvme.store import NvmeStore
 
 CHUNK_BYTES = 16 << 10  # small chunks so that tests cover many-chunk shards cheaply
 

@@ -21,11 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierzero.storage import chunkfile, generations, nvme
 from tierzero.storage.base import StorageError, StorageFullError
+from tierzero.storage import durable
 from tierzero.storage.io import IOLoop
-from tierzero.storage.nvme import NvmeStore
-from tierzero.storage.spares import SPARE_DIR
+from tierzero.storage.nvme import chunkfile, store as nvme
+from tierzero.storage.nvme.spares import SPARE_DIR
+from tierzero.storage.nvme.store import NvmeStore
 
 from test_storage_conformance import random_tensor, same_bytes
 from test_storage_nvme import chunk_file, current_gen, fail_nth, temp_files
@@ -77,7 +78,7 @@ def test_a_failed_write_at_any_chunk_keeps_the_old_version_whole(
 KILL_AT_SCRIPT = """\
 import os, signal, sys, torch
 from tierzero.storage.io import IOLoop
-from tierzero.storage.nvme import NvmeStore
+from tierzero.storage.nvme.store import NvmeStore
 root, chunk_bytes, call, nth = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 numel = 4 * chunk_bytes // 4 - 5
 old = torch.full((numel,), 1.0)
@@ -192,7 +193,7 @@ def test_chunks_a_snapshot_links_are_never_recycled_or_overwritten(tmp_path: Pat
             io_loop.run(store.write(KEY, random_tensor(torch.float32, 2 * CHUNK_BYTES // 4, seed=seed)))
             io_loop.run(store.flush())
         assert not linked & {p.stat().st_ino for p in (live / SPARE_DIR).iterdir()}
-    from tierzero.storage.arrays import read_array
+    from tierzero.storage.nvme.arrays import read_array
     assert same_bytes(read_array(str(frozen), meta), first)
 
 
@@ -291,7 +292,7 @@ def test_a_metadata_file_is_fsynced_then_renamed_then_its_directory_fsynced(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = MetadataCalls(monkeypatch)
     final = tmp_path / "zarr.json"
-    generations.write_atomic(str(final), b"{}")
+    durable.write_atomic(str(final), b"{}")
     temp_name = calls.calls[0][1]
     assert calls.calls == [("fsync", temp_name), ("replace", str(final)), ("fsync", str(tmp_path))]
     assert final.read_bytes() == b"{}" and not Path(temp_name).exists()

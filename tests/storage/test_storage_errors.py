@@ -22,11 +22,11 @@ import torch
 from typer.testing import CliRunner
 
 from tierzero.cli.app import app
-from tierzero.storage import chunkfile
-from tierzero.storage.arrays import link_array, write_array
 from tierzero.storage.base import StorageCorruptError, StorageError, StorageFullError
 from tierzero.storage.io import IOLoop, write_durable
-from tierzero.storage.nvme import NvmeStore
+from tierzero.storage.nvme.arrays import link_array, write_array
+from tierzero.storage.nvme import chunkfile
+from tierzero.storage.nvme.store import NvmeStore
 
 from test_storage_conformance import random_tensor
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierzero.storage import chunkfile
 from tierzero.storage.base import StorageError
 from tierzero.storage.io import IOLoop
-from tierzero.storage.nvme import NvmeStore
+from tierzero.storage.nvme import chunkfile
+from tierzero.storage.nvme.store import NvmeStore
 
 
 def close_within(loop: IOLoop, seconds: float) -> None:

@@ -22,10 +22,10 @@ import pytest
 import torch
 import zarr
 
-from tierzero.storage import spares
 from tierzero.storage.base import StorageCorruptError, StorageError, StorageFullError, StoreLockedError
 from tierzero.storage.io import IOLoop
-from tierzero.storage.nvme import NvmeStore
+from tierzero.storage.nvme import spares
+from tierzero.storage.nvme.store import NvmeStore
 
 from test_storage_conformance import random_tensor, same_bytes
 
@@ -212,7 +212,7 @@ def test_second_process_is_refused_until_the_first_closes(tmp_path: Path) -> Non
     # open the store, waits for a line on stdin, and tries again.
     script = (
         "import sys\n"
-        "from tierzero.storage.nvme import NvmeStore\n"
+        "from tierzero.storage.nvme.store import NvmeStore\n"
         "from tierzero.storage.base import StoreLockedError\n"
         "for attempt in range(2):\n"
         "    try:\n"
@@ -352,7 +352,7 @@ def test_overwrites_recycle_the_old_chunks_as_spares(store: NvmeStore, tmp_path:
 KILL_SCRIPT = """\
 import sys, torch
 from tierzero.storage.io import IOLoop
-from tierzero.storage.nvme import NvmeStore
+from tierzero.storage.nvme.store import NvmeStore
 shard = torch.empty(8 * int(sys.argv[2]), dtype=torch.uint8)
 with IOLoop(4) as loop, NvmeStore([sys.argv[1]], chunk_bytes=int(sys.argv[2])) as store:
     version = 0

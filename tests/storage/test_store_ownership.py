@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tierzero.storage.base import StorageCorruptError, StorageError
-from tierzero.storage.dirlock import OWNER_NAME, is_store_root
-from tierzero.storage.generations import remove_orphans
 from tierzero.storage.io import IOLoop
-from tierzero.storage.nvme import NvmeStore
+from tierzero.storage.nvme.dirlock import OWNER_NAME, is_store_root
+from tierzero.storage.nvme.generations import remove_orphans
+from tierzero.storage.nvme.store import NvmeStore
 
 CHUNK_BYTES = 16 << 10
 KEY = "master/u0005/r0/p0000"

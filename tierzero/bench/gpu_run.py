@@ -32,7 +32,7 @@ from tierzero.bench.results import ResultLog
 from tierzero.bench.trace import analyse, load_trace, write_trace
 from tierzero.models.presets import PRESETS
 from tierzero.planning.machine import available_host_bytes, free_disk_bytes
-from tierzero.storage.chunkfile import probe_direct
+from tierzero.storage.nvme.chunkfile import probe_direct
 
 Say = Callable[[str], None]
 QUICK_PRESETS = ("tiny", "125m", "350m", "1b")  # --quick sizes within these (1b: vocab 128k, tied)
@@ -106,7 +106,7 @@ def measure_rates(device: torch.device, disk_dir: Path, direct_io: bool, quick: 
     """The peaks in this run: bf16 matmul, pinned H2D/D2H (on the CPU device: a host memcpy),
     the work dir's store read/write (not measured without direct I/O) and CPU AdamW."""
     from tierzero.planning import speeds
-    from tierzero.storage.bench import DiskBench
+    from tierzero.planning.diskbench import DiskBench
     from tierzero.storage.host import HostPool
     from tierzero.storage.io import IOLoop
 

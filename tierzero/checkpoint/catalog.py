@@ -22,10 +22,10 @@ from pathlib import Path
 from tierzero.errors import CheckpointError, RunDirError
 from tierzero.checkpoint.files import is_regular
 from tierzero.checkpoint.manifest import MANIFEST_NAME, STEP_DIR, Manifest
-from tierzero.storage.arrays import chunk_path, verify_array
 from tierzero.storage.base import StorageError
-from tierzero.storage.chunkfile import fsync_path
+from tierzero.storage.durable import fsync_path
 from tierzero.storage.filekind import kind_of
+from tierzero.storage.nvme.arrays import chunk_path, verify_array
 
 CHECKPOINTS_DIR = "checkpoints"
 ABANDONED_DIR = "abandoned"

@@ -52,8 +52,8 @@ from tierzero.checkpoint.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, Merge, ad
 from tierzero.checkpoint.hf_files import copy_tokenizer, hf_config, write_json
 from tierzero.checkpoint.hf_format import Converted, SavedFormat, meta_model
 from tierzero.checkpoint.manifest import Manifest, UnitLayout
-from tierzero.storage.arrays import read_array
 from tierzero.storage.base import StorageError
+from tierzero.storage.nvme.arrays import read_array
 from tierzero.layout.keys import shard_key
 
 # --dtype spelling -> (torch dtype, safetensors dtype code)

@@ -4,9 +4,9 @@ A run directory is input like any other: a file in it may have been swapped for 
 device or a symbolic link. `read_regular` opens without following a final symlink and without
 blocking (O_NOFOLLOW | O_NONBLOCK), then refuses anything that is not a regular file, so a
 reader such as `tierzero inspect` never hangs on a FIFO and never reads outside the directory
-through a link. Small-file writes that must survive power loss go through `write_small_durable`.
-A writer killed mid-file leaves its `.NAME.PID.tmp`; `remove_stale_temps` removes those of
-processes that are gone.
+through a link. Small-file writes that must survive power loss go through
+`storage.durable.write_atomic`. An export killed mid-file leaves its `.NAME.PID.tmp`;
+`remove_stale_temps` removes those of processes that are gone.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ import re
 import stat
 from pathlib import Path
 
-from tierzero.storage.chunkfile import fsync_path
-from tierzero.storage.filekind import describe_mode, open_regular
+from tierzero.storage.filekind import describe_mode
 
 _TEMP_NAME = re.compile(r"\..+\.(\d+)\.tmp")
 
@@ -54,17 +53,6 @@ def is_regular(path: str | Path) -> bool:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except OSError:
         return False
-
-
-def write_small_durable(path: Path, raw: bytes) -> None:
-    """Write a small file by temp file, fsync, rename and directory fsync (power-loss safe)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with os.fdopen(open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:  # a FIFO there: named
-        f.write(raw)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(str(path.parent))
 
 
 def remove_stale_temps(folder: Path) -> list[Path]:

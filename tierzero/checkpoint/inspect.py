@@ -8,7 +8,7 @@ directory. Files are opened only when they are regular files (`checkpoint.files.
 a FIFO or a symlink in the run directory is reported, never blocked on or followed. Only host and GPU tiers hold their state in memory, so the arrays it counts are the
 NVMe store's on disk; the placement says which state kinds the run keeps where.
 
-NVMe store layouts understood (`storage.nvme`): one array per key (`<key>/zarr.json` with
+NVMe store layouts understood (`storage.nvme.store`): one array per key (`<key>/zarr.json` with
 node_type "array"), or one group per key whose `attributes.tierzero.current` names the current
 generation directory (`<key>/g000017/zarr.json`); older generations, which checkpoints may
 still link, are not counted.

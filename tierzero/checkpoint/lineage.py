@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from tierzero.checkpoint.catalog import ABANDONED_DIR, checkpoint_dirs, checkpoints_root, move_aside
-from tierzero.checkpoint.files import is_regular, read_regular, write_small_durable
+from tierzero.checkpoint.files import is_regular, read_regular
 from tierzero.errors import RunDirError
+from tierzero.storage.durable import write_atomic
 
 RUN_ID_NAME = "run-id"
 
@@ -38,7 +39,7 @@ def new_run_id(run_dir: str | Path) -> str:
 def write_run_id(run_dir: str | Path, run_id: str) -> str:
     """Record `run_id` durably as the directory's lineage."""
     try:
-        write_small_durable(Path(run_dir) / RUN_ID_NAME, f"{run_id}\n".encode())
+        write_atomic(Path(run_dir) / RUN_ID_NAME, f"{run_id}\n".encode())
     except OSError as e:
         raise RunDirError(f"cannot write {Path(run_dir) / RUN_ID_NAME} ({e.strerror}); make the run "
                           "directory writable") from None

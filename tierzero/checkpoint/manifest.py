@@ -4,7 +4,7 @@ A checkpoint is a directory `RUN_DIR/checkpoints/step-<N>/`:
 
     manifest.json            this file's `Manifest`; written last, so its presence marks a
                              complete checkpoint (the directory is renamed into place after it)
-    state/<kind>/u<unit>/r<rank>/   one frozen array per shard (`tierzero.storage.arrays`):
+    state/<kind>/u<unit>/r<rank>/   one frozen array per shard (`tierzero.storage.nvme.arrays`):
                              zarr.json + c/<i>; the manifest's crc32c list is the authority
 
 The manifest records the step, the unit layout (every parameter name, offset and shape, so
@@ -30,7 +30,7 @@ from typing import Any
 from tierzero.checkpoint.files import read_regular
 from tierzero.errors import CheckpointError
 from tierzero.layout.partition import Unit
-from tierzero.storage.zarrmeta import ShardMeta
+from tierzero.storage.nvme.zarrmeta import ShardMeta
 
 FORMAT = "tierzero-checkpoint/2"  # /2: a checksum over the manifest, its run id
 MANIFEST_NAME = "manifest.json"

@@ -7,7 +7,7 @@ memory-homed shards are written out; then the filesystem is synced, `manifest.js
 and fsynced, and the directory is renamed to `step-<N>` -- the checkpoint's commit point --
 and `checkpoints/` fsynced (tests/checkpoint/test_save_order.py records that order). A
 kill at any instant leaves either no `step-<N>` or a complete one; temp directories are
-removed at the next save. The store never overwrites a linked chunk (see `storage.spares`).
+removed at the next save. The store never overwrites a linked chunk (see `storage.nvme.spares`).
 
 Restoring: the checkpoint's arrays are verified against the manifest's checksums (by the
 caller), NVMe-homed shards become the store's new current generations by hard links
@@ -46,12 +46,13 @@ from tierzero.engine.step.state import StepState
 from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.partition import Unit
 from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest, config_hash, layout_of
-from tierzero.storage import chunkfile
-from tierzero.storage.arrays import read_array, write_array
 from tierzero.storage.base import dtype_name, os_error
-from tierzero.storage.zarrmeta import ShardMeta
-from tierzero.storage.io import write_durable
 from tierzero.storage.base import aligned_empty
+from tierzero.storage.durable import fsync_path
+from tierzero.storage.io import write_durable
+from tierzero.storage.nvme.arrays import read_array, write_array
+from tierzero.storage.nvme import chunkfile
+from tierzero.storage.nvme.zarrmeta import ShardMeta
 
 SAVED_KINDS = (StateKind.PARAM, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
 # Config fields that change what a step computes; a resumed run with others differs.
@@ -323,7 +324,7 @@ def _replace_dir(temp: Path, final: Path) -> None:
         trash = final.with_name(f".{final.name}.old-{os.getpid()}")
         os.rename(final, trash)
     os.rename(temp, final)
-    chunkfile.fsync_path(str(final.parent))
+    fsync_path(str(final.parent))
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
 
@@ -335,7 +336,7 @@ def _prepare_root(root: Path) -> None:
     try:
         if not root.is_dir():
             root.mkdir(parents=True, exist_ok=True)
-            chunkfile.fsync_path(str(root.parent))
+            fsync_path(str(root.parent))
         for p in root.iterdir():
             if p.name.startswith(".step-") and p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)

@@ -4,7 +4,7 @@ CPU AdamW throughput (the optimizer runs on CPU over streamed shards), matmul TF
 and bf16 (forward/backward compute), and host->GPU copy bandwidth from pinned and pageable
 memory. Each measurement repeats its operation until `seconds` have passed (at least twice,
 the first run being a warm-up) and reports the best rate. The disk side lives in
-`tierzero.storage.bench`; only the CLI prints.
+`tierzero.planning.diskbench`; only the CLI prints.
 """
 
 from __future__ import annotations

@@ -36,12 +36,13 @@ from typing import Any
 
 from tierzero.checkpoint import lineage
 from tierzero.checkpoint.catalog import CHECKPOINTS_DIR, checkpoint_dirs, move_aside
-from tierzero.checkpoint.files import read_regular, write_small_durable
+from tierzero.checkpoint.files import read_regular
 from tierzero.config import RunConfig
 from tierzero.configfile import to_toml
 from tierzero.errors import RunDirError
-from tierzero.storage.dirlock import is_store_root
+from tierzero.storage.durable import write_atomic
 from tierzero.storage.filekind import kind_of, not_a_file, open_regular
+from tierzero.storage.nvme.dirlock import is_store_root
 
 CONFIG_NAME = "config.toml"
 METRICS_NAME = "metrics.jsonl"
@@ -152,7 +153,7 @@ class RunDir:
         saved.engine.nvme_path = [self._stored_path(p) for p in run.engine.nvme_path]
         text = f"# run-id: {self.run_id}\n{to_toml(saved)}"
         try:
-            write_small_durable(self.path / CONFIG_NAME, text.encode())
+            write_atomic(self.path / CONFIG_NAME, text.encode())
         except OSError as e:
             raise RunDirError(f"cannot write {self.path / CONFIG_NAME} ({e.strerror}); make the run "
                               "directory writable") from None
@@ -171,7 +172,7 @@ class RunDir:
             lines = _metrics_lines(path)
             kept = [line for line in lines if _before(line, start_step)]
             if len(kept) < len(lines):
-                write_small_durable(path, "".join(f"{line}\n" for line in kept).encode())
+                write_atomic(path, "".join(f"{line}\n" for line in kept).encode())
             fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         except OSError as e:
             raise RunDirError(f"cannot write {path} ({e.strerror}); remove it or choose another "

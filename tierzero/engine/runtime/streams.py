@@ -81,6 +81,12 @@ class Streams(abc.ABC):
         """Keep an allocator-owned `tensor` from being reused before `stream`'s work on it ends."""
 
     @property
+    def store_copy(self) -> torch.cuda.Stream | None:
+        """The stream the memory stores copy on (their awaited copies between host and device);
+        None where there is no device stream: a store then makes its own if it ever needs one."""
+        return None
+
+    @property
     def h2d_write(self) -> Stream:
         """The stream for host -> device writes (see the module docstring); `h2d` itself where
         there is only one (the CPU, the recording fake), which orders them after fetches."""
@@ -143,11 +149,16 @@ class CudaStreams(Streams):
             self._h2d_write = torch.cuda.Stream(device)
             self.d2h = torch.cuda.Stream(device)
             self.comm = torch.cuda.Stream(device)
+            self._store_copy = torch.cuda.Stream(device)
         self._lanes = {self.h2d: "h2d", self._h2d_write: "h2d_write", self.d2h: "d2h", self.comm: "comm"}
 
     @property
     def h2d_write(self) -> Stream:
         return self._h2d_write
+
+    @property
+    def store_copy(self) -> torch.cuda.Stream:
+        return self._store_copy
 
     def lane(self, event: Event) -> str:
         return getattr(event, "lane", "compute")  # `copy` names the events it returns

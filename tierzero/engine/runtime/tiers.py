@@ -158,10 +158,10 @@ class Tiers:
             budget = self.host_budget if self.device.type == "cuda" or not pinned else min(self.host_budget, pinned)
             self.host_pool = self._open(HostPool(budget, device=pin_device, blocks=self.host_blocks))
             self.device_pool = self._open(DevicePool(self.gpu_budget, self.device))
-            self.stores[Tier.HOST] = self._open(HostStore(self.host_pool))
-            self.stores[Tier.GPU] = self._open(DeviceStore(self.device_pool))
+            self.stores[Tier.HOST] = self._open(HostStore(self.host_pool, self.streams.store_copy))
+            self.stores[Tier.GPU] = self._open(DeviceStore(self.device_pool, self.streams.store_copy))
             if Tier.NVME in self.homes:
-                from tierzero.storage.nvme import NvmeStore
+                from tierzero.storage.nvme.store import NvmeStore
 
                 self.stores[Tier.NVME] = self._open(NvmeStore(
                     self.nvme_paths, chunk_bytes=self.config.chunk_bytes,
@@ -207,7 +207,7 @@ class Tiers:
 
     def flush_behind(self) -> None:
         """After a step: start an NVMe flush without waiting for it, so the blocks the step
-        superseded become spares (`storage.spares`) while the next step runs. Durability is
+        superseded become spares (`storage.nvme.spares`) while the next step runs. Durability is
         the checkpoints' (and `close`'s), which flush and wait. One at a time: the previous
         flush is waited for first, and its failure raised here."""
         if Tier.NVME in self.stores:

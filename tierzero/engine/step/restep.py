@@ -29,7 +29,7 @@ from tierzero.config import OPTIMIZER_KINDS, Placement, StateKind, Tier
 from tierzero.engine.step.paramsteps import Run
 from tierzero.layout.partition import Unit
 from tierzero.storage.base import TierStore
-from tierzero.storage.nvme import NvmeStore
+from tierzero.storage.nvme.store import NvmeStore
 
 KEPT_KINDS = (StateKind.GRAD, *OPTIMIZER_KINDS)
 

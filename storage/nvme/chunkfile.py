@@ -21,6 +21,8 @@ import time
 import crc32c
 import numpy as np
 
+from tierzero.storage.durable import fsync_path
+
 ALIGN = 4096
 
 
@@ -171,18 +173,6 @@ def _preadv_all(fd: int, out: memoryview, offset: int) -> None:
         if n == 0:
             raise ShortChunkError(f"ends at byte {offset + done}")
         done += n
-
-
-def fsync_path(path: str) -> None:
-    """fsync a file or directory that may since have been deleted (then there is nothing to do)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def exchange(a: str, b: str) -> bool:

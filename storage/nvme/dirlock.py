@@ -23,9 +23,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tierzero.storage.base import StorageError, StoreLockedError, os_error
+from tierzero.storage.durable import write_atomic
 from tierzero.storage.filekind import kind_of, open_regular
-from tierzero.storage.generations import GEN_NAME, write_atomic
-from tierzero.storage.spares import SPARE_DIR
+from tierzero.storage.nvme.generations import GEN_NAME
+from tierzero.storage.nvme.spares import SPARE_DIR
 
 LOCK_NAME = ".tierzero.lock"
 OWNER_NAME = ".tierzero-store.json"

@@ -11,7 +11,7 @@ figure is ours too (`fio_wall_span`): all bytes over the wall span from the firs
 submission to the last completion, read off its per-request latency logs (`--write_lat_log`,
 Unix-epoch times in ms, so +-2 ms: about 1% of a 1 GiB run) -- the same definition the store is
 timed by. Data is incompressible and never repeated (`--refill_buffers`, `--randrepeat=0`; see
-`bench` for why not fio's scrambling). This module runs fio and reads its output; `DiskBench`
+`diskbench` for why not fio's scrambling). This module runs fio and reads its output; `DiskBench`
 decides when.
 """
 

@@ -50,14 +50,15 @@ from collections.abc import Sequence
 import crc32c
 import torch
 
-from tierzero.storage import chunkfile
-from tierzero.storage.arrays import link_array
 from tierzero.storage.base import Capabilities, ShardNotFoundError, StorageCorruptError, StorageError, StorageFullError, TierStore, check_flat, check_key, check_out, dtype_name, os_error
-from tierzero.storage.chunkjobs import ChunkJobs, shielded
-from tierzero.storage.dirlock import check_directory, is_store_root, lock_directory
-from tierzero.storage.generations import GEN_NAME, Current, gen_name, pointer_json, read_pointer, remove_orphans, write_atomic, write_file
-from tierzero.storage.spares import SpareFiles
-from tierzero.storage.zarrmeta import GROUP_JSON, ShardMeta, nchunks
+from tierzero.storage.durable import write_atomic, write_file
+from tierzero.storage.nvme.arrays import link_array
+from tierzero.storage.nvme import chunkfile
+from tierzero.storage.nvme.chunkjobs import ChunkJobs, shielded
+from tierzero.storage.nvme.dirlock import check_directory, is_store_root, lock_directory
+from tierzero.storage.nvme.generations import GEN_NAME, Current, gen_name, pointer_json, read_pointer, remove_orphans
+from tierzero.storage.nvme.spares import SpareFiles
+from tierzero.storage.nvme.zarrmeta import GROUP_JSON, ShardMeta, nchunks
 
 def _byte_view(t: torch.Tensor) -> memoryview:
     """The tensor's bytes as a writable memoryview over the same storage (no copy)."""

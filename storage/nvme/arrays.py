@@ -21,9 +21,10 @@ import crc32c
 import numpy as np
 import torch
 
-from tierzero.storage import chunkfile
 from tierzero.storage.base import StorageCorruptError, StorageError, os_error
-from tierzero.storage.zarrmeta import ShardMeta
+from tierzero.storage.durable import fsync_path
+from tierzero.storage.nvme import chunkfile
+from tierzero.storage.nvme.zarrmeta import ShardMeta
 
 
 def chunk_path(array_dir: str, index: int) -> str:
@@ -66,7 +67,7 @@ def _link_array(src_dir: str, dst_dir: str, meta: ShardMeta, with_meta: bool, sy
                 raise
             shutil.copyfile(src, dst)  # another filesystem: copy, the caller says so once
             if sync:
-                chunkfile.fsync_path(dst)
+                fsync_path(dst)
             copied += meta.chunk_bytes
     if with_meta:
         _write_meta(dst_dir, meta, sync)
@@ -86,7 +87,7 @@ def write_array(dst_dir: str, src: torch.Tensor, chunk_bytes: int) -> ShardMeta:
             crcs.append(crc32c.crc32c(part))
             path = chunk_path(dst_dir, i)
             chunkfile.write_chunk(path, part, chunk_bytes, direct=False)
-            chunkfile.fsync_path(path)
+            fsync_path(path)
         meta = ShardMeta(src.dtype, src.numel(), chunk_bytes, crcs)
         path = os.path.join(dst_dir, "zarr.json")
         _write_meta(dst_dir, meta)
@@ -140,5 +141,5 @@ def _write_meta(array_dir: str, meta: ShardMeta, sync: bool = True) -> None:
             f.flush()
             os.fsync(f.fileno())
     if sync:
-        chunkfile.fsync_path(os.path.join(array_dir, "c"))
-        chunkfile.fsync_path(array_dir)
+        fsync_path(os.path.join(array_dir, "c"))
+        fsync_path(array_dir)

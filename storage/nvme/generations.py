@@ -1,23 +1,16 @@
-"""A shard's generations on disk: the pointer that names the current one, and its small files.
+"""A shard's generations on disk: the pointer that names the current one, and what a killed writer left.
 
 Each write of a shard fills a new generation directory (`g000017/`); the shard's group
 zarr.json (the *pointer*) names the current one, and replacing the pointer with one rename is
-the write's commit point (`NvmeStore`). This module owns those names and files: the generation
-and temp-file names, the atomic small-file write, reading a pointer back, and removing what a
-killed writer left. It never moves chunk bytes.
-
-Ordering of an atomic write (`write_atomic`): write a temp file, fsync it, rename it over the
-final name, fsync the directory. The file fsync keeps a rename from ever naming unwritten bytes
-(after a power loss the name holds the old content or the new, never an empty file); the
-directory fsync makes the rename itself durable. The store's commit pointer skips only that
-last fsync (`durable=False`): its rename becomes durable at the store's next `flush()`, one
-syncfs with the chunk renames it depends on -- exactly the power-loss guarantee `NvmeStore`
-documents -- instead of one more journal commit per shard write.
+the write's commit point (`NvmeStore`). This module owns those names: the generation names,
+reading a pointer back, and removing what a killed writer left. Small files are written by
+`storage.durable.write_atomic`; the commit pointer skips its directory fsync (`durable=False`):
+that rename becomes durable at the store's next `flush()`, one syncfs with the chunk renames it
+depends on -- exactly the power-loss guarantee `NvmeStore` documents. It never moves chunk bytes.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import re
@@ -25,14 +18,12 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tierzero.storage import chunkfile
 from tierzero.storage.base import StorageCorruptError
+from tierzero.storage.durable import TMP_SUFFIX
 from tierzero.storage.filekind import open_regular
-from tierzero.storage.spares import SPARE_DIR
-from tierzero.storage.zarrmeta import ShardMeta
+from tierzero.storage.nvme.spares import SPARE_DIR
+from tierzero.storage.nvme.zarrmeta import ShardMeta
 
-TMP_SUFFIX = ".tmp"
-_tmp_ids = itertools.count()
 _TMP_NAME = re.compile(r"\..+\.\d+-\d+" + re.escape(TMP_SUFFIX))
 GEN_NAME = re.compile(r"g(\d{6,})")
 
@@ -87,33 +78,6 @@ def read_pointer(shard_dir: str) -> tuple[int, ShardMeta] | None:
     return gen, meta
 
 
-def write_file(path: str, raw: bytes, sync: bool = False) -> None:
-    """Create `path` (it must not exist) holding `raw`; `sync`: fsync it before closing."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(raw)
-        while view:
-            view = view[os.write(fd, view):]
-        if sync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: str, raw: bytes, durable: bool = True) -> None:
-    """Replace `path` with `raw` all at once: temp file, fsync, rename, directory fsync (the
-    last only when `durable`; see the module docstring)."""
-    temp = _temp_for(path)
-    try:
-        write_file(temp, raw, sync=True)
-        os.replace(temp, path)
-    except BaseException:
-        unlink(temp)
-        raise
-    if durable:
-        chunkfile.fsync_path(os.path.dirname(path) or ".")
-
-
 def unlink(path: str) -> None:
     try:
         os.unlink(path)
@@ -140,11 +104,6 @@ def remove_orphans(root: str, foreign: Callable[[str], bool]) -> None:
             if current is not None and d != current:  # an unreadable pointer: keep everything
                 shutil.rmtree(os.path.join(dirpath, d), ignore_errors=True)
         dirnames[:] = [d for d in dirnames if d not in gens]  # never walk the chunk directories
-
-
-def _temp_for(final: str) -> str:
-    head, tail = os.path.split(final)
-    return os.path.join(head, f".{tail}.{os.getpid()}-{next(_tmp_ids)}{TMP_SUFFIX}")
 
 
 def _current_name(pointer: str) -> str | None:

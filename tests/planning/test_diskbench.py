@@ -18,12 +18,12 @@ from typer.testing import CliRunner
 from tierzero.cli.bench import bench
 from tierzero.errors import ConfigError
 from tierzero.planning.placement import load_profile
-from tierzero.storage import chunkfile
+from tierzero.planning.diskbench import DiskBench
+from tierzero.planning.fio import STORE_SHAPE_JOBS, fio_command, fio_sweep, fio_wall_span
 from tierzero.storage.base import StorageError
-from tierzero.storage.bench import DiskBench
-from tierzero.storage.fio import STORE_SHAPE_JOBS, fio_command, fio_sweep, fio_wall_span
 from tierzero.storage.host import HostPool
 from tierzero.storage.io import IOLoop
+from tierzero.storage.nvme import chunkfile
 
 app = typer.Typer()
 app.command()(bench)

@@ -10,7 +10,7 @@ round's ratio. Throughputs are the best of their rounds. GB/s are 1e9 bytes per 
   on the I/O loop's threads (the same pool the store uses): the ceiling for Python.
 - store: `NvmeStore` writing and reading `shard_bytes` shards of one buffer, all in flight at
   once; the default chunk size in every round, a few other chunk sizes once.
-- fio (optional), direct I/O (`storage.fio`: the sweep, command lines, and its wall-span
+- fio (optional), direct I/O (`planning.fio`: the sweep, command lines, and its wall-span
   figure). The sweep first picks the best configuration for each direction (its best figure is
   reported); the rounds then run that one. fio's own figure is reported beside ours. Without
   O_DIRECT, fio's file is fsynced after it exits and that time is added to a write's span, as
@@ -61,12 +61,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierzero.storage import chunkfile
+from tierzero.planning.fio import FioConfig, check_fio, config_name, fio_command, fio_engines, fio_sweep, fio_wall_span, run_fio
 from tierzero.storage.base import StorageError
-from tierzero.storage.fio import FioConfig, check_fio, config_name, fio_command, fio_engines, fio_sweep, fio_wall_span, run_fio
+from tierzero.storage.durable import fsync_path
 from tierzero.storage.host import HostPool
 from tierzero.storage.io import IOLoop
-from tierzero.storage.nvme import NvmeStore
+from tierzero.storage.nvme import chunkfile
+from tierzero.storage.nvme.store import NvmeStore
 
 RAW_BLOCK_BYTES = 8 << 20
 DEFAULT_CHUNK_BYTES = 8 << 20
@@ -380,7 +381,7 @@ class DiskBench:
             seconds, nbytes = fio_wall_span(log_dir)
             if rw == "write" and not self._direct:
                 start = time.perf_counter()
-                chunkfile.fsync_path(path)
+                fsync_path(path)
                 seconds += time.perf_counter() - start
             gbps = nbytes / seconds / 1e9
         finally:
