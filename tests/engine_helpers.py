@@ -37,3 +37,15 @@ def engine_weights(args: ModelArgs, config: Config, steps: int) -> dict[str, tor
         for _ in range(steps):
             engine.train_step(data.next_batch())
         return engine.master_state_dict()
+
+
+def fresh(tmp_path, name: str):
+    """A directory of its own under `tmp_path` (one engine's nvme store)."""
+    (tmp_path / name).mkdir()
+    return tmp_path / name
+
+
+def assert_same(weights: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    assert weights.keys() == ref.keys()
+    for key in ref:
+        assert torch.equal(weights[key], ref[key]), key

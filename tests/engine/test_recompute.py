@@ -27,7 +27,7 @@ from tierzero.planning.ledger import activation_memory
 from tierzero.planning.recompute import choose_kept
 from tierzero.planning.workload import Workload
 
-from engine_helpers import SMALL, batches, reference_run
+from engine_helpers import SMALL, assert_same, batches, fresh, reference_run
 from test_engine_exact import PLACEMENTS, config
 
 STEPS, K = 2, 2
@@ -66,18 +66,6 @@ def train(cfg: Config, monkeypatch: pytest.MonkeyPatch, steps: int = STEPS, args
     monkeypatch.setattr(Block, "forward", forward)
     monkeypatch.setattr(Transformer, "head_out", head_out)
     return weights, engine, inputs, head_inputs
-
-
-def fresh(tmp_path, name: str):
-    """A directory of its own under `tmp_path` (one engine's nvme store)."""
-    (tmp_path / name).mkdir()
-    return tmp_path / name
-
-
-def assert_same(weights: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
-    assert weights.keys() == ref.keys()
-    for key in ref:
-        assert torch.equal(weights[key], ref[key]), key
 
 
 @pytest.mark.parametrize("name", ["all-gpu", "everything-on-nvme"])

@@ -25,7 +25,7 @@ from tierzero.errors import ConfigError, TierzeroError
 from tierzero.planning.memory_model import waiting_activations_bytes
 from tierzero.planning.swapplan import Op, Phase, build_swap_plan
 
-from engine_helpers import SMALL, batches, reference_run
+from engine_helpers import SMALL, assert_same, batches, fresh, reference_run
 from test_engine_exact import PLACEMENTS, config
 
 K, STEPS = 3, 2
@@ -41,18 +41,6 @@ def train(args, cfg: Config, steps: int = STEPS) -> tuple[list[float], dict[str,
             losses += [t.item() for t in micro]  # known once the step's last micro-batch has run
         weights = engine.master_state_dict()
     return losses, weights, engine
-
-
-def fresh(tmp_path, name: str):
-    """A directory of its own under `tmp_path` (one engine's nvme store)."""
-    (tmp_path / name).mkdir()
-    return tmp_path / name
-
-
-def assert_same(weights: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
-    assert weights.keys() == ref.keys()
-    for key in ref:
-        assert torch.equal(weights[key], ref[key]), key
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
