@@ -52,3 +52,12 @@ def test_steps_that_set_the_schedule_are_refused_as_steps() -> None:
     assert refused.value.key == "steps"
     with pytest.raises(ConfigError, match="^total_steps must be a finite number > 0, got 0"):
         load_run_config(overrides={"steps": 5, "total_steps": 0})
+
+
+def test_a_config_written_before_eval_tokens_still_loads(tmp_path) -> None:
+    """A run's config.toml from before the validation set was fixed in tokens holds
+    `eval_batches`; a resume reads it (the key is retired, not unknown)."""
+    path = tmp_path / "config.toml"
+    path.write_text('model = "tiny"\nsteps = 3\neval_batches = 4\n')
+    run = load_run_config(path)
+    assert run.steps == 3 and run.eval_tokens == RunConfig.eval_tokens

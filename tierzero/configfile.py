@@ -25,12 +25,18 @@ _RUN_FIELDS = {f.name for f in dataclasses.fields(RunConfig)} - {"engine"}
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(Config)}
 
 
+# keys older config.toml files hold whose meaning a newer key took over: read and ignored
+_RETIRED = {"eval_batches"}  # the validation set is fixed in tokens now (`eval_tokens`)
+
+
 def load_run_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Read a flat TOML file (run and engine keys side by side), then apply `overrides`.
 
     Overrides are the CLI flags that were given; `None` values mean "not given".
     """
     values = read_toml(path) if path is not None else {}
+    for key in _RETIRED:  # a run's config.toml written before the key was retired still resumes
+        values.pop(key, None)
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     unknown = set(values) - _RUN_FIELDS - _ENGINE_FIELDS
     if unknown:
