@@ -9,7 +9,7 @@ import torch
 
 from tierzero import Config, Placement, Tier
 from tierzero.engine.vertical.boundary import BoundaryStore
-from tierzero.engine.tiers import Tiers
+from tierzero.engine.runtime.tiers import Tiers
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 NUMEL = 4096  # 16 KiB of fp32: one activation; the large entry is twice that
