@@ -96,4 +96,4 @@ def test_bad_values_are_refused_in_one_sentence(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="verify_reads must be auto, on or off, got 'yes'"):
         Config(verify_reads="yes")
     result = CliRunner().invoke(app, ["train", "--steps", "1", "--verify-reads", "yes", "--run-dir", str(tmp_path)])
-    assert result.exit_code == 2 and result.output.strip() == "error: verify_reads must be auto, on or off, got 'yes'"
+    assert result.exit_code == 2 and result.output.strip() == "error: --verify-reads must be auto, on or off, got 'yes'"

@@ -49,7 +49,7 @@ def test_a_model_without_repeated_blocks_is_told_the_flag(tmp_path: Path) -> Non
 
 
 def test_a_refusal_in_the_first_step_prints_no_progress_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(self, batch):
+    def refuse(self, batch, **_):
         raise ConfigError("this step cannot run; change the thing that stops it")
 
     monkeypatch.setattr("tierzero.engine.Engine.train_micro_batch", refuse)
