@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 from rich import box
@@ -12,14 +12,12 @@ from rich.table import Table
 
 from tierzero.cli.output import Output
 from tierzero.config import RunConfig, StateKind, Tier
-from tierzero.engine.vertical.chain import chain_of
-from tierzero.hf import is_hf, load_model
-from tierzero.layout.partition import partition
-from tierzero.models.presets import PRESETS, ModelArgs
-from tierzero.planning.ledger import GB, check_world_size
+from tierzero.hf.plan import plan as plan_model
+from tierzero.models.presets import PRESETS
+from tierzero.planning.ledger import GB
 from tierzero.planning.peaks import MemoryModel, format_bytes
 from tierzero.planning.placement import Link
-from tierzero.planning.report import DEFAULT_PRESET, PlanReport, make_plan
+from tierzero.planning.report import DEFAULT_PRESET, PlanReport
 from tierzero.planning.streaming import DEFAULT
 
 
@@ -53,36 +51,15 @@ def plan(
     parameter count shaped like the nearest preset (--params), --vocab-size to change a
     shape's vocabulary, or hf:DIR (--model), a Hugging Face directory's own model. Sizes not
     given are what `tierzero train` would take on this machine."""
-    built = _hf_model(model, gpus) if model is not None and is_hf(model) else {}
-    report = make_plan(model, params=params, gpus=gpus, gpu_mem=gpu_mem, host_mem=host_mem, nvme_free=nvme_free,
+    report = plan_model(model, params=params, gpus=gpus, gpu_mem=gpu_mem, host_mem=host_mem, nvme_free=nvme_free,
                        nvme_path=nvme_path, batch_size=batch_size, seq_len=seq_len, prefetch_depth=prefetch_depth,
                        dtype=dtype, vocab_size=vocab_size, piece_numel=piece_numel, overlap=overlap,
-                       profile=profile, stage=stage, accumulate=accumulate, schedule=schedule, recompute=recompute, **built)
+                       profile=profile, stage=stage, accumulate=accumulate, schedule=schedule, recompute=recompute)
     out = Output(json_out)
     if json_out:
         out.emit_json(report.as_dict())
         return
     _print_report(out, report)
-
-
-def _hf_model(model: str, gpus: int) -> dict[str, Any]:
-    """hf:DIR built from its config.json with its parameters on `meta` (nothing is read but the
-    config): its units as the engine would partition them, and the LLaMA-like shape the
-    activation estimate uses (dim, layers, heads, kv heads, MLP width, vocabulary, positions),
-    and why the vertical schedule cannot drive it, if it cannot."""
-    check_world_size(gpus)
-    hf = load_model(model)
-    cfg = hf.model.config
-    heads = cfg.num_attention_heads
-    dim = cfg.hidden_size
-    ffn = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * dim
-    positions = getattr(cfg, "max_position_embeddings", None) or ModelArgs.max_seq_len
-    args = ModelArgs(dim=dim, n_layers=cfg.num_hidden_layers, n_heads=heads,
-                     n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, vocab_size=cfg.vocab_size,
-                     ffn_dim=ffn, max_seq_len=positions, tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)))
-    units = partition(hf.model, gpus)
-    chain = chain_of(hf.model, units)
-    return {"units": units, "args": args, "not_a_chain": chain if isinstance(chain, str) else None}
 
 
 # Plan's output fits an 80-column terminal: free text wraps at the console's width (the other

@@ -77,3 +77,15 @@ def test_hf_plans_keep_a_model_the_engine_runs_horizontally_horizontal(tmp_path:
     result = CliRunner().invoke(app, ["plan", *args, "--schedule", "vertical"])
     assert result.exit_code != 0
     assert "final norm has no parameters" in str(result.exception) + result.output
+
+
+def test_python_plans_an_hf_directory_as_the_cli_does(hf_models: dict[str, Path]) -> None:
+    """`tierzero.plan("hf:DIR")` builds the model from its config as `tierzero plan` does: the
+    same report, printed by the CLI as JSON."""
+    import tierzero
+
+    name = f"hf:{hf_models['llama']}"
+    report = tierzero.plan(name, gpus=1, host_mem="8GB", gpu_mem="4GB", nvme_free="1TB", accumulate=4)
+    cli = json.loads(plan("--model", name, *MACHINE, "--accumulate", "4", "--json"))
+    assert json.loads(json.dumps(report.as_dict())) == cli
+    assert report.as_dict()["model"]["units"] == len(partition(load_model(name).model, 1))
