@@ -1,4 +1,4 @@
-"""The cost of a re-step: exact clipping with the optimizer step beside backward (issue 21 item 3).
+"""The cost of a re-step: exact clipping with the optimizer step beside backward.
 
 With overlap_step and clip_grad_norm each unit is stepped unclipped as its grad arrives, from a
 kept generation; where the clip fires, every piece is stepped again with the coefficient once the

@@ -1,4 +1,4 @@
-"""Exact clipping with the optimizer step beside backward (issue 21 item 3).
+"""Exact clipping with the optimizer step beside backward.
 
 overlap_step steps each unit before the global norm exists; the optimizer keeps the generation
 each piece was stepped from and, where the clip fires, re-steps every piece from it with the

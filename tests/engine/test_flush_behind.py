@@ -1,4 +1,4 @@
-"""A step does not wait for the NVMe flush (S2 of issue 20): durability belongs to checkpoints
+"""A step does not wait for the NVMe flush: durability belongs to checkpoints
 (they flush before linking) and `close`; the per-step flush only turns the blocks the step
 superseded into spares, behind the next step. Compared: a syncfs held until the test releases
 it after `train_step` returned (a step that waited for it would return only when the hold gave

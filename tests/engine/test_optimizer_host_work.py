@@ -1,5 +1,5 @@
 """The optimizer's host work stays off the training thread, and its writes into device memory go
-up on the h2d_write stream (S6 of issue 20).
+up on the h2d_write stream.
 
 Compared: with overlap_step, the tensor calls `tierzero/engine/step/optim.py` makes on the training
 thread (where autograd runs backward on the CPU) while training -- none: the new params' cast

@@ -1,5 +1,5 @@
 """With overlap_step every piece's AdamW runs on the optimizer's one thread, never on an I/O
-worker (S5 of issue 20): one OpenMP team steps the pieces instead of one full team per worker
+worker: one OpenMP team steps the pieces instead of one full team per worker
 competing with the chunk reads and writes. Compared: the threads that ran `adamw_step` in an
 overlapped run whose weights still equal plain PyTorch's bitwise."""
 

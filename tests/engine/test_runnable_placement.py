@@ -1,5 +1,5 @@
-"""Placements the engine cannot run are refused at construction, in one sentence naming the fix
-(C4 of issue 20): grads on NVMe with the optimizer stepping on the GPU would be read from NVMe
+"""Placements the engine cannot run are refused at construction, in one sentence naming the fix:
+grads on NVMe with the optimizer stepping on the GPU would be read from NVMe
 into device memory, which the NVMe store refuses, at the first step."""
 
 from __future__ import annotations

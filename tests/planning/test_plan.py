@@ -349,7 +349,7 @@ def test_plan_tables_and_params(tmp_path: Path) -> None:
 
 
 def test_plan_detects_the_machine_when_sizes_are_not_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sizes not given are `tierzero train`'s defaults: half the free RAM (issue 18: not all of it)."""
+    """Sizes not given are `tierzero train`'s defaults: half the free RAM (not all of it)."""
     monkeypatch.setattr(machine_probe, "available_host_bytes", lambda: 24 * GB)
     report = json.loads(run_ok("--model", "tiny", "--nvme-path", str(tmp_path), "--json"))
     machine = report["machine"]

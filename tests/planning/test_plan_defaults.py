@@ -1,5 +1,5 @@
 """`tierzero plan` and `tierzero train` on the same machine: the same default budgets, the same
-units, the same placement (issue 18). The machine probe (`tierzero.planning.machine`) is
+units, the same placement. The machine probe (`tierzero.planning.machine`) is
 patched to fixed numbers, so the test describes one machine wherever it runs."""
 
 from __future__ import annotations

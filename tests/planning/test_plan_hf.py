@@ -1,4 +1,4 @@
-"""`tierzero plan --model hf:DIR` (issue 22, item 4): the directory's model is planned from its
+"""`tierzero plan --model hf:DIR`: the directory's model is planned from its
 config.json -- built on `meta`, partitioned as the engine partitions it -- not refused as an
 unknown preset."""
 

@@ -1,4 +1,4 @@
-"""`tierzero plan` on an 80-column terminal (issue 22, item 4): no line longer than 80
+"""`tierzero plan` on an 80-column terminal: no line longer than 80
 characters, no table cell cut short ("80...", "nv..."), sizes in a unit that shows them."""
 
 from __future__ import annotations

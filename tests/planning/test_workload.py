@@ -1,4 +1,4 @@
-"""One `Workload` (issue 18): built from the engine's partition of a model, or from a preset's
+"""One `Workload`: built from the engine's partition of a model, or from a preset's
 shape without building one, it is the same units and the same memory model."""
 
 from __future__ import annotations
