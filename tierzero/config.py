@@ -140,6 +140,17 @@ class Recompute(str, enum.Enum):
     NONE = "none"  # every block keeps its activations; refused where they do not fit
 
 
+class StateFormat(str, enum.Enum):
+    """How the two Adam moments are stored on every tier and in checkpoints (`tierzero.compact`)."""
+
+    FP32 = "fp32"  # exact: bitwise torch.optim.AdamW
+    BF16 = "bf16"
+    INT8 = "int8"  # blockwise dynamic quantisation: STATE_BLOCK values share one fp32 absmax
+
+
+STATE_BLOCK = 2048  # values per int8 quantisation block; pieces are multiples of it, so a piece quantises alone
+
+
 @dataclass
 class Config:
     """What the `Engine` needs: precision, optimizer, schedule and where state lives.
@@ -167,6 +178,8 @@ class Config:
     total_steps: int | None = None
     min_lr_ratio: float = 0.1
     clip_grad_norm: float | None = None
+    optimizer_state: StateFormat = StateFormat.FP32  # the Adam moments' stored format
+    master: DType = DType.FP32  # the master weights' stored dtype: fp32 (exact) or bf16
     clip_previous_norm: bool = False  # opt-in approximation: overlap_step clips by the previous norm, never re-steps
     accumulate: int = 1
     schedule: Schedule = Schedule.AUTO
@@ -199,6 +212,10 @@ class Config:
         self.lr_schedule = _enum(LRSchedule, self.lr_schedule, "lr_schedule")
         self.schedule = _enum(Schedule, self.schedule, "schedule")
         self.recompute = _enum(Recompute, self.recompute, "recompute")
+        self.optimizer_state = _enum(StateFormat, self.optimizer_state, "optimizer_state")
+        self.master = _enum(DType, self.master, "master")
+        if self.master is DType.FP16:
+            raise _refused("master", "must be fp32 or bf16, got 'fp16' (too few exponent bits for weights)")
         self.grad_reduce_dtype = _enum(DType, self.grad_reduce_dtype, "grad_reduce_dtype")
         if self.grad_reduce_dtype is DType.FP16:
             raise ConfigError("grad_reduce_dtype 'fp16' could overflow a sum of gradients; choose fp32 or bf16")
