@@ -5,7 +5,8 @@ one (`present`: the others are zeros, and the optimizer skips them as torch's Ad
 parameter whose grad is None). It becomes fp32, is reduce-scattered to this rank's shard
 (its trainable prefix: frozen parameters have no grad) and unscaled (fp16); later
 micro-batches of the step add what the earlier ones stored, piece by piece (a resident buffer for `gpu`/`host`, a staged read for
-`nvme`). On the last micro-batch the accumulated shard's norms and its finiteness are
+`nvme`, issued a unit ahead in the order micro-batch 0 accumulated the units, so autograd's
+thread finds the earlier sum landed instead of reading it). On the last micro-batch the accumulated shard's norms and its finiteness are
 recorded, so clipping and overflow checks need no second pass, and with overlap_step the
 shard goes straight to the optimizer; otherwise each piece is stored in its home.
 
@@ -27,7 +28,6 @@ each rank steps only its shard, so it needs only its shard of the sum (half the 
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 from collections.abc import Iterator
@@ -36,11 +36,12 @@ import torch
 
 from tierzero.distributed.comm import Comm, InFlight
 from tierzero.engine.step.backward import BackwardPass
+from tierzero.engine.step.gradio import read_after_write, stash_when_landed, write_when_landed
 from tierzero.errors import TierzeroError
 from tierzero.config import StateKind, Tier
 from tierzero.layout.partition import Unit, piece_ranges
 from tierzero.engine.runtime.stats import StepStats
-from tierzero.storage.base import TierStore
+from tierzero.storage.base import BudgetExceededError
 from tierzero.engine.runtime.streams import Event
 from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.keys import state_keys
@@ -76,6 +77,8 @@ class GradShards:
         self._landing: dict[str, Event] = {}  # host-homed piece key -> its D2H copy's event
         self._stashes: dict[str, concurrent.futures.Future] = {}  # a tied unit's earlier uses, being stashed
         self._held: dict[int, torch.Tensor] = {}  # grad home on the device: unit -> its earlier uses' sum
+        self._order: list[int] = []  # units in the order micro-batch 0 accumulated them
+        self._ahead: dict[str, tuple[concurrent.futures.Future, torch.Tensor]] = {}  # nvme key -> read, stage
         self.streams = tiers.streams
 
     @contextlib.contextmanager
@@ -85,14 +88,18 @@ class GradShards:
         self.pass_ = pass_
         self.seen = {}
         if pass_.micro == 0:
+            self._order = []
             self._full_held.clear()
             self.present = {}
             self.norms.clear()
             self.sumsq = torch.zeros((), dtype=torch.float32, device=self.tiers.device)
             self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.tiers.device)
+        elif self._order:
+            self._read_ahead(self._order[0])
         try:
             yield
         finally:
+            self._drop_ahead()
             self.pass_ = BackwardPass()  # drops the pass's tensors and its optimizer
             for unit in list(self._held):  # a backward that failed between a tied unit's uses
                 self._give_back_held(unit)
@@ -164,7 +171,12 @@ class GradShards:
         keys = state_keys(StateKind.GRAD, u, self.comm.rank, self.piece_numel, self.home)
         # earlier micro-batches' sum, piece by piece (prev + new: addition commutes); stage 1
         # summed them before the reduction
-        if self.pass_.micro > 0 and not self.full_until_last:
+        if self.pass_.micro == 0:
+            self._order.append(unit)
+        elif not self.full_until_last:
+            at = self._order.index(unit) if unit in self._order else -1
+            if 0 <= at < len(self._order) - 1:
+                self._read_ahead(self._order[at + 1])  # beside this add and the next unit's backward
             for key, a, b in keys:
                 self._add_previous(key, grad[a:b])
         if self.pass_.last:
@@ -205,18 +217,43 @@ class GradShards:
             # to the device on the h2d_write stream, after the last micro-batch's D2H of this piece
             self._add_from_host(part, store.view(key), after=self._landing.pop(key, None), stage=None)
             return
-        stage = self.tiers.lease_host(part.numel() * 4).view(torch.float32)
+        ahead = self._ahead.pop(key, None)
+        if ahead is None:
+            ahead = self._issue_read(key, self.tiers.lease_host(part.numel() * 4).view(torch.float32))
+        read, stage = ahead
         try:
             with self.stats.waiting():
-                write = self._writes.pop(key, None)
-                if write is not None:
-                    write.result()  # read after write: the last micro-batch's must land
-                self.tiers.run(store.read_into(key, stage))
+                read.result()  # issued a unit ahead: normally landed already
         except BaseException:
             self.tiers.host_pool.give_back(stage.view(torch.uint8))
             raise
         self.stats.add_bytes(Link.NVME_TO_HOST, part.numel() * 4)
         self._add_from_host(part, stage, after=None, stage=stage)
+
+    def _read_ahead(self, unit: int) -> None:
+        """Start reading `unit`'s earlier micro-batches' grad pieces from nvme into leased host
+        buffers, as far as the pool has room without waiting (what it has not is read when needed)."""
+        if self.home is not Tier.NVME or self.pass_.micro == 0:
+            return
+        for key, a, b in state_keys(StateKind.GRAD, self.units[unit], self.comm.rank, self.piece_numel, self.home):
+            if key in self._ahead:
+                continue
+            try:
+                stage = self.tiers.lease_host((b - a) * 4, wait=False).view(torch.float32)
+            except BudgetExceededError:
+                return
+            self._ahead[key] = self._issue_read(key, stage)
+
+    def _issue_read(self, key: str, stage: torch.Tensor) -> tuple[concurrent.futures.Future, torch.Tensor]:
+        """Read a grad piece into `stage` on an I/O thread, after its last write has landed."""
+        return self.tiers.submit(read_after_write(self._writes.pop(key, None), self.tiers.stores[Tier.NVME],
+                                                   key, stage)), stage
+
+    def _drop_ahead(self) -> None:
+        """Give back the read-ahead buffers a pass did not use (a failed or re-run backward)."""
+        for read, stage in self._ahead.values():
+            self.tiers.pending.add(read, lambda ok, stage=stage: self.tiers.host_pool.give_back(stage.view(torch.uint8)))
+        self._ahead.clear()
 
     def _add_from_host(self, part: torch.Tensor, host: torch.Tensor, after: Event,
                        stage: torch.Tensor | None) -> None:
@@ -251,7 +288,7 @@ class GradShards:
         s.keep_alive(part, s.d2h)
         self.stats.add_bytes(Link.GPU_TO_HOST, nbytes)
         future = self._writes[key] = self.tiers.submit(
-            _write_when_landed(self.tiers, landed, self.tiers.stores[Tier.NVME], key, stage))
+            write_when_landed(self.tiers, landed, self.tiers.stores[Tier.NVME], key, stage))
         self.tiers.pending.add(future, lambda ok: self.tiers.host_pool.give_back(stage.view(torch.uint8)))
         self.stats.add_bytes(Link.HOST_TO_NVME, nbytes)
 
@@ -279,7 +316,7 @@ class GradShards:
             s.keep_alive(grad, s.d2h)
             self.stats.add_bytes(Link.GPU_TO_HOST, nbytes)
             add = self.tiers.lease_host(nbytes).view(torch.float32) if stash is not None else None
-            future = self._stashes[key] = self.tiers.submit(_stash_when_landed(self.tiers, landed, store, key, stage, add))
+            future = self._stashes[key] = self.tiers.submit(stash_when_landed(self.tiers, landed, store, key, stage, add))
             self.tiers.pending.add(future, lambda ok: [self.tiers.host_pool.give_back(b.view(torch.uint8))
                                                        for b in (stage, add) if b is not None])
             if stash is not None:
@@ -356,21 +393,3 @@ class GradShards:
             norms = [self.norms[n] for n in param_order if n in self.norms]
             return torch.linalg.vector_norm(torch.stack(norms), 2.0)
         return self.comm.all_reduce_sum(self.sumsq.to("cpu", copy=True)).sqrt()
-
-
-async def _write_when_landed(tiers: Tiers, landed: Event, store: TierStore, key: str,
-                             stage: torch.Tensor) -> None:
-    """Write a grad piece to nvme once its D2H copy into `stage` has happened."""
-    await tiers.landed(landed)
-    await store.write(key, stage)
-
-
-async def _stash_when_landed(tiers: Tiers, landed: Event, store: TierStore, key: str,
-                             stage: torch.Tensor, add: torch.Tensor | None) -> None:
-    """Once a use's grad has landed in `stage`: add the earlier uses' stash (read into `add`)
-    on the host, and write the sum home as the stash."""
-    await tiers.landed(landed)
-    if add is not None:
-        await store.read_into(key, add)
-        await asyncio.get_running_loop().run_in_executor(None, stage.add_, add)
-    await store.write(key, stage)
