@@ -11,7 +11,8 @@ nothing and never probes the machine. What it returns (`TierPeak`, `MemoryModel`
 `tierzero.planning.peaks`'s; what it is computed for, a `tierzero.planning.workload.Workload`.
 
 Conventions (as in `tierzero.planning.placement`): gpu bytes are per rank, host and nvme bytes per machine
-(every rank's shards and buffers). Gradients are fp32 in every tier, as the engine keeps them.
+(every rank's shards and buffers). Grads are fp32 in every tier, as the engine keeps them; master and
+Adam moments take their stored format's bytes (`planning.statebytes`), a param that is the master none.
 Frozen parameters have a param and nothing else: grads, master weights, Adam states and the
 optimizer's pieces cover a unit's trainable prefix only (`Unit.trainable_numel`; with several ranks
 counted at rank 0's share, the largest, for every rank).
@@ -47,14 +48,15 @@ What a part means, and which pool holds it (`POOLED`; the others are torch alloc
 - tied grad stash (the grad home's pool, and a host buffer): a tied embedding's first use's
   grad waits in the grad home until the second use's arrives; their sum forms in host memory
   and is copied to the compute device (tied grad sum).
-- optimizer pieces (the stepping device's pool): per piece of `piece_numel` elements, one fp32
-  buffer per state kind that is not resident on the stepping device: `prefetch_depth` pieces
+- optimizer pieces (the stepping device's pool): per piece of `piece_numel` elements, one
+  buffer per state kind not on the stepping device, in its stored format: `prefetch_depth` pieces
   read ahead and one more whose writes are in flight when a state lives on nvme; with
   overlap_step, the first `prefetch_depth` pieces of the unit being stepped and of the next
   one, and the last piece of the one before. The engine issues a whole unit's pieces at once
   in backward, so spare budget lets more be in flight, never less than this.
 - new param staging (host pool): with params on nvme, or on the GPU with the step on the CPU,
-  each stepped piece's new compute-dtype values are written from a host buffer of one piece.
+  each stepped piece's new compute-dtype values are written from a host buffer of one piece
+  (none where the param is the master: the master's write is the param's).
 - activations (compute device): see `tierzero.planning.ledger.activation_memory`; a block
   that keeps its graph instead of being recomputed (`tierzero.planning.recompute`) adds its
   saved tensors (`recompute_bytes`) from its forward to its backward, so to both passes' peaks.
@@ -217,14 +219,12 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
         else:  # `ahead` pieces read, one more whose writes are in flight
             most = _window(pieces, ahead + (1 if writing else 0), fp32_blocks)
         parts: dict[Tier, dict[str, list[int] | int]] = {Tier.GPU: {}, Tier.HOST: {}}
-        # a buffer per piece and state kind, in the kind's stored format (the compact step
-        # dequantises into a few cache-sized fp32 blocks, not counted)
+        # a buffer per piece and state kind, in its stored format (the compact step's fp32 scratch: not counted)
         sized = [formats.nbytes(k, p, c, FP32_NBYTES) for k in away for p in most]
         if step_tier is Tier.HOST:
             parts[Tier.HOST]["optimizer pieces"] = sized
         else:
             parts[Tier.GPU]["optimizer pieces"] = sum(sized)
-        # (where the param is the master, the master's write is the new param's)
         if not one_weight and (placement.param is Tier.NVME or (placement.param is Tier.GPU and step_device != device)):
             # each stepped piece's new params, written (to nvme, or up to the device) from a host buffer
             parts[Tier.HOST]["new param staging"] = [min(piece_numel, max(state)) * c]
