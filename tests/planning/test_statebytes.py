@@ -115,3 +115,17 @@ def test_plan_takes_the_formats_and_refuses_bad_ones_by_flag() -> None:
         make_plan("125m", optimizer_state="int4", **kw)
     with pytest.raises(ConfigError, match="--master 'fp16'"):
         make_plan("125m", master="fp16", **kw)
+
+
+def test_a_7b_that_fp32_state_cannot_fit_fits_in_compact_state_with_nothing_on_nvme() -> None:
+    """24 GB of GPU, 64 GB of host memory, 80 GB of disk: fp32 state needs 80.9 GB of store;
+    int8 moments and a bf16 master hold every optimizer state in the host (54.3 GB)."""
+    kw = dict(gpu_mem="24GB", host_mem="64GB", nvme_free="80GB", dtype="bf16", batch_size=8, seq_len=128)
+    fp32 = make_plan("7b", **kw)
+    compact = make_plan("7b", optimizer_state="int8", master="bf16", **kw)
+    assert not fp32.choice.fits and fp32.choice.shortfall_bytes.keys() == {Tier.NVME}
+    assert compact.choice.fits and compact.placement == Placement(Tier.GPU, *[Tier.HOST] * 4)
+    assert compact.step_nvme_bytes() == {"horizontal": 0, "vertical": 0}
+    n = compact.workload.state_shard_numel  # host homes: fp32 grads, bf16 master, int8 moments with scales
+    homes = compact.choice.estimate.memory.tiers[Tier.HOST].homes_bytes
+    assert n * 8 <= homes <= n * 8 * 1.01
