@@ -168,12 +168,12 @@ def _print_formats(out: Output, r: dict) -> None:
     (--optimizer-state, --master), the chosen one marked."""
     t = Table(title=f"State bytes per parameter by format ({r['dtype']} compute; grads in it, as above)",
               box=box.SIMPLE_HEAD)
-    for col in ("--optimizer-state", "--master", "weights", "grads", "moments", "total"):
-        t.add_column(col, justify="left" if col.startswith("--") else "right", no_wrap=True)
+    for col in ("--optimizer-state", "--master", "weights", "grads", "moments", "total", ""):
+        t.add_column(col, justify="left" if col.startswith("--") or not col else "right", no_wrap=True)
     for row in r["compact_ledger"]:
-        mark = " <" if row["chosen"] else ""
-        t.add_row(row["optimizer_state"], row["master"], *(f"{row[k]:.2f}" for k in ("weights", "grads", "moments")),
-                  f"{row['bytes_per_param']:.2f}{mark}")
+        t.add_row(row["optimizer_state"], row["master"],
+                  *(f"{row[k]:.2f}" for k in ("weights", "grads", "moments", "bytes_per_param")),
+                  "<" if row["chosen"] else "")
     out.print(t)
     _say(out, f"State: {r['state_formats']['text']}")
 
