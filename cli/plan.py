@@ -41,9 +41,12 @@ def plan(
     accumulate: int = typer.Option(1, "--accumulate", help="Micro-batches per step (stage 1 keeps whole grads between them)."),
     schedule: str = typer.Option("auto", "--schedule", help="How the --accumulate micro-batches run: horizontal, vertical (each unit for all of them; built-in shapes and Hugging Face decoders) or auto (default: vertical when accumulating, where it applies), as `tierzero train --schedule`; the NVMe bytes per step are printed for both."),
     recompute: str = typer.Option("auto", "--recompute", help="Which blocks run their forward again in backward: auto (default: keep the activations of as many as the compute device's budget holds), all, or none (refused where they do not fit), as `tierzero train --recompute`."),
+    optimizer_state: str = typer.Option("fp32", "--optimizer-state", help="How the two Adam moments are stored on every tier: fp32 (default: exact), bf16, or int8 (blocks of 2048 values, an fp32 absmax each), as `tierzero train --optimizer-state`; the ledger, every tier's peak, the NVMe bytes per step and the choice count them so."),
+    master: str = typer.Option("fp32", "--master", help="The master weights' dtype: fp32 (default) or bf16 (with bf16 compute the param is the master: one tensor), as `tierzero train --master`."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
-    """Print the 16-byte ledger per GPU (DDP, ZeRO 1-3), the ZeRO stage (--gpus > 1) and its
+    """Print the 16-byte ledger per GPU (DDP, ZeRO 1-3), its compact rows (the state's bytes per
+    parameter for each --optimizer-state and --master), the ZeRO stage (--gpus > 1) and its
     offload placements, the activation memory, which placement fits this machine, and its peak
     in every tier, part by part.
 
@@ -54,7 +57,8 @@ def plan(
     report = plan_model(model, params=params, gpus=gpus, gpu_mem=gpu_mem, host_mem=host_mem, nvme_free=nvme_free,
                        nvme_path=nvme_path, batch_size=batch_size, seq_len=seq_len, prefetch_depth=prefetch_depth,
                        dtype=dtype, vocab_size=vocab_size, piece_numel=piece_numel, overlap=overlap,
-                       profile=profile, stage=stage, accumulate=accumulate, schedule=schedule, recompute=recompute)
+                       profile=profile, stage=stage, accumulate=accumulate, schedule=schedule, recompute=recompute,
+                       optimizer_state=optimizer_state, master=master)
     out = Output(json_out)
     if json_out:
         out.emit_json(report.as_dict())
@@ -115,6 +119,7 @@ def _print_report(out: Output, report: PlanReport) -> None:
         t.add_row(row["stage"], f"{row['bytes_per_param']:g}", format_bytes(round(row["gb_per_gpu"] * GB)),
                   format_bytes(round(row["exact_gb_per_gpu"] * GB)))
     out.print(t)
+    _print_formats(out, r)
 
     _say(out, f"Activations per GPU: {format_bytes(act.total_bytes)} (batch {act.batch_size} x seq {act.seq_len}, "
               f"per-unit checkpointing, loss in chunks of {act.chunk_tokens} tokens) = checkpoints "
@@ -156,6 +161,21 @@ def _print_report(out: Output, report: PlanReport) -> None:
         _say(out, f"Per rank, 1 of {report.gpus} on this machine{budget}; the ranks share the machine's drives, "
                   "so nvme traffic above is all ranks' on one bandwidth:")
         _print_peaks(out, choice.estimate.memory.per_rank())
+
+
+def _print_formats(out: Output, r: dict) -> None:
+    """The compact rows: bytes per parameter of the state on one rank for each
+    (--optimizer-state, --master), the chosen one marked."""
+    t = Table(title=f"State bytes per parameter by format ({r['dtype']} compute; grads in it, as above)",
+              box=box.SIMPLE_HEAD)
+    for col in ("--optimizer-state", "--master", "weights", "grads", "moments", "total", ""):
+        t.add_column(col, justify="left" if col.startswith("--") or not col else "right", no_wrap=True)
+    for row in r["compact_ledger"]:
+        t.add_row(row["optimizer_state"], row["master"],
+                  *(f"{row[k]:.2f}" for k in ("weights", "grads", "moments", "bytes_per_param")),
+                  "<" if row["chosen"] else "")
+    out.print(t)
+    _say(out, f"State: {r['state_formats']['text']}")
 
 
 def _print_placements(out: Output, report: PlanReport) -> None:

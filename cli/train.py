@@ -15,12 +15,13 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tierzero.cli.output import Output
-from tierzero.config import LongExamples, RunConfig
+from tierzero.config import DType, LongExamples, RunConfig
 from tierzero.configfile import load_run_config
 from tierzero.errors import ConfigError
 from tierzero.distributed.launch import Ranks, die_with_launcher, rank_device, ranks_from_env, run_torchrun, start_process_group, stop_process_group, under_torchrun
 from tierzero.checkpoint.catalog import checkpoint_dirs
 from tierzero.planning.placement import STAGE_TEXT
+from tierzero.planning.statebytes import StateFormats
 from tierzero.run.directory import CONFIG_NAME, RunDir, enclosing_run_dir, never_configured, rebase_paths, refuse_fresh_start
 from tierzero.storage.filekind import kind_of, not_a_file
 from tierzero.run.packing import Fitted
@@ -45,6 +46,8 @@ def train(
     accumulate: Optional[int] = typer.Option(None, "--accumulate", help="Micro-batches per optimizer step."),
     schedule: Optional[str] = typer.Option(None, "--schedule", help="How --accumulate micro-batches run: horizontal (each through every unit), vertical (each unit for all of them: params read once per pass, grads written once per step; built-in models and Hugging Face decoders) or auto (default: vertical when accumulating, where it applies)."),
     recompute: Optional[str] = typer.Option(None, "--recompute", help="Which blocks run their forward again in backward: auto (default: keep the activations of as many as the compute device's budget holds; the built-in models, horizontal schedule), all (activation checkpointing everywhere), or none (refused where they do not fit)."),
+    optimizer_state: Optional[str] = typer.Option(None, "--optimizer-state", help="How the two Adam moments are stored on every tier and in checkpoints: fp32 (default: exact, bitwise torch.optim.AdamW), bf16 (half the bytes), or int8 (a quarter: blocks of 2048 values share one fp32 absmax). Fixed for the run's life; `tierzero plan --optimizer-state` shows the bytes."),
+    master: Optional[str] = typer.Option(None, "--master", help="The master weights' dtype: fp32 (default: exact) or bf16 (stochastically rounded; with --dtype bf16 the param is the master, one tensor). Fixed for the run's life."),
     lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate."),
     weight_decay: Optional[float] = typer.Option(None, "--weight-decay", help="AdamW's decoupled weight decay (default 0.1); 1-D parameters (norms, biases) get none, as in torch AdamW param groups that exclude them."),
     adam_betas: Optional[str] = typer.Option(None, "--adam-betas", help="AdamW's beta1,beta2 (default 0.9,0.95)."),
@@ -81,7 +84,8 @@ def train(
     train ...` (add torchrun's --nnodes/--rdzv-* flags for several machines)."""
     overrides = dict(model=model, units=units, data=data, text_field=text_field, weights=weights, steps=steps, batch_size=batch_size, seq_len=seq_len,
                      long_examples=long_examples,
-                     accumulate=accumulate, schedule=schedule, recompute=recompute, lr=lr, weight_decay=weight_decay, betas=_betas(adam_betas), eps=adam_eps,
+                     accumulate=accumulate, schedule=schedule, recompute=recompute,
+                     optimizer_state=optimizer_state, master=master, lr=lr, weight_decay=weight_decay, betas=_betas(adam_betas), eps=adam_eps,
                      warmup_steps=warmup_steps,
                      clip_grad_norm=clip_grad_norm, clip_previous_norm=clip_previous_norm, seed=seed, dtype=dtype, offload=offload,
                      nvme_path=nvme_path or None, host_budget=host_budget, gpu_budget=gpu_budget,
@@ -151,6 +155,9 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
         out.print(f"[bold]tierzero train[/] {escape(run.model)} ({session.n_params / 1e6:.2f}M params) "
                   f"on {session.device}, dtype {session.dtype}, "
                   f"offload {run.engine.offload.value}: {session.placement_text}")
+        formats = StateFormats.for_compute(run.engine.optimizer_state, run.engine.master, DType(session.dtype))
+        if formats.compact:
+            out.print(f"optimizer state: {formats.describe()}", highlight=False)
         if session.fitted is not None and session.fitted.long:
             out.print(f"[yellow]note:[/] {_long_examples_text(session.fitted)}", highlight=False)
         stage = getattr(session.trainer, "stage", None)

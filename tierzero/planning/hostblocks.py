@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from tierzero.config import Placement, StateKind, Tier
-from tierzero.planning.ledger import FP32_NBYTES
+from tierzero.planning.statebytes import FP32_NBYTES, FP32_STATE, StateFormats
 from tierzero.layout.partition import ALIGN_NUMEL
 from tierzero.storage.base import ALIGN_BYTES
 from tierzero.storage.sizeclass import choose_classes
@@ -22,20 +22,24 @@ HOST_ALIGN = ALIGN_BYTES  # the host pool's block alignment: a page (`HostPool`)
 
 
 def key_sizes(kind: StateKind, shard: list[int], state: list[int], piece_numel: int, itemsize: int,
-              home: Tier) -> Counter[int]:
+              home: Tier, formats: StateFormats = FP32_STATE, one_weight: bool = False) -> Counter[int]:
     """One rank's stored keys of `kind` (`tiers.state_keys`), as bytes -> how many keys: a param
     is one key in a memory tier and pieces of its trainable prefix then its frozen rest on nvme;
-    the other kinds, pieces of the trainable prefix. Counted, not listed: at small pieces a
-    large model has millions of keys, but only a few sizes."""
+    the other kinds, pieces of the trainable prefix in their stored format (grads fp32). With
+    `one_weight` the master's pieces are the trained params: the param keeps its frozen rest.
+    Counted, not listed: at small pieces a large model has millions of keys, but only a few sizes."""
     keys: Counter[int] = Counter()
     if kind is not StateKind.PARAM:
         for s in state:
-            keys.update({n * FP32_NBYTES: k for n, k in piece_counts(s, piece_numel).items()})
+            keys.update({formats.nbytes(kind, n, itemsize, FP32_NBYTES): k
+                         for n, k in piece_counts(s, piece_numel).items()})
     elif home is not Tier.NVME:
-        keys.update(s * itemsize for s in shard)
+        rest = [s - t if one_weight else s for s, t in zip(shard, state)]
+        keys.update(n * itemsize for n in rest if n > 0)
     else:
         for s, t in zip(shard, state):
-            for n, k in (piece_counts(t, piece_numel) + piece_counts(s - _aligned_up(t), piece_numel)).items():
+            trained = Counter() if one_weight else piece_counts(t, piece_numel)
+            for n, k in (trained + piece_counts(s - _aligned_up(t), piece_numel)).items():
                 keys[n * itemsize] += k
     return keys
 
@@ -52,7 +56,8 @@ def _aligned_up(numel: int) -> int:
 
 
 def host_classes(placement: Placement, shard: list[int], state: list[int], piece_numel: int, itemsize: int,
-                 tied: bool, step_on_host: bool, extra: Sequence[int] = ()) -> tuple[int, ...]:
+                 tied: bool, step_on_host: bool, extra: Sequence[int] = (), formats: StateFormats = FP32_STATE,
+                 one_weight: bool = False) -> tuple[int, ...]:
     """The host pool's size classes: the fewest bytes lost rounding every size the engine
     leases there, each weighted by how many keys or buffers take it -- host homes' keys,
     nvme keys (staged through the host at open and in the step), param shards (staged and
@@ -62,7 +67,7 @@ def host_classes(placement: Placement, shard: list[int], state: list[int], piece
     for kind in StateKind:  # nvme keys are staged: at open, and (but frozen params) in the step
         home = placement.home(kind)
         if home is not Tier.GPU or (step_on_host and kind is not StateKind.PARAM):
-            sizes.update(key_sizes(kind, shard, state, piece_numel, itemsize, home))
+            sizes.update(key_sizes(kind, shard, state, piece_numel, itemsize, home, formats, one_weight))
     if placement.param is Tier.NVME:  # whole shards on their way to the device, then cached
         sizes.update(s * itemsize for s in shard)
     if tied:

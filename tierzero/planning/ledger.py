@@ -2,7 +2,8 @@
 
 Owns the counting that needs no machine: bytes per parameter per state kind, the per-GPU
 account of DDP and ZeRO stages 1-3, a model's units and their parameter counts, and the
-activation memory of per-unit checkpointing. Pure arithmetic on `ModelArgs`; it never builds
+activation memory of per-unit checkpointing, and the compact rows: the state's bytes per
+parameter under each (Adam moments, master) format (`tierzero.planning.statebytes`). Pure arithmetic on `ModelArgs`; it never builds
 a model, touches torch or probes a machine. Where the state should live is `tierzero.planning.placement`.
 
 Nominal and exact sizes: a preset named `7b` has 6.74B parameters. The textbook account
@@ -17,13 +18,13 @@ import math
 import re
 from dataclasses import dataclass
 
-from tierzero.config import OPTIMIZER_KINDS, StateKind
+from tierzero.config import OPTIMIZER_KINDS, DType, StateFormat, StateKind
 from tierzero.errors import ConfigError
 from tierzero.models.presets import PRESETS, ModelArgs
+from tierzero.planning.statebytes import FP32_NBYTES, FP32_STATE, StateFormats
 
 GB = 10**9  # sizes in tables are decimal GB, as in "a 7B model is 112 GB"
 
-FP32_NBYTES = 4
 # the unit names partition gives the built-in model's ends (`Workload.from_sizes` reads them as kinds)
 EMBEDDING_UNIT = "embedding"
 HEAD_UNIT = "head"
@@ -49,13 +50,9 @@ _PARTITIONED: dict[Stage, frozenset[StateKind]] = {
 
 
 def state_nbytes(kind: StateKind, compute_itemsize: int, grad_itemsize: int | None = None) -> int:
-    """Bytes per parameter of one state kind: param (and by default grad) in the compute dtype,
-    master and Adam moments always fp32."""
-    if kind is StateKind.PARAM:
-        return compute_itemsize
-    if kind is StateKind.GRAD:
-        return compute_itemsize if grad_itemsize is None else grad_itemsize
-    return FP32_NBYTES
+    """Bytes per parameter of one state kind in fp32 state: param (and by default grad) in the
+    compute dtype, master and Adam moments fp32 (compact formats: `StateFormats.nbytes`)."""
+    return FP32_STATE.nbytes(kind, 1, compute_itemsize, grad_itemsize)
 
 
 @dataclass(frozen=True)
@@ -65,17 +62,50 @@ class LedgerRow:
     bytes_per_gpu: float
 
 
-def ledger(numel: int, world_size: int, compute_itemsize: int = 2) -> list[LedgerRow]:
-    """Bytes per GPU of the training state under DDP and ZeRO stages 1-3.
+def ledger(numel: int, world_size: int, compute_itemsize: int = 2, formats: StateFormats = FP32_STATE) -> list[LedgerRow]:
+    """Bytes per GPU of the training state under DDP and ZeRO stages 1-3, in `formats`.
 
-    With a 2-byte compute dtype and N ranks: 16, 4 + 12/N, 2 + 14/N, 16/N bytes per parameter.
+    With a 2-byte compute dtype, fp32 state and N ranks: 16, 4 + 12/N, 2 + 14/N, 16/N bytes per
+    parameter. With one weight tensor (bf16 compute and master) the param is the master wherever
+    the two are partitioned alike; stages 1 and 2 keep a whole param beside the master's share.
     """
     check_world_size(world_size)
     rows = []
     for stage, partitioned in _PARTITIONED.items():
-        per_param = sum(state_nbytes(k, compute_itemsize) / (world_size if k in partitioned else 1)
-                        for k in StateKind)
+        alike = world_size == 1 or (StateKind.PARAM in partitioned) == (StateKind.MASTER in partitioned)
+        per_param = sum(formats.per_param(k, compute_itemsize) / (world_size if k in partitioned else 1)
+                        for k in StateKind if not (k is StateKind.PARAM and formats.one_weight and alike))
         rows.append(LedgerRow(stage, per_param, per_param * numel))
+    return rows
+
+
+@dataclass(frozen=True)
+class FormatRow:
+    """The compact rows: one (moments, master) format's state bytes per parameter on one rank,
+    grads in the compute dtype as the textbook counts them (tierzero keeps them fp32: +2)."""
+
+    formats: StateFormats
+    weights: float  # the param and the master (one tensor where `formats.one_weight`)
+    grads: float
+    moments: float  # exp_avg and exp_avg_sq, int8 scales included
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.moments
+
+
+def format_rows(compute: DType) -> list[FormatRow]:
+    """Every (optimizer_state, master) choice for a run computing in `compute`, fp32 first:
+    with bf16 compute, 16 bytes per parameter down to 2 + 2 + 2 (bf16 weights, bf16 grads, int8
+    moments, 6.004 with the scales)."""
+    c = 4 if compute is DType.FP32 else 2
+    rows = []
+    for master in (DType.FP32, DType.BF16):
+        for moments in StateFormat:
+            f = StateFormats.for_compute(moments, master, compute)
+            param = 0.0 if f.one_weight else f.per_param(StateKind.PARAM, c)
+            rows.append(FormatRow(f, param + f.per_param(StateKind.MASTER, c), f.per_param(StateKind.GRAD, c),
+                                  f.per_param(StateKind.EXP_AVG, c) + f.per_param(StateKind.EXP_AVG_SQ, c)))
     return rows
 
 

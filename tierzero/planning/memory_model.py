@@ -11,7 +11,8 @@ nothing and never probes the machine. What it returns (`TierPeak`, `MemoryModel`
 `tierzero.planning.peaks`'s; what it is computed for, a `tierzero.planning.workload.Workload`.
 
 Conventions (as in `tierzero.planning.placement`): gpu bytes are per rank, host and nvme bytes per machine
-(every rank's shards and buffers). Gradients are fp32 in every tier, as the engine keeps them.
+(every rank's shards and buffers). Grads are fp32 in every tier, as the engine keeps them; master and
+Adam moments take their stored format's bytes (`planning.statebytes`), a param that is the master none.
 Frozen parameters have a param and nothing else: grads, master weights, Adam states and the
 optimizer's pieces cover a unit's trainable prefix only (`Unit.trainable_numel`; with several ranks
 counted at rank 0's share, the largest, for every rank).
@@ -47,14 +48,15 @@ What a part means, and which pool holds it (`POOLED`; the others are torch alloc
 - tied grad stash (the grad home's pool, and a host buffer): a tied embedding's first use's
   grad waits in the grad home until the second use's arrives; their sum forms in host memory
   and is copied to the compute device (tied grad sum).
-- optimizer pieces (the stepping device's pool): per piece of `piece_numel` elements, one fp32
-  buffer per state kind that is not resident on the stepping device: `prefetch_depth` pieces
+- optimizer pieces (the stepping device's pool): per piece of `piece_numel` elements, one
+  buffer per state kind not on the stepping device, in its stored format: `prefetch_depth` pieces
   read ahead and one more whose writes are in flight when a state lives on nvme; with
   overlap_step, the first `prefetch_depth` pieces of the unit being stepped and of the next
   one, and the last piece of the one before. The engine issues a whole unit's pieces at once
   in backward, so spare budget lets more be in flight, never less than this.
 - new param staging (host pool): with params on nvme, or on the GPU with the step on the CPU,
-  each stepped piece's new compute-dtype values are written from a host buffer of one piece.
+  each stepped piece's new compute-dtype values are written from a host buffer of one piece
+  (none where the param is the master: the master's write is the param's).
 - activations (compute device): see `tierzero.planning.ledger.activation_memory`; a block
   that keeps its graph instead of being recomputed (`tierzero.planning.recompute`) adds its
   saved tensors (`recompute_bytes`) from its forward to its backward, so to both passes' peaks.
@@ -88,7 +90,7 @@ from typing import Any
 from tierzero.config import OPTIMIZER_KINDS, Placement, StateKind, Tier
 from tierzero.layout.partition import Unit, forward_only, forward_uses
 from tierzero.planning.hostblocks import HOST_ALIGN, host_classes, key_sizes
-from tierzero.planning.ledger import FP32_NBYTES, ActivationEstimate, state_nbytes
+from tierzero.planning.ledger import FP32_NBYTES, ActivationEstimate
 from tierzero.planning.peaks import MemoryModel, TierPeak, tier_peak
 from tierzero.planning.swapplan import Op, build_swap_plan
 from tierzero.planning.workload import Workload, steps_on_gpu
@@ -126,8 +128,9 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
 
     step_on_gpu = steps_on_gpu(placement)
     sync = [s * c for s in shard] if replicated and placement.param is Tier.NVME else []  # param sync staging
+    formats, one_weight = work.formats, work.one_weight(placement)
     classes = host_classes(placement, stored_param, state, piece_numel, c, tied=tied, step_on_host=not step_on_gpu,
-                           extra=sync)
+                           extra=sync, formats=formats, one_weight=one_weight)
 
     def blocks(sizes: Sequence[int]) -> int:
         """Host buffers of one rank at their classes' capacities."""
@@ -140,8 +143,10 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
     def fp32_blocks(pieces: Sequence[int]) -> int:
         return blocks([p * FP32_NBYTES for p in pieces])
 
-    homes = _homes(work, placement,  # a host home: one block per stored key
-                   lambda kind: w * counted_blocks(key_sizes(kind, stored_param, state, piece_numel, c, Tier.HOST)))
+    def host_keys(kind: StateKind) -> Counter[int]:
+        return key_sizes(kind, stored_param, state, piece_numel, c, Tier.HOST, formats, one_weight)
+
+    homes = _homes(work, placement, lambda kind: w * counted_blocks(host_keys(kind)))  # a host home: a block per key
 
     # -- the pass: params in flight as the swap plan holds them
     plan = build_swap_plan(calls, depth, backward=True, held=held, forward_only=forward_only(units))
@@ -201,8 +206,8 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
     def optimizer(during_backward: bool) -> dict[Tier, dict[str, int]]:
         # in backward the grad is handed over on the compute device: in place when it steps there
         grad_in_place = device == step_device if during_backward else _in_place(placement.grad, device, step_device)
-        away = sum(1 for k in OPTIMIZER_KINDS if not _in_place(placement.home(k), device, step_device))
-        away += 0 if grad_in_place else 1
+        away = [k for k in OPTIMIZER_KINDS if not _in_place(placement.home(k), device, step_device)]
+        away += [] if grad_in_place else [StateKind.GRAD]
         ahead = max(1, depth)
         if during_backward:  # unit u steps as u-1 computes: the first `ahead` pieces of both are read
             # ahead, and the last piece of u+1 (stepped before u) may still be in flight
@@ -214,11 +219,13 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
         else:  # `ahead` pieces read, one more whose writes are in flight
             most = _window(pieces, ahead + (1 if writing else 0), fp32_blocks)
         parts: dict[Tier, dict[str, list[int] | int]] = {Tier.GPU: {}, Tier.HOST: {}}
-        if step_tier is Tier.HOST:  # a buffer per piece and state kind
-            parts[Tier.HOST]["optimizer pieces"] = [p * FP32_NBYTES for p in most] * away
+        # a buffer per piece and state kind, in its stored format (the compact step's fp32 scratch: not counted)
+        sized = [formats.nbytes(k, p, c, FP32_NBYTES) for k in away for p in most]
+        if step_tier is Tier.HOST:
+            parts[Tier.HOST]["optimizer pieces"] = sized
         else:
-            parts[Tier.GPU]["optimizer pieces"] = sum(most) * away * FP32_NBYTES
-        if placement.param is Tier.NVME or (placement.param is Tier.GPU and step_device != device):
+            parts[Tier.GPU]["optimizer pieces"] = sum(sized)
+        if not one_weight and (placement.param is Tier.NVME or (placement.param is Tier.GPU and step_device != device)):
             # each stepped piece's new params, written (to nvme, or up to the device) from a host buffer
             parts[Tier.HOST]["new param staging"] = [min(piece_numel, max(state)) * c]
         return parts
@@ -257,7 +264,7 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
     host_blocks = Counter(dict.fromkeys(classes, 0))
     for kind in StateKind:  # the homes' keys, each written into a block of the pool at open
         if placement.home(kind) is Tier.HOST:
-            for n, k in key_sizes(kind, stored_param, state, piece_numel, c, Tier.HOST).items():
+            for n, k in host_keys(kind).items():
                 host_blocks[class_for(n, classes, HOST_ALIGN)] += k
     working = Counter(dict.fromkeys(classes, 0))
     for counts in in_phase.values():
@@ -296,17 +303,20 @@ def homes_floor(work: Workload, placement: Placement) -> dict[Tier, int]:
 def _homes(work: Workload, placement: Placement, host_keys: Callable[[StateKind], int] | None = None) -> dict[Tier, int]:
     """Bytes each tier's homes hold (gpu per rank, host and nvme per machine); a host home's
     keys as `host_keys(kind)` counts them (default: their bytes)."""
-    w, c = work.world_size, work.compute_itemsize
+    w = work.world_size
     stored_param = [u.padded_numel if work.replicated else u.shard_numel for u in work.units]
     state = [u.state_numel(0) for u in work.units]
+    if work.one_weight(placement):  # the master holds the trained params: the param home, the frozen rest
+        stored_param = [p - s for p, s in zip(stored_param, state)]
     homes = {Tier.GPU: 0, Tier.HOST: 0, Tier.NVME: 0}
     for kind in StateKind:
         home = placement.home(kind)
         stored = stored_param if kind is StateKind.PARAM else state
         if home is Tier.HOST and host_keys is not None:
             homes[home] += host_keys(kind)
-        else:
-            homes[home] += sum(stored) * state_nbytes(kind, c, FP32_NBYTES) * (1 if home is Tier.GPU else w)
+        else:  # each unit's run in its stored format (FP32_NBYTES: grads are fp32)
+            homes[home] += sum(work.formats.nbytes(kind, n, work.compute_itemsize, FP32_NBYTES)
+                               for n in stored) * (1 if home is Tier.GPU else w)
     if w > 1 and work.stage == 1 and work.accumulate > 1:  # each unit's whole gradient, between micro-batches
         full_grads = sum(min(u.padded_numel, u.trainable_numel) for u in work.units)
         homes[placement.grad] += full_grads * FP32_NBYTES * (1 if placement.grad is Tier.GPU else w)

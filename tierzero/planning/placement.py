@@ -140,12 +140,14 @@ def _hops(src: Tier, dst: Tier) -> list[Link]:
 
 def _traffic(p: Placement, w: Workload) -> tuple[dict[Link, int], dict[Link, int]]:
     """Bytes per link in the forward/backward phase and in the optimizer phase. Params move
-    whole; grads, optimizer states and the stepped params only for trainable parameters."""
+    whole; grads, optimizer states and the stepped params only for trainable parameters, each
+    state in its stored format (`Workload.formats`). Where the param is the master (one bf16
+    tensor on one tier) the master's write is the new param's."""
     def move(moved: dict[Link, int], kind: StateKind, src: Tier, dst: Tier, times: int = 1) -> None:
-        numel = w.param_numel if kind is StateKind.PARAM and moved is fwd_bwd else w.state_shard_numel
+        nbytes = w.nbytes(kind, w.param_numel) if kind is StateKind.PARAM and moved is fwd_bwd else w.state_nbytes(kind)
         for link in _hops(src, dst):
             ranks = w.world_size if link in _NVME_LINKS else 1
-            moved[link] += times * ranks * numel * w.nbytes(kind)
+            moved[link] += times * ranks * nbytes
 
     fwd_bwd = dict.fromkeys(Link, 0)
     move(fwd_bwd, StateKind.PARAM, p.param, Tier.GPU, times=2)  # gathered in forward and again in backward
@@ -156,7 +158,8 @@ def _traffic(p: Placement, w: Workload) -> tuple[dict[Link, int], dict[Link, int
     for kind in OPTIMIZER_KINDS:  # read, step, write back
         move(optimizer, kind, p.home(kind), where)
         move(optimizer, kind, where, p.home(kind))
-    move(optimizer, StateKind.PARAM, where, p.param)  # the new compute-dtype param
+    if not w.one_weight(p):
+        move(optimizer, StateKind.PARAM, where, p.param)  # the new compute-dtype param
     if w.replicated and p.param is Tier.NVME:  # stage 1/2: each rank's new range read back, the others' written
         param = w.nbytes(StateKind.PARAM) * w.world_size
         optimizer[Link.NVME_TO_HOST] += w.shard_numel * param

@@ -19,19 +19,21 @@ from typing import Any
 
 import torch
 
-from tierzero.config import TORCH_DTYPES, DType, Placement, Recompute, RunConfig, Schedule, StateKind, Tier, parse_bytes
+from tierzero.config import (TORCH_DTYPES, DType, Placement, Recompute, RunConfig, Schedule, StateFormat, StateKind,
+                             Tier, parse_bytes)
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit
 from tierzero.models.llama import loss_chunk_bytes
 from tierzero.models.presets import ModelArgs, get_preset
-from tierzero.planning.ledger import (GB, ActivationEstimate, activation_memory, check_world_size, ledger,
-                                      nearest_preset, nominal_numel, parse_count)
+from tierzero.planning.ledger import (GB, ActivationEstimate, activation_memory, check_world_size, format_rows,
+                                      ledger, nearest_preset, nominal_numel, parse_count)
 from tierzero.planning.machine import default_budgets, default_dtype, free_disk_bytes
 from tierzero.planning.placement import (STAGE_TEXT, Link, PlacementChoice, PlacementEstimate, candidate_placements,
                                          choose, choose_stage, estimate, load_profile)
 from tierzero.planning.streaming import DEFAULT, Streaming, choose_streaming, ladder, streamed
 from tierzero.planning.memory_model import waiting_activations_bytes
 from tierzero.planning.recompute import choose_kept, keepable, with_kept
+from tierzero.planning.statebytes import FP32_STATE, StateFormats
 from tierzero.planning.swapplan import step_nvme_bytes
 from tierzero.planning.workload import Workload
 
@@ -64,6 +66,7 @@ class PlanReport:
     recompute: Recompute = Recompute.AUTO
     kept: ActivationEstimate | None = None  # `activations` counting the kept units' graphs (`planning.recompute`)
     keepable_units: int = 0  # of which `kept.kept_blocks` blocks and the head if `kept.kept_head` keep theirs
+    formats: StateFormats = FP32_STATE  # how the master and Adam moments are stored (`--optimizer-state`, `--master`)
 
     @property
     def units(self) -> tuple[Unit, ...]:
@@ -105,10 +108,17 @@ class PlanReport:
             "machine": {"gpus": self.gpus, "detected": self.detected, "device": self.device,
                         **{f"{t.value}_budget_bytes": b for t, b in self.budgets.items()}},
             "dtype": self.dtype.value,
+            "state_formats": {"optimizer_state": self.formats.optimizer_state.value,
+                              "master": self.formats.master.value, "one_weight": self.formats.one_weight,
+                              "text": self.formats.describe()},
             "ledger": [{"stage": r.stage.value, "bytes_per_param": r.bytes_per_param,
                         "gb_per_gpu": round(r.bytes_per_gpu / GB, 4),
                         "exact_gb_per_gpu": round(r.bytes_per_param * self.numel / GB, 4)}
-                       for r in ledger(self.ledger_numel, self.gpus, itemsize)],
+                       for r in ledger(self.ledger_numel, self.gpus, itemsize, self.formats)],
+            "compact_ledger": [{"optimizer_state": f.formats.optimizer_state.value, "master": f.formats.master.value,
+                                "weights": f.weights, "grads": f.grads, "moments": f.moments,
+                                "bytes_per_param": f.total, "chosen": f.formats == self.formats}
+                               for f in format_rows(self.dtype)],
             "activations": {"batch_size": act.batch_size, "seq_len": act.seq_len,
                             "checkpoints_bytes": act.checkpoints_bytes,
                             "block_backward_bytes": act.block_backward_bytes,
@@ -162,6 +172,8 @@ def make_plan(
     accumulate: int = 1,
     schedule: str = "auto",
     recompute: str = "auto",
+    optimizer_state: str = "fp32",
+    master: str = "fp32",
     units: Sequence[Unit] | None = None,
     args: ModelArgs | None = None,
     not_a_chain: str | None = None,
@@ -184,6 +196,9 @@ def make_plan(
     `recompute` (auto, all or none) says how many blocks keep their activations in the compute
     device's budget the chosen placement leaves (the engine's choice, `tierzero.planning.recompute`;
     the built-in shapes, horizontally).
+    `optimizer_state` (fp32, bf16 or int8: the Adam moments) and `master` (fp32 or bf16) are
+    how the optimizer's states are stored on every tier (`tierzero.planning.statebytes`): the
+    ledger, every tier's bytes, the traffic and so the choice count them so.
     A model built elsewhere (the CLI's hf:DIR) comes as `units`, its partition for `gpus` ranks,
     and `args`, the LLaMA-like shape its activations are estimated from; `model` then names it."""
     if stage is not None and stage not in (1, 2, 3):
@@ -212,6 +227,9 @@ def make_plan(
         raise ConfigError(f"--recompute '{recompute}' is not valid; choose one of auto|all|none") from None
     vertical = vertical and not (schedule is Schedule.AUTO and recompute is Recompute.NONE)  # as the engine chooses
     check_world_size(gpus)
+    moments, master_dtype = _choice(StateFormat, optimizer_state, "--optimizer-state"), _choice(DType, master, "--master")
+    if master_dtype is DType.FP16:
+        raise ConfigError("--master 'fp16' has too few exponent bits for weights; choose fp32 or bf16")
     if vocab_size is not None and vocab_size < 1:
         raise ConfigError(f"--vocab-size must be a positive integer, got {vocab_size}")
     if model is not None and params is not None:
@@ -219,6 +237,7 @@ def make_plan(
     budgets, detected, device = _budgets(gpu_mem, host_mem, nvme_free, Path(nvme_path))
     compute = _dtype(dtype) if dtype is not None else _train_dtype(device)
     itemsize = TORCH_DTYPES[compute].itemsize
+    formats = StateFormats.for_compute(moments, master_dtype, compute)
     batch_size = batch_size if batch_size is not None else max(1, RunConfig.batch_size // gpus)
     seq_len = seq_len if seq_len is not None else RunConfig.seq_len
     if units is not None:
@@ -244,7 +263,8 @@ def make_plan(
     how: dict[str, Any] = dict(world_size=gpus, device=device, prefetch_depth=top.prefetch_depth,
                                piece_numel=top.piece_numel,
                                overlap=overlap and compute is not DType.FP16, stage=stage or 3, accumulate=accumulate,
-                               activations=activations, tokens_per_step=batch_size * activations.seq_len)
+                               activations=activations, tokens_per_step=batch_size * activations.seq_len,
+                               formats=formats)
     work = Workload.from_units(units, itemsize, **how) if units is not None else \
         Workload.from_preset(args, itemsize, numel=numel if params is not None else None, **how)
     prof = load_profile(profile) if profile is not None else None
@@ -290,7 +310,15 @@ def make_plan(
                       compute, gpus, budgets, detected, device, works[choice.placement], activations, estimates,
                       choice, chosen, reason, tuple(name for name, v in (("piece_numel", piece_numel),
                                                                          ("prefetch_depth", prefetch_depth)) if v is None),
-                      vertical, recompute, kept, len(keepable(candidates, activations)))
+                      vertical, recompute, kept, len(keepable(candidates, activations)), formats)
+
+
+def _choice(cls: Any, value: str, flag: str) -> Any:
+    """`value` as one of enum `cls`'s spellings, or the refusal naming `flag` and its choices."""
+    try:
+        return cls(str(value).lower())
+    except ValueError:
+        raise ConfigError(f"{flag} '{value}' is not valid; choose one of {'|'.join(m.value for m in cls)}") from None
 
 
 def _dtype(value: str) -> DType:

@@ -21,7 +21,8 @@ from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit, padded_numel
 from tierzero.models.presets import ModelArgs
 from tierzero.planning.ledger import (EMBEDDING_UNIT, HEAD_UNIT, ROOT_UNIT, ActivationEstimate, UnitSize,
-                                      check_world_size, scaled_units, state_nbytes, units_from_args)
+                                      check_world_size, scaled_units, units_from_args)
+from tierzero.planning.statebytes import FP32_STATE, StateFormats
 
 def steps_on_gpu(placement: Placement) -> bool:
     """Whether the optimizer steps on the compute device: only when every optimizer state lives
@@ -38,6 +39,7 @@ class Workload:
     counted, for callers that do not know the batch. `tokens_per_step` (per GPU) only feeds the
     step-time model. `stage` is the ZeRO stage, which matters with several ranks only: at 1 and 2
     each rank stores whole units' params, and at 1 with `accumulate` > 1 whole grads too.
+    `formats` is how the master and Adam moments are stored (`tierzero.planning.statebytes`).
     """
 
     units: tuple[Unit, ...]
@@ -53,6 +55,7 @@ class Workload:
     accumulate: int = 1  # micro-batches per step
     activations: ActivationEstimate | None = None
     tokens_per_step: int = 0
+    formats: StateFormats = FP32_STATE
 
     def __post_init__(self) -> None:
         if not self.units:
@@ -134,5 +137,19 @@ class Workload:
     def largest_unit_numel(self) -> int:
         return max(u.numel for u in self.units)
 
-    def nbytes(self, kind: StateKind) -> int:
-        return state_nbytes(kind, self.compute_itemsize, self.grad_itemsize)
+    def nbytes(self, kind: StateKind, numel: int = 1) -> int:
+        """Bytes of `numel` elements of `kind` stored as one run (int8 moments: with a scale
+        per started block, so per parameter only over whole blocks)."""
+        return self.formats.nbytes(kind, numel, self.compute_itemsize, self.grad_itemsize)
+
+    def state_nbytes(self, kind: StateKind) -> int:
+        """One rank's bytes of `kind` for the parameters it holds states for
+        (`state_shard_numel`, each unit's run stored on its own)."""
+        return sum(self.nbytes(kind, min(math.ceil(u.numel / self.world_size), u.trainable_numel))
+                   for u in self.units)
+
+    def one_weight(self, placement: Placement) -> bool:
+        """Whether the param and the master are one tensor under `placement`: one bf16 weight
+        (`StateFormats.one_weight`) homed on one tier, each rank's shard of both the same
+        (not stage 1/2, where params are replicated and masters partitioned)."""
+        return self.formats.one_weight and placement.param is placement.master and not self.replicated

@@ -37,9 +37,9 @@ from typing import Any
 from tierzero.checkpoint import lineage
 from tierzero.checkpoint.catalog import CHECKPOINTS_DIR, checkpoint_dirs, move_aside
 from tierzero.checkpoint.files import read_regular
-from tierzero.config import RunConfig
-from tierzero.configfile import to_toml
-from tierzero.errors import RunDirError
+from tierzero.config import Config, RunConfig
+from tierzero.configfile import read_toml, to_toml
+from tierzero.errors import ConfigError, RunDirError
 from tierzero.storage.durable import write_atomic
 from tierzero.storage.filekind import kind_of, not_a_file, open_regular
 from tierzero.storage.nvme.dirlock import is_store_root
@@ -99,6 +99,7 @@ class RunDir:
                 raise RunDirError(f"{why}; remove it, or choose another --run-dir")
         notes: list[str] = []
         if resume:
+            refuse_other_state_format(self.path, run)
             self.run_id = config_run_id(self.path) or lineage.run_id(self.path)
             notes = self._finish_overwrite()
         else:
@@ -309,3 +310,22 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
             continue
         records.append(record)
     return records
+
+
+# the state formats a run's checkpoints are written in: fixed for the run's life
+_STATE_FORMAT_FLAGS = {"optimizer_state": ("--optimizer-state", "Adam moments"), "master": ("--master", "master weights")}
+
+
+def refuse_other_state_format(path: Path, run: RunConfig) -> None:
+    """A resume whose --optimizer-state or --master differs from the run's config.toml (where
+    it has checkpoints, which hold the state in the saved format) is refused, naming the flag
+    that matches. A config.toml from before these keys holds fp32 state."""
+    saved_path = path / CONFIG_NAME
+    if not checkpoint_dirs(path) or not saved_path.is_file():
+        return
+    saved = read_toml(saved_path)
+    for key, (flag, what) in _STATE_FORMAT_FLAGS.items():
+        was, now = str(saved.get(key, getattr(Config, key).value)).lower(), getattr(run.engine, key).value
+        if now != was:
+            raise ConfigError(f"{flag} {now} differs from the {was} this run's checkpoints hold its {what} in; "
+                              f"resume with {flag} {was}, or start a new run with --overwrite to change it")

@@ -1,0 +1,79 @@
+"""The bytes of each state kind in the format it is stored in: fp32, or compact.
+
+Owns `StateFormats`, the (Adam moments, master) choice a run makes (`Config.optimizer_state`,
+`Config.master`), and the arithmetic of what `numel` elements of a state kind take in it: the
+moments as fp32 (4 bytes), bf16 (2) or int8 (1, plus one fp32 absmax per `STATE_BLOCK` values,
+blocks counted per run of elements since pieces and units start on a block); the master as
+fp32 (4) or bf16 (2). With bf16 compute and a bf16 master the param *is* the master (one
+tensor): where both are homed on one tier the param takes no bytes of its own there. The
+ledger, the memory model and the placement planner count with it; it never touches torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tierzero.config import STATE_BLOCK, DType, StateFormat, StateKind
+
+FP32_NBYTES = 4
+SCALE_NBYTES = FP32_NBYTES  # one int8 block's absmax
+_MOMENT_NBYTES = {StateFormat.FP32: 4, StateFormat.BF16: 2, StateFormat.INT8: 1}
+_MASTER_NBYTES = {DType.FP32: 4, DType.BF16: 2}
+
+
+@dataclass(frozen=True)
+class StateFormats:
+    """How the optimizer's states are stored on every tier: the Adam moments' format and the
+    master's dtype. `one_weight`: the param and the master are one bf16 tensor (bf16 compute,
+    bf16 master), so a tier homing both holds it once."""
+
+    optimizer_state: StateFormat = StateFormat.FP32
+    master: DType = DType.FP32
+    one_weight: bool = False
+
+    def __post_init__(self) -> None:
+        # spellings are coerced, not validated: `Config` and the CLI refuse bad ones with the fix
+        object.__setattr__(self, "optimizer_state", StateFormat(self.optimizer_state))
+        object.__setattr__(self, "master", DType(self.master))
+        assert self.master in _MASTER_NBYTES, "masters are fp32 or bf16 (Config refuses fp16)"
+        assert not self.one_weight or self.master is DType.BF16, "one weight tensor needs a bf16 master"
+
+    @classmethod
+    def for_compute(cls, optimizer_state: StateFormat | str, master: DType | str, compute: DType) -> StateFormats:
+        """The formats a run computing in `compute` stores its state in: one weight tensor
+        where both the compute dtype and the master are bf16."""
+        master = DType(master)
+        return cls(optimizer_state, master, one_weight=compute is DType.BF16 and master is DType.BF16)
+
+    @property
+    def compact(self) -> bool:
+        """Whether any optimizer state is stored below fp32."""
+        return self.optimizer_state is not StateFormat.FP32 or self.master is not DType.FP32
+
+    def nbytes(self, kind: StateKind, numel: int, compute_itemsize: int, grad_itemsize: int | None = None) -> int:
+        """Bytes of `numel` consecutive elements of `kind`, stored as one run (an int8 run's
+        scales: one per started block). Params (and by default grads) in the compute dtype."""
+        if kind is StateKind.PARAM:
+            return numel * compute_itemsize
+        if kind is StateKind.GRAD:
+            return numel * (compute_itemsize if grad_itemsize is None else grad_itemsize)
+        if kind is StateKind.MASTER:
+            return numel * _MASTER_NBYTES[self.master]
+        scales = math.ceil(numel / STATE_BLOCK) * SCALE_NBYTES if self.optimizer_state is StateFormat.INT8 else 0
+        return numel * _MOMENT_NBYTES[self.optimizer_state] + scales
+
+    def per_param(self, kind: StateKind, compute_itemsize: int, grad_itemsize: int | None = None) -> float:
+        """Bytes per parameter of `kind` over whole blocks (int8: 1 + 4/2048)."""
+        return self.nbytes(kind, STATE_BLOCK, compute_itemsize, grad_itemsize) / STATE_BLOCK
+
+    def describe(self) -> str:
+        """One line for a run's start and `tierzero plan`."""
+        moments = {StateFormat.FP32: "fp32 Adam moments",
+                   StateFormat.BF16: "bf16 Adam moments",
+                   StateFormat.INT8: f"int8 Adam moments (blocks of {STATE_BLOCK}, an fp32 absmax each)"}
+        weights = "bf16 master (the param itself)" if self.one_weight else f"{self.master.value} master"
+        return f"{moments[self.optimizer_state]}, {weights}"
+
+
+FP32_STATE = StateFormats()
