@@ -16,7 +16,7 @@ from tierzero.engine import Engine
 from tierzero.errors import CheckpointError
 from tierzero.checkpoint.manifest import Manifest
 
-from engine_helpers import SMALL, batches
+from tests.support.engine import SMALL, batches
 
 PLACEMENTS = {
     "everything-on-nvme": Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME),

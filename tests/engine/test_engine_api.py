@@ -16,7 +16,7 @@ from tierzero.engine import Engine
 from tierzero.errors import ConfigError
 from tierzero.reference import ReferenceTrainer, compute_loss
 
-from engine_helpers import SMALL, batches
+from tests.support.engine import SMALL, batches
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 

@@ -12,7 +12,7 @@ import torch
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 
-from engine_helpers import SMALL, batches, reference_run
+from tests.support.engine import SMALL, batches, reference_run
 
 PLACEMENTS = {
     "all-gpu": Placement(),

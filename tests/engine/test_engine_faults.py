@@ -18,7 +18,7 @@ from tierzero.planning.ledger import activation_memory
 from tierzero.errors import TierzeroError
 from tierzero.engine.runtime.tiers import Pending
 
-from engine_helpers import SMALL, batches, reference_run
+from tests.support.engine import SMALL, batches, reference_run
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 

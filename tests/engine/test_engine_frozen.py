@@ -23,7 +23,7 @@ from tierzero.models.llama import LOSS_CHUNK_BYTES
 from tierzero.reference import ReferenceTrainer
 from tierzero.planning.swapplan import Op
 
-from engine_helpers import SMALL, batches
+from tests.support.engine import SMALL, batches
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 PLACEMENTS = {"all-gpu": Placement(), "mixed": Placement(Tier.NVME, Tier.HOST, Tier.NVME, Tier.HOST, Tier.NVME)}

@@ -20,7 +20,7 @@ from tierzero.engine.step.restep import KeptGeneration
 from tierzero.errors import ConfigError
 from tierzero.storage.nvme.store import NvmeStore
 
-from engine_helpers import SMALL, batches, reference_run
+from tests.support.engine import SMALL, batches, reference_run
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 HOST = Placement(Tier.GPU, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)

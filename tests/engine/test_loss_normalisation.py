@@ -42,7 +42,7 @@ from tierzero.lr import lr_at
 from tierzero.models.loss import trained_targets
 from tierzero.run.data import TokenBatches, default_corpus
 
-from engine_helpers import SMALL
+from tests.support.engine import SMALL
 
 STEPS, LR, ROWS, SEQ = 3, 1e-3, 4, 32
 LOSS_TOL, WEIGHT_TOL = 1e-6, 2e-5

@@ -16,7 +16,7 @@ per stream (`lane`), so a wait for a d2h copy never sits behind one for an h2d c
 the I/O loop's threads never lands on the thread's current device (cuda:0) or creates a stray
 context there. `CpuStreams` is the same discipline on the CPU device: copies are synchronous, so
 every event has already happened. Tests replace both with a recording fake
-(`tests/recording_streams.py`) that defers copies until their event is waited for.
+(`tests/support/fakes/streams.py`) that defers copies until their event is waited for.
 """
 
 from __future__ import annotations

@@ -40,12 +40,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo: tests.support
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from engine_helpers import SMALL, batches  # noqa: E402
+from tests.support.engine import SMALL, batches  # noqa: E402
 from tierzero import Config, Placement, Tier, models  # noqa: E402
 from tierzero.checkpoint import catalog  # noqa: E402
 from tierzero.engine import Engine, checkpointing  # noqa: E402
