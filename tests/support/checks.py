@@ -4,6 +4,8 @@ failure names every offending copy or wait."""
 
 from __future__ import annotations
 
+from tests.support.fakes.clock import SimClock
+
 
 def check_h2d_copies_wait_only_for_their_buffer(log: list[tuple]) -> list[str]:
     """A copy into a device buffer that was given back waits for the event it was given back
@@ -113,3 +115,32 @@ def check_writes_into_read_before_waited(log: list[tuple], spans: list[tuple[int
     if spans and not any(e[0] == "copy" and e[1] in _H2D and any(a <= e[2] < b for a, b in spans) for e in log):
         problems.append("nothing was written into the spans on a host -> device stream (a blocking copy?)")
     return problems + [f"compute never waits for the h2d write into 0x{ptr:x}" for ptr in unwaited.values()]
+
+
+def check_step_near_its_bound(clock: SimClock, mark: tuple[int, float], ratio: float = 1.15) -> list[str]:
+    """The work issued since `mark` (whole steps) takes at most `ratio` x its busiest resource
+    (compute, either direction of the link, the drive): what overlap promises. The GPU-idle
+    share of the steps is then at most 1 - compute / (ratio x bound)."""
+    busiest = {"compute": clock.busy_s("compute", mark[0]), "disk": clock.busy_s("disk", mark[0]),
+               "pcie_h2d": clock.link_busy_s("pcie_h2d", mark[0]), "pcie_d2h": clock.link_busy_s("pcie_d2h", mark[0])}
+    name, bound = max(busiest.items(), key=lambda kv: kv[1])
+    span = clock.now() - mark[1]
+    if span <= ratio * bound:
+        return []
+    gaps = "; ".join(f"{gap * 1e3:.1f} ms before {op.what} on {op.thread}" for gap, op in clock.idle_gaps(since=mark[1], n=3))
+    return [f"the steps take {span:.3f} s, {span / bound:.2f} x their busiest resource ({name}, {bound:.3f} s); "
+            f"compute busy {clock.share(mark):.0%}; longest GPU-idle gaps: {gaps}"]
+
+
+def check_no_head_of_line_blocking(clock: SimClock, stream: str = "h2d") -> list[str]:
+    """No op on `stream` that was ready sat behind an earlier op on the same FIFO that was waiting
+    for its own dependency (a fetch behind a write gated on compute, say)."""
+    return [f"{op.what} {op.kind} on {stream} (thread {op.thread}) ready at {op.ready * 1e3:.2f} ms sat "
+            f"{op.blocked_s * 1e3:.2f} ms behind an op waiting for its dependency"
+            for op in clock.head_of_line(stream)]
+
+
+def check_no_reuse_in_flight(log: list[tuple]) -> list[str]:
+    """No storage torch's allocator owns is freed while a copy on another stream still reads it
+    unless it was kept alive there: the caching allocator would hand it out again mid-copy."""
+    return [e[3] for e in log if e[0] == "reuse"]
