@@ -48,6 +48,16 @@ COMPUTE_BOUND = Scale.standing_for(PRESETS["1b"], 32768, SMALL, ROWS * SEQ)  # 8
 STEP_TARGET = 1.15  # a step may take this many times its busiest resource (docs/gpu.md)
 
 
+@dataclass
+class Run:
+    """What a timed run leaves to check: the clock once the steps were issued, the mark after the
+    first step, and whether the engine ran the vertical schedule."""
+
+    clock: SimClock
+    mark: tuple[int, float]
+    vertical: bool
+
+
 def timed_run(tmp_path, monkeypatch, placement: Placement, scale: Scale, schedule: str = "horizontal",
               args: ModelArgs = SMALL, accumulate: int = 2, steps: int = 2) -> tuple[TimedStreams, Run]:
     """Train `steps` steps through the timed fake: the fake, and the clock once they are issued
@@ -69,12 +79,6 @@ def timed_run(tmp_path, monkeypatch, placement: Placement, scale: Scale, schedul
         run = Run(fake.clock.snapshot(), mark, engine.vertical.on)
     return fake, run
 
-
-@dataclass
-class Run:
-    clock: SimClock
-    mark: tuple[int, float]
-    vertical: bool
 
 
 def test_kernels_run_on_the_issuing_threads_current_stream() -> None:

@@ -114,7 +114,7 @@ def _caller() -> str | None:
     """The tierzero line that made the call; None when the fake itself made it."""
     for frame in reversed(traceback.extract_stack(limit=16)[:-2]):
         name = frame.filename
-        if "/tests/support/" in name:
+        if "/tests/support/fakes/" in name:
             return None
         if "/torch/" not in name:
             return f"{name.rsplit('/', 1)[-1]}:{frame.lineno}"

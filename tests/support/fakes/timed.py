@@ -32,6 +32,7 @@ from tests.support.fakes.streams import FakeEvent, RecordingStreams, _span
 from tierzero.storage.base import aligned_empty
 
 _ACTIVATION_FILES = ("vertical/boundary.py", "runtime/batch.py")  # copies of activations and batches
+_ACTIVATION_KEYS = ("act/",)  # the waiting activations' arrays on NVMe
 
 
 def _thread() -> str:
@@ -163,24 +164,28 @@ class KernelClock(TorchDispatchMode):
 
 
 def watch_disk(monkeypatch, fake: TimedStreams) -> None:
-    """Put `NvmeStore` reads and writes on the clock's drive queue (scaled as state bytes), and
-    make a thread blocked in `Tiers.run` wait, on the clock, for disk work done meanwhile. The
-    waiting activations' buffers are page-aligned host memory, unpinned: there is no CUDA runtime
-    to pin with (pinning itself is `fakes.pinning`'s to test)."""
+    """Put `NvmeStore` reads and writes on the clock's drive queue (scaled as state or activation
+    bytes by their key), and make a thread blocked in `Tiers.run` wait, on the clock, for disk
+    work done meanwhile. The waiting activations' buffers are page-aligned host memory, unpinned:
+    there is no CUDA runtime to pin with (pinning itself is `fakes.pinning`'s to test)."""
     from tierzero.engine.runtime.tiers import Tiers
     from tierzero.engine.vertical import boundary
     from tierzero.storage.nvme.store import NvmeStore
 
     read_into, write, run = NvmeStore.read_into, NvmeStore.write, Tiers.run
 
+    def nbytes(key: str, t: torch.Tensor) -> float:
+        scale = fake.scale.activation_bytes if key.startswith(_ACTIVATION_KEYS) else fake.scale.state_bytes
+        return t.numel() * t.element_size() * scale
+
     async def timed_read(store, key: str, out: torch.Tensor, *args, **kw) -> None:
         await read_into(store, key, out, *args, **kw)
         with fake._lock:
-            fake.clock.disk("read", _span(out), out.numel() * out.element_size() * fake.scale.state_bytes, _thread())
+            fake.clock.disk("read", _span(out), nbytes(key, out), _thread())
 
     async def timed_write(store, key: str, src: torch.Tensor) -> None:
         with fake._lock:
-            fake.clock.disk("write", _span(src), src.numel() * src.element_size() * fake.scale.state_bytes, _thread())
+            fake.clock.disk("write", _span(src), nbytes(key, src), _thread())
         await write(store, key, src)
 
     def timed_run(tiers, coro):
