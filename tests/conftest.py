@@ -41,4 +41,4 @@ def io_loop() -> Iterator[IOLoop]:
         yield loop
 
 
-from hf_helpers import hf_models  # noqa: E402,F401  (a session fixture: the models are saved once)
+from tests.support.hf import hf_models  # noqa: E402,F401  (a session fixture: the models are saved once)

@@ -5,6 +5,7 @@ NVMe-homed state; damaged or incompatible checkpoints are refused by name."""
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from tierzero.engine import Engine
 from tierzero.errors import CheckpointError
 from tierzero.checkpoint.manifest import Manifest
 
-from engine_helpers import SMALL, batches
+from tests.support.engine import SMALL, batches, engine_config
 
 PLACEMENTS = {
     "everything-on-nvme": Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME),
@@ -25,11 +26,8 @@ PLACEMENTS = {
 }
 
 
-def config(tmp_path: Path, placement: Placement, **kw) -> Config:
-    kw.setdefault("piece_numel", 6144)  # several pieces per unit
-    return Config(placement=placement, nvme_path=[str(tmp_path / "nvme")], lr=3e-3, warmup_steps=2,
-                  total_steps=6, host_budget="256MiB", gpu_budget="256MiB", **kw)
-
+# this file's values: several pieces per unit
+config = partial(engine_config, piece_numel=6144, warmup_steps=2, total_steps=6)
 
 def engine_for(cfg: Config) -> Engine:
     return Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg)

@@ -1,6 +1,6 @@
 """Export: the safetensors written from a checkpoint equal the model's own `state_dict`.
 
-Checkpoints are built by hand (`checkpoint_helpers`) from a model's weights, so the oracle is
+Checkpoints are built by hand (`tests.support.checkpoints`) from a model's weights, so the oracle is
 that model: fp32 export is bitwise its `state_dict()` (every tied name included) and loads
 back with `load_state_dict`; bf16 export is bitwise `.to(torch.bfloat16)` of it. Peak memory is
 measured in a subprocess, from the kernel's high-water mark of resident memory.
@@ -20,8 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from checkpoint_helpers import files_under, flip_byte, write_checkpoint
-from engine_helpers import SMALL
+from tests.support.checkpoints import files_under, flip_byte, write_checkpoint
+from tests.support.engine import SMALL
 from tierzero import models
 from tierzero.cli.app import app
 from tierzero.config import StateKind

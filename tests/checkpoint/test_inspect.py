@@ -16,8 +16,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from checkpoint_helpers import flip_byte, write_checkpoint
-from engine_helpers import SMALL
+from tests.support.checkpoints import flip_byte, write_checkpoint
+from tests.support.engine import SMALL
 from tierzero import models
 from tierzero.cli.app import app
 from tierzero.configfile import load_run_config, to_toml

@@ -5,7 +5,7 @@ and one kill in each other path the engine trains on (`kill_sweep.PATHS`: the ve
 spilling activations, the clip re-step holding kept generations, bf16, fp16 with a skipped step,
 host and auto placements, two ranks), each resumed bitwise or refused in one sentence.
 
-The lives run in one driver process (tests/checkpoint/kill_sweep.py: forked children on a tiny
+The lives run in one driver process (tests/support/scripts/kill_sweep.py: forked children on a tiny
 model, a few seconds each). The soak, `TIERZERO_KILL_SWEEP=all` (or a comma-separated list of
 path names), instead kills at every file-system call of a step, of a save and of a resume on
 each path (thousands of lives; hours, run by hand)."""
@@ -20,10 +20,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from kill_sweep import PATHS  # noqa: E402
+from tests.support.scripts.kill_sweep import PATHS
 
-DRIVER = Path(__file__).with_name("kill_sweep.py")
+DRIVER = Path(__file__).parents[1] / "support" / "scripts" / "kill_sweep.py"
 POINTS = [
     {"phase": "commit", "nth": 2, "k": 0},   # right after step-2's rename, before prune
     {"phase": "prune", "nth": 2, "k": 0},    # right after step-1 was removed

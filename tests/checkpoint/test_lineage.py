@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkpoint_helpers import flip_byte, write_checkpoint
-from engine_helpers import SMALL, batches
+from tests.support.checkpoints import flip_byte, write_checkpoint
+from tests.support.engine import SMALL, batches
 from tierzero import Config, Placement, Tier, models
 from tierzero.checkpoint.catalog import checkpoint_dirs, step_dir
 from tierzero.checkpoint.lineage import ABANDONED_DIR, read_run_id
 from tierzero.checkpoint.manifest import Manifest
-from cli_helpers import one_line_error, train
+from tests.support.cli import one_line_error, train
 from tierzero.engine import Engine
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)

@@ -4,7 +4,7 @@ its manifest lists -- anything else in it is moved into checkpoints/abandoned/, 
 
 from __future__ import annotations
 
-from cli_helpers import one_line_error, train
+from tests.support.cli import one_line_error, train
 from tierzero.checkpoint.catalog import checkpoint_dirs, step_dir
 
 

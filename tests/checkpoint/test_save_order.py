@@ -20,7 +20,7 @@ from tierzero.checkpoint.catalog import checkpoints_root
 from tierzero.checkpoint.manifest import MANIFEST_NAME
 from tierzero.storage.nvme import chunkfile
 
-from engine_helpers import batches
+from tests.support.engine import batches
 from test_checkpoint_resume import PLACEMENTS, config, engine_for
 
 STEPS = ("flush", "link", "syncfs", "manifest fsync", "rename", "dir fsync")

@@ -11,7 +11,7 @@ from tierzero import Config, Placement, Tier, models
 from tierzero.config import StateKind
 from tierzero.engine import Engine
 
-from engine_helpers import SMALL, batches, reference_run
+from tests.support.engine import SMALL, batches, reference_run
 
 
 def test_a_save_between_an_overlapped_backward_and_step_holds_the_finished_step(tmp_path) -> None:

@@ -19,7 +19,7 @@ from tierzero.storage.nvme import chunkfile
 from tierzero.storage.nvme.generations import gen_name, read_pointer
 from tierzero.storage.nvme.store import NvmeStore
 
-from engine_helpers import batches
+from tests.support.engine import batches
 from test_checkpoint_resume import PLACEMENTS, config, engine_for
 
 KEY = "master/u0001/r0/p0000"

@@ -6,7 +6,7 @@ import json
 import shutil
 
 from tierzero.checkpoint.catalog import checkpoint_dirs
-from cli_helpers import one_line_error, train
+from tests.support.cli import one_line_error, train
 from tierzero.run.directory import read_metrics
 
 

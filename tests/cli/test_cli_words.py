@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli_helpers import QUICK, one_line_error, train
+from tests.support.cli import QUICK, one_line_error, train
 from tierzero.cli.app import app
 from tierzero.errors import ConfigError
 
@@ -41,7 +41,7 @@ def test_a_refused_config_file_value_is_named_by_its_key(tmp_path: Path) -> None
 
 
 def test_a_model_without_repeated_blocks_is_told_the_flag(tmp_path: Path) -> None:
-    from hf_helpers import save_model
+    from tests.support.hf import save_model
 
     path = save_model("llama", tmp_path / "one-layer", num_hidden_layers=1)
     line = one_line_error(train("--model", f"hf:{path}", "--run-dir", str(tmp_path / "run")))

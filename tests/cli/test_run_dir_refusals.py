@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli_helpers import one_line_error, train
+from tests.support.cli import one_line_error, train
 from tierzero.checkpoint.catalog import step_dir
 from tierzero.cli.app import app
 

@@ -25,14 +25,14 @@ from tierzero.engine.runtime.tiers import Tiers
 from tierzero.storage.device import DevicePool
 from tierzero.storage.host import HostPool
 
-from engine_helpers import SMALL, batches, reference_run
-from recording_streams import (RecordingStreams, check_d2h_copies_wait_for_their_source,
-                               check_h2d_copies_wait_only_for_their_buffer,
-                               check_h2d_copies_write_pool_or_h2d_memory, check_no_copy_hazards,
-                               check_no_host_wait_on_compute, check_no_host_wait_on_io_threads,
-                               check_writes_into_read_before_waited, SyncWatch,
-                               check_allocator_memory_kept_alive,
-                               watch_device_pool, watch_host_pool)
+from tests.support.engine import SMALL, batches, reference_run
+from tests.support.fakes.streams import RecordingStreams
+from tests.support.checks import (check_d2h_copies_wait_for_their_source,
+                                  check_h2d_copies_wait_only_for_their_buffer,
+                                  check_h2d_copies_write_pool_or_h2d_memory, check_no_copy_hazards,
+                                  check_no_host_wait_on_compute, check_no_host_wait_on_io_threads,
+                                  check_writes_into_read_before_waited, check_allocator_memory_kept_alive)
+from tests.support.watchers import SyncWatch, watch_device_pool, watch_host_pool
 
 HOST = Placement(Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)

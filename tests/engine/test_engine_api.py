@@ -7,24 +7,22 @@ Compared with plain PyTorch (`ReferenceTrainer`, or the model in memory with
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import pytest
 import torch
 
-from tierzero import Config, Placement, Tier, models
+from tierzero import Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.errors import ConfigError
 from tierzero.reference import ReferenceTrainer, compute_loss
 
-from engine_helpers import SMALL, batches
+from tests.support.engine import SMALL, batches, engine_config
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 
 
-def config(tmp_path, **kw) -> Config:
-    kw = {"placement": NVME, "lr": 3e-3, "warmup_steps": 2, "total_steps": 4, "piece_numel": 6144, **kw}
-    return Config(nvme_path=[str(tmp_path / "nvme")], host_budget="256MiB", gpu_budget="256MiB", **kw)
-
+config = partial(engine_config, warmup_steps=2, total_steps=4, piece_numel=6144)  # this file's values
 
 def test_recompute_runs_under_the_autocast_of_the_forward(tmp_path) -> None:
     """A user's `torch.autocast` around `engine.forward` is captured per unit and restored for

@@ -13,7 +13,7 @@ from tierzero import Config, models
 from tierzero.engine import Engine
 from tierzero.errors import ConfigError
 
-from engine_helpers import SMALL
+from tests.support.engine import SMALL
 
 
 def nvme_config(tmp_path, **kw) -> Config:

@@ -6,13 +6,15 @@ Compared: `tierzero.Engine` training a meta-built model (materialised unit by un
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 
-from engine_helpers import SMALL, batches, reference_run
+from tests.support.engine import SMALL, batches, engine_config, reference_run
 
 PLACEMENTS = {
     "all-gpu": Placement(),
@@ -26,11 +28,7 @@ PLACEMENTS = {
 PIECE_NUMEL = 6144  # smaller than every unit, and not dividing them: the last piece is short
 
 
-def config(tmp_path, placement: Placement, **kw) -> Config:
-    kw.setdefault("piece_numel", PIECE_NUMEL)
-    return Config(placement=placement, nvme_path=[str(tmp_path / "nvme")], lr=3e-3, warmup_steps=2,
-                  total_steps=5, host_budget="256MiB", gpu_budget="256MiB", **kw)
-
+config = partial(engine_config, piece_numel=PIECE_NUMEL, warmup_steps=2, total_steps=5)  # this file's values
 
 @pytest.mark.parametrize("name", list(PLACEMENTS))
 def test_five_steps_bitwise_equal_to_reference(tmp_path, name: str) -> None:

@@ -7,26 +7,25 @@ a clear error, without writing anything it should not.
 from __future__ import annotations
 
 import concurrent.futures
+from functools import partial
 
 import pytest
 import torch
 from torch import nn
 
-from tierzero import Config, Placement, StateKind, Tier, models
+from tierzero import Placement, StateKind, Tier, models
 from tierzero.engine import Engine
 from tierzero.planning.ledger import activation_memory
 from tierzero.errors import TierzeroError
 from tierzero.engine.runtime.tiers import Pending
 
-from engine_helpers import SMALL, batches, reference_run
+from tests.support.engine import SMALL, batches, engine_config, reference_run
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 
 
-def config(tmp_path, **kw) -> Config:
-    kw.setdefault("placement", NVME)
-    return Config(nvme_path=[str(tmp_path / "nvme")], lr=3e-3, total_steps=6, **kw)
-
+# this file's values: no budgets (the engine chooses)
+config = partial(engine_config, total_steps=6, host_budget=None, gpu_budget=None)
 
 # -- the pending queue ------------------------------------------------------------------------
 

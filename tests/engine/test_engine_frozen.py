@@ -9,6 +9,7 @@ no gradient in a step is skipped as torch's AdamW skips it, and keeps its own st
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -23,17 +24,14 @@ from tierzero.models.llama import LOSS_CHUNK_BYTES
 from tierzero.reference import ReferenceTrainer
 from tierzero.planning.swapplan import Op
 
-from engine_helpers import SMALL, batches
+from tests.support.engine import SMALL, batches, engine_config
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 PLACEMENTS = {"all-gpu": Placement(), "mixed": Placement(Tier.NVME, Tier.HOST, Tier.NVME, Tier.HOST, Tier.NVME)}
 
 
-def config(tmp_path, placement: Placement = NVME, **kw) -> Config:
-    kw = {"piece_numel": 6144, "lr": 3e-3, "warmup_steps": 2, "total_steps": 6, **kw}  # pieces smaller than a unit
-    kw = {"host_budget": "256MiB", "gpu_budget": "256MiB", **kw}
-    return Config(placement=placement, nvme_path=[str(tmp_path / "nvme")], **kw)
-
+# this file's values: pieces smaller than a unit
+config = partial(engine_config, piece_numel=6144, warmup_steps=2, total_steps=6)
 
 def assert_bitwise(weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
     assert weights.keys() == expected.keys()

@@ -15,7 +15,7 @@ from tierzero.engine import Engine
 from tierzero.models.loss import chunk_tokens_for
 from tierzero.reference import ReferenceTrainer
 
-from engine_helpers import SMALL, batches
+from tests.support.engine import SMALL, batches
 
 CHUNK_BYTES = 4 * SMALL.vocab_size * 40  # 40 tokens per chunk: a 4 x 32 batch takes 4 chunks
 

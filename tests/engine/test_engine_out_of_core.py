@@ -12,7 +12,7 @@ from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.models import ModelArgs
 
-from engine_helpers import batches, reference_run
+from tests.support.engine import batches, reference_run
 
 DEEP = ModelArgs(dim=64, n_layers=16, n_heads=4, n_kv_heads=4, vocab_size=256, ffn_dim=192,
                  max_seq_len=64, tie_embeddings=True)

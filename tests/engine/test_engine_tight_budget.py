@@ -19,7 +19,7 @@ from tierzero.models import ModelArgs
 from tierzero.models.llama import LOSS_CHUNK_BYTES
 from tierzero.planning.ledger import activation_memory
 
-from engine_helpers import batches, engine_weights, reference_run
+from tests.support.engine import batches, engine_weights, reference_run
 from test_engine_out_of_core import DEEP
 
 
@@ -110,7 +110,7 @@ def test_the_issue_134m_untied_on_nvme_fits_512mib_of_host_memory(tmp_path) -> N
 def test_a_resume_keeps_the_piece_size_its_checkpoint_was_written_with(tmp_path) -> None:
     """Shards are keyed by their pieces: a resume under a budget that would choose larger ones
     reads the checkpoint back with its own (the manifest records it)."""
-    from cli_helpers import train
+    from tests.support.cli import train
     from tierzero.checkpoint.catalog import newest_checkpoint
 
     run_dir = str(tmp_path / "run")

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 
-from engine_helpers import SMALL, batches, reference_run
+from tests.support.engine import SMALL, batches, reference_run
 
 STEPS = 3
 

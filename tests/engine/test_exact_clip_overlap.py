@@ -10,28 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import re
+from functools import partial
 
 import pytest
 import torch
 
-from tierzero import Config, Placement, StateKind, Tier, models
+from tierzero import Placement, StateKind, Tier, models
 from tierzero.engine import Engine
 from tierzero.engine.step.restep import KeptGeneration
 from tierzero.errors import ConfigError
 from tierzero.storage.nvme.store import NvmeStore
 
-from engine_helpers import SMALL, batches, reference_run
+from tests.support.engine import SMALL, batches, engine_config, reference_run
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 HOST = Placement(Tier.GPU, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
 FIRES, NEVER_FIRES = 0.5, 1e6  # SMALL's grad norms are above 0.5 in these steps
 
 
-def config(tmp_path, placement: Placement, clip: float, **kw) -> Config:
-    return Config(placement=placement, nvme_path=[str(tmp_path / "nvme")], total_steps=6, lr=3e-3,
-                  piece_numel=8192, host_budget="256MiB", gpu_budget="256MiB", clip_grad_norm=clip,
-                  overlap_step=True, **kw)
-
+config = partial(engine_config, total_steps=6, piece_numel=8192, overlap_step=True)  # this file's values
 
 class CountingKept(KeptGeneration):
     """Counts the pieces each re-step restores (a re-step restores every kept piece once) and
@@ -56,7 +53,7 @@ def test_overlapped_step_with_clipping_is_bitwise_the_reference(tmp_path, monkey
                                                                 accumulate) -> None:
     monkeypatch.setattr("tierzero.engine.step.backward.KeptGeneration", CountingKept)
     CountingKept.restored, CountingKept.copied = 0, set()
-    cfg = config(tmp_path, placement, clip, accumulate=accumulate)
+    cfg = config(tmp_path, placement, clip_grad_norm=clip, accumulate=accumulate)
     ref_losses, ref_weights = reference_run(SMALL, cfg, steps=3)
     data = batches()
     with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
@@ -105,6 +102,6 @@ def test_clipping_with_overlap_is_allowed_and_fp16_is_still_refused(tmp_path) ->
     """Asked for, overlap_step clips exactly without clip_previous_norm; fp16's overflow check
     is still refused (each unit's step would need it first)."""
     model = models.build(SMALL, device="meta")
-    assert Engine(model, config(tmp_path, HOST, FIRES)).overlap
+    assert Engine(model, config(tmp_path, HOST, clip_grad_norm=FIRES)).overlap
     with pytest.raises(ConfigError, match="fp16"):
-        Engine(model, config(tmp_path, HOST, FIRES, dtype="fp16"))
+        Engine(model, config(tmp_path, HOST, clip_grad_norm=FIRES, dtype="fp16"))

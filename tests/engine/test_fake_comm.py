@@ -25,11 +25,13 @@ from tierzero.engine import Engine
 from tierzero.engine.runtime import streams
 from tierzero.engine.runtime.scheduler import ParamShard, Scheduler
 
-from engine_helpers import SMALL, batches, reference_run
-from recording_streams import (RecordingStreams, check_allocator_memory_kept_alive, check_collectives_waited_for,
-                               check_d2h_copies_wait_for_their_source, check_no_copy_hazards,
-                               check_no_host_wait_on_compute, check_no_host_wait_on_io_threads,
-                               nccl_like_collectives, watch_device_pool, watch_host_pool)
+from tests.support.engine import SMALL, batches, reference_run
+from tests.support.fakes.streams import RecordingStreams
+from tests.support.checks import (check_allocator_memory_kept_alive, check_collectives_waited_for,
+                                  check_d2h_copies_wait_for_their_source, check_no_copy_hazards,
+                                  check_no_host_wait_on_compute, check_no_host_wait_on_io_threads)
+from tests.support.fakes.comm import nccl_like_collectives
+from tests.support.watchers import watch_device_pool, watch_host_pool
 
 STEPS = 2
 

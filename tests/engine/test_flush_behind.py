@@ -14,7 +14,7 @@ from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.storage.nvme import chunkfile
 
-from engine_helpers import SMALL, batches, reference_run
+from tests.support.engine import SMALL, batches, reference_run
 
 
 def test_a_step_returns_before_its_flush_and_training_stays_exact(tmp_path, monkeypatch) -> None:

@@ -27,7 +27,7 @@ from tierzero.storage.host import HostPool
 from tierzero.storage.io import IOLoop
 from tierzero.engine.runtime.streams import CudaStreams
 
-from engine_helpers import SMALL, batches
+from tests.support.engine import SMALL, batches
 
 pytestmark = pytest.mark.cuda
 
@@ -157,7 +157,7 @@ import sys
 import torch
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
-from engine_helpers import SMALL, batches
+from tests.support.engine import SMALL, batches
 
 cfg = Config(placement=Placement(*[Tier.NVME] * 5), nvme_path=[sys.argv[1]], device="cuda:1", piece_numel=6144,
              host_budget="1GiB", gpu_budget="1GiB", accumulate=2, overlap_step=True)
@@ -175,8 +175,8 @@ print("contexts", during, torch._C._cuda_hasPrimaryContext(0), torch._C._cuda_ha
 def test_an_engine_on_cuda_1_puts_nothing_on_cuda_0(tmp_path) -> None:
     """No context on cuda:0, while training or after: the training thread, autograd's, the I/O
     threads (which step AdamW, lease device buffers and pin host memory) all use cuda:1."""
-    tests = str(Path(__file__).parents[1])  # tests/: recording_streams and the helpers
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    repo = str(Path(__file__).parents[2])  # tests.support
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-c", ONLY_CUDA_1, str(tmp_path / "nvme")], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr

@@ -25,8 +25,8 @@ from tierzero.storage.base import BudgetExceededError
 from tierzero.storage.host import HostPool
 from tierzero.storage.sizeclass import choose_classes, class_for
 
-from engine_helpers import SMALL, batches
-from pinning_fakes import PAGE, FakeCudart, cudart, mappings  # noqa: F401 - fixtures
+from tests.support.engine import SMALL, batches
+from tests.support.fakes.pinning import PAGE, FakeCudart, cudart, mappings  # noqa: F401 - fixtures
 
 NVME = Placement(*[Tier.NVME] * 5)
 

@@ -21,8 +21,10 @@ from tierzero.engine.runtime import streams
 from tierzero.engine.runtime.batch import BatchStaging
 from tierzero.reference import to_device
 
-from engine_helpers import SMALL, batches
-from recording_streams import RecordingStreams, SyncWatch, check_no_host_wait_on_compute, watch_device_pool
+from tests.support.engine import SMALL, batches
+from tests.support.fakes.streams import RecordingStreams
+from tests.support.watchers import SyncWatch, watch_device_pool
+from tests.support.checks import check_no_host_wait_on_compute
 
 CASES = {  # placement, overlap_step, clip_grad_norm
     "host-clip": (Placement(*[Tier.HOST] * 5), False, 1.0),

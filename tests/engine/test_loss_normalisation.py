@@ -42,7 +42,7 @@ from tierzero.lr import lr_at
 from tierzero.models.loss import trained_targets
 from tierzero.run.data import TokenBatches, default_corpus
 
-from engine_helpers import SMALL
+from tests.support.engine import SMALL, engine_config
 
 STEPS, LR, ROWS, SEQ = 3, 1e-3, 4, 32
 LOSS_TOL, WEIGHT_TOL = 1e-6, 2e-5
@@ -75,11 +75,9 @@ def build(kind: str, meta: bool = False) -> torch.nn.Module:
     return models.build(UNTIED, device="meta" if meta else "cpu", seed=0) if kind == "builtin" else hf_model()
 
 
-def config(root, accumulate: int = 1, **kw) -> Config:
-    return Config(placement=Placement(Tier.NVME, Tier.HOST, Tier.NVME, Tier.NVME, Tier.HOST),
-                  nvme_path=[f"{root}/nvme"], lr=LR, warmup_steps=0, total_steps=STEPS, accumulate=accumulate,
-                  host_budget="256MiB", **kw)
-
+config = functools.partial(  # this file's values: no device budget (the engine chooses)
+    engine_config, placement=Placement(Tier.NVME, Tier.HOST, Tier.NVME, Tier.NVME, Tier.HOST), lr=LR,
+    warmup_steps=0, total_steps=STEPS, gpu_budget=None)
 
 def plain(kind: str, micro: int = ROWS, exact: bool = True) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain PyTorch: each step's rows in micro-batches of `micro`; with `exact` each one's summed
@@ -120,7 +118,7 @@ def tiered(kind: str, root, accumulate: int = 1, rank: int = 0, world_size: int 
     rows = ROWS // world_size
     micro = rows // accumulate
     losses = []
-    with Engine(build(kind, meta=True) if kind == "builtin" else build(kind), config(root, accumulate, **kw)) as engine:
+    with Engine(build(kind, meta=True) if kind == "builtin" else build(kind), config(root, accumulate=accumulate, **kw)) as engine:
         for x, y in masked_batches():
             x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
             tokens = trained_targets(y)

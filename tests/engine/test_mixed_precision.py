@@ -6,6 +6,8 @@ Compared: `tierzero.Engine` vs `ReferenceTrainer` (`torch.nn.utils.clip_grad_nor
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -13,19 +15,13 @@ from tierzero import Config, Placement, StateKind, Tier, models
 from tierzero.engine import Engine
 from tierzero.errors import ConfigError
 
-from engine_helpers import SMALL, batches, reference_run
+from tests.support.engine import SMALL, batches, engine_config, reference_run
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 HOST = Placement(Tier.GPU, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
 
 
-def config(tmp_path, placement: Placement = NVME, **kw) -> Config:
-    kw.setdefault("lr", 3e-3)
-    kw.setdefault("piece_numel", 8192)
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    return Config(placement=placement, nvme_path=[str(tmp_path / "nvme")], total_steps=6,
-                  host_budget="256MiB", gpu_budget="256MiB", **kw)
-
+config = partial(engine_config, piece_numel=8192, total_steps=6)  # this file's values
 
 def engine_run(cfg: Config, micro_steps: int, **batch_kw: int) -> tuple[list[float], dict[str, torch.Tensor], Engine]:
     data = batches(**batch_kw)

@@ -25,10 +25,10 @@ from tierzero import Config, Offload, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.engine.runtime import streams
 
-from engine_helpers import SMALL, batches, reference_run
+from tests.support.engine import SMALL, batches, reference_run
 from tierzero.storage.base import BudgetExceededError
 
-from recording_streams import RecordingStreams
+from tests.support.fakes.streams import RecordingStreams
 from test_copy_pipeline import train_through_fake
 
 
@@ -47,7 +47,7 @@ class OptimizerCalls(TorchFunctionMode):
         if getattr(func, "__name__", "") in _METADATA:
             return func(*args, **(kwargs or {}))
         files = [f.filename for f in traceback.extract_stack(limit=12)[:-1]]
-        if any(f.endswith("engine/step/optim.py") for f in files) and not any(f.endswith("recording_streams.py")
+        if any(f.endswith("engine/step/optim.py") for f in files) and not any(f.endswith("fakes/streams.py")
                                                                           for f in files):
             self.calls.append(f"{getattr(func, '__name__', func)} on {threading.current_thread().name}")
         return func(*args, **(kwargs or {}))

@@ -12,7 +12,7 @@ import torch
 from tierzero import Config, Placement, Tier
 from tierzero.engine.step import optim
 
-from engine_helpers import SMALL, engine_weights, reference_run
+from tests.support.engine import SMALL, engine_weights, reference_run
 
 
 def test_overlapped_steps_run_on_the_optimizer_thread_and_stay_bitwise(tmp_path, monkeypatch) -> None:

@@ -27,7 +27,7 @@ from tierzero.planning.ledger import activation_memory
 from tierzero.planning.recompute import choose_kept
 from tierzero.planning.workload import Workload
 
-from engine_helpers import SMALL, assert_same, batches, fresh, reference_run
+from tests.support.engine import SMALL, assert_same, batches, fresh, reference_run
 from test_engine_exact import PLACEMENTS, config
 
 STEPS, K = 2, 2

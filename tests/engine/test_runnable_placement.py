@@ -10,7 +10,7 @@ from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.errors import ConfigError
 
-from engine_helpers import SMALL
+from tests.support.engine import SMALL
 
 
 def test_grads_on_nvme_with_the_optimizer_on_the_gpu_are_refused_naming_the_fix(tmp_path) -> None:

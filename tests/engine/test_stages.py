@@ -28,7 +28,7 @@ from tierzero.planning.workload import Workload
 from tierzero.layout.partition import grad_uses, partition
 from tierzero.planning.swapplan import Op
 
-from engine_helpers import SMALL, batches, reference_run
+from tests.support.engine import SMALL, batches, reference_run
 
 STEPS, ACCUMULATE = 2, 2
 STAGES = (1, 2, 3)

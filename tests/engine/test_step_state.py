@@ -14,7 +14,7 @@ from tierzero.engine import Engine
 from tierzero.engine.step.backward import BackwardPass, StepInBackward
 from tierzero.engine.step.state import StepState
 
-from engine_helpers import SMALL, batches
+from tests.support.engine import SMALL, batches
 
 
 def test_step_state_round_trips_and_a_resume_starts_between_steps() -> None:

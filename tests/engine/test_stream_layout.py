@@ -24,8 +24,8 @@ from tierzero.storage.base import BudgetExceededError
 from tierzero.storage.device import DevicePool, DeviceStore
 from tierzero.storage.io import IOLoop
 
-from engine_helpers import SMALL, batches, reference_run
-from recording_streams import RecordingStreams
+from tests.support.engine import SMALL, batches, reference_run
+from tests.support.fakes.streams import RecordingStreams
 
 ON_DEVICE = Placement(Tier.GPU, Tier.GPU, Tier.GPU, Tier.GPU, Tier.GPU)
 

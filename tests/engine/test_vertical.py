@@ -25,7 +25,7 @@ from tierzero.errors import ConfigError, TierzeroError
 from tierzero.planning.memory_model import waiting_activations_bytes
 from tierzero.planning.swapplan import Op, Phase, build_swap_plan
 
-from engine_helpers import SMALL, assert_same, batches, fresh, reference_run
+from tests.support.engine import SMALL, assert_same, batches, fresh, reference_run
 from test_engine_exact import PLACEMENTS, config
 
 K, STEPS = 3, 2

@@ -20,7 +20,7 @@ from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.engine import Engine
 from tierzero.hf import load_model, materialise
 
-from hf_helpers import save_model
+from tests.support.hf import save_model
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 

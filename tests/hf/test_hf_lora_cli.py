@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from hf_helpers import sample_text
+from tests.support.hf import sample_text
 from tierzero.cli.app import app
 from tierzero.run.corpus import TextTokenizer, read_corpus
 from tierzero.config import RunConfig

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_helpers import config
+from tests.support.hf import config
 from tierzero.hf import load_model
 from tierzero.models.init import WeightFiles, flat_unit
 from tierzero.layout.partition import partition

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from hf_helpers import config
+from tests.support.hf import config
 from tierzero import Config, Engine
 from tierzero.cli.app import app
 from tierzero.errors import ConfigError

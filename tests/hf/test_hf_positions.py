@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from cli_helpers import one_line_error
+from tests.support.cli import one_line_error
 from tierzero.cli.app import app
 from tierzero.hf import load_model
 

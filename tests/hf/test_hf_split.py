@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_helpers import save_model
+from tests.support.hf import save_model
 from tierzero import Config, Engine
 from tierzero.adamw import decays, implementation
 from tierzero.hf import SplitCausalLM, load_model

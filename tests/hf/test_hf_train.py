@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from hf_helpers import sample_text
+from tests.support.hf import sample_text
 from tierzero.adamw import decays
 from tierzero.cli.app import app
 from tierzero.config import Config

@@ -13,13 +13,15 @@ alternating sliding-window masks) run vertically as horizontally, bitwise.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_helpers import save_model
+from tests.support.engine import engine_config
+from tests.support.hf import save_model
 from tierzero import Config, Engine, Placement, Tier
 from tierzero.adamw import decays, implementation
 from tierzero.config import Schedule
@@ -39,9 +41,9 @@ def batches() -> TokenBatches:
     return TokenBatches(default_corpus(1 << 16), 2, 32, seed=0)
 
 
-def config(path: Path, schedule: str, activation_budget: int | None = None) -> Config:
-    return Config(placement=NVME, nvme_path=[str(path)], dtype="fp32", lr=3e-3, total_steps=STEPS, accumulate=K,
-                  schedule=schedule, seed=SEED, activation_budget=activation_budget)
+# this file's values: no budgets (the engine chooses)
+config = partial(engine_config, dtype="fp32", total_steps=STEPS, accumulate=K, seed=SEED, host_budget=None,
+                 gpu_budget=None)
 
 
 def engine_run(model_dir: Path, path: Path, schedule: str, lora: bool,
@@ -51,7 +53,7 @@ def engine_run(model_dir: Path, path: Path, schedule: str, lora: bool,
     hf = load_model(f"hf:{model_dir}")
     model, weights = (add_lora(hf, LORA, hf.weights), None) if lora else (hf.model, model_dir)
     data = batches()
-    with Engine(model, config(path, schedule, activation_budget), weights=weights) as engine:
+    with Engine(model, config(path, schedule=schedule, activation_budget=activation_budget), weights=weights) as engine:
         losses = [engine.train_micro_batch(data.next_batch()) for _ in range(STEPS * K)]
         if activation_budget is not None:
             assert engine.vertical.store.spilled > 0
@@ -87,7 +89,7 @@ def plain_run(model_dir: Path, lora: bool) -> tuple[list[float], dict[str, torch
     seed_layers(layers, position)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    cfg = config(model_dir, "horizontal")
+    cfg = config(model_dir, schedule="horizontal")
     opt = torch.optim.AdamW([{"params": [p for p in params if decays(p)], "weight_decay": cfg.weight_decay},
                              {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}],
                             lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **implementation(torch.device("cpu")))
@@ -197,10 +199,10 @@ def test_a_final_norm_without_parameters_stays_horizontal(tmp_path) -> None:
     model_dir = save_family("olmo", tmp_path / "olmo", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                             intermediate_size=128)
     hf = load_model(f"hf:{model_dir}")
-    with Engine(hf.model, config(tmp_path / "a", "auto"), weights=model_dir) as engine:
+    with Engine(hf.model, config(tmp_path / "a", schedule="auto"), weights=model_dir) as engine:
         engine.train_micro_batch(batches().next_batch())
         assert engine.vertical.on is False
     hf = load_model(f"hf:{model_dir}")
-    with Engine(hf.model, config(tmp_path / "v", "vertical"), weights=model_dir) as engine:
+    with Engine(hf.model, config(tmp_path / "v", schedule="vertical"), weights=model_dir) as engine:
         with pytest.raises(ConfigError, match="final norm has no parameters"):
             engine.train_micro_batch(batches().next_batch())

@@ -1,6 +1,6 @@
 """The one memory model: counted by hand, `tierzero plan` on LLaMA-3 shapes, and against the OS.
 
-The last test trains small models on the CPU device in a subprocess (tests/memory_probe.py),
+The last test trains small models on the CPU device in a subprocess (tests/support/scripts/memory_probe.py),
 host budget = the model's prediction, and compares the predicted peaks with the pools' peak
 counters and with the growth of the process's resident memory (VmHWM).
 """
@@ -154,7 +154,7 @@ def test_predicted_peaks_match_measured_ones() -> None:
     the process's RSS growth must not exceed the predicted host total by more than 10%, nor
     fall more than 15% short of it: whether read-ahead lands while the activations peak is
     timing, and on a loaded 2-core box the high-water mark came out at 0.886 of the prediction."""
-    probe = Path(__file__).parents[1] / "memory_probe.py"
+    probe = Path(__file__).parents[1] / "support" / "scripts" / "memory_probe.py"
     out = subprocess.run([sys.executable, str(probe), json.dumps(_cases())], capture_output=True, text=True,
                          timeout=600, cwd=probe.parent)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from hf_helpers import save_word_tokenizer
+from tests.support.hf import save_word_tokenizer
 from tierzero.run.corpus import TextTokenizer, read_corpus
 from tierzero.errors import DataError
 

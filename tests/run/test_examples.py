@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_helpers import save_word_tokenizer
+from tests.support.hf import save_word_tokenizer
 from tierzero.errors import DataError
 from tierzero.run.corpus import TextTokenizer, read_data
 from tierzero.run.data import TokenBatches

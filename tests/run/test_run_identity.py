@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import one_line_error, train
+from tests.support.cli import one_line_error, train
 from tierzero.checkpoint.catalog import checkpoint_dirs
 from tierzero.checkpoint.lineage import read_run_id
 from tierzero.run.directory import RunDir, config_run_id

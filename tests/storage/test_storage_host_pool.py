@@ -14,7 +14,7 @@ import torch
 from tierzero.storage.base import BudgetExceededError, StorageError
 from tierzero.storage.host import HostPool, pinned_empty
 
-from pinning_fakes import PAGE, FakeCudart, Mappings, cudart, mappings  # noqa: F401 - fixtures
+from tests.support.fakes.pinning import PAGE, FakeCudart, Mappings, cudart, mappings  # noqa: F401 - fixtures
 
 
 def test_blocks_are_exact_page_aligned_mappings() -> None:

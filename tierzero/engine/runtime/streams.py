@@ -16,7 +16,7 @@ per stream (`lane`), so a wait for a d2h copy never sits behind one for an h2d c
 the I/O loop's threads never lands on the thread's current device (cuda:0) or creates a stray
 context there. `CpuStreams` is the same discipline on the CPU device: copies are synchronous, so
 every event has already happened. Tests replace both with a recording fake
-(`tests/recording_streams.py`) that defers copies until their event is waited for.
+(`tests/support/fakes/streams.py`) that defers copies until their event is waited for.
 """
 
 from __future__ import annotations
@@ -93,9 +93,9 @@ class Streams(abc.ABC):
         return self.h2d
 
     def lane(self, event: Event) -> str:
-        """The stream `event` is on, naming the waiter thread that waits for it on the host."""
-        stream = getattr(event, "stream", None)  # the recording fake names its event's stream
-        return stream if isinstance(stream, str) else "copy"
+        """The stream `event` is on, naming the waiter thread that waits for it on the host;
+        one lane for every copy where events name no stream (they have already happened)."""
+        return "copy"
 
     def current(self, stream: Stream) -> contextlib.AbstractContextManager:
         """Make `stream` the current one while work is issued (a collective ahead of compute);

@@ -40,12 +40,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo: tests.support
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from engine_helpers import SMALL, batches  # noqa: E402
+from tests.support.engine import SMALL, batches, engine_config  # noqa: E402
 from tierzero import Config, Placement, Tier, models  # noqa: E402
 from tierzero.checkpoint import catalog  # noqa: E402
 from tierzero.engine import Engine, checkpointing  # noqa: E402
@@ -104,9 +104,7 @@ PHASES = {
 
 
 def config(work: Path, path: TrainPath) -> Config:
-    settings = {"placement": NVME, "host_budget": "256MiB", "gpu_budget": "256MiB", **path.settings}
-    return Config(nvme_path=[str(work / "nvme")], lr=3e-3, warmup_steps=1, total_steps=STEPS,
-                  chunk_bytes=64 << 10, **settings)
+    return engine_config(work, **{"warmup_steps": 1, "total_steps": STEPS, "chunk_bytes": 64 << 10, **path.settings})
 
 
 class KillSwitch:

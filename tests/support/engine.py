@@ -1,10 +1,14 @@
-"""Shared pieces of the engine tests: a small model, fixed batches, the reference run."""
+"""Shared pieces of the engine tests: a small model, fixed batches, the one test config, the
+reference run."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 
-from tierzero import Config, models
+from tierzero import Config, Placement, Tier, models
 from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.models import ModelArgs
 from tierzero.reference import ReferenceTrainer
@@ -13,6 +17,20 @@ _TOKENS = default_corpus(1 << 20)
 
 SMALL = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=192,
                   max_seq_len=64, tie_embeddings=True)
+
+
+NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
+
+
+def engine_config(root: Path | str, placement: Placement | None = NVME, **overrides: Any) -> Config:
+    """The engine config the tests train with: every state on NVMe under `root/nvme`, lr 3e-3 (a
+    few steps move the weights visibly), 256 MiB host and device budgets (far above what `SMALL`
+    needs, so no test is refused by accident); `overrides` are each test's own values. `root`
+    is made if missing: tests pass subfolders of `tmp_path` to keep engines apart."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    settings = {"nvme_path": [str(Path(root) / "nvme")], "lr": 3e-3, "host_budget": "256MiB",
+                "gpu_budget": "256MiB", **overrides}
+    return Config(placement=placement, **settings)
 
 
 def batches(batch_size: int = 4, seq_len: int = 32, seed: int = 0) -> TokenBatches:
