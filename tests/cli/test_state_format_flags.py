@@ -8,7 +8,7 @@ import json
 
 from typer.testing import CliRunner
 
-from cli_helpers import one_line_error, train
+from tests.support.cli import one_line_error, train
 from tierzero.cli.app import app
 from tierzero.config import STATE_BLOCK, DType, StateFormat
 from tierzero.configfile import load_run_config, to_toml

@@ -15,7 +15,7 @@ from tierzero.engine import Engine
 from tierzero.engine.step.grads import GradShards
 from tierzero.models import ModelArgs
 
-from engine_helpers import batches, reference_run
+from tests.support.engine import batches, reference_run
 
 ARGS = ModelArgs(dim=32, n_layers=3, n_heads=4, n_kv_heads=4, vocab_size=128, ffn_dim=64,
                  max_seq_len=32, tie_embeddings=False)
