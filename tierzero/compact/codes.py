@@ -6,7 +6,11 @@ entry of a 256-entry code map of `value / absmax`. The maps are the dynamic ones
 (Dettmers et al., 2022): per decade of magnitude from 1e-7 to 1 a linear run of codes, more
 codes in the larger decades, so small and large values keep a similar relative precision.
 exp_avg uses the signed map, exp_avg_sq (never negative) the unsigned one, which spends all 256
-codes on magnitudes. Every function works on one run of whole blocks (the last one may be
+codes on magnitudes. One exception to the nearest code: a positive exp_avg_sq below half the
+smallest positive code is stored as that code, never as 0. Adam divides by sqrt(exp_avg_sq):
+rounding a small one to 0 while its exp_avg is not turns the update into exp_avg / eps (seen:
+weights of rare embedding rows jumping 20 lr in one step), while rounding it up only shrinks
+that parameter's update. Every function works on one run of whole blocks (the last one may be
 shorter), so a piece, or any 2048-aligned part of one, quantises on its own, bitwise the same
 as within the whole piece. No allocation beyond the outputs and `Scratch` handed in.
 """
@@ -87,6 +91,8 @@ def quantise(values: torch.Tensor, signed: bool, codes: torch.Tensor, absmax: to
     torch.index_select(table, 0, index, out=low)
     torch.sub(values, low, out=low)  # distance down
     index.add_(high < low)  # ties keep the lower code
+    if not signed:  # a positive exp_avg_sq never becomes 0: see the module's docstring
+        index.add_((index == 0) & (values > 0))
     codes.copy_(index)
 
 

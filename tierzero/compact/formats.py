@@ -31,6 +31,10 @@ class StateFormats:
     moments: StateFormat = StateFormat.FP32
     master: DType = DType.FP32
 
+    def __post_init__(self) -> None:  # the spellings of `Config`'s fields, as enums
+        object.__setattr__(self, "moments", StateFormat(self.moments))
+        object.__setattr__(self, "master", DType(self.master))
+
     @classmethod
     def of(cls, config: Config) -> StateFormats:
         return cls(config.optimizer_state, config.master)

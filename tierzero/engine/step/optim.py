@@ -25,7 +25,6 @@ import asyncio
 import os
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +34,7 @@ from tierzero.compact.step import CompactStep
 from tierzero.config import OPTIMIZER_KINDS, Config, Placement, StateKind, Tier
 from tierzero.engine.step.paramsteps import Run
 from tierzero.engine.step.restep import KeptGeneration
+from tierzero.engine.step.work import Work
 from tierzero.engine.step.writeback import PieceWrites
 from tierzero.layout.partition import Unit
 from tierzero.engine.runtime.stats import StepStats
@@ -48,26 +48,6 @@ from tierzero.storage.base import BudgetExceededError
 STEP_KINDS = (StateKind.GRAD, *OPTIMIZER_KINDS)  # what one piece's step reads
 OPTIMIZER_LANE = "optimizer"  # the I/O loop's thread that runs every overlapped piece's step
 
-
-@dataclass
-class Work:
-    """One piece of one unit's optimizer shards on the stepping device, and which are borrowed."""
-
-    unit: Unit
-    piece: int
-    start: int  # the piece's range in the shard
-    end: int
-    runs: list[Run] = field(default_factory=list)  # the unit's runs to update (`ParamSteps.runs`)
-    tensors: dict[StateKind, torch.Tensor] = field(default_factory=dict)
-    leased: dict[StateKind, torch.Tensor] = field(default_factory=dict)  # kind -> leased buffer
-    futures: list = field(default_factory=list)
-    grad_landed: Event = None  # the D2H copy of its grad piece (overlap_step), waited for by `Tiers.landed`
-    produced: Event = None  # overlap_step: after it the grad is final, the params no more read in the pass
-    copies: dict[StateKind, Event] = field(default_factory=dict)  # leased buffers read by h2d_write copies
-
-    @property
-    def numel(self) -> int:
-        return self.end - self.start
 
 
 class ShardOptimizer(PieceWrites):

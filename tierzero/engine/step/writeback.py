@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,12 +22,10 @@ from tierzero.config import OPTIMIZER_KINDS, Config, Placement, StateKind, Tier
 from tierzero.engine.runtime.stats import StepStats
 from tierzero.engine.runtime.streams import Event
 from tierzero.engine.runtime.tiers import Tiers
+from tierzero.engine.step.work import Work
 from tierzero.layout.keys import piece_key, shard_key
 from tierzero.planning.placement import Link
 from tierzero.storage.base import TierStore
-
-if TYPE_CHECKING:
-    from tierzero.engine.step.optim import Work
 
 
 class PieceWrites:
