@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,9 +32,9 @@ PIECE = 16384  # several pieces per block unit, each of eight quantisation block
 
 
 def _config(nvme: Path, placement: Placement = NVME, moments: str = "int8", master: str = "bf16",
-            **budgets: str) -> Config:
+            **extra: Any) -> Config:
     return Config(placement=placement, nvme_path=[str(nvme)], lr=3e-3, total_steps=6, piece_numel=PIECE,
-                  optimizer_state=moments, master=master, **budgets)
+                  optimizer_state=moments, master=master, **extra)
 
 
 def _engine(config: Config) -> Engine:
@@ -132,3 +133,21 @@ def test_compact_state_moves_fewer_nvme_bytes_and_fp32_stays_torchs_adamw(tmp_pa
             moved[moments] = stats["bytes_nvme->host"] + stats["bytes_host->nvme"]
             n = sum(u.state_numel(0) for u in engine.units)
     assert moved["fp32"] - moved["int8"] == pytest.approx(2 * (12 - 4) * n, rel=0.01)
+
+
+@pytest.mark.parametrize("placement", [NVME, HOST], ids=["nvme", "host"])
+def test_exact_clipping_beside_backward_re_steps_compact_pieces_bitwise(tmp_path: Path, placement: Placement) -> None:
+    """overlap_step keeps the compact generation each piece was stepped from and re-steps it
+    once the clip fires: bitwise the step taken after the norm is known."""
+    weights = []
+    for overlap in (False, True):
+        # SMALL's grad norms are above 0.5: the clip fires
+        cfg = _config(tmp_path / f"overlap{overlap}", placement, host_budget="256MiB", gpu_budget="256MiB",
+                      clip_grad_norm=0.5, overlap_step=overlap)
+        data = batches()
+        with _engine(cfg) as engine:
+            for _ in range(2):
+                engine.train_step(data.next_batch())
+            weights.append((engine.master_state_dict(), _moments(engine)))
+    assert_same(weights[1][0], weights[0][0])
+    assert all(torch.equal(a, b) for a, b in zip(weights[1][1], weights[0][1]))
