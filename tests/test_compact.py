@@ -153,3 +153,17 @@ def test_stochastic_rounding_is_unbiased_where_round_to_nearest_loses_the_update
     CompactStep(formats, config, torch.device("cpu")).step(tensors, [(0, n, 0.0, 0)], 1e-4, unit=0, origin=0)
     moved = 1 - master.double().mean().item()
     assert abs(moved - 1e-4) < 2e-5, moved  # Adam's first step moves each weight by lr (5 sigma)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_bucket_lookup_finds_the_nearest_code_as_a_binary_search_does(signed: bool) -> None:
+    """Every code, every midpoint and both fp32 neighbours of each, and values of every scale."""
+    bounds = codes.midpoints(signed)
+    g = torch.Generator().manual_seed(2)
+    edges = torch.cat([codes.code_map(signed), bounds, bounds.nextafter(torch.tensor(2.0)),
+                       bounds.nextafter(torch.tensor(-2.0))])
+    spread = (torch.rand(1 << 16, generator=g) * 2 - 1) * torch.logspace(-12, 0, 1 << 16)
+    x = torch.cat([edges, spread, torch.zeros(1), -torch.zeros(1)]).clamp(-1 if signed else 0, 1)
+    index = torch.empty(x.numel(), dtype=torch.int64)
+    codes.nearest(x, signed, codes.Scratch(x.numel(), torch.device("cpu")), index)
+    assert torch.equal(index, torch.searchsorted(bounds, x))

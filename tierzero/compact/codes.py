@@ -47,6 +47,29 @@ def nblocks(numel: int) -> int:
     return -(-numel // STATE_BLOCK)
 
 
+def midpoints(signed: bool) -> torch.Tensor:
+    """The 255 midpoints between neighbouring codes: a value's nearest code is the number of
+    midpoints below it (a value on a midpoint keeps the lower code)."""
+    table = code_map(signed)
+    return (table[:-1] + table[1:]) / 2
+
+
+@functools.lru_cache(maxsize=None)
+def bucket_starts(signed: bool) -> torch.Tensor:
+    """Per value of an fp32's top 16 bits (a bucket of the values that share their bf16
+    truncation): how many midpoints lie below every value of the bucket. No bucket holds two
+    midpoints (the codes are at least 2**-7 of a value apart, a bucket 2**-7 wide), so a value's
+    code is its bucket's start, plus one if it lies above the next midpoint: `torch.searchsorted`
+    exactly, in two table lookups instead of a binary search."""
+    bounds = midpoints(signed)
+    patterns = torch.arange(1 << 16, dtype=torch.int64) << 16
+    edges = [(patterns | low).to(torch.int32).view(torch.float32) for low in (0, 0xFFFF)]
+    lowest, highest = torch.minimum(*edges), torch.maximum(*edges)
+    starts = torch.searchsorted(bounds, lowest.nan_to_num())  # midpoints below the bucket's lowest value
+    assert (torch.searchsorted(bounds, highest.nan_to_num(), right=True) - starts <= 1).all()
+    return starts.clamp_(max=bounds.numel() - 1)
+
+
 class Scratch:
     """Working buffers for quantising up to `numel` values at once, reused call after call."""
 
@@ -54,9 +77,11 @@ class Scratch:
         self.numel = numel
         self.device = device
         self.index = torch.empty(numel, dtype=torch.int64, device=device)
-        self.low = torch.empty(numel, dtype=torch.float32, device=device)
-        self.high = torch.empty(numel, dtype=torch.float32, device=device)
+        self.magnitude = torch.empty(numel, dtype=torch.float32, device=device)
+        self.bits = torch.empty(numel, dtype=torch.int32, device=device)
         self.codes: dict[bool, torch.Tensor] = {s: code_map(s).to(device) for s in (False, True)}
+        self.bounds = {s: midpoints(s).to(device) for s in (False, True)}
+        self.starts = {s: bucket_starts(s).to(device) for s in (False, True)}
 
 
 def _whole_and_tail(x: torch.Tensor) -> list[tuple[torch.Tensor, slice]]:
@@ -76,24 +101,27 @@ def quantise(values: torch.Tensor, signed: bool, codes: torch.Tensor, absmax: to
     absmax into fp32 `absmax` (`nblocks(values.numel())` of them). `values` is overwritten
     with the normalised values. A block of zeros stores absmax 0 and code 0.0."""
     n = values.numel()
-    index, low, high = scratch.index[:n], scratch.low[:n], scratch.high[:n]
-    torch.abs(values, out=low)
-    for (block, rows), (magnitude, _) in zip(_whole_and_tail(values), _whole_and_tail(low)):
+    index, magnitudes = scratch.index[:n], scratch.magnitude[:n]
+    torch.abs(values, out=magnitudes)
+    for (block, rows), (magnitude, _) in zip(_whole_and_tail(values), _whole_and_tail(magnitudes)):
         top = absmax[rows]
         torch.amax(magnitude, dim=1, out=top)
         block.div_(torch.where(top > 0, top, torch.ones_like(top)).unsqueeze(1))
-    table = scratch.codes[signed]
-    torch.searchsorted(table, values, out=index)  # first code >= value: the nearest is it or the one below
-    index.clamp_(1, 255)
-    torch.index_select(table, 0, index, out=high)
-    torch.sub(high, values, out=high)  # distance up
-    index.sub_(1)
-    torch.index_select(table, 0, index, out=low)
-    torch.sub(values, low, out=low)  # distance down
-    index.add_(high < low)  # ties keep the lower code
+    nearest(values, signed, scratch, index)
     if not signed:  # a positive exp_avg_sq never becomes 0: see the module's docstring
         index.add_((index == 0) & (values > 0))
     codes.copy_(index)
+
+
+def nearest(values: torch.Tensor, signed: bool, scratch: Scratch, index: torch.Tensor) -> None:
+    """The nearest code's index of each normalised value: `torch.searchsorted(midpoints(signed),
+    values)`, by the bucket of its top 16 bits (`bucket_starts`)."""
+    n = values.numel()
+    bits, above = scratch.bits[:n], scratch.magnitude[:n]
+    torch.bitwise_right_shift(values.view(torch.int32), 16, out=bits)
+    torch.index_select(scratch.starts[signed], 0, bits.bitwise_and_(0xFFFF), out=index)
+    torch.index_select(scratch.bounds[signed], 0, index, out=above)  # the next midpoint
+    index.add_(values > above)
 
 
 def dequantise(codes: torch.Tensor, absmax: torch.Tensor, signed: bool, out: torch.Tensor,
