@@ -49,7 +49,8 @@ def one_step(args: ModelArgs, moments: str, master: str, opts: argparse.Namespac
         stats = engine.stats()
     store = store_info(f"{path}")
     state = sum(store.kinds[k].nbytes for k in STATE if k in store.kinds)
-    disk = int(subprocess.run(["du", "-s", "--block-size=1", path], capture_output=True, text=True, check=True).stdout.split()[0])
+    du = subprocess.run(["du", "-s", "--block-size=1", path], capture_output=True, text=True, check=True)
+    disk = int(du.stdout.split()[0])  # blocks in use: chunk files are sparse past their data
     return {"read": stats.get("bytes_nvme->host", 0) / n, "written": stats.get("bytes_host->nvme", 0) / n,
             "state": state / n, "disk": disk / n, "seconds": seconds, "loss": loss}
 

@@ -42,7 +42,8 @@ def _engine(config: Config) -> Engine:
 
 
 def _moments(engine: Engine) -> list[torch.Tensor]:
-    return [engine.read_shard(kind, unit) for unit in engine.units for kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)]
+    kinds = (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
+    return [engine.read_shard(kind, unit) for unit in engine.units for kind in kinds]
 
 
 def _current(root: Path, key: str) -> Path:

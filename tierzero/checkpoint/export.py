@@ -58,7 +58,6 @@ from tierzero.layout.keys import shard_key
 
 # --dtype spelling -> (torch dtype, safetensors dtype code)
 DTYPES = {"fp32": (torch.float32, "F32"), "bf16": (torch.bfloat16, "BF16")}
-MASTER_DTYPES = (torch.float32, torch.bfloat16)  # master weights as `Config.master` stores them
 TENSORS = ("saved", "model")  # a Hugging Face model's tensors as save_pretrained writes them, or as it holds them
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the Hugging Face default for save_pretrained
 SUFFIX = ".safetensors"
@@ -293,14 +292,14 @@ def _read_shard(checkpoint: Path, manifest: Manifest, unit: UnitLayout, rank: in
 
 
 def _read_array(checkpoint: Path, manifest: Manifest, key: str, out: torch.Tensor) -> None:
-    """Read one array into `out` (fp32): an fp32 master array as it is, a bf16 one or a param
-    array (compute dtype, as frozen parameters are stored) through a buffer of its own dtype."""
+    """Read a master (fp32 or bf16) or param array into fp32 `out`, through a buffer where it is not fp32."""
     meta = manifest.arrays.get(key)
     if meta is None:
         raise CheckpointError(f"checkpoint {checkpoint.name} has no array {key}: it is damaged; "
                               "export another step with --step")
     master = key.startswith(StateKind.MASTER.value + "/")
-    if (master and meta.dtype not in MASTER_DTYPES) or not meta.dtype.is_floating_point or meta.numel != out.numel():
+    if (master and meta.dtype not in (torch.float32, torch.bfloat16)) or not meta.dtype.is_floating_point \
+            or meta.numel != out.numel():
         raise CheckpointError(f"checkpoint {checkpoint.name} array {key} holds {meta.numel} "
                               f"{meta.dtype} values where the layout needs {out.numel()} "
                               f"{'float32 or bfloat16' if master else 'floating-point'}: it is damaged; export another step with --step")
