@@ -49,7 +49,6 @@ STEP_KINDS = (StateKind.GRAD, *OPTIMIZER_KINDS)  # what one piece's step reads
 OPTIMIZER_LANE = "optimizer"  # the I/O loop's thread that runs every overlapped piece's step
 
 
-
 class ShardOptimizer(PieceWrites):
     def __init__(self, units: list[Unit], tiers: Tiers, placement: Placement, compute_dtype: torch.dtype,
                  rank: int, config: Config, stats: StepStats,
