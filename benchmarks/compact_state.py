@@ -3,7 +3,8 @@
 For fp32 / bf16 / int8 Adam moments and fp32 / bf16 master weights, everything on NVMe, this
 runs one step of the 134M LLaMA shape (after one warm-up step, which fills the page cache and
 allocator) and prints NVMe bytes per parameter read and written in the step, the bytes per
-parameter of master and moments the store holds (its arrays: `tierzero.checkpoint.inspect.store_info`)
+parameter of params, master and moments the store holds (its arrays: `tierzero.checkpoint.inspect.store_info`;
+with bf16 compute a bf16 master is the param)
 and the blocks the store directory uses per parameter (params, grads and spare chunk files
 included; chunk files are sparse past their data), and
 each format's bytes per step relative to fp32's.
@@ -31,7 +32,7 @@ from tierzero.run.data import TokenBatches, default_corpus
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 FORMATS = [(m, w) for m in ("fp32", "bf16", "int8") for w in ("fp32", "bf16")]  # (moments, master)
-STATE = ("master", "exp_avg", "exp_avg_sq")
+STATE = ("param", "master", "exp_avg", "exp_avg_sq")  # weights and optimizer state (grads are rewritten each step)
 
 
 def one_step(args: ModelArgs, moments: str, master: str, opts: argparse.Namespace, path: str) -> dict[str, float]:
@@ -80,7 +81,7 @@ def main() -> None:
     base = rows["fp32", "fp32"]
     table = Table(title="NVMe bytes per parameter: per step, and on disk")
     for column in ("moments", "master", "read/step", "written/step", "total/step", "vs fp32",
-                   "state on disk", "disk use", "step s"):
+                   "weights+state on disk", "disk use", "step s"):
         table.add_column(column, justify="right")
     for (moments, master), r in rows.items():
         total = r["read"] + r["written"]

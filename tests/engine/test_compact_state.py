@@ -75,19 +75,28 @@ def test_the_nvme_store_holds_compact_pieces_that_zarr_reads(tmp_path: Path) -> 
     assert not torch.equal(moment, torch.zeros_like(moment))  # the steps wrote them
 
 
-@pytest.mark.parametrize("placement,moments,master", [(NVME, "int8", "bf16"), (HOST, "bf16", "fp32"),
-                                                      (GPU, "fp32", "bf16")])
-def test_a_compact_run_resumes_bitwise(tmp_path: Path, placement: Placement, moments: str, master: str) -> None:
+@pytest.mark.parametrize("placement,moments,master,dtype", [
+    (NVME, "int8", "bf16", "fp32"), (HOST, "bf16", "fp32", "fp32"), (GPU, "fp32", "bf16", "fp32"),
+    (NVME, "int8", "bf16", "bf16"), (GPU, "int8", "bf16", "bf16")])
+def test_a_compact_run_resumes_bitwise(tmp_path: Path, placement: Placement, moments: str, master: str,
+                                       dtype: str) -> None:
+    """With bf16 compute a bf16 master is the param itself: no master key in the store or the checkpoint."""
     data = batches()
     steps = [data.next_batch() for _ in range(4)]
-    with _engine(_config(tmp_path / "a", placement, moments, master)) as engine:
+    with _engine(_config(tmp_path / "a", placement, moments, master, dtype=dtype)) as engine:
         for batch in steps[:2]:
             engine.train_step(batch)
         engine.save_checkpoint(tmp_path / "run")
+        saved = engine.master_state_dict()
+        assert (engine.keys(StateKind.MASTER, engine.units[1]) == []) == (master == dtype == "bf16")
         for batch in steps[2:]:
             engine.train_step(batch)
         straight, straight_moments = engine.master_state_dict(), _moments(engine)
-    with _engine(_config(tmp_path / "b", placement, moments, master)) as engine:
+    masters = list((tmp_path / "run").glob("checkpoints/step-*/state/master"))
+    assert len(masters) == (0 if master == dtype == "bf16" else 1)
+    export_checkpoint(tmp_path / "run", tmp_path / "model.safetensors")
+    assert_same(load_file(str(tmp_path / "model.safetensors")), saved)
+    with _engine(_config(tmp_path / "b", placement, moments, master, dtype=dtype)) as engine:
         engine.load_checkpoint(tmp_path / "run")
         for batch in steps[2:]:
             engine.train_step(batch)
@@ -136,15 +145,18 @@ def test_compact_state_moves_fewer_nvme_bytes_and_fp32_stays_torchs_adamw(tmp_pa
     assert moved["fp32"] - moved["int8"] == pytest.approx(2 * (12 - 4) * n, rel=0.01)
 
 
-@pytest.mark.parametrize("placement", [NVME, HOST], ids=["nvme", "host"])
-def test_exact_clipping_beside_backward_re_steps_compact_pieces_bitwise(tmp_path: Path, placement: Placement) -> None:
+@pytest.mark.parametrize("placement,dtype", [(NVME, "fp32"), (HOST, "fp32"), (NVME, "bf16")],
+                         ids=["nvme", "host", "nvme-master-is-param"])
+def test_exact_clipping_beside_backward_re_steps_compact_pieces_bitwise(tmp_path: Path, placement: Placement,
+                                                                       dtype: str) -> None:
     """overlap_step keeps the compact generation each piece was stepped from and re-steps it
-    once the clip fires: bitwise the step taken after the norm is known."""
+    once the clip fires (a master that is the param: from the param's held generation on the
+    drive): bitwise the step taken after the norm is known."""
     weights = []
     for overlap in (False, True):
         # SMALL's grad norms are above 0.5: the clip fires
         cfg = _config(tmp_path / f"overlap{overlap}", placement, host_budget="256MiB", gpu_budget="256MiB",
-                      clip_grad_norm=0.5, overlap_step=overlap)
+                      clip_grad_norm=0.5, overlap_step=overlap, dtype=dtype)
         data = batches()
         with _engine(cfg) as engine:
             for _ in range(2):

@@ -251,21 +251,21 @@ def _make_dir(out_dir: Path) -> None:
 
 
 def _read_units(checkpoint: Path, manifest: Manifest) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield (unit index, flat fp32 buffer) per unit: every rank's master shard end to end (and
-    where the unit has frozen parameters, which have no master, its param shard under it; at
-    stages 1 and 2, rank 0's whole param),
-    each chunk checked against the manifest's crc32c. One buffer, sized for the largest unit,
-    is reused, so the caller must finish with a unit before asking for the next."""
+    """Yield (unit index, flat fp32 buffer) per unit: every rank's master shard end to end (and its param
+    shard under it where the unit has frozen parameters, which have no master, or bf16 ones that are
+    their master; at stages 1 and 2, rank 0's whole param), each chunk checked against the manifest's
+    crc32c. One buffer, sized for the largest unit, is reused: finish with a unit before the next."""
     buffer = torch.empty(max(u.padded_numel for u in manifest.units), dtype=torch.float32)
+    master = not (manifest.compute_dtype == "bfloat16" and (manifest.engine or {}).get("master") == "bf16")
     for unit in manifest.units:
         flat = buffer[:unit.padded_numel]
         shard = unit.padded_numel // manifest.world_size
         replicated = manifest.world_size > 1 and manifest.stage <= 2  # rank 0's params are whole units
-        if replicated and unit.trainable_numel < unit.padded_numel:
+        if replicated and (unit.trainable_numel < unit.padded_numel or not master):
             _read_shard(checkpoint, manifest, unit, 0, flat, StateKind.PARAM)
         for rank in range(manifest.world_size):
             out = flat[rank * shard:(rank + 1) * shard]
-            trained = min(shard, max(0, unit.trainable_numel - rank * shard))
+            trained = min(shard, max(0, unit.trainable_numel - rank * shard)) if master else 0
             if trained < shard and not replicated:
                 _read_shard(checkpoint, manifest, unit, rank, out, StateKind.PARAM)
             if trained:

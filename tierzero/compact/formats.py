@@ -10,7 +10,8 @@ generation and checkpoint moves it as one array like any other piece:
 `nblocks = ceil(numel / STATE_BLOCK)`; block k covers the piece's values
 [k * STATE_BLOCK, (k + 1) * STATE_BLOCK) and code i stands for `code_map(signed)[i] * absmax[k]`
 (`tierzero.compact.codes`; signed for exp_avg, unsigned for exp_avg_sq). The absmax come first
-so their fp32 view is aligned whatever the piece's numel.
+so their fp32 view is aligned whatever the piece's numel. With bf16 compute a bf16 master is not
+stored at all: it is the param (`master_is_param`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ class StateFormats:
     def exact(self) -> bool:
         """fp32 master and moments: the step is torch's AdamW, bitwise."""
         return self.moments is StateFormat.FP32 and self.master is DType.FP32
+
+    def master_is_param(self, compute_dtype: torch.dtype) -> bool:
+        """bf16 master and bf16 compute: the param is the master, stored once (no master key)."""
+        return self.master is DType.BF16 and compute_dtype == torch.bfloat16
 
     def describe(self) -> dict[str, str]:
         return {"optimizer_state": self.moments.value, "master": self.master.value}

@@ -38,13 +38,19 @@ class Shards:
         self.formats = StateFormats.of(tiers.config)  # how master and moments are stored
 
     def keys(self, kind: StateKind, unit: Unit) -> list[tuple[str, int, int]]:
-        """This rank's store keys of `kind` for `unit`, with the shard range each holds."""
+        """This rank's store keys of `kind` for `unit`, with the shard range each holds (none for
+        a master that is the param: `StateFormats.master_is_param`)."""
+        if kind is StateKind.MASTER and self.formats.master_is_param(self.dtype):
+            return []
         return state_keys(kind, unit, self.rank, self.piece_numel, self.placement.home(kind))
 
     def read_shard(self, kind: StateKind, unit: Unit) -> torch.Tensor:
         """A CPU copy of this rank's shard of `kind` for `unit`: for kinds other than `param`,
         its trainable prefix (`Unit.state_numel`); for `param`, what this rank stores (the
         whole unit when `unit.replicated`)."""
+        if kind is StateKind.MASTER and self.formats.master_is_param(self.dtype):
+            lo = unit.param_offset(self.rank)
+            return self.read_shard(StateKind.PARAM, unit)[lo:lo + unit.state_numel(self.rank)].float()
         if kind is StateKind.PARAM:
             out = aligned_empty(unit.param_numel, self.dtype)
         else:

@@ -22,6 +22,7 @@ whichever thread issues it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from collections import deque
 from collections.abc import Callable
@@ -43,7 +44,7 @@ from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.keys import piece_key
 from tierzero.planning.placement import Link
 from tierzero.planning.workload import steps_on_gpu
-from tierzero.storage.base import BudgetExceededError
+from tierzero.storage.base import BudgetExceededError, TierStore
 
 STEP_KINDS = (StateKind.GRAD, *OPTIMIZER_KINDS)  # what one piece's step reads
 OPTIMIZER_LANE = "optimizer"  # the I/O loop's thread that runs every overlapped piece's step
@@ -69,6 +70,9 @@ class ShardOptimizer(PieceWrites):
             # matmuls use these threads and their count may change how they sum.
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 2))
         self.formats = StateFormats.of(config)
+        self.master_is_param = self.formats.master_is_param(compute_dtype)
+        if self.master_is_param:  # the master is read where the params live (`_source`)
+            self.placement = dataclasses.replace(placement, master=placement.param)
         self.compact = CompactStep(self.formats, config, self.device)  # its scratch is allocated at its first step
         self._prefetched: dict[tuple[int, int], Work] = {}
         self.kept: KeptGeneration | None = None  # set while overlapped steps keep their generation
@@ -198,7 +202,7 @@ class ShardOptimizer(PieceWrites):
         for kind in kinds:
             store = self.tiers.stores[self.placement.home(kind)]
             if store.capabilities.zero_copy:
-                view = store.view(piece_key(kind, unit.index, self.rank, work.piece))
+                view = self._source(kind, work, store)
                 if view.device == self.device:
                     work.tensors[kind] = view
                     continue
@@ -213,22 +217,38 @@ class ShardOptimizer(PieceWrites):
             home = self.placement.home(kind)
             if kind not in work.leased or (previous and home is not Tier.NVME):
                 continue
-            key = piece_key(kind, unit.index, self.rank, work.piece)
             store = self.tiers.stores[home]
             buf = work.leased[kind]
             if home is Tier.NVME:
+                key = self._source(kind, work)
                 read = store.read_into(key, buf, previous=True) if previous else store.read_into(key, buf)
                 work.futures.append(self.tiers.submit(read))
                 self.stats.add_bytes(Link.NVME_TO_HOST, buf.nbytes)
             elif self._across(home):
                 s = self.tiers.streams
                 computed = computed or s.record(s.compute)
-                work.futures.append(self.tiers.when_done(s.copy(buf, store.view(key), s.d2h, after=computed)))
+                work.futures.append(self.tiers.when_done(s.copy(buf, self._source(kind, work, store), s.d2h,
+                                                                after=computed)))
                 self.stats.add_bytes(Link.GPU_TO_HOST, buf.nbytes)
             else:
-                buf.copy_(store.view(key))
+                buf.copy_(self._source(kind, work, store))
                 self.stats.add_bytes(Link.HOST_TO_GPU if self.device.type == "cuda" else Link.GPU_TO_HOST, buf.nbytes)
         return work
+
+    def _source(self, kind: StateKind, work: Work, store: TierStore | None = None) -> str | torch.Tensor:
+        """A piece's key in its home (given the home's memory `store`: the tensor viewed there).
+        A master that is the param (`StateFormats.master_is_param`) is the param's piece on nvme,
+        and its range of the param shard in memory."""
+        if kind is StateKind.MASTER and self.master_is_param:
+            home, _, key, lo = self._param_home(work)
+            if home is Tier.NVME:
+                piece = work.unit.param_piece_base(self.config.piece_numel, self.rank) + work.piece
+                key = piece_key(StateKind.PARAM, work.unit.index, self.rank, piece)
+            elif store is not None:
+                return store.view(key)[lo + work.start:lo + work.end]
+        else:
+            key = piece_key(kind, work.unit.index, self.rank, work.piece)
+        return key if store is None else store.view(key)
 
     def _lease(self, nbytes: int, wait: bool = True) -> torch.Tensor:
         """A working buffer on the stepping device (host pool for CPU steps)."""

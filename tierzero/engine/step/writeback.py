@@ -38,8 +38,13 @@ class PieceWrites:
     config: Config
     stats: StepStats
     formats: StateFormats
+    master_is_param: bool
     device: torch.device
     param_written: Callable[[int, Event], None]
+
+    def _is_param(self, kind: StateKind) -> bool:
+        """Whether `kind` is the master that is the param: written as the new params, never as itself."""
+        return kind is StateKind.MASTER and self.master_is_param
 
     def _across(self, home: Tier) -> bool:
         """Whether `home` is device memory while the step runs on the host: a transfer on the copy streams."""
@@ -111,7 +116,7 @@ class PieceWrites:
     def _count_writes(self, work: Work) -> None:
         """The bytes `_write_back` will move, counted on the training thread (the counters are its)."""
         for kind in OPTIMIZER_KINDS:
-            if kind in work.leased:
+            if kind in work.leased and not self._is_param(kind):
                 self._count(self.placement.home(kind), self.formats.nbytes(kind, work.numel))
         if self._staged():
             self._count(self.placement.home(StateKind.PARAM), work.numel * self.compute_dtype.itemsize)
@@ -131,7 +136,7 @@ class PieceWrites:
         if grad is not None:
             self._give_back(grad)  # consumed by the step
         writes = [self._write_param(work) if kind is StateKind.PARAM else self._put(kind, work, buf)
-                  for kind, buf in work.leased.items()]
+                  for kind, buf in work.leased.items() if not self._is_param(kind)]
         done = await asyncio.gather(*(w for w in writes if w is not None), return_exceptions=True)
         failed = [r for r in done if isinstance(r, BaseException)]
         if failed:
