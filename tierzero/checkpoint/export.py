@@ -251,21 +251,21 @@ def _make_dir(out_dir: Path) -> None:
 
 
 def _read_units(checkpoint: Path, manifest: Manifest) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield (unit index, flat fp32 buffer) per unit: every rank's master shard end to end (and
-    where the unit has frozen parameters, which have no master, its param shard under it; at
-    stages 1 and 2, rank 0's whole param),
-    each chunk checked against the manifest's crc32c. One buffer, sized for the largest unit,
-    is reused, so the caller must finish with a unit before asking for the next."""
+    """Yield (unit index, flat fp32 buffer) per unit: every rank's master shard end to end (and its param
+    shard under it where the unit has frozen parameters, which have no master, or bf16 ones that are
+    their master; at stages 1 and 2, rank 0's whole param), each chunk checked against the manifest's
+    crc32c. One buffer, sized for the largest unit, is reused: finish with a unit before the next."""
     buffer = torch.empty(max(u.padded_numel for u in manifest.units), dtype=torch.float32)
+    master = not (manifest.compute_dtype == "bfloat16" and (manifest.engine or {}).get("master") == "bf16")
     for unit in manifest.units:
         flat = buffer[:unit.padded_numel]
         shard = unit.padded_numel // manifest.world_size
         replicated = manifest.world_size > 1 and manifest.stage <= 2  # rank 0's params are whole units
-        if replicated and unit.trainable_numel < unit.padded_numel:
+        if replicated and (unit.trainable_numel < unit.padded_numel or not master):
             _read_shard(checkpoint, manifest, unit, 0, flat, StateKind.PARAM)
         for rank in range(manifest.world_size):
             out = flat[rank * shard:(rank + 1) * shard]
-            trained = min(shard, max(0, unit.trainable_numel - rank * shard))
+            trained = min(shard, max(0, unit.trainable_numel - rank * shard)) if master else 0
             if trained < shard and not replicated:
                 _read_shard(checkpoint, manifest, unit, rank, out, StateKind.PARAM)
             if trained:
@@ -292,17 +292,17 @@ def _read_shard(checkpoint: Path, manifest: Manifest, unit: UnitLayout, rank: in
 
 
 def _read_array(checkpoint: Path, manifest: Manifest, key: str, out: torch.Tensor) -> None:
-    """Read one array into `out` (fp32): a master array as it is, a param array (compute
-    dtype, as frozen parameters are stored) through a buffer of its own dtype."""
+    """Read a master (fp32 or bf16) or param array into fp32 `out`, through a buffer where it is not fp32."""
     meta = manifest.arrays.get(key)
     if meta is None:
         raise CheckpointError(f"checkpoint {checkpoint.name} has no array {key}: it is damaged; "
                               "export another step with --step")
     master = key.startswith(StateKind.MASTER.value + "/")
-    if (master and meta.dtype != torch.float32) or not meta.dtype.is_floating_point or meta.numel != out.numel():
+    if (master and meta.dtype not in (torch.float32, torch.bfloat16)) or not meta.dtype.is_floating_point \
+            or meta.numel != out.numel():
         raise CheckpointError(f"checkpoint {checkpoint.name} array {key} holds {meta.numel} "
                               f"{meta.dtype} values where the layout needs {out.numel()} "
-                              f"{'float32' if master else 'floating-point'}: it is damaged; export another step with --step")
+                              f"{'float32 or bfloat16' if master else 'floating-point'}: it is damaged; export another step with --step")
     try:
         if meta.dtype == out.dtype:
             read_array(str(manifest.array_dir(checkpoint, key)), meta, out=out)

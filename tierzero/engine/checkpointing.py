@@ -47,7 +47,6 @@ from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.partition import Unit
 from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest, config_hash, layout_of
 from tierzero.storage.base import dtype_name, os_error
-from tierzero.storage.base import aligned_empty
 from tierzero.storage.durable import fsync_path
 from tierzero.storage.io import write_durable
 from tierzero.storage.nvme.arrays import read_array, write_array
@@ -164,7 +163,7 @@ def _write_shards(engine: Checkpointed, temp: Path) -> tuple[dict[str, ShardMeta
                     arrays[key], nbytes = tiers.run(nvme.snapshot(key, dst, sync=False, verify=bool(nvme.verify_reads)))
                     copied += nbytes
                 else:
-                    part = aligned_empty(b - a, engine.dtype if kind is StateKind.PARAM else torch.float32)
+                    part = engine.shards.empty(kind, b - a)  # in its stored format
                     engine.shards.read_key(kind, key, part)
                     arrays[key] = write_array(dst, part, engine.config.chunk_bytes)
                     copied += part.numel() * part.element_size()
@@ -222,6 +221,7 @@ def restore(engine: Checkpointed, path: Path, manifest: Manifest) -> None:
                                   f"streams {engine.config.piece_numel}; build it with piece_numel={written}")
         raise CheckpointError(f"{path / MANIFEST_NAME} lists no array {missing[0]!r}: the checkpoint is "
                               "incomplete, or was written with another piece size; use another one")
+    _check_formats(engine, manifest, path)
     copied = 0
     for unit in engine.units:
         detach_params(unit, engine.dtype)  # the engine owns the weights (as `Shards.materialise` does)
@@ -249,6 +249,18 @@ def restore(engine: Checkpointed, path: Path, manifest: Manifest) -> None:
     _load_rng_state(rng, engine.device, path)
 
 
+def _check_formats(engine: Checkpointed, manifest: Manifest, path: Path) -> None:
+    """Refuse a checkpoint whose master or moments are stored in other formats than this
+    engine steps (a checkpoint from before compact state has fp32 ones)."""
+    ours = engine.shards.formats.describe()
+    theirs = {field: manifest.engine.get(field, "fp32") for field in ours}
+    if theirs != ours:
+        field = next(f for f in ours if theirs[f] != ours[f])
+        raise CheckpointError(f"{path} stores {field} as {theirs[field]} and this engine is configured for "
+                              f"{ours[field]}; build it with {field}={theirs[field]!r} (--{field.replace('_', '-')} "
+                              f"{theirs[field]})")
+
+
 def _settings_note(path: Path, manifest: Manifest, config: Config) -> str:
     """What differs from the settings of the run that wrote the checkpoint (its config.toml), by
     name: a longer --steps only stretches the lr schedule, which is no other optimizer setting."""
@@ -273,8 +285,10 @@ def _plain(value: Any) -> Any:
 def _engine_state(engine: Checkpointed) -> dict[str, Any]:
     # the piece size the shards are keyed by: a load into an engine with another one is refused
     # naming it
+    # and the stored formats of master and moments (`tierzero.compact.formats`), which a load checks
     return {**engine.state.to_dict(), "scaler": engine.scaler.state_dict(),
-            "skipped_updates": engine.param_steps.state_dict(), "piece_numel": engine.config.piece_numel}
+            "skipped_updates": engine.param_steps.state_dict(), "piece_numel": engine.config.piece_numel,
+            **engine.shards.formats.describe()}
 
 
 

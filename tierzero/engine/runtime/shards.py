@@ -4,7 +4,9 @@ outside the step (materialising the model, inspection, export, checkpoints).
 Each state kind of a unit is stored in its home tier as pieces (`tierzero.layout.keys`);
 `keys` names them with the range of the shard each holds. Reads fill CPU tensors (verified
 where stored on disk); writes take CPU tensors, staged through a leased host buffer for NVMe.
-The step's own traffic (prefetch, grads, the optimizer's pipeline) never passes here.
+The step's own traffic (prefetch, grads, the optimizer's pipeline) never passes here. Keys hold
+their stored format (`tierzero.compact.formats`: bf16 or int8 master and moments); shards are
+fp32 here, each piece decoded or encoded on its own.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tierzero.compact.formats import StateFormats
 from tierzero.config import Placement, StateKind, Tier
 from tierzero.distributed.comm import Comm
 from tierzero.engine.runtime.execute import detach_params
@@ -32,22 +35,38 @@ class Shards:
         self.rank = rank
         self.piece_numel = piece_numel
         self.dtype = dtype  # the compute dtype params are stored in
+        self.formats = StateFormats.of(tiers.config)  # how master and moments are stored
 
     def keys(self, kind: StateKind, unit: Unit) -> list[tuple[str, int, int]]:
-        """This rank's store keys of `kind` for `unit`, with the shard range each holds."""
+        """This rank's store keys of `kind` for `unit`, with the shard range each holds (none for
+        a master that is the param: `StateFormats.master_is_param`)."""
+        if kind is StateKind.MASTER and self.formats.master_is_param(self.dtype):
+            return []
         return state_keys(kind, unit, self.rank, self.piece_numel, self.placement.home(kind))
 
     def read_shard(self, kind: StateKind, unit: Unit) -> torch.Tensor:
         """A CPU copy of this rank's shard of `kind` for `unit`: for kinds other than `param`,
         its trainable prefix (`Unit.state_numel`); for `param`, what this rank stores (the
         whole unit when `unit.replicated`)."""
+        if kind is StateKind.MASTER and self.formats.master_is_param(self.dtype):
+            lo = unit.param_offset(self.rank)
+            return self.read_shard(StateKind.PARAM, unit)[lo:lo + unit.state_numel(self.rank)].float()
         if kind is StateKind.PARAM:
             out = aligned_empty(unit.param_numel, self.dtype)
         else:
             out = aligned_empty(unit.state_numel(self.rank), torch.float32)
         for key, a, b in self.keys(kind, unit):
-            self.read_key(kind, key, out[a:b])
+            if kind is StateKind.PARAM or self.formats.dtype(kind) == torch.float32:
+                self.read_key(kind, key, out[a:b])
+            else:
+                stored = self.empty(kind, b - a)
+                self.read_key(kind, key, stored)
+                self.formats.decode(kind, stored, out[a:b])
         return out
+
+    def empty(self, kind: StateKind, numel: int) -> torch.Tensor:
+        """An aligned CPU tensor for one stored key of `kind` holding `numel` values."""
+        return aligned_empty(numel, self.dtype) if kind is StateKind.PARAM else self.formats.empty(kind, numel)
 
     def read_key(self, kind: StateKind, key: str, out: torch.Tensor) -> None:
         """Fill the CPU tensor `out` from one stored key of `kind` (verified where stored on disk)."""
@@ -58,9 +77,11 @@ class Shards:
             self.tiers.run(store.read_into(key, out, verify=True))
 
     def put_shard(self, kind: StateKind, unit: Unit, src: torch.Tensor) -> None:
-        """Write this rank's shard of `kind` for `unit` (a CPU tensor) to its home tier."""
+        """Write this rank's shard of `kind` for `unit` (a CPU tensor; fp32 but for params) to
+        its home tier, each piece in its stored format."""
         for key, a, b in self.keys(kind, unit):
-            self.put_key(kind, key, src[a:b])
+            self.put_key(kind, key, src[a:b] if kind in (StateKind.PARAM, StateKind.GRAD)
+                         else self.formats.encode(kind, src[a:b]))
 
     def put_key(self, kind: StateKind, key: str, src: torch.Tensor) -> None:
         """Write one stored key of `kind` (a CPU tensor) to its home tier; an NVMe write is
@@ -77,7 +98,7 @@ class Shards:
     def materialise(self, model: nn.Module, units: list[Unit], seed: int, weights: Any) -> None:
         """Every unit's initial state into its home, one unit at a time (peak host memory about
         one unit): its weights (from `weights` files, the built model, or initialised from
-        `seed`), fp32 master, zero moments and grads. The engine owns the weights from then on."""
+        `seed`), master, zero moments and grads. The engine owns the weights from then on."""
         files = WeightFiles(weights) if weights is not None else None
         for unit in units:
             lo, hi = unit.shard_range(self.rank)

@@ -4,13 +4,12 @@ Grads, master weights and both moments are stored per *piece*: a fixed-size slic
 (`Config.piece_numel` elements), so the optimizer's working set is a few pieces whatever the unit's
 size -- a 128k-vocabulary embedding streams through the same buffers as a block. Per piece, a state
 whose home is a memory tier on the stepping device is used in place (zero copy); any other is read
-into a leased buffer, `prefetch_depth` pieces ahead. After torch's AdamW updates the piece
-(elementwise, so stepping pieces is bitwise stepping the whole shard), off-device states are
+into a leased buffer, `prefetch_depth` pieces ahead, in its stored format (`tierzero.compact.formats`).
+After torch's AdamW updates the piece (elementwise, so stepping pieces is bitwise stepping the
+whole shard; compact master or moments: `tierzero.compact.step`), off-device states are
 written back and the new compute-dtype values go into the unit's param shard: in place where params
-live in memory, else as the param piece of the same range. The stepping thread also casts the new
-params (into the grad's buffer, which the step consumed, where it is a host one) and updates a
-cached copy; the I/O loop then issues every write and gives the piece's buffers back once all have
-finished (with overlap_step no cast, copy or write runs on autograd's thread). The step runs on the
+live in memory, else as the param piece of the same range (`tierzero.engine.step.writeback`:
+with overlap_step no cast, copy or write runs on autograd's thread). The step runs on the
 compute device only when master and both moments live there. With overlap_step a piece's grad
 reaches the host on the d2h stream (`tierzero.engine.runtime.streams`) and its AdamW, on the optimizer's
 own thread (one OpenMP team, never the I/O workers'), waits for that copy's event. A host step
@@ -23,22 +22,26 @@ whichever thread issues it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from collections import deque
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import torch
 
 from tierzero.adamw import adamw_step
+from tierzero.compact.formats import StateFormats
+from tierzero.compact.step import CompactStep
 from tierzero.config import OPTIMIZER_KINDS, Config, Placement, StateKind, Tier
 from tierzero.engine.step.paramsteps import Run
 from tierzero.engine.step.restep import KeptGeneration
+from tierzero.engine.step.work import Work
+from tierzero.engine.step.writeback import PieceWrites
 from tierzero.layout.partition import Unit
 from tierzero.engine.runtime.stats import StepStats
 from tierzero.engine.runtime.streams import Event
 from tierzero.engine.runtime.tiers import Tiers
-from tierzero.layout.keys import piece_key, shard_key
+from tierzero.layout.keys import piece_key
 from tierzero.planning.placement import Link
 from tierzero.planning.workload import steps_on_gpu
 from tierzero.storage.base import BudgetExceededError, TierStore
@@ -47,28 +50,7 @@ STEP_KINDS = (StateKind.GRAD, *OPTIMIZER_KINDS)  # what one piece's step reads
 OPTIMIZER_LANE = "optimizer"  # the I/O loop's thread that runs every overlapped piece's step
 
 
-@dataclass
-class Work:
-    """One piece of one unit's optimizer shards on the stepping device, and which are borrowed."""
-
-    unit: Unit
-    piece: int
-    start: int  # the piece's range in the shard
-    end: int
-    runs: list[Run] = field(default_factory=list)  # the unit's runs to update (`ParamSteps.runs`)
-    tensors: dict[StateKind, torch.Tensor] = field(default_factory=dict)
-    leased: dict[StateKind, torch.Tensor] = field(default_factory=dict)  # kind -> leased buffer
-    futures: list = field(default_factory=list)
-    grad_landed: Event = None  # the D2H copy of its grad piece (overlap_step), waited for by `Tiers.landed`
-    produced: Event = None  # overlap_step: after it the grad is final, the params no more read in the pass
-    copies: dict[StateKind, Event] = field(default_factory=dict)  # leased buffers read by h2d_write copies
-
-    @property
-    def numel(self) -> int:
-        return self.end - self.start
-
-
-class ShardOptimizer:
+class ShardOptimizer(PieceWrites):
     def __init__(self, units: list[Unit], tiers: Tiers, placement: Placement, compute_dtype: torch.dtype,
                  rank: int, config: Config, stats: StepStats,
                  param_written: Callable[[int, Event], None] = lambda unit, event: None) -> None:
@@ -87,6 +69,11 @@ class ShardOptimizer:
             # (I/O workers sleep in pread/pwrite). Not on the CPU device, where the model's own
             # matmuls use these threads and their count may change how they sum.
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 2))
+        self.formats = StateFormats.of(config)
+        self.master_is_param = self.formats.master_is_param(compute_dtype)
+        if self.master_is_param:  # the master is read where the params live (`_source`)
+            self.placement = dataclasses.replace(placement, master=placement.param)
+        self.compact = CompactStep(self.formats, config, self.device)  # its scratch is allocated at its first step
         self._prefetched: dict[tuple[int, int], Work] = {}
         self.kept: KeptGeneration | None = None  # set while overlapped steps keep their generation
 
@@ -215,12 +202,13 @@ class ShardOptimizer:
         for kind in kinds:
             store = self.tiers.stores[self.placement.home(kind)]
             if store.capabilities.zero_copy:
-                view = store.view(piece_key(kind, unit.index, self.rank, work.piece))
+                view = self._source(kind, work, store)
                 if view.device == self.device:
                     work.tensors[kind] = view
                     continue
             try:
-                work.tensors[kind] = work.leased[kind] = self._lease(work.numel * 4, wait).view(torch.float32)
+                raw = self._lease(self.formats.nbytes(kind, work.numel), wait)
+                work.tensors[kind] = work.leased[kind] = self.formats.view(kind, raw, work.numel)
             except BudgetExceededError:
                 for buf in work.leased.values():
                     self._give_back(buf)
@@ -229,23 +217,38 @@ class ShardOptimizer:
             home = self.placement.home(kind)
             if kind not in work.leased or (previous and home is not Tier.NVME):
                 continue
-            key = piece_key(kind, unit.index, self.rank, work.piece)
             store = self.tiers.stores[home]
             buf = work.leased[kind]
             if home is Tier.NVME:
+                key = self._source(kind, work)
                 read = store.read_into(key, buf, previous=True) if previous else store.read_into(key, buf)
                 work.futures.append(self.tiers.submit(read))
-                self.stats.add_bytes(Link.NVME_TO_HOST, buf.numel() * 4)
+                self.stats.add_bytes(Link.NVME_TO_HOST, buf.nbytes)
             elif self._across(home):
                 s = self.tiers.streams
                 computed = computed or s.record(s.compute)
-                work.futures.append(self.tiers.when_done(s.copy(buf, store.view(key), s.d2h, after=computed)))
-                self.stats.add_bytes(Link.GPU_TO_HOST, buf.numel() * 4)
+                work.futures.append(self.tiers.when_done(s.copy(buf, self._source(kind, work, store), s.d2h,
+                                                                after=computed)))
+                self.stats.add_bytes(Link.GPU_TO_HOST, buf.nbytes)
             else:
-                buf.copy_(store.view(key))
-                self.stats.add_bytes(Link.HOST_TO_GPU if self.device.type == "cuda" else Link.GPU_TO_HOST,
-                                     buf.numel() * 4)
+                buf.copy_(self._source(kind, work, store))
+                self.stats.add_bytes(Link.HOST_TO_GPU if self.device.type == "cuda" else Link.GPU_TO_HOST, buf.nbytes)
         return work
+
+    def _source(self, kind: StateKind, work: Work, store: TierStore | None = None) -> str | torch.Tensor:
+        """A piece's key in its home (given the home's memory `store`: the tensor viewed there).
+        A master that is the param (`StateFormats.master_is_param`) is the param's piece on nvme,
+        and its range of the param shard in memory."""
+        if kind is StateKind.MASTER and self.master_is_param:
+            home, _, key, lo = self._param_home(work)
+            if home is Tier.NVME:
+                piece = work.unit.param_piece_base(self.config.piece_numel, self.rank) + work.piece
+                key = piece_key(StateKind.PARAM, work.unit.index, self.rank, piece)
+            elif store is not None:
+                return store.view(key)[lo + work.start:lo + work.end]
+        else:
+            key = piece_key(kind, work.unit.index, self.rank, work.piece)
+        return key if store is None else store.view(key)
 
     def _lease(self, nbytes: int, wait: bool = True) -> torch.Tensor:
         """A working buffer on the stepping device (host pool for CPU steps)."""
@@ -253,19 +256,11 @@ class ShardOptimizer:
             return self.tiers.lease_host(nbytes, wait)
         return self.tiers.lease_device(nbytes, wait)
 
-    def _give_back(self, buf: torch.Tensor) -> None:
-        pool = self.tiers.host_pool if buf.device.type == self.device.type == "cpu" else self.tiers.device_pool
-        pool.give_back(buf.view(torch.uint8))
-
     def _wait(self, work: Work) -> None:
         with self.stats.waiting():
             for future in work.futures:
                 future.result()
         work.futures.clear()
-
-    def _across(self, home: Tier) -> bool:
-        """Whether `home` is device memory while the step runs on the host: a transfer on the copy streams."""
-        return home is Tier.GPU and self.device.type == "cpu" and self.tiers.streams.separate
 
     def _step(self, work: Work, lr: float, grad_coef: float | None) -> None:
         """AdamW on the piece, then its new params cast where they go (`_cast_param`), on the
@@ -293,6 +288,11 @@ class ShardOptimizer:
             grad.mul_(grad_coef)  # a host float: no device sync, and bitwise clip_grad_norm_'s fp32 product
         runs = [(max(a, work.start) - work.start, min(b, work.end) - work.start, d, step)
                 for a, b, d, step in work.runs if min(b, work.end) > max(a, work.start)]
+        if not self.formats.exact:  # compact master or moments: stepped in fp32 sub-blocks
+            spans = [(a, b, self.config.weight_decay if d else 0.0, step) for a, b, d, step in runs]
+            origin = work.unit.shard_range(self.rank)[0] + work.start  # the piece in the unit's flat buffer
+            self.compact.step(t, spans, lr, work.unit.index, origin)
+            return
         adamw_step([t[StateKind.MASTER][a:b] for a, b, _, _ in runs],
                    [grad[a:b] for a, b, _, _ in runs],
                    [t[StateKind.EXP_AVG][a:b] for a, b, _, _ in runs],
@@ -300,151 +300,15 @@ class ShardOptimizer:
                    [self.config.weight_decay if d else 0.0 for _, _, d, _ in runs],
                    [step for _, _, _, step in runs], lr, self.config)
 
-    def _staged(self) -> bool:
-        """Whether new params reach their home through host staging: on nvme, or in device
-        memory from a host step."""
-        home = self.placement.home(StateKind.PARAM)
-        return home is Tier.NVME or self._across(home)
-
-    def _reserve_staging(self, work: Work) -> None:
-        """On the leasing thread, before the step: the host buffer the new params will be cast
-        into. The grad's buffer serves where it is a host one (the step consumes the grad, and
-        numel compute-dtype values fit in its fp32 bytes); only otherwise is one leased."""
-        if not self._staged():
-            return
-        if StateKind.GRAD in work.leased and self.device.type == "cpu":
-            work.leased[StateKind.PARAM] = work.leased.pop(StateKind.GRAD)
-        else:
-            work.leased[StateKind.PARAM] = self.tiers.lease_host(work.numel * self.compute_dtype.itemsize)
-
-    def _staging(self, work: Work) -> torch.Tensor:
-        nbytes = work.numel * self.compute_dtype.itemsize
-        return work.leased[StateKind.PARAM].view(torch.uint8)[:nbytes].view(self.compute_dtype)
-
-    def _param_home(self, work: Work) -> tuple[Tier, TierStore, str, int]:
-        """The param home, its store, the unit's param shard key and this rank's offset in it
-        (replicated params, stage 1/2: this rank's range of the whole unit; the other ranks'
-        new values arrive after the step, `tierzero.engine.step.paramsync`)."""
-        home = self.placement.home(StateKind.PARAM)
-        key = shard_key(StateKind.PARAM, work.unit.index, self.rank)
-        return home, self.tiers.stores[home], key, work.unit.param_offset(self.rank)
-
-    def _cast_param(self, work: Work) -> None:
-        """The new params in the compute dtype: straight into a param home in the same memory
-        (on the device, on the compute stream, its event to the scheduler), else into the
-        piece's staging, and into a cached copy of an nvme shard, so the next pass reads RAM,
-        never stale values."""
-        master = work.tensors[StateKind.MASTER]
-        home, store, key, lo = self._param_home(work)
-        if self._staged():
-            self._staging(work).copy_(master)
-            cached = self.tiers.host_pool.cache_get(key) if home is Tier.NVME else None
-            if cached is not None:
-                cached.view(self.compute_dtype)[lo + work.start:lo + work.end].copy_(self._staging(work))
-                self.tiers.host_pool.give_back(cached)
-            return
-        dst = store.view(key)[lo + work.start:lo + work.end]
-        if home is Tier.GPU and self.device.type != "cpu":
-            s = self.tiers.streams
-            self.param_written(work.unit.index, s.copy(dst, master, s.compute))  # cast in the copy
-        else:
-            dst.copy_(master)  # one memory: cast to the compute dtype in the copy
-
-    def _write(self, work: Work) -> None:
-        """From the training thread (`step`): count the piece's writes and hand them to the I/O loop."""
-        self._count_writes(work)
-        if work.produced is None and self._across(self.placement.home(StateKind.PARAM)):
-            # what the param write waits for: compute as it is now, done with this pass's params
-            work.produced = self.tiers.streams.record(self.tiers.streams.compute)
-        future = self.tiers.submit(self._write_back(work))
-        self.tiers.pending.add(future, lambda ok: self._settle(work) if ok else self._discard(work))
-
-    def _count_writes(self, work: Work) -> None:
-        """The bytes `_write_back` will move, counted on the training thread (the counters are its)."""
-        for kind in OPTIMIZER_KINDS:
-            if kind in work.leased:
-                self._count(self.placement.home(kind), work.numel * 4)
-        if self._staged():
-            self._count(self.placement.home(StateKind.PARAM), work.numel * self.compute_dtype.itemsize)
-
-    def _count(self, home: Tier, nbytes: int) -> None:
-        if home is Tier.NVME:
-            self.stats.add_bytes(Link.HOST_TO_NVME, nbytes)
-        elif self._across(home):
-            self.stats.add_bytes(Link.HOST_TO_GPU, nbytes)
-
-    async def _write_back(self, work: Work) -> None:
-        """On the I/O loop, after the step: write the leased states and the staged params to their
-        homes at once, then give back every buffer no h2d_write copy reads (`_settle` hands
-        those back once their copies land); after a failure, once every write has finished,
-        the buffers stay for `_discard`."""
-        grad = work.leased.pop(StateKind.GRAD, None)
-        if grad is not None:
-            self._give_back(grad)  # consumed by the step
-        writes = [self._write_param(work) if kind is StateKind.PARAM else self._put(kind, work, buf)
-                  for kind, buf in work.leased.items()]
-        done = await asyncio.gather(*(w for w in writes if w is not None), return_exceptions=True)
-        failed = [r for r in done if isinstance(r, BaseException)]
-        if failed:
-            raise failed[0]
-        for kind in [k for k in work.leased if k not in work.copies]:
-            self._give_back(work.leased.pop(kind))
-
-    def _settle(self, work: Work) -> None:
-        """On the training thread, once `_write_back` is done: the buffers h2d_write copies
-        read go back to the pool when their copies have landed."""
-        for kind, event in work.copies.items():
-            self.tiers.give_back_when_done(event, work.leased.pop(kind))
-        work.copies.clear()
-
-    def _write_param(self, work: Work) -> Coroutine | None:
-        """Start writing the staged params to their home: per piece on nvme (no buffer the size of
-        a unit; the write to await), or on the h2d_write stream into device memory once compute
-        has read the unit's params for the last time in the pass (`produced`), never a blocking
-        copy; the next pass's reads wait for the copy's event (`param_written`)."""
-        home, store, key, lo = self._param_home(work)
-        staged = self._staging(work)
-        if home is Tier.NVME:
-            piece = work.unit.param_piece_base(self.config.piece_numel, self.rank) + work.piece
-            return self._write_param_piece(store, piece_key(StateKind.PARAM, work.unit.index, self.rank, piece),
-                                           staged, key)
-        s = self.tiers.streams
-        event = s.copy(store.view(key)[lo + work.start:lo + work.end], staged, s.h2d_write, after=work.produced)
-        work.copies[StateKind.PARAM] = event
-        self.param_written(work.unit.index, event)
-        return None
-
-    async def _write_param_piece(self, store: TierStore, piece: str, staged: torch.Tensor, key: str) -> None:
-        try:
-            await store.write(piece, staged)
-        except BaseException:  # the drive does not hold these params: the cache must not serve them either
-            self.tiers.host_pool.cache_drop(key)
-            raise
-
     def _room_for(self, work: Work) -> bool:
         """Whether loading a piece ahead of time leaves the pool room for the piece being stepped."""
         pool = self.tiers.host_pool if self.device.type == "cpu" else self.tiers.device_pool
-        states = self.leased_kinds() * work.numel * 4 + work.numel * self.compute_dtype.itemsize
-        return 2 * states <= pool.budget_bytes - pool.leased_bytes
+        states = sum(self.formats.nbytes(k, work.numel) for k in self.leased_kinds())
+        return 2 * (states + work.numel * self.compute_dtype.itemsize) <= pool.budget_bytes - pool.leased_bytes
 
-    def leased_kinds(self) -> int:
-        """How many of grad/master/moments need a working buffer (not memory on the stepping device)."""
+    def leased_kinds(self) -> list[StateKind]:
+        """Which of grad/master/moments need a working buffer (not memory on the stepping device)."""
         def in_place(home: Tier) -> bool:
             store_device = self.tiers.device if home is Tier.GPU else torch.device("cpu")
             return home is not Tier.NVME and store_device.type == self.device.type
-        return sum(1 for k in STEP_KINDS if not in_place(self.placement.home(k)))
-
-    def _put(self, kind: StateKind, work: Work, buf: torch.Tensor) -> Coroutine | None:
-        """Start writing a leased working buffer back to `kind`'s home: an nvme write to await,
-        or an h2d_write copy whose event `work.copies` keeps."""
-        home = self.placement.home(kind)
-        store = self.tiers.stores[home]
-        key = piece_key(kind, work.unit.index, self.rank, work.piece)
-        if home is Tier.NVME:
-            return store.write(key, buf)
-        if self._across(home):  # nothing reads this state before the next step's load waits for it
-            s = self.tiers.streams
-            work.copies[kind] = s.copy(store.view(key), buf, s.h2d_write)
-        else:
-            store.view(key).copy_(buf)
-        return None
+        return [k for k in STEP_KINDS if not in_place(self.placement.home(k))]

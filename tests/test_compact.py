@@ -1,0 +1,170 @@
+"""Compact optimizer state, piece by piece: int8 round trips within their code gaps, and the
+sub-block step equal, bitwise, to the same AdamW formula applied in plain PyTorch to the whole
+decoded piece (with its random bits recomputed here in numpy's wrapping uint32 arithmetic)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tierzero.compact import codes
+from tierzero.compact.formats import StateFormats, split
+from tierzero.compact.step import SUB_BLOCK, CompactStep, stream_key
+from tierzero.config import STATE_BLOCK, Config, StateKind
+
+MOMENTS = {StateKind.EXP_AVG: True, StateKind.EXP_AVG_SQ: False}  # kind -> signed code map
+
+
+def _blocks_of(n: int, seed: int, signed: bool) -> torch.Tensor:
+    """Values of every scale: each block with its own magnitude, zeros, a block of zeros."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.logspace(-6, 1, n)[torch.randperm(n, generator=g)]
+    x[STATE_BLOCK:2 * STATE_BLOCK] = 0.0
+    x[5] = 0.0
+    return x if signed else x.abs()
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_a_round_trip_stays_within_half_the_gap_between_the_codes_around_each_value(signed: bool) -> None:
+    n = 3 * STATE_BLOCK + 777  # a shorter last block
+    x = _blocks_of(n, 0, signed)
+    nb = codes.nblocks(n)
+    q, absmax, out = torch.empty(n, dtype=torch.uint8), torch.empty(nb), torch.empty(n)
+    scratch = codes.Scratch(n, torch.device("cpu"))
+    codes.quantise(x.clone(), signed, q, absmax, scratch)
+    codes.dequantise(q, absmax, signed, out, scratch)
+    table = codes.code_map(signed).double()
+    for k in range(nb):
+        block = slice(k * STATE_BLOCK, min(n, (k + 1) * STATE_BLOCK))
+        top = x[block].abs().max()
+        assert absmax[k] == top  # the block's own absmax, exactly
+        if top == 0:
+            assert torch.equal(out[block], torch.zeros_like(out[block]))
+            continue
+        y = x[block].double() / top.double()
+        hi = torch.searchsorted(table, y).clamp(max=255)
+        lo = (hi - 1).clamp(min=0)
+        # half the gap between the codes around y (below the lowest code: the distance to it);
+        # a positive exp_avg_sq below the smallest positive code is stored as that code
+        bound = torch.maximum((table[hi] - table[lo]) / 2, (table[0] - y).clamp(min=0))
+        if not signed:
+            bound = torch.where((y > 0) & (y < table[1]), table[1], bound)
+            assert (out[block][x[block] > 0] > 0).all()  # never 0: Adam divides by its root
+        error = (out[block].double() / top.double() - y).abs()
+        assert (error <= bound + 1e-6).all(), (k, (error - bound).max())
+        assert (error <= 0.0071).all()  # the widest half gap (and the signed map's -0.993 edge)
+    for k in range(nb):  # a block's largest value, where positive, is the code 1.0: exact
+        block = x[k * STATE_BLOCK:(k + 1) * STATE_BLOCK]
+        if absmax[k] > 0 and block.max() == absmax[k]:
+            i = k * STATE_BLOCK + int(block.argmax())
+            assert out[i] == x[i]
+
+
+def test_a_piece_quantises_block_by_block_as_its_parts_do() -> None:
+    """Blocks count from the piece's start: quantising a 2048-aligned part alone gives its bytes."""
+    n = 5 * STATE_BLOCK + 100
+    x = _blocks_of(n, 1, True)
+    whole = StateFormats(moments="int8").encode(StateKind.EXP_AVG, x)
+    absmax, q = split(whole, n)
+    part = StateFormats(moments="int8").encode(StateKind.EXP_AVG, x[2 * STATE_BLOCK:])
+    part_absmax, part_q = split(part, n - 2 * STATE_BLOCK)
+    assert torch.equal(part_q, q[2 * STATE_BLOCK:]) and torch.equal(part_absmax, absmax[2:])
+    assert whole.dtype == torch.uint8 and whole.numel() == 4 * codes.nblocks(n) + n
+
+
+def _ref_bits(config: Config, step: int, unit: int, kind: StateKind, positions: np.ndarray) -> np.ndarray:
+    """The stochastic-rounding bits, recomputed with numpy's wrapping uint32 arithmetic."""
+    h = (positions & 0xFFFFFFFF).astype(np.uint32) ^ np.uint32(stream_key(config.seed, step, unit, kind))
+    for mult in (0x7FEB352D, 0x2C1B3C6D):
+        h ^= h >> np.uint32(16)
+        h *= np.uint32(mult)
+    h ^= h >> np.uint32(16)
+    return (h & np.uint32(0xFFFF)).astype(np.uint32)
+
+
+def _ref_round(values: torch.Tensor, bits: np.ndarray) -> torch.Tensor:
+    raw = values.numpy().view(np.uint32) + bits  # wraps like int32 bit patterns
+    return torch.from_numpy((raw & np.uint32(0xFFFF0000)).view(np.float32)).to(torch.bfloat16)
+
+
+def reference_step(formats: StateFormats, stored: dict[StateKind, torch.Tensor], grad: torch.Tensor,
+                   spans: list, lr: float, config: Config, unit: int, origin: int) -> dict[StateKind, torch.Tensor]:
+    """Plain PyTorch: decode the whole piece, apply AdamW's formula per span, encode the whole piece."""
+    n = grad.numel()
+    values = {kind: formats.decode(kind, t, torch.empty(n)) for kind, t in stored.items()}
+    p, m, v = values[StateKind.MASTER], values[StateKind.EXP_AVG], values[StateKind.EXP_AVG_SQ]
+    beta1, beta2 = config.betas
+    for a, b, wd, k in spans:
+        t, g = k + 1, grad[a:b]
+        if wd:
+            p[a:b] = p[a:b] * (1 - lr * wd)
+        m[a:b] = m[a:b] * beta1 + g * (1 - beta1)
+        v[a:b] = v[a:b] * beta2 + (g * g) * (1 - beta2)
+        denom = v[a:b].sqrt() / math.sqrt(1 - beta2 ** t) + config.eps
+        p[a:b] = p[a:b] - (m[a:b] / denom) * (lr / (1 - beta1 ** t))
+    out = {}
+    for kind, t in stored.items():
+        if formats.quantised(kind) or t.dtype == torch.float32:
+            out[kind] = formats.encode(kind, values[kind])
+            continue
+        new = t.clone()  # bf16: outside the spans as stored; inside, stochastically rounded
+        for a, b, _, k in spans:
+            new[a:b] = _ref_round(values[kind][a:b].clone(),
+                                  _ref_bits(config, k + 1, unit, kind, np.arange(origin + a, origin + b)))
+        out[kind] = new
+    return out
+
+
+@pytest.mark.parametrize("moments,master", [("int8", "bf16"), ("int8", "fp32"), ("bf16", "bf16"),
+                                            ("bf16", "fp32"), ("fp32", "bf16")])
+def test_a_compact_step_equals_the_formula_in_plain_pytorch_bitwise(moments: str, master: str) -> None:
+    formats = StateFormats(moments=moments, master=master)
+    config = Config(lr=1e-3, weight_decay=0.1, seed=7)
+    n = 2 * SUB_BLOCK["cpu"] + 3 * STATE_BLOCK + 555  # three sub-blocks, the last block shorter
+    g = torch.Generator().manual_seed(3)
+    stored = {StateKind.MASTER: formats.encode(StateKind.MASTER, torch.randn(n, generator=g) * 0.05),
+              StateKind.EXP_AVG: formats.encode(StateKind.EXP_AVG, torch.randn(n, generator=g) * 1e-3),
+              StateKind.EXP_AVG_SQ: formats.encode(StateKind.EXP_AVG_SQ, torch.rand(n, generator=g) * 1e-6)}
+    grad = torch.randn(n, generator=g) * 1e-2
+    # runs of different step counts and decay, one across a sub-block edge, and values no run covers
+    spans = [(0, 1000, 0.1, 0), (1000, SUB_BLOCK["cpu"] + 4097, 0.0, 5), (SUB_BLOCK["cpu"] + 9000, n, 0.1, 2)]
+    expected = reference_step(formats, {k: t.clone() for k, t in stored.items()}, grad, spans, 1e-3, config,
+                              unit=3, origin=12345)
+    tensors = {**stored, StateKind.GRAD: grad}
+    CompactStep(formats, config, torch.device("cpu")).step(tensors, spans, 1e-3, unit=3, origin=12345)
+    for kind, want in expected.items():
+        assert torch.equal(tensors[kind], want), kind
+    untouched = slice(SUB_BLOCK["cpu"] + 4097, SUB_BLOCK["cpu"] + 9000)
+    assert torch.equal(tensors[StateKind.MASTER][untouched], expected[StateKind.MASTER][untouched])
+
+
+def test_stochastic_rounding_is_unbiased_where_round_to_nearest_loses_the_update() -> None:
+    """An update a hundred times below a bf16 ulp: round-to-nearest keeps the old weight, the
+    stochastic rounding moves the mean by the update."""
+    formats = StateFormats(master="bf16")
+    config = Config(lr=1e-4, seed=1)
+    n = 4 * SUB_BLOCK["cpu"]
+    assert torch.tensor(1 - 1e-4).to(torch.bfloat16) == 1  # what round-to-nearest would store
+    master = torch.ones(n, dtype=torch.bfloat16)
+    tensors = {StateKind.MASTER: master, StateKind.GRAD: torch.ones(n),
+               StateKind.EXP_AVG: torch.zeros(n), StateKind.EXP_AVG_SQ: torch.zeros(n)}
+    CompactStep(formats, config, torch.device("cpu")).step(tensors, [(0, n, 0.0, 0)], 1e-4, unit=0, origin=0)
+    moved = 1 - master.double().mean().item()
+    assert abs(moved - 1e-4) < 2e-5, moved  # Adam's first step moves each weight by lr (5 sigma)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_bucket_lookup_finds_the_nearest_code_as_a_binary_search_does(signed: bool) -> None:
+    """Every code, every midpoint and both fp32 neighbours of each, and values of every scale."""
+    bounds = codes.midpoints(signed)
+    g = torch.Generator().manual_seed(2)
+    edges = torch.cat([codes.code_map(signed), bounds, bounds.nextafter(torch.tensor(2.0)),
+                       bounds.nextafter(torch.tensor(-2.0))])
+    spread = (torch.rand(1 << 16, generator=g) * 2 - 1) * torch.logspace(-12, 0, 1 << 16)
+    x = torch.cat([edges, spread, torch.zeros(1), -torch.zeros(1)]).clamp(-1 if signed else 0, 1)
+    index = torch.empty(x.numel(), dtype=torch.int64)
+    codes.nearest(x, signed, codes.Scratch(x.numel(), torch.device("cpu")), index)
+    assert torch.equal(index, torch.searchsorted(bounds, x))
