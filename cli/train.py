@@ -21,7 +21,7 @@ from tierzero.errors import ConfigError
 from tierzero.distributed.launch import Ranks, die_with_launcher, rank_device, ranks_from_env, run_torchrun, start_process_group, stop_process_group, under_torchrun
 from tierzero.checkpoint.catalog import checkpoint_dirs
 from tierzero.planning.placement import STAGE_TEXT
-from tierzero.planning.statebytes import StateFormats
+from tierzero.planning.statebytes import StateBytes
 from tierzero.run.directory import CONFIG_NAME, RunDir, enclosing_run_dir, never_configured, rebase_paths, refuse_fresh_start
 from tierzero.storage.filekind import kind_of, not_a_file
 from tierzero.run.packing import Fitted
@@ -155,7 +155,7 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
         out.print(f"[bold]tierzero train[/] {escape(run.model)} ({session.n_params / 1e6:.2f}M params) "
                   f"on {session.device}, dtype {session.dtype}, "
                   f"offload {run.engine.offload.value}: {session.placement_text}")
-        formats = StateFormats.for_compute(run.engine.optimizer_state, run.engine.master, DType(session.dtype))
+        formats = StateBytes.for_compute(run.engine.optimizer_state, run.engine.master, DType(session.dtype))
         if formats.compact:
             out.print(f"optimizer state: {formats.describe()}", highlight=False)
         if session.fitted is not None and session.fitted.long:

@@ -14,8 +14,8 @@ import zarr
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from checkpoint_helpers import flip_byte
-from engine_helpers import SMALL, assert_same, batches
+from tests.support.checkpoints import flip_byte
+from tests.support.engine import SMALL, assert_same, batches
 from tierzero import Config, Placement, Tier, models
 from tierzero.checkpoint.export import export_checkpoint
 from tierzero.checkpoint.inspect import inspect_run

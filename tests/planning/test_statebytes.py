@@ -13,7 +13,7 @@ from tierzero.planning.ledger import format_rows, ledger
 from tierzero.planning.memory_model import peak_memory
 from tierzero.planning.placement import Link, choose_placement, estimate
 from tierzero.planning.report import make_plan
-from tierzero.planning.statebytes import StateFormats
+from tierzero.planning.statebytes import StateBytes
 from tierzero.planning.workload import Workload
 
 NVME = Placement(*[Tier.NVME] * 5)
@@ -26,11 +26,11 @@ COMBOS = [(m, w) for w in MASTER for m in MOMENT]
 
 @pytest.mark.parametrize("moments", list(MOMENT))
 def test_a_moment_takes_its_bytes_and_int8_one_scale_per_started_block(moments: str) -> None:
-    f = StateFormats(moments)
+    f = StateBytes(moments)
     for n in (1, STATE_BLOCK, STATE_BLOCK + 1, 5 * STATE_BLOCK):
         scales = 4 * math.ceil(n / STATE_BLOCK) if moments == "int8" else 0
         assert f.nbytes(StateKind.EXP_AVG, n, 2) == f.nbytes(StateKind.EXP_AVG_SQ, n, 2) == n * MOMENT[moments] + scales
-    assert StateFormats(master="bf16").nbytes(StateKind.MASTER, 10, 4) == 20
+    assert StateBytes(master="bf16").nbytes(StateKind.MASTER, 10, 4) == 20
     assert f.nbytes(StateKind.GRAD, 10, 2, 4) == 40 and f.nbytes(StateKind.PARAM, 10, 2) == 20
 
 
@@ -47,7 +47,7 @@ def test_the_compact_rows_run_from_zeros_16_down_to_2_2_2() -> None:
 
 
 def test_the_stage_ledger_in_int8_with_one_bf16_weight() -> None:
-    f = StateFormats.for_compute("int8", "bf16", DType.BF16)
+    f = StateBytes.for_compute("int8", "bf16", DType.BF16)
     m = 2 + 8 / STATE_BLOCK  # both moments with their scales
     got = [r.bytes_per_param for r in ledger(10, 4, 2, f)]
     # stages 1-2 keep a whole param beside the master's share; DDP and stage 3 hold one weight
@@ -57,7 +57,7 @@ def test_the_stage_ledger_in_int8_with_one_bf16_weight() -> None:
 
 @pytest.mark.parametrize("moments, master", COMBOS)
 def test_nvme_homes_hold_each_format_s_bytes(moments: str, master: str) -> None:
-    f = StateFormats.for_compute(moments, master, DType.BF16)
+    f = StateBytes.for_compute(moments, master, DType.BF16)
     m = peak_memory(Workload.from_sizes(UNITS, 2, formats=f), NVME)
     param = 0 if f.one_weight else 2 * N  # bf16 compute and master: the master is the param
     scales = 4 * BLOCKS if moments == "int8" else 0
@@ -68,7 +68,7 @@ def test_nvme_homes_hold_each_format_s_bytes(moments: str, master: str) -> None:
 def test_nvme_bytes_per_step_follow_the_format(moments: str, master: str) -> None:
     """All on nvme, one rank: params read in forward and backward; grads written and read;
     master and moments read and written; the new param written unless it is the master."""
-    f = StateFormats.for_compute(moments, master, DType.BF16)
+    f = StateBytes.for_compute(moments, master, DType.BF16)
     e = estimate(NVME, Workload.from_sizes(UNITS, 2, formats=f))
     state = MASTER[master] * N + 2 * (MOMENT[moments] * N + (4 * BLOCKS if moments == "int8" else 0))
     assert e.moved_bytes[Link.NVME_TO_HOST] == 2 * 2 * N + 4 * N + state
@@ -76,8 +76,8 @@ def test_nvme_bytes_per_step_follow_the_format(moments: str, master: str) -> Non
 
 
 def test_one_weight_needs_the_param_and_master_homed_together_and_sharded_alike() -> None:
-    f = StateFormats.for_compute("fp32", "bf16", DType.BF16)
-    assert not StateFormats.for_compute("fp32", "bf16", DType.FP16).one_weight
+    f = StateBytes.for_compute("fp32", "bf16", DType.BF16)
+    assert not StateBytes.for_compute("fp32", "bf16", DType.FP16).one_weight
     work = Workload.from_sizes(UNITS, 2, formats=f)
     assert work.one_weight(NVME) and not work.one_weight(Placement(Tier.GPU, *[Tier.NVME] * 4))
     assert not Workload.from_sizes(UNITS, 2, world_size=2, stage=2, formats=f).one_weight(NVME)
@@ -88,15 +88,15 @@ def test_one_weight_needs_the_param_and_master_homed_together_and_sharded_alike(
 def test_a_host_budget_that_holds_compact_state_but_not_fp32_moves_it_to_the_host() -> None:
     units = [("embedding", 1 << 22), *[(f"blocks.{i}", 1 << 22) for i in range(4)], ("head", 1 << 22)]
 
-    def choice(f: StateFormats) -> Placement:
+    def choice(f: StateBytes) -> Placement:
         work = Workload.from_sizes(units, 2, prefetch_depth=1, piece_numel=1 << 20, formats=f)
         c = choose_placement(work, gpu_budget=100 * 10**6, host_budget=250 * 10**6, nvme_free=None)
         assert c.fits
         return c.placement
 
     # 25.2M params: fp32 state on the host is 16 B/param (403 MB); int8 moments, bf16 master 8 (201 MB)
-    assert choice(StateFormats()).master is Tier.NVME
-    compact = choice(StateFormats.for_compute("int8", "bf16", DType.BF16))
+    assert choice(StateBytes()).master is Tier.NVME
+    compact = choice(StateBytes.for_compute("int8", "bf16", DType.BF16))
     assert (compact.master, compact.exp_avg, compact.exp_avg_sq) == (Tier.HOST,) * 3
 
 
@@ -104,7 +104,7 @@ def test_plan_takes_the_formats_and_refuses_bad_ones_by_flag() -> None:
     kw = dict(gpu_mem="8GB", host_mem="16GB", nvme_free="1TB", dtype="bf16", batch_size=1, seq_len=64)
     fp32 = make_plan("125m", **kw)
     compact = make_plan("125m", optimizer_state="int8", master="bf16", **kw)
-    assert compact.formats == StateFormats(StateFormat.INT8, DType.BF16, one_weight=True)
+    assert compact.formats == StateBytes(StateFormat.INT8, DType.BF16, one_weight=True)
     d = compact.as_dict()
     assert d["state_formats"] == {"optimizer_state": "int8", "master": "bf16", "one_weight": True,
                                   "text": compact.formats.describe()}

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from tierzero.config import Placement, StateKind, Tier
-from tierzero.planning.statebytes import FP32_NBYTES, FP32_STATE, StateFormats
+from tierzero.planning.statebytes import FP32_NBYTES, FP32_STATE, StateBytes
 from tierzero.layout.partition import ALIGN_NUMEL
 from tierzero.storage.base import ALIGN_BYTES
 from tierzero.storage.sizeclass import choose_classes
@@ -22,7 +22,7 @@ HOST_ALIGN = ALIGN_BYTES  # the host pool's block alignment: a page (`HostPool`)
 
 
 def key_sizes(kind: StateKind, shard: list[int], state: list[int], piece_numel: int, itemsize: int,
-              home: Tier, formats: StateFormats = FP32_STATE, one_weight: bool = False) -> Counter[int]:
+              home: Tier, formats: StateBytes = FP32_STATE, one_weight: bool = False) -> Counter[int]:
     """One rank's stored keys of `kind` (`tiers.state_keys`), as bytes -> how many keys: a param
     is one key in a memory tier and pieces of its trainable prefix then its frozen rest on nvme;
     the other kinds, pieces of the trainable prefix in their stored format (grads fp32). With
@@ -56,7 +56,7 @@ def _aligned_up(numel: int) -> int:
 
 
 def host_classes(placement: Placement, shard: list[int], state: list[int], piece_numel: int, itemsize: int,
-                 tied: bool, step_on_host: bool, extra: Sequence[int] = (), formats: StateFormats = FP32_STATE,
+                 tied: bool, step_on_host: bool, extra: Sequence[int] = (), formats: StateBytes = FP32_STATE,
                  one_weight: bool = False) -> tuple[int, ...]:
     """The host pool's size classes: the fewest bytes lost rounding every size the engine
     leases there, each weighted by how many keys or buffers take it -- host homes' keys,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from tierzero.config import OPTIMIZER_KINDS, DType, StateFormat, StateKind
 from tierzero.errors import ConfigError
 from tierzero.models.presets import PRESETS, ModelArgs
-from tierzero.planning.statebytes import FP32_NBYTES, FP32_STATE, StateFormats
+from tierzero.planning.statebytes import FP32_NBYTES, FP32_STATE, StateBytes
 
 GB = 10**9  # sizes in tables are decimal GB, as in "a 7B model is 112 GB"
 
@@ -51,7 +51,7 @@ _PARTITIONED: dict[Stage, frozenset[StateKind]] = {
 
 def state_nbytes(kind: StateKind, compute_itemsize: int, grad_itemsize: int | None = None) -> int:
     """Bytes per parameter of one state kind in fp32 state: param (and by default grad) in the
-    compute dtype, master and Adam moments fp32 (compact formats: `StateFormats.nbytes`)."""
+    compute dtype, master and Adam moments fp32 (compact formats: `StateBytes.nbytes`)."""
     return FP32_STATE.nbytes(kind, 1, compute_itemsize, grad_itemsize)
 
 
@@ -62,7 +62,7 @@ class LedgerRow:
     bytes_per_gpu: float
 
 
-def ledger(numel: int, world_size: int, compute_itemsize: int = 2, formats: StateFormats = FP32_STATE) -> list[LedgerRow]:
+def ledger(numel: int, world_size: int, compute_itemsize: int = 2, formats: StateBytes = FP32_STATE) -> list[LedgerRow]:
     """Bytes per GPU of the training state under DDP and ZeRO stages 1-3, in `formats`.
 
     With a 2-byte compute dtype, fp32 state and N ranks: 16, 4 + 12/N, 2 + 14/N, 16/N bytes per
@@ -84,7 +84,7 @@ class FormatRow:
     """The compact rows: one (moments, master) format's state bytes per parameter on one rank,
     grads in the compute dtype as the textbook counts them (tierzero keeps them fp32: +2)."""
 
-    formats: StateFormats
+    formats: StateBytes
     weights: float  # the param and the master (one tensor where `formats.one_weight`)
     grads: float
     moments: float  # exp_avg and exp_avg_sq, int8 scales included
@@ -102,7 +102,7 @@ def format_rows(compute: DType) -> list[FormatRow]:
     rows = []
     for master in (DType.FP32, DType.BF16):
         for moments in StateFormat:
-            f = StateFormats.for_compute(moments, master, compute)
+            f = StateBytes.for_compute(moments, master, compute)
             param = 0.0 if f.one_weight else f.per_param(StateKind.PARAM, c)
             rows.append(FormatRow(f, param + f.per_param(StateKind.MASTER, c), f.per_param(StateKind.GRAD, c),
                                   f.per_param(StateKind.EXP_AVG, c) + f.per_param(StateKind.EXP_AVG_SQ, c)))

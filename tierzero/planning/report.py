@@ -33,7 +33,7 @@ from tierzero.planning.placement import (STAGE_TEXT, Link, PlacementChoice, Plac
 from tierzero.planning.streaming import DEFAULT, Streaming, choose_streaming, ladder, streamed
 from tierzero.planning.memory_model import waiting_activations_bytes
 from tierzero.planning.recompute import choose_kept, keepable, with_kept
-from tierzero.planning.statebytes import FP32_STATE, StateFormats
+from tierzero.planning.statebytes import FP32_STATE, StateBytes
 from tierzero.planning.swapplan import step_nvme_bytes
 from tierzero.planning.workload import Workload
 
@@ -66,7 +66,7 @@ class PlanReport:
     recompute: Recompute = Recompute.AUTO
     kept: ActivationEstimate | None = None  # `activations` counting the kept units' graphs (`planning.recompute`)
     keepable_units: int = 0  # of which `kept.kept_blocks` blocks and the head if `kept.kept_head` keep theirs
-    formats: StateFormats = FP32_STATE  # how the master and Adam moments are stored (`--optimizer-state`, `--master`)
+    formats: StateBytes = FP32_STATE  # how the master and Adam moments are stored (`--optimizer-state`, `--master`)
 
     @property
     def units(self) -> tuple[Unit, ...]:
@@ -237,7 +237,7 @@ def make_plan(
     budgets, detected, device = _budgets(gpu_mem, host_mem, nvme_free, Path(nvme_path))
     compute = _dtype(dtype) if dtype is not None else _train_dtype(device)
     itemsize = TORCH_DTYPES[compute].itemsize
-    formats = StateFormats.for_compute(moments, master_dtype, compute)
+    formats = StateBytes.for_compute(moments, master_dtype, compute)
     batch_size = batch_size if batch_size is not None else max(1, RunConfig.batch_size // gpus)
     seq_len = seq_len if seq_len is not None else RunConfig.seq_len
     if units is not None:

@@ -1,29 +1,26 @@
 """The bytes of each state kind in the format it is stored in: fp32, or compact.
 
-Owns `StateFormats`, the (Adam moments, master) choice a run makes (`Config.optimizer_state`,
-`Config.master`), and the arithmetic of what `numel` elements of a state kind take in it: the
-moments as fp32 (4 bytes), bf16 (2) or int8 (1, plus one fp32 absmax per `STATE_BLOCK` values,
-blocks counted per run of elements since pieces and units start on a block); the master as
-fp32 (4) or bf16 (2). With bf16 compute and a bf16 master the param *is* the master (one
+Owns `StateBytes`, the (Adam moments, master) choice a run makes (`Config.optimizer_state`,
+`Config.master`) as the planner counts it: params and grads in their dtypes, the master and
+moments as the engine stores them (`tierzero.compact.formats.StateFormats`, the one place that
+knows a stored piece's size: int8 adds one fp32 absmax per `STATE_BLOCK` values, blocks counted
+per run of elements since pieces and units start on a block). With bf16 compute and a bf16 master the param *is* the master (one
 tensor): where both are homed on one tier the param takes no bytes of its own there. The
-ledger, the memory model and the placement planner count with it; it never touches torch.
+ledger, the memory model and the placement planner count with it.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from tierzero.compact.formats import StateFormats
 from tierzero.config import STATE_BLOCK, DType, StateFormat, StateKind
 
 FP32_NBYTES = 4
-SCALE_NBYTES = FP32_NBYTES  # one int8 block's absmax
-_MOMENT_NBYTES = {StateFormat.FP32: 4, StateFormat.BF16: 2, StateFormat.INT8: 1}
-_MASTER_NBYTES = {DType.FP32: 4, DType.BF16: 2}
 
 
 @dataclass(frozen=True)
-class StateFormats:
+class StateBytes:
     """How the optimizer's states are stored on every tier: the Adam moments' format and the
     master's dtype. `one_weight`: the param and the master are one bf16 tensor (bf16 compute,
     bf16 master), so a tier homing both holds it once."""
@@ -36,11 +33,11 @@ class StateFormats:
         # spellings are coerced, not validated: `Config` and the CLI refuse bad ones with the fix
         object.__setattr__(self, "optimizer_state", StateFormat(self.optimizer_state))
         object.__setattr__(self, "master", DType(self.master))
-        assert self.master in _MASTER_NBYTES, "masters are fp32 or bf16 (Config refuses fp16)"
+        assert self.master in (DType.FP32, DType.BF16), "masters are fp32 or bf16 (Config refuses fp16)"
         assert not self.one_weight or self.master is DType.BF16, "one weight tensor needs a bf16 master"
 
     @classmethod
-    def for_compute(cls, optimizer_state: StateFormat | str, master: DType | str, compute: DType) -> StateFormats:
+    def for_compute(cls, optimizer_state: StateFormat | str, master: DType | str, compute: DType) -> StateBytes:
         """The formats a run computing in `compute` stores its state in: one weight tensor
         where both the compute dtype and the master are bf16."""
         master = DType(master)
@@ -58,10 +55,7 @@ class StateFormats:
             return numel * compute_itemsize
         if kind is StateKind.GRAD:
             return numel * (compute_itemsize if grad_itemsize is None else grad_itemsize)
-        if kind is StateKind.MASTER:
-            return numel * _MASTER_NBYTES[self.master]
-        scales = math.ceil(numel / STATE_BLOCK) * SCALE_NBYTES if self.optimizer_state is StateFormat.INT8 else 0
-        return numel * _MOMENT_NBYTES[self.optimizer_state] + scales
+        return StateFormats(self.optimizer_state, self.master).nbytes(kind, numel)
 
     def per_param(self, kind: StateKind, compute_itemsize: int, grad_itemsize: int | None = None) -> float:
         """Bytes per parameter of `kind` over whole blocks (int8: 1 + 4/2048)."""
@@ -76,4 +70,4 @@ class StateFormats:
         return f"{moments[self.optimizer_state]}, {weights}"
 
 
-FP32_STATE = StateFormats()
+FP32_STATE = StateBytes()

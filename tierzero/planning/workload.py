@@ -22,7 +22,7 @@ from tierzero.layout.partition import Unit, padded_numel
 from tierzero.models.presets import ModelArgs
 from tierzero.planning.ledger import (EMBEDDING_UNIT, HEAD_UNIT, ROOT_UNIT, ActivationEstimate, UnitSize,
                                       check_world_size, scaled_units, units_from_args)
-from tierzero.planning.statebytes import FP32_STATE, StateFormats
+from tierzero.planning.statebytes import FP32_STATE, StateBytes
 
 def steps_on_gpu(placement: Placement) -> bool:
     """Whether the optimizer steps on the compute device: only when every optimizer state lives
@@ -55,7 +55,7 @@ class Workload:
     accumulate: int = 1  # micro-batches per step
     activations: ActivationEstimate | None = None
     tokens_per_step: int = 0
-    formats: StateFormats = FP32_STATE
+    formats: StateBytes = FP32_STATE
 
     def __post_init__(self) -> None:
         if not self.units:
@@ -150,6 +150,6 @@ class Workload:
 
     def one_weight(self, placement: Placement) -> bool:
         """Whether the param and the master are one tensor under `placement`: one bf16 weight
-        (`StateFormats.one_weight`) homed on one tier, each rank's shard of both the same
+        (`StateBytes.one_weight`) homed on one tier, each rank's shard of both the same
         (not stage 1/2, where params are replicated and masters partitioned)."""
         return self.formats.one_weight and placement.param is placement.master and not self.replicated
