@@ -7,7 +7,7 @@ training loss over the last 50 steps and its ratio to fp32's (the aim: within 1%
 (and their 20-step running means) go to `--out`.
 
     nice python benchmarks/compact_quality.py                    # tiny, 300 steps
-    nice python benchmarks/compact_quality.py --preset small --steps 400
+    nice python benchmarks/compact_quality.py --preset 125m --batch-size 2 --seq-len 64
 """
 
 from __future__ import annotations
