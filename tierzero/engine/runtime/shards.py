@@ -16,7 +16,7 @@ from torch import nn
 
 from tierzero.config import Placement, StateKind, Tier
 from tierzero.distributed.comm import Comm
-from tierzero.engine.runtime.execute import detach_params
+from tierzero.engine.runtime.binding import detach_params
 from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.keys import state_keys
 from tierzero.layout.partition import Unit

@@ -34,12 +34,12 @@ from collections.abc import Iterator
 
 import torch
 
-from tierzero.distributed.comm import Comm, InFlight
+from tierzero.distributed.comm import InFlight
 from tierzero.engine.step.backward import BackwardPass
 from tierzero.errors import TierzeroError
 from tierzero.config import StateKind, Tier
-from tierzero.layout.partition import Unit, piece_ranges
-from tierzero.engine.runtime.stats import StepStats
+from tierzero.engine.parts import EngineParts
+from tierzero.layout.partition import Unit, grad_uses, piece_ranges
 from tierzero.storage.base import TierStore
 from tierzero.engine.runtime.streams import Event
 from tierzero.engine.runtime.tiers import Tiers
@@ -48,35 +48,30 @@ from tierzero.planning.placement import Link
 
 
 class GradShards:
-    def __init__(self, units: list[Unit], tiers: Tiers, home: Tier, comm: Comm, stats: StepStats,
-                 uses: dict[int, int], piece_numel: int, norms: bool, finite: bool, overlap: bool = False,
-                 full_until_last: bool = False) -> None:
-        self.units = units
-        self.tiers = tiers
-        self.home = home
-        self.comm = comm
-        self.stats = stats
-        self.uses = uses  # contributions per unit per backward (a tied embedding gets two)
-        self.piece_numel = piece_numel
+    def __init__(self, parts: EngineParts) -> None:
+        self.parts = parts
+        self.tiers, self.home, self.comm = parts.tiers, parts.placement.grad, parts.comm
+        self.uses = grad_uses(parts.units)  # contributions per unit per backward (a tied embedding gets two)
         self.seen: dict[int, int] = {}  # contributions so far in this backward
         self.present: dict[int, set[int]] = {}  # unit -> its slots that got a grad in this step
-        self.want_norms = norms  # clipping needs them
-        self.want_finite = finite  # fp16 needs the overflow check
+        self.want_norms = parts.config.clip_grad_norm is not None  # clipping needs them
+        self.want_finite = parts.scaler.enabled  # fp16 needs the overflow check
         self.pass_ = BackwardPass()  # the backward in progress (`running`)
         self.norms: dict[str, torch.Tensor] = {}  # param name -> 2-norm (one rank) of its grad, on the device
         # measured on the compute device, read on the host only when the step needs them (one
         # host-device sync per step, not one per unit or parameter in backward)
-        self.sumsq = torch.zeros((), dtype=torch.float32, device=tiers.device)  # several ranks: this shard's
-        self.nonfinite = torch.zeros((), dtype=torch.bool, device=tiers.device)
-        self.overlap = overlap  # several ranks: a unit's reduction runs beside the next one's backward
+        self.sumsq = torch.zeros((), dtype=torch.float32, device=parts.tiers.device)  # several ranks: this shard's
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=parts.tiers.device)
+        several = parts.comm.world_size > 1
+        self.overlap = parts.config.overlap_comm and several  # a unit's reduction runs beside the next one's backward
         self._reducing: tuple[int, InFlight] | None = None
-        self.full_until_last = full_until_last  # stage 1: see the module docstring
+        self.full_until_last = parts.stage == 1 and several  # stage 1: see the module docstring
         self._full_held: set[int] = set()  # units whose `grad_full` pieces hold this step's earlier sum
         self._writes: dict[str, concurrent.futures.Future] = {}  # piece key -> its grad write in flight
         self._landing: dict[str, Event] = {}  # host-homed piece key -> its D2H copy's event
         self._stashes: dict[str, concurrent.futures.Future] = {}  # a tied unit's earlier uses, being stashed
         self._held: dict[int, torch.Tensor] = {}  # grad home on the device: unit -> its earlier uses' sum
-        self.streams = tiers.streams
+        self.streams = parts.tiers.streams
 
     @contextlib.contextmanager
     def running(self, pass_: BackwardPass) -> Iterator[None]:
@@ -101,7 +96,7 @@ class GradShards:
         """Start reducing one unit's gradient over the ranks; with `overlap`, accumulate the
         previous unit's, whose reduction ran while this unit's backward computed (the last
         one's at `flush`)."""
-        u = self.units[unit]
+        u = self.parts.units[unit]
         extra = self.pass_.extra.pop(unit, None)
         if extra is not None:  # unit + regulariser: the two terms autograd sums for a weight used twice
             full_grad = full_grad.float() + extra[0].to(full_grad.device)
@@ -134,7 +129,7 @@ class GradShards:
         if self._reducing is None:
             return
         (unit, reducing), self._reducing = self._reducing, None
-        with self.stats.waiting():
+        with self.parts.stats.waiting():
             shard = reducing.wait()  # sync point: the host on gloo, the compute stream on NCCL
         self._accumulate(unit, shard)
 
@@ -149,7 +144,7 @@ class GradShards:
 
     def _accumulate(self, unit: int, shard: torch.Tensor) -> None:
         """Accumulate one unit's reduced shard into its home (and measure it on the last micro-batch)."""
-        u = self.units[unit]
+        u = self.parts.units[unit]
         self.seen[unit] = self.seen.get(unit, 0) + 1
         grad = shard[:u.state_numel(self.comm.rank)]
         if self.pass_.inv_scale != 1.0:
@@ -161,7 +156,7 @@ class GradShards:
             grad = self._combine_uses(unit, grad)
             if grad is None:
                 return
-        keys = state_keys(StateKind.GRAD, u, self.comm.rank, self.piece_numel, self.home)
+        keys = state_keys(StateKind.GRAD, u, self.comm.rank, self.parts.piece_numel, self.home)
         # earlier micro-batches' sum, piece by piece (prev + new: addition commutes); stage 1
         # summed them before the reduction
         if self.pass_.micro > 0 and not self.full_until_last:
@@ -179,13 +174,13 @@ class GradShards:
     def full_keys(self, unit: Unit) -> list[tuple[str, int, int]]:
         """Stage 1: this rank's pieces of `unit`'s whole trainable gradient (flat offsets)."""
         return [(f"grad_full/u{unit.index:04d}/r{self.comm.rank}/p{i:04d}", a, b)
-                for i, (a, b) in enumerate(piece_ranges(unit.trainable_numel, self.piece_numel))]
+                for i, (a, b) in enumerate(piece_ranges(unit.trainable_numel, self.parts.piece_numel))]
 
     def allocate(self) -> None:
         """Stage 1 with the grad home in memory: make room for the whole gradients there."""
         if self.full_until_last and self.home is not Tier.NVME:
             store = self.tiers.stores[self.home]
-            for unit in self.units:
+            for unit in self.parts.units:
                 for key, a, b in self.full_keys(unit):
                     self.tiers.run(store.write(key, torch.zeros(b - a, dtype=torch.float32)))
 
@@ -207,7 +202,7 @@ class GradShards:
             return
         stage = self.tiers.lease_host(part.numel() * 4).view(torch.float32)
         try:
-            with self.stats.waiting():
+            with self.parts.stats.waiting():
                 write = self._writes.pop(key, None)
                 if write is not None:
                     write.result()  # read after write: the last micro-batch's must land
@@ -215,7 +210,7 @@ class GradShards:
         except BaseException:
             self.tiers.host_pool.give_back(stage.view(torch.uint8))
             raise
-        self.stats.add_bytes(Link.NVME_TO_HOST, part.numel() * 4)
+        self.parts.stats.add_bytes(Link.NVME_TO_HOST, part.numel() * 4)
         self._add_from_host(part, stage, after=None, stage=stage)
 
     def _add_from_host(self, part: torch.Tensor, host: torch.Tensor, after: Event,
@@ -228,7 +223,7 @@ class GradShards:
         copied = s.copy(prev, host, s.h2d_write, after=after)
         s.keep_alive(prev, s.compute)
         s.wait(s.compute, copied)
-        self.stats.add_bytes(Link.HOST_TO_GPU, part.numel() * 4)
+        self.parts.stats.add_bytes(Link.HOST_TO_GPU, part.numel() * 4)
         part.add_(prev)
         if stage is not None:
             self.tiers.give_back_when_done(copied, stage)
@@ -244,16 +239,16 @@ class GradShards:
         if self.home is Tier.HOST:
             self._landing[key] = s.copy(self.tiers.stores[Tier.HOST].view(key), part, s.d2h, after=produced)
             s.keep_alive(part, s.d2h)
-            self.stats.add_bytes(Link.GPU_TO_HOST, nbytes)
+            self.parts.stats.add_bytes(Link.GPU_TO_HOST, nbytes)
             return
         stage = self.tiers.lease_host(nbytes).view(torch.float32)
         landed = s.copy(stage, part, s.d2h, after=produced)
         s.keep_alive(part, s.d2h)
-        self.stats.add_bytes(Link.GPU_TO_HOST, nbytes)
+        self.parts.stats.add_bytes(Link.GPU_TO_HOST, nbytes)
         future = self._writes[key] = self.tiers.submit(
             _write_when_landed(self.tiers, landed, self.tiers.stores[Tier.NVME], key, stage))
         self.tiers.pending.add(future, lambda ok: self.tiers.host_pool.give_back(stage.view(torch.uint8)))
-        self.stats.add_bytes(Link.HOST_TO_NVME, nbytes)
+        self.parts.stats.add_bytes(Link.HOST_TO_NVME, nbytes)
 
     def _combine_uses(self, unit: int, grad: torch.Tensor) -> torch.Tensor | None:
         """Stash this use's grad (plus earlier ones) in the home tier; at the unit's last use
@@ -270,14 +265,14 @@ class GradShards:
         nbytes = grad.numel() * 4
         stash = self._stashes.pop(key, None)
         if stash is not None:
-            with self.stats.waiting():
+            with self.parts.stats.waiting():
                 stash.result()  # the earlier use's stash is written (long since, normally)
         if self.seen[unit] < self.uses[unit]:
             s = self.streams
             stage = self.tiers.lease_host(nbytes).view(torch.float32)
             landed = s.copy(stage, grad, s.d2h, after=s.record(s.compute))
             s.keep_alive(grad, s.d2h)
-            self.stats.add_bytes(Link.GPU_TO_HOST, nbytes)
+            self.parts.stats.add_bytes(Link.GPU_TO_HOST, nbytes)
             add = self.tiers.lease_host(nbytes).view(torch.float32) if stash is not None else None
             future = self._stashes[key] = self.tiers.submit(_stash_when_landed(self.tiers, landed, store, key, stage, add))
             self.tiers.pending.add(future, lambda ok: [self.tiers.host_pool.give_back(b.view(torch.uint8))
@@ -288,7 +283,7 @@ class GradShards:
             return None
         stage = self.tiers.lease_host(nbytes).view(torch.float32)
         try:
-            with self.stats.waiting():
+            with self.parts.stats.waiting():
                 self.tiers.run(store.read_into(key, stage))
             self.tiers.run(store.delete(key))
         except BaseException:
@@ -324,7 +319,7 @@ class GradShards:
 
     def _count(self, link: Link, nbytes: int) -> None:
         if self.home is Tier.NVME:  # memory homes: a copy within the tier, not a link
-            self.stats.add_bytes(link, nbytes)
+            self.parts.stats.add_bytes(link, nbytes)
 
     def _measure(self, unit: Unit, acc: torch.Tensor) -> None:
         """Only what the step will ask for: each costs a pass over the shard."""
@@ -341,7 +336,7 @@ class GradShards:
                     self.norms[slot.names[0]] = torch.linalg.vector_norm(acc[slot.offset:slot.end], 2.0)
         else:  # in fp64 a piece at a time: no fp64 copy of the whole shard
             sumsq = torch.zeros((), dtype=torch.float64, device=acc.device)
-            for a, b in piece_ranges(acc.numel(), self.piece_numel):
+            for a, b in piece_ranges(acc.numel(), self.parts.piece_numel):
                 sumsq += acc[a:b].double().pow(2).sum()
             self.sumsq += sumsq.float()
 

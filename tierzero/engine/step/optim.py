@@ -32,6 +32,7 @@ import torch
 
 from tierzero.adamw import adamw_step
 from tierzero.config import OPTIMIZER_KINDS, Config, Placement, StateKind, Tier
+from tierzero.engine.parts import EngineParts
 from tierzero.engine.step.paramsteps import Run
 from tierzero.engine.step.restep import KeptGeneration
 from tierzero.layout.partition import Unit
@@ -69,16 +70,11 @@ class Work:
 
 
 class ShardOptimizer:
-    def __init__(self, units: list[Unit], tiers: Tiers, placement: Placement, compute_dtype: torch.dtype,
-                 rank: int, config: Config, stats: StepStats,
+    def __init__(self, parts: EngineParts,
                  param_written: Callable[[int, Event], None] = lambda unit, event: None) -> None:
-        self.units = units
-        self.tiers = tiers
-        self.placement = placement
-        self.compute_dtype = compute_dtype
-        self.rank = rank
-        self.config = config
-        self.stats = stats
+        tiers, placement = parts.tiers, parts.placement
+        self.units, self.tiers, self.placement, self.config = parts.units, tiers, placement, parts.config
+        self.compute_dtype, self.rank, self.stats = parts.dtype, parts.rank, parts.stats
         self.param_written = param_written  # each device param write's event (`Scheduler.written`)
         on_gpu = steps_on_gpu(placement)
         self.device = tiers.device if on_gpu else torch.device("cpu")
