@@ -72,7 +72,7 @@ class Scheduler:
 
     def __init__(self, parts: EngineParts) -> None:
         self.parts = parts  # params on nvme are stored per piece (`parts.piece_numel`: the optimizer writes them so)
-        self.tiers, self.streams = parts.tiers, parts.tiers.streams
+        self.tiers, self.streams, self.comm = parts.tiers, parts.tiers.streams, parts.comm
         self.records = {u.index: ParamShard(u.index, parts.placement.param) for u in parts.units}
         self.plan: SwapPlan | None = None
         self._cursor = 0
@@ -88,7 +88,7 @@ class Scheduler:
         self._wait(record)
         gathered = record.gathered.popleft() if record.gathered else None
         self._run_until(Op.COMPUTE, unit)  # the next use's gathers, beside this compute
-        if self.parts.comm.world_size == 1 or self.parts.units[unit].replicated:  # the whole unit is stored here
+        if self.comm.world_size == 1 or self.parts.units[unit].replicated:  # the whole unit is stored here
             return self._shard(unit)
         assert gathered is not None, f"the swap plan lists no gather of unit {unit} before its compute"
         with self.parts.stats.waiting():
@@ -166,7 +166,7 @@ class Scheduler:
         self.streams.wait(self.streams.comm, record.event)
         self.streams.wait(self.streams.comm, record.written)
         with self.streams.current(self.streams.comm):
-            return self.parts.comm.all_gather_async(self._shard(record.unit))
+            return self.comm.all_gather_async(self._shard(record.unit))
 
     def _fetch(self, record: ParamShard, wait: bool = True) -> None:
         """Start moving the unit's shard to the device. `wait=False` (a look-ahead fetch): a
