@@ -32,26 +32,30 @@ from tierzero.planning.workload import Workload, steps_on_gpu
 from tierzero.storage.base import BudgetExceededError
 
 
+@dataclasses.dataclass(eq=False)
 class Sizing:
     """The memory model of one rank's units under an engine's config; `local_ranks` share the
     machine's RAM and drives (their default budgets are split)."""
 
-    def __init__(self, config: Config, device: torch.device, dtype: torch.dtype, units: list[Unit],
-                 world_size: int, local_ranks: int, overlap: bool) -> None:
-        self.config = config
-        self.device = device
-        self.dtype = dtype
-        self.units = units
-        self.world_size = world_size
-        self.local_ranks = local_ranks
-        self.overlap = overlap
+    config: Config
+    device: torch.device
+    dtype: torch.dtype
+    units: list[Unit]
+    world_size: int
+    local_ranks: int
+    overlap: bool
+    # decided as the engine runs: the units that keep their graph (`reserve_activations`), the
+    # first training batch's activations once reserved, what the pools are sized by (`check`,
+    # `reserve_activations`), and `walks()` once asked
+    kept: frozenset[int] = dataclasses.field(default=frozenset(), init=False)
+    activations: ActivationEstimate | None = dataclasses.field(default=None, init=False)
+    current: MemoryModel | None = dataclasses.field(default=None, init=False)
+    _walks: bool | None = dataclasses.field(default=None, init=False)
+
+    def __post_init__(self) -> None:
         # the streaming settings the user gave: a refusal suggests lowering those
-        self.given = [name for name, v in (("piece_numel", config.piece_numel),
-                                           ("--prefetch-depth", config.prefetch_depth)) if v is not None]
-        self._walks: bool | None = None  # `walks()`, decided once
-        self.kept: frozenset[int] = frozenset()  # units that keep their graph (`reserve_activations`)
-        self.activations: ActivationEstimate | None = None  # the first training batch's, once reserved
-        self.current: MemoryModel | None = None  # what the pools are sized by (`check`, `reserve_activations`)
+        self.given = [name for name, v in (("piece_numel", self.config.piece_numel),
+                                           ("--prefetch-depth", self.config.prefetch_depth)) if v is not None]
 
     def workload(self, stage: int, activations: ActivationEstimate | None = None,
                  streaming: Streaming | None = None) -> Workload:
