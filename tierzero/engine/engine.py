@@ -13,14 +13,10 @@ base under LoRA adapters) is stored once, as a param in the compute dtype, fetch
 like the rest and never written; a parameter that gets no gradient in a step is not updated,
 as torch's AdamW skips it (`tierzero.engine.step.paramsteps`).
 
-The engine is the public face over one record of its parts (`parts.EngineParts`: decided and
-made at construction, without I/O) and what `open` builds over them (`runtime.opened.OpenParts`:
-the scheduler, grads, optimizer, unit runner, batch staging and swap plans). The step policy is
-the `step.stepper.Stepper`'s, the layer-major schedule `vertical.schedule.VerticalSteps`',
-checkpoints `checkpointing`'s and user blocks of full weights `gathered`'s; here they are
-only called in order.
+The engine is the public face over one record of its parts (`parts.EngineParts`, made without
+I/O) and what `open` builds over them (`runtime.opened.OpenParts`); the step policy is the
+`step.stepper.Stepper`'s, the layer-major schedule `vertical.schedule.VerticalSteps`'.
 """
-
 
 from __future__ import annotations
 
@@ -38,7 +34,7 @@ from tierzero.config import Config, StateKind
 from tierzero.engine import checkpointing
 from tierzero.engine.gathered import GatheredBlocks, copies, resolve
 from tierzero.engine.parts import EngineParts
-from tierzero.engine.runtime.binding import bind, flat_grad, place_buffers, unbind
+from tierzero.engine.runtime.binding import bind, flat_grad, unbind
 from tierzero.engine.runtime.opened import OpenParts, open_parts
 from tierzero.engine.step.stepper import Stepper
 from tierzero.engine.vertical.schedule import VerticalSteps
@@ -51,17 +47,16 @@ from tierzero.reference import compute_loss, loss_divisor
 class Engine:
     def __init__(self, model: nn.Module, config: Config, weights: str | Path | None = None) -> None:
         self.parts = EngineParts.build(model, config)
-        self.parts.sizing.check(self.parts.tiers, self.parts.placement, self.parts.stage)
         if weights is not None:
             weight_files(weights)  # refuse a wrong path now, before anything is written
-        self.weights = weights
+        self._weights = weights
         self._open = False
         self._closed = False
         self._root_leaves: list[torch.Tensor] | None = None
         self._blocks = GatheredBlocks(self.parts.units)
         # built by `open`: the runtime, the step policy and the vertical schedule (decided at the first step)
         self.opened: OpenParts | None = None
-        self.stepper: Stepper | None = None
+        self._stepper: Stepper | None = None
         self.vertical: VerticalSteps | None = None
 
     # the parts, read-only here (inspection, tests, benchmarks); the runtime's once open
@@ -91,7 +86,7 @@ class Engine:
     def open(self) -> Engine:
         """Open the tiers and move every unit's state into its home, one unit at a time."""
         p = self.parts
-        return self._open_with(lambda: p.shards.materialise(p.model, p.units, p.config.seed, self.weights))
+        return self._open_with(lambda: p.shards.materialise(p.model, p.units, p.config.seed, self._weights))
 
     def _open_with(self, fill: Callable[[], None]) -> Engine:
         """Open the tiers, fill them (`Shards.materialise`, or a checkpoint's restore), build the step."""
@@ -100,22 +95,9 @@ class Engine:
         if self._closed:
             raise TierzeroError("this engine is closed; read master_state_dict() before close(), "
                                 "or build a new Engine")
-        p = self.parts
-        if p.device.type == "cuda":
-            # The training thread's current device is the engine's, as it is on autograd's
-            # thread for it: torch code that uses the current device (an optimizer's
-            # `current_stream()`, `.cuda()`) then never creates a context on cuda:0.
-            torch.cuda.set_device(p.device)
-        p.tiers.open()
-        try:
-            place_buffers(p.model, p.device)
-            fill()
-            self.opened = open_parts(p)
-        except BaseException:
-            p.tiers.close()
-            raise
-        self.stepper = Stepper(p, self.opened)
-        self.vertical = VerticalSteps(p, self.opened, self.stepper)
+        self.opened = open_parts(self.parts, fill)
+        self._stepper = Stepper(self.parts, self.opened)
+        self.vertical = VerticalSteps(self.parts, self.opened, self._stepper)
         self._open = True
         return self
 
@@ -144,7 +126,7 @@ class Engine:
         training = torch.is_grad_enabled()
         if training:
             self.vertical.horizontal()
-            self.stepper.reserve_activations(batch, vertical=bool(self.vertical.on))
+            self._stepper.reserve_activations(batch, vertical=bool(self.vertical.on))
             o.runner.position = p.state.step_count, p.state.micro % p.config.accumulate  # its draws
         o.scheduler.begin(o.train_plan if training else o.eval_plan)
         root = p.units[0]
@@ -173,7 +155,7 @@ class Engine:
         scaled = loss / accumulate if accumulate > 1 else loss
         scaled = scaled * scale if scale != 1.0 else scaled
         try:
-            pass_ = self.stepper.backward_pass(state.micro % accumulate, last, self._blocks.grads(scaled))
+            pass_ = self._stepper.backward_pass(state.micro % accumulate, last, self._blocks.grads(scaled))
             with o.grads.running(pass_), o.runner.running(pass_):
                 scaled.backward()
                 if self._root_leaves is not None:
@@ -191,7 +173,7 @@ class Engine:
     def step(self) -> bool:
         """Update every shard if a global batch is complete; False if none ran (or fp16 skipped)."""
         self._usable()
-        return self.stepper.step()
+        return self._stepper.step()
 
     @contextlib.contextmanager
     def gathered(self, names: Iterable[str] | str | None = None) -> Iterator[dict[str, torch.Tensor]]:
@@ -201,14 +183,11 @@ class Engine:
         the block adds the gradients that reach them to the step's (see `tierzero.engine.gathered`).
         Released on exit; changing a copy changes nothing in the engine."""
         self._settle()
-        self.parts.tiers.pending.drain()  # params written by the last step must have landed
-        with self._blocks.block(copies(self.parts.units, resolve(self.parts.units, names), self._full_params)) as view:
+        p = self.parts
+        p.tiers.pending.drain()  # params written by the last step must have landed
+        with self._blocks.block(copies(p.units, resolve(p.units, names),
+                                       lambda unit: p.shards.full_params(unit, p.comm, p.device))) as view:
             yield view
-
-    def _full_params(self, unit: Unit) -> torch.Tensor:
-        """The unit's full flat param buffer on the compute device (every rank's shard)."""
-        param = self.parts.shards.read_shard(StateKind.PARAM, unit).to(self.parts.device)
-        return param if unit.replicated else self.parts.comm.all_gather(param)
 
     def train_step(self, batch: Any, step_tokens: int | None = None) -> float:
         """forward + backward + step (the step runs once per `accumulate` calls); the loss."""
@@ -254,7 +233,7 @@ class Engine:
         """Continue from a checkpoint: `path` is a `step-<N>` directory, or a run directory (its
         newest intact checkpoint; damaged newer ones are skipped and named in `notes()`). Every
         array is verified first. Returns the manifest (its `data` is the caller's to restore)."""
-        if self.stepper is not None and self.stepper.broken is not None:
+        if self._stepper is not None and self._stepper.broken is not None:
             self._usable()
         path, manifest = checkpointing.find(Path(path), self.parts.comm, self.parts.note)
         if self._open:
@@ -289,16 +268,7 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """Per-step counters for metrics.jsonl: bytes per direction, I/O wait, peak bytes."""
-        p = self.parts
-        out: dict[str, Any] = dict(p.stats.take())
-        if self._open:
-            out.update({f"peak_{k}_bytes": v for k, v in p.tiers.peaks().items()})
-        if p.state.last_grad_norm is not None:
-            out["grad_norm"] = p.state.last_grad_norm
-        if p.scaler.enabled:
-            out["loss_scale"] = p.scaler.scale
-            out["skipped_steps"] = p.state.skipped_steps
-        return out
+        return self.parts.metrics(peaks=self._open)
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -306,15 +276,15 @@ class Engine:
         """Before shards are read: usable (`read_*` of one kind: as it is), an overlapped step settled, a grad landed."""
         if kind is None:
             self._usable()
-        if self.parts.state.stepped_in_backward and self.stepper.broken is None:
+        if self.parts.state.stepped_in_backward and self._stepper.broken is None:
             self.step()  # overlap_step already updated the shards: settle it before reading them
         if kind is StateKind.GRAD and self._open:
             self.opened.grads.settle()
 
     def _usable(self) -> None:
         """Open on first use; refuse to go on from a step that stopped half-way."""
-        if self.stepper is not None and self.stepper.broken is not None:
-            raise TierzeroError(f"the engine stopped in the middle of a step ({self.stepper.broken}); its tiers "
+        if self._stepper is not None and self._stepper.broken is not None:
+            raise TierzeroError(f"the engine stopped in the middle of a step ({self._stepper.broken}); its tiers "
                                 "may hold a partial update, so close it and start again")
         self.open()
 
@@ -324,4 +294,4 @@ class Engine:
         if self._root_leaves is not None:
             unbind(self.parts.units[0], self.parts.dtype)
             self._root_leaves = None
-        self.stepper.abort(broken)
+        self._stepper.abort(broken)

@@ -11,6 +11,7 @@ or fills (the stored shards). What `open` builds over open tiers is `runtime.ope
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,8 +56,8 @@ class EngineParts:
 
     @classmethod
     def build(cls, model: nn.Module, config: Config) -> EngineParts:
-        """Partition `model`, decide where its state lives and how it streams, and make the
-        (unopened) tiers and shards: validation only, nothing is allocated or written."""
+        """Partition `model`, decide where its state lives and how it streams, size the
+        (unopened) tiers' pools and make the shards: validation only, nothing is allocated or written."""
         device = config.resolved_device()
         dtype = compute_dtype(resolve_dtype(config.dtype, device), device)
         comm = Comm(device, TORCH_DTYPES[config.grad_reduce_dtype])
@@ -75,6 +76,7 @@ class EngineParts:
                       comm.rank if comm.world_size > 1 else None, stats, local_ranks)
         tiers.check_paths()  # reads metadata only: `open` makes the directories
         shards = Shards(tiers, placement, comm.rank, config.piece_numel, dtype)
+        sizing.check(tiers, placement, stage)  # the pools' budgets, or a refusal naming the shortfall
         return cls(model, config, device, dtype, comm, local_ranks, units,
                    [name for name, _ in model.named_parameters()], sizing, placement, stage, stage_reason,
                    overlap, scaler, stats, tiers, shards, StepState(), ParamSteps(units))
@@ -96,3 +98,16 @@ class EngineParts:
         """This engine's notes, then its NVMe store's, once each."""
         store_notes = getattr(self.tiers.stores.get(Tier.NVME), "notes", [])
         return self._notes + [n for n in store_notes if n not in self._notes]
+
+    def metrics(self, peaks: bool) -> dict[str, Any]:
+        """The step's counters, taken (bytes per direction, I/O wait), with the tiers' `peaks`
+        (open tiers only), the grad norm and the fp16 loss scale where there are any."""
+        out: dict[str, Any] = dict(self.stats.take())
+        if peaks:
+            out.update({f"peak_{k}_bytes": v for k, v in self.tiers.peaks().items()})
+        if self.state.last_grad_norm is not None:
+            out["grad_norm"] = self.state.last_grad_norm
+        if self.scaler.enabled:
+            out["loss_scale"] = self.scaler.scale
+            out["skipped_steps"] = self.state.skipped_steps
+        return out

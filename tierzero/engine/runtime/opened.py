@@ -1,4 +1,4 @@
-"""`OpenParts`: what `Engine.open` builds over open tiers from the engine's parts, once.
+"""`OpenParts`: what `Engine.open` builds over the engine's parts once their tiers are open.
 
 The swap plans and their scheduler, the grad shards, the optimizer, the unit runner (installed
 on the model's entry points) and the batch staging. Each is made from `EngineParts` alone, in
@@ -8,10 +8,14 @@ grads to the grad shards; the optimizer tells the scheduler of each device param
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from tierzero.engine.parts import EngineParts
 from tierzero.engine.runtime.batch import BatchStaging
+from tierzero.engine.runtime.binding import place_buffers
 from tierzero.engine.runtime.execute import UnitRunner
 from tierzero.engine.runtime.scheduler import Scheduler
 from tierzero.engine.step.grads import GradShards
@@ -34,8 +38,25 @@ class OpenParts:
     vertical_plan: SwapPlan
 
 
-def open_parts(parts: EngineParts) -> OpenParts:
-    """Build the runtime over `parts`' open tiers: grad homes allocated, the runner installed."""
+def open_parts(parts: EngineParts, fill: Callable[[], None]) -> OpenParts:
+    """Open `parts`' tiers, `fill` them (`Shards.materialise`, or a checkpoint's restore) and build
+    the runtime over them: grad homes allocated, the runner installed. Closes the tiers on failure."""
+    if parts.device.type == "cuda":
+        # The training thread's current device is the engine's, as it is on autograd's
+        # thread for it: torch code that uses the current device (an optimizer's
+        # `current_stream()`, `.cuda()`) then never creates a context on cuda:0.
+        torch.cuda.set_device(parts.device)
+    parts.tiers.open()
+    try:
+        place_buffers(parts.model, parts.device)
+        fill()
+        return _build(parts)
+    except BaseException:
+        parts.tiers.close()
+        raise
+
+
+def _build(parts: EngineParts) -> OpenParts:
     config, units = parts.config, parts.units
     scheduler = Scheduler(parts)
     grads = GradShards(parts)

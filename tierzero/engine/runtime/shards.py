@@ -110,3 +110,8 @@ class Shards:
                 for name in slot.names:
                     out[name] = value
         return out
+
+    def full_params(self, unit: Unit, comm: Comm, device: torch.device) -> torch.Tensor:
+        """The unit's full flat param buffer on `device` (every rank's shard: `Engine.gathered`)."""
+        param = self.read_shard(StateKind.PARAM, unit).to(device)
+        return param if unit.replicated else comm.all_gather(param)
