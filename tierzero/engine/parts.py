@@ -20,7 +20,7 @@ from tierzero.config import TORCH_DTYPES, Config, Placement, StateKind, Tier
 from tierzero.distributed.comm import Comm
 from tierzero.distributed.launch import local_world_size
 from tierzero.engine.runtime.shards import Shards
-from tierzero.engine.runtime.stats import StepStats
+from tierzero.engine.runtime.transfers import TransferStats
 from tierzero.engine.runtime.tiers import Tiers
 from tierzero.engine.sizing import Sizing, check_runnable, resolve_overlap
 from tierzero.engine.step.paramsteps import ParamSteps
@@ -47,7 +47,7 @@ class EngineParts:
     stage_reason: str
     overlap: bool  # units are stepped in backward (overlap_step)
     scaler: DynamicLossScaler
-    stats: StepStats
+    transfers: TransferStats
     tiers: Tiers
     shards: Shards  # this rank's stored state, key by key
     state: StepState  # the step counters
@@ -71,15 +71,15 @@ class EngineParts:
         stage, stage_reason = sizing.stage(placement)
         config = sizing.resolve(placement, stage)  # piece size and prefetch depth left unset
         replicate_params(units, stage <= 2)
-        stats = StepStats()
+        transfers = TransferStats()
         tiers = Tiers(config, device, {placement.home(k) for k in StateKind},
-                      comm.rank if comm.world_size > 1 else None, stats, local_ranks)
+                      comm.rank if comm.world_size > 1 else None, transfers, local_ranks)
         tiers.check_paths()  # reads metadata only: `open` makes the directories
         shards = Shards(tiers, placement, comm.rank, config.piece_numel, dtype)
         sizing.check(tiers, placement, stage)  # the pools' budgets, or a refusal naming the shortfall
         return cls(model, config, device, dtype, comm, local_ranks, units,
                    [name for name, _ in model.named_parameters()], sizing, placement, stage, stage_reason,
-                   overlap, scaler, stats, tiers, shards, StepState(), ParamSteps(units))
+                   overlap, scaler, transfers, tiers, shards, StepState(), ParamSteps(units))
 
     @property
     def rank(self) -> int:
@@ -102,7 +102,7 @@ class EngineParts:
     def metrics(self, peaks: bool) -> dict[str, Any]:
         """The step's counters, taken (bytes per direction, I/O wait), with the tiers' `peaks`
         (open tiers only), the grad norm and the fp16 loss scale where there are any."""
-        out: dict[str, Any] = dict(self.stats.take())
+        out: dict[str, Any] = dict(self.transfers.take())
         if peaks:
             out.update({f"peak_{k}_bytes": v for k, v in self.tiers.peaks().items()})
         if self.state.last_grad_norm is not None:

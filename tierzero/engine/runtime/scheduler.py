@@ -91,7 +91,7 @@ class Scheduler:
         if self.comm.world_size == 1 or self.parts.units[unit].replicated:  # the whole unit is stored here
             return self._shard(unit)
         assert gathered is not None, f"the swap plan lists no gather of unit {unit} before its compute"
-        with self.parts.stats.waiting():
+        with self.parts.transfers.waiting():
             full = gathered.wait()  # sync point: the host on gloo, the compute stream on NCCL
         self.streams.keep_alive(full, self.streams.compute)
         return full
@@ -191,7 +191,7 @@ class Scheduler:
         record.device_buf = buf.view(self.parts.dtype)
         record.status = ShardStatus.IN_FLIGHT
         if record.home is Tier.HOST:
-            self.parts.stats.add_bytes(Link.HOST_TO_GPU, nbytes)
+            self.parts.transfers.add_bytes(Link.HOST_TO_GPU, nbytes)
             record.event = self.streams.copy(record.device_buf, self.tiers.stores[Tier.HOST].view(key),
                                              self.streams.h2d, after=ready)
             return
@@ -199,18 +199,18 @@ class Scheduler:
         if cached is not None:  # still in RAM since its last use (backward replays forward reversed)
             record.staging = cached.view(self.parts.dtype)
             record.event = self.streams.copy(record.device_buf, record.staging, self.streams.h2d, after=ready)
-            self.parts.stats.add_bytes(Link.HOST_TO_GPU, nbytes)
-            self.parts.stats.add_cache_hit(nbytes)
+            self.parts.transfers.add_bytes(Link.HOST_TO_GPU, nbytes)
+            self.parts.transfers.add_cache_hit(nbytes)
             return
         # (a failed look-ahead lease leaves `device_buf` to `_drop`, which gives it back)
         record.staging = self.tiers.lease_host(nbytes, wait).view(self.parts.dtype)
-        self.parts.stats.add_bytes(Link.HOST_TO_GPU, nbytes)
+        self.parts.transfers.add_bytes(Link.HOST_TO_GPU, nbytes)
         # cached from now on: the pool evicts it (least recently used first) when space is short
         self.tiers.host_pool.cache_put(key, record.staging.view(torch.uint8))
         keys = state_keys(StateKind.PARAM, unit, self.parts.rank, self.parts.piece_numel, Tier.NVME)
         record.future = self.tiers.submit(_read_then_copy(
             self.tiers.stores[Tier.NVME], keys, record.staging, self.streams, record.device_buf, ready))
-        self.parts.stats.add_bytes(Link.NVME_TO_HOST, nbytes)
+        self.parts.transfers.add_bytes(Link.NVME_TO_HOST, nbytes)
 
     def _land(self, record: ParamShard) -> None:
         """Take the copy event of an nvme read (its I/O thread issued the copy as it landed)."""
@@ -228,7 +228,7 @@ class Scheduler:
         if record.status is ShardStatus.NOT_AVAILABLE:  # its look-ahead fetch did not fit the budget
             self._fetch(record)
         if record.future is not None:
-            with self.parts.stats.waiting():
+            with self.parts.transfers.waiting():
                 self._land(record)
         # the compute stream waits on the GPU; the CPU does not block here
         self.streams.wait(self.streams.compute, record.event)

@@ -129,7 +129,7 @@ class GradShards:
         if self._reducing is None:
             return
         (unit, reducing), self._reducing = self._reducing, None
-        with self.parts.stats.waiting():
+        with self.parts.transfers.waiting():
             shard = reducing.wait()  # sync point: the host on gloo, the compute stream on NCCL
         self._accumulate(unit, shard)
 
@@ -202,7 +202,7 @@ class GradShards:
             return
         stage = self.tiers.lease_host(part.numel() * 4).view(torch.float32)
         try:
-            with self.parts.stats.waiting():
+            with self.parts.transfers.waiting():
                 write = self._writes.pop(key, None)
                 if write is not None:
                     write.result()  # read after write: the last micro-batch's must land
@@ -210,7 +210,7 @@ class GradShards:
         except BaseException:
             self.tiers.host_pool.give_back(stage.view(torch.uint8))
             raise
-        self.parts.stats.add_bytes(Link.NVME_TO_HOST, part.numel() * 4)
+        self.parts.transfers.add_bytes(Link.NVME_TO_HOST, part.numel() * 4)
         self._add_from_host(part, stage, after=None, stage=stage)
 
     def _add_from_host(self, part: torch.Tensor, host: torch.Tensor, after: Event,
@@ -223,7 +223,7 @@ class GradShards:
         copied = s.copy(prev, host, s.h2d_write, after=after)
         s.keep_alive(prev, s.compute)
         s.wait(s.compute, copied)
-        self.parts.stats.add_bytes(Link.HOST_TO_GPU, part.numel() * 4)
+        self.parts.transfers.add_bytes(Link.HOST_TO_GPU, part.numel() * 4)
         part.add_(prev)
         if stage is not None:
             self.tiers.give_back_when_done(copied, stage)
@@ -239,16 +239,16 @@ class GradShards:
         if self.home is Tier.HOST:
             self._landing[key] = s.copy(self.tiers.stores[Tier.HOST].view(key), part, s.d2h, after=produced)
             s.keep_alive(part, s.d2h)
-            self.parts.stats.add_bytes(Link.GPU_TO_HOST, nbytes)
+            self.parts.transfers.add_bytes(Link.GPU_TO_HOST, nbytes)
             return
         stage = self.tiers.lease_host(nbytes).view(torch.float32)
         landed = s.copy(stage, part, s.d2h, after=produced)
         s.keep_alive(part, s.d2h)
-        self.parts.stats.add_bytes(Link.GPU_TO_HOST, nbytes)
+        self.parts.transfers.add_bytes(Link.GPU_TO_HOST, nbytes)
         future = self._writes[key] = self.tiers.submit(
             _write_when_landed(self.tiers, landed, self.tiers.stores[Tier.NVME], key, stage))
         self.tiers.pending.add(future, lambda ok: self.tiers.host_pool.give_back(stage.view(torch.uint8)))
-        self.parts.stats.add_bytes(Link.HOST_TO_NVME, nbytes)
+        self.parts.transfers.add_bytes(Link.HOST_TO_NVME, nbytes)
 
     def _combine_uses(self, unit: int, grad: torch.Tensor) -> torch.Tensor | None:
         """Stash this use's grad (plus earlier ones) in the home tier; at the unit's last use
@@ -265,14 +265,14 @@ class GradShards:
         nbytes = grad.numel() * 4
         stash = self._stashes.pop(key, None)
         if stash is not None:
-            with self.parts.stats.waiting():
+            with self.parts.transfers.waiting():
                 stash.result()  # the earlier use's stash is written (long since, normally)
         if self.seen[unit] < self.uses[unit]:
             s = self.streams
             stage = self.tiers.lease_host(nbytes).view(torch.float32)
             landed = s.copy(stage, grad, s.d2h, after=s.record(s.compute))
             s.keep_alive(grad, s.d2h)
-            self.parts.stats.add_bytes(Link.GPU_TO_HOST, nbytes)
+            self.parts.transfers.add_bytes(Link.GPU_TO_HOST, nbytes)
             add = self.tiers.lease_host(nbytes).view(torch.float32) if stash is not None else None
             future = self._stashes[key] = self.tiers.submit(_stash_when_landed(self.tiers, landed, store, key, stage, add))
             self.tiers.pending.add(future, lambda ok: [self.tiers.host_pool.give_back(b.view(torch.uint8))
@@ -283,7 +283,7 @@ class GradShards:
             return None
         stage = self.tiers.lease_host(nbytes).view(torch.float32)
         try:
-            with self.parts.stats.waiting():
+            with self.parts.transfers.waiting():
                 self.tiers.run(store.read_into(key, stage))
             self.tiers.run(store.delete(key))
         except BaseException:
@@ -319,7 +319,7 @@ class GradShards:
 
     def _count(self, link: Link, nbytes: int) -> None:
         if self.home is Tier.NVME:  # memory homes: a copy within the tier, not a link
-            self.parts.stats.add_bytes(link, nbytes)
+            self.parts.transfers.add_bytes(link, nbytes)
 
     def _measure(self, unit: Unit, acc: torch.Tensor) -> None:
         """Only what the step will ask for: each costs a pass over the shard."""

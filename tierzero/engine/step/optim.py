@@ -36,7 +36,7 @@ from tierzero.engine.parts import EngineParts
 from tierzero.engine.step.paramsteps import Run
 from tierzero.engine.step.restep import KeptGeneration
 from tierzero.layout.partition import Unit
-from tierzero.engine.runtime.stats import StepStats
+from tierzero.engine.runtime.transfers import TransferStats
 from tierzero.engine.runtime.streams import Event
 from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.keys import piece_key, shard_key
@@ -74,7 +74,7 @@ class ShardOptimizer:
                  param_written: Callable[[int, Event], None] = lambda unit, event: None) -> None:
         tiers, placement = parts.tiers, parts.placement
         self.units, self.tiers, self.placement, self.config = parts.units, tiers, placement, parts.config
-        self.compute_dtype, self.rank, self.stats = parts.dtype, parts.rank, parts.stats
+        self.compute_dtype, self.rank, self.stats = parts.dtype, parts.rank, parts.transfers
         self.param_written = param_written  # each device param write's event (`Scheduler.written`)
         on_gpu = steps_on_gpu(placement)
         self.device = tiers.device if on_gpu else torch.device("cpu")

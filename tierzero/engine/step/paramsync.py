@@ -63,7 +63,7 @@ def _gather(unit: Unit, parts: EngineParts) -> tuple[InFlight, Callable[[], None
         for k, a, b in state_keys(StateKind.PARAM, unit, comm.rank, parts.piece_numel, Tier.NVME):
             if lo <= a < hi:
                 tiers.run(store.read_into(k, mine[a - lo:b - lo]))
-        parts.stats.add_bytes(Link.NVME_TO_HOST, unit.shard_numel * dtype.itemsize)
+        parts.transfers.add_bytes(Link.NVME_TO_HOST, unit.shard_numel * dtype.itemsize)
         return _gather_from(mine, tiers, comm, leased=True)
     except BaseException:
         tiers.host_pool.give_back(mine.view(torch.uint8))
@@ -123,7 +123,7 @@ def _store(unit: Unit, gathered: InFlight, release: Callable[[], None], parts: E
         staged.copy_(full[a:b])
         future = tiers.submit(store.write(k, staged))
         tiers.pending.add(future, lambda ok, st=staged: _written(tiers, key, st, ok))
-        parts.stats.add_bytes(Link.HOST_TO_NVME, (b - a) * dtype.itemsize)
+        parts.transfers.add_bytes(Link.HOST_TO_NVME, (b - a) * dtype.itemsize)
     if host is not None:  # its bytes are staged or cached above
         tiers.host_pool.give_back(host.view(torch.uint8))
     return None
