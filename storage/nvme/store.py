@@ -27,7 +27,7 @@ commit point, so a reader sees the whole old version or the whole new one.
   the chunk (`StorageCorruptError`) -- it is never silently mixed. A superseded generation's
   blocks are reused (as spares) only after the flush that made its replacement durable, and a
   chunk with another hard link (a checkpoint's) is never reused or written in place.
-Checkpoints rely on that: they flush, then hard-link the current generations (`snapshot`).
+Checkpoints rely on that: they flush, then hard-link the current generations (`freeze`).
 
 Reads and writes return only when no I/O thread can touch the caller's buffer any more, even
 when chunks failed or the call was cancelled (`chunkjobs`); each chunk's job and its errors
@@ -348,8 +348,8 @@ class NvmeStore(TierStore):
 
     # -- checkpoints ----------------------------------------------------------------------
 
-    async def snapshot(self, key: str, dst_dir: str, sync: bool = True,
-                       verify: bool = False) -> tuple[ShardMeta, int]:
+    async def freeze(self, key: str, dst_dir: str, sync: bool = True,
+                     verify: bool = False) -> tuple[ShardMeta, int]:
         """Hard-link the current generation of `key` into the frozen array `dst_dir`; returns
         its metadata and the bytes copied (0 unless `dst_dir` is on another filesystem).
         Call `flush()` first: a checkpoint must link durable chunks. `sync=False`: the caller

@@ -127,7 +127,7 @@ def _write_shards(engine: EngineParts, temp: Path) -> tuple[dict[str, ShardMeta]
                 dst = str(temp / "state" / Path(*key.split("/")))
                 if engine.placement.home(kind) is Tier.NVME:
                     # verified reads: a chunk written since its last read is checked before it is linked
-                    arrays[key], nbytes = tiers.run(nvme.snapshot(key, dst, sync=False, verify=bool(nvme.verify_reads)))
+                    arrays[key], nbytes = tiers.run(nvme.freeze(key, dst, sync=False, verify=bool(nvme.verify_reads)))
                     copied += nbytes
                 else:
                     part = aligned_empty(b - a, engine.dtype if kind is StateKind.PARAM else torch.float32)
