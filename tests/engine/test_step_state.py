@@ -81,7 +81,7 @@ def test_a_backward_pass_steps_units_only_when_it_carries_a_step() -> None:
 def test_states_are_enums_spelled_as_before() -> None:
     """Plans, shard records and byte counters use enums whose values are the old strings, so
     printed plans and metrics.jsonl keys (`bytes_nvme->host`) do not change."""
-    from tierzero.engine.runtime.scheduler import ShardStatus
+    from tierzero.engine.runtime.swaprunner import ShardStatus
     from tierzero.engine.runtime.transfers import TransferStats
     from tierzero.planning.placement import Link
     from tierzero.planning.swapplan import Op, Phase, build_swap_plan

@@ -128,11 +128,11 @@ class Engine:
             self.vertical.horizontal()
             self._stepper.reserve_activations(batch, vertical=bool(self.vertical.on))
             o.runner.position = p.state.step_count, p.state.micro % p.config.accumulate  # its draws
-        o.scheduler.begin(o.train_plan if training else o.eval_plan)
+        o.swap_runner.begin(o.train_plan if training else o.eval_plan)
         root = p.units[0]
         try:
             if root.is_root:  # a model without embedding/head entry points: bound for the pass
-                self._root_leaves = bind(root, o.scheduler.acquire(0), requires_grad=training)
+                self._root_leaves = bind(root, o.swap_runner.acquire(0), requires_grad=training)
             loss = compute_loss(p.model, o.batches.to_device(batch), divisor)
         except BaseException:
             self._abort()
@@ -141,7 +141,7 @@ class Engine:
             if root.is_root:
                 unbind(root, p.dtype)
                 self._root_leaves = None
-            o.scheduler.finish()
+            o.swap_runner.finish()
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -164,7 +164,7 @@ class Engine:
                     unbind(p.units[0], p.dtype)
                     self._root_leaves = None
                 o.grads.flush()  # the last unit's reduction
-            o.scheduler.finish()
+            o.swap_runner.finish()
         except BaseException as e:
             self._abort(f"backward failed: {e!r}")  # some units' grads are accumulated, some not
             raise

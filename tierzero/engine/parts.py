@@ -1,6 +1,6 @@
 """`EngineParts`: the one record of what an engine's parts share, built once with the engine.
 
-The scheduler, the grad shards, the optimizer, the param sync, the stepper and the vertical
+The swap runner, the grad shards, the optimizer, the param sync, the stepper and the vertical
 schedule each take this record instead of the Engine or a run of positional arguments (rank,
 piece size, home tier, ...), so what one part reads of another is a field here, never an
 engine member. Building it decides and validates without I/O (`Sizing`: placement, stage,

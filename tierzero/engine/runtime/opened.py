@@ -1,9 +1,9 @@
 """`OpenParts`: what `Engine.open` builds over the engine's parts once their tiers are open.
 
-The swap plans and their scheduler, the grad shards, the optimizer, the unit runner (installed
+The swap plans and their swap runner, the grad shards, the optimizer, the unit runner (installed
 on the model's entry points) and the batch staging. Each is made from `EngineParts` alone, in
-the order they need one another: the runner reads params through the scheduler and hands
-grads to the grad shards; the optimizer tells the scheduler of each device param write.
+the order they need one another: the runner reads params through the swap runner and hands
+grads to the grad shards; the optimizer tells the swap runner of each device param write.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tierzero.engine.parts import EngineParts
 from tierzero.engine.runtime.batch import BatchStaging
 from tierzero.engine.runtime.binding import place_buffers
 from tierzero.engine.runtime.execute import UnitRunner
-from tierzero.engine.runtime.scheduler import Scheduler
+from tierzero.engine.runtime.swaprunner import SwapRunner
 from tierzero.engine.step.grads import GradShards
 from tierzero.engine.step.optim import ShardOptimizer
 from tierzero.layout.partition import forward_only
@@ -28,7 +28,7 @@ from tierzero.planning.swapplan import SwapPlan, swap_plans
 class OpenParts:
     """One open engine's runtime: built by `open_parts`, dropped with the engine."""
 
-    scheduler: Scheduler
+    swap_runner: SwapRunner
     grads: GradShards
     optimizer: ShardOptimizer
     runner: UnitRunner
@@ -58,14 +58,14 @@ def open_parts(parts: EngineParts, fill: Callable[[], None]) -> OpenParts:
 
 def _build(parts: EngineParts) -> OpenParts:
     config, units = parts.config, parts.units
-    scheduler = Scheduler(parts)
+    swap_runner = SwapRunner(parts)
     grads = GradShards(parts)
     grads.allocate()
-    optimizer = ShardOptimizer(parts, scheduler.written)
-    runner = UnitRunner(units, scheduler.acquire, scheduler.release, grads.offload, parts.dtype,
+    optimizer = ShardOptimizer(parts, swap_runner.written)
+    runner = UnitRunner(units, swap_runner.acquire, swap_runner.release, grads.offload, parts.dtype,
                         forward_only(units), config.seed)
     runner.install()
     replicated = parts.comm.world_size == 1 or parts.stage <= 2  # nothing to gather
     plans = swap_plans(units, config.prefetch_depth, None if replicated else int(config.overlap_comm),
                        config.accumulate)
-    return OpenParts(scheduler, grads, optimizer, runner, BatchStaging(parts.tiers.streams), *plans)
+    return OpenParts(swap_runner, grads, optimizer, runner, BatchStaging(parts.tiers.streams), *plans)

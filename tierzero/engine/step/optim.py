@@ -16,7 +16,7 @@ reaches the host on the d2h stream (`tierzero.engine.runtime.streams`) and its A
 own thread (one OpenMP team, never the I/O workers'), waits for that copy's event. A host step
 never copies to or from device memory synchronously: states and new params homed on the device move
 on the d2h/h2d_write streams through pinned buffers, and the event of each param write goes to the
-scheduler, whose next pass reads the params after it. A device step runs on the compute stream,
+swap runner, whose next pass reads the params after it. A device step runs on the compute stream,
 whichever thread issues it.
 """
 
@@ -75,7 +75,7 @@ class ShardOptimizer:
         tiers, placement = parts.tiers, parts.placement
         self.units, self.tiers, self.placement, self.config = parts.units, tiers, placement, parts.config
         self.compute_dtype, self.rank, self.stats = parts.dtype, parts.rank, parts.transfers
-        self.param_written = param_written  # each device param write's event (`Scheduler.written`)
+        self.param_written = param_written  # each device param write's event (`SwapRunner.written`)
         on_gpu = steps_on_gpu(placement)
         self.device = tiers.device if on_gpu else torch.device("cpu")
         if not on_gpu and tiers.device.type == "cuda":
@@ -327,7 +327,7 @@ class ShardOptimizer:
 
     def _cast_param(self, work: Work) -> None:
         """The new params in the compute dtype: straight into a param home in the same memory
-        (on the device, on the compute stream, its event to the scheduler), else into the
+        (on the device, on the compute stream, its event to the swap runner), else into the
         piece's staging, and into a cached copy of an nvme shard, so the next pass reads RAM,
         never stale values."""
         master = work.tensors[StateKind.MASTER]

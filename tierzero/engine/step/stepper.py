@@ -67,7 +67,7 @@ class Stepper:
         self.broken = broken or self.broken
         self.opened.grads.discard()
         self.opened.optimizer.abort()
-        self.opened.scheduler.abort()
+        self.opened.swap_runner.abort()
 
     def _step(self) -> bool:
         p, grads, optimizer = self.parts, self.opened.grads, self.opened.optimizer

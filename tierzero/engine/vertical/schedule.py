@@ -84,7 +84,7 @@ def choose(config: Config, model: nn.Module, units: list[Unit], batch: Any, spil
     return spill or fits(waiting_bytes(chain, units, tuple(batch), config.accumulate, itemsize))
 
 
-class VerticalSchedule:
+class VerticalPass:
     """Runs one step's micro-batches unit by unit (see the module docstring)."""
 
     def __init__(self, parts: EngineParts, opened: OpenParts, chain: Chain, store: BoundaryStore) -> None:
@@ -206,7 +206,7 @@ class VerticalSteps:
     def __init__(self, parts: EngineParts, opened: OpenParts, stepper: Stepper) -> None:
         self.parts, self.opened, self.stepper = parts, opened, stepper
         self.on: bool | None = None  # None: not decided yet
-        self.schedule: VerticalSchedule | None = None
+        self.vertical_pass: VerticalPass | None = None
         self.store: BoundaryStore | None = None
         self._queued: list[tuple[Any, torch.Tensor, float | None]] = []  # batch, its loss, its divisor
 
@@ -288,21 +288,21 @@ class VerticalSteps:
                               f"({self._room() / 1e6:.1f} MB); lower it or raise --host-budget")
         e.tiers.reserve(Tier.HOST, budget)
         self.store = BoundaryStore(e.tiers, budget)
-        self.schedule = VerticalSchedule(e, self.opened, chain, self.store)
+        self.vertical_pass = VerticalPass(e, self.opened, chain, self.store)
 
     def _run(self, batches: list[Any], divisors: list[float | None]) -> list[torch.Tensor]:
         state, o = self.parts.state, self.opened
-        assert self.schedule is not None
+        assert self.vertical_pass is not None
         k = len(batches)
         on_device = [tuple(o.batches.to_device(b)) for b in batches]
         o.runner.position = state.step_count, 0  # the step's draws (`tierzero.models.draws`)
         pass_ = self.stepper.backward_pass(0, True, combined=True)
-        o.scheduler.begin(o.vertical_plan)
+        o.swap_runner.begin(o.vertical_plan)
         try:
             with o.grads.running(pass_), o.runner.running(pass_):
-                losses = self.schedule.run(on_device, pass_, self.parts.scaler.scale, divisors)
+                losses = self.vertical_pass.run(on_device, pass_, self.parts.scaler.scale, divisors)
                 o.grads.flush()  # the last unit's reduction
-            o.scheduler.finish()
+            o.swap_runner.finish()
         except BaseException as err:
             self.abort()
             self.stepper.abort(f"a vertical step failed: {err!r}")

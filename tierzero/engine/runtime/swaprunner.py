@@ -1,6 +1,6 @@
-"""The scheduler: executes a swap plan (`tierzero.planning.swapplan`) as the model runs.
+"""The swap runner: executes a swap plan (`tierzero.planning.swapplan`) as the model runs.
 
-The scheduler replays the plan: `acquire(u)` executes every
+The swap runner replays the plan: `acquire(u)` executes every
 op up to `u`'s compute and returns its params on the compute device (gathered from every rank);
 `release(u)` executes the ops after it. It does not decide what to move; the plan does.
 With replicated params (ZeRO stage 1/2) every rank stores whole units: the plan lists no
@@ -67,7 +67,7 @@ class ParamShard:
     gathered: deque[InFlight] = field(default_factory=deque)
 
 
-class Scheduler:
+class SwapRunner:
     """Executes a swap plan over the tiers, counting bytes moved and time spent waiting."""
 
     def __init__(self, parts: EngineParts) -> None:
@@ -132,7 +132,7 @@ class Scheduler:
     # -- ops --------------------------------------------------------------------------------
 
     def _run_until(self, stop: Op, unit: int) -> None:
-        assert self.plan is not None, "Scheduler.begin(plan) first"
+        assert self.plan is not None, "SwapRunner.begin(plan) first"
         while True:
             if self._cursor >= len(self.plan.ops):
                 raise RuntimeError(f"unit {unit} was used but the swap plan has ended; the model "
