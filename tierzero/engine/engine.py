@@ -11,7 +11,7 @@ then on the engine owns every parameter: the modules' weights are views bound wh
 computes and meta placeholders otherwise. A frozen parameter (`requires_grad=False`, e.g. the
 base under LoRA adapters) is stored once, as a param in the compute dtype, fetched for compute
 like the rest and never written; a parameter that gets no gradient in a step is not updated,
-as torch's AdamW skips it (`tierzero.engine.step.paramsteps`).
+as torch's AdamW skips it (`tierzero.engine.step.skipped`).
 
 The engine is the public face over one record of its parts (`parts.EngineParts`, made without
 I/O) and what `open` builds over them (`runtime.opened.OpenParts`); the step policy is the

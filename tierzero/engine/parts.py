@@ -23,7 +23,7 @@ from tierzero.engine.runtime.shards import Shards
 from tierzero.engine.runtime.transfers import TransferStats
 from tierzero.engine.runtime.tiers import Tiers
 from tierzero.engine.sizing import Sizing, check_runnable, resolve_overlap
-from tierzero.engine.step.paramsteps import ParamSteps
+from tierzero.engine.step.skipped import SkippedSteps
 from tierzero.engine.step.state import StepState
 from tierzero.layout.partition import Unit, partition, replicate_params
 from tierzero.precision import DynamicLossScaler, compute_dtype, resolve_dtype
@@ -51,7 +51,7 @@ class EngineParts:
     tiers: Tiers
     shards: Shards  # this rank's stored state, key by key
     state: StepState  # the step counters
-    param_steps: ParamSteps
+    param_steps: SkippedSteps
     _notes: list[str] = field(default_factory=list)
 
     @classmethod
@@ -79,7 +79,7 @@ class EngineParts:
         sizing.check(tiers, placement, stage)  # the pools' budgets, or a refusal naming the shortfall
         return cls(model, config, device, dtype, comm, local_ranks, units,
                    [name for name, _ in model.named_parameters()], sizing, placement, stage, stage_reason,
-                   overlap, scaler, transfers, tiers, shards, StepState(), ParamSteps(units))
+                   overlap, scaler, transfers, tiers, shards, StepState(), SkippedSteps(units))
 
     @property
     def rank(self) -> int:

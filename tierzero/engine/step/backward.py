@@ -21,7 +21,7 @@ import torch
 from tierzero.config import Config
 from tierzero.engine.gathered import UnitGrad
 from tierzero.engine.step.optim import ShardOptimizer
-from tierzero.engine.step.paramsteps import Run
+from tierzero.engine.step.skipped import Run
 from tierzero.engine.step.restep import KeptGeneration
 from tierzero.layout.partition import Unit
 from tierzero.engine.step.state import StepState

@@ -33,7 +33,7 @@ import torch
 from tierzero.adamw import adamw_step
 from tierzero.config import OPTIMIZER_KINDS, Config, Placement, StateKind, Tier
 from tierzero.engine.parts import EngineParts
-from tierzero.engine.step.paramsteps import Run
+from tierzero.engine.step.skipped import Run
 from tierzero.engine.step.restep import KeptGeneration
 from tierzero.layout.partition import Unit
 from tierzero.engine.runtime.transfers import TransferStats
@@ -56,7 +56,7 @@ class Work:
     piece: int
     start: int  # the piece's range in the shard
     end: int
-    runs: list[Run] = field(default_factory=list)  # the unit's runs to update (`ParamSteps.runs`)
+    runs: list[Run] = field(default_factory=list)  # the unit's runs to update (`SkippedSteps.runs`)
     tensors: dict[StateKind, torch.Tensor] = field(default_factory=dict)
     leased: dict[StateKind, torch.Tensor] = field(default_factory=dict)  # kind -> leased buffer
     futures: list = field(default_factory=list)
@@ -96,7 +96,7 @@ class ShardOptimizer:
 
     def step(self, runs: dict[int, list[Run]], lr: float, grad_coef: float | None,
              kept: KeptGeneration | None = None) -> None:
-        """One AdamW update of the `runs` of every unit's shard (`ParamSteps.runs`, by unit
+        """One AdamW update of the `runs` of every unit's shard (`SkippedSteps.runs`, by unit
         index; a unit without runs is skipped), piece by piece; returns when every write has
         finished (the next pass reads what this one wrote). Given `kept`, steps each kept piece
         again from its kept generation instead (`tierzero.engine.step.restep`)."""

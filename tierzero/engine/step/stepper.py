@@ -4,7 +4,7 @@ settled here), what each backward is told, and what a failed pass leaves behind.
 
 The Engine's `backward` and the vertical schedule both take their `BackwardPass` from here, and
 both step through `step`, so the two schedules share one policy. The counters it advances are
-`StepState`'s; the runs a step updates are `ParamSteps`'; the optimizer only executes.
+`StepState`'s; the runs a step updates are `SkippedSteps`'; the optimizer only executes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from tierzero.engine.parts import EngineParts
 from tierzero.engine.runtime.opened import OpenParts
 from tierzero.engine.step.backward import BackwardPass, StepInBackward, clip_coefficient
-from tierzero.engine.step.paramsteps import Run
+from tierzero.engine.step.skipped import Run
 from tierzero.engine.step.paramsync import sync_params
 from tierzero.layout.partition import Unit
 from tierzero.lr import lr_at
