@@ -244,9 +244,9 @@ class VerticalSteps:
     def wants(self, batch: Any) -> bool:
         """Whether `batch` goes through the vertical schedule (deciding it at the first)."""
         if self.on is None:
-            e = self.parts
-            spill = any(e.placement.home(k) is Tier.NVME for k in StateKind)  # a store to spill to
-            self.on = choose(e.config, e.model, e.units, batch, spill, self._fits, e.dtype.itemsize)
+            p = self.parts
+            spill = any(p.placement.home(k) is Tier.NVME for k in StateKind)  # a store to spill to
+            self.on = choose(p.config, p.model, p.units, batch, spill, self._fits, p.dtype.itemsize)
             if self.on:
                 self._open(batch)
         return self.on
@@ -254,10 +254,10 @@ class VerticalSteps:
     def micro_batch(self, batch: Any, step_tokens: int | None = None) -> torch.Tensor:
         """Queue `batch`; at the step's last micro-batch run the step. A tensor that holds this
         micro-batch's loss once its step has run (`step_tokens`: as `Engine.forward`)."""
-        e = self.parts
-        loss = torch.empty((), dtype=torch.float32, device=e.device)
-        self._queued.append((batch, loss, loss_divisor(step_tokens, False, e.config.accumulate, e.comm.world_size)))
-        if len(self._queued) == e.config.accumulate:
+        p = self.parts
+        loss = torch.empty((), dtype=torch.float32, device=p.device)
+        self._queued.append((batch, loss, loss_divisor(step_tokens, False, p.config.accumulate, p.comm.world_size)))
+        if len(self._queued) == p.config.accumulate:
             queued, self._queued = self._queued, []
             for (_, out, _), value in zip(queued, self._run([b for b, _, _ in queued], [d for _, _, d in queued])):
                 out.copy_(value)
@@ -268,27 +268,27 @@ class VerticalSteps:
         return nbytes <= self._room()
 
     def _room(self) -> int:
-        e = self.parts
-        return e.tiers.host_budget - e.sizing.current.tiers[Tier.HOST].pool_bytes
+        p = self.parts
+        return p.tiers.host_budget - p.sizing.current.tiers[Tier.HOST].pool_bytes
 
     def _open(self, batch: Any) -> None:
         """Reserve the waiting activations' host budget and build the schedule."""
-        e = self.parts
+        p = self.parts
         self.stepper.reserve_activations(batch, vertical=True)
-        chain = chain_of(e.model, e.units)
+        chain = chain_of(p.model, p.units)
         assert isinstance(chain, Chain)  # `choose` checked it
-        need = waiting_bytes(chain, e.units, tuple(batch), e.config.accumulate, e.dtype.itemsize)
-        budget = min(need, e.config.activation_budget if e.config.activation_budget is not None else self._room())
-        if budget < need and Tier.NVME not in e.tiers.stores:
+        need = waiting_bytes(chain, p.units, tuple(batch), p.config.accumulate, p.dtype.itemsize)
+        budget = min(need, p.config.activation_budget if p.config.activation_budget is not None else self._room())
+        if budget < need and Tier.NVME not in p.tiers.stores:
             raise ConfigError(f"the vertical schedule's waiting activations need {need / 1e6:.1f} MB of host "
                               f"memory, {budget / 1e6:.1f} MB is left and no state lives on NVMe to spill "
                               "them to; raise --host-budget, lower --accumulate or use --schedule horizontal")
         if budget > self._room():
             raise ConfigError(f"--activation-budget {budget / 1e6:.1f} MB is more than the host budget leaves "
                               f"({self._room() / 1e6:.1f} MB); lower it or raise --host-budget")
-        e.tiers.reserve(Tier.HOST, budget)
-        self.store = BoundaryStore(e.tiers, budget)
-        self.vertical_pass = VerticalPass(e, self.opened, chain, self.store)
+        p.tiers.reserve(Tier.HOST, budget)
+        self.store = BoundaryStore(p.tiers, budget)
+        self.vertical_pass = VerticalPass(p, self.opened, chain, self.store)
 
     def _run(self, batches: list[Any], divisors: list[float | None]) -> list[torch.Tensor]:
         state, o = self.parts.state, self.opened
