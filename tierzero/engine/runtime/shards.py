@@ -9,6 +9,7 @@ The step's own traffic (prefetch, grads, the optimizer's pipeline) never passes 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,14 +25,15 @@ from tierzero.models.init import WeightFiles, flat_unit
 from tierzero.storage.base import aligned_empty
 
 
+@dataclass(frozen=True)
 class Shards:
-    def __init__(self, tiers: Tiers, placement: Placement, rank: int, piece_numel: int,
-                 dtype: torch.dtype) -> None:
-        self.tiers = tiers
-        self.placement = placement
-        self.rank = rank
-        self.piece_numel = piece_numel
-        self.dtype = dtype  # the compute dtype params are stored in
+    """This rank's stored state under a placement: what every read and write here is keyed by."""
+
+    tiers: Tiers
+    placement: Placement
+    rank: int
+    piece_numel: int
+    dtype: torch.dtype  # the compute dtype params are stored in
 
     def keys(self, kind: StateKind, unit: Unit) -> list[tuple[str, int, int]]:
         """This rank's store keys of `kind` for `unit`, with the shard range each holds."""
