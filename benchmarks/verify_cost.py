@@ -6,7 +6,7 @@ Two engines train the same small model with everything on NVMe (fp32, one rank, 
 Rounds are interleaved -- each round times `--steps` steps of one variant, then of the other,
 the order alternating per round -- so load from other processes falls on both alike. Then each
 saves `--saves` checkpoints, timed: with verification on, the save checks every chunk before it
-links it (`NvmeStore.snapshot(verify=True)`), so this is what never linking a damaged chunk costs.
+links it (`NvmeStore.freeze(verify=True)`), so this is what never linking a damaged chunk costs.
 
 It prints the median step and save time per variant and their ratio (on / off), plus the
 crc32c rate and one thread's read rate of the store that `verify_reads="auto"` compares

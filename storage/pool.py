@@ -35,7 +35,7 @@ while the pool still holds the block, so the memory is still mapped when it runs
 All methods are thread-safe: the training thread and the I/O loop both lease.
 
 Contract: give a buffer back only once every asynchronous copy from or into it has finished
-(the scheduler waits on the copy's event first), or with `ready`: an opaque token (a stream
+(the swap runner waits on the copy's event first), or with `ready`: an opaque token (a stream
 event) that the next holder must wait for before writing the block -- the device pool's blocks
 go back while compute kernels queued on the GPU may still read them, and the next copy into one
 waits for exactly that release. The pool keeps the token, never interprets it, and may reuse,

@@ -84,14 +84,11 @@ def lock_directory(path: str) -> int:
     except OSError as e:
         raise StorageError(f"cannot create the lock file {lock_path} ({e.strerror}): make "
                            f"{path} writable or choose another path") from e
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
+    holder = try_lock(fd)
+    if holder is not None:
         raise StoreLockedError(
             f"NVMe store directory {path} is in use by another tierzero store (pid "
-            f"{holder}): stop that run, or give this one a different directory") from None
+            f"{holder}): stop that run, or give this one a different directory")
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
@@ -104,3 +101,15 @@ def lock_directory(path: str) -> int:
         os.close(fd)
         raise os_error(e, "writing", lock_path) from e
     return fd
+
+
+def try_lock(fd: int) -> str | None:
+    """Take the exclusive lock of the open lock file `fd` without waiting: None, or (`fd` then
+    closed) the pid its holder wrote there, "unknown" if none (a store's lock, a run directory's)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        return holder
+    return None

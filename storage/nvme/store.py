@@ -27,10 +27,11 @@ commit point, so a reader sees the whole old version or the whole new one.
   the chunk (`StorageCorruptError`) -- it is never silently mixed. A superseded generation's
   blocks are reused (as spares) only after the flush that made its replacement durable, and a
   chunk with another hard link (a checkpoint's) is never reused or written in place.
-Checkpoints rely on that: they flush, then hard-link the current generations (`snapshot`).
+Checkpoints rely on that: they flush, then hard-link the current generations (`freeze`).
 
 Reads and writes return only when no I/O thread can touch the caller's buffer any more, even
-when chunks failed or the call was cancelled (`chunkjobs`); pointer and generation files are
+when chunks failed or the call was cancelled (`chunkjobs`); each chunk's job and its errors
+are `chunkio`'s; pointer and generation files are
 `generations`', the directory lock `dirlock`'s. Direct I/O that is not possible (a filesystem
 without O_DIRECT, tmpfs, an unaligned buffer) falls back to buffered I/O and says so once in
 `notes`. Metadata is cached in memory after the first read of each key. `verify_reads`: every
@@ -40,29 +41,24 @@ read checks each chunk's crc32c, so a flipped bit stops the caller with the chun
 from __future__ import annotations
 
 import asyncio
-import errno
 import os
 import shutil
 import threading
 import zlib
 from collections.abc import Sequence
 
-import crc32c
 import torch
 
-from tierzero.storage.base import Capabilities, ShardNotFoundError, StorageCorruptError, StorageError, StorageFullError, TierStore, check_flat, check_key, check_out, dtype_name, os_error
+from tierzero.storage.base import Capabilities, ShardNotFoundError, StorageCorruptError, StorageError, TierStore, check_flat, check_key, check_out, dtype_name, os_error
 from tierzero.storage.durable import write_atomic, write_file
 from tierzero.storage.nvme.arrays import link_array
 from tierzero.storage.nvme import chunkfile
+from tierzero.storage.nvme.chunkio import byte_view, read_chunk, write_chunk, write_error
 from tierzero.storage.nvme.chunkjobs import ChunkJobs, shielded
 from tierzero.storage.nvme.dirlock import check_directory, is_store_root, lock_directory
 from tierzero.storage.nvme.generations import GEN_NAME, Current, gen_name, pointer_json, read_pointer, remove_orphans
 from tierzero.storage.nvme.spares import SpareFiles
 from tierzero.storage.nvme.zarrmeta import GROUP_JSON, ShardMeta, nchunks
-
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes as a writable memoryview over the same storage (no copy)."""
-    return memoryview(t.detach().view(-1).view(torch.uint8).numpy())
 
 
 class NvmeStore(TierStore):
@@ -163,6 +159,9 @@ class NvmeStore(TierStore):
     def _dir_index(self, key: str) -> int:
         return zlib.crc32(key.encode()) % len(self.paths)
 
+    def _root(self, key: str) -> str:
+        return self.paths[self._dir_index(key)]
+
     def shard_dir(self, key: str) -> str:
         """The directory of the zarr group holding `key`'s generations."""
         return os.path.join(self.paths[self._dir_index(key)], *key.split("/"))
@@ -233,8 +232,8 @@ class NvmeStore(TierStore):
             try:
                 gen_dir = await loop.run_in_executor(None, self._new_gen_dir, key, gen)
             except OSError as e:
-                raise self._write_error(key, "its generation directory", e) from e
-            data = _byte_view(src)
+                raise write_error(self._root(key), key, "its generation directory", e) from e
+            data = byte_view(src)
             direct = self._use_direct(key, src)
             cb = self.chunk_bytes
             jobs = ChunkJobs()
@@ -242,8 +241,9 @@ class NvmeStore(TierStore):
             committed = False
             try:
                 crcs = await jobs.run([loop.run_in_executor(
-                    None, self._write_chunk, jobs, spares, key, i, data[i * cb:(i + 1) * cb], direct,
-                    os.path.join(gen_dir, "c", str(i))) for i in range(nchunks(len(data), cb))])
+                    None, write_chunk, jobs, spares, key, i, data[i * cb:(i + 1) * cb],
+                    cb, direct, os.path.join(gen_dir, "c", str(i)), self._root(key))
+                    for i in range(nchunks(len(data), cb))])
                 meta = ShardMeta(src.dtype, src.numel(), cb, crcs)
                 # the commit runs to the end even if this call is cancelled meanwhile
                 commit = loop.run_in_executor(None, self._commit, key, gen, meta, current)
@@ -254,23 +254,6 @@ class NvmeStore(TierStore):
                     await shielded(loop.run_in_executor(
                         None, lambda: shutil.rmtree(gen_dir, ignore_errors=True)))
 
-    def _write_chunk(self, jobs: ChunkJobs, spares: SpareFiles, key: str, index: int, data: memoryview,
-                     direct: bool, final: str) -> int | None:
-        if jobs.aborted:
-            return None
-        crc = crc32c.crc32c(data)
-        spare = spares.take()
-        try:
-            chunkfile.write_chunk(spare, data, self.chunk_bytes, direct)
-            os.rename(spare, final)
-        except OSError as e:
-            spares.discard(spare)
-            raise self._write_error(key, f"chunk {index}", e) from e
-        except BaseException:
-            spares.discard(spare)
-            raise
-        return crc
-
     def _commit(self, key: str, gen: int, meta: ShardMeta, previous: Current | None) -> None:
         """Write the generation's array metadata, then switch the shard to it (one rename)."""
         gen_dir = self._gen_dir(key, gen)
@@ -279,7 +262,7 @@ class NvmeStore(TierStore):
             # the commit point; the rename is made durable by the next flush (`generations`)
             write_atomic(os.path.join(self.shard_dir(key), "zarr.json"), pointer_json(gen), durable=False)
         except OSError as e:
-            raise self._write_error(key, "zarr.json", e) from e
+            raise write_error(self._root(key), key, "zarr.json", e) from e
         self._current[key] = Current(gen, meta)
         if previous is not None:
             if self._previous is not None:  # held: whole and readable until `hold(False)`
@@ -287,16 +270,6 @@ class NvmeStore(TierStore):
             old_dir = self._gen_dir(key, previous.gen)
             self._spares[self._dir_index(key)].retire(
                 [os.path.join(old_dir, "c", str(i)) for i in range(previous.meta.nchunks)], old_dir)
-
-    def _write_error(self, key: str, what: str, e: OSError) -> StorageError:
-        root = self.paths[self._dir_index(key)]
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return StorageFullError(f"no space left in {root} writing {what} of shard {key!r} "
-                                    f"(the previous version is intact): free space there or point "
-                                    f"--nvme-path/--run-dir at a larger filesystem")
-        return StorageError(f"writing {what} of shard {key!r} in {root} failed ({e}; the "
-                            f"previous version is intact): check the drive (dmesg) or point "
-                            f"--nvme-path/--run-dir at another filesystem")
 
     async def read_into(self, key: str, out: torch.Tensor, verify: bool = False, previous: bool = False) -> None:
         self._check_call(key, out, "out")
@@ -306,35 +279,15 @@ class NvmeStore(TierStore):
             current = self._previous.get(key, current) if previous else current  # `hold`: as it began
             meta = current.meta
             check_out(key, out, meta.dtype, meta.numel)
-            data = _byte_view(out)
+            data = byte_view(out)
             direct = self._use_direct(key, out)
             verify = verify or bool(self.verify_reads)
             cb = meta.chunk_bytes
             gen_dir = self._gen_dir(key, current.gen)
             jobs = ChunkJobs()
-            await jobs.run([loop.run_in_executor(None, self._read_chunk, jobs, key, gen_dir, i, meta,
+            await jobs.run([loop.run_in_executor(None, read_chunk, jobs, key, gen_dir, i, meta,
                                                  data[i * cb:(i + 1) * cb], direct, verify)
                             for i in range(meta.nchunks)])
-
-    def _read_chunk(self, jobs: ChunkJobs, key: str, gen_dir: str, index: int, meta: ShardMeta,
-                    out: memoryview, direct: bool, verify: bool) -> None:
-        if jobs.aborted:
-            return
-        path = os.path.join(gen_dir, "c", str(index))
-        where = f"chunk {index} of shard {key!r} (array {gen_dir})"
-        try:
-            chunkfile.read_chunk(path, out, meta.chunk_bytes, direct)
-        except FileNotFoundError as e:
-            raise StorageCorruptError(f"{where} is missing: restore the shard from a "
-                                      f"checkpoint") from e
-        except chunkfile.ShortChunkError as e:
-            raise StorageCorruptError(f"{where} is truncated ({e}): restore the shard from a "
-                                      f"checkpoint") from e
-        except OSError as e:
-            raise StorageError(f"reading {where} failed: {e}") from e
-        if verify and crc32c.crc32c(out) != meta.crcs[index]:
-            raise StorageCorruptError(f"{where} fails its crc32c check: restore the shard from "
-                                      f"a checkpoint")
 
     def hold(self, on: bool) -> None:
         """While on, each shard's generation of when it began stays readable: `read_into(previous=True)`."""
@@ -395,8 +348,8 @@ class NvmeStore(TierStore):
 
     # -- checkpoints ----------------------------------------------------------------------
 
-    async def snapshot(self, key: str, dst_dir: str, sync: bool = True,
-                       verify: bool = False) -> tuple[ShardMeta, int]:
+    async def freeze(self, key: str, dst_dir: str, sync: bool = True,
+                     verify: bool = False) -> tuple[ShardMeta, int]:
         """Hard-link the current generation of `key` into the frozen array `dst_dir`; returns
         its metadata and the bytes copied (0 unless `dst_dir` is on another filesystem).
         Call `flush()` first: a checkpoint must link durable chunks. `sync=False`: the caller
@@ -425,7 +378,7 @@ class NvmeStore(TierStore):
             try:
                 gen_dir = await loop.run_in_executor(None, self._new_gen_dir, key, gen)
             except OSError as e:
-                raise self._write_error(key, "its generation directory", e) from e
+                raise write_error(self._root(key), key, "its generation directory", e) from e
             committed = False
             try:
                 copied = await loop.run_in_executor(None, link_array, src_dir, gen_dir, meta, False)

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.engine.runtime import streams
-from tierzero.engine.runtime.scheduler import ParamShard, Scheduler
+from tierzero.engine.runtime.swaprunner import ParamShard, SwapRunner
 
 from tests.support.engine import SMALL, batches, reference_run
 from tests.support.fakes.streams import RecordingStreams
@@ -75,8 +75,8 @@ class _Patch:
     setattr = staticmethod(setattr)
 
 
-def _gather_before_its_copy(self: Scheduler, record: ParamShard):
-    """`Scheduler._issue_gather` without ordering the comm stream after the shard's copy."""
+def _gather_before_its_copy(self: SwapRunner, record: ParamShard):
+    """`SwapRunner._issue_gather` without ordering the comm stream after the shard's copy."""
     self.streams.wait(self.streams.comm, record.written)
     with self.streams.current(self.streams.comm):
         return self.comm.all_gather_async(self._shard(record.unit))
@@ -118,7 +118,7 @@ def _rank(rank: int, root: str) -> None:
     try:
         _train(rank, root, "engine")
         comm._all_gather, comm._reduce_scatter = collectives
-        Scheduler._issue_gather = _gather_before_its_copy
+        SwapRunner._issue_gather = _gather_before_its_copy
         _train(rank, root, "mutation")
     finally:
         dist.destroy_process_group()

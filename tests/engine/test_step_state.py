@@ -81,8 +81,8 @@ def test_a_backward_pass_steps_units_only_when_it_carries_a_step() -> None:
 def test_states_are_enums_spelled_as_before() -> None:
     """Plans, shard records and byte counters use enums whose values are the old strings, so
     printed plans and metrics.jsonl keys (`bytes_nvme->host`) do not change."""
-    from tierzero.engine.runtime.scheduler import ShardStatus
-    from tierzero.engine.runtime.stats import StepStats
+    from tierzero.engine.runtime.swaprunner import ShardStatus
+    from tierzero.engine.runtime.transfers import TransferStats
     from tierzero.planning.placement import Link
     from tierzero.planning.swapplan import Op, Phase, build_swap_plan
 
@@ -90,7 +90,7 @@ def test_states_are_enums_spelled_as_before() -> None:
     assert {op.phase for op in plan.ops} == {Phase.FORWARD, Phase.BACKWARD}
     assert str(plan.ops[0]) == f"{Op.FETCH.value:8s} u0 (forward)"
     assert [s.value for s in ShardStatus] == ["not_available", "in_flight", "available"]
-    stats = StepStats()
+    stats = TransferStats()
     stats.add_bytes(Link.NVME_TO_HOST, 3)
     stats.add_cache_hit(2)
     assert stats.take() == {"bytes_host_cache_hit": 2, "bytes_nvme->host": 3, "io_wait_s": 0.0}

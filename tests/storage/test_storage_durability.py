@@ -186,7 +186,7 @@ def test_chunks_a_snapshot_links_are_never_recycled_or_overwritten(tmp_path: Pat
     with NvmeStore([live], chunk_bytes=CHUNK_BYTES) as store:
         io_loop.run(store.write(KEY, first))
         io_loop.run(store.flush())
-        meta, copied = io_loop.run(store.snapshot(KEY, str(frozen)))
+        meta, copied = io_loop.run(store.freeze(KEY, str(frozen)))
         assert copied == 0  # hard links: no bytes moved
         linked = {p.stat().st_ino for p in (frozen / "c").iterdir()}
         for seed in range(2, 6):  # several rewrites, each flushed so retired blocks recycle
@@ -203,7 +203,7 @@ def test_adopting_a_snapshot_restores_it_by_links(tmp_path: Path, io_loop: IOLoo
     first, second = versions()
     with NvmeStore([live], chunk_bytes=CHUNK_BYTES) as store:
         io_loop.run(store.write(KEY, first))
-        meta, _ = io_loop.run(store.snapshot(KEY, str(frozen)))
+        meta, _ = io_loop.run(store.freeze(KEY, str(frozen)))
         io_loop.run(store.write(KEY, second))
         assert io_loop.run(store.adopt(KEY, str(frozen), meta)) == 0
         io_loop.run(store.flush())

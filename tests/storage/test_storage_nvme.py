@@ -402,7 +402,7 @@ def test_a_verified_snapshot_never_links_a_flipped_bit_into_a_checkpoint(
     path.write_bytes(raw)
     frozen = tmp_path.parent / f"{tmp_path.name}-checkpoint"
     with pytest.raises(StorageCorruptError, match=rf"{re.escape(str(current_gen(tmp_path, KEY)))}/c/2 fails its crc32c"):
-        io_loop.run(store.snapshot(KEY, str(frozen / "a"), verify=True))
+        io_loop.run(store.freeze(KEY, str(frozen / "a"), verify=True))
     assert not (frozen / "a").exists()
-    io_loop.run(store.snapshot(KEY, str(frozen / "b")))  # unverified: linked as it is
+    io_loop.run(store.freeze(KEY, str(frozen / "b")))  # unverified: linked as it is
     assert os.path.samefile(frozen / "b" / "c" / "2", path)

@@ -6,10 +6,9 @@ every parameter under each of its names (tied aliases are written once per name,
 
 Why a writer of our own: `safetensors.torch.save_file` needs every tensor in memory at once,
 and the point of a checkpoint is that the model may not fit. The format is simple enough to
-stream: 8 bytes of little-endian header length, a JSON header (dtype, shape and data_offsets per
-tensor, plus `__metadata__`) padded with spaces to a multiple of 8, then the raw little-endian
-bytes in header order. The manifest gives every shape upfront, so headers and file boundaries
-are decided before a byte of data is read (`plan_export`, a value), and the writer then reads
+stream (`tierzero.checkpoint.safetensors_out`). The manifest gives every shape upfront, so
+headers and file boundaries are decided before a byte of data is read (`plan_export`, a
+value), and the writer then reads
 each unit's master shards from every rank into one reused flat buffer and appends its tensors.
 Peak host memory is the largest unit's flat fp32 buffer plus one tensor in bf16 (plus, for
 tensors save_pretrained computes from a fused one, that one parameter's saved tensors).
@@ -31,15 +30,11 @@ This module never prints; the CLI reports progress through `on_unit`.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import struct
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
 
@@ -47,80 +42,19 @@ from tierzero.checkpoint.catalog import find_checkpoint
 from tierzero.checkpoint.files import remove_stale_temps
 from tierzero.config import StateKind
 from tierzero.errors import CheckpointError, ConfigError, TierzeroError
-from tierzero.checkpoint.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, Merge, adapter_config, adapter_entries,
+from tierzero.checkpoint.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, adapter_entries,
                                       merged_entries, peft_adapters)
 from tierzero.checkpoint.hf_files import copy_tokenizer, hf_config, write_json
 from tierzero.checkpoint.hf_format import Converted, SavedFormat, meta_model
 from tierzero.checkpoint.manifest import Manifest, UnitLayout
+from tierzero.checkpoint.safetensors_out import DTYPES, ExportFile, ExportPlan, StreamingWriter, TensorEntry
 from tierzero.storage.base import StorageError
 from tierzero.storage.nvme.arrays import read_array
 from tierzero.layout.keys import shard_key
 
-# --dtype spelling -> (torch dtype, safetensors dtype code)
-DTYPES = {"fp32": (torch.float32, "F32"), "bf16": (torch.bfloat16, "BF16")}
 TENSORS = ("saved", "model")  # a Hugging Face model's tensors as save_pretrained writes them, or as it holds them
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the Hugging Face default for save_pretrained
 SUFFIX = ".safetensors"
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """One output tensor: where its values sit in its unit's flat buffer."""
-
-    name: str
-    unit: int
-    offset: int
-    numel: int
-    shape: tuple[int, ...]
-    merge: Merge | None = None  # a LoRA-wrapped weight exported with its adapter merged in
-    converted: Converted | None = None  # a tensor save_pretrained computes from others (one expert's)
-
-    def values(self, flat: torch.Tensor) -> torch.Tensor:
-        """This tensor's values, flat, from its unit's flat buffer."""
-        if self.converted is not None:
-            return self.converted.take(self.name, flat).reshape(-1)
-        values = flat[self.offset:self.offset + self.numel]
-        return values if self.merge is None else self.merge.apply(values.view(self.shape), flat).reshape(-1)
-
-
-@dataclass
-class ExportFile:
-    """One output file and the tensors it holds, in the order their bytes follow the header."""
-
-    name: str
-    entries: list[TensorEntry] = field(default_factory=list)
-    data_bytes: int = 0
-
-    def header(self, code: str, itemsize: int, metadata: dict[str, str]) -> bytes:
-        """The length prefix and the space-padded JSON header (its length a multiple of 8)."""
-        doc: dict[str, object] = {"__metadata__": metadata}
-        start = 0
-        for e in self.entries:
-            end = start + e.numel * itemsize
-            doc[e.name] = {"dtype": code, "shape": list(e.shape), "data_offsets": [start, end]}
-            start = end
-        raw = json.dumps(doc, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        return struct.pack("<Q", len(raw)) + raw
-
-
-@dataclass
-class ExportPlan:
-    """Every output file, its tensors and sizes, decided from the manifest before any I/O."""
-
-    step: int
-    dtype: str
-    files: list[ExportFile]
-    index_name: str | None  # set when the export is split into several files
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(f.data_bytes for f in self.files)
-
-    def index_json(self) -> bytes:
-        weight_map = {e.name: f.name for f in self.files for e in f.entries}
-        return json.dumps({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map},
-                          indent=2).encode()
 
 
 @dataclass
@@ -215,7 +149,7 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = N
     plan = plan_export(manifest, out_name, dtype, max_shard_bytes, entries)
     _make_dir(out_dir)
     remove_stale_temps(out_dir)  # an export killed before it could remove its own
-    writer = _StreamingWriter(out_dir, plan, {"format": "pt", "step": str(manifest.step)})
+    writer = StreamingWriter(out_dir, plan, {"format": "pt", "step": str(manifest.step)})
     written = writer.write(_read_units(checkpoint, manifest), len(manifest.units), on_unit)
     tensors = sum(len(f.entries) for f in plan.files)
     index = out_dir / plan.index_name if plan.index_name else None
@@ -311,101 +245,3 @@ def _read_array(checkpoint: Path, manifest: Manifest, key: str, out: torch.Tenso
     except StorageError as e:
         raise CheckpointError(f"checkpoint {checkpoint.name} is damaged: {e}; export another "
                               "step with --step") from None
-
-
-class _StreamingWriter:
-    """Appends tensors to the plan's files in order, each under a temp name until all are done."""
-
-    def __init__(self, out_dir: Path, plan: ExportPlan, metadata: dict[str, str]) -> None:
-        self.out_dir = out_dir
-        self.plan = plan
-        self.metadata = metadata
-        self.dtype, self.code = DTYPES[plan.dtype]
-        self.temps: list[Path] = []
-
-    def write(self, units: Iterator[tuple[int, torch.Tensor]], total: int,
-              on_unit: Callable[[int, int], None] | None) -> list[Path]:
-        by_unit: dict[int, list[tuple[int, TensorEntry]]] = {}
-        for i, f in enumerate(self.plan.files):
-            for e in f.entries:
-                by_unit.setdefault(e.unit, []).append((i, e))
-        handle: BinaryIO | None = None
-        current = -1
-        try:
-            for done, (index, flat) in enumerate(units, start=1):
-                for file_index, entry in by_unit.get(index, []):
-                    if file_index != current:
-                        if handle is not None:
-                            self._finish(handle, current)
-                        current, handle = file_index, self._start(file_index)
-                    self._append(handle, entry.values(flat), current)
-                if on_unit is not None:
-                    on_unit(done, total)
-            if handle is not None:
-                self._finish(handle, current)
-                handle = None
-            return self._publish()
-        except BaseException:  # Ctrl-C included: leave nothing half-written behind
-            if handle is not None:
-                handle.close()
-            for temp in self.temps:
-                temp.unlink(missing_ok=True)
-            raise
-
-    def _temp(self, name: str) -> Path:
-        return self.out_dir / f".{name}.{os.getpid()}.tmp"
-
-    def _start(self, file_index: int) -> BinaryIO:
-        f = self.plan.files[file_index]
-        temp = self._temp(f.name)
-        try:
-            handle = open(temp, "wb")
-        except OSError as e:
-            raise self._error(f.name, e) from None
-        self.temps.append(temp)
-        self._io(handle.write, f.header(self.code, self.dtype.itemsize, self.metadata), file_index)
-        return handle
-
-    def _append(self, handle: BinaryIO, values: torch.Tensor, file_index: int) -> None:
-        if self.dtype != values.dtype:
-            values = values.to(self.dtype)  # round to nearest even, as torch's .to() does
-        self._io(handle.write, memoryview(values.view(torch.uint8).numpy()), file_index)
-
-    def _finish(self, handle: BinaryIO, file_index: int) -> None:
-        self._io(handle.flush, None, file_index)
-        self._io(os.fsync, handle.fileno(), file_index)
-        handle.close()
-
-    def _io(self, call: Callable, arg: object, file_index: int) -> None:
-        try:
-            call() if arg is None else call(arg)
-        except OSError as e:
-            raise self._error(self.plan.files[file_index].name, e) from None
-
-    def _error(self, name: str, e: OSError) -> TierzeroError:
-        return TierzeroError(f"cannot write {self.out_dir / name} ({e.strerror or e}); choose a "
-                             "writable --out with enough free space")
-
-    def _publish(self) -> list[Path]:
-        """Rename every file into place, the index last, then make the renames durable."""
-        finals = [self.out_dir / f.name for f in self.plan.files]
-        if self.plan.index_name is not None:
-            temp = self._temp(self.plan.index_name)
-            self.temps.append(temp)
-            try:
-                with open(temp, "wb") as handle:
-                    handle.write(self.plan.index_json())
-                    handle.flush()
-                    os.fsync(handle.fileno())
-            except OSError as e:
-                raise self._error(self.plan.index_name, e) from None
-        targets = finals + ([self.out_dir / self.plan.index_name] if self.plan.index_name else [])
-        assert len(targets) == len(self.temps), "every planned file was started, in order"
-        for temp, final in zip(self.temps, targets):
-            os.replace(temp, final)
-        fd = os.open(self.out_dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return finals

@@ -1,4 +1,4 @@
-"""The checkpoint manifest: what one snapshot holds, as JSON (never a pickle).
+"""The checkpoint manifest: what one checkpoint holds, as JSON (never a pickle).
 
 A checkpoint is a directory `RUN_DIR/checkpoints/step-<N>/`:
 

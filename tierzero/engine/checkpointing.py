@@ -35,16 +35,11 @@ import torch
 
 from tierzero.checkpoint import lineage
 from tierzero.checkpoint.catalog import checkpoints_root, newest_checkpoint, prune, step_dir, verify_checkpoint
-from tierzero.config import Config, Placement, StateKind, Tier
+from tierzero.config import Config, StateKind, Tier
 from tierzero.distributed.comm import Comm
 from tierzero.errors import CheckpointError, TierzeroError
-from tierzero.engine.runtime.execute import detach_params
-from tierzero.engine.step.paramsteps import ParamSteps
-from tierzero.precision import DynamicLossScaler
-from tierzero.engine.runtime.shards import Shards
-from tierzero.engine.step.state import StepState
-from tierzero.engine.runtime.tiers import Tiers
-from tierzero.layout.partition import Unit
+from tierzero.engine.parts import EngineParts
+from tierzero.engine.runtime.binding import detach_params
 from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest, config_hash, layout_of
 from tierzero.storage.base import dtype_name, os_error
 from tierzero.storage.durable import fsync_path
@@ -60,40 +55,11 @@ _NUMERIC_FIELDS = ("dtype", "lr", "weight_decay", "betas", "eps", "lr_schedule",
                    "loss_scale", "loss_scale_window", "seed", "grad_reduce_dtype")
 
 
-@dataclasses.dataclass(frozen=True)
-class Checkpointed:
-    """The parts of an engine a checkpoint saves and restores, handed over explicitly so this
-    module never reaches into the engine (`Engine.save_checkpoint` builds it)."""
-
-    config: Config
-    comm: Comm
-    units: list[Unit]
-    shards: Shards  # this rank's stored state, key by key
-    state: StepState  # restored in place
-    scaler: DynamicLossScaler
-    param_steps: ParamSteps
-    stage: int
-    device: torch.device
-    note: Callable[[str], None]  # what the user should hear once
-
-    @property
-    def tiers(self) -> Tiers:
-        return self.shards.tiers
-
-    @property
-    def placement(self) -> Placement:
-        return self.shards.placement
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.shards.dtype
-
-
 def numeric_config_hash(config: Config) -> str:
     return config_hash({f: getattr(config, f) for f in _NUMERIC_FIELDS})
 
 
-def save(engine: Checkpointed, run_dir: str | Path, data: dict[str, Any] | None = None,
+def save(engine: EngineParts, run_dir: str | Path, data: dict[str, Any] | None = None,
          keep: int | None = None, model: dict[str, Any] | None = None) -> Path:
     """Write `run_dir/checkpoints/step-<N>` for the engine's current step; returns its path.
 
@@ -150,7 +116,7 @@ def save(engine: Checkpointed, run_dir: str | Path, data: dict[str, Any] | None 
     return final
 
 
-def _write_shards(engine: Checkpointed, temp: Path) -> tuple[dict[str, ShardMeta], int]:
+def _write_shards(engine: EngineParts, temp: Path) -> tuple[dict[str, ShardMeta], int]:
     """This rank's saved shards under `temp/state`: NVMe-homed ones linked, others written."""
     tiers, nvme = engine.tiers, engine.tiers.stores.get(Tier.NVME)
     arrays, copied = {}, 0
@@ -160,7 +126,7 @@ def _write_shards(engine: Checkpointed, temp: Path) -> tuple[dict[str, ShardMeta
                 dst = str(temp / "state" / Path(*key.split("/")))
                 if engine.placement.home(kind) is Tier.NVME:
                     # verified reads: a chunk written since its last read is checked before it is linked
-                    arrays[key], nbytes = tiers.run(nvme.snapshot(key, dst, sync=False, verify=bool(nvme.verify_reads)))
+                    arrays[key], nbytes = tiers.run(nvme.freeze(key, dst, sync=False, verify=bool(nvme.verify_reads)))
                     copied += nbytes
                 else:
                     part = engine.shards.empty(kind, b - a)  # in its stored format
@@ -170,7 +136,7 @@ def _write_shards(engine: Checkpointed, temp: Path) -> tuple[dict[str, ShardMeta
     return arrays, copied
 
 
-def _commit(engine: Checkpointed, temp: Path, final: Path, parts: list[dict[str, Any]],
+def _commit(engine: EngineParts, temp: Path, final: Path, parts: list[dict[str, Any]],
             data: dict[str, Any] | None, model: dict[str, Any] | None) -> None:
     """Rank 0: write the one manifest naming every rank's arrays, then rename into place."""
     arrays = {k: ShardMeta.from_dict(m, f"rank {r}'s array {k!r}")
@@ -206,7 +172,7 @@ def find(path: Path, comm: Comm, note: Callable[[str], None]) -> tuple[Path, Man
     return path, manifest
 
 
-def restore(engine: Checkpointed, path: Path, manifest: Manifest) -> None:
+def restore(engine: EngineParts, path: Path, manifest: Manifest) -> None:
     """Fill the engine's tiers from a verified checkpoint and set its counters and RNG."""
     manifest.check_compatible(engine.units, engine.comm.world_size, dtype_name(engine.dtype), str(path),
                               engine.stage)
@@ -282,7 +248,7 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def _engine_state(engine: Checkpointed) -> dict[str, Any]:
+def _engine_state(engine: EngineParts) -> dict[str, Any]:
     # the piece size the shards are keyed by: a load into an engine with another one is refused
     # naming it
     # and the stored formats of master and moments (`tierzero.compact.formats`), which a load checks
@@ -292,7 +258,7 @@ def _engine_state(engine: Checkpointed) -> dict[str, Any]:
 
 
 
-def _load_engine_state(engine: Checkpointed, state: dict[str, Any], path: Path) -> None:
+def _load_engine_state(engine: EngineParts, state: dict[str, Any], path: Path) -> None:
     try:
         engine.state.load(state)
         engine.param_steps.load_state_dict(state.get("skipped_updates") or {}, str(path / MANIFEST_NAME))

@@ -32,25 +32,30 @@ from tierzero.planning.workload import Workload, steps_on_gpu
 from tierzero.storage.base import BudgetExceededError
 
 
+@dataclasses.dataclass(eq=False)
 class Sizing:
     """The memory model of one rank's units under an engine's config; `local_ranks` share the
     machine's RAM and drives (their default budgets are split)."""
 
-    def __init__(self, config: Config, device: torch.device, dtype: torch.dtype, units: list[Unit],
-                 world_size: int, local_ranks: int, overlap: bool) -> None:
-        self.config = config
-        self.device = device
-        self.dtype = dtype
-        self.units = units
-        self.world_size = world_size
-        self.local_ranks = local_ranks
-        self.overlap = overlap
+    config: Config
+    device: torch.device
+    dtype: torch.dtype
+    units: list[Unit]
+    world_size: int
+    local_ranks: int
+    overlap: bool
+    # decided as the engine runs: the units that keep their graph (`reserve_activations`), the
+    # first training batch's activations once reserved, what the pools are sized by (`check`,
+    # `reserve_activations`), and `walks()` once asked
+    kept: frozenset[int] = dataclasses.field(default=frozenset(), init=False)
+    activations: ActivationEstimate | None = dataclasses.field(default=None, init=False)
+    current: MemoryModel | None = dataclasses.field(default=None, init=False)
+    _walks: bool | None = dataclasses.field(default=None, init=False)
+
+    def __post_init__(self) -> None:
         # the streaming settings the user gave: a refusal suggests lowering those
-        self.given = [name for name, v in (("piece_numel", config.piece_numel),
-                                           ("--prefetch-depth", config.prefetch_depth)) if v is not None]
-        self._walks: bool | None = None  # `walks()`, decided once
-        self.kept: frozenset[int] = frozenset()  # units that keep their graph (`reserve_activations`)
-        self.activations: ActivationEstimate | None = None  # the first training batch's, once reserved
+        self.given = [name for name, v in (("piece_numel", self.config.piece_numel),
+                                           ("--prefetch-depth", self.config.prefetch_depth)) if v is not None]
 
     def workload(self, stage: int, activations: ActivationEstimate | None = None,
                  streaming: Streaming | None = None) -> Workload:
@@ -182,16 +187,23 @@ class Sizing:
                 raise ConfigError(f"nvme path {self.config.nvme_path[0]} has {free / 1e9:.2f} GB free but "
                                   f"the offloaded state needs {total / 1e9:.2f} GB per path; free space "
                                   "or add another --nvme-path")
+        self.current = memory
         return memory
 
-    def reserve_activations(self, tiers: Tiers, model: Any, batch: Any, memory: MemoryModel,
-                            placement: Placement, stage: int, vertical: bool = False) -> MemoryModel:
+    def reserve_activations(self, tiers: Tiers, model: Any, batch: Any, placement: Placement, stage: int,
+                            vertical: bool = False) -> MemoryModel:
         """At the first training forward, take the batch's activations out of the compute
         device's budget (on the CPU device: the host budget) and refuse a batch the pools then
         cannot hold; then choose the units that keep their graph (`kept`) in what is left.
         Only for the built-in model, whose shape says what they take; other models' activations
         are not reserved and every unit is recomputed, as in the `vertical` schedule. The
-        memory model with them (`memory` if none)."""
+        memory model with them (`current` if none), which becomes `current`."""
+        assert self.current is not None, "check() sizes the pools first"
+        self.current = self._with_activations(tiers, model, batch, self.current, placement, stage, vertical)
+        return self.current
+
+    def _with_activations(self, tiers: Tiers, model: Any, batch: Any, memory: MemoryModel, placement: Placement,
+                          stage: int, vertical: bool) -> MemoryModel:
         args = getattr(model, "args", None)
         tokens = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
         builtin = isinstance(args, ModelArgs) and isinstance(tokens, torch.Tensor) and tokens.dim() == 2 \
@@ -293,6 +305,23 @@ def _breakdown(mem: MemoryModel, tier: Tier) -> str:
                 f"({peak.pooled_phase}) {parts(peak.pooled)} + torch ({peak.unpooled_phase}) {parts(peak.unpooled)}")
     peak = mem.host_memory if tier is Tier.HOST else mem.tiers[tier]
     return peak.breakdown()
+
+
+def resolve_overlap(config: Config, fp16: bool) -> bool:
+    """Whether units are stepped during backward: on by default wherever that is free.
+
+    fp16 never (the step waits for the overflow check). With clipping it is exact when asked
+    for (each fired clip re-steps every unit from its kept generation, `Stepper`), and on
+    by default when the user opts in to clipping by the previous step's norm (`clip_previous_norm`).
+    """
+    clip = config.clip_grad_norm is not None
+    if config.clip_previous_norm and not clip:
+        raise ConfigError("clip_previous_norm needs clip_grad_norm; set both or neither")
+    if config.overlap_step and fp16:
+        raise ConfigError("overlap_step cannot be exact with fp16: each unit's step would need the "
+                          "overflow check first; turn one of them off")
+    free = not fp16 and (not clip or config.clip_previous_norm)
+    return free if config.overlap_step is None else config.overlap_step
 
 
 def check_runnable(placement: Placement) -> None:

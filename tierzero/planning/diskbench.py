@@ -7,7 +7,7 @@ back to back, for writes and then for reads, and a ratio is the median over roun
 round's ratio. Throughputs are the best of their rounds. GB/s are 1e9 bytes per second.
 
 - raw: `os.pwrite` / `os.preadv` with O_DIRECT from aligned buffers, `RAW_BLOCK_BYTES` blocks,
-  on the I/O loop's threads (the same pool the store uses): the ceiling for Python.
+  on the I/O loop's threads (the same pool the store uses): the ceiling for Python (`planning.rawio`).
 - store: `NvmeStore` writing and reading `shard_bytes` shards of one buffer, all in flight at
   once; the default chunk size in every round, a few other chunk sizes once.
 - fio (optional), direct I/O (`planning.fio`: the sweep, command lines, and its wall-span
@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tierzero.planning.rawio import RAW_BLOCK_BYTES, drop_cache, time_raw
 from tierzero.planning.fio import FioConfig, check_fio, config_name, fio_command, fio_engines, fio_sweep, fio_wall_span, run_fio
 from tierzero.storage.base import StorageError
 from tierzero.storage.durable import fsync_path
@@ -69,7 +70,6 @@ from tierzero.storage.io import IOLoop
 from tierzero.storage.nvme import chunkfile
 from tierzero.storage.nvme.store import NvmeStore
 
-RAW_BLOCK_BYTES = 8 << 20
 DEFAULT_CHUNK_BYTES = 8 << 20
 OTHER_CHUNK_BYTES = (1 << 20, 4 << 20, 32 << 20)
 MAX_SHARD_BYTES = 128 << 20
@@ -298,33 +298,10 @@ class DiskBench:
 
     def _raw(self, rw: str, slot: int, record: bool = True) -> None:
         assert self._buf is not None
-        path = os.path.join(self._work, f"raw.{slot}.bin")
-        data = memoryview(self._buf.numpy())
-        blocks = [(off, data[off: off + RAW_BLOCK_BYTES])
-                  for off in range(0, self.nbytes, RAW_BLOCK_BYTES)]
-        flags = os.O_CLOEXEC | (os.O_DIRECT if self._direct else 0)
         if rw == "write":
             self._stamp()
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
-            job: Callable[[int, memoryview], Any] = lambda off, b: os.pwrite(fd, b, off)
-        else:
-            if not self._direct:
-                _drop_cache(path)
-            fd = os.open(path, os.O_RDONLY | flags)
-            job = lambda off, b: os.preadv(fd, [b], off)
-
-        async def run() -> None:
-            loop = asyncio.get_running_loop()
-            await asyncio.gather(*(loop.run_in_executor(None, job, off, b) for off, b in blocks))
-            if rw == "write" and not self._direct:
-                await loop.run_in_executor(None, os.fdatasync, fd)
-
-        try:
-            start = time.perf_counter()
-            self.io_loop.run(run())
-            seconds = time.perf_counter() - start
-        finally:
-            os.close(fd)
+        path = os.path.join(self._work, f"raw.{slot}.bin")
+        seconds = time_raw(self.io_loop, memoryview(self._buf.numpy()), self.nbytes, path, rw, self._direct)
         if record:
             self._record(f"raw.{rw}", self.nbytes / seconds / 1e9)
 
@@ -344,7 +321,7 @@ class DiskBench:
         elif not self._direct:
             for dirpath, _, names in os.walk(store.paths[0]):
                 for name in names:
-                    _drop_cache(os.path.join(dirpath, name))
+                    drop_cache(os.path.join(dirpath, name))
 
         async def run() -> None:
             if rw == "write":
@@ -399,13 +376,3 @@ class DiskBench:
     def _fio_best(self, rw: str, slot: int) -> None:
         """Run the sweep's best configuration for `rw` again, beside the store."""
         self._fio(rw, self._fio_best_config(rw), slot)
-
-
-def _drop_cache(path: str) -> None:
-    """Write back and evict `path` from the page cache, so the next read comes from the drive."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)

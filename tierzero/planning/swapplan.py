@@ -6,7 +6,7 @@ issued `prefetch_depth` uses ahead, the wait before compute, and the release aft
 several ranks it lists each use's all-gather too (`gather`): issued one use ahead, as the
 previous use begins computing, when `gather_ahead` is 1 (never further ahead than its fetch),
 or just before its wait when 0. With replicated params (ZeRO stage 1/2) every rank stores whole
-units: the plan lists no gathers and a fetch moves the whole unit. `tierzero.engine.runtime.scheduler`
+units: the plan lists no gathers and a fetch moves the whole unit. `tierzero.engine.runtime.swaprunner`
 executes it.
 
 The vertical schedule (`micro_batches`, gradient accumulation layer-major) is the same walk

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import errno
-import fcntl
 import json
 import os
 import re
@@ -42,7 +41,7 @@ from tierzero.configfile import read_toml, to_toml
 from tierzero.errors import ConfigError, RunDirError
 from tierzero.storage.durable import write_atomic
 from tierzero.storage.filekind import kind_of, not_a_file, open_regular
-from tierzero.storage.nvme.dirlock import is_store_root
+from tierzero.storage.nvme.dirlock import is_store_root, try_lock
 
 CONFIG_NAME = "config.toml"
 METRICS_NAME = "metrics.jsonl"
@@ -76,13 +75,10 @@ class RunDir:
         except OSError as e:
             raise RunDirError(read_only(self.path) if e.errno in _READ_ONLY else
                               f"cannot open {self.path / LOCK_NAME} ({e.strerror}); remove it") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
+        owner = try_lock(fd)
+        if owner is not None:
             raise RunDirError(f"run directory '{self.path}' is in use by another trainer (pid {owner}); "
-                              "wait for it to finish or choose another --run-dir") from None
+                              "wait for it to finish or choose another --run-dir")
         self._lock_fd = fd
         return self
 

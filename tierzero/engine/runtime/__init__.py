@@ -1,1 +1,1 @@
-"""The engine's runtime: tiers and streams, the swap scheduler, batch staging, shards, unit execution, step stats."""
+"""The engine's runtime: tiers and streams, the swap runner, batch staging, shards, unit execution, transfer stats."""

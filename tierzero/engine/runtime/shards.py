@@ -11,6 +11,7 @@ fp32 here, each piece decoded or encoded on its own.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 from tierzero.compact.formats import StateFormats
 from tierzero.config import Placement, StateKind, Tier
 from tierzero.distributed.comm import Comm
-from tierzero.engine.runtime.execute import detach_params
+from tierzero.engine.runtime.binding import detach_params
 from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.keys import state_keys
 from tierzero.layout.partition import Unit
@@ -27,15 +28,20 @@ from tierzero.models.init import WeightFiles, flat_unit
 from tierzero.storage.base import aligned_empty
 
 
+@dataclass(frozen=True)
 class Shards:
-    def __init__(self, tiers: Tiers, placement: Placement, rank: int, piece_numel: int,
-                 dtype: torch.dtype) -> None:
-        self.tiers = tiers
-        self.placement = placement
-        self.rank = rank
-        self.piece_numel = piece_numel
-        self.dtype = dtype  # the compute dtype params are stored in
-        self.formats = StateFormats.of(tiers.config)  # how master and moments are stored
+    """This rank's stored state under a placement: what every read and write here is keyed by."""
+
+    tiers: Tiers
+    placement: Placement
+    rank: int
+    piece_numel: int
+    dtype: torch.dtype  # the compute dtype params are stored in
+
+    @property
+    def formats(self) -> StateFormats:
+        """How master and moments are stored."""
+        return StateFormats.of(self.tiers.config)
 
     def keys(self, kind: StateKind, unit: Unit) -> list[tuple[str, int, int]]:
         """This rank's store keys of `kind` for `unit`, with the shard range each holds (none for
@@ -131,3 +137,8 @@ class Shards:
                 for name in slot.names:
                     out[name] = value
         return out
+
+    def full_params(self, unit: Unit, comm: Comm, device: torch.device) -> torch.Tensor:
+        """The unit's full flat param buffer on `device` (every rank's shard: `Engine.gathered`)."""
+        param = self.read_shard(StateKind.PARAM, unit).to(device)
+        return param if unit.replicated else comm.all_gather(param)

@@ -22,7 +22,7 @@ import torch
 from tierzero.engine.runtime import streams as streams_mod
 from tierzero.config import Config, Tier
 from tierzero.errors import ConfigError
-from tierzero.engine.runtime.stats import StepStats
+from tierzero.engine.runtime.transfers import TransferStats
 from tierzero.planning.machine import default_budgets
 from tierzero.planning.memory_model import MemoryModel
 from tierzero.storage.base import BudgetExceededError, TierStore
@@ -39,9 +39,9 @@ class Pending:
     `ok=False` when it failed, so a failed read is never written back as if it had landed.
     """
 
-    def __init__(self, stats: StepStats | None = None) -> None:
+    def __init__(self, stats: TransferStats | None = None) -> None:
         self._queue: deque[tuple[concurrent.futures.Future, Callable[[bool], None]]] = deque()
-        self.stats = stats or StepStats()  # time blocked here is time waiting on I/O
+        self.stats = stats or TransferStats()  # time blocked here is time waiting on I/O
 
     def add(self, future: concurrent.futures.Future, on_done: Callable[[bool], None]) -> None:
         self._queue.append((future, on_done))
@@ -78,10 +78,10 @@ class Pending:
 
 class Tiers:
     def __init__(self, config: Config, device: torch.device, homes: set[Tier], rank: int | None = None,
-                 stats: StepStats | None = None, local_ranks: int = 1) -> None:
+                 stats: TransferStats | None = None, local_ranks: int = 1) -> None:
         """`local_ranks`: the ranks on this machine, which split its default budgets."""
         self.config = config
-        self.stats = stats or StepStats()
+        self.stats = stats or TransferStats()
         # ranks on one machine share the drives but never a store directory (each takes a lock)
         self.nvme_paths = [str(Path(p) / f"rank{rank}") if rank is not None else p for p in config.nvme_path]
         self.device = device

@@ -7,7 +7,7 @@ it is, whether it ends the step, the loss scale to undo and the gradients that r
 `gathered` blocks belong to the pass. With overlap_step the step's last pass also steps each
 unit as its gradient arrives (`StepInBackward`: this step's lr, the runs to update and, with
 clipping, either the previous step's norm's coefficient (clip_previous_norm) or a kept
-generation to re-step from once this step's norm is known, `settle_clip`), reading a unit's
+generation to re-step from once this step's norm is known, `Stepper`), reading a unit's
 optimizer states ahead while the unit before it in backward order still computes.
 """
 
@@ -20,9 +20,8 @@ import torch
 
 from tierzero.config import Config
 from tierzero.engine.gathered import UnitGrad
-from tierzero.errors import ConfigError
 from tierzero.engine.step.optim import ShardOptimizer
-from tierzero.engine.step.paramsteps import Run
+from tierzero.engine.step.skipped import Run
 from tierzero.engine.step.restep import KeptGeneration
 from tierzero.layout.partition import Unit
 from tierzero.engine.step.state import StepState
@@ -85,34 +84,3 @@ class BackwardPass:
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """`clip_grad_norm_`'s factor, computed the same way (fp32 tensor arithmetic, clamped to 1)."""
     return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-
-
-def settle_clip(optimizer: ShardOptimizer, norm: torch.Tensor, config: Config, step_count: int) -> None:
-    """Once an overlapped step's global norm is known: where the clip fires, step every kept
-    piece again from its kept generation with the coefficient; either way drop the copies."""
-    kept, optimizer.kept = optimizer.kept, None
-    if kept is None:  # clip_previous_norm, or no clipping
-        return
-    coef = clip_coefficient(norm, config.clip_grad_norm).item()
-    try:
-        if not coef >= 1.0:  # a NaN norm too: clip_grad_norm_ scales the grads by it
-            optimizer.step({}, lr_at(step_count, config), coef, kept)
-    finally:
-        kept.end()
-
-
-def resolve_overlap(config: Config, fp16: bool) -> bool:
-    """Whether units are stepped during backward: on by default wherever that is free.
-
-    fp16 never (the step waits for the overflow check). With clipping it is exact when asked
-    for (each fired clip re-steps every unit from its kept generation, `settle_clip`), and on
-    by default when the user opts in to clipping by the previous step's norm (`clip_previous_norm`).
-    """
-    clip = config.clip_grad_norm is not None
-    if config.clip_previous_norm and not clip:
-        raise ConfigError("clip_previous_norm needs clip_grad_norm; set both or neither")
-    if config.overlap_step and fp16:
-        raise ConfigError("overlap_step cannot be exact with fp16: each unit's step would need the "
-                          "overflow check first; turn one of them off")
-    free = not fp16 and (not clip or config.clip_previous_norm)
-    return free if config.overlap_step is None else config.overlap_step

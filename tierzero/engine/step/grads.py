@@ -34,13 +34,13 @@ from collections.abc import Iterator
 
 import torch
 
-from tierzero.distributed.comm import Comm, InFlight
+from tierzero.distributed.comm import InFlight
 from tierzero.engine.step.backward import BackwardPass
 from tierzero.engine.step.gradio import read_after_write, stash_when_landed, write_when_landed
 from tierzero.errors import TierzeroError
 from tierzero.config import StateKind, Tier
-from tierzero.layout.partition import Unit, piece_ranges
-from tierzero.engine.runtime.stats import StepStats
+from tierzero.engine.parts import EngineParts
+from tierzero.layout.partition import Unit, grad_uses, piece_ranges
 from tierzero.storage.base import BudgetExceededError
 from tierzero.engine.runtime.streams import Event
 from tierzero.engine.runtime.tiers import Tiers
@@ -49,29 +49,24 @@ from tierzero.planning.placement import Link
 
 
 class GradShards:
-    def __init__(self, units: list[Unit], tiers: Tiers, home: Tier, comm: Comm, stats: StepStats,
-                 uses: dict[int, int], piece_numel: int, norms: bool, finite: bool, overlap: bool = False,
-                 full_until_last: bool = False) -> None:
-        self.units = units
-        self.tiers = tiers
-        self.home = home
-        self.comm = comm
-        self.stats = stats
-        self.uses = uses  # contributions per unit per backward (a tied embedding gets two)
-        self.piece_numel = piece_numel
+    def __init__(self, parts: EngineParts) -> None:
+        self.parts = parts
+        self.tiers, self.home, self.comm = parts.tiers, parts.placement.grad, parts.comm
+        self.uses = grad_uses(parts.units)  # contributions per unit per backward (a tied embedding gets two)
         self.seen: dict[int, int] = {}  # contributions so far in this backward
         self.present: dict[int, set[int]] = {}  # unit -> its slots that got a grad in this step
-        self.want_norms = norms  # clipping needs them
-        self.want_finite = finite  # fp16 needs the overflow check
+        self.want_norms = parts.config.clip_grad_norm is not None  # clipping needs them
+        self.want_finite = parts.scaler.enabled  # fp16 needs the overflow check
         self.pass_ = BackwardPass()  # the backward in progress (`running`)
         self.norms: dict[str, torch.Tensor] = {}  # param name -> 2-norm (one rank) of its grad, on the device
         # measured on the compute device, read on the host only when the step needs them (one
         # host-device sync per step, not one per unit or parameter in backward)
-        self.sumsq = torch.zeros((), dtype=torch.float32, device=tiers.device)  # several ranks: this shard's
-        self.nonfinite = torch.zeros((), dtype=torch.bool, device=tiers.device)
-        self.overlap = overlap  # several ranks: a unit's reduction runs beside the next one's backward
+        self.sumsq = torch.zeros((), dtype=torch.float32, device=parts.tiers.device)  # several ranks: this shard's
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=parts.tiers.device)
+        several = parts.comm.world_size > 1
+        self.overlap = parts.config.overlap_comm and several  # a unit's reduction runs beside the next one's backward
         self._reducing: tuple[int, InFlight] | None = None
-        self.full_until_last = full_until_last  # stage 1: see the module docstring
+        self.full_until_last = parts.stage == 1 and several  # stage 1: see the module docstring
         self._full_held: set[int] = set()  # units whose `grad_full` pieces hold this step's earlier sum
         self._writes: dict[str, concurrent.futures.Future] = {}  # piece key -> its grad write in flight
         self._landing: dict[str, Event] = {}  # host-homed piece key -> its D2H copy's event
@@ -79,7 +74,7 @@ class GradShards:
         self._held: dict[int, torch.Tensor] = {}  # grad home on the device: unit -> its earlier uses' sum
         self._order: list[int] = []  # units in the order micro-batch 0 accumulated them
         self._ahead: dict[str, tuple[concurrent.futures.Future, torch.Tensor]] = {}  # nvme key -> read, stage
-        self.streams = tiers.streams
+        self.streams = parts.tiers.streams
 
     @contextlib.contextmanager
     def running(self, pass_: BackwardPass) -> Iterator[None]:
@@ -108,7 +103,7 @@ class GradShards:
         """Start reducing one unit's gradient over the ranks; with `overlap`, accumulate the
         previous unit's, whose reduction ran while this unit's backward computed (the last
         one's at `flush`)."""
-        u = self.units[unit]
+        u = self.parts.units[unit]
         extra = self.pass_.extra.pop(unit, None)
         if extra is not None:  # unit + regulariser: the two terms autograd sums for a weight used twice
             full_grad = full_grad.float() + extra[0].to(full_grad.device)
@@ -141,7 +136,7 @@ class GradShards:
         if self._reducing is None:
             return
         (unit, reducing), self._reducing = self._reducing, None
-        with self.stats.waiting():
+        with self.parts.transfers.waiting():
             shard = reducing.wait()  # sync point: the host on gloo, the compute stream on NCCL
         self._accumulate(unit, shard)
 
@@ -156,7 +151,7 @@ class GradShards:
 
     def _accumulate(self, unit: int, shard: torch.Tensor) -> None:
         """Accumulate one unit's reduced shard into its home (and measure it on the last micro-batch)."""
-        u = self.units[unit]
+        u = self.parts.units[unit]
         self.seen[unit] = self.seen.get(unit, 0) + 1
         grad = shard[:u.state_numel(self.comm.rank)]
         if self.pass_.inv_scale != 1.0:
@@ -168,7 +163,7 @@ class GradShards:
             grad = self._combine_uses(unit, grad)
             if grad is None:
                 return
-        keys = state_keys(StateKind.GRAD, u, self.comm.rank, self.piece_numel, self.home)
+        keys = state_keys(StateKind.GRAD, u, self.comm.rank, self.parts.piece_numel, self.home)
         # earlier micro-batches' sum, piece by piece (prev + new: addition commutes); stage 1
         # summed them before the reduction
         if self.pass_.micro == 0:
@@ -191,13 +186,13 @@ class GradShards:
     def full_keys(self, unit: Unit) -> list[tuple[str, int, int]]:
         """Stage 1: this rank's pieces of `unit`'s whole trainable gradient (flat offsets)."""
         return [(f"grad_full/u{unit.index:04d}/r{self.comm.rank}/p{i:04d}", a, b)
-                for i, (a, b) in enumerate(piece_ranges(unit.trainable_numel, self.piece_numel))]
+                for i, (a, b) in enumerate(piece_ranges(unit.trainable_numel, self.parts.piece_numel))]
 
     def allocate(self) -> None:
         """Stage 1 with the grad home in memory: make room for the whole gradients there."""
         if self.full_until_last and self.home is not Tier.NVME:
             store = self.tiers.stores[self.home]
-            for unit in self.units:
+            for unit in self.parts.units:
                 for key, a, b in self.full_keys(unit):
                     self.tiers.run(store.write(key, torch.zeros(b - a, dtype=torch.float32)))
 
@@ -222,12 +217,12 @@ class GradShards:
             ahead = self._issue_read(key, self.tiers.lease_host(part.numel() * 4).view(torch.float32))
         read, stage = ahead
         try:
-            with self.stats.waiting():
+            with self.parts.transfers.waiting():
                 read.result()  # issued a unit ahead: normally landed already
         except BaseException:
             self.tiers.host_pool.give_back(stage.view(torch.uint8))
             raise
-        self.stats.add_bytes(Link.NVME_TO_HOST, part.numel() * 4)
+        self.parts.transfers.add_bytes(Link.NVME_TO_HOST, part.numel() * 4)
         self._add_from_host(part, stage, after=None, stage=stage)
 
     def _read_ahead(self, unit: int) -> None:
@@ -235,7 +230,8 @@ class GradShards:
         buffers, as far as the pool has room without waiting (what it has not is read when needed)."""
         if self.home is not Tier.NVME or self.pass_.micro == 0:
             return
-        for key, a, b in state_keys(StateKind.GRAD, self.units[unit], self.comm.rank, self.piece_numel, self.home):
+        for key, a, b in state_keys(StateKind.GRAD, self.parts.units[unit], self.comm.rank, self.parts.piece_numel,
+                                    self.home):
             if key in self._ahead:
                 continue
             try:
@@ -247,7 +243,7 @@ class GradShards:
     def _issue_read(self, key: str, stage: torch.Tensor) -> tuple[concurrent.futures.Future, torch.Tensor]:
         """Read a grad piece into `stage` on an I/O thread, after its last write has landed."""
         return self.tiers.submit(read_after_write(self._writes.pop(key, None), self.tiers.stores[Tier.NVME],
-                                                   key, stage)), stage
+                                                  key, stage)), stage
 
     def _drop_ahead(self) -> None:
         """Give back the read-ahead buffers a pass did not use (a failed or re-run backward)."""
@@ -265,7 +261,7 @@ class GradShards:
         copied = s.copy(prev, host, s.h2d_write, after=after)
         s.keep_alive(prev, s.compute)
         s.wait(s.compute, copied)
-        self.stats.add_bytes(Link.HOST_TO_GPU, part.numel() * 4)
+        self.parts.transfers.add_bytes(Link.HOST_TO_GPU, part.numel() * 4)
         part.add_(prev)
         if stage is not None:
             self.tiers.give_back_when_done(copied, stage)
@@ -281,16 +277,16 @@ class GradShards:
         if self.home is Tier.HOST:
             self._landing[key] = s.copy(self.tiers.stores[Tier.HOST].view(key), part, s.d2h, after=produced)
             s.keep_alive(part, s.d2h)
-            self.stats.add_bytes(Link.GPU_TO_HOST, nbytes)
+            self.parts.transfers.add_bytes(Link.GPU_TO_HOST, nbytes)
             return
         stage = self.tiers.lease_host(nbytes).view(torch.float32)
         landed = s.copy(stage, part, s.d2h, after=produced)
         s.keep_alive(part, s.d2h)
-        self.stats.add_bytes(Link.GPU_TO_HOST, nbytes)
+        self.parts.transfers.add_bytes(Link.GPU_TO_HOST, nbytes)
         future = self._writes[key] = self.tiers.submit(
             write_when_landed(self.tiers, landed, self.tiers.stores[Tier.NVME], key, stage))
         self.tiers.pending.add(future, lambda ok: self.tiers.host_pool.give_back(stage.view(torch.uint8)))
-        self.stats.add_bytes(Link.HOST_TO_NVME, nbytes)
+        self.parts.transfers.add_bytes(Link.HOST_TO_NVME, nbytes)
 
     def _combine_uses(self, unit: int, grad: torch.Tensor) -> torch.Tensor | None:
         """Stash this use's grad (plus earlier ones) in the home tier; at the unit's last use
@@ -307,14 +303,14 @@ class GradShards:
         nbytes = grad.numel() * 4
         stash = self._stashes.pop(key, None)
         if stash is not None:
-            with self.stats.waiting():
+            with self.parts.transfers.waiting():
                 stash.result()  # the earlier use's stash is written (long since, normally)
         if self.seen[unit] < self.uses[unit]:
             s = self.streams
             stage = self.tiers.lease_host(nbytes).view(torch.float32)
             landed = s.copy(stage, grad, s.d2h, after=s.record(s.compute))
             s.keep_alive(grad, s.d2h)
-            self.stats.add_bytes(Link.GPU_TO_HOST, nbytes)
+            self.parts.transfers.add_bytes(Link.GPU_TO_HOST, nbytes)
             add = self.tiers.lease_host(nbytes).view(torch.float32) if stash is not None else None
             future = self._stashes[key] = self.tiers.submit(stash_when_landed(self.tiers, landed, store, key, stage, add))
             self.tiers.pending.add(future, lambda ok: [self.tiers.host_pool.give_back(b.view(torch.uint8))
@@ -325,7 +321,7 @@ class GradShards:
             return None
         stage = self.tiers.lease_host(nbytes).view(torch.float32)
         try:
-            with self.stats.waiting():
+            with self.parts.transfers.waiting():
                 self.tiers.run(store.read_into(key, stage))
             self.tiers.run(store.delete(key))
         except BaseException:
@@ -361,7 +357,7 @@ class GradShards:
 
     def _count(self, link: Link, nbytes: int) -> None:
         if self.home is Tier.NVME:  # memory homes: a copy within the tier, not a link
-            self.stats.add_bytes(link, nbytes)
+            self.parts.transfers.add_bytes(link, nbytes)
 
     def _measure(self, unit: Unit, acc: torch.Tensor) -> None:
         """Only what the step will ask for: each costs a pass over the shard."""
@@ -378,7 +374,7 @@ class GradShards:
                     self.norms[slot.names[0]] = torch.linalg.vector_norm(acc[slot.offset:slot.end], 2.0)
         else:  # in fp64 a piece at a time: no fp64 copy of the whole shard
             sumsq = torch.zeros((), dtype=torch.float64, device=acc.device)
-            for a, b in piece_ranges(acc.numel(), self.piece_numel):
+            for a, b in piece_ranges(acc.numel(), self.parts.piece_numel):
                 sumsq += acc[a:b].double().pow(2).sum()
             self.sumsq += sumsq.float()
 

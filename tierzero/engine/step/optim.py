@@ -32,15 +32,14 @@ import torch
 from tierzero.adamw import adamw_step
 from tierzero.compact.formats import StateFormats
 from tierzero.compact.step import CompactStep
-from tierzero.config import OPTIMIZER_KINDS, Config, Placement, StateKind, Tier
-from tierzero.engine.step.paramsteps import Run
+from tierzero.config import OPTIMIZER_KINDS, StateKind, Tier
+from tierzero.engine.parts import EngineParts
+from tierzero.engine.step.skipped import Run
 from tierzero.engine.step.restep import KeptGeneration
 from tierzero.engine.step.work import Work
 from tierzero.engine.step.writeback import PieceWrites
 from tierzero.layout.partition import Unit
-from tierzero.engine.runtime.stats import StepStats
 from tierzero.engine.runtime.streams import Event
-from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.keys import piece_key
 from tierzero.planning.placement import Link
 from tierzero.planning.workload import steps_on_gpu
@@ -51,17 +50,12 @@ OPTIMIZER_LANE = "optimizer"  # the I/O loop's thread that runs every overlapped
 
 
 class ShardOptimizer(PieceWrites):
-    def __init__(self, units: list[Unit], tiers: Tiers, placement: Placement, compute_dtype: torch.dtype,
-                 rank: int, config: Config, stats: StepStats,
+    def __init__(self, parts: EngineParts,
                  param_written: Callable[[int, Event], None] = lambda unit, event: None) -> None:
-        self.units = units
-        self.tiers = tiers
-        self.placement = placement
-        self.compute_dtype = compute_dtype
-        self.rank = rank
-        self.config = config
-        self.stats = stats
-        self.param_written = param_written  # each device param write's event (`Scheduler.written`)
+        tiers, placement, config, compute_dtype = parts.tiers, parts.placement, parts.config, parts.dtype
+        self.units, self.tiers, self.placement, self.config = parts.units, tiers, placement, config
+        self.compute_dtype, self.rank, self.stats = compute_dtype, parts.rank, parts.transfers
+        self.param_written = param_written  # each device param write's event (`SwapRunner.written`)
         on_gpu = steps_on_gpu(placement)
         self.device = tiers.device if on_gpu else torch.device("cpu")
         if not on_gpu and tiers.device.type == "cuda":
@@ -87,7 +81,7 @@ class ShardOptimizer(PieceWrites):
 
     def step(self, runs: dict[int, list[Run]], lr: float, grad_coef: float | None,
              kept: KeptGeneration | None = None) -> None:
-        """One AdamW update of the `runs` of every unit's shard (`ParamSteps.runs`, by unit
+        """One AdamW update of the `runs` of every unit's shard (`SkippedSteps.runs`, by unit
         index; a unit without runs is skipped), piece by piece; returns when every write has
         finished (the next pass reads what this one wrote). Given `kept`, steps each kept piece
         again from its kept generation instead (`tierzero.engine.step.restep`)."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from tierzero.config import OPTIMIZER_KINDS, Placement, StateKind, Tier
-from tierzero.engine.step.paramsteps import Run
+from tierzero.engine.step.skipped import Run
 from tierzero.layout.partition import Unit
 from tierzero.storage.base import TierStore
 from tierzero.storage.nvme.store import NvmeStore

@@ -9,7 +9,7 @@ import torch
 
 from tierzero.config import StateKind
 from tierzero.engine.runtime.streams import Event
-from tierzero.engine.step.paramsteps import Run
+from tierzero.engine.step.skipped import Run
 from tierzero.layout.partition import Unit
 
 
@@ -21,7 +21,7 @@ class Work:
     piece: int
     start: int  # the piece's range in the shard
     end: int
-    runs: list[Run] = field(default_factory=list)  # the unit's runs to update (`ParamSteps.runs`)
+    runs: list[Run] = field(default_factory=list)  # the unit's runs to update (`SkippedSteps.runs`)
     tensors: dict[StateKind, torch.Tensor] = field(default_factory=dict)
     leased: dict[StateKind, torch.Tensor] = field(default_factory=dict)  # kind -> leased buffer
     futures: list = field(default_factory=list)

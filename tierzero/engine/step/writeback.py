@@ -19,7 +19,7 @@ import torch
 
 from tierzero.compact.formats import StateFormats
 from tierzero.config import OPTIMIZER_KINDS, Config, Placement, StateKind, Tier
-from tierzero.engine.runtime.stats import StepStats
+from tierzero.engine.runtime.transfers import TransferStats
 from tierzero.engine.runtime.streams import Event
 from tierzero.engine.runtime.tiers import Tiers
 from tierzero.engine.step.work import Work
@@ -36,7 +36,7 @@ class PieceWrites:
     compute_dtype: torch.dtype
     rank: int
     config: Config
-    stats: StepStats
+    stats: TransferStats
     formats: StateFormats
     master_is_param: bool
     device: torch.device
@@ -85,7 +85,7 @@ class PieceWrites:
 
     def _cast_param(self, work: Work) -> None:
         """The new params in the compute dtype: straight into a param home in the same memory
-        (on the device, on the compute stream, its event to the scheduler), else into the
+        (on the device, on the compute stream, its event to the swap runner), else into the
         piece's staging, and into a cached copy of an nvme shard, so the next pass reads RAM,
         never stale values."""
         master = work.tensors[StateKind.MASTER]

@@ -43,8 +43,10 @@ from tierzero.engine.step.backward import BackwardPass
 from tierzero.engine.vertical.boundary import BoundaryStore, aligned_nbytes
 from tierzero.engine.vertical.chain import Chain, chain_of
 from tierzero.models.draws import seeded
-from tierzero.engine.runtime.execute import UnitRunner, bind, flat_grad, unbind
-from tierzero.engine.step.grads import GradShards
+from tierzero.engine.parts import EngineParts
+from tierzero.engine.runtime.binding import bind, flat_grad, unbind
+from tierzero.engine.runtime.opened import OpenParts
+from tierzero.engine.step.stepper import Stepper
 from tierzero.reference import loss_divisor
 from tierzero.errors import ConfigError, TierzeroError
 from tierzero.layout.partition import Unit, forward_only
@@ -82,18 +84,13 @@ def choose(config: Config, model: nn.Module, units: list[Unit], batch: Any, spil
     return spill or fits(waiting_bytes(chain, units, tuple(batch), config.accumulate, itemsize))
 
 
-class VerticalSchedule:
+class VerticalPass:
     """Runs one step's micro-batches unit by unit (see the module docstring)."""
 
-    def __init__(self, chain: Chain, units: list[Unit], runner: UnitRunner, grads: GradShards,
-                 store: BoundaryStore, dtype: torch.dtype, forward_only: frozenset[int]) -> None:
-        self.chain = chain
-        self.units = units
-        self.runner = runner
-        self.grads = grads
-        self.store = store
-        self.dtype = dtype
-        self.forward_only = forward_only
+    def __init__(self, parts: EngineParts, opened: OpenParts, chain: Chain, store: BoundaryStore) -> None:
+        self.parts, self.chain, self.store = parts, chain, store
+        self.runner, self.grads = opened.runner, opened.grads
+        self.forward_only = forward_only(parts.units)
 
     def run(self, batches: list[Batch], pass_: BackwardPass, loss_scale: float,
             divisors: list[float | None]) -> list[torch.Tensor]:
@@ -112,7 +109,7 @@ class VerticalSchedule:
         """The embedding and the blocks, each over every micro-batch with one fetch; the last
         block's outputs (the head's inputs) and each micro-batch's context."""
         xs, contexts = list(xs), [None] * len(xs)
-        for unit in self.units[:-1]:
+        for unit in self.parts.units[:-1]:
             bind(unit, self.runner.gather(unit.index))
             try:
                 for m, x in enumerate(xs):
@@ -124,7 +121,7 @@ class VerticalSchedule:
                         else:
                             xs[m] = self.chain.block(self.runner, unit, x, contexts[m])
             finally:
-                unbind(unit, self.dtype)
+                unbind(unit, self.parts.dtype)
                 self.runner.release(unit.index)
         return xs, contexts
 
@@ -136,7 +133,7 @@ class VerticalSchedule:
         grads_out: list[torch.Tensor | None] = [None] * k
         losses: list[torch.Tensor] = []
         self.store.prefetch()
-        for unit in reversed(self.units):
+        for unit in reversed(self.parts.units):
             if unit.index in self.forward_only:
                 continue
             pass_.unit_starting(unit.index)
@@ -163,7 +160,7 @@ class VerticalSchedule:
                     self.store.prefetch()
             finally:
                 for u in bound:
-                    unbind(u, self.dtype)
+                    unbind(u, self.parts.dtype)
                 self.runner.release(unit.index)
             if total is not None:
                 self.grads.offload(unit.index, *total)
@@ -186,7 +183,7 @@ class VerticalSchedule:
         if grad is None:
             return total
         flat, present = grad
-        if unit.kind == "embedding" and any(unit.index in u.uses_with for u in self.units):
+        if unit.kind == "embedding" and any(unit.index in u.uses_with for u in self.parts.units):
             flat.add_(self.store.get(unit.index, m))  # this use + the head's, as autograd sums them
         if total is None:
             return flat, present
@@ -204,19 +201,18 @@ class VerticalSchedule:
 
 class VerticalSteps:
     """The engine's side of the schedule: decide it at the first training step, queue each
-    step's micro-batches, and run the step at its last one. `engine` is the `Engine` it serves
-    (its tiers, units, grads, scheduler and counters)."""
+    step's micro-batches, and run the step at its last one through the `Stepper`."""
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
+    def __init__(self, parts: EngineParts, opened: OpenParts, stepper: Stepper) -> None:
+        self.parts, self.opened, self.stepper = parts, opened, stepper
         self.on: bool | None = None  # None: not decided yet
-        self.schedule: VerticalSchedule | None = None
+        self.vertical_pass: VerticalPass | None = None
         self.store: BoundaryStore | None = None
         self._queued: list[tuple[Any, torch.Tensor, float | None]] = []  # batch, its loss, its divisor
 
     def horizontal(self) -> None:
         """The caller drives forward/backward itself: refuse `--schedule vertical`, else decide horizontal."""
-        if self.engine.config.schedule is Schedule.VERTICAL or self.on:
+        if self.parts.config.schedule is Schedule.VERTICAL or self.on:
             raise ConfigError("--schedule vertical runs whole steps: call train_micro_batch (or "
                               "train_step) instead of forward/backward, or use --schedule horizontal")
         if self.on is None:
@@ -225,9 +221,9 @@ class VerticalSteps:
     def refuse_unknown_loss(self, batch: Any) -> None:
         """`train_step` reads its micro-batch's loss at once: only the step's last has one (so
         `auto`, undecided, decides horizontal)."""
-        if self.on is None and self.engine.config.schedule is Schedule.AUTO:
+        if self.on is None and self.parts.config.schedule is Schedule.AUTO:
             self.on = False
-        if self.wants(batch) and len(self._queued) + 1 < self.engine.config.accumulate:
+        if self.wants(batch) and len(self._queued) + 1 < self.parts.config.accumulate:
             raise TierzeroError("with the vertical schedule a micro-batch's loss is known once its step's last "
                                 "micro-batch has run: call train_micro_batch and read the losses after the "
                                 "step, or use --schedule horizontal")
@@ -236,7 +232,7 @@ class VerticalSteps:
         """A checkpoint needs a finished step: queued micro-batches would be lost on resume."""
         if self._queued:
             raise TierzeroError(f"a checkpoint needs a finished optimizer step, but {len(self._queued)} of "
-                                f"{self.engine.config.accumulate} micro-batches are queued for the vertical "
+                                f"{self.parts.config.accumulate} micro-batches are queued for the vertical "
                                 "schedule; save after the step's last train_micro_batch")
 
     def abort(self) -> None:
@@ -247,11 +243,10 @@ class VerticalSteps:
 
     def wants(self, batch: Any) -> bool:
         """Whether `batch` goes through the vertical schedule (deciding it at the first)."""
-        self.engine._usable()  # open, and not broken
         if self.on is None:
-            e = self.engine
-            spill = any(e.placement.home(k) is Tier.NVME for k in StateKind)  # a store to spill to
-            self.on = choose(e.config, e.model, e.units, batch, spill, self._fits, e.dtype.itemsize)
+            p = self.parts
+            spill = any(p.placement.home(k) is Tier.NVME for k in StateKind)  # a store to spill to
+            self.on = choose(p.config, p.model, p.units, batch, spill, self._fits, p.dtype.itemsize)
             if self.on:
                 self._open(batch)
         return self.on
@@ -259,58 +254,59 @@ class VerticalSteps:
     def micro_batch(self, batch: Any, step_tokens: int | None = None) -> torch.Tensor:
         """Queue `batch`; at the step's last micro-batch run the step. A tensor that holds this
         micro-batch's loss once its step has run (`step_tokens`: as `Engine.forward`)."""
-        e = self.engine
-        loss = torch.empty((), dtype=torch.float32, device=e.device)
-        self._queued.append((batch, loss, loss_divisor(step_tokens, False, e.config.accumulate, e.comm.world_size)))
-        if len(self._queued) == e.config.accumulate:
+        p = self.parts
+        loss = torch.empty((), dtype=torch.float32, device=p.device)
+        self._queued.append((batch, loss, loss_divisor(step_tokens, False, p.config.accumulate, p.comm.world_size)))
+        if len(self._queued) == p.config.accumulate:
             queued, self._queued = self._queued, []
             for (_, out, _), value in zip(queued, self._run([b for b, _, _ in queued], [d for _, _, d in queued])):
                 out.copy_(value)
-            e.step()
+            self.stepper.step()
         return loss
 
     def _fits(self, nbytes: int) -> bool:
         return nbytes <= self._room()
 
     def _room(self) -> int:
-        e = self.engine
-        return e.tiers.host_budget - e.memory.tiers[Tier.HOST].pool_bytes
+        p = self.parts
+        return p.tiers.host_budget - p.sizing.current.tiers[Tier.HOST].pool_bytes
 
     def _open(self, batch: Any) -> None:
         """Reserve the waiting activations' host budget and build the schedule."""
-        e = self.engine
-        e.reserve_activations(batch)
-        chain = chain_of(e.model, e.units)
+        p = self.parts
+        self.stepper.reserve_activations(batch, vertical=True)
+        chain = chain_of(p.model, p.units)
         assert isinstance(chain, Chain)  # `choose` checked it
-        need = waiting_bytes(chain, e.units, tuple(batch), e.config.accumulate, e.dtype.itemsize)
-        budget = min(need, e.config.activation_budget if e.config.activation_budget is not None else self._room())
-        if budget < need and Tier.NVME not in e.tiers.stores:
+        need = waiting_bytes(chain, p.units, tuple(batch), p.config.accumulate, p.dtype.itemsize)
+        budget = min(need, p.config.activation_budget if p.config.activation_budget is not None else self._room())
+        if budget < need and Tier.NVME not in p.tiers.stores:
             raise ConfigError(f"the vertical schedule's waiting activations need {need / 1e6:.1f} MB of host "
                               f"memory, {budget / 1e6:.1f} MB is left and no state lives on NVMe to spill "
                               "them to; raise --host-budget, lower --accumulate or use --schedule horizontal")
         if budget > self._room():
             raise ConfigError(f"--activation-budget {budget / 1e6:.1f} MB is more than the host budget leaves "
                               f"({self._room() / 1e6:.1f} MB); lower it or raise --host-budget")
-        e.tiers.reserve(Tier.HOST, budget)
-        self.store = BoundaryStore(e.tiers, budget)
-        self.schedule = VerticalSchedule(chain, e.units, e.runner, e.grads, self.store, e.dtype, forward_only(e.units))
+        p.tiers.reserve(Tier.HOST, budget)
+        self.store = BoundaryStore(p.tiers, budget)
+        self.vertical_pass = VerticalPass(p, self.opened, chain, self.store)
 
     def _run(self, batches: list[Any], divisors: list[float | None]) -> list[torch.Tensor]:
-        e = self.engine
-        assert self.schedule is not None
+        state, o = self.parts.state, self.opened
+        assert self.vertical_pass is not None
         k = len(batches)
-        on_device = [tuple(e.batches.to_device(b)) for b in batches]
-        e.runner.position = e.state.step_count, 0  # the step's draws (`tierzero.models.draws`)
-        pass_ = e.backward_pass(0, True, combined=True)
-        e.scheduler.begin(e.vertical_plan)
+        on_device = [tuple(o.batches.to_device(b)) for b in batches]
+        o.runner.position = state.step_count, 0  # the step's draws (`tierzero.models.draws`)
+        pass_ = self.stepper.backward_pass(0, True, combined=True)
+        o.swap_runner.begin(o.vertical_plan)
         try:
-            with e.grads.running(pass_), e.runner.running(pass_):
-                losses = self.schedule.run(on_device, pass_, e.scaler.scale, divisors)
-                e.grads.flush()  # the last unit's reduction
-            e.scheduler.finish()
+            with o.grads.running(pass_), o.runner.running(pass_):
+                losses = self.vertical_pass.run(on_device, pass_, self.parts.scaler.scale, divisors)
+                o.grads.flush()  # the last unit's reduction
+            o.swap_runner.finish()
         except BaseException as err:
-            e.abort(f"a vertical step failed: {err!r}")
+            self.abort()
+            self.stepper.abort(f"a vertical step failed: {err!r}")
             raise
-        e.state.micro += k
+        state.micro += k
         return losses
 

@@ -1,6 +1,6 @@
-"""The scheduler: executes a swap plan (`tierzero.planning.swapplan`) as the model runs.
+"""The swap runner: executes a swap plan (`tierzero.planning.swapplan`) as the model runs.
 
-The scheduler replays the plan: `acquire(u)` executes every
+The swap runner replays the plan: `acquire(u)` executes every
 op up to `u`'s compute and returns its params on the compute device (gathered from every rank);
 `release(u)` executes the ops after it. It does not decide what to move; the plan does.
 With replicated params (ZeRO stage 1/2) every rank stores whole units: the plan lists no
@@ -29,14 +29,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierzero.distributed.comm import Comm, InFlight
+from tierzero.distributed.comm import InFlight
 from tierzero.config import StateKind, Tier
+from tierzero.engine.parts import EngineParts
 from tierzero.errors import TierzeroError
 from tierzero.storage.base import BudgetExceededError, TierStore
-from tierzero.layout.partition import Unit
-from tierzero.engine.runtime.stats import StepStats
 from tierzero.engine.runtime.streams import Event, Streams
-from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.keys import shard_key, state_keys
 from tierzero.planning.placement import Link
 from tierzero.planning.swapplan import Op, SwapOp, SwapPlan
@@ -69,22 +67,13 @@ class ParamShard:
     gathered: deque[InFlight] = field(default_factory=deque)
 
 
-class Scheduler:
+class SwapRunner:
     """Executes a swap plan over the tiers, counting bytes moved and time spent waiting."""
 
-    def __init__(self, units: list[Unit], tiers: Tiers, param_home: Tier, dtype: torch.dtype,
-                 comm: Comm, piece_numel: int, stats: StepStats) -> None:
-        self.units = units
-        self.comm = comm
-        rank = comm.rank
-        self.tiers = tiers
-        self.param_home = param_home
-        self.dtype = dtype
-        self.rank = rank
-        self.piece_numel = piece_numel  # params on nvme are stored per piece (the optimizer writes them so)
-        self.stats = stats
-        self.records = {u.index: ParamShard(u.index, param_home) for u in units}
-        self.streams = tiers.streams
+    def __init__(self, parts: EngineParts) -> None:
+        self.parts = parts  # params on nvme are stored per piece (`parts.piece_numel`: the optimizer writes them so)
+        self.tiers, self.streams, self.comm = parts.tiers, parts.tiers.streams, parts.comm
+        self.records = {u.index: ParamShard(u.index, parts.placement.param) for u in parts.units}
         self.plan: SwapPlan | None = None
         self._cursor = 0
 
@@ -99,10 +88,10 @@ class Scheduler:
         self._wait(record)
         gathered = record.gathered.popleft() if record.gathered else None
         self._run_until(Op.COMPUTE, unit)  # the next use's gathers, beside this compute
-        if self.comm.world_size == 1 or self.units[unit].replicated:  # the whole unit is stored here
+        if self.comm.world_size == 1 or self.parts.units[unit].replicated:  # the whole unit is stored here
             return self._shard(unit)
         assert gathered is not None, f"the swap plan lists no gather of unit {unit} before its compute"
-        with self.stats.waiting():
+        with self.parts.transfers.waiting():
             full = gathered.wait()  # sync point: the host on gloo, the compute stream on NCCL
         self.streams.keep_alive(full, self.streams.compute)
         return full
@@ -136,14 +125,14 @@ class Scheduler:
             if record.future is not None:
                 record.future.exception()  # let the read finish before its buffer goes back
                 # the read may have failed: its cache entry must not be served later
-                self.tiers.host_pool.cache_drop(shard_key(StateKind.PARAM, record.unit, self.rank))
+                self.tiers.host_pool.cache_drop(shard_key(StateKind.PARAM, record.unit, self.parts.rank))
             self._drop(record)
         self.plan = None
 
     # -- ops --------------------------------------------------------------------------------
 
     def _run_until(self, stop: Op, unit: int) -> None:
-        assert self.plan is not None, "Scheduler.begin(plan) first"
+        assert self.plan is not None, "SwapRunner.begin(plan) first"
         while True:
             if self._cursor >= len(self.plan.ops):
                 raise RuntimeError(f"unit {unit} was used but the swap plan has ended; the model "
@@ -184,9 +173,9 @@ class Scheduler:
         buffer the pools do not have now fails the fetch instead of waiting for a transfer."""
         if record.status is not ShardStatus.NOT_AVAILABLE:
             return
-        unit = self.units[record.unit]
-        key = shard_key(StateKind.PARAM, unit.index, self.rank)
-        nbytes = unit.param_numel * self.dtype.itemsize
+        unit = self.parts.units[record.unit]
+        key = shard_key(StateKind.PARAM, unit.index, self.parts.rank)
+        nbytes = unit.param_numel * self.parts.dtype.itemsize
         if record.home is Tier.GPU:
             # resident in the device store: a view, no copy, read once the step's write is done
             self.streams.wait(self.streams.compute, record.written)
@@ -199,29 +188,29 @@ class Scheduler:
         ready = self.tiers.device_pool.take_ready(buf)
         if ready is None:
             ready = self.streams.record(self.streams.compute)
-        record.device_buf = buf.view(self.dtype)
+        record.device_buf = buf.view(self.parts.dtype)
         record.status = ShardStatus.IN_FLIGHT
         if record.home is Tier.HOST:
-            self.stats.add_bytes(Link.HOST_TO_GPU, nbytes)
+            self.parts.transfers.add_bytes(Link.HOST_TO_GPU, nbytes)
             record.event = self.streams.copy(record.device_buf, self.tiers.stores[Tier.HOST].view(key),
                                              self.streams.h2d, after=ready)
             return
         cached = self.tiers.host_pool.cache_get(key)
         if cached is not None:  # still in RAM since its last use (backward replays forward reversed)
-            record.staging = cached.view(self.dtype)
+            record.staging = cached.view(self.parts.dtype)
             record.event = self.streams.copy(record.device_buf, record.staging, self.streams.h2d, after=ready)
-            self.stats.add_bytes(Link.HOST_TO_GPU, nbytes)
-            self.stats.add_cache_hit(nbytes)
+            self.parts.transfers.add_bytes(Link.HOST_TO_GPU, nbytes)
+            self.parts.transfers.add_cache_hit(nbytes)
             return
         # (a failed look-ahead lease leaves `device_buf` to `_drop`, which gives it back)
-        record.staging = self.tiers.lease_host(nbytes, wait).view(self.dtype)
-        self.stats.add_bytes(Link.HOST_TO_GPU, nbytes)
+        record.staging = self.tiers.lease_host(nbytes, wait).view(self.parts.dtype)
+        self.parts.transfers.add_bytes(Link.HOST_TO_GPU, nbytes)
         # cached from now on: the pool evicts it (least recently used first) when space is short
         self.tiers.host_pool.cache_put(key, record.staging.view(torch.uint8))
-        keys = state_keys(StateKind.PARAM, unit, self.rank, self.piece_numel, Tier.NVME)
+        keys = state_keys(StateKind.PARAM, unit, self.parts.rank, self.parts.piece_numel, Tier.NVME)
         record.future = self.tiers.submit(_read_then_copy(
             self.tiers.stores[Tier.NVME], keys, record.staging, self.streams, record.device_buf, ready))
-        self.stats.add_bytes(Link.NVME_TO_HOST, nbytes)
+        self.parts.transfers.add_bytes(Link.NVME_TO_HOST, nbytes)
 
     def _land(self, record: ParamShard) -> None:
         """Take the copy event of an nvme read (its I/O thread issued the copy as it landed)."""
@@ -230,7 +219,7 @@ class Scheduler:
         try:
             record.event = future.result()  # sync point when the read is still in flight
         except BaseException:
-            self.tiers.host_pool.cache_drop(shard_key(StateKind.PARAM, record.unit, self.rank))
+            self.tiers.host_pool.cache_drop(shard_key(StateKind.PARAM, record.unit, self.parts.rank))
             raise
 
     def _wait(self, record: ParamShard) -> None:
@@ -239,7 +228,7 @@ class Scheduler:
         if record.status is ShardStatus.NOT_AVAILABLE:  # its look-ahead fetch did not fit the budget
             self._fetch(record)
         if record.future is not None:
-            with self.stats.waiting():
+            with self.parts.transfers.waiting():
                 self._land(record)
         # the compute stream waits on the GPU; the CPU does not block here
         self.streams.wait(self.streams.compute, record.event)
@@ -276,7 +265,7 @@ class Scheduler:
     def _shard(self, unit: int) -> torch.Tensor:
         record = self.records[unit]
         if record.home is Tier.GPU:
-            return self.tiers.stores[Tier.GPU].view(shard_key(StateKind.PARAM, unit, self.rank))
+            return self.tiers.stores[Tier.GPU].view(shard_key(StateKind.PARAM, unit, self.parts.rank))
         assert record.device_buf is not None
         return record.device_buf
 

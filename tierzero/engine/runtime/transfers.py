@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from tierzero.planning.placement import Link
 
 
-class StepStats:
+class TransferStats:
     def __init__(self) -> None:
         self.bytes: dict[str, int] = defaultdict(int)
         self.wait_s = 0.0

@@ -19,7 +19,7 @@ from tierzero.layout.partition import Unit
 Run = tuple[int, int, bool, int]  # (start, end) in shard-local offsets, decays, updates already applied
 
 
-class ParamSteps:
+class SkippedSteps:
     def __init__(self, units: list[Unit]) -> None:
         self.units = units
         self.skipped: dict[str, int] = {}  # a parameter's first name -> optimizer steps it missed
