@@ -17,7 +17,7 @@ from tierzero.models.presets import PRESETS
 from tierzero.planning.ledger import GB
 from tierzero.planning.peaks import MemoryModel, format_bytes
 from tierzero.planning.placement import Link
-from tierzero.planning.report import DEFAULT_PRESET, PlanReport
+from tierzero.planning.planreport import DEFAULT_PRESET, PlanReport
 from tierzero.planning.streaming import DEFAULT
 
 

@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from tierzero.cli.output import Output
-from tierzero.run.report import load_run, plot, summarize
+from tierzero.run.charts import load_run, plot, summarize
 
 
 def report(

@@ -39,7 +39,7 @@ from tierzero.checkpoint.manifest import Manifest
 from tierzero.planning.memory_model import peak_memory
 from tierzero.planning.peaks import MemoryModel
 from tierzero.planning.workload import Workload
-from tierzero.run.report import load_run, summarize
+from tierzero.run.charts import load_run, summarize
 from tierzero.run.directory import read_metrics
 
 ARGS = ["--steps", "4", "--batch-size", "4", "--seq-len", "32", "--dtype", "fp32", "--offload", "nvme",

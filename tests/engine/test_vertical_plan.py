@@ -12,7 +12,7 @@ import pytest
 
 from tierzero.config import StateKind, Tier
 from tierzero.errors import ConfigError
-from tierzero.planning.report import make_plan
+from tierzero.planning.planreport import make_plan
 
 MACHINE = dict(host_mem="1GB", gpu_mem="1GB", nvme_free="1TB", seq_len=64, vocab_size=8192)
 

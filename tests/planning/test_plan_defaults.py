@@ -19,7 +19,7 @@ from tierzero.engine import Engine
 from tierzero.planning import machine
 from tierzero.planning.ledger import GB
 from tierzero.planning.placement import candidate_placements, estimate
-from tierzero.planning.report import make_plan
+from tierzero.planning.planreport import make_plan
 
 DISK_FREE = 40 * GB
 Usage = namedtuple("Usage", "total used free")

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from tierzero.cli.app import app
 from tierzero.config import Tier
 from tierzero.errors import ConfigError
-from tierzero.planning.report import make_plan
+from tierzero.planning.planreport import make_plan
 
 
 def plan(gpu_mem: str | int, recompute: str = "auto", **kw):

@@ -12,7 +12,7 @@ from tierzero.errors import ConfigError
 from tierzero.planning.ledger import format_rows, ledger
 from tierzero.planning.memory_model import peak_memory
 from tierzero.planning.placement import Link, choose_placement, estimate
-from tierzero.planning.report import make_plan
+from tierzero.planning.planreport import make_plan
 from tierzero.planning.statebytes import StateBytes
 from tierzero.planning.workload import Workload
 

@@ -25,7 +25,7 @@ from tierzero.config import Placement, Tier
 from tierzero.layout.partition import partition
 from tierzero.models import ModelArgs
 from tierzero.planning.memory_model import peak_memory
-from tierzero.planning.report import make_plan
+from tierzero.planning.planreport import make_plan
 from tierzero.planning.streaming import (DEFAULT, MIN_REQUEST_BYTES, Shortfall, Streaming, choose_streaming, ladder,
                                          streamed)
 from tierzero.planning.workload import Workload

@@ -1,6 +1,6 @@
 """`tierzero.plan` for every model `train` takes, `hf:DIR` included.
 
-`tierzero.planning.report.make_plan` plans a preset shape, a parameter count, or a model built
+`tierzero.planning.planreport.make_plan` plans a preset shape, a parameter count, or a model built
 elsewhere given as its units and the LLaMA-like shape its activations are estimated from. This
 builds that for a Hugging Face directory from its `config.json` alone (parameters on `meta`,
 no weight read), so the CLI and Python callers plan an `hf:` model the same way.
@@ -15,7 +15,7 @@ from tierzero.hf.build import is_hf, load_model
 from tierzero.layout.partition import partition
 from tierzero.models.presets import ModelArgs
 from tierzero.planning.ledger import check_world_size
-from tierzero.planning.report import PlanReport, make_plan
+from tierzero.planning.planreport import PlanReport, make_plan
 
 
 def plan(model: str | None = None, gpus: int = 1, **options: Any) -> PlanReport:

@@ -1,1 +1,1 @@
-"""A training run as the CLI drives it: session, loop, data, corpus, run directory, report."""
+"""A training run as the CLI drives it: session, loop, data, corpus, run directory, charts (the report's PNG)."""
