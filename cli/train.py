@@ -162,7 +162,7 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
             out.print(f"[yellow]note:[/] {_long_examples_text(session.fitted)}", highlight=False)
         stage = getattr(session.trainer, "stage", None)
         if ranks.world_size > 1 and stage is not None:
-            out.print(f"ZeRO stage {stage} ({session.trainer.stage_reason}): {STAGE_TEXT[stage]}", highlight=False)
+            out.print(f"ZeRO stage {stage} ({session.trainer.parts.stage_reason}): {STAGE_TEXT[stage]}", highlight=False)
         if start_step >= run.steps:
             out.print(f"the run is already at step {start_step} of {run.steps}: nothing to train; raise --steps to go on")
             if json_out:
