@@ -91,7 +91,9 @@ class Shards:
 
     def put_key(self, kind: StateKind, key: str, src: torch.Tensor) -> None:
         """Write one stored key of `kind` (a CPU tensor) to its home tier; an NVMe write is
-        staged through a leased host buffer, given back once it has landed (`tiers.pending`)."""
+        staged through a leased host buffer, given back once it has landed (`tiers.pending`).
+        A memory tier's old copy goes first: nothing reads it while state is put (an open or a
+        restore), and a write beside it would need its room twice in a pool sized exactly."""
         store = self.tiers.stores[self.placement.home(kind)]
         if self.placement.home(kind) is Tier.NVME:
             staged = self.tiers.lease_host(src.numel() * src.element_size()).view(src.dtype)
@@ -99,6 +101,7 @@ class Shards:
             future = self.tiers.submit(store.write(key, staged))
             self.tiers.pending.add(future, lambda ok: self.tiers.host_pool.give_back(staged.view(torch.uint8)))
         else:
+            self.tiers.run(store.delete(key))
             self.tiers.run(store.write(key, src))
 
     def materialise(self, model: nn.Module, units: list[Unit], seed: int, weights: Any) -> None:
