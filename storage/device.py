@@ -10,6 +10,8 @@ import torch
 from tierzero.storage.memory import MemoryStore
 from tierzero.storage.pool import BufferPool
 
+DEVICE_ALIGNMENT = 256  # bytes every device-pool lease is aligned to (and rounded up to)
+
 
 class DevicePool(BufferPool):
     """Buffers on `device` under a byte budget.
@@ -20,7 +22,7 @@ class DevicePool(BufferPool):
 
     kind = "device"
 
-    def __init__(self, budget_bytes: int, device: torch.device | str, alignment: int = 256) -> None:
+    def __init__(self, budget_bytes: int, device: torch.device | str, alignment: int = DEVICE_ALIGNMENT) -> None:
         super().__init__(budget_bytes, alignment)
         self.device = torch.device(device)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tierzero.config import Config, Offload, Placement, Recompute, StateKind, Tier
+from tierzero.config import TORCH_DTYPES, Config, Offload, Placement, Recompute, StateKind, Tier
 from tierzero.errors import ConfigError
 from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.partition import Unit, forward_only
@@ -28,6 +28,7 @@ from tierzero.planning.memory_model import peak_memory
 from tierzero.planning.peaks import MemoryModel, format_bytes
 from tierzero.planning.recompute import choose_kept, with_kept
 from tierzero.planning.streaming import Shortfall, Streaming, choose_streaming, ladder
+from tierzero.planning.statebytes import StateBytes
 from tierzero.planning.workload import Workload, steps_on_gpu
 from tierzero.storage.base import BudgetExceededError
 
@@ -57,6 +58,12 @@ class Sizing:
         self.given = [name for name, v in (("piece_numel", self.config.piece_numel),
                                            ("--prefetch-depth", self.config.prefetch_depth)) if v is not None]
 
+    @property
+    def formats(self) -> StateBytes:
+        """How this run stores its master and moments, as the memory model counts them."""
+        compute = next(d for d, t in TORCH_DTYPES.items() if t == self.dtype)
+        return StateBytes.for_compute(self.config.optimizer_state, self.config.master, compute)
+
     def workload(self, stage: int, activations: ActivationEstimate | None = None,
                  streaming: Streaming | None = None) -> Workload:
         """This rank's units and how it steps them at `stage` (activations when known) with
@@ -67,7 +74,7 @@ class Sizing:
         return Workload.from_units(self.units, self.dtype.itemsize, device="cpu" if self.device.type == "cpu" else "cuda",
                                    prefetch_depth=s.prefetch_depth, piece_numel=s.piece_numel, overlap=self.overlap,
                                    overlap_comm=c.overlap_comm, stage=stage, accumulate=c.accumulate,
-                                   activations=activations)
+                                   activations=activations, formats=self.formats)
 
     def memory(self, placement: Placement, stage: int, activations: ActivationEstimate | None = None) -> MemoryModel:
         """This rank's share of the memory model at `placement` and `stage` (activations when

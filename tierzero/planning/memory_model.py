@@ -314,6 +314,8 @@ def _homes(work: Workload, placement: Placement, host_keys: Callable[[StateKind]
         stored = stored_param if kind is StateKind.PARAM else state
         if home is Tier.HOST and host_keys is not None:
             homes[home] += host_keys(kind)
+        elif home is Tier.GPU and kind is not StateKind.PARAM:  # a device-pool key per piece
+            homes[home] += sum(work.device_home_nbytes(kind, n) for n in stored)
         else:  # each unit's run in its stored format (FP32_NBYTES: grads are fp32)
             homes[home] += sum(work.formats.nbytes(kind, n, work.compute_itemsize, FP32_NBYTES)
                                for n in stored) * (1 if home is Tier.GPU else w)

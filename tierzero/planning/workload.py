@@ -16,13 +16,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tierzero.config import OPTIMIZER_KINDS, PIECE_NUMEL, PREFETCH_DEPTH, Placement, StateKind, Tier
+from tierzero.config import OPTIMIZER_KINDS, PIECE_NUMEL, PREFETCH_DEPTH, Placement, StateFormat, StateKind, Tier
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit, padded_numel
 from tierzero.models.presets import ModelArgs
 from tierzero.planning.ledger import (EMBEDDING_UNIT, HEAD_UNIT, ROOT_UNIT, ActivationEstimate, UnitSize,
                                       check_world_size, scaled_units, units_from_args)
 from tierzero.planning.statebytes import FP32_STATE, StateBytes
+from tierzero.storage.device import DEVICE_ALIGNMENT
 
 def steps_on_gpu(placement: Placement) -> bool:
     """Whether the optimizer steps on the compute device: only when every optimizer state lives
@@ -141,6 +142,16 @@ class Workload:
         """Bytes of `numel` elements of `kind` stored as one run (int8 moments: with a scale
         per started block, so per parameter only over whole blocks)."""
         return self.formats.nbytes(kind, numel, self.compute_itemsize, self.grad_itemsize)
+
+    def device_home_nbytes(self, kind: StateKind, numel: int) -> int:
+        """Bytes a unit's run of `numel` elements of state `kind` takes as device-pool keys: one
+        per piece, each leased at the pool's alignment (an int8 piece's scales unalign it; every
+        other kind's pieces are whole blocks of 2048 elements, so their run is counted as it is)."""
+        if kind not in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ) or self.formats.optimizer_state is not StateFormat.INT8:
+            return self.nbytes(kind, numel)
+        full, rest = divmod(numel, self.piece_numel)
+        aligned = lambda n: -(-self.nbytes(kind, n) // DEVICE_ALIGNMENT) * DEVICE_ALIGNMENT
+        return full * aligned(self.piece_numel) + (aligned(rest) if rest else 0)
 
     def state_nbytes(self, kind: StateKind) -> int:
         """One rank's bytes of `kind` for the parameters it holds states for
