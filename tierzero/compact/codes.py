@@ -70,18 +70,28 @@ def bucket_starts(signed: bool) -> torch.Tensor:
     return starts.clamp_(max=bounds.numel() - 1)
 
 
+@functools.lru_cache(maxsize=None)
+def bucket_bounds(signed: bool) -> torch.Tensor:
+    """Per bucket (`bucket_starts`), the midpoint its values are compared with: the next one."""
+    return midpoints(signed)[bucket_starts(signed)]
+
+
 class Scratch:
-    """Working buffers for quantising up to `numel` values at once, reused call after call."""
+    """Working buffers for quantising up to `numel` values at once, reused call after call. The
+    lookups index by int32 (half the bytes of int64) and the bucket tables are uint8 starts and
+    fp32 next midpoints, both indexed by a value's top 16 bits, so the two lookups do not wait
+    on each other and the codes are written as uint8 straight away."""
 
     def __init__(self, numel: int, device: torch.device) -> None:
         self.numel = numel
         self.device = device
-        self.index = torch.empty(numel, dtype=torch.int64, device=device)
+        self.index = torch.empty(numel, dtype=torch.uint8, device=device)
         self.magnitude = torch.empty(numel, dtype=torch.float32, device=device)
         self.bits = torch.empty(numel, dtype=torch.int32, device=device)
+        self.above = torch.empty(numel, dtype=torch.bool, device=device)
         self.codes: dict[bool, torch.Tensor] = {s: code_map(s).to(device) for s in (False, True)}
-        self.bounds = {s: midpoints(s).to(device) for s in (False, True)}
-        self.starts = {s: bucket_starts(s).to(device) for s in (False, True)}
+        self.starts = {s: bucket_starts(s).to(device, torch.uint8) for s in (False, True)}
+        self.bounds = {s: bucket_bounds(s).to(device) for s in (False, True)}
 
 
 def _whole_and_tail(x: torch.Tensor) -> list[tuple[torch.Tensor, slice]]:
@@ -101,34 +111,39 @@ def quantise(values: torch.Tensor, signed: bool, codes: torch.Tensor, absmax: to
     absmax into fp32 `absmax` (`nblocks(values.numel())` of them). `values` is overwritten
     with the normalised values. A block of zeros stores absmax 0 and code 0.0."""
     n = values.numel()
-    index, magnitudes = scratch.index[:n], scratch.magnitude[:n]
+    magnitudes = scratch.magnitude[:n]
     torch.abs(values, out=magnitudes)
     for (block, rows), (magnitude, _) in zip(_whole_and_tail(values), _whole_and_tail(magnitudes)):
         top = absmax[rows]
         torch.amax(magnitude, dim=1, out=top)
         block.div_(torch.where(top > 0, top, torch.ones_like(top)).unsqueeze(1))
-    nearest(values, signed, scratch, index)
+    nearest(values, signed, scratch, codes)
     if not signed:  # a positive exp_avg_sq never becomes 0: see the module's docstring
-        index.add_((index == 0) & (values > 0))
-    codes.copy_(index)
+        above = scratch.above[:n]
+        torch.eq(codes, 0, out=above).logical_and_(values > 0)
+        codes.add_(above)
 
 
 def nearest(values: torch.Tensor, signed: bool, scratch: Scratch, index: torch.Tensor) -> None:
     """The nearest code's index of each normalised value: `torch.searchsorted(midpoints(signed),
-    values)`, by the bucket of its top 16 bits (`bucket_starts`)."""
+    values)`, by the bucket of its top 16 bits (`bucket_starts`); `index`: uint8, or any integer
+    dtype by way of the scratch's uint8."""
     n = values.numel()
-    bits, above = scratch.bits[:n], scratch.magnitude[:n]
-    torch.bitwise_right_shift(values.view(torch.int32), 16, out=bits)
-    torch.index_select(scratch.starts[signed], 0, bits.bitwise_and_(0xFFFF), out=index)
-    torch.index_select(scratch.bounds[signed], 0, index, out=above)  # the next midpoint
-    index.add_(values > above)
+    bits, next_midpoint, above = scratch.bits[:n], scratch.magnitude[:n], scratch.above[:n]
+    out = index if index.dtype == torch.uint8 else scratch.index[:n]
+    torch.bitwise_right_shift(values.view(torch.int32), 16, out=bits).bitwise_and_(0xFFFF)
+    torch.index_select(scratch.starts[signed], 0, bits, out=out)
+    torch.index_select(scratch.bounds[signed], 0, bits, out=next_midpoint)
+    out.add_(torch.gt(values, next_midpoint, out=above))
+    if out is not index:
+        index.copy_(out)
 
 
 def dequantise(codes: torch.Tensor, absmax: torch.Tensor, signed: bool, out: torch.Tensor,
                scratch: Scratch) -> None:
     """Fill fp32 `out` with the values uint8 `codes` stand for: code * its block's absmax."""
     n = codes.numel()
-    index = scratch.index[:n]
+    index = scratch.bits[:n]
     index.copy_(codes)
     torch.index_select(scratch.codes[signed], 0, index, out=out)
     for block, rows in _whole_and_tail(out):
