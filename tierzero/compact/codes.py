@@ -18,6 +18,7 @@ as within the whole piece. No allocation beyond the outputs and `Scratch` handed
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -76,6 +77,21 @@ def bucket_bounds(signed: bool) -> torch.Tensor:
     return midpoints(signed)[bucket_starts(signed)]
 
 
+@functools.lru_cache(maxsize=None)
+def stored_buckets(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`bucket_starts` and `bucket_bounds` with the unsigned map's exception folded in (a
+    positive value below the first midpoint is stored as code 1, see the module's docstring):
+    such buckets start at 1 and compare with +inf; the bucket of +0 and the positive subnormals
+    starts at 0 and compares with 0.0. The signed map's are the plain ones."""
+    starts, bounds = bucket_starts(signed).clone(), bucket_bounds(signed).clone()
+    if not signed:
+        lowest = (torch.arange(1 << 16, dtype=torch.int32) << 16).view(torch.float32)
+        below = (lowest > 0) & (starts == 0)  # finite positive buckets below the first midpoint (not NaN)
+        starts[below], bounds[below] = 1, math.inf
+        bounds[0] = 0.0
+    return starts, bounds
+
+
 class Scratch:
     """Working buffers for quantising up to `numel` values at once, reused call after call. The
     lookups index by int32 (half the bytes of int64) and the bucket tables are uint8 starts and
@@ -92,6 +108,8 @@ class Scratch:
         self.codes: dict[bool, torch.Tensor] = {s: code_map(s).to(device) for s in (False, True)}
         self.starts = {s: bucket_starts(s).to(device, torch.uint8) for s in (False, True)}
         self.bounds = {s: bucket_bounds(s).to(device) for s in (False, True)}
+        self.stored = {s: (stored_buckets(s)[0].to(device, torch.uint8), stored_buckets(s)[1].to(device))
+                       for s in (False, True)}
 
 
 def _whole_and_tail(x: torch.Tensor) -> list[tuple[torch.Tensor, slice]]:
@@ -117,11 +135,7 @@ def quantise(values: torch.Tensor, signed: bool, codes: torch.Tensor, absmax: to
         top = absmax[rows]
         torch.amax(magnitude, dim=1, out=top)
         block.div_(torch.where(top > 0, top, torch.ones_like(top)).unsqueeze(1))
-    nearest(values, signed, scratch, codes)
-    if not signed:  # a positive exp_avg_sq never becomes 0: see the module's docstring
-        above = scratch.above[:n]
-        torch.eq(codes, 0, out=above).logical_and_(values > 0)
-        codes.add_(above)
+    _lookup(values, *scratch.stored[signed], scratch, codes)
 
 
 def nearest(values: torch.Tensor, signed: bool, scratch: Scratch, index: torch.Tensor) -> None:
@@ -129,14 +143,21 @@ def nearest(values: torch.Tensor, signed: bool, scratch: Scratch, index: torch.T
     values)`, by the bucket of its top 16 bits (`bucket_starts`); `index`: uint8, or any integer
     dtype by way of the scratch's uint8."""
     n = values.numel()
-    bits, next_midpoint, above = scratch.bits[:n], scratch.magnitude[:n], scratch.above[:n]
     out = index if index.dtype == torch.uint8 else scratch.index[:n]
-    torch.bitwise_right_shift(values.view(torch.int32), 16, out=bits).bitwise_and_(0xFFFF)
-    torch.index_select(scratch.starts[signed], 0, bits, out=out)
-    torch.index_select(scratch.bounds[signed], 0, bits, out=next_midpoint)
-    out.add_(torch.gt(values, next_midpoint, out=above))
+    _lookup(values, scratch.starts[signed], scratch.bounds[signed], scratch, out)
     if out is not index:
         index.copy_(out)
+
+
+def _lookup(values: torch.Tensor, starts: torch.Tensor, bounds: torch.Tensor, scratch: Scratch,
+            out: torch.Tensor) -> None:
+    """uint8 `out`: each value's bucket's start, plus one where the value lies above its bound."""
+    n = values.numel()
+    bits, bound, above = scratch.bits[:n], scratch.magnitude[:n], scratch.above[:n]
+    torch.bitwise_right_shift(values.view(torch.int32), 16, out=bits).bitwise_and_(0xFFFF)
+    torch.index_select(starts, 0, bits, out=out)
+    torch.index_select(bounds, 0, bits, out=bound)
+    out.add_(torch.gt(values, bound, out=above))
 
 
 def dequantise(codes: torch.Tensor, absmax: torch.Tensor, signed: bool, out: torch.Tensor,

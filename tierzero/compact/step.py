@@ -31,7 +31,7 @@ from tierzero.compact import codes as codes_mod
 from tierzero.compact.formats import StateFormats, split
 from tierzero.config import STATE_BLOCK, Config, StateKind
 
-SUB_BLOCK = {"cpu": 32 * STATE_BLOCK, "cuda": 128 * STATE_BLOCK}  # values per sub-block: CPU caches, GPU launches
+SUB_BLOCK = {"cpu": 128 * STATE_BLOCK, "cuda": 128 * STATE_BLOCK}  # values per sub-block: fewer, larger ops
 _MASK32 = 0xFFFFFFFF
 _MIX = (0x7FEB352D, 0x2C1B3C6D)  # odd multipliers below 2**31 (so int32 constants)
 _KIND_STREAM = {StateKind.MASTER: 1, StateKind.EXP_AVG: 2, StateKind.EXP_AVG_SQ: 3}
@@ -107,7 +107,8 @@ class CompactStep:
                                absmax[s // STATE_BLOCK:codes_mod.nblocks(e)], self._codes)
             return
         bits = scratch["bits"][:e - s]
-        bits.zero_()  # values outside the spans are bf16 already: zero bits leave them as they are
+        if sum(b - a for a, b, _, _ in inside) < e - s:
+            bits.zero_()  # values outside the spans are bf16 already: zero bits leave them as they are
         for a, b, _, k in inside:
             random_bits(self.config.seed, k + 1, unit, kind, origin + s + a, b - a, scratch, bits[a:b])
         round_stochastic(values, bits, stored[s:e])
