@@ -55,7 +55,8 @@ class CompactStep:
                    for name in ("master", "exp_avg", "exp_avg_sq", "t1", "t2")}
             ints = {name: torch.empty(self.block, dtype=dtype, device=self.device)
                     for name, dtype in (("shift", torch.int32), ("bits", torch.int32))}
-            self._scratch = {**f32, **ints}
+            offsets = torch.arange(self.block, dtype=torch.int32, device=self.device)  # arange is slow: add to these
+            self._scratch = {**f32, **ints, "offsets": offsets}
             self._codes = codes_mod.Scratch(self.block, self.device)
         return self._scratch
 
@@ -165,8 +166,8 @@ def random_bits(seed: int, step: int, unit: int, kind: StateKind, start: int, nu
     Computed in int32 (wrapping mul and add: the bits of uint32 arithmetic), with the logical
     shift `(h >> 16) & 0xFFFF` where int32's arithmetic shift would drag the sign in."""
     shift = scratch["shift"][:numel]
-    torch.arange(numel, out=out)
-    out.add_(_int32(start)).bitwise_xor_(_int32(stream_key(seed, step, unit, kind)))
+    torch.add(scratch["offsets"][:numel], _int32(start), out=out)
+    out.bitwise_xor_(_int32(stream_key(seed, step, unit, kind)))
     for mult in _MIX:
         torch.bitwise_right_shift(out, 16, out=shift).bitwise_and_(0xFFFF)
         out.bitwise_xor_(shift).mul_(mult)
