@@ -2,7 +2,7 @@
 
 The piece is stepped in sub-blocks of `SUB_BLOCK` values (a multiple of `STATE_BLOCK`, so each
 holds whole quantisation blocks): each sub-block's master and moments are decoded into fp32
-scratch, stepped in fp32, and encoded back into the stored piece. The scratch (a few MiB,
+scratch, stepped in fp32, and encoded back into the stored piece. The scratch (about 10 MiB,
 allocated at the first step and reused) is all the fp32 state that ever exists: never a fp32
 copy of a piece, let alone of a unit. fp32 master or moments are stepped in place.
 
