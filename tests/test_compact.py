@@ -12,7 +12,7 @@ import torch
 
 from tierzero.compact import codes
 from tierzero.compact.formats import StateFormats, split
-from tierzero.compact.step import SUB_BLOCK, CompactStep, stream_key
+from tierzero.compact.step import SUB_BLOCK, CompactStep, random_bits, stream_key
 from tierzero.config import STATE_BLOCK, Config, StateKind
 
 MOMENTS = {StateKind.EXP_AVG: True, StateKind.EXP_AVG_SQ: False}  # kind -> signed code map
@@ -168,3 +168,15 @@ def test_the_bucket_lookup_finds_the_nearest_code_as_a_binary_search_does(signed
     index = torch.empty(x.numel(), dtype=torch.int64)
     codes.nearest(x, signed, codes.Scratch(x.numel(), torch.device("cpu")), index)
     assert torch.equal(index, torch.searchsorted(bounds, x))
+
+
+@pytest.mark.parametrize("start", [2 ** 31 - 1000, 2 ** 32 - 1000, 5 * 2 ** 32 + 7])
+def test_the_random_bits_wrap_as_uint32_arithmetic_does_past_the_int32_range(start: int) -> None:
+    """The int32 hash (wrapping mul and add, masked shifts) equals numpy's uint32 one where the
+    positions cross 2**31 and 2**32."""
+    config, n = Config(seed=11), 3000
+    step = CompactStep(StateFormats(master="bf16"), config, torch.device("cpu"))
+    out = torch.empty(n, dtype=torch.int32)
+    random_bits(config.seed, 4, 2, StateKind.MASTER, start, n, step._buffers(), out)
+    want = _ref_bits(config, 4, 2, StateKind.MASTER, np.arange(start, start + n, dtype=np.int64))
+    assert np.array_equal(out.numpy().astype(np.uint32), want)

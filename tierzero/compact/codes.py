@@ -18,6 +18,7 @@ as within the whole piece. No allocation beyond the outputs and `Scratch` handed
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -70,18 +71,45 @@ def bucket_starts(signed: bool) -> torch.Tensor:
     return starts.clamp_(max=bounds.numel() - 1)
 
 
+@functools.lru_cache(maxsize=None)
+def bucket_bounds(signed: bool) -> torch.Tensor:
+    """Per bucket (`bucket_starts`), the midpoint its values are compared with: the next one."""
+    return midpoints(signed)[bucket_starts(signed)]
+
+
+@functools.lru_cache(maxsize=None)
+def stored_buckets(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`bucket_starts` and `bucket_bounds` with the unsigned map's exception folded in (a
+    positive value below the first midpoint is stored as code 1, see the module's docstring):
+    such buckets start at 1 and compare with +inf; the bucket of +0 and the positive subnormals
+    starts at 0 and compares with 0.0. The signed map's are the plain ones."""
+    starts, bounds = bucket_starts(signed).clone(), bucket_bounds(signed).clone()
+    if not signed:
+        lowest = (torch.arange(1 << 16, dtype=torch.int32) << 16).view(torch.float32)
+        below = (lowest > 0) & (starts == 0)  # finite positive buckets below the first midpoint (not NaN)
+        starts[below], bounds[below] = 1, math.inf
+        bounds[0] = 0.0
+    return starts, bounds
+
+
 class Scratch:
-    """Working buffers for quantising up to `numel` values at once, reused call after call."""
+    """Working buffers for quantising up to `numel` values at once, reused call after call. The
+    lookups index by int32 (half the bytes of int64) and the bucket tables are uint8 starts and
+    fp32 next midpoints, both indexed by a value's top 16 bits, so the two lookups do not wait
+    on each other and the codes are written as uint8 straight away."""
 
     def __init__(self, numel: int, device: torch.device) -> None:
         self.numel = numel
         self.device = device
-        self.index = torch.empty(numel, dtype=torch.int64, device=device)
+        self.index = torch.empty(numel, dtype=torch.uint8, device=device)
         self.magnitude = torch.empty(numel, dtype=torch.float32, device=device)
         self.bits = torch.empty(numel, dtype=torch.int32, device=device)
+        self.above = torch.empty(numel, dtype=torch.bool, device=device)
         self.codes: dict[bool, torch.Tensor] = {s: code_map(s).to(device) for s in (False, True)}
-        self.bounds = {s: midpoints(s).to(device) for s in (False, True)}
-        self.starts = {s: bucket_starts(s).to(device) for s in (False, True)}
+        self.starts = {s: bucket_starts(s).to(device, torch.uint8) for s in (False, True)}
+        self.bounds = {s: bucket_bounds(s).to(device) for s in (False, True)}
+        self.stored = {s: (stored_buckets(s)[0].to(device, torch.uint8), stored_buckets(s)[1].to(device))
+                       for s in (False, True)}
 
 
 def _whole_and_tail(x: torch.Tensor) -> list[tuple[torch.Tensor, slice]]:
@@ -101,34 +129,42 @@ def quantise(values: torch.Tensor, signed: bool, codes: torch.Tensor, absmax: to
     absmax into fp32 `absmax` (`nblocks(values.numel())` of them). `values` is overwritten
     with the normalised values. A block of zeros stores absmax 0 and code 0.0."""
     n = values.numel()
-    index, magnitudes = scratch.index[:n], scratch.magnitude[:n]
+    magnitudes = scratch.magnitude[:n]
     torch.abs(values, out=magnitudes)
     for (block, rows), (magnitude, _) in zip(_whole_and_tail(values), _whole_and_tail(magnitudes)):
         top = absmax[rows]
         torch.amax(magnitude, dim=1, out=top)
         block.div_(torch.where(top > 0, top, torch.ones_like(top)).unsqueeze(1))
-    nearest(values, signed, scratch, index)
-    if not signed:  # a positive exp_avg_sq never becomes 0: see the module's docstring
-        index.add_((index == 0) & (values > 0))
-    codes.copy_(index)
+    _lookup(values, *scratch.stored[signed], scratch, codes)
 
 
 def nearest(values: torch.Tensor, signed: bool, scratch: Scratch, index: torch.Tensor) -> None:
     """The nearest code's index of each normalised value: `torch.searchsorted(midpoints(signed),
-    values)`, by the bucket of its top 16 bits (`bucket_starts`)."""
+    values)`, by the bucket of its top 16 bits (`bucket_starts`); `index`: uint8, or any integer
+    dtype by way of the scratch's uint8."""
     n = values.numel()
-    bits, above = scratch.bits[:n], scratch.magnitude[:n]
-    torch.bitwise_right_shift(values.view(torch.int32), 16, out=bits)
-    torch.index_select(scratch.starts[signed], 0, bits.bitwise_and_(0xFFFF), out=index)
-    torch.index_select(scratch.bounds[signed], 0, index, out=above)  # the next midpoint
-    index.add_(values > above)
+    out = index if index.dtype == torch.uint8 else scratch.index[:n]
+    _lookup(values, scratch.starts[signed], scratch.bounds[signed], scratch, out)
+    if out is not index:
+        index.copy_(out)
+
+
+def _lookup(values: torch.Tensor, starts: torch.Tensor, bounds: torch.Tensor, scratch: Scratch,
+            out: torch.Tensor) -> None:
+    """uint8 `out`: each value's bucket's start, plus one where the value lies above its bound."""
+    n = values.numel()
+    bits, bound, above = scratch.bits[:n], scratch.magnitude[:n], scratch.above[:n]
+    torch.bitwise_right_shift(values.view(torch.int32), 16, out=bits).bitwise_and_(0xFFFF)
+    torch.index_select(starts, 0, bits, out=out)
+    torch.index_select(bounds, 0, bits, out=bound)
+    out.add_(torch.gt(values, bound, out=above))
 
 
 def dequantise(codes: torch.Tensor, absmax: torch.Tensor, signed: bool, out: torch.Tensor,
                scratch: Scratch) -> None:
     """Fill fp32 `out` with the values uint8 `codes` stand for: code * its block's absmax."""
     n = codes.numel()
-    index = scratch.index[:n]
+    index = scratch.bits[:n]
     index.copy_(codes)
     torch.index_select(scratch.codes[signed], 0, index, out=out)
     for block, rows in _whole_and_tail(out):

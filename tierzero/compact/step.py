@@ -2,7 +2,7 @@
 
 The piece is stepped in sub-blocks of `SUB_BLOCK` values (a multiple of `STATE_BLOCK`, so each
 holds whole quantisation blocks): each sub-block's master and moments are decoded into fp32
-scratch, stepped in fp32, and encoded back into the stored piece. The scratch (a few MiB,
+scratch, stepped in fp32, and encoded back into the stored piece. The scratch (about 10 MiB,
 allocated at the first step and reused) is all the fp32 state that ever exists: never a fp32
 copy of a piece, let alone of a unit. fp32 master or moments are stepped in place.
 
@@ -31,9 +31,9 @@ from tierzero.compact import codes as codes_mod
 from tierzero.compact.formats import StateFormats, split
 from tierzero.config import STATE_BLOCK, Config, StateKind
 
-SUB_BLOCK = {"cpu": 32 * STATE_BLOCK, "cuda": 128 * STATE_BLOCK}  # values per sub-block: CPU caches, GPU launches
+SUB_BLOCK = {"cpu": 128 * STATE_BLOCK, "cuda": 128 * STATE_BLOCK}  # values per sub-block: fewer, larger ops
 _MASK32 = 0xFFFFFFFF
-_MIX = (0x7FEB352D, 0x2C1B3C6D)  # odd multipliers below 2**31: a 32-bit value times one stays inside int64
+_MIX = (0x7FEB352D, 0x2C1B3C6D)  # odd multipliers below 2**31 (so int32 constants)
 _KIND_STREAM = {StateKind.MASTER: 1, StateKind.EXP_AVG: 2, StateKind.EXP_AVG_SQ: 3}
 
 Span = tuple[int, int, float, int]  # (start, end) in the piece, weight decay, updates already applied
@@ -54,8 +54,9 @@ class CompactStep:
             f32 = {name: torch.empty(self.block, dtype=torch.float32, device=self.device)
                    for name in ("master", "exp_avg", "exp_avg_sq", "t1", "t2")}
             ints = {name: torch.empty(self.block, dtype=dtype, device=self.device)
-                    for name, dtype in (("hash", torch.int64), ("shift", torch.int64), ("bits", torch.int32))}
-            self._scratch = {**f32, **ints}
+                    for name, dtype in (("shift", torch.int32), ("bits", torch.int32))}
+            offsets = torch.arange(self.block, dtype=torch.int32, device=self.device)  # arange is slow: add to these
+            self._scratch = {**f32, **ints, "offsets": offsets}
             self._codes = codes_mod.Scratch(self.block, self.device)
         return self._scratch
 
@@ -107,7 +108,8 @@ class CompactStep:
                                absmax[s // STATE_BLOCK:codes_mod.nblocks(e)], self._codes)
             return
         bits = scratch["bits"][:e - s]
-        bits.zero_()  # values outside the spans are bf16 already: zero bits leave them as they are
+        if sum(b - a for a, b, _, _ in inside) < e - s:
+            bits.zero_()  # values outside the spans are bf16 already: zero bits leave them as they are
         for a, b, _, k in inside:
             random_bits(self.config.seed, k + 1, unit, kind, origin + s + a, b - a, scratch, bits[a:b])
         round_stochastic(values, bits, stored[s:e])
@@ -151,18 +153,26 @@ def _mix_int(h: int) -> int:
     return h ^ (h >> 16)
 
 
+def _int32(x: int) -> int:
+    """A 32-bit pattern as the int32 value with the same bits."""
+    x &= _MASK32
+    return x - (1 << 32) if x >= 1 << 31 else x
+
+
 def random_bits(seed: int, step: int, unit: int, kind: StateKind, start: int, numel: int,
                 scratch: dict[str, torch.Tensor], out: torch.Tensor) -> None:
-    """16 random bits (int32, 0..65535) per position start..start+numel-1 of a unit's flat buffer."""
-    h, shift = scratch["hash"][:numel], scratch["shift"][:numel]
-    torch.arange(start, start + numel, out=h)
-    h.bitwise_and_(_MASK32).bitwise_xor_(stream_key(seed, step, unit, kind))
+    """16 random bits (int32, 0..65535) per position start..start+numel-1 of a unit's flat buffer.
+
+    Computed in int32 (wrapping mul and add: the bits of uint32 arithmetic), with the logical
+    shift `(h >> 16) & 0xFFFF` where int32's arithmetic shift would drag the sign in."""
+    shift = scratch["shift"][:numel]
+    torch.add(scratch["offsets"][:numel], _int32(start), out=out)
+    out.bitwise_xor_(_int32(stream_key(seed, step, unit, kind)))
     for mult in _MIX:
-        torch.bitwise_right_shift(h, 16, out=shift)
-        h.bitwise_xor_(shift).mul_(mult).bitwise_and_(_MASK32)
-    torch.bitwise_right_shift(h, 16, out=shift)
-    h.bitwise_xor_(shift).bitwise_and_(0xFFFF)
-    out.copy_(h)
+        torch.bitwise_right_shift(out, 16, out=shift).bitwise_and_(0xFFFF)
+        out.bitwise_xor_(shift).mul_(mult)
+    torch.bitwise_right_shift(out, 16, out=shift)
+    out.bitwise_xor_(shift).bitwise_and_(0xFFFF)
 
 
 def round_stochastic(values: torch.Tensor, bits: torch.Tensor, out: torch.Tensor) -> None:

@@ -1,0 +1,71 @@
+"""How fast the compact optimizer step runs on the CPU, against torch's fused fp32 AdamW.
+
+For each format combination (fp32 / bf16 / int8 moments x fp32 / bf16 master) this steps one
+piece (16M values by default) with `CompactStep` and, interleaved round by round so a noisy
+machine slows both alike, the same piece's fp32 state with torch's fused AdamW
+(`tierzero.adamw.adamw_step`). It prints the median M params/s of each and their ratio.
+fp32 master and moments are not a compact step (the engine runs torch's AdamW for them), but
+the row shows the sub-block formula's own cost.
+
+    nice python benchmarks/compact_step.py              # 16M values, 5 rounds
+    nice python benchmarks/compact_step.py --numel 4000000 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from tierzero.adamw import adamw_step
+from tierzero.compact.formats import StateFormats
+from tierzero.compact.step import CompactStep
+from tierzero.config import Config, StateKind
+
+FORMATS = [(m, w) for m in ("fp32", "bf16", "int8") for w in ("fp32", "bf16")]  # (moments, master)
+
+
+def compact_tensors(formats: StateFormats, n: int) -> dict[StateKind, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {StateKind.MASTER: formats.encode(StateKind.MASTER, torch.randn(n, generator=g) * 0.05),
+            StateKind.EXP_AVG: formats.encode(StateKind.EXP_AVG, torch.randn(n, generator=g) * 1e-3),
+            StateKind.EXP_AVG_SQ: formats.encode(StateKind.EXP_AVG_SQ, torch.rand(n, generator=g) * 1e-6),
+            StateKind.GRAD: torch.randn(n, generator=g) * 1e-2}
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=16 * 2 ** 20)
+    parser.add_argument("--rounds", type=int, default=5)
+    opts = parser.parse_args()
+    n, config = opts.numel, Config(lr=1e-3, weight_decay=0.1, seed=7)
+    fused = [torch.randn(n) * 0.05, torch.randn(n) * 1e-2, torch.zeros(n), torch.zeros(n)]
+    steps = {f: (CompactStep(StateFormats(*f), config, torch.device("cpu")), compact_tensors(StateFormats(*f), n))
+             for f in FORMATS}
+    times: dict[tuple[str, str] | str, list[float]] = {key: [] for key in [*FORMATS, "fused"]}
+    for r in range(opts.rounds + 1):  # round 0 warms up the scratch and allocator
+        for f, (stepper, tensors) in steps.items():
+            for key, fn in (("fused", lambda: adamw_step([fused[0]], [fused[1]], [fused[2]], [fused[3]],
+                                                         [0.1], [r], 1e-3, config)),
+                            (f, lambda: stepper.step(tensors, [(0, n, 0.1, r)], 1e-3, 0, 0))):
+                elapsed = timed(fn)
+                if r:
+                    times[key].append(elapsed)
+    rate = {key: n / statistics.median(t) / 1e6 for key, t in times.items()}
+    print(f"{n} values, {torch.get_num_threads()} threads, median of {opts.rounds} interleaved rounds")
+    print(f"torch fused AdamW (fp32): {rate['fused']:8.1f} M params/s")
+    print(f"{'moments':>8} {'master':>7} {'M params/s':>11} {'vs fused':>9}")
+    for f in FORMATS:
+        print(f"{f[0]:>8} {f[1]:>7} {rate[f]:11.1f} {rate[f] / rate['fused']:9.3f}")
+
+
+if __name__ == "__main__":
+    main()
