@@ -7,6 +7,7 @@ training loss over the last 50 steps and its ratio to fp32's (the aim: within 1%
 (and their 20-step running means) go to `--out`.
 
     nice python benchmarks/compact_quality.py                    # tiny, 300 steps
+    nice python benchmarks/compact_quality.py --model hf:DIR     # a full fine-tune of a Hugging Face decoder
     nice python benchmarks/compact_quality.py --preset 125m --batch-size 2 --seq-len 64
 """
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from tierzero import Config, models
 from tierzero.engine import Engine
+from tierzero.hf import load_model
 from tierzero.models.presets import get_preset
 from tierzero.run.data import TokenBatches, default_corpus
 
@@ -30,13 +32,19 @@ def train(preset: str, moments: str, master: str, opts: argparse.Namespace, path
     cfg = Config(offload=opts.offload, nvme_path=[path], lr=opts.lr, total_steps=opts.steps,
                  warmup_steps=opts.steps // 20, optimizer_state=moments, master=master, seed=0)
     data = TokenBatches(default_corpus(), opts.batch_size, opts.seq_len, seed=0)
-    with Engine(models.build(get_preset(preset), device="meta", seed=0), cfg) as engine:
+    if opts.model is not None:  # every weight of the directory's model trained, from its own weights
+        hf = load_model(opts.model)
+        model, weights = hf.model, hf.weights
+    else:
+        model, weights = models.build(get_preset(preset), device="meta", seed=0), None
+    with Engine(model, cfg, weights=weights) as engine:
         return [engine.train_step(data.next_batch()) for _ in range(opts.steps)]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny")
+    p.add_argument("--model", default=None, help="hf:DIR, a Hugging Face decoder (vocabulary >= 256: the corpus is bytes)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
@@ -51,7 +59,8 @@ def main() -> None:
             losses[name] = train(opts.preset, moments, master, opts, path)
         print(f"{name}: last-{TAIL} mean loss {np.mean(losses[name][-TAIL:]):.4f}", flush=True)
     base = np.mean(losses["fp32"][-TAIL:])
-    print(f"{opts.preset}, {opts.steps} steps, batch {opts.batch_size} x {opts.seq_len}, lr {opts.lr}")
+    trained = opts.model or opts.preset
+    print(f"{trained}, {opts.steps} steps, batch {opts.batch_size} x {opts.seq_len}, lr {opts.lr}")
     print(f"{'state':<20} {'last-50 mean':>12} {'vs fp32':>8}")
     for name, curve in losses.items():
         mean = np.mean(curve[-TAIL:])
@@ -71,7 +80,7 @@ def plot(losses: dict[str, list[float]], opts: argparse.Namespace) -> None:
         window = min(20, len(curve))
         smooth = np.convolve(curve, np.ones(window) / window, mode="valid")
         ax.plot(np.arange(window - 1, len(curve)), smooth, color=line.get_color(), label=name)
-    ax.set(xlabel="step", ylabel="training loss", title=f"{opts.preset}: optimizer state formats")
+    ax.set(xlabel="step", ylabel="training loss", title=f"{opts.model or opts.preset}: optimizer state formats")
     ax.legend()
     fig.savefig(opts.out, dpi=120, bbox_inches="tight")
     print(f"wrote {opts.out}")
