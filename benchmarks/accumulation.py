@@ -20,7 +20,6 @@ the small one), written there with `save_pretrained` (config only).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import tempfile
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from rich.table import Table
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.hf import is_hf, load_model
+from tierzero.bench.shapes import nvme_shape
 from tierzero.models import ModelArgs
 from tierzero.run.data import TokenBatches, default_corpus
 
@@ -93,10 +93,7 @@ def main() -> None:
     p.add_argument("--prefetch-depth", type=int, default=None, help="default: the engine's choice for the budget")
     p.add_argument("--nvme-path", default=None, help="a directory on the drive to measure (default: a temp dir)")
     opts = p.parse_args()
-    args = ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=32000, ffn_dim=2048)  # 134.1M
-    if opts.quick:
-        args = dataclasses.replace(args, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=4096)
-        opts.host_budget = "256MiB"
+    args, opts.host_budget = nvme_shape(opts.quick, opts.host_budget)
     accumulations = tuple(int(k) for k in opts.accumulate.split(","))
     if opts.model is not None and not is_hf(opts.model):
         p.error("--model takes hf:DIR")

@@ -16,7 +16,6 @@ each format's bytes per step relative to fp32's.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import subprocess
 import tempfile
 import time
@@ -27,6 +26,7 @@ from rich.table import Table
 from tierzero import Config, Placement, Tier, models
 from tierzero.checkpoint.inspect import store_info
 from tierzero.engine import Engine
+from tierzero.bench.shapes import nvme_shape
 from tierzero.models import ModelArgs
 from tierzero.run.data import TokenBatches, default_corpus
 
@@ -65,10 +65,7 @@ def main() -> None:
     p.add_argument("--host-budget", default="512MiB", help="small enough that the host cache cannot hold the params")
     p.add_argument("--nvme-path", default=None, help="a directory on the drive to measure (default: a temp dir)")
     opts = p.parse_args()
-    args = ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=32000, ffn_dim=2048)  # 134.1M
-    if opts.quick:
-        args = dataclasses.replace(args, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=4096)
-        opts.host_budget = "256MiB"
+    args, opts.host_budget = nvme_shape(opts.quick, opts.host_budget)
     console = Console()
     n = sum(p.numel() for p in models.build(args, device="meta").parameters())
     console.print(f"built-in: {n / 1e6:.1f}M params, {opts.dtype} compute, everything on NVMe, micro-batch "
