@@ -115,7 +115,8 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None,
     found = newest_checkpoint(run_dir, verify=verify)
     if found is None:
         raise CheckpointError(f"run '{run_dir}' has no complete checkpoint yet; train with "
-                              "--checkpoint-every N (a run also checkpoints when it finishes)")
+                              "--checkpoint-every N (a run also checkpoints when it finishes, but one "
+                              "with --offload none, the in-memory reference trainer, keeps none)")
     return found
 
 
