@@ -215,7 +215,7 @@ def restore(engine: EngineParts, path: Path, manifest: Manifest) -> None:
     _load_rng_state(rng, engine.device, path)
 
 
-def _check_formats(engine: Checkpointed, manifest: Manifest, path: Path) -> None:
+def _check_formats(engine: EngineParts, manifest: Manifest, path: Path) -> None:
     """Refuse a checkpoint whose master or moments are stored in other formats than this
     engine steps (a checkpoint from before compact state has fp32 ones)."""
     ours = engine.shards.formats.describe()

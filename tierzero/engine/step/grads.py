@@ -43,7 +43,6 @@ from tierzero.engine.parts import EngineParts
 from tierzero.layout.partition import Unit, grad_uses, piece_ranges
 from tierzero.storage.base import BudgetExceededError
 from tierzero.engine.runtime.streams import Event
-from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.keys import state_keys
 from tierzero.planning.placement import Link
 

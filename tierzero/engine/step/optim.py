@@ -190,7 +190,6 @@ class ShardOptimizer(PieceWrites):
         """Start bringing a piece's optimizer states (and its grad, if asked) to the stepping device;
         `previous` (a re-step): only nvme ones, as held (`NvmeStore.hold`). Every buffer is leased
         first, so `wait=False` (a look-ahead) short of buffers gives them back and raises."""
-        unit = work.unit
         computed: Event = None  # one compute event serves every state of the piece
         kinds = STEP_KINDS if with_grad else OPTIMIZER_KINDS
         for kind in kinds:
