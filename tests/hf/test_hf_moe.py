@@ -25,13 +25,12 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
+from tests.support.hf import plain_adamw, plain_step
 from tierzero import Config, Engine
-from tierzero.adamw import decays, implementation
 from tierzero.checkpoint.export import export_checkpoint
 from tierzero.cli.app import app
 from tierzero.hf import load_model, materialise
 from tierzero.layout.partition import partition
-from tierzero.lr import lr_at
 from tierzero.run.data import TokenBatches, default_corpus
 
 STEPS = 3
@@ -88,19 +87,13 @@ def plain(model_dir: Path, config: Config) -> tuple[list[float], dict[str, torch
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if decays(p)], "weight_decay": config.weight_decay},
-                             {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}],
-                            lr=config.lr, betas=config.betas, eps=config.eps, **implementation(torch.device("cpu")))
+    opt = plain_adamw(model, config)
     data, losses = batches(), []
     for step in range(STEPS):
         x, y = data.next_batch()
         loss = model(input_ids=x, labels=y, shift_labels=y, use_cache=False).loss
         loss.backward()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, config)
-        opt.step()
-        opt.zero_grad()
+        plain_step(opt, step, config)
         losses.append(loss.item())
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 

@@ -16,12 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.hf import save_model
+from tests.support.hf import plain_adamw, plain_step, save_model
 from tierzero import Config, Engine
-from tierzero.adamw import decays, implementation
 from tierzero.hf import SplitCausalLM, load_model
 from tierzero.layout.partition import partition
-from tierzero.lr import lr_at
 from tierzero.run.data import TokenBatches, default_corpus
 
 STEPS = 3
@@ -46,17 +44,11 @@ def plain(model_dir: Path, data: TokenBatches, config: Config) -> dict[str, torc
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if decays(p)], "weight_decay": config.weight_decay},
-                             {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}],
-                            lr=config.lr, betas=config.betas, eps=config.eps, **implementation(torch.device("cpu")))
+    opt = plain_adamw(model, config)
     for step in range(STEPS):
         x, y = data.next_batch()
         F.cross_entropy(model(input_ids=x).logits.float().flatten(0, 1), y.flatten()).backward()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, config)
-        opt.step()
-        opt.zero_grad()
+        plain_step(opt, step, config)
     return dict(model.named_parameters(remove_duplicate=False))
 
 

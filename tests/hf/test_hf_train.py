@@ -21,12 +21,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from tests.support.hf import sample_text
+from tests.support.hf import plain_step, sample_text
 from tierzero.adamw import decays
 from tierzero.cli.app import app
 from tierzero.config import Config
 from tierzero.run.data import TokenBatches
-from tierzero.lr import lr_at
 from tierzero.run.directory import read_metrics
 
 runner = CliRunner()
@@ -69,10 +68,7 @@ def plain_training(model_dir: Path, tokens: np.ndarray) -> tuple[list[float], to
         logits = model(input_ids=x).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         loss.backward()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, config)
-        opt.step()
-        opt.zero_grad()
+        plain_step(opt, step, config)
         losses.append(loss.item())
     return losses, model
 

@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tierzero.adamw import decays, implementation
+from tierzero.config import Config
+from tierzero.lr import lr_at
 from tierzero.run.data import default_corpus
 
 VOCAB = 256
@@ -60,3 +63,19 @@ def hf_models(tmp_path_factory) -> dict[str, Path]:
     llama = save_model("llama", root / "llama")
     save_word_tokenizer(llama, sample_text())
     return {"llama": llama, "gpt2": save_model("gpt2", root / "gpt2")}
+
+
+def plain_adamw(model: torch.nn.Module, config: Config) -> torch.optim.AdamW:
+    """torch's AdamW over a plain model, grouped by weight decay as the engine steps it: the oracle's optimizer."""
+    params = list(model.parameters())
+    return torch.optim.AdamW([{"params": [p for p in params if decays(p)], "weight_decay": config.weight_decay},
+                              {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}],
+                             lr=config.lr, betas=config.betas, eps=config.eps, **implementation(torch.device("cpu")))
+
+
+def plain_step(opt: torch.optim.Optimizer, step: int, config: Config) -> None:
+    """One optimizer step of the oracle at the schedule's lr for `step`, grads cleared after."""
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, config)
+    opt.step()
+    opt.zero_grad()
