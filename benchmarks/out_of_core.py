@@ -2,14 +2,18 @@
 
 The script picks a LLaMA-style shape (vocab 32000, untied embedding and head) whose training
 state -- every state kind on NVMe: param, grad, master, exp_avg, exp_avg_sq, 20 bytes per
-parameter in fp32 (18 in bf16: gradients and the optimizer stay fp32) -- is at least
-`--ram-multiple` x this machine's RAM (MemTotal), builds it on `meta`, and trains it a few
-steps through `tierzero.Engine` with a host budget of `--host-fraction` x RAM. It reports:
+parameter in fp32 (18 in bf16: gradients stay fp32; fewer with `--optimizer-state` and
+`--master`: int8 moments and a bf16 master with bf16 compute store 8.0) -- is at least
+`--ram-multiple` x this machine's RAM (MemTotal), or takes a preset's shape (`--preset 7b`),
+builds it on `meta`, and trains it a few steps through `tierzero.Engine` with a host budget of
+`--host-fraction` x RAM. It reports:
 
 - the shape, the state's bytes, RAM, the budgets;
 - peak resident memory from the OS, per phase (disk measurement, materialise, each training
   step): VmHWM, reset at each phase's start through /proc/self/clear_refs, and the largest
-  VmRSS sampled every 0.2 s by a background thread (the two should agree);
+  VmRSS sampled every 0.2 s by a background thread (the two should agree); and the disk space
+  the run used at its peak (the drive's used bytes, sampled beside VmRSS, less those used
+  before the run began);
 - per step: loss, step time, every `bytes_*` and `peak_*` counter of `engine.stats()` (bytes
   per tier and direction, whatever the engine reports; the pools' peaks, reset before every
   step so they are per step), NVMe bytes per parameter, this process's read_bytes /
@@ -33,6 +37,7 @@ removed at the end, also after an error or Ctrl-C. If the engine refuses the bud
     python benchmarks/out_of_core.py                              # 1.5x RAM: ~60 GB free, 10+ min
     python benchmarks/out_of_core.py --dry-run-params 50000000    # same code, ~50M params, ~1 min
     python benchmarks/out_of_core.py --steps 5 --path /mnt/ssd0 --json
+    python benchmarks/out_of_core.py --preset 7b --dtype bf16 --optimizer-state int8 --master bf16
 
 Never run in CI. (Past 500 lines: one self-contained script, like the other benchmarks; the
 probe -- `RssWatch` -- and the report would move to a module if a second
@@ -63,10 +68,12 @@ from rich.table import Table
 
 from tierzero import Config, Engine, models
 from tierzero.planning import speeds as compute_bench
-from tierzero.config import parse_bytes
 from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.errors import ConfigError
+from tierzero.config import DType, StateKind, parse_bytes
 from tierzero.models import ModelArgs
+from tierzero.models.presets import get_preset
+from tierzero.planning.statebytes import StateBytes
 from tierzero.planning.diskbench import FOOTPRINT as BENCH_FOOTPRINT, DiskBench
 from tierzero.storage.host import HostPool
 from tierzero.storage.io import IOLoop
@@ -120,7 +127,10 @@ class RssWatch:
     the process started, and the report says so.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, disk: Path) -> None:
+        self.disk = disk
+        self.disk_used0 = shutil.disk_usage(disk).used
+        self.disk_peak = 0  # the drive's used bytes above disk_used0, at most
         self.at_start: dict[str, int] = {}  # VmRSS as the phase began
         self.hwm: dict[str, int] = {}
         self.sampled: dict[str, int] = {}
@@ -139,6 +149,7 @@ class RssWatch:
 
     def _sample(self) -> None:
         while not self._stop.wait(RSS_SAMPLE_S):
+            self.disk_peak = max(self.disk_peak, shutil.disk_usage(self.disk).used - self.disk_used0)
             phase = self._phase
             if phase is not None:
                 rss = proc_status_bytes("VmRSS")
@@ -169,9 +180,12 @@ class RssWatch:
 
 # -- the model -----------------------------------------------------------------------------------
 
-def state_bytes_per_param(dtype: str) -> int:
-    """param in the compute dtype, grad (fp32 in tierzero), master, exp_avg, exp_avg_sq (fp32)."""
-    return (2 if dtype == "bf16" else 4) + 4 + 4 + 4 + 4
+def state_bytes_per_param(dtype: str, formats: StateBytes) -> float:
+    """param in the compute dtype (none of its own when it is the bf16 master), grad (fp32 in
+    tierzero), master and both Adam moments in their stored formats."""
+    itemsize = 2 if dtype == "bf16" else 4
+    kinds = [k for k in StateKind if not (k is StateKind.PARAM and formats.one_weight)]
+    return sum(formats.per_param(k, itemsize, grad_itemsize=4) for k in kinds)
 
 
 def llama_shape(target_params: int, seq_len: int) -> ModelArgs:
@@ -241,12 +255,15 @@ def init_params_per_s(numel: int = 1 << 22, seconds: float = 0.5) -> float:
 
 
 def estimate(params: int, state_bytes: int, itemsize: int, tokens: int, steps: int,
-             disk: dict[str, Any], dtype: torch.dtype) -> Estimate:
+             disk: dict[str, Any], dtype: torch.dtype, formats: StateBytes) -> Estimate:
     tflops = compute_bench.matmul_tflops(dtype, n=1024, seconds=0.5)
     adam = compute_bench.adam_params_per_s(seconds=0.5)
     init = init_params_per_s()
     read_bw, write_bw = disk["read_gbps"] * GB, disk["write_gbps"] * GB
-    read, write = params * (2 * itemsize + 12), params * (itemsize + 12)
+    optimizer = sum(formats.per_param(k, itemsize) for k in (StateKind.MASTER, StateKind.EXP_AVG,
+                                                             StateKind.EXP_AVG_SQ))
+    written_param = 0 if formats.one_weight else itemsize  # else the step writes the param as its master
+    read, write = int(params * (2 * itemsize + optimizer)), int(params * (written_param + optimizer))
     step = 8 * params * tokens / (tflops * 1e12) + params / adam + read / read_bw + write / write_bw
     materialise = params / init + 2 * state_bytes / write_bw
     return Estimate(materialise, step, materialise + steps * step, read, write, tflops, adam, init)
@@ -313,13 +330,15 @@ def print_report(out: Console, r: dict[str, Any]) -> None:
     rows = [
         ("model", f"dim {a['dim']} x {a['n_layers']} layers, {a['n_heads']} heads, ffn {a['ffn_dim']}, "
                   f"vocab {a['vocab_size']} untied; {r['params']:,} params ({r['params'] / 1e9:.3f}B)"),
-        ("training state", f"{gb(r['state_bytes'])} ({r['state_bytes_per_param']} B/param, "
-                           f"{r['dtype']}, every kind on NVMe) = {r['state_bytes'] / m['ram_bytes']:.2f}x RAM"),
+        ("training state", f"{gb(r['state_bytes'])} ({r['state_bytes_per_param']:.2f} B/param, "
+                           f"{r['dtype']} compute, {r['formats']}, every kind on NVMe) = "
+                           f"{r['state_bytes'] / m['ram_bytes']:.2f}x RAM"),
         ("RAM (MemTotal)", gb(m["ram_bytes"])),
         ("host budget", f"{gb(r['host_budget_bytes'])} ({r['host_fraction']:.2f}x RAM)"),
         ("device pool budget", f"{gb(r['gpu_budget_bytes'])} ({r['device']}"
                                + (": host memory too" if r["device"] == "cpu" else "") + ")"),
-        ("disk", f"{r['path']}: {gb(d['free_bytes'])} free, this run needs {gb(d['need_bytes'])}"),
+        ("disk", f"{r['path']}: {gb(d['free_bytes'])} free, this run needs {gb(d['need_bytes'])}; "
+                 f"used at its peak {gb(r['disk_peak_bytes'])}"),
         ("disk bandwidth (store)", f"read {d['read_gbps']:.2f} GB/s, write {d['write_gbps']:.2f} GB/s "
                                    f"({d['bytes'] / GB:.2f} GB, direct I/O {d['direct_io']}; raw direct "
                                    f"I/O read {d['raw_read_gbps']:.2f}, write {d['raw_write_gbps']:.2f})"),
@@ -387,6 +406,10 @@ def main() -> None:
     p.add_argument("--ram-multiple", type=float, default=1.5, help="training state / RAM, at least")
     p.add_argument("--host-fraction", type=float, default=0.25, help="host budget / RAM")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
+    p.add_argument("--optimizer-state", choices=("fp32", "bf16", "int8"), default="fp32",
+                   help="the Adam moments' stored format")
+    p.add_argument("--master", choices=("fp32", "bf16"), default="fp32", help="the master weights' dtype")
+    p.add_argument("--preset", default=None, help="train this preset's shape (e.g. 7b) instead of sizing one")
     p.add_argument("--dry-run-params", type=int, default=None,
                    help="build a model of about N params instead (a quick check of the same code)")
     p.add_argument("--batch-size", type=int, default=2)
@@ -405,11 +428,12 @@ def main() -> None:
     started = time.perf_counter()
 
     ram = mem_total_bytes()
-    bpp = state_bytes_per_param(a.dtype)
+    formats = StateBytes.for_compute(a.optimizer_state, a.master, DType(a.dtype))
+    bpp = state_bytes_per_param(a.dtype, formats)
     target = a.dry_run_params or math.ceil(a.ram_multiple * ram / bpp)
-    args = llama_shape(target, a.seq_len)
+    args = get_preset(a.preset) if a.preset else llama_shape(target, a.seq_len)
     params = args.param_count()
-    state = params * bpp
+    state = int(params * bpp)
     bench_bytes = (parse_bytes(a.disk_bench_size, "--disk-bench-size") if a.disk_bench_size else
                    min(4 << 30, max(256 * MiB, state // 16)) // MiB * MiB)
     train_need = int(DISK_SLACK * state) + min(SPARE_BYTES, state)
@@ -418,7 +442,7 @@ def main() -> None:
     parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(parent).free
     log.print(f"model: dim {args.dim} x {args.n_layers} layers, {params / 1e9:.3f}B params; training state "
-              f"{state / GB:.1f} GB ({bpp} B/param) = {state / ram:.2f}x RAM ({ram / GB:.1f} GB); "
+              f"{state / GB:.1f} GB ({bpp:.2f} B/param: {formats.describe()}) = {state / ram:.2f}x RAM ({ram / GB:.1f} GB); "
               f"disk needed: {need / GB:.1f} GB ({DISK_SLACK}x state + {min(SPARE_BYTES, state) / GB:.1f} GB "
               f"of spare chunk files), {free / GB:.1f} GB free under {parent}", highlight=False)
     if free < need:
@@ -426,13 +450,13 @@ def main() -> None:
                  "free space, pass another --path, or lower --ram-multiple.")
 
     root = Path(tempfile.mkdtemp(prefix="tierzero-ooc-", dir=parent))
-    watch = RssWatch()
+    watch = RssWatch(parent)
     engine: Engine | None = None
     try:
         watch.start()
         cfg = Config(offload="nvme", nvme_path=[str(root / "nvme")], host_budget=int(a.host_fraction * ram),
                      dtype=a.dtype, prefetch_depth=a.prefetch_depth, lr=a.lr, lr_schedule="constant",
-                     total_steps=a.steps)
+                     total_steps=a.steps, optimizer_state=a.optimizer_state, master=a.master)
         try:  # checks the budgets and the disk; allocates and writes nothing yet
             engine = Engine(models.build(args, device="meta"), cfg)
         except ConfigError as e:
@@ -445,7 +469,7 @@ def main() -> None:
             disk = measure_disk(root, bench_bytes, cfg.io_threads)
         compute_dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
         est = estimate(params, state, 2 if a.dtype == "bf16" else 4, a.batch_size * a.seq_len, a.steps,
-                       disk, compute_dtype)
+                       disk, compute_dtype, formats)
         bench_s = time.perf_counter() - t0
         log.print(f"disk: store read {disk['read_gbps']:.2f} GB/s, write {disk['write_gbps']:.2f} GB/s; CPU: "
                   f"matmul {est.matmul_tflops * 1e3:.0f} GFLOP/s, AdamW {est.adam_params_per_s / 1e6:.0f}M "
@@ -457,7 +481,7 @@ def main() -> None:
             engine.open()
             materialise_s = time.perf_counter() - t0
         engine.stats()  # start the step counters from zero
-        state_bytes = sum(u.shard_numel for u in engine.units) * bpp  # padded shards, as stored
+        state_bytes = int(sum(u.shard_numel for u in engine.units) * bpp)  # padded shards, as stored
         log.print(f"materialised {state_bytes / GB:.1f} GB of state in {materialise_s:.1f} s", highlight=False)
         data = TokenBatches(default_corpus(), a.batch_size, a.seq_len, seed=0)
         steps = train(engine, data, a.steps, watch, disk, params, log)
@@ -489,7 +513,8 @@ def main() -> None:
                                    if summary["bound_overlapped_s"] else None)
     report = {
         "model": asdict(args), "params": params, "dtype": a.dtype, "state_bytes": state_bytes,
-        "state_bytes_per_param": bpp, "device": device,
+        "state_bytes_per_param": bpp, "formats": formats.describe(), "device": device,
+        "disk_peak_bytes": watch.disk_peak,
         "machine": {"ram_bytes": ram, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
         "host_fraction": a.host_fraction, "host_budget_bytes": cfg.host_budget, "gpu_budget_bytes": gpu_budget,
         "path": str(parent), "disk": {**disk, "free_bytes": free, "need_bytes": need},

@@ -13,6 +13,10 @@ for a grad's D2H copy never queues behind a wait for an H2D copy stuck behind ot
 `initializer` runs first on every one of these threads (the engine binds its GPU there: see
 `tierzero.engine.runtime.streams.bind_thread`).
 
+Host math -- the optimizer's steps, casts, adds of grads -- runs on one lane, `MATH_LANE`, so
+one OpenMP team of `math_threads` (set on that thread alone) does all of it; the workers only
+move bytes (host-to-host copies go through numpy: one thread each, no OpenMP team).
+
 Shutdown: `close()` cancels every pending task, lets their cleanup run (stores remove their temp
 files), waits for the threads to finish the chunk they are on, and joins the loop thread. It is
 idempotent and is what the context manager calls on an exception or Ctrl-C, so nothing hangs.
@@ -35,15 +39,19 @@ from tierzero.storage.durable import fsync_path
 
 T = TypeVar("T")
 
+MATH_LANE = "math"  # the one thread that runs host math (`IOLoop.run_math`)
+
 
 class IOLoop:
     """An event loop in a daemon thread with a bounded thread pool of `threads` workers."""
 
-    def __init__(self, threads: int = 16, initializer: Callable[[], None] | None = None) -> None:
+    def __init__(self, threads: int = 16, initializer: Callable[[], None] | None = None,
+                 math_threads: int | None = None) -> None:
         if threads < 1:
             raise StorageError(f"IOLoop needs at least one thread, got {threads}")
         self.threads = threads
         self.initializer = initializer
+        self.math_threads = math_threads  # the math lane's OpenMP team (None: torch's default)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._waiters: dict[str, concurrent.futures.ThreadPoolExecutor] = {}  # lane -> its thread
@@ -116,14 +124,27 @@ class IOLoop:
         an I/O worker."""
         await asyncio.get_running_loop().run_in_executor(self._waiter(lane), wait, *args)
 
+    async def run_math(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run host math `fn(*args)` on the math lane: one thread, one OpenMP team for all of it."""
+        return await asyncio.get_running_loop().run_in_executor(self._waiter(MATH_LANE), fn, *args)
+
     def _waiter(self, lane: str) -> concurrent.futures.ThreadPoolExecutor:
         assert self._loop is not None, "the I/O loop is not open"
         with self._waiters_lock:
             if lane not in self._waiters:
                 name = "tierzero-wait" + (f"-{lane}" if lane else "")
-                self._waiters[lane] = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix=name, initializer=self.initializer)
+                start = self._start_math if lane == MATH_LANE else self.initializer
+                self._waiters[lane] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name,
+                                                                            initializer=start)
             return self._waiters[lane]
+
+    def _start_math(self) -> None:
+        if self.initializer is not None:
+            self.initializer()
+        if self.math_threads is not None:
+            import torch
+
+            torch.set_num_threads(self.math_threads)  # this thread's team (and torch's default for new threads)
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule `coro` on the loop; the training thread waits on the returned future."""

@@ -28,6 +28,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from tierzero.storage.base import Capabilities, ShardNotFoundError, StorageError, TierStore, check_flat, check_key, check_out, dtype_name
@@ -64,8 +65,11 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, stream_for: Callable[[torch.devi
     """`dst.copy_(src)`, finished on return. On a GPU: on `stream_for(device)`, after every event
     in `ready` (CUDA events or None): a buffer's release, the source's producer."""
     device = dst.device if dst.is_cuda else src.device if src.is_cuda else None
-    if device is None:
-        dst.copy_(src)
+    if device is None:  # host to host: numpy's copy, one thread, not an OpenMP team per I/O worker
+        if dst.dtype == src.dtype and dst.is_contiguous() and src.is_contiguous():
+            np.copyto(_bytes(dst), _bytes(src))
+        else:
+            dst.copy_(src)
         return
     with torch.cuda.device(device):  # this I/O thread's current device may be another GPU
         stream = stream_for(device)
@@ -77,6 +81,10 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, stream_for: Callable[[torch.devi
             done = torch.cuda.Event(blocking=True)
             done.record(stream)
         done.synchronize()  # host sync point: this copy's event only
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 async def _copy_then(dst: torch.Tensor, src: torch.Tensor, then: Callable[[bool], None],

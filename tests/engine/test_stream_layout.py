@@ -80,14 +80,14 @@ def test_events_name_their_stream_and_writes_share_h2d_where_there_is_one() -> N
     event = fake.copy(torch.zeros(2), torch.ones(2), fake.d2h)
     assert fake.lane(event) == "d2h"
     cpu = streams.CpuStreams()
-    assert cpu.h2d_write == cpu.h2d and cpu.lane(None) == "copy"
+    assert cpu.h2d_write == cpu.h2d == cpu.h2d_act and cpu.lane(None) == "copy"
 
 
 @pytest.mark.cuda
 def test_cuda_compute_is_the_callers_current_stream_and_writes_have_their_own() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     s = streams.CudaStreams(device)
-    assert len({s.h2d, s.h2d_write, s.d2h, s.comm}) == 4
+    assert len({s.h2d, s.h2d_write, s.h2d_act, s.d2h, s.comm}) == 5
     side = torch.cuda.Stream(device)
     with torch.cuda.stream(side):
         assert s.compute == side

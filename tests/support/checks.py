@@ -52,7 +52,7 @@ def check_d2h_copies_wait_for_their_source(log: list[tuple]) -> list[str]:
             if e[0] == "copy" and e[1] == "d2h" and (e[3] is None or e[3].stream != "compute")]
 
 
-_H2D = ("h2d", "h2d_write")  # the host -> device streams (one where writes share h2d)
+_H2D = ("h2d", "h2d_write", "h2d_act")  # the host -> device streams (one where writes and inputs share h2d)
 
 
 def check_h2d_copies_write_pool_or_h2d_memory(log: list[tuple]) -> list[str]:

@@ -45,9 +45,9 @@ What a part means, and which pool holds it (`POOLED`; the others are torch alloc
 - grad staging (host pool): nvme grads on their way out, a piece per buffer, as many pieces
   in flight as the optimizer reads ahead (`prefetch_depth` + 1); the engine issues a whole
   unit's pieces at once, so spare budget lets more be in flight, never less than this.
-- tied grad stash (the grad home's pool, and a host buffer): a tied embedding's first use's
-  grad waits in the grad home until the second use's arrives; their sum forms in host memory
-  and is copied to the compute device (tied grad sum).
+- tied grad stash (a host buffer; the device pool with a device grad home): a tied
+  embedding's first use's grad waits there until the second use's arrives, and is copied to
+  the compute device for their sum (tied grad sum).
 - optimizer pieces (the stepping device's pool): per piece of `piece_numel` elements, one
   buffer per state kind not on the stepping device, in its stored format: `prefetch_depth` pieces
   read ahead and one more whose writes are in flight when a state lives on nvme; with
@@ -189,9 +189,9 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
         host = {"param staging": [stored_param[u] * c for u in staging[BACKWARD]]}
         if placement.grad is Tier.NVME and not final_with_overlap:  # pieces written, read-ahead deep
             host["grad staging"] = [p * FP32_NBYTES for p in _window(pieces, max(1, depth) + 1, fp32_blocks)]
-        if tied:  # the first use's grad waits in the grad home; their sum forms in a host buffer
-            stash = state[0] * FP32_NBYTES  # and is copied to the compute device
-            host["tied grad stash"] = [stash] * (2 if placement.grad is Tier.HOST else 1)
+        if tied:  # the first use's grad waits in a host buffer (in the device pool with a device
+            stash = state[0] * FP32_NBYTES  # grad home) and is copied to the compute device for the sum
+            host["tied grad stash"] = [stash] if placement.grad is not Tier.GPU else []
             gpu["tied grad stash"] = stash if placement.grad is Tier.GPU else 0
             gpu["tied grad sum"] = stash
         return {Tier.GPU: gpu, Tier.HOST: host}

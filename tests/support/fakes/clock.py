@@ -12,7 +12,7 @@ copy or a disk read) and the bytes it overwrites were last used. It then takes
   and attention; elementwise kernels are taken as free),
 - a disk read or write: `nbytes` over the drive's rate.
 
-Copies on streams that share a direction of the PCIe link (`h2d` and `h2d_write`) share its
+Copies on streams that share a direction of the PCIe link (`h2d`, `h2d_write`, `h2d_act`) share its
 bandwidth: each takes the first stretch the link is free for its length, at or after it is
 ready and its stream is free (the copy engine interleaves streams; the link carries one byte at
 a time).
@@ -78,7 +78,7 @@ class Op:
     queue_free: float = 0.0  # when its FIFO had finished the ops before it
 
 
-LINKS = {"h2d": "pcie_h2d", "h2d_write": "pcie_h2d", "d2h": "pcie_d2h"}  # stream -> the link it uses
+LINKS = {"h2d": "pcie_h2d", "h2d_write": "pcie_h2d", "h2d_act": "pcie_h2d", "d2h": "pcie_d2h"}  # stream -> the link it uses
 
 
 @dataclass
@@ -115,7 +115,7 @@ class SimClock:
     def copy(self, stream: str, dst: tuple[int, int], src: tuple[int, int], nbytes: float, after: float,
              thread: str, what: str) -> float:
         rate = {"h2d": self.rates.h2d_bytes_per_s, "h2d_write": self.rates.h2d_bytes_per_s,
-                "d2h": self.rates.d2h_bytes_per_s}.get(stream, self.rates.hbm_bytes_per_s)
+                "h2d_act": self.rates.h2d_bytes_per_s, "d2h": self.rates.d2h_bytes_per_s}.get(stream, self.rates.hbm_bytes_per_s)
         ready = max(self.host(thread), after, self._latest(self._written, src), self._latest(self._used, dst))
         op = self._run(stream, "copy", thread, ready, nbytes / rate, what)
         self._mark(dst, op.end, written=True)

@@ -68,8 +68,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class RecordingStreams(Streams):
-    """`separate_writes`: host -> device writes on their own `h2d_write` stream, as on a GPU
-    (by default they share `h2d`, which orders them after fetches)."""
+    """`separate_writes`: host -> device writes on their own `h2d_write` stream and waiting
+    activations on `h2d_act`, as on a GPU (by default both share `h2d`, which orders them after
+    fetches)."""
 
     separate = True
     compute, h2d, d2h, comm = "compute", "h2d", "d2h", "comm"
@@ -79,8 +80,9 @@ class RecordingStreams(Streams):
         self.log: list[tuple] = []
         self._lock = threading.RLock()
         self._writes = "h2d_write" if separate_writes else "h2d"
+        self._acts = "h2d_act" if separate_writes else "h2d"
         self.log.append(("writes_on", self._writes))
-        self._issued = {s: 0 for s in ("compute", "h2d", "d2h", "comm", self._writes)}
+        self._issued = {s: 0 for s in ("compute", "h2d", "d2h", "comm", self._writes, self._acts)}
         self._done = dict(self._issued)
         self._queue: dict[str, deque] = {s: deque() for s in self._issued if s != "compute"}
         self._known = {s: dict(self._issued) for s in self._issued}  # stream -> what it is ordered after
@@ -95,6 +97,10 @@ class RecordingStreams(Streams):
     @property
     def h2d_write(self) -> str:
         return self._writes
+
+    @property
+    def h2d_act(self) -> str:
+        return self._acts
 
     def current(self, stream: str):
         return _Current(self._current, stream)

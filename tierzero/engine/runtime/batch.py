@@ -3,10 +3,11 @@
 A `.to(device)` from pageable memory makes the host wait for the copy (the driver stages it),
 once per micro-batch. Here each tensor of a batch is copied on the host into a pinned buffer
 kept from the previous micro-batch (reallocated only when its shape or dtype changes), then
-into device memory allocated for the h2d stream by a non-blocking copy on that stream; the
+into device memory allocated for the activations' stream (`Streams.h2d_act`: never behind
+param fetches that wait for buffer releases) by a non-blocking copy on that stream; the
 compute stream waits for the copy's event before the forward reads it, and `keep_alive` keeps
 the allocator from reusing that memory before compute is done with it. Before overwriting the
-staging buffers the host waits for the previous micro-batch's copies out of them: h2d events,
+staging buffers the host waits for the previous micro-batch's copies out of them: events
 long past by then, never the compute stream. On the CPU device (one memory) nothing moves.
 """
 
@@ -38,7 +39,7 @@ class BatchStaging:
         s.host_wait(self._copied)  # an h2d event: the staging buffers are about to be overwritten
         self._next = 0
         moved = self._move(batch)
-        self._copied = s.record(s.h2d)
+        self._copied = s.record(s.h2d_act)
         return moved
 
     def _move(self, value: Any) -> Any:
@@ -57,8 +58,8 @@ class BatchStaging:
         if tensor.dtype not in self._templates:
             self._templates[tensor.dtype] = torch.empty((), dtype=tensor.dtype, device=s.device)
         # an expanded one-element tensor's `empty_like` is contiguous memory of the batch's shape
-        out = s.empty_like(self._templates[tensor.dtype].expand(tensor.shape), s.h2d)
-        s.wait(s.compute, s.copy(out, staging, s.h2d))
+        out = s.empty_like(self._templates[tensor.dtype].expand(tensor.shape), s.h2d_act)
+        s.wait(s.compute, s.copy(out, staging, s.h2d_act))
         s.keep_alive(out, s.compute)
         return out
 

@@ -1,9 +1,10 @@
 """Streams, events and copies: the one interface the engine's copy pipeline is written against.
 
-Five streams per compute device: `compute` (the current stream of the thread issuing compute),
+Six streams per compute device: `compute` (the current stream of the thread issuing compute),
 `h2d` (param fetches host -> device, nothing else, so a prefetch never queues behind a write),
 `h2d_write` (the optimizer's writes into device homes and earlier micro-batches' grad sums
-coming back), `d2h` (grads device -> host) and `comm`, current while collectives are
+coming back), `h2d_act` (batches, and the vertical schedule's waiting activations coming back), `d2h`
+(grads device -> host) and `comm`, current while collectives are
 issued ahead of their use (NCCL runs them on its own stream, ordered after what the issuing
 stream has queued: `comm` waits only for the events the collective needs, never for compute). Every cross-stream dependency is an
 event: a copy waits only for the event that frees its destination (its buffer's release, or the
@@ -92,6 +93,13 @@ class Streams(abc.ABC):
         there is only one (the CPU, the recording fake), which orders them after fetches."""
         return self.h2d
 
+    @property
+    def h2d_act(self) -> Stream:
+        """The stream batches and waiting activations (the vertical schedule's, one ahead of
+        their use) go to the device on, behind neither fetches gated on buffer releases nor the
+        optimizer's writes; `h2d_write` where there is no such stream."""
+        return self.h2d_write
+
     def lane(self, event: Event) -> str:
         """The stream `event` is on, naming the waiter thread that waits for it on the host;
         one lane for every copy where events name no stream (they have already happened)."""
@@ -147,14 +155,20 @@ class CudaStreams(Streams):
         with torch.cuda.device(device):
             self.h2d = torch.cuda.Stream(device)
             self._h2d_write = torch.cuda.Stream(device)
+            self._h2d_act = torch.cuda.Stream(device)
             self.d2h = torch.cuda.Stream(device)
             self.comm = torch.cuda.Stream(device)
             self._store_copy = torch.cuda.Stream(device)
-        self._lanes = {self.h2d: "h2d", self._h2d_write: "h2d_write", self.d2h: "d2h", self.comm: "comm"}
+        self._lanes = {self.h2d: "h2d", self._h2d_write: "h2d_write", self._h2d_act: "h2d_act", self.d2h: "d2h",
+                       self.comm: "comm"}
 
     @property
     def h2d_write(self) -> Stream:
         return self._h2d_write
+
+    @property
+    def h2d_act(self) -> Stream:
+        return self._h2d_act
 
     @property
     def store_copy(self) -> torch.cuda.Stream:

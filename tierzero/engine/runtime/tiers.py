@@ -150,7 +150,12 @@ class Tiers:
                 Path(path).mkdir(exist_ok=True)
         try:
             self.streams = streams_mod.open_streams(self.device)
-            self.io = self._open(IOLoop(self.config.io_threads, functools.partial(streams_mod.bind_thread, self.device)))
+            # host math's OpenMP team on a GPU machine: every core but the training thread's and
+            # the I/O loop's (workers sleep in pread/pwrite). On the CPU device torch's default:
+            # the model's matmuls run beside it either way.
+            math_threads = max(1, len(os.sched_getaffinity(0)) - 2) if self.device.type == "cuda" else None
+            self.io = self._open(IOLoop(self.config.io_threads, functools.partial(streams_mod.bind_thread, self.device),
+                                        math_threads))
             pin_device = self.device if self.device.type == "cuda" else None  # pin in its context
             # On the CPU device the first forward still takes the batch's activations from the
             # host budget: until then the pool holds no more than the blocks it pins at open.

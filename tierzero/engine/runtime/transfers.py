@@ -1,5 +1,7 @@
 """Per-step counters: bytes moved per link (`planning.placement.Link`, whose values name the
-metrics), param bytes the host cache served, time spent waiting on I/O."""
+metrics), param bytes the host cache served, time spent waiting on I/O, and the part of it
+backward spent waiting for the pool to free a buffer while stepping units (back-pressure from
+the optimizer's steps in flight: `wait_optimizer_s`)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ class TransferStats:
     def __init__(self) -> None:
         self.bytes: dict[str, int] = defaultdict(int)
         self.wait_s = 0.0
+        self.optimizer_wait_s = 0.0  # of wait_s: backward blocked on the optimizer's buffers
         self._depth = 0  # nested waits count once
 
     def add_bytes(self, link: Link, nbytes: int) -> None:
@@ -36,10 +39,20 @@ class TransferStats:
             if self._depth == 0:
                 self.wait_s += time.perf_counter() - t0
 
+    @contextmanager
+    def backpressure(self) -> Iterator[None]:
+        """Count the waits inside (a piece's buffers leased from backward) as `wait_optimizer_s`."""
+        before = self.wait_s
+        try:
+            yield
+        finally:
+            self.optimizer_wait_s += self.wait_s - before
+
     def take(self) -> dict[str, float]:
         """The counters since the last call, as flat metrics (`bytes_nvme->host`, `io_wait_s`)."""
         out: dict[str, float] = {f"bytes_{k}": v for k, v in sorted(self.bytes.items())}
         out["io_wait_s"] = self.wait_s
+        out["wait_optimizer_s"] = self.optimizer_wait_s
         self.bytes.clear()
-        self.wait_s = 0.0
+        self.wait_s = self.optimizer_wait_s = 0.0
         return out

@@ -28,12 +28,13 @@ async def read_after_write(write: concurrent.futures.Future | None, store: TierS
     await store.read_into(key, stage)
 
 
-async def stash_when_landed(tiers: Tiers, landed: Event, store: TierStore, key: str,
-                             stage: torch.Tensor, add: torch.Tensor | None) -> None:
-    """Once a use's grad has landed in `stage`: add the earlier uses' stash (read into `add`)
-    on the host, and write the sum home as the stash."""
+async def add_when_landed(tiers: Tiers, stage: torch.Tensor, landed: Event, earlier: torch.Tensor,
+                          ready: Event | concurrent.futures.Future) -> None:
+    """A tied unit's third use or later: once its grad has landed in `stage` and the earlier
+    uses' sum in `earlier` is ready, add that sum to it on the host."""
     await tiers.landed(landed)
-    if add is not None:
-        await store.read_into(key, add)
-        await asyncio.get_running_loop().run_in_executor(None, stage.add_, add)
-    await store.write(key, stage)
+    if isinstance(ready, concurrent.futures.Future):
+        await asyncio.wrap_future(ready)
+    else:
+        await tiers.landed(ready)
+    await tiers.io.run_math(stage.add_, earlier)

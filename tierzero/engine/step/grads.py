@@ -36,7 +36,8 @@ import torch
 
 from tierzero.distributed.comm import InFlight
 from tierzero.engine.step.backward import BackwardPass
-from tierzero.engine.step.gradio import read_after_write, stash_when_landed, write_when_landed
+from tierzero.engine.step.gradnorms import GradNorms
+from tierzero.engine.step.gradio import add_when_landed, read_after_write, write_when_landed
 from tierzero.errors import TierzeroError
 from tierzero.config import StateKind, Tier
 from tierzero.engine.parts import EngineParts
@@ -54,14 +55,8 @@ class GradShards:
         self.uses = grad_uses(parts.units)  # contributions per unit per backward (a tied embedding gets two)
         self.seen: dict[int, int] = {}  # contributions so far in this backward
         self.present: dict[int, set[int]] = {}  # unit -> its slots that got a grad in this step
-        self.want_norms = parts.config.clip_grad_norm is not None  # clipping needs them
-        self.want_finite = parts.scaler.enabled  # fp16 needs the overflow check
         self.pass_ = BackwardPass()  # the backward in progress (`running`)
-        self.norms: dict[str, torch.Tensor] = {}  # param name -> 2-norm (one rank) of its grad, on the device
-        # measured on the compute device, read on the host only when the step needs them (one
-        # host-device sync per step, not one per unit or parameter in backward)
-        self.sumsq = torch.zeros((), dtype=torch.float32, device=parts.tiers.device)  # several ranks: this shard's
-        self.nonfinite = torch.zeros((), dtype=torch.bool, device=parts.tiers.device)
+        self.measured = GradNorms(parts)  # the last micro-batch's norms and finiteness
         several = parts.comm.world_size > 1
         self.overlap = parts.config.overlap_comm and several  # a unit's reduction runs beside the next one's backward
         self._reducing: tuple[int, InFlight] | None = None
@@ -69,7 +64,8 @@ class GradShards:
         self._full_held: set[int] = set()  # units whose `grad_full` pieces hold this step's earlier sum
         self._writes: dict[str, concurrent.futures.Future] = {}  # piece key -> its grad write in flight
         self._landing: dict[str, Event] = {}  # host-homed piece key -> its D2H copy's event
-        self._stashes: dict[str, concurrent.futures.Future] = {}  # a tied unit's earlier uses, being stashed
+        # a tied unit's earlier uses' sum in a host buffer, ready at a D2H event (or an I/O thread's add)
+        self._stashed: dict[int, tuple[torch.Tensor, Event | concurrent.futures.Future]] = {}
         self._held: dict[int, torch.Tensor] = {}  # grad home on the device: unit -> its earlier uses' sum
         self._order: list[int] = []  # units in the order micro-batch 0 accumulated them
         self._ahead: dict[str, tuple[concurrent.futures.Future, torch.Tensor]] = {}  # nvme key -> read, stage
@@ -85,9 +81,7 @@ class GradShards:
             self._order = []
             self._full_held.clear()
             self.present = {}
-            self.norms.clear()
-            self.sumsq = torch.zeros((), dtype=torch.float32, device=self.tiers.device)
-            self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.tiers.device)
+            self.measured.reset()
         elif self._order:
             self._read_ahead(self._order[0])
         try:
@@ -97,6 +91,7 @@ class GradShards:
             self.pass_ = BackwardPass()  # drops the pass's tensors and its optimizer
             for unit in list(self._held):  # a backward that failed between a tied unit's uses
                 self._give_back_held(unit)
+            self._drop_stashed()
 
     def offload(self, unit: int, full_grad: torch.Tensor, present: frozenset[int]) -> None:
         """Start reducing one unit's gradient over the ranks; with `overlap`, accumulate the
@@ -174,7 +169,7 @@ class GradShards:
             for key, a, b in keys:
                 self._add_previous(key, grad[a:b])
         if self.pass_.last:
-            self._measure(u, grad)
+            self.measured.measure(u, grad, self.present[unit])
             if self.pass_.step is not None:
                 self.pass_.step.grad_ready(u, grad)  # the optimizer steps it piece by piece, never stored
                 return
@@ -251,9 +246,10 @@ class GradShards:
         self._ahead.clear()
 
     def _add_from_host(self, part: torch.Tensor, host: torch.Tensor, after: Event,
-                       stage: torch.Tensor | None) -> None:
+                       stage: torch.Tensor | None) -> Event:
         """`part += host` on the compute device: `host` goes over on the h2d_write stream (after
-        `after`), compute waits for that copy; a leased `stage` goes back once it is done."""
+        `after`), compute waits for that copy; a leased `stage` goes back once it is done. The
+        copy's event: `host` may be reused after it."""
         s = self.streams
         # on the write stream, never behind (or ahead of) the param fetches on `h2d`
         prev = s.empty_like(part, s.h2d_write)  # never memory that compute's queued kernels still read
@@ -264,6 +260,7 @@ class GradShards:
         part.add_(prev)
         if stage is not None:
             self.tiers.give_back_when_done(copied, stage)
+        return copied
 
     def _store(self, key: str, part: torch.Tensor, produced: Event) -> None:
         """Put a final piece in its home: D2H on the d2h stream once compute has produced it;
@@ -288,47 +285,48 @@ class GradShards:
         self.parts.transfers.add_bytes(Link.HOST_TO_NVME, nbytes)
 
     def _combine_uses(self, unit: int, grad: torch.Tensor) -> torch.Tensor | None:
-        """Stash this use's grad (plus earlier ones) in the home tier; at the unit's last use
+        """Stash this use's grad (plus earlier ones) in a host buffer; at the unit's last use
         of the pass return the sum of all of them (None before that).
 
-        The stash goes to the host on the d2h stream and an I/O thread, after that copy's
-        event, adds the earlier stash to it and writes it home; the last use brings the stash
-        back on the h2d stream and adds it on the compute device (sums commute bitwise). With
+        The stash goes to the host on the d2h stream and stays in its leased buffer (the memory
+        model counts it through backward), so the last use only waits on the device for that
+        copy, brings it back on the h2d_write stream and adds it on the compute device (sums
+        commute bitwise): no trip through the grad home and no host wait on autograd's thread.
+        A third use or later is added to the stash by an I/O thread once both have landed. With
         the grad home on the device the stash never leaves it (`_combine_on_device`)."""
         if self.home is Tier.GPU:
             return self._combine_on_device(unit, grad)
-        store = self.tiers.stores[self.home]
-        key = f"grad_uses/u{unit:04d}/r{self.comm.rank}"
-        nbytes = grad.numel() * 4
-        stash = self._stashes.pop(key, None)
-        if stash is not None:
-            with self.parts.transfers.waiting():
-                stash.result()  # the earlier use's stash is written (long since, normally)
+        held = self._stashed.pop(unit, None)
         if self.seen[unit] < self.uses[unit]:
-            s = self.streams
+            s, nbytes = self.streams, grad.numel() * 4
             stage = self.tiers.lease_host(nbytes).view(torch.float32)
             landed = s.copy(stage, grad, s.d2h, after=s.record(s.compute))
             s.keep_alive(grad, s.d2h)
             self.parts.transfers.add_bytes(Link.GPU_TO_HOST, nbytes)
-            add = self.tiers.lease_host(nbytes).view(torch.float32) if stash is not None else None
-            future = self._stashes[key] = self.tiers.submit(stash_when_landed(self.tiers, landed, store, key, stage, add))
-            self.tiers.pending.add(future, lambda ok: [self.tiers.host_pool.give_back(b.view(torch.uint8))
-                                                       for b in (stage, add) if b is not None])
-            if stash is not None:
-                self._count(Link.NVME_TO_HOST, nbytes)
-            self._count(Link.HOST_TO_NVME, nbytes)
+            if held is None:
+                self._stashed[unit] = (stage, landed)
+            else:
+                summed = self.tiers.submit(add_when_landed(self.tiers, stage, landed, *held))
+                self.tiers.pending.add(summed, lambda ok, buf=held[0]: self.tiers.host_pool.give_back(buf.view(torch.uint8)))
+                self._stashed[unit] = (stage, summed)
             return None
-        stage = self.tiers.lease_host(nbytes).view(torch.float32)
-        try:
+        assert held is not None, f"unit {unit}'s earlier uses left no stash"
+        stash, ready = held
+        if isinstance(ready, concurrent.futures.Future):
             with self.parts.transfers.waiting():
-                self.tiers.run(store.read_into(key, stage))
-            self.tiers.run(store.delete(key))
-        except BaseException:
-            self.tiers.host_pool.give_back(stage.view(torch.uint8))
-            raise
-        self._count(Link.NVME_TO_HOST, nbytes)
-        self._add_from_host(grad, stage, after=None, stage=stage)
+                ready.result()  # a third use's sum, added on an I/O thread (long since, normally)
+            ready = None
+        self._add_from_host(grad, stash, after=ready, stage=stash)
         return grad
+
+    def _drop_stashed(self) -> None:
+        """Give back the host stashes a failed backward left."""
+        for stash, ready in self._stashed.values():
+            if isinstance(ready, concurrent.futures.Future):
+                self.tiers.pending.add(ready, lambda ok, buf=stash: self.tiers.host_pool.give_back(buf.view(torch.uint8)))
+            else:
+                self.tiers.give_back_when_done(ready, stash)
+        self._stashed.clear()
 
     def _combine_on_device(self, unit: int, grad: torch.Tensor) -> torch.Tensor | None:
         """`_combine_uses` with the grad home on the device: the earlier uses' sum is held in a
@@ -353,38 +351,3 @@ class GradShards:
         held = self._held.pop(unit)
         s = self.streams
         self.tiers.device_pool.give_back(held.view(torch.uint8), ready=s.record(s.compute))
-
-    def _count(self, link: Link, nbytes: int) -> None:
-        if self.home is Tier.NVME:  # memory homes: a copy within the tier, not a link
-            self.parts.transfers.add_bytes(link, nbytes)
-
-    def _measure(self, unit: Unit, acc: torch.Tensor) -> None:
-        """Only what the step will ask for: each costs a pass over the shard."""
-        if self.want_finite:
-            self.nonfinite |= ~torch.isfinite(acc).all()
-        if not self.want_norms:
-            return
-        if self.comm.world_size == 1:
-            # per-parameter norms, combined later in the model's parameter order, exactly as
-            # torch.nn.utils.clip_grad_norm_ does it, so clipping stays bitwise comparable
-            # (only parameters with a grad: `clip_grad_norm_` leaves out those whose grad is None)
-            for i, slot in enumerate(unit.slots):
-                if i in self.present[unit.index]:
-                    self.norms[slot.names[0]] = torch.linalg.vector_norm(acc[slot.offset:slot.end], 2.0)
-        else:  # in fp64 a piece at a time: no fp64 copy of the whole shard
-            sumsq = torch.zeros((), dtype=torch.float64, device=acc.device)
-            for a, b in piece_ranges(acc.numel(), self.parts.piece_numel):
-                sumsq += acc[a:b].double().pow(2).sum()
-            self.sumsq += sumsq.float()
-
-    def found_inf(self) -> bool:
-        """Whether any accumulated grad of the step is inf/NaN (one host-device sync)."""
-        flag = self.comm.all_reduce_sum(self.nonfinite.to("cpu", torch.float32))
-        return bool(flag.item() > 0)
-
-    def total_norm(self, param_order: list[str]) -> torch.Tensor:
-        """The global 2-norm (fp32 tensor), combined as `clip_grad_norm_` combines it."""
-        if self.comm.world_size == 1:
-            norms = [self.norms[n] for n in param_order if n in self.norms]
-            return torch.linalg.vector_norm(torch.stack(norms), 2.0)
-        return self.comm.all_reduce_sum(self.sumsq.to("cpu", copy=True)).sqrt()

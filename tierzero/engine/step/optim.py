@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 from collections import deque
 from collections.abc import Callable
 
@@ -46,7 +45,6 @@ from tierzero.planning.workload import steps_on_gpu
 from tierzero.storage.base import BudgetExceededError, TierStore
 
 STEP_KINDS = (StateKind.GRAD, *OPTIMIZER_KINDS)  # what one piece's step reads
-OPTIMIZER_LANE = "optimizer"  # the I/O loop's thread that runs every overlapped piece's step
 
 
 class ShardOptimizer(PieceWrites):
@@ -58,11 +56,6 @@ class ShardOptimizer(PieceWrites):
         self.param_written = param_written  # each device param write's event (`SwapRunner.written`)
         on_gpu = steps_on_gpu(placement)
         self.device = tiers.device if on_gpu else torch.device("cpu")
-        if not on_gpu and tiers.device.type == "cuda":
-            # the host step's threads: every core but the training thread's and the I/O loop's
-            # (I/O workers sleep in pread/pwrite). Not on the CPU device, where the model's own
-            # matmuls use these threads and their count may change how they sum.
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 2))
         self.formats = StateFormats.of(config)
         self.master_is_param = self.formats.master_is_param(compute_dtype)
         if self.master_is_param:  # the master is read where the params live (`_source`)
@@ -145,7 +138,8 @@ class ShardOptimizer(PieceWrites):
         thread: each piece's AdamW step runs on the optimizer's thread once its states land (torch
         releases the GIL, so backward continues meanwhile), then the I/O loop issues its writes.
         Loading a piece waits for buffers the pool does not have yet, so at most a budget's
-        worth of pieces is in flight."""
+        worth of pieces is in flight; that wait stalls backward and is counted apart
+        (`wait_optimizer_s`)."""
         wanted = {w.piece for w in self.works(unit, runs)}
         produced = self.tiers.streams.record(self.tiers.streams.compute)  # the grad shard is final
         for work in self.works(unit):
@@ -154,7 +148,10 @@ class ShardOptimizer(PieceWrites):
                 if prefetched is not None:
                     self._discard(prefetched)
                 continue
-            work = prefetched or self._load(work)
+            if prefetched is None:
+                with self.stats.backpressure():  # waits only while the pool has no buffer free
+                    prefetched = self._load(work)
+            work = prefetched
             work.runs = runs
             self._attach_grad(work, grad, produced)
             self._reserve_staging(work)
@@ -166,10 +163,10 @@ class ShardOptimizer(PieceWrites):
         for future in work.futures:
             await asyncio.wrap_future(future)
         await self.tiers.landed(work.grad_landed)
-        # on the optimizer's own thread (an I/O loop lane), never an I/O worker: one OpenMP team
-        # steps the pieces one after another instead of one full team per worker, competing
-        # with the chunk reads and writes; the new params' cast runs there too
-        await self.tiers.io.wait_off_workers(self._step, work, lr, grad_coef, lane=OPTIMIZER_LANE)
+        # on the I/O loop's host-math thread, never an I/O worker: one OpenMP team steps the
+        # pieces one after another instead of one full team per worker, competing with the
+        # chunk reads and writes; the new params' cast runs there too
+        await self.tiers.io.run_math(self._step, work, lr, grad_coef)
         await self._write_back(work)
 
     def _attach_grad(self, work: Work, grad: torch.Tensor, produced: Event) -> None:

@@ -78,16 +78,16 @@ class Stepper:
             state.stepped_in_backward = False
             if config.clip_grad_norm is not None:  # this step's norm: a fired clip re-steps it,
                 # or (clip_previous_norm) it clips the next, from this host copy without a device sync
-                state.previous_norm = grads.total_norm(p.param_order).cpu()
+                state.previous_norm = grads.measured.total_norm(p.param_order).cpu()
                 state.last_grad_norm = state.previous_norm.item()
                 self._settle_clip(state.previous_norm)
             return self._stepped()
-        if p.scaler.enabled and not p.scaler.update(grads.found_inf()):
+        if p.scaler.enabled and not p.scaler.update(grads.measured.found_inf()):
             state.skipped_steps += 1  # overflow: nothing is written, the schedule does not advance
             return False
         coef = None
         if config.clip_grad_norm is not None:
-            norm = grads.total_norm(p.param_order)
+            norm = grads.measured.total_norm(p.param_order)
             state.last_grad_norm = norm.item()
             # a host float (one sync per step): with a device tensor every CPU piece's step would copy it
             coef = clip_coefficient(norm, config.clip_grad_norm).item()

@@ -19,7 +19,9 @@ kept and used buffers together stay within the budget. Keys are overwritten step
 
 On a GPU the buffers are pinned, an activation goes to the host on the d2h stream after the
 compute that produced it, a spill write waits for that copy on an I/O thread, and it comes
-back on the h2d stream, compute waiting for its event. On the CPU device copies are memcpys.
+back on a stream of its own (`Streams.h2d_act`), one entry ahead of its use (`get` starts the
+next one's copy, `stage_next`), compute waiting for its event: never behind param fetches
+that wait for buffer releases. On the CPU device copies are memcpys.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class _Entry:
     landed: Event = None  # its copy into `buffer`
     written: concurrent.futures.Future | None = None  # its spill write
     read: concurrent.futures.Future | None = None  # a prefetch into `buffer`
+    up: tuple[torch.Tensor, Event] | None = None  # on its way to the device: the tensor, its copy's event
 
     @property
     def nbytes(self) -> int:
@@ -98,23 +101,39 @@ class BoundaryStore:
         self._entries[(unit, micro)] = entry
 
     def get(self, unit: int, micro: int) -> torch.Tensor:
-        """The activation `put` under (unit, micro), on the compute device; its buffer is freed."""
+        """The activation `put` under (unit, micro), on the compute device; its buffer is freed,
+        and the next entry's copy to the device is started."""
         entry = self._entries.pop((unit, micro))
-        if entry.buffer is None:  # on NVMe and not prefetched: read it now
-            self._wait(entry.written)
-            entry.buffer = self._allocate(entry.nbytes)
-            self._read(unit, micro, entry)
-        self._wait(entry.read)
-        s = self.tiers.streams
-        with s.current(s.h2d):  # allocated for the stream that writes it
-            out = torch.empty(entry.shape, dtype=entry.dtype, device=s.device)
-        copied = s.copy(out, entry.view(), s.h2d, after=entry.landed)
+        if entry.up is None:
+            if entry.buffer is None:  # on NVMe and not prefetched: read it now
+                self._wait(entry.written)
+                entry.buffer = self._allocate(entry.nbytes)
+                self._read(unit, micro, entry)
+            self._wait(entry.read)
+            self._up(entry)
+        assert entry.up is not None and entry.buffer is not None
+        (out, copied), s = entry.up, self.tiers.streams
         s.wait(s.compute, copied)
         s.keep_alive(out, s.compute)
+        entry.buffer.free_after = self.tiers.when_done(copied)
+        self.stage_next()
+        return out
+
+    def stage_next(self) -> None:
+        """Start the copy to the device of the entry `get` takes next, if it is in host memory
+        (a read back from NVMe still in flight is not waited for)."""
+        for _, entry in self._backward_order()[:1]:
+            if entry.up is None and entry.buffer is not None and (entry.read is None or entry.read.done()):
+                self._up(entry)
+
+    def _up(self, entry: _Entry) -> None:
+        """Copy an entry in host memory to the device on the activations' own stream."""
+        s = self.tiers.streams
+        with s.current(s.h2d_act):  # allocated for the stream that writes it
+            out = torch.empty(entry.shape, dtype=entry.dtype, device=s.device)
+        entry.up = out, s.copy(out, entry.view(), s.h2d_act, after=entry.landed)
         if s.separate:
             self.tiers.stats.add_bytes(Link.HOST_TO_GPU, entry.nbytes)
-        entry.buffer.free_after = self.tiers.when_done(copied)
-        return out
 
     def prefetch(self) -> None:
         """Read spilled entries back, the next needed first (backward order), while they fit."""
@@ -131,6 +150,8 @@ class BoundaryStore:
         """Forget every entry (after an error in the middle of a step); wait for I/O in flight."""
         for entry in self._entries.values():
             self.tiers.streams.host_wait(entry.landed)  # a copy into a buffer about to be unpinned and unmapped
+            if entry.up is not None:
+                self.tiers.streams.host_wait(entry.up[1])  # and one out of it
             for future in (entry.written, entry.read):
                 if future is not None:
                     future.exception()
@@ -148,10 +169,12 @@ class BoundaryStore:
         the oldest buffer being freed."""
         self._reap()
         while self.used_bytes + nbytes > self.budget_bytes:
+            # an entry on its way to the device (`up`) keeps its buffer until `get` frees it
             oldest = next((e for e in self._entries.values() if e.buffer is not None and e.written is None
-                           and e.read is None), None)
+                           and e.read is None and e.up is None), None)
             freeing = [b for b in self._buffers if b.free_after is not None]
-            read_back = [e for _, e in self._backward_order() if e.buffer is not None and e.read is not None]
+            read_back = [e for _, e in self._backward_order() if e.buffer is not None and e.read is not None
+                         and e.up is None]
             if oldest is not None:
                 self._spill(oldest)
             elif freeing:
