@@ -22,7 +22,7 @@ from tierzero import Config, models
 from tierzero.config import Schedule
 from tierzero.engine import Engine
 from tierzero.errors import ConfigError, TierzeroError
-from tierzero.planning.memory_model import waiting_activations_bytes
+from tierzero.planning.ledger import waiting_activations_bytes
 from tierzero.planning.swapplan import Op, Phase, build_swap_plan
 
 from tests.support.engine import SMALL, assert_same, batches, fresh, reference_run

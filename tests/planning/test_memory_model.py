@@ -142,29 +142,44 @@ def _cases() -> list[dict]:
             for size, (layers, vocab, piece) in sizes.items() for where in ("nvme", "host")]
 
 
+def _compact_cases() -> list[dict]:
+    """The middle size in compact state: bf16 compute, int8 moments, the bf16 master that is the param."""
+    return [{**case, "name": f"{case['name']}-int8", "dtype": "bf16", "optimizer_state": "int8", "master": "bf16"}
+            for case in _cases() if case["name"].startswith("m-")]
+
+
 def _can_measure_rss() -> bool:
     return sys.platform == "linux" and os.access("/proc/self/clear_refs", os.W_OK)
 
 
-@pytest.mark.skipif(not _can_measure_rss(), reason="needs Linux with a writable /proc/self/clear_refs")
-def test_predicted_peaks_match_measured_ones() -> None:
-    """Three model sizes (6M-19M params) x everything on nvme / everything on host, CPU device,
-    fp32, overlap_step on, pieces smaller than the embedding. The pools fill their budgets (the
-    LRU cache and read-ahead use whatever is spare), so their peaks must reach the prediction;
-    the process's RSS growth must not exceed the predicted host total by more than 10%, nor
-    fall more than 15% short of it: whether read-ahead lands while the activations peak is
-    timing, and on a loaded 2-core box the high-water mark came out at 0.886 of the prediction."""
+def _probe(cases: list[dict]) -> list[dict]:
+    """Each case's predicted and measured peaks, from one fresh process."""
     probe = Path(__file__).parents[1] / "support" / "scripts" / "memory_probe.py"
-    out = subprocess.run([sys.executable, str(probe), json.dumps(_cases())], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, str(probe), json.dumps(cases)], capture_output=True, text=True,
                          timeout=600, cwd=probe.parent)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 6
-    for r in rows:
+    assert len(rows) == len(cases)
+    return rows
+
+
+@pytest.mark.skipif(not _can_measure_rss(), reason="needs Linux with a writable /proc/self/clear_refs")
+@pytest.mark.parametrize("cases, most", [(_cases, 1.1), (_compact_cases, 1.15)], ids=["fp32", "compact"])
+def test_predicted_peaks_match_measured_ones(cases, most: float) -> None:
+    """Three model sizes (6M-19M params) x everything on nvme / everything on host, CPU device,
+    fp32, overlap_step on, pieces smaller than the embedding; and the middle size in compact
+    state (its own process). The pools fill their budgets (the LRU cache and read-ahead use
+    whatever is spare), so their peaks must reach the prediction; the process's RSS growth must
+    not exceed the predicted host total by more than 10%, nor fall more than 15% short of it:
+    whether read-ahead lands while the activations peak is timing, and on a loaded 2-core box
+    the high-water mark came out at 0.886 of the prediction. bf16 compute on host homes ran
+    1.05-1.11 x the prediction (fp32 state too: the uncounted part is bf16 compute's, not the
+    compact state's, whose step scratch is counted), hence 15% there."""
+    for r in _probe(cases()):
         for pool in ("host_pool", "gpu_pool"):
             assert 0.9 * r[f"predicted_{pool}"] <= r[f"measured_{pool}"] <= r[f"predicted_{pool}"], (r["name"], pool)
         ratio = r["measured_rss_growth"] / r["predicted_host_total"]
-        assert 0.85 <= ratio <= 1.1, (r["name"], ratio, r["breakdown"])
+        assert 0.85 <= ratio <= most, (r["name"], ratio, r["breakdown"])
 
 
 def test_frozen_parameters_are_counted_as_params_only() -> None:

@@ -111,6 +111,13 @@ class Scratch:
         self.stored = {s: (stored_buckets(s)[0].to(device, torch.uint8), stored_buckets(s)[1].to(device))
                        for s in (False, True)}
 
+    @staticmethod
+    def nbytes(numel: int) -> int:
+        """What a `Scratch(numel)` holds: index, magnitude, bits, above per value, and for both
+        maps the codes (fp32), bucket starts (uint8) and bounds (fp32), plain and stored."""
+        tables = 256 * 4 + (1 << 16) * (1 + 4) * 2
+        return numel * (1 + 4 + 4 + 1) + 2 * tables
+
 
 def _whole_and_tail(x: torch.Tensor) -> list[tuple[torch.Tensor, slice]]:
     """`x` as 2-D views of whole blocks and its shorter last block, with each one's range of blocks."""

@@ -32,6 +32,8 @@ from tierzero.compact.formats import StateFormats, split
 from tierzero.config import STATE_BLOCK, Config, StateKind
 
 SUB_BLOCK = {"cpu": 128 * STATE_BLOCK, "cuda": 128 * STATE_BLOCK}  # values per sub-block: fewer, larger ops
+F32_SCRATCH = ("master", "exp_avg", "exp_avg_sq", "t1", "t2")  # a sub-block's decoded states and temporaries
+INT_SCRATCH = ("shift", "bits")  # stochastic rounding's hash (int32)
 _MASK32 = 0xFFFFFFFF
 _MIX = (0x7FEB352D, 0x2C1B3C6D)  # odd multipliers below 2**31 (so int32 constants)
 _KIND_STREAM = {StateKind.MASTER: 1, StateKind.EXP_AVG: 2, StateKind.EXP_AVG_SQ: 3}
@@ -51,10 +53,8 @@ class CompactStep:
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         if self._scratch is None:
-            f32 = {name: torch.empty(self.block, dtype=torch.float32, device=self.device)
-                   for name in ("master", "exp_avg", "exp_avg_sq", "t1", "t2")}
-            ints = {name: torch.empty(self.block, dtype=dtype, device=self.device)
-                    for name, dtype in (("shift", torch.int32), ("bits", torch.int32))}
+            f32 = {name: torch.empty(self.block, dtype=torch.float32, device=self.device) for name in F32_SCRATCH}
+            ints = {name: torch.empty(self.block, dtype=torch.int32, device=self.device) for name in INT_SCRATCH}
             offsets = torch.arange(self.block, dtype=torch.int32, device=self.device)  # arange is slow: add to these
             self._scratch = {**f32, **ints, "offsets": offsets}
             self._codes = codes_mod.Scratch(self.block, self.device)
@@ -113,6 +113,14 @@ class CompactStep:
         for a, b, _, k in inside:
             random_bits(self.config.seed, k + 1, unit, kind, origin + s + a, b - a, scratch, bits[a:b])
         round_stochastic(values, bits, stored[s:e])
+
+
+def scratch_nbytes(device_type: str) -> int:
+    """Bytes one `CompactStep` allocates on a `device_type` device at its first step and keeps
+    (the memory model counts them): fp32 and int32 sub-block buffers, the position offsets, and
+    the quantiser's scratch and tables."""
+    block = SUB_BLOCK.get(device_type, SUB_BLOCK["cpu"])
+    return 4 * block * (len(F32_SCRATCH) + len(INT_SCRATCH) + 1) + codes_mod.Scratch.nbytes(block)
 
 
 def adamw_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, weight_decay: float,

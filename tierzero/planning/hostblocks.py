@@ -26,16 +26,18 @@ def key_sizes(kind: StateKind, shard: list[int], state: list[int], piece_numel: 
     """One rank's stored keys of `kind` (`tiers.state_keys`), as bytes -> how many keys: a param
     is one key in a memory tier and pieces of its trainable prefix then its frozen rest on nvme;
     the other kinds, pieces of the trainable prefix in their stored format (grads fp32). With
-    `one_weight` the master's pieces are the trained params: the param keeps its frozen rest.
+    `one_weight` the master is the trained params: on nvme its pieces are the param's (which
+    keeps its frozen rest), in a memory tier a view of the param's one key (so it has none).
     Counted, not listed: at small pieces a large model has millions of keys, but only a few sizes."""
     keys: Counter[int] = Counter()
+    if kind is StateKind.MASTER and one_weight and home is not Tier.NVME:
+        return keys
     if kind is not StateKind.PARAM:
         for s in state:
             keys.update({formats.nbytes(kind, n, itemsize, FP32_NBYTES): k
                          for n, k in piece_counts(s, piece_numel).items()})
     elif home is not Tier.NVME:
-        rest = [s - t if one_weight else s for s, t in zip(shard, state)]
-        keys.update(n * itemsize for n in rest if n > 0)
+        keys.update(n * itemsize for n in shard if n > 0)
     else:
         for s, t in zip(shard, state):
             trained = Counter() if one_weight else piece_counts(t, piece_numel)

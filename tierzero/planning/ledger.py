@@ -268,3 +268,11 @@ def activation_memory(args: ModelArgs, batch_size: int, seq_len: int, compute_it
 def check_world_size(world_size: int) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"number of GPUs must be an integer >= 1, got {world_size!r}; pass --gpus 1 or more")
+
+
+def waiting_activations_bytes(n_blocks: int, dim: int, vocab_size: int, tied: bool, tokens: int,
+                              accumulate: int, itemsize: int) -> int:
+    """Host bytes the vertical schedule's waiting activations take at most (`engine.vertical.boundary`,
+    beyond its budget spilled to nvme): every micro-batch's input to every block, and a tied
+    embedding's grads from the head (fp32), for `accumulate` micro-batches of `tokens` each."""
+    return accumulate * (n_blocks * tokens * dim * itemsize + (vocab_size * dim * FP32_NBYTES if tied else 0))

@@ -83,6 +83,7 @@ it), the allocator's slack, a model's buffers, the batch itself.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -94,6 +95,7 @@ from tierzero.planning.ledger import FP32_NBYTES, ActivationEstimate
 from tierzero.planning.peaks import MemoryModel, TierPeak, tier_peak
 from tierzero.planning.swapplan import Op, build_swap_plan
 from tierzero.planning.workload import Workload, steps_on_gpu
+from tierzero.compact.step import scratch_nbytes
 from tierzero.storage.sizeclass import class_for
 
 # the parts each tier's buffer pool holds (its budget covers these and the homes)
@@ -199,6 +201,7 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
     # -- the optimizer, piece by piece on its stepping device
     step_tier = Tier.GPU if step_on_gpu else Tier.HOST
     step_device = device if step_on_gpu else "cpu"
+    scratch = scratch_nbytes(step_device) if formats.compact else 0  # kept from the compact step's first use
     # writes that outlive their piece's step: to nvme, or from a host step up to the device (h2d)
     writing = any(placement.home(k) is Tier.NVME or (placement.home(k) is Tier.GPU and step_device != device)
                   for k in StateKind if k is not StateKind.GRAD)
@@ -219,8 +222,10 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
         else:  # `ahead` pieces read, one more whose writes are in flight
             most = _window(pieces, ahead + (1 if writing else 0), fp32_blocks)
         parts: dict[Tier, dict[str, list[int] | int]] = {Tier.GPU: {}, Tier.HOST: {}}
-        # a buffer per piece and state kind, in its stored format (the compact step's fp32 scratch: not counted)
+        # a buffer per piece and state kind, in its stored format
         sized = [formats.nbytes(k, p, c, FP32_NBYTES) for k in away for p in most]
+        if scratch and (step_tier is Tier.GPU or device == "cpu"):  # allocated memory, outside the pools
+            parts[Tier.GPU]["compact scratch"] = scratch
         if step_tier is Tier.HOST:
             parts[Tier.HOST]["optimizer pieces"] = sized
         else:
@@ -284,6 +289,8 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
                                {**{f"compute {k}": w * v for k, v in gpu.pooled.items()}, **host.pooled},
                                f"compute pool at {gpu.pooled_phase}, host pool at {host.pooled_phase}",
                                unpooled.unpooled, unpooled.unpooled_phase)
+    elif scratch and step_tier is Tier.HOST:  # a GPU machine's host step: RAM outside the host pool
+        host_memory = dataclasses.replace(host_memory, unpooled={**host_memory.unpooled, "compact scratch": w * scratch})
     cached = Counter(class_for(n * c, classes, HOST_ALIGN) for n in stored_param) if placement.param is Tier.NVME \
         else Counter()
     cache = w * sum(k * n for k, n in cached.items())
@@ -323,14 +330,6 @@ def _homes(work: Workload, placement: Placement, host_keys: Callable[[StateKind]
         full_grads = sum(min(u.padded_numel, u.trainable_numel) for u in work.units)
         homes[placement.grad] += full_grads * FP32_NBYTES * (1 if placement.grad is Tier.GPU else w)
     return homes
-
-
-def waiting_activations_bytes(n_blocks: int, dim: int, vocab_size: int, tied: bool, tokens: int,
-                              accumulate: int, itemsize: int) -> int:
-    """Host bytes the vertical schedule's waiting activations take at most (`engine.vertical.boundary`,
-    beyond its budget spilled to nvme): every micro-batch's input to every block, and a tied
-    embedding's grads from the head (fp32), for `accumulate` micro-batches of `tokens` each."""
-    return accumulate * (n_blocks * tokens * dim * itemsize + (vocab_size * dim * FP32_NBYTES if tied else 0))
 
 
 def _recompute_bytes(unit: Unit, act: ActivationEstimate | None) -> int:

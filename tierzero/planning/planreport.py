@@ -31,7 +31,7 @@ from tierzero.planning.machine import default_budgets, default_dtype, free_disk_
 from tierzero.planning.placement import (STAGE_TEXT, Link, PlacementChoice, PlacementEstimate, candidate_placements,
                                          choose, choose_stage, estimate, load_profile)
 from tierzero.planning.streaming import DEFAULT, Streaming, choose_streaming, ladder, streamed
-from tierzero.planning.memory_model import waiting_activations_bytes
+from tierzero.planning.ledger import waiting_activations_bytes
 from tierzero.planning.recompute import choose_kept, keepable, with_kept
 from tierzero.planning.statebytes import FP32_STATE, StateBytes
 from tierzero.planning.swapplan import step_nvme_bytes

@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 
 from tierzero import Config, models
-from tierzero.config import Placement, Tier
+from tierzero.config import DType, Placement, Tier
 from tierzero.engine import Engine
 from tierzero.planning.ledger import activation_memory
 from tierzero.planning.memory_model import peak_memory
+from tierzero.planning.statebytes import StateBytes
 from tierzero.planning.workload import Workload
 from tierzero.models import ModelArgs
 
@@ -45,12 +46,16 @@ def run(case: dict, root: Path) -> dict:
     args = ModelArgs(**case["args"])
     placement = Placement(*[Tier(t) for t in case["placement"]])
     batch_size, seq_len, steps = case["batch"], case["seq"], case.get("steps", 2)
-    act = activation_memory(args, batch_size, seq_len, 4, models.llama.loss_chunk_bytes(args.vocab_size))
-    predicted = peak_memory(Workload.from_preset(args, 4, device="cpu", prefetch_depth=case["depth"],
-                                                 piece_numel=case["piece"], overlap=True, activations=act), placement)
-    cfg = Config(placement=placement, device="cpu", dtype="fp32", nvme_path=[str(root / case["name"])],
+    dtype, moments, master = case.get("dtype", "fp32"), case.get("optimizer_state", "fp32"), case.get("master", "fp32")
+    itemsize = 2 if dtype == "bf16" else 4
+    formats = StateBytes.for_compute(moments, master, DType(dtype))
+    act = activation_memory(args, batch_size, seq_len, itemsize, models.llama.loss_chunk_bytes(args.vocab_size))
+    predicted = peak_memory(Workload.from_preset(args, itemsize, device="cpu", prefetch_depth=case["depth"],
+                                                 piece_numel=case["piece"], overlap=True, activations=act,
+                                                 formats=formats), placement)
+    cfg = Config(placement=placement, device="cpu", dtype=dtype, nvme_path=[str(root / case["name"])],
                  prefetch_depth=case["depth"], piece_numel=case["piece"], lr=1e-3,
-                 host_budget=predicted.host_total_bytes)
+                 host_budget=predicted.host_total_bytes, optimizer_state=moments, master=master)
     g = torch.Generator().manual_seed(0)
     batch = (torch.randint(0, args.vocab_size, (batch_size, seq_len), generator=g),
              torch.randint(0, args.vocab_size, (batch_size, seq_len), generator=g))

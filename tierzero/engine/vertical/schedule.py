@@ -56,7 +56,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # token ids, targets
 
 def waiting_bytes(chain: Chain, units: list[Unit], batch: Batch, accumulate: int, itemsize: int) -> int:
     """Host bytes the vertical schedule's waiting activations take at most, as the store holds
-    them (the memory model's `waiting_activations_bytes`, each entry aligned): every block
+    them (the ledger's `waiting_activations_bytes`, each entry aligned): every block
     input of every micro-batch, and a tied embedding unit's whole fp32 grad from the head
     (position tables included)."""
     embedding = units[0]
