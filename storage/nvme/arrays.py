@@ -74,8 +74,9 @@ def _link_array(src_dir: str, dst_dir: str, meta: ShardMeta, with_meta: bool, sy
     return copied
 
 
-def write_array(dst_dir: str, src: torch.Tensor, chunk_bytes: int) -> ShardMeta:
-    """Write the contiguous 1-D host tensor `src` as a new frozen array, fsynced; its meta.
+def write_array(dst_dir: str, src: torch.Tensor, chunk_bytes: int, layout: dict | None = None) -> ShardMeta:
+    """Write the contiguous 1-D host tensor `src` as a new frozen array, fsynced; its meta
+    (with `layout`, what its bytes pack, as `ShardMeta.layout`).
     An OSError (ENOSPC, EIO, EACCES) is a `StorageError` naming the path and the fix."""
     data = memoryview(src.detach().contiguous().view(-1).view(torch.uint8).numpy())
     path = dst_dir
@@ -88,7 +89,7 @@ def write_array(dst_dir: str, src: torch.Tensor, chunk_bytes: int) -> ShardMeta:
             path = chunk_path(dst_dir, i)
             chunkfile.write_chunk(path, part, chunk_bytes, direct=False)
             fsync_path(path)
-        meta = ShardMeta(src.dtype, src.numel(), chunk_bytes, crcs)
+        meta = ShardMeta(src.dtype, src.numel(), chunk_bytes, crcs, layout)
         path = os.path.join(dst_dir, "zarr.json")
         _write_meta(dst_dir, meta)
     except OSError as e:

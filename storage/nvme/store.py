@@ -45,7 +45,7 @@ import os
 import shutil
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -67,7 +67,8 @@ class NvmeStore(TierStore):
     tier = "nvme"
 
     def __init__(self, paths: Sequence[str | os.PathLike[str]], chunk_bytes: int = 8 << 20,
-                 direct: bool | None = None, verify_reads: bool | None = False) -> None:
+                 direct: bool | None = None, verify_reads: bool | None = False,
+                 layout: Callable[[str, torch.Tensor], dict | None] | None = None) -> None:
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         if not paths:
@@ -78,6 +79,7 @@ class NvmeStore(TierStore):
         self.paths = [os.path.abspath(os.fspath(p)) for p in paths]
         self.chunk_bytes = chunk_bytes
         self.verify_reads = verify_reads  # crc32c-check every read; None: decided at open
+        self.layout = layout  # (key, data) -> the array's `layout` attribute, or None
         self.notes: list[str] = []  # what the store could not do as asked, each said once
         self._direct_request = direct
         self._direct: list[bool] = []  # per directory, probed at open()
@@ -244,7 +246,7 @@ class NvmeStore(TierStore):
                     None, write_chunk, jobs, spares, key, i, data[i * cb:(i + 1) * cb],
                     cb, direct, os.path.join(gen_dir, "c", str(i)), self._root(key))
                     for i in range(nchunks(len(data), cb))])
-                meta = ShardMeta(src.dtype, src.numel(), cb, crcs)
+                meta = ShardMeta(src.dtype, src.numel(), cb, crcs, self.layout(key, src) if self.layout else None)
                 # the commit runs to the end even if this call is cancelled meanwhile
                 commit = loop.run_in_executor(None, self._commit, key, gen, meta, current)
                 await shielded(commit)

@@ -3,7 +3,9 @@
 A shard is a 1-D array with the plain little-endian `bytes` codec, so its chunk files are the
 raw bytes. zarr has no bfloat16, so bf16 shards are `uint16` arrays; the true dtype and one
 crc32c per chunk (of the chunk's data bytes, padding excluded) sit in the array's attributes
-under "tierzero". This module builds and parses the JSON; it never touches files.
+under "tierzero", with the `layout` of an array that packs several (a quantised Adam moment:
+its scales, then its codes) where its writer describes one. This module builds and parses the
+JSON; it never touches files.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class ShardMeta:
     numel: int
     chunk_bytes: int
     crcs: list[int]
+    layout: dict | None = None  # what the bytes pack, as the writer describes it (JSON)
 
     @property
     def nbytes(self) -> int:
@@ -51,7 +54,8 @@ class ShardMeta:
             "fill_value": False if name == "bool" else 0,
             "codecs": [{"name": "bytes"} if itemsize == 1 else
                        {"name": "bytes", "configuration": {"endian": "little"}}],
-            "attributes": {"tierzero": {"dtype": name, "crc32c": self.crcs}},
+            "attributes": {"tierzero": {"dtype": name, "crc32c": self.crcs,
+                                        **({"layout": self.layout} if self.layout is not None else {})}},
             "zarr_format": 3,
             "node_type": "array",
             "storage_transformers": [],
@@ -83,7 +87,7 @@ class ShardMeta:
             dtype = DTYPES[attrs["dtype"]]
             chunk_elems = doc["chunk_grid"]["configuration"]["chunk_shape"][0]
             return cls(dtype, doc["shape"][0], chunk_elems * dtype.itemsize,
-                       [int(c) for c in attrs["crc32c"]])
+                       [int(c) for c in attrs["crc32c"]], attrs.get("layout"))
         except (ValueError, KeyError, IndexError, TypeError) as e:
             raise StorageCorruptError(f"{where} is not a tierzero shard's zarr.json ({e!r}): "
                                       f"delete the array or restore it from a checkpoint") from e

@@ -68,6 +68,13 @@ def test_the_nvme_store_holds_compact_pieces_that_zarr_reads(tmp_path: Path) -> 
     packed = torch.from_numpy(np.asarray(array[:]))
     formats = StateFormats.of(config)
     assert torch.equal(formats.decode(StateKind.EXP_AVG, packed, torch.empty(b - a)), moment)
+    # the attributes say how to decode it, with numpy alone
+    layout, raw = array.attrs["tierzero"]["layout"], np.asarray(array[:])
+    scales, codes = layout["scales"], layout["codes"]
+    absmax = raw[scales["offset"]:scales["offset"] + 4 * scales["count"]].view("<f4")
+    index = raw[codes["offset"]:codes["offset"] + codes["count"]]
+    values = np.asarray(layout["code_map"]["values"], dtype=np.float32)[index] * np.repeat(absmax, layout["block"])[:index.size]
+    assert layout["code_map"]["signed"] and torch.equal(torch.from_numpy(values), moment)
     bf16 = zarr.open_array(str(_current(root, master_key)), mode="r")
     assert bf16.attrs["tierzero"]["dtype"] == "bfloat16" and bf16.shape == (mb - ma,)
     assert torch.equal(torch.from_numpy(np.asarray(bf16[:]).view(np.int16)).view(torch.bfloat16).float(),

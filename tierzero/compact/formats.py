@@ -10,8 +10,10 @@ generation and checkpoint moves it as one array like any other piece:
 `nblocks = ceil(numel / STATE_BLOCK)`; block k covers the piece's values
 [k * STATE_BLOCK, (k + 1) * STATE_BLOCK) and code i stands for `code_map(signed)[i] * absmax[k]`
 (`tierzero.compact.codes`; signed for exp_avg, unsigned for exp_avg_sq). The absmax come first
-so their fp32 view is aligned whatever the piece's numel. With bf16 compute a bf16 master is not
-stored at all: it is the param (`master_is_param`).
+so their fp32 view is aligned whatever the piece's numel. On NVMe the array's zarr attributes
+name this layout (`layout`: the scales' and codes' dtype, offset and count, the block and the
+code map), so zarr 3 alone can decode a piece. With bf16 compute a bf16 master is not stored
+at all: it is the param (`master_is_param`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from tierzero.compact import codes as codes_mod
-from tierzero.config import TORCH_DTYPES, Config, DType, StateFormat, StateKind
+from tierzero.config import STATE_BLOCK, TORCH_DTYPES, Config, DType, StateFormat, StateKind
 from tierzero.storage.base import aligned_empty
 
 MOMENTS = (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
@@ -89,6 +91,20 @@ class StateFormats:
         scratch = codes_mod.Scratch(values.numel(), values.device)
         codes_mod.quantise(values.float().clone(), kind is StateKind.EXP_AVG, codes, absmax, scratch)
         return out
+
+    def layout(self, key: str, stored: torch.Tensor) -> dict | None:
+        """The zarr `layout` attribute of the stored piece under `key` (`NvmeStore(layout=...)`):
+        an int8 moment's scales and codes; None for any other array (its dtype says it all)."""
+        kind = next((k for k in MOMENTS if key.startswith(f"{k.value}/")), None)
+        if kind is None or not self.quantised(kind) or stored.dtype != torch.uint8:
+            return None
+        blocks = -(-stored.numel() // (STATE_BLOCK + 4))  # numel + 4 bytes per started block
+        numel = stored.numel() - 4 * blocks
+        return {"packs": "blockwise int8 dynamic quantisation", "block": STATE_BLOCK,
+                "scales": {"data_type": "float32", "endian": "little", "offset": 0, "count": blocks},
+                "codes": {"data_type": "uint8", "offset": 4 * blocks, "count": numel},
+                "code_map": {"signed": kind is StateKind.EXP_AVG, "values": codes_mod.code_map(kind is StateKind.EXP_AVG).tolist()},
+                "value": "code_map.values[codes[i]] * scales[i // block]"}
 
     def decode(self, kind: StateKind, stored: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Fill fp32 `out` (one piece's values) from its stored tensor."""

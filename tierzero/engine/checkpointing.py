@@ -131,7 +131,7 @@ def _write_shards(engine: EngineParts, temp: Path) -> tuple[dict[str, ShardMeta]
                 else:
                     part = engine.shards.empty(kind, b - a)  # in its stored format
                     engine.shards.read_key(kind, key, part)
-                    arrays[key] = write_array(dst, part, engine.config.chunk_bytes)
+                    arrays[key] = write_array(dst, part, engine.config.chunk_bytes, engine.shards.formats.layout(key, part))
                     copied += part.numel() * part.element_size()
     return arrays, copied
 

@@ -166,11 +166,13 @@ class Tiers:
             self.stores[Tier.HOST] = self._open(HostStore(self.host_pool, self.streams.store_copy))
             self.stores[Tier.GPU] = self._open(DeviceStore(self.device_pool, self.streams.store_copy))
             if Tier.NVME in self.homes:
+                from tierzero.compact.formats import StateFormats
                 from tierzero.storage.nvme.store import NvmeStore
 
                 self.stores[Tier.NVME] = self._open(NvmeStore(
                     self.nvme_paths, chunk_bytes=self.config.chunk_bytes,
-                    verify_reads={"on": True, "off": False}.get(self.config.verify_reads)))
+                    verify_reads={"on": True, "off": False}.get(self.config.verify_reads),
+                    layout=StateFormats.of(self.config).layout))
         except BaseException:
             self.close()
             raise
