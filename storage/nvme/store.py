@@ -66,9 +66,8 @@ class NvmeStore(TierStore):
 
     tier = "nvme"
 
-    def __init__(self, paths: Sequence[str | os.PathLike[str]], chunk_bytes: int = 8 << 20,
-                 direct: bool | None = None, verify_reads: bool | None = False,
-                 layout: Callable[[str, torch.Tensor], dict | None] | None = None) -> None:
+    def __init__(self, paths: Sequence[str | os.PathLike[str]], chunk_bytes: int = 8 << 20, direct: bool | None = None,
+                 verify_reads: bool | None = False, layout: Callable[[str, torch.Tensor], dict | None] | None = None) -> None:
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         if not paths:
@@ -166,7 +165,7 @@ class NvmeStore(TierStore):
 
     def shard_dir(self, key: str) -> str:
         """The directory of the zarr group holding `key`'s generations."""
-        return os.path.join(self.paths[self._dir_index(key)], *key.split("/"))
+        return os.path.join(self._root(key), *key.split("/"))
 
     def array_dir(self, key: str) -> str:
         """The directory of `key`'s current generation (a zarr array)."""
@@ -226,7 +225,7 @@ class NvmeStore(TierStore):
 
     async def write(self, key: str, src: torch.Tensor) -> None:
         self._check_call(key, src, "src")
-        dtype_name(src.dtype)
+        dtype_name(src.dtype)  # a dtype the store cannot name is refused before anything is written
         loop = asyncio.get_running_loop()
         async with self._key_lock(key):
             current = await self._lookup(key, missing_ok=True)
