@@ -112,9 +112,9 @@ class Scratch:
 
     @staticmethod
     def nbytes(numel: int) -> int:
-        """What a `Scratch(numel)` holds: index, magnitude, bits per value, and for both maps
-        the codes (fp32), bucket starts (uint8) and bounds (fp32), plain and stored (a lookup's
-        comparison allocates one bool per value more while it runs)."""
+        """What a `Scratch(numel)` holds -- index, magnitude, bits per value, and for both maps
+        the codes (fp32), bucket starts (uint8) and bounds (fp32), plain and stored -- plus the
+        one bool per value a lookup's comparison allocates while it runs."""
         tables = 256 * 4 + (1 << 16) * (1 + 4) * 2
         return numel * (1 + 4 + 4 + 1) + 2 * tables
 

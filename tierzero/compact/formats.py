@@ -18,6 +18,7 @@ at all: it is the param (`master_is_param`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -98,13 +99,7 @@ class StateFormats:
         kind = next((k for k in MOMENTS if key.startswith(f"{k.value}/")), None)
         if kind is None or not self.quantised(kind) or stored.dtype != torch.uint8:
             return None
-        blocks = -(-stored.numel() // (STATE_BLOCK + 4))  # numel + 4 bytes per started block
-        numel = stored.numel() - 4 * blocks
-        return {"packs": "blockwise int8 dynamic quantisation", "block": STATE_BLOCK,
-                "scales": {"data_type": "float32", "endian": "little", "offset": 0, "count": blocks},
-                "codes": {"data_type": "uint8", "offset": 4 * blocks, "count": numel},
-                "code_map": {"signed": kind is StateKind.EXP_AVG, "values": codes_mod.code_map(kind is StateKind.EXP_AVG).tolist()},
-                "value": "code_map.values[codes[i]] * scales[i // block]"}
+        return _int8_layout(kind is StateKind.EXP_AVG, stored.numel())
 
     def decode(self, kind: StateKind, stored: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Fill fp32 `out` (one piece's values) from its stored tensor."""
@@ -114,6 +109,17 @@ class StateFormats:
         scratch = codes_mod.Scratch(out.numel(), out.device)
         codes_mod.dequantise(codes, absmax, kind is StateKind.EXP_AVG, out, scratch)
         return out
+
+
+@functools.lru_cache(maxsize=64)  # a few piece sizes; the dict is only serialised, never changed
+def _int8_layout(signed: bool, nbytes: int) -> dict:
+    """`StateFormats.layout` of an int8 moment piece of `nbytes` packed bytes."""
+    blocks = -(-nbytes // (STATE_BLOCK + 4))  # numel + 4 bytes per started block
+    return {"packs": "blockwise int8 dynamic quantisation", "block": STATE_BLOCK,
+            "scales": {"data_type": "float32", "endian": "little", "offset": 0, "count": blocks},
+            "codes": {"data_type": "uint8", "offset": 4 * blocks, "count": nbytes - 4 * blocks},
+            "code_map": {"signed": signed, "values": codes_mod.code_map(signed).tolist()},
+            "value": "code_map.values[codes[i]] * scales[i // block]"}
 
 
 def split(packed: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:

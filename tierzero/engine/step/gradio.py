@@ -26,15 +26,3 @@ async def read_after_write(write: concurrent.futures.Future | None, store: TierS
     if write is not None:
         await asyncio.wrap_future(write)
     await store.read_into(key, stage)
-
-
-async def add_when_landed(tiers: Tiers, stage: torch.Tensor, landed: Event, earlier: torch.Tensor,
-                          ready: Event | concurrent.futures.Future) -> None:
-    """A tied unit's third use or later: once its grad has landed in `stage` and the earlier
-    uses' sum in `earlier` is ready, add that sum to it on the host."""
-    await tiers.landed(landed)
-    if isinstance(ready, concurrent.futures.Future):
-        await asyncio.wrap_future(ready)
-    else:
-        await tiers.landed(ready)
-    await tiers.io.run_math(stage.add_, earlier)

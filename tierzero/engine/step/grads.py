@@ -37,7 +37,7 @@ import torch
 from tierzero.distributed.comm import InFlight
 from tierzero.engine.step.backward import BackwardPass
 from tierzero.engine.step.gradnorms import GradNorms
-from tierzero.engine.step.gradio import add_when_landed, read_after_write, write_when_landed
+from tierzero.engine.step.gradio import read_after_write, write_when_landed
 from tierzero.errors import TierzeroError
 from tierzero.config import StateKind, Tier
 from tierzero.engine.parts import EngineParts
@@ -64,8 +64,7 @@ class GradShards:
         self._full_held: set[int] = set()  # units whose `grad_full` pieces hold this step's earlier sum
         self._writes: dict[str, concurrent.futures.Future] = {}  # piece key -> its grad write in flight
         self._landing: dict[str, Event] = {}  # host-homed piece key -> its D2H copy's event
-        # a tied unit's earlier uses' sum in a host buffer, ready at a D2H event (or an I/O thread's add)
-        self._stashed: dict[int, tuple[torch.Tensor, Event | concurrent.futures.Future]] = {}
+        self._stashed: dict[int, tuple[torch.Tensor, Event]] = {}  # a tied unit's earlier uses' sum on the host, its D2H
         self._held: dict[int, torch.Tensor] = {}  # grad home on the device: unit -> its earlier uses' sum
         self._order: list[int] = []  # units in the order micro-batch 0 accumulated them
         self._ahead: dict[str, tuple[concurrent.futures.Future, torch.Tensor]] = {}  # nvme key -> read, stage
@@ -288,44 +287,32 @@ class GradShards:
         """Stash this use's grad (plus earlier ones) in a host buffer; at the unit's last use
         of the pass return the sum of all of them (None before that).
 
-        The stash goes to the host on the d2h stream and stays in its leased buffer (the memory
-        model counts it through backward), so the last use only waits on the device for that
-        copy, brings it back on the h2d_write stream and adds it on the compute device (sums
-        commute bitwise): no trip through the grad home and no host wait on autograd's thread.
-        A third use or later is added to the stash by an I/O thread once both have landed. With
-        the grad home on the device the stash never leaves it (`_combine_on_device`)."""
+        Each use adds the earlier uses' stash on the compute device (it comes back on the
+        h2d_write stream once its D2H copy has landed: sums commute bitwise); a use before the
+        last sends the sum to the host on the d2h stream, where it stays in its leased buffer
+        (the memory model counts it through backward): no trip through the grad home and no
+        host wait on autograd's thread. With the grad home on the device the stash never leaves
+        it (`_combine_on_device`)."""
         if self.home is Tier.GPU:
             return self._combine_on_device(unit, grad)
         held = self._stashed.pop(unit, None)
-        if self.seen[unit] < self.uses[unit]:
-            s, nbytes = self.streams, grad.numel() * 4
-            stage = self.tiers.lease_host(nbytes).view(torch.float32)
-            landed = s.copy(stage, grad, s.d2h, after=s.record(s.compute))
-            s.keep_alive(grad, s.d2h)
-            self.parts.transfers.add_bytes(Link.GPU_TO_HOST, nbytes)
-            if held is None:
-                self._stashed[unit] = (stage, landed)
-            else:
-                summed = self.tiers.submit(add_when_landed(self.tiers, stage, landed, *held))
-                self.tiers.pending.add(summed, lambda ok, buf=held[0]: self.tiers.host_pool.give_back(buf.view(torch.uint8)))
-                self._stashed[unit] = (stage, summed)
-            return None
-        assert held is not None, f"unit {unit}'s earlier uses left no stash"
-        stash, ready = held
-        if isinstance(ready, concurrent.futures.Future):
-            with self.parts.transfers.waiting():
-                ready.result()  # a third use's sum, added on an I/O thread (long since, normally)
-            ready = None
-        self._add_from_host(grad, stash, after=ready, stage=stash)
-        return grad
+        if held is not None:
+            stash, landed = held
+            self._add_from_host(grad, stash, after=landed, stage=stash)
+        if self.seen[unit] == self.uses[unit]:
+            assert held is not None, f"unit {unit}'s earlier uses left no stash"
+            return grad
+        s, nbytes = self.streams, grad.numel() * 4
+        stage = self.tiers.lease_host(nbytes).view(torch.float32)
+        self._stashed[unit] = stage, s.copy(stage, grad, s.d2h, after=s.record(s.compute))
+        s.keep_alive(grad, s.d2h)
+        self.parts.transfers.add_bytes(Link.GPU_TO_HOST, nbytes)
+        return None
 
     def _drop_stashed(self) -> None:
-        """Give back the host stashes a failed backward left."""
-        for stash, ready in self._stashed.values():
-            if isinstance(ready, concurrent.futures.Future):
-                self.tiers.pending.add(ready, lambda ok, buf=stash: self.tiers.host_pool.give_back(buf.view(torch.uint8)))
-            else:
-                self.tiers.give_back_when_done(ready, stash)
+        """Give back the host stashes a failed backward left, once their copies have landed."""
+        for stash, landed in self._stashed.values():
+            self.tiers.give_back_when_done(landed, stash)
         self._stashed.clear()
 
     def _combine_on_device(self, unit: int, grad: torch.Tensor) -> torch.Tensor | None:

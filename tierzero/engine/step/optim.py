@@ -148,10 +148,11 @@ class ShardOptimizer(PieceWrites):
                 if prefetched is not None:
                     self._discard(prefetched)
                 continue
-            if prefetched is None:
+            if prefetched is not None:
+                work = prefetched
+            else:
                 with self.stats.backpressure():  # waits only while the pool has no buffer free
-                    prefetched = self._load(work)
-            work = prefetched
+                    work = self._load(work)
             work.runs = runs
             self._attach_grad(work, grad, produced)
             self._reserve_staging(work)

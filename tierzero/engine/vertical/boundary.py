@@ -122,9 +122,10 @@ class BoundaryStore:
     def stage_next(self) -> None:
         """Start the copy to the device of the entry `get` takes next, if it is in host memory
         (a read back from NVMe still in flight is not waited for)."""
-        for _, entry in self._backward_order()[:1]:
-            if entry.up is None and entry.buffer is not None and (entry.read is None or entry.read.done()):
-                self._up(entry)
+        entry = min(self._entries.items(), key=_backward_key, default=(None, None))[1]
+        if entry is not None and entry.up is None and entry.buffer is not None and \
+                (entry.read is None or entry.read.done()):
+            self._up(entry)
 
     def _up(self, entry: _Entry) -> None:
         """Copy an entry in host memory to the device on the activations' own stream."""
@@ -193,7 +194,7 @@ class BoundaryStore:
 
     def _backward_order(self) -> list[tuple[tuple[int, int], _Entry]]:
         """The entries in the order `get` takes them: units descending, micro-batches in order."""
-        return sorted(self._entries.items(), key=lambda kv: (-kv[0][0], kv[0][1]))
+        return sorted(self._entries.items(), key=_backward_key)
 
     def _take(self, nbytes: int) -> _Buffer:
         """A buffer of at least `nbytes` (room for it made): the smallest freed one that fits
@@ -250,6 +251,12 @@ class BoundaryStore:
             else:
                 live.append(buffer)
         self._buffers = live
+
+
+def _backward_key(item: tuple[tuple[int, int], _Entry]) -> tuple[int, int]:
+    """An entry's place in backward order: units descending, micro-batches in order."""
+    (unit, micro), _ = item
+    return -unit, micro
 
 
 def aligned_nbytes(nbytes: int) -> int:
