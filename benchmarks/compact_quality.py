@@ -14,7 +14,9 @@ training loss over the last 50 steps and its ratio to fp32's (the aim: within 1%
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -55,9 +57,15 @@ def main() -> None:
     p.add_argument("--out", default="compact_quality.png")
     p.add_argument("--offload", default="none", help="where the state lives (none: memory; nvme: --nvme-path)")
     p.add_argument("--nvme-path", default=None, help="where the runs' stores go (default: a temp dir)")
+    p.add_argument("--formats", default=",".join(FORMATS),
+                   help=f"comma-separated runs, fp32 among them (default: all of {', '.join(FORMATS)})")
     opts = p.parse_args()
+    chosen = [name.strip() for name in opts.formats.split(",")]
+    if "fp32" not in chosen or not set(chosen) <= set(FORMATS):
+        p.error(f"--formats {opts.formats!r}: name fp32 and any of {', '.join(FORMATS)}")
     losses = {}
-    for name, (moments, master) in FORMATS.items():
+    for name in chosen:
+        moments, master = FORMATS[name]
         with tempfile.TemporaryDirectory(dir=opts.nvme_path) as path:
             losses[name] = train(opts.preset, moments, master, opts, path)
         print(f"{name}: last-{TAIL} mean loss {np.mean(losses[name][-TAIL:]):.4f}", flush=True)
@@ -87,7 +95,9 @@ def plot(losses: dict[str, list[float]], opts: argparse.Namespace) -> None:
     ax.set(xlabel="step", ylabel="training loss", title=f"{opts.model or opts.preset} ({opts.dtype} compute): optimizer state formats")
     ax.legend()
     fig.savefig(opts.out, dpi=120, bbox_inches="tight")
-    print(f"wrote {opts.out}")
+    curves = str(Path(opts.out).with_suffix(".json"))
+    Path(curves).write_text(json.dumps(losses))
+    print(f"wrote {opts.out} and the curves to {curves}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Compact optimizer state, piece by piece: int8 round trips within their code gaps, and the
-sub-block step equal, bitwise, to the same AdamW formula applied in plain PyTorch to the whole
-decoded piece (with its random bits recomputed here in numpy's wrapping uint32 arithmetic)."""
+"""Compact optimizer state, piece by piece: int8 round trips within their code gaps, stochastic
+rounding to the two codes around a value without bias, and the sub-block step equal, bitwise,
+to the same AdamW formula applied in plain PyTorch to the whole decoded piece (with its random
+bits recomputed here in numpy's wrapping uint32 arithmetic and its codes found by binary search)."""
 
 from __future__ import annotations
 
@@ -107,15 +108,34 @@ def reference_step(formats: StateFormats, stored: dict[StateKind, torch.Tensor],
         p[a:b] = p[a:b] - (m[a:b] / denom) * (lr / (1 - beta1 ** t))
     out = {}
     for kind, t in stored.items():
-        if formats.quantised(kind) or t.dtype == torch.float32:
-            out[kind] = formats.encode(kind, values[kind])
+        if t.dtype == torch.float32:
+            out[kind] = values[kind]
             continue
-        new = t.clone()  # bf16: outside the spans as stored; inside, stochastically rounded
+        rest = 0x8000 if formats.quantised(kind) else 0  # outside the spans: nearest code, or as stored
+        bits = np.full(n, rest, dtype=np.uint32)
         for a, b, _, k in spans:
-            new[a:b] = _ref_round(values[kind][a:b].clone(),
-                                  _ref_bits(config, k + 1, unit, kind, np.arange(origin + a, origin + b)))
-        out[kind] = new
+            bits[a:b] = _ref_bits(config, k + 1, unit, kind, np.arange(origin + a, origin + b))
+        out[kind] = (_ref_quantise(values[kind], kind is StateKind.EXP_AVG, bits) if formats.quantised(kind)
+                     else _ref_round(values[kind].clone(), bits))
     return out
+
+
+def _ref_quantise(values: torch.Tensor, signed: bool, bits: np.ndarray) -> torch.Tensor:
+    """Blockwise absmax, then between the two codes around each value by binary search: up where
+    its fraction of the gap, in 1/65536ths, exceeds its random bits."""
+    n, table = values.numel(), codes.code_map(signed)
+    absmax = torch.stack([values[i:i + STATE_BLOCK].abs().max() for i in range(0, n, STATE_BLOCK)])
+    y = values / torch.where(absmax > 0, absmax, 1.0).repeat_interleave(STATE_BLOCK)[:n]
+    lo = (torch.searchsorted(table, y, right=True) - 1).clamp(min=0)
+    if not signed:
+        lo = torch.where((y > 0) & (lo == 0), 1, lo)  # a positive exp_avg_sq is never code 0
+    scale = torch.cat([65536.0 / (table[1:] - table[:-1]), torch.zeros(1)])
+    up = (y - table[lo]) * scale[lo] > torch.from_numpy(bits.astype(np.float32))
+    packed = torch.empty(4 * codes.nblocks(n) + n, dtype=torch.uint8)
+    got_absmax, got_codes = split(packed, n)
+    got_absmax.copy_(absmax)
+    got_codes.copy_(lo + up)
+    return packed
 
 
 @pytest.mark.parametrize("moments,master", [("int8", "bf16"), ("int8", "fp32"), ("bf16", "bf16"),
@@ -157,17 +177,48 @@ def test_stochastic_rounding_is_unbiased_where_round_to_nearest_loses_the_update
 
 
 @pytest.mark.parametrize("signed", [True, False])
-def test_the_bucket_lookup_finds_the_nearest_code_as_a_binary_search_does(signed: bool) -> None:
-    """Every code, every midpoint and both fp32 neighbours of each, and values of every scale."""
-    bounds = codes.midpoints(signed)
+def test_the_bucket_lookup_finds_the_lower_code_as_a_binary_search_does(signed: bool) -> None:
+    """Every code, every midpoint and both fp32 neighbours of each, and values of every scale
+    down to the subnormals."""
+    table = codes.code_map(signed)
     g = torch.Generator().manual_seed(2)
-    edges = torch.cat([codes.code_map(signed), bounds, bounds.nextafter(torch.tensor(2.0)),
-                       bounds.nextafter(torch.tensor(-2.0))])
-    spread = (torch.rand(1 << 16, generator=g) * 2 - 1) * torch.logspace(-12, 0, 1 << 16)
+    mids = (table[:-1] + table[1:]) / 2
+    edges = torch.cat([table, mids, table.nextafter(torch.tensor(2.0)), table.nextafter(torch.tensor(-2.0))])
+    spread = (torch.rand(1 << 16, generator=g) * 2 - 1) * torch.logspace(-44, 0, 1 << 16)
     x = torch.cat([edges, spread, torch.zeros(1), -torch.zeros(1)]).clamp(-1 if signed else 0, 1)
-    index = torch.empty(x.numel(), dtype=torch.int64)
-    codes.nearest(x, signed, codes.Scratch(x.numel(), torch.device("cpu")), index)
-    assert torch.equal(index, torch.searchsorted(bounds, x))
+    index = torch.empty(x.numel(), dtype=torch.uint8)
+    codes.lower(x, signed, codes.Scratch(x.numel(), torch.device("cpu")), index)
+    want = (torch.searchsorted(table, x, right=True) - 1).clamp(min=0)
+    if not signed:
+        want = torch.where(x > 0, want.clamp(min=1), want)
+    assert torch.equal(index.long(), want)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_int8_stochastic_rounding_is_unbiased_and_keeps_to_the_two_codes_around_a_value(signed: bool) -> None:
+    """One value quantised with every one of the 65536 random draws: each code is one of the two
+    around it, their mean is the value (to the draws' 2**-16 resolution), and a moment far less
+    than half a gap from its code -- where nearest rounding sticks -- moves in expectation."""
+    table = codes.code_map(signed)
+    n = 1 << 16
+    for target in (0.5 * (table[200] + table[201]) + 0.3 * (table[201] - table[200]), table[130] * 1.001):
+        x = torch.full((n,), float(target))
+        x[::STATE_BLOCK] = 1.0  # each block's absmax is 1: the values stay as they are
+        q, absmax, out = torch.empty(n, dtype=torch.uint8), torch.empty(codes.nblocks(n)), torch.empty(n)
+        scratch = codes.Scratch(n, torch.device("cpu"))
+        bits = torch.randperm(n, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+        codes.quantise(x.clone(), signed, q, absmax, scratch, bits)
+        codes.dequantise(q, absmax, signed, out, scratch)
+        kept = torch.ones(n, dtype=torch.bool)
+        kept[::STATE_BLOCK] = False
+        lo = int(torch.searchsorted(table, torch.tensor(float(target)), right=True)) - 1
+        assert set(q[kept].unique().tolist()) <= {lo, lo + 1}
+        mean = out[kept].double().mean().item()
+        gap = float(table[lo + 1] - table[lo])
+        assert abs(mean - float(target)) < gap * 2 ** -10, (mean, float(target))
+        nearest = torch.empty_like(q)
+        codes.quantise(x.clone(), signed, nearest, absmax, scratch)  # no bits: the nearest code, for all
+        assert len(nearest[kept].unique()) == 1
 
 
 @pytest.mark.parametrize("start", [2 ** 31 - 1000, 2 ** 32 - 1000, 5 * 2 ** 32 + 7])

@@ -1,18 +1,29 @@
 """Blockwise dynamic int8 quantisation of Adam moments: the code maps, quantise and dequantise.
 
 A moment is quantised in blocks of `STATE_BLOCK` values counted from the start of its piece,
-each block sharing one fp32 absmax: a value is stored as the index (0..255) of the nearest
-entry of a 256-entry code map of `value / absmax`. The maps are the dynamic ones of 8-bit Adam
-(Dettmers et al., 2022): per decade of magnitude from 1e-7 to 1 a linear run of codes, more
-codes in the larger decades, so small and large values keep a similar relative precision.
-exp_avg uses the signed map, exp_avg_sq (never negative) the unsigned one, which spends all 256
-codes on magnitudes. One exception to the nearest code: a positive exp_avg_sq below half the
-smallest positive code is stored as that code, never as 0. Adam divides by sqrt(exp_avg_sq):
-rounding a small one to 0 while its exp_avg is not turns the update into exp_avg / eps (seen:
-weights of rare embedding rows jumping 20 lr in one step), while rounding it up only shrinks
-that parameter's update. Every function works on one run of whole blocks (the last one may be
-shorter), so a piece, or any 2048-aligned part of one, quantises on its own, bitwise the same
-as within the whole piece. No allocation beyond the outputs and `Scratch` handed in.
+each block sharing one fp32 absmax: a value is stored as the index (0..255) of an entry of a
+256-entry code map of `value / absmax`. The maps are the dynamic ones of 8-bit Adam (Dettmers
+et al., 2022): per decade of magnitude from 1e-7 to 1 a linear run of codes, more codes in the
+larger decades, so small and large values keep a similar relative precision. exp_avg uses the
+signed map, exp_avg_sq (never negative) the unsigned one, which spends all 256 codes on
+magnitudes.
+
+The step rounds stochastically between the two codes around a value: up with the probability
+of the value's fraction of the gap between them, compared with 16 random bits. Round-to-nearest
+is biased here: a moment moves by a few percent a step, less than half the gap between its
+codes, so it sticks to its code, and where the gaps widen (each decade's first code) it
+rounds more often one way; measured along one training trajectory, nearest-code moments made
+Adam's updates 2-9% larger than fp32 moments did, stochastic ones within 1%. Without random
+bits (`StateFormats.encode`: states converted, not stepped) the comparison is with half the
+gap: the nearest code.
+
+One exception to both: a positive exp_avg_sq below the smallest positive code is stored as that
+code, never as 0. Adam divides by sqrt(exp_avg_sq): rounding a small one to 0 while its
+exp_avg is not turns the update into exp_avg / eps (seen: weights of rare embedding rows
+jumping 20 lr in one step), while rounding it up only shrinks that parameter's update. Every
+function works on one run of whole blocks (the last one may be shorter), so a piece, or any
+2048-aligned part of one, quantises on its own, bitwise the same as within the whole piece.
+No allocation beyond the outputs and `Scratch` handed in.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import torch
 from tierzero.config import STATE_BLOCK
 
 MAX_EXPONENT = 7  # decades of magnitude the dynamic map spans below 1
+HALF_GAP = float(1 << 15)  # without random bits: round up past half the gap (the nearest code)
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,75 +60,63 @@ def nblocks(numel: int) -> int:
     return -(-numel // STATE_BLOCK)
 
 
-def midpoints(signed: bool) -> torch.Tensor:
-    """The 255 midpoints between neighbouring codes: a value's nearest code is the number of
-    midpoints below it (a value on a midpoint keeps the lower code)."""
+@functools.lru_cache(maxsize=None)
+def gap_scales(signed: bool) -> torch.Tensor:
+    """Per code index, 65536 over the gap to the next code (0 for the last): a value's fraction
+    of the gap above its lower code, in units of the 16 random bits it is compared with."""
     table = code_map(signed)
-    return (table[:-1] + table[1:]) / 2
+    scales = torch.zeros(256, dtype=torch.float32)
+    scales[:-1] = 65536.0 / (table[1:] - table[:-1])
+    return scales
 
 
 @functools.lru_cache(maxsize=None)
-def bucket_starts(signed: bool) -> torch.Tensor:
+def lower_buckets(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per value of an fp32's top 16 bits (a bucket of the values that share their bf16
-    truncation): how many midpoints lie below every value of the bucket. No bucket holds two
-    midpoints (the codes are at least 2**-7 of a value apart, a bucket 2**-7 wide), so a value's
-    code is its bucket's start, plus one if it lies above the next midpoint: `torch.searchsorted`
-    exactly, in two table lookups instead of a binary search."""
-    bounds = midpoints(signed)
+    truncation): the index of the largest code at or below the bucket's lowest value, and the
+    code after it, which the bucket's values are compared with. No bucket holds two codes (the
+    codes are at least 2**-7 of a value apart, a bucket 2**-7 wide), so a value's lower code is
+    the bucket's start, plus one if it is at or above that next code: `searchsorted(right=True)
+    - 1` in two table lookups instead of a binary search. The unsigned map's exception is folded
+    in: positive buckets below its first positive code start at code 1 and compare with +inf.
+    (+0's bucket, which holds the positive subnormals, starts at 0 and compares with the least of them.)"""
+    table = code_map(signed)
     patterns = torch.arange(1 << 16, dtype=torch.int64) << 16
     edges = [(patterns | low).to(torch.int32).view(torch.float32) for low in (0, 0xFFFF)]
-    lowest, highest = torch.minimum(*edges), torch.maximum(*edges)
-    starts = torch.searchsorted(bounds, lowest.nan_to_num())  # midpoints below the bucket's lowest value
-    assert (torch.searchsorted(bounds, highest.nan_to_num(), right=True) - starts <= 1).all()
-    return starts.clamp_(max=bounds.numel() - 1)
-
-
-@functools.lru_cache(maxsize=None)
-def bucket_bounds(signed: bool) -> torch.Tensor:
-    """Per bucket (`bucket_starts`), the midpoint its values are compared with: the next one."""
-    return midpoints(signed)[bucket_starts(signed)]
-
-
-@functools.lru_cache(maxsize=None)
-def stored_buckets(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`bucket_starts` and `bucket_bounds` with the unsigned map's exception folded in (a
-    positive value below the first midpoint is stored as code 1, see the module's docstring):
-    such buckets start at 1 and compare with +inf; the bucket of +0 and the positive subnormals
-    starts at 0 and compares with 0.0. The signed map's are the plain ones."""
-    starts, bounds = bucket_starts(signed).clone(), bucket_bounds(signed).clone()
+    lowest, highest = (f(*edges).nan_to_num() for f in (torch.minimum, torch.maximum))  # NaN buckets: 0
+    starts = (torch.searchsorted(table, lowest, right=True) - 1).clamp_(0, 255)
+    assert (torch.searchsorted(table, highest, right=True) - 1 - starts <= 1).all()
+    nexts = torch.cat([table, torch.tensor([math.inf])])[starts + 1]
     if not signed:
-        lowest = (torch.arange(1 << 16, dtype=torch.int32) << 16).view(torch.float32)
-        below = (lowest > 0) & (starts == 0)  # finite positive buckets below the first midpoint (not NaN)
-        starts[below], bounds[below] = 1, math.inf
-        bounds[0] = 0.0
-    return starts, bounds
+        below = (lowest > 0) & (starts == 0)
+        starts[below], nexts[below] = 1, math.inf
+        nexts[0] = torch.tensor(0.0).nextafter(torch.tensor(1.0))  # +0's bucket: any positive subnormal is code 1
+    return starts, nexts
 
 
 class Scratch:
     """Working buffers for quantising up to `numel` values at once, reused call after call. The
-    lookups index by int32 (half the bytes of int64) and the bucket tables are uint8 starts and
-    fp32 next midpoints, both indexed by a value's top 16 bits, so the two lookups do not wait
-    on each other and the codes are written as uint8 straight away."""
+    lookups index by int32 (half the bytes of int64); the bucket tables are uint8 starts and
+    fp32 next codes, both indexed by a value's top 16 bits, so the two lookups do not wait on
+    each other and the codes are written as uint8 straight away."""
 
     def __init__(self, numel: int, device: torch.device) -> None:
         self.numel = numel
         self.device = device
-        self.index = torch.empty(numel, dtype=torch.uint8, device=device)
-        self.magnitude = torch.empty(numel, dtype=torch.float32, device=device)
+        self.other = torch.empty(numel, dtype=torch.float32, device=device)
         self.bits = torch.empty(numel, dtype=torch.int32, device=device)
-        self.codes: dict[bool, torch.Tensor] = {s: code_map(s).to(device) for s in (False, True)}
-        self.starts = {s: bucket_starts(s).to(device, torch.uint8) for s in (False, True)}
-        self.bounds = {s: bucket_bounds(s).to(device) for s in (False, True)}
-        self.stored = {s: (stored_buckets(s)[0].to(device, torch.uint8), stored_buckets(s)[1].to(device))
-                       for s in (False, True)}
+        self.codes = {s: code_map(s).to(device) for s in (False, True)}
+        self.scales = {s: gap_scales(s).to(device) for s in (False, True)}
+        self.starts = {s: lower_buckets(s)[0].to(device, torch.uint8) for s in (False, True)}
+        self.nexts = {s: lower_buckets(s)[1].to(device) for s in (False, True)}
 
     @staticmethod
     def nbytes(numel: int) -> int:
-        """What a `Scratch(numel)` holds -- index, magnitude, bits per value, and for both maps
-        the codes (fp32), bucket starts (uint8) and bounds (fp32), plain and stored -- plus the
-        one bool per value a lookup's comparison allocates while it runs."""
-        tables = 256 * 4 + (1 << 16) * (1 + 4) * 2
-        return numel * (1 + 4 + 4 + 1) + 2 * tables
+        """What a `Scratch(numel)` holds -- an fp32 and an int32 per value, and for both maps
+        the codes and gap scales (fp32) and the bucket starts (uint8) and next codes (fp32) --
+        plus the one bool per value a comparison allocates while it runs."""
+        tables = 2 * 256 * 4 + (1 << 16) * (1 + 4)
+        return numel * (4 + 4 + 1) + 2 * tables
 
 
 def _whole_and_tail(x: torch.Tensor) -> list[tuple[torch.Tensor, slice]]:
@@ -131,41 +131,42 @@ def _whole_and_tail(x: torch.Tensor) -> list[tuple[torch.Tensor, slice]]:
 
 
 def quantise(values: torch.Tensor, signed: bool, codes: torch.Tensor, absmax: torch.Tensor,
-             scratch: Scratch) -> None:
-    """Write the nearest-code indices of fp32 `values` into uint8 `codes` and each block's
-    absmax into fp32 `absmax` (`nblocks(values.numel())` of them). `values` is overwritten
-    with the normalised values. A block of zeros stores absmax 0 and code 0.0."""
+             scratch: Scratch, bits: torch.Tensor | None = None) -> None:
+    """Write the codes of fp32 `values` into uint8 `codes` and each block's absmax into fp32
+    `absmax` (`nblocks(values.numel())` of them): rounded up past the fraction of the gap that
+    int32 `bits` (16 random bits per value) give, or past half of it without them (see the
+    module's docstring). `values` is overwritten. A block of zeros stores absmax 0 and code 0.0."""
     n = values.numel()
-    magnitudes = scratch.magnitude[:n]
-    torch.abs(values, out=magnitudes)
-    for (block, rows), (magnitude, _) in zip(_whole_and_tail(values), _whole_and_tail(magnitudes)):
+    other = scratch.other[:n]
+    torch.abs(values, out=other)
+    for (block, rows), (magnitude, _) in zip(_whole_and_tail(values), _whole_and_tail(other)):
         top = absmax[rows]
         torch.amax(magnitude, dim=1, out=top)
         block.div_(torch.where(top > 0, top, torch.ones_like(top)).unsqueeze(1))
-    _lookup(values, *scratch.stored[signed], scratch, codes)
+    lower(values, signed, scratch, codes)
+    index = scratch.bits[:n]
+    index.copy_(codes)
+    torch.index_select(scratch.codes[signed], 0, index, out=other)
+    values.sub_(other)
+    torch.index_select(scratch.scales[signed], 0, index, out=other)
+    values.mul_(other)  # the fraction of the gap above the lower code, in 1/65536ths (exact scaling)
+    if bits is None:
+        up = torch.gt(values, HALF_GAP)
+    else:
+        other.copy_(bits)
+        up = torch.gt(values, other)
+    codes.add_(up.view(torch.uint8))
 
 
-def nearest(values: torch.Tensor, signed: bool, scratch: Scratch, index: torch.Tensor) -> None:
-    """The nearest code's index of each normalised value: `torch.searchsorted(midpoints(signed),
-    values)`, by the bucket of its top 16 bits (`bucket_starts`); `index`: uint8, or any integer
-    dtype by way of the scratch's uint8."""
+def lower(values: torch.Tensor, signed: bool, scratch: Scratch, out: torch.Tensor) -> None:
+    """uint8 `out`: the index of each normalised value's lower code, by its bucket (`lower_buckets`)."""
     n = values.numel()
-    out = index if index.dtype == torch.uint8 else scratch.index[:n]
-    _lookup(values, scratch.starts[signed], scratch.bounds[signed], scratch, out)
-    if out is not index:
-        index.copy_(out)
-
-
-def _lookup(values: torch.Tensor, starts: torch.Tensor, bounds: torch.Tensor, scratch: Scratch,
-            out: torch.Tensor) -> None:
-    """uint8 `out`: each value's bucket's start, plus one where the value lies above its bound."""
-    n = values.numel()
-    bits, bound = scratch.bits[:n], scratch.magnitude[:n]
-    torch.bitwise_right_shift(values.view(torch.int32), 16, out=bits).bitwise_and_(0xFFFF)
-    torch.index_select(starts, 0, bits, out=out)
-    torch.index_select(bounds, 0, bits, out=bound)
+    bucket, bound = scratch.bits[:n], scratch.other[:n]
+    torch.bitwise_right_shift(values.view(torch.int32), 16, out=bucket).bitwise_and_(0xFFFF)
+    torch.index_select(scratch.starts[signed], 0, bucket, out=out)
+    torch.index_select(scratch.nexts[signed], 0, bucket, out=bound)
     # a fresh bool tensor: comparisons into `out=` run about 4x slower on the CPU (torch 2.13)
-    out.add_(torch.gt(values, bound).view(torch.uint8))
+    out.add_(torch.ge(values, bound).view(torch.uint8))
 
 
 def dequantise(codes: torch.Tensor, absmax: torch.Tensor, signed: bool, out: torch.Tensor,

@@ -15,7 +15,8 @@ torch's own fused kernel rounds differently, which is why fp32 state keeps it in
 bf16 master weights and bf16 moments are written with stochastic rounding (see
 docs/design.md, "Compact optimizer state"): the fp32 result's low 16 bits plus 16 random bits,
 truncated, rounds up with probability equal to the discarded fraction, so updates far below a
-bf16 ulp still move the weight in expectation. The random bits are a hash of (seed, step count,
+bf16 ulp still move the weight in expectation. int8 moments round stochastically between the two
+codes around a value with the same 16 bits (`codes.quantise`). The random bits are a hash of (seed, step count,
 unit, state kind, the value's position in the unit's flat buffer) -- no generator state, so a
 resumed run draws the very bits the uninterrupted one would, whatever the piece size.
 """
@@ -102,17 +103,20 @@ class CompactStep:
                 inside: list[Span], unit: int, origin: int, scratch: dict[str, torch.Tensor]) -> None:
         if stored.dtype == torch.float32:
             return  # stepped in place
-        if self.formats.quantised(kind):
-            absmax, codes = split(stored, numel)
-            codes_mod.quantise(values, kind is StateKind.EXP_AVG, codes[s:e],
-                               absmax[s // STATE_BLOCK:codes_mod.nblocks(e)], self._codes)
-            return
+        quantised = self.formats.quantised(kind)
         bits = scratch["bits"][:e - s]
         if sum(b - a for a, b, _, _ in inside) < e - s:
-            bits.zero_()  # values outside the spans are bf16 already: zero bits leave them as they are
+            # values outside the spans were not stepped: they keep their bf16 value (zero bits)
+            # or their nearest code (half the gap), which is the code they were decoded from
+            bits.fill_(int(codes_mod.HALF_GAP) if quantised else 0)
         for a, b, _, k in inside:
             random_bits(self.config.seed, k + 1, unit, kind, origin + s + a, b - a, scratch, bits[a:b])
-        round_stochastic(values, bits, stored[s:e])
+        if quantised:
+            absmax, codes = split(stored, numel)
+            codes_mod.quantise(values, kind is StateKind.EXP_AVG, codes[s:e],
+                               absmax[s // STATE_BLOCK:codes_mod.nblocks(e)], self._codes, bits)
+        else:
+            round_stochastic(values, bits, stored[s:e])
 
 
 def scratch_nbytes(device_type: str) -> int:
