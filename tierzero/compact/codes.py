@@ -36,7 +36,7 @@ import torch
 from tierzero.config import STATE_BLOCK
 
 MAX_EXPONENT = 7  # decades of magnitude the dynamic map spans below 1
-HALF_GAP = float(1 << 15)  # without random bits: round up past half the gap (the nearest code)
+HALF_GAP = 1 << 15  # without random bits: round up past half the gap (the nearest code)
 
 
 @functools.lru_cache(maxsize=None)

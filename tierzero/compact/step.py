@@ -15,9 +15,9 @@ torch's own fused kernel rounds differently, which is why fp32 state keeps it in
 bf16 master weights and bf16 moments are written with stochastic rounding (see
 docs/design.md, "Compact optimizer state"): the fp32 result's low 16 bits plus 16 random bits,
 truncated, rounds up with probability equal to the discarded fraction, so updates far below a
-bf16 ulp still move the weight in expectation. int8 moments round stochastically between the two
-codes around a value with the same 16 bits (`codes.quantise`). The random bits are a hash of (seed, step count,
-unit, state kind, the value's position in the unit's flat buffer) -- no generator state, so a
+bf16 ulp still move the weight in expectation. int8 moments round stochastically between the
+two codes around a value with the same 16 bits (`codes.quantise`). The random bits are a hash
+of (seed, step count, unit, state kind, the value's position in the unit's flat buffer) -- no generator state, so a
 resumed run draws the very bits the uninterrupted one would, whatever the piece size.
 """
 
@@ -108,7 +108,7 @@ class CompactStep:
         if sum(b - a for a, b, _, _ in inside) < e - s:
             # values outside the spans were not stepped: they keep their bf16 value (zero bits)
             # or their nearest code (half the gap), which is the code they were decoded from
-            bits.fill_(int(codes_mod.HALF_GAP) if quantised else 0)
+            bits.fill_(codes_mod.HALF_GAP if quantised else 0)
         for a, b, _, k in inside:
             random_bits(self.config.seed, k + 1, unit, kind, origin + s + a, b - a, scratch, bits[a:b])
         if quantised:
