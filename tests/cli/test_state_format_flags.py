@@ -24,9 +24,10 @@ def test_plan_prints_the_compact_rows_and_counts_the_chosen_one() -> None:
     rows = [line.split() for line in result.output.splitlines() if line.strip().startswith(("fp32 ", "bf16 ", "int8 "))]
     assert [row[:2] for row in rows] == [["fp32", "fp32"], ["bf16", "fp32"], ["int8", "fp32"],
                                          ["fp32", "bf16"], ["bf16", "bf16"], ["int8", "bf16"]]
-    assert rows[-1][2:] == ["2.00", "2.00", "2.00", "6.00", "<"] and rows[0][-1] == "16.00"
+    scales = 8 / STATE_BLOCK  # both int8 moments' fp32 absmax, per parameter
+    assert rows[-1][2:] == ["2.00", "2.00", f"{2 + scales:.2f}", f"{6 + scales:.2f}", "<"] and rows[0][-1] == "16.00"
     text = " ".join(result.output.split())  # free text wraps at the console's width
-    assert "State: int8 Adam moments (blocks of 2048, an fp32 absmax each), bf16 master (the param itself)" in text
+    assert "State: int8 Adam moments (blocks of 256, an fp32 absmax each), bf16 master (the param itself)" in text
     fp32 = json.loads(runner.invoke(app, ["plan", *MACHINE, "--json"]).stdout)
     compact = json.loads(runner.invoke(app, ["plan", *MACHINE, "--optimizer-state", "int8", "--master", "bf16",
                                              "--json"]).stdout)
@@ -58,7 +59,7 @@ def test_a_compact_run_says_its_formats_and_a_resume_in_another_is_refused(tmp_p
     run_dir = tmp_path / "run"
     result = train("--steps", "1", "--optimizer-state", "int8", "--master", "bf16", "--run-dir", str(run_dir))
     assert result.exit_code == 0, result.output
-    assert "optimizer state: int8 Adam moments (blocks of 2048, an fp32 absmax each), bf16 master" in result.output
+    assert "optimizer state: int8 Adam moments (blocks of 256, an fp32 absmax each), bf16 master" in result.output
     saved = (run_dir / "config.toml").read_text()
     assert 'optimizer_state = "int8"' in saved and 'master = "bf16"' in saved
     line = one_line_error(train("--resume", "--run-dir", str(run_dir), "--steps", "2", "--optimizer-state", "fp32"))

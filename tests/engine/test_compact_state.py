@@ -4,6 +4,7 @@ bitwise, verify and export, and the fp32 default left as torch's AdamW."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +20,17 @@ from tests.support.engine import SMALL, assert_same, batches
 from tierzero import Config, Placement, Tier, models
 from tierzero.checkpoint.export import export_checkpoint
 from tierzero.checkpoint.inspect import inspect_run
+from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest
 from tierzero.cli.app import app
 from tierzero.compact.formats import StateFormats
-from tierzero.config import StateKind
+from tierzero.config import STATE_BLOCK, StateKind
 from tierzero.engine import Engine
 from tierzero.errors import CheckpointError
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 HOST = Placement(Tier.NVME, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)  # master and moments in host memory
 GPU = Placement(Tier.GPU, Tier.GPU, Tier.GPU, Tier.GPU, Tier.GPU)  # device memory (host RAM on the CPU device)
-PIECE = 16384  # several pieces per block unit, each of eight quantisation blocks
+PIECE = 16384  # several pieces per block unit, each of 64 quantisation blocks
 
 
 def _config(nvme: Path, placement: Placement = NVME, moments: str = "int8", master: str = "bf16",
@@ -64,7 +66,7 @@ def test_the_nvme_store_holds_compact_pieces_that_zarr_reads(tmp_path: Path) -> 
         master_key, ma, mb = engine.keys(StateKind.MASTER, unit)[0]
     root = tmp_path / "nvme"
     array = zarr.open_array(str(_current(root, key)), mode="r")
-    assert array.attrs["tierzero"]["dtype"] == "uint8" and array.shape == (4 * 8 + PIECE,)  # absmax, then codes
+    assert array.attrs["tierzero"]["dtype"] == "uint8" and array.shape == (4 * PIECE // STATE_BLOCK + PIECE,)  # absmax, then codes
     packed = torch.from_numpy(np.asarray(array[:]))
     formats = StateFormats.of(config)
     assert torch.equal(formats.decode(StateKind.EXP_AVG, packed, torch.empty(b - a)), moment)
@@ -130,9 +132,24 @@ def test_a_compact_checkpoint_verifies_exports_and_refuses_another_format(tmp_pa
     with pytest.raises(CheckpointError, match="optimizer_state as int8 .* configured for fp32"):
         with _engine(_config(tmp_path / "fp32", moments="fp32", master="bf16")) as engine:
             engine.load_checkpoint(tmp_path / "run")
+    _refuses_int8_blocks_of_another_size(tmp_path)
     flip_byte(tmp_path / "run" / "checkpoints" / "step-00000002", "exp_avg_sq/u0001/r0/p0000", offset=9)
     damaged = inspect_run(tmp_path / "run", verify=True).checkpoints[0]
     assert damaged.status == "damaged" and "crc32c" in damaged.reason
+
+
+def _refuses_int8_blocks_of_another_size(tmp_path: Path) -> None:
+    """A checkpoint that records no block (written before blocks of 256) has 8-bit Adam's 2048:
+    read with this tierzero's block every scale would cover the wrong values, so it is refused."""
+    older = tmp_path / "older"
+    shutil.copytree(tmp_path / "run", older)
+    checkpoint = older / "checkpoints" / "step-00000002"
+    manifest = Manifest.load(checkpoint)
+    assert manifest.engine.pop("int8_block") == STATE_BLOCK == 256
+    (checkpoint / MANIFEST_NAME).write_bytes(manifest.to_json())
+    with pytest.raises(CheckpointError, match="int8 moments in blocks of 2048 values .* blocks of 256; resume it"):
+        with _engine(_config(tmp_path / "older-nvme")) as engine:
+            engine.load_checkpoint(older)
 
 
 def test_compact_state_moves_fewer_nvme_bytes_and_fp32_stays_torchs_adamw(tmp_path: Path) -> None:

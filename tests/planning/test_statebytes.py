@@ -17,8 +17,10 @@ from tierzero.planning.statebytes import StateBytes
 from tierzero.planning.workload import Workload
 
 NVME = Placement(*[Tier.NVME] * 5)
-UNITS = [("a", 3 * STATE_BLOCK), ("b", 5 * STATE_BLOCK)]  # aligned: no padding, 3 + 5 int8 blocks
-N, BLOCKS = 8 * STATE_BLOCK, 8
+PIECE_ALIGN = 2048  # what units and pieces are padded to
+UNITS = [("a", 3 * PIECE_ALIGN), ("b", 5 * PIECE_ALIGN)]  # aligned: no padding, whole int8 blocks
+N = 8 * PIECE_ALIGN
+BLOCKS = N // STATE_BLOCK
 MOMENT = {"fp32": 4, "bf16": 2, "int8": 1}
 MASTER = {"fp32": 4, "bf16": 2}
 COMBOS = [(m, w) for w in MASTER for m in MOMENT]

@@ -22,7 +22,7 @@ code, never as 0. Adam divides by sqrt(exp_avg_sq): rounding a small one to 0 wh
 exp_avg is not turns the update into exp_avg / eps (seen: weights of rare embedding rows
 jumping 20 lr in one step), while rounding it up only shrinks that parameter's update. Every
 function works on one run of whole blocks (the last one may be shorter), so a piece, or any
-2048-aligned part of one, quantises on its own, bitwise the same as within the whole piece.
+block-aligned part of one, quantises on its own, bitwise the same as within the whole piece.
 No allocation beyond the outputs and `Scratch` handed in.
 """
 

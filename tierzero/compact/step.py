@@ -32,7 +32,7 @@ from tierzero.compact import codes as codes_mod
 from tierzero.compact.formats import StateFormats, split
 from tierzero.config import STATE_BLOCK, Config, StateKind
 
-SUB_BLOCK = {"cpu": 128 * STATE_BLOCK, "cuda": 128 * STATE_BLOCK}  # values per sub-block: fewer, larger ops
+SUB_BLOCK = {"cpu": 1 << 18, "cuda": 1 << 18}  # values per sub-block (whole STATE_BLOCKs): fewer, larger ops
 F32_SCRATCH = ("master", "exp_avg", "exp_avg_sq", "t1", "t2")  # a sub-block's decoded states and temporaries
 INT_SCRATCH = ("shift", "bits")  # stochastic rounding's hash (int32)
 _MASK32 = 0xFFFFFFFF

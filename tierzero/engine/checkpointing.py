@@ -35,7 +35,7 @@ import torch
 
 from tierzero.checkpoint import lineage
 from tierzero.checkpoint.catalog import checkpoints_root, newest_checkpoint, prune, step_dir, verify_checkpoint
-from tierzero.config import Config, StateKind, Tier
+from tierzero.config import STATE_BLOCK, Config, StateKind, Tier
 from tierzero.distributed.comm import Comm
 from tierzero.errors import CheckpointError, TierzeroError
 from tierzero.engine.parts import EngineParts
@@ -215,6 +215,9 @@ def restore(engine: EngineParts, path: Path, manifest: Manifest) -> None:
     _load_rng_state(rng, engine.device, path)
 
 
+LEGACY_INT8_BLOCK = 2048  # what an int8 checkpoint that records no block was written with
+
+
 def _check_formats(engine: EngineParts, manifest: Manifest, path: Path) -> None:
     """Refuse a checkpoint whose master or moments are stored in other formats than this
     engine steps (a checkpoint from before compact state has fp32 ones)."""
@@ -225,6 +228,11 @@ def _check_formats(engine: EngineParts, manifest: Manifest, path: Path) -> None:
         raise CheckpointError(f"{path} stores {field} as {theirs[field]} and this engine is configured for "
                               f"{ours[field]}; build it with {field}={theirs[field]!r} (--{field.replace('_', '-')} "
                               f"{theirs[field]})")
+    block = manifest.engine.get("int8_block", LEGACY_INT8_BLOCK)
+    if engine.shards.formats.quantised(StateKind.EXP_AVG) and block != STATE_BLOCK:
+        raise CheckpointError(f"{path} stores int8 moments in blocks of {block} values and this tierzero reads "
+                              f"blocks of {STATE_BLOCK}; resume it with the tierzero that wrote it, or export its "
+                              "weights (tierzero export) and start a run from them")
 
 
 def _settings_note(path: Path, manifest: Manifest, config: Config) -> str:
@@ -254,7 +262,7 @@ def _engine_state(engine: EngineParts) -> dict[str, Any]:
     # and the stored formats of master and moments (`tierzero.compact.formats`), which a load checks
     return {**engine.state.to_dict(), "scaler": engine.scaler.state_dict(),
             "skipped_updates": engine.param_steps.state_dict(), "piece_numel": engine.config.piece_numel,
-            **engine.shards.formats.describe()}
+            **engine.shards.formats.describe(), "int8_block": STATE_BLOCK}
 
 
 

@@ -58,7 +58,7 @@ class StateBytes:
         return StateFormats(self.optimizer_state, self.master).nbytes(kind, numel)
 
     def per_param(self, kind: StateKind, compute_itemsize: int, grad_itemsize: int | None = None) -> float:
-        """Bytes per parameter of `kind` over whole blocks (int8: 1 + 4/2048)."""
+        """Bytes per parameter of `kind` over whole blocks (int8: 1 + 4/STATE_BLOCK)."""
         return self.nbytes(kind, STATE_BLOCK, compute_itemsize, grad_itemsize) / STATE_BLOCK
 
     def describe(self) -> str:

@@ -146,7 +146,7 @@ class Workload:
     def device_home_nbytes(self, kind: StateKind, numel: int) -> int:
         """Bytes a unit's run of `numel` elements of state `kind` takes as device-pool keys: one
         per piece, each leased at the pool's alignment (an int8 piece's scales unalign it; every
-        other kind's pieces are whole blocks of 2048 elements, so their run is counted as it is)."""
+        other kind's pieces are multiples of 2048 elements, so their run is counted as it is)."""
         if kind not in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ) or self.formats.optimizer_state is not StateFormat.INT8:
             return self.nbytes(kind, numel)
         full, rest = divmod(numel, self.piece_numel)
