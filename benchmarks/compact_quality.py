@@ -8,7 +8,14 @@ training loss over the last 50 steps and its ratio to fp32's (the aim: within 1%
 
     nice python benchmarks/compact_quality.py                    # tiny, 300 steps
     nice python benchmarks/compact_quality.py --model hf:DIR     # a full fine-tune of a Hugging Face decoder
-    nice python benchmarks/compact_quality.py --preset 125m --dtype bf16 --lr 6e-4   # 134M, ~40 min here
+    nice python benchmarks/compact_quality.py --preset 125m --dtype bf16 --lr 6e-4   # 134M, ~40 min a format here
+
+`--baseline CURVES.json` (repeatable) takes the curves of earlier runs of this script with the
+same settings (the JSON it writes beside its PNG) instead of training those formats again:
+fp32's run is deterministic (torch's AdamW, the same weights and batches), so a new compact
+run is compared with it without paying for it twice, and formats trained apart (`--formats
+fp32`, then `--formats int8`, each alone on the cores) are tabled and plotted together by
+`--formats "" --baseline A.json --baseline B.json`. Without fp32 the table has no ratios.
 """
 
 from __future__ import annotations
@@ -58,25 +65,33 @@ def main() -> None:
     p.add_argument("--offload", default="none", help="where the state lives (none: memory; nvme: --nvme-path)")
     p.add_argument("--nvme-path", default=None, help="where the runs' stores go (default: a temp dir)")
     p.add_argument("--formats", default=",".join(FORMATS),
-                   help=f"comma-separated runs, fp32 among them (default: all of {', '.join(FORMATS)})")
+                   help=f"comma-separated runs, fp32 among them or in --baseline (default: all of {', '.join(FORMATS)})")
+    p.add_argument("--baseline", action="append", default=[], help="curves JSON of an earlier run with the "
+                   "same settings, whose formats are not trained again (repeatable)")
     opts = p.parse_args()
-    chosen = [name.strip() for name in opts.formats.split(",")]
-    if "fp32" not in chosen or not set(chosen) <= set(FORMATS):
-        p.error(f"--formats {opts.formats!r}: name fp32 and any of {', '.join(FORMATS)}")
-    losses = {}
+    chosen = [name.strip() for name in opts.formats.split(",") if name.strip()]
+    if not set(chosen) <= set(FORMATS):
+        p.error(f"--formats {opts.formats!r}: name any of {', '.join(FORMATS)}")
+    losses: dict[str, list[float]] = {}
+    for path in opts.baseline:
+        losses.update(json.loads(Path(path).read_text()))
+    if any(len(curve) != opts.steps for curve in losses.values()):
+        p.error(f"--baseline {' '.join(opts.baseline)}: its curves are not {opts.steps} steps long; give the same --steps")
+    if not chosen and not losses:
+        p.error("nothing to train or show: name --formats or give --baseline")
     for name in chosen:
         moments, master = FORMATS[name]
         with tempfile.TemporaryDirectory(dir=opts.nvme_path) as path:
             losses[name] = train(opts.preset, moments, master, opts, path)
         print(f"{name}: last-{TAIL} mean loss {np.mean(losses[name][-TAIL:]):.4f}", flush=True)
-    base = np.mean(losses["fp32"][-TAIL:])
+    base = np.mean(losses["fp32"][-TAIL:]) if "fp32" in losses else None
     trained = opts.model or opts.preset
     print(f"{trained}, {opts.steps} steps, batch {opts.batch_size} x {opts.seq_len}, lr {opts.lr}, "
           f"{opts.dtype} compute")
     print(f"{'state':<20} {'last-50 mean':>12} {'vs fp32':>8}")
     for name, curve in losses.items():
         mean = np.mean(curve[-TAIL:])
-        print(f"{name:<20} {mean:>12.4f} {mean / base:>8.4f}")
+        print(f"{name:<20} {mean:>12.4f} {'' if base is None else f'{mean / base:.4f}':>8}")
     plot(losses, opts)
 
 
