@@ -12,16 +12,6 @@ from tierzero.config import PIECE_NUMEL
 from tierzero.planning import speeds
 
 
-def last_level_cache_bytes() -> int | None:
-    """The largest CPU cache sysfs reports (Linux), or None."""
-    sizes = []
-    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = entry.read_text().strip().upper()
-        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KM")) * scale)
-    return max(sizes, default=None)
-
-
 def test_adam_is_timed_on_one_piece_of_state_beyond_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     timed = []
 
@@ -31,9 +21,24 @@ def test_adam_is_timed_on_one_piece_of_state_beyond_the_cache(monkeypatch: pytes
         return 1.0
 
     monkeypatch.setattr(speeds, "_best_seconds", once)
-    assert speeds.adam_params_per_s(seconds=0.01) == PIECE_NUMEL  # params per (fake) second
-    assert timed == [[(PIECE_NUMEL, PIECE_NUMEL)]]
-    state_bytes = 4 * 4 * PIECE_NUMEL  # fp32 param, grad, exp_avg, exp_avg_sq
-    assert state_bytes >= 256 << 20
-    cache = last_level_cache_bytes()
-    assert cache is None or state_bytes > 4 * cache
+    numel = speeds.adam_timing_numel()
+    assert speeds.adam_params_per_s(seconds=0.01) == numel  # params per (fake) second
+    assert timed == [[(numel, numel)]]
+    state_bytes = 4 * 4 * numel  # fp32 param, grad, exp_avg, exp_avg_sq
+    assert numel >= PIECE_NUMEL
+    cache = speeds.last_level_cache_bytes()
+    assert cache is None or state_bytes >= 4 * cache
+
+
+@pytest.mark.parametrize("size, cache_bytes", [("32768K", 32 << 20), ("480M", 480 << 20),
+                                               ("1G", 1 << 30)])
+def test_the_timed_state_outgrows_any_reported_cache(tmp_path: Path, size: str,
+                                                     cache_bytes: int) -> None:
+    """A machine reporting a 480 MiB L3 (seen) times more than one piece: 4x its cache."""
+    for index, text in (("index0", "48K"), ("index3", size)):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(text + "\n")
+    assert speeds.last_level_cache_bytes(tmp_path) == cache_bytes
+    numel = speeds.adam_timing_numel(cache_bytes)
+    assert 16 * numel >= 4 * cache_bytes and numel >= PIECE_NUMEL
+    assert speeds.adam_timing_numel(0) == PIECE_NUMEL  # no cache reported: one piece

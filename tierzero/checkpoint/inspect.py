@@ -20,10 +20,15 @@ import json
 import math
 import os
 import re
-import tomllib
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 from tierzero.checkpoint.catalog import checkpoint_dirs, verify_checkpoint
 from tierzero.checkpoint.files import read_regular

@@ -24,12 +24,17 @@ import base64
 import dataclasses
 import json
 import os
+import sys
 import shutil
 import time
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 import torch
 
@@ -190,7 +195,7 @@ def restore(engine: EngineParts, path: Path, manifest: Manifest) -> None:
     _check_formats(engine, manifest, path)
     copied = 0
     for unit in engine.units:
-        detach_params(unit, engine.dtype)  # the engine owns the weights (as `Shards.materialise` does)
+        detach_params(unit, engine.dtype, engine.device)  # the engine owns the weights (as `Shards.materialise` does)
     for unit, kind, key in wanted:
         src, meta = manifest.array_dir(path, key), manifest.arrays[key]
         if engine.placement.home(kind) is Tier.NVME:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -37,13 +38,36 @@ def _no_sync() -> None:
     pass
 
 
-def adam_params_per_s(numel: int = PIECE_NUMEL, seconds: float = 0.5) -> float:
+ADAM_STATE_BYTES = 16  # fp32 param, grad, exp_avg and exp_avg_sq per parameter
+CACHE_MARGIN = 4  # the timed state is at least this many times the last-level cache
+
+
+def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """The largest CPU cache sysfs reports (Linux), or None where it reports none."""
+    sizes = []
+    for entry in root.glob("index*/size"):
+        text = entry.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=None)
+
+
+def adam_timing_numel(cache_bytes: int | None = None) -> int:
+    """Parameters whose fp32 AdamW state outgrows the last-level cache `CACHE_MARGIN` times over,
+    and never fewer than one piece: what the engine's optimizer streams from memory at a time.
+    Some machines report a cache of hundreds of MiB, where one piece would still sit in it."""
+    cache_bytes = last_level_cache_bytes() if cache_bytes is None else cache_bytes
+    return max(PIECE_NUMEL, -(-CACHE_MARGIN * (cache_bytes or 0) // ADAM_STATE_BYTES))
+
+
+def adam_params_per_s(numel: int | None = None, seconds: float = 0.5) -> float:
     """Parameters per second through one fused CPU `torch.optim.AdamW` step on fp32 state.
 
-    By default on one piece, what the engine's optimizer steps at a time: its four fp32 tensors
-    (256 MiB) stream from memory as the engine's do. A few million elements would sit in the
-    CPU's last-level cache and run several times faster than any real step (1.83e9 against
-    5.8e8 params/s for 4Mi against 32Mi elements on one machine)."""
+    By default on `adam_timing_numel()` parameters, at least one piece: the state streams from
+    memory as the engine's does. A few million elements would sit in the CPU's last-level cache
+    and run several times faster than any real step (1.83e9 against 5.8e8 params/s for 4Mi
+    against 32Mi elements on one machine)."""
+    numel = adam_timing_numel() if numel is None else numel
     param = torch.nn.Parameter(torch.randn(numel))
     param.grad = torch.randn(numel)
     opt = torch.optim.AdamW([param], lr=1e-4, fused=True)
