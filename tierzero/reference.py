@@ -9,8 +9,6 @@ does (`tierzero.models.draws`), so models with dropout compare bitwise too.
 from __future__ import annotations
 
 import contextlib
-import inspect
-import numbers
 from typing import Any
 
 import torch
@@ -19,51 +17,10 @@ from torch import nn
 from tierzero.adamw import decays, implementation
 from tierzero.config import Config, DType
 from tierzero.models.draws import SeededEntries, unit_entries
+from tierzero.models.loss import compute_loss, loss_divisor
 from tierzero.errors import ConfigError
 from tierzero.lr import lr_at
 from tierzero.precision import resolve_dtype
-
-
-def compute_loss(model: nn.Module, batch: Any, num_items_in_batch: float | None = None) -> torch.Tensor:
-    """A dict batch is `model(**batch)`, a tuple `model(*batch)`; the loss is the output or `.loss`.
-    `num_items_in_batch`, when given, is passed on: the model divides its tokens' summed loss by
-    it instead of by their own count (`tierzero.models.loss`)."""
-    kwargs = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
-    if kwargs and not _takes_num_items(model):
-        raise ConfigError(f"{type(model).__name__}.forward takes no num_items_in_batch, so its loss cannot be "
-                          "divided by the step's trained tokens; add that keyword (divide the summed token loss "
-                          "by it) or leave step_tokens out")
-    if isinstance(batch, dict):
-        out = model(**batch, **kwargs)
-    elif isinstance(batch, (tuple, list)):
-        out = model(*batch, **kwargs)
-    else:
-        out = model(batch, **kwargs)
-    return out if isinstance(out, torch.Tensor) else out.loss
-
-
-def _takes_num_items(model: nn.Module) -> bool:
-    params = inspect.signature(model.forward).parameters.values()
-    return any(p.name == "num_items_in_batch" or p.kind is p.VAR_KEYWORD for p in params)
-
-
-def loss_divisor(step_tokens: int | None, summed: bool, accumulate: int, world_size: int) -> float | None:
-    """What a micro-batch's summed token loss is divided by (None: its own trained tokens' count,
-    its mean). `step_tokens`: the number of trained tokens (targets not -100) in the step's whole
-    batch -- every micro-batch, every rank -- counted before its first backward. The divisor is
-    then `step_tokens / (accumulate * world_size)`, so that backward's averaging over the step's
-    micro-batches and the ranks' reduction (a mean) leave the sum over every trained token of the
-    step divided by their number, however unevenly they fall; the mean of the micro-batches'
-    losses is that step's loss. Equal micro-batches of unmasked data get their own count: bitwise
-    the plain mean. `summed`: 1, the sum itself (an evaluation divides by its own total)."""
-    if summed:
-        return 1.0
-    if step_tokens is None:
-        return None
-    if isinstance(step_tokens, bool) or not isinstance(step_tokens, numbers.Integral) or step_tokens < 0:
-        raise ConfigError(f"step_tokens must be the step's number of trained tokens (an integer >= 0), "
-                          f"got {step_tokens!r}")
-    return max(int(step_tokens), 1) / (accumulate * world_size)
 
 
 class ReferenceTrainer:

@@ -15,7 +15,8 @@ import torch
 from tierzero import Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.errors import ConfigError
-from tierzero.reference import ReferenceTrainer, compute_loss
+from tierzero.models.loss import compute_loss
+from tierzero.reference import ReferenceTrainer
 
 from tests.support.engine import SMALL, batches, engine_config
 

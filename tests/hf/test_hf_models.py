@@ -17,7 +17,7 @@ from tierzero.cli.app import app
 from tierzero.errors import ConfigError
 from tierzero.hf import SplitCausalLM, load_model, materialise
 from tierzero.layout.partition import partition
-from tierzero.reference import compute_loss
+from tierzero.models.loss import compute_loss
 
 runner = CliRunner()
 

@@ -41,7 +41,7 @@ from tierzero.engine.vertical.schedule import VerticalSteps
 from tierzero.errors import TierzeroError
 from tierzero.layout.partition import Unit
 from tierzero.models.init import weight_files
-from tierzero.reference import compute_loss, loss_divisor
+from tierzero.models.loss import compute_loss, loss_divisor
 
 
 class Engine:
@@ -139,7 +139,7 @@ class Engine:
             raise
         if not training:
             if root.is_root:
-                unbind(root, p.dtype)
+                unbind(root, p.dtype, p.device)
                 self._root_leaves = None
             o.swap_runner.finish()
         return loss
@@ -161,7 +161,7 @@ class Engine:
                 if self._root_leaves is not None:
                     if p.units[0].trainable_numel:
                         o.grads.offload(0, *flat_grad(p.units[0], self._root_leaves))
-                    unbind(p.units[0], p.dtype)
+                    unbind(p.units[0], p.dtype, p.device)
                     self._root_leaves = None
                 o.grads.flush()  # the last unit's reduction
             o.swap_runner.finish()
@@ -292,6 +292,6 @@ class Engine:
         """Drop what a pass holds; `broken`: why it stopped half-way (then `_usable` refuses)."""
         self.vertical.abort()
         if self._root_leaves is not None:
-            unbind(self.parts.units[0], self.parts.dtype)
+            unbind(self.parts.units[0], self.parts.dtype, self.parts.device)
             self._root_leaves = None
         self._stepper.abort(broken)

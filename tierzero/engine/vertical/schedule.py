@@ -47,7 +47,7 @@ from tierzero.engine.parts import EngineParts
 from tierzero.engine.runtime.binding import bind, flat_grad, unbind
 from tierzero.engine.runtime.opened import OpenParts
 from tierzero.engine.step.stepper import Stepper
-from tierzero.reference import loss_divisor
+from tierzero.models.loss import loss_divisor
 from tierzero.errors import ConfigError, TierzeroError
 from tierzero.layout.partition import Unit, forward_only
 
@@ -121,7 +121,7 @@ class VerticalPass:
                         else:
                             xs[m] = self.chain.block(self.runner, unit, x, contexts[m])
             finally:
-                unbind(unit, self.parts.dtype)
+                unbind(unit, self.parts.dtype, self.parts.device)
                 self.runner.release(unit.index)
         return xs, contexts
 
@@ -160,7 +160,7 @@ class VerticalPass:
                     self.store.prefetch()
             finally:
                 for u in bound:
-                    unbind(u, self.parts.dtype)
+                    unbind(u, self.parts.dtype, self.parts.device)
                 self.runner.release(unit.index)
             if total is not None:
                 self.grads.offload(unit.index, *total)
