@@ -154,6 +154,7 @@ def _sentence(message: str) -> str:
 def _register() -> None:
     from tierzero.cli.bench import bench
     from tierzero.cli.export import export
+    from tierzero.cli.generate import generate
     from tierzero.cli.inspect import inspect
     from tierzero.cli.plan import plan
     from tierzero.cli.report import report
@@ -165,6 +166,7 @@ def _register() -> None:
     app.command()(guarded(report))
     app.command()(guarded(export))
     app.command()(guarded(inspect))
+    app.command()(guarded(generate))
 
 
 _register()

@@ -150,7 +150,7 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = N
     _make_dir(out_dir)
     remove_stale_temps(out_dir)  # an export killed before it could remove its own
     writer = StreamingWriter(out_dir, plan, {"format": "pt", "step": str(manifest.step)})
-    written = writer.write(_read_units(checkpoint, manifest), len(manifest.units), on_unit)
+    written = writer.write(read_units(checkpoint, manifest), len(manifest.units), on_unit)
     tensors = sum(len(f.entries) for f in plan.files)
     index = out_dir / plan.index_name if plan.index_name else None
     config = write_json(out_dir, *extra) if extra is not None else None
@@ -184,7 +184,7 @@ def _make_dir(out_dir: Path) -> None:
                             "writable --out") from None
 
 
-def _read_units(checkpoint: Path, manifest: Manifest) -> Iterator[tuple[int, torch.Tensor]]:
+def read_units(checkpoint: Path, manifest: Manifest) -> Iterator[tuple[int, torch.Tensor]]:
     """Yield (unit index, flat fp32 buffer) per unit: every rank's master shard end to end (and its param
     shard under it where the unit has frozen parameters, which have no master, or bf16 ones that are
     their master; at stages 1 and 2, rank 0's whole param), each chunk checked against the manifest's

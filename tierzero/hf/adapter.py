@@ -13,7 +13,8 @@ exactly the checkpoint's (`model.layers.0.self_attn.q_proj.weight`): weights loa
 under them. The loss always comes from the model's own code: its forward (logit scaling and
 soft-capping included) and its `loss_function`, fed `shift_labels`. The KV cache is off
 (`use_cache=False`): a cache object passed to a layer would be reused by the recompute in
-backward and double the keys and values.
+backward and double the keys and values. Generation alone passes one (`forward(ids, cache=...)`,
+`tierzero.hf.decode`): no grad, no recompute, and the logits of the last position only.
 
 Two layouts (see `tierzero.layout.partition`):
 
@@ -47,7 +48,9 @@ from torch.utils.checkpoint import checkpoint
 
 from tierzero.checkpoint.hf_format import SavedFormat
 from tierzero.errors import ConfigError
+from tierzero.hf.decode import HFCache, check_positions
 from tierzero.hf.layercalls import LayerCall, chained, recording, refuse_unchained
+from tierzero.hf.positions import position_limit
 from tierzero.hf.prelude import Prelude, replaying, stop_at
 from tierzero.hf.router import RouterLogits, routes
 from tierzero.models.llama import loss_chunk_bytes, unit_seed
@@ -97,9 +100,13 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
                 labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                num_items_in_batch: float | torch.Tensor | None = None) -> Any:
+                num_items_in_batch: float | torch.Tensor | None = None,
+                cache: HFCache | None = None) -> Any:
         """The loss of `targets` (shifted) or `labels` (unshifted); logits when given neither.
-        `num_items_in_batch`: what the summed token losses are divided by (`tierzero.models.loss`)."""
+        `num_items_in_batch`: what the summed token losses are divided by (`tierzero.models.loss`).
+        With a `cache` (generation), the last position's logits after `input_ids` (`decode`)."""
+        if cache is not None:
+            return self.decode(input_ids, cache)
         if self.router is not None:
             self.router.start(attention_mask)
         logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
@@ -109,6 +116,22 @@ class CausalLM(nn.Module):
             return loss
         stand_in = logits.new_zeros(1, 1, self.config.get_text_config().hidden_size)
         return loss + self._router_loss(stand_in, tuple(self.router.logits))
+
+    def decode_cache(self, pad: list[int], capacity: int) -> HFCache:
+        """An empty cache for rows left-padded by `pad` positions, to hold `capacity` positions."""
+        embedding = self.hf_model.get_input_embeddings()
+        limit = position_limit(self.hf_model, self.config, embedding, self.blocks)
+        check_positions(limit, capacity, type(self.hf_model).__name__)
+        return HFCache(self.config, pad, capacity)
+
+    def decode(self, input_ids: torch.Tensor, cache: HFCache) -> torch.Tensor:
+        """The logits (B, 1, V) of each row's last position after `input_ids`, the tokens that
+        follow the cached ones: the model's own forward, the cache passed to every layer."""
+        mask, positions = cache.advance(input_ids.shape[1], input_ids.device)
+        if self.router is not None:
+            self.router.start(mask)
+        keywords = cache.keywords(self.hf_model, mask, positions)
+        return self.hf_model(input_ids=input_ids, **keywords, **self.quiet).logits[:, -1:]
 
     def _router_loss(self, hidden: torch.Tensor, router_logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """`router_aux_loss_coef * aux_loss` exactly as the model's own forward adds it to its loss
@@ -204,7 +227,10 @@ class SplitCausalLM(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
                 labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                num_items_in_batch: float | torch.Tensor | None = None) -> Any:
+                num_items_in_batch: float | torch.Tensor | None = None,
+                cache: HFCache | None = None) -> Any:
+        if cache is not None:
+            return self.decode(input_ids, cache)
         if self.router is not None:
             self.router.start(attention_mask)
         with contextlib.ExitStack() as stack:
@@ -217,11 +243,29 @@ class SplitCausalLM(CausalLM):
         return self.head_out(hidden.last_hidden_state, targets, labels=labels, router_logits=logits,
                              num_items_in_batch=num_items_in_batch)
 
-    def _prelude(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """The base model's own forward up to its first block: the hidden state it gets."""
+    def decode(self, input_ids: torch.Tensor, cache: HFCache) -> torch.Tensor:
+        """`CausalLM.decode` through the units: the embedding (with the positions of the tokens
+        that follow the cached ones), the layers with the cache, the head on the last position."""
+        mask, positions = cache.advance(input_ids.shape[1], input_ids.device)
+        if self.router is not None:
+            self.router.start(mask)
+        with contextlib.ExitStack() as stack:
+            if self.prelude is not None:
+                first = self.prelude(input_ids, mask, positions)  # the embedding unit
+                stack.enter_context(replaying(self.blocks[0], first, self.prelude, self.dropouts))
+            stack.enter_context(_deferred(self.final_norm, self.blocks[-1]))
+            keywords = cache.keywords(self.base, mask, positions)
+            hidden = self.base(input_ids=input_ids, **keywords, **self.quiet)
+        return self.head_out(hidden.last_hidden_state[:, -1:])
+
+    def _prelude(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The base model's own forward up to its first block: the hidden state it gets (a
+        decoding pass gives the position ids of tokens that follow cached ones)."""
+        positions = {} if position_ids is None else {"position_ids": position_ids}
         with stop_at(self.blocks[0]) as until_block:
             return until_block(lambda: self.base(input_ids=input_ids, attention_mask=attention_mask,
-                                                 use_cache=False))
+                                                 use_cache=False, **positions))
 
     def first_hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The hidden state the first layer gets (the embedding unit's part of the forward)."""

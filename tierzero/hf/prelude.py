@@ -42,8 +42,11 @@ class Prelude(nn.Module):
         """The model's own modules of this unit (not this wrapper or its list)."""
         return [*self.tokens.modules(), *(m for o in self.others for m in o.modules())]
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.run(input_ids, attention_mask)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            return self.run(input_ids, attention_mask)
+        return self.run(input_ids, attention_mask, position_ids)  # generation: after cached tokens
 
 
 class _Reached(Exception):

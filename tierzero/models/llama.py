@@ -8,13 +8,19 @@ Two promises the engine relies on:
 - **A block is a pure function of its input.** `Block.forward(x)` takes only the hidden state,
   so the engine can run it as a checkpointed unit and recompute it in backward. The same
   holds for the embedding (`tok_emb(idx)`) and the head (`head_out(x, targets)`), the two
-  other units.
+  other units. Generation alone hands a block its layer of a `KVCache` too (`forward(idx,
+  cache=...)`): the keys and values of the positions before, kept on the compute device, so
+  each new token is one pass over the units. Without a cache the code path is the training one.
 
 Compute runs in the parameters' dtype (bf16 params -> bf16 matmuls). RMSNorm, the rotary
 rotation and the loss are computed in fp32 and cast back, as in the LLaMA reference code.
 Rotary embeddings use the rotate-half layout (the Hugging Face LLaMA convention), so HF LLaMA
 weights load without permuting wq/wk.
 """
+
+from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,12 +60,17 @@ class RMSNorm(nn.Module):
         return (x32 * self.weight.float()).to(x.dtype)
 
 
-def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate query/key pairs (B, H, T, D) by their position's angle (rotate-half layout)."""
+def rotary(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate query/key pairs (B, H, T, D) by their position's angle (rotate-half layout):
+    positions 0..T-1, or each row's own `positions` (B, T) when decoding."""
     T, D = x.shape[-2], x.shape[-1]
     inv_freq = 1.0 / theta ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
-    angles = torch.outer(torch.arange(T, device=x.device, dtype=torch.float32), inv_freq)
-    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)  # (T, D)
+    if positions is None:
+        angles = torch.outer(torch.arange(T, device=x.device, dtype=torch.float32), inv_freq)
+        cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)  # (T, D)
+    else:  # the same products as `outer`, per row: (B, 1, T, D)
+        angles = positions.float()[..., None] * inv_freq
+        cos, sin = angles.cos().repeat(1, 1, 2)[:, None], angles.sin().repeat(1, 1, 2)[:, None]
     x32 = x.float()
     x1, x2 = x32.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
@@ -77,16 +88,22 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, kv_dim, bias=False)
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = rotary(q, self.rope_theta), rotary(k, self.rope_theta)
+        positions = None if kv is None else kv.cache.positions
+        q, k = rotary(q, self.rope_theta, positions), rotary(k, self.rope_theta, positions)
+        if kv is not None:  # every position so far: the cached ones, then these
+            k, v = kv.append(k, v)
         if self.n_kv_heads != self.n_heads:  # GQA: each kv head serves a group of query heads
             group = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if kv is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=kv.cache.mask)
         return self.wo(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -111,8 +128,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), kv)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -142,7 +159,12 @@ class Transformer(nn.Module):
             self.head.weight = self.tok_emb.weight
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                num_items_in_batch: float | torch.Tensor | None = None) -> torch.Tensor:
+                num_items_in_batch: float | torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """The loss of `targets`, or logits; with a `cache` (generation), the logits of each
+        row's last position after `idx`, the positions that follow the cached ones."""
+        if cache is not None:
+            return self._decode(idx, cache)
         T = idx.shape[1]
         if T > self.args.max_seq_len:
             raise ConfigError(
@@ -153,6 +175,21 @@ class Transformer(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head_out(x, targets, num_items_in_batch)
+
+    def _decode(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        cache.advance(idx.shape[1], idx.device)
+        x = self.tok_emb(idx)
+        for block, kv in zip(self.blocks, cache.layers):
+            x = block(x, kv)
+        return self.head_out(x[:, -1:])
+
+    def decode_cache(self, pad: list[int], capacity: int) -> KVCache:
+        """An empty cache for rows left-padded by `pad` positions, to hold `capacity` positions."""
+        if capacity > self.args.max_seq_len:
+            raise ConfigError(f"the longest prompt and its new tokens make {capacity} positions, past "
+                              f"the model's max_seq_len {self.args.max_seq_len}; use a shorter prompt "
+                              "or fewer new tokens")
+        return KVCache(self.args.n_layers, pad, capacity)
 
     def head_out(self, x: torch.Tensor, targets: torch.Tensor | None = None,
                  num_items_in_batch: float | torch.Tensor | None = None) -> torch.Tensor:
@@ -207,6 +244,67 @@ class Transformer(nn.Module):
         generator = torch.Generator().manual_seed(unit_seed(seed, unit_id))
         for module in modules:
             module.apply(lambda m: self.init_weights(m, generator))
+
+
+class KVCache:
+    """What generation keeps between passes: every block's keys and values (`LayerKV`, on the
+    compute device, allocated at the first pass for `capacity` positions), and for the pass under
+    way each row's positions and which earlier positions each query may attend to.
+
+    Rows are left-padded to one length: row b's first `pad[b]` positions hold no token, its
+    positions count from its first token, and no query attends to a pad (a pad query attends to
+    itself alone, so no softmax is over nothing: its output is never read)."""
+
+    def __init__(self, n_layers: int, pad: list[int], capacity: int) -> None:
+        self.pad = pad
+        self.capacity = capacity
+        self.length = 0  # positions held once the pass under way has appended its own
+        self.start = 0  # the first position of the pass under way
+        self.positions: torch.Tensor | None = None  # (B, T) the pass's rotary positions
+        self.mask: torch.Tensor | None = None  # (B, 1, T, length) bool; None: every key
+        self.layers = [LayerKV(self) for _ in range(n_layers)]
+
+    def inputs(self, ids: torch.Tensor) -> dict[str, Any]:
+        """The model's keyword arguments for one pass over `ids` (B, T), the tokens that follow."""
+        return {"idx": ids, "cache": self}
+
+    def advance(self, T: int, device: torch.device) -> None:
+        """Begin a pass of `T` positions: their rotary positions and attention mask."""
+        if self.length + T > self.capacity:
+            raise ValueError(f"a cache of {self.capacity} positions was asked for {self.length + T}")
+        self.start, self.length = self.length, self.length + T
+        pad = torch.tensor(self.pad, dtype=torch.long, device=device)[:, None]  # (B, 1)
+        query = torch.arange(self.start, self.length, device=device)  # (T,) absolute positions
+        self.positions = (query[None, :] - pad).clamp(min=0)
+        if T == 1 and not any(self.pad):
+            self.mask = None  # one query, no pads: it attends to every key
+            return
+        key = torch.arange(self.length, device=device)
+        causal = key[None, :] <= query[:, None]  # (T, L)
+        real = key[None, None, :] >= pad[:, :, None]  # (B, 1, L)
+        own = (key[None, :] == query[:, None])[None]  # (1, T, L)
+        self_only = own & (query[None, :, None] < pad[:, :, None])  # a pad query's own key
+        self.mask = ((causal[None] & real) | self_only)[:, None]
+
+
+class LayerKV:
+    """One block's keys and values (B, kv heads, positions, head dim) in its `KVCache`."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the pass's keys and values after the earlier ones; every position's so far."""
+        c = self.cache
+        if self.k is None:
+            shape = (k.shape[0], k.shape[1], c.capacity, k.shape[3])
+            self.k = torch.empty(shape, dtype=k.dtype, device=k.device)
+            self.v = torch.empty(shape, dtype=v.dtype, device=v.device)
+        self.k[:, :, c.start:c.length] = k
+        self.v[:, :, c.start:c.length] = v
+        return self.k[:, :, :c.length], self.v[:, :, :c.length]
 
 
 def unit_seed(seed: int, unit_id: int) -> int:

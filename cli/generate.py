@@ -1,0 +1,142 @@
+"""`tierzero generate`: new text from a run's checkpoint or a model directory, through the tiers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+from tierzero.cli.output import Output
+
+from tierzero.errors import ConfigError
+
+
+def generate(
+    run_dir: Optional[Path] = typer.Option(
+        None,
+        "--run-dir",
+        help="A run directory `tierzero train` wrote: its newest intact checkpoint and its config.toml's model (LoRA adapters included).",
+    ),
+    model: Optional[str] = typer.Option(
+        None,
+        "--model",
+        help="hf:DIR, a local Hugging Face causal LM directory, from its safetensors.",
+    ),
+    prompt: Optional[list[str]] = typer.Option(
+        None,
+        "--prompt",
+        help="A prompt; repeat for several, generated together in one batch.",
+    ),
+    prompts: Optional[Path] = typer.Option(
+        None,
+        "--prompts",
+        help="A file of prompts: text, one per line, or .jsonl records with a prompt string or chat messages.",
+    ),
+    max_new_tokens: int = typer.Option(
+        64,
+        "--max-new-tokens",
+        help="New tokens per prompt at most (a prompt stops early at the model's end-of-sequence id).",
+    ),
+    temperature: float = typer.Option(
+        0.0,
+        "--temperature",
+        help="0 (default): greedy, the most likely token; above 0: sample from the softmax of the logits over it.",
+    ),
+    top_p: float = typer.Option(
+        1.0,
+        "--top-p",
+        help="With --temperature: sample from the smallest set of tokens whose probability reaches this (1: all).",
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seed of the sampling draws."),
+    chat: Optional[bool] = typer.Option(
+        None,
+        "--chat/--no-chat",
+        help="Render plain prompts as a user's turn with the model's chat template. Default: on when the run trained on chat records.",
+    ),
+    offload: Optional[str] = typer.Option(
+        None,
+        "--offload",
+        help="Where the weights live: host, nvme or auto. Default: the run's own, or auto for --model.",
+    ),
+    dtype: Optional[str] = typer.Option(
+        None,
+        "--dtype",
+        help="Compute dtype: fp32, bf16 or fp16. Default: the run's own.",
+    ),
+    device: Optional[str] = typer.Option(
+        None,
+        "--device",
+        help="Compute device, e.g. cpu or cuda:0. Default: a GPU if there is one.",
+    ),
+    host_budget: Optional[str] = typer.Option(
+        None, "--host-budget", help="Host memory budget, e.g. 8GiB."
+    ),
+    gpu_budget: Optional[str] = typer.Option(
+        None, "--gpu-budget", help="GPU memory budget, e.g. 20GiB."
+    ),
+    nvme_path: Optional[Path] = typer.Option(
+        None,
+        "--nvme-path",
+        help="Where a temporary store for NVMe-homed weights is made (and removed after). Default: the run directory, or the system's temp directory.",
+    ),
+    json_out: bool = typer.Option(
+        False,
+        "--json",
+        help="Print one JSON object: each prompt's ids, the new ids and their text.",
+    ),
+) -> None:
+    """Generate from the weights as they are tiered: every unit streams through the same tiers
+    as in training, once per new token for all prompts at once, with a KV cache per unit on the
+    compute device. Greedy unless --temperature is given."""
+    from tierzero.run.generate import Sampling
+    from tierzero.run.generate import generate as run_generate
+    from tierzero.run.inference import open_inference
+    from tierzero.run.prompts import Prompt, read_prompts
+
+    sampling = Sampling(max_new_tokens, temperature, top_p, seed)
+    given = [Prompt(p) for p in prompt or []] + (
+        read_prompts(prompts) if prompts is not None else []
+    )
+    if not given:
+        raise ConfigError("no prompt was given; pass --prompt TEXT or --prompts FILE")
+    out = Output(json_out)
+    engine = dict(
+        offload=offload or ("auto" if model is not None else None),
+        dtype=dtype,
+        device=device,
+        host_budget=host_budget,
+        gpu_budget=gpu_budget,
+    )
+    with open_inference(model, run_dir, engine, nvme_path) as inference:
+        for note in inference.notes:
+            out.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+        codec = inference.codec
+        ids = [codec.encode(p, inference.chat if chat is None else chat) for p in given]
+        new, _ = run_generate(inference.decoder, ids, sampling, codec.eos_id)
+    generations = [
+        {"prompt": p.shown(), "prompt_ids": i, "new_ids": n, "text": codec.decode(n)}
+        for p, i, n in zip(given, ids, new)
+    ]
+    if json_out:
+        out.emit_json(
+            {
+                "model": inference.model,
+                "step": inference.step,
+                "temperature": temperature,
+                "top_p": top_p,
+                "seed": seed,
+                "generations": generations,
+            }
+        )
+        return
+    source = (
+        f"checkpoint step {inference.step}" if inference.step is not None else "its own weights"
+    )
+    out.print(
+        f"[bold]tierzero generate[/] {escape(inference.model)} from {source}",
+        highlight=False,
+    )
+    for g in generations:
+        out.print(f"[bold]>[/] {escape(g['prompt'])}", highlight=False)
+        out.print(escape(g["text"]), highlight=False)

@@ -1,0 +1,199 @@
+"""The weights `tierzero generate` runs on: an `Engine` of frozen parameters, filled from a Hugging
+Face directory's safetensors or from a run directory's newest intact checkpoint.
+
+Generation needs the weights alone, so every parameter is frozen: the engine stores each unit's
+params in the compute dtype in the tier the placement gives them (no grad, master weight or
+Adam moment exists) and streams them through the same swap plan as a training forward. A run
+directory is read as `export` reads it (`tierzero.checkpoint.export.read_units`: the master
+weights, and the params of frozen ones such as a LoRA base, every chunk checked), one unit at a
+time as the engine materialises that unit, so the model is never whole in host memory and a
+run trained on any number of ranks generates on one. The model is the run's own config.toml's:
+the preset, or the `hf:` directory with its LoRA adapters when the run trained them (generation
+runs base + adapters, as training did). Nothing in the run directory is written: the engine's
+NVMe store is a fresh temporary directory (beside the run's own state by default), removed on close.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tierzero.checkpoint.catalog import find_checkpoint
+from tierzero.checkpoint.export import read_units
+from tierzero.checkpoint.manifest import Manifest
+from tierzero.config import Config, RunConfig
+from tierzero.configfile import load_run_config
+from tierzero.errors import CheckpointError, ConfigError
+from tierzero.hf import is_hf
+from tierzero.run.directory import CONFIG_NAME, never_configured
+from tierzero.run.generate import Decoder
+from tierzero.run.model_load import run_model
+from tierzero.run.prompts import Codec, trained_on_chats
+
+STORE_PREFIX = "tierzero-generate-"
+
+
+@dataclass
+class Inference:
+    """An open engine's decoder, the model's text, and what the caller should say about them."""
+
+    decoder: Decoder
+    codec: Codec
+    model: str
+    chat: bool  # the run trained on chats: plain prompts are a user's turn by default
+    step: int | None = None  # the checkpoint's step (None: a model directory's own weights)
+    notes: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def open_inference(
+    model: str | None = None,
+    run_dir: str | Path | None = None,
+    engine: dict[str, Any] | None = None,
+    store: str | Path | None = None,
+) -> Iterator[Inference]:
+    """An engine over `model` (hf:DIR) or `run_dir`'s newest intact checkpoint; `engine`
+    overrides its Config keys (offload, budgets, dtype, device); `store` is where its NVMe
+    store's temporary directory is made (default: the run directory, or the system's temp)."""
+    if (model is None) == (run_dir is None):
+        raise ConfigError("generate from one model: pass --model hf:DIR or --run-dir DIR")
+    overrides = {k: v for k, v in (engine or {}).items() if v is not None}
+    if model is not None:
+        if not is_hf(model):
+            raise ConfigError(
+                f"--model '{model}' is not hf:DIR; a built-in model generates from its run's "
+                "checkpoint: pass --run-dir DIR"
+            )
+        run, checkpoint = RunConfig(model=model, engine=Config(**overrides)), None
+    else:
+        run, checkpoint = (
+            _run_config(Path(run_dir), overrides),
+            find_checkpoint(run_dir, verify=True),
+        )
+    base = (
+        Path(store)
+        if store is not None
+        else Path(run_dir)
+        if run_dir is not None
+        else Path(tempfile.gettempdir())
+    )
+    try:
+        folder = Path(tempfile.mkdtemp(prefix=STORE_PREFIX, dir=base))
+    except OSError as e:
+        raise ConfigError(
+            f"cannot make the generation's store directory in {base} ({e.strerror}); pass a "
+            "writable --nvme-path"
+        ) from None
+    try:
+        run.engine.nvme_path = [str(folder)]
+        loaded = run_model(run)
+        meta = loaded.on_meta()
+        meta.requires_grad_(False)  # params only: nothing is trained
+        notes = list(loaded.notes)
+        step = None
+        if checkpoint is not None:
+            path, manifest, skipped = checkpoint
+            meta.init_unit = CheckpointUnits(meta, path, manifest)
+            notes += skipped
+            step = manifest.step
+        from tierzero.engine import Engine
+
+        eng = Engine(
+            meta,
+            run.engine,
+            weights=loaded.engine_weights if checkpoint is None else None,
+        )
+        if checkpoint is not None and len(eng.units) != len(checkpoint[1].units):
+            raise CheckpointError(
+                f"checkpoint step {step} holds {len(checkpoint[1].units)} units but the model "
+                f"{run.model} of {CONFIG_NAME} makes {len(eng.units)}; was the run's config.toml "
+                "changed?"
+            )
+        with eng:
+            chat = checkpoint is not None and trained_on_chats(run.data)
+            yield Inference(
+                Decoder.through(eng),
+                Codec(loaded.tokenizer, loaded.vocab_size),
+                run.model,
+                chat,
+                step,
+                notes + eng.notes(),
+            )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_config(run_dir: Path, overrides: dict[str, Any]) -> RunConfig:
+    """The run's config.toml, with generation's engine keys over it."""
+    if not run_dir.is_dir():
+        raise CheckpointError(
+            f"run directory '{run_dir}' does not exist; pass the directory `tierzero train` "
+            "wrote with --run-dir"
+        )
+    if (why := never_configured(run_dir)) is not None or not (run_dir / CONFIG_NAME).is_file():
+        raise CheckpointError(
+            why
+            or f"'{run_dir}' has no {CONFIG_NAME}, so it is no run directory; pass the "
+            "directory `tierzero train` wrote with --run-dir"
+        )
+    run = load_run_config(run_dir / CONFIG_NAME)
+    # the step's formats and schedule mean nothing to frozen params; the run's placement and budgets do
+    run.engine = replace(
+        run.engine,
+        optimizer_state="fp32",
+        master="fp32",
+        accumulate=1,
+        piece_numel=None,
+        **overrides,
+    )
+    return run
+
+
+class CheckpointUnits:
+    """A model's `init_unit(seed, which)` that fills the unit from a checkpoint (seed unused):
+    the engine materialises units in order, and the checkpoint is read in that order, one unit's
+    fp32 values at a time, each parameter copied in by name."""
+
+    def __init__(self, model: nn.Module, checkpoint: Path, manifest: Manifest) -> None:
+        self.model = model
+        self.manifest = manifest
+        self.units = read_units(checkpoint, manifest)
+
+    def __call__(self, seed: int, which: int | str) -> None:
+        last = len(self.manifest.units) - 1
+        index = (
+            {"embedding": 0, "root": 0, "head": last}.get(which)
+            if isinstance(which, str)
+            else which + 1
+        )
+        for (
+            read,
+            flat,
+        ) in self.units:  # the units before `index` had nothing to take (a root's blocks)
+            if read == index:
+                break
+        else:
+            raise CheckpointError(
+                f"checkpoint step {self.manifest.step} has no unit {index} for the model's "
+                f"{which}; was the run's config.toml changed?"
+            )
+        with torch.no_grad():
+            for slot in self.manifest.units[index].slots:
+                value = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                for name in slot.names:
+                    try:
+                        param = self.model.get_parameter(name)
+                    except AttributeError:
+                        raise CheckpointError(
+                            f"checkpoint step {self.manifest.step} holds '{name}', which the "
+                            "model of the run's config.toml does not have"
+                        ) from None
+                    param.copy_(value)

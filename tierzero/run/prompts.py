@@ -1,0 +1,156 @@
+"""Prompts for generation: read from the command line or a file, and turned into token ids.
+
+A prompts file is text, one prompt per line (blank lines skipped), or `.jsonl` records with a
+`prompt` string or a chat's `messages` (the fine-tuning data's own shapes,
+`tierzero.run.examples`). A `Codec` is one model's text: a Hugging Face directory's
+`tokenizer.json` and, for chats, its chat template (rendered with the generation prompt, as
+transformers' `apply_chat_template` does), or bytes (ids 0-255) for the built-in models and a
+directory without a tokenizer. Ids are made as training made them: plain text as a data
+document (the tokenizer's own special tokens), a `prompt` record or a rendered chat without
+(the template writes its own). `chat` renders a plain prompt as a user's turn: a run that
+trained on chats answers them so. It never touches a model or a device.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tierzero.errors import DataError
+from tierzero.run.corpus import TextTokenizer
+from tierzero.run.examples import ChatTemplate, arrow_records, is_arrow_data
+
+Messages = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: plain text, a `prompt` record's text (`record`), or a chat's messages."""
+
+    text: str | None = None
+    messages: Messages | None = None
+    record: bool = False
+
+    def shown(self) -> str:
+        """What samples.jsonl and the CLI print as the prompt."""
+        return self.text if self.text is not None else json.dumps(self.messages)
+
+
+def read_prompts(path: str | Path) -> list[Prompt]:
+    """The prompts of a text or `.jsonl` file, or a one-line error naming the file or line."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(
+            f"prompts file '{p}' does not exist; pass a text file with one prompt per line "
+            "or a .jsonl file of prompt or messages records"
+        )
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(
+            f"cannot read prompts file '{p}' as UTF-8 text ({e}); check the file"
+        ) from None
+    if p.suffix != ".jsonl":
+        prompts = [Prompt(line) for line in lines if line.strip()]
+    else:
+        prompts = [
+            _record(line, f"{p} line {n}") for n, line in enumerate(lines, start=1) if line.strip()
+        ]
+    if not prompts:
+        raise DataError(f"prompts file '{p}' holds no prompt; write one per line")
+    return prompts
+
+
+def _record(line: str, where: str) -> Prompt:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        raise DataError(f"{where} is not JSON; write one JSON object per line") from None
+    if isinstance(record, dict) and isinstance(record.get("messages"), list):
+        messages = record["messages"]
+        if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise DataError(f"{where}: 'messages' is not a list of {{'role', 'content'}} objects")
+        return Prompt(messages=messages)
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+        if not record["prompt"]:
+            raise DataError(f"{where}: the prompt is empty; give it some text")
+        return Prompt(record["prompt"], record=True)
+    raise DataError(f"{where} has neither a 'prompt' string nor 'messages'; write one of them")
+
+
+def trained_on_chats(data: str | None) -> bool:
+    """Whether a run's `--data` is chat records (its first record has `messages`)."""
+    path = Path(data) if data else None
+    if path is None or not path.exists() or not (path.suffix == ".jsonl" or is_arrow_data(path)):
+        return False
+    if is_arrow_data(path):
+        first = next(iter(arrow_records(path)), None)
+    else:
+        with open(path, encoding="utf-8") as f:
+            line = next((line for line in f if line.strip()), "")
+        try:
+            first = json.loads(line) if line else None
+        except ValueError:
+            return False
+    return isinstance(first, dict) and "messages" in first
+
+
+class Codec:
+    """One model's text and token ids: its tokenizer (None: bytes) and chat template."""
+
+    def __init__(self, tokenizer: TextTokenizer | None, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._loaded: Any = None
+        self._template = ChatTemplate(tokenizer.path.parent) if tokenizer is not None else None
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.tokenizer.eos_id if self.tokenizer is not None else None
+
+    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        """`prompt`'s ids, checked against the vocabulary; `chat` renders plain text as a user's turn."""
+        messages = (
+            prompt.messages
+            if prompt.messages is not None
+            else ([{"role": "user", "content": prompt.text}] if chat else None)
+        )
+        if messages is not None:
+            if self._template is None:
+                raise DataError(
+                    "chat prompts need an hf: model's tokenizer.json and chat template; this model "
+                    "reads bytes: give plain prompts (drop --chat)"
+                )
+            ids = self._tokens(
+                self._template.render(messages, add_generation_prompt=True),
+                special=False,
+            )
+        elif not prompt.text:
+            raise DataError("a prompt is empty; give every prompt some text")
+        elif self.tokenizer is None:
+            ids = list(prompt.text.encode("utf-8"))
+        else:
+            ids = self._tokens(prompt.text, special=not prompt.record)
+        beyond = [i for i in ids if i >= self.vocab_size]
+        if beyond:
+            raise DataError(
+                f"a prompt has token id {beyond[0]}, beyond the model's vocabulary of {self.vocab_size}; "
+                "use the model's own tokenizer"
+            )
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return self._tokenizer().decode(ids, skip_special_tokens=True)
+
+    def _tokens(self, text: str, special: bool) -> list[int]:
+        return list(self._tokenizer().encode(text, add_special_tokens=special).ids)
+
+    def _tokenizer(self) -> Any:
+        if self._loaded is None:
+            assert self.tokenizer is not None
+            self._loaded = self.tokenizer.load()
+        return self._loaded
