@@ -22,12 +22,7 @@ from tierzero.planning.workload import Workload
 TB = 10**12  # drive ratings are decimal terabytes written
 WEAR_NOTE_FRACTION = 0.01  # a run that writes over 1% of the drive's rating gets a note
 # what a checkpoint stores (gradients are not saved: a checkpoint sits between steps)
-CHECKPOINTED_KINDS = (
-    StateKind.PARAM,
-    StateKind.MASTER,
-    StateKind.EXP_AVG,
-    StateKind.EXP_AVG_SQ,
-)
+CHECKPOINTED_KINDS = (StateKind.PARAM, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
 
 
 @dataclass(frozen=True)
@@ -71,9 +66,7 @@ class DriveWear:
     @property
     def rating_fraction(self) -> float | None:
         """The run's bytes over the drive's rating (None without a rating)."""
-        return (
-            None if self.drive_tbw is None else self.run_bytes / (self.drive_tbw * TB)
-        )
+        return None if self.drive_tbw is None else self.run_bytes / (self.drive_tbw * TB)
 
     @property
     def per_1000_steps_fraction(self) -> float | None:
@@ -134,9 +127,7 @@ def checkpoint_nbytes(work: Workload, placement: Placement) -> int:
         if placement.home(kind) is Tier.NVME:
             continue
         if kind is StateKind.PARAM:
-            numel = work.param_numel - (
-                work.state_shard_numel if work.one_weight(placement) else 0
-            )
+            numel = work.param_numel - (work.state_shard_numel if work.one_weight(placement) else 0)
             total += work.nbytes(kind, numel)
         else:
             total += work.state_nbytes(kind)
