@@ -25,6 +25,7 @@ from tierzero.planning.statebytes import StateBytes
 from tierzero.run.directory import CONFIG_NAME, RunDir, enclosing_run_dir, never_configured, rebase_paths, refuse_fresh_start
 from tierzero.storage.filekind import kind_of, not_a_file
 from tierzero.run.packing import Fitted
+from tierzero.run.trackers import reporting, resolve_report_to
 
 
 def train(
@@ -75,6 +76,7 @@ def train(
     stage: Optional[int] = typer.Option(None, "--stage", help="Several ranks, ZeRO stage: 3 partitions params, grads and optimizer states (params all-gathered at each use); 2 replicates params (one all-gather per unit per step); 1 also keeps whole grads over --accumulate micro-batches (one reduction per step). Default: 1 or 2 when replicated state fits the budgets, else 3."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="Ranks on this machine (one per GPU; gloo processes on a CPU): runs torchrun's launcher for you. --batch-size is the global batch, split over them."),
     comm_timeout: float = typer.Option(600.0, "--comm-timeout", help="Seconds a collective waits for the other ranks before the run stops with an error."),
+    report_to: Optional[str] = typer.Option(None, "--report-to", help="Experiment trackers that get the run's config and every metrics row as it is written: none (default), or any of tensorboard, wandb, mlflow, trackio, comma-separated; each needs its extra, e.g. pip install 'tierzero[wandb]'."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
 ) -> None:
     """Train a model; with no arguments, the `tiny` preset on the built-in corpus, tiered to NVMe.
@@ -94,7 +96,8 @@ def train(
                      run_dir=str(run_dir) if run_dir else None,
                      checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                      lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                     lora_targets=[t.strip() for t in lora_targets.split(",") if t.strip()] if lora_targets else None)
+                     lora_targets=[t.strip() for t in lora_targets.split(",") if t.strip()] if lora_targets else None,
+                     report_to=report_to)
     if resume and overwrite:
         raise ConfigError("--resume continues a run and --overwrite starts a new one; pass one of them")
     if resume:
@@ -102,6 +105,7 @@ def train(
         if steps is not None and config is not None and _schedule_follows_steps(config):
             overrides["total_steps"] = steps  # a longer run stretches its lr schedule, as a new one would
     run = _load(config, overrides)
+    run.report_to = resolve_report_to(run.report_to)  # an unknown or missing tracker, before anything runs
     if resume and run_dir is not None and config == run_dir / CONFIG_NAME and nvme_path is None:
         run.engine.nvme_path = rebase_paths(run.engine.nvme_path, run_dir)  # saved relative to the run
     if not resume and not overwrite and run.run_dir is not None:
@@ -182,7 +186,10 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
             progress.start()
 
         try:
-            result = session.train(rundir, on_step, start_step=start_step)
+            with reporting(run, rundir, start_step, resume) as trackers:
+                for where in trackers:
+                    out.print(f"reporting to {escape(where)}", highlight=False)
+                result = session.train(rundir, on_step, start_step=start_step)
         finally:
             if progress.live.is_started:
                 progress.stop()

@@ -343,6 +343,7 @@ class RunConfig:
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     lora_targets: list[str] | None = None  # module names to adapt; None: peft's default for the model
+    report_to: list[str] = field(default_factory=list)  # trackers, checked by tierzero.run.trackers
     engine: Config = field(default_factory=Config)
 
     def __post_init__(self) -> None:
@@ -370,7 +371,6 @@ class RunConfig:
         if targets is not None and (not isinstance(targets, list) or not targets
                                     or not all(isinstance(t, str) and t for t in targets)):
             raise _refused("lora_targets", f"must be module names such as q_proj,v_proj, got {targets!r}")
-
 
     def check_ranks(self, world_size: int) -> None:
         """Refuse what several ranks cannot train: a global batch that does not split evenly,

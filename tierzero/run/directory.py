@@ -30,6 +30,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ class RunDir:
         self.run_id: str | None = None
         self._lock_fd: int | None = None
         self._metrics = None
+        self._stream: Callable[[dict[str, Any]], None] | None = None
 
     def open(self) -> RunDir:
         """Create the directory if need be and take its lock; writes nothing else."""
@@ -180,7 +182,15 @@ class RunDir:
         if not self.primary:
             return
         assert self._metrics is not None, "RunDir.open_metrics() first"
-        self._metrics.write(json.dumps({**record, "time": time.time()}) + "\n")
+        record = {**record, "time": time.time()}
+        self._metrics.write(json.dumps(record) + "\n")
+        if self._stream is not None:
+            self._stream(record)
+
+    def stream_metrics(self, to: Callable[[dict[str, Any]], None] | None) -> None:
+        """Hand every record written to metrics.jsonl, once written, to `to` as well (the run's
+        experiment trackers, `tierzero.run.trackers`); None stops."""
+        self._stream = to
 
     def close(self) -> None:
         if self._metrics is not None:
