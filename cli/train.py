@@ -39,7 +39,7 @@ def train(
     lora_r: Optional[int] = typer.Option(None, "--lora-r", help="Train LoRA adapters of this rank (peft) on the frozen hf:DIR base; export writes a peft adapter, or merged weights with --merge."),
     lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA's alpha: adapters scale by alpha/r (default 16)."),
     lora_dropout: Optional[float] = typer.Option(None, "--lora-dropout", help="Dropout on the adapters' input (default 0)."),
-    lora_targets: Optional[str] = typer.Option(None, "--lora-targets", help="Comma-separated module names to adapt, e.g. q_proj,v_proj (default: peft's choice for the model)."),
+    lora_targets: Optional[str] = typer.Option(None, "--lora-targets", help="Comma-separated module names to adapt, e.g. q_proj,v_proj (default: peft's choice for the model; where it has none, every linear layer of the decoder layers)."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences per micro-batch."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence."),

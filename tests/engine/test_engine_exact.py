@@ -13,6 +13,7 @@ import torch
 
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
+from tierzero.engine.runtime.binding import Unbound
 
 from tests.support.engine import SMALL, batches, engine_config, reference_run
 
@@ -53,7 +54,9 @@ def test_built_model_is_adopted_and_freed(tmp_path) -> None:
         for _ in range(3):
             engine.train_step(data.next_batch())
         assert list(model.parameters()) == []  # the engine owns every weight now
-        assert all(t.is_meta for t in (model.tok_emb.weight, model.blocks[0].attn.wq.weight))
+        # storageless placeholders that say where the unit is bound (`binding.Unbound`)
+        assert all(isinstance(t, Unbound) and t.device == torch.device("cpu")
+                   for t in (model.tok_emb.weight, model.blocks[0].attn.wq.weight))
         weights = engine.master_state_dict()
     for key in ref_weights:
         assert torch.equal(weights[key], ref_weights[key]), key
@@ -162,3 +165,15 @@ def test_init_from_local_safetensors_unit_by_unit(tmp_path) -> None:
     with pytest.raises(ConfigError, match="shape"):
         Engine(models.build(SMALL, device="meta"), config(tmp_path / "b", PLACEMENTS["all-gpu"]),
                weights=tmp_path / "wrong.safetensors").open()
+
+
+def test_an_unbound_parameter_says_where_its_unit_binds_and_refuses_any_use(tmp_path) -> None:
+    """A model may read a weight's device before its unit is bound (Llama 4's forward moves
+    `input_ids` to `embed_tokens.weight.device`); any use of its values names it instead."""
+    model = models.build(SMALL, seed=0)
+    with Engine(model, config(tmp_path, PLACEMENTS["everything-on-nvme"])) as engine:
+        engine.train_step(batches().next_batch())
+        weight = model.blocks[0].attn.wq.weight
+        assert weight.device == torch.device("cpu") and weight.shape == (SMALL.dim, SMALL.dim)
+        with pytest.raises(RuntimeError, match="blocks.0.attn.wq.weight while its unit is not bound"):
+            weight.sum()

@@ -58,10 +58,14 @@ FAMILIES = {
     "ernie4_5_moe": dict(QWEN),
     "flex_olmo": dict(QWEN),
     "minimax": dict(EXPERTS, head_dim=16),
+    # a dense layer, then an MoE one; its forward moves input_ids to embed_tokens.weight.device
+    "llama4_text": dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=96, head_dim=16,
+                        interleave_moe_layer_step=2),
 }
 
 
-CORE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "granitemoe", "gpt_oss", "deepseek_v3", "jamba")
+CORE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "granitemoe", "gpt_oss", "deepseek_v3", "jamba",
+        "llama4_text")
 SELECTED = sorted(FAMILIES) if os.environ.get("TIERZERO_MOE_FAMILIES") == "all" else CORE
 # families whose gradients meet in another order than in one autograd graph (GPT-OSS's router logits
 # feed its top-k, its softmax and the aux loss): equal up to summation order, not bitwise

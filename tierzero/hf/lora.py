@@ -10,11 +10,21 @@ peft's own init (lora_A Kaiming-uniform, lora_B zero) under a seed that depends 
 reference trainer's `--offload none`) starts from the same values.
 
 Hand the engine the wrapped model and no `weights`: the adapters' names are in no file.
+
+Without `--lora-targets` the targets are peft's default for the architecture, or, where peft
+has none (DeepSeek-V2, ERNIE-4.5-MoE, Llama 4), every plain `nn.Linear` of the decoder layers
+(`default_targets`): attention (MLA's low-rank projections too) and the MLP's linear layers.
+Never the embedding or the head; not a subclass of `nn.Linear` whose forward computes something
+else (Llama 4's router). Experts fused into one 3-D tensor per projection are not adapted: peft
+adapts those only by re-parametrising the tensor on every forward, which the engine's bound
+views do not support, and on transformers 5 it takes the per-expert names (DeepSeek's
+`gate_proj`, `up_proj`, `down_proj`) for them even in the shared experts and dense layers, so
+those names are left out and named in the note (and refused when given as `--lora-targets`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,7 +36,7 @@ from tierzero.hf.build import HFModel, real_parameters
 from tierzero.models.llama import unit_seed
 from tierzero.models.weights import WeightFiles
 
-BASE_LAYER = ".base_layer"  # peft's name for the layer an adapter wraps
+BASE_LAYER = "base_layer"  # peft's name for the layer an adapter wraps (nested: one per adapted tensor)
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,46 @@ class LoraSpec:
                           target_modules=list(self.targets) if self.targets else None)
 
 
+def default_targets(hf: HFModel, spec: LoraSpec) -> tuple[LoraSpec, str | None]:
+    """`spec` with its targets named where it names none and peft has no default for the
+    architecture: every plain linear layer of the decoder layers that peft adapts as a linear
+    layer, by their names; and a note saying so (None: `spec` as it was)."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    model_type = hf.model.config.model_type
+    if spec.targets is not None or model_type in PEFT_DEFAULTS:
+        return spec, None
+    inside = {name.rpartition(".")[2] for name, m in hf.model.blocks.named_modules() if type(m) is nn.Linear}
+    blocks = {id(m) for m in hf.model.blocks.modules()}
+    outside = {name.rpartition(".")[2] for name, m in hf.model.named_modules() if id(m) not in blocks}
+    fused = _fused_expert_names(hf.model, inside)
+    targets = inside - fused
+    if not targets or inside & outside:
+        why = "it has none" if not targets else f"{sorted(inside & outside)[0]} names a module outside them"
+        raise ConfigError(f"peft has no default LoRA targets for {model_type}, and tierzero cannot take every "
+                          f"linear layer of its decoder layers ({why}); name them with --lora-targets")
+    note = f"peft has no default LoRA targets for {model_type}: every linear layer of its decoder layers is adapted"
+    if fused:
+        note += (f" except {', '.join(sorted(fused))} (peft takes those names for the experts' fused tensors, "
+                 "which tierzero cannot adapt yet)")
+    return replace(spec, targets=tuple(sorted(targets))), note
+
+
+def _fused_expert_names(model: nn.Module, names: set[str]) -> set[str]:
+    """Those of `names` that peft would adapt as a Mixture-of-Experts layer's fused expert tensors
+    (its transformers-5 conversion: DeepSeek's and ERNIE's `gate_proj`, `up_proj`, `down_proj`),
+    dropping them as module targets -- even in the shared experts and the dense layers."""
+    from peft import LoraConfig
+
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # a peft without the conversion adapts linear layers by name only
+        return set()
+    config = LoraConfig(target_modules=sorted(names))
+    convert_peft_config_for_transformers(config, model, None)
+    return names - set(config.target_modules)
+
+
 def add_lora(hf: HFModel, spec: LoraSpec, weights: str | Path | None) -> nn.Module:
     """`hf.model` (on meta) wrapped by peft's LoRA, with `init_unit` reading the base from
     `weights` (None: the model's own init)."""
@@ -57,6 +107,11 @@ def add_lora(hf: HFModel, spec: LoraSpec, weights: str | Path | None) -> nn.Modu
     except ValueError as e:
         raise ConfigError(f"LoRA cannot wrap {hf.path.name} ({str(e).strip().splitlines()[0]}); name its "
                           "linear layers with --lora-targets, e.g. q_proj,v_proj") from None
+    tensors = model.peft_config["default"].target_parameters
+    if tensors:  # adapted by re-parametrising the tensor on every forward, which bound views do not allow
+        raise ConfigError(f"peft adapts {', '.join(sorted(tensors))} of {hf.path.name} as the experts' fused "
+                          "tensors, which tierzero cannot train yet; leave their per-expert names (such as "
+                          "gate_proj, up_proj, down_proj) out of --lora-targets")
     model.init_unit = LoraInit(hf.model, WeightFiles(weights) if weights is not None else None)
     return model
 
@@ -99,7 +154,7 @@ class LoraInit:
         aliases too: the files may hold either)."""
         aliases: dict[int, list[str]] = {}
         for name, p in self.causal.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(name.replace(BASE_LAYER + ".", "."))
+            aliases.setdefault(id(p), []).append(".".join(part for part in name.split(".") if part != BASE_LAYER))
         for module in modules:
             for p in module.parameters(recurse=False):
                 if not p.is_meta:  # meta: another unit's (a tied weight the embedding unit holds)

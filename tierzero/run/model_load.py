@@ -99,10 +99,11 @@ def run_model(run: RunConfig) -> RunModel:
         return RunModel(f"hf:{hf.path}", hf.vocab_size, hf.param_count(), weights, tokenizer, hf.description(),
                         notes, hf)
     from tierzero.hf import describe
-    from tierzero.hf.lora import LoraSpec, add_lora
+    from tierzero.hf.lora import LoraSpec, add_lora, default_targets
 
-    spec = LoraSpec(run.lora_r, run.lora_alpha, run.lora_dropout,
-                    tuple(run.lora_targets) if run.lora_targets else None)
+    spec, targets_note = default_targets(hf, LoraSpec(run.lora_r, run.lora_alpha, run.lora_dropout,
+                                                      tuple(run.lora_targets) if run.lora_targets else None))
+    notes += [targets_note] if targets_note else []
     model = add_lora(hf, spec, weights)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     notes.append(f"LoRA r={spec.r} alpha={spec.alpha:g} on {', '.join(sorted(model.peft_config['default'].target_modules))}: "

@@ -55,20 +55,54 @@ def flat_grad(unit: Unit, leaves: list[torch.Tensor]) -> tuple[torch.Tensor, fro
     return out, frozenset(present)
 
 
-def unbind(unit: Unit, dtype: torch.dtype) -> None:
-    """Replace the views with meta placeholders, so a stale use fails loudly and frees nothing."""
+def unbind(unit: Unit, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace the views with `Unbound` placeholders on the compute `device`, so a stale use
+    fails loudly and frees nothing, while a model that reads a weight's device keeps working."""
     for slot in unit.slots:
-        placeholder = torch.empty(slot.shape, dtype=dtype, device="meta")
+        placeholder = Unbound(slot.shape, dtype, device, slot.names[0])
         for module, attr in slot.module_attrs:
             setattr(module, attr, placeholder)
 
 
-def detach_params(unit: Unit, dtype: torch.dtype) -> None:
+def detach_params(unit: Unit, dtype: torch.dtype, device: torch.device) -> None:
     """Turn the unit's `nn.Parameter`s into plain attributes; the engine owns them from now on."""
     for slot in unit.slots:
         for module, attr in slot.module_attrs:
             module._parameters.pop(attr, None)
-    unbind(unit, dtype)
+    unbind(unit, dtype, device)
+
+
+class Unbound(torch.Tensor):
+    """A parameter while its unit is not bound: its shape, dtype and the compute device, and no
+    storage. Models read a weight's device before they call its module (Llama 4 moves
+    `input_ids` to `embed_tokens.weight.device` before the embedding unit is bound), so it
+    reports where the unit will be bound; any operation on its values raises, naming it."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    param_name: str
+
+    @staticmethod
+    def __new__(
+        cls, shape: torch.Size, dtype: torch.dtype, device: torch.device, name: str
+    ) -> Unbound:
+        placeholder = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+        placeholder.param_name = name
+        return placeholder
+
+    @classmethod
+    def __torch_dispatch__(
+        cls, func: object, types: object, args: tuple = (), kwargs: dict | None = None
+    ) -> None:
+        names = [a.param_name for a in (*args, *(kwargs or {}).values()) if isinstance(a, Unbound)]
+        raise RuntimeError(
+            f"{func} read parameter {names[0] if names else '?'} while its unit is not bound: "
+            "the engine binds a unit's parameters only while it computes"
+        )
+
+    def __repr__(self) -> str:
+        shape = tuple(self.shape)
+        return f"Unbound({self.param_name}, shape={shape}, dtype={self.dtype}, device={self.device})"
 
 
 def place_buffers(model: torch.nn.Module, device: torch.device) -> None:

@@ -34,7 +34,8 @@ class UnitRunner:
     """Installs the checkpointed entry point of every unit that has one (all but a root)."""
 
     def __init__(self, units: list[Unit], gather: GatherFn, release: ReleaseFn, on_grad: GradFn,
-                 dtype: torch.dtype, forward_only: frozenset[int] = frozenset(), seed: int = 0) -> None:
+                 dtype: torch.dtype, device: torch.device, forward_only: frozenset[int] = frozenset(),
+                 seed: int = 0) -> None:
         self.units = units
         self.seed = seed
         self.position = (0, 0)  # (step, micro-batch within it) of the training forward under way
@@ -43,6 +44,7 @@ class UnitRunner:
         self.release = release
         self.on_grad = on_grad
         self.dtype = dtype
+        self.device = device  # where unbound parameters say they are (`binding.Unbound`)
         self.forward_only = forward_only  # units run without a backward (`partition.forward_only`)
         self.kept: frozenset[int] = frozenset()  # units whose forward keeps its graph (`planning.recompute`)
         self._originals: dict[int, Callable[..., Any]] = {}
@@ -127,7 +129,7 @@ class UnitRunner:
             return self._originals[unit.index](*args, **kwargs)
         finally:
             for u in bound:
-                unbind(u, self.dtype)
+                unbind(u, self.dtype, self.device)
             self.release(unit.index)
 
 
@@ -182,7 +184,7 @@ class _Checkpointed(torch.autograd.Function):
                     runner.on_grad(u.index, *flat_grad(u, unit_leaves))
         finally:
             for u in bound:
-                unbind(u, runner.dtype)
+                unbind(u, runner.dtype, runner.device)
             runner.release(unit.index)
         return (None, None, None, None, None, None, None, *[t.grad if t.requires_grad else None for t in inputs])
 
@@ -210,7 +212,7 @@ class _KeptGraph:
                 args, kwargs = tree_unflatten(_fill(flat_in, tensor_pos, inputs), spec)
                 out = runner.compute(unit, args, kwargs, leaves=leaves)
         finally:
-            unbind(unit, runner.dtype)
+            unbind(unit, runner.dtype, runner.device)
             runner.release(unit.index)
             params.flat = None
         return _KeptGraph(inputs, [_storageless(leaf) for leaf in leaves], out, params)
@@ -228,7 +230,7 @@ class _KeptGraph:
             if unit.trainable_numel:
                 runner.on_grad(unit.index, *flat_grad(unit, self.leaves))
         finally:
-            unbind(unit, runner.dtype)
+            unbind(unit, runner.dtype, runner.device)
             self.params.flat = None
             runner.release(unit.index)
         return [t.grad if t.requires_grad else None for t in self.inputs]

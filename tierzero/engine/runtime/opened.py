@@ -63,7 +63,7 @@ def _build(parts: EngineParts) -> OpenParts:
     grads.allocate()
     optimizer = ShardOptimizer(parts, swap_runner.written)
     runner = UnitRunner(units, swap_runner.acquire, swap_runner.release, grads.offload, parts.dtype,
-                        forward_only(units), config.seed)
+                        parts.device, forward_only(units), config.seed)
     runner.install()
     replicated = parts.comm.world_size == 1 or parts.stage <= 2  # nothing to gather
     plans = swap_plans(units, config.prefetch_depth, None if replicated else int(config.overlap_comm),

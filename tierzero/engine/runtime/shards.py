@@ -113,7 +113,7 @@ class Shards:
             lo, hi = unit.shard_range(self.rank)
             flat = flat_unit(model, unit, seed, files)
             shard = flat[lo:hi].contiguous()
-            detach_params(unit, self.dtype)
+            detach_params(unit, self.dtype, self.tiers.device)
             self.put_shard(StateKind.MASTER, unit, shard)
             self.put_shard(StateKind.PARAM, unit, (flat if unit.replicated else shard).to(self.dtype))
             zeros = torch.zeros_like(shard)
