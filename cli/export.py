@@ -11,7 +11,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from tierzero.cli.output import Output
 from tierzero.config import parse_bytes
+from tierzero.checkpoint.catalog import checkpoint_dirs
 from tierzero.checkpoint.export import export_checkpoint
+from tierzero.errors import CheckpointError, RunDirError
+from tierzero.run.directory import CONFIG_NAME, read_metrics
 
 
 def export(
@@ -30,8 +33,11 @@ def export(
     and the tokenizer files of the directory the run started from are copied there."""
     max_shard_bytes = parse_bytes(max_shard_size, "--max-shard-size")
     output = Output(json_out)
+    _refuse_untrained(run_dir)
+    # a transient bar on what is not a terminal leaves a blank line behind: only on a terminal
     progress = Progress(TextColumn("export"), MofNCompleteColumn(), TextColumn("units"), BarColumn(),
-                        TimeElapsedColumn(), console=output.console, disable=json_out, transient=True)
+                        TimeElapsedColumn(), console=output.console, transient=True,
+                        disable=json_out or not output.console.is_terminal)
     with progress:
         task = progress.add_task("export", total=None)
         result = export_checkpoint(run_dir, out, step=step, dtype=dtype.lower(), max_shard_bytes=max_shard_bytes, merge=merge,
@@ -52,3 +58,17 @@ def export(
                  f"{result.dtype}) to {escape(str(where))}" + (f" and {len(result.files)} files" if result.index else "")
                  + (f", with the model's {escape(result.config.name)}" if result.config else "")
                  + (f" and {len(result.tokenizer)} tokenizer files" if result.tokenizer else ""))
+
+
+def _refuse_untrained(run_dir: Path) -> None:
+    """A run directory `train` configured that holds no checkpoint and whose metrics record no
+    finished step: its train was refused or stopped before step 1, so no checkpoint can exist."""
+    if not (run_dir / CONFIG_NAME).is_file() or checkpoint_dirs(run_dir):
+        return
+    try:
+        steps = [r for r in read_metrics(run_dir) if "loss" in r]
+    except RunDirError:  # no metrics.jsonl: nothing was ever recorded
+        steps = []
+    if not steps:
+        raise CheckpointError(f"run '{run_dir}' never finished a training step (its train was refused or "
+                              "stopped before step 1), so it has no checkpoint to export; train it first")

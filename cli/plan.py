@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from tierzero.cli.output import Output
-from tierzero.config import RunConfig, StateKind, Tier
+from tierzero.config import STATE_BLOCK, RunConfig, StateKind, Tier
 from tierzero.hf.plan import plan as plan_model
 from tierzero.models.presets import PRESETS
 from tierzero.planning.ledger import GB
@@ -41,7 +41,7 @@ def plan(
     accumulate: int = typer.Option(1, "--accumulate", help="Micro-batches per step (stage 1 keeps whole grads between them)."),
     schedule: str = typer.Option("auto", "--schedule", help="How the --accumulate micro-batches run: horizontal, vertical (each unit for all of them; built-in shapes and Hugging Face decoders) or auto (default: vertical when accumulating, where it applies), as `tierzero train --schedule`; the NVMe bytes per step are printed for both."),
     recompute: str = typer.Option("auto", "--recompute", help="Which blocks run their forward again in backward: auto (default: keep the activations of as many as the compute device's budget holds), all, or none (refused where they do not fit), as `tierzero train --recompute`."),
-    optimizer_state: str = typer.Option("fp32", "--optimizer-state", help="How the two Adam moments are stored on every tier: fp32 (default: exact), bf16, or int8 (blocks of 2048 values, an fp32 absmax each), as `tierzero train --optimizer-state`; the ledger, every tier's peak, the NVMe bytes per step and the choice count them so."),
+    optimizer_state: str = typer.Option("fp32", "--optimizer-state", help=f"How the two Adam moments are stored on every tier: fp32 (default: exact), bf16, or int8 (blocks of {STATE_BLOCK} values, an fp32 absmax each), as `tierzero train --optimizer-state`; the ledger, every tier's peak, the NVMe bytes per step and the choice count them so."),
     master: str = typer.Option("fp32", "--master", help="The master weights' dtype: fp32 (default) or bf16 (with bf16 compute the param is the master: one tensor), as `tierzero train --master`."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:

@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tierzero.cli.output import Output
-from tierzero.config import DType, LongExamples, RunConfig
+from tierzero.config import STATE_BLOCK, DType, LongExamples, RunConfig
 from tierzero.configfile import load_run_config
 from tierzero.errors import ConfigError
 from tierzero.distributed.launch import Ranks, die_with_launcher, rank_device, ranks_from_env, run_torchrun, start_process_group, stop_process_group, under_torchrun
@@ -47,7 +47,7 @@ def train(
     accumulate: Optional[int] = typer.Option(None, "--accumulate", help="Micro-batches per optimizer step."),
     schedule: Optional[str] = typer.Option(None, "--schedule", help="How --accumulate micro-batches run: horizontal (each through every unit), vertical (each unit for all of them: params read once per pass, grads written once per step; built-in models and Hugging Face decoders) or auto (default: vertical when accumulating, where it applies)."),
     recompute: Optional[str] = typer.Option(None, "--recompute", help="Which blocks run their forward again in backward: auto (default: keep the activations of as many as the compute device's budget holds; the built-in models, horizontal schedule), all (activation checkpointing everywhere), or none (refused where they do not fit)."),
-    optimizer_state: Optional[str] = typer.Option(None, "--optimizer-state", help="How the two Adam moments are stored on every tier and in checkpoints: fp32 (default: exact, bitwise torch.optim.AdamW), bf16 (half the bytes), or int8 (a quarter: blocks of 2048 values share one fp32 absmax). Fixed for the run's life; `tierzero plan --optimizer-state` shows the bytes."),
+    optimizer_state: Optional[str] = typer.Option(None, "--optimizer-state", help=f"How the two Adam moments are stored on every tier and in checkpoints: fp32 (default: exact, bitwise torch.optim.AdamW(fused=True)), bf16 (half the bytes), or int8 (a quarter: blocks of {STATE_BLOCK} values share one fp32 absmax). Fixed for the run's life; `tierzero plan --optimizer-state` shows the bytes."),
     master: Optional[str] = typer.Option(None, "--master", help="The master weights' dtype: fp32 (default: exact) or bf16 (stochastically rounded; with --dtype bf16 the param is the master, one tensor). Fixed for the run's life."),
     lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate."),
     weight_decay: Optional[float] = typer.Option(None, "--weight-decay", help="AdamW's decoupled weight decay (default 0.1); 1-D parameters (norms, biases) get none, as in torch AdamW param groups that exclude them."),

@@ -32,10 +32,17 @@ def test_gpu_budget_too_small_for_one_unit(tmp_path) -> None:
         Engine(models.build(SMALL, device="meta"), nvme_config(tmp_path, gpu_budget="16KiB"))
 
 
-def test_missing_nvme_path(tmp_path) -> None:
-    cfg = Config(offload="nvme", nvme_path=[str(tmp_path / "no" / "such" / "dir")])
-    with pytest.raises(ConfigError, match="parent directory does not exist"):
-        Engine(models.build(SMALL, device="meta"), cfg)
+def test_missing_nvme_path_is_made_at_open(tmp_path) -> None:
+    """As the CLI makes its default RUN_DIR/nvme; nothing is written before `open()`."""
+    path = tmp_path / "no" / "such" / "dir"
+    engine = Engine(models.build(SMALL, device="meta"), Config(offload="nvme", nvme_path=[str(path)]))
+    assert not (tmp_path / "no").exists()
+    with engine:
+        engine.open()
+        assert path.is_dir()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="file is not a directory"):
+        Engine(models.build(SMALL, device="meta"), Config(offload="nvme", nvme_path=[str(tmp_path / "file" / "x")]))
 
 
 def test_unwritable_nvme_path() -> None:

@@ -312,12 +312,15 @@ def _lease(pool: HostPool | DevicePool, nbytes: int, pending: Pending, wait: boo
 
 
 def _check_nvme_path(path: Path) -> None:
-    """Refuse a missing parent, or a directory this process may not write, reading metadata
-    only (the disk's free space is `Sizing`'s check)."""
-    if not path.parent.exists():
-        raise ConfigError(f"nvme path '{path}' is not usable: its parent directory does not exist; "
-                          "create it or choose another --nvme-path")
-    where = path if path.exists() else path.parent  # a new directory is made in its parent
+    """Refuse a directory this process may not write, or make, reading metadata only (the
+    disk's free space is `Sizing`'s check). Missing directories are made at `open()`, as the
+    CLI's default RUN_DIR/nvme is: the nearest one that exists must be a writable directory."""
+    where = path
+    while not where.exists() and where.parent != where:  # a new directory is made in it
+        where = where.parent
+    if not where.is_dir():
+        raise ConfigError(f"nvme path '{path}' is not usable: {where} is not a directory; choose "
+                          "another --nvme-path")
     why = ("permission denied" if not os.access(where, os.W_OK | os.X_OK)
            # a filesystem of no blocks (proc, sysfs) holds no files, even for root
            else "not a filesystem for files" if os.statvfs(where).f_blocks == 0 else None)
@@ -328,7 +331,7 @@ def _check_nvme_path(path: Path) -> None:
 def _probe_nvme_path(path: Path) -> None:
     """Create the directory and write and remove a file there: the proof `_check_nvme_path` can't give."""
     try:
-        path.mkdir(exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True)
         probe = path / f".tierzero-write-probe-{os.getpid()}"  # ranks sharing the path each write their own
         probe.write_bytes(b"")
         probe.unlink()
