@@ -76,6 +76,13 @@ def train(
     stage: Optional[int] = typer.Option(None, "--stage", help="Several ranks, ZeRO stage: 3 partitions params, grads and optimizer states (params all-gathered at each use); 2 replicates params (one all-gather per unit per step); 1 also keeps whole grads over --accumulate micro-batches (one reduction per step). Default: 1 or 2 when replicated state fits the budgets, else 3."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="Ranks on this machine (one per GPU; gloo processes on a CPU): runs torchrun's launcher for you. --batch-size is the global batch, split over them."),
     comm_timeout: float = typer.Option(600.0, "--comm-timeout", help="Seconds a collective waits for the other ranks before the run stops with an error."),
+    sample_prompts: Optional[Path] = typer.Option(
+        None, "--sample-prompts", help="Prompts to complete from the weights as they train (a text file, one per "
+        "line, or .jsonl records with prompt or messages), greedily, all in one batch; into RUN_DIR/samples.jsonl."),
+    sample_every: Optional[int] = typer.Option(
+        None, "--sample-every", help="Complete --sample-prompts every N optimizer steps (always at the end)."),
+    sample_max_new_tokens: Optional[int] = typer.Option(
+        None, "--sample-max-new-tokens", help="New tokens per sample prompt at most (default 64)."),
     report_to: Optional[str] = typer.Option(None, "--report-to", help="Experiment trackers that get the run's config and every metrics row as it is written: none (default), or any of tensorboard, wandb, mlflow, trackio, comma-separated; each needs its extra, e.g. pip install 'tierzero[wandb]'."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
 ) -> None:
@@ -97,7 +104,8 @@ def train(
                      checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                      lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                      lora_targets=[t.strip() for t in lora_targets.split(",") if t.strip()] if lora_targets else None,
-                     report_to=report_to)
+                     report_to=report_to, sample_prompts=str(sample_prompts) if sample_prompts else None,
+                     sample_every=sample_every, sample_max_new_tokens=sample_max_new_tokens)
     if resume and overwrite:
         raise ConfigError("--resume continues a run and --overwrite starts a new one; pass one of them")
     if resume:

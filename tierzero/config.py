@@ -344,11 +344,17 @@ class RunConfig:
     lora_dropout: float = 0.0
     lora_targets: list[str] | None = None  # module names to adapt; None: peft's default for the model
     report_to: list[str] = field(default_factory=list)  # trackers, checked by tierzero.run.trackers
+    sample_prompts: str | None = None  # a prompts file completed during training (tierzero.run.samples)
+    sample_every: int | None = None  # steps between samples; None: at the end only
+    sample_max_new_tokens: int = 64
     engine: Config = field(default_factory=Config)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_tokens", "keep_checkpoints"):
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_tokens", "keep_checkpoints",
+                     "sample_max_new_tokens"):
             _count(getattr(self, name), name)
+        if self.sample_every is not None:
+            _count(self.sample_every, "sample_every")
         try:
             self.long_examples = LongExamples(self.long_examples)
         except ValueError:

@@ -1,4 +1,4 @@
-"""The run directory: its lock, its identity (config.toml, run-id), its lineage and its `metrics.jsonl`.
+"""The run directory: its lock, identity (config.toml, run-id), lineage, metrics and samples.
 
 One trainer per directory: `open()` takes an exclusive, non-blocking `flock` on `lock`, so a
 second trainer is refused at once (and a crashed one leaves no stale lock: the kernel drops it).
@@ -46,6 +46,7 @@ from tierzero.storage.nvme.dirlock import is_store_root, try_lock
 
 CONFIG_NAME = "config.toml"
 METRICS_NAME = "metrics.jsonl"
+SAMPLES_NAME = "samples.jsonl"  # generations during training (`tierzero.run.samples`)
 LOCK_NAME = "lock"
 _RUN_ID_LINE = re.compile(r"# run-id: ([0-9a-f]+)")
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
@@ -59,6 +60,7 @@ class RunDir:
         self._lock_fd: int | None = None
         self._metrics = None
         self._stream: Callable[[dict[str, Any]], None] | None = None
+        self._sample_stream: Callable[[int, list[dict[str, Any]]], None] | None = None
 
     def open(self) -> RunDir:
         """Create the directory if need be and take its lock; writes nothing else."""
@@ -92,7 +94,8 @@ class RunDir:
         durable; a resumed one keeps its run id (see the module docstring for the order)."""
         if not self.primary:
             return []
-        for name in (CONFIG_NAME, lineage.RUN_ID_NAME, METRICS_NAME):  # before anything is written
+        names = (CONFIG_NAME, lineage.RUN_ID_NAME, METRICS_NAME, SAMPLES_NAME)
+        for name in names:  # before anything is written
             if (why := not_a_file(self.path / name)) is not None:
                 raise RunDirError(f"{why}; remove it, or choose another --run-dir")
         notes: list[str] = []
@@ -172,6 +175,7 @@ class RunDir:
             kept = [line for line in lines if _before(line, start_step)]
             if len(kept) < len(lines):
                 write_atomic(path, "".join(f"{line}\n" for line in kept).encode())
+            self._keep_samples_through(start_step)  # samples.jsonl: the same rule
             fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         except OSError as e:
             raise RunDirError(f"cannot write {path} ({e.strerror}); remove it or choose another "
@@ -191,6 +195,40 @@ class RunDir:
         """Hand every record written to metrics.jsonl, once written, to `to` as well (the run's
         experiment trackers, `tierzero.run.trackers`); None stops."""
         self._stream = to
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Append step `step`'s samples (`tierzero.run.samples`: one row per prompt) to
+        samples.jsonl and fsync it (a kill leaves whole rows and at most a torn last line, which
+        readers skip), then hand them to `stream_samples`' receiver; rank 0 only."""
+        if not self.primary:
+            return
+        stamp = time.time()
+        text = "".join(json.dumps({**row, "time": stamp}) + "\n" for row in rows).encode()
+        path = self.path / SAMPLES_NAME
+        try:
+            with os.fdopen(open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise RunDirError(f"cannot write {path} ({e.strerror}); remove it or choose another "
+                              "--run-dir") from None
+        if self._sample_stream is not None:
+            self._sample_stream(step, rows)
+
+    def stream_samples(self, to: Callable[[int, list[dict[str, Any]]], None] | None) -> None:
+        """Hand each step's samples, once written to samples.jsonl, to `to(step, rows)` as well
+        (the run's experiment trackers); None stops."""
+        self._sample_stream = to
+
+    def _keep_samples_through(self, step: int) -> None:
+        """Drop samples.jsonl's rows of steps after `step` (a resume redoes them; a new run
+        keeps none)."""
+        path = self.path / SAMPLES_NAME
+        lines = _metrics_lines(path)
+        kept = [line for line in lines if _before(line, step)]
+        if len(kept) < len(lines):
+            write_atomic(path, "".join(f"{line}\n" for line in kept).encode())
 
     def close(self) -> None:
         if self._metrics is not None:
@@ -294,6 +332,17 @@ def enclosing_run_dir(path: str | os.PathLike) -> Path | None:
                                                  or (parent / "metrics.jsonl").is_file()):
             return parent
     return None
+
+
+def read_samples(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of a run's samples.jsonl (none when it has none; a torn last line is skipped)."""
+    rows = []
+    for line in _metrics_lines(Path(path, SAMPLES_NAME)):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:

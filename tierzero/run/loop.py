@@ -72,9 +72,11 @@ def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: 
                checkpoint: Callable[[int], None] | None = None,
                mean: Callable[[list[float]], list[float]] | None = None,
                gather: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = None,
-               total: Total | None = None) -> LoopResult:
+               total: Total | None = None,
+               samples: Callable[[int], None] | None = None) -> LoopResult:
     """Run optimizer steps `start_step + 1 .. run.steps` of `accumulate` micro-batches each,
-    logging every step; `checkpoint(step)` runs every `run.checkpoint_every` steps and at the end.
+    logging every step; `checkpoint(step)` runs every `run.checkpoint_every` steps and at the end,
+    `samples(step)` after every step (it generates when due: `tierzero.run.samples`).
     With several ranks `mean` averages losses over them, `total` sums trained-token counts and
     `gather` collects every rank's own counters (collectives: every rank calls them at the same
     points), so the losses logged are those of the global batch, and each step's record keeps
@@ -113,6 +115,8 @@ def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: 
                 record["val_loss"] = evaluate(trainer, batches, run.eval_tokens, total)
                 val_losses.append((step + 1, record["val_loss"]))
             rundir.log(record)
+            if samples is not None:
+                samples(step + 1)
             done = step + 1
             if checkpoint is not None and ((step + 1) % (run.checkpoint_every or run.steps) == 0
                                            or step + 1 == run.steps):

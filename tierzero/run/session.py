@@ -29,6 +29,8 @@ from tierzero.precision import check_dtype_supported, resolve_dtype
 from tierzero.run.directory import RunDir
 from tierzero.run.model_load import RunModel, run_model
 from tierzero.run.packing import Fitted, fit_examples
+from tierzero.run.prompts import Codec
+from tierzero.run.samples import TrainingSamples
 
 
 @dataclass
@@ -41,6 +43,7 @@ class Session:
     dtype: str
     placement_text: str
     fitted: Fitted | None = None  # what --long-examples did to the fine-tuning examples
+    samples: TrainingSamples | None = None  # --sample-prompts, completed as the run trains
 
     @property
     def n_params(self) -> int:
@@ -57,7 +60,9 @@ class Session:
         mean = comm.mean if comm is not None else None
         gather = comm.all_gather_json if comm is not None and comm.world_size > 1 else None
         total = comm.total if comm is not None else None
-        return train_loop(self.run, self.trainer, self.batches, rundir, on_step, start_step, save, mean, gather, total)
+        samples = self.samples.logger(self.trainer, rundir) if self.samples is not None else None
+        return train_loop(self.run, self.trainer, self.batches, rundir, on_step, start_step, save, mean,
+                          gather, total, samples)
 
     def resume(self, rundir: RunDir) -> tuple[int, list[str]]:
         """Continue from the run directory's newest intact checkpoint: the loop's step to go on
@@ -109,6 +114,7 @@ def open_session(run: RunConfig, ranks: Ranks = Ranks()) -> Iterator[Session]:
     check_dtype_supported(dtype, device)
     model = run_model(run)
     batches, fitted = load_batches(run, model, ranks)
+    samples = TrainingSamples.for_run(run, Codec(model.tokenizer, model.vocab_size))  # read now
     run.check_ranks(ranks.world_size)
     if cfg.offload is Offload.NONE:
         from tierzero.reference import ReferenceTrainer
@@ -124,6 +130,6 @@ def open_session(run: RunConfig, ranks: Ranks = Ranks()) -> Iterator[Session]:
         trainer = Engine(model.on_meta(), cfg, weights=model.engine_weights)
         text = trainer.placement.describe()
     try:
-        yield Session(run, trainer, batches, model, str(device), dtype.value, text, fitted)
+        yield Session(run, trainer, batches, model, str(device), dtype.value, text, fitted, samples)
     finally:
         trainer.close()

@@ -1,0 +1,83 @@
+"""Samples during training: every `sample_every` steps, and at the end, greedy completions of
+the `--sample-prompts` from the weights as they are then, logged to `samples.jsonl`.
+
+The prompts are read and tokenized when the session opens (a missing or empty file stops the
+run before it trains). Each time, all of them go through the trainer as one batch, the same
+path as `tierzero generate` (`tierzero.run.generate`): the engine's eval passes through the
+tiers, one per new token, or the reference trainer's model in memory. A run that trains on
+chat records has its plain prompts rendered as a user's turn by the chat template. With several
+ranks every rank runs the passes (they are collectives) and rank 0 writes the rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tierzero.config import RunConfig
+from tierzero.run.directory import RunDir
+from tierzero.run.generate import Decoder, Sampling, generate
+from tierzero.run.prompts import Codec, Prompt, read_prompts, trained_on_chats
+
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+@dataclass
+class TrainingSamples:
+    """The run's sample prompts as ids, and when to complete them."""
+
+    prompts: list[Prompt]
+    ids: list[list[int]]
+    codec: Codec
+    every: int | None  # steps between samples; None: at the end only
+    last_step: int
+    sampling: Sampling
+
+    @classmethod
+    def for_run(cls, run: RunConfig, codec: Codec) -> TrainingSamples | None:
+        """The samples `run` asks for (None: no `sample_prompts`), its prompts read and encoded."""
+        if run.sample_prompts is None:
+            return None
+        prompts = read_prompts(run.sample_prompts)
+        chat = trained_on_chats(run.data)
+        ids = [codec.encode(p, chat) for p in prompts]
+        return cls(
+            prompts, ids, codec, run.sample_every, run.steps, Sampling(run.sample_max_new_tokens)
+        )
+
+    def due(self, step: int) -> bool:
+        return step == self.last_step or (self.every is not None and step % self.every == 0)
+
+    def complete(self, decoder: Decoder, step: int) -> list[dict[str, Any]]:
+        """Every prompt's completion from the current weights, as samples.jsonl rows."""
+        new, _ = generate(decoder, self.ids, self.sampling, self.codec.eos_id)
+        return [
+            {
+                "step": step,
+                "prompt": p.shown(),
+                "completion": self.codec.decode(n),
+                "prompt_ids": i,
+                "completion_ids": n,
+            }
+            for p, i, n in zip(self.prompts, self.ids, new)
+        ]
+
+    def logger(self, trainer: Any, rundir: RunDir) -> Callable[[int], None]:
+        """What the loop calls after each step: samples from `trainer` when due, to `rundir`."""
+        decoder = trainer_decoder(trainer)
+
+        def log(step: int) -> None:
+            if self.due(step):
+                rundir.log_samples(step, self.complete(decoder, step))
+
+        return log
+
+
+def trainer_decoder(trainer: Any) -> Decoder:
+    """A session trainer's decoder: the engine's tiered passes, or the reference trainer's model."""
+    from tierzero.engine import Engine
+
+    if isinstance(trainer, Engine):
+        return Decoder.through(trainer)
+    return Decoder.in_memory(trainer.model, trainer.device, trainer.dtype)
