@@ -9,8 +9,9 @@ weights, and the params of frozen ones such as a LoRA base, every chunk checked)
 time as the engine materialises that unit, so the model is never whole in host memory and a
 run trained on any number of ranks generates on one. The model is the run's own config.toml's:
 the preset, or the `hf:` directory with its LoRA adapters when the run trained them (generation
-runs base + adapters, as training did). Nothing in the run directory is written: the engine's
-NVMe store is a fresh temporary directory (beside the run's own state by default), removed on close.
+runs base + adapters, as training did). The run's own files are only read: the engine's NVMe
+store is a fresh temporary directory (inside the run directory by default, on the disk its
+state is on), removed on close.
 """
 
 from __future__ import annotations
