@@ -175,7 +175,7 @@ def _print_formats(out: Output, r: dict) -> None:
                   *(f"{row[k]:.2f}" for k in ("weights", "grads", "moments", "bytes_per_param")),
                   "<" if row["chosen"] else "")
     out.print(t)
-    _say(out, f"State: {r['state_formats']['text']}")
+    _say(out, f"State: {r['state_formats']['text']}; homes: {r['homes']['text']}")
 
 
 def _print_placements(out: Output, report: PlanReport) -> None:

@@ -155,11 +155,13 @@ def test_all_nvme_by_hand() -> None:
                     overlap=False)
     e = estimate(Placement(*[Tier.NVME] * 5), work)
     shard = 2048
-    assert e.resident_bytes[Tier.NVME] == 2 * shard * (2 + 4 * 4)  # bf16 params, fp32 grads and optimizer
+    assert e.resident_bytes[Tier.NVME] == 2 * shard * (2 + 2 + 3 * 4)  # bf16 params and grads, fp32 optimizer
     # both param shards in flight (prefetch 1), then b's grads: 300 bf16 + its flat fp32 grad
-    assert e.resident_bytes[Tier.GPU] == 2 * shard * 2 + (300 * 2 + shard * 4)
-    # the optimizer: 1 piece read ahead + 1 writing, 4 fp32 states each, and one new param piece
-    assert e.resident_bytes[Tier.HOST] == 2 * shard * 4 * 4 + shard * 2
+    # and a piece of it rounded to bf16
+    assert e.resident_bytes[Tier.GPU] == 2 * shard * 2 + (300 * 2 + shard * 4 + shard * 2)
+    # the optimizer: 1 piece read ahead + 1 writing, a bf16 grad and 3 fp32 states each, one new
+    # param piece, and the grad piece being stepped upcast to fp32
+    assert e.resident_bytes[Tier.HOST] == 2 * shard * (2 + 3 * 4) + shard * 2 + shard * 4
     assert e.moved_bytes == {
         Link.NVME_TO_HOST: 2 * 400 * 2 + 400 * 2 + 400 * 12,  # params twice, grads, optimizer states
         Link.HOST_TO_NVME: 400 * 2 + 400 * 12 + 400 * 2,  # grads, optimizer states, new params
@@ -173,11 +175,12 @@ def test_two_ranks_split_states_and_share_the_machine() -> None:
                     overlap=False)
     e = estimate(Placement.for_offload(Offload.HOST), work)
     shard = 2048  # 101 padded to two aligned shards
-    # both ranks' fp32 grads and optimizer states, and each one's new bf16 params on their way up
-    # (in a block of the fp32 pieces' size class)
-    assert e.resident_bytes[Tier.HOST] == 2 * shard * 16 + 2 * shard * 4
-    # param shard, gathered params, then 101 bf16 grads, the flat fp32 grad and its reduced shard
-    assert e.resident_bytes[Tier.GPU] == shard * 2 + 2 * shard * 2 + (101 * 2 + 2 * shard * 4 + shard * 4)
+    # both ranks' bf16 grads and fp32 optimizer states, each one's new bf16 params on their way
+    # up (in a block of the fp32 pieces' size class) and its grad piece being stepped, in fp32
+    assert e.resident_bytes[Tier.HOST] == 2 * shard * 14 + 2 * shard * 2 + 2 * shard * 4
+    # param shard, gathered params, then 101 bf16 grads, the flat fp32 grad and its reduced
+    # shard, a piece of which is rounded to bf16
+    assert e.resident_bytes[Tier.GPU] == shard * 2 + 2 * shard * 2 + (101 * 2 + 2 * shard * 4 + shard * 4 + shard * 2)
     assert e.moved_bytes[Link.GPU_TO_HOST] == 51 * 2
     assert e.moved_bytes[Link.HOST_TO_GPU] == 51 * 2
 

@@ -34,14 +34,16 @@ MOMENTS = (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
 class StateFormats:
     moments: StateFormat = StateFormat.FP32
     master: DType = DType.FP32
+    grad: DType = DType.FP32  # planned, not configured: `tierzero.planning.statebytes.grad_dtype`
 
     def __post_init__(self) -> None:  # the spellings of `Config`'s fields, as enums
         object.__setattr__(self, "moments", StateFormat(self.moments))
         object.__setattr__(self, "master", DType(self.master))
+        object.__setattr__(self, "grad", DType(self.grad))
 
     @classmethod
-    def of(cls, config: Config) -> StateFormats:
-        return cls(config.optimizer_state, config.master)
+    def of(cls, config: Config, grad: DType = DType.FP32) -> StateFormats:
+        return cls(config.optimizer_state, config.master, grad)
 
     @property
     def exact(self) -> bool:
@@ -59,14 +61,14 @@ class StateFormats:
         return kind in MOMENTS and self.moments is StateFormat.INT8
 
     def dtype(self, kind: StateKind) -> torch.dtype:
-        """The stored dtype of a piece of `kind` (grads are fp32; params are not stored in pieces here)."""
+        """The stored dtype of a piece of `kind` (params are not stored in pieces here)."""
         if kind is StateKind.MASTER:
             return TORCH_DTYPES[self.master]
         if kind in MOMENTS:
             return {StateFormat.FP32: torch.float32, StateFormat.BF16: torch.bfloat16,
                     StateFormat.INT8: torch.uint8}[self.moments]
         assert kind is StateKind.GRAD, kind
-        return torch.float32
+        return TORCH_DTYPES[self.grad]
 
     def stored_numel(self, kind: StateKind, numel: int) -> int:
         """Elements of the stored tensor of a piece of `numel` values."""

@@ -75,7 +75,7 @@ class EngineParts:
         tiers = Tiers(config, device, {placement.home(k) for k in StateKind},
                       comm.rank if comm.world_size > 1 else None, transfers, local_ranks)
         tiers.check_paths()  # reads metadata only: `open` makes the directories
-        shards = Shards(tiers, placement, comm.rank, config.piece_numel, dtype)
+        shards = Shards(tiers, placement, comm.rank, config.piece_numel, dtype, sizing.grad_dtype)
         sizing.check(tiers, placement, stage)  # the pools' budgets, or a refusal naming the shortfall
         return cls(model, config, device, dtype, comm, local_ranks, units,
                    [name for name, _ in model.named_parameters()], sizing, placement, stage, stage_reason,
@@ -88,6 +88,11 @@ class EngineParts:
     @property
     def piece_numel(self) -> int:
         return self.config.piece_numel
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """What grads leave the device in and rest in (`Sizing.grad_dtype`)."""
+        return TORCH_DTYPES[self.sizing.grad_dtype]
 
     def note(self, text: str) -> None:
         """Record something the user should hear once (the CLI prints `Engine.notes()`)."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tierzero.config import TORCH_DTYPES, Config, Offload, Placement, Recompute, StateKind, Tier
+from tierzero.config import TORCH_DTYPES, Config, DType, Offload, Placement, Recompute, StateKind, Tier
 from tierzero.errors import ConfigError
 from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.partition import Unit, forward_only
@@ -28,7 +28,7 @@ from tierzero.planning.memory_model import peak_memory
 from tierzero.planning.peaks import MemoryModel, format_bytes
 from tierzero.planning.recompute import choose_kept, with_kept
 from tierzero.planning.streaming import Shortfall, Streaming, choose_streaming, ladder
-from tierzero.planning.statebytes import StateBytes
+from tierzero.planning.statebytes import StateBytes, grad_dtype
 from tierzero.planning.workload import Workload, steps_on_gpu
 from tierzero.storage.base import BudgetExceededError
 
@@ -59,10 +59,18 @@ class Sizing:
                                            ("--prefetch-depth", self.config.prefetch_depth)) if v is not None]
 
     @property
+    def compute(self) -> DType:
+        return next(d for d, t in TORCH_DTYPES.items() if t == self.dtype)
+
+    @property
     def formats(self) -> StateBytes:
         """How this run stores its master and moments, as the memory model counts them."""
-        compute = next(d for d, t in TORCH_DTYPES.items() if t == self.dtype)
-        return StateBytes.for_compute(self.config.optimizer_state, self.config.master, compute)
+        return StateBytes.for_compute(self.config.optimizer_state, self.config.master, self.compute)
+
+    @property
+    def grad_dtype(self) -> DType:
+        """The dtype grads leave the device in and rest in their home (`statebytes.grad_dtype`)."""
+        return grad_dtype(self.compute, self.config.accumulate, self.config.schedule)
 
     def workload(self, stage: int, activations: ActivationEstimate | None = None,
                  streaming: Streaming | None = None) -> Workload:
@@ -71,7 +79,8 @@ class Sizing:
         memory model and the planner are asked about, as `tierzero plan` asks them."""
         c = self.config
         s = streaming or ladder(c.piece_numel, c.prefetch_depth)[0]
-        return Workload.from_units(self.units, self.dtype.itemsize, device="cpu" if self.device.type == "cpu" else "cuda",
+        return Workload.from_units(self.units, self.dtype.itemsize, grad_itemsize=TORCH_DTYPES[self.grad_dtype].itemsize,
+                                   device="cpu" if self.device.type == "cpu" else "cuda",
                                    prefetch_depth=s.prefetch_depth, piece_numel=s.piece_numel, overlap=self.overlap,
                                    overlap_comm=c.overlap_comm, stage=stage, accumulate=c.accumulate,
                                    activations=activations, formats=self.formats)

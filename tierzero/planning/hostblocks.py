@@ -22,10 +22,12 @@ HOST_ALIGN = ALIGN_BYTES  # the host pool's block alignment: a page (`HostPool`)
 
 
 def key_sizes(kind: StateKind, shard: list[int], state: list[int], piece_numel: int, itemsize: int,
-              home: Tier, formats: StateBytes = FP32_STATE, one_weight: bool = False) -> Counter[int]:
+              home: Tier, formats: StateBytes = FP32_STATE, one_weight: bool = False,
+              grad_itemsize: int = FP32_NBYTES) -> Counter[int]:
     """One rank's stored keys of `kind` (`tiers.state_keys`), as bytes -> how many keys: a param
     is one key in a memory tier and pieces of its trainable prefix then its frozen rest on nvme;
-    the other kinds, pieces of the trainable prefix in their stored format (grads fp32). With
+    the other kinds, pieces of the trainable prefix in their stored format (grads of
+    `grad_itemsize` bytes). With
     `one_weight` the master is the trained params: on nvme its pieces are the param's (which
     keeps its frozen rest), in a memory tier a view of the param's one key (so it has none).
     Counted, not listed: at small pieces a large model has millions of keys, but only a few sizes."""
@@ -34,7 +36,7 @@ def key_sizes(kind: StateKind, shard: list[int], state: list[int], piece_numel: 
         return keys
     if kind is not StateKind.PARAM:
         for s in state:
-            keys.update({formats.nbytes(kind, n, itemsize, FP32_NBYTES): k
+            keys.update({formats.nbytes(kind, n, itemsize, grad_itemsize): k
                          for n, k in piece_counts(s, piece_numel).items()})
     elif home is not Tier.NVME:
         keys.update(n * itemsize for n in shard if n > 0)
@@ -59,7 +61,7 @@ def _aligned_up(numel: int) -> int:
 
 def host_classes(placement: Placement, shard: list[int], state: list[int], piece_numel: int, itemsize: int,
                  tied: bool, step_on_host: bool, extra: Sequence[int] = (), formats: StateBytes = FP32_STATE,
-                 one_weight: bool = False) -> tuple[int, ...]:
+                 one_weight: bool = False, grad_itemsize: int = FP32_NBYTES) -> tuple[int, ...]:
     """The host pool's size classes: the fewest bytes lost rounding every size the engine
     leases there, each weighted by how many keys or buffers take it -- host homes' keys,
     nvme keys (staged through the host at open and in the step), param shards (staged and
@@ -69,10 +71,10 @@ def host_classes(placement: Placement, shard: list[int], state: list[int], piece
     for kind in StateKind:  # nvme keys are staged: at open, and (but frozen params) in the step
         home = placement.home(kind)
         if home is not Tier.GPU or (step_on_host and kind is not StateKind.PARAM):
-            sizes.update(key_sizes(kind, shard, state, piece_numel, itemsize, home, formats, one_weight))
+            sizes.update(key_sizes(kind, shard, state, piece_numel, itemsize, home, formats, one_weight, grad_itemsize))
     if placement.param is Tier.NVME:  # whole shards on their way to the device, then cached
         sizes.update(s * itemsize for s in shard)
-    if tied:
+    if tied:  # the stash of a sum: fp32
         sizes[state[0] * FP32_NBYTES] += 1
     sizes.update(extra)
     sizes.pop(0, None)

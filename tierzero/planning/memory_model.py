@@ -11,8 +11,10 @@ nothing and never probes the machine. What it returns (`TierPeak`, `MemoryModel`
 `tierzero.planning.peaks`'s; what it is computed for, a `tierzero.planning.workload.Workload`.
 
 Conventions (as in `tierzero.planning.placement`): gpu bytes are per rank, host and nvme bytes per machine
-(every rank's shards and buffers). Grads are fp32 in every tier, as the engine keeps them; master and
-Adam moments take their stored format's bytes (`planning.statebytes`), a param that is the master none.
+(every rank's shards and buffers). Stored grads take the grad dtype's bytes (`Workload.grad_itemsize`:
+fp32, or the compute dtype where nothing is added to a stored grad, `statebytes.grad_dtype`); master
+and Adam moments take their stored format's bytes (`planning.statebytes`), a param that is the master none.
+The homes are `planning.homes`'.
 Frozen parameters have a param and nothing else: grads, master weights, Adam states and the
 optimizer's pieces cover a unit's trainable prefix only (`Unit.trainable_numel`; with several ranks
 counted at rank 0's share, the largest, for every rank).
@@ -41,7 +43,8 @@ What a part means, and which pool holds it (`POOLED`; the others are torch alloc
   being backpropagated (a tied head's call: both units); with overlap_step the previous
   call's grad shard too, until its pieces are stepped; with several ranks and `overlap_comm`
   the previous call's flat grad and reduced shard, whose reduce-scatter is still in flight. The backward's activations and unit
-  grads are counted at the call and the moment where together they peak.
+  grads are counted at the call and the moment where together they peak. With a grad dtype below
+  fp32 the final shard is rounded in place, a piece's temporary at a time.
 - grad staging (host pool): nvme grads on their way out, a piece per buffer, as many pieces
   in flight as the optimizer reads ahead (`prefetch_depth` + 1); the engine issues a whole
   unit's pieces at once, so spare budget lets more be in flight, never less than this.
@@ -54,6 +57,8 @@ What a part means, and which pool holds it (`POOLED`; the others are torch alloc
   overlap_step, the first `prefetch_depth` pieces of the unit being stepped and of the next
   one, and the last piece of the one before. The engine issues a whole unit's pieces at once
   in backward, so spare budget lets more be in flight, never less than this.
+- grad upcast (the stepping device's allocation): a stored grad piece below fp32 is stepped as
+  its fp32 copy, one piece at a time (none in backward on the compute device: the fp32 shard is).
 - new param staging (host pool): with params on nvme, or on the GPU with the step on the CPU,
   each stepped piece's new compute-dtype values are written from a host buffer of one piece
   (none where the param is the master: the master's write is the param's).
@@ -90,6 +95,7 @@ from typing import Any
 
 from tierzero.config import OPTIMIZER_KINDS, Placement, StateKind, Tier
 from tierzero.layout.partition import Unit, forward_only, forward_uses
+from tierzero.planning.homes import home_bytes
 from tierzero.planning.hostblocks import HOST_ALIGN, host_classes, key_sizes
 from tierzero.planning.ledger import FP32_NBYTES, ActivationEstimate
 from tierzero.planning.peaks import MemoryModel, TierPeak, tier_peak
@@ -127,12 +133,14 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
     calls = forward_uses(units)
     held = frozenset(u.index for u in units if u.is_root)
     tied = work.tied_embeddings
+    g = work.grad_itemsize  # a stored grad's bytes; below fp32's, the final shard is rounded on the device
+    rounded = g if g < FP32_NBYTES else 0
 
     step_on_gpu = steps_on_gpu(placement)
     sync = [s * c for s in shard] if replicated and placement.param is Tier.NVME else []  # param sync staging
     formats, one_weight = work.formats, work.one_weight(placement)
     classes = host_classes(placement, stored_param, state, piece_numel, c, tied=tied, step_on_host=not step_on_gpu,
-                           extra=sync, formats=formats, one_weight=one_weight)
+                           extra=sync, formats=formats, one_weight=one_weight, grad_itemsize=g)
 
     def blocks(sizes: Sequence[int]) -> int:
         """Host buffers of one rank at their classes' capacities."""
@@ -146,9 +154,9 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
         return blocks([p * FP32_NBYTES for p in pieces])
 
     def host_keys(kind: StateKind) -> Counter[int]:
-        return key_sizes(kind, stored_param, state, piece_numel, c, Tier.HOST, formats, one_weight)
+        return key_sizes(kind, stored_param, state, piece_numel, c, Tier.HOST, formats, one_weight, g)
 
-    homes = _homes(work, placement, lambda kind: w * counted_blocks(host_keys(kind)))  # a host home: a block per key
+    homes = home_bytes(work, placement, lambda kind: w * counted_blocks(host_keys(kind)))  # a host home: a block per key
 
     # -- the pass: params in flight as the swap plan holds them
     plan = build_swap_plan(calls, depth, backward=True, held=held, forward_only=forward_only(units))
@@ -178,7 +186,8 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
         worst = (0, 0)
         for i, call in enumerate(calls):
             weights = sum(trained[u] * c for u in call)
-            flat = sum((state[u] if w == 1 else padded[u] + state[u]) * FP32_NBYTES for u in call if state[u])
+            flat = sum((state[u] if w == 1 else padded[u] + state[u]) * FP32_NBYTES for u in call if state[u]) \
+                + max(min(piece_numel, state[u]) for u in call) * rounded  # a piece rounded at a time
             after = calls[i + 1] if final_with_overlap and i + 1 < len(calls) else ()
             stepping = sum(state[u] * FP32_NBYTES for u in after)  # handed to the optimizer just before
             if reducing and i + 1 < len(calls):  # backpropagated just before: still being reduced
@@ -190,7 +199,7 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
                "activations": (act.checkpoints_bytes + act.kept_bytes if act else 0) + worst[0], "unit grads": worst[1]}
         host = {"param staging": [stored_param[u] * c for u in staging[BACKWARD]]}
         if placement.grad is Tier.NVME and not final_with_overlap:  # pieces written, read-ahead deep
-            host["grad staging"] = [p * FP32_NBYTES for p in _window(pieces, max(1, depth) + 1, fp32_blocks)]
+            host["grad staging"] = [p * g for p in _window(pieces, max(1, depth) + 1, fp32_blocks)]
         if tied:  # the first use's grad waits in a host buffer (in the device pool with a device
             stash = state[0] * FP32_NBYTES  # grad home) and is copied to the compute device for the sum
             host["tied grad stash"] = [stash] if placement.grad is not Tier.GPU else []
@@ -202,6 +211,7 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
     step_tier = Tier.GPU if step_on_gpu else Tier.HOST
     step_device = device if step_on_gpu else "cpu"
     scratch = scratch_nbytes(step_device) if formats.compact else 0  # kept from the compact step's first use
+    upcast = min(piece_numel, max(state)) * FP32_NBYTES if rounded else 0  # a stored grad piece, as stepped
     # writes that outlive their piece's step: to nvme, or from a host step up to the device (h2d)
     writing = any(placement.home(k) is Tier.NVME or (placement.home(k) is Tier.GPU and step_device != device)
                   for k in StateKind if k is not StateKind.GRAD)
@@ -223,9 +233,11 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
             most = _window(pieces, ahead + (1 if writing else 0), fp32_blocks)
         parts: dict[Tier, dict[str, list[int] | int]] = {Tier.GPU: {}, Tier.HOST: {}}
         # a buffer per piece and state kind, in its stored format
-        sized = [formats.nbytes(k, p, c, FP32_NBYTES) for k in away for p in most]
-        if scratch and (step_tier is Tier.GPU or device == "cpu"):  # allocated memory, outside the pools
-            parts[Tier.GPU]["compact scratch"] = scratch
+        sized = [formats.nbytes(k, p, c, g) for k in away for p in most]
+        if step_tier is Tier.GPU or device == "cpu":  # allocated memory, outside the pools
+            # (in backward on the compute device the fp32 shard itself is stepped: no upcast)
+            grad_upcast = 0 if during_backward and device == step_device else upcast
+            parts[Tier.GPU].update({k: v for k, v in (("compact scratch", scratch), ("grad upcast", grad_upcast)) if v})
         if step_tier is Tier.HOST:
             parts[Tier.HOST]["optimizer pieces"] = sized
         else:
@@ -289,47 +301,13 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
                                {**{f"compute {k}": w * v for k, v in gpu.pooled.items()}, **host.pooled},
                                f"compute pool at {gpu.pooled_phase}, host pool at {host.pooled_phase}",
                                unpooled.unpooled, unpooled.unpooled_phase)
-    elif scratch and step_tier is Tier.HOST:  # a GPU machine's host step: RAM outside the host pool
-        host_memory = dataclasses.replace(host_memory, unpooled={**host_memory.unpooled, "compact scratch": w * scratch})
+    elif (scratch or upcast) and step_tier is Tier.HOST:  # a GPU machine's host step: RAM outside the host pool
+        torch_parts = {k: w * v for k, v in (("compact scratch", scratch), ("grad upcast", upcast)) if v}
+        host_memory = dataclasses.replace(host_memory, unpooled={**host_memory.unpooled, **torch_parts})
     cached = Counter(class_for(n * c, classes, HOST_ALIGN) for n in stored_param) if placement.param is Tier.NVME \
         else Counter()
     cache = w * sum(k * n for k, n in cached.items())
     return MemoryModel(device, w, tiers, host_memory, cache, dict(host_blocks), dict(working - at_peak), dict(cached))
-
-
-def homes_floor(work: Workload, placement: Placement) -> dict[Tier, int]:
-    """What the homes alone take of each tier's budget, as `MemoryModel.needs` counts it (on the
-    CPU device the host's includes the gpu tier's), whatever the piece size and prefetch depth:
-    host keys at their own bytes, before the pool's blocks round them up. A budget below it fits
-    no streaming setting (`tierzero.planning.streaming`); arithmetic on a few sums."""
-    homes = _homes(work, placement)
-    host = homes[Tier.HOST] + (work.world_size * homes[Tier.GPU] if work.device == "cpu" else 0)
-    return {Tier.GPU: homes[Tier.GPU], Tier.HOST: host, Tier.NVME: homes[Tier.NVME]}
-
-
-def _homes(work: Workload, placement: Placement, host_keys: Callable[[StateKind], int] | None = None) -> dict[Tier, int]:
-    """Bytes each tier's homes hold (gpu per rank, host and nvme per machine); a host home's
-    keys as `host_keys(kind)` counts them (default: their bytes)."""
-    w = work.world_size
-    stored_param = [u.padded_numel if work.replicated else u.shard_numel for u in work.units]
-    state = [u.state_numel(0) for u in work.units]
-    if work.one_weight(placement):  # the master holds the trained params: the param home, the frozen rest
-        stored_param = [p - s for p, s in zip(stored_param, state)]
-    homes = {Tier.GPU: 0, Tier.HOST: 0, Tier.NVME: 0}
-    for kind in StateKind:
-        home = placement.home(kind)
-        stored = stored_param if kind is StateKind.PARAM else state
-        if home is Tier.HOST and host_keys is not None:
-            homes[home] += host_keys(kind)
-        elif home is Tier.GPU and kind is not StateKind.PARAM:  # a device-pool key per piece
-            homes[home] += sum(work.device_home_nbytes(kind, n) for n in stored)
-        else:  # each unit's run in its stored format (FP32_NBYTES: grads are fp32)
-            homes[home] += sum(work.formats.nbytes(kind, n, work.compute_itemsize, FP32_NBYTES)
-                               for n in stored) * (1 if home is Tier.GPU else w)
-    if w > 1 and work.stage == 1 and work.accumulate > 1:  # each unit's whole gradient, between micro-batches
-        full_grads = sum(min(u.padded_numel, u.trainable_numel) for u in work.units)
-        homes[placement.grad] += full_grads * FP32_NBYTES * (1 if placement.grad is Tier.GPU else w)
-    return homes
 
 
 def _recompute_bytes(unit: Unit, act: ActivationEstimate | None) -> int:

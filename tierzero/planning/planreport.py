@@ -33,7 +33,8 @@ from tierzero.planning.placement import (STAGE_TEXT, Link, PlacementChoice, Plac
 from tierzero.planning.streaming import DEFAULT, Streaming, choose_streaming, ladder, streamed
 from tierzero.planning.ledger import waiting_activations_bytes
 from tierzero.planning.recompute import choose_kept, keepable, with_kept
-from tierzero.planning.statebytes import FP32_STATE, StateBytes
+from tierzero.planning.homes import describe_homes
+from tierzero.planning.statebytes import FP32_STATE, StateBytes, grad_dtype, grad_dtype_reason
 from tierzero.planning.swapplan import step_nvme_bytes
 from tierzero.planning.workload import Workload
 
@@ -67,6 +68,8 @@ class PlanReport:
     kept: ActivationEstimate | None = None  # `activations` counting the kept units' graphs (`planning.recompute`)
     keepable_units: int = 0  # of which `kept.kept_blocks` blocks and the head if `kept.kept_head` keep theirs
     formats: StateBytes = FP32_STATE  # how the master and Adam moments are stored (`--optimizer-state`, `--master`)
+    grad_dtype: DType = DType.FP32  # what grads leave the device in and rest in (`statebytes.grad_dtype`)
+    grad_reason: str = "fp32 compute"
 
     @property
     def units(self) -> tuple[Unit, ...]:
@@ -89,14 +92,24 @@ class PlanReport:
         w, p, e = self.workload, self.placement, self.choice.estimate
         one = e.moved_bytes[Link.NVME_TO_HOST] + e.moved_bytes[Link.HOST_TO_NVME]
         param = w.world_size * w.param_numel * w.nbytes(StateKind.PARAM) if p.param is Tier.NVME else 0
-        grad = w.world_size * w.state_shard_numel * w.nbytes(StateKind.GRAD) if p.grad is Tier.NVME else 0
+        grad = self._nvme_grad_bytes()
         waiting = self.gpus * waiting_activations_bytes(
             self.args.n_layers, self.args.dim, self.args.vocab_size, self.args.tie_embeddings,
             self.activations.batch_size * self.activations.seq_len, w.accumulate, w.compute_itemsize)
         host = self.budgets[Tier.HOST]
         spilled = 0 if host is None else max(0, waiting - max(0, host - e.memory.needs()[Tier.HOST]))
-        return {"horizontal": step_nvme_bytes(one, param, grad, w.accumulate, False),
-                "vertical": step_nvme_bytes(one, param, grad, w.accumulate, True, spilled)}
+        # each schedule at its own grad dtype: one pass writes the grads once and reads them once
+        h, v = (self._nvme_grad_bytes(s) for s in (Schedule.HORIZONTAL, Schedule.VERTICAL))
+        return {"horizontal": step_nvme_bytes(one + 2 * (h - grad), param, h, w.accumulate, False),
+                "vertical": step_nvme_bytes(one + 2 * (v - grad), param, v, w.accumulate, True, spilled)}
+
+    def _nvme_grad_bytes(self, schedule: Schedule | None = None) -> int:
+        """Every rank's NVMe-homed grads: what each further horizontal micro-batch reads and writes
+        (in the grad dtype planned, or the one `schedule` would store them in)."""
+        w = self.workload
+        itemsize = w.nbytes(StateKind.GRAD) if schedule is None else \
+            TORCH_DTYPES[grad_dtype(self.dtype, w.accumulate, schedule)].itemsize
+        return w.world_size * w.state_shard_numel * itemsize if self.placement.grad is Tier.NVME else 0
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON object `tierzero plan --json` prints."""
@@ -110,7 +123,9 @@ class PlanReport:
             "dtype": self.dtype.value,
             "state_formats": {"optimizer_state": self.formats.optimizer_state.value,
                               "master": self.formats.master.value, "one_weight": self.formats.one_weight,
-                              "text": self.formats.describe()},
+                              "text": self.formats.describe(), "grad": self.grad_dtype.value,
+                              "grad_reason": self.grad_reason},
+            "homes": self.homes(),
             "ledger": [{"stage": r.stage.value, "bytes_per_param": r.bytes_per_param,
                         "gb_per_gpu": round(r.bytes_per_gpu / GB, 4),
                         "exact_gb_per_gpu": round(r.bytes_per_param * self.numel / GB, 4)}
@@ -140,6 +155,12 @@ class PlanReport:
             "streaming": {"piece_numel": self.streaming.piece_numel, "prefetch_depth": self.streaming.prefetch_depth,
                           "default": self.streaming == DEFAULT, "chosen": list(self.chosen)},
         }
+
+    def homes(self) -> dict[str, Any]:
+        """What each tier holds under the chosen placement, per state kind in its stored dtype."""
+        w, p = self.workload, self.placement
+        text = f"{describe_homes(w, p, self.dtype)} (grads {self.grad_dtype.value}: {self.grad_reason})"
+        return {"kinds": {k.value: p.home(k).value for k in StateKind}, "text": text}
 
     def per_rank(self) -> dict[str, Any]:
         """One rank's share of the chosen placement: what its pools and `tierzero train` budgets
@@ -258,13 +279,14 @@ def make_plan(
         ledger_numel = (nominal_numel(shape) if vocab_size is None else None) or numel
     assert args is not None
     activations = activation_memory(args, batch_size, seq_len, itemsize, loss_chunk_bytes(args.vocab_size))
-    # grads are fp32 in every tier, as the engine keeps them (the ledger is the textbook 16 B)
+    # grads leave the device and rest in the dtype the engine plans (the ledger is the textbook 16 B)
+    grads = grad_dtype(compute, accumulate, schedule)
     top = ladder(piece_numel, prefetch_depth)[0]
     how: dict[str, Any] = dict(world_size=gpus, device=device, prefetch_depth=top.prefetch_depth,
                                piece_numel=top.piece_numel,
                                overlap=overlap and compute is not DType.FP16, stage=stage or 3, accumulate=accumulate,
                                activations=activations, tokens_per_step=batch_size * activations.seq_len,
-                               formats=formats)
+                               formats=formats, grad_itemsize=TORCH_DTYPES[grads].itemsize)
     work = Workload.from_units(units, itemsize, **how) if units is not None else \
         Workload.from_preset(args, itemsize, numel=numel if params is not None else None, **how)
     prof = load_profile(profile) if profile is not None else None
@@ -310,7 +332,8 @@ def make_plan(
                       compute, gpus, budgets, detected, device, works[choice.placement], activations, estimates,
                       choice, chosen, reason, tuple(name for name, v in (("piece_numel", piece_numel),
                                                                          ("prefetch_depth", prefetch_depth)) if v is None),
-                      vertical, recompute, kept, len(keepable(candidates, activations)), formats)
+                      vertical, recompute, kept, len(keepable(candidates, activations)), formats,
+                      grad_dtype=grads, grad_reason=grad_dtype_reason(compute, accumulate, schedule))
 
 
 def _choice(cls: Any, value: str, flag: str) -> Any:

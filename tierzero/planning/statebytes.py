@@ -14,9 +14,40 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tierzero.compact.formats import StateFormats
-from tierzero.config import STATE_BLOCK, DType, StateFormat, StateKind
+from tierzero.config import STATE_BLOCK, DType, Schedule, StateFormat, StateKind
 
 FP32_NBYTES = 4
+
+
+def grad_dtype(compute: DType, accumulate: int, schedule: Schedule) -> DType:
+    """The dtype gradients leave the compute device in and rest in their home (every tier).
+
+    bf16 compute: bf16 where a step stores each unit's grad once -- one micro-batch per step,
+    or the vertical schedule, which sums the micro-batches on the device in fp32 first -- so
+    nothing is ever added to a stored grad. The fp32 grad is rounded to the nearest bf16 (ties
+    to even, as `.to(torch.bfloat16)`) and the optimizer upcasts it exactly; norms, clipping
+    and the overflow check measure the rounded values. fp32 otherwise: where the horizontal
+    schedule adds each micro-batch into the grad home (with `auto`, which the engine decides
+    at the first step, it may), so accumulation stays exact; with fp32 compute; and with fp16,
+    whose grads are stored unscaled, where most of them would underflow fp16."""
+    summed_on_device = accumulate == 1 or schedule is Schedule.VERTICAL
+    return DType.BF16 if compute is DType.BF16 and summed_on_device else DType.FP32
+
+
+def grad_dtype_reason(compute: DType, accumulate: int, schedule: Schedule) -> str:
+    """Why `grad_dtype` chose what it did, in a few words for `tierzero plan`."""
+    if compute is DType.FP32:
+        return "fp32 compute"
+    if compute is DType.FP16:
+        return "fp16 grads are stored unscaled, where most would underflow fp16"
+    if accumulate == 1:
+        return "one micro-batch per step: each grad is stored once"
+    if schedule is Schedule.VERTICAL:
+        return "the vertical schedule sums the micro-batches on the device, then stores once"
+    if schedule is Schedule.HORIZONTAL:
+        return "the horizontal schedule adds each micro-batch into the grad home"
+    return ("--schedule auto decides at the first step and may add micro-batches into the grad "
+            "home; --schedule vertical stores bf16")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ defaults, so budgets the defaults fit keep every choice they made before (placem
 
 Cheap by construction, since the planner asks it for every candidate placement: defaults that
 fit are kept after one evaluation (a roomy budget changes nothing); a budget below the homes
-alone (`memory_model.homes_floor`, a few sums) fits no rung and walks none; one below the
+alone (`homes.homes_floor`, a few sums) fits no rung and walks none; one below the
 ladder's last rung, the least it needs, walks none either. Each evaluation is arithmetic on
 unit sizes (pieces counted per size, never listed), so the walk costs at most `len(ladder())`.
 """
@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from tierzero.config import PIECE_NUMEL, PREFETCH_DEPTH, Placement, Tier
 from tierzero.planning.ledger import FP32_NBYTES
-from tierzero.planning.memory_model import homes_floor, peak_memory
+from tierzero.planning.homes import homes_floor
+from tierzero.planning.memory_model import peak_memory
 from tierzero.planning.peaks import format_bytes
 from tierzero.planning.workload import Workload
 

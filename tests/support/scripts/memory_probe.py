@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from tierzero import Config, models
-from tierzero.config import DType, Placement, Tier
+from tierzero.config import TORCH_DTYPES, DType, Placement, Schedule, Tier
 from tierzero.engine import Engine
 from tierzero.planning.ledger import activation_memory
 from tierzero.planning.memory_model import peak_memory
-from tierzero.planning.statebytes import StateBytes
+from tierzero.planning.statebytes import StateBytes, grad_dtype
 from tierzero.planning.workload import Workload
 from tierzero.models import ModelArgs
 
@@ -49,8 +49,10 @@ def run(case: dict, root: Path) -> dict:
     dtype, moments, master = case.get("dtype", "fp32"), case.get("optimizer_state", "fp32"), case.get("master", "fp32")
     itemsize = 2 if dtype == "bf16" else 4
     formats = StateBytes.for_compute(moments, master, DType(dtype))
+    grads = TORCH_DTYPES[grad_dtype(DType(dtype), 1, Schedule.AUTO)].itemsize  # as the engine plans them
     act = activation_memory(args, batch_size, seq_len, itemsize, models.llama.loss_chunk_bytes(args.vocab_size))
-    predicted = peak_memory(Workload.from_preset(args, itemsize, device="cpu", prefetch_depth=case["depth"],
+    predicted = peak_memory(Workload.from_preset(args, itemsize, grad_itemsize=grads, device="cpu",
+                                                 prefetch_depth=case["depth"],
                                                  piece_numel=case["piece"], overlap=True, activations=act,
                                                  formats=formats), placement)
     cfg = Config(placement=placement, device="cpu", dtype=dtype, nvme_path=[str(root / case["name"])],

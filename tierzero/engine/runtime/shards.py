@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tierzero.compact.formats import StateFormats
-from tierzero.config import Placement, StateKind, Tier
+from tierzero.config import DType, Placement, StateKind, Tier
 from tierzero.distributed.comm import Comm
 from tierzero.engine.runtime.binding import detach_params
 from tierzero.engine.runtime.tiers import Tiers
@@ -37,11 +37,12 @@ class Shards:
     rank: int
     piece_numel: int
     dtype: torch.dtype  # the compute dtype params are stored in
+    grad_dtype: DType = DType.FP32  # what grads are stored in (`Sizing.grad_dtype`)
 
     @property
     def formats(self) -> StateFormats:
-        """How master and moments are stored."""
-        return StateFormats.of(self.tiers.config)
+        """How master, moments and grads are stored."""
+        return StateFormats.of(self.tiers.config, self.grad_dtype)
 
     def keys(self, kind: StateKind, unit: Unit) -> list[tuple[str, int, int]]:
         """This rank's store keys of `kind` for `unit`, with the shard range each holds (none for
@@ -86,8 +87,7 @@ class Shards:
         """Write this rank's shard of `kind` for `unit` (a CPU tensor; fp32 but for params) to
         its home tier, each piece in its stored format."""
         for key, a, b in self.keys(kind, unit):
-            self.put_key(kind, key, src[a:b] if kind in (StateKind.PARAM, StateKind.GRAD)
-                         else self.formats.encode(kind, src[a:b]))
+            self.put_key(kind, key, src[a:b] if kind is StateKind.PARAM else self.formats.encode(kind, src[a:b]))
 
     def put_key(self, kind: StateKind, key: str, src: torch.Tensor) -> None:
         """Write one stored key of `kind` (a CPU tensor) to its home tier; an NVMe write is

@@ -1,4 +1,4 @@
-"""Gradient shards: reduce, unscale, accumulate in fp32 in their home tier, and measure.
+"""Gradient shards: reduce, unscale, accumulate in their home tier, and measure.
 
 A unit's flat gradient arrives from backward in the compute dtype, with the slots that got
 one (`present`: the others are zeros, and the optimizer skips them as torch's AdamW skips a
@@ -9,6 +9,12 @@ micro-batches of the step add what the earlier ones stored, piece by piece (a re
 thread finds the earlier sum landed instead of reading it). On the last micro-batch the accumulated shard's norms and its finiteness are
 recorded, so clipping and overflow checks need no second pass, and with overlap_step the
 shard goes straight to the optimizer; otherwise each piece is stored in its home.
+
+The grad home holds the planned grad dtype (`planning.statebytes.grad_dtype`): fp32 wherever
+micro-batches are added into it; with bf16 compute and nothing to add (one micro-batch per
+step, or the vertical schedule's sums) bf16. The final fp32 shard is then rounded to the
+nearest bf16 in place on the device, so what is measured, stepped in place and sent off the
+device (cast in the copy, exactly: half the bytes) is one value.
 
 Pieces leave the device on the d2h stream (`tierzero.engine.runtime.streams`), each copy waiting for the
 compute event that finished its shard; nothing in backward waits for the device. Host code
@@ -54,6 +60,7 @@ class GradShards:
         self.tiers, self.home, self.comm = parts.tiers, parts.placement.grad, parts.comm
         self.uses = grad_uses(parts.units)  # contributions per unit per backward (a tied embedding gets two)
         self.seen: dict[int, int] = {}  # contributions so far in this backward
+        self.dtype = parts.grad_dtype  # what the home stores; only fp32 is ever added to
         self.present: dict[int, set[int]] = {}  # unit -> its slots that got a grad in this step
         self.pass_ = BackwardPass()  # the backward in progress (`running`)
         self.measured = GradNorms(parts)  # the last micro-batch's norms and finiteness
@@ -159,6 +166,7 @@ class GradShards:
         keys = state_keys(StateKind.GRAD, u, self.comm.rank, self.parts.piece_numel, self.home)
         # earlier micro-batches' sum, piece by piece (prev + new: addition commutes); stage 1
         # summed them before the reduction
+        assert self.pass_.last or self.dtype == torch.float32, "micro-batches are added to fp32 grads only"
         if self.pass_.micro == 0:
             self._order.append(unit)
         elif not self.full_until_last:
@@ -167,6 +175,9 @@ class GradShards:
                 self._read_ahead(self._order[at + 1])  # beside this add and the next unit's backward
             for key, a, b in keys:
                 self._add_previous(key, grad[a:b])
+        if self.dtype != torch.float32:  # rounded in place, a piece at a time (a piece's temporary)
+            for _, a, b in keys:
+                grad[a:b].copy_(grad[a:b].to(self.dtype))
         if self.pass_.last:
             self.measured.measure(u, grad, self.present[unit])
             if self.pass_.step is not None:
@@ -264,7 +275,7 @@ class GradShards:
     def _store(self, key: str, part: torch.Tensor, produced: Event) -> None:
         """Put a final piece in its home: D2H on the d2h stream once compute has produced it;
         host code waits for `_landing[key]`, an nvme write for the copy's event (I/O thread)."""
-        nbytes = part.numel() * 4
+        nbytes = part.numel() * self.dtype.itemsize  # cast in the copy where the home is not fp32
         s = self.streams
         if self.home is Tier.GPU:
             self.tiers.stores[Tier.GPU].view(key).copy_(part)
@@ -274,7 +285,7 @@ class GradShards:
             s.keep_alive(part, s.d2h)
             self.parts.transfers.add_bytes(Link.GPU_TO_HOST, nbytes)
             return
-        stage = self.tiers.lease_host(nbytes).view(torch.float32)
+        stage = self.tiers.lease_host(nbytes).view(self.dtype)
         landed = s.copy(stage, part, s.d2h, after=produced)
         s.keep_alive(part, s.d2h)
         self.parts.transfers.add_bytes(Link.GPU_TO_HOST, nbytes)

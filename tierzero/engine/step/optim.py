@@ -56,7 +56,7 @@ class ShardOptimizer(PieceWrites):
         self.param_written = param_written  # each device param write's event (`SwapRunner.written`)
         on_gpu = steps_on_gpu(placement)
         self.device = tiers.device if on_gpu else torch.device("cpu")
-        self.formats = StateFormats.of(config)
+        self.formats = StateFormats.of(config, parts.sizing.grad_dtype)  # a bf16 grad is upcast to step
         self.master_is_param = self.formats.master_is_param(compute_dtype)
         if self.master_is_param:  # the master is read where the params live (`_source`)
             self.placement = dataclasses.replace(placement, master=placement.param)
@@ -172,17 +172,19 @@ class ShardOptimizer(PieceWrites):
 
     def _attach_grad(self, work: Work, grad: torch.Tensor, produced: Event) -> None:
         """Use the piece's slice of the finished grad shard handed over by backward: in place on
-        the stepping device, else copied on the d2h stream once compute has `produced` it."""
+        the stepping device, else copied on the d2h stream once compute has `produced` it, in
+        the grad dtype (cast in the copy, exact: backward rounded the shard to it)."""
         part = grad[work.start:work.end]
         s = self.tiers.streams
         work.produced = produced
         if part.device == self.device and not (s.separate and self.device.type == "cpu"):
             work.tensors[StateKind.GRAD] = part
             return
-        work.tensors[StateKind.GRAD] = work.leased[StateKind.GRAD] = self._lease(work.numel * 4).view(torch.float32)
+        raw = self._lease(self.formats.nbytes(StateKind.GRAD, work.numel))
+        work.tensors[StateKind.GRAD] = work.leased[StateKind.GRAD] = self.formats.view(StateKind.GRAD, raw, work.numel)
         work.grad_landed = s.copy(work.leased[StateKind.GRAD], part, s.d2h, after=produced)
         s.keep_alive(part, s.d2h)
-        self.stats.add_bytes(Link.GPU_TO_HOST, work.numel * 4)
+        self.stats.add_bytes(Link.GPU_TO_HOST, work.leased[StateKind.GRAD].nbytes)
 
     def _load(self, work: Work, with_grad: bool = False, wait: bool = True, previous: bool = False) -> Work:
         """Start bringing a piece's optimizer states (and its grad, if asked) to the stepping device;
@@ -275,6 +277,8 @@ class ShardOptimizer(PieceWrites):
         if self.kept is not None:  # exact clipping beside backward: what a re-step starts from
             self.kept.keep(work.unit, work.piece, work.start, work.end, work.runs, t)
         grad = t[StateKind.GRAD]
+        if grad.dtype != torch.float32:  # a bf16 grad piece: its exact fp32 value, what AdamW steps
+            grad = t[StateKind.GRAD] = grad.float()
         if grad_coef is not None:  # clipping: the grad piece is consumed here, so scale in place
             grad.mul_(grad_coef)  # a host float: no device sync, and bitwise clip_grad_norm_'s fp32 product
         runs = [(max(a, work.start) - work.start, min(b, work.end) - work.start, d, step)
