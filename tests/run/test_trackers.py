@@ -11,13 +11,14 @@ Hugging Face is offline and Trackio logs locally, to a directory in the session'
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -80,30 +81,50 @@ def offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trackio_dir: Path) 
     return wandb_dir
 
 
-def losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
-    """Each step's `key` as metrics.jsonl holds it (a resume's redone steps: the new rows)."""
-    return {r["step"]: r[key] for r in read_metrics(run_dir) if key in r}
+def expected(run_dir: Path) -> dict[str, dict[int, float]]:
+    """Every metric of metrics.jsonl by key and step, as the trackers are sent it (a resume's
+    redone steps: the new rows)."""
+    curves: dict[str, dict[int, float]] = {}
+    for record in read_metrics(run_dir):
+        for key, value in flat_metrics(record).items():
+            curves.setdefault(key, {})[record["step"]] = value
+    return curves
+
+
+def assert_curves(seen: dict[str, dict[int, float]], run_dir: Path, key=lambda k: k) -> None:
+    """A tracker shows every metric of every step metrics.jsonl holds, and nothing else."""
+    want = {key(k): steps for k, steps in expected(run_dir).items()}
+    assert set(seen) == set(want)
+    for name, steps in want.items():
+        assert seen[name] == pytest.approx(steps, nan_ok=True), name
+
+
+def curves_of(rows: list[dict[str, Any]], step: str = "step") -> dict[str, dict[int, float]]:
+    """Rows of {step, metric: value, ...} as curves; a later row of a step replaces an earlier."""
+    curves: dict[str, dict[int, float]] = {}
+    for row in rows:
+        for name, value in row.items():
+            if name != step and isinstance(value, (int, float)) and value is not None:
+                curves.setdefault(name, {})[row[step]] = value
+    return curves
 
 
 # -- TensorBoard ----------------------------------------------------------------------------
 
 
-def tensorboard_scalars(run_dir: Path, tag: str) -> dict[int, float]:
+def tensorboard_curves(run_dir: Path) -> tuple[dict[str, dict[int, float]], str]:
+    """Every scalar curve of the run's event files (each step once), and the config's text."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()  # applies the purge a resumed writer asked for
-    scalars = events.Scalars(tag)
-    assert len({s.step for s in scalars}) == len(scalars), f"{tag}: a step logged twice"
-    return {s.step: s.value for s in scalars}
-
-
-def tensorboard_text(run_dir: Path) -> str:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir / "tensorboard"))
-    events.Reload()
-    return events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    curves = {}
+    for tag in events.Tags()["scalars"]:
+        points = events.Scalars(tag)
+        assert len({p.step for p in points}) == len(points), f"{tag}: a step shown twice"
+        curves[tag] = {p.step: p.value for p in points}
+    text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    return curves, text
 
 
 # -- MLflow ---------------------------------------------------------------------------------
@@ -118,10 +139,13 @@ def mlflow_run(run_dir: Path) -> tuple[Any, Any]:
     return client, client.get_run(saved["run_id"])
 
 
-def mlflow_history(client: Any, run_id: str, key: str) -> dict[int, float]:
-    """The newest value of each step (a resumed run logs its redone steps again)."""
-    rows = sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)
-    return {m.step: m.value for m in rows}
+def mlflow_curves(client: Any, run: Any) -> dict[str, dict[int, float]]:
+    """Each metric's history, the newest value of each step (a resume logs redone steps again)."""
+    curves = {}
+    for key in run.data.metrics:
+        rows = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.timestamp)
+        curves[key] = {m.step: m.value for m in rows}
+    return curves
 
 
 # -- W&B ------------------------------------------------------------------------------------
@@ -155,27 +179,21 @@ def wandb_records(path: Path) -> list[Any]:
 
 def wandb_runs(wandb_dir: Path, run_id: str) -> list[dict[str, Any]]:
     """Each offline run directory W&B wrote for `run_id` (a resume writes one more), oldest
-    first: its run record's name and config, and its history rows."""
+    first: its run record's name and config, and its history rows (W&B's own keys dropped)."""
     found = []
     for offline in sorted((wandb_dir / "wandb").glob(f"offline-run-*-{run_id}")):
         records = wandb_records(offline / f"run-{run_id}.wandb")
         run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
         config = {item.key: json.loads(item.value_json) for item in run.config.update}
-        history = [
-            {
-                item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                for item in r.history.item
-            }
-            for r in records
-            if r.WhichOneof("record_type") == "history"
-        ]
+        history = []
+        for record in records:
+            if record.WhichOneof("record_type") == "history":
+                items = {i.key or "/".join(i.nested_key): i.value_json for i in record.history.item}
+                history.append(
+                    {k: json.loads(v) for k, v in items.items() if not k.startswith("_")}
+                )
         found.append(
-            {
-                "id": run.run_id,
-                "name": run.display_name,
-                "config": config,
-                "history": history,
-            }
+            {"id": run.run_id, "name": run.display_name, "config": config, "history": history}
         )
     return found
 
@@ -184,12 +202,14 @@ def wandb_runs(wandb_dir: Path, run_id: str) -> list[dict[str, Any]]:
 
 
 def trackio_run(name: str) -> tuple[Any, list[dict[str, Any]]]:
+    """The one Trackio run of that name in project tierzero, and its logged rows."""
     import trackio
     from trackio.sqlite_storage import SQLiteStorage
 
     runs = [r for r in trackio.Api().runs("tierzero") if r.name == name]
     assert len(runs) == 1, f"{len(runs)} trackio runs named {name}"
-    return runs[0], SQLiteStorage.get_logs("tierzero", run_id=runs[0].id)
+    logs = SQLiteStorage.get_logs("tierzero", run_id=runs[0].id)
+    return runs[0], [{k: v for k, v in row.items() if k != "timestamp"} for row in logs]
 
 
 # -- the runs -------------------------------------------------------------------------------
@@ -198,44 +218,32 @@ def trackio_run(name: str) -> tuple[Any, list[dict[str, Any]]]:
 def test_a_run_reports_to_every_tracker(tmp_path: Path, offline: Path) -> None:
     run_dir = tmp_path / "mem-run"
     result = train(
-        "--steps",
-        "3",
-        "--offload",
-        "none",
-        "--run-dir",
-        str(run_dir),
-        "--report-to",
-        ALL,
+        "--steps", "3", "--offload", "none", "--run-dir", str(run_dir), "--report-to", ALL
     )
     assert result.exit_code == 0, result.output
-    loss, val = losses(run_dir), losses(run_dir, "val_loss")
-    assert sorted(loss) == [1, 2, 3] and sorted(val) == [0, 3]
+    loss = expected(run_dir)["loss"]
+    assert sorted(loss) == [1, 2, 3] and len(expected(run_dir)) > 4  # lr, tokens/s, evaluations...
 
-    assert tensorboard_scalars(run_dir, "loss") == pytest.approx(loss)
-    assert tensorboard_scalars(run_dir, "val_loss") == pytest.approx(val)
-    assert set(tensorboard_scalars(run_dir, "tokens_per_s")) == {1, 2, 3}
-    assert "run **mem-run**" in tensorboard_text(
-        run_dir
-    ) and "| offload | none |" in tensorboard_text(run_dir)
+    curves, text = tensorboard_curves(run_dir)
+    assert_curves(curves, run_dir)
+    assert "run **mem-run**" in text and "| offload | none |" in text and "| steps | 3 |" in text
 
     client, run = mlflow_run(run_dir)
     assert run.info.run_name == "mem-run" and run.info.status == "FINISHED"
     assert run.data.params["offload"] == "none" and run.data.params["steps"] == "3"
-    assert mlflow_history(client, run.info.run_id, "loss") == pytest.approx(loss)
-    assert mlflow_history(client, run.info.run_id, "val_loss") == pytest.approx(val)
+    assert run.data.params["report_to"] == str(ALL.split(","))
+    assert_curves(mlflow_curves(client, run), run_dir, key=mlflow_key)
 
     wandb_id = json.loads((run_dir / IDENTITY_NAME).read_text())["wandb"]["id"]
     [wb] = wandb_runs(offline, wandb_id)
     assert (
         wb["name"] == "mem-run" and wb["config"]["offload"] == "none" and wb["config"]["lr"] == 1e-3
     )
-    assert {row["step"]: row["loss"] for row in wb["history"] if "loss" in row} == pytest.approx(
-        loss
-    )
+    assert_curves(curves_of(wb["history"]), run_dir)
 
     tio, logs = trackio_run("mem-run")
     assert tio.config["offload"] == "none" and tio.config["steps"] == 3
-    assert {row["step"]: row["loss"] for row in logs if "loss" in row} == pytest.approx(loss)
+    assert_curves(curves_of(logs), run_dir)
 
 
 def test_a_tiered_run_stopped_and_resumed_continues_each_tracker_run(
@@ -253,7 +261,7 @@ def test_a_tiered_run_stopped_and_resumed_continues_each_tracker_run(
 
     with monkeypatch.context() as patch:
         patch.setattr(Trackers, "log", stop_after_step_3)
-        stopped = train(
+        args = [
             "--steps",
             "4",
             "--offload",
@@ -262,45 +270,37 @@ def test_a_tiered_run_stopped_and_resumed_continues_each_tracker_run(
             "2",
             "--run-dir",
             str(run_dir),
-            "--report-to",
-            ALL,
-        )
+        ]
+        stopped = train(*args, "--report-to", ALL)
     assert stopped.exit_code == 130, stopped.output
     assert [s for s, _ in checkpoint_dirs(run_dir)] == [2]
     identities = json.loads((run_dir / IDENTITY_NAME).read_text())
     client, run = mlflow_run(run_dir)
     assert run.info.status == "KILLED"
+    [wb] = wandb_runs(offline, identities["wandb"]["id"])
+    assert [row["step"] for row in wb["history"]] == [0, 1, 2, 3]
 
     resumed = train("--resume", "--run-dir", str(run_dir))  # report_to comes back from config.toml
     assert resumed.exit_code == 0, resumed.output
     assert "resumed from checkpoint step 2" in resumed.output
     assert json.loads((run_dir / IDENTITY_NAME).read_text()) == identities
-    loss = losses(run_dir)
-    assert sorted(loss) == [1, 2, 3, 4]
+    assert sorted(expected(run_dir)["loss"]) == [1, 2, 3, 4]
+    assert sorted(expected(run_dir)["bytes_nvme->host"]) == [1, 2, 3, 4]
 
-    assert tensorboard_scalars(run_dir, "loss") == pytest.approx(
-        loss
-    )  # the stopped run's step 3 purged
-    assert set(tensorboard_scalars(run_dir, "bytes_nvme->host")) == {1, 2, 3, 4}
+    assert_curves(tensorboard_curves(run_dir)[0], run_dir)  # the stopped run's step 3: purged
 
     client, run = mlflow_run(run_dir)
     assert run.info.status == "FINISHED" and run.info.run_id == identities["mlflow"]["run_id"]
-    assert mlflow_history(client, run.info.run_id, "loss") == pytest.approx(loss)
-    assert (
-        mlflow_history(client, run.info.run_id, "bytes_nvme_to_host")[4]
-        == losses(run_dir, "bytes_nvme->host")[4]
-    )
     assert run.data.params["offload"] == "nvme"
+    assert_curves(mlflow_curves(client, run), run_dir, key=mlflow_key)
 
     first, second = wandb_runs(offline, identities["wandb"]["id"])
-    assert [row["step"] for row in first["history"] if "loss" in row] == [1, 2, 3]
-    assert {
-        row["step"]: row["loss"] for row in second["history"] if "loss" in row
-    } == pytest.approx({step: loss[step] for step in (3, 4)})
+    assert second["name"] == "nvme-run" and [row["step"] for row in second["history"]] == [3, 4]
+    assert_curves(curves_of(first["history"] + second["history"]), run_dir)
 
     tio, logs = trackio_run("nvme-run")  # one run, resumed
     assert tio.id == identities["trackio"]["id"] and tio.config["offload"] == "nvme"
-    assert {row["step"]: row["loss"] for row in logs if "loss" in row} == pytest.approx(loss)
+    assert_curves(curves_of(logs), run_dir)
 
 
 # -- what is sent ---------------------------------------------------------------------------
@@ -361,3 +361,130 @@ def test_report_to_takes_a_comma_list_or_a_toml_list() -> None:
         "mlflow",
     ]
     assert resolve_report_to(["wandb", "trackio"]) == ["wandb", "trackio"]
+
+
+# -- how the trackers open and close ----------------------------------------------------------
+
+
+class Recording:
+    """A tracker that records what it is sent; `fail_open` makes opening raise."""
+
+    events: ClassVar[list[tuple]] = []
+    fail_open = False
+
+    def __init__(self, start: Any) -> None:
+        self.identity = {"id": start.run_name}
+        self.where = "a recording"
+
+    @classmethod
+    def open(cls, start: Any) -> Recording:
+        if cls.fail_open:
+            raise RuntimeError("no such server\nsecond line")
+        cls.events.append(("open", start.run_name, start.start_step, start.resume, start.saved))
+        return cls(start)
+
+    def log(self, step: int, metrics: dict[str, float], wall_time: float) -> None:
+        self.events.append(("log", step, metrics))
+
+    def close(self, end: str) -> None:
+        self.events.append(("close", end))
+
+
+@pytest.fixture
+def recording(monkeypatch: pytest.MonkeyPatch) -> type[Recording]:
+    from tierzero.run import trackers
+
+    monkeypatch.setattr(Recording, "events", [])
+    monkeypatch.setitem(trackers.TRACKERS, "tensorboard", Recording)
+    monkeypatch.setitem(trackers.TRACKERS, "trackio", Recording)
+    return Recording
+
+
+@pytest.mark.parametrize(
+    "body, end", [(None, "finished"), (RuntimeError, "failed"), (KeyboardInterrupt, "killed")]
+)
+def test_trackers_see_each_row_and_close_however_the_run_ends(
+    tmp_path: Path, recording: type[Recording], body: type[BaseException] | None, end: str
+) -> None:
+    from tierzero.run.directory import RunDir
+    from tierzero.run.trackers import reporting
+
+    run = RunConfig(report_to=["tensorboard"])
+    with RunDir(tmp_path / "run") as rundir:
+        rundir.open_metrics(0)
+        raises = pytest.raises(body) if body else contextlib.nullcontext()
+        with raises, reporting(run, rundir, 0, resume=False) as where:
+            assert where == ["a recording"]
+            rundir.log({"resumed_at": 2})  # not a point on a curve
+            rundir.log({"step": 1, "loss": 2.0, "ranks": [{"io_wait_s": 0.5}]})
+            if body:
+                raise body()
+        rundir.log({"step": 2, "loss": 1.0})  # after the run: nobody listens
+    assert recording.events == [
+        ("open", "run", 0, False, {}),
+        ("log", 1, {"loss": 2.0, "ranks/0/io_wait_s": 0.5}),
+        ("close", end),
+    ]
+    assert json.loads((tmp_path / "run" / IDENTITY_NAME).read_text()) == {
+        "tensorboard": {"id": "run"}
+    }
+
+
+def test_a_resume_hands_each_tracker_its_saved_identity(
+    tmp_path: Path, recording: type[Recording]
+) -> None:
+    from tierzero.run.directory import RunDir
+    from tierzero.run.trackers import reporting
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    saved = {
+        "tensorboard": {"id": "earlier"},
+        "mlflow": {"run_id": "abc", "tracking_uri": "sqlite:///x"},
+    }
+    (run_dir / IDENTITY_NAME).write_text(json.dumps(saved))
+    with (
+        RunDir(run_dir) as rundir,
+        reporting(RunConfig(report_to=["tensorboard"]), rundir, 6, resume=True),
+    ):
+        pass
+    assert recording.events[0] == ("open", "run", 6, True, {"id": "earlier"})
+    # the identity of a tracker not named this time is kept for a later resume that names it
+    assert json.loads((run_dir / IDENTITY_NAME).read_text())["mlflow"] == saved["mlflow"]
+
+
+def test_only_rank_0_reports(tmp_path: Path, recording: type[Recording]) -> None:
+    from tierzero.run.directory import RunDir
+    from tierzero.run.trackers import reporting
+
+    run = RunConfig(report_to=["tensorboard"])
+    with (
+        RunDir(tmp_path / "run", primary=False) as rundir,
+        reporting(run, rundir, 0, False) as where,
+    ):
+        assert where == []
+    assert recording.events == [] and not (tmp_path / "run" / IDENTITY_NAME).exists()
+
+
+class Failing(Recording):
+    fail_open = True
+
+
+def test_a_tracker_that_cannot_start_closes_those_opened_and_says_why(
+    tmp_path: Path, recording: type[Recording], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tierzero.errors import ConfigError
+    from tierzero.run import trackers
+
+    monkeypatch.setitem(trackers.TRACKERS, "trackio", Failing)
+    with pytest.raises(ConfigError) as refused:
+        trackers.open_trackers(["tensorboard", "trackio"], RunConfig(), tmp_path, 0, False)
+    assert str(refused.value) == (
+        "--report-to trackio could not start its run (no such server); check TRACKIO_DIR, or "
+        "TRACKIO_SPACE_ID / TRACKIO_SERVER_URL where they are set"
+    )
+    assert [e[0] for e in recording.events] == ["open", "close"] and recording.events[1] == (
+        "close",
+        "failed",
+    )
+    assert not (tmp_path / IDENTITY_NAME).exists()
