@@ -75,7 +75,7 @@ class QuantizedBlocks:
                 raise ConfigError(
                     f"{slot.names[0]} ({slot.numel} values at {slot.offset} in its unit) "
                     f"does not fill whole blocks of {QUANT_BLOCK} values, so its NF4 codes "
-                    "would not be bitsandbytes'; train this model without --quantize-base"
+                    "would not be bitsandbytes'; keep this model's base in the compute dtype"
                 )
             self.mask[slot.offset // QUANT_BLOCK : slot.end // QUANT_BLOCK] = True
 
@@ -106,9 +106,7 @@ def encode(values: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     try:
         from bitsandbytes.functional import quantize_4bit
     except ImportError:
-        raise ConfigError(
-            "--quantize-base nf4 needs bitsandbytes; pip install 'tierzero[qlora]'"
-        ) from None
+        raise ConfigError("an NF4 base needs bitsandbytes; pip install bitsandbytes") from None
     by_block = values.reshape(-1, QUANT_BLOCK)
     nq = int(blocks.sum())
     out = torch.empty(stored_nbytes(blocks, values.dtype), dtype=torch.uint8)
