@@ -187,6 +187,9 @@ def open_trackers(
         start = TrackerStart(name_of_run, run_dir, config, start_step, resume, saved.get(name, {}))
         try:
             opened[name] = TRACKERS[name].open(start)
+        except KeyboardInterrupt:  # Ctrl-C while a library waits on its server
+            Trackers(opened).close("killed")
+            raise
         except Exception as e:  # noqa: BLE001 - each library raises its own kinds
             Trackers(opened).close("failed")
             why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
