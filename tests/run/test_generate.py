@@ -187,3 +187,48 @@ def test_prompt_files(tmp_path) -> None:
     (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
     with pytest.raises(DataError, match="line 1 has neither"):
         read_prompts(tmp_path / "bad.jsonl")
+
+
+@pytest.mark.parametrize("layout", ["root", "prelude"])
+def test_other_layouts_generate_transformers_ids_through_the_tiers(layout, tmp_path) -> None:
+    """A root unit held for the pass (LLaMA wrapped whole) and GPT-2's position table run in the
+    embedding unit (`tierzero.hf.prelude`, fed the decode positions): the same left-padded batch
+    as transformers' `generate`, params on NVMe."""
+    from transformers import AutoModelForCausalLM
+
+    from tierzero.engine import Engine
+    from tierzero.hf import load_model
+    from tierzero.hf.adapter import CausalLM
+
+    folder = save_model("llama" if layout == "root" else "gpt2", tmp_path / layout, initializer_range=0.5)
+    hf = load_model(f"hf:{folder}")
+    model = CausalLM(hf.model.hf_model, "model.layers") if layout == "root" else hf.model
+    prompts = [[5, 17, 33, 2, 9, 100], [7, 8, 9]]
+    config = Config(offload="nvme", nvme_path=[str(tmp_path / "nvme")], dtype="fp32")
+    with Engine(model.requires_grad_(False), config, weights=folder) as engine:
+        assert (engine.units[0].kind == "root") == (layout == "root")
+        new, _ = generate(Decoder.through(engine), prompts, Sampling(8))
+    ids = torch.tensor([[0, 0, 0] * (len(p) == 3) + p for p in prompts])
+    mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    out = reference.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8, pad_token_id=0,
+                             eos_token_id=None)
+    assert out[:, 6:].tolist() == new
+
+
+def test_samples_rows_follow_the_metrics_rule_on_resume(tmp_path) -> None:
+    from tierzero.run.directory import RunDir, read_samples
+
+    streamed = []
+    with RunDir(tmp_path / "run") as rundir:
+        rundir.stream_samples(lambda step, rows: streamed.append((step, len(rows))))
+        for step in (1, 2, 3):
+            rundir.log_samples(step, [{"step": step, "prompt": "a", "completion": "b"}] * 2)
+    assert [r["step"] for r in read_samples(tmp_path / "run")] == [1, 1, 2, 2, 3, 3]
+    assert streamed == [(1, 2), (2, 2), (3, 2)]
+    with RunDir(tmp_path / "run") as rundir:
+        rundir.open_metrics(2)  # a resume from step 2 redoes step 3
+    assert [r["step"] for r in read_samples(tmp_path / "run")] == [1, 1, 2, 2]
+    with open(tmp_path / "run" / "samples.jsonl", "a") as f:
+        f.write('{"step": 3, "prom')  # torn by a kill
+    assert [r["step"] for r in read_samples(tmp_path / "run")] == [1, 1, 2, 2]
