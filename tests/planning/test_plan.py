@@ -155,7 +155,8 @@ def test_all_nvme_by_hand() -> None:
                     overlap=False)
     e = estimate(Placement(*[Tier.NVME] * 5), work)
     shard = 2048
-    assert e.resident_bytes[Tier.NVME] == 2 * shard * (2 + 2 + 3 * 4)  # bf16 params and grads, fp32 optimizer
+    # bf16 params and grads, fp32 optimizer
+    assert e.resident_bytes[Tier.NVME] == 2 * shard * (2 + 2 + 3 * 4)
     # both param shards in flight (prefetch 1), then b's grads: 300 bf16 + its flat fp32 grad
     # and a piece of it rounded to bf16
     assert e.resident_bytes[Tier.GPU] == 2 * shard * 2 + (300 * 2 + shard * 4 + shard * 2)
@@ -180,7 +181,8 @@ def test_two_ranks_split_states_and_share_the_machine() -> None:
     assert e.resident_bytes[Tier.HOST] == 2 * shard * 14 + 2 * shard * 2 + 2 * shard * 4
     # param shard, gathered params, then 101 bf16 grads, the flat fp32 grad and its reduced
     # shard, a piece of which is rounded to bf16
-    assert e.resident_bytes[Tier.GPU] == shard * 2 + 2 * shard * 2 + (101 * 2 + 2 * shard * 4 + shard * 4 + shard * 2)
+    unit_grads = 101 * 2 + 2 * shard * 4 + shard * 4 + shard * 2
+    assert e.resident_bytes[Tier.GPU] == shard * 2 + 2 * shard * 2 + unit_grads
     assert e.moved_bytes[Link.GPU_TO_HOST] == 51 * 2
     assert e.moved_bytes[Link.HOST_TO_GPU] == 51 * 2
 

@@ -110,7 +110,7 @@ def test_plan_takes_the_formats_and_refuses_bad_ones_by_flag() -> None:
     d = compact.as_dict()
     assert d["state_formats"] == {"optimizer_state": "int8", "master": "bf16", "one_weight": True,
                                   "text": compact.formats.describe(), "grad": "bf16",
-                                  "grad_reason": "one micro-batch per step: each grad is stored once"}
+                                  "grad_reason": compact.grad_reason}
     assert [r["bytes_per_param"] for r in d["compact_ledger"] if r["chosen"]] == [6 + 8 / STATE_BLOCK]
     assert d["ledger"][-1]["bytes_per_param"] == 6 + 8 / STATE_BLOCK
     assert fp32.as_dict()["ledger"][-1]["bytes_per_param"] == 16
@@ -122,13 +122,13 @@ def test_plan_takes_the_formats_and_refuses_bad_ones_by_flag() -> None:
 
 def test_a_7b_that_fp32_state_cannot_fit_fits_in_compact_state_with_nothing_on_nvme() -> None:
     """24 GB of GPU, 64 GB of host memory, 80 GB of disk: fp32 state needs 80.9 GB of store;
-    int8 moments and a bf16 master hold every optimizer state in the host (40.8 GB with bf16 grads)."""
+    int8 moments and a bf16 master hold every optimizer state in the host (40.8 GB, bf16 grads)."""
     kw = dict(gpu_mem="24GB", host_mem="64GB", nvme_free="80GB", dtype="bf16", batch_size=8, seq_len=128)
     fp32 = make_plan("7b", **kw)
     compact = make_plan("7b", optimizer_state="int8", master="bf16", **kw)
     assert not fp32.choice.fits and fp32.choice.shortfall_bytes.keys() == {Tier.NVME}
     assert compact.choice.fits and compact.placement == Placement(Tier.GPU, *[Tier.HOST] * 4)
     assert compact.step_nvme_bytes() == {"horizontal": 0, "vertical": 0}
-    n = compact.workload.state_shard_numel  # host homes: bf16 grads, bf16 master, int8 moments with scales
+    n = compact.workload.state_shard_numel  # host homes: bf16 grads and master, int8 moments
     homes = compact.choice.estimate.memory.tiers[Tier.HOST].homes_bytes
     assert n * 6 <= homes <= n * 6 * 1.01

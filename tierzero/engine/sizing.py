@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from tierzero.config import TORCH_DTYPES, Config, DType, Offload, Placement, Recompute, StateKind, Tier
+from tierzero.config import (TORCH_DTYPES, Config, DType, Offload, Placement, Recompute, StateKind,
+                             Tier)
 from tierzero.errors import ConfigError
 from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.partition import Unit, forward_only
@@ -79,7 +80,8 @@ class Sizing:
         memory model and the planner are asked about, as `tierzero plan` asks them."""
         c = self.config
         s = streaming or ladder(c.piece_numel, c.prefetch_depth)[0]
-        return Workload.from_units(self.units, self.dtype.itemsize, grad_itemsize=TORCH_DTYPES[self.grad_dtype].itemsize,
+        grad_itemsize = TORCH_DTYPES[self.grad_dtype].itemsize
+        return Workload.from_units(self.units, self.dtype.itemsize, grad_itemsize=grad_itemsize,
                                    device="cpu" if self.device.type == "cpu" else "cuda",
                                    prefetch_depth=s.prefetch_depth, piece_numel=s.piece_numel, overlap=self.overlap,
                                    overlap_comm=c.overlap_comm, stage=stage, accumulate=c.accumulate,

@@ -71,7 +71,8 @@ def host_classes(placement: Placement, shard: list[int], state: list[int], piece
     for kind in StateKind:  # nvme keys are staged: at open, and (but frozen params) in the step
         home = placement.home(kind)
         if home is not Tier.GPU or (step_on_host and kind is not StateKind.PARAM):
-            sizes.update(key_sizes(kind, shard, state, piece_numel, itemsize, home, formats, one_weight, grad_itemsize))
+            sizes.update(key_sizes(kind, shard, state, piece_numel, itemsize, home, formats,
+                                   one_weight, grad_itemsize))
     if placement.param is Tier.NVME:  # whole shards on their way to the device, then cached
         sizes.update(s * itemsize for s in shard)
     if tied:  # the stash of a sum: fp32

@@ -11,9 +11,10 @@ nothing and never probes the machine. What it returns (`TierPeak`, `MemoryModel`
 `tierzero.planning.peaks`'s; what it is computed for, a `tierzero.planning.workload.Workload`.
 
 Conventions (as in `tierzero.planning.placement`): gpu bytes are per rank, host and nvme bytes per machine
-(every rank's shards and buffers). Stored grads take the grad dtype's bytes (`Workload.grad_itemsize`:
-fp32, or the compute dtype where nothing is added to a stored grad, `statebytes.grad_dtype`); master
-and Adam moments take their stored format's bytes (`planning.statebytes`), a param that is the master none.
+(every rank's shards and buffers). Stored grads take the grad dtype's bytes
+(`Workload.grad_itemsize`: fp32, or the compute dtype where nothing is added to a stored grad,
+`statebytes.grad_dtype`); master and Adam moments take their stored format's bytes
+(`planning.statebytes`), a param that is the master none.
 The homes are `planning.homes`'.
 Frozen parameters have a param and nothing else: grads, master weights, Adam states and the
 optimizer's pieces cover a unit's trainable prefix only (`Unit.trainable_numel`; with several ranks
@@ -133,7 +134,7 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
     calls = forward_uses(units)
     held = frozenset(u.index for u in units if u.is_root)
     tied = work.tied_embeddings
-    g = work.grad_itemsize  # a stored grad's bytes; below fp32's, the final shard is rounded on the device
+    g = work.grad_itemsize  # a stored grad's bytes (below fp32's: the final shard rounded first)
     rounded = g if g < FP32_NBYTES else 0
 
     step_on_gpu = steps_on_gpu(placement)
@@ -154,9 +155,11 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
         return blocks([p * FP32_NBYTES for p in pieces])
 
     def host_keys(kind: StateKind) -> Counter[int]:
-        return key_sizes(kind, stored_param, state, piece_numel, c, Tier.HOST, formats, one_weight, g)
+        return key_sizes(kind, stored_param, state, piece_numel, c, Tier.HOST, formats, one_weight,
+                         g)
 
-    homes = home_bytes(work, placement, lambda kind: w * counted_blocks(host_keys(kind)))  # a host home: a block per key
+    # a host home: a block per key
+    homes = home_bytes(work, placement, lambda kind: w * counted_blocks(host_keys(kind)))
 
     # -- the pass: params in flight as the swap plan holds them
     plan = build_swap_plan(calls, depth, backward=True, held=held, forward_only=forward_only(units))
@@ -186,8 +189,9 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
         worst = (0, 0)
         for i, call in enumerate(calls):
             weights = sum(trained[u] * c for u in call)
-            flat = sum((state[u] if w == 1 else padded[u] + state[u]) * FP32_NBYTES for u in call if state[u]) \
-                + max(min(piece_numel, state[u]) for u in call) * rounded  # a piece rounded at a time
+            flat = sum((state[u] if w == 1 else padded[u] + state[u]) * FP32_NBYTES
+                       for u in call if state[u])
+            flat += max(min(piece_numel, state[u]) for u in call) * rounded
             after = calls[i + 1] if final_with_overlap and i + 1 < len(calls) else ()
             stepping = sum(state[u] * FP32_NBYTES for u in after)  # handed to the optimizer just before
             if reducing and i + 1 < len(calls):  # backpropagated just before: still being reduced
@@ -211,7 +215,7 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
     step_tier = Tier.GPU if step_on_gpu else Tier.HOST
     step_device = device if step_on_gpu else "cpu"
     scratch = scratch_nbytes(step_device) if formats.compact else 0  # kept from the compact step's first use
-    upcast = min(piece_numel, max(state)) * FP32_NBYTES if rounded else 0  # a stored grad piece, as stepped
+    upcast = min(piece_numel, max(state)) * FP32_NBYTES if rounded else 0  # a piece, as stepped
     # writes that outlive their piece's step: to nvme, or from a host step up to the device (h2d)
     writing = any(placement.home(k) is Tier.NVME or (placement.home(k) is Tier.GPU and step_device != device)
                   for k in StateKind if k is not StateKind.GRAD)
@@ -237,7 +241,8 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
         if step_tier is Tier.GPU or device == "cpu":  # allocated memory, outside the pools
             # (in backward on the compute device the fp32 shard itself is stepped: no upcast)
             grad_upcast = 0 if during_backward and device == step_device else upcast
-            parts[Tier.GPU].update({k: v for k, v in (("compact scratch", scratch), ("grad upcast", grad_upcast)) if v})
+            torch_parts = (("compact scratch", scratch), ("grad upcast", grad_upcast))
+            parts[Tier.GPU].update({k: v for k, v in torch_parts if v})
         if step_tier is Tier.HOST:
             parts[Tier.HOST]["optimizer pieces"] = sized
         else:
@@ -301,9 +306,11 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
                                {**{f"compute {k}": w * v for k, v in gpu.pooled.items()}, **host.pooled},
                                f"compute pool at {gpu.pooled_phase}, host pool at {host.pooled_phase}",
                                unpooled.unpooled, unpooled.unpooled_phase)
-    elif (scratch or upcast) and step_tier is Tier.HOST:  # a GPU machine's host step: RAM outside the host pool
-        torch_parts = {k: w * v for k, v in (("compact scratch", scratch), ("grad upcast", upcast)) if v}
-        host_memory = dataclasses.replace(host_memory, unpooled={**host_memory.unpooled, **torch_parts})
+    elif (scratch or upcast) and step_tier is Tier.HOST:  # a GPU machine's host step: RAM outside
+        # the host pool
+        host_step = (("compact scratch", scratch), ("grad upcast", upcast))
+        unpooled = {**host_memory.unpooled, **{k: w * v for k, v in host_step if v}}
+        host_memory = dataclasses.replace(host_memory, unpooled=unpooled)
     cached = Counter(class_for(n * c, classes, HOST_ALIGN) for n in stored_param) if placement.param is Tier.NVME \
         else Counter()
     cache = w * sum(k * n for k, n in cached.items())

@@ -68,7 +68,7 @@ class PlanReport:
     kept: ActivationEstimate | None = None  # `activations` counting the kept units' graphs (`planning.recompute`)
     keepable_units: int = 0  # of which `kept.kept_blocks` blocks and the head if `kept.kept_head` keep theirs
     formats: StateBytes = FP32_STATE  # how the master and Adam moments are stored (`--optimizer-state`, `--master`)
-    grad_dtype: DType = DType.FP32  # what grads leave the device in and rest in (`statebytes.grad_dtype`)
+    grad_dtype: DType = DType.FP32  # grads off the device and at home (`statebytes.grad_dtype`)
     grad_reason: str = "fp32 compute"
 
     @property
@@ -100,8 +100,9 @@ class PlanReport:
         spilled = 0 if host is None else max(0, waiting - max(0, host - e.memory.needs()[Tier.HOST]))
         # each schedule at its own grad dtype: one pass writes the grads once and reads them once
         h, v = (self._nvme_grad_bytes(s) for s in (Schedule.HORIZONTAL, Schedule.VERTICAL))
-        return {"horizontal": step_nvme_bytes(one + 2 * (h - grad), param, h, w.accumulate, False),
-                "vertical": step_nvme_bytes(one + 2 * (v - grad), param, v, w.accumulate, True, spilled)}
+        horizontal = step_nvme_bytes(one + 2 * (h - grad), param, h, w.accumulate, False)
+        vertical = step_nvme_bytes(one + 2 * (v - grad), param, v, w.accumulate, True, spilled)
+        return {"horizontal": horizontal, "vertical": vertical}
 
     def _nvme_grad_bytes(self, schedule: Schedule | None = None) -> int:
         """Every rank's NVMe-homed grads: what each further horizontal micro-batch reads and writes
@@ -109,7 +110,8 @@ class PlanReport:
         w = self.workload
         itemsize = w.nbytes(StateKind.GRAD) if schedule is None else \
             TORCH_DTYPES[grad_dtype(self.dtype, w.accumulate, schedule)].itemsize
-        return w.world_size * w.state_shard_numel * itemsize if self.placement.grad is Tier.NVME else 0
+        on_nvme = self.placement.grad is Tier.NVME
+        return w.world_size * w.state_shard_numel * itemsize if on_nvme else 0
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON object `tierzero plan --json` prints."""
@@ -159,7 +161,8 @@ class PlanReport:
     def homes(self) -> dict[str, Any]:
         """What each tier holds under the chosen placement, per state kind in its stored dtype."""
         w, p = self.workload, self.placement
-        text = f"{describe_homes(w, p, self.dtype)} (grads {self.grad_dtype.value}: {self.grad_reason})"
+        grads = f"grads {self.grad_dtype.value}: {self.grad_reason}"
+        text = f"{describe_homes(w, p, self.dtype)} ({grads})"
         return {"kinds": {k.value: p.home(k).value for k in StateKind}, "text": text}
 
     def per_rank(self) -> dict[str, Any]:
@@ -279,7 +282,7 @@ def make_plan(
         ledger_numel = (nominal_numel(shape) if vocab_size is None else None) or numel
     assert args is not None
     activations = activation_memory(args, batch_size, seq_len, itemsize, loss_chunk_bytes(args.vocab_size))
-    # grads leave the device and rest in the dtype the engine plans (the ledger is the textbook 16 B)
+    # grads leave the device and rest in the dtype the engine plans (the ledger: the textbook 16 B)
     grads = grad_dtype(compute, accumulate, schedule)
     top = ladder(piece_numel, prefetch_depth)[0]
     how: dict[str, Any] = dict(world_size=gpus, device=device, prefetch_depth=top.prefetch_depth,
@@ -333,7 +336,8 @@ def make_plan(
                       choice, chosen, reason, tuple(name for name, v in (("piece_numel", piece_numel),
                                                                          ("prefetch_depth", prefetch_depth)) if v is None),
                       vertical, recompute, kept, len(keepable(candidates, activations)), formats,
-                      grad_dtype=grads, grad_reason=grad_dtype_reason(compute, accumulate, schedule))
+                      grad_dtype=grads,
+                      grad_reason=grad_dtype_reason(compute, accumulate, schedule))
 
 
 def _choice(cls: Any, value: str, flag: str) -> Any:

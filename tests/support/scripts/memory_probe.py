@@ -49,7 +49,7 @@ def run(case: dict, root: Path) -> dict:
     dtype, moments, master = case.get("dtype", "fp32"), case.get("optimizer_state", "fp32"), case.get("master", "fp32")
     itemsize = 2 if dtype == "bf16" else 4
     formats = StateBytes.for_compute(moments, master, DType(dtype))
-    grads = TORCH_DTYPES[grad_dtype(DType(dtype), 1, Schedule.AUTO)].itemsize  # as the engine plans them
+    grads = TORCH_DTYPES[grad_dtype(DType(dtype), 1, Schedule.AUTO)].itemsize  # as planned
     act = activation_memory(args, batch_size, seq_len, itemsize, models.llama.loss_chunk_bytes(args.vocab_size))
     predicted = peak_memory(Workload.from_preset(args, itemsize, grad_itemsize=grads, device="cpu",
                                                  prefetch_depth=case["depth"],

@@ -87,7 +87,8 @@ class Shards:
         """Write this rank's shard of `kind` for `unit` (a CPU tensor; fp32 but for params) to
         its home tier, each piece in its stored format."""
         for key, a, b in self.keys(kind, unit):
-            self.put_key(kind, key, src[a:b] if kind is StateKind.PARAM else self.formats.encode(kind, src[a:b]))
+            stored = src[a:b] if kind is StateKind.PARAM else self.formats.encode(kind, src[a:b])
+            self.put_key(kind, key, stored)
 
     def put_key(self, kind: StateKind, key: str, src: torch.Tensor) -> None:
         """Write one stored key of `kind` (a CPU tensor) to its home tier; an NVMe write is

@@ -166,7 +166,7 @@ class GradShards:
         keys = state_keys(StateKind.GRAD, u, self.comm.rank, self.parts.piece_numel, self.home)
         # earlier micro-batches' sum, piece by piece (prev + new: addition commutes); stage 1
         # summed them before the reduction
-        assert self.pass_.last or self.dtype == torch.float32, "micro-batches are added to fp32 grads only"
+        assert self.pass_.last or self.dtype == torch.float32, "only fp32 grads are added to"
         if self.pass_.micro == 0:
             self._order.append(unit)
         elif not self.full_until_last:

@@ -56,7 +56,7 @@ class ShardOptimizer(PieceWrites):
         self.param_written = param_written  # each device param write's event (`SwapRunner.written`)
         on_gpu = steps_on_gpu(placement)
         self.device = tiers.device if on_gpu else torch.device("cpu")
-        self.formats = StateFormats.of(config, parts.sizing.grad_dtype)  # a bf16 grad is upcast to step
+        self.formats = StateFormats.of(config, parts.sizing.grad_dtype)  # bf16 grads: upcast
         self.master_is_param = self.formats.master_is_param(compute_dtype)
         if self.master_is_param:  # the master is read where the params live (`_source`)
             self.placement = dataclasses.replace(placement, master=placement.param)
@@ -181,7 +181,8 @@ class ShardOptimizer(PieceWrites):
             work.tensors[StateKind.GRAD] = part
             return
         raw = self._lease(self.formats.nbytes(StateKind.GRAD, work.numel))
-        work.tensors[StateKind.GRAD] = work.leased[StateKind.GRAD] = self.formats.view(StateKind.GRAD, raw, work.numel)
+        leased = self.formats.view(StateKind.GRAD, raw, work.numel)
+        work.tensors[StateKind.GRAD] = work.leased[StateKind.GRAD] = leased
         work.grad_landed = s.copy(work.leased[StateKind.GRAD], part, s.d2h, after=produced)
         s.keep_alive(part, s.d2h)
         self.stats.add_bytes(Link.GPU_TO_HOST, work.leased[StateKind.GRAD].nbytes)
