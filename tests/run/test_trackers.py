@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import struct
 import sys
 from collections.abc import Iterator
@@ -134,8 +135,8 @@ def mlflow_run(run_dir: Path) -> tuple[Any, Any]:
     from mlflow.tracking import MlflowClient
 
     saved = json.loads((run_dir / IDENTITY_NAME).read_text())["mlflow"]
-    assert saved["tracking_uri"] == f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
-    client = MlflowClient(tracking_uri=saved["tracking_uri"])
+    assert saved["store"] == "RUN_DIR/mlflow.db"  # the run's own: MLFLOW_TRACKING_URI is unset
+    client = MlflowClient(tracking_uri=f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
     return client, client.get_run(saved["run_id"])
 
 
@@ -249,8 +250,9 @@ def test_a_run_reports_to_every_tracker(tmp_path: Path, offline: Path) -> None:
 def test_a_tiered_run_stopped_and_resumed_continues_each_tracker_run(
     tmp_path: Path, offline: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Ctrl-C after step 3 reached the trackers (checkpoint at 2), then --resume: each tracker
-    continues its run, and what it shows per step is what metrics.jsonl holds."""
+    """Ctrl-C after step 3 reached the trackers (checkpoint at 2), then --resume of the run
+    directory moved elsewhere: each tracker continues its run, and what it shows per step is
+    what metrics.jsonl holds."""
     run_dir = tmp_path / "nvme-run"
     forward = Trackers.log
 
@@ -280,6 +282,8 @@ def test_a_tiered_run_stopped_and_resumed_continues_each_tracker_run(
     [wb] = wandb_runs(offline, identities["wandb"]["id"])
     assert [row["step"] for row in wb["history"]] == [0, 1, 2, 3]
 
+    (tmp_path / "moved").mkdir()
+    run_dir = Path(shutil.move(run_dir, tmp_path / "moved"))  # resumes into its own stores
     resumed = train("--resume", "--run-dir", str(run_dir))  # report_to comes back from config.toml
     assert resumed.exit_code == 0, resumed.output
     assert "resumed from checkpoint step 2" in resumed.output
@@ -440,7 +444,7 @@ def test_a_resume_hands_each_tracker_its_saved_identity(
     run_dir.mkdir()
     saved = {
         "tensorboard": {"id": "earlier"},
-        "mlflow": {"run_id": "abc", "tracking_uri": "sqlite:///x"},
+        "mlflow": {"run_id": "abc", "store": "sqlite:///x"},
     }
     (run_dir / IDENTITY_NAME).write_text(json.dumps(saved))
     with (

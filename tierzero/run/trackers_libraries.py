@@ -63,7 +63,7 @@ class TensorBoardTracker:
             k: v if isinstance(v, (int, float, str, bool)) else str(v)
             for k, v in start.config.items()
         }
-        for summary in hparams(plain, {"loss": 0.0, "val_loss": 0.0}):
+        for summary in hparams(plain, {"loss": 0.0, "eval_loss": 0.0}):
             writer.file_writer.add_summary(summary, start.start_step)
         rows = "\n".join(f"| {key} | {value} |" for key, value in start.config.items())
         writer.add_text(
@@ -84,6 +84,7 @@ class TensorBoardTracker:
 # MLflow's metric and param keys: letters, digits, _ - . space : and /
 _MLFLOW_UNSAFE = re.compile(r"[^\w\-. :/]")
 _MLFLOW_BATCH = 100  # log_batch takes at most 100 params per call
+OWN_MLFLOW_STORE = "RUN_DIR/mlflow.db"  # the store a run keeps when MLFLOW_TRACKING_URI is unset
 
 
 def mlflow_key(key: str) -> str:
@@ -95,15 +96,16 @@ class MlflowTracker:
     """One MLflow run through `MlflowClient` (no global active run to leak into the process).
 
     The store is the one MLFLOW_TRACKING_URI names; without it, a SQLite store in
-    RUN_DIR/mlflow.db (MLflow refuses new file stores). The run id is saved in the run
-    directory, and a resume in the same store reopens that run: params it lacks are added (MLflow
+    RUN_DIR/mlflow.db (MLflow refuses new file stores), saved as that name rather than its
+    absolute path, so a moved or copied run directory resumes into its own store. The run id is
+    saved in the run directory, and a resume in the same store reopens that run: params it lacks are added (MLflow
     never changes a param's value; config.toml holds the resumed run's) and the redone steps'
     metrics are logged again, after the stopped run's values for them."""
 
-    def __init__(self, client: Any, run_id: str, tracking_uri: str) -> None:
+    def __init__(self, client: Any, run_id: str, store: str, tracking_uri: str) -> None:
         self._client = client
         self._run_id = run_id
-        self.identity = {"run_id": run_id, "tracking_uri": tracking_uri}
+        self.identity = {"run_id": run_id, "store": store}
         self.where = f"mlflow run {run_id} in {tracking_uri}"
 
     @classmethod
@@ -111,16 +113,13 @@ class MlflowTracker:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        own_store = not os.environ.get("MLFLOW_TRACKING_URI")
-        uri = (
-            f"sqlite:///{(start.run_dir / 'mlflow.db').resolve()}"
-            if own_store
-            else os.environ["MLFLOW_TRACKING_URI"]
-        )
+        given = os.environ.get("MLFLOW_TRACKING_URI")
+        store = given or OWN_MLFLOW_STORE
+        uri = given or f"sqlite:///{(start.run_dir / 'mlflow.db').resolve()}"
         client = MlflowClient(tracking_uri=uri)
-        run_id = cls._resumable(client, start, uri)
+        run_id = cls._resumable(client, start, store)
         if run_id is None:
-            artifacts = (start.run_dir / "mlartifacts").resolve().as_uri() if own_store else None
+            artifacts = None if given else (start.run_dir / "mlartifacts").resolve().as_uri()
             run_id = client.create_run(
                 cls._experiment(client, artifacts), run_name=start.run_name
             ).info.run_id
@@ -135,13 +134,13 @@ class MlflowTracker:
         ]
         for first in range(0, len(params), _MLFLOW_BATCH):
             client.log_batch(run_id, params=params[first : first + _MLFLOW_BATCH])
-        return cls(client, run_id, uri)
+        return cls(client, run_id, store, uri)
 
     @staticmethod
-    def _resumable(client: Any, start: TrackerStart, uri: str) -> str | None:
+    def _resumable(client: Any, start: TrackerStart, store: str) -> str | None:
         """The saved run, when this is a resume into the store that holds it and it still lives."""
         run_id = start.saved.get("run_id")
-        if not start.resume or run_id is None or start.saved.get("tracking_uri") != uri:
+        if not start.resume or run_id is None or start.saved.get("store") != store:
             return None
         from mlflow.exceptions import MlflowException
 
