@@ -28,9 +28,11 @@ def report(
         output.emit_json(summary)
         return
     table = Table(title=f"run {escape(str(run_dir))}", show_header=False)
-    for key in ("steps", "first_loss", "last_loss", "val_loss", "median_tokens_per_s", "wall_s"):
+    for key in ("steps", "first_loss", "last_loss", "eval_loss", "eval_ppl", "median_tokens_per_s", "wall_s"):
         value = summary[key]
         table.add_row(key, f"{value:,.4g}" if isinstance(value, float) else str(value))
+    if summary["best_eval"] is not None:
+        table.add_row("best eval", f"{summary['best_eval']['eval_loss']:,.4g} at step {summary['best_eval']['step']}")
     for tier, nbytes in summary["peak_bytes"].items():
         table.add_row(f"peak {tier}", f"{nbytes / 1e6:,.1f} MB")
     output.print(table)

@@ -69,6 +69,11 @@ def train(
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where config, metrics, checkpoints and offloaded state go. Default: runs/<model>-<time>."),
     checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help="Checkpoint every N optimizer steps (and always at the end)."),
     keep_checkpoints: Optional[int] = typer.Option(None, "--keep-checkpoints", help="Keep the newest K checkpoints (default 2)."),
+    keep_best: Optional[bool] = typer.Option(None, "--keep-best", help="Checkpoint at every evaluation that beats the run's best eval loss and keep that checkpoint (named in RUN_DIR/best.json) through --keep-checkpoints pruning."),
+    val_data: Optional[str] = typer.Option(None, "--val-data", help="Held-out data to evaluate on, in any format --data takes; default: a split off the end of --data."),
+    val_fraction: Optional[float] = typer.Option(None, "--val-fraction", help="The share of --data's end held out for evaluation, in [0, 1); default 0.05 where the corpus can spare a window, else no evaluation (with a note)."),
+    eval_every: Optional[int] = typer.Option(None, "--eval-every", help="Evaluate every N optimizer steps, before the first and after the last (default 40; 0: never). Each evaluation reads every unit once."),
+    eval_tokens: Optional[int] = typer.Option(None, "--eval-tokens", help="Tokens in the evaluation set: its first windows that hold this many (default 4096)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --run-dir from its newest intact checkpoint, up to --steps."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start a new run in a --run-dir that holds checkpoints; the old ones are moved into checkpoints/abandoned/."),
     grad_reduce_dtype: Optional[str] = typer.Option(None, "--grad-reduce-dtype", help="What gradients are summed over ranks in: fp32 (default, exact) or bf16 (half the bytes)."),
@@ -101,7 +106,8 @@ def train(
                      prefetch_depth=prefetch_depth, overlap_step=overlap_step, grad_reduce_dtype=grad_reduce_dtype, overlap_comm=overlap_comm, stage=stage,
                      verify_reads=verify_reads, profile=str(profile) if profile else None,
                      run_dir=str(run_dir) if run_dir else None,
-                     checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+                     checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, keep_best=keep_best,
+                     val_data=val_data, val_fraction=val_fraction, eval_every=eval_every, eval_tokens=eval_tokens,
                      lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                      lora_targets=[t.strip() for t in lora_targets.split(",") if t.strip()] if lora_targets else None,
                      report_to=report_to, sample_prompts=str(sample_prompts) if sample_prompts else None,
@@ -160,7 +166,7 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
         if resume:
             start_step, resumed = session.resume(rundir)
             notes = [*notes, *resumed]
-        for note in [*notes, *session.model.notes]:
+        for note in [*notes, *session.model.notes, *([session.batches.note] if session.batches.note else [])]:
             out.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
         if resume:  # a new run's config was written first, in `start`
             rundir.write_config(run)
@@ -205,17 +211,22 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
             out.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     summary = {"run_dir": run.run_dir, "steps": run.steps, "start_step": start_step,
                "first_loss": result.first_loss, "last_loss": result.last_loss,
-               "val_loss_start": result.val_losses[0][1], "val_loss_end": result.val_losses[-1][1],
-               "wall_s": result.wall_s}
+               "eval_loss_start": result.val_losses[0][1] if result.val_losses else None,
+               "eval_loss_end": result.val_losses[-1][1] if result.val_losses else None,
+               "best_checkpoint": result.best, "wall_s": result.wall_s}
     if session.fitted is not None:
         summary["long_examples"] = {"policy": session.fitted.policy.value, "examples": session.fitted.examples,
                                     "touched": session.fitted.long}
     if json_out:
         out.emit_json(summary)
     else:
-        out.print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}, val loss "
-                  f"{summary['val_loss_start']:.4f} -> {summary['val_loss_end']:.4f} in "
+        evaluated = "" if not result.val_losses else \
+            f", eval loss {summary['eval_loss_start']:.4f} -> {summary['eval_loss_end']:.4f}"
+        out.print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}{evaluated} in "
                   f"{result.wall_s:.1f}s; metrics in {escape(run.run_dir)}/metrics.jsonl", highlight=False)
+        if result.best is not None:
+            out.print(f"best checkpoint: step {result.best['step']} (eval loss {result.best['eval_loss']:.4f}), "
+                      f"{escape(run.run_dir)}/{result.best.get('checkpoint', '')}", highlight=False)
 
 
 # the config keys whose flags are not spelled `--key-with-dashes`

@@ -19,7 +19,7 @@ PACKAGE_DIRS = {"tierzero": ROOT / "tierzero", "tierzero.storage": ROOT / "stora
 # lower may never import higher; equal ranks may import each other only without a circle
 RANKS = {
     "tierzero.storage": 0,
-    "tierzero.errors": 1, "tierzero.config": 1, "tierzero.configfile": 1, "tierzero.adamw": 2, "tierzero.lr": 2,
+    "tierzero.errors": 1, "tierzero.refusals": 1, "tierzero.config": 1, "tierzero.configfile": 1, "tierzero.adamw": 2, "tierzero.lr": 2,
     "tierzero.compact": 2,  # stored formats of optimizer state and their step: config and storage only
     "tierzero.layout": 3,
     "tierzero.models": 4,

@@ -16,6 +16,11 @@ from typing import Any
 import torch
 
 from tierzero.errors import ConfigError
+from tierzero.refusals import count as _count
+from tierzero.refusals import number as _number
+from tierzero.refusals import positive as _positive
+from tierzero.refusals import refused as _refused
+from tierzero.refusals import whole as _whole
 
 
 class Tier(str, enum.Enum):
@@ -294,34 +299,6 @@ def placement_from_dict(d: dict[str, Any]) -> Placement:
     return Placement(**{k: _enum(Tier, v, f"placement.{k}") for k, v in d.items()})
 
 
-def _number(value: Any) -> bool:
-    """A finite int or float (not a bool): NaN and infinities are refused wherever a number is."""
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-
-
-def _whole(value: Any) -> bool:
-    return _number(value) and int(value) == value
-
-
-def _positive(value: float, name: str, strict: bool = False) -> None:
-    """A finite number >= 0 (`strict`: > 0)."""
-    if not _number(value) or value < 0 or (strict and value == 0):
-        need = "> 0" if strict else ">= 0"
-        raise _refused(name, f"must be a finite number {need}, got {value!r}")
-
-
-def _count(value: Any, name: str) -> int:
-    """An integer >= 1 (a bool is not one)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _refused(name, f"must be an integer >= 1, got {value!r}")
-    return value
-
-
-def _refused(key: str, problem: str) -> ConfigError:
-    """The refusal of one key's value: `key problem`, tagged with the key (the CLI names its flag)."""
-    return ConfigError(f"{key} {problem}", key=key)
-
-
 @dataclass
 class RunConfig:
     """What `tierzero train` needs on top of the engine: model, data, loop length, run dir."""
@@ -334,8 +311,11 @@ class RunConfig:
     batch_size: int = 8
     seq_len: int = 128
     run_dir: str | None = None
-    eval_every: int = 40
+    eval_every: int | None = 40  # optimizer steps between evaluations; 0 or None: none
     eval_tokens: int = 4096  # the validation set: this many tokens' windows, whatever the batch size
+    val_data: str | None = None  # held-out data (any format `data` takes); None: a split of `data`
+    val_fraction: float | None = None  # the end of `data` held out; None: 5% where the corpus spares it
+    keep_best: bool = False  # checkpoint at each evaluation that improves, keep the best through pruning
     long_examples: LongExamples = LongExamples.TRUNCATE
     checkpoint_every: int | None = None  # None: checkpoint only when the run finishes
     keep_checkpoints: int = 2
@@ -350,11 +330,18 @@ class RunConfig:
     engine: Config = field(default_factory=Config)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_tokens", "keep_checkpoints",
+        for name in ("steps", "batch_size", "seq_len", "eval_tokens", "keep_checkpoints",
                      "sample_max_new_tokens"):
             _count(getattr(self, name), name)
         if self.sample_every is not None:
             _count(self.sample_every, "sample_every")
+        if self.eval_every not in (0, None):
+            _count(self.eval_every, "eval_every")
+        fraction = self.val_fraction
+        if fraction is not None and (not _number(fraction) or not 0 <= fraction < 1):
+            raise _refused("val_fraction", f"must be a number in [0, 1) (the corpus's share held out), got {fraction!r}")
+        if fraction is not None and self.val_data is not None:
+            raise ConfigError("--val-data and --val-fraction both name a validation set; pass one of them")
         try:
             self.long_examples = LongExamples(self.long_examples)
         except ValueError:

@@ -46,7 +46,7 @@ def test_a_cli_lora_run_exports_an_adapter_that_gives_its_losses(hf_models, tmp_
                                  "--offload", "nvme", "--run-dir", str(run_dir)])
     assert result.exit_code == 0, result.output
     assert "LoRA r=4 alpha=8 on q_proj, v_proj" in result.output
-    reported = [r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r]
+    reported = [r["eval_loss"] for r in read_metrics(run_dir) if "eval_loss" in r]
     assert len(reported) == 2 and reported[-1] < reported[0]  # before training, and after step 3
 
     for args in ([], ["--merge"]):

@@ -10,11 +10,15 @@ Pruning follows lineage (`tierzero.checkpoint.lineage`): it removes only checkpo
 run which just wrote one wrote itself, older than that one; anything else is left alone. And
 of such a checkpoint it deletes only the files its manifest lists: anything else found in it
 (another run's directory, a user's file) is moved into `checkpoints/abandoned/`, with a note.
+The run's best checkpoint (`--keep-best`: the lowest evaluation loss, named with its run id in
+`RUN_DIR/best.json`) is never pruned.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -23,11 +27,12 @@ from tierzero.errors import CheckpointError, RunDirError
 from tierzero.checkpoint.files import is_regular
 from tierzero.checkpoint.manifest import MANIFEST_NAME, STEP_DIR, Manifest
 from tierzero.storage.base import StorageError
-from tierzero.storage.durable import fsync_path
+from tierzero.storage.durable import fsync_path, write_atomic
 from tierzero.storage.filekind import kind_of
 from tierzero.storage.nvme.arrays import chunk_path, verify_array
 
 CHECKPOINTS_DIR = "checkpoints"
+BEST_NAME = "best.json"  # in the run directory: its checkpoint of the lowest evaluation loss
 ABANDONED_DIR = "abandoned"
 
 
@@ -130,9 +135,11 @@ def prune(run_dir: str | Path, keep: int, written: Path) -> list[str]:
     that it linked keep their other name, so pruning never touches the live store.
     """
     newest = Manifest.load(written)
+    best = read_best(run_dir)
+    kept = best["step"] if best is not None and best["run_id"] == newest.run_id else None
     ours = []
     for step, path in checkpoint_dirs(run_dir):
-        if step >= newest.step:
+        if step >= newest.step or step == kept:
             continue
         try:
             manifest = Manifest.load(path)
@@ -147,6 +154,31 @@ def prune(run_dir: str | Path, keep: int, written: Path) -> list[str]:
             notes.append(f"pruning checkpoint {path.name} found files its manifest does not list; they "
                          f"were moved into {target}, not deleted: delete them there once no longer wanted")
     return notes
+
+
+def record_best(run_dir: str | Path, step: int, eval_loss: float) -> dict[str, object]:
+    """Name checkpoint `step` (written already) the run's best, with its evaluation loss, in
+    `RUN_DIR/best.json` (temp file, then rename); the record."""
+    path = step_dir(run_dir, step)
+    record = {"step": step, "eval_loss": eval_loss, "checkpoint": f"{CHECKPOINTS_DIR}/{path.name}",
+              "run_id": Manifest.load(path).run_id}
+    write_atomic(Path(run_dir) / BEST_NAME, (json.dumps(record, indent=1) + "\n").encode())
+    return record
+
+
+def read_best(run_dir: str | Path) -> dict[str, object] | None:
+    """The run's best checkpoint as `record_best` wrote it, if it still exists (None: none, or
+    a file that is not such a record)."""
+    path = Path(run_dir) / BEST_NAME
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int) or not isinstance(
+            record.get("run_id"), str) or not isinstance(record.get("eval_loss"), float) or not math.isfinite(
+            record["eval_loss"]):
+        return None
+    return record if step_dir(run_dir, record["step"]).is_dir() else None
 
 
 def _remove_listed(path: Path, manifest: Manifest) -> bool:

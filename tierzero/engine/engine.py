@@ -37,6 +37,7 @@ from tierzero.engine.parts import EngineParts
 from tierzero.engine.runtime.binding import bind, flat_grad, unbind
 from tierzero.engine.runtime.opened import OpenParts, open_parts
 from tierzero.engine.step.stepper import Stepper
+from tierzero.engine.vertical.evaluate import evaluate_windows, evaluating
 from tierzero.engine.vertical.schedule import VerticalSteps
 from tierzero.errors import TierzeroError
 from tierzero.layout.partition import Unit
@@ -210,13 +211,14 @@ class Engine:
     @torch.no_grad()
     def eval_loss(self, batch: Any, summed: bool = False) -> float:
         """The loss in eval mode (dropout off), without grad; the model's mode is restored. `summed`: as `forward`."""
-        model = self.parts.model
-        was_training = model.training
-        model.eval()
-        try:
+        with evaluating(self.parts.model):
             return self.forward(batch, summed=summed).item()
-        finally:
-            model.train(was_training)
+
+    def evaluate(self, windows: list[Any]) -> list[float]:
+        """Each window's summed trained-token loss (`eval_loss(w, summed=True)`), every unit's params
+        read once for all of them, not once per window (`tierzero.engine.vertical.evaluate`)."""
+        self._settle()
+        return evaluate_windows(self.parts, self.opened, windows, lambda w: self.eval_loss(w, summed=True))
 
     # -- checkpoints ----------------------------------------------------------------------------
 

@@ -1,7 +1,12 @@
-"""A run's metrics as a picture: loss curves, throughput and tier traffic in one PNG."""
+"""A run's metrics as a picture: loss curves, throughput and tier traffic in one PNG.
+
+Evaluations are logged as `eval_loss` (and `eval_ppl`); runs from before those keys logged
+`val_loss`, which is read the same way.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -25,20 +30,30 @@ def load_run(run_dir: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+def eval_losses(records: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """(step, loss) of every evaluation the run logged, under either key it was logged as."""
+    return [(r["step"], r.get("eval_loss", r.get("val_loss"))) for r in records
+            if "eval_loss" in r or "val_loss" in r]
+
+
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The run's figures; peaks are the busiest rank's where several ranks logged theirs."""
     steps = [r for r in records if "loss" in r]
     counters = [c for r in steps for c in r.get("ranks", [r])]
-    vals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    vals = eval_losses(records)
     rates = sorted(r["tokens_per_s"] for r in steps)
+    last_eval = vals[-1][1] if vals else None
+    best = min(vals, key=lambda v: v[1]) if vals else None
     return {"steps": steps[-1]["step"], "first_loss": steps[0]["loss"], "last_loss": steps[-1]["loss"],
-            "val_loss": vals[-1][1] if vals else None, "median_tokens_per_s": rates[len(rates) // 2],
+            "eval_loss": last_eval, "eval_ppl": None if last_eval is None else _perplexity(last_eval),
+            "best_eval": None if best is None else {"step": best[0], "eval_loss": best[1]},
+            "median_tokens_per_s": rates[len(rates) // 2],
             "wall_s": steps[-1]["wall_s"],
             "peak_bytes": {k[5:-6]: max(c.get(k, 0) for c in counters) for k in steps[-1] if k.startswith("peak_")}}
 
 
 def plot(records: list[dict[str, Any]], out: str | Path) -> Path:
-    """Write the run's report PNG: loss (train, val), tokens/s, and bytes per step per link."""
+    """Write the run's report PNG: loss (train, eval), tokens/s, and bytes per step per link."""
     out = Path(out)
     if not os.access(out.parent, os.W_OK | os.X_OK):  # refused before any drawing
         raise RunDirError(f"cannot write the report {out}: {out.parent} is read-only; pass --out a "
@@ -52,9 +67,15 @@ def plot(records: list[dict[str, Any]], out: str | Path) -> Path:
     xs = [r["step"] for r in steps]
     fig, (ax_loss, ax_rate, ax_io) = plt.subplots(1, 3, figsize=(15, 4.2))
     ax_loss.plot(xs, [r["loss"] for r in steps], label="train", lw=1)
-    vals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    vals = eval_losses(records)
     if vals:
-        ax_loss.plot(*zip(*vals), "o-", label="validation")
+        ax_loss.plot(*zip(*vals), "o-", label="eval")
+        import numpy as np
+
+        # the same curve read as perplexity (exp of the loss), clipped where exp overflows
+        ppl = ax_loss.secondary_yaxis("right", functions=(lambda x: np.exp(np.minimum(x, 700)),
+                                                          lambda y: np.log(np.maximum(y, 1e-300))))
+        ppl.set_ylabel("perplexity")
     ax_loss.set(title="loss", xlabel="step", ylabel="nats / token")
     ax_loss.legend()
     ax_rate.plot(xs, [r["tokens_per_s"] for r in steps], lw=1)
@@ -75,3 +96,7 @@ def plot(records: list[dict[str, Any]], out: str | Path) -> Path:
     finally:
         plt.close(fig)
     return out
+
+
+def _perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf

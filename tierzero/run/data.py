@@ -15,9 +15,13 @@ over its trained targets), and a window without a trained target is never drawn.
 each example starts (`examples`), windows are whole examples packed together instead of every
 seq_len-th token (`tierzero.run.packing`); the targets past a window's last example are -100.
 
-Validation: the split's first windows that hold `eval_tokens` tokens, in batches of the
-training batch's rows (the last one filled with rows whose targets are all -100), so the set,
-and the loss over its trained targets, is the same for any batch size and number of ranks.
+Validation: the first windows that hold `eval_tokens` tokens, in batches of the training
+batch's rows (the last one filled with rows whose targets are all -100), so the set, and the
+loss over its trained targets, is the same for any batch size and number of ranks. They come
+from held-out data of their own (`held_out`: `--val-data`), or from a split off the corpus's
+end: `val_fraction` of it when asked for (refused if too small to hold a window), else 5%
+where the corpus can spare it -- a corpus too small for a split nobody asked for trains
+without one, and `note` says so.
 
 Ranks: `batch_size` is the global batch. Every rank walks the same order and takes its own
 contiguous rows of each batch (rank r of N: rows r*B/N .. (r+1)*B/N), so the global batch is
@@ -40,6 +44,7 @@ from tierzero.models.loss import IGNORE_INDEX
 from tierzero.run.packing import pack
 
 TOKEN_DTYPES = (np.dtype(np.uint16), np.dtype(np.uint32))
+DEFAULT_VAL_FRACTION = 0.05  # the split held out when none is asked for, where the corpus spares it
 SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 
 
@@ -116,8 +121,10 @@ class TokenBatches:
     """Deterministic (x, y) batches from a token array, with a held-out validation tail."""
 
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
-                 val_fraction: float = 0.05, rank: int = 0, world_size: int = 1,
+                 val_fraction: float | None = None, rank: int = 0, world_size: int = 1,
                  trained: np.ndarray | None = None, examples: np.ndarray | None = None) -> None:
+        """`val_fraction`: the end of `tokens` held out for validation (0: none); None: 5% where
+        the corpus spares a window for it, else none (`note` says so)."""
         if batch_size < 1 or seq_len < 1:
             raise ConfigError(f"batch_size {batch_size} and seq_len {seq_len} must both be at least 1")
         if batch_size % world_size:
@@ -126,7 +133,7 @@ class TokenBatches:
         self.rows = slice(rank * batch_size // world_size, (rank + 1) * batch_size // world_size)
         if seed < 0:
             raise ConfigError(f"data seed {seed} is negative; use a seed >= 0")
-        if not 0.0 <= val_fraction < 1.0:
+        if val_fraction is not None and not 0.0 <= val_fraction < 1.0:
             raise ConfigError(f"val_fraction {val_fraction} must be in [0, 1)")
         self.trained = trained  # which tokens are targets (fine-tuning examples); None: all
         if trained is not None and len(trained) != len(tokens):
@@ -135,25 +142,63 @@ class TokenBatches:
         if examples is not None and (examples[0] != 0 or examples[-1] != len(tokens)):
             raise ConfigError(f"the example offsets run from {examples[0]} to {examples[-1]}, not over the "
                               f"{len(tokens)} tokens; give each example's first offset, then the end")
-        split = self._split_at(len(tokens), int(len(tokens) * val_fraction))
-        n_val = len(tokens) - split
-        self.train, self.val = tokens[:split], tokens[split:]
-        for name, split_tokens in (("training", self.train), ("validation", self.val)):
-            if len(split_tokens) < seq_len + 1 and (name == "training" or n_val > 0):
-                raise DataError(
-                    f"the corpus of {len(tokens)} tokens leaves {len(split_tokens)} for {name}, too short "
-                    f"for seq_len {seq_len} (needs {seq_len + 1}); use a larger corpus or a smaller --seq-len"
-                )
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
-        self._windows = self._split_windows(0, len(self.train))
-        self._val_windows = self._split_windows(len(self.train), len(self.val)) if n_val else self._windows
-        if len(self._windows[0]) == 0 or len(self._val_windows[0]) == 0:
-            raise DataError(f"no window of {seq_len + 1} tokens in the "
-                            f"{'training' if len(self._windows[0]) == 0 else 'validation'} split has a "
-                            "completion or assistant token to train on; use a longer --seq-len or more data")
+        self.note: str | None = None  # why there is no validation split (a small corpus)
+        self._held_out: TokenBatches | None = None  # `--val-data`'s batches (`held_out`)
+        fraction = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
+        why = self._split(tokens, self._split_at(len(tokens), int(len(tokens) * fraction)))
+        if why is not None and val_fraction is None and len(self.val):  # nobody asked for a split
+            self.note = (f"training without evaluation: with 5% held out for validation, {why[0]}; pass "
+                         "--val-data to evaluate")
+            why = self._split(tokens, len(tokens))
+        if why is not None:
+            problem, fix = why
+            hint = "lower --val-fraction, " if "training" in problem and len(self.val) else \
+                "raise --val-fraction, pass --val-data, " if "validation" in problem else ""
+            raise DataError(f"{problem}; {hint}{fix}")
         self.n_windows = len(self._windows[0])
         self.epoch, self.position = 0, 0
         self._order = self._permutation(0)
+
+    def _split(self, tokens: np.ndarray, split: int) -> tuple[str, str] | None:
+        """Split `tokens` at `split` into training and validation and cut both into windows;
+        what leaves one of them unusable and its fix (None: both usable, or validation empty)."""
+        self.train, self.val = tokens[:split], tokens[split:]
+        for name, part in (("training", self.train), ("validation", self.val)):
+            if len(part) < self.seq_len + 1 and (name == "training" or len(self.val)):
+                return ((f"the corpus of {len(tokens)} tokens leaves {len(part)} for {name}, too short "
+                         f"for seq_len {self.seq_len} (needs {self.seq_len + 1})"),
+                        "use a larger corpus or a smaller --seq-len")
+        self._windows = self._split_windows(0, len(self.train))
+        self._val_windows = (self._split_windows(len(self.train), len(self.val)) if len(self.val)
+                             else self._windows)
+        for name, (firsts, _) in (("training", self._windows), ("validation", self._val_windows)):
+            if len(firsts) == 0:
+                return ((f"no window of {self.seq_len + 1} tokens in the {name} split has a completion "
+                         "or assistant token to train on"), "use a longer --seq-len or more data")
+        return None
+
+    def held_out(self, tokens: np.ndarray, trained: np.ndarray | None = None,
+                 examples: np.ndarray | None = None, source: str = "--val-data") -> None:
+        """Validate on `tokens` (`source`'s, with its own trained mask and examples as the corpus
+        has them) instead of a split of the corpus."""
+        if len(tokens) < self.seq_len + 1:
+            raise DataError(f"{source} holds {len(tokens)} tokens, too short for seq_len {self.seq_len} "
+                            f"(needs {self.seq_len + 1}); pass more validation data or a smaller --seq-len")
+        try:
+            self._held_out = TokenBatches(tokens, self.batch_size, self.seq_len, self.seed, 0.0,
+                                          trained=trained, examples=examples)
+        except DataError:
+            raise DataError(f"{source} has no window of {self.seq_len + 1} tokens with a completion or "
+                            "assistant token to train on; pass validation records with replies, or a "
+                            "longer --seq-len") from None
+        self._held_out.rows = self.rows  # this rank's rows of every batch, as of the corpus's
+        self.note = None
+
+    @property
+    def has_validation(self) -> bool:
+        """Whether there is a validation set: held-out data, or a split of the corpus."""
+        return self._held_out is not None or len(self.val) > 0
 
     @cached_property
     def vocab_size_needed(self) -> int:
@@ -177,17 +222,23 @@ class TokenBatches:
         return self._gather(self.train, firsts[rows], lasts[rows], 0)
 
     def val_batches(self, eval_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's rows of the validation set: the split's first windows, in order, that hold
-        `eval_tokens` tokens (all of them if the split is shorter), batch_size rows a batch."""
+        """This rank's rows of the validation set: its first windows, in order, that hold
+        `eval_tokens` tokens (all of them if the set is shorter), batch_size rows a batch."""
+        if self._held_out is not None:
+            held = self._held_out
+            return held._eval_batches(held.train, held._windows, 0, eval_tokens)
         if len(self.val) == 0:
-            raise ConfigError("there is no validation split; set val_fraction above 0")
-        firsts, lasts = self._val_windows
+            raise ConfigError("there is no validation split; set val_fraction above 0 or pass val_data")
+        return self._eval_batches(self.val, self._val_windows, len(self.train), eval_tokens)
+
+    def _eval_batches(self, tokens: np.ndarray, windows: tuple[np.ndarray, np.ndarray], offset: int,
+                      eval_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        firsts, lasts = windows
         n = min(len(firsts), -(-eval_tokens // self.seq_len))
         pad = -n % self.batch_size  # rows with no target: the same set for every batch size
         firsts = np.concatenate([firsts[:n], np.repeat(firsts[:1], pad)])
         lasts = np.concatenate([lasts[:n], np.repeat(firsts[:1], pad)])
-        offset = len(self.train)
-        return [self._gather(self.val, firsts[i:i + self.batch_size][self.rows], lasts[i:i + self.batch_size][self.rows],
+        return [self._gather(tokens, firsts[i:i + self.batch_size][self.rows], lasts[i:i + self.batch_size][self.rows],
                              offset) for i in range(0, n + pad, self.batch_size)]
 
     def state_dict(self) -> dict[str, int]:

@@ -9,13 +9,18 @@ One definition of the loss, for training and validation alike: the sum of every 
 token's loss over the global batch (all micro-batches, all ranks) divided by their number. The
 loop draws a step's micro-batches first, counts their trained targets and sums the count over
 the ranks, and passes it with each micro-batch (`step_tokens`, see `Engine.forward`); the mean
-of the micro-batches' losses over them and the ranks is then that step's loss. Validation sums
-each batch's token losses and divides by the set's trained targets.
+of the micro-batches' losses over them and the ranks is then that step's loss. Evaluation sums
+each window's token losses and divides by the set's trained targets: `eval_loss`, and its
+perplexity `eval_ppl` (runs before these keys logged `val_loss`). The engine reads each unit
+once per evaluation (`Engine.evaluate`); the reference trainer runs window by window. With
+`keep_best` every evaluation that beats the run's best checkpoints its step (if it is not
+checkpointing then anyway) and names it in `best.json`, which pruning never removes.
 Ctrl-C leaves it as `Interrupted`, which says how far the run got and what it can resume from.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from tierzero.checkpoint.catalog import prune, read_best, record_best, step_dir
 from tierzero.config import RunConfig
 from tierzero.models.loss import trained_targets
 from tierzero.run.data import TokenBatches
@@ -51,20 +57,29 @@ class Interrupted(KeyboardInterrupt):
 class LoopResult:
     first_loss: float
     last_loss: float
-    val_losses: list[tuple[int, float]]
+    val_losses: list[tuple[int, float]]  # (step, eval loss) of every evaluation
     wall_s: float
+    best: dict[str, Any] | None = None  # `keep_best`: the best checkpoint's record (`best.json`)
 
 
 Total = Callable[[list[float]], list[float]]  # each value summed over the ranks
 
 
 def evaluate(trainer: Trainer, batches: TokenBatches, eval_tokens: int, total: Total | None = None) -> float:
-    """The validation loss: every rank's trained tokens' losses summed, over their number."""
+    """The evaluation loss: every rank's trained tokens' losses summed, over their number (each
+    window's sum added in window order, however the trainer runs them)."""
     val = batches.val_batches(eval_tokens)
-    summed = sum(trainer.eval_loss(b, summed=True) for b in val)
+    one_pass = getattr(trainer, "evaluate", None)  # the engine's: each unit read once for the set
+    windows = one_pass(val) if one_pass is not None else [trainer.eval_loss(b, summed=True) for b in val]
+    summed = sum(windows)
     count = sum(trained_targets(y) for _, y in val)
     summed, count = (summed, count) if total is None else total([summed, count])
     return summed / max(count, 1)
+
+
+def eval_record(loss: float) -> dict[str, float]:
+    """An evaluation's metrics: its loss and perplexity (exp of the loss; inf past a float's range)."""
+    return {"eval_loss": loss, "eval_ppl": math.exp(loss) if loss < 700 else math.inf}
 
 
 def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: RunDir,
@@ -88,11 +103,20 @@ def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: 
     val_losses = []
     first = last = float("nan")
     done, saved = start_step, (start_step or None)  # a resumed run starts from a checkpoint
+    every = run.eval_every if batches.has_validation else None
+    best = read_best(rundir.path) if run.keep_best and start_step else None  # a resumed run's best so far
+
+    def evaluated(step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        loss = evaluate(trainer, batches, run.eval_tokens, total)
+        val_losses.append((step, loss))
+        cost = {f"eval_{k}": v for k, v in trainer.stats().items() if k.startswith("bytes_")}  # its own bytes
+        return {**eval_record(loss), "eval_s": time.perf_counter() - t0, **cost}
+
     try:
-        if start_step == 0:
-            val_losses.append((0, evaluate(trainer, batches, run.eval_tokens, total)))
-            rundir.log({"step": 0, "val_loss": val_losses[0][1]})
-        else:  # metrics of steps after the checkpoint were lost with the crash: they are redone
+        if start_step == 0 and every:
+            rundir.log({"step": 0, **evaluated(0)})
+        elif start_step:  # metrics of steps after the checkpoint were lost with the crash: they are redone
             rundir.log({"resumed_at": start_step})
         for step in range(start_step, run.steps):
             t0 = time.perf_counter()
@@ -111,19 +135,32 @@ def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: 
                       "wall_s": time.perf_counter() - start, **stats}
             if gather is not None:
                 record["ranks"] = gather(stats)
-            if (step + 1) % run.eval_every == 0 or step + 1 == run.steps:
-                record["val_loss"] = evaluate(trainer, batches, run.eval_tokens, total)
-                val_losses.append((step + 1, record["val_loss"]))
+            if every and ((step + 1) % every == 0 or step + 1 == run.steps):
+                record.update(evaluated(step + 1))
             rundir.log(record)
             if samples is not None:
                 samples(step + 1)
             done = step + 1
+            better = run.keep_best and "eval_loss" in record and (
+                best is None or record["eval_loss"] < best["eval_loss"])
             if checkpoint is not None and ((step + 1) % (run.checkpoint_every or run.steps) == 0
-                                           or step + 1 == run.steps):
+                                           or step + 1 == run.steps or better):
                 checkpoint(step + 1)
                 saved = step + 1
+                if better:
+                    best = keep_best(rundir, step + 1, record["eval_loss"], run.keep_checkpoints)
             if on_step is not None:
                 on_step(step + 1, record)
     except KeyboardInterrupt:
         raise Interrupted(done, saved) from None
-    return LoopResult(first, last, val_losses, time.perf_counter() - start)
+    return LoopResult(first, last, val_losses, time.perf_counter() - start, best)
+
+
+def keep_best(rundir: RunDir, step: int, eval_loss: float, keep: int) -> dict[str, Any]:
+    """Name checkpoint `step` (just written) the run's best and prune again: the best before it
+    is an ordinary checkpoint from now on. Rank 0 writes; the record."""
+    if not rundir.primary:
+        return {"step": step, "eval_loss": eval_loss}
+    record = record_best(rundir.path, step, eval_loss)
+    prune(rundir.path, keep, step_dir(rundir.path, step))
+    return record

@@ -91,15 +91,26 @@ def load_batches(run: RunConfig, model: RunModel, ranks: Ranks = Ranks()) -> tup
     ranks, this rank's rows of every global batch. Fine-tuning examples longer than a window
     are fitted by `run.long_examples`; what that touched (None: plain text)."""
     tokens, examples = read_data(run.data, model.vocab_size, model.tokenizer, run.text_field)
+    fraction = 0.0 if run.val_data is not None else run.val_fraction  # --val-data: no split
     if examples is None:
-        return TokenBatches(tokens, run.batch_size, run.seq_len, seed=run.engine.seed,
-                            rank=ranks.rank, world_size=ranks.world_size), None
-    examples, fitted = fit_examples(examples, run.seq_len + 1, run.long_examples)
-    if not len(examples.ids):
-        raise DataError(f"every one of the {fitted.examples} examples is longer than --seq-len {run.seq_len} "
-                        "allows and --long-examples drop left none; raise --seq-len or truncate them")
-    return TokenBatches(examples.ids, run.batch_size, run.seq_len, seed=run.engine.seed, rank=ranks.rank,
-                        world_size=ranks.world_size, trained=examples.trained, examples=examples.bounds), fitted
+        batches, fitted = TokenBatches(tokens, run.batch_size, run.seq_len, seed=run.engine.seed, val_fraction=fraction,
+                                       rank=ranks.rank, world_size=ranks.world_size), None
+    else:
+        examples, fitted = fit_examples(examples, run.seq_len + 1, run.long_examples)
+        if not len(examples.ids):
+            raise DataError(f"every one of the {fitted.examples} examples is longer than --seq-len {run.seq_len} "
+                            "allows and --long-examples drop left none; raise --seq-len or truncate them")
+        batches = TokenBatches(examples.ids, run.batch_size, run.seq_len, seed=run.engine.seed, val_fraction=fraction,
+                               rank=ranks.rank, world_size=ranks.world_size, trained=examples.trained,
+                               examples=examples.bounds)
+    if run.val_data is not None:
+        val, val_examples = read_data(run.val_data, model.vocab_size, model.tokenizer, run.text_field)
+        if val_examples is None:
+            batches.held_out(val)
+        else:
+            val_examples, _ = fit_examples(val_examples, run.seq_len + 1, run.long_examples)
+            batches.held_out(val_examples.ids, val_examples.trained, val_examples.bounds)
+    return batches, fitted
 
 
 @contextmanager
@@ -114,14 +125,17 @@ def open_session(run: RunConfig, ranks: Ranks = Ranks()) -> Iterator[Session]:
     check_dtype_supported(dtype, device)
     model = run_model(run)
     batches, fitted = load_batches(run, model, ranks)
+    if run.keep_best and not (batches.has_validation and run.eval_every):
+        raise ConfigError("--keep-best keeps the checkpoint of the lowest eval loss, but this run evaluates "
+                          "nothing; pass --val-data or --val-fraction and an --eval-every above 0")
     samples = TrainingSamples.for_run(run, Codec(model.tokenizer, model.vocab_size))  # read now
     run.check_ranks(ranks.world_size)
     if cfg.offload is Offload.NONE:
         from tierzero.reference import ReferenceTrainer
 
-        if run.checkpoint_every is not None:
+        if run.checkpoint_every is not None or run.keep_best:
             raise ConfigError("checkpoints need a tiered run (--offload host, nvme or auto); the in-memory "
-                              "reference trainer keeps none: drop --checkpoint-every or offload")
+                              "reference trainer keeps none: drop --checkpoint-every and --keep-best, or offload")
         trainer: Trainer = ReferenceTrainer(model.in_memory(device, cfg.seed), cfg, device)
         text = "everything in memory (reference trainer)"
     else:

@@ -76,9 +76,15 @@ class _Entry:
 
 
 class BoundaryStore:
-    def __init__(self, tiers: Tiers, budget_bytes: int) -> None:
+    def __init__(self, tiers: Tiers, budget_bytes: int, name: str = "act", in_put_order: bool = False) -> None:
+        """`name`: its NVMe keys' prefix. `in_put_order`: `get` takes entries in the order they
+        were put (an evaluation pass, `tierzero.engine.vertical.evaluate`), not backward order;
+        the entry then spilled when the budget is full is the newest, the one needed last."""
         self.tiers = tiers
         self.budget_bytes = budget_bytes
+        self.name = name
+        self.in_put_order = in_put_order
+        self._order = _put_key if in_put_order else _backward_key
         self.peak_bytes = 0
         self.spilled = 0  # entries written to NVMe since open
         self._entries: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
@@ -122,7 +128,7 @@ class BoundaryStore:
     def stage_next(self) -> None:
         """Start the copy to the device of the entry `get` takes next, if it is in host memory
         (a read back from NVMe still in flight is not waited for)."""
-        entry = min(self._entries.items(), key=_backward_key, default=(None, None))[1]
+        entry = min(self._entries.items(), key=self._order, default=(None, None))[1]
         if entry is not None and entry.up is None and entry.buffer is not None and \
                 (entry.read is None or entry.read.done()):
             self._up(entry)
@@ -139,7 +145,7 @@ class BoundaryStore:
     def prefetch(self) -> None:
         """Read spilled entries back, the next needed first (backward order), while they fit."""
         self._reap()
-        for (unit, micro), entry in self._backward_order():
+        for (unit, micro), entry in self._get_order():
             if entry.buffer is not None:
                 continue
             if self.used_bytes + entry.nbytes > self.budget_bytes or not entry.written.done():
@@ -171,10 +177,11 @@ class BoundaryStore:
         self._reap()
         while self.used_bytes + nbytes > self.budget_bytes:
             # an entry on its way to the device (`up`) keeps its buffer until `get` frees it
-            oldest = next((e for e in self._entries.values() if e.buffer is not None and e.written is None
+            entries = reversed(self._entries.values()) if self.in_put_order else self._entries.values()
+            oldest = next((e for e in entries if e.buffer is not None and e.written is None
                            and e.read is None and e.up is None), None)
             freeing = [b for b in self._buffers if b.free_after is not None]
-            read_back = [e for _, e in self._backward_order() if e.buffer is not None and e.read is not None
+            read_back = [e for _, e in self._get_order() if e.buffer is not None and e.read is not None
                          and e.up is None]
             if oldest is not None:
                 self._spill(oldest)
@@ -192,9 +199,9 @@ class BoundaryStore:
             self._reap()
         return self._take(nbytes)
 
-    def _backward_order(self) -> list[tuple[tuple[int, int], _Entry]]:
-        """The entries in the order `get` takes them: units descending, micro-batches in order."""
-        return sorted(self._entries.items(), key=_backward_key)
+    def _get_order(self) -> list[tuple[tuple[int, int], _Entry]]:
+        """The entries in the order `get` takes them (backward: units descending, micro-batches in order)."""
+        return sorted(self._entries.items(), key=self._order)
 
     def _take(self, nbytes: int) -> _Buffer:
         """A buffer of at least `nbytes` (room for it made): the smallest freed one that fits
@@ -219,13 +226,13 @@ class BoundaryStore:
         store = self._nvme()
         raw, buffer, entry.buffer = entry.raw(), entry.buffer, None
         entry.written = buffer.free_after = self.tiers.submit(
-            _write_when_landed(self.tiers, entry.landed, store, _key(unit, micro), raw))
+            _write_when_landed(self.tiers, entry.landed, store, self._key(unit, micro), raw))
         entry.landed = None
         self.spilled += 1
         self.tiers.stats.add_bytes(Link.HOST_TO_NVME, entry.nbytes)
 
     def _read(self, unit: int, micro: int, entry: _Entry) -> None:
-        entry.read = self.tiers.submit(self._nvme().read_into(_key(unit, micro), entry.raw()))
+        entry.read = self.tiers.submit(self._nvme().read_into(self._key(unit, micro), entry.raw()))
         self.tiers.stats.add_bytes(Link.NVME_TO_HOST, entry.nbytes)
 
     def _nvme(self) -> TierStore:
@@ -235,6 +242,9 @@ class BoundaryStore:
                               f"({self.budget_bytes} bytes) and no state lives on nvme to spill them to; "
                               "raise --activation-budget or --host-budget, or use --schedule horizontal")
         return store
+
+    def _key(self, unit: int, micro: int) -> str:
+        return f"{self.name}/u{unit:04d}/m{micro:04d}"
 
     def _wait(self, future: concurrent.futures.Future | None) -> None:
         if future is not None:
@@ -264,8 +274,9 @@ def aligned_nbytes(nbytes: int) -> int:
     return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
-def _key(unit: int, micro: int) -> str:
-    return f"act/u{unit:04d}/m{micro:04d}"
+def _put_key(item: tuple[tuple[int, int], _Entry]) -> tuple[int, int]:
+    """An entry's place in put order (an evaluation pass): units ascending, micro-batches in order."""
+    return item[0]
 
 
 async def _write_when_landed(tiers: Tiers, landed: Event, store: TierStore, key: str, data: torch.Tensor) -> None:

@@ -1,0 +1,297 @@
+"""One evaluation in one pass over the weights: every validation window through each unit while
+that unit's params are gathered once.
+
+Evaluating window by window runs a whole forward per window, so with params on NVMe every
+window reads every unit again: 128 windows read the model 128 times. Here the evaluation runs
+layer-major, as the vertical schedule runs a step (`tierzero.engine.vertical.schedule`): the
+embedding, each block and the head are gathered once (a tied embedding twice: the head binds
+it again), and all the windows go through each in evaluation micro-batches, consecutive
+windows joined row-wise into as many rows as the compute device's budget holds. No grad, no
+recompute, nothing reaches the grad home; the swap runner replays the eval plan as the
+per-window forward does.
+
+Exactness. Each window's loss is its trained tokens' summed loss, from the head run on that
+window's own rows with the divisor 1 (`Engine.eval_loss(batch, summed=True)`'s arithmetic);
+the caller adds them in window order, as it adds per-window losses. The blocks run on joined
+rows, and a row's values do not depend on the rows beside it as long as the kernels compute
+each row alike: on the CPU in fp32 the built-in model and dense Hugging Face decoders come out
+bitwise equal to the per-window path (tests/engine/test_evaluate.py, tests/hf/test_hf_evaluate.py).
+A Mixture-of-Experts layer gathers each expert's tokens from every row of the micro-batch, so
+its matmuls see another number of rows (equal within 1e-6 relative, measured about 1e-7), as
+may a GPU's kernels, which can block a matmul differently per row count.
+
+What waits. Between two units each micro-batch's hidden state waits for the next unit. They
+stay on the compute device when they fit in its budget beside one micro-batch's working set;
+else in a `BoundaryStore` (host memory under what the budget leaves, the rest spilled to
+NVMe), taken in the order they were put. Where neither holds them, or the model is no chain
+(`tierzero.engine.vertical.chain`: a root unit, a router aux loss), the evaluation runs window
+by window, and the engine notes why once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tierzero.config import Tier
+from tierzero.engine.parts import EngineParts
+from tierzero.engine.runtime.binding import bind, unbind
+from tierzero.engine.runtime.opened import OpenParts
+from tierzero.engine.vertical.boundary import BoundaryStore, aligned_nbytes
+from tierzero.engine.vertical.chain import Chain, chain_of
+from tierzero.layout.partition import Unit
+
+Window = tuple[torch.Tensor, torch.Tensor]  # token ids, targets (rows x seq_len)
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """Inside, `model` is in eval mode (dropout off); its mode is restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+@dataclass(frozen=True)
+class EvalLayout:
+    """How one evaluation runs: each micro-batch's windows (indices), and where hidden states
+    wait between units (`store_bytes`: None on the device, else a store's host budget)."""
+
+    micro_batches: list[list[int]]
+    store_bytes: int | None
+
+
+def evaluate_windows(
+    parts: EngineParts,
+    opened: OpenParts,
+    windows: list[Any],
+    one_window: Callable[[Any], float],
+) -> list[float]:
+    """Each window's summed trained-token loss, every unit read once for all of them; window
+    by window (`one_window`) where the pass cannot run (the engine notes why)."""
+    chain = chain_of(parts.model, parts.units)
+    why = chain if isinstance(chain, str) else None
+    if why is None and not all(
+        isinstance(w, (tuple, list)) and len(w) == 2 for w in windows
+    ):
+        why = "its batches are not (token ids, targets) pairs"
+    layout = plan_layout(parts, chain, windows) if why is None else None
+    if isinstance(layout, str):
+        why = layout
+    if why is not None or not windows:
+        if why is not None:
+            parts.note(
+                f"each evaluation runs window by window, a full pass over the units per window: {why}"
+            )
+        return [one_window(w) for w in windows]
+    assert isinstance(chain, Chain) and isinstance(layout, EvalLayout)
+    with torch.no_grad(), evaluating(parts.model):
+        return EvalPass(parts, opened, chain, layout).run(windows)
+
+
+def plan_layout(
+    parts: EngineParts, chain: Chain, windows: list[Window]
+) -> EvalLayout | str:
+    """The micro-batches and where their hidden states wait, from what the compute device's
+    and the host's budgets leave beyond their pools; or why the pass cannot run."""
+    dim, itemsize = chain.dim, parts.dtype.itemsize
+    rows = [w[0].shape[0] * w[0].shape[1] for w in windows]  # tokens per window
+    waiting = sum(aligned_nbytes(n * dim * itemsize) for n in rows)
+    device_room, host_room = rooms(parts)
+    per_token = working_bytes_per_token(parts.model, dim, itemsize)
+    head = 2 * int(
+        getattr(parts.model, "loss_chunk_bytes", 0) or 0
+    )  # a chunk's logits and log-softmax
+    on_device = waiting + head + per_token * max(rows) <= device_room
+    room = device_room - head - (waiting if on_device else 0)
+    store_bytes = None
+    if not on_device:
+        store_bytes = (
+            host_room
+            - (device_room - room if parts.device.type == "cpu" else 0)
+            - per_token * max(rows)
+        )  # on the CPU device the host is the compute tier
+        if store_bytes < 2 * aligned_nbytes(max(rows) * dim * itemsize) or (
+            store_bytes < waiting and Tier.NVME not in parts.tiers.stores
+        ):
+            return (
+                f"its waiting activations ({waiting / 1e6:.1f} MB) fit neither the compute device's "
+                f"budget nor the host's, and no state lives on NVMe to spill them to"
+            )
+        store_bytes = min(store_bytes, waiting)
+    return EvalLayout(
+        join(windows, max(room, per_token * max(rows)) // per_token), store_bytes
+    )
+
+
+def join(windows: list[Window], tokens: int) -> list[list[int]]:
+    """Consecutive windows of one sequence length, joined until a micro-batch holds `tokens`."""
+    out: list[list[int]] = []
+    held = 0
+    for i, (ids, _) in enumerate(windows):
+        n = ids.numel()
+        if (
+            out
+            and held + n <= tokens
+            and ids.shape[1] == windows[out[-1][0]][0].shape[1]
+        ):
+            out[-1].append(i)
+            held += n
+        else:
+            out.append([i])
+            held = n
+    return out
+
+
+def rooms(parts: EngineParts) -> tuple[int, int]:
+    """Bytes the compute device's budget and the host's leave beyond their pools' peaks (after
+    what the training batch and the vertical schedule reserved); on the CPU device one figure."""
+    tiers, memory = parts.tiers, parts.sizing.current
+    host = tiers.host_budget - memory.tiers[Tier.HOST].pool_bytes
+    if parts.device.type == "cpu":
+        return host, host
+    return tiers.gpu_budget - memory.tiers[Tier.GPU].pool_bytes, host
+
+
+def working_bytes_per_token(model: nn.Module, dim: int, itemsize: int) -> int:
+    """A block's forward temporaries per token without grad (the ledger's `block_forward_bytes`:
+    its MLP's three F-wide temporaries, the normed input and output), with its output beside."""
+    args = getattr(model, "args", None)
+    config = getattr(model, "config", None)
+    ffn = (
+        getattr(args, "ffn_dim", None)
+        or getattr(config, "intermediate_size", None)
+        or 4 * dim
+    )
+    return (3 * int(ffn) + 3 * dim) * itemsize
+
+
+class EvalPass:
+    """Runs one evaluation layer-major (see the module docstring)."""
+
+    def __init__(
+        self, parts: EngineParts, opened: OpenParts, chain: Chain, layout: EvalLayout
+    ) -> None:
+        self.parts, self.opened, self.chain, self.layout = parts, opened, chain, layout
+        self.runner, self.swap = opened.runner, opened.swap_runner
+        self.store: BoundaryStore | None = None
+        self._held: dict[int, torch.Tensor] = {}
+
+    def run(self, windows: list[Window]) -> list[float]:
+        """Each window's summed trained-token loss, in window order."""
+        groups = self.layout.micro_batches
+        ids = [
+            self.opened.batches.to_device(torch.cat([windows[i][0] for i in g]))
+            for g in groups
+        ]
+        targets = [
+            [self.opened.batches.to_device(windows[i][1]) for i in g] for g in groups
+        ]
+        for x in ids:
+            self.chain.check(x)
+        if self.layout.store_bytes is not None:
+            self.store = BoundaryStore(
+                self.parts.tiers,
+                self.layout.store_bytes,
+                name="eval",
+                in_put_order=True,
+            )
+        self.swap.begin(self.opened.eval_plan)
+        try:
+            contexts = self._embed(ids)
+            for unit in self.parts.units[1:-1]:
+                self._block(unit, len(groups), contexts)
+            losses = self._head(self.parts.units[-1], targets)
+            self.swap.finish()
+        except BaseException:
+            self.swap.abort()
+            raise
+        finally:
+            if self.store is not None:
+                self.store.clear()
+            self._held.clear()
+        return torch.stack(losses).tolist()  # host sync point: once per evaluation
+
+    def _embed(self, ids: list[torch.Tensor]) -> list[Any]:
+        """The embedding over every micro-batch; each one's context (what its layers take)."""
+        unit = self.parts.units[0]
+        contexts = []
+        with self._gathered(unit):
+            for m, x in enumerate(ids):
+                hidden, context = self.chain.embed(self.runner, unit, x)
+                contexts.append(_without_hidden(context))
+                self._keep(unit.index + 1, m, hidden)
+        return contexts
+
+    def _block(self, unit: Unit, micro_batches: int, contexts: list[Any]) -> None:
+        with self._gathered(unit):
+            for m in range(micro_batches):
+                x = self._take(unit.index, m)
+                self._keep(
+                    unit.index + 1,
+                    m,
+                    self.chain.block(self.runner, unit, x, contexts[m]),
+                )
+
+    def _head(
+        self, unit: Unit, targets: list[list[torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        """Each window's summed loss: the head on that window's own rows, divided by 1."""
+        losses = []
+        with self._gathered(unit):
+            for m, window_targets in enumerate(targets):
+                x, start = self._take(unit.index, m, last=True), 0
+                for y in window_targets:
+                    rows = slice(start, start + y.shape[0])
+                    losses.append(self.chain.head(self.runner, unit, x[rows], y, 1.0))
+                    start = rows.stop
+        return losses
+
+    @contextlib.contextmanager
+    def _gathered(self, unit: Unit) -> Iterator[None]:
+        """`unit` (and what it binds with it: a tied head's embedding) bound to params gathered
+        once, as the eval plan lists them; released after."""
+        bound = self.runner.bound_units(unit)
+        for u in bound:
+            bind(u, self.runner.gather(u.index))
+        try:
+            yield
+        finally:
+            for u in bound:
+                unbind(u, self.parts.dtype, self.parts.device)
+            self.runner.release(unit.index)
+
+    def _keep(self, unit: int, micro: int, x: torch.Tensor) -> None:
+        """`x` waits as unit `unit`'s input for micro-batch `micro`. Spilled entries are read
+        back ahead only with the room left after a put: room a `get` frees goes to the put
+        that follows it, not to an entry the put would then drop again."""
+        if self.store is None:
+            self._held[micro] = x
+        else:
+            self.store.put(unit, micro, x)
+            self.store.prefetch()
+
+    def _take(self, unit: int, micro: int, last: bool = False) -> torch.Tensor:
+        """Unit `unit`'s input for micro-batch `micro`; `last`: no put follows (the head)."""
+        if self.store is None:
+            return self._held.pop(micro)
+        x = self.store.get(unit, micro)
+        if last:
+            self.store.prefetch()
+        return x
+
+
+def _without_hidden(context: Any) -> Any:
+    """A Hugging Face micro-batch's recorded layer calls hold the first hidden state; the
+    waiting activation is its one copy (the calls' other arguments are what the layers take)."""
+    for call in context or ():
+        call.hidden = None
+    return context
