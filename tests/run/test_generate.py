@@ -104,7 +104,7 @@ def test_rows_stop_at_their_end_of_sequence_id(small) -> None:
     model = small
     greedy, _ = generate(in_memory(model), PROMPTS, Sampling(12))
     eos = greedy[0][0]
-    new, _ = generate(in_memory(model), PROMPTS, Sampling(12), eos_id=eos)
+    new, _ = generate(in_memory(model), PROMPTS, Sampling(12), stop_ids={eos})
     assert new[0] == [eos]
     for row in range(len(PROMPTS)):
         cut = greedy[row].index(eos) + 1 if eos in greedy[row] else len(greedy[row])
@@ -143,7 +143,7 @@ def test_greedy_ids_equal_transformers_generate_through_the_tiers(chat_model, tm
     with open_inference(model=f"hf:{chat_model}", engine=engine, store=tmp_path) as inference:
         codec = inference.codec
         prompts = [codec.encode(Prompt(t)) for t in ("the class of this module is", "import", "def return")]
-        new, _ = generate(inference.decoder, prompts, Sampling(10), codec.eos_id)
+        new, _ = generate(inference.decoder, prompts, Sampling(10), codec.stop_ids)
     longest = max(map(len, prompts))
     ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])

@@ -11,14 +11,15 @@ row at once, never one per prompt.
 Greedy by default (the highest logit, the first on ties, as transformers' `generate` picks);
 with a temperature, tokens are drawn from the softmax of the logits over it, cut to the top-p
 nucleus, from a generator seeded by `Sampling.seed`, so a seed repeats its draws. A row stops
-at its end-of-sequence id (which it keeps); the pass runs on while another row has not.
+at an id that ends a reply (the model's end-of-sequence ids; it keeps it); the pass runs on while
+another row has not.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -105,11 +106,11 @@ def generate(
     decoder: Decoder,
     prompts: list[list[int]],
     sampling: Sampling,
-    eos_id: int | None = None,
+    stop_ids: Collection[int] = (),
     pad_id: int = 0,
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Each prompt's new token ids (up to `sampling.max_new_tokens`, or through `eos_id`), and
-    each pass's last logits (B, V) in fp32, for tests and scores."""
+    """Each prompt's new token ids (up to `sampling.max_new_tokens`, or through the first of
+    `stop_ids`), and each pass's last logits (B, V) in fp32, for tests and scores."""
     empty = [i + 1 for i, p in enumerate(prompts) if not p]
     if not prompts or empty:
         raise ConfigError(
@@ -135,7 +136,7 @@ def generate(
             for row, token in enumerate(chosen.tolist()):
                 if not done[row]:
                     new[row].append(token)
-                    done[row] = token == eos_id
+                    done[row] = token in stop_ids
             if all(done):
                 break
             ids = chosen[:, None]

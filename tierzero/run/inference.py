@@ -122,7 +122,7 @@ def open_inference(
             chat = checkpoint is not None and trained_on_chats(run.data)
             yield Inference(
                 Decoder.through(eng),
-                Codec(loaded.tokenizer, loaded.vocab_size),
+                Codec.for_model(loaded),
                 run.model,
                 chat,
                 step,

@@ -21,6 +21,7 @@ from typing import Any
 from tierzero.errors import DataError
 from tierzero.run.corpus import TextTokenizer
 from tierzero.run.examples import ChatTemplate, arrow_records, is_arrow_data
+from tierzero.run.model_load import RunModel
 
 Messages = list[dict[str, Any]]
 
@@ -98,17 +99,32 @@ def trained_on_chats(data: str | None) -> bool:
 
 
 class Codec:
-    """One model's text and token ids: its tokenizer (None: bytes) and chat template."""
+    """One model's text and token ids: its tokenizer (None: bytes), chat template and the ids
+    that end a reply."""
 
-    def __init__(self, tokenizer: TextTokenizer | None, vocab_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer: TextTokenizer | None,
+        vocab_size: int,
+        stop_ids: frozenset[int] = frozenset(),
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        eos = tokenizer.eos_id if tokenizer is not None else None
+        self.stop_ids = stop_ids | ({eos} if eos is not None else set())
         self._loaded: Any = None
         self._template = ChatTemplate(tokenizer.path.parent) if tokenizer is not None else None
 
-    @property
-    def eos_id(self) -> int | None:
-        return self.tokenizer.eos_id if self.tokenizer is not None else None
+    @classmethod
+    def for_model(cls, model: RunModel) -> Codec:
+        """A run's model's codec. Its replies end at any end-of-sequence id its directory names
+        (config.json's and generation_config.json's `eos_token_id`, one or a list: a chat
+        model's end of turn is often only in the latter), as transformers' `generate` stops."""
+        stop: set[int] = set()
+        if model.hf_model is not None:
+            for name in ("config.json", "generation_config.json"):
+                stop |= _eos_ids(model.hf_model.path / name)
+        return cls(model.tokenizer, model.vocab_size, frozenset(stop))
 
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
         """`prompt`'s ids, checked against the vocabulary; `chat` renders plain text as a user's turn."""
@@ -154,3 +170,14 @@ class Codec:
             assert self.tokenizer is not None
             self._loaded = self.tokenizer.load()
         return self._loaded
+
+
+def _eos_ids(path: Path) -> set[int]:
+    """The `eos_token_id` (an id or a list of them) of a model directory's JSON file; none when
+    it has no such file or key."""
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return set()
+    ids = eos if isinstance(eos, list) else [eos]
+    return {i for i in ids if isinstance(i, int) and not isinstance(i, bool)}
