@@ -57,7 +57,9 @@ def generate(
     offload: Optional[str] = typer.Option(
         None,
         "--offload",
-        help="Where the weights live: host, nvme or auto. Default: the run's own, or auto for --model.",
+        help="Where the weights live: host, nvme (every unit read from the store for every new "
+        "token), or auto (the planner holds them in memory where the budgets allow). Default: the "
+        "run's own, or auto for --model.",
     ),
     dtype: Optional[str] = typer.Option(
         None,
