@@ -162,7 +162,7 @@ BF16_WINDOW_TOLERANCE = 0.1  # nats: |mean engine loss - mean reference loss| ov
 
 
 def test_bf16_engine_tracks_the_fp32_reference_loss_curve() -> None:
-    """100 steps: the engine in bf16 (fp32 master and moments, fp32 grads) against the reference
+    """100 steps: the engine in bf16 (fp32 master and moments, bf16 grads) against the reference
     trainer in fp32. The model is the tiny preset's shape scaled down (this CPU's bf16 matmuls
     are slow); `benchmarks/bench_bf16_tracking.py` runs the same comparison on `tiny` itself."""
     import numpy as np
