@@ -19,12 +19,13 @@ from tierzero.planning.peaks import MemoryModel, format_bytes
 from tierzero.planning.placement import Link
 from tierzero.planning.planreport import DEFAULT_PRESET, PlanReport
 from tierzero.planning.streaming import DEFAULT
+from tierzero.planning.wear import WEAR_NOTE_FRACTION, DriveWear
 
 
 def plan(
     model: Optional[str] = typer.Option(None, "--model", help=f"Model preset: {', '.join(PRESETS)} (default {DEFAULT_PRESET}); or hf:DIR, a local Hugging Face causal LM directory (read from its config.json)."),
     params: Optional[str] = typer.Option(None, "--params", help="A parameter count instead of a preset, e.g. 7e9 or 70B; shaped like the nearest preset."),
-    gpus: int = typer.Option(1, "--gpus", help="Data-parallel GPUs (ranks), all on this machine."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="Data-parallel GPUs (ranks), all on this machine (default 1). Given, the plan is for GPUs computing in bf16 unless --dtype says otherwise."),
     gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="Memory per GPU, e.g. 80GB or 24GiB. Default: 90% of GPU 0's free memory, as `tierzero train` takes; without CUDA the gpu tier is host memory, inside --host-mem."),
     host_mem: Optional[str] = typer.Option(None, "--host-mem", help="Host memory, e.g. 512GB. Default: half the free RAM, as `tierzero train` takes (split across its ranks)."),
     nvme_free: Optional[str] = typer.Option(None, "--nvme-free", help="Free NVMe space, e.g. 2TB. Default: free space at --nvme-path."),
@@ -32,7 +33,7 @@ def plan(
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help=f"Sequences per micro-batch per GPU (activation memory). Default: `tierzero train`'s batch ({RunConfig.batch_size}) split over --gpus."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help=f"Tokens per sequence. Default: {RunConfig.seq_len}, as `tierzero train` takes."),
     prefetch_depth: Optional[int] = typer.Option(None, "--prefetch-depth", help="Units fetched ahead of compute. Default: 2, or 1 where that does not fit, as `tierzero train` chooses it."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype: bf16, fp16 or fp32. Default: as `tierzero train` here: bf16 on a GPU that computes in it (or one given by --gpu-mem), else fp32."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype: bf16, fp16 or fp32. Default: bf16 with --gpus; else as `tierzero train` here: bf16 on a GPU that computes in it (or one given by --gpu-mem), else fp32."),
     vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="Override the shape's vocabulary, e.g. 128256."),
     piece_numel: Optional[int] = typer.Option(None, "--piece-numel", help="Elements per piece in which grads and optimizer states stream. Default: 16Mi, or the largest that fits, as `tierzero train` chooses it."),
     overlap: bool = typer.Option(True, "--overlap/--no-overlap", help="Step each unit during backward (the engine's default without clipping or fp16)."),
@@ -43,6 +44,9 @@ def plan(
     recompute: str = typer.Option("auto", "--recompute", help="Which blocks run their forward again in backward: auto (default: keep the activations of as many as the compute device's budget holds), all, or none (refused where they do not fit), as `tierzero train --recompute`."),
     optimizer_state: str = typer.Option("fp32", "--optimizer-state", help=f"How the two Adam moments are stored on every tier: fp32 (default: exact), bf16, or int8 (blocks of {STATE_BLOCK} values, an fp32 absmax each), as `tierzero train --optimizer-state`; the ledger, every tier's peak, the NVMe bytes per step and the choice count them so."),
     master: str = typer.Option("fp32", "--master", help="The master weights' dtype: fp32 (default) or bf16 (with bf16 compute the param is the master: one tensor), as `tierzero train --master`."),
+    steps: int = typer.Option(RunConfig.steps, "--steps", help=f"Optimizer steps of the run whose NVMe writes are projected (default {RunConfig.steps}, as `tierzero train`)."),
+    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help="Checkpoint every N steps, as `tierzero train --checkpoint-every`: their writes are projected too (train always checkpoints at the end)."),
+    drive_tbw: Optional[float] = typer.Option(None, "--drive-tbw", help="The NVMe drive's rated endurance in terabytes written (its datasheet's TBW, e.g. 600): prints the share of it the run writes, with a note above 1%."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Print the 16-byte ledger per GPU (DDP, ZeRO 1-3), its compact rows (the state's bytes per
@@ -58,7 +62,8 @@ def plan(
                        nvme_path=nvme_path, batch_size=batch_size, seq_len=seq_len, prefetch_depth=prefetch_depth,
                        dtype=dtype, vocab_size=vocab_size, piece_numel=piece_numel, overlap=overlap,
                        profile=profile, stage=stage, accumulate=accumulate, schedule=schedule, recompute=recompute,
-                       optimizer_state=optimizer_state, master=master)
+                       optimizer_state=optimizer_state, master=master, steps=steps,
+                       checkpoint_every=checkpoint_every, drive_tbw=drive_tbw)
     out = Output(json_out)
     if json_out:
         out.emit_json(report.as_dict())
@@ -110,6 +115,7 @@ def _print_report(out: Output, report: PlanReport) -> None:
     what = escape(m["preset"]) if m["preset"] else f"{_count(m['params'])} params shaped like {m['shape']}"
     _say(out, f"[bold]tierzero plan[/] {what}: {_count(m['params'])} params in {m['units']} units "
               f"(largest {_count(m['largest_unit_params'])}), {report.gpus} GPU(s), {r['dtype']}")
+    _say(out, f"Compute dtype: {r['dtype']} ({_DTYPE_SOURCES[report.dtype_source]})")
 
     basis = "nominal size" if m["ledger_params"] != m["params"] else "exact size"
     t = Table(title=f"Training state per GPU ({basis}: {_count(m['ledger_params'])} params)", box=box.SIMPLE_HEAD)
@@ -147,6 +153,7 @@ def _print_report(out: Output, report: PlanReport) -> None:
     other = "horizontal" if sched["schedule"] == "vertical" else "vertical"
     _say(out, f"Schedule: {sched['schedule']}, {sched['accumulate']} micro-batch(es) per step: NVMe "
               f"{format_bytes(moved[sched['schedule']])} per step ({other}: {format_bytes(moved[other])})")
+    _print_wear(out, report)
     rc = r["recompute"]
     head = " and the head" if rc["kept_head"] else ""
     _say(out, f"Recompute: {rc['recompute']}: {rc['kept_blocks']} blocks{head} of {rc['keepable_units']} units that "
@@ -161,6 +168,41 @@ def _print_report(out: Output, report: PlanReport) -> None:
         _say(out, f"Per rank, 1 of {report.gpus} on this machine{budget}; the ranks share the machine's drives, "
                   "so nvme traffic above is all ranks' on one bandwidth:")
         _print_peaks(out, choice.estimate.memory.per_rank())
+
+
+_DTYPE_SOURCES = {"given": "--dtype", "assumed for --gpus": "assumed for --gpus: bf16 GPUs; --dtype to change",
+                  "train's default here": "`tierzero train`'s default here; --dtype to change"}
+
+
+def _print_wear(out: Output, report: PlanReport) -> None:
+    """The NVMe bytes written per step and per run (checkpoints included), and with
+    --drive-tbw the share of the drive's rating they use: a note above `WEAR_NOTE_FRACTION`."""
+    wear = report.wear
+    _say(out, f"NVMe writes: {format_bytes(round(wear.per_step_bytes))} per step, "
+              f"{format_bytes(wear.run_bytes)} over {wear.steps} steps (with {wear.checkpoints} "
+              f"checkpoint(s): {format_bytes(wear.checkpoint_bytes)})")
+    for line in wear_lines(wear):
+        _say(out, line)
+
+
+def wear_lines(wear: DriveWear) -> list[str]:
+    """With a drive rating: the share of it the run writes, and a note above `WEAR_NOTE_FRACTION`
+    (`tierzero plan` and `tierzero train` say it alike)."""
+    if wear.rating_fraction is None or wear.per_1000_steps_fraction is None:
+        return []
+    lines = [(f"Drive wear: {_percent(wear.rating_fraction)} of a {wear.drive_tbw:g} TBW drive's rating, "
+              f"{_percent(wear.per_1000_steps_fraction)} per 1000 steps")]
+    if wear.over_note:
+        lines.append(f"[yellow]note:[/] this run writes {_percent(wear.rating_fraction)} of the drive's rated "
+                     f"endurance (over {_percent(WEAR_NOTE_FRACTION)} for one run); compact state "
+                     "(--optimizer-state int8, --master bf16) or more host memory writes less")
+    return lines
+
+
+def _percent(fraction: float) -> str:
+    """`12.3%`, `0.85%`, `0.0042%`: at least two significant digits."""
+    value = 100 * fraction
+    return f"{value:.3g}%" if value >= 0.001 or value == 0 else f"{value:.1e}%"
 
 
 def _print_formats(out: Output, r: dict) -> None:

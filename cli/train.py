@@ -15,12 +15,16 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tierzero.cli.output import Output
+from tierzero.cli.plan import wear_lines
 from tierzero.config import STATE_BLOCK, DType, LongExamples, RunConfig
 from tierzero.configfile import load_run_config
 from tierzero.errors import ConfigError
 from tierzero.distributed.launch import Ranks, die_with_launcher, rank_device, ranks_from_env, run_torchrun, start_process_group, stop_process_group, under_torchrun
 from tierzero.checkpoint.catalog import checkpoint_dirs
+from tierzero.planning.machine import process_written_bytes
+from tierzero.planning.peaks import format_bytes
 from tierzero.planning.placement import STAGE_TEXT
+from tierzero.planning.wear import DriveWear, check_drive_tbw
 from tierzero.planning.statebytes import StateBytes
 from tierzero.run.directory import CONFIG_NAME, RunDir, enclosing_run_dir, never_configured, rebase_paths, refuse_fresh_start
 from tierzero.storage.filekind import kind_of, not_a_file
@@ -80,6 +84,9 @@ def train(
     overlap_comm: Optional[bool] = typer.Option(None, "--overlap-comm/--no-overlap-comm", help="Several ranks: all-gather each unit's params while the one before computes, and reduce its grads while the next backward computes (default on)."),
     stage: Optional[int] = typer.Option(None, "--stage", help="Several ranks, ZeRO stage: 3 partitions params, grads and optimizer states (params all-gathered at each use); 2 replicates params (one all-gather per unit per step); 1 also keeps whole grads over --accumulate micro-batches (one reduction per step). Default: 1 or 2 when replicated state fits the budgets, else 3."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="Ranks on this machine (one per GPU; gloo processes on a CPU): runs torchrun's launcher for you. --batch-size is the global batch, split over them."),
+    drive_tbw: Optional[float] = typer.Option(
+        None, "--drive-tbw", help="The NVMe drive's rated endurance in terabytes written (its datasheet's "
+        "TBW, e.g. 600): the summary says what share of it the run wrote, with a note above 1%."),
     comm_timeout: float = typer.Option(600.0, "--comm-timeout", help="Seconds a collective waits for the other ranks before the run stops with an error."),
     sample_prompts: Optional[Path] = typer.Option(
         None, "--sample-prompts", help="Prompts to complete from the weights as they train (a text file, one per "
@@ -114,6 +121,7 @@ def train(
                      sample_every=sample_every, sample_max_new_tokens=sample_max_new_tokens)
     if resume and overwrite:
         raise ConfigError("--resume continues a run and --overwrite starts a new one; pass one of them")
+    check_drive_tbw(drive_tbw)
     if resume:
         config = _resume_config(run_dir, config)
         if steps is not None and config is not None and _schedule_follows_steps(config):
@@ -148,12 +156,13 @@ def train(
     die_with_launcher()
     start_process_group(ranks, run.engine.device, comm_timeout)
     try:
-        _train(run, ranks, resume, overwrite, json_out)
+        _train(run, ranks, resume, overwrite, json_out, drive_tbw)
     finally:
         stop_process_group()
 
 
-def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out: bool) -> None:
+def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out: bool,
+           drive_tbw: Optional[float] = None) -> None:
     """Train on this rank; only rank 0 prints, and it speaks for the run."""
     from tierzero.run.session import open_session
 
@@ -192,8 +201,12 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
                             console=out.console, disable=json_out or out.quiet)
         rundir.open_metrics(start_step)
         task = progress.add_task("train", total=run.steps, completed=start_step, loss=float("nan"), tps=0.0)
+        nvme_written = [0]  # the engine's NVMe write counters, every rank's, over the steps
+        process_before = process_written_bytes()
 
         def on_step(step: int, record: dict[str, Any]) -> None:
+            ranks_stats = record.get("ranks", [record])
+            nvme_written[0] += sum(int(r.get("bytes_host->nvme", 0)) for r in ranks_stats)
             # drawn from the first finished step on: a refusal in the first step stands alone,
             # after no "step 0/N loss nan 0 tok/s"
             progress.update(task, completed=step, loss=record["loss"], tps=record["tokens_per_s"])
@@ -209,6 +222,10 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
                 progress.stop()
         for note in session.notes():
             out.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+    process = process_written_bytes() if ranks.world_size == 1 else None  # this rank's process only
+    process = None if process is None or process_before is None else process - process_before
+    wear = DriveWear.measured(run.steps - start_step, nvme_written[0], process,
+                              _checkpoints(run, start_step, session), drive_tbw)
     summary = {"run_dir": run.run_dir, "steps": run.steps, "start_step": start_step,
                "first_loss": result.first_loss, "last_loss": result.last_loss,
                "eval_loss_start": result.val_losses[0][1] if result.val_losses else None,
@@ -217,6 +234,7 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
     if session.fitted is not None:
         summary["long_examples"] = {"policy": session.fitted.policy.value, "examples": session.fitted.examples,
                                     "touched": session.fitted.long}
+    summary["drive_wear"] = {**wear.as_dict(), "measured_by": _MEASURED_BY[: 1 if process is None else 2]}
     if json_out:
         out.emit_json(summary)
     else:
@@ -224,6 +242,26 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
             f", eval loss {summary['eval_loss_start']:.4f} -> {summary['eval_loss_end']:.4f}"
         out.print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}{evaluated} in "
                   f"{result.wall_s:.1f}s; metrics in {escape(run.run_dir)}/metrics.jsonl", highlight=False)
+        rest = "" if process is None else \
+            f"; {format_bytes(wear.checkpoint_bytes)} more by checkpoints and logs (/proc/self/io)"
+        out.print(f"NVMe writes: {format_bytes(wear.step_bytes)} over {wear.steps} steps, "
+                  f"{format_bytes(round(wear.per_step_bytes))} per step (the engine's write counters)"
+                  f"{rest}", highlight=False)
+        for line in wear_lines(wear):
+            out.print(line, highlight=False)
+
+
+# what a run's drive wear is measured by: the steps' writes, then the process's beyond them
+_MEASURED_BY = ["engine NVMe write counters (bytes_host->nvme)", "/proc/self/io write_bytes"]
+
+
+def _checkpoints(run: RunConfig, start_step: int, session: Any) -> int:
+    """The checkpoints this run took (a tiered run: every --checkpoint-every steps and at the end)."""
+    if not hasattr(session.trainer, "save_checkpoint"):
+        return 0
+    every = run.checkpoint_every or run.steps
+    return sum(1 for s in range(start_step + 1, run.steps + 1) if s % every == 0 or s == run.steps)
+
         if result.best is not None:
             out.print(f"best checkpoint: step {result.best['step']} (eval loss {result.best['eval_loss']:.4f}), "
                       f"{escape(run.run_dir)}/{result.best.get('checkpoint', '')}", highlight=False)

@@ -109,3 +109,33 @@ def test_plan_defaults_are_what_train_takes(one_machine: None, monkeypatch: pyte
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["dtype"] == "fp32"
     assert make_plan("tiny", gpu_mem="80GB", nvme_path=tmp_path).dtype is DType.BF16  # a GPU described, not here
+
+
+def test_plan_for_gpus_assumes_bf16_and_says_so(one_machine: None, monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path: Path) -> None:
+    """`--gpus N` (1 included) describes GPUs, not this CPU: bf16 unless --dtype says otherwise,
+    so the seed's ledger (7B on 8 GPUs: 112 / 38.5 / 26.25 / 14 GB) comes out as asked; the
+    dtype and why are one line and two JSON keys."""
+    from typer.testing import CliRunner
+
+    from tierzero.cli.app import app
+
+    monkeypatch.setattr(machine, "available_host_bytes", lambda: 64 * GB)
+
+    def plan(*args: str) -> str:
+        result = CliRunner().invoke(app, ["plan", "--nvme-path", str(tmp_path), *args])
+        assert result.exit_code == 0, result.output
+        return result.stdout
+
+    report = json.loads(plan("--model", "7b", "--gpus", "8", "--json"))
+    assert [row["gb_per_gpu"] for row in report["ledger"]] == [112, 38.5, 26.25, 14]
+    assert (report["dtype"], report["dtype_source"]) == ("bf16", "assumed for --gpus")
+    text = plan("--model", "7b", "--gpus", "8")
+    assert "Compute dtype: bf16 (assumed for --gpus: bf16 GPUs; --dtype to change)" in text
+    assert make_plan("tiny", gpus=1, nvme_path=tmp_path).dtype is DType.BF16
+    fp32 = json.loads(plan("--model", "7b", "--gpus", "8", "--dtype", "fp32", "--json"))
+    assert [row["bytes_per_param"] for row in fp32["ledger"]] == [20, 4 + 4 + 12 / 8, 4 + 16 / 8, 20 / 8]
+    assert (fp32["dtype"], fp32["dtype_source"]) == ("fp32", "given")
+    assert "Compute dtype: fp32 (--dtype)" in plan("--model", "tiny", "--gpus", "2", "--dtype", "fp32")
+    alone = json.loads(plan("--model", "tiny", "--json"))  # no --gpus: what train computes in here
+    assert (alone["dtype"], alone["dtype_source"]) == ("fp32", "train's default here")

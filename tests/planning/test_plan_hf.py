@@ -85,7 +85,7 @@ def test_python_plans_an_hf_directory_as_the_cli_does(hf_models: dict[str, Path]
     import tierzero
 
     name = f"hf:{hf_models['llama']}"
-    report = tierzero.plan(name, gpus=1, host_mem="8GB", gpu_mem="4GB", nvme_free="1TB", accumulate=4)
+    report = tierzero.plan(name, host_mem="8GB", gpu_mem="4GB", nvme_free="1TB", accumulate=4)
     cli = json.loads(plan("--model", name, *MACHINE, "--accumulate", "4", "--json"))
     assert json.loads(json.dumps(report.as_dict())) == cli
     assert report.as_dict()["model"]["units"] == len(partition(load_model(name).model, 1))

@@ -18,9 +18,10 @@ from tierzero.planning.ledger import check_world_size
 from tierzero.planning.planreport import PlanReport, make_plan
 
 
-def plan(model: str | None = None, gpus: int = 1, **options: Any) -> PlanReport:
-    """`make_plan(model, gpus=gpus, **options)`; `model` may be `hf:DIR` (see `hf_workload`)."""
-    built = hf_workload(model, gpus) if model is not None and is_hf(model) else {}
+def plan(model: str | None = None, gpus: int | None = None, **options: Any) -> PlanReport:
+    """`make_plan(model, gpus=gpus, **options)`; `model` may be `hf:DIR` (see `hf_workload`).
+    `gpus` given plans that many bf16 GPUs unless `dtype` says otherwise (None: one, as here)."""
+    built = hf_workload(model, 1 if gpus is None else gpus) if model is not None and is_hf(model) else {}
     return make_plan(model, gpus=gpus, **options, **built)
 
 

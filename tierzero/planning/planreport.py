@@ -17,17 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tierzero.config import (TORCH_DTYPES, DType, Placement, Recompute, RunConfig, Schedule, StateFormat, StateKind,
-                             Tier, parse_bytes)
+                             Tier)
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit
 from tierzero.models.llama import loss_chunk_bytes
 from tierzero.models.presets import ModelArgs, get_preset
 from tierzero.planning.ledger import (GB, ActivationEstimate, activation_memory, check_world_size, format_rows,
                                       ledger, nearest_preset, nominal_numel, parse_count)
-from tierzero.planning.machine import default_budgets, default_dtype, free_disk_bytes
+from tierzero.planning.machine import plan_budgets, train_dtype
 from tierzero.planning.placement import (STAGE_TEXT, Link, PlacementChoice, PlacementEstimate, candidate_placements,
                                          choose, choose_stage, estimate, load_profile)
 from tierzero.planning.streaming import DEFAULT, Streaming, choose_streaming, ladder, streamed
@@ -36,6 +34,7 @@ from tierzero.planning.recompute import choose_kept, keepable, with_kept
 from tierzero.planning.homes import describe_homes
 from tierzero.planning.statebytes import FP32_STATE, StateBytes, grad_dtype, grad_dtype_reason
 from tierzero.planning.swapplan import step_nvme_bytes
+from tierzero.planning.wear import DriveWear, check_drive_tbw, checkpoint_nbytes, checkpoints_taken, step_nvme_written
 from tierzero.planning.workload import Workload
 
 DEFAULT_PRESET = "7b"
@@ -68,6 +67,10 @@ class PlanReport:
     kept: ActivationEstimate | None = None  # `activations` counting the kept units' graphs (`planning.recompute`)
     keepable_units: int = 0  # of which `kept.kept_blocks` blocks and the head if `kept.kept_head` keep theirs
     formats: StateBytes = FP32_STATE  # how the master and Adam moments are stored (`--optimizer-state`, `--master`)
+    dtype_source: str = "given"  # why `dtype`: given, assumed for --gpus, or `tierzero train`'s default here
+    steps: int = RunConfig.steps  # the run `wear` projects: its length, checkpoints and drive rating
+    checkpoint_every: int | None = None
+    drive_tbw: float | None = None
     grad_dtype: DType = DType.FP32  # grads off the device and at home (`statebytes.grad_dtype`)
     grad_reason: str = "fp32 compute"
 
@@ -92,17 +95,26 @@ class PlanReport:
         w, p, e = self.workload, self.placement, self.choice.estimate
         one = e.moved_bytes[Link.NVME_TO_HOST] + e.moved_bytes[Link.HOST_TO_NVME]
         param = w.world_size * w.param_numel * w.nbytes(StateKind.PARAM) if p.param is Tier.NVME else 0
-        grad = self._nvme_grad_bytes()
-        waiting = self.gpus * waiting_activations_bytes(
-            self.args.n_layers, self.args.dim, self.args.vocab_size, self.args.tie_embeddings,
-            self.activations.batch_size * self.activations.seq_len, w.accumulate, w.compute_itemsize)
-        host = self.budgets[Tier.HOST]
-        spilled = 0 if host is None else max(0, waiting - max(0, host - e.memory.needs()[Tier.HOST]))
+        grad, spilled = self._nvme_grad_bytes(), self._spilled_bytes()
         # each schedule at its own grad dtype: one pass writes the grads once and reads them once
         h, v = (self._nvme_grad_bytes(s) for s in (Schedule.HORIZONTAL, Schedule.VERTICAL))
         horizontal = step_nvme_bytes(one + 2 * (h - grad), param, h, w.accumulate, False)
         vertical = step_nvme_bytes(one + 2 * (v - grad), param, v, w.accumulate, True, spilled)
         return {"horizontal": horizontal, "vertical": vertical}
+
+    def step_nvme_write_bytes(self) -> int:
+        """The NVMe bytes written per step in the chosen placement and schedule, the write half
+        of `step_nvme_bytes`: what wears the drive (`wear.step_nvme_written`)."""
+        w, written = self.workload, self.choice.estimate.moved_bytes[Link.HOST_TO_NVME]
+        return step_nvme_written(written, self._nvme_grad_bytes(), w.accumulate, self.vertical,
+                                 self._spilled_bytes(), overlapped=w.overlap)
+
+    @property
+    def wear(self) -> DriveWear:
+        """What a run of `steps` writes to the drives (`tierzero.planning.wear`)."""
+        checkpoints = checkpoints_taken(self.steps, self.checkpoint_every)
+        return DriveWear(self.steps, self.steps * self.step_nvme_write_bytes(),
+                         checkpoints * checkpoint_nbytes(self.workload, self.placement), checkpoints, self.drive_tbw)
 
     def _nvme_grad_bytes(self, schedule: Schedule | None = None) -> int:
         """Every rank's NVMe-homed grads: what each further horizontal micro-batch reads and writes
@@ -112,6 +124,15 @@ class PlanReport:
             TORCH_DTYPES[grad_dtype(self.dtype, w.accumulate, schedule)].itemsize
         on_nvme = self.placement.grad is Tier.NVME
         return w.world_size * w.state_shard_numel * itemsize if on_nvme else 0
+
+    def _spilled_bytes(self) -> int:
+        """The vertical schedule's waiting activations beyond the host's room (spilled to NVMe)."""
+        w, e = self.workload, self.choice.estimate
+        waiting = self.gpus * waiting_activations_bytes(
+            self.args.n_layers, self.args.dim, self.args.vocab_size, self.args.tie_embeddings,
+            self.activations.batch_size * self.activations.seq_len, w.accumulate, w.compute_itemsize)
+        host = self.budgets[Tier.HOST]
+        return 0 if host is None else max(0, waiting - max(0, host - e.memory.needs()[Tier.HOST]))
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON object `tierzero plan --json` prints."""
@@ -123,6 +144,8 @@ class PlanReport:
             "machine": {"gpus": self.gpus, "detected": self.detected, "device": self.device,
                         **{f"{t.value}_budget_bytes": b for t, b in self.budgets.items()}},
             "dtype": self.dtype.value,
+            "dtype_source": self.dtype_source,
+            "drive_wear": self.wear.as_dict(),
             "state_formats": {"optimizer_state": self.formats.optimizer_state.value,
                               "master": self.formats.master.value, "one_weight": self.formats.one_weight,
                               "text": self.formats.describe(), "grad": self.grad_dtype.value,
@@ -179,7 +202,7 @@ def make_plan(
     model: str | None = None,
     *,
     params: str | int | None = None,
-    gpus: int = 1,
+    gpus: int | None = None,
     gpu_mem: str | int | None = None,
     host_mem: str | int | None = None,
     nvme_free: str | int | None = None,
@@ -198,6 +221,9 @@ def make_plan(
     recompute: str = "auto",
     optimizer_state: str = "fp32",
     master: str = "fp32",
+    steps: int = RunConfig.steps,
+    checkpoint_every: int | None = None,
+    drive_tbw: float | None = None,
     units: Sequence[Unit] | None = None,
     args: ModelArgs | None = None,
     not_a_chain: str | None = None,
@@ -223,12 +249,16 @@ def make_plan(
     `optimizer_state` (fp32, bf16 or int8: the Adam moments) and `master` (fp32 or bf16) are
     how the optimizer's states are stored on every tier (`tierzero.planning.statebytes`): the
     ledger, every tier's bytes, the traffic and so the choice count them so.
+    `gpus` given (even 1) plans GPUs computing in bf16 unless `dtype` says otherwise; not given,
+    one rank computing as `tierzero train` does here. `steps`, `checkpoint_every` and
+    `drive_tbw` (the drive's rated terabytes written) size the run whose NVMe writes `wear` projects.
     A model built elsewhere (the CLI's hf:DIR) comes as `units`, its partition for `gpus` ranks,
     and `args`, the LLaMA-like shape its activations are estimated from; `model` then names it."""
     if stage is not None and stage not in (1, 2, 3):
         raise ConfigError(f"--stage must be 1, 2 or 3, got {stage}")
     for flag, value, least in (("--batch-size", batch_size, 1), ("--seq-len", seq_len, 1),
-                               ("--accumulate", accumulate, 1), ("--prefetch-depth", prefetch_depth, 0)):
+                               ("--accumulate", accumulate, 1), ("--prefetch-depth", prefetch_depth, 0),
+                               ("--steps", steps, 1), ("--checkpoint-every", checkpoint_every, 1)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
             raise ConfigError(f"{flag} must be an integer >= {least}, got {value!r}")
     if piece_numel is not None and (isinstance(piece_numel, bool) or not isinstance(piece_numel, int)
@@ -250,6 +280,7 @@ def make_plan(
     except ValueError:
         raise ConfigError(f"--recompute '{recompute}' is not valid; choose one of auto|all|none") from None
     vertical = vertical and not (schedule is Schedule.AUTO and recompute is Recompute.NONE)  # as the engine chooses
+    described, gpus = gpus is not None, 1 if gpus is None else gpus
     check_world_size(gpus)
     moments, master_dtype = _choice(StateFormat, optimizer_state, "--optimizer-state"), _choice(DType, master, "--master")
     if master_dtype is DType.FP16:
@@ -258,8 +289,10 @@ def make_plan(
         raise ConfigError(f"--vocab-size must be a positive integer, got {vocab_size}")
     if model is not None and params is not None:
         raise ConfigError("give --model or --params, not both")
-    budgets, detected, device = _budgets(gpu_mem, host_mem, nvme_free, Path(nvme_path))
-    compute = _dtype(dtype) if dtype is not None else _train_dtype(device)
+    budgets, detected, device = plan_budgets(gpu_mem, host_mem, nvme_free, Path(nvme_path))
+    check_drive_tbw(drive_tbw)
+    compute = _dtype(dtype) if dtype is not None else DType.BF16 if described else train_dtype(device)
+    dtype_source = "given" if dtype is not None else "assumed for --gpus" if described else "train's default here"
     itemsize = TORCH_DTYPES[compute].itemsize
     formats = StateBytes.for_compute(moments, master_dtype, compute)
     batch_size = batch_size if batch_size is not None else max(1, RunConfig.batch_size // gpus)
@@ -336,7 +369,7 @@ def make_plan(
                       choice, chosen, reason, tuple(name for name, v in (("piece_numel", piece_numel),
                                                                          ("prefetch_depth", prefetch_depth)) if v is None),
                       vertical, recompute, kept, len(keepable(candidates, activations)), formats,
-                      grad_dtype=grads,
+                      dtype_source, steps, checkpoint_every, drive_tbw, grad_dtype=grads,
                       grad_reason=grad_dtype_reason(compute, accumulate, schedule))
 
 
@@ -353,42 +386,3 @@ def _dtype(value: str) -> DType:
         return DType(value.lower())
     except ValueError:
         raise ConfigError(f"--dtype '{value}' is not valid; choose one of bf16|fp16|fp32") from None
-
-
-def _train_dtype(device: str) -> DType:
-    """The dtype `tierzero train` computes in by default: fp32 on the CPU, and on a GPU what it
-    has (`machine.default_dtype`); bf16 on a GPU sized by --gpu-mem on a machine without one."""
-    if device == "cuda" and not torch.cuda.is_available():
-        return DType.BF16
-    return default_dtype(torch.device("cuda", 0) if device == "cuda" else torch.device("cpu"))
-
-
-def _budgets(gpu_mem: str | int | None, host_mem: str | int | None, nvme_free: str | int | None,
-             nvme_path: Path) -> tuple[dict[Tier, int | None], list[str], str]:
-    """The given sizes, else what `tierzero train` would take on this machine
-    (`machine.default_budgets`: half the free RAM, 90% of GPU 0's free memory, the free space
-    at `nvme_path`); a note per size that was detected; and the compute device's kind ("cpu"
-    without CUDA and without --gpu-mem, where the gpu tier is host memory inside the host
-    budget)."""
-    detected = []
-    device = "cuda" if gpu_mem is not None or torch.cuda.is_available() else "cpu"
-    host = parse_bytes(host_mem, "--host-mem") if host_mem is not None else None
-    gpu = parse_bytes(gpu_mem, "--gpu-mem") if gpu_mem is not None else None
-    if host is None or (gpu is None and device == "cuda"):
-        host_default, gpu_default = default_budgets(torch.device("cuda", 0) if device == "cuda" and gpu is None
-                                                    else torch.device("cpu"))
-        if host is None:
-            host = host_default
-            detected.append("host")
-        if gpu is None and device == "cuda":
-            gpu = gpu_default
-            detected.append("gpu")
-    if gpu is None and device == "cpu":
-        detected.append("gpu (host memory, no CUDA)")
-    nvme = parse_bytes(nvme_free, "--nvme-free") if nvme_free is not None else None
-    if nvme is None:
-        if not nvme_path.is_dir():
-            raise ConfigError(f"--nvme-path '{nvme_path}' is not a directory; give an existing one or --nvme-free")
-        nvme = free_disk_bytes([nvme_path])
-        detected.append("nvme")
-    return {Tier.GPU: gpu, Tier.HOST: host, Tier.NVME: nvme}, detected, device

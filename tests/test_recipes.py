@@ -1,0 +1,124 @@
+"""recipes/*.toml: each loads as a `--config` file, says in its header the machine it is for
+and the command that runs it, and fits that machine by `tierzero.plan`: the compute tier
+within the GPU (90% of it, as `tierzero train` takes), host memory within the recipe's host
+budget (or train's default, half the RAM) and that within the RAM, the NVMe state and the
+checkpoints kept within the disk.
+
+A recipe for a Hugging Face model is planned on a config-only directory of the shape it names
+(no weights: the plan reads config.json alone), with its LoRA adapters added as the run adds
+them, so the frozen base and the trained adapters are counted apart."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tierzero.config import RunConfig, Tier, parse_bytes
+from tierzero.configfile import load_run_config
+from tierzero.hf.build import load_model
+from tierzero.hf.lora import LoraSpec, add_lora
+from tierzero.hf.plan import hf_workload
+from tierzero.layout.partition import partition
+from tierzero.planning.planreport import PlanReport, make_plan
+from tierzero.planning.wear import checkpoint_nbytes
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+HOST_SHARE = 0.75  # a host budget leaves a quarter of the RAM to the OS, CUDA and the process itself
+
+
+def llama_7b() -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
+
+
+def llama_13b() -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                       num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096)
+
+
+def olmoe_1b_7b() -> Any:
+    from transformers import OlmoeConfig
+
+    return OlmoeConfig(hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+                       num_key_value_heads=16, vocab_size=50304, num_experts=64, num_experts_per_tok=8,
+                       max_position_embeddings=4096)
+
+
+# what each recipe is planned as: a Hugging Face config (the model its command names) or a
+# preset shape (for the full fine-tune, Llama-2-7B's: the `7b` preset), or None for the
+# model the recipe itself names
+SHAPES: dict[str, Callable[[], Any] | str | None] = {
+    "lora-7b-chat.toml": llama_7b,
+    "full-7b-compact.toml": "7b",
+    "lora-13b.toml": llama_13b,
+    "pretrain-1b.toml": None,
+    "lora-moe.toml": olmoe_1b_7b,
+}
+
+
+def header(path: Path) -> tuple[dict[str, int], str]:
+    """The recipe's `# machine: gpu 24GB, ram 64GB, nvme 200GB` in bytes, and its command."""
+    text = path.read_text()
+    machine = re.search(r"^# machine: (.+)$", text, re.MULTILINE)
+    command = re.search(r"^# command: (.+)$", text, re.MULTILINE)
+    assert machine and command, f"{path.name} has no '# machine:' or '# command:' line"
+    sizes = dict(part.split() for part in machine.group(1).split(", "))
+    assert set(sizes) == {"gpu", "ram", "nvme"}, sizes
+    return {k: parse_bytes(v, k) for k, v in sizes.items()}, command.group(1)
+
+
+def test_every_recipe_is_planned_here() -> None:
+    assert sorted(p.name for p in RECIPES.glob("*.toml")) == sorted(SHAPES)
+
+
+def plan_recipe(name: str, run: RunConfig, machine: dict[str, int], tmp: Path) -> PlanReport:
+    """`tierzero.plan` of the run `name` configures on `machine`, as `tierzero train` sizes it."""
+    cfg, shape = run.engine, SHAPES[name]
+    clipped = cfg.clip_grad_norm is not None
+    kw: dict[str, Any] = dict(
+        gpu_mem=cfg.gpu_budget or int(0.9 * machine["gpu"]), host_mem=cfg.host_budget or machine["ram"] // 2,
+        nvme_free=machine["nvme"], dtype=cfg.dtype.value, batch_size=run.batch_size, seq_len=run.seq_len,
+        accumulate=cfg.accumulate, schedule=cfg.schedule.value, recompute=cfg.recompute.value,
+        optimizer_state=cfg.optimizer_state.value, master=cfg.master.value, steps=run.steps,
+        checkpoint_every=run.checkpoint_every,
+        overlap=cfg.overlap_step if cfg.overlap_step is not None else not clipped)  # as the engine decides it
+    if shape is None or isinstance(shape, str):
+        assert run.lora_r is None, "LoRA adapts a Hugging Face model"
+        return make_plan(shape or run.model, **kw)
+    directory = tmp / name.removesuffix(".toml")
+    shape().save_pretrained(directory)
+    model = f"hf:{directory}"
+    built = hf_workload(model, 1)
+    if run.lora_r is not None:  # the adapters as the run adds them: the base frozen, the adapters trained
+        spec = LoraSpec(run.lora_r, run.lora_alpha, run.lora_dropout, tuple(run.lora_targets or ()) or None)
+        built["units"] = partition(add_lora(load_model(model), spec, None), 1)
+    return make_plan(model, **built, **kw)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_a_recipe_fits_the_machine_it_names(name: str, tmp_path: Path) -> None:
+    path = RECIPES / name
+    machine, command = header(path)
+    assert command.startswith(f"tierzero train --config recipes/{name}")
+    assert ("--model" in command) == (SHAPES[name] is not None), "a recipe names its model, or its command does"
+    run = load_run_config(path)
+    assert run.engine.gpu_budget is None or run.engine.gpu_budget <= machine["gpu"]
+    assert run.engine.host_budget is None or run.engine.host_budget <= HOST_SHARE * machine["ram"]
+    report = plan_recipe(name, run, machine, tmp_path)
+    assert report.choice.fits, report.choice.shortfall
+    resident, budgets = report.choice.resident_bytes, report.budgets
+    assert resident[Tier.GPU] <= budgets[Tier.GPU] <= machine["gpu"]  # the compute tier within the GPU
+    assert resident[Tier.HOST] <= budgets[Tier.HOST] <= machine["ram"]  # host memory within the RAM
+    kept = run.keep_checkpoints * checkpoint_nbytes(report.workload, report.placement)
+    assert resident[Tier.NVME] + kept <= machine["nvme"]  # the NVMe state and the checkpoints kept
+    if run.lora_r is not None:
+        trained = sum(min(u.numel, u.trainable_numel) for u in report.units)
+        assert trained < 0.01 * report.numel  # the base is frozen: only the adapters have state
