@@ -1,10 +1,14 @@
 """`CompactStep`: AdamW on one piece whose master or moments are stored compact (bf16, int8).
 
-The piece is stepped in sub-blocks of `SUB_BLOCK` values (a multiple of `STATE_BLOCK`, so each
-holds whole quantisation blocks): each sub-block's master and moments are decoded into fp32
-scratch, stepped in fp32, and encoded back into the stored piece. The scratch (about 10 MiB,
-allocated at the first step and reused) is all the fp32 state that ever exists: never a fp32
-copy of a piece, let alone of a unit. fp32 master or moments are stepped in place.
+On the CPU a piece is stepped by a compiled kernel (`cpu_step`, `cpu_kernel`: numba), which
+decodes, steps and encodes each quantisation block in one pass on every core; where numba is
+missing or fails, and for device tensors, by torch's ops here, which the kernel reproduces
+bitwise. These step the piece in sub-blocks of `SUB_BLOCK` values (a multiple of `STATE_BLOCK`,
+so each holds whole quantisation blocks): each sub-block's master and moments are decoded into
+fp32 scratch, stepped in fp32, and encoded back into the stored piece. The scratch (about 10
+MiB, allocated at the first step and reused) is all the fp32 state that ever exists: never a
+fp32 copy of a piece, let alone of a unit. fp32 master or moments are stepped in place. A bf16
+grad is stepped as its fp32 value.
 
 The formula is torch's AdamW (decoupled weight decay, bias-corrected moments), written as
 single-rounding elementwise ops (mul, add, div, sqrt; no fused multiply-add), so a value's
@@ -23,17 +27,21 @@ resumed run draws the very bits the uninterrupted one would, whatever the piece 
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import threading
+from collections.abc import Callable
 
 import torch
 
 from tierzero.compact import codes as codes_mod
+from tierzero.compact import cpu_step
 from tierzero.compact.formats import StateFormats, split
 from tierzero.config import STATE_BLOCK, Config, StateKind
 
 SUB_BLOCK = {"cpu": 1 << 18, "cuda": 1 << 18}  # values per sub-block (whole STATE_BLOCKs): fewer, larger ops
-F32_SCRATCH = ("master", "exp_avg", "exp_avg_sq", "t1", "t2")  # a sub-block's decoded states and temporaries
+F32_SCRATCH = ("master", "exp_avg", "exp_avg_sq", "grad", "t1", "t2")  # a sub-block's decoded states, temporaries
 INT_SCRATCH = ("shift", "bits")  # stochastic rounding's hash (int32)
 _MASK32 = 0xFFFFFFFF
 _MIX = (0x7FEB352D, 0x2C1B3C6D)  # odd multipliers below 2**31 (so int32 constants)
@@ -41,12 +49,20 @@ _KIND_STREAM = {StateKind.MASTER: 1, StateKind.EXP_AVG: 2, StateKind.EXP_AVG_SQ:
 
 Span = tuple[int, int, float, int]  # (start, end) in the piece, weight decay, updates already applied
 
+log = logging.getLogger(__name__)
+
 
 class CompactStep:
-    def __init__(self, formats: StateFormats, config: Config, device: torch.device) -> None:
+    def __init__(self, formats: StateFormats, config: Config, device: torch.device,
+                 kernel: bool | Callable = True) -> None:
+        """`kernel`: True steps CPU pieces with the compiled kernel where it is available
+        (`cpu_kernel()`), False always with torch's ops (the fallback, which tests and
+        benchmarks compare it with); a callable is the kernel to use (`cpu_kernel` checks one
+        so)."""
         self.formats = formats
         self.config = config
         self.device = device
+        self.kernel = kernel if device.type == "cpu" else False
         self.block = SUB_BLOCK.get(device.type, SUB_BLOCK["cpu"])
         self._scratch: dict[str, torch.Tensor] | None = None
         self._codes: codes_mod.Scratch | None = None
@@ -66,24 +82,39 @@ class CompactStep:
         """One AdamW update of a piece's `spans` (piece offsets, per-span weight decay and step
         count), in place in the stored `tensors` (master, grad, moments); `origin`: the piece's
         first value's offset in its unit's flat buffer (stochastic rounding's position)."""
+        spans = [span for span in spans if span[1] > span[0]]
+        run = None
+        if self.kernel is not False and cpu_step.usable(tensors):
+            run = cpu_kernel() if self.kernel is True else self.kernel
+        with self._lock:
+            if run is None:
+                self._step_torch(tensors, spans, lr, unit, origin)
+                return
+            scalars = [adamw_scalars(wd, k, lr, self.config) for _, _, wd, k in spans]
+            keys = [[stream_key(self.config.seed, k + 1, unit, kind) for kind in cpu_step.STATES]
+                    for _, _, _, k in spans]
+            cpu_step.step_piece(run, self.formats, tensors, spans, scalars, keys, origin, self.block)
+
+    def _step_torch(self, tensors: dict[StateKind, torch.Tensor], spans: list[Span], lr: float,
+                    unit: int, origin: int) -> None:
+        """`step` in sub-blocks of torch ops: the fallback, and the path for device tensors."""
         grad = tensors[StateKind.GRAD]
         numel = grad.numel()
-        with self._lock:
-            scratch = self._buffers()
-            for s in range(0, numel, self.block):
-                e = min(s + self.block, numel)
-                inside = [(max(a, s) - s, min(b, e) - s, wd, k) for a, b, wd, k in spans if min(b, e) > max(a, s)]
-                if not inside:
-                    continue
-                states = {kind: self._decode(kind, tensors[kind], numel, s, e, scratch)
-                          for kind in (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)}
-                g = grad[s:e]
-                for a, b, wd, k in inside:
-                    adamw_math(states[StateKind.MASTER][a:b], g[a:b], states[StateKind.EXP_AVG][a:b],
-                               states[StateKind.EXP_AVG_SQ][a:b], wd, k, lr, self.config,
-                               scratch["t1"][:b - a], scratch["t2"][:b - a])
-                for kind, values in states.items():
-                    self._encode(kind, values, tensors[kind], numel, s, e, inside, unit, origin, scratch)
+        scratch = self._buffers()
+        for s in range(0, numel, self.block):
+            e = min(s + self.block, numel)
+            inside = [(max(a, s) - s, min(b, e) - s, wd, k) for a, b, wd, k in spans if min(b, e) > max(a, s)]
+            if not inside:
+                continue
+            states = {kind: self._decode(kind, tensors[kind], numel, s, e, scratch)
+                      for kind in (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)}
+            g = self._decode(StateKind.GRAD, grad, numel, s, e, scratch)
+            for a, b, wd, k in inside:
+                adamw_math(states[StateKind.MASTER][a:b], g[a:b], states[StateKind.EXP_AVG][a:b],
+                           states[StateKind.EXP_AVG_SQ][a:b], wd, k, lr, self.config,
+                           scratch["t1"][:b - a], scratch["t2"][:b - a])
+            for kind, values in states.items():
+                self._encode(kind, values, tensors[kind], numel, s, e, inside, unit, origin, scratch)
 
     def _decode(self, kind: StateKind, stored: torch.Tensor, numel: int, s: int, e: int,
                 scratch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -119,6 +150,43 @@ class CompactStep:
             round_stochastic(values, bits, stored[s:e])
 
 
+@functools.cache
+def cpu_kernel() -> Callable | None:
+    """numba's compiled kernel (`cpu_step.load`), checked against torch's ops on a probe piece;
+    None, said once in the log, where it cannot be had: numba missing, its compiler failing, or
+    its results differing from torch's on this machine (another sqrt, say)."""
+    try:
+        run = cpu_step.load()
+        _check(run)
+    except Exception as error:  # noqa: BLE001 -- whatever numba raises: the torch ops still step
+        log.warning("the compact optimizer step's CPU kernel is unavailable (%s: %s); stepping "
+                    "with torch's ops instead, about 10x slower", type(error).__name__, error)
+        return None
+    return run
+
+
+class KernelMismatch(RuntimeError):
+    """The compiled kernel does not reproduce torch's ops bitwise on this machine."""
+
+
+def _check(run: Callable) -> None:
+    """Step a probe piece with `run` and with torch's ops; raise `KernelMismatch` unless they
+    agree. An fp32 master shows any difference in sqrt or division, int8 moments the quantiser's."""
+    formats, config = StateFormats(moments="int8", master="fp32"), Config(weight_decay=0.1)
+    numel, spans = 3 * STATE_BLOCK + 77, [(0, 300, 0.1, 0), (400, 3 * STATE_BLOCK + 77, 0.0, 4)]
+    g = torch.Generator().manual_seed(0)
+    values = {StateKind.MASTER: torch.randn(numel, generator=g),
+              StateKind.EXP_AVG: torch.randn(numel, generator=g) * 1e-3,
+              StateKind.EXP_AVG_SQ: torch.rand(numel, generator=g) * 1e-6}
+    probe = {kind: formats.encode(kind, v) for kind, v in values.items()}
+    probe[StateKind.GRAD] = torch.randn(numel, generator=g) * 1e-2
+    fast = {kind: t.clone() for kind, t in probe.items()}
+    CompactStep(formats, config, torch.device("cpu"), kernel=False).step(probe, spans, 1e-3, 0, 0)
+    CompactStep(formats, config, torch.device("cpu"), kernel=run).step(fast, spans, 1e-3, 0, 0)
+    if not all(torch.equal(probe[kind], fast[kind]) for kind in probe):
+        raise KernelMismatch("its results differ from torch's ops on this machine")
+
+
 def scratch_nbytes(device_type: str) -> int:
     """Bytes one `CompactStep` allocates on a `device_type` device at its first step and keeps
     (the memory model counts them): fp32 and int32 sub-block buffers, the position offsets, and
@@ -127,26 +195,37 @@ def scratch_nbytes(device_type: str) -> int:
     return 4 * block * (len(F32_SCRATCH) + len(INT_SCRATCH) + 1) + codes_mod.Scratch.nbytes(block)
 
 
+def adamw_scalars(weight_decay: float, step: int, lr: float, config: Config) -> tuple[float, ...]:
+    """The Python floats `adamw_math` multiplies, divides and adds by, in one place for both
+    paths (torch converts each to fp32 before its op; the CPU kernel is handed them so):
+    decay factor, beta1, 1 - beta1, beta2, 1 - beta2, the root of the second moment's bias
+    correction, eps, and the step size lr / (first moment's bias correction)."""
+    beta1, beta2 = config.betas
+    t = step + 1
+    return (1 - lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2 ** t),
+            config.eps, lr / (1 - beta1 ** t))
+
+
 def adamw_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, weight_decay: float,
                step: int, lr: float, config: Config, t1: torch.Tensor, t2: torch.Tensor) -> None:
     """torch's AdamW update of fp32 views, in place, as single-rounding elementwise ops; `step`
     updates already applied; `t1`, `t2`: scratch of the views' length."""
-    beta1, beta2 = config.betas
-    t = step + 1
+    decay, beta1, one_minus_beta1, beta2, one_minus_beta2, root, eps, step_size = adamw_scalars(
+        weight_decay, step, lr, config)
     if weight_decay:
-        p.mul_(1 - lr * weight_decay)
+        p.mul_(decay)
     m.mul_(beta1)
-    torch.mul(g, 1 - beta1, out=t1)
+    torch.mul(g, one_minus_beta1, out=t1)
     m.add_(t1)
     v.mul_(beta2)
     torch.mul(g, g, out=t1)
-    t1.mul_(1 - beta2)
+    t1.mul_(one_minus_beta2)
     v.add_(t1)
     torch.sqrt(v, out=t1)
-    t1.div_(math.sqrt(1 - beta2 ** t))
-    t1.add_(config.eps)
+    t1.div_(root)
+    t1.add_(eps)
     torch.div(m, t1, out=t2)
-    t2.mul_(lr / (1 - beta1 ** t))
+    t2.mul_(step_size)
     p.sub_(t2)
 
 

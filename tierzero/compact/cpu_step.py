@@ -1,0 +1,137 @@
+"""The compact step's fast CPU path: numba's kernel loaded, and a piece handed to it.
+
+`load` is the seam: the one function that imports numba (`step.cpu_kernel` calls it once per
+process, checks the kernel and falls back to torch's ops where any of it fails).
+
+`step_piece` turns a piece's tensors into the kernel's arrays (zero-copy numpy views: the kernel
+writes the stored piece in place) and the step's scalars into fp32 as torch converts a Python
+float before a float32 op. Calls take one lock: the kernel already uses every core, and numba's
+workqueue threading layer, where it is the one installed, aborts on concurrent calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from tierzero.compact import codes as codes_mod
+from tierzero.compact.formats import StateFormats, split
+from tierzero.config import STATE_BLOCK, StateKind
+
+STATES = (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)  # stepped and stored, in order
+PIECE = (*STATES, StateKind.GRAD)  # what the kernel reads, in order
+CHUNK = 2048  # values the kernel steps per task (whole blocks): their fp32 copies stay in L1/L2
+_LOCK = threading.Lock()
+_EMPTY = (
+    np.empty(0, np.float32),
+    np.empty(0, np.uint16),
+    np.empty(0, np.uint8),
+    np.empty(0, np.float32),
+)
+
+
+def load() -> Callable:
+    """Import numba's kernel and point its sqrt at torch's (`cpu_kernel.bind_sqrt`); numba
+    compiles it, or loads its cached machine code, at the first call. Raises whatever numba
+    raises where it is missing."""
+    from tierzero.compact import cpu_kernel
+
+    assert cpu_kernel.BLOCK == STATE_BLOCK, (cpu_kernel.BLOCK, STATE_BLOCK)
+    cpu_kernel.bind_sqrt()
+    return cpu_kernel.step_piece
+
+
+def usable(tensors: dict[StateKind, torch.Tensor]) -> bool:
+    """Whether the kernel takes these tensors: contiguous CPU pieces (any stored view is)."""
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors.values())
+
+
+def step_piece(
+    run: Callable,
+    formats: StateFormats,
+    tensors: dict[StateKind, torch.Tensor],
+    spans: Sequence[tuple[int, int, float, int]],
+    scalars: Sequence[Sequence[float]],
+    keys: Sequence[Sequence[int]],
+    origin: int,
+    sub_block: int,
+) -> None:
+    """One AdamW update of a piece by `run` (`load()`): `spans` as `CompactStep.step`'s,
+    with each one's `step.adamw_scalars` and its random keys per state (`STATES`' order)."""
+    numel = tensors[StateKind.GRAD].numel()
+    assert sub_block % CHUNK == 0 and CHUNK % STATE_BLOCK == 0, (sub_block, CHUNK)
+    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
+    bounds = np.array([spans[i][:2] for i in order], dtype=np.int64).reshape(-1, 2)
+    assert (bounds[1:, 0] >= bounds[:-1, 1]).all(), "spans overlap"
+    touched = np.zeros(-(-numel // sub_block), dtype=np.uint8)
+    for a, b in bounds:
+        touched[a // sub_block : (b - 1) // sub_block + 1] = 1
+    p32, p16, _, _ = _arrays(formats, StateKind.MASTER, tensors[StateKind.MASTER], numel)
+    m32, m16, mq, ma = _arrays(formats, StateKind.EXP_AVG, tensors[StateKind.EXP_AVG], numel)
+    v32, v16, vq, va = _arrays(formats, StateKind.EXP_AVG_SQ, tensors[StateKind.EXP_AVG_SQ], numel)
+    g32, g16, _, _ = _arrays(formats, StateKind.GRAD, tensors[StateKind.GRAD], numel)
+    fmt = np.array([_format(formats, kind, tensors[kind]) for kind in PIECE], dtype=np.int64)
+    with _LOCK:
+        run(
+            numel,
+            p32,
+            p16,
+            m32,
+            m16,
+            mq,
+            ma,
+            v32,
+            v16,
+            vq,
+            va,
+            g32,
+            g16,
+            fmt,
+            CHUNK,
+            touched,
+            sub_block,
+            np.ascontiguousarray(bounds[:, 0]),
+            np.ascontiguousarray(bounds[:, 1]),
+            np.array([spans[i][2] != 0 for i in order], dtype=np.bool_),
+            np.array([scalars[i] for i in order], dtype=np.float32).reshape(-1, 8),
+            np.array([keys[i] for i in order], dtype=np.uint64).reshape(-1, 3),
+            origin,
+            *_maps(),
+        )
+
+
+def _format(formats: StateFormats, kind: StateKind, stored: torch.Tensor) -> int:
+    if formats.quantised(kind):
+        return 2
+    return 0 if stored.dtype == torch.float32 else 1
+
+
+def _arrays(
+    formats: StateFormats, kind: StateKind, stored: torch.Tensor, numel: int
+) -> tuple[np.ndarray, ...]:
+    """A stored piece as the kernel's (fp32, bf16 bits, codes, absmax), the unused ones empty."""
+    f32, b16, codes, absmax = _EMPTY
+    if formats.quantised(kind):
+        absmax, codes = (t.numpy() for t in split(stored, numel))
+    elif stored.dtype == torch.float32:
+        f32 = stored.numpy()
+    else:
+        assert stored.dtype == torch.bfloat16, stored.dtype
+        b16 = stored.view(torch.uint16).numpy()
+    return f32, b16, codes, absmax
+
+
+@functools.cache
+def _maps() -> tuple[np.ndarray, ...]:
+    """Both code maps (row 0 unsigned, 1 signed) as the kernel reads them: codes, gap scales,
+    bucket starts (int32: numba gathers 32-bit words) and bucket next codes."""
+    maps = [
+        (codes_mod.code_map(signed), codes_mod.gap_scales(signed), *codes_mod.lower_buckets(signed))
+        for signed in (False, True)
+    ]
+    dtypes = (np.float32, np.float32, np.int32, np.float32)
+    return tuple(np.stack([m[i].numpy() for m in maps]).astype(dtypes[i]) for i in range(4))
