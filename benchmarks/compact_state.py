@@ -12,6 +12,13 @@ each format's bytes per step relative to fp32's.
     nice python benchmarks/compact_state.py            # 134M: GPT-3 small's shape, LLaMA blocks, vocab 32000
     nice python benchmarks/compact_state.py --quick    # a small shape, in seconds
     nice python benchmarks/compact_state.py --clip-grad-norm 1.0  # grads through their NVMe home
+    nice python benchmarks/compact_state.py --race 6   # step times: fp32 / int8+bf16 / int8+bf16 / fp32
+
+`--race STEPS` instead trains fp32 state and int8 moments + bf16 master interleaved (fp32,
+compact, compact, fp32, so a machine that slows down over the run slows both alike), STEPS
+steps each, and prints their step times side by side with the bytes each step moved to and
+from the drive as the OS counts them (/proc/self/io: read_bytes + write_bytes), the first step
+of each run left out (it fills the page cache, the allocator and the kernel's cache).
 
 Without clipping each unit is stepped as its grad arrives (overlap_step): grads never reach
 the drive, and the figures hold no grads at all.
@@ -20,6 +27,7 @@ the drive, and the figures hold no grads at all.
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import tempfile
 import time
@@ -61,6 +69,51 @@ def one_step(args: ModelArgs, moments: str, master: str, opts: argparse.Namespac
             "state": state / n, "disk": disk / n, "seconds": seconds, "loss": loss}
 
 
+def race_run(args: ModelArgs, moments: str, master: str, opts: argparse.Namespace,
+             path: str) -> list[tuple[float, int]]:
+    """Each step's seconds and the bytes /proc/self/io says it read and wrote, for one format."""
+    cfg = Config(placement=NVME, nvme_path=[path], dtype=opts.dtype, lr=1e-4, total_steps=opts.race,
+                 host_budget=opts.host_budget, optimizer_state=moments, master=master,
+                 clip_grad_norm=opts.clip_grad_norm)
+    data = TokenBatches(default_corpus(4 << 20), opts.batch_size, opts.seq_len, seed=0)
+    steps = []
+    with Engine(models.build(args, device="meta"), cfg) as engine:
+        for _ in range(opts.race):
+            batch = data.next_batch()
+            io, t0 = proc_io_bytes(), time.perf_counter()
+            engine.train_step(batch)
+            steps.append((time.perf_counter() - t0, proc_io_bytes() - io))
+    return steps
+
+
+def proc_io_bytes() -> int:
+    """Bytes this process read from and wrote to block devices (O_DIRECT included)."""
+    with open("/proc/self/io") as f:
+        fields = {k: int(v) for k, v in (line.split(":") for line in f)}
+    return fields["read_bytes"] + fields["write_bytes"]
+
+
+def race(args: ModelArgs, opts: argparse.Namespace, console: Console) -> None:
+    order = [("fp32", "fp32"), ("int8", "bf16"), ("int8", "bf16"), ("fp32", "fp32")]
+    runs: dict[tuple[str, str], list[tuple[float, int]]] = {f: [] for f in order}
+    for moments, master in order:
+        with tempfile.TemporaryDirectory(dir=opts.nvme_path) as path:
+            steps = race_run(args, moments, master, opts, path)[1:]
+        runs[moments, master] += steps
+        console.print(f"  {moments} moments, {master} master: "
+                      + ", ".join(f"{s:.1f} s {b / 1e6:.0f} MB" for s, b in steps), markup=False)
+    table = Table(title=f"one step, median of {len(runs[order[0]])} (runs interleaved: "
+                  + " / ".join(f"{m}+{w}" for m, w in order) + ")")
+    for column in ("moments", "master", "step s", "vs fp32", "OS bytes/step", "vs fp32"):
+        table.add_column(column, justify="right")
+    base = {k: statistics.median(x[k] for x in runs["fp32", "fp32"]) for k in (0, 1)}
+    for (moments, master), steps in runs.items():
+        seconds, nbytes = (statistics.median(x[k] for x in steps) for k in (0, 1))
+        table.add_row(moments, master, f"{seconds:.2f}", f"{seconds / base[0]:.3f}x",
+                      f"{nbytes / 1e6:.0f} MB", f"{nbytes / base[1]:.3f}x")
+    console.print(table)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small shape (4 layers, dim 256, vocab 4096)")
@@ -71,12 +124,17 @@ def main() -> None:
     p.add_argument("--clip-grad-norm", type=float, default=None,
                    help="clip (the step then waits for the norm: grads go through their NVMe home)")
     p.add_argument("--nvme-path", default=None, help="a directory on the drive to measure (default: a temp dir)")
+    p.add_argument("--race", type=int, default=None, metavar="STEPS",
+                   help="step times of fp32 and int8 + bf16 state, interleaved, STEPS steps each")
     opts = p.parse_args()
     args, opts.host_budget = nvme_shape(opts.quick, opts.host_budget)
     console = Console()
     n = sum(p.numel() for p in models.build(args, device="meta").parameters())
     console.print(f"built-in: {n / 1e6:.1f}M params, {opts.dtype} compute, everything on NVMe, micro-batch "
                   f"{opts.batch_size} x {opts.seq_len}, host budget {opts.host_budget}", markup=False)
+    if opts.race:
+        race(args, opts, console)
+        return
     rows: dict[tuple[str, str], dict[str, float]] = {}
     for moments, master in FORMATS:
         with tempfile.TemporaryDirectory(dir=opts.nvme_path) as path:
