@@ -115,7 +115,7 @@ def generate(
             out.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
         codec = inference.codec
         ids = [codec.encode(p, inference.chat if chat is None else chat) for p in given]
-        new, _ = run_generate(inference.decoder, ids, sampling, codec.stop_ids)
+        new = run_generate(inference.decoder, ids, sampling, codec.stop_ids)
     generations = [
         {"prompt": p.shown(), "prompt_ids": i, "new_ids": n, "text": codec.decode(n)}
         for p, i, n in zip(given, ids, new)

@@ -60,7 +60,8 @@ def uncached(model: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[in
 
 def test_the_cache_gives_the_tokens_of_recomputing_every_prefix(small) -> None:
     model = small
-    new, scores = generate(in_memory(model), PROMPTS, Sampling(24))
+    scores: list[torch.Tensor] = []
+    new = generate(in_memory(model), PROMPTS, Sampling(24), scores=scores)
     for row, prompt in enumerate(PROMPTS):  # rows of three lengths: two are left-padded
         tokens, logits = uncached(model, prompt, 24)
         assert new[row] == tokens
@@ -72,13 +73,15 @@ def test_the_engine_streams_the_same_logits_as_the_model_in_memory(small, tmp_pa
     logits are bitwise those of the same model held in memory."""
     from tierzero.engine import Engine
 
-    expected, expected_scores = generate(in_memory(small), PROMPTS, Sampling(16))
+    expected_scores: list[torch.Tensor] = []
+    expected = generate(in_memory(small), PROMPTS, Sampling(16), scores=expected_scores)
     weights = tmp_path / "small.safetensors"
     save_file({k: v.contiguous() for k, v in small.state_dict().items() if k != "head.weight"}, weights)
     meta = models.build(SMALL, device="meta").requires_grad_(False)  # params only
     config = Config(offload="nvme", nvme_path=[str(tmp_path / "nvme")], dtype="fp32")
     with Engine(meta, config, weights=weights) as engine:
-        new, scores = generate(Decoder.through(engine), PROMPTS, Sampling(16))
+        scores: list[torch.Tensor] = []
+        new = generate(Decoder.through(engine), PROMPTS, Sampling(16), scores=scores)
         fetched = engine.stats()["bytes_nvme->host"]
     assert new == expected
     assert all(torch.equal(a, b) for a, b in zip(scores, expected_scores))
@@ -88,12 +91,12 @@ def test_the_engine_streams_the_same_logits_as_the_model_in_memory(small, tmp_pa
 def test_sampling_repeats_its_seed_and_top_p_keeps_the_nucleus(small) -> None:
     model = small
     hot = Sampling(12, temperature=5.0, seed=7)
-    first, _ = generate(in_memory(model), PROMPTS, hot)
-    again, _ = generate(in_memory(model), PROMPTS, hot)
-    other, _ = generate(in_memory(model), PROMPTS, Sampling(12, temperature=5.0, seed=8))
+    first = generate(in_memory(model), PROMPTS, hot)
+    again = generate(in_memory(model), PROMPTS, hot)
+    other = generate(in_memory(model), PROMPTS, Sampling(12, temperature=5.0, seed=8))
     assert first == again and first != other
-    greedy, _ = generate(in_memory(model), PROMPTS, Sampling(12))
-    narrow, _ = generate(in_memory(model), PROMPTS, Sampling(12, temperature=5.0, top_p=1e-6, seed=7))
+    greedy = generate(in_memory(model), PROMPTS, Sampling(12))
+    narrow = generate(in_memory(model), PROMPTS, Sampling(12, temperature=5.0, top_p=1e-6, seed=7))
     assert narrow == greedy  # the nucleus of a tiny p is the top token alone
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).log_softmax(-1)  # probabilities 0.03, 0.09, 0.24, 0.64
     drawn = {int(next_tokens(logits, Sampling(1, 1.0, 0.8), torch.Generator().manual_seed(s))) for s in range(200)}
@@ -102,9 +105,9 @@ def test_sampling_repeats_its_seed_and_top_p_keeps_the_nucleus(small) -> None:
 
 def test_rows_stop_at_their_end_of_sequence_id(small) -> None:
     model = small
-    greedy, _ = generate(in_memory(model), PROMPTS, Sampling(12))
+    greedy = generate(in_memory(model), PROMPTS, Sampling(12))
     eos = greedy[0][0]
-    new, _ = generate(in_memory(model), PROMPTS, Sampling(12), stop_ids={eos})
+    new = generate(in_memory(model), PROMPTS, Sampling(12), stop_ids={eos})
     assert new[0] == [eos]
     for row in range(len(PROMPTS)):
         cut = greedy[row].index(eos) + 1 if eos in greedy[row] else len(greedy[row])
@@ -143,7 +146,7 @@ def test_greedy_ids_equal_transformers_generate_through_the_tiers(chat_model, tm
     with open_inference(model=f"hf:{chat_model}", engine=engine, store=tmp_path) as inference:
         codec = inference.codec
         prompts = [codec.encode(Prompt(t)) for t in ("the class of this module is", "import", "def return")]
-        new, _ = generate(inference.decoder, prompts, Sampling(10), codec.stop_ids)
+        new = generate(inference.decoder, prompts, Sampling(10), codec.stop_ids)
     longest = max(map(len, prompts))
     ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
@@ -207,7 +210,7 @@ def test_other_layouts_generate_transformers_ids_through_the_tiers(layout, tmp_p
     config = Config(offload="nvme", nvme_path=[str(tmp_path / "nvme")], dtype="fp32")
     with Engine(model.requires_grad_(False), config, weights=folder) as engine:
         assert (engine.units[0].kind == "root") == (layout == "root")
-        new, _ = generate(Decoder.through(engine), prompts, Sampling(8))
+        new = generate(Decoder.through(engine), prompts, Sampling(8))
     ids = torch.tensor([[0, 0, 0] * (len(p) == 3) + p for p in prompts])
     mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
     reference = AutoModelForCausalLM.from_pretrained(folder).eval()

@@ -32,9 +32,8 @@ from tierzero.errors import ConfigError
 if TYPE_CHECKING:
     from tierzero.engine import Engine
 
-Pass = Callable[
-    [dict[str, Any]], torch.Tensor
-]  # the model's keyword arguments -> last logits (B, 1, V)
+# one pass over every unit: the model's keyword arguments -> each row's last logits (B, 1, V)
+Pass = Callable[[dict[str, Any]], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -107,10 +106,11 @@ def generate(
     prompts: list[list[int]],
     sampling: Sampling,
     stop_ids: Collection[int] = (),
+    scores: list[torch.Tensor] | None = None,
     pad_id: int = 0,
-) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Each prompt's new token ids (up to `sampling.max_new_tokens`, or through the first of
-    `stop_ids`), and each pass's last logits (B, V) in fp32, for tests and scores."""
+) -> list[list[int]]:
+    """Each prompt's new token ids: up to `sampling.max_new_tokens`, or through the first of
+    `stop_ids`. `scores`, when given, gets each pass's last logits (B, V) in fp32 on the host."""
     empty = [i + 1 for i, p in enumerate(prompts) if not p]
     if not prompts or empty:
         raise ConfigError(
@@ -125,13 +125,11 @@ def generate(
     generator = torch.Generator().manual_seed(sampling.seed)
     new: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
-    scores: list[torch.Tensor] = []
     with decoder.evaluating():
         for _ in range(sampling.max_new_tokens):
-            logits = (
-                decoder.forward(cache.inputs(ids))[:, -1].float().cpu()
-            )  # host sync: the next token
-            scores.append(logits)
+            logits = decoder.forward(cache.inputs(ids))[:, -1].float().cpu()  # host sync, per token
+            if scores is not None:
+                scores.append(logits)
             chosen = next_tokens(logits, sampling, generator)
             for row, token in enumerate(chosen.tolist()):
                 if not done[row]:
@@ -140,7 +138,7 @@ def generate(
             if all(done):
                 break
             ids = chosen[:, None]
-    return new, scores
+    return new
 
 
 def next_tokens(

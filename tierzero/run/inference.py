@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,8 +36,11 @@ from tierzero.errors import CheckpointError, ConfigError
 from tierzero.hf import is_hf
 from tierzero.run.directory import CONFIG_NAME, never_configured
 from tierzero.run.generate import Decoder
-from tierzero.run.model_load import run_model
+from tierzero.run.model_load import RunModel, run_model
 from tierzero.run.prompts import Codec, trained_on_chats
+
+if TYPE_CHECKING:
+    from tierzero.engine import Engine
 
 STORE_PREFIX = "tierzero-generate-"
 
@@ -64,72 +67,72 @@ def open_inference(
     """An engine over `model` (hf:DIR) or `run_dir`'s newest intact checkpoint; `engine`
     overrides its Config keys (offload, budgets, dtype, device); `store` is where its NVMe
     store's temporary directory is made (default: the run directory, or the system's temp)."""
-    if (model is None) == (run_dir is None):
-        raise ConfigError("generate from one model: pass --model hf:DIR or --run-dir DIR")
     overrides = {k: v for k, v in (engine or {}).items() if v is not None}
-    if model is not None:
-        if not is_hf(model):
-            raise ConfigError(
-                f"--model '{model}' is not hf:DIR; a built-in model generates from its run's "
-                "checkpoint: pass --run-dir DIR"
-            )
-        run, checkpoint = RunConfig(model=model, engine=Config(**overrides)), None
-    else:
-        run, checkpoint = (
-            _run_config(Path(run_dir), overrides),
-            find_checkpoint(run_dir, verify=True),
-        )
-    base = (
-        Path(store)
-        if store is not None
-        else Path(run_dir)
-        if run_dir is not None
-        else Path(tempfile.gettempdir())
-    )
-    try:
-        folder = Path(tempfile.mkdtemp(prefix=STORE_PREFIX, dir=base))
-    except OSError as e:
-        raise ConfigError(
-            f"cannot make the generation's store directory in {base} ({e.strerror}); pass a "
-            "writable --nvme-path"
-        ) from None
+    run, checkpoint = _source(model, run_dir, overrides)
+    folder = _store_dir(store, run_dir)
     try:
         run.engine.nvme_path = [str(folder)]
         loaded = run_model(run)
-        meta = loaded.on_meta()
-        meta.requires_grad_(False)  # params only: nothing is trained
-        notes = list(loaded.notes)
-        step = None
-        if checkpoint is not None:
-            path, manifest, skipped = checkpoint
-            meta.init_unit = CheckpointUnits(meta, path, manifest)
-            notes += skipped
-            step = manifest.step
-        from tierzero.engine import Engine
-
-        eng = Engine(
-            meta,
-            run.engine,
-            weights=loaded.engine_weights if checkpoint is None else None,
-        )
-        if checkpoint is not None and len(eng.units) != len(checkpoint[1].units):
-            raise CheckpointError(
-                f"checkpoint step {step} holds {len(checkpoint[1].units)} units but the model "
-                f"{run.model} of {CONFIG_NAME} makes {len(eng.units)}; was the run's config.toml "
-                "changed?"
-            )
-        with eng:
+        with _frozen_engine(run, loaded, checkpoint) as eng:
+            step, skipped = (checkpoint[1].step, checkpoint[2]) if checkpoint else (None, [])
             chat = checkpoint is not None and trained_on_chats(run.data)
+            notes = [*loaded.notes, *skipped, *eng.notes()]
             yield Inference(
-                Decoder.through(eng),
-                Codec.for_model(loaded),
-                run.model,
-                chat,
-                step,
-                notes + eng.notes(),
+                Decoder.through(eng), Codec.for_model(loaded), run.model, chat, step, notes
             )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+Found = tuple[Path, Manifest, list[str]]  # a checkpoint, its manifest, newer ones skipped and why
+
+
+def _source(
+    model: str | None, run_dir: str | Path | None, overrides: dict[str, Any]
+) -> tuple[RunConfig, Found | None]:
+    """The run to build (a model directory's, or a run directory's own) and its checkpoint."""
+    if (model is None) == (run_dir is None):
+        raise ConfigError("generate from one model: pass --model hf:DIR or --run-dir DIR")
+    if model is not None:
+        if not is_hf(model):
+            raise ConfigError(
+                f"--model '{model}' is not hf:DIR; a built-in model generates from its "
+                "run's checkpoint: pass --run-dir DIR"
+            )
+        return RunConfig(model=model, engine=Config(**overrides)), None
+    return _run_config(Path(run_dir), overrides), find_checkpoint(run_dir, verify=True)
+
+
+def _store_dir(store: str | Path | None, run_dir: str | Path | None) -> Path:
+    """A fresh directory for the engine's NVMe store."""
+    base = Path(store or run_dir or tempfile.gettempdir())
+    try:
+        return Path(tempfile.mkdtemp(prefix=STORE_PREFIX, dir=base))
+    except OSError as e:
+        raise ConfigError(
+            f"cannot make the generation's store directory in {base} ({e.strerror}); "
+            "pass a writable --nvme-path"
+        ) from None
+
+
+def _frozen_engine(run: RunConfig, loaded: RunModel, checkpoint: Found | None) -> Engine:
+    """The run's model on meta with every parameter frozen (params only: nothing is trained),
+    filled from its directory's weights or, unit by unit, from `checkpoint`."""
+    from tierzero.engine import Engine
+
+    meta = loaded.on_meta().requires_grad_(False)
+    if checkpoint is None:
+        return Engine(meta, run.engine, weights=loaded.engine_weights)
+    path, manifest, _ = checkpoint
+    meta.init_unit = CheckpointUnits(meta, path, manifest)
+    eng = Engine(meta, run.engine)
+    if len(eng.units) != len(manifest.units):
+        raise CheckpointError(
+            f"checkpoint step {manifest.step} holds {len(manifest.units)} units but the "
+            f"model {run.model} of {CONFIG_NAME} makes {len(eng.units)}; was the run's "
+            "config.toml changed?"
+        )
+    return eng
 
 
 def _run_config(run_dir: Path, overrides: dict[str, Any]) -> RunConfig:

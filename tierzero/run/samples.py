@@ -51,7 +51,7 @@ class TrainingSamples:
 
     def complete(self, decoder: Decoder, step: int) -> list[dict[str, Any]]:
         """Every prompt's completion from the current weights, as samples.jsonl rows."""
-        new, _ = generate(decoder, self.ids, self.sampling, self.codec.stop_ids)
+        new = generate(decoder, self.ids, self.sampling, self.codec.stop_ids)
         return [
             {
                 "step": step,
