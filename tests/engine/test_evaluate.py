@@ -26,7 +26,9 @@ WINDOW_TOKENS = 2 * 32  # batches of 2 rows of 32 tokens
 def _param_bytes(engine: Engine) -> int:
     """Bytes of one read of every unit's params per use: a tied embedding's again for the head."""
     units = engine.units
-    return sum(u.param_numel * 4 for u in units) + sum(units[v].param_numel * 4 for u in units for v in u.uses_with)
+    return sum(u.param_numel * 4 for u in units) + sum(
+        units[v].param_numel * 4 for u in units for v in u.uses_with
+    )
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -47,17 +49,23 @@ def test_one_pass_equals_each_window_and_reads_each_unit_once(tmp_path, tied: bo
     assert one_pass == per_window  # bitwise: each window's head runs on its own rows
     fetched = read_once["bytes_host->gpu"]
     assert fetched == _param_bytes(engine)
-    assert read_once.get("bytes_nvme->host", 0) + read_once.get("bytes_host_cache_hit", 0) == fetched
+    assert (
+        read_once.get("bytes_nvme->host", 0) + read_once.get("bytes_host_cache_hit", 0) == fetched
+    )
     assert read_each["bytes_host->gpu"] == len(windows) * fetched
     written = {k: v for k, v in read_once.items() if k.startswith("bytes_") and k.endswith("nvme")}
-    assert written == {} and read_once.get("bytes_gpu->host", 0) == 0  # no grad, no activation, no write
+    assert (
+        written == {} and read_once.get("bytes_gpu->host", 0) == 0
+    )  # no grad, no activation, no write
 
 
 def test_waiting_activations_spilled_to_nvme_stay_exact(tmp_path) -> None:
     """A host budget of three windows' hidden states: the rest wait on NVMe and come back."""
     data = batches(batch_size=2, seq_len=32)
     windows = data.val_batches(12 * WINDOW_TOKENS)
-    with Engine(models.build(SMALL, device="meta"), engine_config(tmp_path, dtype="fp32")) as engine:
+    with Engine(
+        models.build(SMALL, device="meta"), engine_config(tmp_path, dtype="fp32")
+    ) as engine:
         engine.train_step(data.next_batch())
         chain = chain_of(engine.parts.model, engine.units)
         entry = WINDOW_TOKENS * SMALL.dim * 4
@@ -72,7 +80,13 @@ def test_waiting_activations_spilled_to_nvme_stay_exact(tmp_path) -> None:
 
 
 def test_micro_batches_join_consecutive_windows_of_one_length() -> None:
-    ids = [torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(2, 4)]
+    ids = [
+        torch.zeros(2, 8),
+        torch.zeros(2, 8),
+        torch.zeros(2, 4),
+        torch.zeros(2, 4),
+        torch.zeros(2, 4),
+    ]
     windows = [(x, x) for x in ids]
     assert join(windows, 32) == [[0, 1], [2, 3, 4]]
     assert join(windows, 16) == [[0], [1], [2, 3], [4]]
@@ -82,8 +96,12 @@ def test_micro_batches_join_consecutive_windows_of_one_length() -> None:
 def test_batches_that_are_not_pairs_are_evaluated_window_by_window(tmp_path) -> None:
     data = batches(batch_size=2, seq_len=32)
     windows = [{"idx": x, "targets": y} for x, y in data.val_batches(3 * WINDOW_TOKENS)]
-    with Engine(models.build(SMALL, device="meta"), engine_config(tmp_path, dtype="fp32")) as engine:
+    with Engine(
+        models.build(SMALL, device="meta"), engine_config(tmp_path, dtype="fp32")
+    ) as engine:
         one_pass = engine.evaluate(windows)
         assert one_pass == [engine.eval_loss(w, summed=True) for w in windows]
-        assert any("window by window" in note and "not (token ids, targets) pairs" in note
-                   for note in engine.notes())
+        assert any(
+            "window by window" in note and "not (token ids, targets) pairs" in note
+            for note in engine.notes()
+        )

@@ -22,9 +22,18 @@ from tierzero import Engine
 from tierzero.hf import load_model
 from tierzero.run.data import TokenBatches, default_corpus
 
-MIXTRAL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, num_local_experts=4,
-               num_experts_per_tok=2, tie_word_embeddings=False)
+MIXTRAL = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 128,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "tie_word_embeddings": False,
+}
 
 
 def _windows_and_batch():
@@ -55,7 +64,9 @@ def test_dense_llama_evaluates_in_one_pass(tmp_path) -> None:
 @pytest.mark.parametrize("aux", [False, True])
 def test_mixture_of_experts(tmp_path, aux: bool) -> None:
     model_dir = tmp_path / "mixtral"
-    MixtralConfig(**MIXTRAL, output_router_logits=aux, router_aux_loss_coef=0.5).save_pretrained(model_dir)
+    MixtralConfig(**MIXTRAL, output_router_logits=aux, router_aux_loss_coef=0.5).save_pretrained(
+        model_dir
+    )
     one_pass, per_window, fetched, param_bytes, notes = _evaluate(model_dir, tmp_path / "run")
     assert max(abs(a - b) / abs(b) for a, b in zip(one_pass, per_window)) < 1e-6
     if aux:  # the aux loss needs every layer's router logits from one forward of the window

@@ -79,9 +79,7 @@ def evaluate_windows(
     by window (`one_window`) where the pass cannot run (the engine notes why)."""
     chain = chain_of(parts.model, parts.units)
     why = chain if isinstance(chain, str) else None
-    if why is None and not all(
-        isinstance(w, (tuple, list)) and len(w) == 2 for w in windows
-    ):
+    if why is None and not all(isinstance(w, (tuple, list)) and len(w) == 2 for w in windows):
         why = "its batches are not (token ids, targets) pairs"
     layout = plan_layout(parts, chain, windows) if why is None else None
     if isinstance(layout, str):
@@ -97,39 +95,38 @@ def evaluate_windows(
         return EvalPass(parts, opened, chain, layout).run(windows)
 
 
-def plan_layout(
-    parts: EngineParts, chain: Chain, windows: list[Window]
-) -> EvalLayout | str:
+def plan_layout(parts: EngineParts, chain: Chain, windows: list[Window]) -> EvalLayout | str:
     """The micro-batches and where their hidden states wait, from what the compute device's
-    and the host's budgets leave beyond their pools; or why the pass cannot run."""
-    dim, itemsize = chain.dim, parts.dtype.itemsize
-    rows = [w[0].shape[0] * w[0].shape[1] for w in windows]  # tokens per window
-    waiting = sum(aligned_nbytes(n * dim * itemsize) for n in rows)
+    and the host's budgets leave beyond their pools; or why the pass cannot run.
+
+    The hidden states of every window (`waiting`) stay on the device when they fit there
+    beside one window's working set (`least`: a block's temporaries, the head's logits);
+    else they go to a store under what the host budget leaves (on the CPU device the host is
+    the compute device: what one window's working set leaves), spilling to NVMe. What the
+    device's budget then has left sets how many windows' rows a micro-batch joins."""
+    model, itemsize = parts.model, parts.dtype.itemsize
+    tokens = [w[0].numel() for w in windows]
+    widest = max(tokens)
+    per_token = working_bytes_per_token(model, chain.dim, windows[0][0].shape[1], itemsize)
+    head = head_bytes(model, widest)
+    least = head + per_token * widest
+    waiting = sum(aligned_nbytes(n * chain.dim * itemsize) for n in tokens)
     device_room, host_room = rooms(parts)
-    per_token = working_bytes_per_token(parts.model, dim, itemsize)
-    head = 2 * int(
-        getattr(parts.model, "loss_chunk_bytes", 0) or 0
-    )  # a chunk's logits and log-softmax
-    on_device = waiting + head + per_token * max(rows) <= device_room
-    room = device_room - head - (waiting if on_device else 0)
-    store_bytes = None
-    if not on_device:
-        store_bytes = (
-            host_room
-            - (device_room - room if parts.device.type == "cpu" else 0)
-            - per_token * max(rows)
-        )  # on the CPU device the host is the compute tier
-        if store_bytes < 2 * aligned_nbytes(max(rows) * dim * itemsize) or (
-            store_bytes < waiting and Tier.NVME not in parts.tiers.stores
-        ):
-            return (
-                f"its waiting activations ({waiting / 1e6:.1f} MB) fit neither the compute device's "
-                f"budget nor the host's, and no state lives on NVMe to spill them to"
-            )
-        store_bytes = min(store_bytes, waiting)
-    return EvalLayout(
-        join(windows, max(room, per_token * max(rows)) // per_token), store_bytes
-    )
+    if waiting + least <= device_room:
+        return EvalLayout(join(windows, (device_room - waiting - head) // per_token), None)
+    store = min(waiting, host_room - (least if parts.device.type == "cpu" else 0))
+    if store < 2 * aligned_nbytes(widest * chain.dim * itemsize) or (
+        store < waiting and Tier.NVME not in parts.tiers.stores
+    ):
+        return (
+            f"its waiting activations ({waiting / 1e6:.1f} MB) fit neither the compute device's "
+            "budget nor the host's, and no state lives on NVMe to spill them to"
+            if Tier.NVME not in parts.tiers.stores
+            else f"the budgets leave {max(host_room, 0) / 1e6:.1f} MB, less than two windows' "
+            "waiting activations and one window's working set"
+        )
+    room = device_room - head - (store if parts.device.type == "cpu" else 0)
+    return EvalLayout(join(windows, room // per_token), store)
 
 
 def join(windows: list[Window], tokens: int) -> list[list[int]]:
@@ -138,11 +135,7 @@ def join(windows: list[Window], tokens: int) -> list[list[int]]:
     held = 0
     for i, (ids, _) in enumerate(windows):
         n = ids.numel()
-        if (
-            out
-            and held + n <= tokens
-            and ids.shape[1] == windows[out[-1][0]][0].shape[1]
-        ):
+        if out and held + n <= tokens and ids.shape[1] == windows[out[-1][0]][0].shape[1]:
             out[-1].append(i)
             held += n
         else:
@@ -161,17 +154,24 @@ def rooms(parts: EngineParts) -> tuple[int, int]:
     return tiers.gpu_budget - memory.tiers[Tier.GPU].pool_bytes, host
 
 
-def working_bytes_per_token(model: nn.Module, dim: int, itemsize: int) -> int:
+def working_bytes_per_token(model: nn.Module, dim: int, seq_len: int, itemsize: int) -> int:
     """A block's forward temporaries per token without grad (the ledger's `block_forward_bytes`:
-    its MLP's three F-wide temporaries, the normed input and output), with its output beside."""
-    args = getattr(model, "args", None)
-    config = getattr(model, "config", None)
-    ffn = (
-        getattr(args, "ffn_dim", None)
-        or getattr(config, "intermediate_size", None)
-        or 4 * dim
-    )
-    return (3 * int(ffn) + 3 * dim) * itemsize
+    its MLP's three F-wide temporaries, the normed input and output), its output beside, and a
+    row of attention scores in fp32 per head (where attention materialises them)."""
+    args, config = getattr(model, "args", None), getattr(model, "config", None)
+    ffn = getattr(args, "ffn_dim", None) or getattr(config, "intermediate_size", None) or 4 * dim
+    heads = getattr(args, "n_heads", None) or getattr(config, "num_attention_heads", None) or 1
+    return (3 * int(ffn) + 3 * dim) * itemsize + int(heads) * seq_len * 4
+
+
+def head_bytes(model: nn.Module, tokens: int) -> int:
+    """The head's working set for one window of `tokens`: a loss chunk's fp32 logits and their
+    log-softmax (the model's `loss_chunk_bytes` bounds a chunk)."""
+    args, config = getattr(model, "args", None), getattr(model, "config", None)
+    vocab = getattr(args, "vocab_size", None) or getattr(config, "vocab_size", None) or 0
+    logits = tokens * int(vocab) * 4
+    chunk = getattr(model, "loss_chunk_bytes", None)
+    return 2 * (logits if not chunk else min(logits, int(chunk)))
 
 
 class EvalPass:
@@ -188,13 +188,8 @@ class EvalPass:
     def run(self, windows: list[Window]) -> list[float]:
         """Each window's summed trained-token loss, in window order."""
         groups = self.layout.micro_batches
-        ids = [
-            self.opened.batches.to_device(torch.cat([windows[i][0] for i in g]))
-            for g in groups
-        ]
-        targets = [
-            [self.opened.batches.to_device(windows[i][1]) for i in g] for g in groups
-        ]
+        ids = [self.opened.batches.to_device(torch.cat([windows[i][0] for i in g])) for g in groups]
+        targets = [[self.opened.batches.to_device(windows[i][1]) for i in g] for g in groups]
         for x in ids:
             self.chain.check(x)
         if self.layout.store_bytes is not None:
@@ -241,9 +236,7 @@ class EvalPass:
                     self.chain.block(self.runner, unit, x, contexts[m]),
                 )
 
-    def _head(
-        self, unit: Unit, targets: list[list[torch.Tensor]]
-    ) -> list[torch.Tensor]:
+    def _head(self, unit: Unit, targets: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         """Each window's summed loss: the head on that window's own rows, divided by 1."""
         losses = []
         with self._gathered(unit):
