@@ -27,29 +27,53 @@ from tierzero.planning.planreport import PlanReport, make_plan
 from tierzero.planning.wear import checkpoint_nbytes
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-HOST_SHARE = 0.75  # a host budget leaves a quarter of the RAM to the OS, CUDA and the process itself
+HOST_SHARE = (
+    0.75  # a host budget leaves a quarter of the RAM to the OS, CUDA and the process itself
+)
 
 
 def llama_7b() -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
+    return LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    )
 
 
 def llama_13b() -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
-                       num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096)
+    return LlamaConfig(
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=40,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    )
 
 
 def olmoe_1b_7b() -> Any:
     from transformers import OlmoeConfig
 
-    return OlmoeConfig(hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
-                       num_key_value_heads=16, vocab_size=50304, num_experts=64, num_experts_per_tok=8,
-                       max_position_embeddings=4096)
+    return OlmoeConfig(
+        hidden_size=2048,
+        intermediate_size=1024,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=50304,
+        num_experts=64,
+        num_experts_per_tok=8,
+        max_position_embeddings=4096,
+    )
 
 
 # what each recipe is planned as: a Hugging Face config (the model its command names) or a
@@ -83,13 +107,22 @@ def plan_recipe(name: str, run: RunConfig, machine: dict[str, int], tmp: Path) -
     """`tierzero.plan` of the run `name` configures on `machine`, as `tierzero train` sizes it."""
     cfg, shape = run.engine, SHAPES[name]
     clipped = cfg.clip_grad_norm is not None
-    kw: dict[str, Any] = dict(
-        gpu_mem=cfg.gpu_budget or int(0.9 * machine["gpu"]), host_mem=cfg.host_budget or machine["ram"] // 2,
-        nvme_free=machine["nvme"], dtype=cfg.dtype.value, batch_size=run.batch_size, seq_len=run.seq_len,
-        accumulate=cfg.accumulate, schedule=cfg.schedule.value, recompute=cfg.recompute.value,
-        optimizer_state=cfg.optimizer_state.value, master=cfg.master.value, steps=run.steps,
-        checkpoint_every=run.checkpoint_every,
-        overlap=cfg.overlap_step if cfg.overlap_step is not None else not clipped)  # as the engine decides it
+    kw: dict[str, Any] = {
+        "gpu_mem": cfg.gpu_budget or int(0.9 * machine["gpu"]),
+        "host_mem": cfg.host_budget or machine["ram"] // 2,
+        "nvme_free": machine["nvme"],
+        "dtype": cfg.dtype.value,
+        "batch_size": run.batch_size,
+        "seq_len": run.seq_len,
+        "accumulate": cfg.accumulate,
+        "schedule": cfg.schedule.value,
+        "recompute": cfg.recompute.value,
+        "optimizer_state": cfg.optimizer_state.value,
+        "master": cfg.master.value,
+        "steps": run.steps,
+        "checkpoint_every": run.checkpoint_every,
+        "overlap": cfg.overlap_step if cfg.overlap_step is not None else not clipped,
+    }  # as the engine decides it
     if shape is None or isinstance(shape, str):
         assert run.lora_r is None, "LoRA adapts a Hugging Face model"
         return make_plan(shape or run.model, **kw)
@@ -97,8 +130,12 @@ def plan_recipe(name: str, run: RunConfig, machine: dict[str, int], tmp: Path) -
     shape().save_pretrained(directory)
     model = f"hf:{directory}"
     built = hf_workload(model, 1)
-    if run.lora_r is not None:  # the adapters as the run adds them: the base frozen, the adapters trained
-        spec = LoraSpec(run.lora_r, run.lora_alpha, run.lora_dropout, tuple(run.lora_targets or ()) or None)
+    if (
+        run.lora_r is not None
+    ):  # the adapters as the run adds them: the base frozen, the adapters trained
+        spec = LoraSpec(
+            run.lora_r, run.lora_alpha, run.lora_dropout, tuple(run.lora_targets or ()) or None
+        )
         built["units"] = partition(add_lora(load_model(model), spec, None), 1)
     return make_plan(model, **built, **kw)
 
@@ -108,17 +145,118 @@ def test_a_recipe_fits_the_machine_it_names(name: str, tmp_path: Path) -> None:
     path = RECIPES / name
     machine, command = header(path)
     assert command.startswith(f"tierzero train --config recipes/{name}")
-    assert ("--model" in command) == (SHAPES[name] is not None), "a recipe names its model, or its command does"
+    assert ("--model" in command) == (SHAPES[name] is not None), (
+        "a recipe names its model, or its command does"
+    )
     run = load_run_config(path)
     assert run.engine.gpu_budget is None or run.engine.gpu_budget <= machine["gpu"]
     assert run.engine.host_budget is None or run.engine.host_budget <= HOST_SHARE * machine["ram"]
     report = plan_recipe(name, run, machine, tmp_path)
     assert report.choice.fits, report.choice.shortfall
     resident, budgets = report.choice.resident_bytes, report.budgets
-    assert resident[Tier.GPU] <= budgets[Tier.GPU] <= machine["gpu"]  # the compute tier within the GPU
+    assert (
+        resident[Tier.GPU] <= budgets[Tier.GPU] <= machine["gpu"]
+    )  # the compute tier within the GPU
     assert resident[Tier.HOST] <= budgets[Tier.HOST] <= machine["ram"]  # host memory within the RAM
     kept = run.keep_checkpoints * checkpoint_nbytes(report.workload, report.placement)
     assert resident[Tier.NVME] + kept <= machine["nvme"]  # the NVMe state and the checkpoints kept
     if run.lora_r is not None:
         trained = sum(min(u.numel, u.trainable_numel) for u in report.units)
         assert trained < 0.01 * report.numel  # the base is frozen: only the adapters have state
+
+
+def tiny_llama() -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+    )
+
+
+def tiny_olmoe() -> Any:
+    from transformers import OlmoeConfig
+
+    return OlmoeConfig(
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=256,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+    )
+
+
+# the same family at a size this machine trains in seconds: the recipe's keys, LoRA targets and
+# schedule go through `tierzero train` as written, only the size flags (and a host budget this
+# machine has) overridden
+STAND_INS: dict[str, Callable[[], Any] | str] = {
+    "lora-7b-chat.toml": tiny_llama,
+    "full-7b-compact.toml": tiny_llama,
+    "lora-13b.toml": tiny_llama,
+    "pretrain-1b.toml": "tiny",
+    "lora-moe.toml": tiny_olmoe,
+}
+
+
+@pytest.mark.parametrize("name", sorted(STAND_INS))
+def test_a_recipe_trains_through_the_cli(name: str, tmp_path: Path) -> None:
+    import json
+
+    from tierzero.cli.app import app
+    from typer.testing import CliRunner
+
+    stand_in = STAND_INS[name]
+    if isinstance(stand_in, str):
+        model = stand_in
+    else:
+        stand_in().save_pretrained(tmp_path / "model")
+        model = f"hf:{tmp_path / 'model'}"
+    data = tmp_path / "data.jsonl"
+    data.write_text(
+        "".join(json.dumps({"text": f"recipe line {i} " * 6}) + "\n" for i in range(32))
+    )
+    result = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--config",
+            str(RECIPES / name),
+            "--model",
+            model,
+            "--data",
+            str(data),
+            "--steps",
+            "2",
+            "--batch-size",
+            "1",
+            "--seq-len",
+            "16",
+            "--accumulate",
+            "2",
+            "--eval-tokens",
+            "64",
+            "--host-budget",
+            "2GB",
+            "--offload",
+            "auto",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout[result.stdout.index("{") :])
+    assert summary["steps"] == 2 and summary["drive_wear"]["steps"] == 2
+    written = (tmp_path / "run" / "config.toml").read_text()
+    run = load_run_config(RECIPES / name)
+    assert f'dtype = "{run.engine.dtype.value}"' in written
+    assert ("lora_r = " in written) == (run.lora_r is not None)

@@ -26,7 +26,13 @@ from tierzero.planning.wear import (
 )
 from tierzero.planning.workload import Workload
 
-MACHINE_24GB = dict(gpu_mem="24GB", host_mem="32GB", nvme_free="4TB", batch_size=1, seq_len=512)
+MACHINE_24GB = {
+    "gpu_mem": "24GB",
+    "host_mem": "32GB",
+    "nvme_free": "4TB",
+    "batch_size": 1,
+    "seq_len": 512,
+}
 SEVEN_B = PRESETS["7b"].param_count()
 
 
