@@ -153,6 +153,9 @@ def _print_report(out: Output, report: PlanReport) -> None:
     other = "horizontal" if sched["schedule"] == "vertical" else "vertical"
     _say(out, f"Schedule: {sched['schedule']}, {sched['accumulate']} micro-batch(es) per step: NVMe "
               f"{format_bytes(moved[sched['schedule']])} per step ({other}: {format_bytes(moved[other])})")
+    ev = r["evaluation"]
+    _say(out, f"Evaluation: NVMe {format_bytes(ev['nvme_read_bytes'])} read per evaluation of {ev['windows']} "
+              f"windows, every unit once (window by window: {format_bytes(ev['per_window_nvme_read_bytes'])})")
     _print_wear(out, report)
     rc = r["recompute"]
     head = " and the head" if rc["kept_head"] else ""

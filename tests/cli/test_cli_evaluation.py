@@ -207,3 +207,38 @@ def test_report_plots_eval_loss_and_reads_older_runs_val_loss(tmp_path, monkeypa
         "step": 1,
         "eval_loss": 3.0,
     }
+
+
+def test_plan_says_what_one_evaluation_reads() -> None:
+    result = runner.invoke(
+        app,
+        [
+            "plan",
+            "--model",
+            "125m",
+            "--batch-size",
+            "4",
+            "--seq-len",
+            "32",
+            "--host-mem",
+            "300MiB",
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    ev, params = report["evaluation"], report["model"]["params"]
+    assert (
+        report["verdict"]["placement"]["param"] == "nvme"
+    )  # the nearest placement: params on NVMe
+    assert (
+        ev["windows"] == 128 and ev["nvme_read_bytes"] >= params * 4
+    )  # fp32 here; 125m ties its embedding
+    assert (
+        ev["per_window_nvme_read_bytes"] == 32 * ev["nvme_read_bytes"]
+    )  # 128 windows in batches of 4
+    text = runner.invoke(
+        app,
+        ["plan", "--model", "125m", "--batch-size", "4", "--seq-len", "32", "--host-mem", "300MiB"],
+    ).output
+    assert "Evaluation: NVMe" in text and "every unit once" in text

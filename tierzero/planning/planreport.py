@@ -73,6 +73,7 @@ class PlanReport:
     drive_tbw: float | None = None
     grad_dtype: DType = DType.FP32  # grads off the device and at home (`statebytes.grad_dtype`)
     grad_reason: str = "fp32 compute"
+    eval_tokens: int = RunConfig.eval_tokens  # the evaluation set `evaluation` costs
 
     @property
     def units(self) -> tuple[Unit, ...]:
@@ -101,6 +102,16 @@ class PlanReport:
         horizontal = step_nvme_bytes(one + 2 * (h - grad), param, h, w.accumulate, False)
         vertical = step_nvme_bytes(one + 2 * (v - grad), param, v, w.accumulate, True, spilled)
         return {"horizontal": horizontal, "vertical": vertical}
+
+    def evaluation(self) -> dict[str, int]:
+        """NVMe bytes one evaluation reads: each unit's params once per use for the whole set
+        (`engine.vertical.evaluate`); window by window, once per batch of windows."""
+        w, units = self.workload, self.workload.units
+        uses = sum(u.param_numel for u in units) + sum(units[v].param_numel for u in units for v in u.uses_with)
+        one = uses * w.nbytes(StateKind.PARAM) if self.placement.param is Tier.NVME else 0
+        rows = -(-self.eval_tokens // self.activations.seq_len)
+        batches = -(-rows // self.activations.batch_size)
+        return {"windows": rows, "nvme_read_bytes": one, "per_window_nvme_read_bytes": batches * one}
 
     def step_nvme_write_bytes(self) -> int:
         """The NVMe bytes written per step in the chosen placement and schedule, the write half
@@ -170,6 +181,7 @@ class PlanReport:
             "verdict": {**self.choice.as_dict(), "breakdown": self.choice.estimate.memory.breakdown()},
             "per_rank": self.per_rank(),
             "stage": {"stage": self.stage, "reason": self.stage_reason, "text": STAGE_TEXT[self.stage]},
+            "evaluation": self.evaluation(),
             "schedule": {"schedule": "vertical" if self.vertical else "horizontal", "accumulate": self.workload.accumulate,
                          "nvme_bytes_per_step": self.step_nvme_bytes()},
             "recompute": {"recompute": self.recompute.value, "keepable_units": self.keepable_units,
