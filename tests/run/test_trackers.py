@@ -218,10 +218,10 @@ def trackio_run(name: str) -> tuple[Any, list[dict[str, Any]]]:
 
 def test_a_run_reports_to_every_tracker(tmp_path: Path, offline: Path) -> None:
     run_dir = tmp_path / "mem-run"
-    result = train(
-        "--steps", "3", "--offload", "none", "--run-dir", str(run_dir), "--report-to", ALL
-    )
+    args = ["--steps", "3", "--offload", "none", "--run-dir", str(run_dir), "--json"]
+    result = train(*args, "--report-to", ALL)
     assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["steps"] == 3  # the trackers' chatter stays off stdout
     loss = expected(run_dir)["loss"]
     assert sorted(loss) == [1, 2, 3] and len(expected(run_dir)) > 4  # lr, tokens/s, evaluations...
 
