@@ -165,6 +165,10 @@ def test_bad_input_is_one_line(tmp_path) -> None:
     assert "prompts file" in one_line_error(runner.invoke(app, [
         "train", "--steps", "1", "--offload", "none", "--run-dir", str(tmp_path / "third"),
         "--sample-prompts", str(tmp_path / "missing.txt")]))
+    (tmp_path / "long.txt").write_text("x" * 500 + "\n")
+    assert "past tiny's max_seq_len 512" in one_line_error(runner.invoke(app, [
+        "train", "--steps", "1", "--offload", "none", "--run-dir", str(tmp_path / "fourth"),
+        "--sample-prompts", str(tmp_path / "long.txt"), "--sample-max-new-tokens", "20"]))
 
 
 def test_an_empty_prompt_is_refused(model_dir, tmp_path) -> None:

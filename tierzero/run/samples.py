@@ -1,8 +1,8 @@
 """Samples during training: every `sample_every` steps, and at the end, greedy completions of
 the `--sample-prompts` from the weights as they are then, logged to `samples.jsonl`.
 
-The prompts are read and tokenized when the session opens (a missing or empty file stops the
-run before it trains). Each time, all of them go through the trainer as one batch, the same
+The prompts are read and tokenized when the session opens (a missing or empty file, or for a
+built-in model a prompt too long for its positions, stops the run before it trains). Each time, all of them go through the trainer as one batch, the same
 path as `tierzero generate` (`tierzero.run.generate`): the engine's eval passes through the
 tiers, one per new token, or the reference trainer's model in memory. A run that trains on
 chat records has its plain prompts rendered as a user's turn by the chat template. With several
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierzero.config import RunConfig
+from tierzero.errors import ConfigError
+from tierzero.models.presets import get_preset
 from tierzero.run.directory import RunDir
 from tierzero.run.generate import Decoder, Sampling, generate
 from tierzero.run.prompts import Codec, Prompt, read_prompts, trained_on_chats
-
-DEFAULT_MAX_NEW_TOKENS = 64
 
 
 @dataclass
@@ -37,11 +37,19 @@ class TrainingSamples:
     @classmethod
     def for_run(cls, run: RunConfig, codec: Codec) -> TrainingSamples | None:
         """The samples `run` asks for (None: no `sample_prompts`), its prompts read and encoded."""
+        from tierzero.hf import is_hf
+
         if run.sample_prompts is None:
             return None
         prompts = read_prompts(run.sample_prompts)
         chat = trained_on_chats(run.data)
         ids = [codec.encode(p, chat) for p in prompts]
+        positions = max(map(len, ids)) + run.sample_max_new_tokens
+        if not is_hf(run.model) and positions > get_preset(run.model).max_seq_len:
+            raise ConfigError(
+                f"the longest sample prompt and --sample-max-new-tokens make {positions} positions, "
+                f"past {run.model}'s max_seq_len {get_preset(run.model).max_seq_len}; shorten them"
+            )
         return cls(
             prompts, ids, codec, run.sample_every, run.steps, Sampling(run.sample_max_new_tokens)
         )
