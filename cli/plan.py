@@ -173,8 +173,8 @@ def _print_report(out: Output, report: PlanReport) -> None:
         _print_peaks(out, choice.estimate.memory.per_rank())
 
 
-_DTYPE_SOURCES = {"given": "--dtype", "assumed for --gpus": "assumed for --gpus: bf16 GPUs; --dtype to change",
-                  "train's default here": "`tierzero train`'s default here; --dtype to change"}
+_DTYPE_SOURCES = {"dtype": "--dtype", "gpus": "assumed for --gpus: bf16 GPUs; --dtype to change",
+                  "train": "`tierzero train`'s default here; --dtype to change"}
 
 
 def _print_wear(out: Output, report: PlanReport) -> None:

@@ -129,13 +129,13 @@ def test_plan_for_gpus_assumes_bf16_and_says_so(one_machine: None, monkeypatch: 
 
     report = json.loads(plan("--model", "7b", "--gpus", "8", "--json"))
     assert [row["gb_per_gpu"] for row in report["ledger"]] == [112, 38.5, 26.25, 14]
-    assert (report["dtype"], report["dtype_source"]) == ("bf16", "assumed for --gpus")
+    assert (report["dtype"], report["dtype_source"]) == ("bf16", "gpus")
     text = plan("--model", "7b", "--gpus", "8")
     assert "Compute dtype: bf16 (assumed for --gpus: bf16 GPUs; --dtype to change)" in text
     assert make_plan("tiny", gpus=1, nvme_path=tmp_path).dtype is DType.BF16
     fp32 = json.loads(plan("--model", "7b", "--gpus", "8", "--dtype", "fp32", "--json"))
     assert [row["bytes_per_param"] for row in fp32["ledger"]] == [20, 4 + 4 + 12 / 8, 4 + 16 / 8, 20 / 8]
-    assert (fp32["dtype"], fp32["dtype_source"]) == ("fp32", "given")
+    assert (fp32["dtype"], fp32["dtype_source"]) == ("fp32", "dtype")
     assert "Compute dtype: fp32 (--dtype)" in plan("--model", "tiny", "--gpus", "2", "--dtype", "fp32")
     alone = json.loads(plan("--model", "tiny", "--json"))  # no --gpus: what train computes in here
-    assert (alone["dtype"], alone["dtype_source"]) == ("fp32", "train's default here")
+    assert (alone["dtype"], alone["dtype_source"]) == ("fp32", "train")

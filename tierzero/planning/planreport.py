@@ -67,7 +67,7 @@ class PlanReport:
     kept: ActivationEstimate | None = None  # `activations` counting the kept units' graphs (`planning.recompute`)
     keepable_units: int = 0  # of which `kept.kept_blocks` blocks and the head if `kept.kept_head` keep theirs
     formats: StateBytes = FP32_STATE  # how the master and Adam moments are stored (`--optimizer-state`, `--master`)
-    dtype_source: str = "given"  # why `dtype`: given, assumed for --gpus, or `tierzero train`'s default here
+    dtype_source: str = "dtype"  # why `dtype`: "dtype" given, "gpus" assumed, "train" train's default
     steps: int = RunConfig.steps  # the run `wear` projects: its length, checkpoints and drive rating
     checkpoint_every: int | None = None
     drive_tbw: float | None = None
@@ -304,7 +304,7 @@ def make_plan(
     budgets, detected, device = plan_budgets(gpu_mem, host_mem, nvme_free, Path(nvme_path))
     check_drive_tbw(drive_tbw)
     compute = _dtype(dtype) if dtype is not None else DType.BF16 if described else train_dtype(device)
-    dtype_source = "given" if dtype is not None else "assumed for --gpus" if described else "train's default here"
+    dtype_source = "dtype" if dtype is not None else "gpus" if described else "train"
     itemsize = TORCH_DTYPES[compute].itemsize
     formats = StateBytes.for_compute(moments, master_dtype, compute)
     batch_size = batch_size if batch_size is not None else max(1, RunConfig.batch_size // gpus)
