@@ -73,7 +73,7 @@ def train(
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where config, metrics, checkpoints and offloaded state go. Default: runs/<model>-<time>."),
     checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help="Checkpoint every N optimizer steps (and always at the end)."),
     keep_checkpoints: Optional[int] = typer.Option(None, "--keep-checkpoints", help="Keep the newest K checkpoints (default 2)."),
-    keep_best: Optional[bool] = typer.Option(None, "--keep-best", help="Checkpoint at every evaluation that beats the run's best eval loss and keep that checkpoint (named in RUN_DIR/best.json) through --keep-checkpoints pruning."),
+    keep_best: Optional[bool] = typer.Option(None, "--keep-best/--no-keep-best", help="Checkpoint at every evaluation that beats the run's best eval loss and keep that checkpoint (named in RUN_DIR/best.json) through --keep-checkpoints pruning."),
     val_data: Optional[str] = typer.Option(None, "--val-data", help="Held-out data to evaluate on, in any format --data takes; default: a split off the end of --data."),
     val_fraction: Optional[float] = typer.Option(None, "--val-fraction", help="The share of --data's end held out for evaluation, in [0, 1); default 0.05 where the corpus can spare a window, else no evaluation (with a note)."),
     eval_every: Optional[int] = typer.Option(None, "--eval-every", help="Evaluate every N optimizer steps, before the first and after the last (default 40; 0: never). Each evaluation reads every unit once."),
@@ -242,6 +242,9 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
             f", eval loss {summary['eval_loss_start']:.4f} -> {summary['eval_loss_end']:.4f}"
         out.print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}{evaluated} in "
                   f"{result.wall_s:.1f}s; metrics in {escape(run.run_dir)}/metrics.jsonl", highlight=False)
+        if result.best is not None:
+            out.print(f"best checkpoint: step {result.best['step']} (eval loss {result.best['eval_loss']:.4f}), "
+                      f"{escape(run.run_dir)}/{result.best.get('checkpoint', '')}", highlight=False)
         rest = "" if process is None else \
             f"; {format_bytes(wear.checkpoint_bytes)} more by checkpoints and logs (/proc/self/io)"
         out.print(f"NVMe writes: {format_bytes(wear.step_bytes)} over {wear.steps} steps, "
@@ -261,10 +264,6 @@ def _checkpoints(run: RunConfig, start_step: int, session: Any) -> int:
         return 0
     every = run.checkpoint_every or run.steps
     return sum(1 for s in range(start_step + 1, run.steps + 1) if s % every == 0 or s == run.steps)
-
-        if result.best is not None:
-            out.print(f"best checkpoint: step {result.best['step']} (eval loss {result.best['eval_loss']:.4f}), "
-                      f"{escape(run.run_dir)}/{result.best.get('checkpoint', '')}", highlight=False)
 
 
 # the config keys whose flags are not spelled `--key-with-dashes`
