@@ -181,13 +181,14 @@ class WandbTracker:
 
     def __init__(self, run: Any) -> None:
         self._run = run
-        self.identity = {"id": run.id, "project": run.project}
-        offline = run.settings.mode == "offline"
-        self.where = (
-            f"wandb offline run {run.id}: wandb sync {run.settings.sync_dir}"
-            if offline
-            else f"wandb {run.url}"
-        )
+        mode = run.settings.mode
+        self.identity = {} if mode == "disabled" else {"id": run.id, "project": run.project}
+        if mode == "disabled":
+            self.where = "wandb: nowhere, WANDB_MODE is disabled"
+        elif mode == "offline":
+            self.where = f"wandb offline run {run.id}: wandb sync {run.settings.sync_dir}"
+        else:
+            self.where = f"wandb {run.url}"
 
     @classmethod
     def open(cls, start: TrackerStart) -> WandbTracker:
