@@ -1,20 +1,23 @@
 """The compact step's CPU kernel: decode, step and encode a piece in one pass, in numba.
 
-`step_piece` walks a piece's quantisation blocks (`STATE_BLOCK` values) on every core: it
-decodes a block's master and moments into three 256-value fp32 arrays on the stack of its
-thread, steps the values its spans cover with AdamW, and encodes the block back in place. It is
-the same arithmetic as `tierzero.compact.step`'s torch ops, written so every fp32 result is
-rounded once where torch's op rounds it (no fused multiply-add: numba contracts only with
-fastmath, which is off), so the two paths agree bitwise; `tests/test_compact_kernel.py` holds
-them to it. It also keeps the torch path's sub-blocks: a block whose sub-block no span reaches
-is not touched, any other is re-encoded whole (values no span covers keep their bf16 bits or
-their nearest code), exactly as the torch path re-encodes sub-blocks.
+`step_piece` hands a piece's chunks of `chunk_numel` values (`cpu_step.CHUNK`: whole
+quantisation blocks) to every core: a chunk's master, moments and grad are decoded into fp32
+arrays of its own (L2-sized), the values its spans cover are stepped with AdamW, and the chunk
+is encoded back in place. It is the arithmetic of `tierzero.compact.step`'s torch ops, written
+so every fp32 result is rounded once where torch's op rounds it (no fused multiply-add: numba
+contracts only with fastmath, which is off; `error_model="numpy"`: IEEE division, no zero
+check), with torch's own sqrt (`bind_sqrt`), so the two paths agree bitwise;
+`tests/test_compact_kernel.py` holds them to it. It also keeps the torch path's sub-blocks: a
+chunk whose sub-block no span reaches is not touched, any other is re-encoded whole (values no
+span covers keep their bf16 bits or their nearest code), exactly as the torch path re-encodes
+sub-blocks.
 
-One signature serves every format (each state's stored arrays are passed, an empty array for
-the forms it does not use, and `fmt` says which), so numba compiles it once per machine and
-`cache=True` keeps it. Integer hashing is done in uint64 and masked to 32 bits, because numba
-widens uint32 arithmetic; every constant is typed, because an untyped one turns the
-arithmetic it touches into float64.
+One signature serves every format (each state's stored arrays are passed, an empty array for the
+forms it does not use, and `fmt` says which), so numba compiles it once per machine and
+`cache=True` keeps it. The table lookups of int8 codes run in loops of their own and the
+arithmetic in loops LLVM vectorises: on AMD Zen 4 vector gathers measured slower than scalar
+loads. numba widens uint32 arithmetic to 64 bits and turns arithmetic with an untyped constant
+into float64, so every constant is typed and the hash truncates each result.
 """
 
 from __future__ import annotations
@@ -30,11 +33,14 @@ from numba import carray, cfunc, njit, prange, types
 FP32, BF16, INT8 = 0, 1, 2  # `fmt` of a state
 BLOCK = 256  # STATE_BLOCK: checked against the config by the caller
 MASK32 = np.uint64(0xFFFFFFFF)
-LOW16 = np.uint64(0xFFFF)
+LOW16 = np.uint32(0xFFFF)
 HIGH16 = np.uint64(0xFFFF0000)
-SIXTEEN = np.uint64(16)
-MIX1 = np.uint64(0x7FEB352D)
-MIX2 = np.uint64(0x2C1B3C6D)
+SHIFT = np.uint32(16)
+MIX1 = np.uint32(0x7FEB352D)
+MIX2 = np.uint32(0x2C1B3C6D)
+LOW32 = np.uint64(0xFFFFFFFF)  # a packed table entry's low half
+HIGH32 = np.uint64(32)
+SQRT_RUN = 2048  # values per sqrt call: MKL may thread longer runs, inside numba's threads
 ABS = np.uint32(0x7FFFFFFF)
 INF_BITS = np.uint32(0x7F800000)
 NAN_F32 = np.uint32(0x7FC00000)  # what torch.amax returns for a block holding a NaN
@@ -78,15 +84,17 @@ def _ieee_sqrt(n, src, dst, mode):
 @njit(cache=True, error_model="numpy")
 def _fill_bits(out, first, key):
     """16 random bits per position first, first + 1, ... of the unit's flat buffer
-    (`step.random_bits`), in uint64 arithmetic masked to uint32's."""
+    (`step.random_bits`). numba widens uint32 arithmetic to 64 bits: truncating each result
+    back lets LLVM keep 16 lanes of 32 bits."""
+    base = np.uint32(np.uint64(first) & MASK32)
     for j in range(out.shape[0]):
-        h = (np.uint64(first + j) & MASK32) ^ key
-        h ^= h >> SIXTEEN
-        h = (h * MIX1) & MASK32
-        h ^= h >> SIXTEEN
-        h = (h * MIX2) & MASK32
-        h ^= h >> SIXTEEN
-        out[j] = np.uint32(h & LOW16)
+        h = np.uint32(np.uint32(base + np.uint32(j)) ^ key)
+        h = np.uint32(h ^ (h >> SHIFT))
+        h = np.uint32(h * MIX1)
+        h = np.uint32(h ^ (h >> SHIFT))
+        h = np.uint32(h * MIX2)
+        h = np.uint32(h ^ (h >> SHIFT))
+        out[j] = h & LOW16
 
 
 @njit(cache=True, error_model="numpy")
@@ -109,7 +117,7 @@ def _decode(out, fmt, f32, b16, codes, absmax, table):
 
 
 @njit(cache=True, error_model="numpy")
-def _encode(values, bits, fmt, f32, b16, codes, absmax, table, scales, starts, nexts):
+def _encode(values, bits, fmt, f32, b16, codes, absmax, buckets, pairs):
     """fp32 `values` (a run of whole blocks) back into one state's stored form, rounded by
     `bits` (`step.round_stochastic`, `codes.quantise`); `values` is overwritten."""
     raw = values.view(np.uint32)
@@ -119,36 +127,45 @@ def _encode(values, bits, fmt, f32, b16, codes, absmax, table, scales, starts, n
     elif fmt == BF16:
         for j in range(values.shape[0]):  # add the bits below the kept ones and truncate
             r = np.uint32((np.uint64(raw[j]) + np.uint64(bits[j])) & HIGH16)
-            b16[j] = NAN_BF16 if (r & ABS) > INF_BITS else np.uint16(r >> np.uint32(16))
+            b16[j] = NAN_BF16 if (r & ABS) > INF_BITS else np.uint16(r >> SHIFT)
     else:
+        found = np.empty(BLOCK, np.uint64)
+        lower = np.empty(BLOCK, np.uint32)
         for k in range(absmax.shape[0]):
+            block = slice(k * BLOCK, (k + 1) * BLOCK)
             absmax[k] = _quantise(
-                values[k * BLOCK : (k + 1) * BLOCK],
-                bits[k * BLOCK : (k + 1) * BLOCK],
-                codes[k * BLOCK : (k + 1) * BLOCK],
-                table,
-                scales,
-                starts,
-                nexts,
+                values[block], bits[block], codes[block], buckets, pairs, found, lower
             )
 
 
 @njit(cache=True, error_model="numpy")
-def _quantise(values, bits, codes, table, scales, starts, nexts):
-    """One block's codes (`codes.quantise`); returns its absmax."""
+def _quantise(values, bits, codes, buckets, pairs, found, lower):
+    """One block's codes (`codes.quantise`); returns its absmax. `buckets`: per bucket its
+    lower code (high half) and the next code's fp32 bits (low half); `pairs`: per code the fp32
+    bits of its gap scale (high half) and of itself (low half); `found`, `lower`: scratch. The
+    table lookups run in loops of their own, the arithmetic in loops that vectorise."""
+    n = values.shape[0]
     raw = values.view(np.uint32)
     top = np.uint32(0)  # the block's absmax as bits: |x|'s order is its bits' order
-    for j in range(raw.shape[0]):
+    for j in range(n):
         top = max(top, raw[j] & ABS)
     absmax = np.uint32(NAN_F32 if top > INF_BITS else top).view(np.float32)
     divisor = absmax if absmax > 0 else ONE  # a zero or NaN block is divided by 1
-    for j in range(values.shape[0]):
+    for j in range(n):
         values[j] = values[j] / divisor
-    for j in range(values.shape[0]):  # the lower code by bucket, then up past the bits
-        bucket = raw[j] >> np.uint32(16)
-        c = (starts[bucket] + (1 if values[j] >= nexts[bucket] else 0)) & 0xFF
-        d = (values[j] - table[c]) * scales[c]
-        codes[j] = np.uint8((c + (1 if d > np.float32(bits[j]) else 0)) & 0xFF)
+    for j in range(n):
+        found[j] = buckets[raw[j] >> SHIFT]
+    for j in range(n):  # the lower code: the bucket's, or the next if at or past it
+        e = found[j]
+        past = values[j] >= np.uint32(e & LOW32).view(np.float32)
+        lower[j] = np.uint32(((e >> HIGH32) + np.uint64(past)) & np.uint64(0xFF))
+    for j in range(n):
+        found[j] = pairs[lower[j]]
+    for j in range(n):  # up past the bits: the fraction of the gap, in 1/65536ths
+        e = found[j]
+        code = np.uint32(e & LOW32).view(np.float32)
+        d = (values[j] - code) * np.uint32(e >> HIGH32).view(np.float32)
+        codes[j] = np.uint8((lower[j] + np.uint32(d > np.float32(bits[j]))) & np.uint32(0xFF))
     return absmax
 
 
@@ -166,50 +183,36 @@ def _adamw(p, m, v, g, root, decay, scalars):
         m[j] = m[j] * b1 + g[j] * omb1
     for j in range(v.shape[0]):
         v[j] = v[j] * b2 + (g[j] * g[j]) * omb2
-    _SQRT(v.shape[0], v.ctypes.data, root.ctypes.data, VML_MODE)
+    for a in range(0, v.shape[0], SQRT_RUN):
+        run = min(SQRT_RUN, v.shape[0] - a)
+        _SQRT(run, v[a:].ctypes.data, root[a:].ctypes.data, VML_MODE)
     for j in range(p.shape[0]):
         p[j] = p[j] - (m[j] / (root[j] / bc2 + eps)) * step_size
 
 
+@njit(cache=True)
+def _floats(n):
+    return np.empty(n, np.float32)
+
+
+@njit(cache=True)
+def _words(n):
+    return np.empty(n, np.uint32)
+
+
 @njit(parallel=True, cache=True, error_model="numpy")
-def step_piece(
-    n,
-    p32,
-    p16,
-    m32,
-    m16,
-    mq,
-    ma,
-    v32,
-    v16,
-    vq,
-    va,
-    g32,
-    g16,
-    fmt,
-    chunk_numel,
-    touched,
-    sub_block,
-    span_starts,
-    span_ends,
-    decays,
-    scalars,
-    keys,
-    origin,
-    table,
-    scales,
-    starts,
-    nexts,
-):
+def step_piece(n, p32, p16, m32, m16, mq, ma, v32, v16, vq, va, g32, g16, fmt, chunk_numel,
+               touched, sub_block, span_starts, span_ends, decays, scalars, keys, origin, table,
+               buckets, pairs):  # fmt: skip
     """AdamW on a piece of `n` values, in place in its stored master (p), moments (m, v) and
     grad (g): each state's fp32 array, bf16 bits (uint16), int8 codes and absmax, the unused
     ones empty, `fmt[s]` saying which it is (numba's parallel loops take arrays, not tuples of
-    them). Each task steps `chunk_numel` values (whole blocks), within one sub-block: `touched[i]`:
-    whether sub-block i (`sub_block` values, a multiple of `chunk_numel`) holds
+    them). Each task steps `chunk_numel` values (whole blocks), within one sub-block:
+    `touched[i]`: whether sub-block i (`sub_block` values, a multiple of `chunk_numel`) holds
     part of a span; spans (sorted, disjoint): [span_starts[i], span_ends[i]) with weight decay
     where `decays[i]`, fp32 `scalars[i]` and 32-bit random `keys[i, s]` per state; `origin`:
     the piece's position in its unit's flat buffer; per code map (row 0 unsigned, 1 signed) its
-    codes, gap scales, and bucket starts and next codes (`codes.lower_buckets`)."""
+    codes (`table`) and the quantiser's packed `buckets` and `pairs` (`_quantise`)."""
     for chunk in prange((n + chunk_numel - 1) // chunk_numel):
         a = chunk * chunk_numel
         b = min(a + chunk_numel, n)
@@ -217,17 +220,9 @@ def step_piece(
             continue
         # master, moments, grad, a root; bits for the three stored states (1-D arrays, not
         # rows of one: numba types a row's slice as strided, which does not vectorise)
-        p, m, v = (
-            np.empty(b - a, np.float32),
-            np.empty(b - a, np.float32),
-            np.empty(b - a, np.float32),
-        )
-        g, root = np.empty(b - a, np.float32), np.empty(b - a, np.float32)
-        bp, bm, bv = (
-            np.empty(b - a, np.uint32),
-            np.empty(b - a, np.uint32),
-            np.empty(b - a, np.uint32),
-        )
+        p, m, v = _floats(b - a), _floats(b - a), _floats(b - a)
+        g, root = _floats(b - a), _floats(b - a)
+        bp, bm, bv = _words(b - a), _words(b - a), _words(b - a)
         blocks = slice(a // BLOCK, (b + BLOCK - 1) // BLOCK)
         _decode(p, fmt[0], p32[a:b], p16[a:b], mq, ma, table[0])
         _decode(m, fmt[1], m32[a:b], m16[a:b], mq[a:b], ma[blocks], table[1])
@@ -249,30 +244,6 @@ def step_piece(
             if fmt[2] != FP32:
                 _fill_bits(bv[lo:hi], first, keys[i, 2])
             i += 1
-        _encode(p, bp, fmt[0], p32[a:b], p16[a:b], mq, ma, table[0], scales[0], starts[0], nexts[0])
-        _encode(
-            m,
-            bm,
-            fmt[1],
-            m32[a:b],
-            m16[a:b],
-            mq[a:b],
-            ma[blocks],
-            table[1],
-            scales[1],
-            starts[1],
-            nexts[1],
-        )
-        _encode(
-            v,
-            bv,
-            fmt[2],
-            v32[a:b],
-            v16[a:b],
-            vq[a:b],
-            va[blocks],
-            table[0],
-            scales[0],
-            starts[0],
-            nexts[0],
-        )
+        _encode(p, bp, fmt[0], p32[a:b], p16[a:b], mq, ma, buckets[0], pairs[0])
+        _encode(m, bm, fmt[1], m32[a:b], m16[a:b], mq[a:b], ma[blocks], buckets[1], pairs[1])
+        _encode(v, bv, fmt[2], v32[a:b], v16[a:b], vq[a:b], va[blocks], buckets[0], pairs[0])

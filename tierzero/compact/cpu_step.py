@@ -24,7 +24,7 @@ from tierzero.config import STATE_BLOCK, StateKind
 
 STATES = (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)  # stepped and stored, in order
 PIECE = (*STATES, StateKind.GRAD)  # what the kernel reads, in order
-CHUNK = 2048  # values the kernel steps per task (whole blocks): their fp32 copies stay in L1/L2
+CHUNK = 8192  # values the kernel steps per task (whole blocks): their fp32 copies stay in L2
 _LOCK = threading.Lock()
 _EMPTY = (
     np.empty(0, np.float32),
@@ -126,12 +126,20 @@ def _arrays(
 
 
 @functools.cache
-def _maps() -> tuple[np.ndarray, ...]:
-    """Both code maps (row 0 unsigned, 1 signed) as the kernel reads them: codes, gap scales,
-    bucket starts (int32: numba gathers 32-bit words) and bucket next codes."""
-    maps = [
+def _maps() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Both code maps (row 0 unsigned, 1 signed) as the kernel reads them: their codes; per
+    bucket (`codes.lower_buckets`) its lower code above the fp32 bits of the next code; per code
+    its gap scale's fp32 bits above its own. One 64-bit load then finds both halves."""
+
+    def packed(high: torch.Tensor, low: torch.Tensor) -> np.ndarray:
+        high, low = (x.numpy().view(np.uint32).astype(np.uint64) for x in (high, low))
+        return (high << np.uint64(32)) | low
+
+    rows = [
         (codes_mod.code_map(signed), codes_mod.gap_scales(signed), *codes_mod.lower_buckets(signed))
         for signed in (False, True)
     ]
-    dtypes = (np.float32, np.float32, np.int32, np.float32)
-    return tuple(np.stack([m[i].numpy() for m in maps]).astype(dtypes[i]) for i in range(4))
+    table = np.stack([codes.numpy() for codes, _, _, _ in rows])
+    buckets = np.stack([packed(starts.to(torch.int32), nexts) for _, _, starts, nexts in rows])
+    pairs = np.stack([packed(scales, codes) for codes, scales, _, _ in rows])
+    return table, buckets, pairs
