@@ -195,6 +195,9 @@ class WandbTracker:
         import wandb
 
         saved = start.saved if start.resume else {}
+        files = os.environ.get("WANDB_DIR") or str(
+            start.run_dir
+        )  # W&B reads its env once a process
         run = wandb.init(
             project=saved.get("project") or os.environ.get("WANDB_PROJECT") or "tierzero",
             name=start.run_name,
@@ -202,8 +205,7 @@ class WandbTracker:
             resume="allow" if saved.get("id") else None,
             config=start.config,
             allow_val_change=True,  # a resume may change --steps and the like
-            dir=os.environ.get("WANDB_DIR")
-            or str(start.run_dir),  # read per run: W&B reads its env once
+            dir=files,
             reinit="create_new",
         )
         run.define_metric("step")
