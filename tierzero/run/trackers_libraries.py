@@ -98,9 +98,9 @@ class MlflowTracker:
     The store is the one MLFLOW_TRACKING_URI names; without it, a SQLite store in
     RUN_DIR/mlflow.db (MLflow refuses new file stores), saved as that name rather than its
     absolute path, so a moved or copied run directory resumes into its own store. The run id is
-    saved in the run directory, and a resume in the same store reopens that run: params it lacks are added (MLflow
-    never changes a param's value; config.toml holds the resumed run's) and the redone steps'
-    metrics are logged again, after the stopped run's values for them."""
+    saved in the run directory, and a resume in the same store reopens that run: params it lacks
+    are added (MLflow never changes a param's value; config.toml holds the resumed run's) and
+    the redone steps' metrics are logged again, after the stopped run's values for them."""
 
     def __init__(self, client: Any, run_id: str, store: str, tracking_uri: str) -> None:
         self._client = client
