@@ -46,10 +46,8 @@ def test_a_tracker_whose_library_is_missing_names_its_extra(
     )  # what the import system answers for a package not installed
     run_dir = tmp_path / "run"
     line = one_line_error(train("--report-to", tracker, "--run-dir", str(run_dir)))
-    assert (
-        line
-        == f"error: --report-to {tracker} needs the {tracker} package: pip install 'tierzero[{tracker}]'"
-    )
+    fix = f"pip install 'tierzero[{tracker}]'"
+    assert line == f"error: --report-to {tracker} needs the {tracker} package: {fix}"
     assert not run_dir.exists()
 
 
