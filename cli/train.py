@@ -86,7 +86,8 @@ def train(
     nproc: Optional[int] = typer.Option(None, "--nproc", help="Ranks on this machine (one per GPU; gloo processes on a CPU): runs torchrun's launcher for you. --batch-size is the global batch, split over them."),
     drive_tbw: Optional[float] = typer.Option(
         None, "--drive-tbw", help="The NVMe drive's rated endurance in terabytes written (its datasheet's "
-        "TBW, e.g. 600): the summary says what share of it the run wrote, with a note above 1%."),
+        "TBW, e.g. 600; drive_tbw in a --config file): the summary says what share of it the run wrote, "
+        "with a note above 1%."),
     comm_timeout: float = typer.Option(600.0, "--comm-timeout", help="Seconds a collective waits for the other ranks before the run stops with an error."),
     sample_prompts: Optional[Path] = typer.Option(
         None, "--sample-prompts", help="Prompts to complete from the weights as they train (a text file, one per "
@@ -118,7 +119,8 @@ def train(
                      lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                      lora_targets=[t.strip() for t in lora_targets.split(",") if t.strip()] if lora_targets else None,
                      report_to=report_to, sample_prompts=str(sample_prompts) if sample_prompts else None,
-                     sample_every=sample_every, sample_max_new_tokens=sample_max_new_tokens)
+                     sample_every=sample_every, sample_max_new_tokens=sample_max_new_tokens,
+                     drive_tbw=drive_tbw)
     if resume and overwrite:
         raise ConfigError("--resume continues a run and --overwrite starts a new one; pass one of them")
     check_drive_tbw(drive_tbw)
@@ -156,13 +158,12 @@ def train(
     die_with_launcher()
     start_process_group(ranks, run.engine.device, comm_timeout)
     try:
-        _train(run, ranks, resume, overwrite, json_out, drive_tbw)
+        _train(run, ranks, resume, overwrite, json_out)
     finally:
         stop_process_group()
 
 
-def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out: bool,
-           drive_tbw: Optional[float] = None) -> None:
+def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out: bool) -> None:
     """Train on this rank; only rank 0 prints, and it speaks for the run."""
     from tierzero.run.session import open_session
 
@@ -225,7 +226,7 @@ def _train(run: RunConfig, ranks: Ranks, resume: bool, overwrite: bool, json_out
     process = process_written_bytes() if ranks.world_size == 1 else None  # this rank's process only
     process = None if process is None or process_before is None else process - process_before
     wear = DriveWear.measured(run.steps - start_step, nvme_written[0], process,
-                              _checkpoints(run, start_step, session), drive_tbw)
+                              _checkpoints(run, start_step, session), run.drive_tbw)
     summary = {"run_dir": run.run_dir, "steps": run.steps, "start_step": start_step,
                "first_loss": result.first_loss, "last_loss": result.last_loss,
                "eval_loss_start": result.val_losses[0][1] if result.val_losses else None,

@@ -327,6 +327,7 @@ class RunConfig:
     sample_prompts: str | None = None  # a prompts file completed during training (tierzero.run.samples)
     sample_every: int | None = None  # steps between samples; None: at the end only
     sample_max_new_tokens: int = 64
+    drive_tbw: float | None = None  # the NVMe drive's rated terabytes written: the run's writes against it
     engine: Config = field(default_factory=Config)
 
     def __post_init__(self) -> None:
@@ -335,6 +336,8 @@ class RunConfig:
             _count(getattr(self, name), name)
         if self.sample_every is not None:
             _count(self.sample_every, "sample_every")
+        if self.drive_tbw is not None:
+            _positive(self.drive_tbw, "drive_tbw", strict=True)
         if self.eval_every not in (0, None):
             _count(self.eval_every, "eval_every")
         fraction = self.val_fraction

@@ -86,10 +86,12 @@ def test_the_rating_share_and_its_note(summary: tuple[dict, Path], tmp_path: Pat
     assert wear["rating_fraction"] == pytest.approx(wear["run_bytes"] / (DRIVE_TBW * TB))
     assert wear["per_1000_steps_fraction"] == pytest.approx(wear["rating_fraction"] * 1000 / 3)
     assert wear["over_note"] is True
-    result = runner.invoke(
-        app, ["train", *RUN, "--run-dir", str(tmp_path / "run"), "--drive-tbw", str(DRIVE_TBW)]
-    )
+    config = tmp_path / "drive.toml"  # the rating from a --config file, as `drive_tbw`
+    config.write_text(f"drive_tbw = {DRIVE_TBW}\n")
+    run_dir = tmp_path / "run"
+    result = runner.invoke(app, ["train", "--config", str(config), *RUN, "--run-dir", str(run_dir)])
     assert result.exit_code == 0, result.output
+    assert f"drive_tbw = {DRIVE_TBW}" in (run_dir / "config.toml").read_text()  # a resume keeps it
     assert (
         "NVMe writes: " in result.output
         and "per step (the engine's write counters)" in result.output
@@ -110,3 +112,14 @@ def test_a_rating_that_is_not_positive_is_refused_before_the_run(
     assert len(lines) == 1 and "Traceback" not in result.output
     assert "--drive-tbw must be the drive's rated endurance in terabytes written" in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_rating_in_a_config_file_is_checked_too(tmp_path: Path) -> None:
+    config = tmp_path / "drive.toml"
+    config.write_text("drive_tbw = 0\n")
+    result = runner.invoke(
+        app, ["train", "--config", str(config), *RUN, "--run-dir", str(tmp_path / "run")]
+    )
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "drive_tbw must be a finite number > 0, got 0" in lines[0]
