@@ -54,12 +54,11 @@ def generate(
         "--chat/--no-chat",
         help="Render plain prompts as a user's turn with the model's chat template. Default: on when the run trained on chat records.",
     ),
-    offload: Optional[str] = typer.Option(
-        None,
+    offload: str = typer.Option(
+        "auto",
         "--offload",
-        help="Where the weights live: host, nvme (every unit read from the store for every new "
-        "token), or auto (the planner holds them in memory where the budgets allow). Default: the "
-        "run's own, or auto for --model.",
+        help="Where the weights live: auto (the planner holds them in memory where the budgets "
+        "allow, else on NVMe), host, or nvme (every unit read from the store for every new token).",
     ),
     dtype: Optional[str] = typer.Option(
         None,
@@ -104,7 +103,7 @@ def generate(
         raise ConfigError("no prompt was given; pass --prompt TEXT or --prompts FILE")
     out = Output(json_out)
     engine = dict(
-        offload=offload or ("auto" if model is not None else None),
+        offload=offload,
         dtype=dtype,
         device=device,
         host_budget=host_budget,

@@ -88,7 +88,8 @@ def test_a_chat_run_samples_and_generates_from_its_checkpoint(model_dir, tmp_pat
         [{"role": "user", "content": "def return"}], add_generation_prompt=True, tokenize=True, return_dict=True)
     assert rows[0]["prompt_ids"] == chat["input_ids"]
 
-    out = generate("--run-dir", str(run_dir), "--prompts", str(prompts), "--max-new-tokens", "6")
+    out = generate("--run-dir", str(run_dir), "--prompts", str(prompts), "--max-new-tokens", "6",
+                   "--offload", "nvme")
     assert out["step"] == 2 and [g["prompt_ids"] for g in out["generations"]] == [r["prompt_ids"] for r in rows[2:]]
     assert [g["new_ids"] for g in out["generations"]] == [r["completion_ids"] for r in rows[2:]]
     exported = tmp_path / "exported"

@@ -150,12 +150,15 @@ def _run_config(run_dir: Path, overrides: dict[str, Any]) -> RunConfig:
         )
     run = load_run_config(run_dir / CONFIG_NAME)
     # the step's formats and schedule mean nothing to frozen params; the run's placement and budgets do
+    # a placement the run named gives way to an offload given here (generate's default: auto)
+    placement = None if "offload" in overrides else run.engine.placement
     run.engine = replace(
         run.engine,
         optimizer_state="fp32",
         master="fp32",
         accumulate=1,
         piece_numel=None,
+        placement=placement,
         **overrides,
     )
     return run
