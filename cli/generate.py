@@ -16,7 +16,8 @@ def generate(
     run_dir: Optional[Path] = typer.Option(
         None,
         "--run-dir",
-        help="A run directory `tierzero train` wrote: its newest intact checkpoint and its config.toml's model (LoRA adapters included).",
+        help="A run directory `tierzero train` wrote: its newest intact checkpoint and its "
+        "config.toml's model (LoRA adapters included).",
     ),
     model: Optional[str] = typer.Option(
         None,
@@ -31,28 +32,33 @@ def generate(
     prompts: Optional[Path] = typer.Option(
         None,
         "--prompts",
-        help="A file of prompts: text, one per line, or .jsonl records with a prompt string or chat messages.",
+        help="A file of prompts: text, one per line, or .jsonl records with a prompt string or "
+        "chat messages.",
     ),
     max_new_tokens: int = typer.Option(
         64,
         "--max-new-tokens",
-        help="New tokens per prompt at most (a prompt stops early at the model's end-of-sequence id).",
+        help="New tokens per prompt at most (a prompt stops early at the model's "
+        "end-of-sequence id).",
     ),
     temperature: float = typer.Option(
         0.0,
         "--temperature",
-        help="0 (default): greedy, the most likely token; above 0: sample from the softmax of the logits over it.",
+        help="0 (default): greedy, the most likely token; above 0: sample from the softmax of "
+        "the logits over it.",
     ),
     top_p: float = typer.Option(
         1.0,
         "--top-p",
-        help="With --temperature: sample from the smallest set of tokens whose probability reaches this (1: all).",
+        help="With --temperature: sample from the smallest set of tokens whose probability "
+        "reaches this (1: all).",
     ),
     seed: int = typer.Option(0, "--seed", help="Seed of the sampling draws."),
     chat: Optional[bool] = typer.Option(
         None,
         "--chat/--no-chat",
-        help="Render plain prompts as a user's turn with the model's chat template. Default: on when the run trained on chat records.",
+        help="Render plain prompts as a user's turn with the model's chat template. Default: on "
+        "when the run trained on chat records.",
     ),
     offload: str = typer.Option(
         "auto",
@@ -79,7 +85,8 @@ def generate(
     nvme_path: Optional[Path] = typer.Option(
         None,
         "--nvme-path",
-        help="Where a temporary store for NVMe-homed weights is made (and removed after). Default: the run directory, or the system's temp directory.",
+        help="Where a temporary store for NVMe-homed weights is made (and removed after). "
+        "Default: the run directory, or the system's temp directory.",
     ),
     json_out: bool = typer.Option(
         False,

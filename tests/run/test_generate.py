@@ -25,11 +25,21 @@ from tierzero.models.presets import ModelArgs
 from tierzero.run.inference import open_inference
 from tierzero.run.prompts import Codec, Prompt, read_prompts
 
-SMALL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=128, max_seq_len=96,
-                  tie_embeddings=True)
+SMALL = ModelArgs(
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=256,
+    ffn_dim=128,
+    max_seq_len=96,
+    tie_embeddings=True,
+)
 PROMPTS = [list(b"def main(args):\n    "), list(b"import os\n"), list(b"class A")]
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
-            "{% if add_generation_prompt %}assistant : {% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+    "{% if add_generation_prompt %}assistant : {% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +57,9 @@ def in_memory(model: torch.nn.Module) -> Decoder:
     return Decoder.in_memory(model, torch.device("cpu"), DType.FP32)
 
 
-def uncached(model: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+def uncached(
+    model: torch.nn.Module, prompt: list[int], n: int
+) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens that recompute the whole prefix for each new one: the oracle of the cache."""
     ids, logits = list(prompt), []
     with torch.no_grad():
@@ -55,7 +67,7 @@ def uncached(model: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[in
             last = model(torch.tensor([ids]))[0, -1]
             logits.append(last)
             ids.append(int(last.argmax()))
-    return ids[len(prompt):], logits
+    return ids[len(prompt) :], logits
 
 
 def test_the_cache_gives_the_tokens_of_recomputing_every_prefix(small) -> None:
@@ -65,7 +77,10 @@ def test_the_cache_gives_the_tokens_of_recomputing_every_prefix(small) -> None:
     for row, prompt in enumerate(PROMPTS):  # rows of three lengths: two are left-padded
         tokens, logits = uncached(model, prompt, 24)
         assert new[row] == tokens
-        assert max(((s[row] - x).abs().max() / x.abs().max()).item() for s, x in zip(scores, logits)) < 1e-5
+        assert (
+            max(((s[row] - x).abs().max() / x.abs().max()).item() for s, x in zip(scores, logits))
+            < 1e-5
+        )
 
 
 def test_the_engine_streams_the_same_logits_as_the_model_in_memory(small, tmp_path) -> None:
@@ -76,7 +91,9 @@ def test_the_engine_streams_the_same_logits_as_the_model_in_memory(small, tmp_pa
     expected_scores: list[torch.Tensor] = []
     expected = generate(in_memory(small), PROMPTS, Sampling(16), scores=expected_scores)
     weights = tmp_path / "small.safetensors"
-    save_file({k: v.contiguous() for k, v in small.state_dict().items() if k != "head.weight"}, weights)
+    save_file(
+        {k: v.contiguous() for k, v in small.state_dict().items() if k != "head.weight"}, weights
+    )
     meta = models.build(SMALL, device="meta").requires_grad_(False)  # params only
     config = Config(offload="nvme", nvme_path=[str(tmp_path / "nvme")], dtype="fp32")
     with Engine(meta, config, weights=weights) as engine:
@@ -98,8 +115,13 @@ def test_sampling_repeats_its_seed_and_top_p_keeps_the_nucleus(small) -> None:
     greedy = generate(in_memory(model), PROMPTS, Sampling(12))
     narrow = generate(in_memory(model), PROMPTS, Sampling(12, temperature=5.0, top_p=1e-6, seed=7))
     assert narrow == greedy  # the nucleus of a tiny p is the top token alone
-    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).log_softmax(-1)  # probabilities 0.03, 0.09, 0.24, 0.64
-    drawn = {int(next_tokens(logits, Sampling(1, 1.0, 0.8), torch.Generator().manual_seed(s))) for s in range(200)}
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).log_softmax(
+        -1
+    )  # probabilities 0.03, 0.09, 0.24, 0.64
+    drawn = {
+        int(next_tokens(logits, Sampling(1, 1.0, 0.8), torch.Generator().manual_seed(s)))
+        for s in range(200)
+    }
     assert drawn == {2, 3}  # 0.64 < 0.8 needs the second; the rest is cut
 
 
@@ -114,8 +136,16 @@ def test_rows_stop_at_their_end_of_sequence_id(small) -> None:
         assert new[row] == greedy[row][:cut]
 
 
-@pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(temperature=-1.0), dict(top_p=0.0),
-                                 dict(top_p=1.5), dict(temperature=float("nan"))])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(max_new_tokens=0),
+        dict(temperature=-1.0),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(temperature=float("nan")),
+    ],
+)
 def test_bad_sampling_is_refused(bad) -> None:
     with pytest.raises(ConfigError):
         Sampling(**{"max_new_tokens": 4, **bad})
@@ -128,11 +158,18 @@ def test_a_prompt_longer_than_the_model_runs_is_refused(small) -> None:
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
-    """A tiny LLaMA whose logits vary (a wide init), with a word-level tokenizer and a chat template."""
+    """A tiny LLaMA whose logits vary (a wide init), a word-level tokenizer and a chat template."""
     folder = save_model("llama", tmp_path_factory.mktemp("chat") / "llama", initializer_range=0.5)
     save_word_tokenizer(folder, sample_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TEMPLATE, "eos_token": "[UNK]"}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": TEMPLATE,
+                "eos_token": "[UNK]",
+            }
+        )
+    )
     return folder
 
 
@@ -145,15 +182,19 @@ def test_greedy_ids_equal_transformers_generate_through_the_tiers(chat_model, tm
     engine = {"offload": "nvme", "dtype": "fp32"}
     with open_inference(model=f"hf:{chat_model}", engine=engine, store=tmp_path) as inference:
         codec = inference.codec
-        prompts = [codec.encode(Prompt(t)) for t in ("the class of this module is", "import", "def return")]
+        prompts = [
+            codec.encode(Prompt(t)) for t in ("the class of this module is", "import", "def return")
+        ]
         new = generate(inference.decoder, prompts, Sampling(10), codec.stop_ids)
     longest = max(map(len, prompts))
     ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
-    out = reference.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=0)
+    out = reference.generate(
+        ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=0
+    )
     eos = reference.generation_config.eos_token_id
     for row, tokens in enumerate(out[:, longest:].tolist()):
-        assert new[row] == (tokens[:tokens.index(eos) + 1] if eos in tokens else tokens)
+        assert new[row] == (tokens[: tokens.index(eos) + 1] if eos in tokens else tokens)
     assert len({tuple(n) for n in new}) == 3 and len(set(new[0])) > 3  # not one token over and over
 
 
@@ -164,8 +205,9 @@ def test_chat_prompts_are_rendered_by_the_template(chat_model, tmp_path) -> None
 
     codec = Codec(TextTokenizer(chat_model / "tokenizer.json"), 256)
     chat = [{"role": "user", "content": "what is the class"}]
-    theirs = AutoTokenizer.from_pretrained(chat_model).apply_chat_template(chat, add_generation_prompt=True,
-                                                                          tokenize=True, return_dict=True)
+    theirs = AutoTokenizer.from_pretrained(chat_model).apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
     assert codec.encode(Prompt(messages=chat)) == theirs["input_ids"]
     assert codec.encode(Prompt("what is the class"), chat=True) == theirs["input_ids"]
     assert codec.decode(codec.encode(Prompt("import os"))) == "import os"
@@ -178,8 +220,12 @@ def test_prompt_files(tmp_path) -> None:
     text.write_text("first one\n\nsecond\n")
     assert [p.text for p in read_prompts(text)] == ["first one", "second"]
     records = tmp_path / "prompts.jsonl"
-    records.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"messages": [{"role": "user",
-                                                                                     "content": "b"}]}) + "\n")
+    records.write_text(
+        json.dumps({"prompt": "a"})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "b"}]})
+        + "\n"
+    )
     first, second = read_prompts(records)
     assert first.text == "a" and first.record and second.messages[0]["content"] == "b"
     with pytest.raises(DataError, match="does not exist"):
@@ -203,7 +249,9 @@ def test_other_layouts_generate_transformers_ids_through_the_tiers(layout, tmp_p
     from tierzero.hf import load_model
     from tierzero.hf.adapter import CausalLM
 
-    folder = save_model("llama" if layout == "root" else "gpt2", tmp_path / layout, initializer_range=0.5)
+    folder = save_model(
+        "llama" if layout == "root" else "gpt2", tmp_path / layout, initializer_range=0.5
+    )
     hf = load_model(f"hf:{folder}")
     model = CausalLM(hf.model.hf_model, "model.layers") if layout == "root" else hf.model
     prompts = [[5, 17, 33, 2, 9, 100], [7, 8, 9]]
@@ -211,11 +259,20 @@ def test_other_layouts_generate_transformers_ids_through_the_tiers(layout, tmp_p
     with Engine(model.requires_grad_(False), config, weights=folder) as engine:
         assert (engine.units[0].kind == "root") == (layout == "root")
         new = generate(Decoder.through(engine), prompts, Sampling(8))
+        if layout == "prelude":  # GPT-2's table has 128 rows: a longer generation cannot run
+            with pytest.raises(ConfigError, match="130 positions, past the 128 .* position table"):
+                generate(Decoder.through(engine), [[1] * 120], Sampling(10))
     ids = torch.tensor([[0, 0, 0] * (len(p) == 3) + p for p in prompts])
     mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
     reference = AutoModelForCausalLM.from_pretrained(folder).eval()
-    out = reference.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8, pad_token_id=0,
-                             eos_token_id=None)
+    out = reference.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=8,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     assert out[:, 6:].tolist() == new
 
 

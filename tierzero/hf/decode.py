@@ -33,7 +33,7 @@ class HFCache:
         self.length = 0  # positions held once the pass under way has appended its own
 
     def inputs(self, ids: torch.Tensor) -> dict[str, Any]:
-        """The adapter's keyword arguments for one pass over `ids` (B, T), the tokens that follow."""
+        """The adapter's keyword arguments for a pass over `ids` (B, T), the tokens that follow."""
         return {"input_ids": ids, "cache": self}
 
     def advance(self, T: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -71,6 +71,7 @@ def check_positions(limit: PositionLimit | None, capacity: int, model: str) -> N
     """Refuse a generation longer than the positions a model can run (`tierzero.hf.positions`)."""
     if limit is not None and limit.hard and capacity > limit.length:
         raise ConfigError(
-            f"the longest prompt and its new tokens make {capacity} positions, past the {limit.length} "
-            f"of {model}'s {limit.what} ({limit.key}); use a shorter prompt or fewer new tokens"
+            f"the longest prompt and its new tokens make {capacity} positions, past the "
+            f"{limit.length} of {model}'s {limit.what} ({limit.key}); use a shorter prompt or "
+            "fewer new tokens"
         )

@@ -149,7 +149,7 @@ def _run_config(run_dir: Path, overrides: dict[str, Any]) -> RunConfig:
             "directory `tierzero train` wrote with --run-dir"
         )
     run = load_run_config(run_dir / CONFIG_NAME)
-    # the step's formats and schedule mean nothing to frozen params; the run's placement and budgets do
+    # the step's formats and schedule mean nothing to frozen params; the run's budgets do
     # a placement the run named gives way to an offload given here (generate's default: auto)
     placement = None if "offload" in overrides else run.engine.placement
     run.engine = replace(

@@ -127,7 +127,7 @@ class Codec:
         return cls(model.tokenizer, model.vocab_size, frozenset(stop))
 
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
-        """`prompt`'s ids, checked against the vocabulary; `chat` renders plain text as a user's turn."""
+        """`prompt`'s ids, checked against the vocabulary; `chat`: plain text as a user's turn."""
         messages = (
             prompt.messages
             if prompt.messages is not None
@@ -152,8 +152,8 @@ class Codec:
         beyond = [i for i in ids if i >= self.vocab_size]
         if beyond:
             raise DataError(
-                f"a prompt has token id {beyond[0]}, beyond the model's vocabulary of {self.vocab_size}; "
-                "use the model's own tokenizer"
+                f"a prompt has token id {beyond[0]}, beyond the model's vocabulary of "
+                f"{self.vocab_size}; use the model's own tokenizer"
             )
         return ids
 

@@ -2,9 +2,10 @@
 the `--sample-prompts` from the weights as they are then, logged to `samples.jsonl`.
 
 The prompts are read and tokenized when the session opens (a missing or empty file, or for a
-built-in model a prompt too long for its positions, stops the run before it trains). Each time, all of them go through the trainer as one batch, the same
-path as `tierzero generate` (`tierzero.run.generate`): the engine's eval passes through the
-tiers, one per new token, or the reference trainer's model in memory. A run that trains on
+built-in model a prompt too long for its positions, stops the run before it trains). Each time,
+all of them go through the trainer as one batch, the same path as `tierzero generate`
+(`tierzero.run.generate`): the engine's eval passes through the tiers, one per new token, or
+the reference trainer's model in memory. A run that trains on
 chat records has its plain prompts rendered as a user's turn by the chat template. With several
 ranks every rank runs the passes (they are collectives) and rank 0 writes the rows.
 """
@@ -47,8 +48,9 @@ class TrainingSamples:
         positions = max(map(len, ids)) + run.sample_max_new_tokens
         if not is_hf(run.model) and positions > get_preset(run.model).max_seq_len:
             raise ConfigError(
-                f"the longest sample prompt and --sample-max-new-tokens make {positions} positions, "
-                f"past {run.model}'s max_seq_len {get_preset(run.model).max_seq_len}; shorten them"
+                f"the longest sample prompt and --sample-max-new-tokens make {positions} "
+                f"positions, past {run.model}'s max_seq_len {get_preset(run.model).max_seq_len}; "
+                "shorten them"
             )
         return cls(
             prompts, ids, codec, run.sample_every, run.steps, Sampling(run.sample_max_new_tokens)
