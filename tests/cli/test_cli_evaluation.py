@@ -242,3 +242,26 @@ def test_plan_says_what_one_evaluation_reads() -> None:
         ["plan", "--model", "125m", "--batch-size", "4", "--seq-len", "32", "--host-mem", "300MiB"],
     ).output
     assert "Evaluation: NVMe" in text and "every unit once" in text
+
+
+def test_a_resumed_run_keeps_the_best_so_far(tmp_path, monkeypatch) -> None:
+    """Best at step 1 (3.0); resumed from step 3, steps 4 and 5 evaluate 4.2 and 3.5: neither
+    beats the best read back from best.json, so step 1's checkpoint stays beside the final one."""
+    scripted = iter([5.0, 3.0, 4.0, 4.5, 4.2, 3.5])
+    monkeypatch.setattr("tierzero.run.loop.evaluate", lambda *args: next(scripted))
+    run_dir = tmp_path / "run"
+    common = [
+        "--eval-every",
+        "1",
+        "--keep-checkpoints",
+        "1",
+        "--keep-best",
+        "--run-dir",
+        str(run_dir),
+    ]
+    assert train("--steps", "3", *common).exit_code == 0
+    assert [step for step, _ in checkpoint_dirs(run_dir)] == [1, 3]
+    result = train("--steps", "5", "--resume", *common)
+    assert result.exit_code == 0, result.output
+    assert [step for step, _ in checkpoint_dirs(run_dir)] == [1, 5]
+    assert read_best(run_dir)["step"] == 1 and "best checkpoint: step 1" in result.output
