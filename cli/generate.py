@@ -10,6 +10,7 @@ from rich.markup import escape
 from tierzero.cli.output import Output
 
 from tierzero.errors import ConfigError
+from tierzero.run.prompts import Framing
 
 
 def generate(
@@ -120,7 +121,7 @@ def generate(
         for note in inference.notes:
             out.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
         codec = inference.codec
-        ids = [codec.encode(p, inference.chat if chat is None else chat) for p in given]
+        ids = [codec.encode(p, _framing(inference.framing, chat)) for p in given]
         new = run_generate(inference.decoder, ids, sampling, codec.stop_ids)
     generations = [
         {"prompt": p.shown(), "prompt_ids": i, "new_ids": n, "text": codec.decode(n)}
@@ -148,3 +149,13 @@ def generate(
     for g in generations:
         out.print(f"[bold]>[/] {escape(g['prompt'])}", highlight=False)
         out.print(escape(g["text"]), highlight=False)
+
+
+def _framing(trained: Framing, chat: bool | None) -> Framing:
+    """How plain prompts are framed: as the run trained (`--chat`/`--no-chat` unset), or as a
+    user's turn in the chat template, or not."""
+    if chat is None:
+        return trained
+    if chat:
+        return Framing.CHAT
+    return Framing.TEXT if trained is Framing.CHAT else trained

@@ -20,10 +20,10 @@ from tests.support.hf import sample_text, save_model, save_word_tokenizer
 from tierzero import models
 from tierzero.config import Config, DType
 from tierzero.errors import ConfigError, DataError
-from tierzero.run.generate import Decoder, Sampling, generate, next_tokens
 from tierzero.models.presets import ModelArgs
+from tierzero.run.generate import Decoder, Sampling, generate, next_tokens
 from tierzero.run.inference import open_inference
-from tierzero.run.prompts import Codec, Prompt, read_prompts
+from tierzero.run.prompts import Codec, Framing, Prompt, read_prompts
 
 SMALL = ModelArgs(
     dim=64,
@@ -209,10 +209,10 @@ def test_chat_prompts_are_rendered_by_the_template(chat_model, tmp_path) -> None
         chat, add_generation_prompt=True, tokenize=True, return_dict=True
     )
     assert codec.encode(Prompt(messages=chat)) == theirs["input_ids"]
-    assert codec.encode(Prompt("what is the class"), chat=True) == theirs["input_ids"]
+    assert codec.encode(Prompt("what is the class"), Framing.CHAT) == theirs["input_ids"]
     assert codec.decode(codec.encode(Prompt("import os"))) == "import os"
     with pytest.raises(DataError, match="chat prompts need an hf: model"):
-        Codec(None, 256).encode(Prompt("hello"), chat=True)
+        Codec(None, 256).encode(Prompt("hello"), Framing.CHAT)
 
 
 def test_prompt_files(tmp_path) -> None:
@@ -292,3 +292,35 @@ def test_samples_rows_follow_the_metrics_rule_on_resume(tmp_path) -> None:
     with open(tmp_path / "run" / "samples.jsonl", "a") as f:
         f.write('{"step": 3, "prom')  # torn by a kill
     assert [r["step"] for r in read_samples(tmp_path / "run")] == [1, 1, 2, 2]
+
+
+def test_plain_prompts_are_framed_as_the_run_trained(tmp_path) -> None:
+    """Documents keep the tokenizer's special tokens (here a BOS); a run on prompt/completion
+    pairs trained on prompts without them, so its plain prompts get none either."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from tierzero.run.corpus import TextTokenizer
+    from tierzero.run.prompts import framing_of
+
+    tokenizer = Tokenizer(models.WordLevel({"[BOS]": 0, "hello": 1, "there": 2}, unk_token="[BOS]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[BOS] $A", special_tokens=[("[BOS]", 0)]
+    )
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    codec = Codec(TextTokenizer(tmp_path / "tokenizer.json"), 3)
+    assert codec.encode(Prompt("hello there")) == [0, 1, 2]
+    assert codec.encode(Prompt("hello there"), Framing.PAIRS) == [1, 2]
+    assert codec.encode(Prompt("hello there", record=True)) == [1, 2]
+    data = {
+        "pairs": {"prompt": "a", "completion": "b"},
+        "chat": {"messages": [{"role": "user", "content": "a"}]},
+        "text": {"text": "a"},
+    }
+    for name, record in data.items():
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(record) + "\n")
+        assert framing_of(str(tmp_path / f"{name}.jsonl")) is Framing(name)
+    assert (
+        framing_of(str(tmp_path / "gone.jsonl")) is Framing.TEXT
+        and framing_of(None) is Framing.TEXT
+    )

@@ -37,7 +37,7 @@ from tierzero.hf import is_hf
 from tierzero.run.directory import CONFIG_NAME, never_configured
 from tierzero.run.generate import Decoder
 from tierzero.run.model_load import RunModel, run_model
-from tierzero.run.prompts import Codec, trained_on_chats
+from tierzero.run.prompts import Codec, Framing, framing_of
 
 if TYPE_CHECKING:
     from tierzero.engine import Engine
@@ -52,7 +52,7 @@ class Inference:
     decoder: Decoder
     codec: Codec
     model: str
-    chat: bool  # the run trained on chats: plain prompts are a user's turn by default
+    framing: Framing  # how the run's data framed its text: plain prompts are framed so
     step: int | None = None  # the checkpoint's step (None: a model directory's own weights)
     notes: list[str] = field(default_factory=list)
 
@@ -75,10 +75,10 @@ def open_inference(
         loaded = run_model(run)
         with _frozen_engine(run, loaded, checkpoint) as eng:
             step, skipped = (checkpoint[1].step, checkpoint[2]) if checkpoint else (None, [])
-            chat = checkpoint is not None and trained_on_chats(run.data)
+            framing = framing_of(run.data) if checkpoint is not None else Framing.TEXT
             notes = [*loaded.notes, *skipped, *eng.notes()]
             yield Inference(
-                Decoder.through(eng), Codec.for_model(loaded), run.model, chat, step, notes
+                Decoder.through(eng), Codec.for_model(loaded), run.model, framing, step, notes
             )
     finally:
         shutil.rmtree(folder, ignore_errors=True)

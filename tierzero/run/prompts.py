@@ -7,12 +7,14 @@ A prompts file is text, one prompt per line (blank lines skipped), or `.jsonl` r
 transformers' `apply_chat_template` does), or bytes (ids 0-255) for the built-in models and a
 directory without a tokenizer. Ids are made as training made them: plain text as a data
 document (the tokenizer's own special tokens), a `prompt` record or a rendered chat without
-(the template writes its own). `chat` renders a plain prompt as a user's turn: a run that
-trained on chats answers them so. It never touches a model or a device.
+(the template writes its own). A plain prompt is framed as the run's data framed its text
+(`Framing`): a user's turn for a run that trained on chats, a prompt record for one that
+trained on prompt/completion pairs. It never touches a model or a device.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,7 @@ from typing import Any
 
 from tierzero.errors import DataError
 from tierzero.run.corpus import TextTokenizer
-from tierzero.run.examples import ChatTemplate, arrow_records, is_arrow_data
+from tierzero.run.examples import ChatTemplate, arrow_records, is_arrow_data, is_example
 from tierzero.run.model_load import RunModel
 
 Messages = list[dict[str, Any]]
@@ -81,11 +83,19 @@ def _record(line: str, where: str) -> Prompt:
     raise DataError(f"{where} has neither a 'prompt' string nor 'messages'; write one of them")
 
 
-def trained_on_chats(data: str | None) -> bool:
-    """Whether a run's `--data` is chat records (its first record has `messages`)."""
+class Framing(str, enum.Enum):
+    """How a run's data framed its text, so plain prompts are framed the same way."""
+
+    TEXT = "text"  # documents: the tokenizer's own special tokens
+    CHAT = "chat"  # `messages` records: a plain prompt is a user's turn in the chat template
+    PAIRS = "pairs"  # `prompt`/`completion` records: a plain prompt is a prompt, no special tokens
+
+
+def framing_of(data: str | None) -> Framing:
+    """What a run's `--data` is, from its first record (text when it is not records, or gone)."""
     path = Path(data) if data else None
     if path is None or not path.exists() or not (path.suffix == ".jsonl" or is_arrow_data(path)):
-        return False
+        return Framing.TEXT
     if is_arrow_data(path):
         first = next(iter(arrow_records(path)), None)
     else:
@@ -94,8 +104,10 @@ def trained_on_chats(data: str | None) -> bool:
         try:
             first = json.loads(line) if line else None
         except ValueError:
-            return False
-    return isinstance(first, dict) and "messages" in first
+            return Framing.TEXT
+    if isinstance(first, dict) and "messages" in first:
+        return Framing.CHAT
+    return Framing.PAIRS if is_example(first) else Framing.TEXT
 
 
 class Codec:
@@ -126,8 +138,9 @@ class Codec:
                 stop |= _eos_ids(model.hf_model.path / name)
         return cls(model.tokenizer, model.vocab_size, frozenset(stop))
 
-    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
-        """`prompt`'s ids, checked against the vocabulary; `chat`: plain text as a user's turn."""
+    def encode(self, prompt: Prompt, framing: Framing = Framing.TEXT) -> list[int]:
+        """`prompt`'s ids, checked against the vocabulary; plain text framed by `framing`."""
+        chat = framing is Framing.CHAT
         messages = (
             prompt.messages
             if prompt.messages is not None
@@ -148,7 +161,7 @@ class Codec:
         elif self.tokenizer is None:
             ids = list(prompt.text.encode("utf-8"))
         else:
-            ids = self._tokens(prompt.text, special=not prompt.record)
+            ids = self._tokens(prompt.text, special=not (prompt.record or framing is Framing.PAIRS))
         beyond = [i for i in ids if i >= self.vocab_size]
         if beyond:
             raise DataError(

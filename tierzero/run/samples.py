@@ -5,9 +5,9 @@ The prompts are read and tokenized when the session opens (a missing or empty fi
 built-in model a prompt too long for its positions, stops the run before it trains). Each time,
 all of them go through the trainer as one batch, the same path as `tierzero generate`
 (`tierzero.run.generate`): the engine's eval passes through the tiers, one per new token, or
-the reference trainer's model in memory. A run that trains on
-chat records has its plain prompts rendered as a user's turn by the chat template. With several
-ranks every rank runs the passes (they are collectives) and rank 0 writes the rows.
+the reference trainer's model in memory. Plain prompts are framed as the run's data frames
+its text (`tierzero.run.prompts.Framing`: a user's turn in the chat template for chats). With
+several ranks every rank runs the passes (they are collectives) and rank 0 writes the rows.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tierzero.errors import ConfigError
 from tierzero.models.presets import get_preset
 from tierzero.run.directory import RunDir
 from tierzero.run.generate import Decoder, Sampling, generate
-from tierzero.run.prompts import Codec, Prompt, read_prompts, trained_on_chats
+from tierzero.run.prompts import Codec, Prompt, framing_of, read_prompts
 
 
 @dataclass
@@ -43,8 +43,8 @@ class TrainingSamples:
         if run.sample_prompts is None:
             return None
         prompts = read_prompts(run.sample_prompts)
-        chat = trained_on_chats(run.data)
-        ids = [codec.encode(p, chat) for p in prompts]
+        framing = framing_of(run.data)
+        ids = [codec.encode(p, framing) for p in prompts]
         positions = max(map(len, ids)) + run.sample_max_new_tokens
         if not is_hf(run.model) and positions > get_preset(run.model).max_seq_len:
             raise ConfigError(
