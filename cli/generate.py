@@ -135,6 +135,7 @@ def generate(
                 "temperature": temperature,
                 "top_p": top_p,
                 "seed": seed,
+                "kv_cache_bytes": inference.decoder.cache_nbytes,
                 "generations": generations,
             }
         )
@@ -142,8 +143,10 @@ def generate(
     source = (
         f"checkpoint step {inference.step}" if inference.step is not None else "its own weights"
     )
+    kv = inference.decoder.cache_nbytes / 1e6
     out.print(
-        f"[bold]tierzero generate[/] {escape(inference.model)} from {source}",
+        f"[bold]tierzero generate[/] {escape(inference.model)} from {source} "
+        f"(KV cache {kv:,.1f} MB)",
         highlight=False,
     )
     for g in generations:

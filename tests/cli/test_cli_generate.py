@@ -83,6 +83,12 @@ def test_a_model_directory_generates_transformers_greedy_ids(model_dir) -> None:
         "fp32",
     )
     assert out["step"] is None and len(out["generations"]) == 2
+    # 2 rows x 2 layers x keys and values x 2 kv heads x 16 dims x 4 bytes, per position held
+    passes = max(
+        len(g["new_ids"]) for g in out["generations"]
+    )  # the last new token is not fed back
+    positions = max(len(g["prompt_ids"]) for g in out["generations"]) + passes - 1
+    assert out["kv_cache_bytes"] == 2 * 2 * 2 * 2 * 16 * 4 * positions
     for g in out["generations"]:
         assert g["new_ids"] == transformers_ids(model_dir, g["prompt_ids"], 8)[: len(g["new_ids"])]
         assert (

@@ -89,7 +89,8 @@ def test_the_engine_streams_the_same_logits_as_the_model_in_memory(small, tmp_pa
     from tierzero.engine import Engine
 
     expected_scores: list[torch.Tensor] = []
-    expected = generate(in_memory(small), PROMPTS, Sampling(16), scores=expected_scores)
+    in_memory_decoder = in_memory(small)
+    expected = generate(in_memory_decoder, PROMPTS, Sampling(16), scores=expected_scores)
     weights = tmp_path / "small.safetensors"
     save_file(
         {k: v.contiguous() for k, v in small.state_dict().items() if k != "head.weight"}, weights
@@ -102,6 +103,9 @@ def test_the_engine_streams_the_same_logits_as_the_model_in_memory(small, tmp_pa
         fetched = engine.stats()["bytes_nvme->host"]
     assert new == expected
     assert all(torch.equal(a, b) for a, b in zip(scores, expected_scores))
+    # allocated for every position at the first pass: 3 rows x 2 blocks x (k, v) x 2 kv heads x 16
+    longest = max(map(len, PROMPTS))
+    assert in_memory_decoder.cache_nbytes == 3 * 2 * 2 * 2 * 16 * (longest + 16) * 4
     assert fetched > 0
 
 

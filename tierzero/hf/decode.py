@@ -36,6 +36,13 @@ class HFCache:
         """The adapter's keyword arguments for a pass over `ids` (B, T), the tokens that follow."""
         return {"input_ids": ids, "cache": self}
 
+    @property
+    def nbytes(self) -> int:
+        """The keys' and values' bytes the cache holds now (its layers' `keys` and `values`)."""
+        layers = getattr(self.dynamic, "layers", [])
+        held = [getattr(layer, name, None) for layer in layers for name in ("keys", "values")]
+        return sum(t.nbytes for t in held if isinstance(t, torch.Tensor))
+
     def advance(self, T: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Begin a pass of `T` positions: the attention mask (None: no row is padded) and their
         position ids (B, T)."""

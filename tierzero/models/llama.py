@@ -186,9 +186,9 @@ class Transformer(nn.Module):
     def decode_cache(self, pad: list[int], capacity: int) -> KVCache:
         """An empty cache for rows left-padded by `pad` positions, to hold `capacity` positions."""
         if capacity > self.args.max_seq_len:
-            raise ConfigError(f"the longest prompt and its new tokens make {capacity} positions, past "
-                              f"the model's max_seq_len {self.args.max_seq_len}; use a shorter prompt "
-                              "or fewer new tokens")
+            raise ConfigError(f"the longest prompt and its new tokens make {capacity} positions, "
+                              f"past the model's max_seq_len {self.args.max_seq_len}; use a shorter "
+                              "prompt or fewer new tokens")
         return KVCache(self.args.n_layers, pad, capacity)
 
     def head_out(self, x: torch.Tensor, targets: torch.Tensor | None = None,
@@ -268,10 +268,15 @@ class KVCache:
         """The model's keyword arguments for one pass over `ids` (B, T), the tokens that follow."""
         return {"idx": ids, "cache": self}
 
+    @property
+    def nbytes(self) -> int:
+        """The keys' and values' bytes (allocated for `capacity` positions at the first pass)."""
+        return sum(t.nbytes for kv in self.layers for t in (kv.k, kv.v) if t is not None)
+
     def advance(self, T: int, device: torch.device) -> None:
         """Begin a pass of `T` positions: their rotary positions and attention mask."""
         if self.length + T > self.capacity:
-            raise ValueError(f"a cache of {self.capacity} positions was asked for {self.length + T}")
+            raise ValueError(f"a cache of {self.capacity} positions got {self.length + T}")
         self.start, self.length = self.length, self.length + T
         pad = torch.tensor(self.pad, dtype=torch.long, device=device)[:, None]  # (B, 1)
         query = torch.arange(self.start, self.length, device=device)  # (T,) absolute positions

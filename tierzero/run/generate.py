@@ -69,6 +69,7 @@ class Decoder:
 
     model: nn.Module
     forward: Pass
+    cache_nbytes: int = 0  # the last generation's decode cache (on the device, beside the pools)
 
     @classmethod
     def through(cls, engine: Engine) -> Decoder:
@@ -138,6 +139,7 @@ def generate(
             if all(done):
                 break
             ids = chosen[:, None]
+    decoder.cache_nbytes = cache.nbytes
     return new
 
 
