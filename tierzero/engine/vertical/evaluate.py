@@ -107,7 +107,8 @@ def plan_layout(parts: EngineParts, chain: Chain, windows: list[Window]) -> Eval
     model, itemsize = parts.model, parts.dtype.itemsize
     tokens = [w[0].numel() for w in windows]
     widest = max(tokens)
-    per_token = working_bytes_per_token(model, chain.dim, windows[0][0].shape[1], itemsize)
+    seq_len = max(w[0].shape[-1] for w in windows)
+    per_token = working_bytes_per_token(model, chain.dim, seq_len, itemsize)
     head = head_bytes(model, widest)
     least = head + per_token * widest
     waiting = sum(aligned_nbytes(n * chain.dim * itemsize) for n in tokens)
