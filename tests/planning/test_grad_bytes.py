@@ -159,7 +159,7 @@ def test_plan_says_what_each_tier_holds_and_the_grad_dtype() -> None:
     assert text.exit_code == 0, text.output
     flat = " ".join(text.output.split())
     assert (
-        "grad fp32" in flat
+        "grad=fp32" in flat
         and "(grads fp32: the horizontal schedule adds each micro-batch" in flat
     )
     work = Workload.from_sizes(
@@ -169,7 +169,6 @@ def test_plan_says_what_each_tier_holds_and_the_grad_dtype() -> None:
         formats=StateBytes.for_compute("int8", "bf16", DType.BF16),
     )
     assert describe_homes(work, NVME, DType.BF16) == (
-        "gpu: nothing; host: nothing; nvme: param bf16 (the master too), "
-        "grad bf16, exp_avg int8 (+ fp32 absmax per block), "
-        "exp_avg_sq int8 (+ fp32 absmax per block)"
+        "gpu: nothing; host: nothing; nvme: param=bf16 (the master too), "
+        "grad=bf16, exp_avg=int8, exp_avg_sq=int8"
     )

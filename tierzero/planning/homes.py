@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tierzero.config import DType, Placement, StateFormat, StateKind, Tier
+from tierzero.config import DType, Placement, StateKind, Tier
 from tierzero.planning.statebytes import FP32_NBYTES
 from tierzero.planning.workload import Workload
 
@@ -82,21 +82,17 @@ def stored_dtype(work: Workload, kind: StateKind, compute: DType) -> str:
 
 
 def describe_homes(work: Workload, placement: Placement, compute: DType) -> str:
-    """One line: each tier and the state kinds it holds, each in its stored dtype
-    (`gpu: param bf16; host: grad bf16, master fp32, ...; nvme: nothing`)."""
+    """One line: each tier and the state kinds it holds, each as `kind=dtype` in its stored
+    dtype (`gpu: param=bf16; host: grad=bf16, master=fp32, ...; nvme: nothing`); an int8
+    moment's fp32 absmax per block is `StateBytes.describe`'s to say."""
     one_weight = work.one_weight(placement)
     held: dict[Tier, list[str]] = {t: [] for t in Tier}
     for kind in StateKind:
         if kind is StateKind.MASTER and one_weight:
             continue  # said with the param
-        text = f"{kind.value} {stored_dtype(work, kind, compute)}"
+        text = f"{kind.value}={stored_dtype(work, kind, compute)}"
         if kind is StateKind.PARAM and one_weight:
             text += " (the master too)"
-        elif work.formats.optimizer_state is StateFormat.INT8 and kind in (
-            StateKind.EXP_AVG,
-            StateKind.EXP_AVG_SQ,
-        ):
-            text += " (+ fp32 absmax per block)"
         held[placement.home(kind)].append(text)
     return "; ".join(
         f"{tier.value}: {', '.join(kinds) or 'nothing'}" for tier, kinds in held.items()
