@@ -1,1 +1,2 @@
-"""A training run as the CLI drives it: session, loop, data, corpus, run directory, charts (the report's PNG)."""
+"""A training run as the CLI drives it: session, loop, data, corpus, run directory, charts (the
+report's PNG); generation from the tiered weights (generate, prompts, inference, samples)."""
