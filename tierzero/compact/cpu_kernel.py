@@ -26,6 +26,7 @@ import ctypes
 import os
 
 import llvmlite.binding
+import numba
 import numpy as np
 import torch
 from numba import carray, cfunc, njit, prange, types
@@ -188,6 +189,13 @@ def _adamw(p, m, v, g, root, decay, scalars):
         _SQRT(run, v[a:].ctypes.data, root[a:].ctypes.data, VML_MODE)
     for j in range(p.shape[0]):
         p[j] = p[j] - (m[j] / (root[j] / bc2 + eps)) * step_size
+
+
+def run(*args) -> None:
+    """`step_piece(*args)` on as many of numba's threads as torch uses on the calling thread
+    (the optimizer's thread sizes its team: `IOLoop`'s math lane)."""
+    numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    step_piece(*args)
 
 
 @njit(cache=True)

@@ -12,6 +12,8 @@ workqueue threading layer, where it is the one installed, aborts on concurrent c
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
 import threading
 from collections.abc import Callable, Sequence
 
@@ -42,7 +44,21 @@ def load() -> Callable:
 
     assert cpu_kernel.BLOCK == STATE_BLOCK, (cpu_kernel.BLOCK, STATE_BLOCK)
     cpu_kernel.bind_sqrt()
-    return cpu_kernel.step_piece
+    return cpu_kernel.run
+
+
+def installed() -> bool:
+    """Whether numba is installed (without importing it): the kernel is then what steps."""
+    return importlib.util.find_spec("numba") is not None
+
+
+def scratch_nbytes() -> int:
+    """The most the kernel holds beyond the pieces: each core's chunk arrays (five fp32 and
+    three uint32 arrays of `CHUNK`, and a block's lookups) while it runs, and, kept, the packed
+    tables (`_maps`) and the bucket tables they are made from (`codes.lower_buckets`)."""
+    per_core = CHUNK * 4 * 8 + STATE_BLOCK * (8 + 4)
+    tables = 2 * (256 * 4 + (1 << 16) * 8 + 256 * 8) + 2 * (1 << 16) * (8 + 4)
+    return (os.cpu_count() or 1) * per_core + tables
 
 
 def usable(tensors: dict[StateKind, torch.Tensor]) -> bool:

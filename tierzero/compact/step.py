@@ -190,8 +190,10 @@ def _check(run: Callable) -> None:
 def scratch_nbytes(device_type: str) -> int:
     """Bytes one `CompactStep` allocates on a `device_type` device at its first step and keeps
     (the memory model counts them): fp32 and int32 sub-block buffers, the position offsets, and
-    the quantiser's scratch and tables. On the CPU that is the torch ops' (the fallback): the
-    kernel keeps none, and each core's chunk arrays are under 300 KiB while it runs."""
+    the quantiser's scratch and tables; on the CPU, where numba is installed, the kernel's
+    (`cpu_step.scratch_nbytes`: the torch ops' scratch is then allocated only if it fails)."""
+    if device_type == "cpu" and cpu_step.installed():
+        return cpu_step.scratch_nbytes()
     block = SUB_BLOCK.get(device_type, SUB_BLOCK["cpu"])
     return 4 * block * (len(F32_SCRATCH) + len(INT_SCRATCH) + 1) + codes_mod.Scratch.nbytes(block)
 
