@@ -212,6 +212,8 @@ class Config:
     piece_numel: int | None = None  # elements per piece grads and optimizer states stream in; None: chosen
     io_threads: int = 16
     verify_reads: str = "auto"  # crc32c-check every NVMe read: on, off, or auto (on where it is cheap)
+    # a frozen base's linear weights stored in 4 bits (`tierzero.models.nf4`), or "none"
+    quantize_base: str = "none"
     profile: str | None = None
 
     def __post_init__(self) -> None:
@@ -248,6 +250,8 @@ class Config:
             raise _refused("chunk_bytes", f"must be a positive multiple of 4096, got {self.chunk_bytes}")
         if self.verify_reads not in ("auto", "on", "off"):
             raise _refused("verify_reads", f"must be auto, on or off, got {self.verify_reads!r}")
+        if self.quantize_base not in ("none", "nf4"):
+            raise _refused("quantize_base", f"must be nf4 or none, got {self.quantize_base!r}")
         self._check_optimizer()
         if self.stage is not None and (isinstance(self.stage, bool) or self.stage not in (1, 2, 3)):
             raise _refused("stage", f"must be 1, 2 or 3 (or unset to choose), got {self.stage!r}")

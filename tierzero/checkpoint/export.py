@@ -47,6 +47,7 @@ from tierzero.checkpoint.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_c
 from tierzero.checkpoint.hf_files import copy_tokenizer, hf_config, write_json
 from tierzero.checkpoint.hf_format import Converted, SavedFormat, meta_model
 from tierzero.checkpoint.manifest import Manifest, UnitLayout
+from tierzero.checkpoint.nf4_read import coded_units, read_coded
 from tierzero.checkpoint.safetensors_out import DTYPES, ExportFile, ExportPlan, StreamingWriter, TensorEntry
 from tierzero.storage.base import StorageError
 from tierzero.storage.nvme.arrays import read_array
@@ -191,6 +192,7 @@ def read_units(checkpoint: Path, manifest: Manifest) -> Iterator[tuple[int, torc
     crc32c. One buffer, sized for the largest unit, is reused: finish with a unit before the next."""
     buffer = torch.empty(max(u.padded_numel for u in manifest.units), dtype=torch.float32)
     master = not (manifest.compute_dtype == "bfloat16" and (manifest.engine or {}).get("master") == "bf16")
+    coded = coded_units(manifest)  # an NF4 base's blocks: their params decoded
     for unit in manifest.units:
         flat = buffer[:unit.padded_numel]
         shard = unit.padded_numel // manifest.world_size
@@ -200,7 +202,9 @@ def read_units(checkpoint: Path, manifest: Manifest) -> Iterator[tuple[int, torc
         for rank in range(manifest.world_size):
             out = flat[rank * shard:(rank + 1) * shard]
             trained = min(shard, max(0, unit.trainable_numel - rank * shard)) if master else 0
-            if trained < shard and not replicated:
+            if unit.index in coded:
+                read_coded(checkpoint, manifest, coded[unit.index], out)
+            elif trained < shard and not replicated:
                 _read_shard(checkpoint, manifest, unit, rank, out, StateKind.PARAM)
             if trained:
                 _read_shard(checkpoint, manifest, unit, rank, out[:trained], StateKind.MASTER)

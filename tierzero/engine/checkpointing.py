@@ -46,6 +46,7 @@ from tierzero.errors import CheckpointError, TierzeroError
 from tierzero.engine.parts import EngineParts
 from tierzero.engine.runtime.binding import detach_params
 from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest, config_hash, layout_of
+from tierzero.models.nf4_shard import recorded_weights
 from tierzero.storage.base import dtype_name, os_error
 from tierzero.storage.durable import fsync_path
 from tierzero.storage.io import write_durable
@@ -233,6 +234,11 @@ def _check_formats(engine: EngineParts, manifest: Manifest, path: Path) -> None:
         raise CheckpointError(f"{path} stores {field} as {theirs[field]} and this engine is configured for "
                               f"{ours[field]}; build it with {field}={theirs[field]!r} (--{field.replace('_', '-')} "
                               f"{theirs[field]})")
+    base = manifest.engine.get("quantize_base", "none")
+    if base != engine.config.quantize_base:  # the params' stored layout differs
+        raise CheckpointError(f"{path} stores the frozen base with --quantize-base {base} and "
+                              f"this engine with {engine.config.quantize_base}; resume with "
+                              f"--quantize-base {base}")
     block = manifest.engine.get("int8_block", LEGACY_INT8_BLOCK)
     if engine.shards.formats.quantised(StateKind.EXP_AVG) and block != STATE_BLOCK:
         raise CheckpointError(f"{path} stores int8 moments in blocks of {block} values and this tierzero reads "
@@ -267,7 +273,9 @@ def _engine_state(engine: EngineParts) -> dict[str, Any]:
     # and the stored formats of master and moments (`tierzero.compact.formats`), which a load checks
     return {**engine.state.to_dict(), "scaler": engine.scaler.state_dict(),
             "skipped_updates": engine.param_steps.state_dict(), "piece_numel": engine.config.piece_numel,
-            **engine.shards.formats.describe(), "int8_block": STATE_BLOCK}
+            **engine.shards.formats.describe(), "int8_block": STATE_BLOCK,
+            "quantize_base": engine.config.quantize_base,
+            **({"nf4_weights": recorded_weights(coded)} if (coded := engine.shards.coded) else {})}
 
 
 

@@ -20,6 +20,7 @@ from tierzero.config import TORCH_DTYPES, Config, Placement, StateKind, Tier
 from tierzero.distributed.comm import Comm
 from tierzero.distributed.launch import local_world_size
 from tierzero.engine.runtime.shards import Shards
+from tierzero.models.nf4_shard import coded_base
 from tierzero.engine.runtime.transfers import TransferStats
 from tierzero.engine.runtime.tiers import Tiers
 from tierzero.engine.sizing import Sizing, check_runnable, resolve_overlap
@@ -75,7 +76,9 @@ class EngineParts:
         tiers = Tiers(config, device, {placement.home(k) for k in StateKind},
                       comm.rank if comm.world_size > 1 else None, transfers, local_ranks)
         tiers.check_paths()  # reads metadata only: `open` makes the directories
-        shards = Shards(tiers, placement, comm.rank, config.piece_numel, dtype, sizing.grad_dtype)
+        coded = coded_base(config, units, placement.param, comm.world_size, dtype)
+        shards = Shards(tiers, placement, comm.rank, config.piece_numel, dtype, sizing.grad_dtype,
+                        coded)
         sizing.check(tiers, placement, stage)  # the pools' budgets, or a refusal naming the shortfall
         return cls(model, config, device, dtype, comm, local_ranks, units,
                    [name for name, _ in model.named_parameters()], sizing, placement, stage, stage_reason,

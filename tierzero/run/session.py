@@ -136,6 +136,10 @@ def open_session(run: RunConfig, ranks: Ranks = Ranks()) -> Iterator[Session]:
         if run.checkpoint_every is not None or run.keep_best:
             raise ConfigError("checkpoints need a tiered run (--offload host, nvme or auto); the in-memory "
                               "reference trainer keeps none: drop --checkpoint-every and --keep-best, or offload")
+        if cfg.quantize_base != "none":
+            raise ConfigError(f"--quantize-base {cfg.quantize_base} stores the base in the tiers, "
+                              "and --offload none trains in memory without them; pass --offload "
+                              "host or nvme")
         trainer: Trainer = ReferenceTrainer(model.in_memory(device, cfg.seed), cfg, device)
         text = "everything in memory (reference trainer)"
     else:

@@ -6,12 +6,14 @@ Each state kind of a unit is stored in its home tier as pieces (`tierzero.layout
 where stored on disk); writes take CPU tensors, staged through a leased host buffer for NVMe.
 The step's own traffic (prefetch, grads, the optimizer's pipeline) never passes here. Keys hold
 their stored format (`tierzero.compact.formats`: bf16 or int8 master and moments); shards are
-fp32 here, each piece decoded or encoded on its own.
+fp32 here, each piece decoded or encoded on its own. A param shard with an NF4 base is stored
+coded (`tierzero.models.nf4_shard`): its keys' ranges are in its stored layout, and reads and
+puts of whole shards decode and encode it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.keys import state_keys
 from tierzero.layout.partition import Unit
 from tierzero.models.init import WeightFiles, flat_unit
+from tierzero.models.nf4_shard import CodedShard
 from tierzero.storage.base import aligned_empty
 
 
@@ -38,6 +41,7 @@ class Shards:
     piece_numel: int
     dtype: torch.dtype  # the compute dtype params are stored in
     grad_dtype: DType = DType.FP32  # what grads are stored in (`Sizing.grad_dtype`)
+    coded: dict[int, CodedShard] = field(default_factory=dict)  # units whose base is NF4
 
     @property
     def formats(self) -> StateFormats:
@@ -49,7 +53,11 @@ class Shards:
         a master that is the param: `StateFormats.master_is_param`)."""
         if kind is StateKind.MASTER and self.formats.master_is_param(self.dtype):
             return []
-        return state_keys(kind, unit, self.rank, self.piece_numel, self.placement.home(kind))
+        keys = state_keys(kind, unit, self.rank, self.piece_numel, self.placement.home(kind))
+        coded = self.coded.get(unit.index) if kind is StateKind.PARAM else None
+        if coded is None:
+            return keys
+        return [(key, *coded.stored_range(a, b)) for key, a, b in keys]
 
     def read_shard(self, kind: StateKind, unit: Unit) -> torch.Tensor:
         """A CPU copy of this rank's shard of `kind` for `unit`: for kinds other than `param`,
@@ -58,6 +66,12 @@ class Shards:
         if kind is StateKind.MASTER and self.formats.master_is_param(self.dtype):
             lo = unit.param_offset(self.rank)
             return self.read_shard(StateKind.PARAM, unit)[lo:lo + unit.state_numel(self.rank)].float()
+        coded = self.coded.get(unit.index) if kind is StateKind.PARAM else None
+        if coded is not None:
+            stored = aligned_empty(coded.stored_numel, self.dtype)
+            for key, a, b in self.keys(kind, unit):
+                self.read_key(kind, key, stored[a:b])
+            return coded.decode(stored, aligned_empty(unit.param_numel, self.dtype))
         if kind is StateKind.PARAM:
             out = aligned_empty(unit.param_numel, self.dtype)
         else:
@@ -86,6 +100,9 @@ class Shards:
     def put_shard(self, kind: StateKind, unit: Unit, src: torch.Tensor) -> None:
         """Write this rank's shard of `kind` for `unit` (a CPU tensor; fp32 but for params) to
         its home tier, each piece in its stored format."""
+        coded = self.coded.get(unit.index) if kind is StateKind.PARAM else None
+        if coded is not None:
+            src = coded.encode(src)
         for key, a, b in self.keys(kind, unit):
             stored = src[a:b] if kind is StateKind.PARAM else self.formats.encode(kind, src[a:b])
             self.put_key(kind, key, stored)

@@ -35,7 +35,8 @@ from tierzero.engine.parts import EngineParts
 from tierzero.errors import TierzeroError
 from tierzero.storage.base import BudgetExceededError, TierStore
 from tierzero.engine.runtime.streams import Event, Streams
-from tierzero.layout.keys import shard_key, state_keys
+from tierzero.layout.keys import shard_key
+from tierzero.models.nf4_shard import CodedShard
 from tierzero.planning.placement import Link
 from tierzero.planning.swapplan import Op, SwapOp, SwapPlan
 
@@ -62,6 +63,8 @@ class ParamShard:
     # the optimizer's last write of this shard where it lives on the device (params homed on the
     # GPU): the next pass's compute and all-gather read the store itself, so they wait for it
     written: Event = None
+    # an NF4 base's shard, landed coded in `device_buf`'s tail and not yet decoded (`CodedShard`)
+    coded: CodedShard | None = None
     # several ranks: its uses' all-gathers, oldest first (a tied unit's next use may be gathered
     # before this one's is taken)
     gathered: deque[InFlight] = field(default_factory=deque)
@@ -175,13 +178,15 @@ class SwapRunner:
             return
         unit = self.parts.units[record.unit]
         key = shard_key(StateKind.PARAM, unit.index, self.parts.rank)
-        nbytes = unit.param_numel * self.parts.dtype.itemsize
+        coded = self.parts.shards.coded.get(unit.index)
+        itemsize = self.parts.dtype.itemsize
+        nbytes = unit.param_numel * itemsize if coded is None else coded.stored_nbytes
         if record.home is Tier.GPU:
             # resident in the device store: a view, no copy, read once the step's write is done
             self.streams.wait(self.streams.compute, record.written)
             record.status = ShardStatus.AVAILABLE
             return
-        buf = self.tiers.lease_device(nbytes, wait)
+        buf = self.tiers.lease_device(unit.param_numel * itemsize, wait)
         # The copy into this buffer waits for its release by the compute that last read it, and
         # for nothing else. A fresh block may be memory torch's allocator just freed from
         # compute, so it waits for compute as it is now (rare: the pool reuses its blocks).
@@ -190,15 +195,18 @@ class SwapRunner:
             ready = self.streams.record(self.streams.compute)
         record.device_buf = buf.view(self.parts.dtype)
         record.status = ShardStatus.IN_FLIGHT
+        # an NF4 base lands coded in the buffer's tail, decoded in place at the unit's wait
+        landing = record.device_buf if coded is None else coded.tail(record.device_buf)
+        record.coded = coded
         if record.home is Tier.HOST:
             self.parts.transfers.add_bytes(Link.HOST_TO_GPU, nbytes)
-            record.event = self.streams.copy(record.device_buf, self.tiers.stores[Tier.HOST].view(key),
+            record.event = self.streams.copy(landing, self.tiers.stores[Tier.HOST].view(key),
                                              self.streams.h2d, after=ready)
             return
         cached = self.tiers.host_pool.cache_get(key)
         if cached is not None:  # still in RAM since its last use (backward replays forward reversed)
             record.staging = cached.view(self.parts.dtype)
-            record.event = self.streams.copy(record.device_buf, record.staging, self.streams.h2d, after=ready)
+            record.event = self.streams.copy(landing, record.staging, self.streams.h2d, after=ready)
             self.parts.transfers.add_bytes(Link.HOST_TO_GPU, nbytes)
             self.parts.transfers.add_cache_hit(nbytes)
             return
@@ -207,9 +215,9 @@ class SwapRunner:
         self.parts.transfers.add_bytes(Link.HOST_TO_GPU, nbytes)
         # cached from now on: the pool evicts it (least recently used first) when space is short
         self.tiers.host_pool.cache_put(key, record.staging.view(torch.uint8))
-        keys = state_keys(StateKind.PARAM, unit, self.parts.rank, self.parts.piece_numel, Tier.NVME)
+        keys = self.parts.shards.keys(StateKind.PARAM, unit)
         record.future = self.tiers.submit(_read_then_copy(
-            self.tiers.stores[Tier.NVME], keys, record.staging, self.streams, record.device_buf, ready))
+            self.tiers.stores[Tier.NVME], keys, record.staging, self.streams, landing, ready))
         self.parts.transfers.add_bytes(Link.NVME_TO_HOST, nbytes)
 
     def _land(self, record: ParamShard) -> None:
@@ -232,6 +240,11 @@ class SwapRunner:
                 self._land(record)
         # the compute stream waits on the GPU; the CPU does not block here
         self.streams.wait(self.streams.compute, record.event)
+        if record.coded is not None:  # decoded on the compute stream, where the unit reads it
+            assert record.device_buf is not None
+            coded, record.coded = record.coded, None
+            with self.streams.current(self.streams.compute):
+                coded.decode(coded.tail(record.device_buf), record.device_buf)
         if record.staging is not None and self.streams.query(record.event):
             self.tiers.host_pool.give_back(record.staging.view(torch.uint8))  # its copy is done
             record.staging = None
@@ -260,6 +273,7 @@ class SwapRunner:
             self.tiers.give_back_when_done(record.event, record.staging)
             record.staging = None
         record.event = None
+        record.coded = None
         record.status = ShardStatus.NOT_AVAILABLE
 
     def _shard(self, unit: int) -> torch.Tensor:
