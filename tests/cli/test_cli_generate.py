@@ -311,6 +311,11 @@ def test_bad_input_is_one_line(tmp_path) -> None:
     assert "no prompt was given" in refused(*some)
     assert "pass --model hf:DIR or --run-dir DIR" in refused("--prompt", "x")
     assert "does not exist" in refused("--run-dir", str(tmp_path / "nowhere"), "--prompt", "x")
+    assert "is not a device" in refused(*some, "--prompt", "x", "--device", "tpu7")
+    if not torch.cuda.is_available():
+        assert "needs a GPU this torch can see" in refused(
+            *some, "--prompt", "x", "--device", "cuda"
+        )
     assert "is not hf:DIR" in refused("--model", "tiny", "--prompt", "x")
     assert "must be an integer >= 1" in one_line_error(
         runner.invoke(

@@ -34,6 +34,7 @@ from tierzero.config import Config, RunConfig
 from tierzero.configfile import load_run_config
 from tierzero.errors import CheckpointError, ConfigError
 from tierzero.hf import is_hf
+from tierzero.precision import check_dtype_supported, resolve_dtype
 from tierzero.run.directory import CONFIG_NAME, never_configured
 from tierzero.run.generate import Decoder
 from tierzero.run.model_load import RunModel, run_model
@@ -90,7 +91,8 @@ Found = tuple[Path, Manifest, list[str]]  # a checkpoint, its manifest, newer on
 def _source(
     model: str | None, run_dir: str | Path | None, overrides: dict[str, Any]
 ) -> tuple[RunConfig, Found | None]:
-    """The run to build (a model directory's, or a run directory's own) and its checkpoint."""
+    """The run to build (a model directory's, or a run directory's own) and its checkpoint,
+    found and verified once the cheap checks (the device) have passed."""
     if (model is None) == (run_dir is None):
         raise ConfigError("generate from one model: pass --model hf:DIR or --run-dir DIR")
     if model is not None:
@@ -99,8 +101,30 @@ def _source(
                 f"--model '{model}' is not hf:DIR; a built-in model generates from its "
                 "run's checkpoint: pass --run-dir DIR"
             )
-        return RunConfig(model=model, engine=Config(**overrides)), None
-    return _run_config(Path(run_dir), overrides), find_checkpoint(run_dir, verify=True)
+        run = RunConfig(model=model, engine=Config(**overrides))
+        _check_device(run.engine)
+        return run, None
+    run = _run_config(Path(run_dir), overrides)
+    _check_device(run.engine)
+    return run, find_checkpoint(run_dir, verify=True)
+
+
+def _check_device(config: Config) -> None:
+    """Refuse a device this torch cannot use, or a dtype it cannot compute in, in one line."""
+    if config.device is not None:
+        try:
+            device = torch.device(config.device)
+        except RuntimeError:
+            raise ConfigError(
+                f"--device '{config.device}' is not a device; write cpu or cuda:0"
+            ) from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(
+                f"--device {config.device} needs a GPU this torch can see, and it sees none; "
+                "drop --device to run on the CPU"
+            )
+    device = config.resolved_device()
+    check_dtype_supported(resolve_dtype(config.dtype, device), device)
 
 
 def _store_dir(store: str | Path | None, run_dir: str | Path | None) -> Path:
