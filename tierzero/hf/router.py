@@ -41,6 +41,8 @@ class RouterLogits:
         self.attention_mask = attention_mask
 
     def _take(self, block: nn.Module, args: Any, output: tuple[Any, tuple[torch.Tensor, ...]]) -> Any:
+        if not (isinstance(output, tuple) and len(output) == 2 and isinstance(output[1], tuple)):
+            return output  # the block never ran: `hf.layercalls`' recorder passed its input on
         out, logits = output
         self.logits.extend(logits)
         return out

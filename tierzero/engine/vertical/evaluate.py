@@ -23,9 +23,12 @@ may a GPU's kernels, which can block a matmul differently per row count.
 What waits. Between two units each micro-batch's hidden state waits for the next unit. They
 stay on the compute device when they fit in its budget beside one micro-batch's working set;
 else in a `BoundaryStore` (host memory under what the budget leaves, the rest spilled to
-NVMe), taken in the order they were put. Where neither holds them, or the model is no chain
-(`tierzero.engine.vertical.chain`: a root unit, a router aux loss), the evaluation runs window
-by window, and the engine notes why once.
+NVMe), taken in the order they were put. A Mixture-of-Experts decoder whose loss adds its
+router aux loss (which the vertical schedule refuses) evaluates this way too: each layer's
+router logits wait on the device beside the context, and each window's aux loss is computed
+from its own tokens' logits. Where neither tier holds the hidden states, or the model is no
+chain (`tierzero.engine.vertical.chain`: a root unit), the evaluation runs window by window,
+and the engine notes why once.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from tierzero.engine.parts import EngineParts
 from tierzero.engine.runtime.binding import bind, unbind
 from tierzero.engine.runtime.opened import OpenParts
 from tierzero.engine.vertical.boundary import BoundaryStore, aligned_nbytes
-from tierzero.engine.vertical.chain import Chain, chain_of
+from tierzero.engine.vertical.chain import Chain, LayerChain, chain_of
 from tierzero.layout.partition import Unit
 
 Window = tuple[torch.Tensor, torch.Tensor]  # token ids, targets (rows x seq_len)
@@ -77,7 +80,7 @@ def evaluate_windows(
 ) -> list[float]:
     """Each window's summed trained-token loss, every unit read once for all of them; window
     by window (`one_window`) where the pass cannot run (the engine notes why)."""
-    chain = chain_of(parts.model, parts.units)
+    chain = eval_chain(parts.model, parts.units)
     why = chain if isinstance(chain, str) else None
     if why is None and not all(isinstance(w, (tuple, list)) and len(w) == 2 for w in windows):
         why = "its batches are not (token ids, targets) pairs"
@@ -93,6 +96,24 @@ def evaluate_windows(
     assert isinstance(chain, Chain) and isinstance(layout, EvalLayout)
     with torch.no_grad(), evaluating(parts.model):
         return EvalPass(parts, opened, chain, layout).run(windows)
+
+
+def eval_chain(model: nn.Module, units: list[Unit]) -> Chain | str:
+    """`model` as a chain for an evaluation: `chain_of`'s, and also a Hugging Face decoder whose
+    router aux loss the vertical schedule refuses. Its forward-only pass carries each layer's
+    router logits to the head itself (`EvalPass`), so the loss adds the aux loss as its own does."""
+    chain = chain_of(model, units)
+    owner = next(
+        (m for m in model.modules() if callable(getattr(type(m), "layer_calls", None))), None
+    )
+    if (
+        isinstance(chain, str)
+        and owner is not None
+        and getattr(owner, "router", None) is not None
+        and getattr(owner, "final_norm", None) is not None
+    ):
+        return LayerChain(owner)
+    return chain
 
 
 def plan_layout(parts: EngineParts, chain: Chain, windows: list[Window]) -> EvalLayout | str:
@@ -185,6 +206,11 @@ class EvalPass:
         self.runner, self.swap = opened.runner, opened.swap_runner
         self.store: BoundaryStore | None = None
         self._held: dict[int, torch.Tensor] = {}
+        # a Mixture-of-Experts router aux loss: each micro-batch's router logits, layer by layer
+        self.router = (
+            getattr(chain.model, "router", None) if isinstance(chain, LayerChain) else None
+        )
+        self._logits: list[list[torch.Tensor]] = []
 
     def run(self, windows: list[Window]) -> list[float]:
         """Each window's summed trained-token loss, in window order."""
@@ -228,14 +254,22 @@ class EvalPass:
         return contexts
 
     def _block(self, unit: Unit, micro_batches: int, contexts: list[Any]) -> None:
+        if self.router is not None and not self._logits:
+            self._logits = [[] for _ in range(micro_batches)]
         with self._gathered(unit):
             for m in range(micro_batches):
                 x = self._take(unit.index, m)
-                self._keep(
-                    unit.index + 1,
-                    m,
-                    self.chain.block(self.runner, unit, x, contexts[m]),
-                )
+                self._keep(unit.index + 1, m, self._layer(unit, x, contexts[m], m))
+
+    def _layer(self, unit: Unit, x: torch.Tensor, context: Any, m: int) -> torch.Tensor:
+        """The block's output; a Mixture-of-Experts block returns its router logits beside it
+        (`tierzero.hf.router`), kept for the head."""
+        if self.router is None:
+            return self.chain.block(self.runner, unit, x, context)
+        args, kwargs = context[unit.index - 1].with_hidden(x)
+        out, logits = self.runner.compute(unit, args, kwargs, leaves=[])
+        self._logits[m].extend(logits)
+        return out[0] if isinstance(out, tuple) else out
 
     def _head(self, unit: Unit, targets: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         """Each window's summed loss: the head on that window's own rows, divided by 1."""
@@ -245,9 +279,24 @@ class EvalPass:
                 x, start = self._take(unit.index, m, last=True), 0
                 for y in window_targets:
                     rows = slice(start, start + y.shape[0])
-                    losses.append(self.chain.head(self.runner, unit, x[rows], y, 1.0))
+                    losses.append(self._window_loss(unit, x[rows], y, m, rows))
                     start = rows.stop
         return losses
+
+    def _window_loss(
+        self, unit: Unit, x: torch.Tensor, y: torch.Tensor, m: int, rows: slice
+    ) -> torch.Tensor:
+        """One window's summed loss; with a router aux loss, from that window's tokens' router
+        logits of every layer, as the model's forward of the window alone hands them to its head."""
+        if self.router is None:
+            return self.chain.head(self.runner, unit, x, y, 1.0)
+        tokens = slice(
+            rows.start * y.shape[1], rows.stop * y.shape[1]
+        )  # logits: (rows x seq, experts)
+        logits = tuple(layer[tokens] for layer in self._logits[m]) or None
+        self.router.start(None)  # the window's forward has no attention mask
+        kwargs = {"num_items_in_batch": 1.0, "router_logits": logits}
+        return self.runner.compute(unit, (x, y), kwargs, leaves=[])
 
     @contextlib.contextmanager
     def _gathered(self, unit: Unit) -> Iterator[None]:
