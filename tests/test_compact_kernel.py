@@ -148,3 +148,16 @@ def test_without_the_kernel_the_step_runs_on_torch_ops_and_says_so_once(
     records = [r for r in caplog.records if r.name == step_mod.__name__]
     assert len(records) == 1 and "no compiler here" in records[0].getMessage()
     assert all(_same_bytes(fallen_back[k], torch_ops[k]) for k in torch_ops)
+
+
+def test_a_dtype_the_kernel_does_not_decode_steps_on_torch_ops(kernel: None) -> None:
+    """An fp16 grad (no home stores one today) is no crash: `usable` sends it to the torch ops."""
+    formats = StateFormats(moments="int8", master="bf16")
+    config = Config(lr=1e-3, weight_decay=0.1, seed=5)
+    n = 3 * STATE_BLOCK + 10
+    torch_ops = _piece(formats, n, 4, torch.float16)
+    assert not cpu_step.usable(torch_ops)
+    fast = {kind: t.clone() for kind, t in torch_ops.items()}
+    CompactStep(formats, config, CPU, kernel=False).step(torch_ops, [(0, n, 0.1, 2)], 1e-3, 2, 0)
+    CompactStep(formats, config, CPU).step(fast, [(0, n, 0.1, 2)], 1e-3, 2, 0)
+    assert all(_same_bytes(fast[k], torch_ops[k]) for k in fast)

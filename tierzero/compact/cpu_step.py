@@ -27,6 +27,7 @@ from tierzero.config import STATE_BLOCK, StateKind
 STATES = (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)  # stepped and stored, in order
 PIECE = (*STATES, StateKind.GRAD)  # what the kernel reads, in order
 CHUNK = 8192  # values the kernel steps per task (whole blocks): their fp32 copies stay in L2
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
 _LOCK = threading.Lock()
 _EMPTY = (
     np.empty(0, np.float32),
@@ -62,8 +63,12 @@ def scratch_nbytes() -> int:
 
 
 def usable(tensors: dict[StateKind, torch.Tensor]) -> bool:
-    """Whether the kernel takes these tensors: contiguous CPU pieces (any stored view is)."""
-    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors.values())
+    """Whether the kernel takes these tensors: contiguous CPU pieces (any stored view is) of
+    the dtypes it decodes (fp32, bf16, int8 codes); anything else steps on torch's ops."""
+    return all(
+        t.device.type == "cpu" and t.is_contiguous() and t.dtype in KERNEL_DTYPES
+        for t in tensors.values()
+    )
 
 
 def step_piece(
