@@ -14,11 +14,7 @@ from tierzero.errors import ConfigError
 
 def number(value: Any) -> bool:
     """A finite int or float (not a bool): NaN and infinities are refused wherever a number is."""
-    return (
-        not isinstance(value, bool)
-        and isinstance(value, (int, float))
-        and math.isfinite(value)
-    )
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def whole(value: Any) -> bool:
