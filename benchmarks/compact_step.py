@@ -1,14 +1,16 @@
 """How fast the compact optimizer step runs on the CPU, against torch's fused fp32 AdamW.
 
 For each format combination (fp32 / bf16 / int8 moments x fp32 / bf16 master) this steps one
-piece (16M values by default) with `CompactStep` and, interleaved round by round so a noisy
+piece (16M values by default) with `CompactStep` (on the CPU its compiled kernel, or with
+`--torch-ops` the torch ops it falls back to) and, interleaved round by round so a noisy
 machine slows both alike, the same piece's fp32 state with torch's fused AdamW
 (`tierzero.adamw.adamw_step`). It prints the median M params/s of each and their ratio.
 fp32 master and moments are not a compact step (the engine runs torch's AdamW for them), but
-the row shows the sub-block formula's own cost.
+the row shows the compact step's own cost.
 
     nice python benchmarks/compact_step.py              # 16M values, 5 rounds
     nice python benchmarks/compact_step.py --numel 4000000 --rounds 3
+    nice python benchmarks/compact_step.py --torch-ops  # the fallback
 """
 
 from __future__ import annotations
@@ -45,11 +47,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=16 * 2 ** 20)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--torch-ops", action="store_true", help="step with torch's ops, not the kernel")
     opts = parser.parse_args()
     n, config = opts.numel, Config(lr=1e-3, weight_decay=0.1, seed=7)
     fused = [torch.randn(n) * 0.05, torch.randn(n) * 1e-2, torch.zeros(n), torch.zeros(n)]
-    steps = {f: (CompactStep(StateFormats(*f), config, torch.device("cpu")), compact_tensors(StateFormats(*f), n))
-             for f in FORMATS}
+    cpu = torch.device("cpu")
+    steps = {f: (CompactStep(StateFormats(*f), config, cpu, kernel=not opts.torch_ops),
+                 compact_tensors(StateFormats(*f), n)) for f in FORMATS}
     times: dict[tuple[str, str] | str, list[float]] = {key: [] for key in [*FORMATS, "fused"]}
     for r in range(opts.rounds + 1):  # round 0 warms up the scratch and allocator
         for f, (stepper, tensors) in steps.items():
@@ -60,7 +64,8 @@ def main() -> None:
                 if r:
                     times[key].append(elapsed)
     rate = {key: n / statistics.median(t) / 1e6 for key, t in times.items()}
-    print(f"{n} values, {torch.get_num_threads()} threads, median of {opts.rounds} interleaved rounds")
+    path = "torch's ops" if opts.torch_ops else "the CPU kernel"
+    print(f"{n} values, {torch.get_num_threads()} threads, median of {opts.rounds} interleaved rounds, {path}")
     print(f"torch fused AdamW (fp32): {rate['fused']:8.1f} M params/s")
     print(f"{'moments':>8} {'master':>7} {'M params/s':>11} {'vs fused':>9}")
     for f in FORMATS:
