@@ -10,7 +10,7 @@ from rich.markup import escape
 from tierzero.cli.output import Output
 
 from tierzero.errors import ConfigError
-from tierzero.run.prompts import Framing
+from tierzero.run.prompts import Framing, Prompt, read_prompts
 
 
 def generate(
@@ -101,9 +101,10 @@ def generate(
     from tierzero.run.generate import Sampling
     from tierzero.run.generate import generate as run_generate
     from tierzero.run.inference import open_inference
-    from tierzero.run.prompts import Prompt, read_prompts
 
     sampling = Sampling(max_new_tokens, temperature, top_p, seed)
+    if any(not p for p in prompt or []):  # before the weights are loaded
+        raise ConfigError("a --prompt is empty; give every prompt some text")
     given = [Prompt(p) for p in prompt or []] + (
         read_prompts(prompts) if prompts is not None else []
     )
