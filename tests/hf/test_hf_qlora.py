@@ -324,3 +324,13 @@ def test_export_writes_the_adapter_and_merges_into_the_dequantized_base(
                 assert torch.equal(merged[name], coded), name
         else:  # the embedding, norms and head: as they were
             assert torch.equal(merged[name], weight), name
+
+
+def test_a_resume_with_another_quantize_base_is_refused(base_dir, tmp_path) -> None:
+    train_and_save(base_dir, tmp_path, 1, {1})
+    engine = Engine(lora_model(base_dir), config(tmp_path, quantize_base="none"))
+    with (
+        engine,
+        pytest.raises(CheckpointError, match="resume with --quantize-base nf4$"),
+    ):
+        engine.load_checkpoint(tmp_path / "run")

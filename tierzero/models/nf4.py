@@ -27,6 +27,8 @@ bitwise (tests/hf/test_hf_nf4.py). This module only codes values; it moves no by
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -128,13 +130,23 @@ def decode(stored: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> tor
     nq = int(blocks.sum())
     absmax, codes, raw = _split(stored, nq, out.dtype)
     by_block = out.view(-1, QUANT_BLOCK)
-    blocks = blocks.to(out.device)
     if nq:
-        table = torch.tensor(NF4_VALUES, dtype=torch.float32, device=out.device)
-        nibbles = torch.stack((codes >> 4, codes & 15), dim=-1).reshape(nq, QUANT_BLOCK).long()
-        by_block[blocks] = (table[nibbles] * absmax[:, None]).to(out.dtype)
-    by_block[~blocks] = raw.view(-1, QUANT_BLOCK)
+        # one lookup per byte: its two values, high nibble first (the table is the same values)
+        values = _pair_table(out.device)[codes.int()].view(nq, QUANT_BLOCK) * absmax[:, None]
+        if nq == blocks.numel():  # the common piece: every block coded
+            by_block.copy_(values)
+            return out
+        by_block[blocks.to(out.device)] = values.to(out.dtype)
+    by_block[~blocks.to(out.device)] = raw.view(-1, QUANT_BLOCK)
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _pair_table(device: torch.device) -> torch.Tensor:
+    """The two NF4 values of every byte, (256, 2) fp32 on `device`: built once per device."""
+    table = torch.tensor(NF4_VALUES, dtype=torch.float32)
+    byte = torch.arange(256)
+    return torch.stack((table[byte >> 4], table[byte & 15]), dim=-1).to(device)
 
 
 def _split(packed: torch.Tensor, nq: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
