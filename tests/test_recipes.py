@@ -60,6 +60,21 @@ def llama_13b() -> Any:
     )
 
 
+def llama3_405b() -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_hidden_layers=126,
+        num_attention_heads=128,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    )
+
+
 def olmoe_1b_7b() -> Any:
     from transformers import OlmoeConfig
 
@@ -85,6 +100,7 @@ SHAPES: dict[str, Callable[[], Any] | str | None] = {
     "lora-13b.toml": llama_13b,
     "pretrain-1b.toml": None,
     "lora-moe.toml": olmoe_1b_7b,
+    "llama3-405b-lora.toml": llama3_405b,
 }
 
 
@@ -204,6 +220,7 @@ STAND_INS: dict[str, Callable[[], Any] | str] = {
     "lora-13b.toml": tiny_llama,
     "pretrain-1b.toml": "tiny",
     "lora-moe.toml": tiny_olmoe,
+    "llama3-405b-lora.toml": tiny_llama,
 }
 
 
