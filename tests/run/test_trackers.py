@@ -2,7 +2,9 @@
 reader, against the run's metrics.jsonl.
 
 TensorBoard's event files through its EventAccumulator, the MLflow store through MlflowClient,
-Trackio's database through its Api and SQLiteStorage. W&B 0.31 has no reader for an offline
+Trackio's database through its Api and SQLiteStorage. The samples too: TensorBoard's text
+through its own markdown renderer, MLflow's table artifacts, W&B's table files, Trackio's
+tables, each against the run's samples.jsonl. W&B 0.31 has no reader for an offline
 run's files (`wandb sync --view` and `wandb.sdk.internal.datastore` are gone), so its record
 log is decoded here with W&B's own protobuf `Record` (the log's framing is LevelDB's, which
 W&B's format keeps). Nothing leaves the machine: W&B is offline, MLflow's telemetry is off,
@@ -12,8 +14,10 @@ Hugging Face is offline and Trackio logs locally, to a directory in the session'
 from __future__ import annotations
 
 import contextlib
+import html.parser
 import json
 import os
+import re
 import shutil
 import struct
 import sys
@@ -26,7 +30,7 @@ import pytest
 from tests.support.cli import train
 from tierzero.checkpoint.catalog import checkpoint_dirs
 from tierzero.config import Placement, RunConfig
-from tierzero.run.directory import read_metrics
+from tierzero.run.directory import read_metrics, read_samples
 from tierzero.run.trackers import (
     IDENTITY_NAME,
     Trackers,
@@ -34,7 +38,7 @@ from tierzero.run.trackers import (
     flat_metrics,
     resolve_report_to,
 )
-from tierzero.run.trackers_libraries import mlflow_key
+from tierzero.run.trackers_libraries import mlflow_key, sample_artifact
 
 ALL = "tensorboard,mlflow,wandb,trackio"
 
@@ -110,7 +114,70 @@ def curves_of(rows: list[dict[str, Any]], step: str = "step") -> dict[str, dict[
     return curves
 
 
+def samples_by_step(run_dir: Path) -> dict[int, list[tuple[str, str]]]:
+    """samples.jsonl as each step's (prompt, completion) pairs, in the file's order."""
+    by_step: dict[int, list[tuple[str, str]]] = {}
+    for row in read_samples(run_dir):
+        by_step.setdefault(row["step"], []).append((row["prompt"], row["completion"]))
+    return by_step
+
+
+def table_by_step(rows: list[list[Any]]) -> dict[int, list[tuple[str, str]]]:
+    """Rows of [step, prompt, completion] as samples_by_step's shape."""
+    by_step: dict[int, list[tuple[str, str]]] = {}
+    for step, prompt, completion in rows:
+        by_step.setdefault(step, []).append((prompt, completion))
+    return by_step
+
+
 # -- TensorBoard ----------------------------------------------------------------------------
+
+
+class _Cells(html.parser.HTMLParser):
+    """The text of every <td> of rendered HTML, a <br> as a line break."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.cells: list[str] = []
+        self._inside = False
+
+    def handle_starttag(self, tag: str, attrs: Any) -> None:
+        if tag == "td":
+            self.cells.append("")
+            self._inside = True
+        elif tag == "br" and self._inside:
+            self.cells[-1] += "\n"
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "td":
+            self._inside = False
+
+    def handle_data(self, data: str) -> None:
+        if self._inside:
+            self.cells[-1] += data
+
+
+def shown(text: str) -> str:
+    """Text as a rendered table cell can show it: runs of spaces and tabs as one space, trimmed
+    (markdown expands tabs and a cell drops its edges' spaces)."""
+    return re.sub(r"[ \t]+", " ", text).strip()
+
+
+def tensorboard_samples(run_dir: Path) -> dict[int, list[tuple[str, str]]]:
+    """Each step's samples as TensorBoard's Text tab shows them: the `samples` text rendered by
+    TensorBoard's own markdown, its table cells read back."""
+    from tensorboard import plugin_util
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    by_step = {}
+    for event in events.Tensors("samples/text_summary"):
+        markdown = event.tensor_proto.string_val[0].decode()
+        cells = _Cells()
+        cells.feed(plugin_util.markdown_to_safe_html(markdown))
+        by_step[event.step] = list(zip(cells.cells[0::2], cells.cells[1::2]))
+    return by_step
 
 
 def tensorboard_curves(run_dir: Path) -> tuple[dict[str, dict[int, float]], str]:
@@ -147,6 +214,19 @@ def mlflow_curves(client: Any, run: Any) -> dict[str, dict[int, float]]:
         rows = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.timestamp)
         curves[key] = {m.step: m.value for m in rows}
     return curves
+
+
+def mlflow_samples(client: Any, run: Any, where: Path) -> dict[int, list[tuple[str, str]]]:
+    """Each step's samples table artifact (samples/step_NNNNNN.json), downloaded."""
+    by_step = {}
+    for artifact in client.list_artifacts(run.info.run_id, "samples"):
+        local = client.download_artifacts(run.info.run_id, artifact.path, str(where))
+        table = json.loads(Path(local).read_text())
+        assert table["columns"] == ["step", "prompt", "completion"]
+        [step] = {row[0] for row in table["data"]}
+        assert artifact.path == sample_artifact(step)
+        by_step.update(table_by_step(table["data"]))
+    return by_step
 
 
 # -- W&B ------------------------------------------------------------------------------------
@@ -186,15 +266,31 @@ def wandb_runs(wandb_dir: Path, run_id: str) -> list[dict[str, Any]]:
         records = wandb_records(offline / f"run-{run_id}.wandb")
         run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
         config = {item.key: json.loads(item.value_json) for item in run.config.update}
-        history = []
+        history, tables = [], {}
         for record in records:
             if record.WhichOneof("record_type") == "history":
-                items = {i.key or "/".join(i.nested_key): i.value_json for i in record.history.item}
-                history.append(
-                    {k: json.loads(v) for k, v in items.items() if not k.startswith("_")}
-                )
+                row: dict[str, Any] = {}
+                for item in record.history.item:  # a nested key is a dict's (a table's) field
+                    *outer, last = item.nested_key or [item.key]
+                    into = row
+                    for key in outer:
+                        into = into.setdefault(key, {})
+                    into[last] = json.loads(item.value_json)
+                row = {k: v for k, v in row.items() if not k.startswith("_")}
+                history.append(row)
+                if "samples" in row:  # a wandb.Table: its rows are in a file beside the log
+                    assert row["samples"]["_type"] == "table-file"
+                    table = json.loads((offline / "files" / row["samples"]["path"]).read_text())
+                    assert table["columns"] == ["step", "prompt", "completion"]
+                    tables[row["step"]] = table_by_step(table["data"])[row["step"]]
         found.append(
-            {"id": run.run_id, "name": run.display_name, "config": config, "history": history}
+            {
+                "id": run.run_id,
+                "name": run.display_name,
+                "config": config,
+                "history": history,
+                "samples": tables,
+            }
         )
     return found
 
@@ -213,15 +309,35 @@ def trackio_run(name: str) -> tuple[Any, list[dict[str, Any]]]:
     return runs[0], [{k: v for k, v in row.items() if k != "timestamp"} for row in logs]
 
 
+def trackio_samples(logs: list[dict[str, Any]]) -> dict[int, list[tuple[str, str]]]:
+    """Each step's `samples` table among a Trackio run's logged rows."""
+    import trackio
+
+    by_step = {}
+    for row in logs:
+        if "samples" in row:
+            assert row["samples"]["_type"] == trackio.Table.TYPE
+            table = [[r["step"], r["prompt"], r["completion"]] for r in row["samples"]["_value"]]
+            by_step[row["step"]] = table_by_step(table)[row["step"]]
+    return by_step
+
+
 # -- the runs -------------------------------------------------------------------------------
 
 
 def test_a_run_reports_to_every_tracker(tmp_path: Path, offline: Path) -> None:
+    """Metrics and samples (every 2 steps and at the end) reach every tracker."""
     run_dir = tmp_path / "mem-run"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def main(args):\nclass A | B: # *not* emphasis <b>\n")
     args = ["--steps", "3", "--offload", "none", "--run-dir", str(run_dir), "--json"]
-    result = train(*args, "--report-to", ALL)
+    samples = ["--sample-prompts", str(prompts), "--sample-every", "2"]
+    result = train(*args, *samples, "--sample-max-new-tokens", "12", "--report-to", ALL)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["steps"] == 3  # the trackers' chatter stays off stdout
+    written = samples_by_step(run_dir)
+    assert sorted(written) == [2, 3] and all(len(rows) == 2 for rows in written.values())
+    assert written[2][1][0] == "class A | B: # *not* emphasis <b>"
     loss = expected(run_dir)["loss"]
     assert sorted(loss) == [1, 2, 3] and len(expected(run_dir)) > 4  # lr, tokens/s, evaluations...
 
@@ -245,6 +361,14 @@ def test_a_run_reports_to_every_tracker(tmp_path: Path, offline: Path) -> None:
     tio, logs = trackio_run("mem-run")
     assert tio.config["offload"] == "none" and tio.config["steps"] == 3
     assert_curves(curves_of(logs), run_dir)
+
+    def as_shown(by_step: dict[int, list[tuple[str, str]]]) -> dict[int, list[tuple[str, str]]]:
+        return {step: [(shown(p), shown(c)) for p, c in rows] for step, rows in by_step.items()}
+
+    assert as_shown(tensorboard_samples(run_dir)) == as_shown(written)
+    assert mlflow_samples(client, run, tmp_path / "downloads") == written
+    assert wb["samples"] == written
+    assert trackio_samples(logs) == written
 
 
 def test_a_tiered_run_stopped_and_resumed_continues_each_tracker_run(
@@ -390,6 +514,9 @@ class Recording:
     def log(self, step: int, metrics: dict[str, float], wall_time: float) -> None:
         self.events.append(("log", step, metrics))
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        self.events.append(("samples", step, rows))
+
     def close(self, end: str) -> None:
         self.events.append(("close", end))
 
@@ -421,12 +548,15 @@ def test_trackers_see_each_row_and_close_however_the_run_ends(
             assert where == ["a recording"]
             rundir.log({"resumed_at": 2})  # not a point on a curve
             rundir.log({"step": 1, "loss": 2.0, "ranks": [{"io_wait_s": 0.5}]})
+            rundir.log_samples(1, [{"step": 1, "prompt": "a", "completion": "b"}])
             if body:
                 raise body()
         rundir.log({"step": 2, "loss": 1.0})  # after the run: nobody listens
+        rundir.log_samples(2, [{"step": 2, "prompt": "a", "completion": "c"}])
     assert recording.events == [
         ("open", "run", 0, False, {}),
         ("log", 1, {"loss": 2.0, "ranks/0/io_wait_s": 0.5}),
+        ("samples", 1, [{"step": 1, "prompt": "a", "completion": "b"}]),
         ("close", end),
     ]
     assert json.loads((tmp_path / "run" / IDENTITY_NAME).read_text()) == {

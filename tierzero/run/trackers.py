@@ -5,7 +5,8 @@ is not installed, is refused in one sentence that names the fix. `reporting` ope
 trackers on rank 0 once the run directory and the start step are known, sends each the run's
 name (the run directory's) and its flattened config, then hands every record written to
 metrics.jsonl to all of them as it is written (`RunDir.stream_metrics`: one place, so the
-trackers see exactly the file's rows), and closes them however the run ends.
+trackers see exactly the file's rows), and likewise each step's rows of samples.jsonl
+(`RunDir.stream_samples`), and closes them however the run ends.
 
 What a tracker needs to continue its run after a --resume (an MLflow run id, a W&B id, a
 Trackio run's name) is saved in RUN_DIR/trackers.json, written temp-then-rename.
@@ -45,6 +46,7 @@ class Tracker(Protocol):
     where: str
 
     def log(self, step: int, metrics: dict[str, float], wall_time: float) -> None: ...
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None: ...
     def close(self, end: RunEnd) -> None: ...
 
 
@@ -160,6 +162,11 @@ class Trackers:
         for tracker in self.opened.values():
             tracker.log(step, metrics, record["time"])
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Send one step's samples.jsonl rows to every tracker."""
+        for tracker in self.opened.values():
+            tracker.log_samples(step, rows)
+
     def close(self, end: RunEnd) -> None:
         """Close every tracker. A tracker that fails to close does not keep the others open; its
         error is raised after a finished run, and dropped after a failed or stopped one, whose
@@ -240,6 +247,7 @@ def reporting(run: RunConfig, rundir: RunDir, start_step: int, resume: bool) -> 
         return
     trackers = open_trackers(names, run, rundir.path, start_step, resume)
     rundir.stream_metrics(trackers.log)
+    rundir.stream_samples(trackers.log_samples)
     end: RunEnd = "failed"
     try:
         yield trackers.where
@@ -249,4 +257,5 @@ def reporting(run: RunConfig, rundir: RunDir, start_step: int, resume: bool) -> 
         raise
     finally:
         rundir.stream_metrics(None)
+        rundir.stream_samples(None)
         trackers.close(end)

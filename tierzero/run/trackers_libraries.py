@@ -1,9 +1,11 @@
 """One experiment tracker per library, each over that library's own API and file format.
 
 Every tracker is opened with a `TrackerStart` (the run's name, directory, flattened config and
-where it starts), logs one metrics record per call on the training thread, and closes with how
-the run ended. `identity` is what it needs saved in the run directory to continue the same
-tracker run after a --resume; `where` says, for the user, where its records can be seen.
+where it starts), logs one metrics record per call on the training thread, logs a step's samples
+(`--sample-prompts`: prompt and completion per row) as its library's own table or text, and
+closes with how the run ended. `identity` is what it needs saved in the run directory to
+continue the same tracker run after a --resume; `where` says, for the user, where its records
+can be seen.
 
 Each library is imported when its tracker opens (they cost seconds to import, and only the ones
 a run names need be installed). None of them is handed a hand-written file: TensorBoard's event
@@ -22,6 +24,24 @@ from pathlib import Path
 from typing import Any, Literal
 
 RunEnd = Literal["finished", "failed", "killed"]
+# the columns of a step's samples in every tracker's table
+SAMPLE_COLUMNS = ("step", "prompt", "completion")
+
+
+def sample_table(step: int, rows: list[dict[str, Any]]) -> list[list[Any]]:
+    """A step's samples.jsonl rows as table rows of SAMPLE_COLUMNS."""
+    return [[step, row["prompt"], row["completion"]] for row in rows]
+
+
+# what markdown would read as emphasis, links, code, headings or a cell's end: escaped with a
+# backslash; & and < as entities (a backslash does not escape them), line breaks as <br>
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_{}\[\]()>#+\-.!|])")
+
+
+def markdown_cell(text: str) -> str:
+    """Text that a markdown table shows literally, in one cell (a completion is any text)."""
+    text = text.replace("&", "&amp;").replace("<", "&lt;")
+    return _MARKDOWN_SPECIAL.sub(r"\\\1", text).replace("\r", "").replace("\n", "<br>")
 
 
 @dataclass(frozen=True)
@@ -77,6 +97,15 @@ class TensorBoardTracker:
         for key, value in metrics.items():
             self._writer.add_scalar(key, value, global_step=step, walltime=wall_time)
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """One markdown table per step under the `samples` tag (TensorBoard's Text tab)."""
+        lines = [
+            f"| {markdown_cell(prompt)} | {markdown_cell(completion)} |"
+            for _, prompt, completion in sample_table(step, rows)
+        ]
+        table = "| prompt | completion |\n|---|---|\n" + "\n".join(lines)
+        self._writer.add_text("samples", table, global_step=step)
+
     def close(self, end: RunEnd) -> None:
         self._writer.close()
 
@@ -85,6 +114,11 @@ class TensorBoardTracker:
 _MLFLOW_UNSAFE = re.compile(r"[^\w\-. :/]")
 _MLFLOW_BATCH = 100  # log_batch takes at most 100 params per call
 OWN_MLFLOW_STORE = "RUN_DIR/mlflow.db"  # the store a run keeps when MLFLOW_TRACKING_URI is unset
+
+
+def sample_artifact(step: int) -> str:
+    """Where in the MLflow run's artifacts a step's samples table is."""
+    return f"samples/step_{step:06d}.json"
 
 
 def mlflow_key(key: str) -> str:
@@ -167,6 +201,16 @@ class MlflowTracker:
         rows = [Metric(mlflow_key(k), v, ms, step) for k, v in metrics.items()]
         self._client.log_batch(self._run_id, metrics=rows)
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A table artifact per step, samples/step_000010.json (a resume's redone step replaces
+        its own file, where one growing table would hold the step twice)."""
+        table = sample_table(step, rows)
+        self._client.log_table(
+            self._run_id,
+            data={name: [row[i] for row in table] for i, name in enumerate(SAMPLE_COLUMNS)},
+            artifact_file=sample_artifact(step),
+        )
+
     def close(self, end: RunEnd) -> None:
         self._client.set_terminated(self._run_id, status=end.upper())
 
@@ -215,6 +259,13 @@ class WandbTracker:
     def log(self, step: int, metrics: dict[str, float], wall_time: float) -> None:
         self._run.log({**metrics, "step": step})
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A `wandb.Table` of the step's samples under the `samples` key, at that step."""
+        import wandb
+
+        table = wandb.Table(columns=list(SAMPLE_COLUMNS), data=sample_table(step, rows))
+        self._run.log({"samples": table, "step": step})
+
     def close(self, end: RunEnd) -> None:
         self._run.finish(exit_code={"finished": 0, "failed": 1, "killed": 255}[end])
 
@@ -257,6 +308,13 @@ class TrackioTracker:
 
     def log(self, step: int, metrics: dict[str, float], wall_time: float) -> None:
         self._run.log(metrics, step=step)
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A `trackio.Table` of the step's samples under the `samples` key, at that step."""
+        import trackio
+
+        table = trackio.Table(columns=list(SAMPLE_COLUMNS), data=sample_table(step, rows))
+        self._run.log({"samples": table}, step=step)
 
     def close(self, end: RunEnd) -> None:
         import trackio
