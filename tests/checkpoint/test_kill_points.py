@@ -3,7 +3,8 @@ recycles retired chunks into spares -- not only before the rename -- each resume
 checkpoint bitwise equal to an uninterrupted run's (every array, counters, data position, RNG);
 and one kill in each other path the engine trains on (`kill_sweep.PATHS`: the vertical schedule
 spilling activations, the clip re-step holding kept generations, bf16, fp16 with a skipped step,
-host and auto placements, two ranks), each resumed bitwise or refused in one sentence.
+compact optimizer state with bf16 grads on NVMe and in host memory, host and auto placements,
+two ranks), each resumed bitwise or refused in one sentence.
 
 The lives run in one driver process (tests/support/scripts/kill_sweep.py: forked children on a tiny
 model, a few seconds each). The soak, `TIERZERO_KILL_SWEEP=all` (or a comma-separated list of
@@ -16,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -40,15 +42,36 @@ PATH_POINTS = [
     ({"path": "host", "phase": "save", "nth": 2, "k": 60}, "/checkpoints/"),  # memory-homed shards written
     ({"path": "auto", "phase": "save", "nth": 2, "k": 60}, "/checkpoints/"),
     ({"path": "two-ranks", "rank": 1, "phase": "save", "nth": 2, "k": 20}, "/rank1/"),  # rank 1's own store
+    # an int8 moment's chunk (absmax blocks, then codes) linked into the checkpoint; a step
+    # writing compact pieces through spares; a bf16 moment's chunk written from host memory
+    ({"path": "compact", "phase": "save", "nth": 2, "k": 100}, "/nvme/exp_avg/u0001/"),
+    ({"path": "compact", "phase": "step", "nth": 2, "k": 50}, None),
+    ({"path": "compact-host", "phase": "save", "nth": 2, "k": 34}, "/state/exp_avg/u0000/"),
 ]
 
 
-def run_driver(work: Path, points: list[dict], timeout_s: float) -> list[dict]:
+def run_driver(work: Path, points: list[dict], timeout_s: float, echo: bool = False) -> list[dict]:
+    """The driver's result for each point; with `echo`, each result line is printed as it comes
+    (a soak's log then shows how far it got, not only its end)."""
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else work  # no disk syncs to wait for
-    done = subprocess.run([sys.executable, str(DRIVER), str(base / f"kills-{os.getpid()}-{work.name}"),
-                           json.dumps(points)], capture_output=True, text=True, timeout=timeout_s)
-    assert done.returncode == 0, done.stderr
-    return [json.loads(line) for line in done.stdout.splitlines()]
+    errors = work / f"driver-stderr-{len(list(work.glob('driver-stderr-*')))}"
+    with open(errors, "w+") as stderr:
+        driver = subprocess.Popen([sys.executable, str(DRIVER), str(base / f"kills-{os.getpid()}-{work.name}"),
+                                   json.dumps(points)], stdout=subprocess.PIPE, stderr=stderr, text=True)
+        timer = threading.Timer(timeout_s, driver.kill)
+        timer.start()
+        try:
+            lines = []
+            for line in driver.stdout:
+                lines.append(line)
+                if echo:
+                    print(line, end="", flush=True)
+            returncode = driver.wait()
+        finally:
+            timer.cancel()
+        stderr.seek(0)
+        assert returncode == 0, f"the driver ended {returncode}: {stderr.read()}"
+    return [json.loads(line) for line in lines]
 
 
 def test_kills_after_commit_prune_and_during_recycle_resume_bitwise(tmp_path: Path) -> None:
@@ -91,7 +114,7 @@ SOAK = os.environ.get("TIERZERO_KILL_SWEEP", "")
 def test_a_kill_at_every_file_system_call_of_a_step_a_save_and_a_resume(tmp_path: Path, name: str) -> None:
     if SOAK != "all" and name not in SOAK.split(","):
         pytest.skip(f"{name} is not in TIERZERO_KILL_SWEEP")
-    results = run_driver(tmp_path, soak_points(tmp_path, name), timeout_s=48 * 3600)
+    results = run_driver(tmp_path, soak_points(tmp_path, name), timeout_s=48 * 3600, echo=True)
     bad = [r for r in results if not r["ok"]]
     refused = sum("refused" in r for r in results)
     by_phase = {}

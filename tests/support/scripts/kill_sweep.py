@@ -16,7 +16,8 @@ must be refused in one sentence (a `TierzeroError`).
 A point names the *path* it trains (`PATHS`): everything on NVMe (the default); the vertical
 schedule with most waiting activations spilled to NVMe; the exact clip re-step of an overlapped
 step with the kept generations held on the drive; bf16 and fp16 compute (fp16 with a loss scale
-that grows until steps overflow and are skipped); host and auto placements; two ranks (gloo, forked: a kill there
+that grows until steps overflow and are skipped); compact optimizer state with bf16 grads (int8
+moments and a bf16 master on NVMe; bf16 moments and an fp32 master in host memory); host and auto placements; two ranks (gloo, forked: a kill there
 SIGKILLs both, as a launcher tears down a job whose rank died).
 
     python kill_sweep.py WORKDIR '[{"path": "vertical", "phase": "save", "nth": 2, "k": 5}, ...]'
@@ -88,6 +89,13 @@ PATHS = {
     # what the planner picks for these budgets: everything on the compute device
     "auto": TrainPath({"placement": None, "offload": "auto"}),
     "two-ranks": TrainPath({"placement": Placement(Tier.NVME, Tier.HOST, Tier.NVME, Tier.NVME, Tier.HOST)}, ranks=2),
+    # int8 moments (one uint8 piece: absmax blocks, then codes) and a bf16 master that is the
+    # param itself, bf16 grads (one micro-batch per step), all on NVMe, stepped by the CPU kernel
+    "compact": TrainPath({"dtype": "bf16", "optimizer_state": "int8", "master": "bf16"}),
+    # bf16 moments and an fp32 master beside the bf16 param, homed in host memory with the bf16
+    # grads: the save writes memory-homed compact shards, the resume fills them from the checkpoint
+    "compact-host": TrainPath({"dtype": "bf16", "optimizer_state": "bf16", "master": "fp32",
+                               "placement": HOST}),
 }
 FS_CALLS = ("link", "rename", "replace", "unlink", "mkdir", "rmdir", "open", "fsync", "ftruncate", "pwrite")
 _os_open = os.open  # the switch's own record of where it killed is no kill point
