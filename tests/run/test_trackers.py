@@ -461,6 +461,29 @@ def test_metrics_are_every_number_in_a_record_flattened_with_slashes() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a | b || c",
+        "*not* _emphasis_ **nor** `code` ~~struck~~",
+        "# not a heading\n- nor a list\n1. nor this",
+        "[a link](http://x) ![an image](y) <b>raw</b> &amp; a\\|b \\\\",
+        "{braces} (parens) + - . ! > quote",
+    ],
+)
+def test_a_sample_cell_shows_its_text_literally_in_tensorboard(text: str) -> None:
+    """A completion is any text: rendered by TensorBoard's own markdown, its cell reads back as
+    the text, line breaks included."""
+    from tensorboard import plugin_util
+
+    from tierzero.run.trackers_libraries import markdown_cell
+
+    cells = _Cells()
+    table = f"| prompt | completion |\n|---|---|\n| p | {markdown_cell(text)} |"
+    cells.feed(plugin_util.markdown_to_safe_html(table))
+    assert cells.cells == ["p", text]
+
+
 def test_the_config_is_flat_with_engine_keys_beside_run_keys() -> None:
     run = RunConfig(steps=5, report_to=["tensorboard"])
     run.engine.placement = Placement()
