@@ -334,3 +334,15 @@ def test_a_resume_with_another_quantize_base_is_refused(base_dir, tmp_path) -> N
         pytest.raises(CheckpointError, match="resume with --quantize-base nf4$"),
     ):
         engine.load_checkpoint(tmp_path / "run")
+
+
+def test_a_piece_longer_than_one_decode_chunk_is_bitsandbytes_own() -> None:
+    """Decoding runs `DECODE_BLOCKS` blocks at a time: a stretch of two chunks and a bit."""
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    torch.manual_seed(0)
+    values = torch.randn((nf4.DECODE_BLOCKS + 5) * nf4.QUANT_BLOCK)
+    blocks = torch.ones(values.numel() // nf4.QUANT_BLOCK, dtype=torch.bool)
+    out = nf4.decode(nf4.encode(values, blocks), blocks, torch.empty_like(values))
+    expected = dequantize_4bit(*quantize_4bit(values, blocksize=64, quant_type="nf4"))
+    assert torch.equal(out, expected.reshape(-1))

@@ -36,6 +36,7 @@ from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit
 
 QUANT_BLOCK = 64  # values per absmax: bitsandbytes' blocksize for NF4
+DECODE_BLOCKS = 65536  # blocks decoded at once: 4Mi values, 40 MiB of temporaries
 # bitsandbytes' NF4 code values (`get_4bit_type("nf4")`): quantiles of N(0, 1), as fp32
 NF4_VALUES = (
     -1.0,
@@ -130,12 +131,15 @@ def decode(stored: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> tor
     nq = int(blocks.sum())
     absmax, codes, raw = _split(stored, nq, out.dtype)
     by_block = out.view(-1, QUANT_BLOCK)
+    pairs = _pair_table(out.device)  # one lookup per byte: its two values, high nibble first
+    if nq and nq == blocks.numel():  # the common piece: every block coded, decoded in chunks
+        for lo in range(0, nq, DECODE_BLOCKS):  # so its temporaries stay small
+            hi = min(lo + DECODE_BLOCKS, nq)
+            packed = codes[lo * QUANT_BLOCK // 2 : hi * QUANT_BLOCK // 2]
+            by_block[lo:hi].copy_(pairs[packed.int()].view(-1, QUANT_BLOCK) * absmax[lo:hi, None])
+        return out
     if nq:
-        # one lookup per byte: its two values, high nibble first (the table is the same values)
-        values = _pair_table(out.device)[codes.int()].view(nq, QUANT_BLOCK) * absmax[:, None]
-        if nq == blocks.numel():  # the common piece: every block coded
-            by_block.copy_(values)
-            return out
+        values = pairs[codes.int()].view(nq, QUANT_BLOCK) * absmax[:, None]
         by_block[blocks.to(out.device)] = values.to(out.dtype)
     by_block[~blocks.to(out.device)] = raw.view(-1, QUANT_BLOCK)
     return out

@@ -101,9 +101,12 @@ class CodedShard:
 
     def decode(self, stored: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Fill `out` (`param_numel` values on the compute device) from the stored shard; `stored`
-        may be `out`'s own tail (a fetch lands there): each piece is copied aside first."""
+        may be `out`'s own tail (a fetch lands there): a piece whose values land over its own
+        stored bytes is copied aside first (at most one piece's stored bytes at a time)."""
         for p in self.pieces:
-            piece = stored[p.at : p.end].clone()
+            piece = stored[p.at : p.end]
+            if _overlaps(piece, out[p.lo : p.hi]):
+                piece = piece.clone()
             if p.blocks is None:
                 out[p.lo : p.hi] = piece
             else:
@@ -116,6 +119,12 @@ class CodedShard:
         first = next(p for p in self.pieces if p.lo == lo)
         last = next(p for p in self.pieces if p.hi == hi)
         return first.at, last.end
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share any byte."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def coded_base(
