@@ -3,21 +3,22 @@
 `step_piece` hands a piece's chunks of `chunk_numel` values (`cpu_step.CHUNK`: whole
 quantisation blocks) to every core: a chunk's master, moments and grad are decoded into fp32
 arrays of its own (L2-sized), the values its spans cover are stepped with AdamW, and the chunk
-is encoded back in place. It is the arithmetic of `tierzero.compact.step`'s torch ops, written
-so every fp32 result is rounded once where torch's op rounds it (no fused multiply-add: numba
-contracts only with fastmath, which is off; `error_model="numpy"`: IEEE division, no zero
-check), with torch's own sqrt (`bind_sqrt`), so the two paths agree bitwise;
-`tests/test_compact_kernel.py` holds them to it. It also keeps the torch path's sub-blocks: a
-chunk whose sub-block no span reaches is not touched, any other is re-encoded whole (values no
-span covers keep their bf16 bits or their nearest code), exactly as the torch path re-encodes
-sub-blocks.
+is encoded back in place (an fp32 state is stepped where it is stored: no copy in or out). It is
+the arithmetic of `tierzero.compact.step`'s torch ops, written so every fp32 result is rounded
+once where torch's op rounds it (no fused multiply-add: numba contracts only with fastmath,
+which is off; `error_model="numpy"`: IEEE division, no zero check), with torch's own sqrt
+(`bind_sqrt`), so the two paths agree bitwise; `tests/test_compact_kernel.py` holds them to it.
+It also keeps the torch path's sub-blocks: a chunk whose sub-block no span reaches is not
+touched, any other is re-encoded whole (values no span covers keep their bf16 bits or their
+nearest code), exactly as the torch path re-encodes sub-blocks.
 
 One signature serves every format (each state's stored arrays are passed, an empty array for the
 forms it does not use, and `fmt` says which), so numba compiles it once per machine and
 `cache=True` keeps it. The table lookups of int8 codes run in loops of their own and the
 arithmetic in loops LLVM vectorises: on AMD Zen 4 vector gathers measured slower than scalar
 loads. numba widens uint32 arithmetic to 64 bits and turns arithmetic with an untyped constant
-into float64, so every constant is typed and the hash truncates each result.
+into float64, so every constant is typed, and the hash is written in LLVM's 32-bit
+instructions (`_mix`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import numba
 import numpy as np
 import torch
 from numba import carray, cfunc, njit, prange, types
+from numba.extending import intrinsic
 
 FP32, BF16, INT8 = 0, 1, 2  # `fmt` of a state
 BLOCK = 256  # STATE_BLOCK: checked against the config by the caller
@@ -82,33 +84,41 @@ def _ieee_sqrt(n, src, dst, mode):
         out[j] = np.sqrt(a[j])
 
 
+@intrinsic
+def _mix(typingctx, h):
+    """`step._mix_int`'s rounds on a uint32, in 32-bit LLVM instructions (numba's widening to
+    64 bits leaves LLVM 8 lanes of 64-bit multiplies, a third slower), and its low 16 bits."""
+
+    def codegen(context, builder, signature, args):
+        (h,) = args
+        for mult in (MIX1, MIX2):
+            h = builder.xor(h, builder.lshr(h, h.type(int(SHIFT))))
+            h = builder.mul(h, h.type(int(mult)))
+        h = builder.xor(h, builder.lshr(h, h.type(int(SHIFT))))
+        return builder.and_(h, h.type(int(LOW16)))
+
+    return types.uint32(types.uint32), codegen
+
+
 @njit(cache=True, error_model="numpy")
 def _fill_bits(out, first, key):
     """16 random bits per position first, first + 1, ... of the unit's flat buffer
-    (`step.random_bits`). numba widens uint32 arithmetic to 64 bits: truncating each result
-    back lets LLVM keep 16 lanes of 32 bits."""
+    (`step.random_bits`), 16 lanes of 32 bits at a time (`_mix`)."""
     base = np.uint32(np.uint64(first) & MASK32)
+    key = np.uint32(key)
     for j in range(out.shape[0]):
-        h = np.uint32(np.uint32(base + np.uint32(j)) ^ key)
-        h = np.uint32(h ^ (h >> SHIFT))
-        h = np.uint32(h * MIX1)
-        h = np.uint32(h ^ (h >> SHIFT))
-        h = np.uint32(h * MIX2)
-        h = np.uint32(h ^ (h >> SHIFT))
-        out[j] = h & LOW16
+        out[j] = _mix(np.uint32(np.uint32(base + np.uint32(j)) ^ key))
 
 
 @njit(cache=True, error_model="numpy")
-def _decode(out, fmt, f32, b16, codes, absmax, table):
-    """A run of whole blocks (the last may be shorter) of one stored state, as fp32 into `out`."""
-    if fmt == FP32:
-        for j in range(out.shape[0]):
-            out[j] = f32[j]
-    elif fmt == BF16:
+def _decode(out, fmt, b16, codes, absmax, table):
+    """A run of whole blocks (the last may be shorter) of one stored state, as fp32 into `out`
+    (an fp32 state's `out` is the stored run itself: `_working`)."""
+    if fmt == BF16:
         raw = out.view(np.uint32)
         for j in range(out.shape[0]):
             raw[j] = np.uint32(b16[j]) << np.uint32(16)
-    else:
+    elif fmt == INT8:
         for k in range(absmax.shape[0]):
             scale = absmax[k]
             block = out[k * BLOCK : (k + 1) * BLOCK]
@@ -118,18 +128,16 @@ def _decode(out, fmt, f32, b16, codes, absmax, table):
 
 
 @njit(cache=True, error_model="numpy")
-def _encode(values, bits, fmt, f32, b16, codes, absmax, buckets, pairs):
+def _encode(values, bits, fmt, b16, codes, absmax, buckets, pairs):
     """fp32 `values` (a run of whole blocks) back into one state's stored form, rounded by
-    `bits` (`step.round_stochastic`, `codes.quantise`); `values` is overwritten."""
+    `bits` (`step.round_stochastic`, `codes.quantise`); `values` is overwritten. An fp32 state
+    was stepped where it is stored (`_working`)."""
     raw = values.view(np.uint32)
-    if fmt == FP32:
-        for j in range(values.shape[0]):
-            f32[j] = values[j]
-    elif fmt == BF16:
+    if fmt == BF16:
         for j in range(values.shape[0]):  # add the bits below the kept ones and truncate
             r = np.uint32((np.uint64(raw[j]) + np.uint64(bits[j])) & HIGH16)
             b16[j] = NAN_BF16 if (r & ABS) > INF_BITS else np.uint16(r >> SHIFT)
-    else:
+    elif fmt == INT8:
         found = np.empty(BLOCK, np.uint64)
         lower = np.empty(BLOCK, np.uint32)
         for k in range(absmax.shape[0]):
@@ -204,6 +212,13 @@ def _floats(n):
 
 
 @njit(cache=True)
+def _working(fmt, f32, n):
+    """The fp32 values of a chunk of one state to step: an fp32 state's stored run itself (no
+    copy in or out), any other's a chunk array it is decoded into."""
+    return f32 if fmt == FP32 else _floats(n)
+
+
+@njit(cache=True)
 def _words(n):
     return np.empty(n, np.uint32)
 
@@ -228,14 +243,16 @@ def step_piece(n, p32, p16, m32, m16, mq, ma, v32, v16, vq, va, g32, g16, fmt, c
             continue
         # master, moments, grad, a root; bits for the three stored states (1-D arrays, not
         # rows of one: numba types a row's slice as strided, which does not vectorise)
-        p, m, v = _floats(b - a), _floats(b - a), _floats(b - a)
-        g, root = _floats(b - a), _floats(b - a)
+        p = _working(fmt[0], p32[a:b], b - a)
+        m = _working(fmt[1], m32[a:b], b - a)
+        v = _working(fmt[2], v32[a:b], b - a)
+        g, root = _working(fmt[3], g32[a:b], b - a), _floats(b - a)
         bp, bm, bv = _words(b - a), _words(b - a), _words(b - a)
         blocks = slice(a // BLOCK, (b + BLOCK - 1) // BLOCK)
-        _decode(p, fmt[0], p32[a:b], p16[a:b], mq, ma, table[0])
-        _decode(m, fmt[1], m32[a:b], m16[a:b], mq[a:b], ma[blocks], table[1])
-        _decode(v, fmt[2], v32[a:b], v16[a:b], vq[a:b], va[blocks], table[0])
-        _decode(g, fmt[3], g32[a:b], g16[a:b], mq, ma, table[0])
+        _decode(p, fmt[0], p16[a:b], mq, ma, table[0])
+        _decode(m, fmt[1], m16[a:b], mq[a:b], ma[blocks], table[1])
+        _decode(v, fmt[2], v16[a:b], vq[a:b], va[blocks], table[0])
+        _decode(g, fmt[3], g16[a:b], mq, ma, table[0])
         bp[:] = np.uint32(0)  # outside the spans: a bf16 stays, an int8 code is the nearest
         bm[:] = HALF_GAP if fmt[1] == INT8 else np.uint32(0)
         bv[:] = HALF_GAP if fmt[2] == INT8 else np.uint32(0)
@@ -252,6 +269,6 @@ def step_piece(n, p32, p16, m32, m16, mq, ma, v32, v16, vq, va, g32, g16, fmt, c
             if fmt[2] != FP32:
                 _fill_bits(bv[lo:hi], first, keys[i, 2])
             i += 1
-        _encode(p, bp, fmt[0], p32[a:b], p16[a:b], mq, ma, buckets[0], pairs[0])
-        _encode(m, bm, fmt[1], m32[a:b], m16[a:b], mq[a:b], ma[blocks], buckets[1], pairs[1])
-        _encode(v, bv, fmt[2], v32[a:b], v16[a:b], vq[a:b], va[blocks], buckets[0], pairs[0])
+        _encode(p, bp, fmt[0], p16[a:b], mq, ma, buckets[0], pairs[0])
+        _encode(m, bm, fmt[1], m16[a:b], mq[a:b], ma[blocks], buckets[1], pairs[1])
+        _encode(v, bv, fmt[2], v16[a:b], vq[a:b], va[blocks], buckets[0], pairs[0])
