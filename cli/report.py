@@ -11,6 +11,7 @@ from rich.table import Table
 
 from tierzero.cli.output import Output
 from tierzero.run.charts import load_run, plot, summarize
+from tierzero.run.overlap import overlap
 
 
 def report(
@@ -18,9 +19,10 @@ def report(
     out: Optional[Path] = typer.Option(None, "--out", help="PNG to write. Default: RUN_DIR/report.png."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
 ) -> None:
-    """Summarize a run and plot its loss, throughput and tier traffic."""
+    """Summarize a run and plot its loss, throughput, tier traffic and how its links overlap."""
     records = load_run(run_dir)
     summary = summarize(records)
+    summary["overlap"] = overlap(records)
     png = plot(records, out or run_dir / "report.png")
     summary["png"] = str(png)
     output = Output(json_out)
@@ -36,4 +38,28 @@ def report(
     for tier, nbytes in summary["peak_bytes"].items():
         table.add_row(f"peak {tier}", f"{nbytes / 1e6:,.1f} MB")
     output.print(table)
+    output.print(_overlap_table(summary["overlap"]))
     output.print(f"plot: {escape(str(png))}", highlight=False)
+
+
+def _overlap_table(figures: dict) -> Table | str:
+    """Each link's busy time against the step's: is the step near its slowest link's time?"""
+    if not figures["measured"]:
+        return f"overlap: {figures['note']}"
+    table = Table(title=f"overlap (median over {figures['steps']} steps)")
+    for column in ("link", "busy s", "share of step", "GB/s while busy"):
+        table.add_column(column, justify="left" if column == "link" else "right")
+    step_s = figures["step_s"]
+    for link, f in figures["links"].items():
+        rate = "-" if f["bytes_per_s"] is None else f"{f['bytes_per_s'] / 1e9:,.3f}"
+        table.add_row(link, f"{f['busy_s']:.4f}", f"{f['busy_s'] / step_s:.1%}", rate)
+    table.add_section()
+    table.add_row("step", f"{step_s:.4f}", "", "")
+    table.add_row(f"bound ({figures['bound_link']})", f"{figures['bound_s']:.4f}", "", "")
+    table.caption = ("step / bound 1.0: the links overlap fully; serial / bound: they run in turn "
+                     "(forward and backward compute is no link: not in the bound)")
+    for key in ("step_over_bound", "serial_over_bound"):
+        value = figures[key]
+        label = key.replace("_over_", " / ")
+        table.add_row(label, "-" if value is None else f"{value:.2f}", "", "")
+    return table

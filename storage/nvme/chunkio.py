@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import errno
 import os
+import time
+from collections.abc import Callable
 
 import crc32c
 import torch
@@ -19,22 +21,29 @@ from tierzero.storage.nvme.spares import SpareFiles
 from tierzero.storage.nvme.zarrmeta import ShardMeta
 
 
+OnBusy = Callable[[str, float, float], None]  # ("read" | "write", start, end) in perf_counter s
+
+
 def byte_view(t: torch.Tensor) -> memoryview:
     """The tensor's bytes as a writable memoryview over the same storage (no copy)."""
     return memoryview(t.detach().view(-1).view(torch.uint8).numpy())
 
 
 def write_chunk(jobs: ChunkJobs, spares: SpareFiles, key: str, index: int, data: memoryview, chunk_bytes: int,
-                direct: bool, final: str, root: str) -> int | None:
+                direct: bool, final: str, root: str, on_busy: OnBusy | None = None) -> int | None:
     """Write chunk `index` of `key` into a spare file and rename it to `final`; its crc32c
-    (None when the call was aborted first). A failed spare is discarded, never reused."""
+    (None when the call was aborted first). A failed spare is discarded, never reused. The
+    write and rename's interval goes to `on_busy` (the crc, computed first, is not disk time)."""
     if jobs.aborted:
         return None
     crc = crc32c.crc32c(data)
     spare = spares.take()
+    start = time.perf_counter()
     try:
         chunkfile.write_chunk(spare, data, chunk_bytes, direct)
         os.rename(spare, final)
+        if on_busy is not None:
+            on_busy("write", start, time.perf_counter())
     except OSError as e:
         spares.discard(spare)
         raise write_error(root, key, f"chunk {index}", e) from e
@@ -56,15 +65,18 @@ def write_error(root: str, key: str, what: str, e: OSError) -> StorageError:
 
 
 def read_chunk(jobs: ChunkJobs, key: str, gen_dir: str, index: int, meta: ShardMeta,
-               out: memoryview, direct: bool, verify: bool) -> None:
+               out: memoryview, direct: bool, verify: bool, on_busy: OnBusy | None = None) -> None:
     """Read chunk `index` of the generation `gen_dir` into `out`; a missing, short or (with
-    `verify`) corrupt chunk is named with the fix."""
+    `verify`) corrupt chunk is named with the fix. The read's interval goes to `on_busy`."""
     if jobs.aborted:
         return
     path = os.path.join(gen_dir, "c", str(index))
     where = f"chunk {index} of shard {key!r} (array {gen_dir})"
+    start = time.perf_counter()
     try:
         chunkfile.read_chunk(path, out, meta.chunk_bytes, direct)
+        if on_busy is not None:
+            on_busy("read", start, time.perf_counter())
     except FileNotFoundError as e:
         raise StorageCorruptError(f"{where} is missing: restore the shard from a "
                                   f"checkpoint") from e

@@ -30,12 +30,11 @@ commit point, so a reader sees the whole old version or the whole new one.
 Checkpoints rely on that: they flush, then hard-link the current generations (`freeze`).
 
 Reads and writes return only when no I/O thread can touch the caller's buffer any more, even
-when chunks failed or the call was cancelled (`chunkjobs`); each chunk's job and its errors
-are `chunkio`'s; pointer and generation files are
-`generations`', the directory lock `dirlock`'s. Direct I/O that is not possible (a filesystem
-without O_DIRECT, tmpfs, an unaligned buffer) falls back to buffered I/O and says so once in
-`notes`. Metadata is cached in memory after the first read of each key. `verify_reads`: every
-read checks each chunk's crc32c, so a flipped bit stops the caller with the chunk named.
+when chunks failed or the call was cancelled (`chunkjobs`); each chunk's job, its errors and
+its timing (`on_busy`) are `chunkio`'s; pointer and generation files are `generations`', the
+directory lock `dirlock`'s. Direct I/O that is not possible (no O_DIRECT, tmpfs, an unaligned
+buffer) falls back to buffered I/O, said once in `notes`. Metadata is cached after each key's
+first read. `verify_reads`: every read checks each chunk's crc32c (a flipped bit names it).
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ from tierzero.storage.base import Capabilities, ShardNotFoundError, StorageCorru
 from tierzero.storage.durable import write_atomic, write_file
 from tierzero.storage.nvme.arrays import link_array
 from tierzero.storage.nvme import chunkfile
-from tierzero.storage.nvme.chunkio import byte_view, read_chunk, write_chunk, write_error
+from tierzero.storage.nvme.chunkio import OnBusy, byte_view, read_chunk, write_chunk, write_error
 from tierzero.storage.nvme.chunkjobs import ChunkJobs, shielded
 from tierzero.storage.nvme.dirlock import check_directory, is_store_root, lock_directory
 from tierzero.storage.nvme.generations import GEN_NAME, Current, gen_name, pointer_json, read_pointer, remove_orphans
@@ -65,6 +64,7 @@ class NvmeStore(TierStore):
     """Shards as raw-chunk zarr arrays on `paths`, striped by key; see the module docstring."""
 
     tier = "nvme"
+    on_busy: OnBusy | None = None  # each chunk's read or write interval, to whoever times links
 
     def __init__(self, paths: Sequence[str | os.PathLike[str]], chunk_bytes: int = 8 << 20, direct: bool | None = None,
                  verify_reads: bool | None = False, layout: Callable[[str, torch.Tensor], dict | None] | None = None) -> None:
@@ -243,7 +243,7 @@ class NvmeStore(TierStore):
             try:
                 crcs = await jobs.run([loop.run_in_executor(
                     None, write_chunk, jobs, spares, key, i, data[i * cb:(i + 1) * cb],
-                    cb, direct, os.path.join(gen_dir, "c", str(i)), self._root(key))
+                    cb, direct, os.path.join(gen_dir, "c", str(i)), self._root(key), self.on_busy)
                     for i in range(nchunks(len(data), cb))])
                 meta = ShardMeta(src.dtype, src.numel(), cb, crcs, self.layout(key, src) if self.layout else None)
                 # the commit runs to the end even if this call is cancelled meanwhile
@@ -287,7 +287,7 @@ class NvmeStore(TierStore):
             gen_dir = self._gen_dir(key, current.gen)
             jobs = ChunkJobs()
             await jobs.run([loop.run_in_executor(None, read_chunk, jobs, key, gen_dir, i, meta,
-                                                 data[i * cb:(i + 1) * cb], direct, verify)
+                                                 data[i * cb:(i + 1) * cb], direct, verify, self.on_busy)
                             for i in range(meta.nchunks)])
 
     def hold(self, on: bool) -> None:

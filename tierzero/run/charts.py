@@ -13,6 +13,7 @@ from typing import Any
 
 from tierzero.errors import RunDirError
 from tierzero.run.directory import read_metrics
+from tierzero.run.overlap import BUSY, busy_links, overlap
 from tierzero.storage.filekind import kind_of
 
 
@@ -53,7 +54,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot(records: list[dict[str, Any]], out: str | Path) -> Path:
-    """Write the run's report PNG: loss (train, eval), tokens/s, and bytes per step per link."""
+    """Write the run's report PNG: loss (train, eval), tokens/s, bytes per step per link, and
+    each link's busy time per step beside the step's time."""
     out = Path(out)
     if not os.access(out.parent, os.W_OK | os.X_OK):  # refused before any drawing
         raise RunDirError(f"cannot write the report {out}: {out.parent} is read-only; pass --out a "
@@ -65,7 +67,7 @@ def plot(records: list[dict[str, Any]], out: str | Path) -> Path:
 
     steps = [r for r in records if "loss" in r]
     xs = [r["step"] for r in steps]
-    fig, (ax_loss, ax_rate, ax_io) = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, (ax_loss, ax_rate, ax_io, ax_busy) = plt.subplots(1, 4, figsize=(20, 4.2))
     ax_loss.plot(xs, [r["loss"] for r in steps], label="train", lw=1)
     vals = eval_losses(records)
     if vals:
@@ -88,6 +90,7 @@ def plot(records: list[dict[str, Any]], out: str | Path) -> Path:
         ax_io.legend(fontsize="small")
     else:
         ax_io.text(0.5, 0.5, "in-memory run: no tier traffic", ha="center", transform=ax_io.transAxes)
+    _plot_busy(ax_busy, steps)
     fig.tight_layout()
     try:
         fig.savefig(out, dpi=110)
@@ -96,6 +99,25 @@ def plot(records: list[dict[str, Any]], out: str | Path) -> Path:
     finally:
         plt.close(fig)
     return out
+
+
+def _plot_busy(ax: Any, steps: list[dict[str, Any]]) -> None:
+    """Side-by-side bars of each link's busy time per step, the step's time as a line above."""
+    timed = [r for r in steps if any(k.startswith(BUSY) for k in r)]
+    ax.set(title="link busy time per step", xlabel="step", ylabel="s")
+    if not timed:
+        note = overlap(steps)["note"].replace(" (", "\n(").replace(": ", ":\n")
+        ax.text(0.5, 0.5, note, ha="center", transform=ax.transAxes, fontsize="small")
+        return
+    xs = [r["step"] for r in timed]
+    links = busy_links(timed)
+    width = 0.8 / len(links)
+    for i, link in enumerate(links):
+        offset = (i - (len(links) - 1) / 2) * width
+        busy = [r.get(BUSY + link, 0.0) for r in timed]
+        ax.bar([x + offset for x in xs], busy, width, label=link)
+    ax.plot(xs, [r.get("step_s", math.nan) for r in timed], "k.-", lw=1, label="step")
+    ax.legend(fontsize="small")
 
 
 def _perplexity(loss: float) -> float:

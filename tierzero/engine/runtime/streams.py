@@ -30,6 +30,8 @@ from typing import Any
 import torch
 
 from tierzero.config import bound_device
+from tierzero.engine.runtime.busy import BusyLog
+from tierzero.planning.placement import Link
 
 Event = Any  # torch.cuda.Event, None on the CPU (already happened), or a fake's record
 Stream = Any  # torch.cuda.Stream, or a name
@@ -44,6 +46,7 @@ class Streams(abc.ABC):
     h2d: Stream
     d2h: Stream
     comm: Stream
+    busy: BusyLog | None = None  # given one, each host<->device copy's interval goes to its link
 
     @abc.abstractmethod
     def record(self, stream: Stream) -> Event:
@@ -52,6 +55,11 @@ class Streams(abc.ABC):
     @abc.abstractmethod
     def wait(self, stream: Stream, event: Event) -> None:
         """Make `stream`'s later work wait for `event`, on the device (the host does not block)."""
+
+    def timed(self, link: str, stream: Stream) -> contextlib.AbstractContextManager:
+        """Time the work issued to `stream` inside the block as one operation on `link` (on
+        the CPU the work runs while the block does)."""
+        return self.busy.timed(link) if self.busy is not None else contextlib.nullcontext()
 
     @abc.abstractmethod
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream, after: Event = None) -> Event:
@@ -127,7 +135,11 @@ class CpuStreams(Streams):
         pass
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream, after: Event = None) -> Event:
-        dst.copy_(src)
+        if self.busy is None or stream == self.compute:
+            dst.copy_(src)
+            return None
+        with self.busy.timed((Link.GPU_TO_HOST if stream == self.d2h else Link.HOST_TO_GPU).value):
+            dst.copy_(src)  # synchronous: the copy runs while the block does
         return None
 
     def empty_like(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
@@ -200,14 +212,32 @@ class CudaStreams(Streams):
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             if after is not None:
                 stream.wait_event(after)
+            link = _link(src, dst) if self.busy is not None else None
+            if link is not None:  # timed on the stream: the copy runs between the two events
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(stream)
             # asynchronous only between device memory and pinned host memory (the pools' blocks)
             dst.copy_(src, non_blocking=True)
             # blocking: a thread that waits for a copy sleeps instead of spinning on a core the
             # CPU optimizer needs (copy events are the ones host code waits for)
-            event = torch.cuda.Event(blocking=True)
+            event = torch.cuda.Event(blocking=True, enable_timing=link is not None)
             event.record(stream)
+        if link is not None:
+            self.busy.add_events(link, start, event)
         event.lane = self._lanes.get(stream, "compute")
         return event
+
+    @contextlib.contextmanager
+    def timed(self, link: str, stream: Stream) -> Iterator[None]:
+        if self.busy is None:
+            yield
+            return
+        with torch.cuda.device(self.device):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            yield
+            end.record(stream)
+        self.busy.add_events(link, start, end)
 
     def empty_like(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
@@ -232,6 +262,13 @@ class CudaStreams(Streams):
     def current(self, stream: Stream) -> Iterator[None]:
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             yield
+
+
+def _link(src: torch.Tensor, dst: torch.Tensor) -> str | None:
+    """The host<->device link a copy uses; None for a copy within one memory."""
+    if src.is_cuda == dst.is_cuda:
+        return None
+    return (Link.GPU_TO_HOST if src.is_cuda else Link.HOST_TO_GPU).value
 
 
 def bind_thread(device: torch.device) -> None:

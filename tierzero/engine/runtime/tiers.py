@@ -150,6 +150,7 @@ class Tiers:
                 Path(path).mkdir(exist_ok=True)
         try:
             self.streams = streams_mod.open_streams(self.device)
+            self.streams.busy = self.stats.busy  # each host<->device copy's interval
             # host math's OpenMP team on a GPU machine: every core but the training thread's and
             # the I/O loop's (workers sleep in pread/pwrite). On the CPU device torch's default:
             # the model's matmuls run beside it either way.
@@ -173,6 +174,7 @@ class Tiers:
                     self.nvme_paths, chunk_bytes=self.config.chunk_bytes,
                     verify_reads={"on": True, "off": False}.get(self.config.verify_reads),
                     layout=StateFormats.of(self.config).layout))
+                self.stores[Tier.NVME].on_busy = self.stats.nvme_busy
         except BaseException:
             self.close()
             raise

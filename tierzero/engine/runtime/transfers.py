@@ -1,7 +1,8 @@
 """Per-step counters: bytes moved per link (`planning.placement.Link`, whose values name the
 metrics), param bytes the host cache served, time spent waiting on I/O, and the part of it
 backward spent waiting for the pool to free a buffer while stepping units (back-pressure from
-the optimizer's steps in flight: `wait_optimizer_s`)."""
+the optimizer's steps in flight: `wait_optimizer_s`), and each link's busy time
+(`tierzero.engine.runtime.busy`: `busy_s/nvme->host`, ..., `busy_s/optimizer`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from tierzero.engine.runtime.busy import OPTIMIZER, BusyLog
 from tierzero.planning.placement import Link
+
+BUSY_LINKS = (*(link.value for link in Link), OPTIMIZER)  # what `busy_s/` is logged for
 
 
 class TransferStats:
@@ -19,9 +23,15 @@ class TransferStats:
         self.wait_s = 0.0
         self.optimizer_wait_s = 0.0  # of wait_s: backward blocked on the optimizer's buffers
         self._depth = 0  # nested waits count once
+        self.busy = BusyLog()  # what each link spent working, fed where the work runs
 
     def add_bytes(self, link: Link, nbytes: int) -> None:
         self.bytes[link.value] += nbytes
+
+    def nvme_busy(self, op: str, start: float, end: float) -> None:
+        """An NVMe chunk's read or write interval (`NvmeStore.on_busy`), on its link."""
+        link = Link.NVME_TO_HOST if op == "read" else Link.HOST_TO_NVME
+        self.busy.add(link.value, start, end)
 
     def add_cache_hit(self, nbytes: int) -> None:
         """Param bytes copied to the device from the host pool's cache, not read from NVMe."""
@@ -49,10 +59,13 @@ class TransferStats:
             self.optimizer_wait_s += self.wait_s - before
 
     def take(self) -> dict[str, float]:
-        """The counters since the last call, as flat metrics (`bytes_nvme->host`, `io_wait_s`)."""
+        """The counters since the last call, as flat metrics (`bytes_nvme->host`, `io_wait_s`,
+        `busy_s/nvme->host`: every link's, 0 where it did not work)."""
         out: dict[str, float] = {f"bytes_{k}": v for k, v in sorted(self.bytes.items())}
         out["io_wait_s"] = self.wait_s
         out["wait_optimizer_s"] = self.optimizer_wait_s
+        busy = {**dict.fromkeys(BUSY_LINKS, 0.0), **self.busy.take()}  # an idle link: 0
+        out.update({f"busy_s/{k}": v for k, v in sorted(busy.items())})
         self.bytes.clear()
         self.wait_s = self.optimizer_wait_s = 0.0
         return out

@@ -33,6 +33,7 @@ from tierzero.compact.formats import StateFormats
 from tierzero.compact.step import CompactStep
 from tierzero.config import OPTIMIZER_KINDS, StateKind, Tier
 from tierzero.engine.parts import EngineParts
+from tierzero.engine.runtime.busy import OPTIMIZER
 from tierzero.engine.step.skipped import Run
 from tierzero.engine.step.restep import KeptGeneration
 from tierzero.engine.step.work import Work
@@ -262,14 +263,16 @@ class ShardOptimizer(PieceWrites):
         the optimizer thread's, not autograd's) after the grad's producer; what it read is marked
         used there (`keep_alive`), so the allocator never hands the grad out while it runs."""
         if self.device.type == "cpu":
-            self._adamw(work, lr, grad_coef)
-            self._cast_param(work)
+            with self.stats.busy.timed(OPTIMIZER):  # compute only: its states have landed
+                self._adamw(work, lr, grad_coef)
+                self._cast_param(work)
             return
         s = self.tiers.streams
         with s.current(stream := s.compute):
             s.wait(stream, work.produced)
-            self._adamw(work, lr, grad_coef)
-            self._cast_param(work)
+            with s.timed(OPTIMIZER, stream):  # after the wait: compute only
+                self._adamw(work, lr, grad_coef)
+                self._cast_param(work)
             for tensor in work.tensors.values():
                 s.keep_alive(tensor, stream)
 
