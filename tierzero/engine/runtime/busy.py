@@ -9,8 +9,9 @@ sum of them (serialised).
 
 Host work is timed with a `perf_counter` pair (the `clock`). Work on a GPU stream is timed with
 a pair of CUDA timing events, read at `take()` (after the step, when they have happened) as
-offsets from the step's first such event: a link's intervals share one time base, so their
-union is exact, whichever clock each link uses. Nothing here waits during the step.
+offsets from the window's first such event: a link's intervals share one time base, so their
+union is exact, whichever clock each link uses. Nothing here waits, during the step or at
+`take()` (a pair still running is read at the next one).
 """
 
 from __future__ import annotations
@@ -75,7 +76,13 @@ class BusyLog:
         now = self.clock()
         with self._lock:
             intervals, self._intervals = self._intervals, defaultdict(list)
-            events, self._events = self._events, []
+            # an event pair still running (a prefetch for the next step) waits for the next
+            # window: querying never blocks, so taking the counters is no host sync point
+            events: list[tuple[str, Any, Any]] = []
+            running: list[tuple[str, Any, Any]] = []
+            for pair in self._events:
+                (events if pair[2].query() else running).append(pair)
+            self._events = running
         since, self._since = self._since, now
         out = {
             link: union_s(
@@ -91,14 +98,13 @@ class BusyLog:
 
 
 def _event_busy(events: list[tuple[str, Any, Any]]) -> dict[str, float]:
-    """Busy seconds per link of CUDA event pairs, as offsets from the first start event (a host
-    sync point on each end event: they belong to a finished step, so none should still wait)."""
+    """Busy seconds per link of finished CUDA event pairs, as offsets from the first start
+    event (`elapsed_time` is signed: an earlier event is a negative offset)."""
     if not events:
         return {}
     origin = events[0][1]
     spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for link, start, end in events:
-        end.synchronize()
         spans[link].append(
             (origin.elapsed_time(start) / 1e3, origin.elapsed_time(end) / 1e3)
         )
