@@ -1,6 +1,7 @@
 """`tierzero report`'s overlap table from hand-written metrics: medians over steps, the bound
-(the slowest link), step / bound and serial / bound, in --json and for people; a run from
-before the busy-time metrics, and an in-memory one, say so instead."""
+(the slowest link), step / bound, serial / bound and step / floor (against max(bound, compute)),
+in --json and for people; a run from before the busy-time metrics, and an in-memory one, say
+so instead."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def step(n: int, step_s: float, busy: dict[str, float], nbytes: dict[str, int]) 
         "tokens_per_s": 100.0,
         "step_s": step_s,
         "wall_s": float(n),
+        "io_wait_s": 1.0,
     }
     record.update({f"busy_s/{k}": v for k, v in busy.items()})
     record.update({f"bytes_{k}": v for k, v in nbytes.items()})
@@ -66,6 +68,8 @@ def test_json_holds_the_medians_bound_and_ratios(tmp_path) -> None:
         abs(figures["step_over_bound"] - 5 / 3) < 1e-12
         and figures["serial_over_bound"] == 2.0
     )
+    # compute (step - io wait) 8, 4, 5; floors 8, 4, 5: step / floor 9/8, 5/4, 6/5
+    assert figures["compute_s"] == 5.0 and figures["step_over_floor"] == 1.2
 
 
 def test_the_table_for_people(tmp_path) -> None:
@@ -78,6 +82,10 @@ def test_the_table_for_people(tmp_path) -> None:
     assert any("bound (nvme->host)" in line and "4.0000" in line for line in lines)
     assert any("step / bound" in line and "1.67" in line for line in lines)
     assert any("serial / bound" in line and "2.00" in line for line in lines)
+    assert any(
+        "compute (step - io wait)" in line and "5.0000" in line for line in lines
+    )
+    assert any("step / floor" in line and "1.20" in line for line in lines)
 
 
 def test_a_run_from_before_the_measurement_still_reports(tmp_path) -> None:

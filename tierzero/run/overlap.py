@@ -3,7 +3,9 @@
 Per step, each link (NVMe reads and writes, host<->device copies, the optimizer's compute) was
 busy for some time; the slowest link's time is the `bound` a perfectly overlapped step would
 take, and the sum of them what a fully serialised one would. `step / bound` places the step
-between the two: 1.0 is overlapped, `serial / bound` is serial. Every figure is the median over
+between the two: 1.0 is overlapped, `serial / bound` is serial. Forward and backward are no
+link: `compute_s` is the training thread's time not blocked on a transfer (`step_s - io_wait_s`),
+and `step / floor` sets the step against max(bound, compute). Every figure is the median over
 the logged steps, each ratio taken per step first (so one slow step does not skew it).
 """
 
@@ -44,6 +46,10 @@ def overlap(records: list[dict[str, Any]]) -> dict[str, Any]:
     ratios = [
         (r["step_s"] / b, s / b) for r, b, s in zip(steps, bounds, serial) if b > 0
     ]
+    # the training thread's time not blocked on a transfer: forward and backward compute (and
+    # host overhead) as the loop sees it, so the step's floor is max(bound, compute)
+    compute = [max(0.0, r["step_s"] - r.get("io_wait_s", 0.0)) for r in steps]
+    floors = [max(b, c) for b, c in zip(bounds, compute)]
     bound_link = (
         max(links, key=lambda link: per_link[link]["busy_s"]) if links else None
     )
@@ -56,6 +62,10 @@ def overlap(records: list[dict[str, Any]]) -> dict[str, Any]:
         "bound_link": bound_link,
         "step_over_bound": median(r for r, _ in ratios) if ratios else None,
         "serial_over_bound": median(s for _, s in ratios) if ratios else None,
+        "compute_s": median(compute),
+        "step_over_floor": median(
+            r["step_s"] / f for r, f in zip(steps, floors) if f > 0
+        ),
     }
 
 
