@@ -1,8 +1,8 @@
 """Kill a training process at a chosen file-system call, resume, and compare with a run that never
 stopped (run as a script by tests/checkpoint/test_kill_points.py).
 
-Each *life* is a child forked from this process (which imports torch and builds a model on
-meta once but runs nothing, so a fork starts in well under a second): it resumes from the run
+Each *life* is a child forked from this process (which imports torch and the compact kernel and
+builds a model on meta once but runs nothing, so a fork starts in well under a second): it resumes from the run
 directory's newest checkpoint if there is one, trains to `STEPS` with a checkpoint after every
 step (keep 1, so every save also prunes, and every flush retires and recycles chunks), and
 SIGKILLs itself at the `k`-th file-system call (link, rename, exchange, unlink, mkdir, rmdir,
@@ -49,6 +49,7 @@ import torch.distributed as dist  # noqa: E402
 from tests.support.engine import SMALL, batches, engine_config  # noqa: E402
 from tierzero import Config, Placement, Tier, models  # noqa: E402
 from tierzero.checkpoint import catalog  # noqa: E402
+from tierzero.compact import cpu_step  # noqa: E402
 from tierzero.engine import Engine, checkpointing  # noqa: E402
 from tierzero.errors import TierzeroError  # noqa: E402
 from tierzero.storage.nvme import chunkfile  # noqa: E402
@@ -364,6 +365,8 @@ def run_point(work: Path, reference: Path, point: dict) -> dict:
 def main() -> None:
     base, points = Path(sys.argv[1]), json.loads(sys.argv[2])
     models.build(SMALL, device="meta")  # its imports (torch._dynamo: seconds) once, not in every life
+    if cpu_step.installed():  # numba and the compact kernel's import (seconds), also once
+        cpu_step.load()
     try:
         references: dict[str, Path] = {}
         for i, point in enumerate(points):
