@@ -1,11 +1,11 @@
 """Kill a training process at a chosen file-system call, resume, and compare with a run that never
 stopped (run as a script by tests/checkpoint/test_kill_points.py).
 
-Each *life* is a child forked from this process (which imports torch and the compact kernel and
-builds a model on meta once but runs nothing, so a fork starts in well under a second): it resumes from the run
-directory's newest checkpoint if there is one, trains to `STEPS` with a checkpoint after every
-step (keep 1, so every save also prunes, and every flush retires and recycles chunks), and
-SIGKILLs itself at the `k`-th file-system call (link, rename, exchange, unlink, mkdir, rmdir,
+Each *life* is a child forked from this process (which imports torch and the compact kernel
+and builds a model on meta once but runs nothing, so a fork starts in well under a second): it
+resumes from the run directory's newest checkpoint if there is one, trains to `STEPS` with a
+checkpoint after every step (keep 1, so every save also prunes, and every flush retires and
+recycles chunks), and SIGKILLs itself at the `k`-th file-system call (link, rename, exchange, unlink, mkdir, rmdir,
 open, fsync, syncfs, ftruncate, pwrite) made inside the `nth` call of a phase -- a function
 wrapped by name -- or, with `k` = 0, right after that call returns (`k` = -1 never kills: the
 life only counts the calls). A kill must leave the newest checkpoint committed before it; a
