@@ -1,24 +1,25 @@
 """Kill a training process at a chosen file-system call, resume, and compare with a run that never
 stopped (run as a script by tests/checkpoint/test_kill_points.py).
 
-Each *life* is a child forked from this process (which imports torch and the compact kernel
-and builds a model on meta once but runs nothing, so a fork starts in well under a second): it
-resumes from the run directory's newest checkpoint if there is one, trains to `STEPS` with a
-checkpoint after every step (keep 1, so every save also prunes, and every flush retires and
-recycles chunks), and SIGKILLs itself at the `k`-th file-system call (link, rename, exchange, unlink, mkdir, rmdir,
-open, fsync, syncfs, ftruncate, pwrite) made inside the `nth` call of a phase -- a function
-wrapped by name -- or, with `k` = 0, right after that call returns (`k` = -1 never kills: the
-life only counts the calls). A kill must leave the newest checkpoint committed before it; a
-later life resumes and finishes, and its final checkpoint must equal the reference's bitwise
-(every array, the engine counters, data position and RNG state of every rank), or the resume
-must be refused in one sentence (a `TierzeroError`).
+Each *life* is a child forked from this process (which imports torch and the compact kernel and
+builds a model on meta once but runs nothing, so a fork starts in well under a second): it resumes
+from the run directory's newest checkpoint if there is one, trains to `STEPS` with a checkpoint
+after every step (keep 1, so every save also prunes, and every flush retires and recycles chunks),
+and SIGKILLs itself at the `k`-th file-system call (link, rename, exchange, unlink, mkdir, rmdir,
+open, fsync, syncfs, ftruncate, pwrite) made inside the `nth` call of a phase -- a function wrapped
+by name -- or, with `k` = 0, right after that call returns (`k` = -1 never kills: the life only
+counts the calls). A kill must leave the newest checkpoint committed before it; a later life resumes
+and finishes, and its final checkpoint must equal the reference's bitwise (every array, the engine
+counters, data position and RNG state of every rank), or the resume must be refused in one sentence
+(a `TierzeroError`).
 
 A point names the *path* it trains (`PATHS`): everything on NVMe (the default); the vertical
-schedule with most waiting activations spilled to NVMe; the exact clip re-step of an overlapped
-step with the kept generations held on the drive; bf16 and fp16 compute (fp16 with a loss scale
-that grows until steps overflow and are skipped); compact optimizer state with bf16 grads (int8
-moments and a bf16 master on NVMe; bf16 moments and an fp32 master in host memory); host and auto placements; two ranks (gloo, forked: a kill there
-SIGKILLs both, as a launcher tears down a job whose rank died).
+schedule with most waiting activations spilled to NVMe; the exact clip re-step of an overlapped step
+with the kept generations held on the drive; bf16 and fp16 compute (fp16 with a loss scale that
+grows until steps overflow and are skipped); compact optimizer state with bf16 grads (int8 moments
+and a bf16 master on NVMe; bf16 moments and an fp32 master in host memory); host and auto
+placements; two ranks (gloo, forked: a kill there SIGKILLs both, as a launcher tears down a job
+whose rank died).
 
     python kill_sweep.py WORKDIR '[{"path": "vertical", "phase": "save", "nth": 2, "k": 5}, ...]'
 
