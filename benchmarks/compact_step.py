@@ -11,6 +11,11 @@ the row shows the compact step's own cost.
     nice python benchmarks/compact_step.py              # 16M values, 5 rounds
     nice python benchmarks/compact_step.py --numel 4000000 --rounds 3
     nice python benchmarks/compact_step.py --torch-ops  # the fallback
+    nice python benchmarks/compact_step.py --cpu-time   # CPU seconds, not wall-clock ones
+
+On a machine others load, `--cpu-time` (the process's CPU time, every thread's) moves far less
+from run to run than the wall clock; with one thread (`torch.set_num_threads`, `--threads 1`)
+it is the per-value cost of each path.
 """
 
 from __future__ import annotations
@@ -37,10 +42,10 @@ def compact_tensors(formats: StateFormats, n: int) -> dict[StateKind, torch.Tens
             StateKind.GRAD: torch.randn(n, generator=g) * 1e-2}
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
+def timed(fn, clock=time.perf_counter) -> float:
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def main() -> None:
@@ -48,7 +53,12 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=16 * 2 ** 20)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--torch-ops", action="store_true", help="step with torch's ops, not the kernel")
+    parser.add_argument("--cpu-time", action="store_true", help="time CPU seconds, not wall-clock ones")
+    parser.add_argument("--threads", type=int, default=0, help="torch's (and the kernel's) threads")
     opts = parser.parse_args()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    clock = time.process_time if opts.cpu_time else time.perf_counter
     n, config = opts.numel, Config(lr=1e-3, weight_decay=0.1, seed=7)
     fused = [torch.randn(n) * 0.05, torch.randn(n) * 1e-2, torch.zeros(n), torch.zeros(n)]
     cpu = torch.device("cpu")
@@ -60,14 +70,16 @@ def main() -> None:
             for key, fn in (("fused", lambda: adamw_step([fused[0]], [fused[1]], [fused[2]], [fused[3]],
                                                          [0.1], [r], 1e-3, config)),
                             (f, lambda: stepper.step(tensors, [(0, n, 0.1, r)], 1e-3, 0, 0))):
-                elapsed = timed(fn)
+                elapsed = timed(fn, clock)
                 if r:
                     times[key].append(elapsed)
     rate = {key: n / statistics.median(t) / 1e6 for key, t in times.items()}
     path = "torch's ops" if opts.torch_ops else "the CPU kernel"
-    print(f"{n} values, {torch.get_num_threads()} threads, median of {opts.rounds} interleaved rounds, {path}")
-    print(f"torch fused AdamW (fp32): {rate['fused']:8.1f} M params/s")
-    print(f"{'moments':>8} {'master':>7} {'M params/s':>11} {'vs fused':>9}")
+    per = "CPU second" if opts.cpu_time else "second"
+    print(f"{n} values, {torch.get_num_threads()} threads, median of {opts.rounds} interleaved rounds, {path}, "
+          f"M params per {per}")
+    print(f"torch fused AdamW (fp32): {rate['fused']:8.1f}")
+    print(f"{'moments':>8} {'master':>7} {'M params':>11} {'vs fused':>9}")
     for f in FORMATS:
         print(f"{f[0]:>8} {f[1]:>7} {rate[f]:11.1f} {rate[f] / rate['fused']:9.3f}")
 

@@ -8,6 +8,9 @@ runs on torch's ops and says so once."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -161,3 +164,21 @@ def test_a_dtype_the_kernel_does_not_decode_steps_on_torch_ops(kernel: None) -> 
     CompactStep(formats, config, CPU, kernel=False).step(torch_ops, [(0, n, 0.1, 2)], 1e-3, 2, 0)
     CompactStep(formats, config, CPU).step(fast, [(0, n, 0.1, 2)], 1e-3, 2, 0)
     assert all(_same_bytes(fast[k], torch_ops[k]) for k in fast)
+
+
+def test_the_kernel_leaves_torchs_thread_count_as_it_found_it(kernel: None) -> None:
+    """Starting numba's threads (OpenMP's, where it is the layer: torch's libgomp) once reset
+    the calling thread's team to all of numba's threads, torch's `get_num_threads` with it. The
+    first start is once per process, so it is checked in a fresh one."""
+    script = (
+        "import torch\n"
+        "torch.set_num_threads(1)\n"
+        "from tierzero.compact.step import cpu_kernel\n"
+        "assert cpu_kernel() is not None\n"
+        "print(torch.get_num_threads())\n"
+    )
+    env = {**os.environ, "NUMBA_NUM_THREADS": "2"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["1"], out.stdout

@@ -201,8 +201,14 @@ def _adamw(p, m, v, g, root, decay, scalars):
 
 def run(*args) -> None:
     """`step_piece(*args)` on as many of numba's threads as torch uses on the calling thread
-    (the optimizer's thread sizes its team: `IOLoop`'s math lane)."""
-    numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    (the optimizer's thread sizes its team: `IOLoop`'s math lane). Starting numba's OpenMP
+    layer (once a process) leaves the calling thread's OpenMP team at all of numba's threads,
+    and that is torch's thread count too (one libgomp): it is set back, so a step leaves
+    torch's threads as it found them."""
+    threads = torch.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
     step_piece(*args)
 
 
