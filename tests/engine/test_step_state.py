@@ -93,4 +93,6 @@ def test_states_are_enums_spelled_as_before() -> None:
     stats = TransferStats()
     stats.add_bytes(Link.NVME_TO_HOST, 3)
     stats.add_cache_hit(2)
-    assert stats.take() == {"bytes_host_cache_hit": 2, "bytes_nvme->host": 3, "io_wait_s": 0.0, "wait_optimizer_s": 0.0}
+    busy = {f"busy_s/{link}": 0.0 for link in ("nvme->host", "host->nvme", "host->gpu", "gpu->host", "optimizer")}
+    assert stats.take() == {"bytes_host_cache_hit": 2, "bytes_nvme->host": 3, "io_wait_s": 0.0,
+                            "wait_optimizer_s": 0.0, **busy}

@@ -1,9 +1,9 @@
 """`tierzero plan` with `--schedule`: which schedule a step runs and its NVMe bytes under both.
 
 Counted, not timed: with grads on NVMe each further micro-batch of a horizontal step reads the
-fp32 grads back and writes them again, so horizontal moves `2 x (k-1) x grad bytes` more than
-a step of one micro-batch; vertical moves what one micro-batch does while its waiting
-activations fit the host's room.
+fp32 grads back and writes them again, so horizontal moves `2 x (k-1) x fp32 grad bytes` more
+than a step of one micro-batch, whose grads (bf16 with bf16 compute) are written and read once;
+vertical moves what one micro-batch does while its waiting activations fit the host's room.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ def test_vertical_moves_one_micro_batchs_bytes_per_step() -> None:
     moved = report.step_nvme_bytes()
     one = make_plan("350m", accumulate=1, **MACHINE).step_nvme_bytes()
     assert moved["vertical"] == one["vertical"] == one["horizontal"]
-    grad = w.state_shard_numel * w.nbytes(StateKind.GRAD)
-    assert moved["horizontal"] - moved["vertical"] == 2 * 3 * grad
+    # vertical stores bf16 grads (each written once a step); horizontal accumulates in fp32
+    assert w.nbytes(StateKind.GRAD) == 2
+    fp32, bf16 = 4 * w.state_shard_numel, 2 * w.state_shard_numel
+    assert moved["horizontal"] - moved["vertical"] == 2 * 3 * fp32 + 2 * (fp32 - bf16)
 
 
 def test_auto_is_vertical_only_when_accumulating() -> None:
