@@ -125,10 +125,10 @@ def open_session(run: RunConfig, ranks: Ranks = Ranks()) -> Iterator[Session]:
     check_dtype_supported(dtype, device)
     model = run_model(run)
     batches, fitted = load_batches(run, model, ranks)
+    samples = TrainingSamples.for_run(run, Codec.for_model(model))  # read now
     if run.keep_best and not (batches.has_validation and run.eval_every):
         raise ConfigError("--keep-best keeps the checkpoint of the lowest eval loss, but this run evaluates "
                           "nothing; pass --val-data or --val-fraction and an --eval-every above 0")
-    samples = TrainingSamples.for_run(run, Codec.for_model(model))  # read now
     run.check_ranks(ranks.world_size)
     if cfg.offload is Offload.NONE:
         from tierzero.reference import ReferenceTrainer
