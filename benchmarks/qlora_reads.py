@@ -30,30 +30,12 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from tierzero.bench.shapes import HF_QUICK, HF_SHAPE
 from tierzero.configfile import load_run_config
 from tierzero.run.data import default_corpus
 from tierzero.run.directory import RunDir
 from tierzero.run.session import open_session
 
-# the 134M shape (GPT-3 small's width and depth, LLaMA blocks, a 32000 vocabulary, untied)
-SHAPE = {
-    "hidden_size": 768,
-    "intermediate_size": 2048,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 12,
-    "vocab_size": 32000,
-    "max_position_embeddings": 2048,
-}
-QUICK = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "vocab_size": 4096,
-    "max_position_embeddings": 256,
-}
 BASES = ("none", "nf4")
 
 
@@ -182,7 +164,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=".") as tmp:
         root = opts.dir or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
-        model_dir = save_model(root / "model", QUICK if opts.quick else SHAPE)
+        model_dir = save_model(root / "model", HF_QUICK if opts.quick else HF_SHAPE)
         tokens = default_corpus(1 << 20).astype(
             np.uint16
         )  # byte ids: within any vocabulary here

@@ -16,6 +16,27 @@ QUICK_SHAPE = dataclasses.replace(NVME_SHAPE, dim=256, n_layers=4, n_heads=8, n_
                                   vocab_size=4096)
 
 
+# the same 134.1M shape as a Hugging Face LlamaConfig's keys, and a quick stand-in
+HF_SHAPE = {
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 12,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+}
+HF_QUICK = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 4096,
+    "max_position_embeddings": 256,
+}
+
+
 def nvme_shape(quick: bool, host_budget: str) -> tuple[ModelArgs, str]:
     """The model and host budget to measure: the 134.1M shape at `host_budget`, or the quick one at 256 MiB."""
     return (QUICK_SHAPE, "256MiB") if quick else (NVME_SHAPE, host_budget)
