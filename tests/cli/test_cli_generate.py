@@ -18,7 +18,7 @@ import torch
 from typer.testing import CliRunner
 
 from tests.support.cli import one_line_error
-from tests.support.hf import sample_text, save_model, save_word_tokenizer
+from tests.support.hf import sample_text, save_chat_llama
 from tierzero.cli.app import app
 from tierzero.run.directory import read_samples
 
@@ -33,18 +33,7 @@ TRAIN = ["--steps", "2", "--batch-size", "2", "--seq-len", "16", "--dtype", "fp3
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = save_model("llama", tmp_path_factory.mktemp("gen") / "llama", initializer_range=0.5)
-    save_word_tokenizer(folder, sample_text())
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "chat_template": TEMPLATE,
-                "eos_token": "[UNK]",
-            }
-        )
-    )
-    return folder
+    return save_chat_llama(tmp_path_factory.mktemp("gen") / "llama", sample_text(), TEMPLATE, "[UNK]")
 
 
 def generate(*args: str) -> dict:

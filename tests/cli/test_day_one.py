@@ -16,7 +16,7 @@ import pytest
 from tierzero.cli.app import app
 
 from tests.support.cli import runner
-from tests.support.hf import sample_text, save_model, save_word_tokenizer
+from tests.support.hf import sample_text, save_chat_llama
 from tierzero.run.charts import eval_losses
 from tierzero.run.directory import read_metrics, read_samples
 
@@ -35,18 +35,7 @@ STEPS, EVERY = 10, 5
 @pytest.fixture
 def chat_llama(tmp_path: Path) -> Path:
     """A tiny random Llama with a word-level tokenizer that knows the chat words and markers."""
-    folder = save_model("llama", tmp_path / "llama", initializer_range=0.5)
-    save_word_tokenizer(folder, sample_text(8_000) + f" {WORDS}" * 50)
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "chat_template": TEMPLATE,
-                "eos_token": "end",
-            }
-        )
-    )
-    return folder
+    return save_chat_llama(tmp_path / "llama", sample_text(8_000) + f" {WORDS}" * 50, TEMPLATE, "end")
 
 
 def chats(path: Path, n: int) -> Path:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.support.hf import sample_text, save_model, save_word_tokenizer
+from tests.support.hf import sample_text, save_chat_llama, save_model
 from tierzero import models
 from tierzero.config import Config, DType
 from tierzero.errors import ConfigError, DataError
@@ -163,18 +163,7 @@ def test_a_prompt_longer_than_the_model_runs_is_refused(small) -> None:
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     """A tiny LLaMA whose logits vary (a wide init), a word-level tokenizer and a chat template."""
-    folder = save_model("llama", tmp_path_factory.mktemp("chat") / "llama", initializer_range=0.5)
-    save_word_tokenizer(folder, sample_text())
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "chat_template": TEMPLATE,
-                "eos_token": "[UNK]",
-            }
-        )
-    )
-    return folder
+    return save_chat_llama(tmp_path_factory.mktemp("chat") / "llama", sample_text(), TEMPLATE, "[UNK]")
 
 
 def test_greedy_ids_equal_transformers_generate_through_the_tiers(chat_model, tmp_path) -> None:

@@ -8,6 +8,7 @@ Dropout is off so that tierzero and plain PyTorch draw no random numbers.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,17 @@ def save_word_tokenizer(path: Path, text: str, vocab_size: int = 200) -> Path:
     tokenizer.train_from_iterator([text], trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=["[UNK]"]))
     tokenizer.save(str(path / "tokenizer.json"))
     return path / "tokenizer.json"
+
+
+def save_chat_llama(path: Path, text: str, template: str, eos_token: str) -> Path:
+    """A tiny LLaMA whose logits vary (a wide init), a word-level tokenizer trained on `text`
+    and a chat template: what generation and chat fine-tuning tests run on."""
+    folder = save_model("llama", path, initializer_range=0.5)
+    save_word_tokenizer(folder, text)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template,
+              "eos_token": eos_token}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
 
 
 @pytest.fixture(scope="session")
