@@ -8,7 +8,8 @@ after every step (keep 1, so every save also prunes, and every flush retires and
 and SIGKILLs itself at the `k`-th file-system call (link, rename, exchange, unlink, mkdir, rmdir,
 open, fsync, syncfs, ftruncate, pwrite) made inside the `nth` call of a phase -- a function wrapped
 by name -- or, with `k` = 0, right after that call returns (`k` = -1 never kills: the life only
-counts the calls). A kill must leave the newest checkpoint committed before it; a later life resumes
+counts the calls); with `match`, at the first call from the `k`-th on whose name and target
+contain that text (threads write chunks in no fixed order, so a call's number alone can land elsewhere). A kill must leave the newest checkpoint committed before it; a later life resumes
 and finishes, and its final checkpoint must equal the reference's bitwise (every array, the engine
 counters, data position and RNG state of every rank), or the resume must be refused in one sentence
 (a `TierzeroError`).
@@ -121,8 +122,8 @@ class KillSwitch:
     """Counts file-system calls inside the `nth` call of `phase`; SIGKILLs at the `k`-th (with
     `group`, this process's whole process group: every rank of the life)."""
 
-    def __init__(self, phase: str, nth: int, k: int, group: bool = False) -> None:
-        self.phase, self.nth, self.k, self.group = phase, nth, k, group
+    def __init__(self, phase: str, nth: int, k: int, group: bool = False, match: str | None = None) -> None:
+        self.phase, self.nth, self.k, self.group, self.match = phase, nth, k, group, match
         self.entered = 0
         self.inside = False
         self.calls = 0
@@ -143,7 +144,10 @@ class KillSwitch:
                 return
             self.calls += 1
             self.kinds[name] = self.kinds.get(name, 0) + 1
-            if self.calls == self.k:
+            if self.match is None:
+                if self.calls == self.k:
+                    self.die(name, args)
+            elif 0 < self.k <= self.calls and self.match in f"{name} {_target(args)}":
                 self.die(name, args)
 
     def install(self) -> None:
@@ -338,7 +342,7 @@ def run_point(work: Path, reference: Path, point: dict) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     path, rank = PATHS[point.get("path", "nvme")], point.get("rank", 0)
-    first = KillSwitch(point["phase"], point["nth"], point["k"], group=path.ranks > 1)
+    first = KillSwitch(point["phase"], point["nth"], point["k"], group=path.ranks > 1, match=point.get("match"))
     if point["phase"] == "resume":  # a killed run first, then a resume killed in turn
         status, text = in_child(ranks_life, work, path, KillSwitch("save", 2, 0, path.ranks > 1), rank)
         if status != -signal.SIGKILL:
