@@ -29,9 +29,9 @@ from rich.console import Console
 from rich.table import Table
 
 from tierzero import Config, Placement, Tier, models
+from tierzero.bench.shapes import nvme_shape
 from tierzero.engine import Engine
 from tierzero.hf import is_hf, load_model
-from tierzero.bench.shapes import nvme_shape
 from tierzero.models import ModelArgs
 from tierzero.run.data import TokenBatches, default_corpus
 
@@ -44,25 +44,43 @@ Model = Callable[[], tuple[object, Path | None]]  # a fresh model (on meta) and 
 
 def hf_model(name: str, args: ModelArgs) -> Model:
     """`hf:DIR`'s model; a DIR without config.json first gets a LLaMA config of `args`' shape."""
-    path = Path(name[len("hf:"):])
+    path = Path(name[len("hf:") :])
     if not (path / "config.json").is_file():
         from transformers import LlamaConfig
 
-        LlamaConfig(hidden_size=args.dim, intermediate_size=args.ffn_dim, num_hidden_layers=args.n_layers,
-                    num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
-                    vocab_size=args.vocab_size, tie_word_embeddings=False,
-                    max_position_embeddings=args.max_seq_len).save_pretrained(path)
+        LlamaConfig(
+            hidden_size=args.dim,
+            intermediate_size=args.ffn_dim,
+            num_hidden_layers=args.n_layers,
+            num_attention_heads=args.n_heads,
+            num_key_value_heads=args.n_kv_heads,
+            vocab_size=args.vocab_size,
+            tie_word_embeddings=False,
+            max_position_embeddings=args.max_seq_len,
+        ).save_pretrained(path)
 
     def build() -> tuple[object, Path | None]:
         hf = load_model(name)
         return hf.model, hf.weights
+
     return build
 
 
-def one_step(model: Model, k: int, schedule: str, opts: argparse.Namespace, path: str) -> dict[str, float]:
+def one_step(
+    model: Model, k: int, schedule: str, opts: argparse.Namespace, path: str
+) -> dict[str, float]:
     """The NVMe bytes and wall time of one step of `k` micro-batches (after a warm-up step)."""
-    cfg = Config(placement=NVME, nvme_path=[path], dtype="fp32", lr=1e-4, total_steps=4, accumulate=k,
-                 schedule=schedule, host_budget=opts.host_budget, prefetch_depth=opts.prefetch_depth)
+    cfg = Config(
+        placement=NVME,
+        nvme_path=[path],
+        dtype="fp32",
+        lr=1e-4,
+        total_steps=4,
+        accumulate=k,
+        schedule=schedule,
+        host_budget=opts.host_budget,
+        prefetch_depth=opts.prefetch_depth,
+    )
     data = TokenBatches(default_corpus(4 << 20), opts.batch_size, opts.seq_len, seed=0)
     module, weights = model()
     n = sum(p.numel() for p in module.parameters())
@@ -77,32 +95,67 @@ def one_step(model: Model, k: int, schedule: str, opts: argparse.Namespace, path
         _ = [t.item() for t in losses]  # the step has run
         seconds = time.perf_counter() - t0
         stats = engine.stats()
-        spilled = store.spilled - before if store is not None else 0  # activations spilled in this step
-    return {"read": stats.get("bytes_nvme->host", 0) / n, "written": stats.get("bytes_host->nvme", 0) / n,
-            "cache": stats.get("bytes_host_cache_hit", 0) / n, "seconds": seconds, "spilled": spilled}
+        spilled = (
+            store.spilled - before if store is not None else 0
+        )  # activations spilled in this step
+    return {
+        "read": stats.get("bytes_nvme->host", 0) / n,
+        "written": stats.get("bytes_host->nvme", 0) / n,
+        "cache": stats.get("bytes_host_cache_hit", 0) / n,
+        "seconds": seconds,
+        "spilled": spilled,
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a small shape (4 layers, dim 256, vocab 4096)")
-    p.add_argument("--model", default=None, help="hf:DIR, a Hugging Face decoder (default: the built-in model)")
-    p.add_argument("--accumulate", default=",".join(map(str, ACCUMULATIONS)), help="the k to measure, comma-separated")
+    p.add_argument(
+        "--quick", action="store_true", help="a small shape (4 layers, dim 256, vocab 4096)"
+    )
+    p.add_argument(
+        "--model", default=None, help="hf:DIR, a Hugging Face decoder (default: the built-in model)"
+    )
+    p.add_argument(
+        "--accumulate",
+        default=",".join(map(str, ACCUMULATIONS)),
+        help="the k to measure, comma-separated",
+    )
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--host-budget", default="512MiB", help="small enough that the host cache cannot hold the params")
-    p.add_argument("--prefetch-depth", type=int, default=None, help="default: the engine's choice for the budget")
-    p.add_argument("--nvme-path", default=None, help="a directory on the drive to measure (default: a temp dir)")
+    p.add_argument(
+        "--host-budget",
+        default="512MiB",
+        help="small enough that the host cache cannot hold the params",
+    )
+    p.add_argument(
+        "--prefetch-depth",
+        type=int,
+        default=None,
+        help="default: the engine's choice for the budget",
+    )
+    p.add_argument(
+        "--nvme-path",
+        default=None,
+        help="a directory on the drive to measure (default: a temp dir)",
+    )
     opts = p.parse_args()
     args, opts.host_budget = nvme_shape(opts.quick, opts.host_budget)
     accumulations = tuple(int(k) for k in opts.accumulate.split(","))
     if opts.model is not None and not is_hf(opts.model):
         p.error("--model takes hf:DIR")
-    model = hf_model(opts.model, args) if opts.model else lambda: (models.build(args, device="meta"), None)
+    model = (
+        hf_model(opts.model, args)
+        if opts.model
+        else lambda: (models.build(args, device="meta"), None)
+    )
     module, _ = model()
     console = Console()
-    console.print(f"{opts.model or 'built-in'}: {sum(p.numel() for p in module.parameters()) / 1e6:.1f}M params, "
-                  f"fp32, everything on NVMe, micro-batch {opts.batch_size} x {opts.seq_len}, "
-                  f"host budget {opts.host_budget}", markup=False)
+    console.print(
+        f"{opts.model or 'built-in'}: {sum(p.numel() for p in module.parameters()) / 1e6:.1f}M params, "
+        f"fp32, everything on NVMe, micro-batch {opts.batch_size} x {opts.seq_len}, "
+        f"host budget {opts.host_budget}",
+        markup=False,
+    )
     rows: dict[tuple[str, int], dict[str, float]] = {}
     for schedule in ("horizontal", "vertical"):
         for k in accumulations:
@@ -110,18 +163,35 @@ def main() -> None:
                 rows[schedule, k] = one_step(model, k, schedule, opts, path)
             console.print(f"  {schedule} k={k}: {rows[schedule, k]}")
     table = Table(title="NVMe bytes per parameter per step, and step time")
-    for column in ("k", "horizontal B/param", "vertical B/param", "horizontal s", "vertical s", "spilled acts"):
+    for column in (
+        "k",
+        "horizontal B/param",
+        "vertical B/param",
+        "horizontal s",
+        "vertical s",
+        "spilled acts",
+    ):
         table.add_column(column, justify="right")
     for k in accumulations:
         h, v = rows["horizontal", k], rows["vertical", k]
-        table.add_row(str(k), f"{h['read'] + h['written']:.1f} (+{h['cache']:.1f} cached)",
-                      f"{v['read'] + v['written']:.1f} (+{v['cache']:.1f} cached)",
-                      f"{h['seconds']:.1f}", f"{v['seconds']:.1f}", str(int(v["spilled"])))
+        table.add_row(
+            str(k),
+            f"{h['read'] + h['written']:.1f} (+{h['cache']:.1f} cached)",
+            f"{v['read'] + v['written']:.1f} (+{v['cache']:.1f} cached)",
+            f"{h['seconds']:.1f}",
+            f"{v['seconds']:.1f}",
+            str(int(v["spilled"])),
+        )
     console.print(table)
-    total = {s: {k: rows[s, k]["read"] + rows[s, k]["written"] for k in accumulations} for s in ("horizontal", "vertical")}
+    total = {
+        s: {k: rows[s, k]["read"] + rows[s, k]["written"] for k in accumulations}
+        for s in ("horizontal", "vertical")
+    }
     first, last = accumulations[0], accumulations[-1]
-    console.print(f"vertical k={last} / k={first}: {total['vertical'][last] / total['vertical'][first]:.3f}x; "
-                  f"horizontal: {total['horizontal'][last] / total['horizontal'][first]:.2f}x")
+    console.print(
+        f"vertical k={last} / k={first}: {total['vertical'][last] / total['vertical'][first]:.3f}x; "
+        f"horizontal: {total['horizontal'][last] / total['horizontal'][first]:.2f}x"
+    )
 
 
 if __name__ == "__main__":

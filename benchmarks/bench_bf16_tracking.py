@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tierzero import Config, Engine, models
-from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.reference import ReferenceTrainer
+from tierzero.run.data import TokenBatches, default_corpus
 
 
 def main() -> None:
@@ -43,20 +43,26 @@ def main() -> None:
         seconds["engine bf16"] = time.perf_counter() - t0
     data = TokenBatches(tokens, a.batch_size, a.seq_len, seed=0)
     t0 = time.perf_counter()
-    reference = ReferenceTrainer(models.build("tiny"), Config(offload="none", dtype="fp32", **common))
+    reference = ReferenceTrainer(
+        models.build("tiny"), Config(offload="none", dtype="fp32", **common)
+    )
     curves["reference fp32"] = [reference.train_step(data.next_batch()) for _ in range(a.steps)]
     seconds["reference fp32"] = time.perf_counter() - t0
     w = a.window
     ours, theirs = (np.array(c[: a.steps // w * w]).reshape(-1, w).mean(1) for c in curves.values())
-    table = Table(title=f"tiny, {a.steps} steps of {a.batch_size} x {a.seq_len}: mean loss per {w} steps")
+    table = Table(
+        title=f"tiny, {a.steps} steps of {a.batch_size} x {a.seq_len}: mean loss per {w} steps"
+    )
     for col in ("steps", "engine bf16", "reference fp32", "difference"):
         table.add_column(col, justify="right")
     for i, (x, y) in enumerate(zip(ours, theirs)):
         table.add_row(f"{i * w + 1}-{(i + 1) * w}", f"{x:.3f}", f"{y:.3f}", f"{x - y:+.3f}")
     console = Console()
     console.print(table)
-    console.print(f"max |difference| {np.abs(ours - theirs).max():.3f} nats; wall "
-                  + ", ".join(f"{k} {v:.0f}s" for k, v in seconds.items()))
+    console.print(
+        f"max |difference| {np.abs(ours - theirs).max():.3f} nats; wall "
+        + ", ".join(f"{k} {v:.0f}s" for k, v in seconds.items())
+    )
 
 
 if __name__ == "__main__":

@@ -33,14 +33,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from shapes import add_shape_flags, shape
 
 from tierzero import Config, Placement, models
 from tierzero.distributed.comm import InFlight
-from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.engine import Engine
 from tierzero.models import ModelArgs
-
-from shapes import add_shape_flags, shape
+from tierzero.run.data import TokenBatches, default_corpus
 
 
 class SlowLink:
@@ -53,8 +52,9 @@ class SlowLink:
         self.injected_s = 0.0
         self.free_at = 0.0  # when the link has finished every transfer issued so far
         gather, reduce = comm.all_gather_async, comm.reduce_scatter_async
-        comm.all_gather_async = lambda shard: self._slow(gather(shard), shard.numel() * comm.world_size
-                                                          * shard.element_size())
+        comm.all_gather_async = lambda shard: self._slow(
+            gather(shard), shard.numel() * comm.world_size * shard.element_size()
+        )
         comm.reduce_scatter_async = lambda full: self._slow(reduce(full), full.numel() * 4)
 
     def _slow(self, inner: InFlight, nbytes: int) -> Any:
@@ -73,12 +73,26 @@ class _Delayed:
         return self.inner.wait()
 
 
-def _steps(args: ModelArgs, a: argparse.Namespace, rank: int, overlap: bool, bytes_per_s: float | None,
-           root: str) -> tuple[float, float]:
+def _steps(
+    args: ModelArgs,
+    a: argparse.Namespace,
+    rank: int,
+    overlap: bool,
+    bytes_per_s: float | None,
+    root: str,
+) -> tuple[float, float]:
     """Median step time and injected comm seconds per step, for one variant."""
-    cfg = Config(placement=Placement(), nvme_path=[root], lr=1e-4, total_steps=a.steps + 2,
-                 overlap_comm=overlap, dtype="fp32")
-    data = TokenBatches(default_corpus(4 << 20), a.batch_size, a.seq_len, seed=0, rank=rank, world_size=2)
+    cfg = Config(
+        placement=Placement(),
+        nvme_path=[root],
+        lr=1e-4,
+        total_steps=a.steps + 2,
+        overlap_comm=overlap,
+        dtype="fp32",
+    )
+    data = TokenBatches(
+        default_corpus(4 << 20), a.batch_size, a.seq_len, seed=0, rank=rank, world_size=2
+    )
     times = []
     with Engine(models.build(args, device="meta"), cfg) as engine:
         engine.train_step(data.next_batch())  # warm-up: allocator, threads, first gathers
@@ -94,7 +108,9 @@ def _steps(args: ModelArgs, a: argparse.Namespace, rank: int, overlap: bool, byt
 
 def _rank(rank: int, a: argparse.Namespace, root: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2
+    )
     try:
         args = shape(a)
         rows: dict[str, list[list[float]]] = {"compute": []}
@@ -106,21 +122,50 @@ def _rank(rank: int, a: argparse.Namespace, root: str) -> None:
                 links = {b: nbytes / (b * rows["compute"][0][0]) for b in a.balance}
             for b, bytes_per_s in links.items():
                 for name, overlap in ((f"{b:g} no overlap", False), (f"{b:g} overlap", True)):
-                    rows.setdefault(name, []).append(list(_steps(args, a, rank, overlap, bytes_per_s,
-                                                                 f"{root}/{name.replace(' ', '-')}{r}")))
+                    rows.setdefault(name, []).append(
+                        list(
+                            _steps(
+                                args,
+                                a,
+                                rank,
+                                overlap,
+                                bytes_per_s,
+                                f"{root}/{name.replace(' ', '-')}{r}",
+                            )
+                        )
+                    )
         if rank == 0:
             with open(f"{root}/result.json", "w") as f:
-                json.dump({"params": args.param_count(), "balance": a.balance,
-                           "link_gbps": {f"{b:g}": v / 1e9 for b, v in links.items()}, "rows": rows}, f)
+                json.dump(
+                    {
+                        "params": args.param_count(),
+                        "balance": a.balance,
+                        "link_gbps": {f"{b:g}": v / 1e9 for b, v in links.items()},
+                        "rows": rows,
+                    },
+                    f,
+                )
     finally:
         dist.destroy_process_group()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_shape_flags(p, layers=8, dim=384, batch_size=4, seq_len=128, batch_help="the global batch (2 rows per rank)")
-    p.add_argument("--balance", type=float, nargs="+", default=[0.5, 1.0, 2.0],
-                   help="injected comm per step / the compute step, one row each")
+    add_shape_flags(
+        p,
+        layers=8,
+        dim=384,
+        batch_size=4,
+        seq_len=128,
+        batch_help="the global batch (2 rows per rank)",
+    )
+    p.add_argument(
+        "--balance",
+        type=float,
+        nargs="+",
+        default=[0.5, 1.0, 2.0],
+        help="injected comm per step / the compute step, one row each",
+    )
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as root:
         mp.spawn(_rank, args=(a, root), nprocs=2, join=True)
@@ -136,8 +181,10 @@ def _print(result: dict[str, Any]) -> None:
     med = {k: statistics.median(t for t, _ in v) for k, v in result["rows"].items()}
     compute = med["compute"]
     console = Console()
-    console.print(f"{result['params'] / 1e6:.1f}M params, 2 gloo ranks, every state in memory; "
-                  f"compute step (no delay) {compute:.3f} s")
+    console.print(
+        f"{result['params'] / 1e6:.1f}M params, 2 gloo ranks, every state in memory; "
+        f"compute step (no delay) {compute:.3f} s"
+    )
     table = Table(title="step time (median over interleaved rounds) / max(compute, comm)")
     for col in ("comm / compute", "link GB/s", "comm s", "compute + comm", "no overlap", "overlap"):
         table.add_column(col, justify="right")
@@ -145,9 +192,14 @@ def _print(result: dict[str, Any]) -> None:
         key = f"{b:g}"
         comm = statistics.median(c for _, c in result["rows"][f"{key} overlap"])
         bound = max(compute, comm)
-        table.add_row(key, f"{result['link_gbps'][key]:.4f}", f"{comm:.3f}", f"{(compute + comm) / bound:.2f}",
-                      f"{med[f'{key} no overlap']:.3f} s = {med[f'{key} no overlap'] / bound:.2f}",
-                      f"{med[f'{key} overlap']:.3f} s = {med[f'{key} overlap'] / bound:.2f}")
+        table.add_row(
+            key,
+            f"{result['link_gbps'][key]:.4f}",
+            f"{comm:.3f}",
+            f"{(compute + comm) / bound:.2f}",
+            f"{med[f'{key} no overlap']:.3f} s = {med[f'{key} no overlap'] / bound:.2f}",
+            f"{med[f'{key} overlap']:.3f} s = {med[f'{key} overlap'] / bound:.2f}",
+        )
     console.print(table)
 
 

@@ -27,19 +27,25 @@ import time
 import torch
 from rich.console import Console
 from rich.table import Table
+from shapes import add_shape_flags, shape
 
 from tierzero import Config, Placement, Tier, models
-from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.engine import Engine
 from tierzero.models import ModelArgs
-
-from shapes import add_shape_flags, shape
+from tierzero.run.data import TokenBatches, default_corpus
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 
 
-def step_times(args: ModelArgs, placement: Placement, batch_size: int, seq_len: int, steps: int,
-               path: str, **kw) -> tuple[list[float], dict]:
+def step_times(
+    args: ModelArgs,
+    placement: Placement,
+    batch_size: int,
+    seq_len: int,
+    steps: int,
+    path: str,
+    **kw,
+) -> tuple[list[float], dict]:
     cfg = Config(placement=placement, nvme_path=[path], lr=1e-4, total_steps=steps + 2, **kw)
     data = TokenBatches(default_corpus(4 << 20), batch_size, seq_len, seed=0)
     times = []
@@ -61,8 +67,10 @@ def main() -> None:
     a = p.parse_args()
     args = shape(a)
     console = Console()
-    console.print(f"model: {a.layers} layers x dim {a.dim} = {args.param_count() / 1e6:.1f}M params; "
-                  f"batch {a.batch_size} x {a.seq_len}; torch threads {torch.get_num_threads()}")
+    console.print(
+        f"model: {a.layers} layers x dim {a.dim} = {args.param_count() / 1e6:.1f}M params; "
+        f"batch {a.batch_size} x {a.seq_len}; torch threads {torch.get_num_threads()}"
+    )
     off, on = {"overlap_step": False}, {"overlap_step": True}
     variants = {
         "compute-only (all-gpu)": (Placement(), a.batch_size, a.seq_len, {}),
@@ -76,24 +84,37 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=a.path or ".") as root:
         for r in range(a.rounds):
             for name, (placement, bs, sl, kw) in variants.items():
-                times, stats = step_times(args, placement, bs, sl, a.steps, f"{root}/{r}-{len(samples[name])}", **kw)
+                times, stats = step_times(
+                    args, placement, bs, sl, a.steps, f"{root}/{r}-{len(samples[name])}", **kw
+                )
                 samples[name] += times
-                moved[name] = sum(v for k, v in stats.items() if k.startswith("bytes_nvme") or
-                                  k.endswith("->nvme")) / a.steps
+                moved[name] = (
+                    sum(
+                        v
+                        for k, v in stats.items()
+                        if k.startswith("bytes_nvme") or k.endswith("->nvme")
+                    )
+                    / a.steps
+                )
     med = {name: statistics.median(v) for name, v in samples.items()}
     compute = med["compute-only (all-gpu)"]
-    ratio = {mode: med[f"nvme, overlap_step {mode}" + (" (default)" if mode == "on" else "")]
-             / max(compute, med[f"I/O-only, overlap_step {mode}"]) for mode in ("off", "on")}
+    ratio = {
+        mode: med[f"nvme, overlap_step {mode}" + (" (default)" if mode == "on" else "")]
+        / max(compute, med[f"I/O-only, overlap_step {mode}"])
+        for mode in ("off", "on")
+    }
     table = Table(title="step time, median over interleaved rounds")
     for col in ("variant", "step s", "nvme bytes / step"):
         table.add_column(col, justify="right" if col != "variant" else "left")
     for name, t in med.items():
         table.add_row(name, f"{t:.3f}", f"{moved.get(name, 0) / 1e6:,.0f} MB")
     console.print(table)
-    console.print(f"overlap ratio (nvme step / max(compute-only, I/O-only)): overlap_step off "
-                  f"{ratio['off']:.2f}, on {ratio['on']:.2f}; overlap_step saves "
-                  f"{1 - med['nvme, overlap_step on (default)'] / med['nvme, overlap_step off']:.0%} "
-                  "of the nvme step")
+    console.print(
+        f"overlap ratio (nvme step / max(compute-only, I/O-only)): overlap_step off "
+        f"{ratio['off']:.2f}, on {ratio['on']:.2f}; overlap_step saves "
+        f"{1 - med['nvme, overlap_step on (default)'] / med['nvme, overlap_step off']:.0%} "
+        "of the nvme step"
+    )
 
 
 if __name__ == "__main__":

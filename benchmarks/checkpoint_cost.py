@@ -64,19 +64,35 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
+from tierzero.storage.nvme import chunkfile
 
 from tierzero import Config, Engine, models
 from tierzero.checkpoint.catalog import prune
-from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.checkpoint.manifest import Manifest
 from tierzero.models import ModelArgs
-from tierzero.storage.nvme import chunkfile
+from tierzero.run.data import TokenBatches, default_corpus
 
 SHAPES = {
-    "1x": ModelArgs(dim=512, n_layers=6, n_heads=8, n_kv_heads=8, vocab_size=256, ffn_dim=1408,
-                    max_seq_len=64, tie_embeddings=True),
-    "10x": ModelArgs(dim=1024, n_layers=16, n_heads=16, n_kv_heads=16, vocab_size=256, ffn_dim=2752,
-                     max_seq_len=64, tie_embeddings=True),
+    "1x": ModelArgs(
+        dim=512,
+        n_layers=6,
+        n_heads=8,
+        n_kv_heads=8,
+        vocab_size=256,
+        ffn_dim=1408,
+        max_seq_len=64,
+        tie_embeddings=True,
+    ),
+    "10x": ModelArgs(
+        dim=1024,
+        n_layers=16,
+        n_heads=16,
+        n_kv_heads=16,
+        vocab_size=256,
+        ffn_dim=2752,
+        max_seq_len=64,
+        tie_embeddings=True,
+    ),
 }
 # live store 20 (param, grad, master, exp_avg, exp_avg_sq) + up to as much in spare files + 3 x 16
 # in checkpoints (two kept, and the new one before pruning) + a little for chunk padding
@@ -99,8 +115,16 @@ class Variant:
     notes: list[str] = field(default_factory=list)
 
     def config(self) -> Config:
-        return Config(offload="nvme", nvme_path=[str(self.nvme_dir)], dtype="fp32", device="cpu",
-                      host_budget="1GiB", gpu_budget="1GiB", lr=1e-4, total_steps=100)
+        return Config(
+            offload="nvme",
+            nvme_path=[str(self.nvme_dir)],
+            dtype="fp32",
+            device="cpu",
+            host_budget="1GiB",
+            gpu_budget="1GiB",
+            lr=1e-4,
+            total_steps=100,
+        )
 
 
 def proc_io() -> dict[str, int]:
@@ -119,7 +143,9 @@ def sectors_written(stat: str | None) -> int | None:
     if stat is None:
         return None
     with open(stat) as f:
-        return int(f.read().split()[6])  # field 7: sectors written (512 B each, whatever the disk's)
+        return int(
+            f.read().split()[6]
+        )  # field 7: sectors written (512 B each, whatever the disk's)
 
 
 class Counters:
@@ -155,6 +181,7 @@ class Phases:
                 return fn(*args, **kw)
             finally:
                 setattr(self, attr, getattr(self, attr) + time.perf_counter() - t0)
+
         return wrapper
 
     def __enter__(self) -> Phases:
@@ -198,11 +225,21 @@ def save_once(v: Variant, stat: str | None, flush_first: bool) -> None:
     manifest = Manifest.load(path)
     files = chunk_files(path)
     v.state_nbytes = manifest.nbytes
-    v.saves.append({"seconds": c.seconds, "write_bytes": c.write_bytes, "wchar": c.wchar,
-                    "disk_bytes": c.disk_bytes, "bytes_copied": manifest.bytes_copied,
-                    "files": len(files), "linked": sum(os.stat(p).st_nlink > 1 for p in files),
-                    "step_s": step_s, "drain_s": phases.drain_s, "syncfs_s": phases.syncfs_s,
-                    "flush_s": flush_s})
+    v.saves.append(
+        {
+            "seconds": c.seconds,
+            "write_bytes": c.write_bytes,
+            "wchar": c.wchar,
+            "disk_bytes": c.disk_bytes,
+            "bytes_copied": manifest.bytes_copied,
+            "files": len(files),
+            "linked": sum(os.stat(p).st_nlink > 1 for p in files),
+            "step_s": step_s,
+            "drain_s": phases.drain_s,
+            "syncfs_s": phases.syncfs_s,
+            "flush_s": flush_s,
+        }
+    )
     prune(v.run_dir, 2, path)  # outside the timed save: bounds disk use
 
 
@@ -226,54 +263,87 @@ def mb(n: int | None) -> str:
 def check_space(where: Path, need: int, what: str) -> None:
     free = shutil.disk_usage(where).free
     if free < need:
-        sys.exit(f"{where} has {free / 1e9:.1f} GB free but {what} needs about {need / 1e9:.1f} GB; "
-                 "free space or pass another --path")
+        sys.exit(
+            f"{where} has {free / 1e9:.1f} GB free but {what} needs about {need / 1e9:.1f} GB; "
+            "free space or pass another --path"
+        )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5, help="interleaved saves per variant")
-    p.add_argument("--path", default=None, help="directory on the NVMe filesystem (default: a temp dir)")
-    p.add_argument("--flush-first", action="store_true",
-                   help="syncfs after each step, outside the timed save (timed on its own)")
-    p.add_argument("--other-fs", default="/dev/shm", help="a directory on another filesystem ('' to skip)")
+    p.add_argument(
+        "--path", default=None, help="directory on the NVMe filesystem (default: a temp dir)"
+    )
+    p.add_argument(
+        "--flush-first",
+        action="store_true",
+        help="syncfs after each step, outside the timed save (timed on its own)",
+    )
+    p.add_argument(
+        "--other-fs", default="/dev/shm", help="a directory on another filesystem ('' to skip)"
+    )
     a = p.parse_args()
     console = Console(width=200)
     torch.manual_seed(0)
     root = Path(tempfile.mkdtemp(prefix="tierzero-ckpt-cost-", dir=a.path))
-    other = Path(tempfile.mkdtemp(prefix="tierzero-ckpt-cost-", dir=a.other_fs)) if a.other_fs else None
+    other = (
+        Path(tempfile.mkdtemp(prefix="tierzero-ckpt-cost-", dir=a.other_fs)) if a.other_fs else None
+    )
     try:
-        check_space(root, DISK_BYTES_PER_PARAM * sum(s.param_count() for s in SHAPES.values()), "the benchmark")
-        variants = [Variant(name, args, root / f"nvme-{name}", root / f"run-{name}") for name, args in SHAPES.items()]
+        check_space(
+            root,
+            DISK_BYTES_PER_PARAM * sum(s.param_count() for s in SHAPES.values()),
+            "the benchmark",
+        )
+        variants = [
+            Variant(name, args, root / f"nvme-{name}", root / f"run-{name}")
+            for name, args in SHAPES.items()
+        ]
         if other is not None:
             small = SHAPES["1x"]
-            check_space(other, OTHER_FS_BYTES_PER_PARAM * small.param_count(), "the other-filesystem run dir")
+            check_space(
+                other,
+                OTHER_FS_BYTES_PER_PARAM * small.param_count(),
+                "the other-filesystem run dir",
+            )
             variants.append(Variant("1x, other fs", small, root / "nvme-1x-other", other / "run"))
         for v in variants:
             v.nvme_dir.mkdir()
         stat = disk_stat_path(root)
-        console.print(f"NVMe path {root} ({disk_stat_path(root) or 'no block device stats'}); "
-                      f"other filesystem: {other or 'skipped'}; torch threads {torch.get_num_threads()}")
+        console.print(
+            f"NVMe path {root} ({disk_stat_path(root) or 'no block device stats'}); "
+            f"other filesystem: {other or 'skipped'}; torch threads {torch.get_num_threads()}"
+        )
         with ExitStack() as stack:
             for v in variants:
                 t0 = time.perf_counter()
-                v.engine = stack.enter_context(Engine(models.build(v.args, device="meta"), v.config()))
+                v.engine = stack.enter_context(
+                    Engine(models.build(v.args, device="meta"), v.config())
+                )
                 v.data = TokenBatches(default_corpus(1 << 20), batch_size=1, seq_len=32, seed=0)
-                console.print(f"{v.name}: {v.args.param_count() / 1e6:.1f}M params, materialised on NVMe "
-                              f"in {time.perf_counter() - t0:.1f}s")
+                console.print(
+                    f"{v.name}: {v.args.param_count() / 1e6:.1f}M params, materialised on NVMe "
+                    f"in {time.perf_counter() - t0:.1f}s"
+                )
             for r in range(a.rounds):
-                for v in variants[r % len(variants):] + variants[:r % len(variants)]:
+                for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
                     save_once(v, stat, a.flush_first)
                     s = v.saves[-1]
-                    console.print(f"round {r + 1} {v.name}: step {s['step_s']:.1f}s, save {s['seconds']:.3f}s "
-                                  f"(drain {s['drain_s']:.3f}s, syncfs {s['syncfs_s']:.3f}s"
-                                  + (f"; flushed first in {s['flush_s']:.3f}s" if a.flush_first else "") + "), written "
-                                  f"{mb(s['write_bytes'])}, disk {mb(s['disk_bytes'])}, copied {mb(s['bytes_copied'])}")
+                    console.print(
+                        f"round {r + 1} {v.name}: step {s['step_s']:.1f}s, save {s['seconds']:.3f}s "
+                        f"(drain {s['drain_s']:.3f}s, syncfs {s['syncfs_s']:.3f}s"
+                        + (f"; flushed first in {s['flush_s']:.3f}s" if a.flush_first else "")
+                        + "), written "
+                        f"{mb(s['write_bytes'])}, disk {mb(s['disk_bytes'])}, copied {mb(s['bytes_copied'])}"
+                    )
             for v in variants:
                 v.notes += v.engine.notes()
         for v in variants:  # every engine is closed: each resume opens its store again
             resume_once(v, stat)
-            console.print(f"resume {v.name}: {v.resume['seconds']:.2f}s, read {mb(v.resume['read_bytes'])}")
+            console.print(
+                f"resume {v.name}: {v.resume['seconds']:.2f}s, read {mb(v.resume['read_bytes'])}"
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if other is not None:
@@ -281,31 +351,59 @@ def main() -> None:
 
     title = f"checkpoint cost, {a.rounds} interleaved saves per variant (median / min)"
     table = Table(title=title + (", each after a separate syncfs" if a.flush_first else ""))
-    for col in ("variant", "params", "state saved", *(["syncfs before (not in save)"] if a.flush_first else []),
-                "save time", "of which drain", "of which syncfs",
-                "written (this process)", "write syscalls",
-                "disk sectors (all processes)", "bytes copied", "chunk files linked", "resume (cold, verified)",
-                "resume read"):
+    for col in (
+        "variant",
+        "params",
+        "state saved",
+        *(["syncfs before (not in save)"] if a.flush_first else []),
+        "save time",
+        "of which drain",
+        "of which syncfs",
+        "written (this process)",
+        "write syscalls",
+        "disk sectors (all processes)",
+        "bytes copied",
+        "chunk files linked",
+        "resume (cold, verified)",
+        "resume read",
+    ):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for v in variants:
+
         def med(key: str) -> str:
             values = [s[key] for s in v.saves]
             return "n/a" if None in values else mb(int(statistics.median(values)))
+
         times = [s["seconds"] for s in v.saves]
 
         def med_s(key: str) -> str:
             return f"{statistics.median(s[key] for s in v.saves):.3f} s"
+
         last = v.saves[-1]
-        table.add_row(v.name, f"{v.args.param_count() / 1e6:.1f}M", mb(v.state_nbytes),
-                      *([med_s("flush_s")] if a.flush_first else []),
-                      f"{statistics.median(times):.3f} / {min(times):.3f} s", med_s("drain_s"), med_s("syncfs_s"),
-                      med("write_bytes"), med("wchar"),
-                      med("disk_bytes"), med("bytes_copied"), f"{last['linked']} / {last['files']}",
-                      f"{v.resume['seconds']:.2f} s", mb(v.resume["read_bytes"]))
+        table.add_row(
+            v.name,
+            f"{v.args.param_count() / 1e6:.1f}M",
+            mb(v.state_nbytes),
+            *([med_s("flush_s")] if a.flush_first else []),
+            f"{statistics.median(times):.3f} / {min(times):.3f} s",
+            med_s("drain_s"),
+            med_s("syncfs_s"),
+            med("write_bytes"),
+            med("wchar"),
+            med("disk_bytes"),
+            med("bytes_copied"),
+            f"{last['linked']} / {last['files']}",
+            f"{v.resume['seconds']:.2f} s",
+            mb(v.resume["read_bytes"]),
+        )
     console.print(table)
     for v in variants:
-        console.print(f"{v.name} saves (drain, syncfs): " + ", ".join(
-            f"{s['seconds']:.3f}s ({s['drain_s']:.3f}, {s['syncfs_s']:.3f})" for s in v.saves))
+        console.print(
+            f"{v.name} saves (drain, syncfs): "
+            + ", ".join(
+                f"{s['seconds']:.3f}s ({s['drain_s']:.3f}, {s['syncfs_s']:.3f})" for s in v.saves
+            )
+        )
         for note in v.notes:
             console.print(f"[yellow]note ({v.name}):[/] {note}", highlight=False)
 

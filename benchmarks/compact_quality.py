@@ -33,16 +33,32 @@ from tierzero.hf import load_model
 from tierzero.models.presets import get_preset
 from tierzero.run.data import TokenBatches, default_corpus
 
-FORMATS = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "bf16"), "int8 + bf16 master": ("int8", "bf16")}
+FORMATS = {
+    "fp32": ("fp32", "fp32"),
+    "bf16": ("bf16", "bf16"),
+    "int8 + bf16 master": ("int8", "bf16"),
+}
 TAIL = 50  # steps the losses are compared over
 
 
-def train(preset: str, moments: str, master: str, opts: argparse.Namespace, path: str) -> list[float]:
-    cfg = Config(offload=opts.offload, nvme_path=[path], lr=opts.lr, total_steps=opts.steps,
-                 warmup_steps=opts.steps // 20, optimizer_state=moments, master=master, seed=0,
-                 dtype=opts.dtype)
+def train(
+    preset: str, moments: str, master: str, opts: argparse.Namespace, path: str
+) -> list[float]:
+    cfg = Config(
+        offload=opts.offload,
+        nvme_path=[path],
+        lr=opts.lr,
+        total_steps=opts.steps,
+        warmup_steps=opts.steps // 20,
+        optimizer_state=moments,
+        master=master,
+        seed=0,
+        dtype=opts.dtype,
+    )
     data = TokenBatches(default_corpus(), opts.batch_size, opts.seq_len, seed=0)
-    if opts.model is not None:  # every weight of the directory's model trained, from its own weights
+    if (
+        opts.model is not None
+    ):  # every weight of the directory's model trained, from its own weights
         hf = load_model(opts.model)
         model, weights = hf.model, hf.weights
     else:
@@ -54,20 +70,40 @@ def train(preset: str, moments: str, master: str, opts: argparse.Namespace, path
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--model", default=None, help="hf:DIR, a Hugging Face decoder (vocabulary >= 256: the corpus is bytes)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="hf:DIR, a Hugging Face decoder (vocabulary >= 256: the corpus is bytes)",
+    )
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
-                   help="compute dtype of every run (bf16: a bf16 master is the param itself)")
+    p.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=("fp32", "bf16"),
+        help="compute dtype of every run (bf16: a bf16 master is the param itself)",
+    )
     p.add_argument("--out", default="compact_quality.png")
-    p.add_argument("--offload", default="none", help="where the state lives (none: memory; nvme: --nvme-path)")
-    p.add_argument("--nvme-path", default=None, help="where the runs' stores go (default: a temp dir)")
-    p.add_argument("--formats", default=",".join(FORMATS),
-                   help=f"comma-separated runs, fp32 among them or in --baseline (default: all of {', '.join(FORMATS)})")
-    p.add_argument("--baseline", action="append", default=[], help="curves JSON of an earlier run with the "
-                   "same settings, whose formats are not trained again (repeatable)")
+    p.add_argument(
+        "--offload", default="none", help="where the state lives (none: memory; nvme: --nvme-path)"
+    )
+    p.add_argument(
+        "--nvme-path", default=None, help="where the runs' stores go (default: a temp dir)"
+    )
+    p.add_argument(
+        "--formats",
+        default=",".join(FORMATS),
+        help=f"comma-separated runs, fp32 among them or in --baseline (default: all of {', '.join(FORMATS)})",
+    )
+    p.add_argument(
+        "--baseline",
+        action="append",
+        default=[],
+        help="curves JSON of an earlier run with the "
+        "same settings, whose formats are not trained again (repeatable)",
+    )
     opts = p.parse_args()
     chosen = [name.strip() for name in opts.formats.split(",") if name.strip()]
     if not set(chosen) <= set(FORMATS):
@@ -76,7 +112,9 @@ def main() -> None:
     for path in opts.baseline:
         losses.update(json.loads(Path(path).read_text()))
     if any(len(curve) != opts.steps for curve in losses.values()):
-        p.error(f"--baseline {' '.join(opts.baseline)}: its curves are not {opts.steps} steps long; give the same --steps")
+        p.error(
+            f"--baseline {' '.join(opts.baseline)}: its curves are not {opts.steps} steps long; give the same --steps"
+        )
     if not chosen and not losses:
         p.error("nothing to train or show: name --formats or give --baseline")
     for name in chosen:
@@ -86,8 +124,10 @@ def main() -> None:
         print(f"{name}: last-{TAIL} mean loss {np.mean(losses[name][-TAIL:]):.4f}", flush=True)
     base = np.mean(losses["fp32"][-TAIL:]) if "fp32" in losses else None
     trained = opts.model or opts.preset
-    print(f"{trained}, {opts.steps} steps, batch {opts.batch_size} x {opts.seq_len}, lr {opts.lr}, "
-          f"{opts.dtype} compute")
+    print(
+        f"{trained}, {opts.steps} steps, batch {opts.batch_size} x {opts.seq_len}, lr {opts.lr}, "
+        f"{opts.dtype} compute"
+    )
     print(f"{'state':<20} {'last-50 mean':>12} {'vs fp32':>8}")
     for name, curve in losses.items():
         mean = np.mean(curve[-TAIL:])
@@ -103,11 +143,15 @@ def plot(losses: dict[str, list[float]], opts: argparse.Namespace) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, curve in losses.items():
-        line, = ax.plot(curve, alpha=0.3, linewidth=0.8)
+        (line,) = ax.plot(curve, alpha=0.3, linewidth=0.8)
         window = min(20, len(curve))
         smooth = np.convolve(curve, np.ones(window) / window, mode="valid")
         ax.plot(np.arange(window - 1, len(curve)), smooth, color=line.get_color(), label=name)
-    ax.set(xlabel="step", ylabel="training loss", title=f"{opts.model or opts.preset} ({opts.dtype} compute): optimizer state formats")
+    ax.set(
+        xlabel="step",
+        ylabel="training loss",
+        title=f"{opts.model or opts.preset} ({opts.dtype} compute): optimizer state formats",
+    )
     ax.legend()
     fig.savefig(opts.out, dpi=120, bbox_inches="tight")
     curves = str(Path(opts.out).with_suffix(".json"))

@@ -36,10 +36,14 @@ FORMATS = [(m, w) for m in ("fp32", "bf16", "int8") for w in ("fp32", "bf16")]  
 
 def compact_tensors(formats: StateFormats, n: int) -> dict[StateKind, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {StateKind.MASTER: formats.encode(StateKind.MASTER, torch.randn(n, generator=g) * 0.05),
-            StateKind.EXP_AVG: formats.encode(StateKind.EXP_AVG, torch.randn(n, generator=g) * 1e-3),
-            StateKind.EXP_AVG_SQ: formats.encode(StateKind.EXP_AVG_SQ, torch.rand(n, generator=g) * 1e-6),
-            StateKind.GRAD: torch.randn(n, generator=g) * 1e-2}
+    return {
+        StateKind.MASTER: formats.encode(StateKind.MASTER, torch.randn(n, generator=g) * 0.05),
+        StateKind.EXP_AVG: formats.encode(StateKind.EXP_AVG, torch.randn(n, generator=g) * 1e-3),
+        StateKind.EXP_AVG_SQ: formats.encode(
+            StateKind.EXP_AVG_SQ, torch.rand(n, generator=g) * 1e-6
+        ),
+        StateKind.GRAD: torch.randn(n, generator=g) * 1e-2,
+    }
 
 
 def timed(fn, clock=time.perf_counter) -> float:
@@ -50,10 +54,14 @@ def timed(fn, clock=time.perf_counter) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--numel", type=int, default=16 * 2 ** 20)
+    parser.add_argument("--numel", type=int, default=16 * 2**20)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--torch-ops", action="store_true", help="step with torch's ops, not the kernel")
-    parser.add_argument("--cpu-time", action="store_true", help="time CPU seconds, not wall-clock ones")
+    parser.add_argument(
+        "--torch-ops", action="store_true", help="step with torch's ops, not the kernel"
+    )
+    parser.add_argument(
+        "--cpu-time", action="store_true", help="time CPU seconds, not wall-clock ones"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch's (and the kernel's) threads")
     opts = parser.parse_args()
     if opts.threads:
@@ -62,22 +70,35 @@ def main() -> None:
     n, config = opts.numel, Config(lr=1e-3, weight_decay=0.1, seed=7)
     fused = [torch.randn(n) * 0.05, torch.randn(n) * 1e-2, torch.zeros(n), torch.zeros(n)]
     cpu = torch.device("cpu")
-    steps = {f: (CompactStep(StateFormats(*f), config, cpu, kernel=not opts.torch_ops),
-                 compact_tensors(StateFormats(*f), n)) for f in FORMATS}
+    steps = {
+        f: (
+            CompactStep(StateFormats(*f), config, cpu, kernel=not opts.torch_ops),
+            compact_tensors(StateFormats(*f), n),
+        )
+        for f in FORMATS
+    }
     times: dict[tuple[str, str] | str, list[float]] = {key: [] for key in [*FORMATS, "fused"]}
     for r in range(opts.rounds + 1):  # round 0 warms up the scratch and allocator
         for f, (stepper, tensors) in steps.items():
-            for key, fn in (("fused", lambda: adamw_step([fused[0]], [fused[1]], [fused[2]], [fused[3]],
-                                                         [0.1], [r], 1e-3, config)),
-                            (f, lambda: stepper.step(tensors, [(0, n, 0.1, r)], 1e-3, 0, 0))):
+            for key, fn in (
+                (
+                    "fused",
+                    lambda: adamw_step(
+                        [fused[0]], [fused[1]], [fused[2]], [fused[3]], [0.1], [r], 1e-3, config
+                    ),
+                ),
+                (f, lambda: stepper.step(tensors, [(0, n, 0.1, r)], 1e-3, 0, 0)),
+            ):
                 elapsed = timed(fn, clock)
                 if r:
                     times[key].append(elapsed)
     rate = {key: n / statistics.median(t) / 1e6 for key, t in times.items()}
     path = "torch's ops" if opts.torch_ops else "the CPU kernel"
     per = "CPU second" if opts.cpu_time else "second"
-    print(f"{n} values, {torch.get_num_threads()} threads, median of {opts.rounds} interleaved rounds, {path}, "
-          f"M params per {per}")
+    print(
+        f"{n} values, {torch.get_num_threads()} threads, median of {opts.rounds} interleaved rounds, {path}, "
+        f"M params per {per}"
+    )
     print(f"torch fused AdamW (fp32): {rate['fused']:8.1f}")
     print(f"{'moments':>8} {'master':>7} {'M params':>11} {'vs fused':>9}")
     for f in FORMATS:

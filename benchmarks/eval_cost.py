@@ -40,7 +40,6 @@ from tierzero.run.loop import evaluate
 from tierzero.run.session import open_session
 
 
-
 def read_bytes() -> int:
     """This process's bytes read from a block device so far (O_DIRECT reads included)."""
     with open("/proc/self/io") as f:

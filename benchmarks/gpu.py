@@ -44,20 +44,48 @@ REPO = Path(__file__).resolve().parents[1]
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--work-dir", default=str(REPO.parent / "tierzero-gpu"),
-                    help="stores, results and traces (default: tierzero-gpu beside the repo); a local SSD")
-    ap.add_argument("--minutes", type=float, default=6.0, help="the hard time budget the run is sized to")
-    ap.add_argument("--quick", action="store_true", help="presets up to 1b, short peak probes, no pytest child")
-    ap.add_argument("--dry-run", action="store_true", help="print the plan for an H200 with nominal rates; run nothing")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                    help="cpu: the same stages with the tiny preset on the CPU")
-    ap.add_argument("--preset", choices=sorted(PRESETS), default=None, help="this preset instead of the largest that fits")
+    ap.add_argument(
+        "--work-dir",
+        default=str(REPO.parent / "tierzero-gpu"),
+        help="stores, results and traces (default: tierzero-gpu beside the repo); a local SSD",
+    )
+    ap.add_argument(
+        "--minutes", type=float, default=6.0, help="the hard time budget the run is sized to"
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="presets up to 1b, short peak probes, no pytest child"
+    )
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan for an H200 with nominal rates; run nothing",
+    )
+    ap.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: the same stages with the tiny preset on the CPU",
+    )
+    ap.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="this preset instead of the largest that fits",
+    )
     ap.add_argument("--placements", default="host,nvme")
     ap.add_argument("--seq-len", type=int, default=None, help="default 2048 (on --device cpu: 128)")
-    ap.add_argument("--steps", type=int, default=3, help="at most this many timed steps per placement")
+    ap.add_argument(
+        "--steps", type=int, default=3, help="at most this many timed steps per placement"
+    )
     ap.add_argument("--max-accumulate", type=int, default=8)
-    ap.add_argument("--gpu-mem", default=None, help="cap the GPU memory torch may use (e.g. 24GiB, a workstation card)")
-    ap.add_argument("--host-fraction", type=float, default=0.8, help="share of MemAvailable the engine may use")
+    ap.add_argument(
+        "--gpu-mem",
+        default=None,
+        help="cap the GPU memory torch may use (e.g. 24GiB, a workstation card)",
+    )
+    ap.add_argument(
+        "--host-fraction", type=float, default=0.8, help="share of MemAvailable the engine may use"
+    )
     return ap.parse_args(argv)
 
 
@@ -65,24 +93,38 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
     placements = tuple(p for p in opts.placements.split(",") if p)
     if not placements or set(placements) - set(PLACEMENTS):
-        print(f"--placements takes a comma-separated subset of {', '.join(PLACEMENTS)}", file=sys.stderr)
+        print(
+            f"--placements takes a comma-separated subset of {', '.join(PLACEMENTS)}",
+            file=sys.stderr,
+        )
         return 2
     if opts.minutes <= 0 or opts.steps < 1:
         print("--minutes must be positive and --steps at least 1", file=sys.stderr)
         return 2
     options = gpu_run.Options(
-        work_dir=Path(opts.work_dir).resolve(), repo=REPO, minutes=opts.minutes, quick=opts.quick,
-        device=opts.device, preset=opts.preset, placements=placements, max_steps=opts.steps,
+        work_dir=Path(opts.work_dir).resolve(),
+        repo=REPO,
+        minutes=opts.minutes,
+        quick=opts.quick,
+        device=opts.device,
+        preset=opts.preset,
+        placements=placements,
+        max_steps=opts.steps,
         seq_len=opts.seq_len or (128 if opts.device == "cpu" else 2048),
         largest_micro_batch=1 if opts.device == "cpu" else 16,
-        max_accumulate=opts.max_accumulate, host_fraction=opts.host_fraction,
-        gpu_bytes=parse_bytes(opts.gpu_mem, "--gpu-mem") if opts.gpu_mem else None)
+        max_accumulate=opts.max_accumulate,
+        host_fraction=opts.host_fraction,
+        gpu_bytes=parse_bytes(opts.gpu_mem, "--gpu-mem") if opts.gpu_mem else None,
+    )
     if opts.dry_run:
         print("\n".join(gpu_run.dry_run(options)))
         return 0
     if opts.device == "cuda" and not torch.cuda.is_available():
-        print("benchmarks/gpu.py needs a CUDA GPU and none is visible here; pass --dry-run for the plan, "
-              "or --device cpu to run its stages on the CPU", file=sys.stderr)
+        print(
+            "benchmarks/gpu.py needs a CUDA GPU and none is visible here; pass --dry-run for the plan, "
+            "or --device cpu to run its stages on the CPU",
+            file=sys.stderr,
+        )
         return 2
     if options.gpu_bytes is not None and opts.device == "cuda":
         device = torch.cuda.current_device()
@@ -90,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_per_process_memory_fraction(min(1.0, options.gpu_bytes / total), device)
     results = options.work_dir / "results.jsonl"
     with ResultLog(results, run=time.strftime("%Y%m%dT%H%M%S")).open() as log:
-        print(f"results: {results} (run {log.run}); time budget {options.budget_s:.0f} s", flush=True)
+        print(
+            f"results: {results} (run {log.run}); time budget {options.budget_s:.0f} s", flush=True
+        )
         return gpu_run.run(options, log, lambda line: print(line, flush=True))
 
 

@@ -17,11 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from tierzero.storage.durable import write_atomic
+
 from tierzero import Config, Placement, Tier, models
 from tierzero.bench.shapes import nvme_shape
 from tierzero.engine import Engine
 from tierzero.run.data import TokenBatches, default_corpus
-from tierzero.storage.durable import write_atomic
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 FORMATS = [("fp32", "fp32"), ("int8", "bf16")]  # (moments, master)
@@ -30,9 +31,16 @@ FORMATS = [("fp32", "fp32"), ("int8", "bf16")]  # (moments, master)
 def run(moments: str, master: str, opts: argparse.Namespace, nvme: str, out: Path) -> None:
     """Train the steps and write their records (the train loop's keys) to `out`/metrics.jsonl."""
     args, host_budget = nvme_shape(opts.quick, opts.host_budget)
-    cfg = Config(placement=NVME, nvme_path=[nvme], dtype=opts.dtype, lr=1e-4,
-                 total_steps=opts.steps + 1, host_budget=host_budget, optimizer_state=moments,
-                 master=master)
+    cfg = Config(
+        placement=NVME,
+        nvme_path=[nvme],
+        dtype=opts.dtype,
+        lr=1e-4,
+        total_steps=opts.steps + 1,
+        host_budget=host_budget,
+        optimizer_state=moments,
+        master=master,
+    )
     data = TokenBatches(default_corpus(4 << 20), opts.batch_size, opts.seq_len, seed=0)
     tokens = opts.batch_size * opts.seq_len
     records = []
@@ -44,22 +52,41 @@ def run(moments: str, master: str, opts: argparse.Namespace, nvme: str, out: Pat
             t0 = time.perf_counter()
             loss = float(engine.train_step(data.next_batch()))
             dt = time.perf_counter() - t0
-            records.append({"step": step, "loss": loss, "lr": cfg.lr, "tokens_per_s": tokens / dt,
-                            "step_s": dt, "wall_s": time.perf_counter() - start, **engine.stats()})
+            records.append(
+                {
+                    "step": step,
+                    "loss": loss,
+                    "lr": cfg.lr,
+                    "tokens_per_s": tokens / dt,
+                    "step_s": dt,
+                    "wall_s": time.perf_counter() - start,
+                    **engine.stats(),
+                }
+            )
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records).encode())
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", type=Path, required=True, help="where each format's run directory goes")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--quick", action="store_true", help="a small shape (4 layers, dim 256)")
     p.add_argument("--dtype", default="bf16", help="the compute dtype (params on NVMe in it)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--host-budget", default="512MiB", help="small enough that the host cache cannot hold the params")
-    p.add_argument("--nvme-path", default=None, help="a directory on the drive to measure (default: a temp dir)")
+    p.add_argument(
+        "--host-budget",
+        default="512MiB",
+        help="small enough that the host cache cannot hold the params",
+    )
+    p.add_argument(
+        "--nvme-path",
+        default=None,
+        help="a directory on the drive to measure (default: a temp dir)",
+    )
     opts = p.parse_args()
     for moments, master in FORMATS:
         with tempfile.TemporaryDirectory(dir=opts.nvme_path) as nvme:

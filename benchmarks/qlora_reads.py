@@ -42,9 +42,7 @@ BASES = ("none", "nf4")
 def read_bytes() -> int:
     """This process's bytes read from a block device so far (O_DIRECT reads included)."""
     with open("/proc/self/io") as f:
-        return next(
-            int(line.split(":")[1]) for line in f if line.startswith("read_bytes:")
-        )
+        return next(int(line.split(":")[1]) for line in f if line.startswith("read_bytes:"))
 
 
 def save_model(path: Path, shape: dict[str, int]) -> Path:
@@ -53,15 +51,11 @@ def save_model(path: Path, shape: dict[str, int]) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False)).save_pretrained(
-        path
-    )
+    LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False)).save_pretrained(path)
     return path
 
 
-def measured(
-    steps: list[tuple[int, float]], fn: Callable[..., Any]
-) -> Callable[..., Any]:
+def measured(steps: list[tuple[int, float]], fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn`, recording each call's bytes read and seconds."""
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -73,9 +67,7 @@ def measured(
     return wrapper
 
 
-def run(
-    opts: argparse.Namespace, root: Path, model_dir: Path, base: str
-) -> dict[str, Any]:
+def run(opts: argparse.Namespace, root: Path, model_dir: Path, base: str) -> dict[str, Any]:
     """One run with the base stored as `base`: each step's bytes read, the run's, the losses."""
     settings = {
         "model": f"hf:{model_dir}",
@@ -110,9 +102,7 @@ def run(
 
 
 def report(results: dict[str, dict[str, Any]], console: Console) -> None:
-    table = Table(
-        title="bytes read from the drive per training step (/proc/self/io read_bytes)"
-    )
+    table = Table(title="bytes read from the drive per training step (/proc/self/io read_bytes)")
     for column in (
         "base",
         "median MB/step",
@@ -140,9 +130,7 @@ def report(results: dict[str, dict[str, Any]], console: Console) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--quick", action="store_true", help="a small shape, in seconds"
-    )
+    parser.add_argument("--quick", action="store_true", help="a small shape, in seconds")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument(
         "--host-budget", default=None, help="default: 64MiB on a GPU, 256MiB on the CPU"
@@ -154,9 +142,7 @@ def main() -> None:
         help="where the model, data and runs go (default: a temp dir)",
     )
     opts = parser.parse_args()
-    if (
-        opts.host_budget is None
-    ):  # on the CPU device the compute pool is host memory too: a unit
+    if opts.host_budget is None:  # on the CPU device the compute pool is host memory too: a unit
         import torch  # in flight and its staging buffer in fp32 take 254 MB
 
         opts.host_budget = "64MiB" if torch.cuda.is_available() else "256MiB"
@@ -165,9 +151,7 @@ def main() -> None:
         root = opts.dir or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         model_dir = save_model(root / "model", HF_QUICK if opts.quick else HF_SHAPE)
-        tokens = default_corpus(1 << 20).astype(
-            np.uint16
-        )  # byte ids: within any vocabulary here
+        tokens = default_corpus(1 << 20).astype(np.uint16)  # byte ids: within any vocabulary here
         np.save(root / "tokens.npy", tokens)
         report({base: run(opts, root, model_dir, base) for base in BASES}, console)
 

@@ -21,26 +21,41 @@ import time
 import torch
 from rich.console import Console
 from rich.table import Table
+from shapes import add_shape_flags, shape
 
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.models import ModelArgs
-
-from shapes import add_shape_flags, shape
 from tierzero.run.data import TokenBatches, default_corpus
 
-PLACEMENTS = {"host": Placement(Tier.GPU, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST),
-              "nvme": Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)}
-VARIANTS = {"separate step, clip fires": (False, 1e-3),
-            "overlap, clip does not fire": (True, 1e6),
-            "overlap, clip fires (re-step)": (True, 1e-3)}
+PLACEMENTS = {
+    "host": Placement(Tier.GPU, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST),
+    "nvme": Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME),
+}
+VARIANTS = {
+    "separate step, clip fires": (False, 1e-3),
+    "overlap, clip does not fire": (True, 1e6),
+    "overlap, clip fires (re-step)": (True, 1e-3),
+}
 
 
-def step_times(args: ModelArgs, placement: Placement, overlap: bool, clip: float, a: argparse.Namespace,
-               path: str) -> tuple[list[float], tuple[float, float]]:
+def step_times(
+    args: ModelArgs,
+    placement: Placement,
+    overlap: bool,
+    clip: float,
+    a: argparse.Namespace,
+    path: str,
+) -> tuple[list[float], tuple[float, float]]:
     """Step times after a warm-up step, and nvme bytes read and written per step."""
-    cfg = Config(placement=placement, nvme_path=[path], lr=1e-4, total_steps=a.steps + 2,
-                 overlap_step=overlap, clip_grad_norm=clip)
+    cfg = Config(
+        placement=placement,
+        nvme_path=[path],
+        lr=1e-4,
+        total_steps=a.steps + 2,
+        overlap_step=overlap,
+        clip_grad_norm=clip,
+    )
     data = TokenBatches(default_corpus(4 << 20), a.batch_size, a.seq_len, seed=0)
     times = []
     with Engine(models.build(args, device="meta"), cfg) as engine:
@@ -51,7 +66,10 @@ def step_times(args: ModelArgs, placement: Placement, overlap: bool, clip: float
             engine.train_step(data.next_batch())
             times.append(time.perf_counter() - t0)
         stats = engine.stats()
-    return times, (stats.get("bytes_nvme->host", 0) / a.steps, stats.get("bytes_host->nvme", 0) / a.steps)
+    return times, (
+        stats.get("bytes_nvme->host", 0) / a.steps,
+        stats.get("bytes_host->nvme", 0) / a.steps,
+    )
 
 
 def main() -> None:
@@ -62,27 +80,45 @@ def main() -> None:
     args = shape(a)
     console = Console(width=120)
     n = args.param_count()
-    console.print(f"model: {a.layers} layers x dim {a.dim} = {n / 1e6:.2f}M params; batch {a.batch_size} x "
-                  f"{a.seq_len}; torch threads {torch.get_num_threads()}; kept copies: host homes "
-                  f"{16 * n / 1e6:.0f} MB (grad, master, moments), nvme homes {4 * n / 1e6:.0f} MB (grad; "
-                  "master and moments held on the drive)")
+    console.print(
+        f"model: {a.layers} layers x dim {a.dim} = {n / 1e6:.2f}M params; batch {a.batch_size} x "
+        f"{a.seq_len}; torch threads {torch.get_num_threads()}; kept copies: host homes "
+        f"{16 * n / 1e6:.0f} MB (grad, master, moments), nvme homes {4 * n / 1e6:.0f} MB (grad; "
+        "master and moments held on the drive)"
+    )
     samples: dict[tuple[str, str], list[float]] = {}
     moved: dict[tuple[str, str], tuple[float, float]] = {}
     with tempfile.TemporaryDirectory(dir=a.path or ".") as root:
         for r in range(a.rounds):
             for home, placement in PLACEMENTS.items():
                 for name, (overlap, clip) in VARIANTS.items():
-                    times, nbytes = step_times(args, placement, overlap, clip, a, f"{root}/{r}-{home}-{name[:8]}")
+                    times, nbytes = step_times(
+                        args, placement, overlap, clip, a, f"{root}/{r}-{home}-{name[:8]}"
+                    )
                     samples.setdefault((home, name), []).extend(times)
                     moved[(home, name)] = nbytes
     table = Table(title="step time, median over interleaved rounds")
-    for col in ("homes", "variant", "step s", "vs not firing", "nvme read / step", "nvme written / step"):
+    for col in (
+        "homes",
+        "variant",
+        "step s",
+        "vs not firing",
+        "nvme read / step",
+        "nvme written / step",
+    ):
         table.add_column(col, justify="left" if col in ("homes", "variant") else "right")
     for (home, name), times in samples.items():
         t = statistics.median(times)
         base = statistics.median(samples[(home, "overlap, clip does not fire")])
         read, written = moved[(home, name)]
-        table.add_row(home, name, f"{t:.3f}", f"{t / base:.2f}x", f"{read / 1e6:,.1f} MB", f"{written / 1e6:,.1f} MB")
+        table.add_row(
+            home,
+            name,
+            f"{t:.3f}",
+            f"{t / base:.2f}x",
+            f"{read / 1e6:,.1f} MB",
+            f"{written / 1e6:,.1f} MB",
+        )
     console.print(table)
 
 

@@ -8,8 +8,14 @@ import argparse
 from tierzero.models import ModelArgs
 
 
-def add_shape_flags(p: argparse.ArgumentParser, layers: int, dim: int, batch_size: int, seq_len: int,
-                    batch_help: str | None = None) -> None:
+def add_shape_flags(
+    p: argparse.ArgumentParser,
+    layers: int,
+    dim: int,
+    batch_size: int,
+    seq_len: int,
+    batch_help: str | None = None,
+) -> None:
     """--layers/--dim/--batch-size/--seq-len with this benchmark's defaults, and --steps/--rounds."""
     p.add_argument("--layers", type=int, default=layers)
     p.add_argument("--dim", type=int, default=dim)
@@ -20,6 +26,13 @@ def add_shape_flags(p: argparse.ArgumentParser, layers: int, dim: int, batch_siz
 
 
 def shape(a: argparse.Namespace) -> ModelArgs:
-    return ModelArgs(dim=a.dim, n_layers=a.layers, n_heads=a.dim // 64, n_kv_heads=a.dim // 64,
-                     vocab_size=256, ffn_dim=a.dim * 8 // 3 // 64 * 64, max_seq_len=a.seq_len,
-                     tie_embeddings=True)
+    return ModelArgs(
+        dim=a.dim,
+        n_layers=a.layers,
+        n_heads=a.dim // 64,
+        n_kv_heads=a.dim // 64,
+        vocab_size=256,
+        ffn_dim=a.dim * 8 // 3 // 64 * 64,
+        max_seq_len=a.seq_len,
+        tie_embeddings=True,
+    )

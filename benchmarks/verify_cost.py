@@ -23,19 +23,26 @@ import tempfile
 import time
 from pathlib import Path
 
+from tierzero.storage.nvme import chunkfile
+
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.models import ModelArgs
 from tierzero.run.data import TokenBatches, default_corpus
-from tierzero.storage.nvme import chunkfile
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 
 
 def engine(root: Path, args: ModelArgs, verify: str) -> Engine:
     (root / verify).mkdir()
-    cfg = Config(placement=NVME, nvme_path=[str(root / verify / "nvme")], verify_reads=verify,
-                 host_budget="2GiB", gpu_budget="2GiB", total_steps=1000)
+    cfg = Config(
+        placement=NVME,
+        nvme_path=[str(root / verify / "nvme")],
+        verify_reads=verify,
+        host_budget="2GiB",
+        gpu_budget="2GiB",
+        total_steps=1000,
+    )
     return Engine(models.build(args, device="meta"), cfg)
 
 
@@ -48,8 +55,15 @@ def main() -> None:
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--dir", type=Path, default=None)
     a = p.parse_args()
-    args = ModelArgs(dim=a.dim, n_layers=a.layers, n_heads=8, n_kv_heads=4, vocab_size=4096,
-                     ffn_dim=a.dim * 3, max_seq_len=128)
+    args = ModelArgs(
+        dim=a.dim,
+        n_layers=a.layers,
+        n_heads=8,
+        n_kv_heads=4,
+        vocab_size=4096,
+        ffn_dim=a.dim * 3,
+        max_seq_len=128,
+    )
     data = TokenBatches(default_corpus(1 << 20), 4, 128, seed=0)
     with tempfile.TemporaryDirectory(dir=a.dir or Path.cwd(), prefix="verify-cost-") as tmp:
         root = Path(tmp)
@@ -59,15 +73,17 @@ def main() -> None:
                 e.train_step(data.next_batch())  # warm up: first writes, allocations
             steps: dict[str, list[float]] = {v: [] for v in engines}
             for r in range(a.rounds):
-                for v in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                for v in ("off", "on") if r % 2 == 0 else ("on", "off"):
                     start = time.perf_counter()
                     for _ in range(a.steps):
                         engines[v].train_step(data.next_batch())
                     steps[v].append((time.perf_counter() - start) / a.steps)
             saves: dict[str, list[float]] = {v: [] for v in engines}
             for r in range(a.saves):
-                for v in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                    engines[v].train_step(data.next_batch())  # the save links freshly written chunks
+                for v in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                    engines[v].train_step(
+                        data.next_batch()
+                    )  # the save links freshly written chunks
                     start = time.perf_counter()
                     engines[v].save_checkpoint(root / v / "run", keep=1)
                     saves[v].append(time.perf_counter() - start)
@@ -77,15 +93,19 @@ def main() -> None:
                 e.close()
         crc = chunkfile.crc32c_rate()
         read = chunkfile.read_rate(str(root), 8 << 20, chunkfile.probe_direct(str(root)))
-    print(f"model: dim {a.dim}, {a.layers} blocks; {nbytes / 1e6:.0f} MB of state on NVMe; "
-          f"{a.rounds} interleaved rounds of {a.steps} steps, {a.saves} saves each")
+    print(
+        f"model: dim {a.dim}, {a.layers} blocks; {nbytes / 1e6:.0f} MB of state on NVMe; "
+        f"{a.rounds} interleaved rounds of {a.steps} steps, {a.saves} saves each"
+    )
     print(f"{'':18}{'verify off':>12}{'verify on':>12}{'on / off':>10}")
     for what, times in (("step (s)", steps), ("save (s)", saves)):
         off, on = statistics.median(times["off"]), statistics.median(times["on"])
         print(f"{what:18}{off:12.3f}{on:12.3f}{on / off:10.3f}")
-    print(f"crc32c {crc / 1e9:.2f} GB/s, one thread reads the store at {read / 1e9:.2f} GB/s: "
-          f"{crc / read:.1f}x (auto verifies at {chunkfile.CHEAP_CRC_RATIO}x: "
-          f"{'on' if crc >= chunkfile.CHEAP_CRC_RATIO * read else 'off'} here)")
+    print(
+        f"crc32c {crc / 1e9:.2f} GB/s, one thread reads the store at {read / 1e9:.2f} GB/s: "
+        f"{crc / read:.1f}x (auto verifies at {chunkfile.CHEAP_CRC_RATIO}x: "
+        f"{'on' if crc >= chunkfile.CHEAP_CRC_RATIO * read else 'off'} here)"
+    )
 
 
 if __name__ == "__main__":

@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from tierzero.cli.output import fail
+from tierzero.storage.base import StorageError
 from typer.core import TyperGroup
 
-from tierzero.errors import TierzeroError
 from tierzero.distributed.launch import RanksStopped, ranks_from_env, under_torchrun
+from tierzero.errors import TierzeroError
 from tierzero.run.loop import Interrupted
-from tierzero.storage.base import StorageError
-from tierzero.cli.output import fail
 
 
 class OneLineErrors(TyperGroup):
@@ -59,8 +59,13 @@ class OneLineErrors(TyperGroup):
         raise SystemExit(code)
 
 
-app = typer.Typer(cls=OneLineErrors, add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
-                  help="Train models larger than GPU memory by tiering state across GPU, host and NVMe.")
+app = typer.Typer(
+    cls=OneLineErrors,
+    add_completion=False,
+    no_args_is_help=False,
+    pretty_exceptions_enable=False,
+    help="Train models larger than GPU memory by tiering state across GPU, host and NVMe.",
+)
 
 
 def guarded(command: Callable[..., None]) -> Callable[..., None]:
@@ -83,8 +88,11 @@ def guarded(command: Callable[..., None]) -> Callable[..., None]:
                 interrupted(KeyboardInterrupt(), received[-1])
             path = write_traceback(command.__name__)
             message = str(e).strip().splitlines()[0] if str(e).strip() else "no message"
-            fail(f"`tierzero {command.__name__}` failed unexpectedly ({type(e).__name__}: {message}); the full "
-                 f"traceback is in {path}, please include it when you report this", code=1)
+            fail(
+                f"`tierzero {command.__name__}` failed unexpectedly ({type(e).__name__}: {message}); the full "
+                f"traceback is in {path}, please include it when you report this",
+                code=1,
+            )
 
     return run
 
@@ -96,19 +104,29 @@ def interrupted(e: KeyboardInterrupt, signum: int = signal.SIGINT) -> None:
     if isinstance(e, RanksStopped):
         if e.signum == signal.SIGINT:
             raise SystemExit(130)
-        fail(f"stopped by {signal.Signals(e.signum).name}, which the launcher passed on to the ranks; the run "
-             "directory keeps its last complete checkpoint (continue with --resume)", code=128 + e.signum)
+        fail(
+            f"stopped by {signal.Signals(e.signum).name}, which the launcher passed on to the ranks; the run "
+            "directory keeps its last complete checkpoint (continue with --resume)",
+            code=128 + e.signum,
+        )
     code = 128 + signum
     if not ranks_from_env().primary:
         raise SystemExit(code)
-    stopped = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    stopped = (
+        "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    )
     if not isinstance(e, Interrupted):
         fail(stopped, code=code)
     if e.checkpoint_step is None:
-        fail(f"{stopped} at step {e.step}; no checkpoint yet (one is written every --checkpoint-every steps "
-             "and at the end), so a new run starts from step 0", code=code)
-    fail(f"{stopped} at step {e.step}; last checkpoint step {e.checkpoint_step}; continue with --resume",
-         code=code)
+        fail(
+            f"{stopped} at step {e.step}; no checkpoint yet (one is written every --checkpoint-every steps "
+            "and at the end), so a new run starts from step 0",
+            code=code,
+        )
+    fail(
+        f"{stopped} at step {e.step}; last checkpoint step {e.checkpoint_step}; continue with --resume",
+        code=code,
+    )
 
 
 @contextlib.contextmanager
@@ -138,8 +156,9 @@ def write_traceback(command: str) -> Path:
     `TIERZERO_CRASH_DIR` chooses the directory (default: the system's temporary directory)."""
     folder = Path(os.environ.get("TIERZERO_CRASH_DIR") or tempfile.gettempdir())
     folder.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f"tierzero-{command}-{time.strftime('%Y%m%d-%H%M%S')}-",
-                                suffix=".txt", dir=folder)
+    fd, name = tempfile.mkstemp(
+        prefix=f"tierzero-{command}-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".txt", dir=folder
+    )
     with os.fdopen(fd, "w") as f:
         f.write(traceback.format_exc())
     return Path(name)

@@ -12,34 +12,58 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import typer
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-
-from tierzero.planning import speeds as compute_bench
 from tierzero.cli.output import Output
-from tierzero.config import PIECE_NUMEL, parse_bytes
-from tierzero.errors import ConfigError
-from tierzero.planning.diskbench import FOOTPRINT, DiskBench, Step
 from tierzero.storage.host import HostPool
 from tierzero.storage.io import IOLoop
+
+from tierzero.config import PIECE_NUMEL, parse_bytes
+from tierzero.errors import ConfigError
+from tierzero.planning import speeds as compute_bench
+from tierzero.planning.diskbench import FOOTPRINT, DiskBench, Step
 
 IO_THREADS = 16
 MAX_SIZE_BYTES = 16 << 30
 
 
 def bench(
-    path: Optional[Path] = typer.Option(None, "--path", help="Directory on the drive to measure (a temp dir is made inside it and removed). Default: the current directory."),
-    size: str = typer.Option("1GiB", "--size", help=f"Bytes written and read per measurement, e.g. 1GiB or 256MB (the disk needs {FOOTPRINT}x free)."),
-    rounds: int = typer.Option(5, "--rounds", help="Interleaved rounds: throughputs are the best of them, ratios the median."),
-    fio: bool = typer.Option(False, "--fio", help="Also run fio (direct I/O, random data refilled per request; a sweep of libaio, psync and io_uring up to the store's 16 submitters, then its best in every round; timed over its wall span) and print store / fio."),
-    max_seconds: float = typer.Option(600, "--max-seconds", help="Time limit: later rounds and other chunk sizes that would start after it are skipped (layout, the fio sweep, the first round and the compute measurements always run)."),
-    compute_seconds: float = typer.Option(0.5, "--compute-seconds", help="Seconds spent on each compute and copy measurement."),
-    profile_out: Optional[Path] = typer.Option(None, "--profile-out", help="Write the report as a profile for `tierzero plan --profile`."),
+    path: Path | None = typer.Option(
+        None,
+        "--path",
+        help="Directory on the drive to measure (a temp dir is made inside it and removed). Default: the current directory.",
+    ),
+    size: str = typer.Option(
+        "1GiB",
+        "--size",
+        help=f"Bytes written and read per measurement, e.g. 1GiB or 256MB (the disk needs {FOOTPRINT}x free).",
+    ),
+    rounds: int = typer.Option(
+        5,
+        "--rounds",
+        help="Interleaved rounds: throughputs are the best of them, ratios the median.",
+    ),
+    fio: bool = typer.Option(
+        False,
+        "--fio",
+        help="Also run fio (direct I/O, random data refilled per request; a sweep of libaio, psync and io_uring up to the store's 16 submitters, then its best in every round; timed over its wall span) and print store / fio.",
+    ),
+    max_seconds: float = typer.Option(
+        600,
+        "--max-seconds",
+        help="Time limit: later rounds and other chunk sizes that would start after it are skipped (layout, the fio sweep, the first round and the compute measurements always run).",
+    ),
+    compute_seconds: float = typer.Option(
+        0.5, "--compute-seconds", help="Seconds spent on each compute and copy measurement."
+    ),
+    profile_out: Path | None = typer.Option(
+        None, "--profile-out", help="Write the report as a profile for `tierzero plan --profile`."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Measure NVMe store throughput against raw direct I/O (and fio), host<->GPU copies,
@@ -50,36 +74,70 @@ def bench(
     if not math.isfinite(max_seconds) or max_seconds <= 0:
         raise ConfigError(f"--max-seconds must be a finite positive number, got {max_seconds}")
     if not math.isfinite(compute_seconds) or compute_seconds <= 0:
-        raise ConfigError(f"--compute-seconds must be a finite positive number, got {compute_seconds}")
+        raise ConfigError(
+            f"--compute-seconds must be a finite positive number, got {compute_seconds}"
+        )
     out = Output(json_out)
     directory = str((path or Path.cwd()).resolve())
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     matmul_n = 8192 if cuda else 512  # CPU bf16 matmul runs at ~1 GFLOP/s on small machines
-    report: dict[str, Any] = {"path": directory, "adam": {}, "compute": {"device": device},
-                              "h2d": {} if cuda else None}
+    report: dict[str, Any] = {
+        "path": directory,
+        "adam": {},
+        "compute": {"device": device},
+        "h2d": {} if cuda else None,
+    }
 
     def measure(label: str, section: dict[str, Any], key: str, fn: Any, **kwargs: Any) -> Step:
-        return Step(label, lambda: section.__setitem__(
-            # four significant figures, not three decimals: a loaded CPU's bf16 matmul runs at
-            # a few GFLOP/s, which three decimals of TFLOP/s rounded to 0 (a rate of zero)
-            key, float(f"{fn(seconds=compute_seconds, **kwargs):.4g}")))
+        return Step(
+            label,
+            lambda: section.__setitem__(
+                # four significant figures, not three decimals: a loaded CPU's bf16 matmul runs at
+                # a few GFLOP/s, which three decimals of TFLOP/s rounded to 0 (a rate of zero)
+                key,
+                float(f"{fn(seconds=compute_seconds, **kwargs):.4g}"),
+            ),
+        )
 
     compute_steps = [
         measure("CPU AdamW", report["adam"], "params_per_s", compute_bench.adam_params_per_s),
-        measure(f"matmul fp32 ({device})", report["compute"], "fp32_tflops",
-                compute_bench.matmul_tflops, dtype=torch.float32, n=matmul_n, device=device),
-        measure(f"matmul bf16 ({device})", report["compute"], "bf16_tflops",
-                compute_bench.matmul_tflops, dtype=torch.bfloat16, n=matmul_n, device=device),
+        measure(
+            f"matmul fp32 ({device})",
+            report["compute"],
+            "fp32_tflops",
+            compute_bench.matmul_tflops,
+            dtype=torch.float32,
+            n=matmul_n,
+            device=device,
+        ),
+        measure(
+            f"matmul bf16 ({device})",
+            report["compute"],
+            "bf16_tflops",
+            compute_bench.matmul_tflops,
+            dtype=torch.bfloat16,
+            n=matmul_n,
+            device=device,
+        ),
     ]
     if cuda:
         compute_steps += [
             measure("host->GPU pinned", report["h2d"], "pinned_gbps", compute_bench.h2d_gbps),
-            measure("host->GPU pageable", report["h2d"], "pageable_gbps",
-                    compute_bench.h2d_gbps, pinned=False)]
+            measure(
+                "host->GPU pageable",
+                report["h2d"],
+                "pageable_gbps",
+                compute_bench.h2d_gbps,
+                pinned=False,
+            ),
+        ]
 
-    with IOLoop(IO_THREADS) as io_loop, HostPool(nbytes, alignment=4096) as pool, \
-            DiskBench(directory, nbytes, io_loop, pool, rounds=rounds, fio=fio) as disk:
+    with (
+        IOLoop(IO_THREADS) as io_loop,
+        HostPool(nbytes, alignment=4096) as pool,
+        DiskBench(directory, nbytes, io_loop, pool, rounds=rounds, fio=fio) as disk,
+    ):
         _run(out, [*disk.steps(), *compute_steps], max_seconds)
         report.update(disk.result())
     if profile_out is not None:
@@ -96,8 +154,14 @@ def _run(out: Output, steps: list[Step], max_seconds: float) -> None:
     """Run `steps` in order; a group that would start after `max_seconds` is skipped whole."""
     start = time.perf_counter()
     group, skip = 0, False
-    with Progress(TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=out.console, transient=True) as progress:
+    with Progress(
+        TextColumn("{task.description:<48}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=out.console,
+        transient=True,
+    ) as progress:
         task = progress.add_task("bench", total=len(steps))
         for step in steps:
             if step.group != group:
@@ -116,13 +180,17 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def _print_report(out: Output, r: dict[str, Any]) -> None:
     nvme, fio, ratios = r["nvme"], r["fio"], r["ratios"]
     mode = "O_DIRECT" if nvme["direct_io"] else "buffered (no O_DIRECT here), cold via fadvise"
-    out.print(f"[bold]tierzero bench[/] {escape(r['path'])}: {nvme['bytes'] / 1e9:.2f} GB per run, "
-              f"{nvme['shard_bytes'] >> 20} MiB shards, {IO_THREADS} threads, {mode}, "
-              f"best of {nvme['rounds']} interleaved rounds; random data, reads of the slot "
-              f"written a round earlier")
+    out.print(
+        f"[bold]tierzero bench[/] {escape(r['path'])}: {nvme['bytes'] / 1e9:.2f} GB per run, "
+        f"{nvme['shard_bytes'] >> 20} MiB shards, {IO_THREADS} threads, {mode}, "
+        f"best of {nvme['rounds']} interleaved rounds; random data, reads of the slot "
+        f"written a round earlier"
+    )
     if nvme["rounds"] < nvme["rounds_planned"]:
-        out.print(f"[yellow]--max-seconds reached: {nvme['rounds']} of "
-                  f"{nvme['rounds_planned']} rounds ran; skipped chunk sizes show '-'[/]")
+        out.print(
+            f"[yellow]--max-seconds reached: {nvme['rounds']} of "
+            f"{nvme['rounds_planned']} rounds ran; skipped chunk sizes show '-'[/]"
+        )
     disk = Table(title="disk, GB/s (1e9 B/s), cold reads; ratios of best figures")
     for col in ("", "write", "read", "write / raw", "read / raw", "write / fio", "read / fio"):
         disk.add_column(col, justify="right" if col else "left", no_wrap=not col)
@@ -130,34 +198,55 @@ def _print_report(out: Output, r: dict[str, Any]) -> None:
     def fmt(x: float | None) -> str:
         return "-" if x is None else f"{x:.2f}"
 
-    disk.add_row("raw, 8 MiB blocks", fmt(nvme["raw_write_gbps"]),
-                 fmt(nvme["raw_read_gbps"]), "", "", "", "")
+    disk.add_row(
+        "raw, 8 MiB blocks", fmt(nvme["raw_write_gbps"]), fmt(nvme["raw_read_gbps"]), "", "", "", ""
+    )
     if fio:
-        disk.add_row("fio, wall span (best)", fmt(fio["write_gbps"]), fmt(fio["read_gbps"]),
-                     "", "", "", "")
-        disk.add_row("[dim]fio, its own figure[/]", fmt(fio["write_gbps_fio_reported"]),
-                     fmt(fio["read_gbps_fio_reported"]), "", "", "", "")
+        disk.add_row(
+            "fio, wall span (best)", fmt(fio["write_gbps"]), fmt(fio["read_gbps"]), "", "", "", ""
+        )
+        disk.add_row(
+            "[dim]fio, its own figure[/]",
+            fmt(fio["write_gbps_fio_reported"]),
+            fmt(fio["read_gbps_fio_reported"]),
+            "",
+            "",
+            "",
+            "",
+        )
     for row in nvme["chunk_sweep"]:
         default = row["chunk_bytes"] == nvme["chunk_bytes"]
         label = f"store {row['chunk_bytes'] >> 20} MiB" + (" (default)" if default else "")
         w, rd = row["write_gbps"], row["read_gbps"]
-        disk.add_row(f"[bold]{label}[/]" if default else label, fmt(w), fmt(rd),
-                     fmt(_ratio(w, nvme["raw_write_gbps"])), fmt(_ratio(rd, nvme["raw_read_gbps"])),
-                     fmt(_ratio(w, fio and fio["write_gbps"])),
-                     fmt(_ratio(rd, fio and fio["read_gbps"])))
+        disk.add_row(
+            f"[bold]{label}[/]" if default else label,
+            fmt(w),
+            fmt(rd),
+            fmt(_ratio(w, nvme["raw_write_gbps"])),
+            fmt(_ratio(rd, nvme["raw_read_gbps"])),
+            fmt(_ratio(w, fio and fio["write_gbps"])),
+            fmt(_ratio(rd, fio and fio["read_gbps"])),
+        )
     out.print(disk)
-    out.print(f"store / raw, median of interleaved rounds: write {fmt(ratios['write_vs_raw'])}, "
-              f"read {fmt(ratios['read_vs_raw'])}")
+    out.print(
+        f"store / raw, median of interleaved rounds: write {fmt(ratios['write_vs_raw'])}, "
+        f"read {fmt(ratios['read_vs_raw'])}"
+    )
     if fio:
-        out.print(f"store / fio, median of interleaved rounds: write "
-                  f"{fmt(ratios['write_vs_fio'])}, read {fmt(ratios['read_vs_fio'])} (fio best: "
-                  f"write {fio['write_config']}, read {fio['read_config']})")
+        out.print(
+            f"store / fio, median of interleaved rounds: write "
+            f"{fmt(ratios['write_vs_fio'])}, read {fmt(ratios['read_vs_fio'])} (fio best: "
+            f"write {fio['write_config']}, read {fio['read_config']})"
+        )
         for engine, why in fio["engines_skipped"].items():
             out.print(f"[yellow]fio sweep without {engine}: {escape(why)}[/]")
     other = Table(title=f"compute and copies ({r['compute']['device']})")
     other.add_column("measurement")
     other.add_column("value", justify="right")
-    other.add_row(f"CPU AdamW (fused, {PIECE_NUMEL >> 20}Mi-element piece), params/s", f"{r['adam']['params_per_s']:.3g}")
+    other.add_row(
+        f"CPU AdamW (fused, {PIECE_NUMEL >> 20}Mi-element piece), params/s",
+        f"{r['adam']['params_per_s']:.3g}",
+    )
     other.add_row("matmul fp32, TFLOP/s", f"{r['compute']['fp32_tflops']:.3g}")
     other.add_row("matmul bf16, TFLOP/s", f"{r['compute']['bf16_tflops']:.3g}")
     if r["h2d"] is not None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.markup import escape
@@ -14,23 +13,23 @@ from tierzero.run.prompts import Framing, Prompt, read_prompts
 
 
 def generate(
-    run_dir: Optional[Path] = typer.Option(
+    run_dir: Path | None = typer.Option(
         None,
         "--run-dir",
         help="A run directory `tierzero train` wrote: its newest intact checkpoint and its "
         "config.toml's model (LoRA adapters included).",
     ),
-    model: Optional[str] = typer.Option(
+    model: str | None = typer.Option(
         None,
         "--model",
         help="hf:DIR, a local Hugging Face causal LM directory, from its safetensors.",
     ),
-    prompt: Optional[list[str]] = typer.Option(
+    prompt: list[str] | None = typer.Option(
         None,
         "--prompt",
         help="A prompt; repeat for several, generated together in one batch.",
     ),
-    prompts: Optional[Path] = typer.Option(
+    prompts: Path | None = typer.Option(
         None,
         "--prompts",
         help="A file of prompts: text, one per line, or .jsonl records with a prompt string or "
@@ -55,7 +54,7 @@ def generate(
         "reaches this (1: all).",
     ),
     seed: int = typer.Option(0, "--seed", help="Seed of the sampling draws."),
-    chat: Optional[bool] = typer.Option(
+    chat: bool | None = typer.Option(
         None,
         "--chat/--no-chat",
         help="Render plain prompts as a user's turn with the model's chat template. Default: on "
@@ -67,23 +66,23 @@ def generate(
         help="Where the weights live: auto (the planner holds them in memory where the budgets "
         "allow, else on NVMe), host, or nvme (every unit read from the store for every new token).",
     ),
-    dtype: Optional[str] = typer.Option(
+    dtype: str | None = typer.Option(
         None,
         "--dtype",
         help="Compute dtype: fp32, bf16 or fp16. Default: the run's own.",
     ),
-    device: Optional[str] = typer.Option(
+    device: str | None = typer.Option(
         None,
         "--device",
         help="Compute device, e.g. cpu or cuda:0. Default: a GPU if there is one.",
     ),
-    host_budget: Optional[str] = typer.Option(
+    host_budget: str | None = typer.Option(
         None, "--host-budget", help="Host memory budget, e.g. 8GiB."
     ),
-    gpu_budget: Optional[str] = typer.Option(
+    gpu_budget: str | None = typer.Option(
         None, "--gpu-budget", help="GPU memory budget, e.g. 20GiB."
     ),
-    nvme_path: Optional[Path] = typer.Option(
+    nvme_path: Path | None = typer.Option(
         None,
         "--nvme-path",
         help="Where a temporary store for NVMe-homed weights is made (and removed after). "

@@ -9,8 +9,8 @@ import typer
 from rich import box
 from rich.markup import escape
 from rich.table import Table
-
 from tierzero.cli.output import Output
+
 from tierzero.checkpoint.inspect import RunInfo, inspect_run
 
 _STATUS_STYLE = {"ok": "green", "complete": "green", "incomplete": "yellow", "damaged": "bold red"}
@@ -18,7 +18,9 @@ _STATUS_STYLE = {"ok": "green", "complete": "green", "incomplete": "yellow", "da
 
 def inspect(
     run_dir: Path = typer.Argument(..., help="A run directory written by `tierzero train`."),
-    verify: bool = typer.Option(False, "--verify", help="Read every checkpoint chunk and check its crc32c."),
+    verify: bool = typer.Option(
+        False, "--verify", help="Read every checkpoint chunk and check its crc32c."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
     """List a run's checkpoints, the arrays its NVMe stores hold per state kind, and its config.
@@ -43,7 +45,9 @@ def _checkpoints(info: RunInfo) -> Table | str:
         return f"run {escape(str(info.run_dir))}: no checkpoints"
     table = Table(title=f"checkpoints of {escape(str(info.run_dir))}", box=box.SIMPLE)
     for column in ("step", "time", "state", "copied", "status"):
-        table.add_column(column, justify="right" if column in ("step", "state", "copied") else "left")
+        table.add_column(
+            column, justify="right" if column in ("step", "state", "copied") else "left"
+        )
     for c in info.checkpoints:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.time)) if c.time else "-"
         style = _STATUS_STYLE.get(c.status, "")
@@ -59,14 +63,25 @@ def _stores(info: RunInfo) -> Table:
     for kind, tier in info.placement.items():
         totals = [s.kinds[kind] for s in info.stores if kind in s.kinds]
         arrays = sum(t.arrays for t in totals)
-        table.add_row(kind, tier, str(arrays) if totals else "-",
-                      _mb(sum(t.nbytes for t in totals)) if totals else "-")
+        table.add_row(
+            kind,
+            tier,
+            str(arrays) if totals else "-",
+            _mb(sum(t.nbytes for t in totals)) if totals else "-",
+        )
     others = sorted({k for s in info.stores for k in s.kinds} - set(info.placement))
     for kind in others:
         totals = [s.kinds[kind] for s in info.stores if kind in s.kinds]
-        table.add_row(kind, "nvme", str(sum(t.arrays for t in totals)), _mb(sum(t.nbytes for t in totals)))
-    paths = ", ".join(escape(s.path) + ("" if s.exists else " (missing)") for s in info.stores) or "none"
-    table.caption = f"NVMe paths: {paths}; host and GPU state lives in memory only while a run is open"
+        table.add_row(
+            kind, "nvme", str(sum(t.arrays for t in totals)), _mb(sum(t.nbytes for t in totals))
+        )
+    paths = (
+        ", ".join(escape(s.path) + ("" if s.exists else " (missing)") for s in info.stores)
+        or "none"
+    )
+    table.caption = (
+        f"NVMe paths: {paths}; host and GPU state lives in memory only while a run is open"
+    )
     return table
 
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich import box
 from rich.markup import escape
 from rich.table import Table
-
 from tierzero.cli.output import Output
+
 from tierzero.config import STATE_BLOCK, RunConfig, StateKind, Tier
 from tierzero.hf.plan import plan as plan_model
 from tierzero.models.presets import PRESETS
@@ -23,30 +22,118 @@ from tierzero.planning.wear import WEAR_NOTE_FRACTION, DriveWear
 
 
 def plan(
-    model: Optional[str] = typer.Option(None, "--model", help=f"Model preset: {', '.join(PRESETS)} (default {DEFAULT_PRESET}); or hf:DIR, a local Hugging Face causal LM directory (read from its config.json)."),
-    params: Optional[str] = typer.Option(None, "--params", help="A parameter count instead of a preset, e.g. 7e9 or 70B; shaped like the nearest preset."),
-    gpus: Optional[int] = typer.Option(None, "--gpus", help="Data-parallel GPUs (ranks), all on this machine (default 1). Given, the plan is for GPUs computing in bf16 unless --dtype says otherwise."),
-    gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="Memory per GPU, e.g. 80GB or 24GiB. Default: 90% of GPU 0's free memory, as `tierzero train` takes; without CUDA the gpu tier is host memory, inside --host-mem."),
-    host_mem: Optional[str] = typer.Option(None, "--host-mem", help="Host memory, e.g. 512GB. Default: half the free RAM, as `tierzero train` takes (split across its ranks)."),
-    nvme_free: Optional[str] = typer.Option(None, "--nvme-free", help="Free NVMe space, e.g. 2TB. Default: free space at --nvme-path."),
-    nvme_path: Path = typer.Option(Path("."), "--nvme-path", help="Where offloaded state would go (for the free-space default)."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help=f"Sequences per micro-batch per GPU (activation memory). Default: `tierzero train`'s batch ({RunConfig.batch_size}) split over --gpus."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", help=f"Tokens per sequence. Default: {RunConfig.seq_len}, as `tierzero train` takes."),
-    prefetch_depth: Optional[int] = typer.Option(None, "--prefetch-depth", help="Units fetched ahead of compute. Default: 2, or 1 where that does not fit, as `tierzero train` chooses it."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype: bf16, fp16 or fp32. Default: bf16 with --gpus; else as `tierzero train` here: bf16 on a GPU that computes in it (or one given by --gpu-mem), else fp32."),
-    vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="Override the shape's vocabulary, e.g. 128256."),
-    piece_numel: Optional[int] = typer.Option(None, "--piece-numel", help="Elements per piece in which grads and optimizer states stream. Default: 16Mi, or the largest that fits, as `tierzero train` chooses it."),
-    overlap: bool = typer.Option(True, "--overlap/--no-overlap", help="Step each unit during backward (the engine's default without clipping or fp16)."),
-    profile: Optional[Path] = typer.Option(None, "--profile", help="A `tierzero bench --profile-out` file: predicts step times."),
-    stage: Optional[int] = typer.Option(None, "--stage", help="With --gpus > 1, the ZeRO stage (1, 2 or 3); default: chosen as `tierzero train` chooses it (1 or 2 when replicated state fits, else 3)."),
-    accumulate: int = typer.Option(1, "--accumulate", help="Micro-batches per step (stage 1 keeps whole grads between them)."),
-    schedule: str = typer.Option("auto", "--schedule", help="How the --accumulate micro-batches run: horizontal, vertical (each unit for all of them; built-in shapes and Hugging Face decoders) or auto (default: vertical when accumulating, where it applies), as `tierzero train --schedule`; the NVMe bytes per step are printed for both."),
-    recompute: str = typer.Option("auto", "--recompute", help="Which blocks run their forward again in backward: auto (default: keep the activations of as many as the compute device's budget holds), all, or none (refused where they do not fit), as `tierzero train --recompute`."),
-    optimizer_state: str = typer.Option("fp32", "--optimizer-state", help=f"How the two Adam moments are stored on every tier: fp32 (default: exact), bf16, or int8 (blocks of {STATE_BLOCK} values, an fp32 absmax each), as `tierzero train --optimizer-state`; the ledger, every tier's peak, the NVMe bytes per step and the choice count them so."),
-    master: str = typer.Option("fp32", "--master", help="The master weights' dtype: fp32 (default) or bf16 (with bf16 compute the param is the master: one tensor), as `tierzero train --master`."),
-    steps: int = typer.Option(RunConfig.steps, "--steps", help=f"Optimizer steps of the run whose NVMe writes are projected (default {RunConfig.steps}, as `tierzero train`)."),
-    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help="Checkpoint every N steps, as `tierzero train --checkpoint-every`: their writes are projected too (train always checkpoints at the end)."),
-    drive_tbw: Optional[float] = typer.Option(None, "--drive-tbw", help="The NVMe drive's rated endurance in terabytes written (its datasheet's TBW, e.g. 600): prints the share of it the run writes, with a note above 1%."),
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        help=f"Model preset: {', '.join(PRESETS)} (default {DEFAULT_PRESET}); or hf:DIR, a local Hugging Face causal LM directory (read from its config.json).",
+    ),
+    params: str | None = typer.Option(
+        None,
+        "--params",
+        help="A parameter count instead of a preset, e.g. 7e9 or 70B; shaped like the nearest preset.",
+    ),
+    gpus: int | None = typer.Option(
+        None,
+        "--gpus",
+        help="Data-parallel GPUs (ranks), all on this machine (default 1). Given, the plan is for GPUs computing in bf16 unless --dtype says otherwise.",
+    ),
+    gpu_mem: str | None = typer.Option(
+        None,
+        "--gpu-mem",
+        help="Memory per GPU, e.g. 80GB or 24GiB. Default: 90% of GPU 0's free memory, as `tierzero train` takes; without CUDA the gpu tier is host memory, inside --host-mem.",
+    ),
+    host_mem: str | None = typer.Option(
+        None,
+        "--host-mem",
+        help="Host memory, e.g. 512GB. Default: half the free RAM, as `tierzero train` takes (split across its ranks).",
+    ),
+    nvme_free: str | None = typer.Option(
+        None, "--nvme-free", help="Free NVMe space, e.g. 2TB. Default: free space at --nvme-path."
+    ),
+    nvme_path: Path = typer.Option(
+        Path("."),
+        "--nvme-path",
+        help="Where offloaded state would go (for the free-space default).",
+    ),
+    batch_size: int | None = typer.Option(
+        None,
+        "--batch-size",
+        help=f"Sequences per micro-batch per GPU (activation memory). Default: `tierzero train`'s batch ({RunConfig.batch_size}) split over --gpus.",
+    ),
+    seq_len: int | None = typer.Option(
+        None,
+        "--seq-len",
+        help=f"Tokens per sequence. Default: {RunConfig.seq_len}, as `tierzero train` takes.",
+    ),
+    prefetch_depth: int | None = typer.Option(
+        None,
+        "--prefetch-depth",
+        help="Units fetched ahead of compute. Default: 2, or 1 where that does not fit, as `tierzero train` chooses it.",
+    ),
+    dtype: str | None = typer.Option(
+        None,
+        "--dtype",
+        help="Compute dtype: bf16, fp16 or fp32. Default: bf16 with --gpus; else as `tierzero train` here: bf16 on a GPU that computes in it (or one given by --gpu-mem), else fp32.",
+    ),
+    vocab_size: int | None = typer.Option(
+        None, "--vocab-size", help="Override the shape's vocabulary, e.g. 128256."
+    ),
+    piece_numel: int | None = typer.Option(
+        None,
+        "--piece-numel",
+        help="Elements per piece in which grads and optimizer states stream. Default: 16Mi, or the largest that fits, as `tierzero train` chooses it.",
+    ),
+    overlap: bool = typer.Option(
+        True,
+        "--overlap/--no-overlap",
+        help="Step each unit during backward (the engine's default without clipping or fp16).",
+    ),
+    profile: Path | None = typer.Option(
+        None, "--profile", help="A `tierzero bench --profile-out` file: predicts step times."
+    ),
+    stage: int | None = typer.Option(
+        None,
+        "--stage",
+        help="With --gpus > 1, the ZeRO stage (1, 2 or 3); default: chosen as `tierzero train` chooses it (1 or 2 when replicated state fits, else 3).",
+    ),
+    accumulate: int = typer.Option(
+        1, "--accumulate", help="Micro-batches per step (stage 1 keeps whole grads between them)."
+    ),
+    schedule: str = typer.Option(
+        "auto",
+        "--schedule",
+        help="How the --accumulate micro-batches run: horizontal, vertical (each unit for all of them; built-in shapes and Hugging Face decoders) or auto (default: vertical when accumulating, where it applies), as `tierzero train --schedule`; the NVMe bytes per step are printed for both.",
+    ),
+    recompute: str = typer.Option(
+        "auto",
+        "--recompute",
+        help="Which blocks run their forward again in backward: auto (default: keep the activations of as many as the compute device's budget holds), all, or none (refused where they do not fit), as `tierzero train --recompute`.",
+    ),
+    optimizer_state: str = typer.Option(
+        "fp32",
+        "--optimizer-state",
+        help=f"How the two Adam moments are stored on every tier: fp32 (default: exact), bf16, or int8 (blocks of {STATE_BLOCK} values, an fp32 absmax each), as `tierzero train --optimizer-state`; the ledger, every tier's peak, the NVMe bytes per step and the choice count them so.",
+    ),
+    master: str = typer.Option(
+        "fp32",
+        "--master",
+        help="The master weights' dtype: fp32 (default) or bf16 (with bf16 compute the param is the master: one tensor), as `tierzero train --master`.",
+    ),
+    steps: int = typer.Option(
+        RunConfig.steps,
+        "--steps",
+        help=f"Optimizer steps of the run whose NVMe writes are projected (default {RunConfig.steps}, as `tierzero train`).",
+    ),
+    checkpoint_every: int | None = typer.Option(
+        None,
+        "--checkpoint-every",
+        help="Checkpoint every N steps, as `tierzero train --checkpoint-every`: their writes are projected too (train always checkpoints at the end).",
+    ),
+    drive_tbw: float | None = typer.Option(
+        None,
+        "--drive-tbw",
+        help="The NVMe drive's rated endurance in terabytes written (its datasheet's TBW, e.g. 600): prints the share of it the run writes, with a note above 1%.",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Print the 16-byte ledger per GPU (DDP, ZeRO 1-3), its compact rows (the state's bytes per
@@ -58,12 +145,32 @@ def plan(
     parameter count shaped like the nearest preset (--params), --vocab-size to change a
     shape's vocabulary, or hf:DIR (--model), a Hugging Face directory's own model. Sizes not
     given are what `tierzero train` would take on this machine."""
-    report = plan_model(model, params=params, gpus=gpus, gpu_mem=gpu_mem, host_mem=host_mem, nvme_free=nvme_free,
-                       nvme_path=nvme_path, batch_size=batch_size, seq_len=seq_len, prefetch_depth=prefetch_depth,
-                       dtype=dtype, vocab_size=vocab_size, piece_numel=piece_numel, overlap=overlap,
-                       profile=profile, stage=stage, accumulate=accumulate, schedule=schedule, recompute=recompute,
-                       optimizer_state=optimizer_state, master=master, steps=steps,
-                       checkpoint_every=checkpoint_every, drive_tbw=drive_tbw)
+    report = plan_model(
+        model,
+        params=params,
+        gpus=gpus,
+        gpu_mem=gpu_mem,
+        host_mem=host_mem,
+        nvme_free=nvme_free,
+        nvme_path=nvme_path,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        prefetch_depth=prefetch_depth,
+        dtype=dtype,
+        vocab_size=vocab_size,
+        piece_numel=piece_numel,
+        overlap=overlap,
+        profile=profile,
+        stage=stage,
+        accumulate=accumulate,
+        schedule=schedule,
+        recompute=recompute,
+        optimizer_state=optimizer_state,
+        master=master,
+        steps=steps,
+        checkpoint_every=checkpoint_every,
+        drive_tbw=drive_tbw,
+    )
     out = Output(json_out)
     if json_out:
         out.emit_json(report.as_dict())
@@ -73,8 +180,12 @@ def plan(
 
 # Plan's output fits an 80-column terminal: free text wraps at the console's width (the other
 # commands print unwrapped lines), tables use one size unit for every cell and two-line headers.
-_LINK_HEADERS = {Link.NVME_TO_HOST: "nvme\nread", Link.HOST_TO_NVME: "nvme\nwrite",
-                 Link.HOST_TO_GPU: "h2d", Link.GPU_TO_HOST: "d2h"}
+_LINK_HEADERS = {
+    Link.NVME_TO_HOST: "nvme\nread",
+    Link.HOST_TO_NVME: "nvme\nwrite",
+    Link.HOST_TO_GPU: "h2d",
+    Link.GPU_TO_HOST: "d2h",
+}
 _UNITS = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3), ("B", 1))
 
 
@@ -112,25 +223,42 @@ def _figure(v: float) -> str:
 def _print_report(out: Output, report: PlanReport) -> None:
     r = report.as_dict()
     m, act = r["model"], report.activations
-    what = escape(m["preset"]) if m["preset"] else f"{_count(m['params'])} params shaped like {m['shape']}"
-    _say(out, f"[bold]tierzero plan[/] {what}: {_count(m['params'])} params in {m['units']} units "
-              f"(largest {_count(m['largest_unit_params'])}), {report.gpus} GPU(s), {r['dtype']}")
+    what = (
+        escape(m["preset"])
+        if m["preset"]
+        else f"{_count(m['params'])} params shaped like {m['shape']}"
+    )
+    _say(
+        out,
+        f"[bold]tierzero plan[/] {what}: {_count(m['params'])} params in {m['units']} units "
+        f"(largest {_count(m['largest_unit_params'])}), {report.gpus} GPU(s), {r['dtype']}",
+    )
     _say(out, f"Compute dtype: {r['dtype']} ({_DTYPE_SOURCES[report.dtype_source]})")
 
     basis = "nominal size" if m["ledger_params"] != m["params"] else "exact size"
-    t = Table(title=f"Training state per GPU ({basis}: {_count(m['ledger_params'])} params)", box=box.SIMPLE_HEAD)
+    t = Table(
+        title=f"Training state per GPU ({basis}: {_count(m['ledger_params'])} params)",
+        box=box.SIMPLE_HEAD,
+    )
     for col in ("stage", "bytes/param", "per GPU", f"per GPU (exact {_count(m['params'])})"):
         t.add_column(col, justify="right" if col != "stage" else "left", no_wrap=True)
     for row in r["ledger"]:
-        t.add_row(row["stage"], f"{row['bytes_per_param']:g}", format_bytes(round(row["gb_per_gpu"] * GB)),
-                  format_bytes(round(row["exact_gb_per_gpu"] * GB)))
+        t.add_row(
+            row["stage"],
+            f"{row['bytes_per_param']:g}",
+            format_bytes(round(row["gb_per_gpu"] * GB)),
+            format_bytes(round(row["exact_gb_per_gpu"] * GB)),
+        )
     out.print(t)
     _print_formats(out, r)
 
-    _say(out, f"Activations per GPU: {format_bytes(act.total_bytes)} (batch {act.batch_size} x seq {act.seq_len}, "
-              f"per-unit checkpointing, loss in chunks of {act.chunk_tokens} tokens) = checkpoints "
-              f"{format_bytes(act.checkpoints_bytes)} + max(block backward {format_bytes(act.block_backward_bytes)}, "
-              f"head backward {format_bytes(act.head_backward_bytes)})")
+    _say(
+        out,
+        f"Activations per GPU: {format_bytes(act.total_bytes)} (batch {act.batch_size} x seq {act.seq_len}, "
+        f"per-unit checkpointing, loss in chunks of {act.chunk_tokens} tokens) = checkpoints "
+        f"{format_bytes(act.checkpoints_bytes)} + max(block backward {format_bytes(act.block_backward_bytes)}, "
+        f"head backward {format_bytes(act.head_backward_bytes)})",
+    )
 
     st = r["stage"]
     if report.gpus > 1:
@@ -151,39 +279,61 @@ def _print_report(out: Output, report: PlanReport) -> None:
         _say(out, f"Streaming: {report.streaming.describe()} ({why})")
     sched, moved = r["schedule"], r["schedule"]["nvme_bytes_per_step"]
     other = "horizontal" if sched["schedule"] == "vertical" else "vertical"
-    _say(out, f"Schedule: {sched['schedule']}, {sched['accumulate']} micro-batch(es) per step: NVMe "
-              f"{format_bytes(moved[sched['schedule']])} per step ({other}: {format_bytes(moved[other])})")
+    _say(
+        out,
+        f"Schedule: {sched['schedule']}, {sched['accumulate']} micro-batch(es) per step: NVMe "
+        f"{format_bytes(moved[sched['schedule']])} per step ({other}: {format_bytes(moved[other])})",
+    )
     ev = r["evaluation"]
-    _say(out, f"Evaluation: NVMe {format_bytes(ev['nvme_read_bytes'])} read per evaluation of {ev['windows']} "
-              f"windows, every unit once (window by window: {format_bytes(ev['per_window_nvme_read_bytes'])})")
+    _say(
+        out,
+        f"Evaluation: NVMe {format_bytes(ev['nvme_read_bytes'])} read per evaluation of {ev['windows']} "
+        f"windows, every unit once (window by window: {format_bytes(ev['per_window_nvme_read_bytes'])})",
+    )
     _print_wear(out, report)
     rc = r["recompute"]
     head = " and the head" if rc["kept_head"] else ""
-    _say(out, f"Recompute: {rc['recompute']}: {rc['kept_blocks']} blocks{head} of {rc['keepable_units']} units that "
-              f"can keep their activations do ({format_bytes(rc['kept_bytes'])} beyond the peak below; a block "
-              f"{format_bytes(rc['bytes_per_block'])}, the head {format_bytes(rc['head_bytes'])}); the other units run "
-              "their forward again in backward")
+    _say(
+        out,
+        f"Recompute: {rc['recompute']}: {rc['kept_blocks']} blocks{head} of {rc['keepable_units']} units that "
+        f"can keep their activations do ({format_bytes(rc['kept_bytes'])} beyond the peak below; a block "
+        f"{format_bytes(rc['bytes_per_block'])}, the head {format_bytes(rc['head_bytes'])}); the other units run "
+        "their forward again in backward",
+    )
     _say(out, "Peak per tier, part by part (the phase where each part peaks):")
     _print_peaks(out, choice.estimate.memory)
     rank = r["per_rank"]
     if report.gpus > 1:
-        budget = "" if rank["host_budget_bytes"] is None else f" (its host budget: {format_bytes(rank['host_budget_bytes'])})"
-        _say(out, f"Per rank, 1 of {report.gpus} on this machine{budget}; the ranks share the machine's drives, "
-                  "so nvme traffic above is all ranks' on one bandwidth:")
+        budget = (
+            ""
+            if rank["host_budget_bytes"] is None
+            else f" (its host budget: {format_bytes(rank['host_budget_bytes'])})"
+        )
+        _say(
+            out,
+            f"Per rank, 1 of {report.gpus} on this machine{budget}; the ranks share the machine's drives, "
+            "so nvme traffic above is all ranks' on one bandwidth:",
+        )
         _print_peaks(out, choice.estimate.memory.per_rank())
 
 
-_DTYPE_SOURCES = {"dtype": "--dtype", "gpus": "assumed for --gpus: bf16 GPUs; --dtype to change",
-                  "train": "`tierzero train`'s default here; --dtype to change"}
+_DTYPE_SOURCES = {
+    "dtype": "--dtype",
+    "gpus": "assumed for --gpus: bf16 GPUs; --dtype to change",
+    "train": "`tierzero train`'s default here; --dtype to change",
+}
 
 
 def _print_wear(out: Output, report: PlanReport) -> None:
     """The NVMe bytes written per step and per run (checkpoints included), and with
     --drive-tbw the share of the drive's rating they use: a note above `WEAR_NOTE_FRACTION`."""
     wear = report.wear
-    _say(out, f"NVMe writes: {format_bytes(round(wear.per_step_bytes))} per step, "
-              f"{format_bytes(wear.run_bytes)} over {wear.steps} steps (with {wear.checkpoints} "
-              f"checkpoint(s): {format_bytes(wear.checkpoint_bytes)})")
+    _say(
+        out,
+        f"NVMe writes: {format_bytes(round(wear.per_step_bytes))} per step, "
+        f"{format_bytes(wear.run_bytes)} over {wear.steps} steps (with {wear.checkpoints} "
+        f"checkpoint(s): {format_bytes(wear.checkpoint_bytes)})",
+    )
     for line in wear_lines(wear):
         _say(out, line)
 
@@ -193,12 +343,18 @@ def wear_lines(wear: DriveWear) -> list[str]:
     (`tierzero plan` and `tierzero train` say it alike)."""
     if wear.rating_fraction is None or wear.per_1000_steps_fraction is None:
         return []
-    lines = [(f"Drive wear: {_percent(wear.rating_fraction)} of a {wear.drive_tbw:g} TBW drive's rating, "
-              f"{_percent(wear.per_1000_steps_fraction)} per 1000 steps")]
+    lines = [
+        (
+            f"Drive wear: {_percent(wear.rating_fraction)} of a {wear.drive_tbw:g} TBW drive's rating, "
+            f"{_percent(wear.per_1000_steps_fraction)} per 1000 steps"
+        )
+    ]
     if wear.over_note:
-        lines.append(f"[yellow]note:[/] this run writes {_percent(wear.rating_fraction)} of the drive's rated "
-                     f"endurance (over {_percent(WEAR_NOTE_FRACTION)} for one run); compact state "
-                     "(--optimizer-state int8, --master bf16) or more host memory writes less")
+        lines.append(
+            f"[yellow]note:[/] this run writes {_percent(wear.rating_fraction)} of the drive's rated "
+            f"endurance (over {_percent(WEAR_NOTE_FRACTION)} for one run); compact state "
+            "(--optimizer-state int8, --master bf16) or more host memory writes less"
+        )
     return lines
 
 
@@ -211,14 +367,21 @@ def _percent(fraction: float) -> str:
 def _print_formats(out: Output, r: dict) -> None:
     """The compact rows: bytes per parameter of the state on one rank for each
     (--optimizer-state, --master), the chosen one marked."""
-    t = Table(title=f"State bytes per parameter by format ({r['dtype']} compute; grads in it, as above)",
-              box=box.SIMPLE_HEAD)
+    t = Table(
+        title=f"State bytes per parameter by format ({r['dtype']} compute; grads in it, as above)",
+        box=box.SIMPLE_HEAD,
+    )
     for col in ("--optimizer-state", "--master", "weights", "grads", "moments", "total", ""):
-        t.add_column(col, justify="left" if col.startswith("--") or not col else "right", no_wrap=True)
+        t.add_column(
+            col, justify="left" if col.startswith("--") or not col else "right", no_wrap=True
+        )
     for row in r["compact_ledger"]:
-        t.add_row(row["optimizer_state"], row["master"],
-                  *(f"{row[k]:.2f}" for k in ("weights", "grads", "moments", "bytes_per_param")),
-                  "<" if row["chosen"] else "")
+        t.add_row(
+            row["optimizer_state"],
+            row["master"],
+            *(f"{row[k]:.2f}" for k in ("weights", "grads", "moments", "bytes_per_param")),
+            "<" if row["chosen"] else "",
+        )
     out.print(t)
     _say(out, f"State: {r['state_formats']['text']}; homes: {r['homes']['text']}")
 
@@ -231,20 +394,32 @@ def _print_placements(out: Output, report: PlanReport) -> None:
     largest = max(max(e.resident_bytes.values()) for e in estimates)
     largest = max(largest, max(max(e.moved_bytes.values()) for e in estimates))
     unit, scale = _unit(largest)
-    _say(out, f"Stage-{report.stage} placements, in {unit}: peak per tier (gpu per GPU, the rest per machine) "
-              "and bytes moved per step")
+    _say(
+        out,
+        f"Stage-{report.stage} placements, in {unit}: peak per tier (gpu per GPU, the rest per machine) "
+        "and bytes moved per step",
+    )
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
     t.add_column("param/grad/opt", no_wrap=True)
-    for col in (*(tier.value for tier in Tier), *_LINK_HEADERS.values(), *(["step\ns"] if step_col else [])):
+    for col in (
+        *(tier.value for tier in Tier),
+        *_LINK_HEADERS.values(),
+        *(["step\ns"] if step_col else []),
+    ):
         t.add_column(col, justify="right", no_wrap=True)
     t.add_column("fits", overflow="fold")
     for e in estimates:
         over = e.overflow_bytes(report.budgets)
-        t.add_row("/".join(e.placement.home(k).value for k in (StateKind.PARAM, StateKind.GRAD, StateKind.MASTER)),
-                  *(_cell(e.resident_bytes[tier], scale) for tier in Tier),
-                  *(_cell(e.moved_bytes[link], scale) for link in _LINK_HEADERS),
-                  *([_figure(e.predicted_step_s)] if step_col else []),
-                  "[green]yes[/]" if not over else f"[red]no: {'+'.join(tier.value for tier in over)}[/]")
+        t.add_row(
+            "/".join(
+                e.placement.home(k).value
+                for k in (StateKind.PARAM, StateKind.GRAD, StateKind.MASTER)
+            ),
+            *(_cell(e.resident_bytes[tier], scale) for tier in Tier),
+            *(_cell(e.moved_bytes[link], scale) for link in _LINK_HEADERS),
+            *([_figure(e.predicted_step_s)] if step_col else []),
+            "[green]yes[/]" if not over else f"[red]no: {'+'.join(tier.value for tier in over)}[/]",
+        )
     out.print(t)
 
 
@@ -252,9 +427,16 @@ def _print_peaks(out: Output, memory: MemoryModel) -> None:
     """Each tier's peak, then its parts one per line."""
     for tier in Tier:
         peak = memory.tiers[tier]
-        note = " (on the CPU device: host memory)" if tier is Tier.GPU and memory.device == "cpu" else ""
+        note = (
+            " (on the CPU device: host memory)"
+            if tier is Tier.GPU and memory.device == "cpu"
+            else ""
+        )
         _say(out, f"  {tier.value} {format_bytes(peak.peak_bytes)}{note}")
         for term in peak.terms():
             _say(out, f"    {term}")
     if memory.device == "cpu":
-        _say(out, f"  host memory {format_bytes(memory.host_total_bytes)}: the host and gpu tiers, both in RAM")
+        _say(
+            out,
+            f"  host memory {format_bytes(memory.host_total_bytes)}: the host and gpu tiers, both in RAM",
+        )

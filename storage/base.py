@@ -54,13 +54,18 @@ def os_error(e: OSError, doing: str, path: str) -> StorageError:
     fix: ENOSPC is a `StorageFullError`; anything else (EACCES, EIO, ...) a `StorageError`."""
     where = "point --nvme-path/--run-dir at"
     if e.errno in _NO_SPACE:
-        return StorageFullError(f"no space left on device {doing} {path}; free space or {where} "
-                                f"a larger filesystem")
+        return StorageFullError(
+            f"no space left on device {doing} {path}; free space or {where} a larger filesystem"
+        )
     if e.errno in _NO_PERMISSION:
-        return StorageError(f"permission denied {doing} {path} ({e.strerror}); make it writable "
-                            f"or {where} a writable filesystem")
-    return StorageError(f"{doing} {path} failed ({e.strerror or e}); check the drive (dmesg) or "
-                        f"{where} another filesystem")
+        return StorageError(
+            f"permission denied {doing} {path} ({e.strerror}); make it writable "
+            f"or {where} a writable filesystem"
+        )
+    return StorageError(
+        f"{doing} {path} failed ({e.strerror or e}); check the drive (dmesg) or "
+        f"{where} another filesystem"
+    )
 
 
 @dataclass(frozen=True)
@@ -77,8 +82,18 @@ _KEY = re.compile(r"[a-z0-9_]+(/[a-z0-9_]+)*")
 # Every dtype a shard may hold, by its torch name; stores record this name, never a pickle.
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
-    for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8,
-              torch.int8, torch.int16, torch.int32, torch.int64, torch.bool)
+    for d in (
+        torch.bfloat16,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    )
 }
 
 
@@ -92,14 +107,16 @@ def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     pad = ALIGN_BYTES // dtype.itemsize
     raw = torch.empty(numel + pad, dtype=dtype)
     skip = (-raw.data_ptr() % ALIGN_BYTES) // dtype.itemsize
-    return raw[skip:skip + numel]
+    return raw[skip : skip + numel]
 
 
 def check_key(key: str) -> str:
     """Return `key` if it is '/'-separated parts of [a-z0-9_]; raise a clear error otherwise."""
     if not isinstance(key, str) or not _KEY.fullmatch(key):
-        raise StorageError(f"invalid shard key {key!r}: use '/'-separated parts of [a-z0-9_], "
-                           f"e.g. 'master/u0003/r0'")
+        raise StorageError(
+            f"invalid shard key {key!r}: use '/'-separated parts of [a-z0-9_], "
+            f"e.g. 'master/u0003/r0'"
+        )
     return key
 
 
@@ -114,18 +131,22 @@ def dtype_name(dtype: torch.dtype) -> str:
 def check_flat(t: torch.Tensor, what: str, key: str) -> None:
     """Refuse tensors a store cannot move as one run of bytes."""
     if t.dim() != 1 or not t.is_contiguous():
-        raise StorageError(f"{what} for shard {key!r} must be a contiguous 1-D tensor, got shape "
-                           f"{tuple(t.shape)} (contiguous={t.is_contiguous()}): pass "
-                           f"t.contiguous().view(-1)")
+        raise StorageError(
+            f"{what} for shard {key!r} must be a contiguous 1-D tensor, got shape "
+            f"{tuple(t.shape)} (contiguous={t.is_contiguous()}): pass "
+            f"t.contiguous().view(-1)"
+        )
 
 
 def check_out(key: str, out: torch.Tensor, dtype: torch.dtype, numel: int) -> None:
     """Refuse an output buffer whose dtype or length differs from what was written."""
     check_flat(out, "out", key)
     if out.dtype != dtype or out.numel() != numel:
-        raise StorageError(f"shard {key!r} holds {numel} x {dtype_name(dtype)} but out is "
-                           f"{out.numel()} x {out.dtype}: allocate out with the written dtype "
-                           f"and numel")
+        raise StorageError(
+            f"shard {key!r} holds {numel} x {dtype_name(dtype)} but out is "
+            f"{out.numel()} x {out.dtype}: allocate out with the written dtype "
+            f"and numel"
+        )
 
 
 class TierStore(abc.ABC):
@@ -150,8 +171,12 @@ class TierStore(abc.ABC):
         self.open()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     @abc.abstractmethod

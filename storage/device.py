@@ -6,7 +6,6 @@ On a CPU-only machine `device="cpu"` runs the same code on host memory, so tests
 from __future__ import annotations
 
 import torch
-
 from tierzero.storage.memory import MemoryStore
 from tierzero.storage.pool import BufferPool
 
@@ -22,7 +21,9 @@ class DevicePool(BufferPool):
 
     kind = "device"
 
-    def __init__(self, budget_bytes: int, device: torch.device | str, alignment: int = DEVICE_ALIGNMENT) -> None:
+    def __init__(
+        self, budget_bytes: int, device: torch.device | str, alignment: int = DEVICE_ALIGNMENT
+    ) -> None:
         super().__init__(budget_bytes, alignment)
         self.device = torch.device(device)
 

@@ -53,7 +53,7 @@ def write_file(path: str, raw: bytes, sync: bool = False) -> None:
     try:
         view = memoryview(raw)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         if sync:
             os.fsync(fd)
     finally:

@@ -13,9 +13,15 @@ import errno
 import os
 import stat
 
-_KINDS = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-          (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISLNK, "a symbolic link"))
+_KINDS = (
+    (stat.S_ISREG, "a regular file"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISLNK, "a symbolic link"),
+)
 
 
 def describe_mode(mode: int) -> str:
@@ -50,11 +56,17 @@ def open_regular(path: str | os.PathLike, flags: int = os.O_RDONLY, mode: int = 
 
 def _refuse_other(mode: int, path: str | os.PathLike) -> None:
     if not stat.S_ISREG(mode):
-        raise OSError(errno.EINVAL, f"is {describe_mode(mode)}, not a regular file", os.fspath(path))
+        raise OSError(
+            errno.EINVAL, f"is {describe_mode(mode)}, not a regular file", os.fspath(path)
+        )
 
 
 def not_a_file(path: str | os.PathLike) -> str | None:
     """Why `path` cannot be opened as a file ('... is a FIFO, not a regular file'); None when it is
     one or does not exist."""
     kind = kind_of(path)
-    return None if kind in (None, "a regular file") else f"{os.fspath(path)} is {kind}, not a regular file"
+    return (
+        None
+        if kind in (None, "a regular file")
+        else f"{os.fspath(path)} is {kind}, not a regular file"
+    )

@@ -19,7 +19,6 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
-
 from tierzero.storage.base import StorageError
 from tierzero.storage.memory import MemoryStore
 from tierzero.storage.pool import BufferPool
@@ -44,8 +43,14 @@ class HostPool(BufferPool):
 
     kind = "host"
 
-    def __init__(self, budget_bytes: int, pin: bool | None = None, alignment: int = 4096,
-                 device: torch.device | str | None = None, blocks: Mapping[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        budget_bytes: int,
+        pin: bool | None = None,
+        alignment: int = 4096,
+        device: torch.device | str | None = None,
+        blocks: Mapping[int, int] | None = None,
+    ) -> None:
         super().__init__(budget_bytes, alignment, blocks)
         self.alignment = max(alignment, mmap.PAGESIZE)
         self._pin_request = pin
@@ -56,14 +61,18 @@ class HostPool(BufferPool):
     def open(self) -> None:
         cuda = torch.cuda.is_available()
         if self._pin_request and not cuda:
-            raise StorageError("pinned host memory needs CUDA, which is not available here; "
-                               "pass pin=None (pin when CUDA is there) or pin=False")
+            raise StorageError(
+                "pinned host memory needs CUDA, which is not available here; "
+                "pass pin=None (pin when CUDA is there) or pin=False"
+            )
         self.pin = cuda if self._pin_request is None else self._pin_request
         super().open()
 
     def _in_context(self) -> contextlib.AbstractContextManager:
         """The pinning device's context, made current on whichever thread pins."""
-        return torch.cuda.device(self.device) if self.device is not None else contextlib.nullcontext()
+        return (
+            torch.cuda.device(self.device) if self.device is not None else contextlib.nullcontext()
+        )
 
     def _allocate(self, capacity: int) -> torch.Tensor:
         # Anonymous mappings are page-aligned; only an alignment above the page size needs slack.
@@ -75,11 +84,13 @@ class HostPool(BufferPool):
             # Private, like malloc's large blocks (shared anonymous memory would be shmem).
             region = mmap.mmap(-1, capacity + slack, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         except OSError as exc:
-            raise StorageError(f"cannot map {capacity} bytes of host memory ({exc.strerror}): "
-                               "lower the host budget") from exc
+            raise StorageError(
+                f"cannot map {capacity} bytes of host memory ({exc.strerror}): "
+                "lower the host budget"
+            ) from exc
         raw = torch.frombuffer(region, dtype=torch.uint8)
         offset = -raw.data_ptr() % self.alignment
-        data = raw[offset: offset + capacity]
+        data = raw[offset : offset + capacity]
         if self.pin:
             with self._in_context():
                 _register(data.data_ptr(), capacity)
@@ -93,23 +104,31 @@ class HostPool(BufferPool):
             with self._in_context():
                 err = int(torch.cuda.cudart().cudaHostUnregister(data.data_ptr()))
             if err != 0:
-                raise StorageError(f"cannot unpin the {data.numel()}-byte host block at "
-                                   f"0x{data.data_ptr():x} (cudaHostUnregister error {err}; "
-                                   "it may be left over from an earlier CUDA call: rerun with "
-                                   "CUDA_LAUNCH_BLOCKING=1 to find it)")
+                raise StorageError(
+                    f"cannot unpin the {data.numel()}-byte host block at "
+                    f"0x{data.data_ptr():x} (cudaHostUnregister error {err}; "
+                    "it may be left over from an earlier CUDA call: rerun with "
+                    "CUDA_LAUNCH_BLOCKING=1 to find it)"
+                )
 
 
 def _register(ptr: int, nbytes: int) -> None:
     """Pin `nbytes` at `ptr` for every CUDA context (the caller makes its device current)."""
     err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE))
     if err != 0:
-        raise StorageError(f"cannot pin {nbytes} bytes of host memory (cudaHostRegister error {err}): "
-                           "lower the host budget, or raise the locked-memory limit (ulimit -l)")
+        raise StorageError(
+            f"cannot pin {nbytes} bytes of host memory (cudaHostRegister error {err}): "
+            "lower the host budget, or raise the locked-memory limit (ulimit -l)"
+        )
 
 
 def _context(device: torch.device | None) -> contextlib.AbstractContextManager:
     """`device`'s CUDA context made current on the calling thread (pinning there, not on cuda:0)."""
-    return torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()
+    return (
+        torch.cuda.device(device)
+        if device is not None and device.type == "cuda"
+        else contextlib.nullcontext()
+    )
 
 
 class _PinnedPages(np.ndarray):

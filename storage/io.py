@@ -33,7 +33,6 @@ from typing import Any, TypeVar
 
 import aiofiles
 import aiofiles.os
-
 from tierzero.storage.base import StorageError, os_error
 from tierzero.storage.durable import fsync_path
 
@@ -45,8 +44,12 @@ MATH_LANE = "math"  # the one thread that runs host math (`IOLoop.run_math`)
 class IOLoop:
     """An event loop in a daemon thread with a bounded thread pool of `threads` workers."""
 
-    def __init__(self, threads: int = 16, initializer: Callable[[], None] | None = None,
-                 math_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        threads: int = 16,
+        initializer: Callable[[], None] | None = None,
+        math_threads: int | None = None,
+    ) -> None:
         if threads < 1:
             raise StorageError(f"IOLoop needs at least one thread, got {threads}")
         self.threads = threads
@@ -61,18 +64,28 @@ class IOLoop:
         if self._loop is not None:
             return
         loop = asyncio.new_event_loop()
-        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
-            self.threads, thread_name_prefix="tierzero-io", initializer=self.initializer))
+        loop.set_default_executor(
+            concurrent.futures.ThreadPoolExecutor(
+                self.threads, thread_name_prefix="tierzero-io", initializer=self.initializer
+            )
+        )
         started = threading.Event()
-        self._thread = threading.Thread(target=self._serve, args=(loop, started, self.initializer),
-                                        name="tierzero-io-loop", daemon=True)
+        self._thread = threading.Thread(
+            target=self._serve,
+            args=(loop, started, self.initializer),
+            name="tierzero-io-loop",
+            daemon=True,
+        )
         self._thread.start()
         started.wait()
         self._loop = loop
 
     @staticmethod
-    def _serve(loop: asyncio.AbstractEventLoop, started: threading.Event,
-               initializer: Callable[[], None] | None) -> None:
+    def _serve(
+        loop: asyncio.AbstractEventLoop,
+        started: threading.Event,
+        initializer: Callable[[], None] | None,
+    ) -> None:
         asyncio.set_event_loop(loop)
         if initializer is not None:
             initializer()
@@ -115,8 +128,9 @@ class IOLoop:
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
-            raise StorageError("the I/O loop is not open: call IOLoop.open() or use it as a "
-                               "context manager")
+            raise StorageError(
+                "the I/O loop is not open: call IOLoop.open() or use it as a context manager"
+            )
         return self._loop
 
     async def wait_off_workers(self, wait: Callable[..., None], *args: Any, lane: str = "") -> None:
@@ -134,8 +148,9 @@ class IOLoop:
             if lane not in self._waiters:
                 name = "tierzero-wait" + (f"-{lane}" if lane else "")
                 start = self._start_math if lane == MATH_LANE else self.initializer
-                self._waiters[lane] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name,
-                                                                            initializer=start)
+                self._waiters[lane] = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix=name, initializer=start
+                )
             return self._waiters[lane]
 
     def _start_math(self) -> None:
@@ -144,7 +159,9 @@ class IOLoop:
         if self.math_threads is not None:
             import torch
 
-            torch.set_num_threads(self.math_threads)  # this thread's team (and torch's default for new threads)
+            torch.set_num_threads(
+                self.math_threads
+            )  # this thread's team (and torch's default for new threads)
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule `coro` on the loop; the training thread waits on the returned future."""

@@ -30,8 +30,16 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from tierzero.storage.base import Capabilities, ShardNotFoundError, StorageError, TierStore, check_flat, check_key, check_out, dtype_name
+from tierzero.storage.base import (
+    Capabilities,
+    ShardNotFoundError,
+    StorageError,
+    TierStore,
+    check_flat,
+    check_key,
+    check_out,
+    dtype_name,
+)
 from tierzero.storage.pool import BufferPool
 
 
@@ -60,8 +68,12 @@ def _issued_before(src: torch.Tensor) -> object | None:
     return event
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, stream_for: Callable[[torch.device], torch.cuda.Stream],
-          *ready: object | None) -> None:
+def _copy(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    stream_for: Callable[[torch.device], torch.cuda.Stream],
+    *ready: object | None,
+) -> None:
     """`dst.copy_(src)`, finished on return. On a GPU: on `stream_for(device)`, after every event
     in `ready` (CUDA events or None): a buffer's release, the source's producer."""
     device = dst.device if dst.is_cuda else src.device if src.is_cuda else None
@@ -87,8 +99,13 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-async def _copy_then(dst: torch.Tensor, src: torch.Tensor, then: Callable[[bool], None],
-                     stream_for: Callable[[torch.device], torch.cuda.Stream], *ready: object | None) -> None:
+async def _copy_then(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    then: Callable[[bool], None],
+    stream_for: Callable[[torch.device], torch.cuda.Stream],
+    *ready: object | None,
+) -> None:
     """Copy on an I/O thread; `then(ok)` runs once the thread is done with both buffers, even
     if the awaiting task was cancelled meanwhile (the thread cannot be stopped mid-copy)."""
     fut = asyncio.get_running_loop().run_in_executor(None, _copy, dst, src, stream_for, *ready)
@@ -132,10 +149,18 @@ class MemoryStore(TierStore):
         dtype_name(src.dtype)
         buf = self.pool.lease(src.numel() * src.element_size())
         shard = _Resident(buf, src.dtype, src.numel())
-        await _copy_then(shard.typed(), src, lambda ok: self._install(key, shard, ok), self._stream_for,
-                         self.pool.take_ready(buf), produced)
+        await _copy_then(
+            shard.typed(),
+            src,
+            lambda ok: self._install(key, shard, ok),
+            self._stream_for,
+            self.pool.take_ready(buf),
+            produced,
+        )
 
-    def read_into(self, key: str, out: torch.Tensor, verify: bool = False) -> Coroutine[Any, Any, None]:
+    def read_into(
+        self, key: str, out: torch.Tensor, verify: bool = False
+    ) -> Coroutine[Any, Any, None]:
         """Copy `key`'s shard into `out`; ordered after the calling thread's current stream when
         the shard is device memory (see above)."""
         shard = self._shards.get(key)
@@ -145,7 +170,9 @@ class MemoryStore(TierStore):
         shard = self._get(key)
         check_out(key, out, shard.dtype, shard.numel)
         shard.readers += 1
-        await _copy_then(out, shard.typed(), lambda ok: self._release_reader(shard), self._stream_for, produced)
+        await _copy_then(
+            out, shard.typed(), lambda ok: self._release_reader(shard), self._stream_for, produced
+        )
 
     async def exists(self, key: str) -> bool:
         return check_key(key) in self._shards
@@ -168,8 +195,9 @@ class MemoryStore(TierStore):
     def _get(self, key: str) -> _Resident:
         shard = self._shards.get(check_key(key))
         if shard is None:
-            raise ShardNotFoundError(f"no shard {key!r} in the {self.tier} store: write it "
-                                     f"before reading it")
+            raise ShardNotFoundError(
+                f"no shard {key!r} in the {self.tier} store: write it before reading it"
+            )
         return shard
 
     def _install(self, key: str, shard: _Resident, ok: bool) -> None:

@@ -51,7 +51,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-
 from tierzero.storage.base import BudgetExceededError, StorageError
 from tierzero.storage.sizeclass import class_for
 
@@ -79,11 +78,17 @@ class BufferPool(abc.ABC):
 
     kind: str  # "host" or "device", for messages
 
-    def __init__(self, budget_bytes: int, alignment: int = 4096, blocks: Mapping[int, int] | None = None) -> None:
+    def __init__(
+        self, budget_bytes: int, alignment: int = 4096, blocks: Mapping[int, int] | None = None
+    ) -> None:
         if budget_bytes <= 0:
-            raise StorageError(f"{self.kind} pool budget_bytes must be positive, got {budget_bytes}")
+            raise StorageError(
+                f"{self.kind} pool budget_bytes must be positive, got {budget_bytes}"
+            )
         if alignment <= 0 or alignment & (alignment - 1):
-            raise StorageError(f"{self.kind} pool alignment must be a power of two, got {alignment}")
+            raise StorageError(
+                f"{self.kind} pool alignment must be a power of two, got {alignment}"
+            )
         self._budget_bytes = budget_bytes
         self.alignment = alignment
         self._lock = threading.Lock()
@@ -117,7 +122,9 @@ class BufferPool(abc.ABC):
         release the ones allocated so far and raise."""
         bad = [c for c in self.classes if c % self.alignment]
         if bad:
-            raise StorageError(f"{self.kind} pool classes {bad} are not multiples of its alignment {self.alignment}")
+            raise StorageError(
+                f"{self.kind} pool classes {bad} are not multiples of its alignment {self.alignment}"
+            )
         self._is_open = True
         try:
             self.provision(self._provision)
@@ -130,7 +137,9 @@ class BufferPool(abc.ABC):
         with self._lock:
             for capacity, n in sorted(blocks.items()):
                 if capacity not in self.classes:
-                    raise StorageError(f"{capacity} is not one of the {self.kind} pool's classes {self.classes}")
+                    raise StorageError(
+                        f"{capacity} is not one of the {self.kind} pool's classes {self.classes}"
+                    )
                 for _ in range(n):
                     self._free.setdefault(capacity, []).append(self._new_block(capacity, capacity))
 
@@ -203,12 +212,15 @@ class BufferPool(abc.ABC):
         cached ones (least recently used first); if leased blocks alone exceed it, nothing
         changes and `BudgetExceededError` says by how much."""
         if budget_bytes <= 0:
-            raise StorageError(f"{self.kind} pool budget_bytes must be positive, got {budget_bytes}")
+            raise StorageError(
+                f"{self.kind} pool budget_bytes must be positive, got {budget_bytes}"
+            )
         with self._lock:
             leased = sum(b.capacity for b in self._blocks.values() if b.leases)
             if leased > budget_bytes:
                 raise BudgetExceededError(
-                    f"{self.kind} pool cannot shrink to {budget_bytes} bytes: {leased} bytes are leased")
+                    f"{self.kind} pool cannot shrink to {budget_bytes} bytes: {leased} bytes are leased"
+                )
             self._budget_bytes = budget_bytes
             for size in list(self._free):
                 while self._free[size] and self._resident_bytes > budget_bytes:
@@ -249,8 +261,10 @@ class BufferPool(abc.ABC):
         with self._lock:
             block = self._blocks.get(buf.data_ptr())
             if block is None or block.leases == 0:
-                raise StorageError(f"buffer at 0x{buf.data_ptr():x} is not leased from this "
-                                   f"{self.kind} pool: give back the tensor lease() returned, once")
+                raise StorageError(
+                    f"buffer at 0x{buf.data_ptr():x} is not leased from this "
+                    f"{self.kind} pool: give back the tensor lease() returned, once"
+                )
             block.leases -= 1
             block.ready = ready
             if block.leases == 0 and block.cache_key is None:
@@ -262,8 +276,10 @@ class BufferPool(abc.ABC):
         with self._lock:
             block = self._blocks.get(buf.data_ptr())
             if block is None or block.leases == 0:
-                raise StorageError(f"buffer at 0x{buf.data_ptr():x} is not leased from this "
-                                   f"{self.kind} pool: ask for the tensor lease() returned")
+                raise StorageError(
+                    f"buffer at 0x{buf.data_ptr():x} is not leased from this "
+                    f"{self.kind} pool: ask for the tensor lease() returned"
+                )
             ready, block.ready = block.ready, None
             return ready
 
@@ -272,8 +288,10 @@ class BufferPool(abc.ABC):
         with self._lock:
             block = self._blocks.get(buf.data_ptr())
             if block is None or block.leases == 0:
-                raise StorageError(f"cannot cache {key!r}: the buffer is not leased from this "
-                                   f"{self.kind} pool; cache a buffer from lease()")
+                raise StorageError(
+                    f"cannot cache {key!r}: the buffer is not leased from this "
+                    f"{self.kind} pool; cache a buffer from lease()"
+                )
             if block.cache_key is not None:
                 self._uncache(block.cache_key)
             if key in self._cache:
@@ -315,7 +333,9 @@ class BufferPool(abc.ABC):
         if self.classes and self._resident_bytes + capacity > self._budget_bytes:
             # with size classes, a cached block of this class serves as it is (an idle block of
             # another class would be dropped now and allocated again when its class needs it)
-            key = next((k for k, b in self._cache.items() if b.capacity == capacity and not b.leases), None)
+            key = next(
+                (k for k, b in self._cache.items() if b.capacity == capacity and not b.leases), None
+            )
             if key is not None:
                 block = self._cache.pop(key)
                 block.cache_key = None
@@ -339,7 +359,7 @@ class BufferPool(abc.ABC):
             raise self._over_budget(nbytes)
         raw = self._allocate(capacity)
         offset = -raw.data_ptr() % self.alignment
-        block = _Block(raw[offset: offset + capacity])
+        block = _Block(raw[offset : offset + capacity])
         assert block.capacity == capacity, "_allocate returned too few bytes to align"
         self._blocks[block.data.data_ptr()] = block
         self._resident_bytes += capacity
@@ -365,4 +385,5 @@ class BufferPool(abc.ABC):
         return BudgetExceededError(
             f"{self.kind} pool cannot lease {nbytes} bytes: budget {self._budget_bytes}, "
             f"{leased} bytes leased and not given back. Raise the {self.kind} budget, use "
-            f"smaller shards, or give buffers back sooner")
+            f"smaller shards, or give buffers back sooner"
+        )

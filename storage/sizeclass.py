@@ -41,14 +41,22 @@ def choose_classes(sizes: Mapping[int, int], max_classes: int, alignment: int) -
     ws = [counts[x] for x in xs]
 
     def waste(i: int, j: int) -> int:  # sizes xs[i..j] served by xs[j]
-        return sum(w * (xs[j] - x) for x, w in zip(xs[i:j + 1], ws[i:j + 1]))
+        return sum(w * (xs[j] - x) for x, w in zip(xs[i : j + 1], ws[i : j + 1]))
 
     n = len(xs)
     # best[j]: (least waste, capacities) serving xs[0..j] with the classes used so far
     best: list[tuple[int, tuple[int, ...]]] = [(waste(0, j), (xs[j],)) for j in range(n)]
     for _ in range(max_classes - 1):
-        best = [min([best[j]] + [(best[i - 1][0] + waste(i, j), best[i - 1][1] + (xs[j],))
-                                 for i in range(1, j + 1)]) for j in range(n)]
+        best = [
+            min(
+                [best[j]]
+                + [
+                    (best[i - 1][0] + waste(i, j), best[i - 1][1] + (xs[j],))
+                    for i in range(1, j + 1)
+                ]
+            )
+            for j in range(n)
+        ]
     return best[-1][1]
 
 

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-
 from tierzero.storage.io import IOLoop
 
 
@@ -28,7 +27,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def _cpu_unless_marked_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+def _cpu_unless_marked_cuda(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Pin an unmarked test, and the subprocesses it starts, to the CPU on a GPU machine."""
     if request.node.get_closest_marker("cuda") is None and torch.cuda.is_available():
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

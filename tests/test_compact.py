@@ -23,13 +23,15 @@ def _blocks_of(n: int, seed: int, signed: bool) -> torch.Tensor:
     """Values of every scale: each block with its own magnitude, zeros, a block of zeros."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g) * torch.logspace(-6, 1, n)[torch.randperm(n, generator=g)]
-    x[STATE_BLOCK:2 * STATE_BLOCK] = 0.0
+    x[STATE_BLOCK : 2 * STATE_BLOCK] = 0.0
     x[5] = 0.0
     return x if signed else x.abs()
 
 
 @pytest.mark.parametrize("signed", [True, False])
-def test_a_round_trip_stays_within_half_the_gap_between_the_codes_around_each_value(signed: bool) -> None:
+def test_a_round_trip_stays_within_half_the_gap_between_the_codes_around_each_value(
+    signed: bool,
+) -> None:
     n = 3 * STATE_BLOCK + 777  # a shorter last block
     x = _blocks_of(n, 0, signed)
     nb = codes.nblocks(n)
@@ -58,7 +60,7 @@ def test_a_round_trip_stays_within_half_the_gap_between_the_codes_around_each_va
         assert (error <= bound + 1e-6).all(), (k, (error - bound).max())
         assert (error <= 0.0071).all()  # the widest half gap (and the signed map's -0.993 edge)
     for k in range(nb):  # a block's largest value, where positive, is the code 1.0: exact
-        block = x[k * STATE_BLOCK:(k + 1) * STATE_BLOCK]
+        block = x[k * STATE_BLOCK : (k + 1) * STATE_BLOCK]
         if absmax[k] > 0 and block.max() == absmax[k]:
             i = k * STATE_BLOCK + int(block.argmax())
             assert out[i] == x[i]
@@ -70,15 +72,19 @@ def test_a_piece_quantises_block_by_block_as_its_parts_do() -> None:
     x = _blocks_of(n, 1, True)
     whole = StateFormats(moments="int8").encode(StateKind.EXP_AVG, x)
     absmax, q = split(whole, n)
-    part = StateFormats(moments="int8").encode(StateKind.EXP_AVG, x[2 * STATE_BLOCK:])
+    part = StateFormats(moments="int8").encode(StateKind.EXP_AVG, x[2 * STATE_BLOCK :])
     part_absmax, part_q = split(part, n - 2 * STATE_BLOCK)
-    assert torch.equal(part_q, q[2 * STATE_BLOCK:]) and torch.equal(part_absmax, absmax[2:])
+    assert torch.equal(part_q, q[2 * STATE_BLOCK :]) and torch.equal(part_absmax, absmax[2:])
     assert whole.dtype == torch.uint8 and whole.numel() == 4 * codes.nblocks(n) + n
 
 
-def _ref_bits(config: Config, step: int, unit: int, kind: StateKind, positions: np.ndarray) -> np.ndarray:
+def _ref_bits(
+    config: Config, step: int, unit: int, kind: StateKind, positions: np.ndarray
+) -> np.ndarray:
     """The stochastic-rounding bits, recomputed with numpy's wrapping uint32 arithmetic."""
-    h = (positions & 0xFFFFFFFF).astype(np.uint32) ^ np.uint32(stream_key(config.seed, step, unit, kind))
+    h = (positions & 0xFFFFFFFF).astype(np.uint32) ^ np.uint32(
+        stream_key(config.seed, step, unit, kind)
+    )
     for mult in (0x7FEB352D, 0x2C1B3C6D):
         h ^= h >> np.uint32(16)
         h *= np.uint32(mult)
@@ -91,8 +97,16 @@ def _ref_round(values: torch.Tensor, bits: np.ndarray) -> torch.Tensor:
     return torch.from_numpy((raw & np.uint32(0xFFFF0000)).view(np.float32)).to(torch.bfloat16)
 
 
-def reference_step(formats: StateFormats, stored: dict[StateKind, torch.Tensor], grad: torch.Tensor,
-                   spans: list, lr: float, config: Config, unit: int, origin: int) -> dict[StateKind, torch.Tensor]:
+def reference_step(
+    formats: StateFormats,
+    stored: dict[StateKind, torch.Tensor],
+    grad: torch.Tensor,
+    spans: list,
+    lr: float,
+    config: Config,
+    unit: int,
+    origin: int,
+) -> dict[StateKind, torch.Tensor]:
     """Plain PyTorch: decode the whole piece, apply AdamW's formula per span, encode the whole piece."""
     n = grad.numel()
     values = {kind: formats.decode(kind, t, torch.empty(n)) for kind, t in stored.items()}
@@ -104,19 +118,24 @@ def reference_step(formats: StateFormats, stored: dict[StateKind, torch.Tensor],
             p[a:b] = p[a:b] * (1 - lr * wd)
         m[a:b] = m[a:b] * beta1 + g * (1 - beta1)
         v[a:b] = v[a:b] * beta2 + (g * g) * (1 - beta2)
-        denom = v[a:b].sqrt() / math.sqrt(1 - beta2 ** t) + config.eps
-        p[a:b] = p[a:b] - (m[a:b] / denom) * (lr / (1 - beta1 ** t))
+        denom = v[a:b].sqrt() / math.sqrt(1 - beta2**t) + config.eps
+        p[a:b] = p[a:b] - (m[a:b] / denom) * (lr / (1 - beta1**t))
     out = {}
     for kind, t in stored.items():
         if t.dtype == torch.float32:
             out[kind] = values[kind]
             continue
-        rest = 0x8000 if formats.quantised(kind) else 0  # outside the spans: nearest code, or as stored
+        rest = (
+            0x8000 if formats.quantised(kind) else 0
+        )  # outside the spans: nearest code, or as stored
         bits = np.full(n, rest, dtype=np.uint32)
         for a, b, _, k in spans:
             bits[a:b] = _ref_bits(config, k + 1, unit, kind, np.arange(origin + a, origin + b))
-        out[kind] = (_ref_quantise(values[kind], kind is StateKind.EXP_AVG, bits) if formats.quantised(kind)
-                     else _ref_round(values[kind].clone(), bits))
+        out[kind] = (
+            _ref_quantise(values[kind], kind is StateKind.EXP_AVG, bits)
+            if formats.quantised(kind)
+            else _ref_round(values[kind].clone(), bits)
+        )
     return out
 
 
@@ -124,7 +143,9 @@ def _ref_quantise(values: torch.Tensor, signed: bool, bits: np.ndarray) -> torch
     """Blockwise absmax, then between the two codes around each value by binary search: up where
     its fraction of the gap, in 1/65536ths, exceeds its random bits."""
     n, table = values.numel(), codes.code_map(signed)
-    absmax = torch.stack([values[i:i + STATE_BLOCK].abs().max() for i in range(0, n, STATE_BLOCK)])
+    absmax = torch.stack(
+        [values[i : i + STATE_BLOCK].abs().max() for i in range(0, n, STATE_BLOCK)]
+    )
     y = values / torch.where(absmax > 0, absmax, 1.0).repeat_interleave(STATE_BLOCK)[:n]
     lo = (torch.searchsorted(table, y, right=True) - 1).clamp(min=0)
     if not signed:
@@ -138,23 +159,45 @@ def _ref_quantise(values: torch.Tensor, signed: bool, bits: np.ndarray) -> torch
     return packed
 
 
-@pytest.mark.parametrize("moments,master", [("int8", "bf16"), ("int8", "fp32"), ("bf16", "bf16"),
-                                            ("bf16", "fp32"), ("fp32", "bf16")])
-def test_a_compact_step_equals_the_formula_in_plain_pytorch_bitwise(moments: str, master: str) -> None:
+@pytest.mark.parametrize(
+    "moments,master",
+    [("int8", "bf16"), ("int8", "fp32"), ("bf16", "bf16"), ("bf16", "fp32"), ("fp32", "bf16")],
+)
+def test_a_compact_step_equals_the_formula_in_plain_pytorch_bitwise(
+    moments: str, master: str
+) -> None:
     formats = StateFormats(moments=moments, master=master)
     config = Config(lr=1e-3, weight_decay=0.1, seed=7)
     n = 2 * SUB_BLOCK["cpu"] + 3 * STATE_BLOCK + 555  # three sub-blocks, the last block shorter
     g = torch.Generator().manual_seed(3)
-    stored = {StateKind.MASTER: formats.encode(StateKind.MASTER, torch.randn(n, generator=g) * 0.05),
-              StateKind.EXP_AVG: formats.encode(StateKind.EXP_AVG, torch.randn(n, generator=g) * 1e-3),
-              StateKind.EXP_AVG_SQ: formats.encode(StateKind.EXP_AVG_SQ, torch.rand(n, generator=g) * 1e-6)}
+    stored = {
+        StateKind.MASTER: formats.encode(StateKind.MASTER, torch.randn(n, generator=g) * 0.05),
+        StateKind.EXP_AVG: formats.encode(StateKind.EXP_AVG, torch.randn(n, generator=g) * 1e-3),
+        StateKind.EXP_AVG_SQ: formats.encode(
+            StateKind.EXP_AVG_SQ, torch.rand(n, generator=g) * 1e-6
+        ),
+    }
     grad = torch.randn(n, generator=g) * 1e-2
     # runs of different step counts and decay, one across a sub-block edge, and values no run covers
-    spans = [(0, 1000, 0.1, 0), (1000, SUB_BLOCK["cpu"] + 4097, 0.0, 5), (SUB_BLOCK["cpu"] + 9000, n, 0.1, 2)]
-    expected = reference_step(formats, {k: t.clone() for k, t in stored.items()}, grad, spans, 1e-3, config,
-                              unit=3, origin=12345)
+    spans = [
+        (0, 1000, 0.1, 0),
+        (1000, SUB_BLOCK["cpu"] + 4097, 0.0, 5),
+        (SUB_BLOCK["cpu"] + 9000, n, 0.1, 2),
+    ]
+    expected = reference_step(
+        formats,
+        {k: t.clone() for k, t in stored.items()},
+        grad,
+        spans,
+        1e-3,
+        config,
+        unit=3,
+        origin=12345,
+    )
     tensors = {**stored, StateKind.GRAD: grad}
-    CompactStep(formats, config, torch.device("cpu")).step(tensors, spans, 1e-3, unit=3, origin=12345)
+    CompactStep(formats, config, torch.device("cpu")).step(
+        tensors, spans, 1e-3, unit=3, origin=12345
+    )
     for kind, want in expected.items():
         assert torch.equal(tensors[kind], want), kind
     untouched = slice(SUB_BLOCK["cpu"] + 4097, SUB_BLOCK["cpu"] + 9000)
@@ -169,9 +212,15 @@ def test_stochastic_rounding_is_unbiased_where_round_to_nearest_loses_the_update
     n = 4 * SUB_BLOCK["cpu"]
     assert torch.tensor(1 - 1e-4).to(torch.bfloat16) == 1  # what round-to-nearest would store
     master = torch.ones(n, dtype=torch.bfloat16)
-    tensors = {StateKind.MASTER: master, StateKind.GRAD: torch.ones(n),
-               StateKind.EXP_AVG: torch.zeros(n), StateKind.EXP_AVG_SQ: torch.zeros(n)}
-    CompactStep(formats, config, torch.device("cpu")).step(tensors, [(0, n, 0.0, 0)], 1e-4, unit=0, origin=0)
+    tensors = {
+        StateKind.MASTER: master,
+        StateKind.GRAD: torch.ones(n),
+        StateKind.EXP_AVG: torch.zeros(n),
+        StateKind.EXP_AVG_SQ: torch.zeros(n),
+    }
+    CompactStep(formats, config, torch.device("cpu")).step(
+        tensors, [(0, n, 0.0, 0)], 1e-4, unit=0, origin=0
+    )
     moved = 1 - master.double().mean().item()
     assert abs(moved - 1e-4) < 2e-5, moved  # Adam's first step moves each weight by lr (5 sigma)
 
@@ -183,7 +232,9 @@ def test_the_bucket_lookup_finds_the_lower_code_as_a_binary_search_does(signed: 
     table = codes.code_map(signed)
     g = torch.Generator().manual_seed(2)
     mids = (table[:-1] + table[1:]) / 2
-    edges = torch.cat([table, mids, table.nextafter(torch.tensor(2.0)), table.nextafter(torch.tensor(-2.0))])
+    edges = torch.cat(
+        [table, mids, table.nextafter(torch.tensor(2.0)), table.nextafter(torch.tensor(-2.0))]
+    )
     spread = (torch.rand(1 << 16, generator=g) * 2 - 1) * torch.logspace(-44, 0, 1 << 16)
     x = torch.cat([edges, spread, torch.zeros(1), -torch.zeros(1)]).clamp(-1 if signed else 0, 1)
     index = torch.empty(x.numel(), dtype=torch.uint8)
@@ -195,16 +246,25 @@ def test_the_bucket_lookup_finds_the_lower_code_as_a_binary_search_does(signed: 
 
 
 @pytest.mark.parametrize("signed", [True, False])
-def test_int8_stochastic_rounding_is_unbiased_and_keeps_to_the_two_codes_around_a_value(signed: bool) -> None:
+def test_int8_stochastic_rounding_is_unbiased_and_keeps_to_the_two_codes_around_a_value(
+    signed: bool,
+) -> None:
     """One value quantised with every one of the 65536 random draws: each code is one of the two
     around it, their mean is the value (to the draws' 2**-16 resolution), and a moment far less
     than half a gap from its code -- where nearest rounding sticks -- moves in expectation."""
     table = codes.code_map(signed)
     n = 1 << 16
-    for target in (0.5 * (table[200] + table[201]) + 0.3 * (table[201] - table[200]), table[130] * 1.001):
+    for target in (
+        0.5 * (table[200] + table[201]) + 0.3 * (table[201] - table[200]),
+        table[130] * 1.001,
+    ):
         x = torch.full((n,), float(target))
         x[::STATE_BLOCK] = 1.0  # each block's absmax is 1: the values stay as they are
-        q, absmax, out = torch.empty(n, dtype=torch.uint8), torch.empty(codes.nblocks(n)), torch.empty(n)
+        q, absmax, out = (
+            torch.empty(n, dtype=torch.uint8),
+            torch.empty(codes.nblocks(n)),
+            torch.empty(n),
+        )
         scratch = codes.Scratch(n, torch.device("cpu"))
         bits = torch.randperm(n, generator=torch.Generator().manual_seed(0)).to(torch.int32)
         codes.quantise(x.clone(), signed, q, absmax, scratch, bits)
@@ -215,13 +275,15 @@ def test_int8_stochastic_rounding_is_unbiased_and_keeps_to_the_two_codes_around_
         assert set(q[kept].unique().tolist()) <= {lo, lo + 1}
         mean = out[kept].double().mean().item()
         gap = float(table[lo + 1] - table[lo])
-        assert abs(mean - float(target)) < gap * 2 ** -10, (mean, float(target))
+        assert abs(mean - float(target)) < gap * 2**-10, (mean, float(target))
         nearest = torch.empty_like(q)
-        codes.quantise(x.clone(), signed, nearest, absmax, scratch)  # no bits: the nearest code, for all
+        codes.quantise(
+            x.clone(), signed, nearest, absmax, scratch
+        )  # no bits: the nearest code, for all
         assert len(nearest[kept].unique()) == 1
 
 
-@pytest.mark.parametrize("start", [2 ** 31 - 1000, 2 ** 32 - 1000, 5 * 2 ** 32 + 7])
+@pytest.mark.parametrize("start", [2**31 - 1000, 2**32 - 1000, 5 * 2**32 + 7])
 def test_the_random_bits_wrap_as_uint32_arithmetic_does_past_the_int32_range(start: int) -> None:
     """The int32 hash (wrapping mul and add, masked shifts) equals numpy's uint32 one where the
     positions cross 2**31 and 2**32."""

@@ -12,8 +12,20 @@ from tierzero.config import Config, RunConfig
 from tierzero.configfile import load_run_config
 from tierzero.errors import ConfigError
 
-NUMBERS = ["lr", "eps", "weight_decay", "warmup_steps", "total_steps", "clip_grad_norm", "min_lr_ratio",
-           "loss_scale", "loss_scale_window", "accumulate", "prefetch_depth", "host_budget"]
+NUMBERS = [
+    "lr",
+    "eps",
+    "weight_decay",
+    "warmup_steps",
+    "total_steps",
+    "clip_grad_norm",
+    "min_lr_ratio",
+    "loss_scale",
+    "loss_scale_window",
+    "accumulate",
+    "prefetch_depth",
+    "host_budget",
+]
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
@@ -41,7 +53,9 @@ def test_toml_infinities_are_refused_by_their_key(tmp_path) -> None:
     with pytest.raises(ConfigError, match="^weight_decay must be a finite number >= 0, got nan"):
         load_run_config(path)
     path.write_text("loss_scale = inf\n")
-    with pytest.raises(ConfigError, match=r"^loss_scale must be a power of two \(like 65536\), got inf"):
+    with pytest.raises(
+        ConfigError, match=r"^loss_scale must be a power of two \(like 65536\), got inf"
+    ):
         load_run_config(path)
 
 

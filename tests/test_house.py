@@ -1,6 +1,6 @@
 """The house rules that can be counted: imports point one way (cli -> tierzero -> storage, and
 down the wings of `tierzero` in the order below), no module imports itself back through a
-circle, every folder says what it owns, no source file outgrows 400 lines, no part receives
+circle, every folder says what it owns, no source file outgrows 500 lines, no part receives
 the Engine itself (parts take the record of parts, `EngineParts`), and the Engine stays a
 small public face.
 
@@ -15,16 +15,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # where each installed package's files live
-PACKAGE_DIRS = {"tierzero": ROOT / "tierzero", "tierzero.storage": ROOT / "storage", "tierzero.cli": ROOT / "cli"}
+PACKAGE_DIRS = {
+    "tierzero": ROOT / "tierzero",
+    "tierzero.storage": ROOT / "storage",
+    "tierzero.cli": ROOT / "cli",
+}
 # lower may never import higher; equal ranks may import each other only without a circle
 RANKS = {
     "tierzero.storage": 0,
-    "tierzero.errors": 1, "tierzero.refusals": 1, "tierzero.config": 1, "tierzero.configfile": 1, "tierzero.adamw": 2, "tierzero.lr": 2,
+    "tierzero.errors": 1,
+    "tierzero.refusals": 1,
+    "tierzero.config": 1,
+    "tierzero.configfile": 1,
+    "tierzero.adamw": 2,
+    "tierzero.lr": 2,
     "tierzero.compact": 2,  # stored formats of optimizer state and their step: config and storage only
     "tierzero.layout": 3,
     "tierzero.models": 4,
     "tierzero.planning": 5,
-    "tierzero.precision": 6, "tierzero.reference": 6,  # the compute dtype; the oracle every engine path meets
+    "tierzero.precision": 6,
+    "tierzero.reference": 6,  # the compute dtype; the oracle every engine path meets
     "tierzero.distributed": 7,
     "tierzero.checkpoint": 8,
     "tierzero.engine": 9,
@@ -34,7 +44,7 @@ RANKS = {
     "tierzero": 12,  # the package's own __init__: the public names
     "tierzero.cli": 13,
 }
-MAX_LINES = 400
+MAX_LINES = 500
 ENGINE_FACE_LINES = 300  # `Engine`: the public face over its parts, not where they meet
 ENGINE_TOP_FILES = 8  # the engine's own floor: its face and what wires the rooms, the rest in rooms
 
@@ -67,8 +77,10 @@ def _imports(module: str, path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
-                     for a in node.names]
+            names = [
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                for a in node.names
+            ]
         else:
             continue
         for name in names:
@@ -95,7 +107,9 @@ def test_no_import_circle():
         state[m] = "open"
         for t in sorted(graph.get(m, ())):
             if state.get(t) == "open":
-                circles.append(" -> ".join(stack[stack.index(t):] + [m, t]) if t in stack else f"{m} -> {t}")
+                circles.append(
+                    " -> ".join(stack[stack.index(t) :] + [m, t]) if t in stack else f"{m} -> {t}"
+                )
             elif t not in state:
                 visit(t, stack + [m])
         state[m] = "done"
@@ -117,7 +131,11 @@ def test_every_folder_says_what_it_owns():
 
 
 def test_no_file_outgrows_the_limit():
-    long = {str(p.relative_to(ROOT)): n for p in MODULES.values() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in MODULES.values()
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert long == {}
 
 
@@ -131,14 +149,25 @@ def test_no_part_takes_the_engine():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                 args = node.args
                 for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
-                    typed = arg.annotation is not None and ast.unparse(arg.annotation) not in ("Any", "object")
+                    typed = arg.annotation is not None and ast.unparse(arg.annotation) not in (
+                        "Any",
+                        "object",
+                    )
                     if arg.arg in ("engine", "eng") and not typed:
                         loose.append(f"{module}: {arg.arg}")
-                    if module.startswith("tierzero.engine.") and module != "tierzero.engine.engine" \
-                            and arg.annotation is not None and "Engine" in ast.unparse(arg.annotation).split("."):
+                    if (
+                        module.startswith("tierzero.engine.")
+                        and module != "tierzero.engine.engine"
+                        and arg.annotation is not None
+                        and "Engine" in ast.unparse(arg.annotation).split(".")
+                    ):
                         loose.append(f"{module}: {arg.arg}: {ast.unparse(arg.annotation)}")
-            if isinstance(node, ast.Attribute) and node.attr == "engine" and isinstance(node.ctx, ast.Store) \
-                    and module.startswith("tierzero.engine"):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "engine"
+                and isinstance(node.ctx, ast.Store)
+                and module.startswith("tierzero.engine")
+            ):
                 loose.append(f"{module}: .engine =")
     assert loose == []
 
@@ -148,10 +177,20 @@ def test_the_engine_is_a_small_public_face():
     engine wing (by the run, the CLI, benchmarks, tests or the README), none only by its parts."""
     path = ROOT / "tierzero" / "engine" / "engine.py"
     assert len(path.read_text().splitlines()) < ENGINE_FACE_LINES
-    engine = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == "Engine")
-    public = [f.name for f in engine.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")]
-    outside = [p for folder in ("tierzero", "cli", "benchmarks", "tests") for p in (ROOT / folder).rglob("*.py")
-               if not p.is_relative_to(ROOT / "tierzero" / "engine")] + [ROOT / "README.md"]
+    engine = next(
+        n
+        for n in ast.parse(path.read_text()).body
+        if isinstance(n, ast.ClassDef) and n.name == "Engine"
+    )
+    public = [
+        f.name for f in engine.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")
+    ]
+    outside = [
+        p
+        for folder in ("tierzero", "cli", "benchmarks", "tests")
+        for p in (ROOT / folder).rglob("*.py")
+        if not p.is_relative_to(ROOT / "tierzero" / "engine")
+    ] + [ROOT / "README.md"]
     text = "\n".join(p.read_text() for p in outside)
     assert "train_step" in public and [m for m in public if f".{m}(" not in text] == []
 
@@ -160,7 +199,9 @@ def test_the_graph_is_read():
     """The checks above see the engine's real imports (a broken walk would pass them vacuously)."""
     assert "tierzero.layout.partition" in GRAPH["tierzero.engine.engine"]
     assert "tierzero.storage.base" in GRAPH["tierzero.engine.runtime.tiers"]
-    assert _rank("tierzero.cli.app") > _rank("tierzero.engine.engine") > _rank("tierzero.storage.nvme")
+    assert (
+        _rank("tierzero.cli.app") > _rank("tierzero.engine.engine") > _rank("tierzero.storage.nvme")
+    )
 
 
 def test_engine_lives_in_rooms():

@@ -13,8 +13,11 @@ from pathlib import Path
 import setuptools
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = {"tierzero": ROOT / "tierzero", "tierzero.storage": ROOT / "storage",
-           "tierzero.cli": ROOT / "cli"}
+SOURCES = {
+    "tierzero": ROOT / "tierzero",
+    "tierzero.storage": ROOT / "storage",
+    "tierzero.cli": ROOT / "cli",
+}
 
 
 def installed_packages() -> tuple[list[str], dict[str, str]]:
@@ -50,6 +53,10 @@ def test_tomllib_has_the_python_310_fallback() -> None:
                     continue
                 body = getattr(node, "body", [])
                 for stmt in body if isinstance(body, list) else []:
-                    if isinstance(stmt, ast.Import) and any(a.name == "tomllib" for a in stmt.names):
-                        raise AssertionError(f"{path.relative_to(ROOT)} imports tomllib without "
-                                             "the tomli fallback for Python 3.10")
+                    if isinstance(stmt, ast.Import) and any(
+                        a.name == "tomllib" for a in stmt.names
+                    ):
+                        raise AssertionError(
+                            f"{path.relative_to(ROOT)} imports tomllib without "
+                            "the tomli fallback for Python 3.10"
+                        )

@@ -2,6 +2,8 @@
 
 from tierzero.config import Config, DType, Offload, Placement, StateKind, Tier
 from tierzero.engine import Engine
-from tierzero.hf.plan import plan  # tierzero.plan(model="7b" or "hf:DIR", gpus=8, ...) -> PlanReport
+from tierzero.hf.plan import (
+    plan,
+)  # tierzero.plan(model="7b" or "hf:DIR", gpus=8, ...) -> PlanReport
 
 __all__ = ["Config", "DType", "Engine", "Offload", "Placement", "StateKind", "Tier", "plan"]

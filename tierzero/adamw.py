@@ -25,9 +25,16 @@ def decays(param: torch.Tensor) -> bool:
     return param.dim() >= 2
 
 
-def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-               exp_avg_sqs: list[torch.Tensor], weight_decay: list[float], steps: list[int], lr: float,
-               config: Config) -> None:
+def adamw_step(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    weight_decay: list[float],
+    steps: list[int],
+    lr: float,
+    config: Config,
+) -> None:
     """One AdamW update, in place, of `params` (any views: flat shard segments or parameters).
 
     `steps[i]` is the number of updates already applied to `params[i]` (torch's per-parameter
@@ -36,13 +43,17 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: 
     if not params:
         return
     groups = [{"params": [p], "weight_decay": wd} for p, wd in zip(params, weight_decay)]
-    opt = torch.optim.AdamW(groups, lr=lr, betas=config.betas, eps=config.eps,
-                            **implementation(params[0].device))
+    opt = torch.optim.AdamW(
+        groups, lr=lr, betas=config.betas, eps=config.eps, **implementation(params[0].device)
+    )
     for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
         p.grad = g
         # a fill on the device, not torch.tensor's synchronous host-to-device copy per parameter
-        opt.state[p] = {"step": torch.full((), float(step), dtype=torch.float32, device=p.device),
-                        "exp_avg": m, "exp_avg_sq": v}
+        opt.state[p] = {
+            "step": torch.full((), float(step), dtype=torch.float32, device=p.device),
+            "exp_avg": m,
+            "exp_avg_sq": v,
+        }
     opt.step()
     for p in params:
         p.grad = None

@@ -86,16 +86,35 @@ class Placement:
             return cls(Tier.GPU, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
         if offload is Offload.NVME:
             return cls(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
-        raise ConfigError("offload 'auto' has no fixed placement; ask tierzero.planning.placement for one")
+        raise ConfigError(
+            "offload 'auto' has no fixed placement; ask tierzero.planning.placement for one"
+        )
 
     def describe(self) -> str:
         return " ".join(f"{k.value}={self.home(k).value}" for k in StateKind)
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
-               "t": 1e12, "tb": 1e12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
-               "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "t": 1e12,
+    "tb": 1e12,
+    "ki": 2**10,
+    "kib": 2**10,
+    "mi": 2**20,
+    "mib": 2**20,
+    "gi": 2**30,
+    "gib": 2**30,
+    "ti": 2**40,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(value: int | float | str, what: str) -> int:
@@ -107,7 +126,9 @@ def parse_bytes(value: int | float | str, what: str) -> int:
     m = _SIZE_RE.match(str(value))
     unit = (m.group(2) or "").lower() if m else None
     if not m or unit not in _SIZE_UNITS:
-        raise ConfigError(f"{what} '{value}' is not a size; write it like 8GiB, 512MB or 1000000", key=what)
+        raise ConfigError(
+            f"{what} '{value}' is not a size; write it like 8GiB, 512MB or 1000000", key=what
+        )
     return int(float(m.group(1)) * _SIZE_UNITS[unit])
 
 
@@ -118,7 +139,9 @@ def _enum(cls: type[enum.Enum], value: Any, what: str) -> Any:
         return cls(str(value).lower())
     except ValueError:
         choices = "|".join(m.value for m in cls)
-        raise ConfigError(f"{what} '{value}' is not valid; choose one of {choices}", key=what) from None
+        raise ConfigError(
+            f"{what} '{value}' is not valid; choose one of {choices}", key=what
+        ) from None
 
 
 class Schedule(str, enum.Enum):
@@ -188,7 +211,9 @@ class Config:
     clip_grad_norm: float | None = None
     optimizer_state: StateFormat = StateFormat.FP32  # the Adam moments' stored format
     master: DType = DType.FP32  # the master weights' stored dtype: fp32 (exact) or bf16
-    clip_previous_norm: bool = False  # opt-in approximation: overlap_step clips by the previous norm, never re-steps
+    clip_previous_norm: bool = (
+        False  # opt-in approximation: overlap_step clips by the previous norm, never re-steps
+    )
     accumulate: int = 1
     schedule: Schedule = Schedule.AUTO
     recompute: Recompute = Recompute.AUTO
@@ -199,8 +224,12 @@ class Config:
     loss_scale_window: int = 1000
     # None: on wherever it is free (no clipping, not fp16); True with clipping: exact, a fired clip re-steps
     overlap_step: bool | None = None
-    grad_reduce_dtype: DType = DType.FP32  # what grads are summed over ranks in: fp32 (exact) or bf16
-    overlap_comm: bool = True  # several ranks: all-gather a use ahead, finish reduce-scatters a unit later
+    grad_reduce_dtype: DType = (
+        DType.FP32
+    )  # what grads are summed over ranks in: fp32 (exact) or bf16
+    overlap_comm: bool = (
+        True  # several ranks: all-gather a use ahead, finish reduce-scatters a unit later
+    )
     # several ranks, ZeRO stage: 3 partitions params, grads and optimizer states (each use
     # all-gathers a unit's params); 2 replicates params (no gathers in the pass; one all-gather
     # of the new values per unit per step); 1 also keeps full grads over the micro-batches,
@@ -209,9 +238,13 @@ class Config:
     seed: int = 0
     units: str | None = None
     chunk_bytes: int = 8 << 20
-    piece_numel: int | None = None  # elements per piece grads and optimizer states stream in; None: chosen
+    piece_numel: int | None = (
+        None  # elements per piece grads and optimizer states stream in; None: chosen
+    )
     io_threads: int = 16
-    verify_reads: str = "auto"  # crc32c-check every NVMe read: on, off, or auto (on where it is cheap)
+    verify_reads: str = (
+        "auto"  # crc32c-check every NVMe read: on, off, or auto (on where it is cheap)
+    )
     # a frozen base's linear weights stored in 4 bits (`tierzero.models.nf4`), or "none"
     quantize_base: str = "none"
     profile: str | None = None
@@ -225,10 +258,14 @@ class Config:
         self.optimizer_state = _enum(StateFormat, self.optimizer_state, "optimizer_state")
         self.master = _enum(DType, self.master, "master")
         if self.master is DType.FP16:
-            raise _refused("master", "must be fp32 or bf16, got 'fp16' (too few exponent bits for weights)")
+            raise _refused(
+                "master", "must be fp32 or bf16, got 'fp16' (too few exponent bits for weights)"
+            )
         self.grad_reduce_dtype = _enum(DType, self.grad_reduce_dtype, "grad_reduce_dtype")
         if self.grad_reduce_dtype is DType.FP16:
-            raise ConfigError("grad_reduce_dtype 'fp16' could overflow a sum of gradients; choose fp32 or bf16")
+            raise ConfigError(
+                "grad_reduce_dtype 'fp16' could overflow a sum of gradients; choose fp32 or bf16"
+            )
         if isinstance(self.nvme_path, (str, Path)):
             self.nvme_path = [str(self.nvme_path)]
         self.nvme_path = [str(p) for p in self.nvme_path]
@@ -242,12 +279,21 @@ class Config:
                 setattr(self, name, parse_bytes(value, name))
         self.piece_numel = None if self.piece_numel == "auto" else self.piece_numel
         self.prefetch_depth = None if self.prefetch_depth == "auto" else self.prefetch_depth
-        if self.piece_numel is not None and (isinstance(self.piece_numel, bool) or not isinstance(self.piece_numel, int)
-                                             or self.piece_numel <= 0 or self.piece_numel % 2048):
-            raise _refused("piece_numel", f"must be a positive multiple of 2048 elements (aligned in every "
-                           f"dtype) or auto, got {self.piece_numel!r}; e.g. 16777216 (64 MiB of fp32)")
+        if self.piece_numel is not None and (
+            isinstance(self.piece_numel, bool)
+            or not isinstance(self.piece_numel, int)
+            or self.piece_numel <= 0
+            or self.piece_numel % 2048
+        ):
+            raise _refused(
+                "piece_numel",
+                f"must be a positive multiple of 2048 elements (aligned in every "
+                f"dtype) or auto, got {self.piece_numel!r}; e.g. 16777216 (64 MiB of fp32)",
+            )
         if self.chunk_bytes <= 0 or self.chunk_bytes % 4096:
-            raise _refused("chunk_bytes", f"must be a positive multiple of 4096, got {self.chunk_bytes}")
+            raise _refused(
+                "chunk_bytes", f"must be a positive multiple of 4096, got {self.chunk_bytes}"
+            )
         if self.verify_reads not in ("auto", "on", "off"):
             raise _refused("verify_reads", f"must be auto, on or off, got {self.verify_reads!r}")
         if self.quantize_base not in ("none", "nf4"):
@@ -265,7 +311,10 @@ class Config:
         to NaN (weight decay) or freezes every weight (eps) without another word."""
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise _refused("betas", f"must be two numbers in [0, 1), got {self.betas}; e.g. --adam-betas 0.9,0.95")
+            raise _refused(
+                "betas",
+                f"must be two numbers in [0, 1), got {self.betas}; e.g. --adam-betas 0.9,0.95",
+            )
         _positive(self.lr, "lr", strict=True)
         _positive(self.eps, "eps", strict=True)
         _positive(self.weight_decay, "weight_decay")
@@ -298,8 +347,10 @@ class Config:
 def placement_from_dict(d: dict[str, Any]) -> Placement:
     unknown = set(d) - {k.value for k in StateKind}
     if unknown:
-        raise ConfigError(f"placement has unknown state kinds {sorted(unknown)}; "
-                          f"use {', '.join(k.value for k in StateKind)}")
+        raise ConfigError(
+            f"placement has unknown state kinds {sorted(unknown)}; "
+            f"use {', '.join(k.value for k in StateKind)}"
+        )
     return Placement(**{k: _enum(Tier, v, f"placement.{k}") for k, v in d.items()})
 
 
@@ -316,27 +367,47 @@ class RunConfig:
     seq_len: int = 128
     run_dir: str | None = None
     eval_every: int | None = 40  # optimizer steps between evaluations; 0 or None: none
-    eval_tokens: int = 4096  # the validation set: this many tokens' windows, whatever the batch size
+    eval_tokens: int = (
+        4096  # the validation set: this many tokens' windows, whatever the batch size
+    )
     val_data: str | None = None  # held-out data (any format `data` takes); None: a split of `data`
-    val_fraction: float | None = None  # the end of `data` held out; None: 5% where the corpus spares it
-    keep_best: bool = False  # checkpoint at each evaluation that improves, keep the best through pruning
+    val_fraction: float | None = (
+        None  # the end of `data` held out; None: 5% where the corpus spares it
+    )
+    keep_best: bool = (
+        False  # checkpoint at each evaluation that improves, keep the best through pruning
+    )
     long_examples: LongExamples = LongExamples.TRUNCATE
     checkpoint_every: int | None = None  # None: checkpoint only when the run finishes
     keep_checkpoints: int = 2
-    lora_r: int | None = None  # LoRA rank: train peft adapters on a frozen hf: base; None: full training
+    lora_r: int | None = (
+        None  # LoRA rank: train peft adapters on a frozen hf: base; None: full training
+    )
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
-    lora_targets: list[str] | None = None  # module names to adapt; None: peft's default for the model
+    lora_targets: list[str] | None = (
+        None  # module names to adapt; None: peft's default for the model
+    )
     report_to: list[str] = field(default_factory=list)  # trackers, checked by tierzero.run.trackers
-    sample_prompts: str | None = None  # a prompts file completed during training (tierzero.run.samples)
+    sample_prompts: str | None = (
+        None  # a prompts file completed during training (tierzero.run.samples)
+    )
     sample_every: int | None = None  # steps between samples; None: at the end only
     sample_max_new_tokens: int = 64
-    drive_tbw: float | None = None  # the NVMe drive's rated terabytes written: the run's writes against it
+    drive_tbw: float | None = (
+        None  # the NVMe drive's rated terabytes written: the run's writes against it
+    )
     engine: Config = field(default_factory=Config)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "eval_tokens", "keep_checkpoints",
-                     "sample_max_new_tokens"):
+        for name in (
+            "steps",
+            "batch_size",
+            "seq_len",
+            "eval_tokens",
+            "keep_checkpoints",
+            "sample_max_new_tokens",
+        ):
             _count(getattr(self, name), name)
         if self.sample_every is not None:
             _count(self.sample_every, "sample_every")
@@ -346,19 +417,31 @@ class RunConfig:
             _count(self.eval_every, "eval_every")
         fraction = self.val_fraction
         if fraction is not None and (not _number(fraction) or not 0 <= fraction < 1):
-            raise _refused("val_fraction", f"must be a number in [0, 1) (the corpus's share held out), got {fraction!r}")
+            raise _refused(
+                "val_fraction",
+                f"must be a number in [0, 1) (the corpus's share held out), got {fraction!r}",
+            )
         if fraction is not None and self.val_data is not None:
-            raise ConfigError("--val-data and --val-fraction both name a validation set; pass one of them")
+            raise ConfigError(
+                "--val-data and --val-fraction both name a validation set; pass one of them"
+            )
         try:
             self.long_examples = LongExamples(self.long_examples)
         except ValueError:
-            raise _refused("long_examples", f"must be one of {', '.join(e.value for e in LongExamples)}, "
-                                            f"got {self.long_examples!r}") from None
+            raise _refused(
+                "long_examples",
+                f"must be one of {', '.join(e.value for e in LongExamples)}, "
+                f"got {self.long_examples!r}",
+            ) from None
         if not isinstance(self.text_field, str) or not self.text_field:
             raise _refused("text_field", f"must name a .jsonl field, got {self.text_field!r}")
         every = self.checkpoint_every
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise _refused("checkpoint_every", f"must be an integer >= 1 (optimizer steps), got {every!r}")
+        if every is not None and (
+            isinstance(every, bool) or not isinstance(every, int) or every < 1
+        ):
+            raise _refused(
+                "checkpoint_every", f"must be an integer >= 1 (optimizer steps), got {every!r}"
+            )
         self._check_lora()
 
     def _check_lora(self) -> None:
@@ -368,9 +451,14 @@ class RunConfig:
         _positive(self.lora_alpha, "lora_alpha", strict=True)
         if not _number(self.lora_dropout) or not 0 <= self.lora_dropout < 1:
             raise _refused("lora_dropout", f"must be a number in [0, 1), got {self.lora_dropout!r}")
-        if targets is not None and (not isinstance(targets, list) or not targets
-                                    or not all(isinstance(t, str) and t for t in targets)):
-            raise _refused("lora_targets", f"must be module names such as q_proj,v_proj, got {targets!r}")
+        if targets is not None and (
+            not isinstance(targets, list)
+            or not targets
+            or not all(isinstance(t, str) and t for t in targets)
+        ):
+            raise _refused(
+                "lora_targets", f"must be module names such as q_proj,v_proj, got {targets!r}"
+            )
 
     def check_ranks(self, world_size: int) -> None:
         """Refuse what several ranks cannot train: a global batch that does not split evenly,
@@ -378,11 +466,15 @@ class RunConfig:
         if world_size == 1:
             return
         if self.batch_size % world_size:
-            raise ConfigError(f"--batch-size {self.batch_size} (the global batch) does not split evenly over "
-                              f"{world_size} ranks; use a multiple of {world_size}")
+            raise ConfigError(
+                f"--batch-size {self.batch_size} (the global batch) does not split evenly over "
+                f"{world_size} ranks; use a multiple of {world_size}"
+            )
         if self.engine.offload is Offload.NONE:
-            raise ConfigError(f"--offload none trains in memory on one rank, not {world_size}; use --offload "
-                              "host, nvme or auto with several ranks")
+            raise ConfigError(
+                f"--offload none trains in memory on one rank, not {world_size}; use --offload "
+                "host, nvme or auto with several ranks"
+            )
 
 
 TORCH_DTYPES: dict[DType, torch.dtype] = {

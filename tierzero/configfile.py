@@ -29,7 +29,9 @@ _ENGINE_FIELDS = {f.name for f in dataclasses.fields(Config)}
 _RETIRED = {"eval_batches"}  # the validation set is fixed in tokens now (`eval_tokens`)
 
 
-def load_run_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+def load_run_config(
+    path: str | Path | None = None, overrides: dict[str, Any] | None = None
+) -> RunConfig:
     """Read a flat TOML file (run and engine keys side by side), then apply `overrides`.
 
     Overrides are the CLI flags that were given; `None` values mean "not given".
@@ -40,17 +42,23 @@ def load_run_config(path: str | Path | None = None, overrides: dict[str, Any] | 
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     unknown = set(values) - _RUN_FIELDS - _ENGINE_FIELDS
     if unknown:
-        raise ConfigError(f"unknown config keys {sorted(unknown)}; valid keys are "
-                          f"{', '.join(sorted(_RUN_FIELDS | _ENGINE_FIELDS))}")
+        raise ConfigError(
+            f"unknown config keys {sorted(unknown)}; valid keys are "
+            f"{', '.join(sorted(_RUN_FIELDS | _ENGINE_FIELDS))}"
+        )
     engine_values = {k: v for k, v in values.items() if k in _ENGINE_FIELDS}
     run_values = {k: v for k, v in values.items() if k in _RUN_FIELDS}
-    if "total_steps" not in engine_values:  # the schedule follows the run's length: refuse a bad one as `steps`
+    if (
+        "total_steps" not in engine_values
+    ):  # the schedule follows the run's length: refuse a bad one as `steps`
         engine_values["total_steps"] = _count(run_values.get("steps", RunConfig.steps), "steps")
     try:
         engine = Config(**engine_values)
         return RunConfig(**run_values, engine=engine)
     except TypeError as e:
-        raise ConfigError(f"config has a value of the wrong type ({e}); check the TOML types") from None
+        raise ConfigError(
+            f"config has a value of the wrong type ({e}); check the TOML types"
+        ) from None
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
@@ -60,7 +68,9 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     try:
         return tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file '{p}' is not valid TOML ({e}); fix the line it names") from None
+        raise ConfigError(
+            f"config file '{p}' is not valid TOML ({e}); fix the line it names"
+        ) from None
 
 
 def to_toml(run: RunConfig) -> str:

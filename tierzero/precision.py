@@ -30,8 +30,10 @@ def check_dtype_supported(dtype: DType, device: torch.device) -> None:
     if dtype is DType.FP32:
         return
     if not _supports(dtype, torch.device(device)):
-        raise ConfigError(f"dtype {dtype.value} is not supported for compute on device '{device}'; "
-                          "use --dtype fp32 (or a device that has it)")
+        raise ConfigError(
+            f"dtype {dtype.value} is not supported for compute on device '{device}'; "
+            "use --dtype fp32 (or a device that has it)"
+        )
 
 
 def resolve_dtype(dtype: DType | None, device: torch.device) -> DType:
@@ -39,7 +41,7 @@ def resolve_dtype(dtype: DType | None, device: torch.device) -> DType:
     return default_dtype(device) if dtype is None else dtype
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _supports(dtype: DType, device: torch.device) -> bool:
     """Cached per (dtype, device): the CPU probe costs a kernel launch and an autograd pass."""
     if device.type == "cuda":
@@ -67,16 +69,32 @@ class DynamicLossScaler:
     (bf16/fp32), `scale` is 1.0 and `update` never asks for a skip.
     """
 
-    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 1000, backoff: float = 0.5,
-                 growth: float = 2.0, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_interval: int = 1000,
+        backoff: float = 0.5,
+        growth: float = 2.0,
+        enabled: bool = True,
+    ) -> None:
         if not _is_power_of_two(init_scale):
             raise ConfigError(f"loss scale must be a power of two (like 65536), got {init_scale}")
         if not _is_power_of_two(backoff) or not backoff < 1.0:
-            raise ConfigError(f"loss scale backoff must be a power of two below 1 (like 0.5), got {backoff}")
+            raise ConfigError(
+                f"loss scale backoff must be a power of two below 1 (like 0.5), got {backoff}"
+            )
         if not _is_power_of_two(growth) or not growth > 1.0:
-            raise ConfigError(f"loss scale growth must be a power of two above 1 (like 2), got {growth}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ConfigError(f"loss scale growth interval must be an integer >= 1, got {growth_interval!r}")
+            raise ConfigError(
+                f"loss scale growth must be a power of two above 1 (like 2), got {growth}"
+            )
+        if (
+            isinstance(growth_interval, bool)
+            or not isinstance(growth_interval, int)
+            or growth_interval < 1
+        ):
+            raise ConfigError(
+                f"loss scale growth interval must be an integer >= 1, got {growth_interval!r}"
+            )
         self.enabled = enabled
         self.growth_interval = growth_interval
         self.backoff = backoff
@@ -108,10 +126,16 @@ class DynamicLossScaler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         scale, good_steps = state.get("scale"), state.get("good_steps")
-        if not (isinstance(scale, (int, float)) and _is_power_of_two(scale)
-                and isinstance(good_steps, int) and 0 <= good_steps < self.growth_interval):
-            raise TierzeroError(f"loss scaler state {state!r} is malformed; it needs a power-of-two "
-                                f"'scale' and 0 <= 'good_steps' < {self.growth_interval}")
+        if not (
+            isinstance(scale, (int, float))
+            and _is_power_of_two(scale)
+            and isinstance(good_steps, int)
+            and 0 <= good_steps < self.growth_interval
+        ):
+            raise TierzeroError(
+                f"loss scaler state {state!r} is malformed; it needs a power-of-two "
+                f"'scale' and 0 <= 'good_steps' < {self.growth_interval}"
+            )
         self._scale = float(scale)
         self._good_steps = good_steps
 

@@ -16,10 +16,9 @@ from torch import nn
 
 from tierzero.adamw import decays, implementation
 from tierzero.config import Config, DType
+from tierzero.lr import lr_at
 from tierzero.models.draws import SeededEntries, unit_entries
 from tierzero.models.loss import compute_loss, loss_divisor
-from tierzero.errors import ConfigError
-from tierzero.lr import lr_at
 from tierzero.precision import resolve_dtype
 
 
@@ -30,20 +29,32 @@ class ReferenceTrainer:
     scaler: the reference is for bf16/fp32 comparisons, the engine owns dynamic scaling).
     """
 
-    def __init__(self, model: nn.Module, config: Config, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, model: nn.Module, config: Config, device: torch.device | str = "cpu"
+    ) -> None:
         self.config = config
         self.device = torch.device(device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = model.to(self.device)
         params = [p for p in model.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if decays(p)], "weight_decay": config.weight_decay},
-                  {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr,
-                                           betas=config.betas, eps=config.eps,
-                                           **implementation(self.device))
+        groups = [
+            {"params": [p for p in params if decays(p)], "weight_decay": config.weight_decay},
+            {"params": [p for p in params if not decays(p)], "weight_decay": 0.0},
+        ]
+        self.optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]],
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.eps,
+            **implementation(self.device),
+        )
         self.step_count = 0
         self.micro_step = 0
-        SeededEntries(unit_entries(model), config.seed, lambda: (self.step_count, self.micro_step % config.accumulate))
+        SeededEntries(
+            unit_entries(model),
+            config.seed,
+            lambda: (self.step_count, self.micro_step % config.accumulate),
+        )
         self.last_grad_norm: float | None = None
 
     def train_step(self, batch: Any, step_tokens: int | None = None) -> float:
@@ -65,7 +76,9 @@ class ReferenceTrainer:
 
     def _step(self) -> None:
         if self.config.clip_grad_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.config.clip_grad_norm
+            )
             self.last_grad_norm = norm.item()
         lr = lr_at(self.step_count, self.config)
         for group in self.optimizer.param_groups:
@@ -79,7 +92,9 @@ class ReferenceTrainer:
         """The loss in eval mode: the mean over the batch's trained tokens, or with `summed` their sum."""
         self.model.eval()
         with self._autocast():
-            return compute_loss(self.model, to_device(batch, self.device), loss_divisor(None, summed, 1, 1)).item()
+            return compute_loss(
+                self.model, to_device(batch, self.device), loss_divisor(None, summed, 1, 1)
+            ).item()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """Plain PyTorch mixed precision: fp32 weights, low-precision matmuls under autocast."""
@@ -90,8 +105,10 @@ class ReferenceTrainer:
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 weights under every parameter name, tied aliases included (like `state_dict`)."""
-        return {name: p.detach().float().cpu()
-                for name, p in self.model.named_parameters(remove_duplicate=False)}
+        return {
+            name: p.detach().float().cpu()
+            for name, p in self.model.named_parameters(remove_duplicate=False)
+        }
 
     def stats(self) -> dict[str, Any]:
         return {"grad_norm": self.last_grad_norm} if self.last_grad_norm is not None else {}

@@ -20,7 +20,6 @@ import shutil
 import crc32c
 import numpy as np
 import torch
-
 from tierzero.storage.base import StorageCorruptError, StorageError, os_error
 from tierzero.storage.durable import fsync_path
 from tierzero.storage.nvme import chunkfile
@@ -31,8 +30,14 @@ def chunk_path(array_dir: str, index: int) -> str:
     return os.path.join(array_dir, "c", str(index))
 
 
-def link_array(src_dir: str, dst_dir: str, meta: ShardMeta, with_meta: bool = True,
-               sync: bool = True, verify: bool = False) -> int:
+def link_array(
+    src_dir: str,
+    dst_dir: str,
+    meta: ShardMeta,
+    with_meta: bool = True,
+    sync: bool = True,
+    verify: bool = False,
+) -> int:
     """Make `dst_dir` an array holding `src_dir`'s chunks by hard links (and its zarr.json,
     unless the caller writes that); returns the bytes copied instead (0 on one filesystem,
     the array's size where links cannot cross). `sync=False`: the caller syncs the
@@ -45,8 +50,9 @@ def link_array(src_dir: str, dst_dir: str, meta: ShardMeta, with_meta: bool = Tr
             verify_array(src_dir, meta)
         return _link_array(src_dir, dst_dir, meta, with_meta, sync)
     except FileNotFoundError as e:
-        raise StorageCorruptError(f"{e.filename} is missing, so {src_dir} cannot be linked: "
-                                  f"restore it from a checkpoint") from e
+        raise StorageCorruptError(
+            f"{e.filename} is missing, so {src_dir} cannot be linked: restore it from a checkpoint"
+        ) from e
     except OSError as e:  # os.link names (src, dst): the write that failed is dst's
         raise os_error(e, "linking", e.filename2 or e.filename or dst_dir) from e
 
@@ -60,8 +66,10 @@ def _link_array(src_dir: str, dst_dir: str, meta: ShardMeta, with_meta: bool, sy
             os.link(src, dst)
         except FileExistsError:
             if not os.path.samefile(src, dst):
-                raise StorageError(f"{dst} exists and is not {src}: remove the partial "
-                                   f"directory {dst_dir} and try again") from None
+                raise StorageError(
+                    f"{dst} exists and is not {src}: remove the partial "
+                    f"directory {dst_dir} and try again"
+                ) from None
         except OSError as e:
             if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
                 raise
@@ -74,7 +82,9 @@ def _link_array(src_dir: str, dst_dir: str, meta: ShardMeta, with_meta: bool, sy
     return copied
 
 
-def write_array(dst_dir: str, src: torch.Tensor, chunk_bytes: int, layout: dict | None = None) -> ShardMeta:
+def write_array(
+    dst_dir: str, src: torch.Tensor, chunk_bytes: int, layout: dict | None = None
+) -> ShardMeta:
     """Write the contiguous 1-D host tensor `src` as a new frozen array, fsynced; its meta
     (with `layout`, what its bytes pack, as `ShardMeta.layout`).
     An OSError (ENOSPC, EIO, EACCES) is a `StorageError` naming the path and the fix."""
@@ -84,7 +94,7 @@ def write_array(dst_dir: str, src: torch.Tensor, chunk_bytes: int, layout: dict 
         os.makedirs(os.path.join(dst_dir, "c"), exist_ok=True)
         crcs = []
         for i in range(0, max(1, -(-len(data) // chunk_bytes))):
-            part = data[i * chunk_bytes:(i + 1) * chunk_bytes]
+            part = data[i * chunk_bytes : (i + 1) * chunk_bytes]
             crcs.append(crc32c.crc32c(part))
             path = chunk_path(dst_dir, i)
             chunkfile.write_chunk(path, part, chunk_bytes, direct=False)
@@ -104,7 +114,7 @@ def read_array(src_dir: str, meta: ShardMeta, out: torch.Tensor | None = None) -
     view = memoryview(out.view(-1).view(torch.uint8).numpy())
     cb = meta.chunk_bytes
     for i in range(meta.nchunks):
-        part = view[i * cb:(i + 1) * cb]
+        part = view[i * cb : (i + 1) * cb]
         _read_checked(src_dir, i, part, meta)
     return out
 
@@ -130,8 +140,7 @@ def _read_checked(src_dir: str, index: int, part: memoryview, meta: ShardMeta) -
     except OSError as e:
         raise StorageError(f"reading {path} failed: {e}") from e
     if crc32c.crc32c(part) != meta.crcs[index]:
-        raise StorageCorruptError(f"{path} fails its crc32c check (a flipped byte or a torn "
-                                  f"write)")
+        raise StorageCorruptError(f"{path} fails its crc32c check (a flipped byte or a torn write)")
 
 
 def _write_meta(array_dir: str, meta: ShardMeta, sync: bool = True) -> None:

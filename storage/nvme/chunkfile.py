@@ -20,7 +20,6 @@ import time
 
 import crc32c
 import numpy as np
-
 from tierzero.storage.durable import fsync_path
 
 ALIGN = 4096
@@ -66,7 +65,7 @@ def is_aligned(address: int, nbytes: int = 0) -> bool:
 def _bounce_page() -> memoryview:
     raw = np.zeros(2 * ALIGN, dtype=np.uint8)
     offset = -raw.ctypes.data % ALIGN
-    return memoryview(raw[offset: offset + ALIGN])
+    return memoryview(raw[offset : offset + ALIGN])
 
 
 def _flags(direct: bool) -> int:
@@ -227,7 +226,7 @@ def read_rate(directory: str, nbytes: int, direct: bool) -> float:
     """Bytes per second one thread reads a fresh `nbytes` chunk file in `directory` (best of 3,
     O_DIRECT when `direct`, else through the page cache as the store then reads)."""
     raw = np.ones(nbytes + ALIGN, dtype=np.uint8)
-    data = memoryview(raw[-raw.ctypes.data % ALIGN:][:nbytes])
+    data = memoryview(raw[-raw.ctypes.data % ALIGN :][:nbytes])
     path = os.path.join(directory, f".read-probe.{os.getpid()}-0.tmp")
     try:
         write_chunk(path, data, nbytes, direct)

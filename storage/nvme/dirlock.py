@@ -41,12 +41,16 @@ def check_directory(path: str) -> None:
     """Refuse a store path that is not a writable directory, or that nests with another store."""
     if not os.path.isdir(path):
         kind = kind_of(path)
-        raise StorageError(f"NVMe store directory {path} " + (f"is {kind}, not a directory" if kind else
-                                                             "does not exist") +
-                           ": create it (one directory per drive) or fix the path")
+        raise StorageError(
+            f"NVMe store directory {path} "
+            + (f"is {kind}, not a directory" if kind else "does not exist")
+            + ": create it (one directory per drive) or fix the path"
+        )
     if not os.access(path, os.W_OK | os.X_OK):
-        raise StorageError(f"NVMe store directory {path} is not writable: fix its "
-                           f"permissions or choose another path")
+        raise StorageError(
+            f"NVMe store directory {path} is not writable: fix its "
+            f"permissions or choose another path"
+        )
     check_nesting(path)
 
 
@@ -55,14 +59,18 @@ def check_nesting(path: str) -> None:
     naming both; run before the store writes anything into `path`."""
     for parent in Path(path).parents:
         if is_store_root(parent):
-            raise StorageError(f"NVMe store directory {path} lies inside the store directory {parent} of "
-                               "another run, whose start-up cleanup would remove this one's files: give "
-                               "each store a directory of its own, side by side")
+            raise StorageError(
+                f"NVMe store directory {path} lies inside the store directory {parent} of "
+                "another run, whose start-up cleanup would remove this one's files: give "
+                "each store a directory of its own, side by side"
+            )
     inner = next(stores_below(path), None)
     if inner is not None:
-        raise StorageError(f"NVMe store directory {path} holds the store directory {inner} of another "
-                           "run, whose files this one's start-up cleanup would remove: give each store a "
-                           "directory of its own, side by side")
+        raise StorageError(
+            f"NVMe store directory {path} holds the store directory {inner} of another "
+            "run, whose files this one's start-up cleanup would remove: give each store a "
+            "directory of its own, side by side"
+        )
 
 
 def stores_below(root: str) -> Iterator[str]:
@@ -82,13 +90,16 @@ def lock_directory(path: str) -> int:
     try:
         fd = open_regular(lock_path, os.O_RDWR | os.O_CREAT)
     except OSError as e:
-        raise StorageError(f"cannot create the lock file {lock_path} ({e.strerror}): make "
-                           f"{path} writable or choose another path") from e
+        raise StorageError(
+            f"cannot create the lock file {lock_path} ({e.strerror}): make "
+            f"{path} writable or choose another path"
+        ) from e
     holder = try_lock(fd)
     if holder is not None:
         raise StoreLockedError(
             f"NVMe store directory {path} is in use by another tierzero store (pid "
-            f"{holder}): stop that run, or give this one a different directory")
+            f"{holder}): stop that run, or give this one a different directory"
+        )
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)

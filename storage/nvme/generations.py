@@ -42,8 +42,13 @@ def gen_name(gen: int) -> str:
 
 def pointer_json(gen: int) -> bytes:
     """The group zarr.json of a shard whose current generation is `gen`."""
-    return json.dumps({"attributes": {"tierzero": {"current": gen_name(gen)}},
-                       "zarr_format": 3, "node_type": "group"}).encode()
+    return json.dumps(
+        {
+            "attributes": {"tierzero": {"current": gen_name(gen)}},
+            "zarr_format": 3,
+            "node_type": "group",
+        }
+    ).encode()
 
 
 def read_pointer(shard_dir: str) -> tuple[int, ShardMeta] | None:
@@ -58,23 +63,32 @@ def read_pointer(shard_dir: str) -> tuple[int, ShardMeta] | None:
     except FileNotFoundError:
         return None
     except OSError as e:  # a FIFO or device where the pointer belongs
-        raise StorageCorruptError(f"{pointer} {e.strerror}: delete the shard or restore it from a "
-                                  f"checkpoint") from None
+        raise StorageCorruptError(
+            f"{pointer} {e.strerror}: delete the shard or restore it from a checkpoint"
+        ) from None
     except (ValueError, KeyError, TypeError) as e:
-        raise StorageCorruptError(f"{pointer} does not name a current generation ({e!r}): "
-                                  f"delete the shard or restore it from a checkpoint") from e
+        raise StorageCorruptError(
+            f"{pointer} does not name a current generation ({e!r}): "
+            f"delete the shard or restore it from a checkpoint"
+        ) from e
     gen = int(match.group(1))
     array_json = os.path.join(shard_dir, gen_name(gen), "zarr.json")
     try:
         meta = ShardMeta.from_zarr_json(_read_small(array_json), array_json)
     except FileNotFoundError:
-        raise StorageCorruptError(f"{array_json} is missing: the shard's current generation "
-                                  f"is gone; restore it from a checkpoint") from None
+        raise StorageCorruptError(
+            f"{array_json} is missing: the shard's current generation "
+            f"is gone; restore it from a checkpoint"
+        ) from None
     except OSError as e:
-        raise StorageCorruptError(f"{array_json} {e.strerror}: restore the shard from a checkpoint") from None
+        raise StorageCorruptError(
+            f"{array_json} {e.strerror}: restore the shard from a checkpoint"
+        ) from None
     if len(meta.crcs) != meta.nchunks:
-        raise StorageCorruptError(f"{array_json} records {len(meta.crcs)} checksums for "
-                                  f"{meta.nchunks} chunks: restore the shard from a checkpoint")
+        raise StorageCorruptError(
+            f"{array_json} records {len(meta.crcs)} checksums for "
+            f"{meta.nchunks} chunks: restore the shard from a checkpoint"
+        )
     return gen, meta
 
 

@@ -74,7 +74,7 @@ class SpareFiles:
             self._retired_dirs.append((self._retirements, gen_dir))
             overflow = len(self._retired) - self.max_spares
             dropped = self._retired[:overflow] if overflow > 0 else []
-            del self._retired[:len(dropped)]
+            del self._retired[: len(dropped)]
         for _, path in dropped:
             _unlink(path)
 

@@ -47,15 +47,32 @@ import zlib
 from collections.abc import Callable, Sequence
 
 import torch
-
-from tierzero.storage.base import Capabilities, ShardNotFoundError, StorageCorruptError, StorageError, TierStore, check_flat, check_key, check_out, dtype_name, os_error
+from tierzero.storage.base import (
+    Capabilities,
+    ShardNotFoundError,
+    StorageCorruptError,
+    StorageError,
+    TierStore,
+    check_flat,
+    check_key,
+    check_out,
+    dtype_name,
+    os_error,
+)
 from tierzero.storage.durable import write_atomic, write_file
-from tierzero.storage.nvme.arrays import link_array
 from tierzero.storage.nvme import chunkfile
+from tierzero.storage.nvme.arrays import link_array
 from tierzero.storage.nvme.chunkio import OnBusy, byte_view, read_chunk, write_chunk, write_error
 from tierzero.storage.nvme.chunkjobs import ChunkJobs, shielded
 from tierzero.storage.nvme.dirlock import check_directory, is_store_root, lock_directory
-from tierzero.storage.nvme.generations import GEN_NAME, Current, gen_name, pointer_json, read_pointer, remove_orphans
+from tierzero.storage.nvme.generations import (
+    GEN_NAME,
+    Current,
+    gen_name,
+    pointer_json,
+    read_pointer,
+    remove_orphans,
+)
 from tierzero.storage.nvme.spares import SpareFiles
 from tierzero.storage.nvme.zarrmeta import GROUP_JSON, ShardMeta, nchunks
 
@@ -66,15 +83,23 @@ class NvmeStore(TierStore):
     tier = "nvme"
     on_busy: OnBusy | None = None  # each chunk's read or write interval, to whoever times links
 
-    def __init__(self, paths: Sequence[str | os.PathLike[str]], chunk_bytes: int = 8 << 20, direct: bool | None = None,
-                 verify_reads: bool | None = False, layout: Callable[[str, torch.Tensor], dict | None] | None = None) -> None:
+    def __init__(
+        self,
+        paths: Sequence[str | os.PathLike[str]],
+        chunk_bytes: int = 8 << 20,
+        direct: bool | None = None,
+        verify_reads: bool | None = False,
+        layout: Callable[[str, torch.Tensor], dict | None] | None = None,
+    ) -> None:
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         if not paths:
             raise StorageError("NvmeStore needs at least one directory: pass paths=[...]")
         if chunk_bytes <= 0 or chunk_bytes % chunkfile.ALIGN:
-            raise StorageError(f"chunk_bytes must be a positive multiple of {chunkfile.ALIGN} "
-                               f"(direct I/O alignment), got {chunk_bytes}")
+            raise StorageError(
+                f"chunk_bytes must be a positive multiple of {chunkfile.ALIGN} "
+                f"(direct I/O alignment), got {chunk_bytes}"
+            )
         self.paths = [os.path.abspath(os.fspath(p)) for p in paths]
         self.chunk_bytes = chunk_bytes
         self.verify_reads = verify_reads  # crc32c-check every read; None: decided at open
@@ -85,15 +110,18 @@ class NvmeStore(TierStore):
         self._lock_fds: list[int] = []
         self._spares: list[SpareFiles] = []  # per directory
         self._current: dict[str, Current] = {}
-        self._previous: dict[str, Current] | None = None  # while `hold`ing: each key's first replaced generation
+        self._previous: dict[str, Current] | None = (
+            None  # while `hold`ing: each key's first replaced generation
+        )
         self._key_locks: dict[str, asyncio.Lock] = {}
         self._made_dirs: set[str] = set()
         self._note_lock = threading.Lock()
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(persistent=True, direct_io=bool(self._direct) and all(self._direct),
-                            zero_copy=False)
+        return Capabilities(
+            persistent=True, direct_io=bool(self._direct) and all(self._direct), zero_copy=False
+        )
 
     def _note(self, text: str) -> None:
         with self._note_lock:
@@ -110,7 +138,9 @@ class NvmeStore(TierStore):
             for path in self.paths:
                 self._open_dir(path)
             if self.verify_reads is None:  # auto: on where checking costs under 5% of a read
-                self.verify_reads = chunkfile.verify_is_cheap(self.paths[0], self.chunk_bytes, self._direct[0])
+                self.verify_reads = chunkfile.verify_is_cheap(
+                    self.paths[0], self.chunk_bytes, self._direct[0]
+                )
         except BaseException:
             self.close()
             raise
@@ -134,8 +164,10 @@ class NvmeStore(TierStore):
         fs = chunkfile.filesystem_type(path)
         accepts = chunkfile.probe_direct(path) and fs not in chunkfile.MEMORY_FILESYSTEMS
         if self._direct_request and not accepts:
-            raise StorageError(f"{path} does not support O_DIRECT ({fs}): pass direct=None to fall "
-                               f"back to buffered I/O, or use a directory on an SSD")
+            raise StorageError(
+                f"{path} does not support O_DIRECT ({fs}): pass direct=None to fall "
+                f"back to buffered I/O, or use a directory on an SSD"
+            )
         if self._direct_request is False:
             return False
         if not accepts:
@@ -176,8 +208,9 @@ class NvmeStore(TierStore):
 
     def _require_open(self) -> None:
         if not self._lock_fds:
-            raise StorageError("the NVMe store is not open: call open() or use it as a context "
-                               "manager")
+            raise StorageError(
+                "the NVMe store is not open: call open() or use it as a context manager"
+            )
 
     def _key_lock(self, key: str) -> asyncio.Lock:
         return self._key_locks.setdefault(key, asyncio.Lock())
@@ -210,8 +243,10 @@ class NvmeStore(TierStore):
         check_key(key)
         check_flat(t, what, key)
         if t.device.type != "cpu":
-            raise StorageError(f"the NVMe store moves bytes to and from host tensors, but {what} "
-                               f"for {key!r} is on {t.device}: use a host buffer")
+            raise StorageError(
+                f"the NVMe store moves bytes to and from host tensors, but {what} "
+                f"for {key!r} is on {t.device}: use a host buffer"
+            )
         self._require_open()
 
     def _use_direct(self, key: str, t: torch.Tensor) -> bool:
@@ -219,8 +254,10 @@ class NvmeStore(TierStore):
             return False
         if chunkfile.is_aligned(t.data_ptr()):
             return True
-        self._note("a host buffer not aligned to 4 KiB was moved with buffered I/O; lease "
-                   "buffers from the host pool for direct I/O")
+        self._note(
+            "a host buffer not aligned to 4 KiB was moved with buffered I/O; lease "
+            "buffers from the host pool for direct I/O"
+        )
         return False
 
     async def write(self, key: str, src: torch.Tensor) -> None:
@@ -241,19 +278,39 @@ class NvmeStore(TierStore):
             spares = self._spares[self._dir_index(key)]
             committed = False
             try:
-                crcs = await jobs.run([loop.run_in_executor(
-                    None, write_chunk, jobs, spares, key, i, data[i * cb:(i + 1) * cb],
-                    cb, direct, os.path.join(gen_dir, "c", str(i)), self._root(key), self.on_busy)
-                    for i in range(nchunks(len(data), cb))])
-                meta = ShardMeta(src.dtype, src.numel(), cb, crcs, self.layout(key, src) if self.layout else None)
+                crcs = await jobs.run(
+                    [
+                        loop.run_in_executor(
+                            None,
+                            write_chunk,
+                            jobs,
+                            spares,
+                            key,
+                            i,
+                            data[i * cb : (i + 1) * cb],
+                            cb,
+                            direct,
+                            os.path.join(gen_dir, "c", str(i)),
+                            self._root(key),
+                            self.on_busy,
+                        )
+                        for i in range(nchunks(len(data), cb))
+                    ]
+                )
+                meta = ShardMeta(
+                    src.dtype, src.numel(), cb, crcs, self.layout(key, src) if self.layout else None
+                )
                 # the commit runs to the end even if this call is cancelled meanwhile
                 commit = loop.run_in_executor(None, self._commit, key, gen, meta, current)
                 await shielded(commit)
                 committed = True
             finally:
                 if not committed:  # nothing names this generation: remove it whole
-                    await shielded(loop.run_in_executor(
-                        None, lambda: shutil.rmtree(gen_dir, ignore_errors=True)))
+                    await shielded(
+                        loop.run_in_executor(
+                            None, lambda: shutil.rmtree(gen_dir, ignore_errors=True)
+                        )
+                    )
 
     def _commit(self, key: str, gen: int, meta: ShardMeta, previous: Current | None) -> None:
         """Write the generation's array metadata, then switch the shard to it (one rename)."""
@@ -261,7 +318,9 @@ class NvmeStore(TierStore):
         try:
             write_file(os.path.join(gen_dir, "zarr.json"), meta.to_zarr_json())
             # the commit point; the rename is made durable by the next flush (`generations`)
-            write_atomic(os.path.join(self.shard_dir(key), "zarr.json"), pointer_json(gen), durable=False)
+            write_atomic(
+                os.path.join(self.shard_dir(key), "zarr.json"), pointer_json(gen), durable=False
+            )
         except OSError as e:
             raise write_error(self._root(key), key, "zarr.json", e) from e
         self._current[key] = Current(gen, meta)
@@ -270,14 +329,19 @@ class NvmeStore(TierStore):
                 self._previous.setdefault(key, previous)
             old_dir = self._gen_dir(key, previous.gen)
             self._spares[self._dir_index(key)].retire(
-                [os.path.join(old_dir, "c", str(i)) for i in range(previous.meta.nchunks)], old_dir)
+                [os.path.join(old_dir, "c", str(i)) for i in range(previous.meta.nchunks)], old_dir
+            )
 
-    async def read_into(self, key: str, out: torch.Tensor, verify: bool = False, previous: bool = False) -> None:
+    async def read_into(
+        self, key: str, out: torch.Tensor, verify: bool = False, previous: bool = False
+    ) -> None:
         self._check_call(key, out, "out")
         loop = asyncio.get_running_loop()
         async with self._key_lock(key):
             current = await self._lookup(key)
-            current = self._previous.get(key, current) if previous else current  # `hold`: as it began
+            current = (
+                self._previous.get(key, current) if previous else current
+            )  # `hold`: as it began
             meta = current.meta
             check_out(key, out, meta.dtype, meta.numel)
             data = byte_view(out)
@@ -286,9 +350,24 @@ class NvmeStore(TierStore):
             cb = meta.chunk_bytes
             gen_dir = self._gen_dir(key, current.gen)
             jobs = ChunkJobs()
-            await jobs.run([loop.run_in_executor(None, read_chunk, jobs, key, gen_dir, i, meta,
-                                                 data[i * cb:(i + 1) * cb], direct, verify, self.on_busy)
-                            for i in range(meta.nchunks)])
+            await jobs.run(
+                [
+                    loop.run_in_executor(
+                        None,
+                        read_chunk,
+                        jobs,
+                        key,
+                        gen_dir,
+                        i,
+                        meta,
+                        data[i * cb : (i + 1) * cb],
+                        direct,
+                        verify,
+                        self.on_busy,
+                    )
+                    for i in range(meta.nchunks)
+                ]
+            )
 
     def hold(self, on: bool) -> None:
         """While on, each shard's generation of when it began stays readable: `read_into(previous=True)`."""
@@ -301,8 +380,10 @@ class NvmeStore(TierStore):
             return self._current[key]
         found = await asyncio.get_running_loop().run_in_executor(None, self._load_current, key)
         if found is None and not missing_ok:
-            raise ShardNotFoundError(f"no shard {key!r} in the NVMe store ({self.shard_dir(key)} "
-                                     f"has no zarr.json): write it before reading it")
+            raise ShardNotFoundError(
+                f"no shard {key!r} in the NVMe store ({self.shard_dir(key)} "
+                f"has no zarr.json): write it before reading it"
+            )
         return found
 
     def _load_current(self, key: str) -> Current | None:
@@ -315,7 +396,9 @@ class NvmeStore(TierStore):
     async def exists(self, key: str) -> bool:
         check_key(key)
         self._require_open()
-        return key in self._current or os.path.exists(os.path.join(self.shard_dir(key), "zarr.json"))
+        return key in self._current or os.path.exists(
+            os.path.join(self.shard_dir(key), "zarr.json")
+        )
 
     async def delete(self, key: str) -> None:
         check_key(key)
@@ -337,8 +420,9 @@ class NvmeStore(TierStore):
         loop = asyncio.get_running_loop()
         marks = [spares.mark() for spares in self._spares]
         try:
-            await asyncio.gather(*(loop.run_in_executor(None, chunkfile.sync_filesystem, p)
-                                   for p in self.paths))
+            await asyncio.gather(
+                *(loop.run_in_executor(None, chunkfile.sync_filesystem, p) for p in self.paths)
+            )
         except OSError as e:
             raise StorageError(f"syncing the NVMe store failed ({e}): check the drive") from e
         try:
@@ -349,8 +433,9 @@ class NvmeStore(TierStore):
 
     # -- checkpoints ----------------------------------------------------------------------
 
-    async def freeze(self, key: str, dst_dir: str, sync: bool = True,
-                     verify: bool = False) -> tuple[ShardMeta, int]:
+    async def freeze(
+        self, key: str, dst_dir: str, sync: bool = True, verify: bool = False
+    ) -> tuple[ShardMeta, int]:
         """Hard-link the current generation of `key` into the frozen array `dst_dir`; returns
         its metadata and the bytes copied (0 unless `dst_dir` is on another filesystem).
         Call `flush()` first: a checkpoint must link durable chunks. `sync=False`: the caller
@@ -360,8 +445,15 @@ class NvmeStore(TierStore):
         async with self._key_lock(key):
             current = await self._lookup(key)
             copied = await asyncio.get_running_loop().run_in_executor(
-                None, link_array, self._gen_dir(key, current.gen), dst_dir, current.meta, True, sync,
-                verify)
+                None,
+                link_array,
+                self._gen_dir(key, current.gen),
+                dst_dir,
+                current.meta,
+                True,
+                sync,
+                verify,
+            )
         return current.meta, copied
 
     async def adopt(self, key: str, src_dir: str, meta: ShardMeta) -> int:
@@ -387,8 +479,11 @@ class NvmeStore(TierStore):
                 committed = True
             finally:
                 if not committed:
-                    await shielded(loop.run_in_executor(
-                        None, lambda: shutil.rmtree(gen_dir, ignore_errors=True)))
+                    await shielded(
+                        loop.run_in_executor(
+                            None, lambda: shutil.rmtree(gen_dir, ignore_errors=True)
+                        )
+                    )
         return copied
 
     def _next_free_gen(self, key: str) -> int:

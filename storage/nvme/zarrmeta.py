@@ -14,14 +14,22 @@ import json
 from dataclasses import dataclass
 
 import torch
-
 from tierzero.storage.base import DTYPES, StorageCorruptError, dtype_name
 
 GROUP_JSON = json.dumps({"attributes": {}, "zarr_format": 3, "node_type": "group"}).encode()
 # zarr's name for each shard dtype; bf16 has none, so its 16-bit pattern is stored as uint16.
-_ZARR_DTYPE = {"bfloat16": "uint16", "float16": "float16", "float32": "float32",
-               "float64": "float64", "uint8": "uint8", "int8": "int8", "int16": "int16",
-               "int32": "int32", "int64": "int64", "bool": "bool"}
+_ZARR_DTYPE = {
+    "bfloat16": "uint16",
+    "float16": "float16",
+    "float32": "float32",
+    "float64": "float64",
+    "uint8": "uint8",
+    "int8": "int8",
+    "int16": "int16",
+    "int32": "int32",
+    "int64": "int64",
+    "bool": "bool",
+}
 
 
 @dataclass
@@ -45,38 +53,62 @@ class ShardMeta:
     def to_zarr_json(self) -> bytes:
         name = dtype_name(self.dtype)
         itemsize = self.dtype.itemsize
-        return json.dumps({
-            "shape": [self.numel],
-            "data_type": _ZARR_DTYPE[name],
-            "chunk_grid": {"name": "regular",
-                           "configuration": {"chunk_shape": [self.chunk_bytes // itemsize]}},
-            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-            "fill_value": False if name == "bool" else 0,
-            "codecs": [{"name": "bytes"} if itemsize == 1 else
-                       {"name": "bytes", "configuration": {"endian": "little"}}],
-            "attributes": {"tierzero": {"dtype": name, "crc32c": self.crcs,
-                                        **({"layout": self.layout} if self.layout is not None else {})}},
-            "zarr_format": 3,
-            "node_type": "array",
-            "storage_transformers": [],
-        }).encode()
+        return json.dumps(
+            {
+                "shape": [self.numel],
+                "data_type": _ZARR_DTYPE[name],
+                "chunk_grid": {
+                    "name": "regular",
+                    "configuration": {"chunk_shape": [self.chunk_bytes // itemsize]},
+                },
+                "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+                "fill_value": False if name == "bool" else 0,
+                "codecs": [
+                    {"name": "bytes"}
+                    if itemsize == 1
+                    else {"name": "bytes", "configuration": {"endian": "little"}}
+                ],
+                "attributes": {
+                    "tierzero": {
+                        "dtype": name,
+                        "crc32c": self.crcs,
+                        **({"layout": self.layout} if self.layout is not None else {}),
+                    }
+                },
+                "zarr_format": 3,
+                "node_type": "array",
+                "storage_transformers": [],
+            }
+        ).encode()
 
     def to_dict(self) -> dict:
         """The JSON form a checkpoint manifest records per array."""
-        return {"dtype": dtype_name(self.dtype), "numel": self.numel,
-                "chunk_bytes": self.chunk_bytes, "crc32c": list(self.crcs)}
+        return {
+            "dtype": dtype_name(self.dtype),
+            "numel": self.numel,
+            "chunk_bytes": self.chunk_bytes,
+            "crc32c": list(self.crcs),
+        }
 
     @classmethod
     def from_dict(cls, doc: dict, where: str) -> ShardMeta:
         try:
-            meta = cls(DTYPES[doc["dtype"]], int(doc["numel"]), int(doc["chunk_bytes"]),
-                       [int(c) for c in doc["crc32c"]])
+            meta = cls(
+                DTYPES[doc["dtype"]],
+                int(doc["numel"]),
+                int(doc["chunk_bytes"]),
+                [int(c) for c in doc["crc32c"]],
+            )
         except (KeyError, TypeError, ValueError) as e:
-            raise StorageCorruptError(f"{where} has a malformed array entry ({e!r}): the "
-                                      f"checkpoint is damaged; use another one") from e
+            raise StorageCorruptError(
+                f"{where} has a malformed array entry ({e!r}): the "
+                f"checkpoint is damaged; use another one"
+            ) from e
         if len(meta.crcs) != meta.nchunks:
-            raise StorageCorruptError(f"{where} records {len(meta.crcs)} checksums for "
-                                      f"{meta.nchunks} chunks: the checkpoint is damaged")
+            raise StorageCorruptError(
+                f"{where} records {len(meta.crcs)} checksums for "
+                f"{meta.nchunks} chunks: the checkpoint is damaged"
+            )
         return meta
 
     @classmethod
@@ -86,11 +118,18 @@ class ShardMeta:
             attrs = doc["attributes"]["tierzero"]
             dtype = DTYPES[attrs["dtype"]]
             chunk_elems = doc["chunk_grid"]["configuration"]["chunk_shape"][0]
-            return cls(dtype, doc["shape"][0], chunk_elems * dtype.itemsize,
-                       [int(c) for c in attrs["crc32c"]], attrs.get("layout"))
+            return cls(
+                dtype,
+                doc["shape"][0],
+                chunk_elems * dtype.itemsize,
+                [int(c) for c in attrs["crc32c"]],
+                attrs.get("layout"),
+            )
         except (ValueError, KeyError, IndexError, TypeError) as e:
-            raise StorageCorruptError(f"{where} is not a tierzero shard's zarr.json ({e!r}): "
-                                      f"delete the array or restore it from a checkpoint") from e
+            raise StorageCorruptError(
+                f"{where} is not a tierzero shard's zarr.json ({e!r}): "
+                f"delete the array or restore it from a checkpoint"
+            ) from e
 
 
 def nchunks(nbytes: int, chunk_bytes: int) -> int:

@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.engine import SMALL, batches, engine_config
 from tierzero import Config, Placement, Tier, models
 from tierzero.checkpoint.catalog import checkpoint_dirs
+from tierzero.checkpoint.manifest import Manifest
 from tierzero.engine import Engine
 from tierzero.errors import CheckpointError
-from tierzero.checkpoint.manifest import Manifest
-
-from tests.support.engine import SMALL, batches, engine_config
 
 PLACEMENTS = {
     "everything-on-nvme": Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME),
@@ -28,6 +27,7 @@ PLACEMENTS = {
 
 # this file's values: several pieces per unit
 config = partial(engine_config, piece_numel=6144, warmup_steps=2, total_steps=6)
+
 
 def engine_for(cfg: Config) -> Engine:
     return Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg)
@@ -41,9 +41,14 @@ def uninterrupted(cfg: Config, steps: int) -> dict[str, torch.Tensor]:
         return engine.master_state_dict()
 
 
-@pytest.mark.parametrize("name,clip", [("everything-on-nvme", None), ("optimizer-on-host", 0.5), ("mixed", None)],
-                         ids=["nvme", "host-clipped", "mixed"])
-def test_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_path: Path, name: str, clip) -> None:
+@pytest.mark.parametrize(
+    "name,clip",
+    [("everything-on-nvme", None), ("optimizer-on-host", 0.5), ("mixed", None)],
+    ids=["nvme", "host-clipped", "mixed"],
+)
+def test_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(
+    tmp_path: Path, name: str, clip
+) -> None:
     kw = {"clip_grad_norm": clip, "clip_previous_norm": True} if clip else {}
     cfg = config(tmp_path, PLACEMENTS[name], **kw)
     (tmp_path / "ref").mkdir()
@@ -107,7 +112,9 @@ def flip_byte(path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "manifest"])
-def test_a_damaged_checkpoint_is_named_and_the_previous_one_used(tmp_path: Path, damage: str) -> None:
+def test_a_damaged_checkpoint_is_named_and_the_previous_one_used(
+    tmp_path: Path, damage: str
+) -> None:
     cfg = config(tmp_path, PLACEMENTS["everything-on-nvme"])
     data = batches()
     with engine_for(cfg) as engine:
@@ -125,7 +132,11 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_used(tmp_path: Path,
     with engine_for(cfg) as engine:
         manifest = engine.load_checkpoint(tmp_path / "run")
         assert manifest.step == 1 and engine.step_count == 1
-        why = {"flip": "fails its crc32c check", "truncate": "is truncated", "manifest": "manifest.json is missing"}
+        why = {
+            "flip": "fails its crc32c check",
+            "truncate": "is truncated",
+            "manifest": "manifest.json is missing",
+        }
         assert any(newest.name in n and why[damage] in n for n in engine.notes()), engine.notes()
 
 

@@ -22,22 +22,37 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from tierzero.storage.nvme.arrays import read_array
 
 from tierzero.checkpoint.catalog import newest_checkpoint
 from tierzero.checkpoint.export import export_checkpoint
-from tierzero.storage.nvme.arrays import read_array
 
 KILLS = int(os.environ.get("TIERZERO_CRASH_KILLS", "4"))  # more for a soak: TIERZERO_CRASH_KILLS=50
 STEPS = 3 * KILLS
-ARGS = ["--steps", str(STEPS), "--seq-len", "32", "--batch-size", "2", "--checkpoint-every", "1",
-        "--keep-checkpoints", "2", "--json"]
+ARGS = [
+    "--steps",
+    str(STEPS),
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "2",
+    "--checkpoint-every",
+    "1",
+    "--keep-checkpoints",
+    "2",
+    "--json",
+]
 CLI = [sys.executable, "-c", "from tierzero.cli.app import main; main()"]
 
 
 def start(run_dir: Path, resume: bool) -> subprocess.Popen:
     extra = ["--resume"] if resume else []
-    return subprocess.Popen([*CLI, "train", "--run-dir", str(run_dir), *ARGS, *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [*CLI, "train", "--run-dir", str(run_dir), *ARGS, *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finished_steps(run_dir: Path) -> int:
@@ -48,7 +63,9 @@ def finished_steps(run_dir: Path) -> int:
     return sum(1 for line in lines if '"loss"' in line)
 
 
-def wait_for_a_new_step(proc: subprocess.Popen, run_dir: Path, seen: int, timeout_s: float = 180) -> bool:
+def wait_for_a_new_step(
+    proc: subprocess.Popen, run_dir: Path, seen: int, timeout_s: float = 180
+) -> bool:
     """True once one more step record is logged; False if the process ended first."""
     deadline = time.monotonic() + timeout_s
     while finished_steps(run_dir) <= seen:
@@ -73,8 +90,10 @@ def assert_same_final_state(crashed: Path, straight: Path) -> None:
     assert a.engine == b.engine and a.data == b.data and a.rng == b.rng
     assert a.arrays.keys() == b.arrays.keys() and any(k.startswith("exp_avg_sq/") for k in a.arrays)
     for key in a.arrays:
-        assert torch.equal(read_array(str(a.array_dir(a_path, key)), a.arrays[key]),
-                           read_array(str(b.array_dir(b_path, key)), b.arrays[key])), key
+        assert torch.equal(
+            read_array(str(a.array_dir(a_path, key)), a.arrays[key]),
+            read_array(str(b.array_dir(b_path, key)), b.arrays[key]),
+        ), key
 
 
 def test_sigkilled_training_resumes_to_bitwise_equal_weights(tmp_path: Path) -> None:
@@ -101,12 +120,19 @@ def test_sigkilled_training_resumes_to_bitwise_equal_weights(tmp_path: Path) -> 
     assert json.loads(out)["steps"] == STEPS
 
     straight = tmp_path / "straight"
-    done = subprocess.run([*CLI, "train", "--run-dir", str(straight), *ARGS],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [*CLI, "train", "--run-dir", str(straight), *ARGS],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
 
     assert_same_final_state(crashed, straight)
-    resumed, reference = export(crashed, tmp_path / "a.safetensors"), export(straight, tmp_path / "b.safetensors")
+    resumed, reference = (
+        export(crashed, tmp_path / "a.safetensors"),
+        export(straight, tmp_path / "b.safetensors"),
+    )
     assert resumed.keys() == reference.keys()
     for name in reference:
         assert torch.equal(resumed[name], reference[name]), name

@@ -18,15 +18,15 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from tierzero.cli.app import app
 from typer.testing import CliRunner
 
 from tests.support.checkpoints import files_under, flip_byte, write_checkpoint
 from tests.support.engine import SMALL
 from tierzero import models
-from tierzero.cli.app import app
+from tierzero.checkpoint.export import export_checkpoint
 from tierzero.config import StateKind
 from tierzero.errors import CheckpointError, TierzeroError
-from tierzero.checkpoint.export import export_checkpoint
 
 runner = CliRunner()
 
@@ -88,8 +88,8 @@ def test_header_is_padded_and_carries_metadata(run, tmp_path):
     export_checkpoint(run, path)
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
-    assert n % 8 == 0 and raw[8:8 + n].rstrip(b" ").endswith(b"}")
+    header = json.loads(raw[8 : 8 + n])
+    assert n % 8 == 0 and raw[8 : 8 + n].rstrip(b" ").endswith(b"}")
     assert header["__metadata__"] == {"format": "pt", "step": "7"}
     ends = sorted(v["data_offsets"] for k, v in header.items() if k != "__metadata__")
     assert ends[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ends, ends[1:]))
@@ -102,7 +102,9 @@ def test_sharded_export_writes_the_index_layout(run, model, tmp_path):
     result = export_checkpoint(run, tmp_path / "model.safetensors", max_shard_bytes=100_000)
     k = len(result.files)
     assert k > 2
-    assert [f.name for f in result.files] == [f"model-{i:05d}-of-{k:05d}.safetensors" for i in range(1, k + 1)]
+    assert [f.name for f in result.files] == [
+        f"model-{i:05d}-of-{k:05d}.safetensors" for i in range(1, k + 1)
+    ]
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert result.index == tmp_path / "model.safetensors.index.json"
     expected = model.state_dict()
@@ -118,7 +120,9 @@ def test_sharded_export_writes_the_index_layout(run, model, tmp_path):
     assert all(torch.equal(loaded[n], v) for n, v in expected.items())
     models.build(SMALL, seed=1).load_state_dict(loaded)
     assert not (tmp_path / "model.safetensors").exists()
-    assert files_under(tmp_path) == {f.name for f in result.files} | {"model.safetensors.index.json"}
+    assert files_under(tmp_path) == {f.name for f in result.files} | {
+        "model.safetensors.index.json"
+    }
 
 
 def test_newest_complete_checkpoint_by_default_and_step_picks(tmp_path):
@@ -153,7 +157,9 @@ def test_interrupt_mid_export_leaves_nothing(run, tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        export_checkpoint(run, tmp_path / "model.safetensors", max_shard_bytes=100_000, on_unit=interrupt)
+        export_checkpoint(
+            run, tmp_path / "model.safetensors", max_shard_bytes=100_000, on_unit=interrupt
+        )
     assert files_under(tmp_path) == set()
 
 
@@ -163,15 +169,18 @@ def test_missing_master_array_is_named(tmp_path, model):
         export_checkpoint(tmp_path / "run", tmp_path / "m.safetensors")
 
 
-@pytest.mark.parametrize("case, message", [
-    ("no_run", "does not exist"),
-    ("no_checkpoint", "has no complete checkpoint"),
-    ("bad_step", "has no checkpoint at step 99 (steps: 7)"),
-    ("no_parent", "does not exist; create it"),
-    ("bad_suffix", "is not a .safetensors file name"),
-    ("unwritable", "cannot write /proc/model.safetensors"),
-    ("bad_dtype", "--dtype 'fp8' is not an export dtype"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("no_run", "does not exist"),
+        ("no_checkpoint", "has no complete checkpoint"),
+        ("bad_step", "has no checkpoint at step 99 (steps: 7)"),
+        ("no_parent", "does not exist; create it"),
+        ("bad_suffix", "is not a .safetensors file name"),
+        ("unwritable", "cannot write /proc/model.safetensors"),
+        ("bad_dtype", "--dtype 'fp8' is not an export dtype"),
+    ],
+)
 def test_errors_are_one_sentence(case, message, tmp_path, one_rank_run):
     kwargs = {"run_dir": one_rank_run, "out": tmp_path / "m.safetensors"}
     if case == "no_run":
@@ -195,24 +204,38 @@ def test_errors_are_one_sentence(case, message, tmp_path, one_rank_run):
 
 def test_cli_json_and_human(run, model, tmp_path):
     out = tmp_path / "cli.safetensors"
-    result = runner.invoke(app, ["export", str(run), "--out", str(out), "--json", "--dtype", "bf16"])
+    result = runner.invoke(
+        app, ["export", str(run), "--out", str(out), "--json", "--dtype", "bf16"]
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
-    assert doc["step"] == 7 and doc["dtype"] == "bf16" and doc["files"] == [str(out)] and doc["index"] is None
+    assert (
+        doc["step"] == 7
+        and doc["dtype"] == "bf16"
+        and doc["files"] == [str(out)]
+        and doc["index"] is None
+    )
     assert doc["tensors"] == len(model.state_dict())
-    result = runner.invoke(app, ["export", str(run), "--out", str(tmp_path), "--max-shard-size", "200KB"])
+    result = runner.invoke(
+        app, ["export", str(run), "--out", str(tmp_path), "--max-shard-size", "200KB"]
+    )
     assert result.exit_code == 0, result.output
     assert "exported step 7" in result.stdout and "model.safetensors.index.json" in result.stdout
     assert (tmp_path / "model.safetensors.index.json").is_file()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--step", "3"], "no checkpoint at step 3"),
-    (["--max-shard-size", "lots"], "--max-shard-size 'lots' is not a size"),
-    (["--dtype", "fp16"], "not an export dtype"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--step", "3"], "no checkpoint at step 3"),
+        (["--max-shard-size", "lots"], "--max-shard-size 'lots' is not a size"),
+        (["--dtype", "fp16"], "not an export dtype"),
+    ],
+)
 def test_cli_errors_are_one_line_exit_2(run, tmp_path, args, message):
-    result = runner.invoke(app, ["export", str(run), "--out", str(tmp_path / "m.safetensors"), *args])
+    result = runner.invoke(
+        app, ["export", str(run), "--out", str(tmp_path / "m.safetensors"), *args]
+    )
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0]
@@ -239,8 +262,9 @@ print(base * 1024, kb('VmHWM') * 1024)
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from Linux /proc")
 def test_peak_memory_is_about_one_unit(tmp_path):
-    args = models.ModelArgs(dim=256, n_layers=24, n_heads=4, n_kv_heads=2, vocab_size=256,
-                            ffn_dim=1024, max_seq_len=64)
+    args = models.ModelArgs(
+        dim=256, n_layers=24, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=1024, max_seq_len=64
+    )
     model = models.build(args, device="meta")
     model.to_empty(device="cpu")  # values do not matter here, only sizes: skip the slow init
     with torch.no_grad():
@@ -248,15 +272,26 @@ def test_peak_memory_is_about_one_unit(tmp_path):
             p.copy_(torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) * (i + 1) * 1e-6)
     model_bytes = sum(p.numel() for p in model.parameters()) * 4
     assert model_bytes > 90e6
-    write_checkpoint(tmp_path / "run", model, step=1, world_size=2, chunk_bytes=8 << 20,
-                     kinds=(StateKind.MASTER,))
+    write_checkpoint(
+        tmp_path / "run",
+        model,
+        step=1,
+        world_size=2,
+        chunk_bytes=8 << 20,
+        kinds=(StateKind.MASTER,),
+    )
     expected = {k: v.clone() for k, v in list(model.state_dict().items())[:3]}
     del model
     out = tmp_path / "model.safetensors"
-    done = subprocess.run([sys.executable, "-c", _MEASURE, str(tmp_path / "run"), str(out), "fp32"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(tmp_path / "run"), str(out), "fp32"],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     base, peak = map(int, done.stdout.split())
-    assert (peak - base) * 4 <= model_bytes, f"peak RSS grew {(peak - base) / 1e6:.1f} MB for {model_bytes / 1e6:.1f} MB"
+    assert (peak - base) * 4 <= model_bytes, (
+        f"peak RSS grew {(peak - base) / 1e6:.1f} MB for {model_bytes / 1e6:.1f} MB"
+    )
     with safe_open(str(out), framework="pt") as f:
         assert all(torch.equal(f.get_tensor(k), v) for k, v in expected.items())

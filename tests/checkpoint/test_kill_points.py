@@ -26,22 +26,31 @@ from tests.support.scripts.kill_sweep import PATHS
 
 DRIVER = Path(__file__).parents[1] / "support" / "scripts" / "kill_sweep.py"
 POINTS = [
-    {"phase": "commit", "nth": 2, "k": 0},   # right after step-2's rename, before prune
-    {"phase": "prune", "nth": 2, "k": 0},    # right after step-1 was removed
+    {"phase": "commit", "nth": 2, "k": 0},  # right after step-2's rename, before prune
+    {"phase": "prune", "nth": 2, "k": 0},  # right after step-1 was removed
     {"phase": "recycle", "nth": 2, "k": 1},  # during the flush's recycling, at its first call
 ]  # kills before the rename: tests/checkpoint/test_crash_resume.py
 # One kill per path, in that path's own calls: at the `k`-th, or, where a text is given, at the
 # first call from the `k`-th on whose target contains it (the order of threaded writes varies).
 PATH_POINTS = [
     ({"path": "vertical", "phase": "step", "nth": 4, "k": 3}, "/act/"),  # an activation's spill
-    ({"path": "restep", "phase": "step", "nth": 2, "k": 40}, None),  # a step while kept generations are held
+    (
+        {"path": "restep", "phase": "step", "nth": 2, "k": 40},
+        None,
+    ),  # a step while kept generations are held
     ({"path": "bf16", "phase": "save", "nth": 2, "k": 30}, None),
     # a skipped step's save replacing its step's checkpoint: at the swap, and right after it
     ({"path": "fp16", "phase": "commit", "nth": 2, "k": 1}, "exchange"),
     ({"path": "fp16", "phase": "commit", "nth": 2, "k": 2}, None),
-    ({"path": "host", "phase": "save", "nth": 2, "k": 60}, "/checkpoints/"),  # memory-homed shards written
+    (
+        {"path": "host", "phase": "save", "nth": 2, "k": 60},
+        "/checkpoints/",
+    ),  # memory-homed shards written
     ({"path": "auto", "phase": "save", "nth": 2, "k": 60}, "/checkpoints/"),
-    ({"path": "two-ranks", "rank": 1, "phase": "save", "nth": 2, "k": 20}, "/rank1/"),  # rank 1's own store
+    (
+        {"path": "two-ranks", "rank": 1, "phase": "save", "nth": 2, "k": 20},
+        "/rank1/",
+    ),  # rank 1's own store
     # an int8 moment's chunk (absmax blocks, then codes) linked into the checkpoint; a step
     # writing compact pieces through spares; a bf16 moment's chunk written from host memory
     ({"path": "compact", "phase": "save", "nth": 2, "k": 100}, "/nvme/exp_avg/u0001/"),
@@ -56,8 +65,17 @@ def run_driver(work: Path, points: list[dict], timeout_s: float, echo: bool = Fa
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else work  # no disk syncs to wait for
     errors = work / f"driver-stderr-{len(list(work.glob('driver-stderr-*')))}"
     with open(errors, "w+") as stderr:
-        driver = subprocess.Popen([sys.executable, str(DRIVER), str(base / f"kills-{os.getpid()}-{work.name}"),
-                                   json.dumps(points)], stdout=subprocess.PIPE, stderr=stderr, text=True)
+        driver = subprocess.Popen(
+            [
+                sys.executable,
+                str(DRIVER),
+                str(base / f"kills-{os.getpid()}-{work.name}"),
+                json.dumps(points),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
         timer = threading.Timer(timeout_s, driver.kill)
         timer.start()
         try:
@@ -95,9 +113,11 @@ def soak_phases(name: str) -> list[dict]:
     from; vertically, its last micro-batch runs it), the second save, the first resume -- on
     each rank."""
     nth_step = 2 * PATHS[name].accumulate
-    return [{"path": name, "rank": rank, "phase": phase, "nth": nth}
-            for rank in range(PATHS[name].ranks)
-            for phase, nth in (("step", nth_step), ("save", 2), ("resume", 1))]
+    return [
+        {"path": name, "rank": rank, "phase": phase, "nth": nth}
+        for rank in range(PATHS[name].ranks)
+        for phase, nth in (("step", nth_step), ("save", 2), ("resume", 1))
+    ]
 
 
 def soak_points(tmp_path: Path, name: str) -> list[dict]:
@@ -111,8 +131,12 @@ SOAK = os.environ.get("TIERZERO_KILL_SWEEP", "")
 
 
 @pytest.mark.parametrize("name", list(PATHS))
-@pytest.mark.skipif(not SOAK, reason="hours: TIERZERO_KILL_SWEEP=all, or a comma-separated list of paths")
-def test_a_kill_at_every_file_system_call_of_a_step_a_save_and_a_resume(tmp_path: Path, name: str) -> None:
+@pytest.mark.skipif(
+    not SOAK, reason="hours: TIERZERO_KILL_SWEEP=all, or a comma-separated list of paths"
+)
+def test_a_kill_at_every_file_system_call_of_a_step_a_save_and_a_resume(
+    tmp_path: Path, name: str
+) -> None:
     if SOAK != "all" and name not in SOAK.split(","):
         pytest.skip(f"{name} is not in TIERZERO_KILL_SWEEP")
     results = run_driver(tmp_path, soak_points(tmp_path, name), timeout_s=48 * 3600, echo=True)
@@ -122,6 +146,8 @@ def test_a_kill_at_every_file_system_call_of_a_step_a_save_and_a_resume(tmp_path
     for r in results:
         key = f"{r['point']['phase']}@rank{r['point']['rank']}"
         by_phase[key] = by_phase.get(key, 0) + 1
-    print(f"\n{name}: {len(results)} kill points {by_phase}, {len(bad)} failed, {refused} refused, "
-          f"the rest bitwise")
+    print(
+        f"\n{name}: {len(results)} kill points {by_phase}, {len(bad)} failed, {refused} refused, "
+        f"the rest bitwise"
+    )
     assert not bad, bad[:3]

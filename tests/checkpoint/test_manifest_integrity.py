@@ -11,12 +11,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tierzero.cli.app import app
 from typer.testing import CliRunner
 
 from tierzero.checkpoint.catalog import checkpoint_dirs, step_dir
 from tierzero.checkpoint.inspect import inspect_run
 from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest
-from tierzero.cli.app import app
 from tierzero.errors import CheckpointError
 
 runner = CliRunner()
@@ -41,7 +41,7 @@ def edit_digit(path: Path, field: str) -> None:
     match = re.search(rf'"{field}": (\d+)', text)
     assert match, field
     end = match.end(1) - 1
-    path.write_text(text[:end] + str((int(text[end]) + 1) % 10) + text[end + 1:])
+    path.write_text(text[:end] + str((int(text[end]) + 1) % 10) + text[end + 1 :])
 
 
 def test_the_manifest_records_the_config_it_was_written_under(trained: Path) -> None:
@@ -51,7 +51,9 @@ def test_the_manifest_records_the_config_it_was_written_under(trained: Path) -> 
 
 
 @pytest.mark.parametrize("field", ["position", "step_count", "step", "numel"])
-def test_one_edited_digit_is_caught_and_resume_falls_back(trained: Path, tmp_path: Path, field: str) -> None:
+def test_one_edited_digit_is_caught_and_resume_falls_back(
+    trained: Path, tmp_path: Path, field: str
+) -> None:
     run_dir = tmp_path / "run"
     shutil.copytree(trained, run_dir)
     newest = step_dir(run_dir, 2)
@@ -63,7 +65,9 @@ def test_one_edited_digit_is_caught_and_resume_falls_back(trained: Path, tmp_pat
     assert "skipped checkpoint step-00000002" in result.output and "checksum" in result.output
     assert "resumed from checkpoint step 1" in result.output
 
-    export = runner.invoke(app, ["export", str(run_dir), "--step", "1", "--out", str(tmp_path / "w.safetensors")])
+    export = runner.invoke(
+        app, ["export", str(run_dir), "--step", "1", "--out", str(tmp_path / "w.safetensors")]
+    )
     assert export.exit_code == 0, export.output
 
 
@@ -71,7 +75,9 @@ def test_an_edited_manifest_is_refused_by_export_and_inspect(trained: Path, tmp_
     run_dir = tmp_path / "run"
     shutil.copytree(trained, run_dir)
     edit_digit(step_dir(run_dir, 2) / MANIFEST_NAME, "step_count")
-    export = runner.invoke(app, ["export", str(run_dir), "--step", "2", "--out", str(tmp_path / "w.safetensors")])
+    export = runner.invoke(
+        app, ["export", str(run_dir), "--step", "2", "--out", str(tmp_path / "w.safetensors")]
+    )
     assert export.exit_code == 2 and "fails its checksum" in export.output
     assert not (tmp_path / "w.safetensors").exists()
     status = {c.step: (c.status, c.reason) for c in inspect_run(run_dir, verify=True).checkpoints}
@@ -91,7 +97,11 @@ def test_steps_that_disagree_make_a_checkpoint_damaged(trained: Path, tmp_path: 
     (step_dir(run_dir, 1) / MANIFEST_NAME).write_bytes(manifest.to_json())
     with pytest.raises(CheckpointError, match="step count 7"):
         Manifest.load(step_dir(run_dir, 1))
-    line = [l for l in train("--resume", "--steps", "3", "--run-dir", str(run_dir)).output.splitlines() if l.strip()]
+    line = [
+        l
+        for l in train("--resume", "--steps", "3", "--run-dir", str(run_dir)).output.splitlines()
+        if l.strip()
+    ]
     assert len(line) == 1 and "no intact checkpoint is left" in line[0]
     assert [s for s, _ in checkpoint_dirs(run_dir)] == [1, 5]  # nothing lost
 

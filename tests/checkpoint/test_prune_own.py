@@ -23,14 +23,21 @@ def test_a_run_dir_inside_another_runs_checkpoint_or_store_is_refused(tmp_path) 
 
 def test_a_prune_moves_what_its_manifest_does_not_list_aside(tmp_path) -> None:
     run_dir = tmp_path / "run"
-    assert train("--steps", "2", "--checkpoint-every", "1", "--run-dir", str(run_dir)).exit_code == 0
+    assert (
+        train("--steps", "2", "--checkpoint-every", "1", "--run-dir", str(run_dir)).exit_code == 0
+    )
     stray = step_dir(run_dir, 1) / "inner" / "checkpoints" / "step-00000001" / "manifest.json"
     stray.parent.mkdir(parents=True)
     stray.write_text("someone else's")
     result = train("--resume", "--steps", "3", "--run-dir", str(run_dir))
     assert result.exit_code == 0, result.output
-    assert [s for s, _ in checkpoint_dirs(run_dir)] == [2, 3]  # step 1 pruned (--keep-checkpoints 2)
+    assert [s for s, _ in checkpoint_dirs(run_dir)] == [
+        2,
+        3,
+    ]  # step 1 pruned (--keep-checkpoints 2)
     aside = run_dir / "checkpoints" / "abandoned" / "step-00000001"
     assert (aside / stray.relative_to(step_dir(run_dir, 1))).read_text() == "someone else's"
     assert [p.name for p in aside.iterdir()] == ["inner"]  # the listed files were deleted
-    assert "pruning checkpoint step-00000001 found files its manifest does not list" in " ".join(result.output.split())
+    assert "pruning checkpoint step-00000001 found files its manifest does not list" in " ".join(
+        result.output.split()
+    )

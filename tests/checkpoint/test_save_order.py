@@ -15,13 +15,12 @@ import os
 from pathlib import Path
 
 import pytest
-
-from tierzero.checkpoint.catalog import checkpoints_root
-from tierzero.checkpoint.manifest import MANIFEST_NAME
+from test_checkpoint_resume import PLACEMENTS, config, engine_for
 from tierzero.storage.nvme import chunkfile
 
 from tests.support.engine import batches
-from test_checkpoint_resume import PLACEMENTS, config, engine_for
+from tierzero.checkpoint.catalog import checkpoints_root
+from tierzero.checkpoint.manifest import MANIFEST_NAME
 
 STEPS = ("flush", "link", "syncfs", "manifest fsync", "rename", "dir fsync")
 
@@ -54,7 +53,13 @@ class SaveRecorder:
 
         def on_syncfs(fd: int) -> int:
             path = fd_path(fd)
-            name = "flush" if path.startswith(self.store_dir) else "syncfs" if self._temp(path) else None
+            name = (
+                "flush"
+                if path.startswith(self.store_dir)
+                else "syncfs"
+                if self._temp(path)
+                else None
+            )
             return syncfs(fd) if self._step(name) else 0
 
         def on_link(src, dst, *a, **kw):
@@ -63,8 +68,13 @@ class SaveRecorder:
 
         def on_fsync(fd: int) -> None:
             path = fd_path(fd)
-            name = ("manifest fsync" if self._temp(path) and path.endswith("/" + MANIFEST_NAME)
-                    else "dir fsync" if path == self.root else None)
+            name = (
+                "manifest fsync"
+                if self._temp(path) and path.endswith("/" + MANIFEST_NAME)
+                else "dir fsync"
+                if path == self.root
+                else None
+            )
             if self._step(name):
                 fsync(fd)
 
@@ -98,7 +108,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory):
         yield engine
 
 
-def record_save(engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, skip: str | None) -> list[str]:
+def record_save(
+    engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, skip: str | None
+) -> list[str]:
     run_dir = tmp_path / "run"
     recorder = SaveRecorder(Path(engine.config.nvme_path[0]), run_dir, skip)
     with monkeypatch.context() as patch:
@@ -108,7 +120,8 @@ def record_save(engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, skip: s
 
 
 def test_a_save_flushes_links_syncs_fsyncs_the_manifest_renames_then_fsyncs_the_directory(
-        engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     events = record_save(engine, tmp_path, monkeypatch, skip=None)
     check_order(events)
     assert events.count("rename") == 1 and events[-1] == "dir fsync"
@@ -116,7 +129,8 @@ def test_a_save_flushes_links_syncs_fsyncs_the_manifest_renames_then_fsyncs_the_
 
 @pytest.mark.parametrize("step", STEPS)
 def test_a_save_without_any_one_step_is_refused_by_the_checker(
-        engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: str) -> None:
+    engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
     events = record_save(engine, tmp_path, monkeypatch, skip=step)
     with pytest.raises(AssertionError, match=step):
         check_order(events)

@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import torch
 
+from tests.support.engine import SMALL, batches, reference_run
 from tierzero import Config, Placement, Tier, models
 from tierzero.config import StateKind
 from tierzero.engine import Engine
 
-from tests.support.engine import SMALL, batches, reference_run
-
 
 def test_a_save_between_an_overlapped_backward_and_step_holds_the_finished_step(tmp_path) -> None:
-    cfg = Config(placement=Placement(*[Tier.NVME] * 5), nvme_path=[str(tmp_path / "nvme")], lr=3e-3,
-                 warmup_steps=1, total_steps=3, host_budget="256MiB")
+    cfg = Config(
+        placement=Placement(*[Tier.NVME] * 5),
+        nvme_path=[str(tmp_path / "nvme")],
+        lr=3e-3,
+        warmup_steps=1,
+        total_steps=3,
+        host_budget="256MiB",
+    )
     _, ref_weights = reference_run(SMALL, cfg, steps=1)
     with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
         assert engine.overlap

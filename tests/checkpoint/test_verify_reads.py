@@ -8,19 +8,18 @@ import os
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
-from tierzero.checkpoint.catalog import checkpoint_dirs
+from test_checkpoint_resume import PLACEMENTS, config, engine_for
 from tierzero.cli.app import app
-from tierzero.config import Config
-from tierzero.errors import ConfigError
 from tierzero.storage.base import StorageCorruptError
 from tierzero.storage.nvme import chunkfile
 from tierzero.storage.nvme.generations import gen_name, read_pointer
 from tierzero.storage.nvme.store import NvmeStore
+from typer.testing import CliRunner
 
 from tests.support.engine import batches
-from test_checkpoint_resume import PLACEMENTS, config, engine_for
+from tierzero.checkpoint.catalog import checkpoint_dirs
+from tierzero.config import Config
+from tierzero.errors import ConfigError
 
 KEY = "master/u0001/r0/p0000"
 
@@ -38,7 +37,9 @@ def flip_live_chunk(nvme: Path, key: str = KEY) -> Path:
 
 
 def trained(tmp_path: Path, verify_reads: str):
-    engine = engine_for(config(tmp_path, PLACEMENTS["everything-on-nvme"], verify_reads=verify_reads))
+    engine = engine_for(
+        config(tmp_path, PLACEMENTS["everything-on-nvme"], verify_reads=verify_reads)
+    )
     engine.open()
     engine.train_step(batches().next_batch())
     return engine
@@ -48,7 +49,9 @@ def test_a_flipped_bit_stops_the_next_step_naming_the_chunk(tmp_path: Path) -> N
     engine = trained(tmp_path, "on")
     try:
         flip_live_chunk(tmp_path / "nvme")
-        with pytest.raises(StorageCorruptError, match=f"chunk 0 of shard '{KEY}'.*fails its crc32c check"):
+        with pytest.raises(
+            StorageCorruptError, match=f"chunk 0 of shard '{KEY}'.*fails its crc32c check"
+        ):
             engine.train_step(batches().next_batch())
     finally:
         engine.close()
@@ -77,13 +80,16 @@ def test_a_checkpoint_never_links_a_chunk_damaged_since_it_was_written(tmp_path:
 
 @pytest.mark.parametrize("crc_rate,expected", [(100e9, True), (10e9, False)])
 def test_auto_verifies_where_crc32c_outruns_the_reads_twenty_times(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crc_rate: float, expected: bool) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crc_rate: float, expected: bool
+) -> None:
     monkeypatch.setattr(chunkfile, "crc32c_rate", lambda nbytes=0: crc_rate)
     monkeypatch.setattr(chunkfile, "read_rate", lambda directory, nbytes, direct: 2e9)
     store = NvmeStore([tmp_path], chunk_bytes=1 << 16, verify_reads=None)
     with store:
         assert store.verify_reads is expected
-    assert NvmeStore([tmp_path], verify_reads=False).verify_reads is False  # off stays off, unmeasured
+    assert (
+        NvmeStore([tmp_path], verify_reads=False).verify_reads is False
+    )  # off stays off, unmeasured
 
 
 def test_the_probes_measure_real_rates(tmp_path: Path) -> None:
@@ -95,5 +101,10 @@ def test_the_probes_measure_real_rates(tmp_path: Path) -> None:
 def test_bad_values_are_refused_in_one_sentence(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="verify_reads must be auto, on or off, got 'yes'"):
         Config(verify_reads="yes")
-    result = CliRunner().invoke(app, ["train", "--steps", "1", "--verify-reads", "yes", "--run-dir", str(tmp_path)])
-    assert result.exit_code == 2 and result.output.strip() == "error: --verify-reads must be auto, on or off, got 'yes'"
+    result = CliRunner().invoke(
+        app, ["train", "--steps", "1", "--verify-reads", "yes", "--run-dir", str(tmp_path)]
+    )
+    assert (
+        result.exit_code == 2
+        and result.output.strip() == "error: --verify-reads must be auto, on or off, got 'yes'"
+    )

@@ -15,11 +15,11 @@ import json
 
 import pytest
 import torch
+from tierzero.cli.app import app
 from typer.testing import CliRunner
 
 from tests.support.cli import one_line_error
 from tests.support.hf import sample_text, save_chat_llama
-from tierzero.cli.app import app
 from tierzero.run.directory import read_samples
 
 runner = CliRunner()
@@ -33,7 +33,9 @@ TRAIN = ["--steps", "2", "--batch-size", "2", "--seq-len", "16", "--dtype", "fp3
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return save_chat_llama(tmp_path_factory.mktemp("gen") / "llama", sample_text(), TEMPLATE, "[UNK]")
+    return save_chat_llama(
+        tmp_path_factory.mktemp("gen") / "llama", sample_text(), TEMPLATE, "[UNK]"
+    )
 
 
 def generate(*args: str) -> dict:

@@ -28,22 +28,38 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tierzero.cli.app import app
 from typer.testing import CliRunner
 
 from tierzero import models
 from tierzero.checkpoint.catalog import checkpoint_dirs, newest_checkpoint
-from tierzero.cli.app import app
+from tierzero.checkpoint.manifest import Manifest
 from tierzero.config import Placement, Tier
 from tierzero.planning.ledger import activation_memory
-from tierzero.checkpoint.manifest import Manifest
 from tierzero.planning.memory_model import peak_memory
 from tierzero.planning.peaks import MemoryModel
 from tierzero.planning.workload import Workload
 from tierzero.run.charts import load_run, summarize
 from tierzero.run.directory import read_metrics
 
-ARGS = ["--steps", "4", "--batch-size", "4", "--seq-len", "32", "--dtype", "fp32", "--offload", "nvme",
-        "--checkpoint-every", "2", "--keep-checkpoints", "5", "--comm-timeout", "60"]
+ARGS = [
+    "--steps",
+    "4",
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "32",
+    "--dtype",
+    "fp32",
+    "--offload",
+    "nvme",
+    "--checkpoint-every",
+    "2",
+    "--keep-checkpoints",
+    "5",
+    "--comm-timeout",
+    "60",
+]
 HANG_GUARD_S = 300  # a guard against a hang, not a timing threshold
 
 
@@ -52,17 +68,44 @@ def per_rank_prediction(stage: int = 3) -> MemoryModel:
     on nvme, fp32, the CPU device, overlap_step, each rank's micro-batch 2 x 32."""
     args = models.get_preset("tiny")
     act = activation_memory(args, 2, 32, 4, models.llama.LOSS_CHUNK_BYTES)
-    return peak_memory(Workload.from_preset(args, 4, world_size=2, device="cpu", prefetch_depth=2, overlap=True,
-                                            activations=act, stage=stage), Placement(*[Tier.NVME] * 5)).per_rank()
+    return peak_memory(
+        Workload.from_preset(
+            args,
+            4,
+            world_size=2,
+            device="cpu",
+            prefetch_depth=2,
+            overlap=True,
+            activations=act,
+            stage=stage,
+        ),
+        Placement(*[Tier.NVME] * 5),
+    ).per_rank()
 
 
 def launch(run_dir: Path, *extra: str, budget_stage: int = 3) -> subprocess.Popen:
     """At the host budget stage `budget_stage` needs (so auto picks it), which the pools fill:
     their peaks are measurable."""
     budget = str(per_rank_prediction(budget_stage).host_total_bytes)
-    return subprocess.Popen([sys.executable, "-m", "tierzero.cli", "train", "--nproc", "2", *ARGS,
-                             "--host-budget", budget, "--run-dir", str(run_dir), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tierzero.cli",
+            "train",
+            "--nproc",
+            "2",
+            *ARGS,
+            "--host-budget",
+            budget,
+            "--run-dir",
+            str(run_dir),
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def launch_as_two_nodes(run_dir: Path, *extra: str) -> list[subprocess.Popen]:
@@ -71,11 +114,38 @@ def launch_as_two_nodes(run_dir: Path, *extra: str) -> list[subprocess.Popen]:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     budget = str(per_rank_prediction().host_total_bytes)
-    return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "test",
-                              "-m", "tierzero.cli", "train", *ARGS, "--host-budget", budget,
-                              "--run-dir", str(run_dir), *extra],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"localhost:{port}",
+                "--rdzv-id",
+                "test",
+                "-m",
+                "tierzero.cli",
+                "train",
+                *ARGS,
+                "--host-budget",
+                budget,
+                "--run-dir",
+                str(run_dir),
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
 
 
 def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
@@ -84,8 +154,9 @@ def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
 
 
 def export(run_dir: Path, out: Path, step: int | None = None) -> dict[str, torch.Tensor]:
-    result = CliRunner().invoke(app, ["export", str(run_dir), "--out", str(out),
-                                      *(["--step", str(step)] if step else [])])
+    result = CliRunner().invoke(
+        app, ["export", str(run_dir), "--out", str(out), *(["--step", str(step)] if step else [])]
+    )
     assert result.exit_code == 0, result.output
     return load_file(str(out))
 
@@ -124,12 +195,22 @@ def test_each_rank_stores_half_of_every_unit(two_ranks) -> None:
     units = Manifest.load(newest_checkpoint(two_ranks)[0]).units
     for rank in (0, 1):
         store = two_ranks / "nvme" / f"rank{rank}"
-        for kind, itemsize in (("master", 4), ("exp_avg", 4), ("exp_avg_sq", 4), ("grad", 4), ("param", 4)):
+        for kind, itemsize in (
+            ("master", 4),
+            ("exp_avg", 4),
+            ("exp_avg_sq", 4),
+            ("grad", 4),
+            ("param", 4),
+        ):
             for unit in units:
                 shard = store / kind / f"u{unit.index:04d}" / f"r{rank}"
-                nbytes = sum(_current_array_nbytes(piece) for piece in shard.iterdir() if piece.is_dir())
+                nbytes = sum(
+                    _current_array_nbytes(piece) for piece in shard.iterdir() if piece.is_dir()
+                )
                 assert nbytes == unit.padded_numel // 2 * itemsize, (rank, kind, unit.name)
-                assert unit.numel / 2 <= nbytes / itemsize < unit.numel / 2 + 4096  # half, padding aside
+                assert (
+                    unit.numel / 2 <= nbytes / itemsize < unit.numel / 2 + 4096
+                )  # half, padding aside
                 assert not (store / kind / f"u{unit.index:04d}" / f"r{1 - rank}").exists()
 
 
@@ -138,27 +219,48 @@ def test_inspect_shows_each_ranks_store(two_ranks) -> None:
     assert result.exit_code == 0, result.output
     stores = json.loads(result.stdout)["stores"]
     assert [Path(s["path"]).name for s in stores] == ["rank0", "rank1"]
-    assert all(set(s["kinds"]) == {"param", "grad", "master", "exp_avg", "exp_avg_sq"} for s in stores)
+    assert all(
+        set(s["kinds"]) == {"param", "grad", "master", "exp_avg", "exp_avg_sq"} for s in stores
+    )
     assert stores[0]["nbytes"] == stores[1]["nbytes"] > 0
 
 
 def test_measured_pool_peaks_match_the_per_rank_prediction(two_ranks) -> None:
     predicted = per_rank_prediction()
     last = [r for r in read_metrics(two_ranks) if "loss" in r][-1]  # peaks since open
-    assert [last[k] for k in ("peak_host_bytes", "peak_gpu_bytes")] == \
-        [last["ranks"][0][k] for k in ("peak_host_bytes", "peak_gpu_bytes")]  # rank 0's at the top
+    assert [last[k] for k in ("peak_host_bytes", "peak_gpu_bytes")] == [
+        last["ranks"][0][k] for k in ("peak_host_bytes", "peak_gpu_bytes")
+    ]  # rank 0's at the top
     for rank, counters in enumerate(last["ranks"]):
         for tier in (Tier.HOST, Tier.GPU):
             measured = counters[f"peak_{tier.value}_bytes"]
-            assert 0.9 * predicted.tiers[tier].pool_bytes <= measured <= predicted.tiers[tier].pool_bytes, (rank, tier)
+            assert (
+                0.9 * predicted.tiers[tier].pool_bytes
+                <= measured
+                <= predicted.tiers[tier].pool_bytes
+            ), (rank, tier)
     peaks = summarize(load_run(two_ranks))["peak_bytes"]
-    assert peaks["host"] == max(c["peak_host_bytes"] for r in read_metrics(two_ranks) if "loss" in r
-                                for c in r["ranks"])
+    assert peaks["host"] == max(
+        c["peak_host_bytes"] for r in read_metrics(two_ranks) if "loss" in r for c in r["ranks"]
+    )
 
 
 def test_plan_reports_one_ranks_share(tmp_path) -> None:
-    result = CliRunner().invoke(app, ["plan", "--model", "tiny", "--gpus", "2", "--host-mem", "8GB",
-                                      "--nvme-free", "1TB", "--json"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "plan",
+            "--model",
+            "tiny",
+            "--gpus",
+            "2",
+            "--host-mem",
+            "8GB",
+            "--nvme-free",
+            "1TB",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     machine, rank = report["verdict"]["memory"], report["per_rank"]
@@ -170,7 +272,9 @@ def test_plan_reports_one_ranks_share(tmp_path) -> None:
 def _current_array_nbytes(piece: Path) -> int:
     """shape x itemsize of the current generation of one stored piece, from its zarr.json."""
     group = json.loads((piece / "zarr.json").read_text())
-    array = json.loads((piece / group["attributes"]["tierzero"]["current"] / "zarr.json").read_text())
+    array = json.loads(
+        (piece / group["attributes"]["tierzero"]["current"] / "zarr.json").read_text()
+    )
     return array["shape"][0] * {"float32": 4, "uint16": 2}[array["data_type"]]
 
 
@@ -203,7 +307,9 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen) -> None:
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()[1]
         metrics = run_dir / "metrics.jsonl"
-        if metrics.is_file() and any(r.get("step") == step and "loss" in r for r in read_metrics(run_dir)):
+        if metrics.is_file() and any(
+            r.get("step") == step and "loss" in r for r in read_metrics(run_dir)
+        ):
             return
         time.sleep(0.02)
     raise AssertionError(f"step {step} never finished")
@@ -219,7 +325,9 @@ def _worker_pid(launcher: int, rank: int) -> int:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+        ppid = int(
+            next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:"))
+        )
         if ppid == launcher and f"RANK={rank}".encode() in environ:
             return int(entry.name)
     raise AssertionError(f"no worker of rank {rank} under pid {launcher}")
@@ -227,6 +335,7 @@ def _worker_pid(launcher: int, rank: int) -> int:
 
 # -- ZeRO stages 1 and 2 through the CLI (stage 3 is the `two_ranks` run above: its budget is
 # stage 3's, so the automatic choice is 3) ------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def stage_two(tmp_path_factory) -> tuple[Path, str]:
@@ -245,7 +354,9 @@ def test_the_stage_is_chosen_by_the_budget_and_printed(two_ranks, stage_two) -> 
     assert Manifest.load(newest_checkpoint(stage_two[0])[0]).stage == 2
 
 
-def test_stage_two_equals_one_rank_and_stage_three(stage_two, one_rank, two_ranks, tmp_path) -> None:
+def test_stage_two_equals_one_rank_and_stage_three(
+    stage_two, one_rank, two_ranks, tmp_path
+) -> None:
     """Stage 2 (chosen) within 5e-5 of the one-rank run and of the stage-3 run. Stage 1 differs
     from stage 2 only under accumulation, which tests/engine/test_stages.py checks in-process (a CLI
     run of it here would cost the suite ~25 s for the same numbers)."""
@@ -265,7 +376,9 @@ def test_stage_two_stores_whole_params_and_half_the_rest(stage_two) -> None:
         for kind, itemsize in (("master", 4), ("exp_avg", 4), ("exp_avg_sq", 4), ("param", 4)):
             for unit in units:
                 shard = store / kind / f"u{unit.index:04d}" / f"r{rank}"
-                nbytes = sum(_current_array_nbytes(piece) for piece in shard.iterdir() if piece.is_dir())
+                nbytes = sum(
+                    _current_array_nbytes(piece) for piece in shard.iterdir() if piece.is_dir()
+                )
                 if kind == "param":  # the whole unit on every rank
                     assert nbytes == unit.padded_numel * itemsize, (rank, kind, unit.name)
                     assert unit.numel <= nbytes / itemsize < unit.numel + 4096
@@ -280,24 +393,52 @@ def test_stage_two_pool_peaks_match_its_prediction(stage_two) -> None:
     for rank, counters in enumerate(last["ranks"]):
         for tier in (Tier.HOST, Tier.GPU):
             measured = counters[f"peak_{tier.value}_bytes"]
-            assert 0.9 * predicted.tiers[tier].pool_bytes <= measured <= predicted.tiers[tier].pool_bytes, (rank, tier)
+            assert (
+                0.9 * predicted.tiers[tier].pool_bytes
+                <= measured
+                <= predicted.tiers[tier].pool_bytes
+            ), (rank, tier)
 
 
 def test_plan_prints_the_stage(tmp_path) -> None:
     def plan(*extra: str) -> dict:
-        result = CliRunner().invoke(app, ["plan", "--model", "tiny", "--gpus", "2", "--nvme-free", "1TB",
-                                          "--json", *extra])
+        result = CliRunner().invoke(
+            app, ["plan", "--model", "tiny", "--gpus", "2", "--nvme-free", "1TB", "--json", *extra]
+        )
         assert result.exit_code == 0, result.output
         return json.loads(result.stdout)
 
     roomy = ("--host-mem", "64GB", "--gpu-mem", "80GB")
-    assert plan(*roomy)["stage"]["stage"] == 2 and plan(*roomy, "--accumulate", "2")["stage"]["stage"] == 1
-    tight = plan("--host-mem", "50MB", "--gpu-mem", "24MB")  # stage 3 fits, replicated params do not
+    assert (
+        plan(*roomy)["stage"]["stage"] == 2
+        and plan(*roomy, "--accumulate", "2")["stage"]["stage"] == 1
+    )
+    tight = plan(
+        "--host-mem", "50MB", "--gpu-mem", "24MB"
+    )  # stage 3 fits, replicated params do not
     assert tight["stage"]["stage"] == 3 and tight["verdict"]["fits"], tight["stage"]
     forced = plan(*roomy, "--stage", "3")
-    assert forced["stage"] == {"stage": 3, "reason": "forced", "text": "params, grads and optimizer states partitioned"}
+    assert forced["stage"] == {
+        "stage": 3,
+        "reason": "forced",
+        "text": "params, grads and optimizer states partitioned",
+    }
     # replicated params: a rank's param home holds the whole model, not half
     assert plan(*roomy)["per_rank"]["peak_bytes"]["gpu"] > forced["per_rank"]["peak_bytes"]["gpu"]
-    text = CliRunner().invoke(app, ["plan", "--model", "tiny", "--gpus", "2", "--nvme-free", "1TB",
-                                    "--host-mem", "64GB", "--gpu-mem", "80GB"])
+    text = CliRunner().invoke(
+        app,
+        [
+            "plan",
+            "--model",
+            "tiny",
+            "--gpus",
+            "2",
+            "--nvme-free",
+            "1TB",
+            "--host-mem",
+            "64GB",
+            "--gpu-mem",
+            "80GB",
+        ],
+    )
     assert "ZeRO stage 2 (replicated params fit the budgets)" in text.output

@@ -7,9 +7,9 @@ import json
 import os
 
 import pytest
+from tierzero.cli.app import app
 from typer.testing import CliRunner
 
-from tierzero.cli.app import app
 from tierzero.run.directory import read_metrics
 
 runner = CliRunner()
@@ -25,7 +25,7 @@ def test_train_writes_config_and_metrics(tmp_path, offload: str) -> None:
     run_dir = tmp_path / "run"
     result = train(*QUICK, "--offload", offload, "--run-dir", str(run_dir), "--json")
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.stdout[result.stdout.index("{"):])
+    summary = json.loads(result.stdout[result.stdout.index("{") :])
     assert summary["steps"] == 6 and summary["last_loss"] < summary["first_loss"]
     records = [r for r in read_metrics(run_dir) if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, 7))
@@ -54,11 +54,15 @@ def one_line_error(result) -> str:
 
 
 def test_unknown_preset(tmp_path) -> None:
-    assert "unknown model preset 'huge'" in one_line_error(train("--model", "huge", "--run-dir", str(tmp_path)))
+    assert "unknown model preset 'huge'" in one_line_error(
+        train("--model", "huge", "--run-dir", str(tmp_path))
+    )
 
 
 def test_missing_data_file(tmp_path) -> None:
-    assert "does not exist" in one_line_error(train("--data", str(tmp_path / "nope.bin"), "--run-dir", str(tmp_path)))
+    assert "does not exist" in one_line_error(
+        train("--data", str(tmp_path / "nope.bin"), "--run-dir", str(tmp_path))
+    )
 
 
 def test_malformed_toml(tmp_path) -> None:
@@ -101,7 +105,7 @@ def test_report_plots_a_run(tmp_path) -> None:
     assert train(*QUICK, "--run-dir", str(run_dir)).exit_code == 0
     result = runner.invoke(app, ["report", str(run_dir), "--json"])
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.stdout[result.stdout.index("{"):])
+    summary = json.loads(result.stdout[result.stdout.index("{") :])
     assert summary["steps"] == 6 and summary["last_loss"] < summary["first_loss"]
     png = run_dir / "report.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
@@ -119,21 +123,42 @@ def test_train_starts_from_local_safetensors(tmp_path, offload: str) -> None:
     from tierzero import models
 
     source = models.build("tiny", seed=3)
-    save_file({k: v.contiguous() for k, v in source.state_dict().items() if k != "head.weight"},
-              str(tmp_path / "w.safetensors"))
-    ok = train(*QUICK, "--offload", offload, "--weights", str(tmp_path / "w.safetensors"),
-               "--run-dir", str(tmp_path / "run"), "--json")
+    save_file(
+        {k: v.contiguous() for k, v in source.state_dict().items() if k != "head.weight"},
+        str(tmp_path / "w.safetensors"),
+    )
+    ok = train(
+        *QUICK,
+        "--offload",
+        offload,
+        "--weights",
+        str(tmp_path / "w.safetensors"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--json",
+    )
     assert ok.exit_code == 0, ok.output
-    missing = train(*QUICK, "--weights", str(tmp_path / "nope.safetensors"), "--run-dir", str(tmp_path / "r2"))
+    missing = train(
+        *QUICK, "--weights", str(tmp_path / "nope.safetensors"), "--run-dir", str(tmp_path / "r2")
+    )
     assert "is not a .safetensors file" in one_line_error(missing)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--nproc", "2", "--batch-size", "3"], "--batch-size 3 (the global batch) does not split evenly over 2 ranks"),
-    (["--nproc", "2", "--offload", "none"], "--offload none trains in memory on one rank, not 2"),
-    (["--nproc", "0"], "--nproc must be at least 1"),
-    (["--comm-timeout", "0"], "--comm-timeout must be a finite positive number"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--nproc", "2", "--batch-size", "3"],
+            "--batch-size 3 (the global batch) does not split evenly over 2 ranks",
+        ),
+        (
+            ["--nproc", "2", "--offload", "none"],
+            "--offload none trains in memory on one rank, not 2",
+        ),
+        (["--nproc", "0"], "--nproc must be at least 1"),
+        (["--comm-timeout", "0"], "--comm-timeout must be a finite positive number"),
+    ],
+)
 def test_ranks_refused_before_any_starts(tmp_path, args: list[str], message: str) -> None:
     assert message in one_line_error(train(*args, "--run-dir", str(tmp_path / "run")))
     assert not (tmp_path / "run").exists()
@@ -142,5 +167,7 @@ def test_ranks_refused_before_any_starts(tmp_path, args: list[str], message: str
 def test_ranks_from_torchrun_need_one_run_dir(monkeypatch) -> None:
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert one_line_error(train("--steps", "1")) == \
-        "error: rank 1: ranks started by torchrun must name one run directory; pass --run-dir DIR"
+    assert (
+        one_line_error(train("--steps", "1"))
+        == "error: rank 1: ranks started by torchrun must name one run directory; pass --run-dir DIR"
+    )

@@ -35,7 +35,9 @@ STEPS, EVERY = 10, 5
 @pytest.fixture
 def chat_llama(tmp_path: Path) -> Path:
     """A tiny random Llama with a word-level tokenizer that knows the chat words and markers."""
-    return save_chat_llama(tmp_path / "llama", sample_text(8_000) + f" {WORDS}" * 50, TEMPLATE, "end")
+    return save_chat_llama(
+        tmp_path / "llama", sample_text(8_000) + f" {WORDS}" * 50, TEMPLATE, "end"
+    )
 
 
 def chats(path: Path, n: int) -> Path:
@@ -98,14 +100,9 @@ def test_a_lora_chat_fine_tune_reports_evaluates_and_samples(
     assert sorted(losses) == list(range(1, STEPS + 1)) and sorted(evals) == [0, 5, 10]
 
     # TensorBoard: the loss of every step, the eval loss of every evaluation
-    events = EventAccumulator(
-        str(run_dir / "tensorboard"), size_guidance={"scalars": 0}
-    )
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
-    tb = {
-        tag: {p.step: p.value for p in events.Scalars(tag)}
-        for tag in ("loss", "eval_loss")
-    }
+    tb = {tag: {p.step: p.value for p in events.Scalars(tag)} for tag in ("loss", "eval_loss")}
     assert tb == {"loss": pytest.approx(losses), "eval_loss": pytest.approx(evals)}
 
     # MLflow: the same curves in the run's own store

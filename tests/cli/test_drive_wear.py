@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
+from tierzero.cli.app import app
 from typer.testing import CliRunner
 
-from tierzero.cli.app import app
 from tierzero.config import Offload, Placement, StateKind
 from tierzero.layout.partition import partition
 from tierzero.models import build

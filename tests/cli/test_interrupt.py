@@ -15,29 +15,52 @@ from pathlib import Path
 from tierzero.checkpoint.catalog import checkpoint_dirs
 from tierzero.run.directory import read_metrics
 
-ARGS = ["--steps", "100000", "--batch-size", "2", "--seq-len", "32", "--dtype", "fp32", "--offload", "nvme",
-        "--checkpoint-every", "2", "--comm-timeout", "60"]
+ARGS = [
+    "--steps",
+    "100000",
+    "--batch-size",
+    "2",
+    "--seq-len",
+    "32",
+    "--dtype",
+    "fp32",
+    "--offload",
+    "nvme",
+    "--checkpoint-every",
+    "2",
+    "--comm-timeout",
+    "60",
+]
 HANG_GUARD_S = 300  # a guard against a hang, not a timing threshold
-LINE = re.compile(r"error: interrupted at step (\d+); last checkpoint step (\d+); continue with --resume")
+LINE = re.compile(
+    r"error: interrupted at step (\d+); last checkpoint step (\d+); continue with --resume"
+)
 
 
 def start(run_dir: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tierzero.cli", "train", *ARGS, *extra, "--run-dir", str(run_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tierzero.cli", "train", *ARGS, *extra, "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + HANG_GUARD_S
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()[1]
-        if (run_dir / "metrics.jsonl").is_file() and any(r.get("step") == step and "loss" in r
-                                                         for r in read_metrics(run_dir)):
+        if (run_dir / "metrics.jsonl").is_file() and any(
+            r.get("step") == step and "loss" in r for r in read_metrics(run_dir)
+        ):
             return
         time.sleep(0.05)
     raise AssertionError(f"step {step} never finished")
 
 
-def interrupt(run_dir: Path, proc: subprocess.Popen, signum: int = signal.SIGINT) -> tuple[int, str]:
+def interrupt(
+    run_dir: Path, proc: subprocess.Popen, signum: int = signal.SIGINT
+) -> tuple[int, str]:
     try:
         wait_for_step(run_dir, 3, proc)
         proc.send_signal(signum)
@@ -64,8 +87,22 @@ def test_ctrl_c_on_one_rank_exits_130_and_says_where_to_resume(tmp_path) -> None
     code, err = interrupt(run_dir, start(run_dir))
     assert code == 130, err
     _, saved = check_line(err, run_dir)
-    resumed = subprocess.run([sys.executable, "-m", "tierzero.cli", "train", "--resume", "--run-dir", str(run_dir),
-                              "--steps", str(saved + 1)], capture_output=True, text=True, timeout=HANG_GUARD_S)
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tierzero.cli",
+            "train",
+            "--resume",
+            "--run-dir",
+            str(run_dir),
+            "--steps",
+            str(saved + 1),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from checkpoint step {saved}" in resumed.stdout
 
@@ -92,7 +129,11 @@ def _workers(launcher: int) -> list[int]:
             status = (entry / "status").read_text() if entry.name.isdigit() else ""
         except OSError:
             continue
-        if any(line.split()[1:] == [str(launcher)] for line in status.splitlines() if line.startswith("PPid:")):
+        if any(
+            line.split()[1:] == [str(launcher)]
+            for line in status.splitlines()
+            if line.startswith("PPid:")
+        ):
             pids.append(int(entry.name))
     return pids
 

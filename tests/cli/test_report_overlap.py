@@ -33,9 +33,7 @@ def step(n: int, step_s: float, busy: dict[str, float], nbytes: dict[str, int]) 
 def write_run(tmp_path, records: list[dict]):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "metrics.jsonl").write_text(
-        "".join(json.dumps(r) + "\n" for r in records)
-    )
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return run_dir
 
 
@@ -64,10 +62,7 @@ def test_json_holds_the_medians_bound_and_ratios(tmp_path) -> None:
     # per step: bounds 4, 3, 4; serial 8, 6, 7; step / bound 2.25, 5/3, 1.5; serial / bound 2, 2, 1.75
     assert figures["step_s"] == 6.0 and figures["bound_s"] == 4.0
     assert figures["bound_link"] == "nvme->host"
-    assert (
-        abs(figures["step_over_bound"] - 5 / 3) < 1e-12
-        and figures["serial_over_bound"] == 2.0
-    )
+    assert abs(figures["step_over_bound"] - 5 / 3) < 1e-12 and figures["serial_over_bound"] == 2.0
     # compute (step - io wait) 8, 4, 5; floors 8, 4, 5: step / floor 9/8, 5/4, 6/5
     assert figures["compute_s"] == 5.0 and figures["step_over_floor"] == 1.2
 
@@ -82,9 +77,7 @@ def test_the_table_for_people(tmp_path) -> None:
     assert any("bound (nvme->host)" in line and "4.0000" in line for line in lines)
     assert any("step / bound" in line and "1.67" in line for line in lines)
     assert any("serial / bound" in line and "2.00" in line for line in lines)
-    assert any(
-        "compute (step - io wait)" in line and "5.0000" in line for line in lines
-    )
+    assert any("compute (step - io wait)" in line and "5.0000" in line for line in lines)
     assert any("step / floor" in line and "1.20" in line for line in lines)
 
 

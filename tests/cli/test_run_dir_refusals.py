@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tierzero.cli.app import app
 from typer.testing import CliRunner
 
 from tests.support.cli import one_line_error, train
 from tierzero.checkpoint.catalog import step_dir
-from tierzero.cli.app import app
 
 runner = CliRunner()
 HANG_GUARD_S = 300  # a guard against a hang, not a timing threshold
@@ -30,11 +30,27 @@ def test_a_fifo_for_metrics_is_named_not_waited_on(tmp_path) -> None:
     metrics = run_dir / "metrics.jsonl"
     metrics.unlink()
     os.mkfifo(metrics)
-    resumed = subprocess.run([sys.executable, "-m", "tierzero.cli", "train", "--resume", "--steps", "2",
-                              "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=HANG_GUARD_S)
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tierzero.cli",
+            "train",
+            "--resume",
+            "--steps",
+            "2",
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
     assert resumed.returncode == 2, resumed.stderr
     lines = resumed.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"{metrics} is a FIFO, not a regular file" in lines[0], resumed.stderr
+    assert len(lines) == 1 and f"{metrics} is a FIFO, not a regular file" in lines[0], (
+        resumed.stderr
+    )
     report = runner.invoke(app, ["report", str(run_dir)])
     assert "is a FIFO, not a regular file" in one_line_error(report)
 
@@ -46,8 +62,11 @@ def test_a_run_dir_that_is_not_a_directory_says_what_it_is(tmp_path, kind: str) 
     expected = f"is {kind}, not a directory"
     assert expected in one_line_error(train("--steps", "1", "--run-dir", str(path)))
     assert expected in one_line_error(train("--resume", "--run-dir", str(path)))
-    for command in (["export", str(path), "--out", str(tmp_path / "out")], ["inspect", str(path)],
-                    ["report", str(path)]):
+    for command in (
+        ["export", str(path), "--out", str(tmp_path / "out")],
+        ["inspect", str(path)],
+        ["report", str(path)],
+    ):
         assert expected in one_line_error(runner.invoke(app, command)), command
 
 
@@ -69,13 +88,17 @@ def read_only(path: Path) -> Iterator[None]:
     if mount.returncode != 0:
         pytest.skip("running as root and cannot bind-mount a directory read-only here")
     try:
-        subprocess.run(["mount", "-o", "remount,ro,bind", str(path)], check=True, capture_output=True)
+        subprocess.run(
+            ["mount", "-o", "remount,ro,bind", str(path)], check=True, capture_output=True
+        )
         yield
     finally:
         subprocess.run(["umount", str(path)], check=True)
 
 
-def test_a_read_only_run_dir_is_refused_by_train_and_report_but_read_by_inspect_and_export(tmp_path) -> None:
+def test_a_read_only_run_dir_is_refused_by_train_and_report_but_read_by_inspect_and_export(
+    tmp_path,
+) -> None:
     run_dir = tmp_path / "run"
     assert train("--steps", "1", "--run-dir", str(run_dir)).exit_code == 0
     with read_only(run_dir):
@@ -84,16 +107,25 @@ def test_a_read_only_run_dir_is_refused_by_train_and_report_but_read_by_inspect_
         line = one_line_error(runner.invoke(app, ["report", str(run_dir)]))
         assert "read-only" in line and "--out" in line
         inspected = runner.invoke(app, ["inspect", str(run_dir), "--json"])
-        assert inspected.exit_code == 0 and json.loads(inspected.stdout)["checkpoints"][0]["step"] == 1
+        assert (
+            inspected.exit_code == 0 and json.loads(inspected.stdout)["checkpoints"][0]["step"] == 1
+        )
         exported = runner.invoke(app, ["export", str(run_dir), "--out", str(tmp_path / "out")])
         assert exported.exit_code == 0, exported.output
-        assert runner.invoke(app, ["report", str(run_dir), "--out", str(tmp_path / "r.png")]).exit_code == 0
-    assert train("--steps", "1", "--run-dir", str(run_dir), "--overwrite").exit_code == 0  # writable again
+        assert (
+            runner.invoke(app, ["report", str(run_dir), "--out", str(tmp_path / "r.png")]).exit_code
+            == 0
+        )
+    assert (
+        train("--steps", "1", "--run-dir", str(run_dir), "--overwrite").exit_code == 0
+    )  # writable again
 
 
 def test_export_and_inspect_name_the_newer_checkpoint_they_skipped(tmp_path) -> None:
     run_dir = tmp_path / "run"
-    assert train("--steps", "2", "--checkpoint-every", "1", "--run-dir", str(run_dir)).exit_code == 0
+    assert (
+        train("--steps", "2", "--checkpoint-every", "1", "--run-dir", str(run_dir)).exit_code == 0
+    )
     (step_dir(run_dir, 2) / "manifest.json").write_text("{damaged")
     exported = runner.invoke(app, ["export", str(run_dir), "--out", str(tmp_path / "out")])
     assert exported.exit_code == 0, exported.output
@@ -118,11 +150,18 @@ def test_an_export_into_a_directory_removes_temp_files_a_killed_export_left(tmp_
 def test_a_store_path_above_another_runs_store_is_refused_naming_both(tmp_path) -> None:
     inner = tmp_path / "p" / "a"
     inner.mkdir(parents=True)
-    assert train("--steps", "1", "--nvme-path", str(inner), "--run-dir", str(tmp_path / "a")).exit_code == 0
+    assert (
+        train("--steps", "1", "--nvme-path", str(inner), "--run-dir", str(tmp_path / "a")).exit_code
+        == 0
+    )
     before = sorted(str(p) for p in inner.rglob("*"))
-    refused = train("--steps", "1", "--nvme-path", str(tmp_path / "p"), "--run-dir", str(tmp_path / "b"))
+    refused = train(
+        "--steps", "1", "--nvme-path", str(tmp_path / "p"), "--run-dir", str(tmp_path / "b")
+    )
     assert refused.exit_code == 2, refused.output
-    line = " ".join(refused.output.split("error:")[1].split())  # the store opens once training starts
+    line = " ".join(
+        refused.output.split("error:")[1].split()
+    )  # the store opens once training starts
     assert f"{tmp_path / 'p'} holds the store directory {inner}" in line
     assert sorted(str(p) for p in inner.rglob("*")) == before
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["a"]

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from tierzero import Config, Placement, Tier
-from tierzero.engine.vertical.boundary import BoundaryStore
 from tierzero.engine.runtime.tiers import Tiers
+from tierzero.engine.vertical.boundary import BoundaryStore
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 NUMEL = 4096  # 16 KiB of fp32: one activation; the large entry is twice that
@@ -18,14 +18,19 @@ NUMEL = 4096  # 16 KiB of fp32: one activation; the large entry is twice that
 def test_a_prefetched_entry_gives_its_buffer_up_to_a_larger_put(tmp_path, monkeypatch) -> None:
     spill = BoundaryStore._spill
 
-    def spill_at_once(self, entry) -> None:  # each write done before the store looks again: no races
+    def spill_at_once(
+        self, entry
+    ) -> None:  # each write done before the store looks again: no races
         spill(self, entry)
         entry.written.result()
 
     monkeypatch.setattr(BoundaryStore, "_spill", spill_at_once)
     (tmp_path / "nvme").mkdir()
-    tiers = Tiers(Config(placement=NVME, nvme_path=[str(tmp_path / "nvme")]), torch.device("cpu"),
-                  {Tier.NVME, Tier.HOST, Tier.GPU}).open()
+    tiers = Tiers(
+        Config(placement=NVME, nvme_path=[str(tmp_path / "nvme")]),
+        torch.device("cpu"),
+        {Tier.NVME, Tier.HOST, Tier.GPU},
+    ).open()
     try:
         store = BoundaryStore(tiers, budget_bytes=3 * NUMEL * 4)
         values = {(u, m): torch.randn(NUMEL) for u in (1, 2, 3) for m in (0, 1)}

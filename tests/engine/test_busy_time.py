@@ -57,14 +57,10 @@ def test_the_log_takes_each_links_union_per_window() -> None:
     with log.timed("nvme->host"):
         clock.now = 12.0
     log.add("nvme->host", 11.0, 13.0)  # a second thread, overlapping the first read
-    log.add(
-        "host->nvme", 9.0, 10.5
-    )  # began before the window: counted from its start (0.0)
+    log.add("host->nvme", 9.0, 10.5)  # began before the window: counted from its start (0.0)
     clock.now = 20.0
     assert log.take() == {"nvme->host": 3.0, "host->nvme": 1.5}
-    log.add(
-        "optimizer", 19.0, 21.0
-    )  # straddles the last take: only its part after it counts
+    log.add("optimizer", 19.0, 21.0)  # straddles the last take: only its part after it counts
     clock.now = 22.0
     assert log.take() == {"optimizer": 1.0}
     assert log.take() == {}
@@ -74,9 +70,7 @@ def test_intervals_from_many_threads_all_land() -> None:
     log = BusyLog(FakeClock())
     threads = [
         threading.Thread(
-            target=lambda i=i: [
-                log.add("x", i + j / 100, i + j / 100 + 0.5) for j in range(50)
-            ]
+            target=lambda i=i: [log.add("x", i + j / 100, i + j / 100 + 0.5) for j in range(50)]
         )
         for i in range(8)
     ]
@@ -85,9 +79,7 @@ def test_intervals_from_many_threads_all_land() -> None:
     for t in threads:
         t.join()
     log.clock.now = 100.0
-    assert log.take()["x"] == pytest.approx(
-        8 * 0.99
-    )  # each thread: 0.00 .. 0.99 past i
+    assert log.take()["x"] == pytest.approx(8 * 0.99)  # each thread: 0.00 .. 0.99 past i
 
 
 class FakeCudaEvent:
@@ -117,9 +109,7 @@ def test_device_intervals_come_from_event_pairs_on_one_time_base() -> None:
     log.add_events(
         "gpu->host", FakeCudaEvent(100.0), FakeCudaEvent(600.0)
     )  # before the first: negative offsets
-    running = FakeCudaEvent(
-        4000.0, done=False
-    )  # a prefetch still copying: read next time
+    running = FakeCudaEvent(4000.0, done=False)  # a prefetch still copying: read next time
     log.add_events("host->gpu", FakeCudaEvent(3500.0), running)
     assert log.take() == pytest.approx({"host->gpu": 1.75, "gpu->host": 0.5})
     running.done = True
@@ -129,20 +119,14 @@ def test_device_intervals_come_from_event_pairs_on_one_time_base() -> None:
 @pytest.mark.parametrize(
     ("stream", "link"), [("d2h", "gpu->host"), ("h2d", "host->gpu"), ("compute", None)]
 )
-def test_cpu_copies_are_timed_on_the_link_of_their_direction(
-    stream: str, link: str | None
-) -> None:
+def test_cpu_copies_are_timed_on_the_link_of_their_direction(stream: str, link: str | None) -> None:
     streams = CpuStreams()
     stats = TransferStats()
     streams.busy = stats.busy
     dst, src = torch.zeros(1 << 16), torch.ones(1 << 16)
     streams.copy(dst, src, getattr(streams, stream))
     assert torch.equal(dst, src)
-    busy = {
-        k[len("busy_s/") :]: v
-        for k, v in stats.take().items()
-        if k.startswith("busy_s/")
-    }
+    busy = {k[len("busy_s/") :]: v for k, v in stats.take().items() if k.startswith("busy_s/")}
     assert set(busy) == set(BUSY_LINKS)
     assert {k for k, v in busy.items() if v > 0} == ({link} if link else set())
 
@@ -158,9 +142,7 @@ def test_nvme_reads_and_writes_land_on_their_links() -> None:
 
 
 @pytest.mark.parametrize("offload", ["none", "nvme", "host"])
-def test_a_runs_metrics_hold_busy_time_for_the_links_it_used(
-    tmp_path, offload: str
-) -> None:
+def test_a_runs_metrics_hold_busy_time_for_the_links_it_used(tmp_path, offload: str) -> None:
     run_dir = tmp_path / "run"
     args = [
         "--steps",
@@ -185,8 +167,6 @@ def test_a_runs_metrics_hold_busy_time_for_the_links_it_used(
     for r in steps:
         assert r[f"busy_s/{OPTIMIZER}"] > 0
         assert all((r[f"busy_s/{link}"] > 0) == (offload == "nvme") for link in nvme), r
-        for (
-            link
-        ) in BUSY_LINKS:  # no link is busy for longer than the time since the last step
+        for link in BUSY_LINKS:  # no link is busy for longer than the time since the last step
             assert r[f"busy_s/{link}"] <= r["wall_s"]
     json.dumps(steps)  # every figure is plain JSON

@@ -10,10 +10,18 @@ import pytest
 from tierzero.distributed.comm import reduces_cpu_tensors
 
 
-@pytest.mark.parametrize(("backend", "cpu"), [
-    ("gloo", True), ("nccl", False), ("NCCL", False), ("mpi", True),
-    ("cpu:gloo,cuda:nccl", True), ("cuda:nccl,cpu:gloo", True), ("cuda:nccl", False), ("cpu:gloo", True),
-])
+@pytest.mark.parametrize(
+    ("backend", "cpu"),
+    [
+        ("gloo", True),
+        ("nccl", False),
+        ("NCCL", False),
+        ("mpi", True),
+        ("cpu:gloo,cuda:nccl", True),
+        ("cuda:nccl,cpu:gloo", True),
+        ("cuda:nccl", False),
+        ("cpu:gloo", True),
+    ],
+)
 def test_a_group_takes_cpu_tensors_where_a_backend_serves_the_cpu(backend: str, cpu: bool) -> None:
     assert reduces_cpu_tensors(backend) is cpu
-

@@ -55,17 +55,15 @@ def _state(engine: Engine) -> dict[str, torch.Tensor]:
 
 def _region(checkpoint: Path, key: str, region: str | None) -> int:
     """An offset inside `region` ("scales" or "codes") of the array's packed layout, else byte 100."""
-    meta = json.loads((checkpoint / "state" / key / "zarr.json").read_text())[
-        "attributes"
-    ]["tierzero"]
+    meta = json.loads((checkpoint / "state" / key / "zarr.json").read_text())["attributes"][
+        "tierzero"
+    ]
     if region is None:
         assert "layout" not in meta, meta  # a plain bf16 array
         return 100
     part = meta["layout"][region]
     size = 4 if part["data_type"] == "float32" else 1
-    offset = (
-        part["offset"] + size * (part["count"] // 2) + size - 1
-    )  # a scale's sign and exponent
+    offset = part["offset"] + size * (part["count"] // 2) + size - 1  # a scale's sign and exponent
     assert part["offset"] <= offset < part["offset"] + size * part["count"]
     return offset
 
@@ -95,13 +93,10 @@ def test_a_flipped_byte_is_named_and_the_checkpoint_before_it_resumed_bitwise(
     assert key in Manifest.load(newest).arrays
     flipped = flip_byte(newest, key, offset=_region(newest, key, region))
     with _engine(_config(tmp_path / "b", dtype, moments, master)) as engine:
-        assert (
-            engine.load_checkpoint(tmp_path / "run").step == 1
-            and engine.step_count == 1
+        assert engine.load_checkpoint(tmp_path / "run").step == 1 and engine.step_count == 1
+        assert any(newest.name in n and "crc32c" in n and flipped in n for n in engine.notes()), (
+            engine.notes()
         )
-        assert any(
-            newest.name in n and "crc32c" in n and flipped in n for n in engine.notes()
-        ), engine.notes()
         engine.train_step(steps[1])
         resumed = _state(engine)
         assert_same(engine.master_state_dict(), weights)
@@ -138,13 +133,9 @@ def test_bf16_grads_are_not_checkpointed_and_a_flipped_grad_chunk_is_never_read(
         "exp_avg_sq",
     }
     grads = sorted((tmp_path / "nvme" / "grad").rglob("c/0"))
-    assert (
-        grads
-    )  # the grad home exists on the drive; with one micro-batch nothing reads it back
+    assert grads  # the grad home exists on the drive; with one micro-batch nothing reads it back
     for chunk in grads:
-        meta = json.loads((chunk.parents[1] / "zarr.json").read_text())["attributes"][
-            "tierzero"
-        ]
+        meta = json.loads((chunk.parents[1] / "zarr.json").read_text())["attributes"]["tierzero"]
         assert meta["dtype"] == "bfloat16"
     for chunk in grads:
         raw = bytearray(Path(chunk).read_bytes())

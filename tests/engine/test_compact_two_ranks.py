@@ -17,18 +17,26 @@ STEPS = 3
 
 
 def _config(root: str, name: str) -> Config:
-    return Config(placement=Placement(Tier.NVME, Tier.HOST, Tier.NVME, Tier.NVME, Tier.NVME),
-                  nvme_path=[f"{root}/{name}"], lr=3e-3, total_steps=STEPS, piece_numel=8192,
-                  optimizer_state="int8", master="bf16")
+    return Config(
+        placement=Placement(Tier.NVME, Tier.HOST, Tier.NVME, Tier.NVME, Tier.NVME),
+        nvme_path=[f"{root}/{name}"],
+        lr=3e-3,
+        total_steps=STEPS,
+        piece_numel=8192,
+        optimizer_state="int8",
+        master="bf16",
+    )
 
 
 def _train(engine: Engine, rank: int, steps: list) -> None:
     for x, y in steps:
-        engine.train_step((x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]))
+        engine.train_step((x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
 
 
 def _rank(rank: int, root: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2
+    )
     try:
         data = batches()
         steps = [data.next_batch() for _ in range(STEPS)]
@@ -43,8 +51,10 @@ def _rank(rank: int, root: str) -> None:
             resumed = engine.master_state_dict()
         if rank == 0:
             for name, weights in (("straight", straight), ("resumed", resumed)):
-                save_file({k: v.contiguous() for k, v in weights.items() if k != "head.weight"},
-                          f"{root}/{name}.safetensors")
+                save_file(
+                    {k: v.contiguous() for k, v in weights.items() if k != "head.weight"},
+                    f"{root}/{name}.safetensors",
+                )
     finally:
         dist.destroy_process_group()
 
@@ -58,5 +68,5 @@ def test_two_ranks_of_compact_state_resume_bitwise_and_track_the_reference(tmp_p
     # bf16 weights and int8 moments: Adam moves a weight by about lr per step whatever its
     # moments' rounding, so the compact run stays within 2 x steps x lr of fp32's, plus a bf16 ulp
     for key, value in straight.items():
-        torch.testing.assert_close(value, ref[key], rtol=2 ** -8, atol=2 * STEPS * 3e-3)
+        torch.testing.assert_close(value, ref[key], rtol=2**-8, atol=2 * STEPS * 3e-3)
     assert any(not torch.equal(v, ref[k]) for k, v in straight.items())  # compact, not fp32

@@ -15,24 +15,28 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from tierzero import Config, Offload, Placement, StateKind, Tier, models
-from tierzero.engine import Engine
-from tierzero.engine.runtime import streams
-from tierzero.layout.keys import shard_key
-from tierzero.engine.step.optim import ShardOptimizer
-from tierzero.engine.runtime.tiers import Tiers
 from tierzero.storage.device import DevicePool
 from tierzero.storage.host import HostPool
 
+from tests.support.checks import (
+    check_allocator_memory_kept_alive,
+    check_d2h_copies_wait_for_their_source,
+    check_h2d_copies_wait_only_for_their_buffer,
+    check_h2d_copies_write_pool_or_h2d_memory,
+    check_no_copy_hazards,
+    check_no_host_wait_on_compute,
+    check_no_host_wait_on_io_threads,
+    check_writes_into_read_before_waited,
+)
 from tests.support.engine import SMALL, batches, reference_run
 from tests.support.fakes.streams import RecordingStreams
-from tests.support.checks import (check_d2h_copies_wait_for_their_source,
-                                  check_h2d_copies_wait_only_for_their_buffer,
-                                  check_h2d_copies_write_pool_or_h2d_memory, check_no_copy_hazards,
-                                  check_no_host_wait_on_compute, check_no_host_wait_on_io_threads,
-                                  check_writes_into_read_before_waited, check_allocator_memory_kept_alive)
 from tests.support.watchers import SyncWatch, watch_device_pool, watch_host_pool
+from tierzero import Config, Offload, Placement, StateKind, Tier, models
+from tierzero.engine import Engine
+from tierzero.engine.runtime import streams
+from tierzero.engine.runtime.tiers import Tiers
+from tierzero.engine.step.optim import ShardOptimizer
+from tierzero.layout.keys import shard_key
 
 HOST = Placement(Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
@@ -58,7 +62,9 @@ def test_the_fake_lands_a_copy_only_at_its_event_and_sees_unordered_copies() -> 
     fake.wait(fake.compute, event)
     assert torch.equal(dst, src) and fake.query(event)
     assert not check_no_copy_hazards(fake.log)
-    fake.copy(back, dst, fake.d2h, after=fake.record(fake.compute))  # ordered through compute's wait
+    fake.copy(
+        back, dst, fake.d2h, after=fake.record(fake.compute)
+    )  # ordered through compute's wait
     assert not check_no_copy_hazards(fake.log)
     fake.copy(dst, src, fake.h2d)  # overwrites what the d2h copy reads, without waiting for it
     assert check_no_copy_hazards(fake.log)
@@ -114,14 +120,25 @@ def test_the_sync_watch_counts_what_makes_the_host_wait_for_the_device() -> None
     assert [w.split()[0] for w in watch.where] == ["item", "cpu", "to", "copy_"]
 
 
-def train_through_fake(tmp_path, monkeypatch, case: str,
-                       separate_writes: bool = False) -> tuple[list[str], tuple, tuple]:
+def train_through_fake(
+    tmp_path, monkeypatch, case: str, separate_writes: bool = False
+) -> tuple[list[str], tuple, tuple]:
     """Train `case` through the fake (host -> device writes on their own stream if
     `separate_writes`) and PyTorch: what the fake's checks report, and the (losses, weights) of each."""
     placement, overlap, accumulate = CASES[case]
-    cfg = Config(placement=placement, nvme_path=[str(tmp_path / "nvme")], lr=3e-3, warmup_steps=1,
-                 total_steps=3, host_budget="256MiB", gpu_budget="256MiB", piece_numel=6144,
-                 overlap_step=overlap, accumulate=accumulate, prefetch_depth=2)
+    cfg = Config(
+        placement=placement,
+        nvme_path=[str(tmp_path / "nvme")],
+        lr=3e-3,
+        warmup_steps=1,
+        total_steps=3,
+        host_budget="256MiB",
+        gpu_budget="256MiB",
+        piece_numel=6144,
+        overlap_step=overlap,
+        accumulate=accumulate,
+        prefetch_depth=2,
+    )
     fake = RecordingStreams(separate_writes)
     monkeypatch.setattr(streams, "open_streams", lambda device: fake)
     watch_device_pool(monkeypatch, fake)
@@ -132,27 +149,48 @@ def train_through_fake(tmp_path, monkeypatch, case: str,
         losses = [engine.train_step(data.next_batch()) for _ in range(2 * accumulate)]
         weights = engine.master_state_dict()
         engine.eval_loss(data.next_batch())  # a pass after the last step reads its params
-        param_spans = [] if placement.param is not Tier.GPU else [
-            (v.data_ptr(), v.data_ptr() + v.numel() * v.element_size())
-            for v in (engine.tiers.stores[Tier.GPU].view(shard_key(StateKind.PARAM, u.index, 0)) for u in engine.units)]
+        param_spans = (
+            []
+            if placement.param is not Tier.GPU
+            else [
+                (v.data_ptr(), v.data_ptr() + v.numel() * v.element_size())
+                for v in (
+                    engine.tiers.stores[Tier.GPU].view(shard_key(StateKind.PARAM, u.index, 0))
+                    for u in engine.units
+                )
+            ]
+        )
     streams_used = {e[1] for e in fake.log if e[0] == "copy"}
-    problems = [p for check in (check_h2d_copies_wait_only_for_their_buffer, check_no_host_wait_on_compute,
-                                check_d2h_copies_wait_for_their_source, check_no_copy_hazards,
-                                check_h2d_copies_write_pool_or_h2d_memory, check_no_host_wait_on_io_threads)
-                for p in check(fake.log)[:2]]
+    problems = [
+        p
+        for check in (
+            check_h2d_copies_wait_only_for_their_buffer,
+            check_no_host_wait_on_compute,
+            check_d2h_copies_wait_for_their_source,
+            check_no_copy_hazards,
+            check_h2d_copies_write_pool_or_h2d_memory,
+            check_no_host_wait_on_io_threads,
+        )
+        for p in check(fake.log)[:2]
+    ]
     problems += check_writes_into_read_before_waited(fake.log, param_spans)[:2]
     problems += check_allocator_memory_kept_alive(fake.log, fake.device_spans)[:2]
-    expected = {"d2h", "h2d_act" if separate_writes else "h2d"} | ({"h2d"} if placement.param is not Tier.GPU else set())
+    expected = {"d2h", "h2d_act" if separate_writes else "h2d"} | (
+        {"h2d"} if placement.param is not Tier.GPU else set()
+    )
     problems += [f"no copy on the {s} stream" for s in sorted(expected - streams_used)]
-    if placement is NVME and not any(e[0] == "copy" and e[1] == "h2d" and e[4] == "tierzero-io-loop"
-                                     for e in fake.log):
+    if placement is NVME and not any(
+        e[0] == "copy" and e[1] == "h2d" and e[4] == "tierzero-io-loop" for e in fake.log
+    ):
         problems.append("no nvme read's copy was issued by the I/O loop as it landed")
     return problems, (losses, weights), (ref_losses, ref_weights)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_waits_only_on_events_and_stays_bitwise(tmp_path, monkeypatch, case: str) -> None:
-    problems, (losses, weights), (ref_losses, ref_weights) = train_through_fake(tmp_path, monkeypatch, case)
+    problems, (losses, weights), (ref_losses, ref_weights) = train_through_fake(
+        tmp_path, monkeypatch, case
+    )
     assert losses == ref_losses
     for key in ref_weights:
         assert torch.equal(weights[key], ref_weights[key]), key
@@ -162,17 +200,27 @@ def test_pipeline_waits_only_on_events_and_stays_bitwise(tmp_path, monkeypatch, 
 # Mutations of the engine that the fake's newer checks catch (strict xfails: each fails
 # because the fake reports it; against the fake before those checks each passed).
 
-@pytest.mark.xfail(strict=True, reason="pinned staging handed back before its h2d copy: the copy's "
-                                       "source changes while it is in flight")
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="pinned staging handed back before its h2d copy: the copy's "
+    "source changes while it is in flight",
+)
 def test_mutation_staging_given_back_before_its_copy(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(Tiers, "give_back_when_done",
-                        lambda self, event, buf: self.host_pool.give_back(buf.view(torch.uint8)))
+    monkeypatch.setattr(
+        Tiers,
+        "give_back_when_done",
+        lambda self, event, buf: self.host_pool.give_back(buf.view(torch.uint8)),
+    )
     problems, _, _ = train_through_fake(tmp_path, monkeypatch, "gpu-params-accumulate")
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.xfail(strict=True, reason="staging handed back once compute is also done: a host wait on "
-                                       "compute, which the fake's synchronous compute used to hide")
+@pytest.mark.xfail(
+    strict=True,
+    reason="staging handed back once compute is also done: a host wait on "
+    "compute, which the fake's synchronous compute used to hide",
+)
 def test_mutation_staging_waits_for_compute_too(tmp_path, monkeypatch) -> None:
     give_back_when_done = Tiers.give_back_when_done
 
@@ -185,10 +233,15 @@ def test_mutation_staging_waits_for_compute_too(tmp_path, monkeypatch) -> None:
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.xfail(strict=True, reason="no record_stream: allocator memory read on another stream may be "
-                                       "handed out again while that stream still reads it")
+@pytest.mark.xfail(
+    strict=True,
+    reason="no record_stream: allocator memory read on another stream may be "
+    "handed out again while that stream still reads it",
+)
 def test_mutation_no_keep_alive(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(RecordingStreams, "keep_alive", lambda self, tensor, stream: None)  # never called
+    monkeypatch.setattr(
+        RecordingStreams, "keep_alive", lambda self, tensor, stream: None
+    )  # never called
     problems, _, _ = train_through_fake(tmp_path, monkeypatch, "host-overlap")
     assert not problems, "\n".join(problems)
 
@@ -207,8 +260,14 @@ def discard_in_flight_grad(tmp_path, monkeypatch) -> list[str]:
     fake = RecordingStreams()
     monkeypatch.setattr(streams, "open_streams", lambda device: fake)
     watch_host_pool(monkeypatch, fake)
-    cfg = Config(placement=HOST, lr=3e-3, host_budget="256MiB", gpu_budget="256MiB", piece_numel=6144,
-                 overlap_step=True)
+    cfg = Config(
+        placement=HOST,
+        lr=3e-3,
+        host_budget="256MiB",
+        gpu_budget="256MiB",
+        piece_numel=6144,
+        overlap_step=True,
+    )
     with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
         optimizer, unit = engine.optimizer, engine.units[1]
         work = optimizer.works(unit)[0]
@@ -219,11 +278,15 @@ def discard_in_flight_grad(tmp_path, monkeypatch) -> list[str]:
     return check_no_copy_hazards(fake.log)
 
 
-def test_a_discarded_piece_keeps_its_grad_buffer_until_the_copy_lands(tmp_path, monkeypatch) -> None:
+def test_a_discarded_piece_keeps_its_grad_buffer_until_the_copy_lands(
+    tmp_path, monkeypatch
+) -> None:
     assert not discard_in_flight_grad(tmp_path, monkeypatch)
 
 
-@pytest.mark.xfail(strict=True, reason="C3: the grad buffer returns to the pool with its D2H copy in flight")
+@pytest.mark.xfail(
+    strict=True, reason="C3: the grad buffer returns to the pool with its D2H copy in flight"
+)
 def test_mutation_discard_without_waiting_for_the_grad_copy(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(ShardOptimizer, "_discard", _discard_without_waiting)
     assert not discard_in_flight_grad(tmp_path, monkeypatch)

@@ -16,8 +16,8 @@ import torch
 
 from tierzero import Config, Placement, Tier
 from tierzero.engine.runtime import streams
-from tierzero.models import draws
 from tierzero.engine.runtime.tiers import Tiers
+from tierzero.models import draws
 
 
 class FakeCudaRng:
@@ -35,7 +35,9 @@ class FakeCudaRng:
     def get_rng_state(self, device: torch.device | str | int = "cuda") -> torch.Tensor:
         return self.states[self._index(device)].clone()
 
-    def set_rng_state(self, new_state: torch.Tensor, device: torch.device | str | int = "cuda") -> None:
+    def set_rng_state(
+        self, new_state: torch.Tensor, device: torch.device | str | int = "cuda"
+    ) -> None:
         self.states[self._index(device)] = new_state.clone()
 
 
@@ -66,7 +68,9 @@ def test_a_units_draws_seed_the_inputs_gpu_whatever_thread_is_current(monkeypatc
     assert d.devices == (torch.device("cuda", 1),)
     fake.current = 1  # backward: autograd's thread for cuda:1
     with draws.seeded(d):
-        assert fake.states[1].item() == d.seed % 251, "recompute's dropout would draw other masks than forward's"
+        assert fake.states[1].item() == d.seed % 251, (
+            "recompute's dropout would draw other masks than forward's"
+        )
         assert fake.states[0].item() == 0
     assert fake.states[1].item() == 1 and fake.states[0].item() == 0  # put back as it was
 
@@ -82,9 +86,18 @@ def test_bind_thread_makes_a_gpu_current_and_leaves_the_cpu_alone(monkeypatch) -
 def test_the_tiers_io_threads_bind_the_engines_device(tmp_path, monkeypatch) -> None:
     """Every I/O thread, the loop's and the waiter included, binds the device the tiers are for."""
     bound = []
-    monkeypatch.setattr(streams, "bind_thread", lambda device: bound.append((threading.current_thread().name, device)))
-    cfg = Config(placement=Placement(*[Tier.HOST] * 5), nvme_path=[str(tmp_path)], io_threads=2,
-                 host_budget="64MiB", gpu_budget="64MiB")
+    monkeypatch.setattr(
+        streams,
+        "bind_thread",
+        lambda device: bound.append((threading.current_thread().name, device)),
+    )
+    cfg = Config(
+        placement=Placement(*[Tier.HOST] * 5),
+        nvme_path=[str(tmp_path)],
+        io_threads=2,
+        host_budget="64MiB",
+        gpu_budget="64MiB",
+    )
     tiers = Tiers(cfg, torch.device("cpu"), {Tier.HOST}).open()
     try:
         tiers.run(tiers.landed(None))  # an event that has happened: no thread needed for it

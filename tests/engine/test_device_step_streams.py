@@ -34,7 +34,9 @@ class PerThreadStreams:
         try:
             yield
         finally:
-            self.local.stream = before if before is not None else f"default:{threading.current_thread().name}"
+            self.local.stream = (
+                before if before is not None else f"default:{threading.current_thread().name}"
+            )
 
     def wait(self, stream: str, event: object) -> None:
         self.log.append(("wait", stream, event))
@@ -46,15 +48,21 @@ class PerThreadStreams:
         self.log.append(("keep_alive", stream, tensor.data_ptr()))
 
 
-def test_the_device_step_waits_for_the_grad_and_keeps_what_it_read_alive_on_its_own_stream() -> None:
+def test_the_device_step_waits_for_the_grad_and_keeps_what_it_read_alive_on_its_own_stream() -> (
+    None
+):
     streams = PerThreadStreams()
     optimizer = ShardOptimizer.__new__(ShardOptimizer)
-    optimizer.device = torch.device("cuda", 0)  # a device step (no CUDA call is made: both are recorded)
+    optimizer.device = torch.device(
+        "cuda", 0
+    )  # a device step (no CUDA call is made: both are recorded)
     optimizer.tiers = type("Tiers", (), {"streams": streams})()
     optimizer._adamw = lambda work, lr, coef: streams.log.append(("adamw", streams.compute))
     optimizer._cast_param = lambda work: streams.log.append(("cast", streams.compute))
-    tensors = {kind: torch.zeros(8) for kind in (StateKind.GRAD, StateKind.MASTER, StateKind.EXP_AVG,
-                                                 StateKind.EXP_AVG_SQ)}
+    tensors = {
+        kind: torch.zeros(8)
+        for kind in (StateKind.GRAD, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
+    }
     work = Work(unit=None, piece=0, start=0, end=8, tensors=tensors, produced="grad produced")
     stepper = threading.Thread(target=optimizer._step, args=(work, 1e-3, None), name="optimizer")
     stepper.start()

@@ -12,18 +12,20 @@ from functools import partial
 import pytest
 import torch
 
+from tests.support.engine import SMALL, batches, engine_config
 from tierzero import Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.errors import ConfigError
 from tierzero.models.loss import compute_loss
 from tierzero.reference import ReferenceTrainer
 
-from tests.support.engine import SMALL, batches, engine_config
-
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 
 
-config = partial(engine_config, warmup_steps=2, total_steps=4, piece_numel=6144)  # this file's values
+config = partial(
+    engine_config, warmup_steps=2, total_steps=4, piece_numel=6144
+)  # this file's values
+
 
 def test_recompute_runs_under_the_autocast_of_the_forward(tmp_path) -> None:
     """A user's `torch.autocast` around `engine.forward` is captured per unit and restored for
@@ -34,7 +36,9 @@ def test_recompute_runs_under_the_autocast_of_the_forward(tmp_path) -> None:
     ref_losses = [reference.train_step(data.next_batch()) for _ in range(2)]
     data = batches()
     losses = []
-    with Engine(models.build(SMALL, device="meta", seed=0), config(tmp_path, dtype="fp32")) as engine:
+    with Engine(
+        models.build(SMALL, device="meta", seed=0), config(tmp_path, dtype="fp32")
+    ) as engine:
         for _ in range(2):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = engine.forward(data.next_batch())
@@ -48,16 +52,26 @@ def test_recompute_runs_under_the_autocast_of_the_forward(tmp_path) -> None:
 
 
 UNTIED = dataclasses.replace(SMALL, tie_embeddings=False)
-REGULARISED = ("blocks.0.attn.wq.weight", "blocks.2.mlp.w_down.weight", "head.weight", "norm.weight")
+REGULARISED = (
+    "blocks.0.attn.wq.weight",
+    "blocks.2.mlp.w_down.weight",
+    "head.weight",
+    "norm.weight",
+)
 
 
 def regulariser(weights: dict[str, torch.Tensor]) -> torch.Tensor:
     """An L2 penalty on some weights, pulling others towards them: any function of the weights."""
-    return 0.05 * sum(weights[n].square().sum() for n in REGULARISED[:3]) + (weights["norm.weight"] - 0.5).abs().sum()
+    return (
+        0.05 * sum(weights[n].square().sum() for n in REGULARISED[:3])
+        + (weights["norm.weight"] - 0.5).abs().sum()
+    )
 
 
 @pytest.mark.parametrize("overlap,accumulate", [(False, 1), (True, 2)])
-def test_regulariser_on_gathered_weights_gives_the_plain_models_gradients(tmp_path, overlap: bool, accumulate: int) -> None:
+def test_regulariser_on_gathered_weights_gives_the_plain_models_gradients(
+    tmp_path, overlap: bool, accumulate: int
+) -> None:
     """loss + regulariser(weights) through `engine.gathered` trains bitwise as plain PyTorch with
     the same regulariser on the model's own parameters: its gradients reach the grad shards."""
     cfg = config(tmp_path, overlap_step=overlap, accumulate=accumulate)
@@ -75,7 +89,9 @@ def test_regulariser_on_gathered_weights_gives_the_plain_models_gradients(tmp_pa
         for _ in range(2 * accumulate):
             loss = engine.forward(data.next_batch())
             with engine.gathered(REGULARISED) as weights:
-                assert set(weights) == set(REGULARISED) and all(w.requires_grad for w in weights.values())
+                assert set(weights) == set(REGULARISED) and all(
+                    w.requires_grad for w in weights.values()
+                )
                 engine.backward(loss + regulariser(weights))
             assert not weights  # released
             engine.step()
@@ -125,7 +141,11 @@ def test_backward_after_the_gathered_block_closed_is_refused(tmp_path) -> None:
 def test_train_micro_batch_is_train_step_with_the_loss_left_on_the_device(tmp_path) -> None:
     """`train_micro_batch` (what the CLI loop calls, reading the losses once per step) gives a
     detached loss tensor whose value is `train_step`'s float, and trains bitwise like plain PyTorch."""
-    cfg = config(tmp_path, placement=Placement(Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST), accumulate=2)
+    cfg = config(
+        tmp_path,
+        placement=Placement(Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST),
+        accumulate=2,
+    )
     reference = ReferenceTrainer(models.build(SMALL, seed=0), cfg)
     data = batches()
     ref_losses = [reference.train_step(data.next_batch()) for _ in range(4)]

@@ -9,15 +9,16 @@ import pytest
 import torch
 from torch import nn
 
+from tests.support.engine import SMALL
 from tierzero import Config, models
 from tierzero.engine import Engine
 from tierzero.errors import ConfigError
 
-from tests.support.engine import SMALL
-
 
 def nvme_config(tmp_path, **kw) -> Config:
-    (tmp_path / "nvme").mkdir(exist_ok=True)  # an existing directory, which a refused engine leaves empty
+    (tmp_path / "nvme").mkdir(
+        exist_ok=True
+    )  # an existing directory, which a refused engine leaves empty
     return Config(offload="nvme", nvme_path=[str(tmp_path / "nvme")], **kw)
 
 
@@ -35,18 +36,25 @@ def test_gpu_budget_too_small_for_one_unit(tmp_path) -> None:
 def test_missing_nvme_path_is_made_at_open(tmp_path) -> None:
     """As the CLI makes its default RUN_DIR/nvme; nothing is written before `open()`."""
     path = tmp_path / "no" / "such" / "dir"
-    engine = Engine(models.build(SMALL, device="meta"), Config(offload="nvme", nvme_path=[str(path)]))
+    engine = Engine(
+        models.build(SMALL, device="meta"), Config(offload="nvme", nvme_path=[str(path)])
+    )
     assert not (tmp_path / "no").exists()
     with engine:
         engine.open()
         assert path.is_dir()
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="file is not a directory"):
-        Engine(models.build(SMALL, device="meta"), Config(offload="nvme", nvme_path=[str(tmp_path / "file" / "x")]))
+        Engine(
+            models.build(SMALL, device="meta"),
+            Config(offload="nvme", nvme_path=[str(tmp_path / "file" / "x")]),
+        )
 
 
 def test_unwritable_nvme_path() -> None:
-    cfg = Config(offload="nvme", nvme_path=["/proc/tierzero-nvme"])  # /proc refuses new dirs, even to root
+    cfg = Config(
+        offload="nvme", nvme_path=["/proc/tierzero-nvme"]
+    )  # /proc refuses new dirs, even to root
     with pytest.raises(ConfigError, match="not writable"):
         Engine(models.build(SMALL, device="meta"), cfg)
 

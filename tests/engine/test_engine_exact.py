@@ -11,11 +11,10 @@ from functools import partial
 import pytest
 import torch
 
+from tests.support.engine import SMALL, batches, engine_config, reference_run
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.engine.runtime.binding import Unbound
-
-from tests.support.engine import SMALL, batches, engine_config, reference_run
 
 PLACEMENTS = {
     "all-gpu": Placement(),
@@ -29,7 +28,10 @@ PLACEMENTS = {
 PIECE_NUMEL = 6144  # smaller than every unit, and not dividing them: the last piece is short
 
 
-config = partial(engine_config, piece_numel=PIECE_NUMEL, warmup_steps=2, total_steps=5)  # this file's values
+config = partial(
+    engine_config, piece_numel=PIECE_NUMEL, warmup_steps=2, total_steps=5
+)  # this file's values
+
 
 @pytest.mark.parametrize("name", list(PLACEMENTS))
 def test_five_steps_bitwise_equal_to_reference(tmp_path, name: str) -> None:
@@ -55,8 +57,10 @@ def test_built_model_is_adopted_and_freed(tmp_path) -> None:
             engine.train_step(data.next_batch())
         assert list(model.parameters()) == []  # the engine owns every weight now
         # storageless placeholders that say where the unit is bound (`binding.Unbound`)
-        assert all(isinstance(t, Unbound) and t.device == torch.device("cpu")
-                   for t in (model.tok_emb.weight, model.blocks[0].attn.wq.weight))
+        assert all(
+            isinstance(t, Unbound) and t.device == torch.device("cpu")
+            for t in (model.tok_emb.weight, model.blocks[0].attn.wq.weight)
+        )
         weights = engine.master_state_dict()
     for key in ref_weights:
         assert torch.equal(weights[key], ref_weights[key]), key
@@ -112,7 +116,9 @@ def test_host_cache_serves_refetches_and_never_stale_params(tmp_path) -> None:
     fetched = [op.unit for op in engine.train_plan.ops if op.op.value == "fetch"]
     # every unit forward, again in backward (the head stays put; the tied embedding is used by
     # the head too): every fetch is served from RAM
-    assert sorted(set(fetched)) == [u.index for u in engine.units] and len(fetched) > len(engine.units)
+    assert sorted(set(fetched)) == [u.index for u in engine.units] and len(fetched) > len(
+        engine.units
+    )
     fetched_bytes = sum(engine.units[u].shard_numel for u in fetched) * 4
     tied_grad = engine.units[0].shard_numel * 4  # the first use's grad, back to add the second's
     assert stats["bytes_host->gpu"] == fetched_bytes + tied_grad
@@ -124,10 +130,19 @@ def test_host_cache_serves_refetches_and_never_stale_params(tmp_path) -> None:
 
 
 def test_auto_offload_picks_a_placement_that_fits_the_budgets(tmp_path) -> None:
-    roomy = Config(offload="auto", nvme_path=[str(tmp_path / "nvme")], host_budget="1GiB", gpu_budget="1GiB")
+    roomy = Config(
+        offload="auto", nvme_path=[str(tmp_path / "nvme")], host_budget="1GiB", gpu_budget="1GiB"
+    )
     assert Engine(models.build(SMALL, device="meta"), roomy).placement == Placement()
-    tight_gpu = Config(offload="auto", nvme_path=[str(tmp_path / "nvme")], host_budget="1GiB",
-                       gpu_budget="500KB", prefetch_depth=0, lr=3e-3, total_steps=3)
+    tight_gpu = Config(
+        offload="auto",
+        nvme_path=[str(tmp_path / "nvme")],
+        host_budget="1GiB",
+        gpu_budget="500KB",
+        prefetch_depth=0,
+        lr=3e-3,
+        total_steps=3,
+    )
     engine = Engine(models.build(SMALL, device="meta", seed=0), tight_gpu)
     assert engine.placement.param is not Tier.GPU
     _, ref_weights = reference_run(SMALL, tight_gpu, steps=3)
@@ -143,7 +158,9 @@ def test_auto_offload_picks_a_placement_that_fits_the_budgets(tmp_path) -> None:
 def test_auto_offload_says_when_nothing_fits(tmp_path) -> None:
     from tierzero.errors import ConfigError
 
-    hopeless = Config(offload="auto", nvme_path=[str(tmp_path / "nvme")], host_budget="64KiB", gpu_budget="64KiB")
+    hopeless = Config(
+        offload="auto", nvme_path=[str(tmp_path / "nvme")], host_budget="64KiB", gpu_budget="64KiB"
+    )
     with pytest.raises(ConfigError, match="no placement fits the budgets"):
         Engine(models.build(SMALL, device="meta"), hopeless)
 
@@ -157,14 +174,19 @@ def test_init_from_local_safetensors_unit_by_unit(tmp_path) -> None:
     tensors = {k: v.contiguous() for k, v in source.state_dict().items() if k != "head.weight"}
     save_file(tensors, str(tmp_path / "model.safetensors"))
     cfg = config(tmp_path, PLACEMENTS["everything-on-nvme"])
-    with Engine(models.build(SMALL, device="meta"), cfg, weights=tmp_path / "model.safetensors") as engine:
+    with Engine(
+        models.build(SMALL, device="meta"), cfg, weights=tmp_path / "model.safetensors"
+    ) as engine:
         loaded = engine.master_state_dict()
     for key, value in tensors.items():
         assert torch.equal(loaded[key], value), key
     save_file({"tok_emb.weight": torch.zeros(3, 3)}, str(tmp_path / "wrong.safetensors"))
     with pytest.raises(ConfigError, match="shape"):
-        Engine(models.build(SMALL, device="meta"), config(tmp_path / "b", PLACEMENTS["all-gpu"]),
-               weights=tmp_path / "wrong.safetensors").open()
+        Engine(
+            models.build(SMALL, device="meta"),
+            config(tmp_path / "b", PLACEMENTS["all-gpu"]),
+            weights=tmp_path / "wrong.safetensors",
+        ).open()
 
 
 def test_an_unbound_parameter_says_where_its_unit_binds_and_refuses_any_use(tmp_path) -> None:
@@ -175,5 +197,7 @@ def test_an_unbound_parameter_says_where_its_unit_binds_and_refuses_any_use(tmp_
         engine.train_step(batches().next_batch())
         weight = model.blocks[0].attn.wq.weight
         assert weight.device == torch.device("cpu") and weight.shape == (SMALL.dim, SMALL.dim)
-        with pytest.raises(RuntimeError, match="blocks.0.attn.wq.weight while its unit is not bound"):
+        with pytest.raises(
+            RuntimeError, match="blocks.0.attn.wq.weight while its unit is not bound"
+        ):
             weight.sum()

@@ -13,13 +13,12 @@ import pytest
 import torch
 from torch import nn
 
+from tests.support.engine import SMALL, batches, engine_config, reference_run
 from tierzero import Placement, StateKind, Tier, models
 from tierzero.engine import Engine
-from tierzero.planning.ledger import activation_memory
-from tierzero.errors import TierzeroError
 from tierzero.engine.runtime.tiers import Pending
-
-from tests.support.engine import SMALL, batches, engine_config, reference_run
+from tierzero.errors import TierzeroError
+from tierzero.planning.ledger import activation_memory
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 
@@ -28,6 +27,7 @@ NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 config = partial(engine_config, total_steps=6, host_budget=None, gpu_budget=None)
 
 # -- the pending queue ------------------------------------------------------------------------
+
 
 class _Interrupted(concurrent.futures.Future):
     """A transfer still running when the wait for it is interrupted (Ctrl-C)."""
@@ -62,6 +62,7 @@ def test_failed_transfer_reports_not_ok_and_raises() -> None:
 
 # -- failed reads never become writes ---------------------------------------------------------
 
+
 def test_failed_optimizer_read_writes_nothing_and_stops_the_engine(tmp_path, monkeypatch) -> None:
     data = batches()
     with Engine(models.build(SMALL, device="meta"), config(tmp_path, overlap_step=True)) as engine:
@@ -87,6 +88,7 @@ def test_failed_optimizer_read_writes_nothing_and_stops_the_engine(tmp_path, mon
 
 # -- budgets ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("depth", [0, 2, 4])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_budgets_at_the_stated_minimum_train_exactly(tmp_path, depth: int, overlap: bool) -> None:
@@ -94,8 +96,12 @@ def test_budgets_at_the_stated_minimum_train_exactly(tmp_path, depth: int, overl
     batch's activations included): the step fits, stays exact, and every pool stays in budget."""
     model = models.build(SMALL, device="meta")
     probe = Engine(model, config(tmp_path, prefetch_depth=depth, overlap_step=overlap))
-    need = probe.sizing.memory(NVME, probe.stage, activation_memory(SMALL, 4, 32, 4, model.loss_chunk_bytes))
-    cfg = config(tmp_path, prefetch_depth=depth, overlap_step=overlap, host_budget=need.host_total_bytes)
+    need = probe.sizing.memory(
+        NVME, probe.stage, activation_memory(SMALL, 4, 32, 4, model.loss_chunk_bytes)
+    )
+    cfg = config(
+        tmp_path, prefetch_depth=depth, overlap_step=overlap, host_budget=need.host_total_bytes
+    )
     _, ref_weights = reference_run(SMALL, cfg, steps=3)
     data = batches()
     with Engine(models.build(SMALL, device="meta"), cfg) as engine:
@@ -112,6 +118,7 @@ def test_budgets_at_the_stated_minimum_train_exactly(tmp_path, depth: int, overl
 
 # -- lifecycle --------------------------------------------------------------------------------
 
+
 def test_close_is_idempotent_and_final(tmp_path) -> None:
     engine = Engine(models.build(SMALL, device="meta"), config(tmp_path))
     engine.train_step(batches().next_batch())
@@ -123,12 +130,15 @@ def test_close_is_idempotent_and_final(tmp_path) -> None:
 
 # -- model shapes -----------------------------------------------------------------------------
 
+
 class _DropoutNet(nn.Module):
     """Blocks with dropout and a registered buffer; no parameters before the blocks."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3)) for _ in range(3))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3)) for _ in range(3)
+        )
         self.head = nn.Linear(8, 1)
         self.register_buffer("offset", torch.full((8,), 0.5))
 

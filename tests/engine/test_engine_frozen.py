@@ -16,22 +16,25 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
+from tests.support.engine import SMALL, batches, engine_config
 from tierzero import Config, Placement, StateKind, Tier, models
 from tierzero.engine import Engine
 from tierzero.errors import ConfigError
-from tierzero.planning.ledger import activation_memory
 from tierzero.models.llama import LOSS_CHUNK_BYTES
-from tierzero.reference import ReferenceTrainer
+from tierzero.planning.ledger import activation_memory
 from tierzero.planning.swapplan import Op
-
-from tests.support.engine import SMALL, batches, engine_config
+from tierzero.reference import ReferenceTrainer
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
-PLACEMENTS = {"all-gpu": Placement(), "mixed": Placement(Tier.NVME, Tier.HOST, Tier.NVME, Tier.HOST, Tier.NVME)}
+PLACEMENTS = {
+    "all-gpu": Placement(),
+    "mixed": Placement(Tier.NVME, Tier.HOST, Tier.NVME, Tier.HOST, Tier.NVME),
+}
 
 
 # this file's values: pieces smaller than a unit
 config = partial(engine_config, piece_numel=6144, warmup_steps=2, total_steps=6)
+
 
 def assert_bitwise(weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
     assert weights.keys() == expected.keys()
@@ -42,10 +45,14 @@ def assert_bitwise(weights: dict[str, torch.Tensor], expected: dict[str, torch.T
 def lora_model(seed: int = 0) -> nn.Module:
     """The built-in model under `peft` LoRA adapters on the attention's q and v (base frozen)."""
     base = models.build(SMALL, seed=seed)
-    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["wq", "wv"], lora_dropout=0.0))
+    return get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=8, target_modules=["wq", "wv"], lora_dropout=0.0)
+    )
 
 
-def train_both(model: nn.Module, cfg: Config, batch_list: list) -> tuple[list[float], dict, list[float], dict, Engine]:
+def train_both(
+    model: nn.Module, cfg: Config, batch_list: list
+) -> tuple[list[float], dict, list[float], dict, Engine]:
     trainer = ReferenceTrainer(copy.deepcopy(model), cfg)
     ref_losses = [trainer.train_step(b) for b in batch_list]
     with Engine(model, cfg) as engine:
@@ -57,18 +64,26 @@ def train_both(model: nn.Module, cfg: Config, batch_list: list) -> tuple[list[fl
 @pytest.mark.parametrize("name", list(PLACEMENTS))
 def test_frozen_parameters_bitwise_and_unchanged(tmp_path, name: str) -> None:
     model = models.build(SMALL, seed=0)
-    frozen = {"tok_emb.weight", "blocks.1.attn.wq.weight", "blocks.2.mlp.w_up.weight", "norm.weight"}
+    frozen = {
+        "tok_emb.weight",
+        "blocks.1.attn.wq.weight",
+        "blocks.2.mlp.w_up.weight",
+        "norm.weight",
+    }
     for n, p in model.named_parameters():
         p.requires_grad_(n not in frozen)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     data = batches()
-    losses, weights, ref_losses, ref_weights, engine = train_both(model, config(tmp_path, PLACEMENTS[name]),
-                                                                  [data.next_batch() for _ in range(3)])
+    losses, weights, ref_losses, ref_weights, engine = train_both(
+        model, config(tmp_path, PLACEMENTS[name]), [data.next_batch() for _ in range(3)]
+    )
     assert losses == ref_losses
     assert_bitwise(weights, ref_weights)
     for n in frozen:
         assert torch.equal(weights[n], before[n]), n
-    assert torch.equal(weights["head.weight"], before["tok_emb.weight"])  # tied to the frozen embedding
+    assert torch.equal(
+        weights["head.weight"], before["tok_emb.weight"]
+    )  # tied to the frozen embedding
     assert not torch.equal(weights["blocks.1.attn.wk.weight"], before["blocks.1.attn.wk.weight"])
     embedding = engine.units[0]
     assert embedding.trainable_numel == 0 and engine.keys(StateKind.MASTER, embedding) == []
@@ -94,7 +109,9 @@ def test_lora_on_frozen_base_bitwise_loss_falls_only_adapters_change(tmp_path) -
     assert engine.memory.tiers[Tier.NVME].homes_bytes == padded * 4 + 3 * 2048 * 16
     # the frozen embedding is bound in backward only by the tied head's call: its own call
     # (token ids in, no weight grad) is neither refetched nor recomputed
-    recomputed = [op for op in engine.train_plan.ops if op.op is Op.COMPUTE and op.phase == "backward"]
+    recomputed = [
+        op for op in engine.train_plan.ops if op.op is Op.COMPUTE and op.phase == "backward"
+    ]
     assert [op.unit for op in recomputed].count(0) == 1
 
 
@@ -127,7 +144,9 @@ class SideModel(nn.Module):
 
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_params_without_grad_are_skipped_as_torch_adamw_skips_them(tmp_path, overlap: bool, accumulate: int) -> None:
+def test_params_without_grad_are_skipped_as_torch_adamw_skips_them(
+    tmp_path, overlap: bool, accumulate: int
+) -> None:
     """blocks.0.side is unused in some steps (and, accumulating, in some micro-batches only):
     torch's AdamW neither decays nor moves it then, and bias-corrects it with its own count."""
     torch.manual_seed(0)
@@ -135,20 +154,42 @@ def test_params_without_grad_are_skipped_as_torch_adamw_skips_them(tmp_path, ove
     gen = torch.Generator().manual_seed(1)
     uses = [(True, True), (False, True), (False, False), (True, True), (False, True), (True, False)]
     if accumulate == 2:  # per micro-batch: unused in both, or in one of the two
-        uses = [(False, True), (False, True), (True, True), (False, True), (False, False), (False, True)]
-    batch_list = [(torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen), u) for u in uses]
-    cfg = config(tmp_path, Placement(Tier.NVME, Tier.HOST, Tier.NVME, Tier.NVME, Tier.HOST), piece_numel=2048,
-                 overlap_step=overlap, accumulate=accumulate, total_steps=len(uses) // accumulate)
+        uses = [
+            (False, True),
+            (False, True),
+            (True, True),
+            (False, True),
+            (False, False),
+            (False, True),
+        ]
+    batch_list = [
+        (torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen), u) for u in uses
+    ]
+    cfg = config(
+        tmp_path,
+        Placement(Tier.NVME, Tier.HOST, Tier.NVME, Tier.NVME, Tier.HOST),
+        piece_numel=2048,
+        overlap_step=overlap,
+        accumulate=accumulate,
+        total_steps=len(uses) // accumulate,
+    )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     losses, weights, ref_losses, ref_weights, engine = train_both(model, cfg, batch_list)
     assert losses == ref_losses
     assert_bitwise(weights, ref_weights)
     assert not torch.equal(weights["blocks.0.side.weight"], before["blocks.0.side.weight"])
     if accumulate == 1:
-        assert engine.param_steps.state_dict() == {"blocks.0.side.weight": 3, "blocks.0.side.bias": 3,
-                                                   "blocks.1.side.weight": 2, "blocks.1.side.bias": 2}
+        assert engine.param_steps.state_dict() == {
+            "blocks.0.side.weight": 3,
+            "blocks.0.side.bias": 3,
+            "blocks.1.side.weight": 2,
+            "blocks.1.side.bias": 2,
+        }
     else:
-        assert engine.param_steps.state_dict() == {"blocks.0.side.weight": 2, "blocks.0.side.bias": 2}
+        assert engine.param_steps.state_dict() == {
+            "blocks.0.side.weight": 2,
+            "blocks.0.side.bias": 2,
+        }
 
 
 def test_checkpoint_resume_and_export_keep_frozen_weights_and_step_counts(tmp_path) -> None:
@@ -163,7 +204,9 @@ def test_checkpoint_resume_and_export_keep_frozen_weights_and_step_counts(tmp_pa
     model.inp.weight.requires_grad_(False)
     gen = torch.Generator().manual_seed(1)
     uses = [(False, True), (True, True), (False, True), (True, False), (False, True)]
-    batch_list = [(torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen), u) for u in uses]
+    batch_list = [
+        (torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen), u) for u in uses
+    ]
     cfg = config(tmp_path, piece_numel=2048, total_steps=len(uses))
     fresh = copy.deepcopy(model)
     frozen = model.inp.weight.detach().clone()
@@ -179,7 +222,10 @@ def test_checkpoint_resume_and_export_keep_frozen_weights_and_step_counts(tmp_pa
     resumed_cfg.nvme_path = [str(tmp_path / "nvme2")]
     with Engine(fresh, resumed_cfg) as engine:
         engine.load_checkpoint(tmp_path / "run")
-        assert engine.param_steps.state_dict() == {"blocks.0.side.weight": 2, "blocks.0.side.bias": 2}
+        assert engine.param_steps.state_dict() == {
+            "blocks.0.side.weight": 2,
+            "blocks.0.side.bias": 2,
+        }
         for b in batch_list[3:]:
             engine.train_step(b)
         assert_bitwise(engine.master_state_dict(), straight)
@@ -196,7 +242,9 @@ def test_budget_checks_count_frozen_parameters_as_params_only(tmp_path) -> None:
     host = Placement(Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
     probe = Engine(lora_model(), config(tmp_path, host))
     need = probe.memory.host_memory.peak_bytes
-    dense_need = Engine(models.build(SMALL, seed=0), config(tmp_path, host)).memory.host_memory.peak_bytes
+    dense_need = Engine(
+        models.build(SMALL, seed=0), config(tmp_path, host)
+    ).memory.host_memory.peak_bytes
     act = activation_memory(SMALL, 4, 32, 4, LOSS_CHUNK_BYTES)  # reserved at the first forward
     budget = str(need + act.total_bytes)
     assert dense_need > need + act.total_bytes

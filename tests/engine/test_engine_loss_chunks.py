@@ -10,12 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.engine import SMALL, batches
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.models.loss import chunk_tokens_for
 from tierzero.reference import ReferenceTrainer
-
-from tests.support.engine import SMALL, batches
 
 CHUNK_BYTES = 4 * SMALL.vocab_size * 40  # 40 tokens per chunk: a 4 x 32 batch takes 4 chunks
 
@@ -24,8 +23,14 @@ CHUNK_BYTES = 4 * SMALL.vocab_size * 40  # 40 tokens per chunk: a 4 x 32 batch t
 def test_chunked_loss_trains_bitwise_equal_to_reference(tmp_path, tied: bool) -> None:
     args = SMALL if tied else type(SMALL)(**{**vars(SMALL), "tie_embeddings": False})
     assert chunk_tokens_for(args.vocab_size, CHUNK_BYTES) < 4 * 32
-    cfg = Config(placement=Placement(*[Tier.NVME] * 5), nvme_path=[str(tmp_path / "nvme")], lr=3e-3,
-                 total_steps=3, host_budget="256MiB", gpu_budget="256MiB")
+    cfg = Config(
+        placement=Placement(*[Tier.NVME] * 5),
+        nvme_path=[str(tmp_path / "nvme")],
+        lr=3e-3,
+        total_steps=3,
+        host_budget="256MiB",
+        gpu_budget="256MiB",
+    )
     reference = models.build(args, seed=cfg.seed)
     reference.loss_chunk_bytes = CHUNK_BYTES
     trainer = ReferenceTrainer(reference, cfg)

@@ -8,22 +8,37 @@ from __future__ import annotations
 
 import torch
 
+from tests.support.engine import batches, reference_run
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.models import ModelArgs
 
-from tests.support.engine import batches, reference_run
-
-DEEP = ModelArgs(dim=64, n_layers=16, n_heads=4, n_kv_heads=4, vocab_size=256, ffn_dim=192,
-                 max_seq_len=64, tie_embeddings=True)
-HOST_BUDGET = 8 << 20  # 8 MiB of RAM in all: the CPU device pool, the activations and a pass with overlap_step
+DEEP = ModelArgs(
+    dim=64,
+    n_layers=16,
+    n_heads=4,
+    n_kv_heads=4,
+    vocab_size=256,
+    ffn_dim=192,
+    max_seq_len=64,
+    tie_embeddings=True,
+)
+HOST_BUDGET = (
+    8 << 20
+)  # 8 MiB of RAM in all: the CPU device pool, the activations and a pass with overlap_step
 GPU_BUDGET = 1 << 20
 
 
 def test_state_twice_the_host_budget_trains_exactly(tmp_path) -> None:
-    cfg = Config(placement=Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME),
-                 nvme_path=[str(tmp_path / "a"), str(tmp_path / "b")], lr=3e-3, total_steps=3,
-                 host_budget=HOST_BUDGET, gpu_budget=GPU_BUDGET, prefetch_depth=2)
+    cfg = Config(
+        placement=Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME),
+        nvme_path=[str(tmp_path / "a"), str(tmp_path / "b")],
+        lr=3e-3,
+        total_steps=3,
+        host_budget=HOST_BUDGET,
+        gpu_budget=GPU_BUDGET,
+        prefetch_depth=2,
+    )
     _, ref_weights = reference_run(DEEP, cfg, steps=3)
     data = batches()
     with Engine(models.build(DEEP, device="meta", seed=cfg.seed), cfg) as engine:

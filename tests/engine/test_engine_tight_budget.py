@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine_out_of_core import DEEP
 
+from tests.support.engine import batches, engine_weights, reference_run
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.errors import ConfigError
@@ -19,13 +21,18 @@ from tierzero.models import ModelArgs
 from tierzero.models.llama import LOSS_CHUNK_BYTES
 from tierzero.planning.ledger import activation_memory
 
-from tests.support.engine import batches, engine_weights, reference_run
-from test_engine_out_of_core import DEEP
-
 
 def test_overlap_under_budget_pressure_stays_bitwise(tmp_path) -> None:
-    cfg = Config(placement=Placement(*[Tier.NVME] * 5), nvme_path=[str(tmp_path / "nvme")], lr=3e-3,
-                 total_steps=5, host_budget=4 << 20, piece_numel=8192, prefetch_depth=2, overlap_step=True)
+    cfg = Config(
+        placement=Placement(*[Tier.NVME] * 5),
+        nvme_path=[str(tmp_path / "nvme")],
+        lr=3e-3,
+        total_steps=5,
+        host_budget=4 << 20,
+        piece_numel=8192,
+        prefetch_depth=2,
+        overlap_step=True,
+    )
     _, ref_weights = reference_run(DEEP, cfg, steps=2)
     weights = engine_weights(DEEP, cfg, steps=2)
     for key in ref_weights:
@@ -34,19 +41,38 @@ def test_overlap_under_budget_pressure_stays_bitwise(tmp_path) -> None:
 
 # --- piece size and prefetch depth left to the engine: the defaults, or the largest that fit ----
 
-WIDE = ModelArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=256, ffn_dim=384, max_seq_len=64,
-                 tie_embeddings=True)  # blocks of 215040 params: pieces under 256 Ki elements split them
+WIDE = ModelArgs(
+    dim=128,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=4,
+    vocab_size=256,
+    ffn_dim=384,
+    max_seq_len=64,
+    tie_embeddings=True,
+)  # blocks of 215040 params: pieces under 256 Ki elements split them
 NVME = Placement(*[Tier.NVME] * 5)
 
 
 def wide_config(tmp_path, **kw) -> Config:
-    return Config(**{"placement": NVME, "nvme_path": [str(tmp_path / "nvme")], "device": "cpu", "dtype": "fp32",
-                     "lr": 3e-3, "total_steps": 3, **kw})
+    return Config(
+        **{
+            "placement": NVME,
+            "nvme_path": [str(tmp_path / "nvme")],
+            "device": "cpu",
+            "dtype": "fp32",
+            "lr": 3e-3,
+            "total_steps": 3,
+            **kw,
+        }
+    )
 
 
 def host_need(tmp_path, piece_numel: int, prefetch_depth: int) -> int:
-    engine = Engine(models.build(WIDE, device="meta"), wide_config(tmp_path, piece_numel=piece_numel,
-                                                                  prefetch_depth=prefetch_depth))
+    engine = Engine(
+        models.build(WIDE, device="meta"),
+        wide_config(tmp_path, piece_numel=piece_numel, prefetch_depth=prefetch_depth),
+    )
     return engine.memory.needs()[Tier.HOST]
 
 
@@ -55,12 +81,16 @@ def test_a_budget_the_defaults_overflow_trains_with_smaller_pieces_bitwise(tmp_p
     defaults (16 Mi, depth 2) are refused; left open, the engine takes the first rung of the
     ladder that fits -- no larger piece fits at depth 1 (each covers a whole block), nor 128 Ki
     at depth 2 -- and trains bitwise as plain PyTorch and as the same setting given."""
-    act = activation_memory(WIDE, 4, 32, 4, LOSS_CHUNK_BYTES).total_bytes  # reserved at the first forward
+    act = activation_memory(
+        WIDE, 4, 32, 4, LOSS_CHUNK_BYTES
+    ).total_bytes  # reserved at the first forward
     budget = host_need(tmp_path, 128 << 10, 1) + act
     assert host_need(tmp_path, 256 << 10, 1) > budget and host_need(tmp_path, 128 << 10, 2) > budget
     with pytest.raises(ConfigError, match="host budget .* too small"):
-        Engine(models.build(WIDE, device="meta"), wide_config(tmp_path, host_budget=budget, piece_numel=16 << 20,
-                                                              prefetch_depth=2))
+        Engine(
+            models.build(WIDE, device="meta"),
+            wide_config(tmp_path, host_budget=budget, piece_numel=16 << 20, prefetch_depth=2),
+        )
     weights = {}
     for name, kw in (("chosen", {}), ("given", {"piece_numel": 128 << 10, "prefetch_depth": 1})):
         (tmp_path / name).mkdir()
@@ -88,7 +118,10 @@ def test_below_the_least_setting_the_refusal_names_host_memory_and_its_need(tmp_
     with pytest.raises(ConfigError) as refused:
         Engine(models.build(WIDE, device="meta"), wide_config(tmp_path, host_budget=least - 4096))
     message = str(refused.value)
-    assert f"need at least {least / 1e6:.1f} MB of host memory even with pieces of 64 Ki elements" in message
+    assert (
+        f"need at least {least / 1e6:.1f} MB of host memory even with pieces of 64 Ki elements"
+        in message
+    )
     assert "prefetch depth 1, the least tierzero chooses" in message and "--host-budget" in message
     assert "gpu" not in message
 
@@ -97,14 +130,20 @@ def test_the_issue_134m_untied_on_nvme_fits_512mib_of_host_memory(tmp_path) -> N
     """Issue 22's case: 134M parameters (GPT-3 small's shape with LLaMA's blocks, vocab 32000,
     untied), fp32, everything on nvme, --host-budget 512MiB on the CPU: refused at the defaults
     (1066.8 MB), it runs with pieces of 1 Mi elements (4 MiB requests) at depth 1."""
-    args = ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=32000, ffn_dim=2048)
+    args = ModelArgs(
+        dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=32000, ffn_dim=2048
+    )
     assert args.param_count() == 134_105_856 and not args.tie_embeddings
     engine = Engine(models.build(args, device="meta"), wide_config(tmp_path, host_budget="512MiB"))
     assert (engine.config.piece_numel, engine.config.prefetch_depth) == (1 << 20, 1)
     assert engine.memory.needs()[Tier.HOST] <= 512 << 20
-    with pytest.raises(ConfigError, match=r"need at least 1066\.8 MB of host memory with pieces of 16 Mi"):
-        Engine(models.build(args, device="meta"), wide_config(tmp_path, host_budget="512MiB", piece_numel=16 << 20,
-                                                              prefetch_depth=2))
+    with pytest.raises(
+        ConfigError, match=r"need at least 1066\.8 MB of host memory with pieces of 16 Mi"
+    ):
+        Engine(
+            models.build(args, device="meta"),
+            wide_config(tmp_path, host_budget="512MiB", piece_numel=16 << 20, prefetch_depth=2),
+        )
 
 
 def test_a_resume_keeps_the_piece_size_its_checkpoint_was_written_with(tmp_path) -> None:
@@ -114,7 +153,18 @@ def test_a_resume_keeps_the_piece_size_its_checkpoint_was_written_with(tmp_path)
     from tierzero.checkpoint.catalog import newest_checkpoint
 
     run_dir = str(tmp_path / "run")
-    first = train("--offload", "nvme", "--dtype", "fp32", "--host-budget", "40MiB", "--steps", "1", "--run-dir", run_dir)
+    first = train(
+        "--offload",
+        "nvme",
+        "--dtype",
+        "fp32",
+        "--host-budget",
+        "40MiB",
+        "--steps",
+        "1",
+        "--run-dir",
+        run_dir,
+    )
     assert first.exit_code == 0, first.output
     written = newest_checkpoint(run_dir)[1].engine["piece_numel"]
     assert written < 16 << 20

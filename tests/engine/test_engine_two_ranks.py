@@ -14,20 +14,29 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from tests.support.engine import SMALL, batches, reference_run
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
-
-from tests.support.engine import SMALL, batches, reference_run
 
 STEPS = 3
 
 
-def _rank(rank: int, root: str, clip: float | None, reduce_dtype: str = "fp32", overlap_comm: bool = True) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
+def _rank(
+    rank: int, root: str, clip: float | None, reduce_dtype: str = "fp32", overlap_comm: bool = True
+) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2
+    )
     try:
-        cfg = Config(placement=Placement(Tier.NVME, Tier.HOST, Tier.NVME, Tier.NVME, Tier.HOST),
-                     nvme_path=[f"{root}/nvme"], lr=3e-3, total_steps=STEPS, clip_grad_norm=clip,
-                     grad_reduce_dtype=reduce_dtype, overlap_comm=overlap_comm)
+        cfg = Config(
+            placement=Placement(Tier.NVME, Tier.HOST, Tier.NVME, Tier.NVME, Tier.HOST),
+            nvme_path=[f"{root}/nvme"],
+            lr=3e-3,
+            total_steps=STEPS,
+            clip_grad_norm=clip,
+            grad_reduce_dtype=reduce_dtype,
+            overlap_comm=overlap_comm,
+        )
         data = batches()
         with Engine(models.build(SMALL, device="meta", seed=0), cfg) as engine:
             # started by mp.spawn, not torchrun (no LOCAL_WORLD_SIZE): the ranks on this machine
@@ -35,17 +44,20 @@ def _rank(rank: int, root: str, clip: float | None, reduce_dtype: str = "fp32", 
             assert engine.local_ranks == 2
             for _ in range(STEPS):
                 x, y = data.next_batch()
-                engine.train_step((x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]))
+                engine.train_step((x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
             weights = engine.master_state_dict()  # a collective: every rank gathers
         if rank == 0:
-            save_file({k: v.contiguous() for k, v in weights.items() if k != "head.weight"},
-                      f"{root}/weights.safetensors")
+            save_file(
+                {k: v.contiguous() for k, v in weights.items() if k != "head.weight"},
+                f"{root}/weights.safetensors",
+            )
     finally:
         dist.destroy_process_group()
 
 
-def run_two_ranks(tmp_path, clip: float | None, reduce_dtype: str = "fp32",
-                  overlap_comm: bool = True) -> dict[str, torch.Tensor]:
+def run_two_ranks(
+    tmp_path, clip: float | None, reduce_dtype: str = "fp32", overlap_comm: bool = True
+) -> dict[str, torch.Tensor]:
     mp.spawn(_rank, args=(str(tmp_path), clip, reduce_dtype, overlap_comm), nprocs=2, join=True)
     return load_file(str(tmp_path / "weights.safetensors"))
 
@@ -61,8 +73,9 @@ def test_two_ranks_match_the_full_batch_reference(tmp_path) -> None:
 def test_two_ranks_clip_by_the_global_norm(tmp_path) -> None:
     """Also without overlapping collectives (each waited for where it is issued)."""
     weights = run_two_ranks(tmp_path, clip=0.1, overlap_comm=False)
-    _, ref = reference_run(SMALL, Config(offload="none", lr=3e-3, total_steps=STEPS, clip_grad_norm=0.1),
-                           steps=STEPS)
+    _, ref = reference_run(
+        SMALL, Config(offload="none", lr=3e-3, total_steps=STEPS, clip_grad_norm=0.1), steps=STEPS
+    )
     for key, value in weights.items():
         torch.testing.assert_close(value, ref[key], rtol=0, atol=5e-5)
 
@@ -76,5 +89,8 @@ def test_two_ranks_reduce_grads_in_bf16(tmp_path) -> None:
     _, ref = reference_run(SMALL, Config(offload="none", lr=3e-3, total_steps=STEPS), steps=STEPS)
     diffs = torch.cat([(weights[k] - ref[k]).abs().flatten() for k in weights])
     worst, mean = diffs.max().item(), diffs.mean().item()
-    assert 5e-5 < worst <= 2 * STEPS * 3e-3, (worst, mean)  # not fp32's exactness; within Adam's bound
+    assert 5e-5 < worst <= 2 * STEPS * 3e-3, (
+        worst,
+        mean,
+    )  # not fp32's exactness; within Adam's bound
     assert mean < 1e-4, (worst, mean)

@@ -14,21 +14,23 @@ from functools import partial
 
 import pytest
 import torch
+from tierzero.storage.nvme.store import NvmeStore
 
+from tests.support.engine import SMALL, batches, engine_config, reference_run
 from tierzero import Placement, StateKind, Tier, models
 from tierzero.engine import Engine
 from tierzero.engine.step.restep import KeptGeneration
 from tierzero.errors import ConfigError
-from tierzero.storage.nvme.store import NvmeStore
-
-from tests.support.engine import SMALL, batches, engine_config, reference_run
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 HOST = Placement(Tier.GPU, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
 FIRES, NEVER_FIRES = 0.5, 1e6  # SMALL's grad norms are above 0.5 in these steps
 
 
-config = partial(engine_config, total_steps=6, piece_numel=8192, overlap_step=True)  # this file's values
+config = partial(
+    engine_config, total_steps=6, piece_numel=8192, overlap_step=True
+)  # this file's values
+
 
 class CountingKept(KeptGeneration):
     """Counts the pieces each re-step restores (a re-step restores every kept piece once) and
@@ -46,11 +48,26 @@ class CountingKept(KeptGeneration):
         super().restore(unit, piece, tensors)
 
 
-@pytest.mark.parametrize("placement, clip, accumulate", [
-    (NVME, FIRES, 1), (NVME, NEVER_FIRES, 1), (HOST, FIRES, 1), (HOST, NEVER_FIRES, 1), (NVME, FIRES, 2)],
-    ids=["nvme-fires", "nvme-never-fires", "host-fires", "host-never-fires", "nvme-fires-accumulate-2"])
-def test_overlapped_step_with_clipping_is_bitwise_the_reference(tmp_path, monkeypatch, placement, clip,
-                                                                accumulate) -> None:
+@pytest.mark.parametrize(
+    "placement, clip, accumulate",
+    [
+        (NVME, FIRES, 1),
+        (NVME, NEVER_FIRES, 1),
+        (HOST, FIRES, 1),
+        (HOST, NEVER_FIRES, 1),
+        (NVME, FIRES, 2),
+    ],
+    ids=[
+        "nvme-fires",
+        "nvme-never-fires",
+        "host-fires",
+        "host-never-fires",
+        "nvme-fires-accumulate-2",
+    ],
+)
+def test_overlapped_step_with_clipping_is_bitwise_the_reference(
+    tmp_path, monkeypatch, placement, clip, accumulate
+) -> None:
     monkeypatch.setattr("tierzero.engine.step.backward.KeptGeneration", CountingKept)
     CountingKept.restored, CountingKept.copied = 0, set()
     cfg = config(tmp_path, placement, clip_grad_norm=clip, accumulate=accumulate)
@@ -68,15 +85,20 @@ def test_overlapped_step_with_clipping_is_bitwise_the_reference(tmp_path, monkey
         assert torch.equal(weights[key], ref_weights[key]), key
     assert (CountingKept.restored > 0) == (clip == FIRES)  # re-stepped exactly when the clip fired
     # nvme-homed master and moments are kept as held generations on the drive, not copied
-    assert CountingKept.copied == ({StateKind.GRAD} if placement == NVME else
-                                   {StateKind.GRAD, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ})
+    assert CountingKept.copied == (
+        {StateKind.GRAD}
+        if placement == NVME
+        else {StateKind.GRAD, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ}
+    )
 
 
 def test_the_drive_holds_what_writes_replace_until_released(tmp_path) -> None:
     """`NvmeStore.hold`: a generation replaced while held stays whole and readable through
     writes and flushes (no recycling); released, the next flush recycles it."""
     key = "master/u0003/r0"
-    generations = lambda: sorted(n for n in (tmp_path / "master/u0003/r0").iterdir() if re.fullmatch(r"g\d+", n.name))
+    generations = lambda: sorted(
+        n for n in (tmp_path / "master/u0003/r0").iterdir() if re.fullmatch(r"g\d+", n.name)
+    )
 
     async def run(store: NvmeStore) -> None:
         out = torch.empty(8192)

@@ -20,18 +20,22 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from tests.support.checks import (
+    check_allocator_memory_kept_alive,
+    check_collectives_waited_for,
+    check_d2h_copies_wait_for_their_source,
+    check_no_copy_hazards,
+    check_no_host_wait_on_compute,
+    check_no_host_wait_on_io_threads,
+)
+from tests.support.engine import SMALL, batches, reference_run
+from tests.support.fakes.comm import nccl_like_collectives
+from tests.support.fakes.streams import RecordingStreams
+from tests.support.watchers import watch_device_pool, watch_host_pool
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.engine.runtime import streams
 from tierzero.engine.runtime.swaprunner import ParamShard, SwapRunner
-
-from tests.support.engine import SMALL, batches, reference_run
-from tests.support.fakes.streams import RecordingStreams
-from tests.support.checks import (check_allocator_memory_kept_alive, check_collectives_waited_for,
-                                  check_d2h_copies_wait_for_their_source, check_no_copy_hazards,
-                                  check_no_host_wait_on_compute, check_no_host_wait_on_io_threads)
-from tests.support.fakes.comm import nccl_like_collectives
-from tests.support.watchers import watch_device_pool, watch_host_pool
 
 STEPS = 2
 
@@ -89,31 +93,52 @@ def _train(rank: int, root: str, name: str) -> None:
     watch_device_pool(_Patch, fake)
     watch_host_pool(_Patch, fake)
     nccl_like_collectives(fake)
-    cfg = Config(placement=Placement(*[Tier.HOST] * 5), stage=3, lr=3e-3, total_steps=STEPS,
-                 host_budget="256MiB", gpu_budget="256MiB", piece_numel=6144, overlap_comm=True)
+    cfg = Config(
+        placement=Placement(*[Tier.HOST] * 5),
+        stage=3,
+        lr=3e-3,
+        total_steps=STEPS,
+        host_budget="256MiB",
+        gpu_budget="256MiB",
+        piece_numel=6144,
+        overlap_comm=True,
+    )
     data = batches()
     with Engine(models.build(SMALL, device="meta", seed=0), cfg) as engine:
         for _ in range(STEPS):
             x, y = data.next_batch()
-            engine.train_step((x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]))
+            engine.train_step((x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
         weights = engine.master_state_dict()
-    problems = [p for check in (check_no_host_wait_on_compute, check_d2h_copies_wait_for_their_source,
-                                check_no_copy_hazards, check_no_host_wait_on_io_threads,
-                                check_collectives_waited_for) for p in check(fake.log)[:2]]
+    problems = [
+        p
+        for check in (
+            check_no_host_wait_on_compute,
+            check_d2h_copies_wait_for_their_source,
+            check_no_copy_hazards,
+            check_no_host_wait_on_io_threads,
+            check_collectives_waited_for,
+        )
+        for p in check(fake.log)[:2]
+    ]
     problems += check_allocator_memory_kept_alive(fake.log, fake.device_spans)[:2]
     if not any(e[0] == "collective" for e in fake.log):
         problems.append("no collective went through the comm stream")
     with open(f"{root}/{name}-problems-{rank}.json", "w") as f:
         json.dump(problems, f)
     if rank == 0:
-        save_file({k: v.contiguous() for k, v in weights.items() if k != "head.weight"},
-                  f"{root}/{name}-weights.safetensors")
+        save_file(
+            {k: v.contiguous() for k, v in weights.items() if k != "head.weight"},
+            f"{root}/{name}-weights.safetensors",
+        )
 
 
 def _rank(rank: int, root: str) -> None:
     """One spawn for both runs (spawning costs more than training): the engine, then the mutation."""
-    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2
+    )
     from tierzero.distributed import comm
+
     collectives = comm._all_gather, comm._reduce_scatter
     try:
         _train(rank, root, "engine")
@@ -129,9 +154,17 @@ def two_fake_ranks(tmp_path_factory) -> dict[str, tuple[list[str], dict[str, tor
     """For the engine and its mutation: each rank's findings, and rank 0's weights."""
     root = tmp_path_factory.mktemp("fake-ranks")
     mp.spawn(_rank, args=(str(root),), nprocs=2, join=True)
-    return {name: ([f"rank {r}: {p}" for r in range(2)
-                    for p in json.loads((root / f"{name}-problems-{r}.json").read_text())],
-                   load_file(str(root / f"{name}-weights.safetensors"))) for name in ("engine", "mutation")}
+    return {
+        name: (
+            [
+                f"rank {r}: {p}"
+                for r in range(2)
+                for p in json.loads((root / f"{name}-problems-{r}.json").read_text())
+            ],
+            load_file(str(root / f"{name}-weights.safetensors")),
+        )
+        for name in ("engine", "mutation")
+    }
 
 
 def test_two_ranks_collectives_on_the_comm_stream_wait_only_on_events(two_fake_ranks) -> None:
@@ -142,8 +175,11 @@ def test_two_ranks_collectives_on_the_comm_stream_wait_only_on_events(two_fake_r
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.xfail(strict=True, reason="the all-gather is not ordered after its shard's host-to-device copy: "
-                                       "NCCL's stream may read the shard before it lands")
+@pytest.mark.xfail(
+    strict=True,
+    reason="the all-gather is not ordered after its shard's host-to-device copy: "
+    "NCCL's stream may read the shard before it lands",
+)
 def test_mutation_gather_before_its_copy(two_fake_ranks) -> None:
     problems, _ = two_fake_ranks["mutation"]
     assert not problems, "\n".join(problems)

@@ -9,17 +9,23 @@ from __future__ import annotations
 import threading
 
 import torch
-
-from tierzero import Config, Placement, Tier, models
-from tierzero.engine import Engine
 from tierzero.storage.nvme import chunkfile
 
 from tests.support.engine import SMALL, batches, reference_run
+from tierzero import Config, Placement, Tier, models
+from tierzero.engine import Engine
 
 
 def test_a_step_returns_before_its_flush_and_training_stays_exact(tmp_path, monkeypatch) -> None:
-    cfg = Config(placement=Placement(*[Tier.NVME] * 5), nvme_path=[str(tmp_path / "nvme")], lr=3e-3,
-                 warmup_steps=1, total_steps=3, host_budget="256MiB", piece_numel=6144)
+    cfg = Config(
+        placement=Placement(*[Tier.NVME] * 5),
+        nvme_path=[str(tmp_path / "nvme")],
+        lr=3e-3,
+        warmup_steps=1,
+        total_steps=3,
+        host_budget="256MiB",
+        piece_numel=6144,
+    )
     _, ref_weights = reference_run(SMALL, cfg, steps=3)
     gate, released = threading.Event(), []
     sync = chunkfile.sync_filesystem

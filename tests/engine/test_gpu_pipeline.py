@@ -17,28 +17,41 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tierzero import Config, Placement, Tier, models
-from tierzero.engine import Engine
-from tierzero.models import ModelArgs
-from tierzero.reference import ReferenceTrainer
 from tierzero.storage.device import DevicePool, DeviceStore
 from tierzero.storage.host import HostPool
 from tierzero.storage.io import IOLoop
-from tierzero.engine.runtime.streams import CudaStreams
 
 from tests.support.engine import SMALL, batches
+from tierzero import Config, Placement, Tier, models
+from tierzero.engine import Engine
+from tierzero.engine.runtime.streams import CudaStreams
+from tierzero.models import ModelArgs
+from tierzero.reference import ReferenceTrainer
 
 pytestmark = pytest.mark.cuda
 
-ON_GPU = Placement()  # every state on the GPU: the engine's AdamW runs on the GPU like the reference's
+ON_GPU = (
+    Placement()
+)  # every state on the GPU: the engine's AdamW runs on the GPU like the reference's
 HOST = Placement(Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 
 
-def run_pair(tmp_path, placement: Placement, steps: int = 3) -> tuple[dict, dict, list[float], list[float]]:
-    cfg = Config(placement=placement, nvme_path=[str(tmp_path / "nvme")], lr=3e-3, warmup_steps=1,
-                 total_steps=steps, device="cuda:0", dtype="fp32", piece_numel=6144, host_budget="1GiB", gpu_budget="1GiB")
+def run_pair(
+    tmp_path, placement: Placement, steps: int = 3
+) -> tuple[dict, dict, list[float], list[float]]:
+    cfg = Config(
+        placement=placement,
+        nvme_path=[str(tmp_path / "nvme")],
+        lr=3e-3,
+        warmup_steps=1,
+        total_steps=steps,
+        device="cuda:0",
+        dtype="fp32",
+        piece_numel=6144,
+        host_budget="1GiB",
+        gpu_budget="1GiB",
+    )
     ref = ReferenceTrainer(models.build(SMALL, seed=cfg.seed), cfg, device="cuda:0")
     data = batches()
     ref_losses = [ref.train_step(data.next_batch()) for _ in range(steps)]
@@ -128,10 +141,25 @@ def test_device_store_copies_see_compute_queued_before_them() -> None:
 
 def test_host_to_device_copies_overlap_compute_kernels(tmp_path) -> None:
     """A torch.profiler trace of tiered steps: some H2D memcpy runs while a compute kernel does."""
-    args = ModelArgs(dim=1024, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=4096, ffn_dim=4096,
-                     max_seq_len=512, tie_embeddings=False)
-    cfg = Config(placement=HOST, nvme_path=[str(tmp_path / "nvme")], device="cuda:0", dtype="bf16",
-                 host_budget="8GiB", gpu_budget="8GiB", prefetch_depth=2)
+    args = ModelArgs(
+        dim=1024,
+        n_layers=6,
+        n_heads=16,
+        n_kv_heads=8,
+        vocab_size=4096,
+        ffn_dim=4096,
+        max_seq_len=512,
+        tie_embeddings=False,
+    )
+    cfg = Config(
+        placement=HOST,
+        nvme_path=[str(tmp_path / "nvme")],
+        device="cuda:0",
+        dtype="bf16",
+        host_budget="8GiB",
+        gpu_budget="8GiB",
+        prefetch_depth=2,
+    )
     data = batches(batch_size=8, seq_len=512)
     with Engine(models.build(args, device="meta", seed=0), cfg) as engine:
         engine.train_step(data.next_batch())  # warm-up: pools and allocator settle
@@ -142,8 +170,11 @@ def test_host_to_device_copies_overlap_compute_kernels(tmp_path) -> None:
     prof.export_chrome_trace(str(tmp_path / "trace.json"))
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     copies = [(e.time_range.start, e.time_range.end) for e in events if "HtoD" in e.name]
-    kernels = [(e.time_range.start, e.time_range.end) for e in events
-               if "Memcpy" not in e.name and "Memset" not in e.name]
+    kernels = [
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if "Memcpy" not in e.name and "Memset" not in e.name
+    ]
     assert copies and kernels
     overlapping = [c for c in copies if any(k0 < c[1] and c[0] < k1 for k0, k1 in kernels)]
     assert overlapping, "no host->device copy ran while a compute kernel did"
@@ -177,7 +208,12 @@ def test_an_engine_on_cuda_1_puts_nothing_on_cuda_0(tmp_path) -> None:
     threads (which step AdamW, lease device buffers and pin host memory) all use cuda:1."""
     repo = str(Path(__file__).parents[2])  # tests.support
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", ONLY_CUDA_1, str(tmp_path / "nvme")], env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-c", ONLY_CUDA_1, str(tmp_path / "nvme")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.split()[-4:] == ["contexts", "False", "False", "True"], run.stdout

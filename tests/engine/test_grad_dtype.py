@@ -36,17 +36,13 @@ def host_home_dtypes(engine: Engine) -> set[torch.dtype]:
     return {
         store.view(key).dtype
         for unit in engine.units
-        for key, _, _ in state_keys(
-            StateKind.GRAD, unit, 0, engine.config.piece_numel, Tier.HOST
-        )
+        for key, _, _ in state_keys(StateKind.GRAD, unit, 0, engine.config.piece_numel, Tier.HOST)
     }
 
 
 def fp32_grads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the engine's sizing choose fp32 grads whatever the run: the baseline."""
-    monkeypatch.setattr(
-        sizing, "grad_dtype", lambda compute, accumulate, schedule: DType.FP32
-    )
+    monkeypatch.setattr(sizing, "grad_dtype", lambda compute, accumulate, schedule: DType.FP32)
 
 
 @pytest.mark.parametrize(
@@ -143,9 +139,7 @@ def test_bf16_grads_halve_the_grad_bytes_a_step_moves(tmp_path, monkeypatch) -> 
 
 
 @pytest.mark.parametrize("placement", [NVME, HOST], ids=["nvme", "host"])
-def test_the_clip_measures_the_grads_the_optimizer_steps(
-    tmp_path, placement: Placement
-) -> None:
+def test_the_clip_measures_the_grads_the_optimizer_steps(tmp_path, placement: Placement) -> None:
     """bf16 grads with clipping: the stored grads are bf16 values, and the norm the step clipped
     by is theirs, combined per parameter in model order as `clip_grad_norm_` combines it."""
     data = batches()
@@ -160,13 +154,9 @@ def test_the_clip_measures_the_grads_the_optimizer_steps(
             grad = engine.read_shard(StateKind.GRAD, unit)
             assert torch.equal(grad, grad.bfloat16().float()), unit.name
             for slot in unit.slots:
-                norms[slot.names[0]] = torch.linalg.vector_norm(
-                    grad[slot.offset : slot.end], 2.0
-                )
+                norms[slot.names[0]] = torch.linalg.vector_norm(grad[slot.offset : slot.end], 2.0)
         order = engine.parts.param_order  # the model's parameter names, in its order
-        total = torch.linalg.vector_norm(
-            torch.stack([norms[n] for n in order if n in norms]), 2.0
-        )
+        total = torch.linalg.vector_norm(torch.stack([norms[n] for n in order if n in norms]), 2.0)
         assert engine.last_grad_norm == total.item() > 0.5
 
 
@@ -187,10 +177,7 @@ def test_bf16_vertical_run_with_bf16_grads_tracks_the_fp32_reference() -> None:
         models.build(SMALL), Config(offload="none", dtype="fp32", **common)
     )
     data = batches(8, 32)
-    theirs = [
-        sum(reference.train_step(data.next_batch()) for _ in range(2)) / 2
-        for _ in range(50)
-    ]
+    theirs = [sum(reference.train_step(data.next_batch()) for _ in range(2)) / 2 for _ in range(50)]
     ours_w, theirs_w = (
         np.array(ours).reshape(5, 10).mean(1),
         np.array(theirs).reshape(5, 10).mean(1),

@@ -10,25 +10,40 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from tierzero import Config, Placement, Tier, models
-from tierzero.engine import Engine
-from tierzero.engine.step.grads import GradShards
-from tierzero.models import ModelArgs
 from tierzero.storage.host import HostStore
 from tierzero.storage.nvme import NvmeStore
 
 from tests.support.engine import batches, reference_run
+from tierzero import Config, Placement, Tier, models
+from tierzero.engine import Engine
+from tierzero.engine.step.grads import GradShards
+from tierzero.models import ModelArgs
 
-ARGS = ModelArgs(dim=32, n_layers=3, n_heads=4, n_kv_heads=4, vocab_size=128, ffn_dim=64,
-                 max_seq_len=32, tie_embeddings=False)
+ARGS = ModelArgs(
+    dim=32,
+    n_layers=3,
+    n_heads=4,
+    n_kv_heads=4,
+    vocab_size=128,
+    ffn_dim=64,
+    max_seq_len=32,
+    tie_embeddings=False,
+)
 ACCUMULATE = 3
 
 
-def test_earlier_micro_batches_grads_are_read_before_their_unit_needs_them(tmp_path, monkeypatch) -> None:
-    cfg = Config(placement=Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME),
-                 nvme_path=[str(tmp_path)], lr=3e-3, total_steps=2, accumulate=ACCUMULATE,
-                 schedule="horizontal", overlap_step=False)
+def test_earlier_micro_batches_grads_are_read_before_their_unit_needs_them(
+    tmp_path, monkeypatch
+) -> None:
+    cfg = Config(
+        placement=Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME),
+        nvme_path=[str(tmp_path)],
+        lr=3e-3,
+        total_steps=2,
+        accumulate=ACCUMULATE,
+        schedule="horizontal",
+        overlap_step=False,
+    )
     events: list[tuple[str, object]] = []
     issue, accumulate = GradShards._issue_read, GradShards._accumulate
 
@@ -62,18 +77,34 @@ def test_earlier_micro_batches_grads_are_read_before_their_unit_needs_them(tmp_p
     assert later == 2 * (ACCUMULATE - 1) * len(engine.units)
 
 
-TIED = ModelArgs(dim=32, n_layers=3, n_heads=4, n_kv_heads=4, vocab_size=128, ffn_dim=64,
-                 max_seq_len=32, tie_embeddings=True)
+TIED = ModelArgs(
+    dim=32,
+    n_layers=3,
+    n_heads=4,
+    n_kv_heads=4,
+    vocab_size=128,
+    ffn_dim=64,
+    max_seq_len=32,
+    tie_embeddings=True,
+)
 
 
 @pytest.mark.parametrize("home", [Tier.NVME, Tier.HOST])
-def test_a_tied_units_stash_waits_on_the_host_not_in_the_grad_home(tmp_path, monkeypatch, home: Tier) -> None:
+def test_a_tied_units_stash_waits_on_the_host_not_in_the_grad_home(
+    tmp_path, monkeypatch, home: Tier
+) -> None:
     """The tied embedding's head-side grad waits in a host buffer until the embedding's own use
     ends backward: it never goes through the grad home (no store reads or writes of it), and
     that last use waits for nothing on the host (only the device waits, for the D2H copy)."""
     placement = Placement(Tier.NVME, home, Tier.NVME, Tier.NVME, Tier.NVME)
-    cfg = Config(placement=placement, nvme_path=[str(tmp_path)], lr=3e-3, total_steps=2, accumulate=2,
-                 schedule="horizontal")
+    cfg = Config(
+        placement=placement,
+        nvme_path=[str(tmp_path)],
+        lr=3e-3,
+        total_steps=2,
+        accumulate=2,
+        schedule="horizontal",
+    )
     combine, last_uses, host_waits = GradShards._combine_uses, [], []
 
     def recording_combine(self, unit, grad):
@@ -89,8 +120,11 @@ def test_a_tied_units_stash_waits_on_the_host_not_in_the_grad_home(tmp_path, mon
 
     def no_stash(method):
         async def checked(self, key, *args, **kwargs):
-            assert not key.startswith("grad_uses/"), f"a tied unit's stash went through the grad home ({key})"
+            assert not key.startswith("grad_uses/"), (
+                f"a tied unit's stash went through the grad home ({key})"
+            )
             return await method(self, key, *args, **kwargs)
+
         return checked
 
     monkeypatch.setattr(GradShards, "_combine_uses", recording_combine)

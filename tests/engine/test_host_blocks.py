@@ -14,38 +14,48 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from tierzero import Config, Placement, Tier, models
-from tierzero.engine import Engine
-from tierzero.engine.vertical.boundary import BoundaryStore
-from tierzero.planning.hostblocks import HOST_ALIGN, HOST_CLASSES
-from tierzero.planning.memory_model import peak_memory
-from tierzero.planning.workload import Workload
 from tierzero.storage.base import BudgetExceededError
 from tierzero.storage.host import HostPool
 from tierzero.storage.sizeclass import choose_classes, class_for
 
 from tests.support.engine import SMALL, batches
 from tests.support.fakes.pinning import PAGE, FakeCudart, cudart, mappings  # noqa: F401 - fixtures
+from tierzero import Config, Placement, Tier, models
+from tierzero.engine import Engine
+from tierzero.engine.vertical.boundary import BoundaryStore
+from tierzero.planning.hostblocks import HOST_ALIGN, HOST_CLASSES
+from tierzero.planning.memory_model import peak_memory
+from tierzero.planning.workload import Workload
 
 NVME = Placement(*[Tier.NVME] * 5)
 
 
 def test_an_all_nvme_run_pins_only_before_it_moves_anything_and_unpins_only_at_close(
-        tmp_path, cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path, cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """No pinning in any step, no unpinning before close (before the size classes this run
     pinned 9 blocks in its first step, and under a 64 MiB budget 10 blocks pinned and unpinned
     in every step). Open pins the homes' and busiest moment's blocks; the other moments' and
     the LRU cache's, which the budget has room for, are pinned where the host budget is final:
     on CUDA at open, on the CPU device (here) when the first forward has taken the batch's
     activations from it, before that step's first nvme read."""
-    cfg = Config(placement=NVME, nvme_path=[str(tmp_path / "nvme")], device="cpu", piece_numel=2048,
-                 dtype="bf16", total_steps=2, host_budget="64MiB", gpu_budget="64MiB")
+    cfg = Config(
+        placement=NVME,
+        nvme_path=[str(tmp_path / "nvme")],
+        device="cpu",
+        piece_numel=2048,
+        dtype="bf16",
+        total_steps=2,
+        host_budget="64MiB",
+        gpu_budget="64MiB",
+    )
     data = batches()
     with Engine(models.build(SMALL, device="meta", seed=0), cfg) as engine:
         pool, memory = engine.tiers.host_pool, engine.memory
         opened = list(cudart.registered)
-        assert pool.pin and len(opened) == sum(memory.host_blocks.values()) and not cudart.unregistered
+        assert (
+            pool.pin and len(opened) == sum(memory.host_blocks.values()) and not cudart.unregistered
+        )
         extra = sum(memory.host_moment_blocks.values()) + sum(memory.host_cache_blocks.values())
         assert extra  # the first forward pins more: the checks below count them
         store, pinned_at_reads = engine.tiers.stores[Tier.NVME], []
@@ -93,7 +103,9 @@ def test_leases_round_up_to_their_class_and_blocks_stay_pinned(cudart: FakeCudar
 @pytest.mark.parametrize("seed", range(3))
 def test_size_classes_waste_the_fewest_bytes(seed: int) -> None:
     rng = random.Random(seed)
-    sizes = {rng.randrange(1, 40) * 1024 + rng.randrange(1024): rng.randrange(1, 6) for _ in range(9)}
+    sizes = {
+        rng.randrange(1, 40) * 1024 + rng.randrange(1024): rng.randrange(1, 6) for _ in range(9)
+    }
     aligned = sorted({class_for(n, (), 1024) for n in sizes})
 
     def waste(classes: tuple[int, ...]) -> int:
@@ -102,24 +114,44 @@ def test_size_classes_waste_the_fewest_bytes(seed: int) -> None:
     for k in (1, 3, 5):
         chosen = choose_classes(sizes, k, 1024)
         assert len(chosen) <= k and chosen[-1] == aligned[-1]  # the largest size fits a class
-        best = min(waste(c + (aligned[-1],)) for r in range(k) for c in itertools.combinations(aligned[:-1], r))
+        best = min(
+            waste(c + (aligned[-1],))
+            for r in range(k)
+            for c in itertools.combinations(aligned[:-1], r)
+        )
         assert waste(chosen) == best
 
 
 def test_the_memory_model_counts_the_blocks_the_pool_pins() -> None:
     """Units of many sizes, bf16 params and fp32 pieces, some host homes: more sizes than
     classes, so leases round up; the host pool's working set is exactly its blocks."""
-    units = [("embedding", 50000), ("b0", 70000), ("b1", 91000), ("b2", 110000), ("b3", 130000), ("head", 30000)]
+    units = [
+        ("embedding", 50000),
+        ("b0", 70000),
+        ("b1", 91000),
+        ("b2", 110000),
+        ("b3", 130000),
+        ("head", 30000),
+    ]
     placement = Placement(Tier.NVME, Tier.NVME, Tier.HOST, Tier.NVME, Tier.NVME)
-    m = peak_memory(Workload.from_sizes(units, compute_itemsize=2, piece_numel=32768, device="cuda", overlap=False),
-                    placement)
+    m = peak_memory(
+        Workload.from_sizes(
+            units, compute_itemsize=2, piece_numel=32768, device="cuda", overlap=False
+        ),
+        placement,
+    )
     host = m.tiers[Tier.HOST]
     classes = tuple(sorted(m.host_blocks))
     assert len(classes) == HOST_CLASSES and all(c % HOST_ALIGN == 0 for c in classes)
     assert host.pool_bytes == sum(c * n for c, n in m.host_blocks.items())  # homes and working set
     # the grads' host home: one block per piece key, each at its class
-    pieces = [min(32768, s - a) * 4 for s in (51200, 71680, 92160, 110592, 131072, 30720) for a in range(0, s, 32768)]
+    pieces = [
+        min(32768, s - a) * 4
+        for s in (51200, 71680, 92160, 110592, 131072, 30720)
+        for a in range(0, s, 32768)
+    ]
     assert host.homes_bytes == sum(class_for(n, classes, HOST_ALIGN) for n in pieces) > sum(pieces)
+
     # what the pool pins: its homes and busiest moment; other moments' and the cache's blocks
     # only as the budget has room for them
     def nbytes(blocks: dict[int, int]) -> int:
@@ -127,12 +159,16 @@ def test_the_memory_model_counts_the_blocks_the_pool_pins() -> None:
 
     assert m.host_provision(host.pool_bytes) == m.host_blocks
     moments = nbytes(m.host_moment_blocks)
-    assert moments and nbytes(m.host_provision(host.pool_bytes + moments)) == host.pool_bytes + moments
+    assert (
+        moments and nbytes(m.host_provision(host.pool_bytes + moments)) == host.pool_bytes + moments
+    )
     roomy = m.host_provision(host.pool_bytes + 10 * max(classes))
     assert nbytes(roomy) == host.pool_bytes + moments + m.host_cache_bytes
 
 
-def test_waiting_activations_pin_their_own_pages_not_the_caching_allocators(cudart: FakeCudart) -> None:
+def test_waiting_activations_pin_their_own_pages_not_the_caching_allocators(
+    cudart: FakeCudart,
+) -> None:
     """The vertical schedule's host buffers on a GPU: each pinned as exactly its pages (a 3-page
     activation pins 3, where torch's caching host allocator pins 4 and never unpins them), and
     unpinned once the store drops it."""

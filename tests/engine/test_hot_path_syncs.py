@@ -15,16 +15,15 @@ from dataclasses import replace
 
 import pytest
 
+from tests.support.checks import check_no_host_wait_on_compute
+from tests.support.engine import SMALL, batches
+from tests.support.fakes.streams import RecordingStreams
+from tests.support.watchers import SyncWatch, watch_device_pool
 from tierzero import Config, Offload, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.engine.runtime import streams
 from tierzero.engine.runtime.batch import BatchStaging
 from tierzero.reference import to_device
-
-from tests.support.engine import SMALL, batches
-from tests.support.fakes.streams import RecordingStreams
-from tests.support.watchers import SyncWatch, watch_device_pool
-from tests.support.checks import check_no_host_wait_on_compute
 
 CASES = {  # placement, overlap_step, clip_grad_norm
     "host-clip": (Placement(*[Tier.HOST] * 5), False, 1.0),
@@ -37,16 +36,32 @@ STEPS = 2
 def syncs(tmp_path, monkeypatch, case: str, accumulate: int, n_layers: int) -> list[str]:
     """Where the training thread synchronised with the device over `STEPS` steps."""
     placement, overlap, clip = CASES[case]
-    cfg = Config(placement=placement, nvme_path=[str(tmp_path / f"nvme-{accumulate}-{n_layers}")], lr=3e-3,
-                 warmup_steps=1, total_steps=4, host_budget="256MiB", gpu_budget="256MiB", piece_numel=6144,
-                 overlap_step=overlap, accumulate=accumulate, schedule="horizontal", prefetch_depth=2,
-                 clip_grad_norm=clip, clip_previous_norm=overlap and clip is not None)
+    cfg = Config(
+        placement=placement,
+        nvme_path=[str(tmp_path / f"nvme-{accumulate}-{n_layers}")],
+        lr=3e-3,
+        warmup_steps=1,
+        total_steps=4,
+        host_budget="256MiB",
+        gpu_budget="256MiB",
+        piece_numel=6144,
+        overlap_step=overlap,
+        accumulate=accumulate,
+        schedule="horizontal",
+        prefetch_depth=2,
+        clip_grad_norm=clip,
+        clip_previous_norm=overlap and clip is not None,
+    )
     fake = RecordingStreams()
     monkeypatch.setattr(streams, "open_streams", lambda device: fake)
     watch_device_pool(monkeypatch, fake)
     data = batches()
-    with Engine(models.build(replace(SMALL, n_layers=n_layers), device="meta", seed=cfg.seed), cfg) as engine:
-        for _ in range(accumulate):  # a first step outside the count: its first forward sizes the pools
+    with Engine(
+        models.build(replace(SMALL, n_layers=n_layers), device="meta", seed=cfg.seed), cfg
+    ) as engine:
+        for _ in range(
+            accumulate
+        ):  # a first step outside the count: its first forward sizes the pools
             engine.train_micro_batch(data.next_batch())
         start = len(fake.log)
         with SyncWatch(fake) as watch:
@@ -67,5 +82,7 @@ def test_syncs_do_not_grow_with_micro_batches_or_units(tmp_path, monkeypatch, ca
 
 @pytest.mark.xfail(strict=True, reason="S1: a blocking .to(device) of the batch per micro-batch")
 def test_mutation_blocking_batch_copy(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(BatchStaging, "to_device", lambda self, batch: to_device(batch, self.streams.device))
+    monkeypatch.setattr(
+        BatchStaging, "to_device", lambda self, batch: to_device(batch, self.streams.device)
+    )
     test_syncs_do_not_grow_with_micro_batches_or_units(tmp_path, monkeypatch, "gpu-params")

@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from tests.support.engine import SMALL, engine_config
 from tierzero import Config, Placement, Tier, models
 from tierzero.adamw import decays
 from tierzero.engine import Engine
@@ -41,8 +42,6 @@ from tierzero.errors import ConfigError
 from tierzero.lr import lr_at
 from tierzero.models.loss import trained_targets
 from tierzero.run.data import TokenBatches, default_corpus
-
-from tests.support.engine import SMALL, engine_config
 
 STEPS, LR, ROWS, SEQ = 3, 1e-3, 4, 32
 LOSS_TOL, WEIGHT_TOL = 1e-6, 2e-5
@@ -54,7 +53,7 @@ def masked_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     """STEPS global batches of 4 rows whose trained targets vary from a few to most per row."""
     tokens = default_corpus(1 << 16)
     rng = np.random.default_rng(0)
-    density = np.repeat(rng.choice([0.03, 0.9], size=len(tokens) // 64 + 1), 64)[:len(tokens)]
+    density = np.repeat(rng.choice([0.03, 0.9], size=len(tokens) // 64 + 1), 64)[: len(tokens)]
     trained = (rng.random(len(tokens)) < density).astype(np.uint8)
     data = TokenBatches(tokens, ROWS, SEQ, seed=0, trained=trained)
     return [data.next_batch() for _ in range(STEPS)]
@@ -66,39 +65,71 @@ def hf_model() -> torch.nn.Module:
     from tierzero.hf.build import adapt
 
     torch.manual_seed(0)
-    return adapt(LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                              num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                                              max_position_embeddings=64, tie_word_embeddings=False)))
+    return adapt(
+        LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=256,
+                max_position_embeddings=64,
+                tie_word_embeddings=False,
+            )
+        )
+    )
 
 
 def build(kind: str, meta: bool = False) -> torch.nn.Module:
-    return models.build(UNTIED, device="meta" if meta else "cpu", seed=0) if kind == "builtin" else hf_model()
+    return (
+        models.build(UNTIED, device="meta" if meta else "cpu", seed=0)
+        if kind == "builtin"
+        else hf_model()
+    )
 
 
 config = functools.partial(  # this file's values: no device budget (the engine chooses)
-    engine_config, placement=Placement(Tier.NVME, Tier.HOST, Tier.NVME, Tier.NVME, Tier.HOST), lr=LR,
-    warmup_steps=0, total_steps=STEPS, gpu_budget=None)
+    engine_config,
+    placement=Placement(Tier.NVME, Tier.HOST, Tier.NVME, Tier.NVME, Tier.HOST),
+    lr=LR,
+    warmup_steps=0,
+    total_steps=STEPS,
+    gpu_budget=None,
+)
 
-def plain(kind: str, micro: int = ROWS, exact: bool = True) -> tuple[list[float], dict[str, torch.Tensor]]:
+
+def plain(
+    kind: str, micro: int = ROWS, exact: bool = True
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain PyTorch: each step's rows in micro-batches of `micro`; with `exact` each one's summed
     token loss over the step's count (the definition), else its own mean over the number of
     micro-batches (a mean of means). Its step losses and final weights."""
     model = build(kind)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW([{"params": [p for p in params if decays(p)], "weight_decay": 0.1},
-                             {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.95), eps=1e-8, fused=True)  # as the engine (`tierzero.adamw`)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if decays(p)], "weight_decay": 0.1},
+            {"params": [p for p in params if not decays(p)], "weight_decay": 0.0},
+        ],
+        lr=LR,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=True,
+    )  # as the engine (`tierzero.adamw`)
     losses, schedule = [], config(".")
     for number, (x, y) in enumerate(masked_batches()):
         step, k = 0.0, ROWS // micro
         for m in range(k):
-            xm, ym = x[m * micro:(m + 1) * micro], y[m * micro:(m + 1) * micro]
+            xm, ym = x[m * micro : (m + 1) * micro], y[m * micro : (m + 1) * micro]
             logits = model(xm).float().flatten(0, 1)
             if exact and k == 1:
                 loss = F.cross_entropy(logits, ym.flatten())
             elif exact:
-                loss = F.cross_entropy(logits, ym.flatten(), reduction="sum") / (trained_targets(y) / k)
+                loss = F.cross_entropy(logits, ym.flatten(), reduction="sum") / (
+                    trained_targets(y) / k
+                )
             else:
                 loss = F.cross_entropy(logits, ym.flatten())
             (loss / k if k > 1 else loss).backward()
@@ -111,21 +142,30 @@ def plain(kind: str, micro: int = ROWS, exact: bool = True) -> tuple[list[float]
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def tiered(kind: str, root, accumulate: int = 1, rank: int = 0, world_size: int = 1,
-           **kw) -> tuple[list[float], dict[str, torch.Tensor]]:
+def tiered(
+    kind: str, root, accumulate: int = 1, rank: int = 0, world_size: int = 1, **kw
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The engine on this rank's rows of each global batch, in `accumulate` micro-batches, told
     the step's trained tokens; its step losses (the mean of its micro-batches') and weights."""
     rows = ROWS // world_size
     micro = rows // accumulate
     losses = []
-    with Engine(build(kind, meta=True) if kind == "builtin" else build(kind), config(root, accumulate=accumulate, **kw)) as engine:
+    with Engine(
+        build(kind, meta=True) if kind == "builtin" else build(kind),
+        config(root, accumulate=accumulate, **kw),
+    ) as engine:
         for x, y in masked_batches():
-            x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+            x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
             tokens = trained_targets(y)
             if world_size > 1:
                 tokens = int(engine.comm.total([tokens])[0])
-            out = [engine.train_micro_batch((x[m * micro:(m + 1) * micro], y[m * micro:(m + 1) * micro]),
-                                            step_tokens=tokens) for m in range(accumulate)]
+            out = [
+                engine.train_micro_batch(
+                    (x[m * micro : (m + 1) * micro], y[m * micro : (m + 1) * micro]),
+                    step_tokens=tokens,
+                )
+                for m in range(accumulate)
+            ]
             loss = sum(t.item() for t in out) / accumulate
             losses.append(loss if world_size == 1 else engine.comm.mean([loss])[0])
         return losses, engine.master_state_dict()
@@ -161,7 +201,9 @@ def test_four_rows_at_once_are_plain_pytorch(kind, tmp_path) -> None:
         assert_close(weights, expected_weights, WEIGHT_TOL)
 
 
-@pytest.mark.parametrize("kind,schedule", [("builtin", "horizontal"), ("builtin", "vertical"), ("hf", "horizontal")])
+@pytest.mark.parametrize(
+    "kind,schedule", [("builtin", "horizontal"), ("builtin", "vertical"), ("hf", "horizontal")]
+)
 def test_two_rows_accumulated_twice_are_the_four_rows(kind, schedule, tmp_path) -> None:
     losses, weights = tiered(kind, tmp_path, accumulate=2, schedule=schedule)
     same_order, same_order_weights = plain(kind, micro=2)
@@ -174,7 +216,9 @@ def test_two_rows_accumulated_twice_are_the_four_rows(kind, schedule, tmp_path) 
 
 
 def _rank(rank: int, root: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2
+    )
     try:
         for kind in ("builtin", "hf"):
             Path(root, kind).mkdir(exist_ok=True)
@@ -216,7 +260,9 @@ def test_hf_labels_are_divided_by_the_given_count_and_a_model_without_it_is_refu
     from tierzero.reference import ReferenceTrainer
 
     x, y = masked_batches()[0]
-    labels = torch.cat([x[:, :1], y], dim=1)  # x's tokens then its targets: shifted back by the model
+    labels = torch.cat(
+        [x[:, :1], y], dim=1
+    )  # x's tokens then its targets: shifted back by the model
     model = hf_model()
     with torch.no_grad():
         logits = model(x).float().flatten(0, 1)

@@ -11,11 +11,10 @@ from functools import partial
 import pytest
 import torch
 
+from tests.support.engine import SMALL, batches, engine_config, reference_run
 from tierzero import Config, Placement, StateKind, Tier, models
 from tierzero.engine import Engine
 from tierzero.errors import ConfigError
-
-from tests.support.engine import SMALL, batches, engine_config, reference_run
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 HOST = Placement(Tier.GPU, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
@@ -23,7 +22,10 @@ HOST = Placement(Tier.GPU, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
 
 config = partial(engine_config, piece_numel=8192, total_steps=6)  # this file's values
 
-def engine_run(cfg: Config, micro_steps: int, **batch_kw: int) -> tuple[list[float], dict[str, torch.Tensor], Engine]:
+
+def engine_run(
+    cfg: Config, micro_steps: int, **batch_kw: int
+) -> tuple[list[float], dict[str, torch.Tensor], Engine]:
     data = batches(**batch_kw)
     with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
         losses = [engine.train_step(data.next_batch()) for _ in range(micro_steps)]
@@ -37,6 +39,7 @@ def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> No
 
 
 # -- accumulation -----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("placement", [NVME, HOST], ids=["nvme", "host"])
 def test_accumulation_bitwise_equal_to_reference_accumulation(tmp_path, placement) -> None:
@@ -66,6 +69,7 @@ def test_accumulating_k_micro_batches_equals_one_k_times_larger_batch(tmp_path) 
 
 # -- clipping ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_clipping_matches_clip_grad_norm_and_adamw(tmp_path, accumulate: int) -> None:
     cfg = config(tmp_path, clip_grad_norm=0.5, accumulate=accumulate)
@@ -77,6 +81,7 @@ def test_clipping_matches_clip_grad_norm_and_adamw(tmp_path, accumulate: int) ->
 
 
 # -- overlap_step -----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("placement", [NVME, HOST, Placement()], ids=["nvme", "host", "gpu"])
 def test_overlap_step_is_bitwise_equal_to_the_separate_step(tmp_path, placement) -> None:
@@ -90,21 +95,33 @@ def test_overlap_step_is_bitwise_equal_to_the_separate_step(tmp_path, placement)
 
 def test_overlap_step_refuses_what_it_cannot_do_exactly(tmp_path) -> None:
     with pytest.raises(ConfigError, match="overlap_step cannot be exact"):
-        Engine(models.build(SMALL, device="meta"), config(tmp_path, overlap_step=True, dtype="fp16"))
+        Engine(
+            models.build(SMALL, device="meta"), config(tmp_path, overlap_step=True, dtype="fp16")
+        )
 
 
 def test_overlap_step_is_on_by_default_only_where_exact(tmp_path) -> None:
     assert Engine(models.build(SMALL, device="meta"), config(tmp_path)).overlap
-    assert not Engine(models.build(SMALL, device="meta"), config(tmp_path, clip_grad_norm=1.0)).overlap
+    assert not Engine(
+        models.build(SMALL, device="meta"), config(tmp_path, clip_grad_norm=1.0)
+    ).overlap
     assert not Engine(models.build(SMALL, device="meta"), config(tmp_path, dtype="fp16")).overlap
 
 
 # -- fp16 dynamic loss scaling ----------------------------------------------------------------
 
+
 def stored_bytes(engine: Engine) -> dict[str, bytes]:
     """Every shard of every state kind, as raw bytes, read back from its home tier."""
-    return {f"{kind.value}/{unit.index}": engine.read_shard(kind, unit).view(torch.uint8).numpy().tobytes()
-            for unit in engine.units for kind in StateKind if kind is not StateKind.GRAD}
+    return {
+        f"{kind.value}/{unit.index}": engine.read_shard(kind, unit)
+        .view(torch.uint8)
+        .numpy()
+        .tobytes()
+        for unit in engine.units
+        for kind in StateKind
+        if kind is not StateKind.GRAD
+    }
 
 
 def test_fp16_overflow_skips_the_step_halves_the_scale_and_writes_nothing(tmp_path) -> None:
@@ -136,8 +153,11 @@ def test_fp16_scale_grows_after_a_run_of_good_steps(tmp_path) -> None:
 
 # -- bad input ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_unsupported_compute_dtype_is_refused_before_anything_is_written(tmp_path, monkeypatch, dtype) -> None:
+def test_unsupported_compute_dtype_is_refused_before_anything_is_written(
+    tmp_path, monkeypatch, dtype
+) -> None:
     import tierzero.precision as precision
 
     monkeypatch.setattr(precision, "_supports", lambda d, device: False)
@@ -146,10 +166,13 @@ def test_unsupported_compute_dtype_is_refused_before_anything_is_written(tmp_pat
     assert not (tmp_path / "nvme").exists()
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"loss_scale": 1000.0}, "loss_scale must be a power of two"),
-    ({"accumulate": 0}, "accumulate must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"loss_scale": 1000.0}, "loss_scale must be a power of two"),
+        ({"accumulate": 0}, "accumulate must be an integer >= 1"),
+    ],
+)
 def test_bad_precision_settings(tmp_path, kw, message) -> None:
     with pytest.raises(ConfigError, match=message):
         config(tmp_path, **kw)
@@ -171,9 +194,13 @@ def test_bf16_engine_tracks_the_fp32_reference_loss_curve() -> None:
 
     common = dict(lr=3e-3, total_steps=100, warmup_steps=10)
     data = batches(8, 32)
-    with Engine(models.build(SMALL, device="meta"), Config(offload="host", dtype="bf16", **common)) as engine:
+    with Engine(
+        models.build(SMALL, device="meta"), Config(offload="host", dtype="bf16", **common)
+    ) as engine:
         ours = np.array([engine.train_step(data.next_batch()) for _ in range(100)])
-    reference = ReferenceTrainer(models.build(SMALL), Config(offload="none", dtype="fp32", **common))
+    reference = ReferenceTrainer(
+        models.build(SMALL), Config(offload="none", dtype="fp32", **common)
+    )
     data = batches(8, 32)
     theirs = np.array([reference.train_step(data.next_batch()) for _ in range(100)])
     ours_w, theirs_w = ours.reshape(5, 20).mean(1), theirs.reshape(5, 20).mean(1)
@@ -190,7 +217,9 @@ def test_clipping_by_the_previous_norm_is_an_opt_in_approximation(tmp_path) -> N
     engine = Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg)
     assert engine.overlap
     _, unclipped = reference_run(SMALL, config(tmp_path), steps=1)
-    reference = ReferenceTrainer(models.build(SMALL, seed=cfg.seed), config(tmp_path, clip_grad_norm=0.5))
+    reference = ReferenceTrainer(
+        models.build(SMALL, seed=cfg.seed), config(tmp_path, clip_grad_norm=0.5)
+    )
     data, ref_data = batches(), batches()
     with engine:
         engine.train_step(data.next_batch())

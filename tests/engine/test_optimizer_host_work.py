@@ -19,18 +19,15 @@ import traceback
 
 import pytest
 import torch
+from test_copy_pipeline import train_through_fake
+from tierzero.storage.base import BudgetExceededError
 from torch.overrides import TorchFunctionMode
 
+from tests.support.engine import SMALL, batches, reference_run
+from tests.support.fakes.streams import RecordingStreams
 from tierzero import Config, Offload, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.engine.runtime import streams
-
-from tests.support.engine import SMALL, batches, reference_run
-from tierzero.storage.base import BudgetExceededError
-
-from tests.support.fakes.streams import RecordingStreams
-from test_copy_pipeline import train_through_fake
-
 
 _METADATA = {"view", "__getitem__", "__get__", "numel", "size", "element_size", "data_ptr", "dim"}
 
@@ -47,17 +44,35 @@ class OptimizerCalls(TorchFunctionMode):
         if getattr(func, "__name__", "") in _METADATA:
             return func(*args, **(kwargs or {}))
         files = [f.filename for f in traceback.extract_stack(limit=12)[:-1]]
-        if any(f.endswith("engine/step/optim.py") for f in files) and not any(f.endswith("fakes/streams.py")
-                                                                          for f in files):
-            self.calls.append(f"{getattr(func, '__name__', func)} on {threading.current_thread().name}")
+        if any(f.endswith("engine/step/optim.py") for f in files) and not any(
+            f.endswith("fakes/streams.py") for f in files
+        ):
+            self.calls.append(
+                f"{getattr(func, '__name__', func)} on {threading.current_thread().name}"
+            )
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("placement", [Placement(*[Tier.NVME] * 5), Placement.for_offload(Offload.HOST)],
-                         ids=["nvme", "gpu-params"])
-def test_no_optimizer_tensor_work_on_the_training_thread(tmp_path, monkeypatch, placement: Placement) -> None:
-    cfg = Config(placement=placement, nvme_path=[str(tmp_path / "nvme")], lr=3e-3, warmup_steps=1, total_steps=3,
-                 host_budget="256MiB", gpu_budget="256MiB", piece_numel=6144, overlap_step=True, prefetch_depth=2)
+@pytest.mark.parametrize(
+    "placement",
+    [Placement(*[Tier.NVME] * 5), Placement.for_offload(Offload.HOST)],
+    ids=["nvme", "gpu-params"],
+)
+def test_no_optimizer_tensor_work_on_the_training_thread(
+    tmp_path, monkeypatch, placement: Placement
+) -> None:
+    cfg = Config(
+        placement=placement,
+        nvme_path=[str(tmp_path / "nvme")],
+        lr=3e-3,
+        warmup_steps=1,
+        total_steps=3,
+        host_budget="256MiB",
+        gpu_budget="256MiB",
+        piece_numel=6144,
+        overlap_step=True,
+        prefetch_depth=2,
+    )
     if placement.param is Tier.GPU:  # device memory apart from the host's: through the fake
         fake = RecordingStreams(separate_writes=True)
         monkeypatch.setattr(streams, "open_streams", lambda device: fake)
@@ -74,9 +89,12 @@ def test_no_optimizer_tensor_work_on_the_training_thread(tmp_path, monkeypatch, 
 
 
 @pytest.mark.parametrize("case", ["gpu-params-overlap", "gpu-params-accumulate"])
-def test_param_writes_into_device_memory_go_up_on_h2d_write(tmp_path, monkeypatch, case: str) -> None:
-    problems, (losses, weights), (ref_losses, ref_weights) = train_through_fake(tmp_path, monkeypatch, case,
-                                                                                separate_writes=True)
+def test_param_writes_into_device_memory_go_up_on_h2d_write(
+    tmp_path, monkeypatch, case: str
+) -> None:
+    problems, (losses, weights), (ref_losses, ref_weights) = train_through_fake(
+        tmp_path, monkeypatch, case, separate_writes=True
+    )
     assert losses == ref_losses
     for key in ref_weights:
         assert torch.equal(weights[key], ref_weights[key]), key
@@ -84,8 +102,14 @@ def test_param_writes_into_device_memory_go_up_on_h2d_write(tmp_path, monkeypatc
 
 
 def test_a_look_ahead_read_of_optimizer_states_never_waits_for_a_transfer(tmp_path) -> None:
-    cfg = Config(placement=Placement(*[Tier.NVME] * 5), nvme_path=[str(tmp_path / "nvme")], lr=3e-3,
-                 host_budget="256MiB", piece_numel=6144, overlap_step=True)
+    cfg = Config(
+        placement=Placement(*[Tier.NVME] * 5),
+        nvme_path=[str(tmp_path / "nvme")],
+        lr=3e-3,
+        host_budget="256MiB",
+        piece_numel=6144,
+        overlap_step=True,
+    )
     with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
         engine.train_step(batches().next_batch())  # the first forward sizes the host pool
         tiers, optimizer, unit = engine.tiers, engine.optimizer, engine.units[1]

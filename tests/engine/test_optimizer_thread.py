@@ -8,15 +8,16 @@ from __future__ import annotations
 import threading
 
 import torch
-
-from tierzero import Config, Placement, Tier
-from tierzero.engine.step import optim
 from tierzero.storage.io import MATH_LANE, IOLoop
 
 from tests.support.engine import SMALL, engine_weights, reference_run
+from tierzero import Config, Placement, Tier
+from tierzero.engine.step import optim
 
 
-def test_overlapped_steps_run_on_the_optimizer_thread_and_stay_bitwise(tmp_path, monkeypatch) -> None:
+def test_overlapped_steps_run_on_the_optimizer_thread_and_stay_bitwise(
+    tmp_path, monkeypatch
+) -> None:
     threads: set[str] = set()
     adamw_step = optim.adamw_step
 
@@ -25,9 +26,17 @@ def test_overlapped_steps_run_on_the_optimizer_thread_and_stay_bitwise(tmp_path,
         adamw_step(*args, **kwargs)
 
     monkeypatch.setattr(optim, "adamw_step", recorded)
-    cfg = Config(placement=Placement(*[Tier.NVME] * 5), nvme_path=[str(tmp_path / "nvme")], lr=3e-3,
-                 warmup_steps=1, total_steps=3, host_budget="256MiB", piece_numel=6144, overlap_step=True,
-                 io_threads=4)
+    cfg = Config(
+        placement=Placement(*[Tier.NVME] * 5),
+        nvme_path=[str(tmp_path / "nvme")],
+        lr=3e-3,
+        warmup_steps=1,
+        total_steps=3,
+        host_budget="256MiB",
+        piece_numel=6144,
+        overlap_step=True,
+        io_threads=4,
+    )
     _, ref_weights = reference_run(SMALL, cfg, steps=2)
     weights = engine_weights(SMALL, cfg, steps=2)
     assert threads == {f"tierzero-wait-{MATH_LANE}_0"}
@@ -39,10 +48,9 @@ def test_backward_waiting_for_the_optimizers_buffers_is_counted(tmp_path, monkey
     """Backward hands each unit to the optimizer and leases its pieces' buffers; when the
     steps in flight hold the pool's buffers, backward waits, and that wait is reported as
     `wait_optimizer_s` (part of `io_wait_s`), here forced by a step slowed to 50 ms a piece."""
-    from tierzero.engine import Engine
-    from tierzero import models
-
     from tests.support.engine import batches
+    from tierzero import models
+    from tierzero.engine import Engine
 
     adamw_step = optim.adamw_step
 
@@ -51,8 +59,15 @@ def test_backward_waiting_for_the_optimizers_buffers_is_counted(tmp_path, monkey
         adamw_step(*args, **kwargs)
 
     monkeypatch.setattr(optim, "adamw_step", slow)
-    cfg = Config(placement=Placement(*[Tier.NVME] * 5), nvme_path=[str(tmp_path / "nvme")], lr=3e-3,
-                 total_steps=2, piece_numel=6144, overlap_step=True, prefetch_depth=1)
+    cfg = Config(
+        placement=Placement(*[Tier.NVME] * 5),
+        nvme_path=[str(tmp_path / "nvme")],
+        lr=3e-3,
+        total_steps=2,
+        piece_numel=6144,
+        overlap_step=True,
+        prefetch_depth=1,
+    )
     data = batches()
     with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
         engine.stats()
@@ -66,7 +81,9 @@ def test_host_math_runs_on_one_thread_with_its_own_openmp_team() -> None:
     before = torch.get_num_threads()
     try:
         with IOLoop(2, math_threads=1) as io:
-            seen = io.run(io.run_math(lambda: (threading.current_thread().name, torch.get_num_threads())))
+            seen = io.run(
+                io.run_math(lambda: (threading.current_thread().name, torch.get_num_threads()))
+            )
         assert seen == (f"tierzero-wait-{MATH_LANE}_0", 1)
         assert torch.get_num_threads() == before
     finally:  # torch starts new threads with the last count set anywhere: put it back for later tests

@@ -8,7 +8,12 @@ import torch
 from tierzero import precision
 from tierzero.config import DType
 from tierzero.errors import ConfigError, TierzeroError
-from tierzero.precision import DynamicLossScaler, check_dtype_supported, compute_dtype, default_dtype
+from tierzero.precision import (
+    DynamicLossScaler,
+    check_dtype_supported,
+    compute_dtype,
+    default_dtype,
+)
 
 CPU = torch.device("cpu")
 

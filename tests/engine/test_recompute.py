@@ -9,13 +9,14 @@ of what the kept graphs hold.
 
 from __future__ import annotations
 
-from typing import Any
-
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
+from test_engine_exact import PLACEMENTS, config
 
+from tests.support.engine import SMALL, assert_same, batches, fresh, reference_run
 from tierzero import Config, models
 from tierzero.config import Recompute, Tier
 from tierzero.engine import Engine
@@ -27,9 +28,6 @@ from tierzero.planning.ledger import activation_memory
 from tierzero.planning.recompute import choose_kept
 from tierzero.planning.workload import Workload
 
-from tests.support.engine import SMALL, assert_same, batches, fresh, reference_run
-from test_engine_exact import PLACEMENTS, config
-
 STEPS, K = 2, 2
 BLOCKS = frozenset(range(1, SMALL.n_layers + 1))  # unit 0 is the embedding, the last the head
 HEAD = SMALL.n_layers + 1
@@ -37,8 +35,13 @@ UNTIED = dataclasses.replace(SMALL, tie_embeddings=False)
 CHUNK_BYTES = 4 * SMALL.vocab_size * 40  # 40 tokens per loss chunk: a 4 x 32 batch takes 4 chunks
 
 
-def train(cfg: Config, monkeypatch: pytest.MonkeyPatch, steps: int = STEPS, args: ModelArgs = SMALL,
-          chunk_bytes: int | None = None) -> tuple[dict, Engine, list[int], list[int]]:
+def train(
+    cfg: Config,
+    monkeypatch: pytest.MonkeyPatch,
+    steps: int = STEPS,
+    args: ModelArgs = SMALL,
+    chunk_bytes: int | None = None,
+) -> tuple[dict, Engine, list[int], list[int]]:
     """Final weights, the engine, the storages of every block input (one per forward run) and
     of the head's inputs (two per run: hidden state and targets)."""
     inputs: list[int] = []
@@ -49,7 +52,9 @@ def train(cfg: Config, monkeypatch: pytest.MonkeyPatch, steps: int = STEPS, args
         inputs.append(x.untyped_storage().data_ptr())
         return forward(self, x)
 
-    def counted_head(self: Transformer, x: torch.Tensor, targets: torch.Tensor | None = None, *rest: Any) -> torch.Tensor:
+    def counted_head(
+        self: Transformer, x: torch.Tensor, targets: torch.Tensor | None = None, *rest: Any
+    ) -> torch.Tensor:
         head_inputs.extend(t.untyped_storage().data_ptr() for t in (x, targets) if t is not None)
         return head_out(self, x, targets, *rest)
 
@@ -69,13 +74,22 @@ def train(cfg: Config, monkeypatch: pytest.MonkeyPatch, steps: int = STEPS, args
 
 
 @pytest.mark.parametrize("name", ["all-gpu", "everything-on-nvme"])
-def test_kept_graphs_are_bitwise_equal_to_recompute_and_run_each_forward_once(tmp_path, monkeypatch, name) -> None:
+def test_kept_graphs_are_bitwise_equal_to_recompute_and_run_each_forward_once(
+    tmp_path, monkeypatch, name
+) -> None:
     runs = {}
     for recompute in ("all", "auto"):
-        cfg = config(fresh(tmp_path, recompute), PLACEMENTS[name], accumulate=K, recompute=recompute,
-                     schedule="horizontal")  # kept graphs are the horizontal schedule's (vertical recomputes all)
+        cfg = config(
+            fresh(tmp_path, recompute),
+            PLACEMENTS[name],
+            accumulate=K,
+            recompute=recompute,
+            schedule="horizontal",
+        )  # kept graphs are the horizontal schedule's (vertical recomputes all)
         runs[recompute] = train(cfg, monkeypatch)
-    _, ref = reference_run(SMALL, config(fresh(tmp_path, "ref"), PLACEMENTS[name], accumulate=K), steps=STEPS)
+    _, ref = reference_run(
+        SMALL, config(fresh(tmp_path, "ref"), PLACEMENTS[name], accumulate=K), steps=STEPS
+    )
     micro_batches = STEPS * K
     assert runs["all"][1].runner.kept == frozenset()
     assert len(runs["all"][2]) == 2 * SMALL.n_layers * micro_batches  # forward, then recompute
@@ -86,13 +100,20 @@ def test_kept_graphs_are_bitwise_equal_to_recompute_and_run_each_forward_once(tm
     assert_same(runs["all"][0], ref)
 
 
-@pytest.mark.parametrize("chunk_bytes", [None, CHUNK_BYTES], ids=["one-loss-chunk", "four-loss-chunks"])
+@pytest.mark.parametrize(
+    "chunk_bytes", [None, CHUNK_BYTES], ids=["one-loss-chunk", "four-loss-chunks"]
+)
 def test_an_untied_head_keeps_its_graph_too(tmp_path, monkeypatch, chunk_bytes) -> None:
     place = PLACEMENTS["everything-on-nvme"]
-    ref, _, _, heads_all = train(config(fresh(tmp_path, "all"), place, recompute="all"), monkeypatch, args=UNTIED,
-                                 chunk_bytes=chunk_bytes)
-    weights, engine, _, heads = train(config(fresh(tmp_path, "auto"), place), monkeypatch, args=UNTIED,
-                                      chunk_bytes=chunk_bytes)
+    ref, _, _, heads_all = train(
+        config(fresh(tmp_path, "all"), place, recompute="all"),
+        monkeypatch,
+        args=UNTIED,
+        chunk_bytes=chunk_bytes,
+    )
+    weights, engine, _, heads = train(
+        config(fresh(tmp_path, "auto"), place), monkeypatch, args=UNTIED, chunk_bytes=chunk_bytes
+    )
     assert engine.runner.kept == BLOCKS | {HEAD}
     assert len(heads_all) == 2 * 2 * STEPS and len(heads) == 2 * STEPS  # (hidden, targets) per run
     assert_same(weights, ref)
@@ -112,8 +133,12 @@ def test_the_memory_model_counts_what_kept_graphs_hold(tmp_path, monkeypatch, ar
         return saved
 
     monkeypatch.setattr(execute._ParamViews, "pack", spy)
-    _, engine, inputs, heads = train(config(tmp_path, PLACEMENTS["param-on-host"], recompute="none"), monkeypatch,
-                                     steps=1, args=args)
+    _, engine, inputs, heads = train(
+        config(tmp_path, PLACEMENTS["param-on-host"], recompute="none"),
+        monkeypatch,
+        steps=1,
+        args=args,
+    )
     measured = sum(n for ptr, n in storages.items() if ptr not in {*inputs, *heads})
     act = engine.sizing.activations
     assert act.kept_blocks == SMALL.n_layers and act.kept_head is not args.tie_embeddings
@@ -122,20 +147,33 @@ def test_the_memory_model_counts_what_kept_graphs_hold(tmp_path, monkeypatch, ar
 
 def test_a_budget_for_one_block_keeps_the_last_one(tmp_path, monkeypatch) -> None:
     placement = PLACEMENTS["param-on-host"]
-    _, probe, _, _ = train(config(fresh(tmp_path, "probe"), placement, recompute="all"), monkeypatch, steps=1)
-    room = probe.tiers.host_budget - probe.memory.tiers[Tier.HOST].pool_bytes  # what keeping could use
+    _, probe, _, _ = train(
+        config(fresh(tmp_path, "probe"), placement, recompute="all"), monkeypatch, steps=1
+    )
+    room = (
+        probe.tiers.host_budget - probe.memory.tiers[Tier.HOST].pool_bytes
+    )  # what keeping could use
     per = probe.sizing.activations.recompute_bytes
     budget = probe.config.host_budget - room + 3 * per // 2
     one = dataclasses.replace(config(fresh(tmp_path, "one"), placement), host_budget=budget)
     weights, engine, inputs, _ = train(one, monkeypatch, steps=2)
-    assert engine.runner.kept == frozenset({SMALL.n_layers})  # the last block: freed first in backward
+    assert engine.runner.kept == frozenset(
+        {SMALL.n_layers}
+    )  # the last block: freed first in backward
     assert engine.sizing.activations.kept_blocks == 1
     assert len(inputs) == (2 * SMALL.n_layers - 1) * 2
-    reference, _, _, _ = train(config(fresh(tmp_path, "all"), placement, recompute="all"), monkeypatch, steps=2)
+    reference, _, _, _ = train(
+        config(fresh(tmp_path, "all"), placement, recompute="all"), monkeypatch, steps=2
+    )
     assert_same(weights, reference)
     with pytest.raises(ConfigError, match="--recompute none keeps 3 units' activations"):
-        train(dataclasses.replace(one, recompute="none", nvme_path=[str(fresh(tmp_path, "none") / "nvme")]),
-              monkeypatch, steps=1)
+        train(
+            dataclasses.replace(
+                one, recompute="none", nvme_path=[str(fresh(tmp_path, "none") / "nvme")]
+            ),
+            monkeypatch,
+            steps=1,
+        )
 
 
 def test_choose_kept_by_hand() -> None:
@@ -157,5 +195,7 @@ def test_choose_kept_by_hand() -> None:
 
 
 def test_config_refuses_an_unknown_recompute() -> None:
-    with pytest.raises(ConfigError, match="recompute 'some' is not valid; choose one of auto|all|none"):
+    with pytest.raises(
+        ConfigError, match="recompute 'some' is not valid; choose one of auto|all|none"
+    ):
         Config(recompute="some")

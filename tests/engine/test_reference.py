@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tierzero import Config, models
-from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.lr import lr_at
 from tierzero.reference import ReferenceTrainer
+from tierzero.run.data import TokenBatches, default_corpus
 
 VAL_LOSS_BOUND = 3.2  # nats/byte; the untrained model sits near ln(256) = 5.55
 
@@ -42,6 +42,10 @@ def test_accumulation_steps_once_per_global_batch() -> None:
     x = torch.randint(0, 256, (2, 16))
     trainer.train_step((x, x))
     trainer.train_step((x, x))
-    assert trainer.step_count == 0 and torch.equal(trainer.master_state_dict()["norm.weight"], before)
+    assert trainer.step_count == 0 and torch.equal(
+        trainer.master_state_dict()["norm.weight"], before
+    )
     trainer.train_step((x, x))
-    assert trainer.step_count == 1 and not torch.equal(trainer.master_state_dict()["norm.weight"], before)
+    assert trainer.step_count == 1 and not torch.equal(
+        trainer.master_state_dict()["norm.weight"], before
+    )

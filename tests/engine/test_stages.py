@@ -19,23 +19,24 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from tests.support.engine import SMALL, batches, reference_run
 from tierzero import Config, Placement, Tier, models
 from tierzero.distributed.comm import Comm
 from tierzero.engine import Engine
 from tierzero.errors import CheckpointError, ConfigError
-from tierzero.planning.memory_model import peak_memory
-from tierzero.planning.workload import Workload
 from tierzero.layout.partition import grad_uses, partition
+from tierzero.planning.memory_model import peak_memory
 from tierzero.planning.swapplan import Op
-
-from tests.support.engine import SMALL, batches, reference_run
+from tierzero.planning.workload import Workload
 
 STEPS, ACCUMULATE = 2, 2
 STAGES = (1, 2, 3)
 
 
 def _rank(rank: int, root: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2
+    )
     counts: dict[str, int] = {}
 
     def counting(name: str):
@@ -44,6 +45,7 @@ def _rank(rank: int, root: str) -> None:
         def run(self, *args, **kwargs):
             counts[name] = counts.get(name, 0) + 1
             return method(self, *args, **kwargs)
+
         return run
 
     Comm.reduce_scatter_async = counting("reduce_scatter_async")
@@ -53,23 +55,35 @@ def _rank(rank: int, root: str) -> None:
         report["choice"] = _choices(root)
         for stage in STAGES:
             counts.clear()
-            home = Tier.NVME if stage == 1 else Tier.HOST  # stage 1's whole grads and params on nvme too
-            cfg = Config(placement=Placement(home, home, Tier.NVME, Tier.NVME, Tier.NVME),
-                         nvme_path=[f"{root}/nvme{stage}"], lr=3e-3, total_steps=STEPS, accumulate=ACCUMULATE,
-                         stage=stage)
+            home = (
+                Tier.NVME if stage == 1 else Tier.HOST
+            )  # stage 1's whole grads and params on nvme too
+            cfg = Config(
+                placement=Placement(home, home, Tier.NVME, Tier.NVME, Tier.NVME),
+                nvme_path=[f"{root}/nvme{stage}"],
+                lr=3e-3,
+                total_steps=STEPS,
+                accumulate=ACCUMULATE,
+                stage=stage,
+            )
             data = batches()
             with Engine(models.build(SMALL, device="meta", seed=0), cfg) as engine:
                 for micro in range(STEPS * ACCUMULATE):
                     if stage == 2 and micro == ACCUMULATE:  # after step 1
                         engine.save_checkpoint(f"{root}/run", data=data.state_dict())
                     x, y = data.next_batch()
-                    engine.train_step((x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]))
-                report[stage] = {"counts": dict(counts), "stage": engine.stage,
-                                 "gathers": sum(op.op is Op.GATHER for op in engine.train_plan.ops)}
+                    engine.train_step((x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
+                report[stage] = {
+                    "counts": dict(counts),
+                    "stage": engine.stage,
+                    "gathers": sum(op.op is Op.GATHER for op in engine.train_plan.ops),
+                }
                 weights = engine.master_state_dict()  # a collective: every rank gathers
             if rank == 0:
-                save_file({k: v.contiguous() for k, v in weights.items() if k != "head.weight"},
-                          f"{root}/stage{stage}.safetensors")
+                save_file(
+                    {k: v.contiguous() for k, v in weights.items() if k != "head.weight"},
+                    f"{root}/stage{stage}.safetensors",
+                )
         _resume(rank, root)
         if rank == 0:
             with open(f"{root}/report.json", "w") as f:
@@ -81,10 +95,20 @@ def _rank(rank: int, root: str) -> None:
 def _choices(root: str) -> dict[str, object]:
     """The engine's stage choice (constructors only: nothing is opened) at a generous host
     budget, and at stage 3's own need, where a forced stage 2 is refused."""
-    def engine(stage: int | None, host_budget: int | None = None, accumulate: int = ACCUMULATE) -> Engine:
-        return Engine(models.build(SMALL, device="meta", seed=0),
-                      Config(offload="nvme", nvme_path=[f"{root}/choice"], stage=stage, accumulate=accumulate,
-                             host_budget=host_budget))
+
+    def engine(
+        stage: int | None, host_budget: int | None = None, accumulate: int = ACCUMULATE
+    ) -> Engine:
+        return Engine(
+            models.build(SMALL, device="meta", seed=0),
+            Config(
+                offload="nvme",
+                nvme_path=[f"{root}/choice"],
+                stage=stage,
+                accumulate=accumulate,
+                host_budget=host_budget,
+            ),
+        )
 
     stage3 = engine(3)
     tight = stage3.sizing.memory(stage3.placement, 3).needs()[Tier.HOST]
@@ -93,27 +117,40 @@ def _choices(root: str) -> dict[str, object]:
         refused = ""
     except ConfigError as e:
         refused = str(e)
-    return {"generous": engine(None, 1 << 30).stage, "generous_one_micro": engine(None, 1 << 30, 1).stage,
-            "tight": engine(None, tight).stage, "refused": refused}
+    return {
+        "generous": engine(None, 1 << 30).stage,
+        "generous_one_micro": engine(None, 1 << 30, 1).stage,
+        "tight": engine(None, tight).stage,
+        "refused": refused,
+    }
 
 
 def _resume(rank: int, root: str) -> None:
     """Stage 2 from its step-1 checkpoint to the end (bitwise the uninterrupted run's weights
     are the test's to compare); a stage-3 engine refuses the checkpoint."""
+
     def config(stage: int, where: str) -> Config:
-        return Config(placement=Placement(Tier.HOST, Tier.HOST, Tier.NVME, Tier.NVME, Tier.NVME),
-                      nvme_path=[f"{root}/{where}"], lr=3e-3, total_steps=STEPS, accumulate=ACCUMULATE, stage=stage)
+        return Config(
+            placement=Placement(Tier.HOST, Tier.HOST, Tier.NVME, Tier.NVME, Tier.NVME),
+            nvme_path=[f"{root}/{where}"],
+            lr=3e-3,
+            total_steps=STEPS,
+            accumulate=ACCUMULATE,
+            stage=stage,
+        )
 
     data = batches()
     with Engine(models.build(SMALL, device="meta", seed=0), config(2, "resumed")) as engine:
         data.load_state_dict(engine.load_checkpoint(f"{root}/run").data)
         for _ in range(ACCUMULATE, STEPS * ACCUMULATE):
             x, y = data.next_batch()
-            engine.train_step((x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]))
+            engine.train_step((x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
         weights = engine.master_state_dict()
     if rank == 0:
-        save_file({k: v.contiguous() for k, v in weights.items() if k != "head.weight"},
-                  f"{root}/resumed.safetensors")
+        save_file(
+            {k: v.contiguous() for k, v in weights.items() if k != "head.weight"},
+            f"{root}/resumed.safetensors",
+        )
     with Engine(models.build(SMALL, device="meta", seed=0), config(3, "refused")) as engine:
         try:
             engine.load_checkpoint(f"{root}/run")
@@ -129,17 +166,24 @@ def stages(tmp_path_factory):
     mp.spawn(_rank, args=(str(root),), nprocs=2, join=True)
     report = json.loads((root / "report.json").read_text())
     return {s: (load_file(str(root / f"stage{s}.safetensors")), report[str(s)]) for s in STAGES} | {
-        "root": root, "choice": report["choice"]}
+        "root": root,
+        "choice": report["choice"],
+    }
 
 
 def test_every_stage_matches_the_full_batch_reference(stages) -> None:
-    _, ref = reference_run(SMALL, Config(offload="none", lr=3e-3, total_steps=STEPS, accumulate=ACCUMULATE),
-                           steps=STEPS)
+    _, ref = reference_run(
+        SMALL,
+        Config(offload="none", lr=3e-3, total_steps=STEPS, accumulate=ACCUMULATE),
+        steps=STEPS,
+    )
     for stage, (weights, report) in _runs(stages).items():
         assert report["stage"] == stage
         assert weights.keys() == ref.keys() - {"head.weight"}
         for key, value in weights.items():
-            torch.testing.assert_close(value, ref[key], rtol=0, atol=5e-5, msg=lambda m: f"stage {stage}: {m}")
+            torch.testing.assert_close(
+                value, ref[key], rtol=0, atol=5e-5, msg=lambda m: f"stage {stage}: {m}"
+            )
 
 
 def test_collectives_per_stage(stages) -> None:
@@ -147,13 +191,17 @@ def test_collectives_per_stage(stages) -> None:
     every use's params; stage 2 reduces as often but gathers only once per unit, after the
     step; stage 1 reduces once per unit use per step, whatever `accumulate` is."""
     units = partition(models.build(SMALL, device="meta", seed=0), 2)
-    reductions = sum(grad_uses(units).values())  # per backward: a tied embedding's two uses count twice
+    reductions = sum(
+        grad_uses(units).values()
+    )  # per backward: a tied embedding's two uses count twice
     counts = {s: report["counts"] for s, (_, report) in _runs(stages).items()}
     assert counts[1]["reduce_scatter_async"] == STEPS * reductions
     assert counts[2]["reduce_scatter_async"] == STEPS * ACCUMULATE * reductions
     assert counts[3]["reduce_scatter_async"] == STEPS * ACCUMULATE * reductions
     assert counts[1]["all_gather_async"] == counts[2]["all_gather_async"] == STEPS * len(units)
-    assert counts[3]["all_gather_async"] > STEPS * ACCUMULATE * len(units)  # every use, forward and backward
+    assert counts[3]["all_gather_async"] > STEPS * ACCUMULATE * len(
+        units
+    )  # every use, forward and backward
     gathers = {s: report["gathers"] for s, (_, report) in _runs(stages).items()}
     assert gathers[1] == gathers[2] == 0 and gathers[3] > 0  # the swap plans' GATHER ops
 
@@ -167,17 +215,34 @@ def test_the_memory_model_counts_replicated_state() -> None:
     padded = [-(-n // 4096) * 4096 for _, n in units]  # ALIGN_NUMEL x 2 ranks
 
     def mem(stage: int, accumulate: int = 1):
-        return peak_memory(Workload.from_sizes(units, compute_itemsize=2, world_size=2, device="cuda", stage=stage,
-                                               accumulate=accumulate, overlap=False),
-                           Placement(*[Tier.HOST] * 5)).per_rank()
+        return peak_memory(
+            Workload.from_sizes(
+                units,
+                compute_itemsize=2,
+                world_size=2,
+                device="cuda",
+                stage=stage,
+                accumulate=accumulate,
+                overlap=False,
+            ),
+            Placement(*[Tier.HOST] * 5),
+        ).per_rank()
 
     s3, s2, s1 = mem(3), mem(2), mem(1, accumulate=2)
     assert s2.tiers[Tier.HOST].homes_bytes - s3.tiers[Tier.HOST].homes_bytes == sum(padded) // 2 * 2
     assert s1.tiers[Tier.HOST].homes_bytes - s2.tiers[Tier.HOST].homes_bytes == sum(padded) * 4
-    assert mem(1).tiers[Tier.HOST].homes_bytes == s2.tiers[Tier.HOST].homes_bytes  # one micro-batch: as stage 2
+    assert (
+        mem(1).tiers[Tier.HOST].homes_bytes == s2.tiers[Tier.HOST].homes_bytes
+    )  # one micro-batch: as stage 2
     assert s3.tiers[Tier.GPU].parts["gathered params"] > 0
-    assert s2.tiers[Tier.GPU].parts["params in flight"] == s3.tiers[Tier.GPU].parts["params in flight"] * 2
-    assert s2.tiers[Tier.GPU].unpooled_phase == "backward" and s2.tiers[Tier.GPU].parts["gathered params"] == 0
+    assert (
+        s2.tiers[Tier.GPU].parts["params in flight"]
+        == s3.tiers[Tier.GPU].parts["params in flight"] * 2
+    )
+    assert (
+        s2.tiers[Tier.GPU].unpooled_phase == "backward"
+        and s2.tiers[Tier.GPU].parts["gathered params"] == 0
+    )
 
 
 def test_a_stage_is_one_two_or_three() -> None:
@@ -204,5 +269,10 @@ def test_the_engine_chooses_the_stage_by_the_budget(stages) -> None:
     (replicated params do not fit): 3, and a forced stage 2 is refused in one sentence."""
     choice = stages["choice"]
     assert (choice["generous"], choice["generous_one_micro"], choice["tight"]) == (1, 2, 3)
-    assert choice["refused"].startswith("--stage 2 keeps every unit's params whole on each rank, which needs ")
-    assert "use --stage 3 (or leave --stage unset to choose), or raise --host-budget" in choice["refused"]
+    assert choice["refused"].startswith(
+        "--stage 2 keeps every unit's params whole on each rank, which needs "
+    )
+    assert (
+        "use --stage 3 (or leave --stage unset to choose), or raise --host-budget"
+        in choice["refused"]
+    )

@@ -15,33 +15,45 @@ import threading
 
 import pytest
 import torch
-
-from tierzero import Config, Placement, Tier, models
-from tierzero.engine import Engine
-from tierzero.engine.runtime import streams
-from tierzero.engine.runtime.tiers import Tiers
 from tierzero.storage.base import BudgetExceededError
 from tierzero.storage.device import DevicePool, DeviceStore
 from tierzero.storage.io import IOLoop
 
 from tests.support.engine import SMALL, batches, reference_run
 from tests.support.fakes.streams import RecordingStreams
+from tierzero import Config, Placement, Tier, models
+from tierzero.engine import Engine
+from tierzero.engine.runtime import streams
+from tierzero.engine.runtime.tiers import Tiers
 
 ON_DEVICE = Placement(Tier.GPU, Tier.GPU, Tier.GPU, Tier.GPU, Tier.GPU)
 
 
-def test_a_tied_units_stash_stays_on_the_device_with_a_device_grad_home(tmp_path, monkeypatch) -> None:
+def test_a_tied_units_stash_stays_on_the_device_with_a_device_grad_home(
+    tmp_path, monkeypatch
+) -> None:
     """Both uses of the tied embedding sum on the compute stream: nothing is stashed in a store
     (a round trip through it crossed PCIe four times), and the weights stay bitwise PyTorch's
     over accumulated micro-batches."""
     assert SMALL.tie_embeddings
-    cfg = Config(placement=ON_DEVICE, nvme_path=[str(tmp_path)], lr=3e-3, warmup_steps=1, total_steps=3,
-                 host_budget="256MiB", gpu_budget="256MiB", piece_numel=6144, accumulate=2)
+    cfg = Config(
+        placement=ON_DEVICE,
+        nvme_path=[str(tmp_path)],
+        lr=3e-3,
+        warmup_steps=1,
+        total_steps=3,
+        host_budget="256MiB",
+        gpu_budget="256MiB",
+        piece_numel=6144,
+        accumulate=2,
+    )
     fake = RecordingStreams()
     monkeypatch.setattr(streams, "open_streams", lambda device: fake)
     stored: list[str] = []
     write = DeviceStore.write
-    monkeypatch.setattr(DeviceStore, "write", lambda self, key, src: stored.append(key) or write(self, key, src))
+    monkeypatch.setattr(
+        DeviceStore, "write", lambda self, key, src: stored.append(key) or write(self, key, src)
+    )
     ref_losses, ref_weights = reference_run(SMALL, cfg, steps=2)
     data = batches()
     with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
@@ -51,7 +63,6 @@ def test_a_tied_units_stash_stays_on_the_device_with_a_device_grad_home(tmp_path
     for key in ref_weights:
         assert torch.equal(weights[key], ref_weights[key]), key
     assert stored and not [k for k in stored if k.startswith("grad_uses/")]
-
 
 
 def test_a_stuck_wait_on_one_stream_does_not_hold_up_another_streams() -> None:
@@ -122,12 +133,19 @@ def test_a_device_store_copies_after_compute_on_the_callers_stream() -> None:
         store.close()
 
 
-def test_a_look_ahead_lease_takes_what_finished_jobs_freed_and_never_waits_for_one(tmp_path) -> None:
+def test_a_look_ahead_lease_takes_what_finished_jobs_freed_and_never_waits_for_one(
+    tmp_path,
+) -> None:
     """Autograd's thread issues prefetches: with the pool full, a lease without `wait` reaps
     finished transfers and otherwise fails at once (the plan fetches the unit at its wait)
     instead of blocking on the oldest transfer in flight."""
-    cfg = Config(placement=Placement(*[Tier.HOST] * 5), nvme_path=[str(tmp_path)], io_threads=1,
-                 host_budget="1MiB", gpu_budget="1MiB")
+    cfg = Config(
+        placement=Placement(*[Tier.HOST] * 5),
+        nvme_path=[str(tmp_path)],
+        io_threads=1,
+        host_budget="1MiB",
+        gpu_budget="1MiB",
+    )
     tiers = Tiers(cfg, torch.device("cpu"), {Tier.HOST}).open()
     try:
         held = tiers.lease_host(1 << 20)

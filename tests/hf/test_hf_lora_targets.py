@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from tierzero.cli.app import app
 from typer.testing import CliRunner
 
-from tierzero.cli.app import app
 from tierzero.run.data import default_corpus
 from tierzero.run.directory import read_metrics
 
@@ -40,9 +40,17 @@ MLP = {"gate_proj", "up_proj", "down_proj"}
 # DeepSeek's and ERNIE's MLP names for their fused experts, even in shared experts and dense layers)
 FAMILIES = {
     "deepseek_v2": (
-        {**MLA, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
-         "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
-         "topk_group": 1},
+        {
+            **MLA,
+            "v_head_dim": 16,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "topk_group": 1,
+        },
         {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"},
         MLP,
     ),
@@ -52,8 +60,13 @@ FAMILIES = {
         MLP,
     ),
     "llama4_text": (  # a dense layer, then an MoE one with a shared expert and a router
-        {"num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 96,
-         "head_dim": 16, "interleave_moe_layer_step": 2},
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 1,
+            "intermediate_size_mlp": 96,
+            "head_dim": 16,
+            "interleave_moe_layer_step": 2,
+        },
         ATTENTION | MLP,
         set(),
     ),
@@ -77,16 +90,34 @@ def test_lora_without_targets_adapts_every_linear_layer_of_the_decoder_layers(ar
     data = tmp_path / "ids.npy"
     np.save(data, default_corpus(1 << 14).astype(np.uint16))
     run_dir, out = tmp_path / "run", tmp_path / "adapter"
-    result = CliRunner().invoke(app, ["train", "--model", f"hf:{model_dir}", "--data", str(data),
-                                      *TRAIN, "--offload", "nvme", "--lora-r", "4",
-                                      "--run-dir", str(run_dir)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--model",
+            f"hf:{model_dir}",
+            "--data",
+            str(data),
+            *TRAIN,
+            "--offload",
+            "nvme",
+            "--lora-r",
+            "4",
+            "--run-dir",
+            str(run_dir),
+        ],
+    )
     assert result.exit_code == 0, result.output
     said = " ".join(result.output.split())
-    note = (f"peft has no default LoRA targets for {arch}: every linear layer of its decoder "
-            "layers is adapted")
+    note = (
+        f"peft has no default LoRA targets for {arch}: every linear layer of its decoder "
+        "layers is adapted"
+    )
     if left_out:
-        note += (f" except {', '.join(sorted(left_out))} (peft takes those names for the "
-                 "experts' fused tensors")
+        note += (
+            f" except {', '.join(sorted(left_out))} (peft takes those names for the "
+            "experts' fused tensors"
+        )
     assert note in said, said
     assert f"LoRA r=4 alpha=16 on {', '.join(sorted(targets))}:" in said
     losses = [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
@@ -104,9 +135,22 @@ def test_lora_without_targets_adapts_every_linear_layer_of_the_decoder_layers(ar
 
 def test_lora_targets_that_peft_takes_for_fused_experts_are_refused(tmp_path):
     model_dir = save("ernie4_5_moe", tmp_path / "ernie")
-    result = CliRunner().invoke(app, ["train", "--model", f"hf:{model_dir}", "--steps", "1",
-                                      "--lora-r", "4", "--lora-targets", "q_proj,gate_proj,up_proj",
-                                      "--run-dir", str(tmp_path / "run")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--model",
+            f"hf:{model_dir}",
+            "--steps",
+            "1",
+            "--lora-r",
+            "4",
+            "--lora-targets",
+            "q_proj,gate_proj,up_proj",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert "as the experts' fused tensors, which tierzero cannot train yet" in result.output
     assert "Traceback" not in result.output

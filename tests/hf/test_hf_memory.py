@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from tests.support.hf import config
-from tierzero.hf import load_model
-from tierzero.models.init import WeightFiles, flat_unit
-from tierzero.layout.partition import partition
 from tierzero.engine.runtime.tiers import pin_malloc_thresholds
+from tierzero.hf import load_model
+from tierzero.layout.partition import partition
+from tierzero.models.init import WeightFiles, flat_unit
 
 
 def _kb(key: str) -> int:
@@ -31,13 +31,22 @@ def _kb(key: str) -> int:
     raise KeyError(key)
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="reads VmHWM from Linux /proc")
+@pytest.mark.skipif(
+    not Path("/proc/self/clear_refs").exists(), reason="reads VmHWM from Linux /proc"
+)
 def test_loading_a_sharded_checkpoint_holds_about_one_unit(tmp_path):
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):  # values do not matter here, only sizes: skip the slow init
-        model = AutoModelForCausalLM.from_config(config("llama", hidden_size=256, intermediate_size=1024,
-                                                        num_hidden_layers=16, tie_word_embeddings=False))
+        model = AutoModelForCausalLM.from_config(
+            config(
+                "llama",
+                hidden_size=256,
+                intermediate_size=1024,
+                num_hidden_layers=16,
+                tie_word_embeddings=False,
+            )
+        )
     model.to_empty(device="cpu")
     with torch.no_grad():
         for i, p in enumerate(model.parameters()):
@@ -51,7 +60,10 @@ def test_loading_a_sharded_checkpoint_holds_about_one_unit(tmp_path):
     hf = load_model(tmp_path)
     units = partition(hf.model)
     files = WeightFiles(hf.weights)
-    unit_bytes, model_bytes = max(u.padded_numel for u in units) * 4, sum(u.numel for u in units) * 4
+    unit_bytes, model_bytes = (
+        max(u.padded_numel for u in units) * 4,
+        sum(u.numel for u in units) * 4,
+    )
     gc.collect()
     base = _kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
@@ -59,9 +71,11 @@ def test_loading_a_sharded_checkpoint_holds_about_one_unit(tmp_path):
         flat = flat_unit(hf.model, unit, 0, files)
         if unit.index == 8:
             slot = next(s for s in unit.slots if s.names == ("model.layers.7.mlp.up_proj.weight",))
-            assert torch.equal(flat[slot.offset:slot.end].view(slot.shape), expected)
+            assert torch.equal(flat[slot.offset : slot.end].view(slot.shape), expected)
         del flat
     growth = (_kb("VmHWM") - base) * 1024
     assert model_bytes > 60e6 and unit_bytes * 15 < model_bytes
     # one unit's flat buffer plus the tensor being read (measured: 1.25 units)
-    assert growth <= 2 * unit_bytes, f"peak RSS grew {growth / 1e6:.1f} MB; one unit is {unit_bytes / 1e6:.1f} MB"
+    assert growth <= 2 * unit_bytes, (
+        f"peak RSS grew {growth / 1e6:.1f} MB; one unit is {unit_bytes / 1e6:.1f} MB"
+    )

@@ -23,20 +23,32 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from tierzero.cli.app import app
 from typer.testing import CliRunner
 
 from tests.support.hf import plain_adamw, plain_step
 from tierzero import Config, Engine
 from tierzero.checkpoint.export import export_checkpoint
-from tierzero.cli.app import app
 from tierzero.hf import load_model, materialise
 from tierzero.layout.partition import partition
 from tierzero.run.data import TokenBatches, default_corpus
 
 STEPS = 3
-COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              vocab_size=256, max_position_embeddings=128, output_router_logits=True, router_aux_loss_coef=0.5,
-              tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=128,
+    output_router_logits=True,
+    router_aux_loss_coef=0.5,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 EXPERTS = dict(num_local_experts=4, num_experts_per_tok=2)
 QWEN = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 FAMILIES = {
@@ -49,23 +61,58 @@ FAMILIES = {
     "granitemoeshared": dict(EXPERTS, shared_intermediate_size=64),
     "gpt_oss": dict(EXPERTS, head_dim=16),
     "jetmoe": dict(EXPERTS, kv_channels=16, num_key_value_heads=4),
-    "dbrx": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=128, ffn_config=dict(
-        ffn_hidden_size=96, moe_num_experts=4, moe_top_k=2), attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=10000.0)),
-    "jamba": dict(QWEN, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0),
-    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-                        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
-                        qk_nope_head_dim=8, v_head_dim=16, head_dim=8, n_group=1, topk_group=1),
+    "dbrx": dict(
+        d_model=64,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=128,
+        ffn_config=dict(ffn_hidden_size=96, moe_num_experts=4, moe_top_k=2),
+        attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=10000.0),
+    ),
+    "jamba": dict(
+        QWEN, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0
+    ),
+    "deepseek_v3": dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        head_dim=8,
+        n_group=1,
+        topk_group=1,
+    ),
     "ernie4_5_moe": dict(QWEN),
     "flex_olmo": dict(QWEN),
     "minimax": dict(EXPERTS, head_dim=16),
     # a dense layer, then an MoE one; its forward moves input_ids to embed_tokens.weight.device
-    "llama4_text": dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=96, head_dim=16,
-                        interleave_moe_layer_step=2),
+    "llama4_text": dict(
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        intermediate_size_mlp=96,
+        head_dim=16,
+        interleave_moe_layer_step=2,
+    ),
 }
 
 
-CORE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "granitemoe", "gpt_oss", "deepseek_v3", "jamba",
-        "llama4_text")
+CORE = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "phimoe",
+    "granitemoe",
+    "gpt_oss",
+    "deepseek_v3",
+    "jamba",
+    "llama4_text",
+)
 SELECTED = sorted(FAMILIES) if os.environ.get("TIERZERO_MOE_FAMILIES") == "all" else CORE
 # families whose gradients meet in another order than in one autograd graph (GPT-OSS's router logits
 # feed its top-k, its softmax and the aux loss): equal up to summation order, not bitwise
@@ -118,11 +165,23 @@ def test_trains_bitwise_as_plain_pytorch_and_exports_both_layouts(arch, tmp_path
     hf = load_model(model_dir)
     own_names, saved = {n for n, _ in hf.model.named_parameters()}, keys(model_dir)
     units = partition(hf.model)
-    assert [u.kind for u in units] == ["embedding", "block", "block", "head"]  # experts train with their layer
+    assert [u.kind for u in units] == [
+        "embedding",
+        "block",
+        "block",
+        "head",
+    ]  # experts train with their layer
     assert any(".experts." in n for u in units[1:-1] for s in u.slots for n in s.names)
 
-    config = Config(offload="nvme", device="cpu", dtype="fp32", nvme_path=[str(tmp_path / "nvme")], lr=3e-3,
-                    total_steps=STEPS, piece_numel=4096)
+    config = Config(
+        offload="nvme",
+        device="cpu",
+        dtype="fp32",
+        nvme_path=[str(tmp_path / "nvme")],
+        lr=3e-3,
+        total_steps=STEPS,
+        piece_numel=4096,
+    )
     data = batches()
     with Engine(hf.model, config, weights=model_dir) as engine:
         assert len(units[-2].pieces(config.piece_numel, 0)) > 1  # a layer's state streams in pieces
@@ -134,7 +193,10 @@ def test_trains_bitwise_as_plain_pytorch_and_exports_both_layouts(arch, tmp_path
     if arch in SUMMATION_ORDER:
         diff = max((trained[n] - v).abs().max().item() for n, v in expected.items())
         print(arch, "max weight difference", diff, "losses", losses, expected_losses)
-        assert diff <= SUMMATION_ORDER[arch] and max(abs(a - b) for a, b in zip(losses, expected_losses)) <= 1e-6
+        assert (
+            diff <= SUMMATION_ORDER[arch]
+            and max(abs(a - b) for a, b in zip(losses, expected_losses)) <= 1e-6
+        )
     else:
         assert losses == expected_losses
         for name, value in expected.items():
@@ -144,7 +206,9 @@ def test_trains_bitwise_as_plain_pytorch_and_exports_both_layouts(arch, tmp_path
         out = tmp_path / f"export-{tensors}"
         export_checkpoint(tmp_path / "run", out, tensors=tensors, max_shard_bytes=50_000)
         loaded = AutoModelForCausalLM.from_pretrained(out)
-        buffers = {n for n, _ in loaded.named_buffers()}  # save_pretrained writes persistent ones (MiniMax's decays)
+        buffers = {
+            n for n, _ in loaded.named_buffers()
+        }  # save_pretrained writes persistent ones (MiniMax's decays)
         assert keys(out) == (saved - buffers if tensors == "saved" else own_names), tensors
         for name, value in loaded.named_parameters():
             assert torch.equal(value, trained[name]), (tensors, name)
@@ -152,7 +216,9 @@ def test_trains_bitwise_as_plain_pytorch_and_exports_both_layouts(arch, tmp_path
         again = materialise(load_model(out), seed=0, weights=out)
         x, y = batches().next_batch()
         with torch.no_grad():
-            assert torch.equal(again(x, y), loaded(input_ids=x, labels=y, shift_labels=y, use_cache=False).loss)
+            assert torch.equal(
+                again(x, y), loaded(input_ids=x, labels=y, shift_labels=y, use_cache=False).loss
+            )
 
 
 def test_the_loss_includes_the_routers_aux_loss_and_its_gradient(tmp_path):
@@ -193,32 +259,71 @@ def test_cli_trains_and_exports_for_from_pretrained(arch, weights, tmp_path):
 
     np.save(data, default_corpus(1 << 14).astype(np.uint16))
     run_dir = tmp_path / "run"
-    result = CliRunner().invoke(app, ["train", "--model", f"hf:{model_dir}", "--data", str(data), "--steps", "2",
-                                      "--batch-size", "2", "--seq-len", "16", "--dtype", "fp32",
-                                      "--run-dir", str(run_dir), "--json"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--model",
+            f"hf:{model_dir}",
+            "--data",
+            str(data),
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--dtype",
+            "fp32",
+            "--run-dir",
+            str(run_dir),
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.stdout[result.stdout.index("{"):])
+    summary = json.loads(result.stdout[result.stdout.index("{") :])
     assert summary["steps"] == 2 and summary["first_loss"] > 0
     out = tmp_path / "export"
     result = CliRunner().invoke(app, ["export", str(run_dir), "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert keys(out) == saved  # one tensor per expert, as save_pretrained writes
     loaded = AutoModelForCausalLM.from_pretrained(out)
-    assert loaded.config.output_router_logits and type(loaded).__name__.lower().startswith(arch.split("_")[0])
+    assert loaded.config.output_router_logits and type(loaded).__name__.lower().startswith(
+        arch.split("_")[0]
+    )
 
 
 def test_lora_on_a_mixture_of_experts_base_exports_merged_for_from_pretrained(tmp_path):
     """peft reads the adapter's `base_model_prefix` to scope the MoE conversion mapping."""
-    from transformers import AutoModelForCausalLM
     import numpy as np
+    from transformers import AutoModelForCausalLM
 
     model_dir = save("mixtral", tmp_path / "mixtral")
     data = tmp_path / "ids.npy"
     np.save(data, default_corpus(1 << 14).astype(np.uint16))
     run_dir, out = tmp_path / "run", tmp_path / "merged"
-    result = CliRunner().invoke(app, ["train", "--model", f"hf:{model_dir}", "--data", str(data), "--steps", "2",
-                                      "--batch-size", "2", "--seq-len", "16", "--lora-r", "4",
-                                      "--lora-targets", "q_proj,v_proj", "--run-dir", str(run_dir)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--model",
+            f"hf:{model_dir}",
+            "--data",
+            str(data),
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--lora-r",
+            "4",
+            "--lora-targets",
+            "q_proj,v_proj",
+            "--run-dir",
+            str(run_dir),
+        ],
+    )
     assert result.exit_code == 0, result.output
     result = CliRunner().invoke(app, ["export", str(run_dir), "--out", str(out), "--merge"])
     assert result.exit_code == 0, result.output
@@ -239,6 +344,6 @@ def test_auto_keeps_a_model_with_router_aux_loss_horizontal_when_accumulating(tm
     data = batches()
     with Engine(hf.model, cfg, weights=model_dir) as engine:
         x, y = data.next_batch()
-        losses = [engine.train_micro_batch((x[i:i + 1], y[i:i + 1])) for i in range(2)]
+        losses = [engine.train_micro_batch((x[i : i + 1], y[i : i + 1])) for i in range(2)]
         assert not engine.vertical.on
         assert all(torch.isfinite(t).all() for t in losses)

@@ -52,9 +52,7 @@ def base_dir(tmp_path_factory) -> Path:
 def lora_model(base_dir: Path) -> nn.Module:
     torch.manual_seed(0)  # peft draws the adapters' A from torch's generator
     hf = load_model(f"hf:{base_dir}")
-    config = LoraConfig(
-        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
-    )
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     return get_peft_model(materialise(hf, seed=0, weights=hf.weights), config)
 
 
@@ -121,9 +119,7 @@ def test_units_compute_with_bitsandbytes_own_dequantized_base(
         losses = [engine.train_step(data.next_batch()) for _ in range(4)]
         weights = engine.master_state_dict()
     assert losses[-1] < losses[0] - 0.05, losses
-    assert (
-        len(linears) == 2 * 7
-    )  # q (its base layer), k, v (its base layer), o, gate, up, down
+    assert len(linears) == 2 * 7  # q (its base layer), k, v (its base layer), o, gate, up, down
     for name, want in expected.items():
         assert seen[name] and all(torch.equal(got, want) for got in seen[name]), name
         assert torch.equal(weights[f"{name}.weight"], want.float()), name
@@ -140,17 +136,13 @@ def test_the_drive_holds_the_base_in_nf4(base_dir, tmp_path) -> None:
         nvme = (
             tmp_path / quantize / "nvme"
         )  # allocated bytes: chunk files are sparse past their data
-        return sum(
-            f.stat().st_blocks * 512 for f in (nvme / "param").rglob("c/*")
-        ), engine
+        return sum(f.stat().st_blocks * 512 for f in (nvme / "param").rglob("c/*")), engine
 
     coded, engine = drive("nf4")
     plain, _ = drive("none")
     shards = engine.parts.shards.coded
     assert sorted(shards) == [1, 2]  # the blocks; the embedding and head stay fp32
-    assert plain - coded == sum(
-        s.param_numel * 4 - s.stored_nbytes for s in shards.values()
-    )
+    assert plain - coded == sum(s.param_numel * 4 - s.stored_nbytes for s in shards.values())
     # at the default piece size the 4 KiB padding of a piece is lost in its bytes: 0.5625 per
     # quantised value, the rest (norms, adapters, padding) as it is
     for index in shards:
@@ -185,16 +177,12 @@ def resume(
     with Engine(lora_model(base_dir), config(tmp_path, placement=placement)) as engine:
         manifest = engine.load_checkpoint(tmp_path / "run")
         data.load_state_dict(manifest.data)
-        losses = [
-            engine.train_step(data.next_batch()) for _ in range(steps - manifest.step)
-        ]
+        losses = [engine.train_step(data.next_batch()) for _ in range(steps - manifest.step)]
         return losses, engine.master_state_dict(), engine.notes(), manifest.step
 
 
 @pytest.mark.parametrize("placement", [NVME, HOST], ids=["nvme", "host"])
-def test_a_resume_is_bitwise_the_uninterrupted_run(
-    base_dir, tmp_path, placement
-) -> None:
+def test_a_resume_is_bitwise_the_uninterrupted_run(base_dir, tmp_path, placement) -> None:
     """NVMe: the checkpoint links the coded pieces; a host home: it writes them out."""
     whole, final = train_and_save(base_dir, tmp_path / "whole", 4, set(), placement)
     first, _ = train_and_save(base_dir, tmp_path / "cut", 2, {2}, placement)
@@ -204,9 +192,7 @@ def test_a_resume_is_bitwise_the_uninterrupted_run(
     assert all(torch.equal(final[n], resumed[n]) for n in final)
 
 
-def test_a_flipped_byte_in_a_stored_code_is_caught_on_resume(
-    base_dir, tmp_path
-) -> None:
+def test_a_flipped_byte_in_a_stored_code_is_caught_on_resume(base_dir, tmp_path) -> None:
     """The base's codes are never rewritten, so every checkpoint links the same chunks (the
     codes are stored once per run): a flipped code damages them all, and resume says so."""
     train_and_save(base_dir, tmp_path, 2, {1, 2})
@@ -214,15 +200,12 @@ def test_a_flipped_byte_in_a_stored_code_is_caught_on_resume(
     frozen = max((steps[-1] / "state" / "param" / "u0001" / "r0").iterdir())
     chunk = frozen / "c" / "0"  # the last piece of a block: its frozen rest, coded
     assert all(
-        (s / chunk.relative_to(steps[-1])).stat().st_ino == chunk.stat().st_ino
-        for s in steps
+        (s / chunk.relative_to(steps[-1])).stat().st_ino == chunk.stat().st_ino for s in steps
     )
     raw = bytearray(chunk.read_bytes())
     raw[300] ^= 0x10  # past the piece's absmax: a code
     chunk.write_bytes(raw)
-    with pytest.raises(
-        CheckpointError, match=f"{frozen.name}/c/0 fails its crc32c check"
-    ):
+    with pytest.raises(CheckpointError, match=f"{frozen.name}/c/0 fails its crc32c check"):
         resume(base_dir, tmp_path, 2)
 
 
@@ -287,9 +270,7 @@ def test_what_an_nf4_base_cannot_do_is_refused_in_one_sentence(
     assert said in result.output and "Traceback" not in result.output, result.output
 
 
-def test_export_writes_the_adapter_and_merges_into_the_dequantized_base(
-    base_dir, tmp_path
-) -> None:
+def test_export_writes_the_adapter_and_merges_into_the_dequantized_base(base_dir, tmp_path) -> None:
     from bitsandbytes.functional import dequantize_4bit, quantize_4bit
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -298,9 +279,7 @@ def test_export_writes_the_adapter_and_merges_into_the_dequantized_base(
     assert result.exit_code == 0, result.output
     for args in ([], ["--merge"]):
         out = tmp_path / ("merged" if args else "adapter")
-        result = runner.invoke(
-            app, ["export", str(tmp_path / "run"), "--out", str(out), *args]
-        )
+        result = runner.invoke(app, ["export", str(tmp_path / "run"), "--out", str(out), *args])
         assert result.exit_code == 0, result.output
     adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     assert adapter and all("lora_" in name for name in adapter)
@@ -308,16 +287,10 @@ def test_export_writes_the_adapter_and_merges_into_the_dequantized_base(
     base = AutoModelForCausalLM.from_pretrained(base_dir).state_dict()
     for name, weight in base.items():
         if ".layers." in name and name.endswith("proj.weight"):
-            coded = dequantize_4bit(
-                *quantize_4bit(weight, blocksize=64, quant_type="nf4")
-            )
-            if (
-                "q_proj" in name or "v_proj" in name
-            ):  # adapted: the base plus scaling * B @ A
+            coded = dequantize_4bit(*quantize_4bit(weight, blocksize=64, quant_type="nf4"))
+            if "q_proj" in name or "v_proj" in name:  # adapted: the base plus scaling * B @ A
                 stem = "base_model.model." + name.removesuffix(".weight")
-                delta = (
-                    adapter[f"{stem}.lora_B.weight"] @ adapter[f"{stem}.lora_A.weight"]
-                )
+                delta = adapter[f"{stem}.lora_B.weight"] @ adapter[f"{stem}.lora_A.weight"]
                 assert delta.abs().sum() > 0
                 torch.testing.assert_close(merged[name], coded + 2.0 * delta)
             else:

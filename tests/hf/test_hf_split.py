@@ -23,7 +23,13 @@ from tierzero.layout.partition import partition
 from tierzero.run.data import TokenBatches, default_corpus
 
 STEPS = 3
-SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=256, max_position_embeddings=128)
+SMALL = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    vocab_size=256,
+    max_position_embeddings=128,
+)
 
 
 def save(arch: str, path: Path) -> Path:
@@ -32,9 +38,13 @@ def save(arch: str, path: Path) -> Path:
     if arch == "gpt2":
         return save_model("gpt2", path)
     torch.manual_seed(0)
-    config = (OPTConfig(**SMALL, ffn_dim=128, word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0)
-              if arch == "opt" else
-              OlmoConfig(**SMALL, intermediate_size=128, pad_token_id=0, bos_token_id=None, eos_token_id=1))
+    config = (
+        OPTConfig(**SMALL, ffn_dim=128, word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0)
+        if arch == "opt"
+        else OlmoConfig(
+            **SMALL, intermediate_size=128, pad_token_id=0, bos_token_id=None, eos_token_id=1
+        )
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(path, max_shard_size="40KB")
     return path
 
@@ -63,8 +73,14 @@ def test_split_without_a_root_unit_and_trains_bitwise_as_plain_pytorch(arch, tmp
     if arch != "olmo":  # the position table is the embedding unit's
         assert any("wpe" in n or "embed_positions" in n for n in embedding), embedding
 
-    config = Config(offload="nvme", device="cpu", dtype="fp32", nvme_path=[str(tmp_path / "nvme")],
-                    lr=3e-3, total_steps=STEPS)
+    config = Config(
+        offload="nvme",
+        device="cpu",
+        dtype="fp32",
+        nvme_path=[str(tmp_path / "nvme")],
+        lr=3e-3,
+        total_steps=STEPS,
+    )
     data = lambda: TokenBatches(default_corpus(1 << 16), 2, 32, seed=0)  # noqa: E731
     batches = data()
     with Engine(hf.model, config, weights=model_dir) as engine:

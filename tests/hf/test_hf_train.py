@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from tierzero.cli.app import app
 from typer.testing import CliRunner
 
 from tests.support.hf import plain_step, sample_text
 from tierzero.adamw import decays
-from tierzero.cli.app import app
 from tierzero.config import Config
 from tierzero.run.data import TokenBatches
 from tierzero.run.directory import read_metrics
@@ -48,7 +48,10 @@ def oracle_tokens(model_dir: Path, data_file: Path) -> np.ndarray:
     from tokenizers import Tokenizer
 
     eos = json.loads((model_dir / "config.json").read_text())["eos_token_id"]
-    return np.asarray(Tokenizer.from_file(str(tokenizer)).encode(data_file.read_text()).ids + [eos], dtype=np.uint32)
+    return np.asarray(
+        Tokenizer.from_file(str(tokenizer)).encode(data_file.read_text()).ids + [eos],
+        dtype=np.uint32,
+    )
 
 
 def plain_training(model_dir: Path, tokens: np.ndarray) -> tuple[list[float], torch.nn.Module]:
@@ -58,9 +61,15 @@ def plain_training(model_dir: Path, tokens: np.ndarray) -> tuple[list[float], to
     model.train()
     config = Config(lr=LR, total_steps=STEPS)
     params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if decays(p)], "weight_decay": config.weight_decay},
-                             {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}],
-                            lr=LR, betas=config.betas, eps=config.eps)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if decays(p)], "weight_decay": config.weight_decay},
+            {"params": [p for p in params if not decays(p)], "weight_decay": 0.0},
+        ],
+        lr=LR,
+        betas=config.betas,
+        eps=config.eps,
+    )
     batches = TokenBatches(tokens, BATCH, SEQ, seed=0)
     losses = []
     for step in range(STEPS):
@@ -74,15 +83,40 @@ def plain_training(model_dir: Path, tokens: np.ndarray) -> tuple[list[float], to
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_trains_like_plain_pytorch_and_exports_for_from_pretrained(arch, hf_models, data_file, tmp_path):
+def test_trains_like_plain_pytorch_and_exports_for_from_pretrained(
+    arch, hf_models, data_file, tmp_path
+):
     from transformers import AutoModelForCausalLM
 
     model_dir, run_dir = hf_models[arch], tmp_path / "run"
-    assert (model_dir / "model.safetensors.index.json").exists() and len(list(model_dir.glob("*.safetensors"))) > 2
-    result = runner.invoke(app, ["train", "--model", f"hf:{model_dir}", "--data", str(data_file),
-                                 "--steps", str(STEPS), "--batch-size", str(BATCH), "--seq-len", str(SEQ),
-                                 "--lr", str(LR), "--offload", "nvme", "--dtype", "fp32",
-                                 "--run-dir", str(run_dir), "--json"])
+    assert (model_dir / "model.safetensors.index.json").exists() and len(
+        list(model_dir.glob("*.safetensors"))
+    ) > 2
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--model",
+            f"hf:{model_dir}",
+            "--data",
+            str(data_file),
+            "--steps",
+            str(STEPS),
+            "--batch-size",
+            str(BATCH),
+            "--seq-len",
+            str(SEQ),
+            "--lr",
+            str(LR),
+            "--offload",
+            "nvme",
+            "--dtype",
+            "fp32",
+            "--run-dir",
+            str(run_dir),
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert ("no tokenizer.json" in result.output) == (arch == "gpt2")  # byte-level, with a warning
     losses = [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
@@ -92,7 +126,9 @@ def test_trains_like_plain_pytorch_and_exports_for_from_pretrained(arch, hf_mode
 
     out = tmp_path / "export"
     out.mkdir()
-    result = runner.invoke(app, ["export", str(run_dir), "--out", str(out), "--max-shard-size", "60KB"])
+    result = runner.invoke(
+        app, ["export", str(run_dir), "--out", str(out), "--max-shard-size", "60KB"]
+    )
     assert result.exit_code == 0, result.output
     assert (out / "config.json").exists() and (out / "model.safetensors.index.json").exists()
     exported = {k: v for f in out.glob("*.safetensors") for k, v in load_file(str(f)).items()}
@@ -102,5 +138,6 @@ def test_trains_like_plain_pytorch_and_exports_for_from_pretrained(arch, hf_mode
     for name, value in state.items():
         assert value.dtype == torch.float32 and torch.equal(value, exported[name]), name
         assert torch.allclose(value, reference[name], atol=WEIGHT_TOL, rtol=0), name
-    assert (loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight) == \
-        trained.config.tie_word_embeddings
+    assert (
+        loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
+    ) == trained.config.tie_word_embeddings

@@ -25,11 +25,11 @@ from tests.support.hf import save_model
 from tierzero import Config, Engine, Placement, Tier
 from tierzero.adamw import decays, implementation
 from tierzero.config import Schedule
-from tierzero.models.draws import draw_seed
 from tierzero.errors import ConfigError
 from tierzero.hf import load_model
 from tierzero.hf.lora import LoraSpec, add_lora, materialise_lora
 from tierzero.lr import lr_at
+from tierzero.models.draws import draw_seed
 from tierzero.run.data import TokenBatches, default_corpus
 
 K, STEPS, SEED = 3, 2, 0
@@ -42,18 +42,28 @@ def batches() -> TokenBatches:
 
 
 # this file's values: no budgets (the engine chooses)
-config = partial(engine_config, dtype="fp32", total_steps=STEPS, accumulate=K, seed=SEED, host_budget=None,
-                 gpu_budget=None)
+config = partial(
+    engine_config,
+    dtype="fp32",
+    total_steps=STEPS,
+    accumulate=K,
+    seed=SEED,
+    host_budget=None,
+    gpu_budget=None,
+)
 
 
-def engine_run(model_dir: Path, path: Path, schedule: str, lora: bool,
-               activation_budget: int | None = None) -> tuple[list[float], dict, bool]:
+def engine_run(
+    model_dir: Path, path: Path, schedule: str, lora: bool, activation_budget: int | None = None
+) -> tuple[list[float], dict, bool]:
     """Losses, weights, and whether it ran vertically; with `activation_budget` the waiting
     activations must spill to NVMe."""
     hf = load_model(f"hf:{model_dir}")
     model, weights = (add_lora(hf, LORA, hf.weights), None) if lora else (hf.model, model_dir)
     data = batches()
-    with Engine(model, config(path, schedule=schedule, activation_budget=activation_budget), weights=weights) as engine:
+    with Engine(
+        model, config(path, schedule=schedule, activation_budget=activation_budget), weights=weights
+    ) as engine:
         losses = [engine.train_micro_batch(data.next_batch()) for _ in range(STEPS * K)]
         if activation_budget is not None:
             assert engine.vertical.store.spilled > 0
@@ -63,6 +73,7 @@ def engine_run(model_dir: Path, path: Path, schedule: str, lora: bool,
 def seed_layers(layers: torch.nn.ModuleList, position: list[int]) -> None:
     """Each layer's call draws from torch's generator seeded for (step, micro-batch, unit),
     unit i + 1 for layer i, and leaves torch's stream as it found it."""
+
     def enter(i: int, module, args) -> None:
         module.saved_rng = torch.get_rng_state()
         torch.manual_seed(draw_seed(SEED, position[0], position[1], i + 1))
@@ -81,18 +92,29 @@ def plain_run(model_dir: Path, lora: bool) -> tuple[list[float], dict[str, torch
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if lora:  # the adapters start where tierzero's do (peft's init under tierzero's per-unit seed)
-        start = materialise_lora(add_lora(load_model(f"hf:{model_dir}"), LORA, model_dir), SEED, "cpu")
+        start = materialise_lora(
+            add_lora(load_model(f"hf:{model_dir}"), LORA, model_dir), SEED, "cpu"
+        )
         model = get_peft_model(model, LORA.config())
-        model.load_state_dict({n: p for n, p in start.state_dict().items() if "lora_" in n}, strict=False)
+        model.load_state_dict(
+            {n: p for n, p in start.state_dict().items() if "lora_" in n}, strict=False
+        )
     layers = model.get_base_model().model.layers if lora else model.model.layers
     position = [0, 0]
     seed_layers(layers, position)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     cfg = config(model_dir, schedule="horizontal")
-    opt = torch.optim.AdamW([{"params": [p for p in params if decays(p)], "weight_decay": cfg.weight_decay},
-                             {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **implementation(torch.device("cpu")))
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if decays(p)], "weight_decay": cfg.weight_decay},
+            {"params": [p for p in params if not decays(p)], "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        **implementation(torch.device("cpu")),
+    )
     data, losses = batches(), []
     for step in range(STEPS):
         for micro in range(K):
@@ -110,13 +132,17 @@ def plain_run(model_dir: Path, lora: bool) -> tuple[list[float], dict[str, torch
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_vertical_hf_with_dropout_is_bitwise_horizontal_and_plain_pytorch(tmp_path, lora: bool) -> None:
+def test_vertical_hf_with_dropout_is_bitwise_horizontal_and_plain_pytorch(
+    tmp_path, lora: bool
+) -> None:
     model_dir = save_model("llama", tmp_path / "llama", attention_dropout=0.1)
     (tmp_path / "h").mkdir(), (tmp_path / "v").mkdir()
     h_losses, h_weights, h_on = engine_run(model_dir, tmp_path / "h", "horizontal", lora)
     # room for two of the six waiting block inputs (full: and the tied embedding's grad): the rest spill
     budget = 4 * 2 * 32 * 64 * (2 if lora else 6)
-    v_losses, v_weights, v_on = engine_run(model_dir, tmp_path / "v", "vertical", lora, activation_budget=budget)
+    v_losses, v_weights, v_on = engine_run(
+        model_dir, tmp_path / "v", "vertical", lora, activation_budget=budget
+    )
     assert v_on and not h_on
     assert v_losses == h_losses
     assert v_weights.keys() == h_weights.keys()
@@ -124,7 +150,9 @@ def test_vertical_hf_with_dropout_is_bitwise_horizontal_and_plain_pytorch(tmp_pa
         assert torch.equal(v_weights[name], h_weights[name]), name
     losses, weights, trained = plain_run(model_dir, lora)
     assert v_losses == losses
-    assert trained and (all("lora_" in n for n in trained) if lora else len(trained) == len(weights))
+    assert trained and (
+        all("lora_" in n for n in trained) if lora else len(trained) == len(weights)
+    )
     for name, value in weights.items():
         assert torch.equal(v_weights[name], value), name
 
@@ -164,10 +192,26 @@ def test_auto_runs_hf_decoders_vertically_when_accumulating(tmp_path) -> None:
 
 
 FAMILIES = {  # beyond LLaMA: a prelude with dropout, layers returning tuples, alternating attention
-    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1),
+    "gpt2": dict(
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=128,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+    ),
     "mpt": dict(d_model=64, n_layers=2, n_heads=4, max_seq_len=128),
-    "gemma2": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                   intermediate_size=128, sliding_window=8, attention_dropout=0.1),
+    "gemma2": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        sliding_window=8,
+        attention_dropout=0.1,
+    ),
 }
 
 
@@ -175,7 +219,9 @@ def save_family(arch: str, path: Path, **overrides) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(arch, vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, **overrides)
+    config = AutoConfig.for_model(
+        arch, vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, **overrides
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return path
 
@@ -196,8 +242,14 @@ def test_other_families_run_vertically_as_horizontally(tmp_path, arch: str) -> N
 def test_a_final_norm_without_parameters_stays_horizontal(tmp_path) -> None:
     """OLMo's final norm runs inside its model's forward, not in the head unit: `auto` keeps it
     horizontal, `vertical` is refused in one sentence."""
-    model_dir = save_family("olmo", tmp_path / "olmo", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            intermediate_size=128)
+    model_dir = save_family(
+        "olmo",
+        tmp_path / "olmo",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+    )
     hf = load_model(f"hf:{model_dir}")
     with Engine(hf.model, config(tmp_path / "a", schedule="auto"), weights=model_dir) as engine:
         engine.train_micro_batch(batches().next_batch())

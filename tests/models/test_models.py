@@ -54,11 +54,15 @@ def test_model_has_no_buffers() -> None:
 
 
 def test_unknown_preset_names_the_choices() -> None:
-    with pytest.raises(ConfigError, match=r"unknown model preset 'huge'; choose one of: tiny, 125m, .*70b"):
+    with pytest.raises(
+        ConfigError, match=r"unknown model preset 'huge'; choose one of: tiny, 125m, .*70b"
+    ):
         get_preset("huge")
 
 
-@pytest.mark.parametrize("bad", [dict(n_heads=3), dict(n_kv_heads=3), dict(dim=0), dict(dim=24, n_heads=8)])
+@pytest.mark.parametrize(
+    "bad", [dict(n_heads=3), dict(n_kv_heads=3), dict(dim=0), dict(dim=24, n_heads=8)]
+)
 def test_bad_shapes_are_config_errors(bad: dict) -> None:
     shape = dict(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=16, ffn_dim=64) | bad
     with pytest.raises(ConfigError):
@@ -104,7 +108,9 @@ def test_init_statistics() -> None:
     model = build("tiny")
     assert model.blocks[0].attn.wq.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert torch.equal(model.norm.weight, torch.ones(256))
-    assert not torch.equal(model.blocks[0].attn.wq.weight, model.blocks[1].attn.wq.weight)  # own streams
+    assert not torch.equal(
+        model.blocks[0].attn.wq.weight, model.blocks[1].attn.wq.weight
+    )  # own streams
 
 
 def test_unit_by_unit_init_from_meta_equals_build() -> None:

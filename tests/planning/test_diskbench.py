@@ -13,17 +13,17 @@ from pathlib import Path
 
 import pytest
 import typer
-from typer.testing import CliRunner
-
 from tierzero.cli.bench import bench
-from tierzero.errors import ConfigError
-from tierzero.planning.placement import load_profile
-from tierzero.planning.diskbench import DiskBench
-from tierzero.planning.fio import STORE_SHAPE_JOBS, fio_command, fio_sweep, fio_wall_span
 from tierzero.storage.base import StorageError
 from tierzero.storage.host import HostPool
 from tierzero.storage.io import IOLoop
 from tierzero.storage.nvme import chunkfile
+from typer.testing import CliRunner
+
+from tierzero.errors import ConfigError
+from tierzero.planning.diskbench import DiskBench
+from tierzero.planning.fio import STORE_SHAPE_JOBS, fio_command, fio_sweep, fio_wall_span
+from tierzero.planning.placement import load_profile
 
 app = typer.Typer()
 app.command()(bench)
@@ -43,16 +43,23 @@ def test_json_report_has_the_keys_checks_read(tmp_path: Path) -> None:
     for key in ("read_gbps", "write_gbps", "raw_read_gbps", "raw_write_gbps"):
         assert nvme[key] > 0, key
     assert nvme["chunk_bytes"] == 8 << 20
-    assert [row["chunk_bytes"] for row in nvme["chunk_sweep"]] == [1 << 20, 4 << 20, 8 << 20,
-                                                                    32 << 20]
+    assert [row["chunk_bytes"] for row in nvme["chunk_sweep"]] == [
+        1 << 20,
+        4 << 20,
+        8 << 20,
+        32 << 20,
+    ]
     assert report["fio"] is None
     assert report["adam"]["params_per_s"] > 0
     assert report["compute"]["fp32_tflops"] > 0 and report["compute"]["bf16_tflops"] > 0
-    assert set(report["ratios"]) == {"read_vs_raw", "write_vs_raw", "read_vs_fio",
-                                     "write_vs_fio"}
+    assert set(report["ratios"]) == {"read_vs_raw", "write_vs_raw", "read_vs_fio", "write_vs_fio"}
     assert report["ratios"]["read_vs_fio"] is None
-    assert set(report["per_round"]) == {"store_write_gbps", "store_read_gbps",
-                                        "raw_write_gbps", "raw_read_gbps"}
+    assert set(report["per_round"]) == {
+        "store_write_gbps",
+        "store_read_gbps",
+        "raw_write_gbps",
+        "raw_read_gbps",
+    }
     assert len(report["per_round"]["store_write_gbps"]) == 1
     assert json.loads(profile.read_text()) == report
     assert load_profile(profile).nvme_read_gbps == nvme["read_gbps"]
@@ -71,8 +78,18 @@ def test_table_output(tmp_path: Path) -> None:
 def test_fio_comparison(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool) -> None:
     if not direct:  # as on a filesystem without O_DIRECT: buffered, writes timed to their fsync
         monkeypatch.setattr(chunkfile, "probe_direct", lambda directory: False)
-    result = run("--path", str(tmp_path), "--size", "32MiB", "--rounds", "1",
-                 "--compute-seconds", "0.01", "--fio", "--json")
+    result = run(
+        "--path",
+        str(tmp_path),
+        "--size",
+        "32MiB",
+        "--rounds",
+        "1",
+        "--compute-seconds",
+        "0.01",
+        "--fio",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["nvme"]["direct_io"] is direct
@@ -89,8 +106,19 @@ def test_fio_comparison(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct:
 
 
 def test_time_limit_skips_later_groups_whole(tmp_path: Path) -> None:
-    result = run("--path", str(tmp_path), "--size", "2MiB", "--rounds", "3",
-                 "--compute-seconds", "0.01", "--max-seconds", "1e-9", "--json")
+    result = run(
+        "--path",
+        str(tmp_path),
+        "--size",
+        "2MiB",
+        "--rounds",
+        "3",
+        "--compute-seconds",
+        "0.01",
+        "--max-seconds",
+        "1e-9",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     nvme = report["nvme"]
@@ -115,30 +143,56 @@ def test_errors_are_domain_errors(tmp_path: Path) -> None:
 
 def test_plan_interleaves_and_lays_out_first(tmp_path: Path) -> None:
     with IOLoop(2) as io_loop, HostPool(4 << 20) as pool:
-        labels = [step.label for step in DiskBench(str(tmp_path), 64 << 20, io_loop, pool,
-                                                   rounds=2, fio=True).steps()]
-        small = [step.label for step in DiskBench(str(tmp_path), 4 << 20, io_loop, pool,
-                                                  rounds=1, fio=True).steps()]
-    assert labels[:6] == ["raw layout, slot 0", "raw layout, slot 1",
-                          *["store layout, 8 MiB chunks, slot 0"] * 2,
-                          *["store layout, 8 MiB chunks, slot 1"] * 2]
+        labels = [
+            step.label
+            for step in DiskBench(
+                str(tmp_path), 64 << 20, io_loop, pool, rounds=2, fio=True
+            ).steps()
+        ]
+        small = [
+            step.label
+            for step in DiskBench(str(tmp_path), 4 << 20, io_loop, pool, rounds=1, fio=True).steps()
+        ]
+    assert labels[:6] == [
+        "raw layout, slot 0",
+        "raw layout, slot 1",
+        *["store layout, 8 MiB chunks, slot 0"] * 2,
+        *["store layout, 8 MiB chunks, slot 1"] * 2,
+    ]
     assert labels[6:8] == ["fio layout, slot 0", "fio layout, slot 1"]
     assert labels.index("fio sweep: read libaio bs=8M iodepth=32 numjobs=4") < labels.index(
-        "raw write (round 1)")
-    round_1 = labels[labels.index("raw write (round 1)"):][:6]
-    assert round_1 == ["raw write (round 1)", "store write (round 1)", "fio write (round 1)",
-                       "raw read (round 1)", "store read (round 1)", "fio read (round 1)"]
-    round_2 = labels[labels.index("store write (round 2)"):][:6]  # each takes a turn first
-    assert round_2 == ["store write (round 2)", "fio write (round 2)", "raw write (round 2)",
-                       "store read (round 2)", "fio read (round 2)", "raw read (round 2)"]
+        "raw write (round 1)"
+    )
+    round_1 = labels[labels.index("raw write (round 1)") :][:6]
+    assert round_1 == [
+        "raw write (round 1)",
+        "store write (round 1)",
+        "fio write (round 1)",
+        "raw read (round 1)",
+        "store read (round 1)",
+        "fio read (round 1)",
+    ]
+    round_2 = labels[labels.index("store write (round 2)") :][:6]  # each takes a turn first
+    assert round_2 == [
+        "store write (round 2)",
+        "fio write (round 2)",
+        "raw write (round 2)",
+        "store read (round 2)",
+        "fio read (round 2)",
+        "raw read (round 2)",
+    ]
     # no io_uring before open() probes for it; 64 MiB over 16 jobs is too small for 8 MiB blocks
     assert sum("fio sweep" in label for label in labels) == 2 * 9
     # 4 MiB split over 4 jobs is smaller than one 8 MiB block: fio refuses those configs.
     assert [label for label in small if "fio sweep: write" in label] == [
-        f"fio sweep: write {c}" for c in ("libaio bs=1M iodepth=8 numjobs=1",
-                                          "libaio bs=1M iodepth=8 numjobs=4",
-                                          "libaio bs=1M iodepth=32 numjobs=1",
-                                          "libaio bs=1M iodepth=32 numjobs=4")]
+        f"fio sweep: write {c}"
+        for c in (
+            "libaio bs=1M iodepth=8 numjobs=1",
+            "libaio bs=1M iodepth=8 numjobs=4",
+            "libaio bs=1M iodepth=32 numjobs=1",
+            "libaio bs=1M iodepth=32 numjobs=4",
+        )
+    ]
 
 
 def test_every_read_is_of_a_slot_written_a_round_earlier(tmp_path: Path) -> None:
@@ -175,20 +229,30 @@ def test_fio_sweep_covers_the_stores_concurrency() -> None:
 
 
 def test_fio_command_writes_incompressible_disjoint_regions() -> None:
-    cmd = fio_command("write", ("psync", 8 << 20, 1, 16), "/d/fio.0.bin", 1 << 30, True,
-                      "/d/logs/job")
-    assert {"--refill_buffers=1", "--randrepeat=0", "--ioengine=psync", "--numjobs=16",
-            "--iodepth=1", "--filename=/d/fio.0.bin", "--size=67108864",
-            "--offset_increment=67108864", "--direct=1"} <= set(cmd)
+    cmd = fio_command(
+        "write", ("psync", 8 << 20, 1, 16), "/d/fio.0.bin", 1 << 30, True, "/d/logs/job"
+    )
+    assert {
+        "--refill_buffers=1",
+        "--randrepeat=0",
+        "--ioengine=psync",
+        "--numjobs=16",
+        "--iodepth=1",
+        "--filename=/d/fio.0.bin",
+        "--size=67108864",
+        "--offset_increment=67108864",
+        "--direct=1",
+    } <= set(cmd)
     # buffer_compress_percentage=0 turns fio's scrambling off: every block of a job identical
     assert not any("buffer_compress" in arg or "zero_buffers=1" in arg for arg in cmd)
-    assert "--end_fsync=1" in fio_command("write", ("libaio", 1 << 20, 8, 1), "f", 8 << 20,
-                                          False, "l")
+    assert "--end_fsync=1" in fio_command(
+        "write", ("libaio", 1 << 20, 8, 1), "f", 8 << 20, False, "l"
+    )
 
 
 def _sectors(path: Path) -> list[bytes]:
     data = path.read_bytes()
-    return [data[i: i + 512] for i in range(0, len(data), 512)]
+    return [data[i : i + 512] for i in range(0, len(data), 512)]
 
 
 def test_raw_and_store_write_incompressible_never_repeated_sectors(tmp_path: Path) -> None:
@@ -200,8 +264,12 @@ def test_raw_and_store_write_incompressible_never_repeated_sectors(tmp_path: Pat
             for step in bench.steps():
                 if step.group == 0:
                     step.run()
-            files = [Path(d, n) for d, _, names in os.walk(bench._work) for n in names
-                     if os.path.getsize(os.path.join(d, n)) >= 1 << 20]
+            files = [
+                Path(d, n)
+                for d, _, names in os.walk(bench._work)
+                for n in names
+                if os.path.getsize(os.path.join(d, n)) >= 1 << 20
+            ]
             sectors = [hash(x) for f in files for x in _sectors(f)]
             sample = b"".join(_sectors(files[0])[::512])
     assert sum(f.name.startswith("raw.") for f in files) == 2
@@ -215,8 +283,14 @@ def test_raw_and_store_write_incompressible_never_repeated_sectors(tmp_path: Pat
 def test_fio_writes_incompressible_never_repeated_sectors(tmp_path: Path) -> None:
     """The command line as run: 4 jobs with one buffer each, 2 MiB apiece, no sector twice."""
     target = tmp_path / "fio.0.bin"
-    cmd = fio_command("write", ("psync", 1 << 20, 1, 4), str(target), 8 << 20,
-                      chunkfile.probe_direct(str(tmp_path)), str(tmp_path / "job"))
+    cmd = fio_command(
+        "write",
+        ("psync", 1 << 20, 1, 4),
+        str(target),
+        8 << 20,
+        chunkfile.probe_direct(str(tmp_path)),
+        str(tmp_path / "job"),
+    )
     subprocess.run(cmd, check=True, capture_output=True)
     sectors = _sectors(target)
     assert len(sectors) == (8 << 20) // 512 and len(set(sectors)) == len(sectors)
@@ -229,9 +303,9 @@ def test_fio_is_timed_over_its_wall_span(tmp_path: Path) -> None:
     (2 GB/s); the bytes actually moved in 1.5 s of wall time (1.33 GB/s)."""
     t0 = 1_700_000_000_000
     (tmp_path / "job_lat.1.log").write_text(
-        f"{t0 + 500}, 500000000, 1, 500000000, 0\n{t0 + 1000}, 500000000, 1, 500000000, 0\n")
-    (tmp_path / "job_lat.2.log").write_text(
-        f"{t0 + 1500}, 1000000000, 1, 1000000000, 0\n")
+        f"{t0 + 500}, 500000000, 1, 500000000, 0\n{t0 + 1000}, 500000000, 1, 500000000, 0\n"
+    )
+    (tmp_path / "job_lat.2.log").write_text(f"{t0 + 1500}, 1000000000, 1, 1000000000, 0\n")
     (tmp_path / "job_clat.1.log").write_text(f"{t0 + 9000}, 1, 1, 999, 0\n")  # ignored
     seconds, nbytes = fio_wall_span(str(tmp_path))
     assert (seconds, nbytes) == (pytest.approx(1.5), 2_000_000_000)

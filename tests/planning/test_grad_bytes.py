@@ -42,9 +42,7 @@ def test_grads_are_bf16_only_where_nothing_is_added_to_a_stored_one(
     assert grad_dtype(compute, accumulate, schedule) is expected
 
 
-@pytest.mark.parametrize(
-    "accumulate, schedule", [(1, "auto"), (2, "horizontal"), (2, "vertical")]
-)
+@pytest.mark.parametrize("accumulate, schedule", [(1, "auto"), (2, "horizontal"), (2, "vertical")])
 def test_the_plan_and_the_engine_choose_the_same_grad_dtype(
     tmp_path, accumulate: int, schedule: str
 ) -> None:
@@ -58,9 +56,7 @@ def test_the_plan_and_the_engine_choose_the_same_grad_dtype(
             nvme_path=[str(tmp_path)],
         ),
     )
-    report = make_plan(
-        "tiny", dtype="bf16", accumulate=accumulate, schedule=schedule, **MACHINE
-    )
+    report = make_plan("tiny", dtype="bf16", accumulate=accumulate, schedule=schedule, **MACHINE)
     assert report.grad_dtype is engine.sizing.grad_dtype
     assert report.workload.grad_itemsize == engine.sizing.workload(3).grad_itemsize
 
@@ -78,14 +74,8 @@ def test_the_memory_model_counts_grads_in_their_dtype() -> None:
     }
     fp32, bf16 = (Workload.from_sizes(units, grad_itemsize=g, **kw) for g in (4, 2))
     trained = 6 * SHARD
-    assert (
-        home_bytes(fp32, NVME)[Tier.NVME] - home_bytes(bf16, NVME)[Tier.NVME]
-        == 2 * trained
-    )
-    assert (
-        home_bytes(fp32, HOST)[Tier.HOST] - home_bytes(bf16, HOST)[Tier.HOST]
-        == 2 * trained
-    )
+    assert home_bytes(fp32, NVME)[Tier.NVME] - home_bytes(bf16, NVME)[Tier.NVME] == 2 * trained
+    assert home_bytes(fp32, HOST)[Tier.HOST] - home_bytes(bf16, HOST)[Tier.HOST] == 2 * trained
     m32, m16 = peak_memory(fp32, NVME), peak_memory(bf16, NVME)
     pieces = 1 + 1  # one read ahead (depth 1) and one whose writes are in flight
     assert (
@@ -99,9 +89,7 @@ def test_the_memory_model_counts_grads_in_their_dtype() -> None:
     small = SHARD // 8
     one32, one16 = (
         peak_memory(
-            Workload.from_sizes(
-                [("blocks.0", small)], grad_itemsize=g, formats=int8, **kw
-            ),
+            Workload.from_sizes([("blocks.0", small)], grad_itemsize=g, formats=int8, **kw),
             NVME,
         )
         for g in (4, 2)
@@ -116,8 +104,7 @@ def test_plan_counts_bf16_grads_in_the_nvme_bytes_per_step() -> None:
     kw = dict(dtype="bf16", optimizer_state="int8", master="bf16", **MACHINE)
     one = make_plan("7b", **kw)
     vertical, horizontal = (
-        make_plan("7b", accumulate=4, schedule=s, **kw)
-        for s in ("vertical", "horizontal")
+        make_plan("7b", accumulate=4, schedule=s, **kw) for s in ("vertical", "horizontal")
     )
     n = one.workload.state_shard_numel
     assert (
@@ -155,14 +142,11 @@ def test_plan_says_what_each_tier_holds_and_the_grad_dtype() -> None:
     report = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)
     assert report["state_formats"]["grad"] == "bf16"
     assert report["homes"]["kinds"]["grad"] in ("gpu", "host", "nvme")
-    text = CliRunner().invoke(
-        app, [*args, "--accumulate", "2", "--schedule", "horizontal"]
-    )
+    text = CliRunner().invoke(app, [*args, "--accumulate", "2", "--schedule", "horizontal"])
     assert text.exit_code == 0, text.output
     flat = " ".join(text.output.split())
     assert (
-        "grad=fp32" in flat
-        and "(grads fp32: the horizontal schedule adds each micro-batch" in flat
+        "grad=fp32" in flat and "(grads fp32: the horizontal schedule adds each micro-batch" in flat
     )
     work = Workload.from_sizes(
         [("a", SHARD)],

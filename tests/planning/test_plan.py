@@ -12,17 +12,40 @@ from typer.testing import CliRunner
 
 from tierzero.config import Offload, Placement, StateKind, Tier
 from tierzero.errors import ConfigError
-from tierzero.planning.ledger import GB, Stage, activation_memory, block_numel, ledger, nearest_preset, nominal_numel, parse_count, scaled_units, units_from_args
-from tierzero.models import build
 from tierzero.layout.partition import partition
+from tierzero.models import build
 from tierzero.models.presets import PRESETS, ModelArgs
-from tierzero.planning.placement import Link, PlacementChoice, PlacementEstimate, candidate_placements, choose_placement, estimate, load_profile
 from tierzero.planning import machine as machine_probe
+from tierzero.planning.ledger import (
+    GB,
+    Stage,
+    activation_memory,
+    block_numel,
+    ledger,
+    nearest_preset,
+    nominal_numel,
+    parse_count,
+    scaled_units,
+    units_from_args,
+)
+from tierzero.planning.placement import (
+    Link,
+    PlacementChoice,
+    PlacementEstimate,
+    candidate_placements,
+    choose_placement,
+    estimate,
+    load_profile,
+)
 from tierzero.planning.workload import Workload
 
 SEVEN_B = units_from_args(PRESETS["7b"])
-PROFILE = {"nvme": {"read_gbps": 3.0, "write_gbps": 2.0}, "adam": {"params_per_s": 1e9},
-           "compute": {"fp32_tflops": 20.0, "bf16_tflops": 100.0}, "h2d": {"pinned_gbps": 20.0, "pageable_gbps": 8.0}}
+PROFILE = {
+    "nvme": {"read_gbps": 3.0, "write_gbps": 2.0},
+    "adam": {"params_per_s": 1e9},
+    "compute": {"fp32_tflops": 20.0, "bf16_tflops": 100.0},
+    "h2d": {"pinned_gbps": 20.0, "pageable_gbps": 8.0},
+}
 
 
 def write_profile(tmp_path: Path, profile: dict, name: str = "profile.json") -> Path:
@@ -32,6 +55,7 @@ def write_profile(tmp_path: Path, profile: dict, name: str = "profile.json") -> 
 
 
 # --- the ledger ---------------------------------------------------------------------------
+
 
 def test_seven_b_on_eight_gpus_reproduces_the_seed_account() -> None:
     rows = ledger(nominal_numel("7b"), world_size=8, compute_itemsize=2)
@@ -69,6 +93,7 @@ def test_nominal_and_parsed_counts() -> None:
 
 # --- units ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_units_add_up_to_the_exact_parameter_count(name: str) -> None:
     """Embedding, blocks, head: as the engine partitions the built model."""
@@ -100,9 +125,14 @@ def test_params_only_are_shaped_like_the_nearest_preset() -> None:
 
 # --- activation memory ------------------------------------------------------------------------
 
+
 def test_activation_memory_by_hand() -> None:
-    args = ModelArgs(dim=8, n_layers=3, n_heads=2, n_kv_heads=1, vocab_size=10, ffn_dim=16, max_seq_len=8)
-    a = activation_memory(args, batch_size=2, seq_len=5, compute_itemsize=2, loss_chunk_bytes=4 * 10 * 3)
+    args = ModelArgs(
+        dim=8, n_layers=3, n_heads=2, n_kv_heads=1, vocab_size=10, ffn_dim=16, max_seq_len=8
+    )
+    a = activation_memory(
+        args, batch_size=2, seq_len=5, compute_itemsize=2, loss_chunk_bytes=4 * 10 * 3
+    )
     n = 10  # tokens
     assert a.chunk_tokens == 3  # 120 bytes of fp32 logits per chunk, 10 per token
     assert a.checkpoints_bytes == (3 + 1) * n * 8 * 2
@@ -111,9 +141,12 @@ def test_activation_memory_by_hand() -> None:
     assert a.block_backward_bytes == a.recompute_bytes + n * (3 * 8 + 16) * 2
     assert a.head_backward_bytes == n * 8 * (2 * 4 + 2) + 12 * 3 * 10
     assert a.logits_bytes == 8 * 3 * 10
-    assert a.total_bytes == a.checkpoints_bytes + max(a.block_forward_bytes, a.logits_bytes,
-                                                      a.block_backward_bytes, a.head_backward_bytes)
-    assert activation_memory(args, 2, 5, 2).chunk_tokens == n  # no chunk size: the loss in one chunk
+    assert a.total_bytes == a.checkpoints_bytes + max(
+        a.block_forward_bytes, a.logits_bytes, a.block_backward_bytes, a.head_backward_bytes
+    )
+    assert (
+        activation_memory(args, 2, 5, 2).chunk_tokens == n
+    )  # no chunk size: the loss in one chunk
     with pytest.raises(ConfigError, match="max_seq_len"):
         activation_memory(args, batch_size=1, seq_len=9, compute_itemsize=2)
 
@@ -121,7 +154,9 @@ def test_activation_memory_by_hand() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_block_recompute_estimate_tracks_what_autograd_saves(dtype: torch.dtype) -> None:
     """The docstring's claim: within 10% of the tensors one block saves for backward."""
-    args = ModelArgs(dim=256, n_layers=1, n_heads=8, n_kv_heads=4, vocab_size=512, ffn_dim=768, max_seq_len=128)
+    args = ModelArgs(
+        dim=256, n_layers=1, n_heads=8, n_kv_heads=4, vocab_size=512, ffn_dim=768, max_seq_len=128
+    )
     block = build(args, dtype=dtype).blocks[0]
     x = torch.randn(2, 128, args.dim, dtype=dtype, requires_grad=True)
     storages: dict[int, int] = {}
@@ -132,13 +167,16 @@ def test_block_recompute_estimate_tracks_what_autograd_saves(dtype: torch.dtype)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         block(x)
-    not_activations = {p.untyped_storage().data_ptr() for p in block.parameters()} | {x.untyped_storage().data_ptr()}
+    not_activations = {p.untyped_storage().data_ptr() for p in block.parameters()} | {
+        x.untyped_storage().data_ptr()
+    }
     saved = sum(nbytes for ptr, nbytes in storages.items() if ptr not in not_activations)
     estimated = activation_memory(args, 2, 128, dtype.itemsize).recompute_bytes
     assert saved <= estimated <= 1.1 * saved
 
 
 # --- placements ------------------------------------------------------------------------------
+
 
 def test_candidates_include_the_offload_presets() -> None:
     candidates = candidate_placements()
@@ -151,8 +189,13 @@ def test_candidates_include_the_offload_presets() -> None:
 def test_all_nvme_by_hand() -> None:
     """Two blocks of 100 and 300 params (each padded to 2048, one piece), one rank, bf16,
     prefetch 1, no overlap: every byte counted (the parts are `tierzero.planning.memory_model`'s)."""
-    work = Workload.from_sizes((("a", 100), ("b", 300)), compute_itemsize=2, grad_itemsize=2, prefetch_depth=1,
-                    overlap=False)
+    work = Workload.from_sizes(
+        (("a", 100), ("b", 300)),
+        compute_itemsize=2,
+        grad_itemsize=2,
+        prefetch_depth=1,
+        overlap=False,
+    )
     e = estimate(Placement(*[Tier.NVME] * 5), work)
     shard = 2048
     # bf16 params and grads, fp32 optimizer
@@ -164,7 +207,9 @@ def test_all_nvme_by_hand() -> None:
     # param piece, and the grad piece being stepped upcast to fp32
     assert e.resident_bytes[Tier.HOST] == 2 * shard * (2 + 3 * 4) + shard * 2 + shard * 4
     assert e.moved_bytes == {
-        Link.NVME_TO_HOST: 2 * 400 * 2 + 400 * 2 + 400 * 12,  # params twice, grads, optimizer states
+        Link.NVME_TO_HOST: 2 * 400 * 2
+        + 400 * 2
+        + 400 * 12,  # params twice, grads, optimizer states
         Link.HOST_TO_NVME: 400 * 2 + 400 * 12 + 400 * 2,  # grads, optimizer states, new params
         Link.HOST_TO_GPU: 2 * 400 * 2,
         Link.GPU_TO_HOST: 400 * 2,
@@ -172,8 +217,14 @@ def test_all_nvme_by_hand() -> None:
 
 
 def test_two_ranks_split_states_and_share_the_machine() -> None:
-    work = Workload.from_sizes((("a", 101),), compute_itemsize=2, grad_itemsize=2, world_size=2, prefetch_depth=0,
-                    overlap=False)
+    work = Workload.from_sizes(
+        (("a", 101),),
+        compute_itemsize=2,
+        grad_itemsize=2,
+        world_size=2,
+        prefetch_depth=0,
+        overlap=False,
+    )
     e = estimate(Placement.for_offload(Offload.HOST), work)
     shard = 2048  # 101 padded to two aligned shards
     # both ranks' bf16 grads and fp32 optimizer states, each one's new bf16 params on their way
@@ -188,8 +239,10 @@ def test_two_ranks_split_states_and_share_the_machine() -> None:
 
 
 def choose_7b(**budgets: int | None) -> PlacementChoice:
-    return choose_placement(Workload.from_sizes(SEVEN_B, 2, grad_itemsize=2),
-                            **{"gpu_budget": None, "host_budget": None, "nvme_free": None, **budgets})
+    return choose_placement(
+        Workload.from_sizes(SEVEN_B, 2, grad_itemsize=2),
+        **{"gpu_budget": None, "host_budget": None, "nvme_free": None, **budgets},
+    )
 
 
 def test_ample_budgets_choose_all_gpu() -> None:
@@ -209,7 +262,10 @@ def test_small_gpu_pushes_params_off_the_gpu() -> None:
 def test_small_host_pushes_the_optimizer_to_nvme() -> None:
     choice = choose_7b(gpu_budget=24 * GB, host_budget=32 * GB, nvme_free=1000 * GB)
     assert choice.fits
-    assert all(choice.placement.home(k) is Tier.NVME for k in (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ))
+    assert all(
+        choice.placement.home(k) is Tier.NVME
+        for k in (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
+    )
     assert choice.resident_bytes[Tier.HOST] <= 32 * GB
 
 
@@ -223,7 +279,9 @@ def test_impossible_budgets_name_the_tiers_and_the_missing_bytes() -> None:
         assert missing == choice.resident_bytes[tier] - budgets[tier] > 0
         assert f"{missing / GB:.2f} GB more" in choice.shortfall
     work = Workload.from_sizes(SEVEN_B, 2, grad_itemsize=2)
-    fewest = min(sum(estimate(p, work).overflow_bytes(budgets).values()) for p in candidate_placements())
+    fewest = min(
+        sum(estimate(p, work).overflow_bytes(budgets).values()) for p in candidate_placements()
+    )
     assert sum(choice.shortfall_bytes.values()) == fewest
     assert "\n" not in choice.shortfall
 
@@ -259,9 +317,15 @@ def test_step_time_by_hand(tmp_path: Path) -> None:
 def test_choice_minimises_step_time_with_a_profile_and_nvme_traffic_without(tmp_path: Path) -> None:
     budgets = {Tier.GPU: 24 * GB, Tier.HOST: 90 * GB, Tier.NVME: 1000 * GB}
     kwargs = dict(gpu_budget=24 * GB, host_budget=90 * GB, nvme_free=1000 * GB)
-    profile = load_profile(write_profile(tmp_path, dict(PROFILE, h2d={"pinned_gbps": 0.5, "pageable_gbps": 0.1})))
+    profile = load_profile(
+        write_profile(tmp_path, dict(PROFILE, h2d={"pinned_gbps": 0.5, "pageable_gbps": 0.1}))
+    )
     work = Workload.from_sizes(SEVEN_B, 2, grad_itemsize=2, tokens_per_step=4096)
-    fitting = [e for e in (estimate(p, work, profile) for p in candidate_placements()) if not e.overflow_bytes(budgets)]
+    fitting = [
+        e
+        for e in (estimate(p, work, profile) for p in candidate_placements())
+        if not e.overflow_bytes(budgets)
+    ]
     assert len(fitting) > 1
     timed = choose_placement(work, profile=profile, **kwargs)
     assert timed.predicted_step_s == min(e.predicted_step_s for e in fitting)
@@ -316,44 +380,97 @@ def test_plan_json_reproduces_the_seed_account() -> None:
 
 
 def test_plan_json_verdict_and_placements() -> None:
-    report = json.loads(run_ok("--model", "7b", "--gpus", "1", "--gpu-mem", "24GB", "--host-mem", "32GB",
-                               "--nvme-free", "1TB", "--json"))
+    report = json.loads(
+        run_ok(
+            "--model",
+            "7b",
+            "--gpus",
+            "1",
+            "--gpu-mem",
+            "24GB",
+            "--host-mem",
+            "32GB",
+            "--nvme-free",
+            "1TB",
+            "--json",
+        )
+    )
     assert len(report["placements"]) == 13
     assert report["verdict"]["fits"] is True
     assert report["verdict"]["placement"]["master"] == "nvme"
     assert report["machine"]["detected"] == []
 
 
-@pytest.mark.parametrize("flags,kwargs", [
-    (["--model", "7b", "--gpu-mem", "24GB", "--host-mem", "32GB", "--nvme-free", "1TB"],
-     dict(model="7b", gpu_mem="24GB", host_mem="32GB", nvme_free="1TB")),
-    (["--params", "68B", "--gpus", "2", "--dtype", "fp32", "--batch-size", "2", "--seq-len", "1024", *MACHINE],
-     dict(params="68B", gpus=2, dtype="fp32", batch_size=2, seq_len=1024, gpu_mem="80GB", host_mem="512GB",
-          nvme_free="2TB")),
-])
+@pytest.mark.parametrize(
+    "flags,kwargs",
+    [
+        (
+            ["--model", "7b", "--gpu-mem", "24GB", "--host-mem", "32GB", "--nvme-free", "1TB"],
+            dict(model="7b", gpu_mem="24GB", host_mem="32GB", nvme_free="1TB"),
+        ),
+        (
+            [
+                "--params",
+                "68B",
+                "--gpus",
+                "2",
+                "--dtype",
+                "fp32",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "1024",
+                *MACHINE,
+            ],
+            dict(
+                params="68B",
+                gpus=2,
+                dtype="fp32",
+                batch_size=2,
+                seq_len=1024,
+                gpu_mem="80GB",
+                host_mem="512GB",
+                nvme_free="2TB",
+            ),
+        ),
+    ],
+)
 def test_python_plan_returns_what_the_cli_prints(flags: list[str], kwargs: dict) -> None:
     import tierzero
 
     printed = json.loads(run_ok(*flags, "--json"))
     report = tierzero.plan(**kwargs)
     assert json.loads(json.dumps(report.as_dict(), default=str)) == printed
-    assert {k.value: t.value for k, t in zip(StateKind, (report.placement.home(k) for k in StateKind))} \
-        == printed["verdict"]["placement"]
+    assert {
+        k.value: t.value for k, t in zip(StateKind, (report.placement.home(k) for k in StateKind))
+    } == printed["verdict"]["placement"]
 
 
 def test_plan_tables_and_params(tmp_path: Path) -> None:
     text = run_ok("--model", "7b", "--gpus", "8", *MACHINE)
     assert "112" in text and "26.25" in text and "fits:" in text
     profile = str(write_profile(tmp_path, PROFILE))
-    assert "shaped like 70b" in run_ok("--params", "68B", "--gpus", "2", "--profile", profile, *MACHINE)
-    report = json.loads(run_ok("--params", "68B", "--gpus", "2", "--profile", profile, *MACHINE, "--json"))
-    assert report["model"] == {"preset": None, "shape": "70b", "params": 68 * 10**9, "ledger_params": 68 * 10**9,
-                               "units": 82, "largest_unit_params": report["model"]["largest_unit_params"],
-                               "vocab_size": 32000}
+    assert "shaped like 70b" in run_ok(
+        "--params", "68B", "--gpus", "2", "--profile", profile, *MACHINE
+    )
+    report = json.loads(
+        run_ok("--params", "68B", "--gpus", "2", "--profile", profile, *MACHINE, "--json")
+    )
+    assert report["model"] == {
+        "preset": None,
+        "shape": "70b",
+        "params": 68 * 10**9,
+        "ledger_params": 68 * 10**9,
+        "units": 82,
+        "largest_unit_params": report["model"]["largest_unit_params"],
+        "vocab_size": 32000,
+    }
     assert all(p["predicted_step_s"] > 0 for p in report["placements"])
 
 
-def test_plan_detects_the_machine_when_sizes_are_not_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plan_detects_the_machine_when_sizes_are_not_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Sizes not given are `tierzero train`'s defaults: half the free RAM (not all of it)."""
     monkeypatch.setattr(machine_probe, "available_host_bytes", lambda: 24 * GB)
     report = json.loads(run_ok("--model", "tiny", "--nvme-path", str(tmp_path), "--json"))
@@ -366,7 +483,9 @@ def test_plan_detects_the_machine_when_sizes_are_not_given(tmp_path: Path, monke
         assert all(machine[f"{t.value}_budget_bytes"] > 0 for t in Tier)
 
 
-def run_failing(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> str:
+def run_failing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str
+) -> str:
     """Through the installed entry point, which turns domain errors into exit code 2."""
     from tierzero.cli.app import main
 
@@ -380,27 +499,49 @@ def run_failing(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[s
 
 
 def test_missing_nvme_path_is_an_error_when_free_space_is_detected(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    err = run_failing(monkeypatch, capsys, "--model", "tiny", "--nvme-path", str(tmp_path / "absent"))
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    err = run_failing(
+        monkeypatch, capsys, "--model", "tiny", "--nvme-path", str(tmp_path / "absent")
+    )
     assert "is not a directory" in err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "nope"], "unknown model preset 'nope'"),
-    (["--gpus", "0"], "number of GPUs must be an integer >= 1"),
-    (["--gpu-mem", "12XB"], "--gpu-mem '12XB' is not a size"),
-    (["--params", "lots"], "--params 'lots' is not a positive count"),
-    (["--model", "7b", "--params", "7e9"], "give --model or --params, not both"),
-    (["--dtype", "fp8"], "--dtype 'fp8' is not valid"),
-    (["--profile", "/nonexistent/profile.json"], "profile '/nonexistent/profile.json' does not exist"),
-    (["--model", "tiny", "--seq-len", "4096"], "exceeds the model's max_seq_len"),
-    (["--model", "tiny", "--batch-size", "0"], "--batch-size must be an integer >= 1, got 0"),
-    (["--model", "tiny", "--accumulate", "0"], "--accumulate must be an integer >= 1, got 0"),  # was planned
-    (["--model", "tiny", "--prefetch-depth", "-1"], "--prefetch-depth must be an integer >= 0, got -1"),
-    (["--model", "tiny", "--piece-numel", "0"], "--piece-numel must be a positive multiple of 2048"),  # crashed
-])
-def test_plan_bad_input_is_one_error_and_exit_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-                                                args: list[str], message: str) -> None:
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "nope"], "unknown model preset 'nope'"),
+        (["--gpus", "0"], "number of GPUs must be an integer >= 1"),
+        (["--gpu-mem", "12XB"], "--gpu-mem '12XB' is not a size"),
+        (["--params", "lots"], "--params 'lots' is not a positive count"),
+        (["--model", "7b", "--params", "7e9"], "give --model or --params, not both"),
+        (["--dtype", "fp8"], "--dtype 'fp8' is not valid"),
+        (
+            ["--profile", "/nonexistent/profile.json"],
+            "profile '/nonexistent/profile.json' does not exist",
+        ),
+        (["--model", "tiny", "--seq-len", "4096"], "exceeds the model's max_seq_len"),
+        (["--model", "tiny", "--batch-size", "0"], "--batch-size must be an integer >= 1, got 0"),
+        (
+            ["--model", "tiny", "--accumulate", "0"],
+            "--accumulate must be an integer >= 1, got 0",
+        ),  # was planned
+        (
+            ["--model", "tiny", "--prefetch-depth", "-1"],
+            "--prefetch-depth must be an integer >= 0, got -1",
+        ),
+        (
+            ["--model", "tiny", "--piece-numel", "0"],
+            "--piece-numel must be a positive multiple of 2048",
+        ),  # crashed
+    ],
+)
+def test_plan_bad_input_is_one_error_and_exit_2(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    message: str,
+) -> None:
     err = run_failing(monkeypatch, capsys, *MACHINE, *args)
     assert err.startswith("error:") and message in err
 
@@ -411,7 +552,10 @@ def test_frozen_parameters_move_as_params_only() -> None:
     units = (("embedding", 8192), ("blocks.0", 8192), ("head", 8192))
     nvme = Placement(*[Tier.NVME] * 5)
     dense = estimate(nvme, Workload.from_sizes(units, 2, grad_itemsize=4, prefetch_depth=1))
-    lora = estimate(nvme, Workload.from_sizes(units, 2, grad_itemsize=4, prefetch_depth=1, trainable=(0, 2048, 0)))
+    lora = estimate(
+        nvme,
+        Workload.from_sizes(units, 2, grad_itemsize=4, prefetch_depth=1, trainable=(0, 2048, 0)),
+    )
     params = 3 * 8192 * 2
     # every param is read twice (forward, backward); the trainable ones' grads are written, and
     # the optimizer reads grad, master and both moments (fp32) and writes those three and the param

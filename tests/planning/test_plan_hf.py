@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 pytest.importorskip("transformers")
 
 from tierzero.cli.app import app  # noqa: E402
+
 from tierzero.hf import load_model  # noqa: E402
 from tierzero.layout.partition import partition  # noqa: E402
 
@@ -42,8 +43,9 @@ def test_plan_reads_an_hf_directory(hf_models: dict[str, Path], arch: str, gpus:
 
 
 def test_hf_plans_refuse_preset_shape_flags(hf_models: dict[str, Path]) -> None:
-    result = CliRunner().invoke(app, ["plan", "--model", f"hf:{hf_models['llama']}", "--vocab-size", "512",
-                                      *MACHINE])
+    result = CliRunner().invoke(
+        app, ["plan", "--model", f"hf:{hf_models['llama']}", "--vocab-size", "512", *MACHINE]
+    )
     assert result.exit_code != 0
     assert "drop --params and --vocab-size" in str(result.exception) + result.output
 
@@ -53,10 +55,28 @@ def test_hf_plans_print_both_schedules_and_auto_runs_vertically(tmp_path: Path) 
     --accumulate 4 auto plans vertically, and both schedules' NVMe bytes are printed."""
     from transformers import LlamaConfig
 
-    LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                vocab_size=32000, tie_word_embeddings=False).save_pretrained(tmp_path / "m")
-    args = ["--model", f"hf:{tmp_path / 'm'}", "--gpu-mem", "1GB", "--host-mem", "1GB", "--nvme-free", "1TB",
-            "--seq-len", "64", "--accumulate", "4"]
+    LlamaConfig(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+    ).save_pretrained(tmp_path / "m")
+    args = [
+        "--model",
+        f"hf:{tmp_path / 'm'}",
+        "--gpu-mem",
+        "1GB",
+        "--host-mem",
+        "1GB",
+        "--nvme-free",
+        "1TB",
+        "--seq-len",
+        "64",
+        "--accumulate",
+        "4",
+    ]
     schedule = json.loads(plan(*args, "--json"))["schedule"]
     moved = schedule["nvme_bytes_per_step"]
     assert schedule["schedule"] == "vertical" and 0 < moved["vertical"] < moved["horizontal"]
@@ -70,8 +90,13 @@ def test_hf_plans_keep_a_model_the_engine_runs_horizontally_horizontal(tmp_path:
     and --schedule vertical is refused in one sentence naming why."""
     from transformers import OlmoConfig
 
-    OlmoConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               vocab_size=256).save_pretrained(tmp_path / "olmo")
+    OlmoConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=256,
+    ).save_pretrained(tmp_path / "olmo")
     args = ["--model", f"hf:{tmp_path / 'olmo'}", *MACHINE, "--seq-len", "64", "--accumulate", "4"]
     assert json.loads(plan(*args, "--json"))["schedule"]["schedule"] == "horizontal"
     result = CliRunner().invoke(app, ["plan", *args, "--schedule", "vertical"])

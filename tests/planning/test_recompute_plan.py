@@ -4,26 +4,41 @@ placement leaves on the compute device, as the engine chooses them (`planning.re
 from __future__ import annotations
 
 import pytest
+from tierzero.cli.app import app
 from typer.testing import CliRunner
 
-from tierzero.cli.app import app
 from tierzero.config import Tier
 from tierzero.errors import ConfigError
 from tierzero.planning.planreport import make_plan
 
 
 def plan(gpu_mem: str | int, recompute: str = "auto", **kw):
-    return make_plan("tiny", gpu_mem=gpu_mem, host_mem="64GB", nvme_free="1TB", batch_size=2, seq_len=128,
-                     dtype="fp32", recompute=recompute, **kw)
+    return make_plan(
+        "tiny",
+        gpu_mem=gpu_mem,
+        host_mem="64GB",
+        nvme_free="1TB",
+        batch_size=2,
+        seq_len=128,
+        dtype="fp32",
+        recompute=recompute,
+        **kw,
+    )
 
 
 def test_kept_blocks_follow_the_room_on_the_compute_device() -> None:
     roomy = plan("8GB")
     per = roomy.activations.recompute_bytes
     assert roomy.kept.kept_blocks == roomy.keepable_units == 4  # tiny's head is tied: recomputed
-    assert roomy.as_dict()["recompute"] == {"recompute": "auto", "keepable_units": 4, "kept_blocks": 4,
-                                            "kept_head": False, "bytes_per_block": per,
-                                            "head_bytes": roomy.activations.head_kept_bytes, "kept_bytes": 4 * per}
+    assert roomy.as_dict()["recompute"] == {
+        "recompute": "auto",
+        "keepable_units": 4,
+        "kept_blocks": 4,
+        "kept_head": False,
+        "bytes_per_block": per,
+        "head_bytes": roomy.activations.head_kept_bytes,
+        "kept_bytes": 4 * per,
+    }
     gpu_need = roomy.choice.estimate.memory.needs()[Tier.GPU]
     tight = plan(gpu_need + 5 * per // 2)  # the same placement, room for two and a half blocks
     assert tight.placement == roomy.placement
@@ -41,24 +56,80 @@ def test_the_vertical_schedule_keeps_none() -> None:
         plan("8GB", "some")
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["plan", "--model", "tiny", "--gpu-mem", "8GB", "--host-mem", "64GB", "--nvme-free", "1TB", "--recompute", "some"],
-     "--recompute 'some' is not valid"),
-    (["plan", "--model", "7b", "--gpu-mem", "2GB", "--host-mem", "8GB", "--nvme-free", "1TB", "--seq-len", "4096",
-      "--recompute", "none"], "--recompute none keeps 33 units' activations"),
-    (["train", "--recompute", "some"], "recompute 'some' is not valid"),
-], ids=["plan-unknown", "plan-none-does-not-fit", "train-unknown"])
-def test_the_flag_refuses_in_one_sentence(tmp_path, monkeypatch, args: list[str], fragment: str) -> None:
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (
+            [
+                "plan",
+                "--model",
+                "tiny",
+                "--gpu-mem",
+                "8GB",
+                "--host-mem",
+                "64GB",
+                "--nvme-free",
+                "1TB",
+                "--recompute",
+                "some",
+            ],
+            "--recompute 'some' is not valid",
+        ),
+        (
+            [
+                "plan",
+                "--model",
+                "7b",
+                "--gpu-mem",
+                "2GB",
+                "--host-mem",
+                "8GB",
+                "--nvme-free",
+                "1TB",
+                "--seq-len",
+                "4096",
+                "--recompute",
+                "none",
+            ],
+            "--recompute none keeps 33 units' activations",
+        ),
+        (["train", "--recompute", "some"], "recompute 'some' is not valid"),
+    ],
+    ids=["plan-unknown", "plan-none-does-not-fit", "train-unknown"],
+)
+def test_the_flag_refuses_in_one_sentence(
+    tmp_path, monkeypatch, args: list[str], fragment: str
+) -> None:
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], result.output
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], (
+        result.output
+    )
 
 
 def test_plan_prints_the_kept_units() -> None:
-    result = CliRunner().invoke(app, ["plan", "--model", "tiny", "--gpu-mem", "8GB", "--host-mem", "64GB",
-                                      "--nvme-free", "1TB", "--batch-size", "2", "--seq-len", "128", "--dtype", "fp32"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "plan",
+            "--model",
+            "tiny",
+            "--gpu-mem",
+            "8GB",
+            "--host-mem",
+            "64GB",
+            "--nvme-free",
+            "1TB",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "128",
+            "--dtype",
+            "fp32",
+        ],
+    )
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert "Recompute: auto: 4 blocks of 4 units that can keep their activations do" in text

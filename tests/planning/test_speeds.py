@@ -12,7 +12,9 @@ from tierzero.config import PIECE_NUMEL
 from tierzero.planning import speeds
 
 
-def test_adam_is_timed_on_one_piece_of_state_beyond_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_adam_is_timed_on_one_piece_of_state_beyond_the_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     timed = []
 
     def once(op, seconds, sync) -> float:  # what the fused step would run on, not run
@@ -30,10 +32,12 @@ def test_adam_is_timed_on_one_piece_of_state_beyond_the_cache(monkeypatch: pytes
     assert cache is None or state_bytes >= 4 * cache
 
 
-@pytest.mark.parametrize("size, cache_bytes", [("32768K", 32 << 20), ("480M", 480 << 20),
-                                               ("1G", 1 << 30)])
-def test_the_timed_state_outgrows_any_reported_cache(tmp_path: Path, size: str,
-                                                     cache_bytes: int) -> None:
+@pytest.mark.parametrize(
+    "size, cache_bytes", [("32768K", 32 << 20), ("480M", 480 << 20), ("1G", 1 << 30)]
+)
+def test_the_timed_state_outgrows_any_reported_cache(
+    tmp_path: Path, size: str, cache_bytes: int
+) -> None:
     """A machine reporting a 480 MiB L3 (seen) times more than one piece: 4x its cache."""
     for index, text in (("index0", "48K"), ("index3", size)):
         (tmp_path / index).mkdir()

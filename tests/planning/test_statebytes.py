@@ -31,7 +31,11 @@ def test_a_moment_takes_its_bytes_and_int8_one_scale_per_started_block(moments: 
     f = StateBytes(moments)
     for n in (1, STATE_BLOCK, STATE_BLOCK + 1, 5 * STATE_BLOCK):
         scales = 4 * math.ceil(n / STATE_BLOCK) if moments == "int8" else 0
-        assert f.nbytes(StateKind.EXP_AVG, n, 2) == f.nbytes(StateKind.EXP_AVG_SQ, n, 2) == n * MOMENT[moments] + scales
+        assert (
+            f.nbytes(StateKind.EXP_AVG, n, 2)
+            == f.nbytes(StateKind.EXP_AVG_SQ, n, 2)
+            == n * MOMENT[moments] + scales
+        )
     assert StateBytes(master="bf16").nbytes(StateKind.MASTER, 10, 4) == 20
     assert f.nbytes(StateKind.GRAD, 10, 2, 4) == 40 and f.nbytes(StateKind.PARAM, 10, 2) == 20
 
@@ -42,9 +46,20 @@ def test_the_compact_rows_run_from_zeros_16_down_to_2_2_2() -> None:
     assert [(r.formats.optimizer_state.value, r.formats.master.value) for r in rows] == COMBOS
     assert [r.total for r in rows] == [16, 12, 10 + 2 * scale, 12, 8, 6 + 2 * scale]
     last = rows[-1]
-    assert (last.weights, last.grads, last.moments) == (2, 2, 2 + 2 * scale) and last.formats.one_weight
+    assert (last.weights, last.grads, last.moments) == (
+        2,
+        2,
+        2 + 2 * scale,
+    ) and last.formats.one_weight
     # fp32 compute: the bf16 master is a copy beside the fp32 param, never the param itself
-    assert [r.total for r in format_rows(DType.FP32)] == [20, 16, 14 + 2 * scale, 18, 14, 12 + 2 * scale]
+    assert [r.total for r in format_rows(DType.FP32)] == [
+        20,
+        16,
+        14 + 2 * scale,
+        18,
+        14,
+        12 + 2 * scale,
+    ]
     assert not any(r.formats.one_weight for r in format_rows(DType.FP32))
 
 
@@ -53,7 +68,9 @@ def test_the_stage_ledger_in_int8_with_one_bf16_weight() -> None:
     m = 2 + 8 / STATE_BLOCK  # both moments with their scales
     got = [r.bytes_per_param for r in ledger(10, 4, 2, f)]
     # stages 1-2 keep a whole param beside the master's share; DDP and stage 3 hold one weight
-    assert got == pytest.approx([2 + 2 + m, 2 + 2 + (2 + m) / 4, 2 + (2 + 2 + m) / 4, (2 + 2 + m) / 4])
+    assert got == pytest.approx(
+        [2 + 2 + m, 2 + 2 + (2 + m) / 4, 2 + (2 + 2 + m) / 4, (2 + 2 + m) / 4]
+    )
     assert [r.bytes_per_param for r in ledger(10, 1, 2, f)] == [6 + 8 / STATE_BLOCK] * 4
 
 
@@ -63,7 +80,9 @@ def test_nvme_homes_hold_each_format_s_bytes(moments: str, master: str) -> None:
     m = peak_memory(Workload.from_sizes(UNITS, 2, formats=f), NVME)
     param = 0 if f.one_weight else 2 * N  # bf16 compute and master: the master is the param
     scales = 4 * BLOCKS if moments == "int8" else 0
-    assert m.tiers[Tier.NVME].homes_bytes == param + 4 * N + MASTER[master] * N + 2 * (MOMENT[moments] * N + scales)
+    assert m.tiers[Tier.NVME].homes_bytes == param + 4 * N + MASTER[master] * N + 2 * (
+        MOMENT[moments] * N + scales
+    )
 
 
 @pytest.mark.parametrize("moments, master", COMBOS)
@@ -72,7 +91,9 @@ def test_nvme_bytes_per_step_follow_the_format(moments: str, master: str) -> Non
     master and moments read and written; the new param written unless it is the master."""
     f = StateBytes.for_compute(moments, master, DType.BF16)
     e = estimate(NVME, Workload.from_sizes(UNITS, 2, formats=f))
-    state = MASTER[master] * N + 2 * (MOMENT[moments] * N + (4 * BLOCKS if moments == "int8" else 0))
+    state = MASTER[master] * N + 2 * (
+        MOMENT[moments] * N + (4 * BLOCKS if moments == "int8" else 0)
+    )
     assert e.moved_bytes[Link.NVME_TO_HOST] == 2 * 2 * N + 4 * N + state
     assert e.moved_bytes[Link.HOST_TO_NVME] == 4 * N + state + (0 if f.one_weight else 2 * N)
 
@@ -84,11 +105,17 @@ def test_one_weight_needs_the_param_and_master_homed_together_and_sharded_alike(
     assert work.one_weight(NVME) and not work.one_weight(Placement(Tier.GPU, *[Tier.NVME] * 4))
     assert not Workload.from_sizes(UNITS, 2, world_size=2, stage=2, formats=f).one_weight(NVME)
     apart = peak_memory(work, Placement(Tier.GPU, *[Tier.NVME] * 4))
-    assert apart.tiers[Tier.NVME].homes_bytes == (4 + 2 + 8) * N  # grad, master, moments: the param on the gpu
+    assert (
+        apart.tiers[Tier.NVME].homes_bytes == (4 + 2 + 8) * N
+    )  # grad, master, moments: the param on the gpu
 
 
 def test_a_host_budget_that_holds_compact_state_but_not_fp32_moves_it_to_the_host() -> None:
-    units = [("embedding", 1 << 22), *[(f"blocks.{i}", 1 << 22) for i in range(4)], ("head", 1 << 22)]
+    units = [
+        ("embedding", 1 << 22),
+        *[(f"blocks.{i}", 1 << 22) for i in range(4)],
+        ("head", 1 << 22),
+    ]
 
     def choice(f: StateBytes) -> Placement:
         work = Workload.from_sizes(units, 2, prefetch_depth=1, piece_numel=1 << 20, formats=f)
@@ -103,18 +130,29 @@ def test_a_host_budget_that_holds_compact_state_but_not_fp32_moves_it_to_the_hos
 
 
 def test_plan_takes_the_formats_and_refuses_bad_ones_by_flag() -> None:
-    kw = dict(gpu_mem="8GB", host_mem="16GB", nvme_free="1TB", dtype="bf16", batch_size=1, seq_len=64)
+    kw = dict(
+        gpu_mem="8GB", host_mem="16GB", nvme_free="1TB", dtype="bf16", batch_size=1, seq_len=64
+    )
     fp32 = make_plan("125m", **kw)
     compact = make_plan("125m", optimizer_state="int8", master="bf16", **kw)
     assert compact.formats == StateBytes(StateFormat.INT8, DType.BF16, one_weight=True)
     d = compact.as_dict()
-    assert d["state_formats"] == {"optimizer_state": "int8", "master": "bf16", "one_weight": True,
-                                  "text": compact.formats.describe(), "grad": "bf16",
-                                  "grad_reason": compact.grad_reason}
-    assert [r["bytes_per_param"] for r in d["compact_ledger"] if r["chosen"]] == [6 + 8 / STATE_BLOCK]
+    assert d["state_formats"] == {
+        "optimizer_state": "int8",
+        "master": "bf16",
+        "one_weight": True,
+        "text": compact.formats.describe(),
+        "grad": "bf16",
+        "grad_reason": compact.grad_reason,
+    }
+    assert [r["bytes_per_param"] for r in d["compact_ledger"] if r["chosen"]] == [
+        6 + 8 / STATE_BLOCK
+    ]
     assert d["ledger"][-1]["bytes_per_param"] == 6 + 8 / STATE_BLOCK
     assert fp32.as_dict()["ledger"][-1]["bytes_per_param"] == 16
-    with pytest.raises(ConfigError, match=r"--optimizer-state 'int4' is not valid; choose one of fp32\|bf16\|int8"):
+    with pytest.raises(
+        ConfigError, match=r"--optimizer-state 'int4' is not valid; choose one of fp32\|bf16\|int8"
+    ):
         make_plan("125m", optimizer_state="int4", **kw)
     with pytest.raises(ConfigError, match="--master 'fp16'"):
         make_plan("125m", master="fp16", **kw)
@@ -123,7 +161,9 @@ def test_plan_takes_the_formats_and_refuses_bad_ones_by_flag() -> None:
 def test_a_7b_that_fp32_state_cannot_fit_fits_in_compact_state_with_nothing_on_nvme() -> None:
     """24 GB of GPU, 64 GB of host memory, 80 GB of disk: fp32 state needs 80.9 GB of store;
     int8 moments and a bf16 master hold every optimizer state in the host (40.8 GB, bf16 grads)."""
-    kw = dict(gpu_mem="24GB", host_mem="64GB", nvme_free="80GB", dtype="bf16", batch_size=8, seq_len=128)
+    kw = dict(
+        gpu_mem="24GB", host_mem="64GB", nvme_free="80GB", dtype="bf16", batch_size=8, seq_len=128
+    )
     fp32 = make_plan("7b", **kw)
     compact = make_plan("7b", optimizer_state="int8", master="bf16", **kw)
     assert not fp32.choice.fits and fp32.choice.shortfall_bytes.keys() == {Tier.NVME}

@@ -49,8 +49,18 @@ def test_training_plan_is_consistent_and_bounded(n_blocks: int, depth: int, tied
 def test_compute_order_is_forward_then_reverse() -> None:
     plan = build_swap_plan(calls(2, tied=True), 2, backward=True)
     order = [(op.unit, op.phase[0]) for op in plan.ops if op.op is Op.COMPUTE]
-    assert order == [(0, "f"), (1, "f"), (2, "f"), (3, "f"), (0, "f"),
-                     (3, "b"), (0, "b"), (2, "b"), (1, "b"), (0, "b")]
+    assert order == [
+        (0, "f"),
+        (1, "f"),
+        (2, "f"),
+        (3, "f"),
+        (0, "f"),
+        (3, "b"),
+        (0, "b"),
+        (2, "b"),
+        (1, "b"),
+        (0, "b"),
+    ]
 
 
 def test_head_is_kept_between_forward_and_backward() -> None:
@@ -85,7 +95,9 @@ def test_eval_plan_has_no_backward() -> None:
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("depth", [0, 1, 2])
 @pytest.mark.parametrize("ahead", [0, 1])
-def test_gathers_are_ops_one_per_use_and_no_further_ahead_than_fetches(depth: int, ahead: int, tied: bool) -> None:
+def test_gathers_are_ops_one_per_use_and_no_further_ahead_than_fetches(
+    depth: int, ahead: int, tied: bool
+) -> None:
     """Several ranks: each use's all-gather is listed once, after its unit's fetch and before its
     wait; issued ahead, it starts as the use before it starts computing, never earlier, and never
     before its fetch (so with depth 0 nothing is gathered ahead)."""
@@ -115,7 +127,14 @@ def test_gathers_are_ops_one_per_use_and_no_further_ahead_than_fetches(depth: in
 
 
 def test_a_gather_ahead_is_issued_as_the_use_before_starts_computing() -> None:
-    ops = [(op.op.value, op.unit) for op in build_swap_plan(calls(1, False), 2, backward=False, gather_ahead=1).ops]
-    assert ops[ops.index(("wait", 0)):ops.index(("compute", 0)) + 1] == [("wait", 0), ("gather", 1), ("compute", 0)]
+    ops = [
+        (op.op.value, op.unit)
+        for op in build_swap_plan(calls(1, False), 2, backward=False, gather_ahead=1).ops
+    ]
+    assert ops[ops.index(("wait", 0)) : ops.index(("compute", 0)) + 1] == [
+        ("wait", 0),
+        ("gather", 1),
+        ("compute", 0),
+    ]
     one_rank = build_swap_plan(calls(1, False), 2, backward=True)
     assert not any(op.op is Op.GATHER for op in one_rank.ops)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from tierzero.cli.app import app
 from typer.testing import CliRunner
 
-from tierzero.cli.app import app
 from tierzero.config import DType, Placement, StateKind, Tier
 from tierzero.errors import ConfigError
 from tierzero.models.presets import PRESETS

@@ -16,18 +16,35 @@ from tierzero.planning.workload import Workload, steps_on_gpu
 
 
 def layout(work: Workload) -> list[tuple]:
-    return [(u.index, u.name, u.kind, u.numel, u.padded_numel, u.trainable_numel, u.uses_with, u.world_size)
-            for u in work.units]
+    return [
+        (
+            u.index,
+            u.name,
+            u.kind,
+            u.numel,
+            u.padded_numel,
+            u.trainable_numel,
+            u.uses_with,
+            u.world_size,
+        )
+        for u in work.units
+    ]
 
 
 @pytest.mark.parametrize("preset, world_size", [("tiny", 1), ("tiny", 3), ("125m", 2)])
 def test_a_preset_and_its_built_model_are_one_workload(preset: str, world_size: int) -> None:
-    built = Workload.from_units(partition(models.build(preset, device="meta"), world_size), 2, device="cpu")
+    built = Workload.from_units(
+        partition(models.build(preset, device="meta"), world_size), 2, device="cpu"
+    )
     shaped = Workload.from_preset(PRESETS[preset], 2, world_size=world_size, device="cpu")
     assert built.world_size == world_size
     assert layout(built) == layout(shaped)
     assert built.tied_embeddings == shaped.tied_embeddings == PRESETS[preset].tie_embeddings
-    for placement in (Placement(), Placement(*[Tier.NVME] * 5), Placement.for_offload(Offload.HOST)):
+    for placement in (
+        Placement(),
+        Placement(*[Tier.NVME] * 5),
+        Placement.for_offload(Offload.HOST),
+    ):
         assert peak_memory(built, placement) == peak_memory(shaped, placement)
 
 
@@ -37,14 +54,19 @@ def test_sizes_name_the_ends_and_everything_else_is_a_block() -> None:
     assert work.units[-1].uses_with == (0,) and work.tied_embeddings
     rooted = Workload.from_sizes([("root", 10), ("b", 20)], 2)
     assert [u.kind for u in rooted.units] == ["root", "block"]
-    assert [u.kind for u in Workload.from_sizes([("a", 1), ("head", 1), ("z", 1)], 2).units] == ["block"] * 3
+    assert [u.kind for u in Workload.from_sizes([("a", 1), ("head", 1), ("z", 1)], 2).units] == [
+        "block"
+    ] * 3
 
 
 def test_frozen_units_have_no_optimizer_state() -> None:
     work = Workload.from_sizes([("embedding", 4096), ("b", 4096)], 2, trainable=[0, 2048])
     assert work.state_shard_numel == 2048 and work.shard_numel == 8192
     # every param is stored (bf16); grad, master and both moments (fp32) for the trainable only
-    assert peak_memory(work, Placement(*[Tier.NVME] * 5)).tiers[Tier.NVME].homes_bytes == 8192 * 2 + 2048 * 16
+    assert (
+        peak_memory(work, Placement(*[Tier.NVME] * 5)).tiers[Tier.NVME].homes_bytes
+        == 8192 * 2 + 2048 * 16
+    )
 
 
 def test_bad_workloads_are_refused_in_one_sentence() -> None:

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from tierzero.run.data import TokenBatches, default_corpus, load_tokens
 from tierzero.errors import ConfigError, DataError
+from tierzero.run.data import TokenBatches, default_corpus, load_tokens
 
 TOKENS = np.arange(10_000, dtype=np.uint16)  # token id == its position in the corpus
 
@@ -22,7 +22,9 @@ def draw(b: TokenBatches, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def same(a: list, b: list) -> bool:
-    return all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b, strict=True))
+    return all(
+        torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b, strict=True)
+    )
 
 
 def test_batch_shapes_and_shift() -> None:
@@ -57,7 +59,9 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(k: int) -> None:
 
 def test_each_epoch_has_its_own_order() -> None:
     b = batches(batch_size=1)
-    epoch0, epoch1 = (torch.cat([b.next_batch()[0][:, 0] for _ in range(b.n_windows)]) for _ in range(2))
+    epoch0, epoch1 = (
+        torch.cat([b.next_batch()[0][:, 0] for _ in range(b.n_windows)]) for _ in range(2)
+    )
     assert not torch.equal(epoch0, epoch1)
     assert torch.equal(epoch0.sort().values, epoch1.sort().values)
 
@@ -88,7 +92,9 @@ def test_vocab_size_needed() -> None:
     assert TokenBatches(np.zeros(1000, np.uint8), 1, 8, 0).vocab_size_needed == 256
 
 
-@pytest.mark.parametrize("kw", [dict(batch_size=0), dict(seq_len=0), dict(val_fraction=1.0), dict(seed=-1)])
+@pytest.mark.parametrize(
+    "kw", [dict(batch_size=0), dict(seq_len=0), dict(val_fraction=1.0), dict(seed=-1)]
+)
 def test_bad_settings_are_config_errors(kw: dict) -> None:
     with pytest.raises(ConfigError):
         batches(**kw)
@@ -130,7 +136,9 @@ def test_npy_file(tmp_path: Path, dtype: type) -> None:
 
 def test_npy_with_wrong_dtype(tmp_path: Path) -> None:
     np.save(tmp_path / "ids.npy", np.arange(10, dtype=np.float32))
-    with pytest.raises(DataError, match=r"ids.npy' holds a 1-D float32 array; save token ids as a 1-D uint16"):
+    with pytest.raises(
+        DataError, match=r"ids.npy' holds a 1-D float32 array; save token ids as a 1-D uint16"
+    ):
         load_tokens(tmp_path / "ids.npy")
 
 
@@ -147,7 +155,9 @@ def test_bin_with_partial_token(tmp_path: Path) -> None:
 
 
 def test_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match=r"'.*nope.txt' does not exist; pass an existing .txt, .bin or .npy"):
+    with pytest.raises(
+        DataError, match=r"'.*nope.txt' does not exist; pass an existing .txt, .bin or .npy"
+    ):
         load_tokens(tmp_path / "nope.txt")
 
 
@@ -167,17 +177,24 @@ def test_default_corpus_is_deterministic_stdlib_text() -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ranks_read_disjoint_rows_of_the_same_global_batch(world_size: int) -> None:
     whole = draw(batches(batch_size=8), 30)  # 30 batches: past an epoch's end
-    ranks = [draw(batches(batch_size=8, rank=r, world_size=world_size), 30) for r in range(world_size)]
+    ranks = [
+        draw(batches(batch_size=8, rank=r, world_size=world_size), 30) for r in range(world_size)
+    ]
     for step, (x, y) in enumerate(whole):
         assert torch.equal(torch.cat([r[step][0] for r in ranks]), x)
         assert torch.equal(torch.cat([r[step][1] for r in ranks]), y)
     val = batches(batch_size=8).val_batches(2)
     for i, (x, _) in enumerate(val):
-        parts = [batches(batch_size=8, rank=r, world_size=world_size).val_batches(2)[i][0] for r in range(world_size)]
+        parts = [
+            batches(batch_size=8, rank=r, world_size=world_size).val_batches(2)[i][0]
+            for r in range(world_size)
+        ]
         assert torch.equal(torch.cat(parts), x)
     one = batches(batch_size=8, rank=1, world_size=world_size)
     draw(one, 3)
-    assert one.state_dict() == draw_state(batches(batch_size=8), 3)  # one position, whatever the rank
+    assert one.state_dict() == draw_state(
+        batches(batch_size=8), 3
+    )  # one position, whatever the rank
 
 
 def draw_state(b: TokenBatches, n: int) -> dict:

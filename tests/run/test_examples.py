@@ -21,14 +21,28 @@ from tierzero.errors import DataError
 from tierzero.run.corpus import TextTokenizer, read_data
 from tierzero.run.data import TokenBatches
 
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
-            "{% if add_generation_prompt %}assistant : {% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+    "{% if add_generation_prompt %}assistant : {% endif %}"
+)
 WORDS = "user assistant system : . what is two and three five the sky blue why because light scatters ok"
-CHATS = [[{"role": "user", "content": "what is two and three"}, {"role": "assistant", "content": "five"}],
-         [{"role": "system", "content": "ok"}, {"role": "user", "content": "why the sky blue"},
-          {"role": "assistant", "content": "because light scatters"}, {"role": "user", "content": "ok"},
-          {"role": "assistant", "content": "ok"}]]
-PAIRS = [{"prompt": "what is two and three ", "completion": "five"}, {"prompt": "why the sky ", "completion": "blue"}]
+CHATS = [
+    [
+        {"role": "user", "content": "what is two and three"},
+        {"role": "assistant", "content": "five"},
+    ],
+    [
+        {"role": "system", "content": "ok"},
+        {"role": "user", "content": "why the sky blue"},
+        {"role": "assistant", "content": "because light scatters"},
+        {"role": "user", "content": "ok"},
+        {"role": "assistant", "content": "ok"},
+    ],
+]
+PAIRS = [
+    {"prompt": "what is two and three ", "completion": "five"},
+    {"prompt": "why the sky ", "completion": "blue"},
+]
 EOS = 1
 
 
@@ -36,8 +50,9 @@ EOS = 1
 def tokenizer(tmp_path_factory) -> TextTokenizer:
     folder = tmp_path_factory.mktemp("chat-model")
     save_word_tokenizer(folder, WORDS + " " + WORDS, vocab_size=64)
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TEMPLATE}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TEMPLATE})
+    )
     return TextTokenizer(folder / "tokenizer.json", eos_id=EOS)
 
 
@@ -52,11 +67,21 @@ def write_jsonl(path, records) -> str:
 
 
 def test_chats_train_on_the_assistant_turns_only(tokenizer, tmp_path) -> None:
-    ids, examples = read_data(write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS]), 64, tokenizer)
+    ids, examples = read_data(
+        write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS]), 64, tokenizer
+    )
     trained = examples.trained
     assert len(trained) == len(ids) and list(examples.bounds) == [0, 12, len(ids)]
-    assert [w for w, t in zip(words(tokenizer, ids), trained) if t] == ["five", ".", "because", "light", "scatters",
-                                                                        ".", "ok", "."]
+    assert [w for w, t in zip(words(tokenizer, ids), trained) if t] == [
+        "five",
+        ".",
+        "because",
+        "light",
+        "scatters",
+        ".",
+        "ok",
+        ".",
+    ]
     assert words(tokenizer, ids)[:8] == ["user", ":", "what", "is", "two", "and", "three", "."]
 
 
@@ -64,7 +89,12 @@ def test_prompt_completion_trains_on_the_completion_and_its_end(tokenizer, tmp_p
     ids, examples = read_data(write_jsonl(tmp_path / "pairs.jsonl", PAIRS), 64, tokenizer)
     trained = examples.trained
     assert list(examples.bounds) == [0, 7, 12]
-    assert list(ids[trained == 1]) == [*tokenizer.load().encode("five").ids, EOS, *tokenizer.load().encode("blue").ids, EOS]
+    assert list(ids[trained == 1]) == [
+        *tokenizer.load().encode("five").ids,
+        EOS,
+        *tokenizer.load().encode("blue").ids,
+        EOS,
+    ]
     assert trained.sum() == 4 and len(ids) == 12  # 6 + 4 words, an end after each
 
 
@@ -73,16 +103,29 @@ def test_masked_targets_and_the_loss_is_the_mean_over_trained_ones(tokenizer, tm
 
     from tierzero.hf.build import adapt
 
-    ids, examples = read_data(write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS * 20]), 64, tokenizer)
+    ids, examples = read_data(
+        write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS * 20]), 64, tokenizer
+    )
     trained = examples.trained
     batches = TokenBatches(ids, batch_size=4, seq_len=8, seed=0, trained=trained)
     x, y = batches.next_batch()
     kept = y != -100
-    assert kept.any() and not kept.all() and kept.any(dim=1).all()  # every window trains on something
+    assert (
+        kept.any() and not kept.all() and kept.any(dim=1).all()
+    )  # every window trains on something
     assert set(y[kept].tolist()) <= set(ids[trained == 1].tolist())
     torch.manual_seed(0)
-    model = adapt(LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                               num_attention_heads=2, vocab_size=64)))
+    model = adapt(
+        LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                vocab_size=64,
+            )
+        )
+    )
     with torch.no_grad():
         logits = model(x)
         expected = F.cross_entropy(logits[kept], y[kept])
@@ -91,20 +134,28 @@ def test_masked_targets_and_the_loss_is_the_mean_over_trained_ones(tokenizer, tm
 
 @pytest.mark.parametrize("form", ["parquet", "save_to_disk"])
 def test_parquet_and_save_to_disk_read_as_the_jsonl(form, tokenizer, tmp_path) -> None:
-    pa = pytest.importorskip("pyarrow", reason="Parquet and save_to_disk data need pyarrow (tierzero[data])")
+    pa = pytest.importorskip(
+        "pyarrow", reason="Parquet and save_to_disk data need pyarrow (tierzero[data])"
+    )
     records = [{"messages": c} for c in CHATS] + [{"messages": CHATS[0]}]
     if form == "parquet":
         import pyarrow.parquet as pq
 
         path = tmp_path / "chat.parquet"
-        pq.write_table(pa.Table.from_pylist(records), path, row_group_size=2)  # read back batch by batch
+        pq.write_table(
+            pa.Table.from_pylist(records), path, row_group_size=2
+        )  # read back batch by batch
     else:
-        datasets = pytest.importorskip("datasets", reason="writing a save_to_disk directory needs datasets")
+        datasets = pytest.importorskip(
+            "datasets", reason="writing a save_to_disk directory needs datasets"
+        )
         path = tmp_path / "saved"
         datasets.Dataset.from_list(records).save_to_disk(str(path))
     expected = read_data(write_jsonl(tmp_path / "chat.jsonl", records), 64, tokenizer)
     got = read_data(str(path), 64, tokenizer)
-    assert np.array_equal(got[0], expected[0]) and np.array_equal(got[1].trained, expected[1].trained)
+    assert np.array_equal(got[0], expected[0]) and np.array_equal(
+        got[1].trained, expected[1].trained
+    )
     assert np.array_equal(got[1].bounds, expected[1].bounds)
 
 
@@ -118,7 +169,11 @@ def test_refusals(tokenizer, tmp_path) -> None:
     with pytest.raises(DataError, match="has no chat template"):
         read_data(chats, 64, TextTokenizer(bare / "tokenizer.json", EOS))
     with pytest.raises(DataError, match="'prompt' and 'completion' must both be strings"):
-        read_data(write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "what", "completion": 3}]), 64, tokenizer)
+        read_data(
+            write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "what", "completion": 3}]),
+            64,
+            tokenizer,
+        )
     ids, examples = read_data(write_jsonl(tmp_path / "pairs.jsonl", PAIRS), 64, tokenizer)
     with pytest.raises(DataError, match="no window of 3 tokens .* has a completion"):
         TokenBatches(ids, 1, 2, seed=0, trained=np.zeros_like(examples.trained), val_fraction=0.0)
@@ -128,52 +183,121 @@ def test_refusals(tokenizer, tmp_path) -> None:
 def test_micro_batch_1_trains_and_long_examples_are_counted(form, hf_models, tmp_path) -> None:
     """One row per micro-batch (its targets masked, its inputs intact), and the run says how many
     examples were longer than a window and what --long-examples did with them."""
+    from tierzero.cli.app import app
     from typer.testing import CliRunner
 
-    from tierzero.cli.app import app
     from tierzero.run.directory import read_metrics
 
     model = tmp_path / "model"
     shutil.copytree(hf_models["llama"], model)
-    (model / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                             "chat_template": TEMPLATE}))
+    (model / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TEMPLATE})
+    )
     text = "def return import class for in if else while with as from".split()
     long = {"prompt": " ".join(text * 3) + " ", "completion": " ".join(text[:5])}
     if form == "pairs":
-        records = [{"prompt": " ".join(text[i % 7:i % 7 + 4]) + " ", "completion": " ".join(text[i % 5:i % 5 + 3])}
-                   for i in range(60)] + [long]
+        records = [
+            {
+                "prompt": " ".join(text[i % 7 : i % 7 + 4]) + " ",
+                "completion": " ".join(text[i % 5 : i % 5 + 3]),
+            }
+            for i in range(60)
+        ] + [long]
     else:
-        records = [{"messages": [{"role": "user", "content": " ".join(text[i % 7:i % 7 + 4])},
-                                 {"role": "assistant", "content": " ".join(text[i % 5:i % 5 + 3])}]}
-                   for i in range(60)] + [{"messages": [{"role": "user", "content": long["prompt"]},
-                                                        {"role": "assistant", "content": long["completion"]}]}]
+        records = [
+            {
+                "messages": [
+                    {"role": "user", "content": " ".join(text[i % 7 : i % 7 + 4])},
+                    {"role": "assistant", "content": " ".join(text[i % 5 : i % 5 + 3])},
+                ]
+            }
+            for i in range(60)
+        ] + [
+            {
+                "messages": [
+                    {"role": "user", "content": long["prompt"]},
+                    {"role": "assistant", "content": long["completion"]},
+                ]
+            }
+        ]
     data = write_jsonl(tmp_path / "data.jsonl", records)
     for policy in ("truncate", "drop"):
         run_dir = tmp_path / policy
-        result = CliRunner().invoke(app, ["train", "--model", f"hf:{model}", "--data", data, "--steps", "3",
-                                          "--batch-size", "1", "--accumulate", "2", "--seq-len", "16",
-                                          "--long-examples", policy, "--offload", "host", "--dtype", "fp32",
-                                          "--run-dir", str(run_dir), "--json"])
+        result = CliRunner().invoke(
+            app,
+            [
+                "train",
+                "--model",
+                f"hf:{model}",
+                "--data",
+                data,
+                "--steps",
+                "3",
+                "--batch-size",
+                "1",
+                "--accumulate",
+                "2",
+                "--seq-len",
+                "16",
+                "--long-examples",
+                policy,
+                "--offload",
+                "host",
+                "--dtype",
+                "fp32",
+                "--run-dir",
+                str(run_dir),
+                "--json",
+            ],
+        )
         assert result.exit_code == 0, result.output
         assert "1 of 61 examples are longer than --seq-len 16 allows" in result.output
-        assert json.loads(result.stdout[result.stdout.index("{"):])["long_examples"] == \
-            {"policy": policy, "examples": 61, "touched": 1}
+        assert json.loads(result.stdout[result.stdout.index("{") :])["long_examples"] == {
+            "policy": policy,
+            "examples": 61,
+            "touched": 1,
+        }
         assert all(np.isfinite(r["loss"]) for r in read_metrics(run_dir) if "loss" in r)
 
 
 def test_train_on_prompt_completion_records_from_the_cli(hf_models, tmp_path) -> None:
     """The run's batches mask the prompts: its losses are those of the completions only."""
+    from tierzero.cli.app import app
     from typer.testing import CliRunner
 
-    from tierzero.cli.app import app
     from tierzero.run.directory import read_metrics
 
     text = "def return import class for in if else while with as from".split()
-    records = [{"prompt": " ".join(text[i % 7:i % 7 + 4]) + " ", "completion": " ".join(text[i % 5:i % 5 + 3])}
-               for i in range(200)]
+    records = [
+        {
+            "prompt": " ".join(text[i % 7 : i % 7 + 4]) + " ",
+            "completion": " ".join(text[i % 5 : i % 5 + 3]),
+        }
+        for i in range(200)
+    ]
     data = write_jsonl(tmp_path / "pairs.jsonl", records)
-    result = CliRunner().invoke(app, ["train", "--model", f"hf:{hf_models['llama']}", "--data", data, "--steps", "2",
-                                      "--batch-size", "2", "--seq-len", "16", "--offload", "host", "--dtype", "fp32",
-                                      "--run-dir", str(tmp_path / "run"), "--json"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--model",
+            f"hf:{hf_models['llama']}",
+            "--data",
+            data,
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--offload",
+            "host",
+            "--dtype",
+            "fp32",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert all(np.isfinite(r["loss"]) for r in read_metrics(tmp_path / "run") if "loss" in r)

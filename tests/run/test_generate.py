@@ -163,7 +163,9 @@ def test_a_prompt_longer_than_the_model_runs_is_refused(small) -> None:
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     """A tiny LLaMA whose logits vary (a wide init), a word-level tokenizer and a chat template."""
-    return save_chat_llama(tmp_path_factory.mktemp("chat") / "llama", sample_text(), TEMPLATE, "[UNK]")
+    return save_chat_llama(
+        tmp_path_factory.mktemp("chat") / "llama", sample_text(), TEMPLATE, "[UNK]"
+    )
 
 
 def test_greedy_ids_equal_transformers_generate_through_the_tiers(chat_model, tmp_path) -> None:

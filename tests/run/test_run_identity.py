@@ -8,10 +8,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tomllib
-from pathlib import Path
 
 import pytest
+import tomllib
 
 from tests.support.cli import one_line_error, train
 from tierzero.checkpoint.catalog import checkpoint_dirs
@@ -50,6 +49,7 @@ class KillPoints:
                         raise Killed
                     self.renames.append(os.path.basename(dst))
                 return real(src, dst, *args, **kwargs)
+
             return call
 
         monkeypatch.setattr(RunDir, "start", start)
@@ -59,7 +59,7 @@ class KillPoints:
 
 def summary(result) -> dict:
     assert result.exit_code == 0, result.output
-    return json.loads(result.stdout[result.stdout.index("{"):])
+    return json.loads(result.stdout[result.stdout.index("{") :])
 
 
 def test_a_run_id_without_a_config_is_refused_on_resume(tmp_path) -> None:
@@ -68,7 +68,9 @@ def test_a_run_id_without_a_config_is_refused_on_resume(tmp_path) -> None:
     (run_dir / "run-id").write_text("x\n")
     line = one_line_error(train("--resume", "--run-dir", str(run_dir)))
     assert "started but never configured" in line and "start it again with --overwrite" in line
-    assert sorted(p.name for p in run_dir.iterdir()) == ["run-id"]  # refused before anything is written
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "run-id"
+    ]  # refused before anything is written
 
 
 def test_the_config_is_written_before_the_run_id(tmp_path, monkeypatch) -> None:
@@ -89,7 +91,9 @@ def test_a_fresh_run_stopped_before_its_config_is_refused_on_resume(tmp_path, mo
     assert "never configured" in line  # not the defaults, silently
 
 
-def test_an_overwrite_stopped_anywhere_resumes_as_the_old_run_or_the_new(tmp_path, monkeypatch) -> None:
+def test_an_overwrite_stopped_anywhere_resumes_as_the_old_run_or_the_new(
+    tmp_path, monkeypatch
+) -> None:
     # every kill point of the transaction, each followed by a resume: about ten short CLI runs
     finished = tmp_path / "finished"
     assert train(*OLD, "--run-dir", str(finished)).exit_code == 0

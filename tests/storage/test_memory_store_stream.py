@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tierzero.storage.device import DevicePool, DeviceStore
 from tierzero.storage.io import IOLoop
 

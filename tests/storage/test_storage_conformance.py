@@ -12,7 +12,6 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-
 from tierzero.storage.base import DTYPES, Capabilities, ShardNotFoundError, StorageError, TierStore
 from tierzero.storage.device import DevicePool, DeviceStore
 from tierzero.storage.host import HostPool, HostStore
@@ -80,8 +79,15 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-STORES = ["host", "device-cpu", "nvme-direct", "nvme-buffered", "nvme-striped", "latency-host",
-          "latency-nvme"]
+STORES = [
+    "host",
+    "device-cpu",
+    "nvme-direct",
+    "nvme-buffered",
+    "nvme-striped",
+    "latency-host",
+    "latency-nvme",
+]
 
 
 @pytest.fixture(params=STORES)
@@ -101,8 +107,11 @@ def store(request: pytest.FixtureRequest, tmp_path) -> Iterator[TierStore]:
             d.mkdir()
         inner = NvmeStore(dirs, chunk_bytes=CHUNK_BYTES)
     else:
-        inner = NvmeStore([tmp_path], chunk_bytes=CHUNK_BYTES,
-                          direct=None if base in ("nvme-direct", "nvme") else False)
+        inner = NvmeStore(
+            [tmp_path],
+            chunk_bytes=CHUNK_BYTES,
+            direct=None if base in ("nvme-direct", "nvme") else False,
+        )
     s = LatencyStore(inner, seed=0) if kind.startswith("latency-") else inner
     if pool is not None:
         pool.open()
@@ -125,8 +134,9 @@ SIZES = [1, 1000, CHUNK_BYTES // 4, 3 * CHUNK_BYTES // 4 + 5]  # in elements
 
 class TestConformance:
     @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
-    def test_round_trip_every_dtype_byte_exact(self, store: TierStore, io_loop: IOLoop,
-                                               dtype: torch.dtype) -> None:
+    def test_round_trip_every_dtype_byte_exact(
+        self, store: TierStore, io_loop: IOLoop, dtype: torch.dtype
+    ) -> None:
         for i, numel in enumerate(SIZES):
             src = random_tensor(dtype, numel, seed=i)
             io_loop.run(store.write(f"state/u{i:04d}/r0", src))
@@ -134,8 +144,9 @@ class TestConformance:
             io_loop.run(store.read_into(f"state/u{i:04d}/r0", out, verify=True))
             assert same_bytes(out, src), (dtype, numel)
 
-    def test_aligned_and_unaligned_buffers(self, store: TierStore, io_loop: IOLoop,
-                                           buffers: HostPool) -> None:
+    def test_aligned_and_unaligned_buffers(
+        self, store: TierStore, io_loop: IOLoop, buffers: HostPool
+    ) -> None:
         numel = 2 * CHUNK_BYTES // 4 + 7
         src = random_tensor(torch.float32, numel + 1, seed=1)[1:]  # starts 4 bytes off a page
         io_loop.run(store.write("master/u0001/r0", src))
@@ -149,18 +160,23 @@ class TestConformance:
 
     def test_concurrent_reads_and_writes(self, store: TierStore, io_loop: IOLoop) -> None:
         keys = [f"exp_avg/u{i:04d}/r{i % 2}" for i in range(12)]
-        first = {k: random_tensor(torch.float32, 3000 + 997 * i, seed=i)
-                 for i, k in enumerate(keys)}
-        second = {k: random_tensor(torch.float32, 3000 + 997 * i, seed=100 + i)
-                  for i, k in enumerate(keys)}
+        first = {
+            k: random_tensor(torch.float32, 3000 + 997 * i, seed=i) for i, k in enumerate(keys)
+        }
+        second = {
+            k: random_tensor(torch.float32, 3000 + 997 * i, seed=100 + i)
+            for i, k in enumerate(keys)
+        }
 
         async def scenario() -> dict[str, torch.Tensor]:
             await asyncio.gather(*(store.write(k, v) for k, v in first.items()))
             outs = {k: torch.empty_like(v) for k, v in first.items()}
             # Reads of the first version race writes of the second: each read must be one
             # version or the other, never a mix.
-            await asyncio.gather(*(store.read_into(k, outs[k]) for k in keys),
-                                 *(store.write(k, second[k]) for k in keys))
+            await asyncio.gather(
+                *(store.read_into(k, outs[k]) for k in keys),
+                *(store.write(k, second[k]) for k in keys),
+            )
             return outs
 
         outs = io_loop.run(scenario())
@@ -170,8 +186,9 @@ class TestConformance:
             io_loop.run(store.read_into(k, final, verify=True))
             assert same_bytes(final, second[k])
 
-    def test_concurrent_writes_to_one_key_leave_one_whole_version(self, store: TierStore,
-                                                                  io_loop: IOLoop) -> None:
+    def test_concurrent_writes_to_one_key_leave_one_whole_version(
+        self, store: TierStore, io_loop: IOLoop
+    ) -> None:
         versions = [random_tensor(torch.int32, 5000, seed=s) for s in range(6)]
 
         async def race() -> None:
@@ -182,8 +199,7 @@ class TestConformance:
         io_loop.run(store.read_into("grad/u0000/r0", out, verify=True))
         assert any(same_bytes(out, v) for v in versions)
 
-    def test_overwrite_with_another_size_and_dtype(self, store: TierStore,
-                                                   io_loop: IOLoop) -> None:
+    def test_overwrite_with_another_size_and_dtype(self, store: TierStore, io_loop: IOLoop) -> None:
         big = random_tensor(torch.float32, 3 * CHUNK_BYTES // 4, seed=1)
         small = random_tensor(torch.bfloat16, 11, seed=2)
         io_loop.run(store.write("param/u0002/r1", big))
@@ -206,8 +222,10 @@ class TestConformance:
         io_loop.run(store.delete("grad/u0001/r0"))  # deleting a missing key is a no-op
 
     def test_flush_keeps_everything_readable(self, store: TierStore, io_loop: IOLoop) -> None:
-        src = {f"master/u{i:04d}/r0": random_tensor(torch.float32, 2000 * (i + 1), seed=i)
-               for i in range(4)}
+        src = {
+            f"master/u{i:04d}/r0": random_tensor(torch.float32, 2000 * (i + 1), seed=i)
+            for i in range(4)
+        }
         for k, v in src.items():
             io_loop.run(store.write(k, v))
         io_loop.run(store.delete("master/u0000/r0"))

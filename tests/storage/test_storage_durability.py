@@ -20,16 +20,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tierzero.storage.base import StorageError, StorageFullError
-from tierzero.storage import durable
-from tierzero.storage.io import IOLoop
-from tierzero.storage.nvme import chunkfile, store as nvme
-from tierzero.storage.nvme.spares import SPARE_DIR
-from tierzero.storage.nvme.store import NvmeStore
-
 from test_storage_conformance import random_tensor, same_bytes
 from test_storage_nvme import chunk_file, current_gen, fail_nth, temp_files
+from tierzero.storage import durable
+from tierzero.storage.base import StorageError, StorageFullError
+from tierzero.storage.io import IOLoop
+from tierzero.storage.nvme import chunkfile
+from tierzero.storage.nvme import store as nvme
+from tierzero.storage.nvme.spares import SPARE_DIR
+from tierzero.storage.nvme.store import NvmeStore
 
 CHUNK_BYTES = 16 << 10
 NCHUNKS = 4
@@ -54,11 +53,18 @@ def only_current_generation(root: Path) -> bool:
 
 
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO], ids=["ENOSPC", "EIO"])
-@pytest.mark.parametrize("where", [("pwrite", i) for i in range(NCHUNKS)] + [("write", 0), ("write", 1)],
-                         ids=[f"chunk-{i}" for i in range(NCHUNKS)] + ["array-json", "pointer-json"])
+@pytest.mark.parametrize(
+    "where",
+    [("pwrite", i) for i in range(NCHUNKS)] + [("write", 0), ("write", 1)],
+    ids=[f"chunk-{i}" for i in range(NCHUNKS)] + ["array-json", "pointer-json"],
+)
 def test_a_failed_write_at_any_chunk_keeps_the_old_version_whole(
-        tmp_path: Path, io_loop: IOLoop, monkeypatch: pytest.MonkeyPatch,
-        where: tuple[str, int], err: int) -> None:
+    tmp_path: Path,
+    io_loop: IOLoop,
+    monkeypatch: pytest.MonkeyPatch,
+    where: tuple[str, int],
+    err: int,
+) -> None:
     old, new = versions()
     with NvmeStore([tmp_path], chunk_bytes=CHUNK_BYTES) as store:
         io_loop.run(store.write(KEY, old))
@@ -98,17 +104,33 @@ with IOLoop(4) as loop, NvmeStore([root], chunk_bytes=chunk_bytes) as store:
 """
 
 
-@pytest.mark.parametrize("where", [("pwrite", 0), ("pwrite", 3)] + [("rename", i) for i in range(NCHUNKS)]
-                         + [("replace", 0)],
-                         ids=["chunk-0-write", "chunk-3-write"] + [f"before-rename-{i}" for i in range(NCHUNKS)]
-                         + ["before-commit"])
+@pytest.mark.parametrize(
+    "where",
+    [("pwrite", 0), ("pwrite", 3)] + [("rename", i) for i in range(NCHUNKS)] + [("replace", 0)],
+    ids=["chunk-0-write", "chunk-3-write"]
+    + [f"before-rename-{i}" for i in range(NCHUNKS)]
+    + ["before-commit"],
+)
 def test_sigkill_between_any_two_steps_leaves_the_old_version_whole(
-        tmp_path: Path, io_loop: IOLoop, where: tuple[str, int]) -> None:
+    tmp_path: Path, io_loop: IOLoop, where: tuple[str, int]
+) -> None:
     """A writer SIGKILLed before any of its chunk writes or renames, or just before the
     commit rename: the old version reads back whole, and reopening removes the half-made
     generation."""
-    done = subprocess.run([sys.executable, "-c", KILL_AT_SCRIPT, str(tmp_path), str(CHUNK_BYTES),
-                           where[0], str(where[1])], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            KILL_AT_SCRIPT,
+            str(tmp_path),
+            str(CHUNK_BYTES),
+            where[0],
+            str(where[1]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == -9, done.stderr
     old = torch.full((NCHUNKS * CHUNK_BYTES // 4 - 5,), 1.0)
     assert same_bytes(read_back(tmp_path, io_loop, old), old)
@@ -116,7 +138,8 @@ def test_sigkill_between_any_two_steps_leaves_the_old_version_whole(
 
 
 def test_a_read_that_fails_returns_only_after_every_thread_let_go_of_the_buffer(
-        tmp_path: Path, io_loop: IOLoop, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, io_loop: IOLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Chunk 0 fails at once while the others are still reading: read_into must not raise
     (and hand the buffer back to its owner) while a sibling thread can still write into it."""
     src = random_tensor(torch.float32, 8 * CHUNK_BYTES // 4, seed=3)
@@ -146,7 +169,8 @@ def test_a_read_that_fails_returns_only_after_every_thread_let_go_of_the_buffer(
 
 
 def test_a_cancelled_write_returns_only_after_its_workers_finished(
-        tmp_path: Path, io_loop: IOLoop, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, io_loop: IOLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
     old, new = versions()
     active = []
     real = chunkfile.write_chunk
@@ -179,7 +203,9 @@ def test_a_cancelled_write_returns_only_after_its_workers_finished(
     assert only_current_generation(tmp_path) and temp_files(tmp_path) == []
 
 
-def test_chunks_a_snapshot_links_are_never_recycled_or_overwritten(tmp_path: Path, io_loop: IOLoop) -> None:
+def test_chunks_a_snapshot_links_are_never_recycled_or_overwritten(
+    tmp_path: Path, io_loop: IOLoop
+) -> None:
     live, frozen = tmp_path / "live", tmp_path / "frozen"
     live.mkdir()
     first = random_tensor(torch.float32, 2 * CHUNK_BYTES // 4, seed=1)
@@ -190,10 +216,13 @@ def test_chunks_a_snapshot_links_are_never_recycled_or_overwritten(tmp_path: Pat
         assert copied == 0  # hard links: no bytes moved
         linked = {p.stat().st_ino for p in (frozen / "c").iterdir()}
         for seed in range(2, 6):  # several rewrites, each flushed so retired blocks recycle
-            io_loop.run(store.write(KEY, random_tensor(torch.float32, 2 * CHUNK_BYTES // 4, seed=seed)))
+            io_loop.run(
+                store.write(KEY, random_tensor(torch.float32, 2 * CHUNK_BYTES // 4, seed=seed))
+            )
             io_loop.run(store.flush())
         assert not linked & {p.stat().st_ino for p in (live / SPARE_DIR).iterdir()}
     from tierzero.storage.nvme.arrays import read_array
+
     assert same_bytes(read_array(str(frozen), meta), first)
 
 
@@ -212,7 +241,8 @@ def test_adopting_a_snapshot_restores_it_by_links(tmp_path: Path, io_loop: IOLoo
 
 
 def test_pwrite_that_makes_no_progress_is_an_error_not_a_spin(
-        tmp_path: Path, io_loop: IOLoop, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, io_loop: IOLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
     old, new = versions()
     with NvmeStore([tmp_path], chunk_bytes=CHUNK_BYTES) as store:
         io_loop.run(store.write(KEY, old))
@@ -225,7 +255,9 @@ def test_pwrite_that_makes_no_progress_is_an_error_not_a_spin(
         assert same_bytes(out, old)
 
 
-def test_a_failed_delete_is_reported(tmp_path: Path, io_loop: IOLoop, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_delete_is_reported(
+    tmp_path: Path, io_loop: IOLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with NvmeStore([tmp_path], chunk_bytes=CHUNK_BYTES) as store:
         io_loop.run(store.write(KEY, torch.zeros(10)))
 
@@ -257,7 +289,7 @@ def test_an_unaligned_buffer_is_said_once(tmp_path: Path, io_loop: IOLoop) -> No
         if not store.capabilities.direct_io:
             pytest.skip("this filesystem has no direct I/O")
         backing = torch.zeros(CHUNK_BYTES // 4 + 1024)
-        unaligned = backing[1:1 + CHUNK_BYTES // 4]
+        unaligned = backing[1 : 1 + CHUNK_BYTES // 4]
         for _ in range(3):
             io_loop.run(store.write(KEY, unaligned))
         assert sum("not aligned" in n for n in store.notes) == 1
@@ -284,12 +316,16 @@ class MetadataCalls:
     def around(self, final: Path) -> list[tuple[str, str]]:
         """The calls that touched `final`: its temp file's fsync, its rename, its directory's fsync."""
         temp = re.compile(re.escape(f"{final.parent}/.{final.name}.") + r"\d+-\d+\.tmp")
-        return [("fsync temp" if temp.fullmatch(path) else what, path) for what, path in self.calls
-                if temp.fullmatch(path) or path in (str(final), str(final.parent))]
+        return [
+            ("fsync temp" if temp.fullmatch(path) else what, path)
+            for what, path in self.calls
+            if temp.fullmatch(path) or path in (str(final), str(final.parent))
+        ]
 
 
 def test_a_metadata_file_is_fsynced_then_renamed_then_its_directory_fsynced(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls = MetadataCalls(monkeypatch)
     final = tmp_path / "zarr.json"
     durable.write_atomic(str(final), b"{}")
@@ -299,7 +335,8 @@ def test_a_metadata_file_is_fsynced_then_renamed_then_its_directory_fsynced(
 
 
 def test_the_store_fsyncs_its_group_files_and_every_commit_pointer_before_the_rename(
-        tmp_path: Path, io_loop: IOLoop, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, io_loop: IOLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls = MetadataCalls(monkeypatch)
     with NvmeStore([tmp_path], chunk_bytes=CHUNK_BYTES) as store:
         src = random_tensor(torch.float32, 2 * CHUNK_BYTES // 4, seed=3)
@@ -308,6 +345,9 @@ def test_the_store_fsyncs_its_group_files_and_every_commit_pointer_before_the_re
     *groups, shard = [tmp_path.joinpath(*KEY.split("/")[:n]) for n in range(KEY.count("/") + 2)]
     for group in groups:  # the root group and one per key prefix: written once, durably
         assert [what for what, _ in calls.around(group / "zarr.json")] == [
-            "fsync temp", "replace", "fsync"], group
+            "fsync temp",
+            "replace",
+            "fsync",
+        ], group
     # the commit pointer: fsynced before each rename; the rename is made durable by flush()
     assert [what for what, _ in calls.around(shard / "zarr.json")] == ["fsync temp", "replace"] * 2

@@ -10,7 +10,6 @@ import random
 
 import pytest
 import torch
-
 from tierzero.storage.base import BudgetExceededError, StorageError
 from tierzero.storage.host import HostPool, pinned_empty
 
@@ -74,7 +73,9 @@ def test_pinning_follows_the_blocks_the_pool_holds(cudart: FakeCudart) -> None:
             action = rng.random()
             if action < 0.45:
                 try:
-                    held.append(pool.lease(rng.choice([1, PAGE + 1, 3 * PAGE, 10 * PAGE, 25 * PAGE])))
+                    held.append(
+                        pool.lease(rng.choice([1, PAGE + 1, 3 * PAGE, 10 * PAGE, 25 * PAGE]))
+                    )
                 except BudgetExceededError:
                     pass
             elif action < 0.55 and held:
@@ -110,7 +111,9 @@ def test_a_refused_pin_names_the_fix(monkeypatch: pytest.MonkeyPatch, mappings: 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     with HostPool(16 * PAGE) as pool:
-        with pytest.raises(StorageError, match=rf"cannot pin {2 * PAGE} bytes .*error 2.*ulimit -l"):
+        with pytest.raises(
+            StorageError, match=rf"cannot pin {2 * PAGE} bytes .*error 2.*ulimit -l"
+        ):
             pool.lease(PAGE + 1)
         assert pool.resident_bytes == 0 and pool.peak_bytes == 0
     assert mappings.live() == 0
@@ -125,8 +128,9 @@ def test_pin_without_cuda_is_refused_at_open(monkeypatch: pytest.MonkeyPatch) ->
         pool.give_back(pool.lease(10))
 
 
-def test_a_block_that_fails_to_unpin_is_never_unmapped(cudart: FakeCudart,
-                                                       mappings: Mappings) -> None:
+def test_a_block_that_fails_to_unpin_is_never_unmapped(
+    cudart: FakeCudart, mappings: Mappings
+) -> None:
     pool = HostPool(16 * PAGE)
     with pool:
         pool.give_back(pool.lease(12 * PAGE))
@@ -165,7 +169,8 @@ def test_pinned_blocks_copy_asynchronously_on_a_gpu() -> None:
 
 
 def test_a_pinned_buffer_outside_the_pool_is_its_own_pages_unpinned_before_they_are_unmapped(
-        cudart: FakeCudart, mappings: Mappings) -> None:
+    cudart: FakeCudart, mappings: Mappings
+) -> None:
     """`pinned_empty`: exactly the pages asked for (torch's caching host allocator would pin a
     power of two and keep it), pinned once, unpinned when its last view dies while still mapped
     (the fake refuses an unpin of unmapped memory)."""

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tierzero.storage.base import StorageError
 from tierzero.storage.io import IOLoop
 from tierzero.storage.nvme import chunkfile
@@ -63,8 +62,9 @@ def test_context_manager_closes_on_keyboard_interrupt() -> None:
     assert pending.cancelled()
 
 
-def test_cancelled_writes_leave_no_temp_files(tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cancelled_writes_leave_no_temp_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real = chunkfile.write_chunk
 
     def slow(*args, **kwargs):
@@ -76,8 +76,7 @@ def test_cancelled_writes_leave_no_temp_files(tmp_path: Path,
     loop.open()
     with NvmeStore([tmp_path], chunk_bytes=16 << 10) as store:
         shards = [torch.full((64 << 10,), float(i)) for i in range(8)]  # 16 chunks each
-        futures = [loop.submit(store.write(f"master/u{i:04d}/r0", s))
-                   for i, s in enumerate(shards)]
+        futures = [loop.submit(store.write(f"master/u{i:04d}/r0", s)) for i, s in enumerate(shards)]
         time.sleep(0.05)  # some chunks written, most queued
         close_within(loop, 30)
         assert any(f.cancelled() for f in futures)

@@ -21,13 +21,16 @@ import numpy as np
 import pytest
 import torch
 import zarr
-
-from tierzero.storage.base import StorageCorruptError, StorageError, StorageFullError, StoreLockedError
+from test_storage_conformance import random_tensor, same_bytes
+from tierzero.storage.base import (
+    StorageCorruptError,
+    StorageError,
+    StorageFullError,
+    StoreLockedError,
+)
 from tierzero.storage.io import IOLoop
 from tierzero.storage.nvme import spares
 from tierzero.storage.nvme.store import NvmeStore
-
-from test_storage_conformance import random_tensor, same_bytes
 
 CHUNK_BYTES = 16 << 10
 KEY = "master/u0003/r0"
@@ -40,7 +43,9 @@ def temp_files(root: Path) -> list[Path]:
 def current_gen(root: Path, key: str) -> Path:
     """The generation directory the shard's group zarr.json names (its committed version)."""
     shard = root.joinpath(*key.split("/"))
-    return shard / json.loads((shard / "zarr.json").read_text())["attributes"]["tierzero"]["current"]
+    return (
+        shard / json.loads((shard / "zarr.json").read_text())["attributes"]["tierzero"]["current"]
+    )
 
 
 def chunk_file(root: Path, key: str, index: int) -> Path:
@@ -53,8 +58,7 @@ def store(tmp_path: Path):
         yield s
 
 
-def test_zarr_reads_what_the_store_wrote(store: NvmeStore, tmp_path: Path,
-                                         io_loop: IOLoop) -> None:
+def test_zarr_reads_what_the_store_wrote(store: NvmeStore, tmp_path: Path, io_loop: IOLoop) -> None:
     shards = {
         "master/u0000/r0": random_tensor(torch.float32, 10_001, seed=1),
         "param/u0000/r0": random_tensor(torch.bfloat16, 10_001, seed=2),
@@ -70,14 +74,18 @@ def test_zarr_reads_what_the_store_wrote(store: NvmeStore, tmp_path: Path,
         array = group[key][current_gen(tmp_path, key).name]
         assert array.shape == (src.numel(),)
         assert array.attrs["tierzero"]["dtype"] == str(src.dtype).removeprefix("torch.")
-        expected = src.view(torch.int16).numpy().view(np.uint16) if src.dtype == torch.bfloat16 \
+        expected = (
+            src.view(torch.int16).numpy().view(np.uint16)
+            if src.dtype == torch.bfloat16
             else src.numpy()
+        )
         np.testing.assert_array_equal(array[:], expected)
     assert sorted(group["master"].group_keys()) == ["u0000"]
 
 
-def test_chunk_files_are_the_raw_bytes_padded(store: NvmeStore, tmp_path: Path,
-                                              io_loop: IOLoop) -> None:
+def test_chunk_files_are_the_raw_bytes_padded(
+    store: NvmeStore, tmp_path: Path, io_loop: IOLoop
+) -> None:
     src = random_tensor(torch.float32, CHUNK_BYTES // 4 + 3, seed=7)
     io_loop.run(store.write(KEY, src))
     raw = src.view(torch.uint8).numpy().tobytes()
@@ -86,14 +94,16 @@ def test_chunk_files_are_the_raw_bytes_padded(store: NvmeStore, tmp_path: Path,
     assert last == raw[CHUNK_BYTES:] + bytes(CHUNK_BYTES - 12)
 
 
-def test_overwrite_with_fewer_chunks_removes_the_stale_ones(store: NvmeStore, tmp_path: Path,
-                                                            io_loop: IOLoop) -> None:
+def test_overwrite_with_fewer_chunks_removes_the_stale_ones(
+    store: NvmeStore, tmp_path: Path, io_loop: IOLoop
+) -> None:
     io_loop.run(store.write(KEY, random_tensor(torch.float32, 3 * CHUNK_BYTES // 4, seed=1)))
     io_loop.run(store.write(KEY, random_tensor(torch.float32, 10, seed=2)))
     assert sorted(p.name for p in chunk_file(tmp_path, KEY, 0).parent.iterdir()) == ["0"]
     io_loop.run(store.flush())  # the superseded generation goes once the switch is durable
-    assert [p.name for p in current_gen(tmp_path, KEY).parent.iterdir() if p.is_dir()] == \
-        [current_gen(tmp_path, KEY).name]
+    assert [p.name for p in current_gen(tmp_path, KEY).parent.iterdir() if p.is_dir()] == [
+        current_gen(tmp_path, KEY).name
+    ]
 
 
 def test_flipped_byte_is_named_on_a_verified_read(tmp_path: Path, io_loop: IOLoop) -> None:
@@ -106,7 +116,10 @@ def test_flipped_byte_is_named_on_a_verified_read(tmp_path: Path, io_loop: IOLoo
     path.write_bytes(raw)
     out = torch.empty_like(src)
     with NvmeStore([tmp_path], chunk_bytes=CHUNK_BYTES) as store:
-        with pytest.raises(StorageCorruptError, match=r"chunk 1 of shard 'master/u0003/r0' \(array .*master/u0003/r0/g"):
+        with pytest.raises(
+            StorageCorruptError,
+            match=r"chunk 1 of shard 'master/u0003/r0' \(array .*master/u0003/r0/g",
+        ):
             io_loop.run(store.read_into(KEY, out, verify=True))
         io_loop.run(store.read_into(KEY, out))  # unverified reads trust the disk
         assert not same_bytes(out, src)
@@ -116,12 +129,16 @@ def test_flipped_byte_is_named_on_a_verified_read(tmp_path: Path, io_loop: IOLoo
 
 
 @pytest.mark.parametrize("keep", [CHUNK_BYTES // 2, CHUNK_BYTES - 1])
-def test_truncated_chunk_is_named_even_unverified(store: NvmeStore, tmp_path: Path,
-                                                  io_loop: IOLoop, keep: int) -> None:
+def test_truncated_chunk_is_named_even_unverified(
+    store: NvmeStore, tmp_path: Path, io_loop: IOLoop, keep: int
+) -> None:
     src = random_tensor(torch.float32, 3 * CHUNK_BYTES // 4, seed=1)
     io_loop.run(store.write(KEY, src))
     os.truncate(chunk_file(tmp_path, KEY, 2), keep)
-    with pytest.raises(StorageCorruptError, match=r"chunk 2 of shard 'master/u0003/r0' \(array .*u0003/r0/g000001\) is truncated"):
+    with pytest.raises(
+        StorageCorruptError,
+        match=r"chunk 2 of shard 'master/u0003/r0' \(array .*u0003/r0/g000001\) is truncated",
+    ):
         io_loop.run(store.read_into(KEY, torch.empty_like(src)))
 
 
@@ -146,11 +163,18 @@ def fail_nth(monkeypatch: pytest.MonkeyPatch, name: str, n: int, err: int) -> No
     monkeypatch.setattr(os, name, failing)
 
 
-@pytest.mark.parametrize("where", [("pwrite", 0), ("pwrite", 2), ("write", 0)],
-                         ids=["first-chunk", "third-chunk", "zarr-json"])
+@pytest.mark.parametrize(
+    "where",
+    [("pwrite", 0), ("pwrite", 2), ("write", 0)],
+    ids=["first-chunk", "third-chunk", "zarr-json"],
+)
 def test_enospc_keeps_the_previous_version_and_no_temp_file(
-        store: NvmeStore, tmp_path: Path, io_loop: IOLoop, monkeypatch: pytest.MonkeyPatch,
-        where: tuple[str, int]) -> None:
+    store: NvmeStore,
+    tmp_path: Path,
+    io_loop: IOLoop,
+    monkeypatch: pytest.MonkeyPatch,
+    where: tuple[str, int],
+) -> None:
     old = random_tensor(torch.float32, 4 * CHUNK_BYTES // 4, seed=1)
     new = random_tensor(torch.float32, 4 * CHUNK_BYTES // 4, seed=2)
     io_loop.run(store.write(KEY, old))
@@ -168,9 +192,9 @@ def test_enospc_keeps_the_previous_version_and_no_temp_file(
     assert same_bytes(out, old)
 
 
-def test_random_io_errors_never_tear_a_shard(store: NvmeStore, tmp_path: Path,
-                                             io_loop: IOLoop,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_random_io_errors_never_tear_a_shard(
+    store: NvmeStore, tmp_path: Path, io_loop: IOLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rng = random.Random(0)
     real = os.pwrite
 
@@ -220,11 +244,16 @@ def test_second_process_is_refused_until_the_first_closes(tmp_path: Path) -> Non
         "        print('opened', flush=True)\n"
         "    except StoreLockedError as e:\n"
         "        print('refused:', e, flush=True)\n"
-        "    sys.stdin.readline()\n")
+        "    sys.stdin.readline()\n"
+    )
     first = NvmeStore([tmp_path])
     first.open()
-    child = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], text=True,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    child = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path)],
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     try:
         assert child.stdout is not None and child.stdin is not None
         refused = child.stdout.readline()
@@ -293,8 +322,9 @@ def refuse_o_direct(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "open", no_direct)
 
 
-def test_no_o_direct_falls_back_to_buffered_io(tmp_path: Path, io_loop: IOLoop,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_o_direct_falls_back_to_buffered_io(
+    tmp_path: Path, io_loop: IOLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
     refuse_o_direct(monkeypatch)
     with pytest.raises(StorageError, match="does not support O_DIRECT"):
         NvmeStore([tmp_path], direct=True).open()
@@ -328,8 +358,9 @@ def test_open_removes_orphaned_temp_files(tmp_path: Path, io_loop: IOLoop) -> No
         assert (out == 0).all()
 
 
-def test_overwrites_recycle_the_old_chunks_as_spares(store: NvmeStore, tmp_path: Path,
-                                                     io_loop: IOLoop) -> None:
+def test_overwrites_recycle_the_old_chunks_as_spares(
+    store: NvmeStore, tmp_path: Path, io_loop: IOLoop
+) -> None:
     first = random_tensor(torch.float32, 2 * CHUNK_BYTES // 4, seed=1)
     second = random_tensor(torch.float32, 2 * CHUNK_BYTES // 4, seed=2)
     io_loop.run(store.write(KEY, first))
@@ -367,13 +398,17 @@ with IOLoop(4) as loop, NvmeStore([sys.argv[1]], chunk_bytes=int(sys.argv[2])) a
 
 
 @pytest.mark.parametrize("attempt", range(3))
-def test_sigkill_mid_write_leaves_one_whole_version(tmp_path: Path, io_loop: IOLoop,
-                                                    attempt: int) -> None:
+def test_sigkill_mid_write_leaves_one_whole_version(
+    tmp_path: Path, io_loop: IOLoop, attempt: int
+) -> None:
     """A writer killed at a random moment: after reopening, a verified read returns exactly one
     whole version (the last committed one), and no temp file or half generation is left."""
     chunk_bytes = 64 << 10
-    child = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path), str(chunk_bytes)],
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILL_SCRIPT, str(tmp_path), str(chunk_bytes)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout is not None and child.stdout.readline() == "ready\n"
         time.sleep(random.Random(attempt).uniform(0.01, 0.2))
@@ -385,14 +420,17 @@ def test_sigkill_mid_write_leaves_one_whole_version(tmp_path: Path, io_loop: IOL
         assert temp_files(tmp_path) == []
         assert list((tmp_path / spares.SPARE_DIR).iterdir()) == []
         shard_dir = current_gen(tmp_path, key).parent
-        assert [p.name for p in shard_dir.iterdir() if p.is_dir()] == [current_gen(tmp_path, key).name]
+        assert [p.name for p in shard_dir.iterdir() if p.is_dir()] == [
+            current_gen(tmp_path, key).name
+        ]
         out = torch.empty(8 * chunk_bytes, dtype=torch.uint8)
         io_loop.run(store.read_into(key, out, verify=True))
         assert (out == out[0]).all() and 1 <= int(out[0]) <= 250
 
 
 def test_a_verified_snapshot_never_links_a_flipped_bit_into_a_checkpoint(
-        store: NvmeStore, tmp_path: Path, io_loop: IOLoop) -> None:
+    store: NvmeStore, tmp_path: Path, io_loop: IOLoop
+) -> None:
     """A hard link shares the damage: a checkpoint that linked a flipped chunk would hold it too."""
     src = random_tensor(torch.float32, 3 * CHUNK_BYTES // 4, seed=4)
     io_loop.run(store.write(KEY, src))
@@ -401,7 +439,10 @@ def test_a_verified_snapshot_never_links_a_flipped_bit_into_a_checkpoint(
     raw[77] ^= 0x10
     path.write_bytes(raw)
     frozen = tmp_path.parent / f"{tmp_path.name}-checkpoint"
-    with pytest.raises(StorageCorruptError, match=rf"{re.escape(str(current_gen(tmp_path, KEY)))}/c/2 fails its crc32c"):
+    with pytest.raises(
+        StorageCorruptError,
+        match=rf"{re.escape(str(current_gen(tmp_path, KEY)))}/c/2 fails its crc32c",
+    ):
         io_loop.run(store.freeze(KEY, str(frozen / "a"), verify=True))
     assert not (frozen / "a").exists()
     io_loop.run(store.freeze(KEY, str(frozen / "b")))  # unverified: linked as it is

@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-
 from tierzero.storage.base import BudgetExceededError, StorageError
 from tierzero.storage.device import DevicePool
 from tierzero.storage.host import HostPool
@@ -57,8 +56,9 @@ def test_randomized_workload_never_exceeds_the_budget(seed: int) -> None:
                 action = rng.random()
                 if action < 0.45:
                     try:
-                        held.append(pool.lease(rng.choice([1, 3000, 4096, 10_000, 40_000,
-                                                           100_000])))
+                        held.append(
+                            pool.lease(rng.choice([1, 3000, 4096, 10_000, 40_000, 100_000]))
+                        )
                     except BudgetExceededError:
                         refusals += 1
                 elif action < 0.55 and held:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tierzero.storage.base import StorageCorruptError, StorageError
 from tierzero.storage.io import IOLoop
 from tierzero.storage.nvme.dirlock import OWNER_NAME, is_store_root
@@ -23,19 +22,24 @@ HANG_GUARD_S = 120  # a guard against a hang, not a timing threshold
 
 
 def files_under(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
 @pytest.mark.parametrize("live", [True, False])
-def test_a_store_above_another_is_refused_before_anything_is_written(tmp_path: Path, io_loop: IOLoop,
-                                                                     live: bool) -> None:
+def test_a_store_above_another_is_refused_before_anything_is_written(
+    tmp_path: Path, io_loop: IOLoop, live: bool
+) -> None:
     outer, inner = tmp_path / "p", tmp_path / "p" / "a"
     inner.mkdir(parents=True)
     a = NvmeStore([inner], chunk_bytes=CHUNK_BYTES)
     a.open()
     try:
         io_loop.run(a.write(KEY, torch.arange(5000, dtype=torch.float32)))
-        orphan = inner / "master" / ".zarr.json.99999-3.tmp"  # A's own, in flight (its cleanup's to remove)
+        orphan = (
+            inner / "master" / ".zarr.json.99999-3.tmp"
+        )  # A's own, in flight (its cleanup's to remove)
         orphan.write_bytes(b"in flight")
         if not live:
             a.close()

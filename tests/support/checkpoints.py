@@ -12,14 +12,14 @@ import time
 from pathlib import Path
 
 import torch
+from tierzero.storage.nvme.arrays import chunk_path, write_array
 from torch import nn
 
 from tierzero.checkpoint.catalog import step_dir
-from tierzero.config import StateKind
 from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest, layout_of
-from tierzero.layout.partition import Unit, partition
-from tierzero.storage.nvme.arrays import chunk_path, write_array
+from tierzero.config import StateKind
 from tierzero.layout.keys import shard_key
+from tierzero.layout.partition import Unit, partition
 
 KINDS = (StateKind.PARAM, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
 
@@ -29,29 +29,47 @@ def flat_master(unit: Unit) -> torch.Tensor:
     flat = torch.zeros(unit.padded_numel, dtype=torch.float32)
     for slot in unit.slots:
         module, attr = slot.module_attrs[0]
-        flat[slot.offset:slot.end] = getattr(module, attr).detach().float().reshape(-1)
+        flat[slot.offset : slot.end] = getattr(module, attr).detach().float().reshape(-1)
     return flat
 
 
-def write_checkpoint(run_dir: str | Path, model: nn.Module, step: int, world_size: int = 1,
-                     chunk_bytes: int = 64 << 10, kinds: tuple[StateKind, ...] = KINDS) -> Path:
+def write_checkpoint(
+    run_dir: str | Path,
+    model: nn.Module,
+    step: int,
+    world_size: int = 1,
+    chunk_bytes: int = 64 << 10,
+    kinds: tuple[StateKind, ...] = KINDS,
+) -> Path:
     """Write `model`'s weights as the checkpoint of `step` (master = the weights; param a bf16
     copy; Adam moments zeros and squares, so every kind is present); returns its directory."""
     units = partition(model, world_size)
     path = step_dir(run_dir, step)
-    manifest = Manifest(step=step, time=time.time(), world_size=world_size, compute_dtype="bf16",
-                        config_hash="0" * 16, units=layout_of(units), arrays={},
-                        engine={"step_count": step})
+    manifest = Manifest(
+        step=step,
+        time=time.time(),
+        world_size=world_size,
+        compute_dtype="bf16",
+        config_hash="0" * 16,
+        units=layout_of(units),
+        arrays={},
+        engine={"step_count": step},
+    )
     for unit in units:
         master = flat_master(unit)
-        values = {StateKind.PARAM: master.to(torch.bfloat16), StateKind.MASTER: master,
-                  StateKind.EXP_AVG: torch.zeros_like(master), StateKind.EXP_AVG_SQ: master * master}
+        values = {
+            StateKind.PARAM: master.to(torch.bfloat16),
+            StateKind.MASTER: master,
+            StateKind.EXP_AVG: torch.zeros_like(master),
+            StateKind.EXP_AVG_SQ: master * master,
+        }
         for kind in kinds:
             for rank in range(world_size):
                 lo, hi = unit.shard_range(rank)
                 key = shard_key(kind, unit.index, rank)
-                manifest.arrays[key] = write_array(str(manifest.array_dir(path, key)),
-                                                   values[kind][lo:hi].clone(), chunk_bytes)
+                manifest.arrays[key] = write_array(
+                    str(manifest.array_dir(path, key)), values[kind][lo:hi].clone(), chunk_bytes
+                )
     (path / MANIFEST_NAME).write_bytes(manifest.to_json())
     return path
 
@@ -68,4 +86,6 @@ def flip_byte(checkpoint: Path, key: str, chunk: int = 0, offset: int = 100) -> 
 
 
 def files_under(root: Path) -> set[str]:
-    return {os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(root) for n in names}
+    return {
+        os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(root) for n in names
+    }

@@ -3,9 +3,8 @@ CLI's refusals share."""
 
 from __future__ import annotations
 
-from typer.testing import CliRunner, Result
-
 from tierzero.cli.app import app
+from typer.testing import CliRunner, Result
 
 runner = CliRunner()
 QUICK = ["--batch-size", "2", "--seq-len", "32"]

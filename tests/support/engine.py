@@ -9,14 +9,22 @@ from typing import Any
 import torch
 
 from tierzero import Config, Placement, Tier, models
-from tierzero.run.data import TokenBatches, default_corpus
 from tierzero.models import ModelArgs
 from tierzero.reference import ReferenceTrainer
+from tierzero.run.data import TokenBatches, default_corpus
 
 _TOKENS = default_corpus(1 << 20)
 
-SMALL = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=192,
-                  max_seq_len=64, tie_embeddings=True)
+SMALL = ModelArgs(
+    dim=64,
+    n_layers=3,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=256,
+    ffn_dim=192,
+    max_seq_len=64,
+    tie_embeddings=True,
+)
 
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
@@ -28,8 +36,13 @@ def engine_config(root: Path | str, placement: Placement | None = NVME, **overri
     needs, so no test is refused by accident); `overrides` are each test's own values. `root`
     is made if missing: tests pass subfolders of `tmp_path` to keep engines apart."""
     Path(root).mkdir(parents=True, exist_ok=True)
-    settings = {"nvme_path": [str(Path(root) / "nvme")], "lr": 3e-3, "host_budget": "256MiB",
-                "gpu_budget": "256MiB", **overrides}
+    settings = {
+        "nvme_path": [str(Path(root) / "nvme")],
+        "lr": 3e-3,
+        "host_budget": "256MiB",
+        "gpu_budget": "256MiB",
+        **overrides,
+    }
     return Config(placement=placement, **settings)
 
 
@@ -37,7 +50,9 @@ def batches(batch_size: int = 4, seq_len: int = 32, seed: int = 0) -> TokenBatch
     return TokenBatches(_TOKENS, batch_size, seq_len, seed=seed)
 
 
-def reference_run(args: ModelArgs, config: Config, steps: int, **batch_kw: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_run(
+    args: ModelArgs, config: Config, steps: int, **batch_kw: int
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses and final fp32 weights of plain PyTorch training: the oracle."""
     trainer = ReferenceTrainer(models.build(args, seed=config.seed), config)
     data = batches(**batch_kw)

@@ -20,17 +20,39 @@ from tierzero.lr import lr_at
 from tierzero.run.data import default_corpus
 
 VOCAB = 256
-LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=128)
-GPT2 = dict(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=128, bos_token_id=0,
-            eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+LLAMA = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    tie_word_embeddings=True,
+    max_position_embeddings=128,
+)
+GPT2 = dict(
+    n_embd=64,
+    n_layer=2,
+    n_head=4,
+    vocab_size=VOCAB,
+    n_positions=128,
+    bos_token_id=0,
+    eos_token_id=0,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+)
 SHARD = "40KB"  # ~100k parameters in fp32: several shards and an index
 
 
 def config(arch: str, **overrides):
     from transformers import GPT2Config, LlamaConfig
 
-    return LlamaConfig(**{**LLAMA, **overrides}) if arch == "llama" else GPT2Config(**{**GPT2, **overrides})
+    return (
+        LlamaConfig(**{**LLAMA, **overrides})
+        if arch == "llama"
+        else GPT2Config(**{**GPT2, **overrides})
+    )
 
 
 def save_model(arch: str, path: Path, seed: int = 0, shard: str = SHARD, **overrides) -> Path:
@@ -38,7 +60,9 @@ def save_model(arch: str, path: Path, seed: int = 0, shard: str = SHARD, **overr
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config(arch, **overrides)).save_pretrained(path, max_shard_size=shard)
+    AutoModelForCausalLM.from_config(config(arch, **overrides)).save_pretrained(
+        path, max_shard_size=shard
+    )
     return path
 
 
@@ -53,7 +77,9 @@ def save_word_tokenizer(path: Path, text: str, vocab_size: int = 200) -> Path:
 
     tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.train_from_iterator([text], trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=["[UNK]"]))
+    tokenizer.train_from_iterator(
+        [text], trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=["[UNK]"])
+    )
     tokenizer.save(str(path / "tokenizer.json"))
     return path / "tokenizer.json"
 
@@ -63,8 +89,11 @@ def save_chat_llama(path: Path, text: str, template: str, eos_token: str) -> Pat
     and a chat template: what generation and chat fine-tuning tests run on."""
     folder = save_model("llama", path, initializer_range=0.5)
     save_word_tokenizer(folder, text)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template,
-              "eos_token": eos_token}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": template,
+        "eos_token": eos_token,
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 
@@ -80,9 +109,16 @@ def hf_models(tmp_path_factory) -> dict[str, Path]:
 def plain_adamw(model: torch.nn.Module, config: Config) -> torch.optim.AdamW:
     """torch's AdamW over a plain model, grouped by weight decay as the engine steps it: the oracle's optimizer."""
     params = list(model.parameters())
-    return torch.optim.AdamW([{"params": [p for p in params if decays(p)], "weight_decay": config.weight_decay},
-                              {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}],
-                             lr=config.lr, betas=config.betas, eps=config.eps, **implementation(torch.device("cpu")))
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in params if decays(p)], "weight_decay": config.weight_decay},
+            {"params": [p for p in params if not decays(p)], "weight_decay": 0.0},
+        ],
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        **implementation(torch.device("cpu")),
+    )
 
 
 def plain_step(opt: torch.optim.Optimizer, step: int, config: Config) -> None:

@@ -64,7 +64,7 @@ def current(design: Path = DESIGN) -> str:
     """The map as docs/design.md holds it now (between the markers)."""
     text = design.read_text()
     start, end = text.find(BEGIN), text.find(END)
-    return text[start:end + len(END)] if start >= 0 and end > start else ""
+    return text[start : end + len(END)] if start >= 0 and end > start else ""
 
 
 def write(design: Path = DESIGN) -> None:

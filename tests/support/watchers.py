@@ -8,11 +8,11 @@ import traceback
 import weakref
 
 import torch
+from tierzero.storage.device import DevicePool
+from tierzero.storage.host import HostPool
 from torch.overrides import TorchFunctionMode
 
 from tests.support.fakes.streams import RecordingStreams, _span
-from tierzero.storage.device import DevicePool
-from tierzero.storage.host import HostPool
 
 
 def watch_device_pool(monkeypatch, fake: RecordingStreams) -> None:
@@ -51,14 +51,28 @@ def watch_host_pool(monkeypatch, fake: RecordingStreams) -> None:
         buf = lease(pool, nbytes, grow)
         with fake._lock:
             if fake._overlaps_queued(_span(buf)):
-                fake.log.append(("hazard", f"the host pool hands out 0x{buf.data_ptr():x} while a copy "
-                                           "still uses it"))
+                fake.log.append(
+                    (
+                        "hazard",
+                        f"the host pool hands out 0x{buf.data_ptr():x} while a copy still uses it",
+                    )
+                )
         return buf
 
     monkeypatch.setattr(HostPool, "lease", checked_lease)
 
 
-_SYNCING = {"item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__", "nonzero"}
+_SYNCING = {
+    "item",
+    "tolist",
+    "cpu",
+    "numpy",
+    "__bool__",
+    "__float__",
+    "__int__",
+    "__index__",
+    "nonzero",
+}
 
 
 class SyncWatch(TorchFunctionMode):
@@ -80,11 +94,21 @@ class SyncWatch(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        inputs = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else [a])
-                  if isinstance(t, torch.Tensor)]
+        inputs = [
+            t
+            for a in (*args, *kwargs.values())
+            for t in (a if isinstance(a, (list, tuple)) else [a])
+            if isinstance(t, torch.Tensor)
+        ]
         on_host = bool(inputs) and all(t in self.host for t in inputs)
-        if (name in _SYNCING and not on_host or name == "to" and _moves(args, kwargs)
-                or name == "copy_" and self._device_copy(args, kwargs)):
+        if (
+            name in _SYNCING
+            and not on_host
+            or name == "to"
+            and _moves(args, kwargs)
+            or name == "copy_"
+            and self._device_copy(args, kwargs)
+        ):
             caller = _caller()
             if caller is not None:
                 self.where.append(f"{name} at {caller}")
@@ -107,7 +131,9 @@ def _moves(args: tuple, kwargs: dict) -> bool:
     """Whether a `.to(...)` names a device (or a tensor to follow) and may block."""
     if kwargs.get("non_blocking") or any(a is True for a in args[2:]):
         return False
-    return any(isinstance(a, (torch.device, torch.Tensor, str)) for a in [*args[1:], kwargs.get("device")])
+    return any(
+        isinstance(a, (torch.device, torch.Tensor, str)) for a in [*args[1:], kwargs.get("device")]
+    )
 
 
 def _caller() -> str | None:

@@ -98,8 +98,12 @@ def machine_now(options: Options, device: torch.device) -> Machine:
         gpu = available_host_bytes() // 4
     if options.gpu_bytes is not None:
         gpu = min(gpu, options.gpu_bytes)
-    return Machine(gpu_bytes=gpu, host_bytes=int(available_host_bytes() * options.host_fraction),
-                   disk_bytes=int(free_disk_bytes([stores]) * DISK_HEADROOM), direct_io=probe_direct(str(stores)))
+    return Machine(
+        gpu_bytes=gpu,
+        host_bytes=int(available_host_bytes() * options.host_fraction),
+        disk_bytes=int(free_disk_bytes([stores]) * DISK_HEADROOM),
+        direct_io=probe_direct(str(stores)),
+    )
 
 
 def measure_rates(device: torch.device, disk_dir: Path, direct_io: bool, quick: bool) -> Rates:
@@ -117,14 +121,19 @@ def measure_rates(device: torch.device, disk_dir: Path, direct_io: bool, quick: 
         h2d = d2h = _memcpy_gbps(16 << 20, seconds)
     else:
         with torch.cuda.device(device):
-            tflops = speeds.matmul_tflops(torch.bfloat16, n=8192, seconds=2 * seconds, device=device)
+            tflops = speeds.matmul_tflops(
+                torch.bfloat16, n=8192, seconds=2 * seconds, device=device
+            )
             h2d = speeds.h2d_gbps(1 << 30, seconds=seconds)
             d2h = speeds.h2d_gbps(1 << 30, seconds=seconds, to_host=True)
     read = write = 0.0
     if direct_io:
         nbytes = 16 << 20 if cpu else 1 << 30 if quick else 4 << 30
-        with IOLoop(16) as io_loop, HostPool(nbytes, pin=False) as pool, \
-                DiskBench(str(disk_dir), nbytes, io_loop, pool, rounds=1) as disk:
+        with (
+            IOLoop(16) as io_loop,
+            HostPool(nbytes, pin=False) as pool,
+            DiskBench(str(disk_dir), nbytes, io_loop, pool, rounds=1) as disk,
+        ):
             for step in disk.steps():
                 if step.group == 0:
                     step.run()
@@ -144,35 +153,59 @@ def _memcpy_gbps(nbytes: int, seconds: float) -> float:
     return nbytes / best / 1e9
 
 
-def plan_stages(options: Options, machine: Machine, rates: Rates, training_s: float) -> list[StagePlan | Verdict]:
+def plan_stages(
+    options: Options, machine: Machine, rates: Rates, training_s: float
+) -> list[StagePlan | Verdict]:
     """Each placement sized to its share of `training_s` (or the planner's refusal)."""
     shares = plan.share_time(training_s, list(options.placements))
-    return [plan.size_stage(name, machine, rates, shares[name], options.presets, options.seq_len,
-                            options.largest_micro_batch, options.max_accumulate, options.max_steps)
-            for name in options.placements]
+    return [
+        plan.size_stage(
+            name,
+            machine,
+            rates,
+            shares[name],
+            options.presets,
+            options.seq_len,
+            options.largest_micro_batch,
+            options.max_accumulate,
+            options.max_steps,
+        )
+        for name in options.placements
+    ]
 
 
 def dry_run(options: Options) -> list[str]:
     """What a run would do on an H200-class machine with nominal rates: nothing measured or trained."""
     machine, rates = plan.NOMINAL_H200, plan.NOMINAL
     elapsed = options.probe_s + options.tests_s
-    lines = [f"dry run for one H200 (nominal: {machine.gpu_bytes >> 30} GiB GPU, {machine.host_bytes / 1e9:.0f} GB "
-             f"host, {machine.disk_bytes / 1e9:.0f} GB disk; {rates.bf16_tflops:.0f} TFLOPS bf16, "
-             f"{rates.h2d_gbps:.0f} GB/s H2D, {rates.nvme_read_gbps:.0f}/{rates.nvme_write_gbps:.0f} GB/s NVMe)",
-             f"time budget: {options.budget_s:.0f} s (--minutes {options.minutes:g}): peaks {options.probe_s:.0f} s, "
-             f"pytest -m cuda {options.tests_s:.0f} s, training {options.training_s(elapsed):.0f} s, "
-             f"closing and traces {0.1 * options.budget_s:.0f} s"]
+    lines = [
+        f"dry run for one H200 (nominal: {machine.gpu_bytes >> 30} GiB GPU, {machine.host_bytes / 1e9:.0f} GB "
+        f"host, {machine.disk_bytes / 1e9:.0f} GB disk; {rates.bf16_tflops:.0f} TFLOPS bf16, "
+        f"{rates.h2d_gbps:.0f} GB/s H2D, {rates.nvme_read_gbps:.0f}/{rates.nvme_write_gbps:.0f} GB/s NVMe)",
+        f"time budget: {options.budget_s:.0f} s (--minutes {options.minutes:g}): peaks {options.probe_s:.0f} s, "
+        f"pytest -m cuda {options.tests_s:.0f} s, training {options.training_s(elapsed):.0f} s, "
+        f"closing and traces {0.1 * options.budget_s:.0f} s",
+    ]
     for stage in plan_stages(options, machine, rates, options.training_s(elapsed)):
         if isinstance(stage, Verdict):
             lines.append(stage.line())
             continue
-        lines.append(plan.verdict(stage.placement, stage.preset, machine, stage.micro_batch, stage.seq_len).line())
+        lines.append(
+            plan.verdict(
+                stage.placement, stage.preset, machine, stage.micro_batch, stage.seq_len
+            ).line()
+        )
         lines.append(stage.line())
         n = PRESETS[stage.preset].param_count()
-        lines.append(f"{stage.placement}: model TFLOPS at the bound {6 * n * stage.tokens / stage.step_bound_s / 1e12:.0f}"
-                     f" of peak {rates.bf16_tflops:.0f}")
-    planned = elapsed + sum(s.planned_s for s in plan_stages(options, machine, rates, options.training_s(elapsed))
-                            if isinstance(s, StagePlan))
+        lines.append(
+            f"{stage.placement}: model TFLOPS at the bound {6 * n * stage.tokens / stage.step_bound_s / 1e12:.0f}"
+            f" of peak {rates.bf16_tflops:.0f}"
+        )
+    planned = elapsed + sum(
+        s.planned_s
+        for s in plan_stages(options, machine, rates, options.training_s(elapsed))
+        if isinstance(s, StagePlan)
+    )
     lines.append(f"in all: {planned:.0f} s planned of the {options.budget_s:.0f} s budget")
     return lines
 
@@ -196,23 +229,42 @@ class Watchdog:
     def _fire(self) -> None:
         if self.child is not None and self.child.poll() is None:
             self.child.kill()
-        self._log.append("deadline", message=f"the time budget of {self._seconds:.0f} s ran out; stopped")
-        self._say(f"the time budget of {self._seconds:.0f} s ran out: stopped (every result so far is in "
-                  f"{self._log.path})")
+        self._log.append(
+            "deadline", message=f"the time budget of {self._seconds:.0f} s ran out; stopped"
+        )
+        self._say(
+            f"the time budget of {self._seconds:.0f} s ran out: stopped (every result so far is in "
+            f"{self._log.path})"
+        )
         os._exit(124)
 
 
 def cuda_test_files(repo: Path) -> list[str]:
     """The test files that hold CUDA tests: the child collects only these, not the whole tree."""
-    return sorted(str(p.relative_to(repo)) for p in (repo / "tests").rglob("test_*.py")
-                  if "mark.cuda" in p.read_text())
+    return sorted(
+        str(p.relative_to(repo))
+        for p in (repo / "tests").rglob("test_*.py")
+        if "mark.cuda" in p.read_text()
+    )
 
 
 def run_cuda_tests(repo: Path, out: Path, timeout_s: float, watchdog: Watchdog) -> int:
     """`pytest -m cuda` over the CUDA test files in a child killed at `timeout_s` (124), its output in `out`."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *cuda_test_files(repo)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "cuda",
+        "-p",
+        "no:cacheprovider",
+        *cuda_test_files(repo),
+    ]
     with out.open("w") as log:
-        child = watchdog.child = subprocess.Popen(cmd, cwd=repo, stdout=log, stderr=subprocess.STDOUT)
+        child = watchdog.child = subprocess.Popen(
+            cmd, cwd=repo, stdout=log, stderr=subprocess.STDOUT
+        )
         try:
             return child.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -230,33 +282,56 @@ def run(options: Options, log: ResultLog, say: Say) -> int:
     start = time.monotonic()
     watchdog = Watchdog(options.budget_s, log, say)
     watchdog.start()
-    device = torch.device("cuda", torch.cuda.current_device()) if options.device == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if options.device == "cuda"
+        else torch.device("cpu")
+    )
     stores = stores_dir(options.work_dir)
     shutil.rmtree(stores, ignore_errors=True)  # a killed run's stores
     try:
-        log.append("start", options={k: str(v) for k, v in asdict(options).items()}, torch=torch.__version__,
-                   python=sys.version.split()[0],
-                   gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
+        log.append(
+            "start",
+            options={k: str(v) for k, v in asdict(options).items()},
+            torch=torch.__version__,
+            python=sys.version.split()[0],
+            gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        )
         machine = machine_now(options, device)
         _say(say, log.append("machine", **asdict(machine)), f"machine now: {machine}")
         rates = measure_rates(device, stores, machine.direct_io, options.quick)
         _say(say, log.append("rates", **asdict(rates)), f"measured peaks: {rates}")
         if options.tests_s > 0:
-            rc = run_cuda_tests(options.repo, options.work_dir / "pytest-cuda.txt", options.tests_s, watchdog)
-            _say(say, log.append("cuda_tests", exit_code=rc, log=str(options.work_dir / "pytest-cuda.txt")),
-                 f"pytest -m cuda: exit {rc}")
+            rc = run_cuda_tests(
+                options.repo, options.work_dir / "pytest-cuda.txt", options.tests_s, watchdog
+            )
+            _say(
+                say,
+                log.append(
+                    "cuda_tests", exit_code=rc, log=str(options.work_dir / "pytest-cuda.txt")
+                ),
+                f"pytest -m cuda: exit {rc}",
+            )
         stages = plan_stages(options, machine, rates, options.training_s(time.monotonic() - start))
         for stage in stages:  # the planner's verdict on every placement, before any runs
             if isinstance(stage, Verdict):
                 _say(say, log.append("refused", **asdict(stage)), stage.line())
             else:
-                _say(say, log.append("plan", **asdict(stage), planned_s=stage.planned_s), stage.line())
+                _say(
+                    say,
+                    log.append("plan", **asdict(stage), planned_s=stage.planned_s),
+                    stage.line(),
+                )
         for stage in stages:
             if isinstance(stage, StagePlan):
                 _run_stage(stage, options, device, rates, log, say)
-        _say(say, log.append("end", seconds=time.monotonic() - start), f"done; results in {log.path}")
+        _say(
+            say, log.append("end", seconds=time.monotonic() - start), f"done; results in {log.path}"
+        )
         return 0
-    except Exception as exc:  # outside a placement (the probe, the machine): recorded, and the run ends
+    except (
+        Exception
+    ) as exc:  # outside a placement (the probe, the machine): recorded, and the run ends
         message = f"{type(exc).__name__}: {exc}"
         _say(say, log.append("error", placement=None, error=message), f"stopped: {message}")
         return 1
@@ -270,8 +345,9 @@ def _say(say: Say, record: dict[str, Any], text: str) -> None:
     say(f"[{record['seq']}] {text}")
 
 
-def _run_stage(stage: StagePlan, options: Options, device: torch.device, rates: Rates, log: ResultLog,
-               say: Say) -> None:
+def _run_stage(
+    stage: StagePlan, options: Options, device: torch.device, rates: Rates, log: ResultLog, say: Say
+) -> None:
     """One placement: re-checked against the machine as it is now, trained, each step recorded
     as it finishes, then its summary row and one traced step; a refusal or an error is a record."""
     machine = machine_now(options, device)
@@ -284,31 +360,54 @@ def _run_stage(stage: StagePlan, options: Options, device: torch.device, rates: 
         _train(stage, machine, device, rates, deadline, options.work_dir, log, say)
     except Exception as exc:  # recorded, and the next placement runs
         message = f"{type(exc).__name__}: {exc}"
-        _say(say, log.append("error", placement=stage.placement, preset=stage.preset, error=message),
-             f"{stage.placement}: failed: {message}")
+        _say(
+            say,
+            log.append("error", placement=stage.placement, preset=stage.preset, error=message),
+            f"{stage.placement}: failed: {message}",
+        )
     finally:
         shutil.rmtree(stores_dir(options.work_dir) / stage.placement, ignore_errors=True)
 
 
-def _train(stage: StagePlan, machine: Machine, device: torch.device, rates: Rates, deadline: float,
-           work_dir: Path, log: ResultLog, say: Say) -> None:
+def _train(
+    stage: StagePlan,
+    machine: Machine,
+    device: torch.device,
+    rates: Rates,
+    deadline: float,
+    work_dir: Path,
+    log: ResultLog,
+    say: Say,
+) -> None:
     from tierzero import models
     from tierzero.config import Config
     from tierzero.engine import Engine
     from tierzero.run.data import TokenBatches, default_corpus
 
     args = PRESETS[stage.preset]
-    cfg = Config(placement=plan.PLACEMENTS[stage.placement], nvme_path=[str(stores_dir(work_dir) / stage.placement)],
-                 dtype="bf16", device=str(device), host_budget=machine.host_bytes, gpu_budget=machine.gpu_bytes,
-                 prefetch_depth=plan.PREFETCH_DEPTH, accumulate=stage.accumulate,
-                 schedule=plan.schedule_for(stage.accumulate), total_steps=stage.steps + 2, warmup_steps=1)
+    cfg = Config(
+        placement=plan.PLACEMENTS[stage.placement],
+        nvme_path=[str(stores_dir(work_dir) / stage.placement)],
+        dtype="bf16",
+        device=str(device),
+        host_budget=machine.host_bytes,
+        gpu_budget=machine.gpu_bytes,
+        prefetch_depth=plan.PREFETCH_DEPTH,
+        accumulate=stage.accumulate,
+        schedule=plan.schedule_for(stage.accumulate),
+        total_steps=stage.steps + 2,
+        warmup_steps=1,
+    )
     data = TokenBatches(default_corpus(64 << 20), stage.micro_batch, stage.seq_len, seed=0)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     times: list[float] = []
     opened = time.monotonic()
     with Engine(models.build(args, device="meta", seed=0), cfg) as engine:
-        _say(say, log.append("opened", placement=stage.placement, seconds=time.monotonic() - opened),
-             f"{stage.placement}: opened in {time.monotonic() - opened:.1f} s")
+        _say(
+            say,
+            log.append("opened", placement=stage.placement, seconds=time.monotonic() - opened),
+            f"{stage.placement}: opened in {time.monotonic() - opened:.1f} s",
+        )
 
         def step() -> float:
             sync()
@@ -319,26 +418,52 @@ def _train(stage: StagePlan, machine: Machine, device: torch.device, rates: Rate
             return time.perf_counter() - begin
 
         warm = step()  # pools, caches and the allocator settle
-        _say(say, log.append("step", placement=stage.placement, step=0, warm_up=True, step_s=warm),
-             f"{stage.placement}: warm-up step {warm:.2f} s")
+        _say(
+            say,
+            log.append("step", placement=stage.placement, step=0, warm_up=True, step_s=warm),
+            f"{stage.placement}: warm-up step {warm:.2f} s",
+        )
         engine.stats()
         registered = engine.tiers.host_pool.registrations
         stats: dict[str, Any] = {}
         for i in range(stage.steps):
             if times and time.monotonic() + max(times) > deadline:
-                _say(say, log.append("stopped", placement=stage.placement, reason="its share of the time budget",
-                                     steps=len(times)), f"{stage.placement}: stopped after {len(times)} steps")
+                _say(
+                    say,
+                    log.append(
+                        "stopped",
+                        placement=stage.placement,
+                        reason="its share of the time budget",
+                        steps=len(times),
+                    ),
+                    f"{stage.placement}: stopped after {len(times)} steps",
+                )
                 break
             times.append(step())
             stats = engine.stats()
-            _say(say, log.append("step", placement=stage.placement, step=i + 1, step_s=times[-1], stats=stats),
-                 f"{stage.placement}: step {i + 1} {times[-1]:.2f} s")
+            _say(
+                say,
+                log.append(
+                    "step", placement=stage.placement, step=i + 1, step_s=times[-1], stats=stats
+                ),
+                f"{stage.placement}: step {i + 1} {times[-1]:.2f} s",
+            )
         regs = (engine.tiers.host_pool.registrations - registered) / max(1, len(times))
-        row = {**plan.report_row(stage.placement, args, stage.tokens, statistics.median(times), stats, rates, regs),
-               "preset": stage.preset, "micro_batch": stage.micro_batch, "seq_len": stage.seq_len,
-               "accumulate": stage.accumulate}
-        _say(say, log.append("row", **row), f"{stage.placement}: median step {row['step_s']:.2f} s, "
-             f"{row['model_tflops']:.1f} model TFLOPS, {row['step_over_bound']:.2f}x the bound ({row['bound_by']})")
+        row = {
+            **plan.report_row(
+                stage.placement, args, stage.tokens, statistics.median(times), stats, rates, regs
+            ),
+            "preset": stage.preset,
+            "micro_batch": stage.micro_batch,
+            "seq_len": stage.seq_len,
+            "accumulate": stage.accumulate,
+        }
+        _say(
+            say,
+            log.append("row", **row),
+            f"{stage.placement}: median step {row['step_s']:.2f} s, "
+            f"{row['model_tflops']:.1f} model TFLOPS, {row['step_over_bound']:.2f}x the bound ({row['bound_by']})",
+        )
         if time.monotonic() + max(times) > deadline:
             return
         # one step (a vertical step: all its micro-batches) after the timed ones, not among them
@@ -354,6 +479,9 @@ def _train(stage: StagePlan, machine: Machine, device: torch.device, rates: Rate
     written = write_trace(trace, work_dir / f"trace-{stage.preset}-{stage.placement}.json.gz")
     summary = analyse(trace)
     busy = summary["gpu_busy_share"]
-    _say(say, log.append("trace", placement=stage.placement, **written, **summary),
-         f"{stage.placement}: trace {written['path']} ({written['nbytes'] / 1e6:.1f} MB), GPU busy "
-         + (f"{busy:.0%}" if busy is not None else "n/a (no GPU activity)"))
+    _say(
+        say,
+        log.append("trace", placement=stage.placement, **written, **summary),
+        f"{stage.placement}: trace {written['path']} ({written['nbytes'] / 1e6:.1f} MB), GPU busy "
+        + (f"{busy:.0%}" if busy is not None else "n/a (no GPU activity)"),
+    )

@@ -52,8 +52,13 @@ class ResultLog:
             return self._append(kind, fields)
 
     def _append(self, kind: str, fields: dict[str, Any]) -> dict[str, Any]:
-        record = {"run": self.run, "seq": self.seq, "t_s": round(time.monotonic() - self._start, 3), "kind": kind,
-                  **fields}
+        record = {
+            "run": self.run,
+            "seq": self.seq,
+            "t_s": round(time.monotonic() - self._start, 3),
+            "kind": kind,
+            **fields,
+        }
         line = (json.dumps(record, default=str) + "\n").encode()
         os.write(self._fd, line)  # O_APPEND: one write, one whole line
         os.fsync(self._fd)

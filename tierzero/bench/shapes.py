@@ -11,9 +11,12 @@ import dataclasses
 
 from tierzero.models import ModelArgs
 
-NVME_SHAPE = ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=32000, ffn_dim=2048)
-QUICK_SHAPE = dataclasses.replace(NVME_SHAPE, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
-                                  vocab_size=4096)
+NVME_SHAPE = ModelArgs(
+    dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=32000, ffn_dim=2048
+)
+QUICK_SHAPE = dataclasses.replace(
+    NVME_SHAPE, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=4096
+)
 
 
 # the same 134.1M shape as a Hugging Face LlamaConfig's keys, and a quick stand-in

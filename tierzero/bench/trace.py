@@ -53,9 +53,18 @@ class Span:
 def spans(trace: dict[str, Any] | list[dict[str, Any]]) -> list[Span]:
     """The complete events of a Chrome trace (its dict, or its event list), ordered by start."""
     events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-    out = [Span(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), str(e.get("name", "")),
-                str(e.get("cat", "")), (e.get("pid"), e.get("tid")), (e.get("args") or {}).get("correlation"))
-           for e in events if e.get("ph") == "X" and "ts" in e]
+    out = [
+        Span(
+            float(e["ts"]),
+            float(e["ts"]) + float(e.get("dur", 0.0)),
+            str(e.get("name", "")),
+            str(e.get("cat", "")),
+            (e.get("pid"), e.get("tid")),
+            (e.get("args") or {}).get("correlation"),
+        )
+        for e in events
+        if e.get("ph") == "X" and "ts" in e
+    ]
     return sorted(out, key=lambda s: (s.start, -s.end))
 
 
@@ -98,8 +107,13 @@ class Gap:
     cause: str  # the host call that held the GPU idle, or "an event on another stream (...)"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"start_us": self.start_us, "dur_us": self.dur_us, "next_gpu": self.next_gpu,
-                "launched_by": self.launched_by, "cause": self.cause}
+        return {
+            "start_us": self.start_us,
+            "dur_us": self.dur_us,
+            "next_gpu": self.next_gpu,
+            "launched_by": self.launched_by,
+            "cause": self.cause,
+        }
 
 
 def analyse(trace: dict[str, Any] | list[dict[str, Any]], largest: int = 5) -> dict[str, Any]:
@@ -107,13 +121,25 @@ def analyse(trace: dict[str, Any] | list[dict[str, Any]], largest: int = 5) -> d
     (None and [] where the trace holds no GPU activity, as a CPU-only profile)."""
     every = spans(trace)
     if not every:
-        return {"window_us": 0.0, "gpu_events": 0, "gpu_busy_share": None, "compute_busy_share": None,
-                "copy_overlap": None, "gaps": []}
+        return {
+            "window_us": 0.0,
+            "gpu_events": 0,
+            "gpu_busy_share": None,
+            "compute_busy_share": None,
+            "copy_overlap": None,
+            "gaps": [],
+        }
     window = (min(s.start for s in every), max(s.end for s in every))
     length = window[1] - window[0]
     gpu = [s for s in every if s.category in GPU_CATEGORIES]
-    out: dict[str, Any] = {"window_us": length, "gpu_events": len(gpu), "gpu_busy_share": None,
-                           "compute_busy_share": None, "copy_overlap": None, "gaps": []}
+    out: dict[str, Any] = {
+        "window_us": length,
+        "gpu_events": len(gpu),
+        "gpu_busy_share": None,
+        "compute_busy_share": None,
+        "copy_overlap": None,
+        "gaps": [],
+    }
     if not gpu or length <= 0:
         return out
     busy = merged([(s.start, s.end) for s in gpu])
@@ -121,7 +147,9 @@ def analyse(trace: dict[str, Any] | list[dict[str, Any]], largest: int = 5) -> d
     copies = [(s.start, s.end) for s in gpu if s.category == "gpu_memcpy"]
     out["gpu_busy_share"] = measure(busy) / length
     out["compute_busy_share"] = measure(kernels) / length
-    out["copy_overlap"] = overlap(copies, kernels) / measure(copies) if measure(copies) > 0 else None
+    out["copy_overlap"] = (
+        overlap(copies, kernels) / measure(copies) if measure(copies) > 0 else None
+    )
     edges = [window[0], *(x for interval in busy for x in interval), window[1]]
     idle = [(edges[i], edges[i + 1]) for i in range(0, len(edges), 2) if edges[i + 1] > edges[i]]
     idle.sort(key=lambda g: g[1] - g[0], reverse=True)
@@ -133,18 +161,50 @@ def _explain(a: float, b: float, every: list[Span], gpu: list[Span]) -> Gap:
     """The gap [a, b): the GPU work that ended it, who launched it, and why it waited."""
     following = [s for s in gpu if s.start >= b]
     if not following:
-        return Gap(a, b - a, "", "", _longest_host(a, b, every, None) or "the host, after the last GPU work")
+        return Gap(
+            a,
+            b - a,
+            "",
+            "",
+            _longest_host(a, b, every, None) or "the host, after the last GPU work",
+        )
     work = following[0]
-    launch = next((s for s in every if s.category in RUNTIME_CATEGORIES and s.correlation is not None
-                   and s.correlation == work.correlation), None)
+    launch = next(
+        (
+            s
+            for s in every
+            if s.category in RUNTIME_CATEGORIES
+            and s.correlation is not None
+            and s.correlation == work.correlation
+        ),
+        None,
+    )
     if launch is None:
-        return Gap(a, b - a, work.name, "", _longest_host(a, b, every, None) or "unknown (no launch in the trace)")
-    enclosing = [s for s in every if s.lane == launch.lane and s.category in HOST_CATEGORIES
-                 and s.start <= launch.start and s.end >= launch.end and s is not launch]
+        return Gap(
+            a,
+            b - a,
+            work.name,
+            "",
+            _longest_host(a, b, every, None) or "unknown (no launch in the trace)",
+        )
+    enclosing = [
+        s
+        for s in every
+        if s.lane == launch.lane
+        and s.category in HOST_CATEGORIES
+        and s.start <= launch.start
+        and s.end >= launch.end
+        and s is not launch
+    ]
     operator = min(enclosing, key=lambda s: s.dur).name if enclosing else launch.name
     if launch.end <= a:
-        return Gap(a, b - a, work.name, operator, f"an event on another stream ({work.name} was launched by "
-                                                  f"{operator} before the gap)")
+        return Gap(
+            a,
+            b - a,
+            work.name,
+            operator,
+            f"an event on another stream ({work.name} was launched by {operator} before the gap)",
+        )
     cause = _longest_host(a, b, every, launch)
     return Gap(a, b - a, work.name, operator, cause or operator)
 
@@ -156,7 +216,9 @@ def _longest_host(a: float, b: float, every: list[Span], launch: Span | None) ->
     for s in every:
         if s.category not in HOST_CATEGORIES or s.end <= a or s.start >= b:
             continue
-        if launch is not None and (s.lane != launch.lane or (s.start <= launch.start and s.end >= launch.end)):
+        if launch is not None and (
+            s.lane != launch.lane or (s.start <= launch.start and s.end >= launch.end)
+        ):
             continue
         part = min(s.end, b) - max(s.start, a)
         if part > covered:
@@ -164,7 +226,9 @@ def _longest_host(a: float, b: float, every: list[Span], launch: Span | None) ->
     return best
 
 
-def write_trace(trace: dict[str, Any], path: Path, limit_bytes: int = TRACE_LIMIT_BYTES) -> dict[str, Any]:
+def write_trace(
+    trace: dict[str, Any], path: Path, limit_bytes: int = TRACE_LIMIT_BYTES
+) -> dict[str, Any]:
     """Write `trace` gzipped to `path`, under `limit_bytes`: host events shorter than a rising
     threshold are dropped until it fits. Returns its size and the threshold used (0: none)."""
     events = trace.get("traceEvents", [])
@@ -174,12 +238,17 @@ def write_trace(trace: dict[str, Any], path: Path, limit_bytes: int = TRACE_LIMI
         if len(data) < limit_bytes or threshold == float("inf"):
             break
     if len(data) >= limit_bytes:  # the GPU timeline alone is too big: keep its first events
-        kept = kept[:max(1, len(kept) * limit_bytes // (2 * len(data)))]
+        kept = kept[: max(1, len(kept) * limit_bytes // (2 * len(data)))]
         data = gzip.compress(json.dumps({**trace, "traceEvents": kept}).encode(), compresslevel=6)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
     tmp.replace(path)
-    return {"path": str(path), "nbytes": len(data), "events": len(kept), "dropped_host_below_us": threshold}
+    return {
+        "path": str(path),
+        "nbytes": len(data),
+        "events": len(kept),
+        "dropped_host_below_us": threshold,
+    }
 
 
 def _droppable(event: dict[str, Any], threshold_us: float) -> bool:

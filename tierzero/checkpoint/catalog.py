@@ -23,9 +23,9 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from tierzero.errors import CheckpointError, RunDirError
 from tierzero.checkpoint.files import is_regular
 from tierzero.checkpoint.manifest import MANIFEST_NAME, STEP_DIR, Manifest
+from tierzero.errors import CheckpointError, RunDirError
 from tierzero.storage.base import StorageError
 from tierzero.storage.durable import fsync_path, write_atomic
 from tierzero.storage.filekind import kind_of
@@ -49,7 +49,11 @@ def checkpoint_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
     root = checkpoints_root(run_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir()]
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir()
+    ]
     return sorted(found)
 
 
@@ -60,8 +64,14 @@ def verify_checkpoint(path: Path, manifest: Manifest, rank: int | None = None) -
         if rank is not None and key.split("/")[2:3] != [f"r{rank}"]:
             continue  # another rank's shard: that rank checks it
         array = str(manifest.array_dir(path, key))
-        odd = next((c for i in range(meta.nchunks) if not is_regular(c := chunk_path(array, i))
-                    and os.path.lexists(c)), None)
+        odd = next(
+            (
+                c
+                for i in range(meta.nchunks)
+                if not is_regular(c := chunk_path(array, i)) and os.path.lexists(c)
+            ),
+            None,
+        )
         if odd is not None:  # a FIFO would block the read below forever
             raise CheckpointError(f"checkpoint {path.name} is damaged: {odd} is not a regular file")
         try:
@@ -70,8 +80,12 @@ def verify_checkpoint(path: Path, manifest: Manifest, rank: int | None = None) -
             raise CheckpointError(f"checkpoint {path.name} is damaged: {e}") from None
 
 
-def newest_checkpoint(run_dir: str | Path, verify: bool = True, rank: int | None = None,
-                      all_ok: Callable[[bool], bool] | None = None) -> tuple[Path, Manifest, list[str]] | None:
+def newest_checkpoint(
+    run_dir: str | Path,
+    verify: bool = True,
+    rank: int | None = None,
+    all_ok: Callable[[bool], bool] | None = None,
+) -> tuple[Path, Manifest, list[str]] | None:
     """The newest complete (and, with `verify`, intact) checkpoint, and why newer ones were skipped.
 
     Several ranks: each checks only its own shards (`rank`) and `all_ok` (a collective) tells
@@ -95,33 +109,43 @@ def newest_checkpoint(run_dir: str | Path, verify: bool = True, rank: int | None
 
 
 def _none_left(skipped: list[str]) -> None:
-    raise CheckpointError(f"no intact checkpoint is left ({'; '.join(skipped)}); start the run again "
-                          "without --resume or restore the files")
+    raise CheckpointError(
+        f"no intact checkpoint is left ({'; '.join(skipped)}); start the run again "
+        "without --resume or restore the files"
+    )
 
 
-def find_checkpoint(run_dir: str | Path, step: int | None = None,
-                    verify: bool = False) -> tuple[Path, Manifest, list[str]]:
+def find_checkpoint(
+    run_dir: str | Path, step: int | None = None, verify: bool = False
+) -> tuple[Path, Manifest, list[str]]:
     """The checkpoint at `step`, or the newest complete one, and why newer ones were skipped (for
     export and inspect)."""
     if not Path(run_dir).is_dir():
         kind = kind_of(run_dir)
-        raise CheckpointError(f"run directory '{run_dir}' " + (f"is {kind}, not a directory" if kind else
-                                                              "does not exist") + "; pass the directory of a run")
+        raise CheckpointError(
+            f"run directory '{run_dir}' "
+            + (f"is {kind}, not a directory" if kind else "does not exist")
+            + "; pass the directory of a run"
+        )
     if step is not None:
         path = step_dir(run_dir, step)
         if not path.is_dir():
             have = ", ".join(str(s) for s, _ in checkpoint_dirs(run_dir)) or "none"
-            raise CheckpointError(f"run '{run_dir}' has no checkpoint at step {step} (steps: {have}); "
-                                  "pick one of those")
+            raise CheckpointError(
+                f"run '{run_dir}' has no checkpoint at step {step} (steps: {have}); "
+                "pick one of those"
+            )
         manifest = Manifest.load(path)
         if verify:
             verify_checkpoint(path, manifest)
         return path, manifest, []
     found = newest_checkpoint(run_dir, verify=verify)
     if found is None:
-        raise CheckpointError(f"run '{run_dir}' has no complete checkpoint yet; train with "
-                              "--checkpoint-every N (a run also checkpoints when it finishes, but one "
-                              "with --offload none, the in-memory reference trainer, keeps none)")
+        raise CheckpointError(
+            f"run '{run_dir}' has no complete checkpoint yet; train with "
+            "--checkpoint-every N (a run also checkpoints when it finishes, but one "
+            "with --offload none, the in-memory reference trainer, keeps none)"
+        )
     return found
 
 
@@ -148,11 +172,13 @@ def prune(run_dir: str | Path, keep: int, written: Path) -> list[str]:
         if manifest.run_id == newest.run_id:
             ours.append((path, manifest))
     notes = []
-    for path, manifest in ours[:max(len(ours) - (max(keep, 1) - 1), 0)]:
+    for path, manifest in ours[: max(len(ours) - (max(keep, 1) - 1), 0)]:
         if _remove_listed(path, manifest):
             target = move_aside(run_dir, path)
-            notes.append(f"pruning checkpoint {path.name} found files its manifest does not list; they "
-                         f"were moved into {target}, not deleted: delete them there once no longer wanted")
+            notes.append(
+                f"pruning checkpoint {path.name} found files its manifest does not list; they "
+                f"were moved into {target}, not deleted: delete them there once no longer wanted"
+            )
     return notes
 
 
@@ -160,8 +186,12 @@ def record_best(run_dir: str | Path, step: int, eval_loss: float) -> dict[str, o
     """Name checkpoint `step` (written already) the run's best, with its evaluation loss, in
     `RUN_DIR/best.json` (temp file, then rename); the record."""
     path = step_dir(run_dir, step)
-    record = {"step": step, "eval_loss": eval_loss, "checkpoint": f"{CHECKPOINTS_DIR}/{path.name}",
-              "run_id": Manifest.load(path).run_id}
+    record = {
+        "step": step,
+        "eval_loss": eval_loss,
+        "checkpoint": f"{CHECKPOINTS_DIR}/{path.name}",
+        "run_id": Manifest.load(path).run_id,
+    }
     write_atomic(Path(run_dir) / BEST_NAME, (json.dumps(record, indent=1) + "\n").encode())
     return record
 
@@ -174,9 +204,13 @@ def read_best(run_dir: str | Path) -> dict[str, object] | None:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(record, dict) or not isinstance(record.get("step"), int) or not isinstance(
-            record.get("run_id"), str) or not isinstance(record.get("eval_loss"), float) or not math.isfinite(
-            record["eval_loss"]):
+    if (
+        not isinstance(record, dict)
+        or not isinstance(record.get("step"), int)
+        or not isinstance(record.get("run_id"), str)
+        or not isinstance(record.get("eval_loss"), float)
+        or not math.isfinite(record["eval_loss"])
+    ):
         return None
     return record if step_dir(run_dir, record["step"]).is_dir() else None
 
@@ -187,7 +221,10 @@ def _remove_listed(path: Path, manifest: Manifest) -> bool:
     listed = [path / MANIFEST_NAME]
     for key, meta in manifest.arrays.items():
         array = manifest.array_dir(path, key)
-        listed += [array / "zarr.json", *(Path(chunk_path(str(array), i)) for i in range(meta.nchunks))]
+        listed += [
+            array / "zarr.json",
+            *(Path(chunk_path(str(array), i)) for i in range(meta.nchunks)),
+        ]
     for file in listed:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(file)
@@ -208,8 +245,9 @@ def move_aside(run_dir: str | Path, path: Path) -> Path:
         aside.mkdir(parents=True, exist_ok=True)
         os.rename(path, target)
     except OSError as e:
-        raise RunDirError(f"cannot move {path} aside into {aside} ({e.strerror}); make the "
-                          "run directory writable") from None
+        raise RunDirError(
+            f"cannot move {path} aside into {aside} ({e.strerror}); make the run directory writable"
+        ) from None
     fsync_path(str(aside))
     fsync_path(str(path.parent))
     return target

@@ -30,7 +30,9 @@ def read_regular(path: str | Path, limit: int = MAX_SMALL_BYTES) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise OSError(errno.ELOOP, "is a symbolic link, not a regular file", str(path)) from None
+            raise OSError(
+                errno.ELOOP, "is a symbolic link, not a regular file", str(path)
+            ) from None
         raise
     try:
         mode = os.fstat(fd).st_mode
@@ -61,7 +63,11 @@ def remove_stale_temps(folder: Path) -> list[Path]:
     removed = []
     for entry in os.scandir(folder):
         match = _TEMP_NAME.fullmatch(entry.name)
-        if match is None or not entry.is_file(follow_symlinks=False) or _running(int(match.group(1))):
+        if (
+            match is None
+            or not entry.is_file(follow_symlinks=False)
+            or _running(int(match.group(1)))
+        ):
             continue
         Path(entry.path).unlink(missing_ok=True)
         removed.append(Path(entry.path))

@@ -15,9 +15,20 @@ from tierzero.checkpoint.manifest import Manifest
 from tierzero.errors import TierzeroError
 
 # what AutoTokenizer.from_pretrained reads from a model directory (whichever the model has)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
-                   "chat_template.jinja", "chat_template.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 
 
 def hf_config(manifest: Manifest, dtype: str) -> tuple[str, dict] | None:
@@ -27,7 +38,11 @@ def hf_config(manifest: Manifest, dtype: str) -> tuple[str, dict] | None:
     if not isinstance(config, dict):
         return None
     name = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
-    return "config.json", {**config, "dtype": name, **({"torch_dtype": name} if "torch_dtype" in config else {})}
+    return "config.json", {
+        **config,
+        "dtype": name,
+        **({"torch_dtype": name} if "torch_dtype" in config else {}),
+    }
 
 
 def write_json(out_dir: Path, name: str, doc: dict) -> Path:
@@ -41,7 +56,9 @@ def write_json(out_dir: Path, name: str, doc: dict) -> Path:
         os.replace(temp, path)
     except OSError as e:
         temp.unlink(missing_ok=True)
-        raise TierzeroError(f"cannot write {path} ({e.strerror or e}); choose a writable --out") from None
+        raise TierzeroError(
+            f"cannot write {path} ({e.strerror or e}); choose a writable --out"
+        ) from None
     return path
 
 
@@ -50,7 +67,11 @@ def copy_tokenizer(out_dir: Path, manifest: Manifest) -> list[Path]:
     weights (each through a temp name), so the export loads with AutoTokenizer too; none when
     that directory is gone or the model is not from one."""
     source = (manifest.model or {}).get("hf")
-    if not isinstance(source, str) or not Path(source).is_dir() or Path(source).resolve() == out_dir.resolve():
+    if (
+        not isinstance(source, str)
+        or not Path(source).is_dir()
+        or Path(source).resolve() == out_dir.resolve()
+    ):
         return []
     copied = []
     for name in TOKENIZER_FILES:
@@ -63,7 +84,8 @@ def copy_tokenizer(out_dir: Path, manifest: Manifest) -> list[Path]:
             os.replace(temp, out_dir / name)
         except OSError as e:
             temp.unlink(missing_ok=True)
-            raise TierzeroError(f"cannot copy {src} to {out_dir} ({e.strerror or e}); choose a writable "
-                                "--out") from None
+            raise TierzeroError(
+                f"cannot copy {src} to {out_dir} ({e.strerror or e}); choose a writable --out"
+            ) from None
         copied.append(out_dir / name)
     return copied

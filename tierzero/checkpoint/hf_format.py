@@ -47,8 +47,9 @@ class Converted:
         from transformers.core_model_loading import revert_weight_conversion
 
         if not self.done:
-            self.ready = revert_weight_conversion(self.model, {s.name: s.values(flat).view(s.shape)
-                                                               for s in self.sources})
+            self.ready = revert_weight_conversion(
+                self.model, {s.name: s.values(flat).view(s.shape) for s in self.sources}
+            )
             self.done = True
         return self.ready.pop(name).contiguous()
 
@@ -59,13 +60,21 @@ class SavedFormat:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self._index: tuple[WeightFiles, dict[str, str], dict[str, tuple[Any, list[tuple[str, str]]]]] | None = None
-        self._converted: dict[str, torch.Tensor] = {}  # outputs of a group not yet read (one-to-many)
-        self._params = dict.fromkeys(model.state_dict())  # now: the engine later detaches parameters
+        self._index: (
+            tuple[WeightFiles, dict[str, str], dict[str, tuple[Any, list[tuple[str, str]]]]] | None
+        ) = None
+        self._converted: dict[
+            str, torch.Tensor
+        ] = {}  # outputs of a group not yet read (one-to-many)
+        self._params = dict.fromkeys(
+            model.state_dict()
+        )  # now: the engine later detaches parameters
 
     # -- loading --------------------------------------------------------------------------------
 
-    def read(self, files: WeightFiles, names: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    def read(
+        self, files: WeightFiles, names: tuple[str, ...], shape: tuple[int, ...]
+    ) -> torch.Tensor:
         """The parameter called `names` (its aliases), fp32, from `files`: under one of its own
         names, or renamed or converted (stacked experts) from what the files hold."""
         own = [n for n in names if files.holds(n)]
@@ -80,14 +89,20 @@ class SavedFormat:
                 return self._convert(files, name, groups, shape)
         return files.load(names, shape)  # none: the one-line error naming what is missing
 
-    def _indexed(self, files: WeightFiles) -> tuple[WeightFiles, dict[str, str], dict[str, tuple[Any, list]]]:
+    def _indexed(
+        self, files: WeightFiles
+    ) -> tuple[WeightFiles, dict[str, str], dict[str, tuple[Any, list]]]:
         """Every file tensor's model name, as `from_pretrained` renames it (`rename_source_key`):
         renamed ones by model name; converted ones grouped under their first target name."""
         if self._index is not None and self._index[0] is files:
             return self._index
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (WeightConverter, WeightRenaming, dot_natural_key,
-                                                     rename_source_key)
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            dot_natural_key,
+            rename_source_key,
+        )
 
         transforms = get_model_conversion_mapping(self.model)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
@@ -96,7 +111,9 @@ class SavedFormat:
         prefix = getattr(self.model, "base_model_prefix", None)
         renamed: dict[str, str] = {}
         groups: dict[str, tuple[Any, list[tuple[str, str]]]] = {}
-        for key in sorted(files.names(), key=dot_natural_key):  # experts in order, as from_pretrained stacks them
+        for key in sorted(
+            files.names(), key=dot_natural_key
+        ):  # experts in order, as from_pretrained stacks them
             target, pattern = rename_source_key(key, renamings, converters, prefix, self._params)
             if pattern is not None:
                 groups.setdefault(target, (by_pattern[pattern], []))[1].append((key, pattern))
@@ -105,8 +122,13 @@ class SavedFormat:
         self._index = (files, renamed, groups)
         return self._index
 
-    def _convert(self, files: WeightFiles, name: str, groups: dict[str, tuple[Any, list]],
-                 shape: tuple[int, ...]) -> torch.Tensor:
+    def _convert(
+        self,
+        files: WeightFiles,
+        name: str,
+        groups: dict[str, tuple[Any, list]],
+        shape: tuple[int, ...],
+    ) -> torch.Tensor:
         """Run the converter of `name`'s group on its source tensors (read one by one)."""
         if name not in self._converted:
             converter, sources = groups[name]
@@ -117,8 +139,10 @@ class SavedFormat:
             self._converted.update({k: v[0] if isinstance(v, list) else v for k, v in out.items()})
         value = self._converted.pop(name)
         if tuple(value.shape) != shape:
-            raise ConfigError(f"weights converted to '{name}' have shape {tuple(value.shape)} but the model expects "
-                              f"{shape}; load weights made for this model")
+            raise ConfigError(
+                f"weights converted to '{name}' have shape {tuple(value.shape)} but the model expects "
+                f"{shape}; load weights made for this model"
+            )
         return value.float()
 
     # -- export ---------------------------------------------------------------------------------
@@ -127,7 +151,11 @@ class SavedFormat:
         """`entries` (a checkpoint's `TensorEntry`s) as `save_pretrained` would write them: renamed
         in place, or replaced by the tensors their conversion group is saved as (`make(name, unit,
         shape, converted)` builds each), in the order `revert_weight_conversion` gives them."""
-        from transformers.core_model_loading import apply_converters, apply_renamings, revert_weight_conversion
+        from transformers.core_model_loading import (
+            apply_converters,
+            apply_renamings,
+            revert_weight_conversion,
+        )
 
         renamings, converters = self._reversed()
         out: list[Any] = []
@@ -148,8 +176,12 @@ class SavedFormat:
                 continue
             sources = groups[item]
             group = Converted(self.model, sources)
-            metas = revert_weight_conversion(self.model, {s.name: torch.empty(s.shape, device="meta") for s in sources})
-            result += [make(name, sources[0].unit, tuple(t.shape), group) for name, t in metas.items()]
+            metas = revert_weight_conversion(
+                self.model, {s.name: torch.empty(s.shape, device="meta") for s in sources}
+            )
+            result += [
+                make(name, sources[0].unit, tuple(t.shape), group) for name, t in metas.items()
+            ]
         return result
 
     def _reversed(self) -> tuple[list[Any], list[Any]]:
@@ -158,11 +190,16 @@ class SavedFormat:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming
 
-        transforms = [t for t in get_model_conversion_mapping(self.model, add_legacy=False)
-                      if not isinstance(t, PrefixChange)]
+        transforms = [
+            t
+            for t in get_model_conversion_mapping(self.model, add_legacy=False)
+            if not isinstance(t, PrefixChange)
+        ]
         reverse = [t.reverse_transform() for t in transforms[::-1]]
-        return ([t for t in reverse if isinstance(t, WeightRenaming)],
-                [t for t in reverse if isinstance(t, WeightConverter)])
+        return (
+            [t for t in reverse if isinstance(t, WeightRenaming)],
+            [t for t in reverse if isinstance(t, WeightConverter)],
+        )
 
 
 def meta_model(config: dict[str, Any]) -> nn.Module:
@@ -171,12 +208,16 @@ def meta_model(config: dict[str, Any]) -> nn.Module:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
-        raise ConfigError("exporting a Hugging Face model needs transformers; pip install 'tierzero[hf]'") from None
+        raise ConfigError(
+            "exporting a Hugging Face model needs transformers; pip install 'tierzero[hf]'"
+        ) from None
     settings = {k: v for k, v in config.items() if k != "model_type"}
     try:
         built = AutoConfig.for_model(config["model_type"], **settings)
     except (KeyError, ValueError) as e:
-        raise ConfigError(f"the checkpoint's config.json is not one this transformers can build ({e}); "
-                          "export with --tensors model, or upgrade transformers") from None
+        raise ConfigError(
+            f"the checkpoint's config.json is not one this transformers can build ({e}); "
+            "export with --tensors model, or upgrade transformers"
+        ) from None
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(built)

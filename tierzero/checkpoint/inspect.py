@@ -32,15 +32,28 @@ else:  # pragma: no cover - Python 3.10
 
 from tierzero.checkpoint.catalog import checkpoint_dirs, verify_checkpoint
 from tierzero.checkpoint.files import read_regular
+from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest
 from tierzero.config import Offload, Placement, StateKind
 from tierzero.errors import RunDirError, TierzeroError
-from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest
 from tierzero.storage.base import StorageError
 from tierzero.storage.filekind import kind_of
 
 # bytes per element of the zarr data types the store writes (bf16 is stored as uint16)
-_ITEMSIZE = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
-             "int32": 4, "uint32": 4, "float32": 4, "int64": 8, "uint64": 8, "float64": 8}
+_ITEMSIZE = {
+    "bool": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "uint16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "float32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float64": 8,
+}
 
 
 @dataclass
@@ -87,7 +100,9 @@ class RunInfo:
     placement: dict[str, str]  # state kind -> tier ("auto" when the planner chose at run time)
     checkpoints: list[CheckpointInfo]
     stores: list[StoreInfo]
-    skipped: list[str] = field(default_factory=list)  # checkpoints newer than the one a resume would use, with why
+    skipped: list[str] = field(
+        default_factory=list
+    )  # checkpoints newer than the one a resume would use, with why
 
     def to_dict(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -100,13 +115,23 @@ def inspect_run(run_dir: str | Path, verify: bool = False) -> RunInfo:
     root = Path(run_dir)
     if not root.is_dir():
         kind = kind_of(root)
-        raise RunDirError(f"run directory '{run_dir}' " + (f"is {kind}, not a directory" if kind else
-                                                          "does not exist") + "; pass a directory that "
-                          "`tierzero train` wrote")
+        raise RunDirError(
+            f"run directory '{run_dir}' "
+            + (f"is {kind}, not a directory" if kind else "does not exist")
+            + "; pass a directory that "
+            "`tierzero train` wrote"
+        )
     config, config_error = _config(root)
     checkpoints = [_checkpoint(step, path, verify) for step, path in checkpoint_dirs(root)]
-    return RunInfo(str(run_dir), config, config_error, _placement(config), checkpoints,
-                   [store_info(p) for p in _nvme_paths(root, config)], _skipped_newer(checkpoints))
+    return RunInfo(
+        str(run_dir),
+        config,
+        config_error,
+        _placement(config),
+        checkpoints,
+        [store_info(p) for p in _nvme_paths(root, config)],
+        _skipped_newer(checkpoints),
+    )
 
 
 def _skipped_newer(checkpoints: list[CheckpointInfo]) -> list[str]:
@@ -133,8 +158,10 @@ def _nvme_paths(root: Path, config: dict[str, Any] | None) -> list[str]:
 def _rank_stores(path: Path) -> list[Path]:
     """A multi-rank run keeps one store per rank under `path/rank<r>/` (`Tiers.nvme_paths`)."""
     try:
-        ranks = sorted((p for p in path.iterdir() if re.fullmatch(r"rank\d+", p.name) and p.is_dir()),
-                       key=lambda p: int(p.name[4:]))
+        ranks = sorted(
+            (p for p in path.iterdir() if re.fullmatch(r"rank\d+", p.name) and p.is_dir()),
+            key=lambda p: int(p.name[4:]),
+        )
     except OSError:
         return [path]
     return ranks or [path]
@@ -194,7 +221,9 @@ def store_info(path: str | Path) -> StoreInfo:
     info = StoreInfo(str(path), Path(path).is_dir())
     if not info.exists:
         return info
-    for directory, subdirs, _ in os.walk(path, onerror=lambda e: info.skipped.append(f"{e.filename}: {e.strerror}")):
+    for directory, subdirs, _ in os.walk(
+        path, onerror=lambda e: info.skipped.append(f"{e.filename}: {e.strerror}")
+    ):
         subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))  # lock, spares, temps
         doc = _node(Path(directory) / "zarr.json", info)
         if doc is None:
@@ -205,7 +234,9 @@ def store_info(path: str | Path) -> StoreInfo:
             subdirs[:] = []
             generation = Path(directory) / current / "zarr.json"
             if not generation.is_file():
-                info.skipped.append(f"{directory}: its current generation {current} has no zarr.json")
+                info.skipped.append(
+                    f"{directory}: its current generation {current} has no zarr.json"
+                )
                 continue
             doc = _node(generation, info)
             if doc is None:

@@ -41,8 +41,10 @@ def write_run_id(run_dir: str | Path, run_id: str) -> str:
     try:
         write_atomic(Path(run_dir) / RUN_ID_NAME, f"{run_id}\n".encode())
     except OSError as e:
-        raise RunDirError(f"cannot write {Path(run_dir) / RUN_ID_NAME} ({e.strerror}); make the run "
-                          "directory writable") from None
+        raise RunDirError(
+            f"cannot write {Path(run_dir) / RUN_ID_NAME} ({e.strerror}); make the run "
+            "directory writable"
+        ) from None
     return run_id
 
 
@@ -56,18 +58,25 @@ def stamp(checkpoint: Path) -> dict[str, Any]:
     and the run's config.toml as it is now (None when the run has none, as through the API)."""
     run_dir = checkpoint.parent.parent
     config = run_dir / "config.toml"
-    return {"run_id": run_id(run_dir),
-            "config_toml": read_regular(config).decode() if is_regular(config) else None}
+    return {
+        "run_id": run_id(run_dir),
+        "config_toml": read_regular(config).decode() if is_regular(config) else None,
+    }
 
 
 def abandon(run_dir: str | Path, newer_than: int | None = None) -> list[Path]:
     """Move the checkpoints of steps after `newer_than` (all, when None) into
     `checkpoints/abandoned/`; returns where they went. Same-named ones there are kept too."""
-    return [move_aside(run_dir, path) for step, path in checkpoint_dirs(run_dir)
-            if newer_than is None or step > newer_than]
+    return [
+        move_aside(run_dir, path)
+        for step, path in checkpoint_dirs(run_dir)
+        if newer_than is None or step > newer_than
+    ]
 
 
 def abandoned_note(run_dir: str | Path, moved: list[Path], why: str) -> str:
     names = ", ".join(p.name for p in moved)
-    return (f"moved checkpoint(s) {names} aside into {checkpoints_root(run_dir) / ABANDONED_DIR} ({why}); "
-            "delete them there once they are no longer wanted")
+    return (
+        f"moved checkpoint(s) {names} aside into {checkpoints_root(run_dir) / ABANDONED_DIR} ({why}); "
+        "delete them there once they are no longer wanted"
+    )

@@ -37,33 +37,43 @@ class Merge:
     transpose: bool
 
     def apply(self, weight: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-        a = flat[self.a.offset:self.a.offset + self.a.numel].view(self.a.shape)
-        b = flat[self.b.offset:self.b.offset + self.b.numel].view(self.b.shape)
+        a = flat[self.a.offset : self.a.offset + self.a.numel].view(self.a.shape)
+        b = flat[self.b.offset : self.b.offset + self.b.numel].view(self.b.shape)
         delta = b @ a  # as peft's get_delta_weight: product, transpose, then scale
         return weight + (delta.T if self.transpose else delta) * self.scale
 
 
-def peft_adapters(model: dict[str, Any] | None, names: list[str]) -> dict[str, dict[str, Any]] | None:
+def peft_adapters(
+    model: dict[str, Any] | None, names: list[str]
+) -> dict[str, dict[str, Any]] | None:
     """The checkpoint's peft configs by adapter name; None for a model without adapters. A
     checkpoint with LoRA tensors but no recorded config is refused (its export would not load)."""
     adapters = (model or {}).get("peft")
     if isinstance(adapters, dict) and adapters:
         if len(adapters) > 1:
-            raise ConfigError(f"the checkpoint's model has {len(adapters)} peft adapters ({', '.join(adapters)}); "
-                              "export handles one: train with a single adapter")
+            raise ConfigError(
+                f"the checkpoint's model has {len(adapters)} peft adapters ({', '.join(adapters)}); "
+                "export handles one: train with a single adapter"
+            )
         return adapters
     lora = next((n for n in names if ".lora_A." in n or ".lora_B." in n), None)
     if lora is not None:
-        raise CheckpointError(f"the checkpoint holds LoRA tensors ({lora}) but not their peft config, so no "
-                              "export of it would load; save checkpoints with model=tierzero.hf.describe(hf, "
-                              "peft_model)")
+        raise CheckpointError(
+            f"the checkpoint holds LoRA tensors ({lora}) but not their peft config, so no "
+            "export of it would load; save checkpoints with model=tierzero.hf.describe(hf, "
+            "peft_model)"
+        )
     return None
 
 
 def adapter_entries(entries: list[Any], adapter: str) -> list[Any]:
     """The adapter's tensors under the names `PeftModel.from_pretrained` reads."""
     tag = f".{adapter}."
-    return [replace(e, name=e.name.replace(tag, ".")) for e in entries if tag in e.name and ".lora_" in e.name]
+    return [
+        replace(e, name=e.name.replace(tag, "."))
+        for e in entries
+        if tag in e.name and ".lora_" in e.name
+    ]
 
 
 def merged_entries(entries: list[Any], adapter: str, config: dict[str, Any]) -> list[Any]:
@@ -76,16 +86,21 @@ def merged_entries(entries: list[Any], adapter: str, config: dict[str, Any]) -> 
     for e in entries:
         if ".lora_" in e.name:
             continue
-        name = e.name[len(PEFT_PREFIX):] if e.name.startswith(PEFT_PREFIX) else e.name
+        name = e.name[len(PEFT_PREFIX) :] if e.name.startswith(PEFT_PREFIX) else e.name
         name = name.replace(".base_layer.", ".")
         merge = None
         if ".base_layer.weight" in e.name:
-            layer = e.name[:-len(".base_layer.weight")]
-            a, b = by_name.get(f"{layer}.lora_A.{adapter}.weight"), by_name.get(f"{layer}.lora_B.{adapter}.weight")
+            layer = e.name[: -len(".base_layer.weight")]
+            a, b = (
+                by_name.get(f"{layer}.lora_A.{adapter}.weight"),
+                by_name.get(f"{layer}.lora_B.{adapter}.weight"),
+            )
             if a is not None and b is not None:
                 if not a.unit == b.unit == e.unit:
-                    raise CheckpointError(f"{layer}'s LoRA tensors sit in other units than its weight; "
-                                          "export the adapter without --merge and merge it with peft")
+                    raise CheckpointError(
+                        f"{layer}'s LoRA tensors sit in other units than its weight; "
+                        "export the adapter without --merge and merge it with peft"
+                    )
                 merge = Merge(a, b, scale, transpose)
         out.append(replace(e, name=name, merge=merge))
     return out
@@ -94,4 +109,8 @@ def merged_entries(entries: list[Any], adapter: str, config: dict[str, Any]) -> 
 def adapter_config(config: dict[str, Any], base: str | None) -> dict[str, Any]:
     """`adapter_config.json` as peft's `save_pretrained` writes it, for inference."""
     doc = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in config.items()}
-    return {**doc, "base_model_name_or_path": base or doc.get("base_model_name_or_path"), "inference_mode": True}
+    return {
+        **doc,
+        "base_model_name_or_path": base or doc.get("base_model_name_or_path"),
+        "inference_mode": True,
+    }

@@ -61,10 +61,20 @@ class UnitLayout:
 
 
 def layout_of(units: list[Unit]) -> list[UnitLayout]:
-    return [UnitLayout(u.index, u.name, u.numel, u.padded_numel,
-                       [SlotLayout(list(s.names), s.offset, s.numel, list(s.shape), s.frozen) for s in u.slots],
-                       u.trainable_numel)
-            for u in units]
+    return [
+        UnitLayout(
+            u.index,
+            u.name,
+            u.numel,
+            u.padded_numel,
+            [
+                SlotLayout(list(s.names), s.offset, s.numel, list(s.shape), s.frozen)
+                for s in u.slots
+            ],
+            u.trainable_numel,
+        )
+        for u in units
+    ]
 
 
 def config_hash(values: dict[str, Any]) -> str:
@@ -87,10 +97,14 @@ class Manifest:
     rng: dict[str, Any] = field(default_factory=dict)
     bytes_copied: int = 0  # bytes written to make this checkpoint (0 when all hard-linked)
     model: dict[str, Any] | None = None  # what built the model (preset name, shape), for humans
-    rank_rng: list[dict[str, Any]] | None = None  # with several ranks: each rank's RNG states, in rank order
+    rank_rng: list[dict[str, Any]] | None = (
+        None  # with several ranks: each rank's RNG states, in rank order
+    )
     stage: int = 3  # the ZeRO stage: at 1 and 2 each rank's param arrays hold whole units
     run_id: str | None = None  # the lineage that wrote it (RUN_DIR/run-id then)
-    config_toml: str | None = None  # RUN_DIR/config.toml when it was written, covered by the checksum
+    config_toml: str | None = (
+        None  # RUN_DIR/config.toml when it was written, covered by the checksum
+    )
 
     @property
     def nbytes(self) -> int:
@@ -108,29 +122,64 @@ class Manifest:
         try:
             doc = json.loads(raw)
             if doc.get("format") != FORMAT:
-                raise CheckpointError(f"{where} is not a {FORMAT} manifest (format "
-                                      f"{doc.get('format')!r}); use a checkpoint this tierzero wrote")
+                raise CheckpointError(
+                    f"{where} is not a {FORMAT} manifest (format "
+                    f"{doc.get('format')!r}); use a checkpoint this tierzero wrote"
+                )
             if doc.pop("checksum", None) != _checksum(doc):
-                raise CheckpointError(f"{where} fails its checksum (edited or damaged since it was "
-                                      "written); the checkpoint is damaged, use another one")
-            units = [UnitLayout(int(u["index"]), str(u["name"]), int(u["numel"]), int(u["padded_numel"]),
-                                [SlotLayout([str(n) for n in s["names"]], int(s["offset"]), int(s["numel"]),
-                                            [int(d) for d in s["shape"]], bool(s.get("frozen", False)))
-                                 for s in u["slots"]],
-                                int(u.get("trainable_numel", u["padded_numel"])))
-                     for u in doc["units"]]
-            arrays = {str(k): ShardMeta.from_dict(v, f"{where} array {k!r}") for k, v in doc["arrays"].items()}
-            return cls(int(doc["step"]), float(doc["time"]), int(doc["world_size"]), str(doc["compute_dtype"]),
-                       str(doc["config_hash"]), units, arrays, dict(doc.get("engine") or {}),
-                       doc.get("data"), dict(doc.get("rng") or {}), int(doc.get("bytes_copied", 0)),
-                       doc.get("model"), _rank_rng(doc.get("rank_rng"), int(doc["world_size"])),
-                       int(doc.get("stage", 3)), _optional_str(doc.get("run_id")),
-                       _optional_str(doc.get("config_toml")))
+                raise CheckpointError(
+                    f"{where} fails its checksum (edited or damaged since it was "
+                    "written); the checkpoint is damaged, use another one"
+                )
+            units = [
+                UnitLayout(
+                    int(u["index"]),
+                    str(u["name"]),
+                    int(u["numel"]),
+                    int(u["padded_numel"]),
+                    [
+                        SlotLayout(
+                            [str(n) for n in s["names"]],
+                            int(s["offset"]),
+                            int(s["numel"]),
+                            [int(d) for d in s["shape"]],
+                            bool(s.get("frozen", False)),
+                        )
+                        for s in u["slots"]
+                    ],
+                    int(u.get("trainable_numel", u["padded_numel"])),
+                )
+                for u in doc["units"]
+            ]
+            arrays = {
+                str(k): ShardMeta.from_dict(v, f"{where} array {k!r}")
+                for k, v in doc["arrays"].items()
+            }
+            return cls(
+                int(doc["step"]),
+                float(doc["time"]),
+                int(doc["world_size"]),
+                str(doc["compute_dtype"]),
+                str(doc["config_hash"]),
+                units,
+                arrays,
+                dict(doc.get("engine") or {}),
+                doc.get("data"),
+                dict(doc.get("rng") or {}),
+                int(doc.get("bytes_copied", 0)),
+                doc.get("model"),
+                _rank_rng(doc.get("rank_rng"), int(doc["world_size"])),
+                int(doc.get("stage", 3)),
+                _optional_str(doc.get("run_id")),
+                _optional_str(doc.get("config_toml")),
+            )
         except CheckpointError:
             raise
         except Exception as e:  # malformed JSON or fields: one sentence, never a traceback
-            raise CheckpointError(f"{where} is not a readable checkpoint manifest ({type(e).__name__}: "
-                                  f"{e}); the checkpoint is damaged, use another one") from None
+            raise CheckpointError(
+                f"{where} is not a readable checkpoint manifest ({type(e).__name__}: "
+                f"{e}); the checkpoint is damaged, use another one"
+            ) from None
 
     @classmethod
     def load(cls, checkpoint: Path) -> Manifest:
@@ -152,38 +201,56 @@ class Manifest:
         named = STEP_DIR.fullmatch(checkpoint.name)
         count = self.engine.get("step_count")
         if (named is not None and int(named.group(1)) != self.step) or count != self.step:
-            raise CheckpointError(f"checkpoint {checkpoint.name} is damaged: its manifest says step {self.step} "
-                                  f"and step count {count}, which disagree with each other or the directory "
-                                  "name; use another checkpoint")
+            raise CheckpointError(
+                f"checkpoint {checkpoint.name} is damaged: its manifest says step {self.step} "
+                f"and step count {count}, which disagree with each other or the directory "
+                "name; use another checkpoint"
+            )
 
     def array_dir(self, checkpoint: Path, key: str) -> Path:
         return checkpoint / STATE_DIR / Path(*key.split("/"))
 
-    def check_compatible(self, units: list[Unit], world_size: int, compute_dtype: str, where: str,
-                         stage: int = 3) -> None:
+    def check_compatible(
+        self, units: list[Unit], world_size: int, compute_dtype: str, where: str, stage: int = 3
+    ) -> None:
         """Refuse, in one sentence, a checkpoint of another model shape, world size, dtype or
         (several ranks) ZeRO stage: its param arrays are laid out for that stage."""
         if world_size != self.world_size:
-            raise CheckpointError(f"{where} was written by {self.world_size} rank(s) but this run has "
-                                  f"{world_size}; resume with the same number of ranks")
+            raise CheckpointError(
+                f"{where} was written by {self.world_size} rank(s) but this run has "
+                f"{world_size}; resume with the same number of ranks"
+            )
         if world_size > 1 and stage != self.stage:
-            raise CheckpointError(f"{where} was written at ZeRO stage {self.stage} but this run is at stage "
-                                  f"{stage}; resume with --stage {self.stage}")
+            raise CheckpointError(
+                f"{where} was written at ZeRO stage {self.stage} but this run is at stage "
+                f"{stage}; resume with --stage {self.stage}"
+            )
         mine = layout_of(units)
         if mine != self.units:
-            diff = next((f"unit {a.name}: {a.numel:,} params here, {b.numel:,} there"
-                         for a, b in zip(mine, self.units) if a != b),
-                        f"{len(mine)} units here, {len(self.units)} there")
-            raise CheckpointError(f"{where} is for another model shape ({diff}); resume with the "
-                                  "model and settings that wrote it")
+            diff = next(
+                (
+                    f"unit {a.name}: {a.numel:,} params here, {b.numel:,} there"
+                    for a, b in zip(mine, self.units)
+                    if a != b
+                ),
+                f"{len(mine)} units here, {len(self.units)} there",
+            )
+            raise CheckpointError(
+                f"{where} is for another model shape ({diff}); resume with the "
+                "model and settings that wrote it"
+            )
         if compute_dtype != self.compute_dtype:
-            raise CheckpointError(f"{where} was trained in {self.compute_dtype} but this run computes in "
-                                  f"{compute_dtype}; resume with --dtype matching it")
+            raise CheckpointError(
+                f"{where} was trained in {self.compute_dtype} but this run computes in "
+                f"{compute_dtype}; resume with --dtype matching it"
+            )
 
 
 def _checksum(doc: dict[str, Any]) -> str:
     """sha256 of the manifest's content as canonical JSON (sorted keys, no spaces)."""
-    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
 
 
 def _optional_str(value: Any) -> str | None:
@@ -195,6 +262,10 @@ def _optional_str(value: Any) -> str | None:
 def _rank_rng(value: Any, world_size: int) -> list[dict[str, Any]] | None:
     if value is None:
         return None
-    if not isinstance(value, list) or len(value) != world_size or not all(isinstance(v, dict) for v in value):
+    if (
+        not isinstance(value, list)
+        or len(value) != world_size
+        or not all(isinstance(v, dict) for v in value)
+    ):
         raise ValueError(f"rank_rng must list one RNG state per rank ({world_size})")
     return [dict(v) for v in value]

@@ -54,15 +54,11 @@ def coded_units(manifest: Manifest) -> dict[int, CodedShard]:
     return found
 
 
-def read_coded(
-    checkpoint: Path, manifest: Manifest, coded: CodedShard, out: torch.Tensor
-) -> None:
+def read_coded(checkpoint: Path, manifest: Manifest, coded: CodedShard, out: torch.Tensor) -> None:
     """Fill `out` (the unit's values, any float dtype) from its coded param shard."""
     stored = torch.empty(coded.stored_numel, dtype=coded.dtype)
     whole = shard_key(StateKind.PARAM, coded.unit.index, 0)
-    if (
-        whole in manifest.arrays
-    ):  # a memory-homed param: one array, the pieces end to end
+    if whole in manifest.arrays:  # a memory-homed param: one array, the pieces end to end
         parts = [(whole, 0, coded.stored_numel)]
     else:
         parts = [

@@ -37,14 +37,20 @@ class TensorEntry:
     numel: int
     shape: tuple[int, ...]
     merge: Merge | None = None  # a LoRA-wrapped weight exported with its adapter merged in
-    converted: Converted | None = None  # a tensor save_pretrained computes from others (one expert's)
+    converted: Converted | None = (
+        None  # a tensor save_pretrained computes from others (one expert's)
+    )
 
     def values(self, flat: torch.Tensor) -> torch.Tensor:
         """This tensor's values, flat, from its unit's flat buffer."""
         if self.converted is not None:
             return self.converted.take(self.name, flat).reshape(-1)
-        values = flat[self.offset:self.offset + self.numel]
-        return values if self.merge is None else self.merge.apply(values.view(self.shape), flat).reshape(-1)
+        values = flat[self.offset : self.offset + self.numel]
+        return (
+            values
+            if self.merge is None
+            else self.merge.apply(values.view(self.shape), flat).reshape(-1)
+        )
 
 
 @dataclass
@@ -83,8 +89,9 @@ class ExportPlan:
 
     def index_json(self) -> bytes:
         weight_map = {e.name: f.name for f in self.files for e in f.entries}
-        return json.dumps({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map},
-                          indent=2).encode()
+        return json.dumps(
+            {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, indent=2
+        ).encode()
 
 
 class StreamingWriter:
@@ -97,8 +104,12 @@ class StreamingWriter:
         self.dtype, self.code = DTYPES[plan.dtype]
         self.temps: list[Path] = []
 
-    def write(self, units: Iterator[tuple[int, torch.Tensor]], total: int,
-              on_unit: Callable[[int, int], None] | None) -> list[Path]:
+    def write(
+        self,
+        units: Iterator[tuple[int, torch.Tensor]],
+        total: int,
+        on_unit: Callable[[int, int], None] | None,
+    ) -> list[Path]:
         by_unit: dict[int, list[tuple[int, TensorEntry]]] = {}
         for i, f in enumerate(self.plan.files):
             for e in f.entries:
@@ -157,8 +168,10 @@ class StreamingWriter:
             raise self._error(self.plan.files[file_index].name, e) from None
 
     def _error(self, name: str, e: OSError) -> TierzeroError:
-        return TierzeroError(f"cannot write {self.out_dir / name} ({e.strerror or e}); choose a "
-                             "writable --out with enough free space")
+        return TierzeroError(
+            f"cannot write {self.out_dir / name} ({e.strerror or e}); choose a "
+            "writable --out with enough free space"
+        )
 
     def _publish(self) -> list[Path]:
         """Rename every file into place, the index last, then make the renames durable."""

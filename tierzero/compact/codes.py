@@ -39,12 +39,12 @@ MAX_EXPONENT = 7  # decades of magnitude the dynamic map spans below 1
 HALF_GAP = 1 << 15  # without random bits: round up past half the gap (the nearest code)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def code_map(signed: bool) -> torch.Tensor:
     """The 256 sorted fp32 codes of the dynamic map (8-bit Adam's `create_dynamic_map`)."""
     data: list[float] = [0.0, 1.0]
     for i in range(MAX_EXPONENT):
-        items = 2 ** i + 1 if signed else 2 ** (i + 1) + 1
+        items = 2**i + 1 if signed else 2 ** (i + 1) + 1
         bounds = torch.linspace(0.1, 1, items, dtype=torch.float32)
         means = ((bounds[:-1] + bounds[1:]) / 2.0).tolist()
         scale = 10.0 ** (-(MAX_EXPONENT - 1) + i)
@@ -60,7 +60,7 @@ def nblocks(numel: int) -> int:
     return -(-numel // STATE_BLOCK)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gap_scales(signed: bool) -> torch.Tensor:
     """Per code index, 65536 over the gap to the next code (0 for the last): a value's fraction
     of the gap above its lower code, in units of the 16 random bits it is compared with."""
@@ -70,7 +70,7 @@ def gap_scales(signed: bool) -> torch.Tensor:
     return scales
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def lower_buckets(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per value of an fp32's top 16 bits (a bucket of the values that share their bf16
     truncation): the index of the largest code at or below the bucket's lowest value, and the
@@ -83,14 +83,18 @@ def lower_buckets(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     table = code_map(signed)
     patterns = torch.arange(1 << 16, dtype=torch.int64) << 16
     edges = [(patterns | low).to(torch.int32).view(torch.float32) for low in (0, 0xFFFF)]
-    lowest, highest = (f(*edges).nan_to_num() for f in (torch.minimum, torch.maximum))  # NaN buckets: 0
+    lowest, highest = (
+        f(*edges).nan_to_num() for f in (torch.minimum, torch.maximum)
+    )  # NaN buckets: 0
     starts = (torch.searchsorted(table, lowest, right=True) - 1).clamp_(0, 255)
     assert (torch.searchsorted(table, highest, right=True) - 1 - starts <= 1).all()
     nexts = torch.cat([table, torch.tensor([math.inf])])[starts + 1]
     if not signed:
         below = (lowest > 0) & (starts == 0)
         starts[below], nexts[below] = 1, math.inf
-        nexts[0] = torch.tensor(0.0).nextafter(torch.tensor(1.0))  # +0's bucket: any positive subnormal is code 1
+        nexts[0] = torch.tensor(0.0).nextafter(
+            torch.tensor(1.0)
+        )  # +0's bucket: any positive subnormal is code 1
     return starts, nexts
 
 
@@ -124,14 +128,20 @@ def _whole_and_tail(x: torch.Tensor) -> list[tuple[torch.Tensor, slice]]:
     full = x.numel() // STATE_BLOCK
     out = []
     if full:
-        out.append((x[:full * STATE_BLOCK].view(full, STATE_BLOCK), slice(0, full)))
+        out.append((x[: full * STATE_BLOCK].view(full, STATE_BLOCK), slice(0, full)))
     if x.numel() % STATE_BLOCK:
-        out.append((x[full * STATE_BLOCK:].view(1, -1), slice(full, full + 1)))
+        out.append((x[full * STATE_BLOCK :].view(1, -1), slice(full, full + 1)))
     return out
 
 
-def quantise(values: torch.Tensor, signed: bool, codes: torch.Tensor, absmax: torch.Tensor,
-             scratch: Scratch, bits: torch.Tensor | None = None) -> None:
+def quantise(
+    values: torch.Tensor,
+    signed: bool,
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    scratch: Scratch,
+    bits: torch.Tensor | None = None,
+) -> None:
     """Write the codes of fp32 `values` into uint8 `codes` and each block's absmax into fp32
     `absmax` (`nblocks(values.numel())` of them): rounded up past the fraction of the gap that
     int32 `bits` (16 random bits per value) give, or past half of it without them (see the
@@ -149,7 +159,9 @@ def quantise(values: torch.Tensor, signed: bool, codes: torch.Tensor, absmax: to
     torch.index_select(scratch.codes[signed], 0, index, out=other)
     values.sub_(other)
     torch.index_select(scratch.scales[signed], 0, index, out=other)
-    values.mul_(other)  # the fraction of the gap above the lower code, in 1/65536ths (exact scaling)
+    values.mul_(
+        other
+    )  # the fraction of the gap above the lower code, in 1/65536ths (exact scaling)
     if bits is None:
         up = torch.gt(values, HALF_GAP)
     else:
@@ -169,8 +181,9 @@ def lower(values: torch.Tensor, signed: bool, scratch: Scratch, out: torch.Tenso
     out.add_(torch.ge(values, bound).view(torch.uint8))
 
 
-def dequantise(codes: torch.Tensor, absmax: torch.Tensor, signed: bool, out: torch.Tensor,
-               scratch: Scratch) -> None:
+def dequantise(
+    codes: torch.Tensor, absmax: torch.Tensor, signed: bool, out: torch.Tensor, scratch: Scratch
+) -> None:
     """Fill fp32 `out` with the values uint8 `codes` stand for: code * its block's absmax."""
     n = codes.numel()
     index = scratch.bits[:n]

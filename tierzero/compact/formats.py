@@ -65,8 +65,11 @@ class StateFormats:
         if kind is StateKind.MASTER:
             return TORCH_DTYPES[self.master]
         if kind in MOMENTS:
-            return {StateFormat.FP32: torch.float32, StateFormat.BF16: torch.bfloat16,
-                    StateFormat.INT8: torch.uint8}[self.moments]
+            return {
+                StateFormat.FP32: torch.float32,
+                StateFormat.BF16: torch.bfloat16,
+                StateFormat.INT8: torch.uint8,
+            }[self.moments]
         assert kind is StateKind.GRAD, kind
         return TORCH_DTYPES[self.grad]
 
@@ -79,7 +82,7 @@ class StateFormats:
 
     def view(self, kind: StateKind, raw: torch.Tensor, numel: int) -> torch.Tensor:
         """The stored tensor of a piece of `numel` values over `raw` bytes (a leased buffer)."""
-        return raw.view(torch.uint8)[:self.nbytes(kind, numel)].view(self.dtype(kind))
+        return raw.view(torch.uint8)[: self.nbytes(kind, numel)].view(self.dtype(kind))
 
     def empty(self, kind: StateKind, numel: int) -> torch.Tensor:
         """A 4 KiB-aligned CPU tensor for one stored piece."""
@@ -92,7 +95,9 @@ class StateFormats:
             return out.copy_(values)
         absmax, codes = split(out, values.numel())
         scratch = codes_mod.Scratch(values.numel(), values.device)
-        codes_mod.quantise(values.float().clone(), kind is StateKind.EXP_AVG, codes, absmax, scratch)
+        codes_mod.quantise(
+            values.float().clone(), kind is StateKind.EXP_AVG, codes, absmax, scratch
+        )
         return out
 
     def layout(self, key: str, stored: torch.Tensor) -> dict | None:
@@ -117,14 +122,17 @@ class StateFormats:
 def _int8_layout(signed: bool, nbytes: int) -> dict:
     """`StateFormats.layout` of an int8 moment piece of `nbytes` packed bytes."""
     blocks = -(-nbytes // (STATE_BLOCK + 4))  # numel + 4 bytes per started block
-    return {"packs": "blockwise int8 dynamic quantisation", "block": STATE_BLOCK,
-            "scales": {"data_type": "float32", "endian": "little", "offset": 0, "count": blocks},
-            "codes": {"data_type": "uint8", "offset": 4 * blocks, "count": nbytes - 4 * blocks},
-            "code_map": {"signed": signed, "values": codes_mod.code_map(signed).tolist()},
-            "value": "code_map.values[codes[i]] * scales[i // block]"}
+    return {
+        "packs": "blockwise int8 dynamic quantisation",
+        "block": STATE_BLOCK,
+        "scales": {"data_type": "float32", "endian": "little", "offset": 0, "count": blocks},
+        "codes": {"data_type": "uint8", "offset": 4 * blocks, "count": nbytes - 4 * blocks},
+        "code_map": {"signed": signed, "values": codes_mod.code_map(signed).tolist()},
+        "value": "code_map.values[codes[i]] * scales[i // block]",
+    }
 
 
 def split(packed: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
     """An int8 moment piece's absmax (fp32) and codes (uint8) as views of its packed bytes."""
     head = 4 * codes_mod.nblocks(numel)
-    return packed[:head].view(torch.float32), packed[head:head + numel]
+    return packed[:head].view(torch.float32), packed[head : head + numel]

@@ -40,21 +40,38 @@ from tierzero.compact import cpu_step
 from tierzero.compact.formats import StateFormats, split
 from tierzero.config import STATE_BLOCK, Config, StateKind
 
-SUB_BLOCK = {"cpu": 1 << 18, "cuda": 1 << 18}  # values per sub-block (whole STATE_BLOCKs): fewer, larger ops
-F32_SCRATCH = ("master", "exp_avg", "exp_avg_sq", "grad", "t1", "t2")  # a sub-block's decoded states, temporaries
+SUB_BLOCK = {
+    "cpu": 1 << 18,
+    "cuda": 1 << 18,
+}  # values per sub-block (whole STATE_BLOCKs): fewer, larger ops
+F32_SCRATCH = (
+    "master",
+    "exp_avg",
+    "exp_avg_sq",
+    "grad",
+    "t1",
+    "t2",
+)  # a sub-block's decoded states, temporaries
 INT_SCRATCH = ("shift", "bits")  # stochastic rounding's hash (int32)
 _MASK32 = 0xFFFFFFFF
 _MIX = (0x7FEB352D, 0x2C1B3C6D)  # odd multipliers below 2**31 (so int32 constants)
 _KIND_STREAM = {StateKind.MASTER: 1, StateKind.EXP_AVG: 2, StateKind.EXP_AVG_SQ: 3}
 
-Span = tuple[int, int, float, int]  # (start, end) in the piece, weight decay, updates already applied
+Span = tuple[
+    int, int, float, int
+]  # (start, end) in the piece, weight decay, updates already applied
 
 log = logging.getLogger(__name__)
 
 
 class CompactStep:
-    def __init__(self, formats: StateFormats, config: Config, device: torch.device,
-                 kernel: bool | Callable = True) -> None:
+    def __init__(
+        self,
+        formats: StateFormats,
+        config: Config,
+        device: torch.device,
+        kernel: bool | Callable = True,
+    ) -> None:
         """`kernel`: True steps CPU pieces with the compiled kernel where it is available
         (`cpu_kernel()`), False always with torch's ops (the fallback, which tests and
         benchmarks compare it with); a callable is the kernel to use (`cpu_kernel` checks one
@@ -66,19 +83,35 @@ class CompactStep:
         self.block = SUB_BLOCK.get(device.type, SUB_BLOCK["cpu"])
         self._scratch: dict[str, torch.Tensor] | None = None
         self._codes: codes_mod.Scratch | None = None
-        self._lock = threading.Lock()  # one scratch: the training thread's and the optimizer lane's steps take turns
+        self._lock = (
+            threading.Lock()
+        )  # one scratch: the training thread's and the optimizer lane's steps take turns
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         if self._scratch is None:
-            f32 = {name: torch.empty(self.block, dtype=torch.float32, device=self.device) for name in F32_SCRATCH}
-            ints = {name: torch.empty(self.block, dtype=torch.int32, device=self.device) for name in INT_SCRATCH}
-            offsets = torch.arange(self.block, dtype=torch.int32, device=self.device)  # arange is slow: add to these
+            f32 = {
+                name: torch.empty(self.block, dtype=torch.float32, device=self.device)
+                for name in F32_SCRATCH
+            }
+            ints = {
+                name: torch.empty(self.block, dtype=torch.int32, device=self.device)
+                for name in INT_SCRATCH
+            }
+            offsets = torch.arange(
+                self.block, dtype=torch.int32, device=self.device
+            )  # arange is slow: add to these
             self._scratch = {**f32, **ints, "offsets": offsets}
             self._codes = codes_mod.Scratch(self.block, self.device)
         return self._scratch
 
-    def step(self, tensors: dict[StateKind, torch.Tensor], spans: list[Span], lr: float, unit: int,
-             origin: int) -> None:
+    def step(
+        self,
+        tensors: dict[StateKind, torch.Tensor],
+        spans: list[Span],
+        lr: float,
+        unit: int,
+        origin: int,
+    ) -> None:
         """One AdamW update of a piece's `spans` (piece offsets, per-span weight decay and step
         count), in place in the stored `tensors` (master, grad, moments); `origin`: the piece's
         first value's offset in its unit's flat buffer (stochastic rounding's position)."""
@@ -91,61 +124,119 @@ class CompactStep:
                 self._step_torch(tensors, spans, lr, unit, origin)
                 return
             scalars = [adamw_scalars(wd, k, lr, self.config) for _, _, wd, k in spans]
-            keys = [[stream_key(self.config.seed, k + 1, unit, kind) for kind in cpu_step.STATES]
-                    for _, _, _, k in spans]
-            cpu_step.step_piece(run, self.formats, tensors, spans, scalars, keys, origin, self.block)
+            keys = [
+                [stream_key(self.config.seed, k + 1, unit, kind) for kind in cpu_step.STATES]
+                for _, _, _, k in spans
+            ]
+            cpu_step.step_piece(
+                run, self.formats, tensors, spans, scalars, keys, origin, self.block
+            )
 
-    def _step_torch(self, tensors: dict[StateKind, torch.Tensor], spans: list[Span], lr: float,
-                    unit: int, origin: int) -> None:
+    def _step_torch(
+        self,
+        tensors: dict[StateKind, torch.Tensor],
+        spans: list[Span],
+        lr: float,
+        unit: int,
+        origin: int,
+    ) -> None:
         """`step` in sub-blocks of torch ops: the fallback, and the path for device tensors."""
         grad = tensors[StateKind.GRAD]
         numel = grad.numel()
         scratch = self._buffers()
         for s in range(0, numel, self.block):
             e = min(s + self.block, numel)
-            inside = [(max(a, s) - s, min(b, e) - s, wd, k) for a, b, wd, k in spans if min(b, e) > max(a, s)]
+            inside = [
+                (max(a, s) - s, min(b, e) - s, wd, k)
+                for a, b, wd, k in spans
+                if min(b, e) > max(a, s)
+            ]
             if not inside:
                 continue
-            states = {kind: self._decode(kind, tensors[kind], numel, s, e, scratch)
-                      for kind in (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)}
+            states = {
+                kind: self._decode(kind, tensors[kind], numel, s, e, scratch)
+                for kind in (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
+            }
             g = self._decode(StateKind.GRAD, grad, numel, s, e, scratch)
             for a, b, wd, k in inside:
-                adamw_math(states[StateKind.MASTER][a:b], g[a:b], states[StateKind.EXP_AVG][a:b],
-                           states[StateKind.EXP_AVG_SQ][a:b], wd, k, lr, self.config,
-                           scratch["t1"][:b - a], scratch["t2"][:b - a])
+                adamw_math(
+                    states[StateKind.MASTER][a:b],
+                    g[a:b],
+                    states[StateKind.EXP_AVG][a:b],
+                    states[StateKind.EXP_AVG_SQ][a:b],
+                    wd,
+                    k,
+                    lr,
+                    self.config,
+                    scratch["t1"][: b - a],
+                    scratch["t2"][: b - a],
+                )
             for kind, values in states.items():
-                self._encode(kind, values, tensors[kind], numel, s, e, inside, unit, origin, scratch)
+                self._encode(
+                    kind, values, tensors[kind], numel, s, e, inside, unit, origin, scratch
+                )
 
-    def _decode(self, kind: StateKind, stored: torch.Tensor, numel: int, s: int, e: int,
-                scratch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _decode(
+        self,
+        kind: StateKind,
+        stored: torch.Tensor,
+        numel: int,
+        s: int,
+        e: int,
+        scratch: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
         """fp32 values of the sub-block [s, e): the stored piece itself where it is fp32."""
         if stored.dtype == torch.float32:
             return stored[s:e]
-        out = scratch[kind.value][:e - s]
+        out = scratch[kind.value][: e - s]
         if self.formats.quantised(kind):
             absmax, codes = split(stored, numel)
-            codes_mod.dequantise(codes[s:e], absmax[s // STATE_BLOCK:codes_mod.nblocks(e)],
-                                 kind is StateKind.EXP_AVG, out, self._codes)
+            codes_mod.dequantise(
+                codes[s:e],
+                absmax[s // STATE_BLOCK : codes_mod.nblocks(e)],
+                kind is StateKind.EXP_AVG,
+                out,
+                self._codes,
+            )
         else:
             out.copy_(stored[s:e])
         return out
 
-    def _encode(self, kind: StateKind, values: torch.Tensor, stored: torch.Tensor, numel: int, s: int, e: int,
-                inside: list[Span], unit: int, origin: int, scratch: dict[str, torch.Tensor]) -> None:
+    def _encode(
+        self,
+        kind: StateKind,
+        values: torch.Tensor,
+        stored: torch.Tensor,
+        numel: int,
+        s: int,
+        e: int,
+        inside: list[Span],
+        unit: int,
+        origin: int,
+        scratch: dict[str, torch.Tensor],
+    ) -> None:
         if stored.dtype == torch.float32:
             return  # stepped in place
         quantised = self.formats.quantised(kind)
-        bits = scratch["bits"][:e - s]
+        bits = scratch["bits"][: e - s]
         if sum(b - a for a, b, _, _ in inside) < e - s:
             # values outside the spans were not stepped: they keep their bf16 value (zero bits)
             # or their nearest code (half the gap), which is the code they were decoded from
             bits.fill_(codes_mod.HALF_GAP if quantised else 0)
         for a, b, _, k in inside:
-            random_bits(self.config.seed, k + 1, unit, kind, origin + s + a, b - a, scratch, bits[a:b])
+            random_bits(
+                self.config.seed, k + 1, unit, kind, origin + s + a, b - a, scratch, bits[a:b]
+            )
         if quantised:
             absmax, codes = split(stored, numel)
-            codes_mod.quantise(values, kind is StateKind.EXP_AVG, codes[s:e],
-                               absmax[s // STATE_BLOCK:codes_mod.nblocks(e)], self._codes, bits)
+            codes_mod.quantise(
+                values,
+                kind is StateKind.EXP_AVG,
+                codes[s:e],
+                absmax[s // STATE_BLOCK : codes_mod.nblocks(e)],
+                self._codes,
+                bits,
+            )
         else:
             round_stochastic(values, bits, stored[s:e])
 
@@ -159,8 +250,12 @@ def cpu_kernel() -> Callable | None:
         run = cpu_step.load()
         _check(run)
     except Exception as error:  # noqa: BLE001 -- whatever numba raises: the torch ops still step
-        log.warning("the compact optimizer step's CPU kernel is unavailable (%s: %s); stepping "
-                    "with torch's ops instead, about 10x slower", type(error).__name__, error)
+        log.warning(
+            "the compact optimizer step's CPU kernel is unavailable (%s: %s); stepping "
+            "with torch's ops instead, about 10x slower",
+            type(error).__name__,
+            error,
+        )
         return None
     return run
 
@@ -175,9 +270,11 @@ def _check(run: Callable) -> None:
     formats, config = StateFormats(moments="int8", master="fp32"), Config(weight_decay=0.1)
     numel, spans = 3 * STATE_BLOCK + 77, [(0, 300, 0.1, 0), (400, 3 * STATE_BLOCK + 77, 0.0, 4)]
     g = torch.Generator().manual_seed(0)
-    values = {StateKind.MASTER: torch.randn(numel, generator=g),
-              StateKind.EXP_AVG: torch.randn(numel, generator=g) * 1e-3,
-              StateKind.EXP_AVG_SQ: torch.rand(numel, generator=g) * 1e-6}
+    values = {
+        StateKind.MASTER: torch.randn(numel, generator=g),
+        StateKind.EXP_AVG: torch.randn(numel, generator=g) * 1e-3,
+        StateKind.EXP_AVG_SQ: torch.rand(numel, generator=g) * 1e-6,
+    }
     probe = {kind: formats.encode(kind, v) for kind, v in values.items()}
     probe[StateKind.GRAD] = torch.randn(numel, generator=g) * 1e-2
     fast = {kind: t.clone() for kind, t in probe.items()}
@@ -205,16 +302,35 @@ def adamw_scalars(weight_decay: float, step: int, lr: float, config: Config) -> 
     correction, eps, and the step size lr / (first moment's bias correction)."""
     beta1, beta2 = config.betas
     t = step + 1
-    return (1 - lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2 ** t),
-            config.eps, lr / (1 - beta1 ** t))
+    return (
+        1 - lr * weight_decay,
+        beta1,
+        1 - beta1,
+        beta2,
+        1 - beta2,
+        math.sqrt(1 - beta2**t),
+        config.eps,
+        lr / (1 - beta1**t),
+    )
 
 
-def adamw_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, weight_decay: float,
-               step: int, lr: float, config: Config, t1: torch.Tensor, t2: torch.Tensor) -> None:
+def adamw_math(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    weight_decay: float,
+    step: int,
+    lr: float,
+    config: Config,
+    t1: torch.Tensor,
+    t2: torch.Tensor,
+) -> None:
     """torch's AdamW update of fp32 views, in place, as single-rounding elementwise ops; `step`
     updates already applied; `t1`, `t2`: scratch of the views' length."""
     decay, beta1, one_minus_beta1, beta2, one_minus_beta2, root, eps, step_size = adamw_scalars(
-        weight_decay, step, lr, config)
+        weight_decay, step, lr, config
+    )
     if weight_decay:
         p.mul_(decay)
     m.mul_(beta1)
@@ -253,8 +369,16 @@ def _int32(x: int) -> int:
     return x - (1 << 32) if x >= 1 << 31 else x
 
 
-def random_bits(seed: int, step: int, unit: int, kind: StateKind, start: int, numel: int,
-                scratch: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+def random_bits(
+    seed: int,
+    step: int,
+    unit: int,
+    kind: StateKind,
+    start: int,
+    numel: int,
+    scratch: dict[str, torch.Tensor],
+    out: torch.Tensor,
+) -> None:
     """16 random bits (int32, 0..65535) per position start..start+numel-1 of a unit's flat buffer.
 
     Computed in int32 (wrapping mul and add: the bits of uint32 arithmetic), with the logical

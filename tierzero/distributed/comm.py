@@ -46,8 +46,10 @@ def _collective(method: _F) -> _F:
 
 
 def _lost(comm: Comm, what: str, e: Exception) -> RankLostError:
-    return RankLostError(f"{what} failed on rank {comm.rank} ({_cause(e)}): another rank stopped or hung; "
-                         "see its error, then continue with --resume")
+    return RankLostError(
+        f"{what} failed on rank {comm.rank} ({_cause(e)}): another rank stopped or hung; "
+        "see its error, then continue with --resume"
+    )
 
 
 def _cause(e: Exception) -> str:
@@ -72,7 +74,9 @@ class Comm:
     gradients travel and are summed in (fp32 by default, for exact sums; bf16 halves the bytes
     on the wire at bf16's 8-bit mantissa)."""
 
-    def __init__(self, device: torch.device | str = "cpu", reduce_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, device: torch.device | str = "cpu", reduce_dtype: torch.dtype = torch.float32
+    ) -> None:
         self.device = torch.device(device)
         self.reduce_dtype = reduce_dtype
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -91,7 +95,9 @@ class Comm:
         if self.world_size == 1:
             return InFlight(self, "all_gather", None, shard)
         full = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=shard.device)
-        return InFlight(self, "all_gather", _all_gather(full, shard, async_op=True), full, keep=shard)
+        return InFlight(
+            self, "all_gather", _all_gather(full, shard, async_op=True), full, keep=shard
+        )
 
     @_collective
     def reduce_scatter_async(self, full: torch.Tensor) -> InFlight:
@@ -103,8 +109,14 @@ class Comm:
         wire = full.to(self.reduce_dtype)
         shard = torch.empty(full.numel() // self.world_size, dtype=wire.dtype, device=full.device)
         work = _reduce_scatter(shard, wire, async_op=True)
-        return InFlight(self, "reduce_scatter", work, shard, keep=wire,
-                        finish=lambda out: out.to(full.dtype).div_(self.world_size))
+        return InFlight(
+            self,
+            "reduce_scatter",
+            work,
+            shard,
+            keep=wire,
+            finish=lambda out: out.to(full.dtype).div_(self.world_size),
+        )
 
     @_collective
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -130,7 +142,9 @@ class Comm:
         """Whether every rank passed `ok=True` (each rank learns of the others' failures)."""
         if self.world_size == 1:
             return ok
-        return int(self.all_reduce_sum(torch.tensor([0 if ok else 1], dtype=torch.int64)).item()) == 0
+        return (
+            int(self.all_reduce_sum(torch.tensor([0 if ok else 1], dtype=torch.int64)).item()) == 0
+        )
 
     def mean(self, values: list[float]) -> list[float]:
         """The mean over ranks of each value (fp64, so a one-rank mean is the value itself)."""
@@ -155,9 +169,11 @@ class Comm:
         sizes = self._gather_cpu(torch.tensor([raw.numel()], dtype=torch.int64))
         longest = int(sizes.max().item())
         padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[:raw.numel()] = raw
+        padded[: raw.numel()] = raw
         rows = self._gather_cpu(padded).view(self.world_size, longest)
-        return [json.loads(bytes(rows[r, :int(sizes[r])].tolist())) for r in range(self.world_size)]
+        return [
+            json.loads(bytes(rows[r, : int(sizes[r])].tolist())) for r in range(self.world_size)
+        ]
 
     def broadcast_json(self, obj: Any) -> Any:
         """Rank 0's JSON-able `obj` on every rank."""
@@ -176,8 +192,15 @@ class InFlight:
     keep alive until then. `wait()` is the sync point (the host on gloo, the current stream on
     NCCL) and returns the result; a second `wait()` returns it again."""
 
-    def __init__(self, comm: Comm, what: str, work: Any, out: torch.Tensor, keep: torch.Tensor | None = None,
-                 finish: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        comm: Comm,
+        what: str,
+        work: Any,
+        out: torch.Tensor,
+        keep: torch.Tensor | None = None,
+        finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.comm = comm
         self.what = what
         self.work = work
@@ -195,4 +218,3 @@ class InFlight:
             if self.finish is not None:
                 self.out, self.finish = self.finish(self.out), None
         return self.out
-

@@ -62,9 +62,11 @@ def ranks_from_env() -> Ranks:
         local_world = int(env.get("LOCAL_WORLD_SIZE", world))
         return Ranks(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), local_world)
     except ValueError:
-        raise ConfigError(f"the environment's RANK/WORLD_SIZE/LOCAL_RANK ({env.get('RANK')}/"
-                          f"{env['WORLD_SIZE']}/{env.get('LOCAL_RANK')}) are not integers; start "
-                          "ranks with torchrun") from None
+        raise ConfigError(
+            f"the environment's RANK/WORLD_SIZE/LOCAL_RANK ({env.get('RANK')}/"
+            f"{env['WORLD_SIZE']}/{env.get('LOCAL_RANK')}) are not integers; start "
+            "ranks with torchrun"
+        ) from None
 
 
 def local_world_size(comm: Comm | None = None) -> int:
@@ -84,8 +86,10 @@ def rank_device(ranks: Ranks, device: str | None) -> str | None:
         return device
     if device in (None, "cuda") and torch.cuda.is_available():
         if ranks.local_rank >= torch.cuda.device_count():
-            raise ConfigError(f"local rank {ranks.local_rank} has no GPU: this machine has "
-                              f"{torch.cuda.device_count()}; start at most that many ranks per machine")
+            raise ConfigError(
+                f"local rank {ranks.local_rank} has no GPU: this machine has "
+                f"{torch.cuda.device_count()}; start at most that many ranks per machine"
+            )
         return f"cuda:{ranks.local_rank}"
     return device
 
@@ -102,8 +106,10 @@ def start_process_group(ranks: Ranks, device: str | None, timeout_s: float) -> N
     try:
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, ValueError) as e:
-        raise TierzeroError(f"rank {ranks.rank} could not join the other {ranks.world_size - 1} rank(s) "
-                            f"({e}); start every rank with torchrun and the same rendezvous flags") from None
+        raise TierzeroError(
+            f"rank {ranks.rank} could not join the other {ranks.world_size - 1} rank(s) "
+            f"({e}); start every rank with torchrun and the same rendezvous flags"
+        ) from None
 
 
 def stop_process_group() -> None:
@@ -112,7 +118,9 @@ def stop_process_group() -> None:
 
 
 def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    )
 
 
 class RanksStopped(KeyboardInterrupt):
@@ -154,13 +162,25 @@ def run_torchrun(nproc: int, module: str, args: list[str]) -> None:
     # torchrun would set 1 thread per rank (and warn); share the machine's cores instead
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     launcher = get_args_parser().parse_args(
-        ["--standalone", "--nproc-per-node", str(nproc), "--monitor-interval", "0.5",
-         "--module", module, *args])
+        [
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "--monitor-interval",
+            "0.5",
+            "--module",
+            module,
+            *args,
+        ]
+    )
     os.environ[_LAUNCHER_PID] = str(os.getpid())  # the ranks' parent: torchrun runs in this process
     # the agent's warnings ("death signal, shutting down workers") would be noise around our one line;
     # each of its modules sets its own logger's level
-    agent_logs = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
-                  if name.startswith("torch.distributed.elastic")]
+    agent_logs = [
+        logging.getLogger(name)
+        for name in list(logging.root.manager.loggerDict)
+        if name.startswith("torch.distributed.elastic")
+    ]
     levels = [log.level for log in agent_logs]
     for log in agent_logs:
         log.setLevel(logging.ERROR)
@@ -178,14 +198,22 @@ def run_torchrun(nproc: int, module: str, args: list[str]) -> None:
 def failure_text(failures: dict[int, Any]) -> str:
     """One sentence naming the rank that failed first and how (exit code or signal), then the
     others torchrun stopped or that failed after it."""
+
     def how(failure: Any) -> str:
-        return (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
-                else f"exited with code {failure.exitcode}")
+        return (
+            f"was killed by {failure.signal_name()}"
+            if failure.exitcode < 0
+            else f"exited with code {failure.exitcode}"
+        )
 
     # SIGTERM is how torchrun's agent stops the survivors: a rank ended by it did not fail first
-    order = sorted(failures.items(), key=lambda item: (item[1].exitcode == -signal.SIGTERM,
-                                                      item[1].timestamp, item[0]))
+    order = sorted(
+        failures.items(),
+        key=lambda item: (item[1].exitcode == -signal.SIGTERM, item[1].timestamp, item[0]),
+    )
     (first, failure), rest = order[0], order[1:]
     after = "".join(f"; then rank {rank} {how(f)}" for rank, f in rest)
-    return (f"rank {first} {how(failure)}{after}; torchrun stopped the other ranks, and the run directory "
-            "keeps its last complete checkpoint (continue with --resume)")
+    return (
+        f"rank {first} {how(failure)}{after}; torchrun stopped the other ranks, and the run directory "
+        "keeps its last complete checkpoint (continue with --resume)"
+    )

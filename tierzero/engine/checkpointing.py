@@ -24,8 +24,8 @@ import base64
 import dataclasses
 import json
 import os
-import sys
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,34 +39,60 @@ else:  # pragma: no cover - Python 3.10
 import torch
 
 from tierzero.checkpoint import lineage
-from tierzero.checkpoint.catalog import checkpoints_root, newest_checkpoint, prune, step_dir, verify_checkpoint
+from tierzero.checkpoint.catalog import (
+    checkpoints_root,
+    newest_checkpoint,
+    prune,
+    step_dir,
+    verify_checkpoint,
+)
+from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest, config_hash, layout_of
 from tierzero.config import STATE_BLOCK, Config, StateKind, Tier
 from tierzero.distributed.comm import Comm
-from tierzero.errors import CheckpointError, TierzeroError
 from tierzero.engine.parts import EngineParts
 from tierzero.engine.runtime.binding import detach_params
-from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest, config_hash, layout_of
+from tierzero.errors import CheckpointError, TierzeroError
 from tierzero.models.nf4_shard import recorded_weights
 from tierzero.storage.base import dtype_name, os_error
 from tierzero.storage.durable import fsync_path
 from tierzero.storage.io import write_durable
-from tierzero.storage.nvme.arrays import read_array, write_array
 from tierzero.storage.nvme import chunkfile
+from tierzero.storage.nvme.arrays import read_array, write_array
 from tierzero.storage.nvme.zarrmeta import ShardMeta
 
 SAVED_KINDS = (StateKind.PARAM, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
 # Config fields that change what a step computes; a resumed run with others differs.
-_NUMERIC_FIELDS = ("dtype", "lr", "weight_decay", "betas", "eps", "lr_schedule", "warmup_steps",
-                   "total_steps", "min_lr_ratio", "clip_grad_norm", "clip_previous_norm", "accumulate",
-                   "loss_scale", "loss_scale_window", "seed", "grad_reduce_dtype")
+_NUMERIC_FIELDS = (
+    "dtype",
+    "lr",
+    "weight_decay",
+    "betas",
+    "eps",
+    "lr_schedule",
+    "warmup_steps",
+    "total_steps",
+    "min_lr_ratio",
+    "clip_grad_norm",
+    "clip_previous_norm",
+    "accumulate",
+    "loss_scale",
+    "loss_scale_window",
+    "seed",
+    "grad_reduce_dtype",
+)
 
 
 def numeric_config_hash(config: Config) -> str:
     return config_hash({f: getattr(config, f) for f in _NUMERIC_FIELDS})
 
 
-def save(engine: EngineParts, run_dir: str | Path, data: dict[str, Any] | None = None,
-         keep: int | None = None, model: dict[str, Any] | None = None) -> Path:
+def save(
+    engine: EngineParts,
+    run_dir: str | Path,
+    data: dict[str, Any] | None = None,
+    keep: int | None = None,
+    model: dict[str, Any] | None = None,
+) -> Path:
     """Write `run_dir/checkpoints/step-<N>` for the engine's current step; returns its path.
 
     With several ranks it is a collective and they make one checkpoint: rank 0 names the temp
@@ -76,8 +102,10 @@ def save(engine: EngineParts, run_dir: str | Path, data: dict[str, Any] | None =
     """
     comm = engine.comm
     if not engine.state.between_steps(engine.config.accumulate):
-        raise TierzeroError(f"a checkpoint needs a finished optimizer step, but {engine.state.micro % engine.config.accumulate} "
-                            f"of {engine.config.accumulate} micro-batches are accumulated; save after step()")
+        raise TierzeroError(
+            f"a checkpoint needs a finished optimizer step, but {engine.state.micro % engine.config.accumulate} "
+            f"of {engine.config.accumulate} micro-batches are accumulated; save after step()"
+        )
     tiers = engine.tiers
     tiers.pending.drain()
     nvme = tiers.stores.get(Tier.NVME)
@@ -92,8 +120,13 @@ def save(engine: EngineParts, run_dir: str | Path, data: dict[str, Any] | None =
     try:
         arrays, copied = _write_shards(engine, temp)
         chunkfile.sync_filesystem(str(temp))  # the links and directories, before the manifest
-        parts = comm.all_gather_json({"arrays": {k: m.to_dict() for k, m in arrays.items()},
-                                      "copied": copied, "rng": _rng_state(engine.device)})
+        parts = comm.all_gather_json(
+            {
+                "arrays": {k: m.to_dict() for k, m in arrays.items()},
+                "copied": copied,
+                "rng": _rng_state(engine.device),
+            }
+        )
         error = None
         if comm.rank == 0:
             try:
@@ -105,16 +138,24 @@ def save(engine: EngineParts, run_dir: str | Path, data: dict[str, Any] | None =
                 error = str(e)
         error = comm.broadcast_json(error)
         if error is not None:
-            raise CheckpointError(f"rank 0 could not commit checkpoint {final.name} ({error}); the last "
-                                  "complete checkpoint stays")
+            raise CheckpointError(
+                f"rank 0 could not commit checkpoint {final.name} ({error}); the last "
+                "complete checkpoint stays"
+            )
     except BaseException:
         if not committed:
             shutil.rmtree(temp, ignore_errors=True)
         raise
     copied = sum(p["copied"] for p in parts)
-    if copied and nvme is not None and any(engine.placement.home(k) is Tier.NVME for k in SAVED_KINDS):
-        engine.note("checkpoints copy the NVMe state's chunks because the run directory is on another "
-                    "filesystem than --nvme-path; keep them on one filesystem for checkpoints that copy nothing")
+    if (
+        copied
+        and nvme is not None
+        and any(engine.placement.home(k) is Tier.NVME for k in SAVED_KINDS)
+    ):
+        engine.note(
+            "checkpoints copy the NVMe state's chunks because the run directory is on another "
+            "filesystem than --nvme-path; keep them on one filesystem for checkpoints that copy nothing"
+        )
     if keep is not None and comm.rank == 0:
         for note in prune(run_dir, keep, final):  # this lineage's older checkpoints only
             engine.note(note)
@@ -132,27 +173,55 @@ def _write_shards(engine: EngineParts, temp: Path) -> tuple[dict[str, ShardMeta]
                 dst = str(temp / "state" / Path(*key.split("/")))
                 if engine.placement.home(kind) is Tier.NVME:
                     # verified reads: a chunk written since its last read is checked before it is linked
-                    arrays[key], nbytes = tiers.run(nvme.freeze(key, dst, sync=False, verify=bool(nvme.verify_reads)))
+                    arrays[key], nbytes = tiers.run(
+                        nvme.freeze(key, dst, sync=False, verify=bool(nvme.verify_reads))
+                    )
                     copied += nbytes
                 else:
                     part = engine.shards.empty(kind, b - a)  # in its stored format
                     engine.shards.read_key(kind, key, part)
-                    arrays[key] = write_array(dst, part, engine.config.chunk_bytes, engine.shards.formats.layout(key, part))
+                    arrays[key] = write_array(
+                        dst,
+                        part,
+                        engine.config.chunk_bytes,
+                        engine.shards.formats.layout(key, part),
+                    )
                     copied += part.numel() * part.element_size()
     return arrays, copied
 
 
-def _commit(engine: EngineParts, temp: Path, final: Path, parts: list[dict[str, Any]],
-            data: dict[str, Any] | None, model: dict[str, Any] | None) -> None:
+def _commit(
+    engine: EngineParts,
+    temp: Path,
+    final: Path,
+    parts: list[dict[str, Any]],
+    data: dict[str, Any] | None,
+    model: dict[str, Any] | None,
+) -> None:
     """Rank 0: write the one manifest naming every rank's arrays, then rename into place."""
-    arrays = {k: ShardMeta.from_dict(m, f"rank {r}'s array {k!r}")
-              for r, part in enumerate(parts) for k, m in part["arrays"].items()}
+    arrays = {
+        k: ShardMeta.from_dict(m, f"rank {r}'s array {k!r}")
+        for r, part in enumerate(parts)
+        for k, m in part["arrays"].items()
+    }
     rank_rng = [p["rng"] for p in parts] if len(parts) > 1 else None
-    manifest = Manifest(step=engine.state.step_count, time=time.time(), world_size=engine.comm.world_size,
-                        compute_dtype=dtype_name(engine.dtype), config_hash=numeric_config_hash(engine.config),
-                        units=layout_of(engine.units), arrays=arrays, engine=_engine_state(engine),
-                        data=data, rng=parts[0]["rng"], bytes_copied=sum(p["copied"] for p in parts),
-                        model=model, rank_rng=rank_rng, stage=engine.stage, **lineage.stamp(final))
+    manifest = Manifest(
+        step=engine.state.step_count,
+        time=time.time(),
+        world_size=engine.comm.world_size,
+        compute_dtype=dtype_name(engine.dtype),
+        config_hash=numeric_config_hash(engine.config),
+        units=layout_of(engine.units),
+        arrays=arrays,
+        engine=_engine_state(engine),
+        data=data,
+        rng=parts[0]["rng"],
+        bytes_copied=sum(p["copied"] for p in parts),
+        model=model,
+        rank_rng=rank_rng,
+        stage=engine.stage,
+        **lineage.stamp(final),
+    )
     engine.tiers.run(write_durable(str(temp / MANIFEST_NAME), manifest.to_json()))
     try:
         _replace_dir(temp, final)
@@ -170,8 +239,10 @@ def find(path: Path, comm: Comm, note: Callable[[str], None]) -> tuple[Path, Man
         return path, manifest
     found = newest_checkpoint(path, rank=rank, all_ok=comm.all_ok if rank is not None else None)
     if found is None:
-        raise CheckpointError(f"'{path}' holds no checkpoint; pass a run directory with "
-                              "checkpoints/step-<N> in it, or one such directory")
+        raise CheckpointError(
+            f"'{path}' holds no checkpoint; pass a run directory with "
+            "checkpoints/step-<N> in it, or one such directory"
+        )
     path, manifest, skipped = found
     for line in skipped:
         note(line)
@@ -180,23 +251,34 @@ def find(path: Path, comm: Comm, note: Callable[[str], None]) -> tuple[Path, Man
 
 def restore(engine: EngineParts, path: Path, manifest: Manifest) -> None:
     """Fill the engine's tiers from a verified checkpoint and set its counters and RNG."""
-    manifest.check_compatible(engine.units, engine.comm.world_size, dtype_name(engine.dtype), str(path),
-                              engine.stage)
+    manifest.check_compatible(
+        engine.units, engine.comm.world_size, dtype_name(engine.dtype), str(path), engine.stage
+    )
     tiers = engine.tiers
-    wanted = [(unit, kind, key) for unit in engine.units for kind in SAVED_KINDS
-              for key, _, _ in engine.shards.keys(kind, unit)]
+    wanted = [
+        (unit, kind, key)
+        for unit in engine.units
+        for kind in SAVED_KINDS
+        for key, _, _ in engine.shards.keys(kind, unit)
+    ]
     missing = [key for _, _, key in wanted if key not in manifest.arrays]
     if missing:
         written = manifest.engine.get("piece_numel")
         if written is not None and written != engine.config.piece_numel:
-            raise CheckpointError(f"{path} was written with pieces of {written} elements and this engine "
-                                  f"streams {engine.config.piece_numel}; build it with piece_numel={written}")
-        raise CheckpointError(f"{path / MANIFEST_NAME} lists no array {missing[0]!r}: the checkpoint is "
-                              "incomplete, or was written with another piece size; use another one")
+            raise CheckpointError(
+                f"{path} was written with pieces of {written} elements and this engine "
+                f"streams {engine.config.piece_numel}; build it with piece_numel={written}"
+            )
+        raise CheckpointError(
+            f"{path / MANIFEST_NAME} lists no array {missing[0]!r}: the checkpoint is "
+            "incomplete, or was written with another piece size; use another one"
+        )
     _check_formats(engine, manifest, path)
     copied = 0
     for unit in engine.units:
-        detach_params(unit, engine.dtype, engine.device)  # the engine owns the weights (as `Shards.materialise` does)
+        detach_params(
+            unit, engine.dtype, engine.device
+        )  # the engine owns the weights (as `Shards.materialise` does)
     for unit, kind, key in wanted:
         src, meta = manifest.array_dir(path, key), manifest.arrays[key]
         if engine.placement.home(kind) is Tier.NVME:
@@ -208,12 +290,16 @@ def restore(engine: EngineParts, path: Path, manifest: Manifest) -> None:
         tiers.pending.drain()
     if engine.placement.home(StateKind.GRAD) is not Tier.NVME:
         for unit in engine.units:
-            engine.shards.put_shard(StateKind.GRAD, unit, torch.zeros(unit.shard_numel, dtype=torch.float32))
+            engine.shards.put_shard(
+                StateKind.GRAD, unit, torch.zeros(unit.shard_numel, dtype=torch.float32)
+            )
     if Tier.NVME in tiers.stores:
         tiers.run(tiers.stores[Tier.NVME].flush())
     if copied:
-        engine.note(f"resuming copied {copied / 1e6:.1f} MB: the checkpoint is on another filesystem "
-                    "than --nvme-path")
+        engine.note(
+            f"resuming copied {copied / 1e6:.1f} MB: the checkpoint is on another filesystem "
+            "than --nvme-path"
+        )
     if manifest.config_hash != numeric_config_hash(engine.config):
         engine.note(_settings_note(path, manifest, engine.config))
     _load_engine_state(engine, manifest.engine, path)
@@ -231,19 +317,25 @@ def _check_formats(engine: EngineParts, manifest: Manifest, path: Path) -> None:
     theirs = {field: manifest.engine.get(field, "fp32") for field in ours}
     if theirs != ours:
         field = next(f for f in ours if theirs[f] != ours[f])
-        raise CheckpointError(f"{path} stores {field} as {theirs[field]} and this engine is configured for "
-                              f"{ours[field]}; build it with {field}={theirs[field]!r} (--{field.replace('_', '-')} "
-                              f"{theirs[field]})")
+        raise CheckpointError(
+            f"{path} stores {field} as {theirs[field]} and this engine is configured for "
+            f"{ours[field]}; build it with {field}={theirs[field]!r} (--{field.replace('_', '-')} "
+            f"{theirs[field]})"
+        )
     base = manifest.engine.get("quantize_base", "none")
     if base != engine.config.quantize_base:  # the params' stored layout differs
-        raise CheckpointError(f"{path} stores the frozen base with --quantize-base {base} and "
-                              f"this engine with {engine.config.quantize_base}; resume with "
-                              f"--quantize-base {base}")
+        raise CheckpointError(
+            f"{path} stores the frozen base with --quantize-base {base} and "
+            f"this engine with {engine.config.quantize_base}; resume with "
+            f"--quantize-base {base}"
+        )
     block = manifest.engine.get("int8_block", LEGACY_INT8_BLOCK)
     if engine.shards.formats.quantised(StateKind.EXP_AVG) and block != STATE_BLOCK:
-        raise CheckpointError(f"{path} stores int8 moments in blocks of {block} values and this tierzero reads "
-                              f"blocks of {STATE_BLOCK}; resume it with the tierzero that wrote it, or export its "
-                              "weights (tierzero export) and start a run from them")
+        raise CheckpointError(
+            f"{path} stores int8 moments in blocks of {block} values and this tierzero reads "
+            f"blocks of {STATE_BLOCK}; resume it with the tierzero that wrote it, or export its "
+            "weights (tierzero export) and start a run from them"
+        )
 
 
 def _settings_note(path: Path, manifest: Manifest, config: Config) -> str:
@@ -251,15 +343,21 @@ def _settings_note(path: Path, manifest: Manifest, config: Config) -> str:
     name: a longer --steps only stretches the lr schedule, which is no other optimizer setting."""
     saved = tomllib.loads(manifest.config_toml) if manifest.config_toml else None
     if saved is None:
-        return (f"{path.name} was written with other optimizer or precision settings; the resumed run will "
-                "not match an uninterrupted one")
+        return (
+            f"{path.name} was written with other optimizer or precision settings; the resumed run will "
+            "not match an uninterrupted one"
+        )
     changed = [f for f in _NUMERIC_FIELDS if _plain(saved.get(f)) != _plain(getattr(config, f))]
     if changed == ["total_steps"]:
         which = "longer" if config.total_steps > saved["total_steps"] else "shorter"
-        return (f"the lr schedule now spans {config.total_steps} steps, not the {saved['total_steps']} of the run "
-                f"that wrote {path.name} (--steps changed): from here the lr follows the {which} schedule")
-    return (f"{path.name} was written with other settings ({', '.join(changed) or 'unrecorded'}); the resumed "
-            "run will not match an uninterrupted one")
+        return (
+            f"the lr schedule now spans {config.total_steps} steps, not the {saved['total_steps']} of the run "
+            f"that wrote {path.name} (--steps changed): from here the lr follows the {which} schedule"
+        )
+    return (
+        f"{path.name} was written with other settings ({', '.join(changed) or 'unrecorded'}); the resumed "
+        "run will not match an uninterrupted one"
+    )
 
 
 def _plain(value: Any) -> Any:
@@ -271,21 +369,28 @@ def _engine_state(engine: EngineParts) -> dict[str, Any]:
     # the piece size the shards are keyed by: a load into an engine with another one is refused
     # naming it
     # and the stored formats of master and moments (`tierzero.compact.formats`), which a load checks
-    return {**engine.state.to_dict(), "scaler": engine.scaler.state_dict(),
-            "skipped_updates": engine.param_steps.state_dict(), "piece_numel": engine.config.piece_numel,
-            **engine.shards.formats.describe(), "int8_block": STATE_BLOCK,
-            "quantize_base": engine.config.quantize_base,
-            **({"nf4_weights": recorded_weights(coded)} if (coded := engine.shards.coded) else {})}
-
+    return {
+        **engine.state.to_dict(),
+        "scaler": engine.scaler.state_dict(),
+        "skipped_updates": engine.param_steps.state_dict(),
+        "piece_numel": engine.config.piece_numel,
+        **engine.shards.formats.describe(),
+        "int8_block": STATE_BLOCK,
+        "quantize_base": engine.config.quantize_base,
+        **({"nf4_weights": recorded_weights(coded)} if (coded := engine.shards.coded) else {}),
+    }
 
 
 def _load_engine_state(engine: EngineParts, state: dict[str, Any], path: Path) -> None:
     try:
         engine.state.load(state)
-        engine.param_steps.load_state_dict(state.get("skipped_updates") or {}, str(path / MANIFEST_NAME))
+        engine.param_steps.load_state_dict(
+            state.get("skipped_updates") or {}, str(path / MANIFEST_NAME)
+        )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{path / MANIFEST_NAME} has malformed engine state ({e!r}); use another "
-                              "checkpoint") from None
+        raise CheckpointError(
+            f"{path / MANIFEST_NAME} has malformed engine state ({e!r}); use another checkpoint"
+        ) from None
     if engine.scaler.enabled:
         engine.scaler.load_state_dict(state.get("scaler") or {})
 
@@ -293,7 +398,9 @@ def _load_engine_state(engine: EngineParts, state: dict[str, Any], path: Path) -
 def _rng_state(device: torch.device) -> dict[str, Any]:
     state = {"torch_cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
     if device.type == "cuda":
-        state["torch_cuda"] = base64.b64encode(torch.cuda.get_rng_state(device).numpy().tobytes()).decode()
+        state["torch_cuda"] = base64.b64encode(
+            torch.cuda.get_rng_state(device).numpy().tobytes()
+        ).decode()
     return state
 
 
@@ -303,8 +410,9 @@ def _load_rng_state(state: dict[str, Any], device: torch.device, path: Path) -> 
         if device.type == "cuda" and "torch_cuda" in state:
             torch.cuda.set_rng_state(_bytes_tensor(state["torch_cuda"]), device)
     except (KeyError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{path / MANIFEST_NAME} has a malformed RNG state ({e}); use another "
-                              "checkpoint") from None
+        raise CheckpointError(
+            f"{path / MANIFEST_NAME} has a malformed RNG state ({e}); use another checkpoint"
+        ) from None
 
 
 def _bytes_tensor(text: str) -> torch.Tensor:
@@ -319,7 +427,9 @@ def _replace_dir(temp: Path, final: Path) -> None:
     trash = None
     if final.exists() and chunkfile.exchange(str(temp), str(final)):
         chunkfile.fsync_path(str(final.parent))
-        shutil.rmtree(temp, ignore_errors=True)  # the old one, under the temp name (or the next save's)
+        shutil.rmtree(
+            temp, ignore_errors=True
+        )  # the old one, under the temp name (or the next save's)
         return
     if final.exists():
         trash = final.with_name(f".{final.name}.old-{os.getpid()}")

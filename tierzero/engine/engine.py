@@ -61,13 +61,17 @@ class Engine:
         self.vertical: VerticalSteps | None = None
 
     # the parts, read-only here (inspection, tests, benchmarks); the runtime's once open
-    config = property(attrgetter("parts.config"), doc="The config as resolved (piece size, prefetch depth).")
+    config = property(
+        attrgetter("parts.config"), doc="The config as resolved (piece size, prefetch depth)."
+    )
     device = property(attrgetter("parts.device"), doc="The compute device.")
     comm = property(attrgetter("parts.comm"), doc="Collectives over this run's ranks.")
     local_ranks = property(attrgetter("parts.local_ranks"), doc="Ranks on this machine.")
     units = property(attrgetter("parts.units"), doc="The units, in order.")
     sizing = property(attrgetter("parts.sizing"), doc="The budgets and what they decided.")
-    memory = property(attrgetter("parts.sizing.current"), doc="The memory model the pools are sized by.")
+    memory = property(
+        attrgetter("parts.sizing.current"), doc="The memory model the pools are sized by."
+    )
     placement = property(attrgetter("parts.placement"), doc="Each state kind's home tier.")
     stage = property(attrgetter("parts.stage"), doc="The ZeRO stage.")
     overlap = property(attrgetter("parts.overlap"), doc="Whether units are stepped in backward.")
@@ -80,22 +84,28 @@ class Engine:
     train_plan = property(attrgetter("opened.train_plan"), doc="A training pass's swap plan.")
     vertical_plan = property(attrgetter("opened.vertical_plan"), doc="A vertical step's swap plan.")
     step_count = property(attrgetter("parts.state.step_count"), doc="Optimizer steps taken.")
-    last_grad_norm = property(attrgetter("parts.state.last_grad_norm"), doc="The latest global grad norm.")
+    last_grad_norm = property(
+        attrgetter("parts.state.last_grad_norm"), doc="The latest global grad norm."
+    )
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def open(self) -> Engine:
         """Open the tiers and move every unit's state into its home, one unit at a time."""
         p = self.parts
-        return self._open_with(lambda: p.shards.materialise(p.model, p.units, p.config.seed, self._weights))
+        return self._open_with(
+            lambda: p.shards.materialise(p.model, p.units, p.config.seed, self._weights)
+        )
 
     def _open_with(self, fill: Callable[[], None]) -> Engine:
         """Open the tiers, fill them (`Shards.materialise`, or a checkpoint's restore), build the step."""
         if self._open:
             return self
         if self._closed:
-            raise TierzeroError("this engine is closed; read master_state_dict() before close(), "
-                                "or build a new Engine")
+            raise TierzeroError(
+                "this engine is closed; read master_state_dict() before close(), "
+                "or build a new Engine"
+            )
         self.opened = open_parts(self.parts, fill)
         self._stepper = Stepper(self.parts, self.opened)
         self.vertical = VerticalSteps(self.parts, self.opened, self._stepper)
@@ -118,7 +128,9 @@ class Engine:
 
     # -- one step -------------------------------------------------------------------------------
 
-    def forward(self, batch: Any, step_tokens: int | None = None, summed: bool = False) -> torch.Tensor:
+    def forward(
+        self, batch: Any, step_tokens: int | None = None, summed: bool = False
+    ) -> torch.Tensor:
         """One micro-batch's loss (with grad: for `backward`), divided as `loss_divisor` says for `step_tokens`."""
         p = self.parts
         divisor = loss_divisor(step_tokens, summed, p.config.accumulate, p.comm.world_size)
@@ -156,7 +168,9 @@ class Engine:
         scaled = loss / accumulate if accumulate > 1 else loss
         scaled = scaled * scale if scale != 1.0 else scaled
         try:
-            pass_ = self._stepper.backward_pass(state.micro % accumulate, last, self._blocks.grads(scaled))
+            pass_ = self._stepper.backward_pass(
+                state.micro % accumulate, last, self._blocks.grads(scaled)
+            )
             with o.grads.running(pass_), o.runner.running(pass_):
                 scaled.backward()
                 if self._root_leaves is not None:
@@ -177,7 +191,9 @@ class Engine:
         return self._stepper.step()
 
     @contextlib.contextmanager
-    def gathered(self, names: Iterable[str] | str | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    def gathered(
+        self, names: Iterable[str] | str | None = None
+    ) -> Iterator[dict[str, torch.Tensor]]:
         """The full current weights of `names` (every parameter by default) for user code: a
         custom loss, a regulariser on the weights, evaluation. Copies on the compute device in
         the compute dtype; trainable ones require grad, and `engine.backward(loss)` called inside
@@ -186,15 +202,22 @@ class Engine:
         self._settle()
         p = self.parts
         p.tiers.pending.drain()  # params written by the last step must have landed
-        with self._blocks.block(copies(p.units, resolve(p.units, names),
-                                       lambda unit: p.shards.full_params(unit, p.comm, p.device))) as view:
+        with self._blocks.block(
+            copies(
+                p.units,
+                resolve(p.units, names),
+                lambda unit: p.shards.full_params(unit, p.comm, p.device),
+            )
+        ) as view:
             yield view
 
     def train_step(self, batch: Any, step_tokens: int | None = None) -> float:
         """forward + backward + step (the step runs once per `accumulate` calls); the loss."""
         self._usable()
         self.vertical.refuse_unknown_loss(batch)
-        return self.train_micro_batch(batch, step_tokens).item()  # host sync point: waits for the whole pass
+        return self.train_micro_batch(
+            batch, step_tokens
+        ).item()  # host sync point: waits for the whole pass
 
     def train_micro_batch(self, batch: Any, step_tokens: int | None = None) -> torch.Tensor:
         """`train_step` without reading the loss (a detached tensor): a loop that reads the
@@ -218,12 +241,19 @@ class Engine:
         """Each window's summed trained-token loss (`eval_loss(w, summed=True)`), every unit's params
         read once for all of them, not once per window (`tierzero.engine.vertical.evaluate`)."""
         self._settle()
-        return evaluate_windows(self.parts, self.opened, windows, lambda w: self.eval_loss(w, summed=True))
+        return evaluate_windows(
+            self.parts, self.opened, windows, lambda w: self.eval_loss(w, summed=True)
+        )
 
     # -- checkpoints ----------------------------------------------------------------------------
 
-    def save_checkpoint(self, run_dir: str | Path, data: dict[str, Any] | None = None,
-                        keep: int | None = None, model: dict[str, Any] | None = None) -> Path:
+    def save_checkpoint(
+        self,
+        run_dir: str | Path,
+        data: dict[str, Any] | None = None,
+        keep: int | None = None,
+        model: dict[str, Any] | None = None,
+    ) -> Path:
         """Save every shard at this step into `run_dir/checkpoints/step-<N>` (hard links for
         NVMe-homed state: metadata, not bytes); `data` is the caller's data position, `keep`
         prunes to the newest K. See `tierzero.engine.checkpointing`."""
@@ -286,8 +316,10 @@ class Engine:
     def _usable(self) -> None:
         """Open on first use; refuse to go on from a step that stopped half-way."""
         if self._stepper is not None and self._stepper.broken is not None:
-            raise TierzeroError(f"the engine stopped in the middle of a step ({self._stepper.broken}); its tiers "
-                                "may hold a partial update, so close it and start again")
+            raise TierzeroError(
+                f"the engine stopped in the middle of a step ({self._stepper.broken}); its tiers "
+                "may hold a partial update, so close it and start again"
+            )
         self.open()
 
     def _abort(self, broken: str | None = None) -> None:

@@ -42,18 +42,24 @@ class GatheredWeight:
 
 def resolve(units: list[Unit], names: Iterable[str] | None) -> dict[str, tuple[int, int]]:
     """Parameter name -> (unit, slot) for `names` (every name when None), or a clear error."""
-    index = {name: (u.index, i) for u in units for i, slot in enumerate(u.slots) for name in slot.names}
+    index = {
+        name: (u.index, i) for u in units for i, slot in enumerate(u.slots) for name in slot.names
+    }
     if names is None:
         return index
     wanted = [names] if isinstance(names, str) else list(names)
     unknown = [n for n in wanted if n not in index]
     if unknown:
-        raise ConfigError(f"'{unknown[0]}' is not a parameter of the model; pass names as "
-                          "model.named_parameters() lists them (or none, for every parameter)")
+        raise ConfigError(
+            f"'{unknown[0]}' is not a parameter of the model; pass names as "
+            "model.named_parameters() lists them (or none, for every parameter)"
+        )
     return {n: index[n] for n in wanted}
 
 
-def copies(units: list[Unit], where: dict[str, tuple[int, int]], flat_of) -> dict[str, GatheredWeight]:
+def copies(
+    units: list[Unit], where: dict[str, tuple[int, int]], flat_of
+) -> dict[str, GatheredWeight]:
     """Each named parameter's copy, cut from its unit's full flat param (`flat_of(unit)`, read
     once per unit); trainable ones are leaves that require grad."""
     out: dict[str, GatheredWeight] = {}
@@ -63,14 +69,18 @@ def copies(units: list[Unit], where: dict[str, tuple[int, int]], flat_of) -> dic
         flat = flat_of(unit)
         for i, slot in enumerate(unit.slots):
             if any(where.get(n) == (unit_index, i) for n in slot.names):
-                tensor = flat[slot.offset:slot.end].view(slot.shape).clone()
-                by_slot[(unit_index, i)] = GatheredWeight(unit_index, i, tensor.requires_grad_(not slot.frozen))
+                tensor = flat[slot.offset : slot.end].view(slot.shape).clone()
+                by_slot[(unit_index, i)] = GatheredWeight(
+                    unit_index, i, tensor.requires_grad_(not slot.frozen)
+                )
     for name, key in where.items():
         out[name] = by_slot[key]
     return out
 
 
-def unit_grads(units: list[Unit], weights: list[GatheredWeight], grads: list[torch.Tensor | None]) -> dict[int, UnitGrad]:
+def unit_grads(
+    units: list[Unit], weights: list[GatheredWeight], grads: list[torch.Tensor | None]
+) -> dict[int, UnitGrad]:
     """The gradients that reached the copies, as one flat fp32 buffer per unit laid out as
     `execute.flat_grad` lays out a unit's own (the trainable prefix; several ranks: the padded
     flat), with the slots they cover."""
@@ -81,10 +91,13 @@ def unit_grads(units: list[Unit], weights: list[GatheredWeight], grads: list[tor
         unit = units[weight.unit]
         if weight.unit not in out:
             numel = unit.trainable_numel if unit.world_size == 1 else unit.padded_numel
-            out[weight.unit] = (torch.zeros(numel, dtype=torch.float32, device=grad.device), frozenset())
+            out[weight.unit] = (
+                torch.zeros(numel, dtype=torch.float32, device=grad.device),
+                frozenset(),
+            )
         flat, present = out[weight.unit]
         slot = unit.slots[weight.slot]
-        flat[slot.offset:slot.end].copy_(grad.reshape(-1))
+        flat[slot.offset : slot.end].copy_(grad.reshape(-1))
         out[weight.unit] = (flat, present | {weight.slot})
     return out
 
@@ -107,17 +120,27 @@ class GatheredBlocks:
             yield view
         finally:
             self._open.remove(weights)
-            self._closed.update({id(w.tensor): w.tensor for w in weights.values() if w.tensor.requires_grad})
+            self._closed.update(
+                {id(w.tensor): w.tensor for w in weights.values() if w.tensor.requires_grad}
+            )
             view.clear()
 
     def grads(self, scaled: torch.Tensor) -> dict[int, UnitGrad]:
         """The gradients of `scaled` with respect to the open blocks' trainable copies, per unit
         (taken before backward, so each unit's is added to its own as it arrives)."""
-        leaves = list({id(w.tensor): w for block in self._open for w in block.values()
-                       if w.tensor.requires_grad}.values())
+        leaves = list(
+            {
+                id(w.tensor): w
+                for block in self._open
+                for w in block.values()
+                if w.tensor.requires_grad
+            }.values()
+        )
         if not leaves or not scaled.requires_grad:
             return {}
-        grads = torch.autograd.grad(scaled, [w.tensor for w in leaves], retain_graph=True, allow_unused=True)
+        grads = torch.autograd.grad(
+            scaled, [w.tensor for w in leaves], retain_graph=True, allow_unused=True
+        )
         return unit_grads(self.units, leaves, list(grads))
 
     def refuse_closed(self, loss: torch.Tensor) -> None:
@@ -129,5 +152,7 @@ class GatheredBlocks:
             return
         reached = torch.autograd.grad(loss, stale, retain_graph=True, allow_unused=True)
         if any(g is not None for g in reached):
-            raise ConfigError("this loss uses weights from an `engine.gathered` block that has closed, "
-                              "so their gradients would be lost; call engine.backward(loss) inside the block")
+            raise ConfigError(
+                "this loss uses weights from an `engine.gathered` block that has closed, "
+                "so their gradients would be lost; call engine.backward(loss) inside the block"
+            )

@@ -20,13 +20,13 @@ from tierzero.config import TORCH_DTYPES, Config, Placement, StateKind, Tier
 from tierzero.distributed.comm import Comm
 from tierzero.distributed.launch import local_world_size
 from tierzero.engine.runtime.shards import Shards
-from tierzero.models.nf4_shard import coded_base
-from tierzero.engine.runtime.transfers import TransferStats
 from tierzero.engine.runtime.tiers import Tiers
+from tierzero.engine.runtime.transfers import TransferStats
 from tierzero.engine.sizing import Sizing, check_runnable, resolve_overlap
 from tierzero.engine.step.skipped import SkippedSteps
 from tierzero.engine.step.state import StepState
 from tierzero.layout.partition import Unit, partition, replicate_params
+from tierzero.models.nf4_shard import coded_base
 from tierzero.precision import DynamicLossScaler, compute_dtype, resolve_dtype
 
 
@@ -64,25 +64,56 @@ class EngineParts:
         comm = Comm(device, TORCH_DTYPES[config.grad_reduce_dtype])
         local_ranks = local_world_size(comm)
         units = partition(model, comm.world_size, config.units)
-        scaler = DynamicLossScaler(config.loss_scale, config.loss_scale_window, enabled=dtype == torch.float16)
+        scaler = DynamicLossScaler(
+            config.loss_scale, config.loss_scale_window, enabled=dtype == torch.float16
+        )
         overlap = resolve_overlap(config, scaler.enabled)
         sizing = Sizing(config, device, dtype, units, comm.world_size, local_ranks, overlap)
-        placement = sizing.placement(config.stage or 3)  # `offload auto`: for the forced stage, else stage 3's
+        placement = sizing.placement(
+            config.stage or 3
+        )  # `offload auto`: for the forced stage, else stage 3's
         check_runnable(placement)
         stage, stage_reason = sizing.stage(placement)
         config = sizing.resolve(placement, stage)  # piece size and prefetch depth left unset
         replicate_params(units, stage <= 2)
         transfers = TransferStats()
-        tiers = Tiers(config, device, {placement.home(k) for k in StateKind},
-                      comm.rank if comm.world_size > 1 else None, transfers, local_ranks)
+        tiers = Tiers(
+            config,
+            device,
+            {placement.home(k) for k in StateKind},
+            comm.rank if comm.world_size > 1 else None,
+            transfers,
+            local_ranks,
+        )
         tiers.check_paths()  # reads metadata only: `open` makes the directories
         coded = coded_base(config, units, placement.param, comm.world_size, dtype)
-        shards = Shards(tiers, placement, comm.rank, config.piece_numel, dtype, sizing.grad_dtype,
-                        coded)
-        sizing.check(tiers, placement, stage)  # the pools' budgets, or a refusal naming the shortfall
-        return cls(model, config, device, dtype, comm, local_ranks, units,
-                   [name for name, _ in model.named_parameters()], sizing, placement, stage, stage_reason,
-                   overlap, scaler, transfers, tiers, shards, StepState(), SkippedSteps(units))
+        shards = Shards(
+            tiers, placement, comm.rank, config.piece_numel, dtype, sizing.grad_dtype, coded
+        )
+        sizing.check(
+            tiers, placement, stage
+        )  # the pools' budgets, or a refusal naming the shortfall
+        return cls(
+            model,
+            config,
+            device,
+            dtype,
+            comm,
+            local_ranks,
+            units,
+            [name for name, _ in model.named_parameters()],
+            sizing,
+            placement,
+            stage,
+            stage_reason,
+            overlap,
+            scaler,
+            transfers,
+            tiers,
+            shards,
+            StepState(),
+            SkippedSteps(units),
+        )
 
     @property
     def rank(self) -> int:

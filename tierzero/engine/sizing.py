@@ -17,10 +17,18 @@ from typing import Any
 
 import torch
 
-from tierzero.config import (TORCH_DTYPES, Config, DType, Offload, Placement, Recompute, StateKind,
-                             Tier)
-from tierzero.errors import ConfigError
+from tierzero.config import (
+    TORCH_DTYPES,
+    Config,
+    DType,
+    Offload,
+    Placement,
+    Recompute,
+    StateKind,
+    Tier,
+)
 from tierzero.engine.runtime.tiers import Tiers
+from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit, forward_only
 from tierzero.models.presets import ModelArgs
 from tierzero.planning.ledger import ActivationEstimate, activation_memory
@@ -28,8 +36,8 @@ from tierzero.planning.machine import default_budgets, free_disk_bytes
 from tierzero.planning.memory_model import peak_memory
 from tierzero.planning.peaks import MemoryModel, format_bytes
 from tierzero.planning.recompute import choose_kept, with_kept
-from tierzero.planning.streaming import Shortfall, Streaming, choose_streaming, ladder
 from tierzero.planning.statebytes import StateBytes, grad_dtype
+from tierzero.planning.streaming import Shortfall, Streaming, choose_streaming, ladder
 from tierzero.planning.workload import Workload, steps_on_gpu
 from tierzero.storage.base import BudgetExceededError
 
@@ -56,8 +64,14 @@ class Sizing:
 
     def __post_init__(self) -> None:
         # the streaming settings the user gave: a refusal suggests lowering those
-        self.given = [name for name, v in (("piece_numel", self.config.piece_numel),
-                                           ("--prefetch-depth", self.config.prefetch_depth)) if v is not None]
+        self.given = [
+            name
+            for name, v in (
+                ("piece_numel", self.config.piece_numel),
+                ("--prefetch-depth", self.config.prefetch_depth),
+            )
+            if v is not None
+        ]
 
     @property
     def compute(self) -> DType:
@@ -73,24 +87,41 @@ class Sizing:
         """The dtype grads leave the device in and rest in their home (`statebytes.grad_dtype`)."""
         return grad_dtype(self.compute, self.config.accumulate, self.config.schedule)
 
-    def workload(self, stage: int, activations: ActivationEstimate | None = None,
-                 streaming: Streaming | None = None) -> Workload:
+    def workload(
+        self,
+        stage: int,
+        activations: ActivationEstimate | None = None,
+        streaming: Streaming | None = None,
+    ) -> Workload:
         """This rank's units and how it steps them at `stage` (activations when known) with
         `streaming` (default: the ladder's top where the config leaves a setting open): what the
         memory model and the planner are asked about, as `tierzero plan` asks them."""
         c = self.config
         s = streaming or ladder(c.piece_numel, c.prefetch_depth)[0]
         grad_itemsize = TORCH_DTYPES[self.grad_dtype].itemsize
-        return Workload.from_units(self.units, self.dtype.itemsize, grad_itemsize=grad_itemsize,
-                                   device="cpu" if self.device.type == "cpu" else "cuda",
-                                   prefetch_depth=s.prefetch_depth, piece_numel=s.piece_numel, overlap=self.overlap,
-                                   overlap_comm=c.overlap_comm, stage=stage, accumulate=c.accumulate,
-                                   activations=activations, formats=self.formats)
+        return Workload.from_units(
+            self.units,
+            self.dtype.itemsize,
+            grad_itemsize=grad_itemsize,
+            device="cpu" if self.device.type == "cpu" else "cuda",
+            prefetch_depth=s.prefetch_depth,
+            piece_numel=s.piece_numel,
+            overlap=self.overlap,
+            overlap_comm=c.overlap_comm,
+            stage=stage,
+            accumulate=c.accumulate,
+            activations=activations,
+            formats=self.formats,
+        )
 
-    def memory(self, placement: Placement, stage: int, activations: ActivationEstimate | None = None) -> MemoryModel:
+    def memory(
+        self, placement: Placement, stage: int, activations: ActivationEstimate | None = None
+    ) -> MemoryModel:
         """This rank's share of the memory model at `placement` and `stage` (activations when
         known), streaming as `streaming` chooses: what its own pools and budgets hold."""
-        return peak_memory(self.workload(stage, activations, self.streaming(placement, stage)), placement).per_rank()
+        return peak_memory(
+            self.workload(stage, activations, self.streaming(placement, stage)), placement
+        ).per_rank()
 
     def walks(self) -> bool:
         """Whether the settings left open are chosen on the ladder: only where, at the defaults,
@@ -106,8 +137,10 @@ class Sizing:
 
             auto = c.placement is None and c.offload is Offload.AUTO
             at_defaults = self.workload(3)  # the ladder's top, the values given kept
-            self._walks = not any(_fits(peak_memory(at_defaults, p).per_rank(), self.budgets())
-                                  for p in (candidate_placements() if auto else [c.resolved_placement()]))
+            self._walks = not any(
+                _fits(peak_memory(at_defaults, p).per_rank(), self.budgets())
+                for p in (candidate_placements() if auto else [c.resolved_placement()])
+            )
         return self._walks
 
     def streaming(self, placement: Placement, stage: int) -> Streaming:
@@ -118,23 +151,36 @@ class Sizing:
         c = self.config
         if not self.walks():
             return ladder(c.piece_numel, c.prefetch_depth)[0]
-        memory_budgets = {t: b for t, b in self.budgets().items() if t is not Tier.NVME}  # streaming saves no disk
-        choice = choose_streaming(self.workload(stage), placement, memory_budgets, piece_numel=c.piece_numel,
-                                  prefetch_depth=c.prefetch_depth, per_rank=True)
+        memory_budgets = {
+            t: b for t, b in self.budgets().items() if t is not Tier.NVME
+        }  # streaming saves no disk
+        choice = choose_streaming(
+            self.workload(stage),
+            placement,
+            memory_budgets,
+            piece_numel=c.piece_numel,
+            prefetch_depth=c.prefetch_depth,
+            per_rank=True,
+        )
         return choice.streaming if isinstance(choice, Shortfall) else choice
 
     def resolve(self, placement: Placement, stage: int) -> Config:
         """The config with the piece size and prefetch depth this rank runs with at `placement`
         and `stage` (`streaming`), which sizing and the engine use from then on."""
         s = self.streaming(placement, stage)
-        self.config = dataclasses.replace(self.config, piece_numel=s.piece_numel, prefetch_depth=s.prefetch_depth)
+        self.config = dataclasses.replace(
+            self.config, piece_numel=s.piece_numel, prefetch_depth=s.prefetch_depth
+        )
         return self.config
 
     def budgets(self) -> dict[Tier, int]:
         """This rank's budget per tier, as `offload auto` and the stage choice weigh them."""
         host, gpu = default_budgets(self.device, self.local_ranks)
-        budgets = {Tier.HOST: self.config.host_budget or host, Tier.GPU: self.config.gpu_budget or gpu,
-                   Tier.NVME: self.nvme_free() * len(self.config.nvme_path) // self.local_ranks}
+        budgets = {
+            Tier.HOST: self.config.host_budget or host,
+            Tier.GPU: self.config.gpu_budget or gpu,
+            Tier.NVME: self.nvme_free() * len(self.config.nvme_path) // self.local_ranks,
+        }
         if self.device.type == "cpu" and self.config.gpu_budget is None:
             del budgets[Tier.GPU]  # the gpu tier is host memory, inside the host budget
         return budgets
@@ -149,16 +195,29 @@ class Sizing:
         budgets = self.budgets()
         fitting = [p for p in candidate_placements() if _fits(self.memory(p, stage), budgets)]
         if not fitting:
-            sizes = ", ".join(f"{_tier_name(t, self.device)} {format_bytes(n)}" for t, n in budgets.items()
-                              if t is not Tier.NVME)
-            least = " even at the least piece size and prefetch depth tierzero chooses" \
-                if self.walks() and not self.given else ""
+            sizes = ", ".join(
+                f"{_tier_name(t, self.device)} {format_bytes(n)}"
+                for t, n in budgets.items()
+                if t is not Tier.NVME
+            )
+            least = (
+                " even at the least piece size and prefetch depth tierzero chooses"
+                if self.walks() and not self.given
+                else ""
+            )
             flags = "--host-budget" if Tier.GPU not in budgets else "--host-budget or --gpu-budget"
-            raise ConfigError(f"no placement fits the budgets ({sizes}, nvme {budgets[Tier.NVME] / 1e9:.1f} GB free)"
-                              f"{least}; raise {flags}, or free disk space")
-        return choose_placement(self.workload(stage), gpu_budget=None, host_budget=None, nvme_free=None,
-                                candidates=fitting,
-                                profile=load_profile(self.config.profile) if self.config.profile else None).placement
+            raise ConfigError(
+                f"no placement fits the budgets ({sizes}, nvme {budgets[Tier.NVME] / 1e9:.1f} GB free)"
+                f"{least}; raise {flags}, or free disk space"
+            )
+        return choose_placement(
+            self.workload(stage),
+            gpu_budget=None,
+            host_budget=None,
+            nvme_free=None,
+            candidates=fitting,
+            profile=load_profile(self.config.profile) if self.config.profile else None,
+        ).placement
 
     def stage(self, placement: Placement) -> tuple[int, str]:
         """The ZeRO stage and why: the forced one (`Config.stage`), refused in one sentence when
@@ -175,13 +234,20 @@ class Sizing:
             mem = self.memory(placement, forced)
             if forced <= 2 and not _fits(mem, budgets):
                 tier = next(t for t, n in mem.needs().items() if t in budgets and n > budgets[t])
-                fix = {Tier.HOST: "raise --host-budget", Tier.GPU: "raise --gpu-budget"}.get(tier, "free disk space")
+                fix = {Tier.HOST: "raise --host-budget", Tier.GPU: "raise --gpu-budget"}.get(
+                    tier, "free disk space"
+                )
                 raise ConfigError(
                     f"--stage {forced} keeps every unit's params{' and grads' if forced == 1 else ''} whole on each "
                     f"rank, which needs {mem.needs()[tier] / 1e6:.1f} MB of {tier.value} per rank where its budget is "
-                    f"{budgets[tier] / 1e6:.1f} MB; use --stage 3 (or leave --stage unset to choose), or {fix}")
-        return choose_stage(lambda stage: _fits(self.memory(placement, stage), budgets),
-                            self.world_size, self.config.accumulate, forced)
+                    f"{budgets[tier] / 1e6:.1f} MB; use --stage 3 (or leave --stage unset to choose), or {fix}"
+                )
+        return choose_stage(
+            lambda stage: _fits(self.memory(placement, stage), budgets),
+            self.world_size,
+            self.config.accumulate,
+            forced,
+        )
 
     def check(self, tiers: Tiers, placement: Placement, stage: int) -> MemoryModel:
         """Size the pools from the memory model and refuse, before anything is written, budgets
@@ -197,19 +263,32 @@ class Sizing:
         _check_pools(tiers, memory, "", self.config, self.given)
         # the host pool's blocks, pinned at open; with room, the LRU cache's too where the host
         # budget is final (on the CPU device the first forward takes the activations from it)
-        tiers.host_blocks = memory.host_provision(tiers.host_budget if self.device.type == "cuda" else 0)
+        tiers.host_blocks = memory.host_provision(
+            tiers.host_budget if self.device.type == "cuda" else 0
+        )
         if Tier.NVME in {placement.home(k) for k in StateKind}:
             free = self.nvme_free()  # the ranks on this machine share its drives
-            total = memory.tiers[Tier.NVME].homes_bytes * self.local_ranks // len(self.config.nvme_path)
+            total = (
+                memory.tiers[Tier.NVME].homes_bytes * self.local_ranks // len(self.config.nvme_path)
+            )
             if total > free:
-                raise ConfigError(f"nvme path {self.config.nvme_path[0]} has {free / 1e9:.2f} GB free but "
-                                  f"the offloaded state needs {total / 1e9:.2f} GB per path; free space "
-                                  "or add another --nvme-path")
+                raise ConfigError(
+                    f"nvme path {self.config.nvme_path[0]} has {free / 1e9:.2f} GB free but "
+                    f"the offloaded state needs {total / 1e9:.2f} GB per path; free space "
+                    "or add another --nvme-path"
+                )
         self.current = memory
         return memory
 
-    def reserve_activations(self, tiers: Tiers, model: Any, batch: Any, placement: Placement, stage: int,
-                            vertical: bool = False) -> MemoryModel:
+    def reserve_activations(
+        self,
+        tiers: Tiers,
+        model: Any,
+        batch: Any,
+        placement: Placement,
+        stage: int,
+        vertical: bool = False,
+    ) -> MemoryModel:
         """At the first training forward, take the batch's activations out of the compute
         device's budget (on the CPU device: the host budget) and refuse a batch the pools then
         cannot hold; then choose the units that keep their graph (`kept`) in what is left.
@@ -217,40 +296,79 @@ class Sizing:
         are not reserved and every unit is recomputed, as in the `vertical` schedule. The
         memory model with them (`current` if none), which becomes `current`."""
         assert self.current is not None, "check() sizes the pools first"
-        self.current = self._with_activations(tiers, model, batch, self.current, placement, stage, vertical)
+        self.current = self._with_activations(
+            tiers, model, batch, self.current, placement, stage, vertical
+        )
         return self.current
 
-    def _with_activations(self, tiers: Tiers, model: Any, batch: Any, memory: MemoryModel, placement: Placement,
-                          stage: int, vertical: bool) -> MemoryModel:
+    def _with_activations(
+        self,
+        tiers: Tiers,
+        model: Any,
+        batch: Any,
+        memory: MemoryModel,
+        placement: Placement,
+        stage: int,
+        vertical: bool,
+    ) -> MemoryModel:
         args = getattr(model, "args", None)
         tokens = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
-        builtin = isinstance(args, ModelArgs) and isinstance(tokens, torch.Tensor) and tokens.dim() == 2 \
+        builtin = (
+            isinstance(args, ModelArgs)
+            and isinstance(tokens, torch.Tensor)
+            and tokens.dim() == 2
             and tokens.shape[1] <= args.max_seq_len
+        )
         if (not builtin or vertical) and self.config.recompute is Recompute.NONE:
-            raise ConfigError("--recompute none keeps the activations the built-in model's shape counts, in the "
-                              "horizontal schedule only; use --recompute auto or all for this model or schedule")
+            raise ConfigError(
+                "--recompute none keeps the activations the built-in model's shape counts, in the "
+                "horizontal schedule only; use --recompute auto or all for this model or schedule"
+            )
         if not builtin:
             return memory
-        memory = self._reserve(tiers, memory, placement, stage, activation_memory(
-            args, tokens.shape[0], tokens.shape[1], self.dtype.itemsize, getattr(model, "loss_chunk_bytes", None)))
+        memory = self._reserve(
+            tiers,
+            memory,
+            placement,
+            stage,
+            activation_memory(
+                args,
+                tokens.shape[0],
+                tokens.shape[1],
+                self.dtype.itemsize,
+                getattr(model, "loss_chunk_bytes", None),
+            ),
+        )
         return memory if vertical else self._keep(tiers, memory, placement, stage)
 
-    def _keep(self, tiers: Tiers, memory: MemoryModel, placement: Placement, stage: int) -> MemoryModel:
+    def _keep(
+        self, tiers: Tiers, memory: MemoryModel, placement: Placement, stage: int
+    ) -> MemoryModel:
         """Choose the kept units in the compute device's budget left after `memory` (whose
         activations keep none) and reserve their graphs' bytes too."""
         act = self.activations
         assert act is not None
         tier = Tier.HOST if self.device.type == "cpu" else Tier.GPU
-        room = (tiers.host_budget if tier is Tier.HOST else tiers.gpu_budget) - memory.tiers[tier].pool_bytes
-        self.kept = choose_kept(self.config.recompute, self.units, act, room, forward_only(self.units))
+        room = (tiers.host_budget if tier is Tier.HOST else tiers.gpu_budget) - memory.tiers[
+            tier
+        ].pool_bytes
+        self.kept = choose_kept(
+            self.config.recompute, self.units, act, room, forward_only(self.units)
+        )
         if not self.kept:
             return memory
         self.activations = with_kept(act, self.units, self.kept)
         tiers.reserve(tier, self.activations.kept_bytes)
         return self.memory(placement, stage, self.activations)
 
-    def _reserve(self, tiers: Tiers, memory: MemoryModel, placement: Placement, stage: int,
-                 act: ActivationEstimate) -> MemoryModel:
+    def _reserve(
+        self,
+        tiers: Tiers,
+        memory: MemoryModel,
+        placement: Placement,
+        stage: int,
+        act: ActivationEstimate,
+    ) -> MemoryModel:
         self.activations = act
         before = _unpooled(memory)
         memory = self.memory(placement, stage, act)
@@ -260,8 +378,13 @@ class Sizing:
                     tiers.reserve(tier, need - before.get(tier, 0))
                 except BudgetExceededError:
                     pass  # named below, with the figures
-        _check_pools(tiers, memory, f" with batches of {act.batch_size} x {act.seq_len} tokens", self.config,
-                     self.given)
+        _check_pools(
+            tiers,
+            memory,
+            f" with batches of {act.batch_size} x {act.seq_len} tokens",
+            self.config,
+            self.given,
+        )
         return memory
 
     def nvme_free(self) -> int:
@@ -269,31 +392,45 @@ class Sizing:
         return free_disk_bytes(self.config.nvme_path)
 
 
-def _check_pools(tiers: Tiers, mem: MemoryModel, why: str, config: Config, given: list[str]) -> None:
+def _check_pools(
+    tiers: Tiers, mem: MemoryModel, why: str, config: Config, given: list[str]
+) -> None:
     """Refuse a pool whose budget (less what torch takes beside it) is below the memory model's
     figure, naming the tier as the user knows it (on the CPU device the host budget is all host
     memory), the piece size and prefetch depth it was counted at (resolved in `config`: the
     least tierzero chooses unless `given` or the batch is the reason), and the fixes left."""
     streaming = Streaming(config.piece_numel, config.prefetch_depth)
     least = not given and not why and streaming == ladder()[-1]
-    budgets = {Tier.HOST: (tiers.host_budget, "--host-budget"), Tier.GPU: (tiers.gpu_budget, "--gpu-budget")}
+    budgets = {
+        Tier.HOST: (tiers.host_budget, "--host-budget"),
+        Tier.GPU: (tiers.gpu_budget, "--gpu-budget"),
+    }
     for tier, (budget, flag) in budgets.items():
         need = mem.tiers[tier].pool_bytes
         if need > budget:
             total = tiers.total_budgets[tier]
-            at = f"even with {streaming.describe()}, the least tierzero chooses" if least \
+            at = (
+                f"even with {streaming.describe()}, the least tierzero chooses"
+                if least
                 else f"with {streaming.describe()}"
-            lower = (", use smaller batches" if why else "") + \
-                (f", lower {' or '.join(given)} (or leave it unset)" if given else "")
-            raise ConfigError(f"the {tier.value} budget of {total / 1e6:.1f} MB{_cpu_note(mem, tier)} is too small: "
-                              f"this model and placement{why} need at least {(total - budget + need) / 1e6:.1f} MB "
-                              f"of {_tier_name(tier, torch.device(mem.device))} {at} ({_breakdown(mem, tier)}); "
-                              f"raise {flag}{lower} or offload more state")
+            )
+            lower = (", use smaller batches" if why else "") + (
+                f", lower {' or '.join(given)} (or leave it unset)" if given else ""
+            )
+            raise ConfigError(
+                f"the {tier.value} budget of {total / 1e6:.1f} MB{_cpu_note(mem, tier)} is too small: "
+                f"this model and placement{why} need at least {(total - budget + need) / 1e6:.1f} MB "
+                f"of {_tier_name(tier, torch.device(mem.device))} {at} ({_breakdown(mem, tier)}); "
+                f"raise {flag}{lower} or offload more state"
+            )
 
 
 def _cpu_note(mem: MemoryModel, tier: Tier) -> str:
-    return " (on the CPU device, the compute device's share of host memory)" if mem.device == "cpu" \
-        and tier is Tier.GPU else ""
+    return (
+        " (on the CPU device, the compute device's share of host memory)"
+        if mem.device == "cpu" and tier is Tier.GPU
+        else ""
+    )
 
 
 def _tier_name(tier: Tier, device: torch.device) -> str:
@@ -309,18 +446,25 @@ def _unpooled(mem: MemoryModel) -> dict[Tier, int]:
     """What torch allocates beside the pools, per tier (on the CPU device: all of it in RAM)."""
     if mem.device == "cpu":
         return {Tier.HOST: mem.host_memory.unpooled_bytes}
-    return {Tier.GPU: mem.tiers[Tier.GPU].unpooled_bytes, Tier.HOST: mem.tiers[Tier.HOST].unpooled_bytes}
+    return {
+        Tier.GPU: mem.tiers[Tier.GPU].unpooled_bytes,
+        Tier.HOST: mem.tiers[Tier.HOST].unpooled_bytes,
+    }
 
 
 def _breakdown(mem: MemoryModel, tier: Tier) -> str:
-    if tier is Tier.HOST and mem.device == "cpu":  # both pools and torch's allocations, each phase named once
+    if (
+        tier is Tier.HOST and mem.device == "cpu"
+    ):  # both pools and torch's allocations, each phase named once
         peak = mem.host_memory
 
         def parts(named: dict[str, int]) -> str:
             return " + ".join(f"{k} {format_bytes(n)}" for k, n in named.items() if n) or "nothing"
 
-        return (f"host memory {format_bytes(peak.peak_bytes)} = homes {format_bytes(peak.homes_bytes)} + pools "
-                f"({peak.pooled_phase}) {parts(peak.pooled)} + torch ({peak.unpooled_phase}) {parts(peak.unpooled)}")
+        return (
+            f"host memory {format_bytes(peak.peak_bytes)} = homes {format_bytes(peak.homes_bytes)} + pools "
+            f"({peak.pooled_phase}) {parts(peak.pooled)} + torch ({peak.unpooled_phase}) {parts(peak.unpooled)}"
+        )
     peak = mem.host_memory if tier is Tier.HOST else mem.tiers[tier]
     return peak.breakdown()
 
@@ -336,8 +480,10 @@ def resolve_overlap(config: Config, fp16: bool) -> bool:
     if config.clip_previous_norm and not clip:
         raise ConfigError("clip_previous_norm needs clip_grad_norm; set both or neither")
     if config.overlap_step and fp16:
-        raise ConfigError("overlap_step cannot be exact with fp16: each unit's step would need the "
-                          "overflow check first; turn one of them off")
+        raise ConfigError(
+            "overlap_step cannot be exact with fp16: each unit's step would need the "
+            "overflow check first; turn one of them off"
+        )
     free = not fp16 and (not clip or config.clip_previous_norm)
     return free if config.overlap_step is None else config.overlap_step
 
@@ -348,6 +494,8 @@ def check_runnable(placement: Placement) -> None:
     device memory, which the NVMe store refuses (it moves host buffers only). Refused on every
     device alike, so a config tried on the CPU runs on a GPU."""
     if steps_on_gpu(placement) and placement.home(StateKind.GRAD) is Tier.NVME:
-        raise ConfigError(f"placement {placement.describe()} steps the optimizer on the GPU (master and both "
-                          "moments live there) but homes grads on nvme, which the GPU step cannot read; "
-                          "home grads on host (grad = \"host\") or move master and moments off the GPU")
+        raise ConfigError(
+            f"placement {placement.describe()} steps the optimizer on the GPU (master and both "
+            "moments live there) but homes grads on nvme, which the GPU step cannot read; "
+            'home grads on host (grad = "host") or move master and moments off the GPU'
+        )

@@ -9,4 +9,13 @@ record `describe(hf, model)`, which names a peft model's adapter config for expo
 from tierzero.hf.adapter import CausalLM, SplitCausalLM
 from tierzero.hf.build import HFModel, describe, is_hf, load_model, materialise, model_dir
 
-__all__ = ["CausalLM", "HFModel", "describe", "SplitCausalLM", "is_hf", "load_model", "materialise", "model_dir"]
+__all__ = [
+    "CausalLM",
+    "HFModel",
+    "describe",
+    "SplitCausalLM",
+    "is_hf",
+    "load_model",
+    "materialise",
+    "model_dir",
+]

@@ -70,12 +70,16 @@ class CausalLM(nn.Module):
         object.__setattr__(self, "hf_model", hf_model)  # not a child: names stay the checkpoint's
         self.blocks_path = blocks
         self.config = hf_model.config
-        self.base_model_prefix = hf_model.base_model_prefix  # peft reads it to scope the conversion mapping
+        self.base_model_prefix = (
+            hf_model.base_model_prefix
+        )  # peft reads it to scope the conversion mapping
         self.saved_format = SavedFormat(hf_model)
         parent = blocks.rpartition(".")[0]
         object.__setattr__(self, "base", hf_model.get_submodule(parent) if parent else hf_model)
         moe = routes(self.base)
-        self.quiet = {"output_router_logits": False} if moe else {}  # the base collects no router logits
+        self.quiet = (
+            {"output_router_logits": False} if moe else {}
+        )  # the base collects no router logits
         aux = moe and bool(getattr(self.config, "output_router_logits", False))
         self.router = RouterLogits(self.base, self.blocks) if aux else None
 
@@ -86,7 +90,9 @@ class CausalLM(nn.Module):
     def get_input_embeddings(self) -> nn.Module:
         return self.hf_model.get_input_embeddings()
 
-    def read_weight(self, files: WeightFiles, names: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    def read_weight(
+        self, files: WeightFiles, names: tuple[str, ...], shape: tuple[int, ...]
+    ) -> torch.Tensor:
         """The parameter called `names` from `files`, fp32: under its own name, or as transformers
         loads it from what `save_pretrained` wrote (GPT-NeoX's `lm_head.weight` saved as
         `embed_out.weight`; a Mixture-of-Experts layer's fused experts stacked from one tensor
@@ -98,10 +104,16 @@ class CausalLM(nn.Module):
         self.hf_model.training = mode  # the top module is not a child; its own flag follows
         return self
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
-                labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                num_items_in_batch: float | torch.Tensor | None = None,
-                cache: HFCache | None = None) -> Any:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        num_items_in_batch: float | torch.Tensor | None = None,
+        cache: HFCache | None = None,
+    ) -> Any:
         """The loss of `targets` (shifted) or `labels` (unshifted); logits when given neither.
         `num_items_in_batch`: what the summed token losses are divided by (`tierzero.models.loss`).
         With a `cache` (generation), the last position's logits after `input_ids` (`decode`)."""
@@ -109,8 +121,9 @@ class CausalLM(nn.Module):
             return self.decode(input_ids, cache)
         if self.router is not None:
             self.router.start(attention_mask)
-        logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                               **self.quiet).logits
+        logits = self.hf_model(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **self.quiet
+        ).logits
         loss = self._loss(logits, targets, labels, num_items_in_batch)
         if self.router is None or not self.router.logits or (targets is None and labels is None):
             return loss
@@ -133,7 +146,9 @@ class CausalLM(nn.Module):
         keywords = cache.keywords(self.hf_model, mask, positions)
         return self.hf_model(input_ids=input_ids, **keywords, **self.quiet).logits[:, -1:]
 
-    def _router_loss(self, hidden: torch.Tensor, router_logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def _router_loss(
+        self, hidden: torch.Tensor, router_logits: tuple[torch.Tensor, ...]
+    ) -> torch.Tensor:
         """`router_aux_loss_coef * aux_loss` exactly as the model's own forward adds it to its loss
         (which coefficient, which load-balancing loss, the attention mask): the forward runs on
         the collected router logits with a loss function that returns zero for the cross-entropy,
@@ -141,22 +156,41 @@ class CausalLM(nn.Module):
         a stand-in the head turns into one token's logits, which nothing uses."""
         assert self.router is not None
         zero = hidden.new_zeros((), dtype=torch.float32)
-        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.hf_model.forward).parameters else {}
+        keep = (
+            {"logits_to_keep": 1}
+            if "logits_to_keep" in inspect.signature(self.hf_model.forward).parameters
+            else {}
+        )
         with _returning(self.base, hidden, router_logits), _loss_function(self.hf_model, zero):
-            out = self.hf_model(inputs_embeds=hidden, attention_mask=self.router.attention_mask, use_cache=False,
-                                labels=torch.zeros(1, 1, dtype=torch.long, device=hidden.device),
-                                output_router_logits=True, **keep)
+            out = self.hf_model(
+                inputs_embeds=hidden,
+                attention_mask=self.router.attention_mask,
+                use_cache=False,
+                labels=torch.zeros(1, 1, dtype=torch.long, device=hidden.device),
+                output_router_logits=True,
+                **keep,
+            )
         return out.loss
 
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor | None, labels: torch.Tensor | None,
-              num_items_in_batch: float | torch.Tensor | None = None) -> torch.Tensor:
+    def _loss(
+        self,
+        logits: torch.Tensor,
+        targets: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        num_items_in_batch: float | torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if targets is None and labels is None:
             return logits
         # the model's own loss; ForCausalLMLoss takes shift_labels as they are (no second shift),
         # and divides its summed token losses by num_items_in_batch where given (else their mean)
         shifted = None if targets is None else targets.contiguous()
-        return self.hf_model.loss_function(logits=logits, labels=labels, shift_labels=shifted,
-                                           vocab_size=self.config.vocab_size, num_items_in_batch=num_items_in_batch)
+        return self.hf_model.loss_function(
+            logits=logits,
+            labels=labels,
+            shift_labels=shifted,
+            vocab_size=self.config.vocab_size,
+            num_items_in_batch=num_items_in_batch,
+        )
 
     # -- init -----------------------------------------------------------------------------------
 
@@ -205,17 +239,28 @@ class SplitCausalLM(CausalLM):
 
     OUTSIDE = ("embedding", "head")
 
-    def __init__(self, hf_model: nn.Module, blocks: str, base: nn.Module, final_norm: nn.Module | None,
-                 tables: list[nn.Module] | None = None) -> None:
+    def __init__(
+        self,
+        hf_model: nn.Module,
+        blocks: str,
+        base: nn.Module,
+        final_norm: nn.Module | None,
+        tables: list[nn.Module] | None = None,
+    ) -> None:
         super().__init__(hf_model, blocks)
         self.loss_chunk_bytes = loss_chunk_bytes(hf_model.config.vocab_size)
         object.__setattr__(self, "base", base)
         object.__setattr__(self, "final_norm", final_norm)  # None: it has no parameters (OLMo's)
-        prelude = Prelude(hf_model.get_input_embeddings(), tables, self._prelude) if tables else None
+        prelude = (
+            Prelude(hf_model.get_input_embeddings(), tables, self._prelude) if tables else None
+        )
         object.__setattr__(self, "prelude", prelude)
         inside = {id(m) for m in self.blocks.modules()}
-        object.__setattr__(self, "dropouts", [m for m in hf_model.modules()
-                                              if isinstance(m, nn.Dropout) and id(m) not in inside])
+        object.__setattr__(
+            self,
+            "dropouts",
+            [m for m in hf_model.modules() if isinstance(m, nn.Dropout) and id(m) not in inside],
+        )
         self.layers_as_tuple: bool | None = None  # how its layers return (`layer_calls` finds out)
 
     def get_input_embeddings(self) -> nn.Module:
@@ -225,10 +270,16 @@ class SplitCausalLM(CausalLM):
     def embedding_modules(self) -> list[nn.Module]:
         return self.prelude.parts() if self.prelude is not None else super().embedding_modules()
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
-                labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                num_items_in_batch: float | torch.Tensor | None = None,
-                cache: HFCache | None = None) -> Any:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        num_items_in_batch: float | torch.Tensor | None = None,
+        cache: HFCache | None = None,
+    ) -> Any:
         if cache is not None:
             return self.decode(input_ids, cache)
         if self.router is not None:
@@ -238,10 +289,19 @@ class SplitCausalLM(CausalLM):
                 first = self.prelude(input_ids, attention_mask)  # the embedding unit
                 stack.enter_context(replaying(self.blocks[0], first, self.prelude, self.dropouts))
             stack.enter_context(_deferred(self.final_norm, self.blocks[-1]))
-            hidden = self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **self.quiet)
-        logits = tuple(self.router.logits) or None if self.router is not None else None  # None: no MoE layer ran
-        return self.head_out(hidden.last_hidden_state, targets, labels=labels, router_logits=logits,
-                             num_items_in_batch=num_items_in_batch)
+            hidden = self.base(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **self.quiet
+            )
+        logits = (
+            tuple(self.router.logits) or None if self.router is not None else None
+        )  # None: no MoE layer ran
+        return self.head_out(
+            hidden.last_hidden_state,
+            targets,
+            labels=labels,
+            router_logits=logits,
+            num_items_in_batch=num_items_in_batch,
+        )
 
     def decode(self, input_ids: torch.Tensor, cache: HFCache) -> torch.Tensor:
         """`CausalLM.decode` through the units: the embedding (with the positions of the tokens
@@ -258,14 +318,21 @@ class SplitCausalLM(CausalLM):
             hidden = self.base(input_ids=input_ids, **keywords, **self.quiet)
         return self.head_out(hidden.last_hidden_state[:, -1:])
 
-    def _prelude(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _prelude(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The base model's own forward up to its first block: the hidden state it gets (a
         decoding pass gives the position ids of tokens that follow cached ones)."""
         positions = {} if position_ids is None else {"position_ids": position_ids}
         with stop_at(self.blocks[0]) as until_block:
-            return until_block(lambda: self.base(input_ids=input_ids, attention_mask=attention_mask,
-                                                 use_cache=False, **positions))
+            return until_block(
+                lambda: self.base(
+                    input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **positions
+                )
+            )
 
     def first_hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The hidden state the first layer gets (the embedding unit's part of the forward)."""
@@ -274,11 +341,15 @@ class SplitCausalLM(CausalLM):
     def layer_calls_refusal(self) -> str | None:
         """Why `layer_calls` cannot give the head unit the hidden state the model's forward does."""
         if self.final_norm is None:
-            return (f"{type(self.hf_model).__name__}'s final norm has no parameters, so it runs inside the "
-                    "model's forward rather than in the head unit")
+            return (
+                f"{type(self.hf_model).__name__}'s final norm has no parameters, so it runs inside the "
+                "model's forward rather than in the head unit"
+            )
         if self.router is not None:
-            return ("its router aux loss reads every layer's router logits from one forward of the "
-                    "micro-batch, which the schedule does not carry from unit to unit")
+            return (
+                "its router aux loss reads every layer's router logits from one forward of the "
+                "micro-batch, which the schedule does not carry from unit to unit"
+            )
         return None
 
     def layer_calls(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[LayerCall]]:
@@ -287,17 +358,26 @@ class SplitCausalLM(CausalLM):
         # layers returning the hidden state, or a tuple of it first: each try draws the same dropout
         modes = (False, True) if self.layers_as_tuple is None else (self.layers_as_tuple,)
         for as_tuple in modes:
-            with (torch.random.fork_rng(devices=[input_ids.device] if input_ids.is_cuda else []),
-                  recording(self.blocks, as_tuple) as calls, _deferred(self.final_norm, self.blocks[-1])):
+            with (
+                torch.random.fork_rng(devices=[input_ids.device] if input_ids.is_cuda else []),
+                recording(self.blocks, as_tuple) as calls,
+                _deferred(self.final_norm, self.blocks[-1]),
+            ):
                 out = self.base(input_ids=input_ids, use_cache=False)
             if chained(calls, len(self.blocks), out.last_hidden_state):
                 self.layers_as_tuple = as_tuple
                 return calls[0].hidden, calls
         refuse_unchained(type(self.hf_model).__name__)
 
-    def head_out(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, *,
-                 labels: torch.Tensor | None = None, router_logits: tuple[torch.Tensor, ...] | None = None,
-                 num_items_in_batch: float | torch.Tensor | None = None) -> Any:
+    def head_out(
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        labels: torch.Tensor | None = None,
+        router_logits: tuple[torch.Tensor, ...] | None = None,
+        num_items_in_batch: float | torch.Tensor | None = None,
+    ) -> Any:
         """Final norm, the model's own head and loss: everything after the blocks (a
         Mixture-of-Experts model's router aux loss too, from `router_logits`: the head unit's
         inputs, so its gradient reaches every block's router through the engine).
@@ -315,9 +395,21 @@ class SplitCausalLM(CausalLM):
             loss = self._loss(self._logits(hidden), targets, labels, num_items_in_batch)
         else:
             h, t = hidden.reshape(1, -1, hidden.shape[-1]), targets.reshape(1, -1)
-            count = (t != IGNORE_INDEX).sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-            parts = [checkpoint(self._chunk_loss, h[:, a:a + chunk], t[:, a:a + chunk], count, use_reentrant=False)
-                     for a in range(0, t.shape[1], chunk)]
+            count = (
+                (t != IGNORE_INDEX).sum().clamp(min=1)
+                if num_items_in_batch is None
+                else num_items_in_batch
+            )
+            parts = [
+                checkpoint(
+                    self._chunk_loss,
+                    h[:, a : a + chunk],
+                    t[:, a : a + chunk],
+                    count,
+                    use_reentrant=False,
+                )
+                for a in range(0, t.shape[1], chunk)
+            ]
             loss = functools.reduce(operator.add, parts)
         if router_logits is None or (targets is None and labels is None):
             return loss
@@ -328,9 +420,16 @@ class SplitCausalLM(CausalLM):
         with _returning(self.base, hidden):
             return self.hf_model(inputs_embeds=hidden, use_cache=False, **self.quiet).logits
 
-    def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        return self.hf_model.loss_function(logits=self._logits(hidden), labels=None, shift_labels=targets.contiguous(),
-                                           vocab_size=self.config.vocab_size, num_items_in_batch=count)
+    def _chunk_loss(
+        self, hidden: torch.Tensor, targets: torch.Tensor, count: torch.Tensor
+    ) -> torch.Tensor:
+        return self.hf_model.loss_function(
+            logits=self._logits(hidden),
+            labels=None,
+            shift_labels=targets.contiguous(),
+            vocab_size=self.config.vocab_size,
+            num_items_in_batch=count,
+        )
 
 
 @contextlib.contextmanager
@@ -344,8 +443,10 @@ def _deferred(module: nn.Module | None, last_block: nn.Module) -> Iterator[None]
 
     def deferred(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not called:
-            raise ConfigError(f"{type(module).__name__} runs before the model's last block, so it is not a "
-                              "final norm tierzero can run in the head unit; report this model")
+            raise ConfigError(
+                f"{type(module).__name__} runs before the model's last block, so it is not a "
+                "final norm tierzero can run in the head unit; report this model"
+            )
         return x
 
     handle = last_block.register_forward_pre_hook(lambda *_: called.append(True))
@@ -358,11 +459,15 @@ def _deferred(module: nn.Module | None, last_block: nn.Module) -> Iterator[None]
 
 
 @contextlib.contextmanager
-def _returning(base: nn.Module, hidden: torch.Tensor,
-               router_logits: tuple[torch.Tensor, ...] | None = None) -> Iterator[None]:
+def _returning(
+    base: nn.Module, hidden: torch.Tensor, router_logits: tuple[torch.Tensor, ...] | None = None
+) -> Iterator[None]:
     """The base model returns `hidden` as its last hidden state (and a Mixture-of-Experts base
     `router_logits`), without computing anything."""
-    from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, MoeModelOutputWithPast
+    from transformers.modeling_outputs import (
+        BaseModelOutputWithPastAndCrossAttentions,
+        MoeModelOutputWithPast,
+    )
 
     if routes(base):  # every field an MoE head reads
         outputs: Any = MoeModelOutputWithPast(last_hidden_state=hidden, router_logits=router_logits)

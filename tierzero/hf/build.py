@@ -50,8 +50,12 @@ class HFModel:
     def check_seq_len(self, seq_len: int) -> str | None:
         """Refuse `seq_len` where the model cannot run it; past the positions of rotary
         embeddings, which run on, the note to print once (`tierzero.hf.positions`)."""
-        limit = position_limit(self.model, self.model.config, self.model.hf_model.get_input_embeddings(),
-                               self.model.blocks)
+        limit = position_limit(
+            self.model,
+            self.model.config,
+            self.model.hf_model.get_input_embeddings(),
+            self.model.blocks,
+        )
         return check_seq_len(limit, seq_len, self.path.name)
 
     def description(self) -> dict[str, Any]:
@@ -65,8 +69,10 @@ def describe(hf: HFModel, model: nn.Module | None = None) -> dict[str, Any]:
     doc = hf.description()
     configs = getattr(model, "peft_config", None)
     if isinstance(configs, dict) and configs:
-        doc["peft"] = {name: json.loads(json.dumps(config.to_dict(), default=_json_value))
-                       for name, config in configs.items()}
+        doc["peft"] = {
+            name: json.loads(json.dumps(config.to_dict(), default=_json_value))
+            for name, config in configs.items()
+        }
     return doc
 
 
@@ -82,13 +88,16 @@ def is_hf(name: str) -> bool:
 
 def model_dir(name: str) -> Path:
     """The local directory behind `hf:<dir>`, or a one-line error (no hub, no network)."""
-    path = Path(name[len(PREFIX):] if is_hf(name) else name).expanduser()
+    path = Path(name[len(PREFIX) :] if is_hf(name) else name).expanduser()
     if not path.is_dir():
-        raise ConfigError(f"model 'hf:{path}' is not a local directory; tierzero downloads nothing: "
-                          "pass hf:<dir> of a saved model (save_pretrained, or a snapshot you downloaded)")
+        raise ConfigError(
+            f"model 'hf:{path}' is not a local directory; tierzero downloads nothing: "
+            "pass hf:<dir> of a saved model (save_pretrained, or a snapshot you downloaded)"
+        )
     if not (path / "config.json").is_file():
-        raise ConfigError(f"model directory '{path}' has no config.json; pass the directory "
-                          "save_pretrained wrote")
+        raise ConfigError(
+            f"model directory '{path}' has no config.json; pass the directory save_pretrained wrote"
+        )
     return path
 
 
@@ -98,27 +107,35 @@ def load_model(name: str | Path, units: str | None = None) -> HFModel:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
-        raise ConfigError("Hugging Face models need transformers; pip install 'tierzero[hf]'") from None
+        raise ConfigError(
+            "Hugging Face models need transformers; pip install 'tierzero[hf]'"
+        ) from None
     try:
         raw = json.loads((path / "config.json").read_text())
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, OSError, KeyError) as e:
-        raise ConfigError(f"cannot read {path / 'config.json'} as a transformers config ({_first_line(e)}); "
-                          "check the file, or upgrade transformers for a newer architecture") from None
+        raise ConfigError(
+            f"cannot read {path / 'config.json'} as a transformers config ({_first_line(e)}); "
+            "check the file, or upgrade transformers for a newer architecture"
+        ) from None
     config.use_cache = False  # see adapter: a cache would be reused by the recompute
     try:
         with _parameters_on_meta():
             hf_model = AutoModelForCausalLM.from_config(config)
     except ValueError as e:
-        raise ConfigError(f"{path} is not a causal language model transformers can build "
-                          f"({_first_line(e)}); pass a *ForCausalLM model directory") from None
+        raise ConfigError(
+            f"{path} is not a causal language model transformers can build "
+            f"({_first_line(e)}); pass a *ForCausalLM model directory"
+        ) from None
     _check_causal(hf_model, path)
     model = adapt(hf_model, units)
     weights = path if any(path.glob("*.safetensors")) else None
     pickled = sorted(path.glob("*.bin")) + sorted(path.glob("*.pt")) + sorted(path.glob("*.pth"))
     if weights is None and pickled:
-        raise ConfigError(f"model directory '{path}' has weights only as {pickled[0].name}, a pickle tierzero "
-                          "never loads; convert them to safetensors (save_pretrained writes them by default)")
+        raise ConfigError(
+            f"model directory '{path}' has weights only as {pickled[0].name}, a pickle tierzero "
+            "never loads; convert them to safetensors (save_pretrained writes them by default)"
+        )
     tokenizer = path / "tokenizer.json"
     return HFModel(model, path, raw, weights, tokenizer if tokenizer.is_file() else None)
 
@@ -127,9 +144,11 @@ def _check_causal(hf_model: nn.Module, path: Path) -> None:
     """Refuse an encoder (BERT-style: attention that sees the whole sequence), which transformers
     builds as a `*LMHeadModel` too: trained on next tokens it would see the token it predicts."""
     if any(getattr(m, "is_causal", True) is False for m in hf_model.modules()):
-        raise ConfigError(f"{path} holds {type(hf_model).__name__}, whose attention is bidirectional (an encoder): "
-                          "trained as a causal LM each token would see the one it predicts; pass a decoder model "
-                          "directory (or set \"is_decoder\": true in its config.json to make this one causal)")
+        raise ConfigError(
+            f"{path} holds {type(hf_model).__name__}, whose attention is bidirectional (an encoder): "
+            "trained as a causal LM each token would see the one it predicts; pass a decoder model "
+            'directory (or set "is_decoder": true in its config.json to make this one causal)'
+        )
 
 
 def adapt(hf_model: nn.Module, units: str | None = None) -> CausalLM:
@@ -155,7 +174,11 @@ def _decoder_layers(hf_model: nn.Module) -> str | None:
     attention and Mamba layers alternate): the largest `ModuleList` of the classes transformers
     names as layers (`_no_split_modules`); None when one class repeats (`find_blocks` finds it)."""
     layers = set(getattr(hf_model, "_no_split_modules", None) or ())
-    lists = [(name, m) for name, m in hf_model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
+    lists = [
+        (name, m)
+        for name, m in hf_model.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) > 1
+    ]
     if any(len({type(b) for b in m}) == 1 for _, m in lists):
         return None
     hybrid = [(len(m), name) for name, m in lists if {type(b).__name__ for b in m} <= layers]
@@ -166,7 +189,11 @@ def _position_table(module: nn.Module, config: Any) -> bool:
     """A learned position table: an embedding of `max_position_embeddings` rows (OPT's has
     an offset of 2), which the base model adds to the token embeddings before the blocks."""
     limit = getattr(config, "max_position_embeddings", None)
-    return isinstance(module, nn.Embedding) and isinstance(limit, int) and limit <= module.num_embeddings <= limit + 2
+    return (
+        isinstance(module, nn.Embedding)
+        and isinstance(limit, int)
+        and limit <= module.num_embeddings <= limit + 2
+    )
 
 
 def _final_norm(module: nn.Module, base: nn.Module, blocks: nn.ModuleList) -> bool:
@@ -184,8 +211,11 @@ def _leftover_modules(hf_model: nn.Module, blocks: nn.ModuleList) -> list[nn.Mod
     output = hf_model.get_output_embeddings()
     if output is not None:
         inside |= {id(m) for m in output.modules()}
-    return [m for m in hf_model.modules()
-            if id(m) not in inside and any(True for _ in m.parameters(recurse=False))]
+    return [
+        m
+        for m in hf_model.modules()
+        if id(m) not in inside and any(True for _ in m.parameters(recurse=False))
+    ]
 
 
 @contextlib.contextmanager
@@ -206,8 +236,9 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def materialise(hf: HFModel, seed: int, device: torch.device | str = "cpu",
-                weights: str | Path | None = None) -> CausalLM:
+def materialise(
+    hf: HFModel, seed: int, device: torch.device | str = "cpu", weights: str | Path | None = None
+) -> CausalLM:
     """The whole model in memory (the reference trainer's, `--offload none`): every parameter
     on `device`, from `weights` or initialised unit by unit as the engine does."""
     from tierzero.models.init import WeightFiles
@@ -235,7 +266,9 @@ def real_parameters(model: nn.Module) -> None:
         for attr, p in list(module._parameters.items()):
             if p is not None:
                 if id(p) not in real:
-                    real[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=torch.float32), p.requires_grad)
+                    real[id(p)] = nn.Parameter(
+                        torch.empty(p.shape, dtype=torch.float32), p.requires_grad
+                    )
                 module._parameters[attr] = real[id(p)]
 
 

@@ -76,15 +76,32 @@ def _record(calls: list[LayerCall], as_tuple: bool, *args: Any, **kwargs: Any) -
 def chained(calls: list[LayerCall], layers: int, last_hidden: Any) -> bool:
     """Whether the forward called its layers once each in a chain, ending at `last_hidden`."""
     first = calls[0].hidden if calls else None
-    return len(calls) == layers and all(_same(c.hidden, first) for c in calls) and _same(last_hidden, first)
+    return (
+        len(calls) == layers
+        and all(_same(c.hidden, first) for c in calls)
+        and _same(last_hidden, first)
+    )
 
 
 def refuse_unchained(model: str) -> None:
-    raise ConfigError(f"{model}'s forward changes the hidden state between its layers, so the vertical "
-                          "schedule cannot call them one by one; use --schedule horizontal")
+    raise ConfigError(
+        f"{model}'s forward changes the hidden state between its layers, so the vertical "
+        "schedule cannot call them one by one; use --schedule horizontal"
+    )
 
 
 def _same(a: Any, b: Any) -> bool:
     """The same values: one tensor, or a view of it with its shape and strides."""
-    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (a is b or (
-        a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype))
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and (
+            a is b
+            or (
+                a.data_ptr() == b.data_ptr()
+                and a.shape == b.shape
+                and a.stride() == b.stride()
+                and a.dtype == b.dtype
+            )
+        )
+    )

@@ -36,7 +36,9 @@ from tierzero.hf.build import HFModel, real_parameters
 from tierzero.models.llama import unit_seed
 from tierzero.models.weights import WeightFiles
 
-BASE_LAYER = "base_layer"  # peft's name for the layer an adapter wraps (nested: one per adapted tensor)
+BASE_LAYER = (
+    "base_layer"  # peft's name for the layer an adapter wraps (nested: one per adapted tensor)
+)
 
 
 @dataclass(frozen=True)
@@ -46,37 +48,59 @@ class LoraSpec:
     r: int
     alpha: float
     dropout: float = 0.0
-    targets: tuple[str, ...] | None = None  # module names; None: peft's default for the architecture
+    targets: tuple[str, ...] | None = (
+        None  # module names; None: peft's default for the architecture
+    )
 
     def config(self) -> object:
         from peft import LoraConfig
 
-        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                          target_modules=list(self.targets) if self.targets else None)
+        return LoraConfig(
+            r=self.r,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=list(self.targets) if self.targets else None,
+        )
 
 
 def default_targets(hf: HFModel, spec: LoraSpec) -> tuple[LoraSpec, str | None]:
     """`spec` with its targets named where it names none and peft has no default for the
     architecture: every plain linear layer of the decoder layers that peft adapts as a linear
     layer, by their names; and a note saying so (None: `spec` as it was)."""
-    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+    from peft.utils.constants import (
+        TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS,
+    )
 
     model_type = hf.model.config.model_type
     if spec.targets is not None or model_type in PEFT_DEFAULTS:
         return spec, None
-    inside = {name.rpartition(".")[2] for name, m in hf.model.blocks.named_modules() if type(m) is nn.Linear}
+    inside = {
+        name.rpartition(".")[2]
+        for name, m in hf.model.blocks.named_modules()
+        if type(m) is nn.Linear
+    }
     blocks = {id(m) for m in hf.model.blocks.modules()}
-    outside = {name.rpartition(".")[2] for name, m in hf.model.named_modules() if id(m) not in blocks}
+    outside = {
+        name.rpartition(".")[2] for name, m in hf.model.named_modules() if id(m) not in blocks
+    }
     fused = _fused_expert_names(hf.model, inside)
     targets = inside - fused
     if not targets or inside & outside:
-        why = "it has none" if not targets else f"{sorted(inside & outside)[0]} names a module outside them"
-        raise ConfigError(f"peft has no default LoRA targets for {model_type}, and tierzero cannot take every "
-                          f"linear layer of its decoder layers ({why}); name them with --lora-targets")
+        why = (
+            "it has none"
+            if not targets
+            else f"{sorted(inside & outside)[0]} names a module outside them"
+        )
+        raise ConfigError(
+            f"peft has no default LoRA targets for {model_type}, and tierzero cannot take every "
+            f"linear layer of its decoder layers ({why}); name them with --lora-targets"
+        )
     note = f"peft has no default LoRA targets for {model_type}: every linear layer of its decoder layers is adapted"
     if fused:
-        note += (f" except {', '.join(sorted(fused))} (peft takes those names for the experts' fused tensors, "
-                 "which tierzero cannot adapt yet)")
+        note += (
+            f" except {', '.join(sorted(fused))} (peft takes those names for the experts' fused tensors, "
+            "which tierzero cannot adapt yet)"
+        )
     return replace(spec, targets=tuple(sorted(targets))), note
 
 
@@ -105,13 +129,19 @@ def add_lora(hf: HFModel, spec: LoraSpec, weights: str | Path | None) -> nn.Modu
     try:
         model = get_peft_model(hf.model, spec.config())
     except ValueError as e:
-        raise ConfigError(f"LoRA cannot wrap {hf.path.name} ({str(e).strip().splitlines()[0]}); name its "
-                          "linear layers with --lora-targets, e.g. q_proj,v_proj") from None
+        raise ConfigError(
+            f"LoRA cannot wrap {hf.path.name} ({str(e).strip().splitlines()[0]}); name its "
+            "linear layers with --lora-targets, e.g. q_proj,v_proj"
+        ) from None
     tensors = model.peft_config["default"].target_parameters
-    if tensors:  # adapted by re-parametrising the tensor on every forward, which bound views do not allow
-        raise ConfigError(f"peft adapts {', '.join(sorted(tensors))} of {hf.path.name} as the experts' fused "
-                          "tensors, which tierzero cannot train yet; leave their per-expert names (such as "
-                          "gate_proj, up_proj, down_proj) out of --lora-targets")
+    if (
+        tensors
+    ):  # adapted by re-parametrising the tensor on every forward, which bound views do not allow
+        raise ConfigError(
+            f"peft adapts {', '.join(sorted(tensors))} of {hf.path.name} as the experts' fused "
+            "tensors, which tierzero cannot train yet; leave their per-expert names (such as "
+            "gate_proj, up_proj, down_proj) out of --lora-targets"
+        )
     model.init_unit = LoraInit(hf.model, WeightFiles(weights) if weights is not None else None)
     return model
 
@@ -154,8 +184,12 @@ class LoraInit:
         aliases too: the files may hold either)."""
         aliases: dict[int, list[str]] = {}
         for name, p in self.causal.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(".".join(part for part in name.split(".") if part != BASE_LAYER))
+            aliases.setdefault(id(p), []).append(
+                ".".join(part for part in name.split(".") if part != BASE_LAYER)
+            )
         for module in modules:
             for p in module.parameters(recurse=False):
                 if not p.is_meta:  # meta: another unit's (a tied weight the embedding unit holds)
-                    p.copy_(self.causal.read_weight(self.files, tuple(aliases[id(p)]), tuple(p.shape)))
+                    p.copy_(
+                        self.causal.read_weight(self.files, tuple(aliases[id(p)]), tuple(p.shape))
+                    )

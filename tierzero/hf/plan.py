@@ -21,7 +21,11 @@ from tierzero.planning.planreport import PlanReport, make_plan
 def plan(model: str | None = None, gpus: int | None = None, **options: Any) -> PlanReport:
     """`make_plan(model, gpus=gpus, **options)`; `model` may be `hf:DIR` (see `hf_workload`).
     `gpus` given plans that many bf16 GPUs unless `dtype` says otherwise (None: one, as here)."""
-    built = hf_workload(model, 1 if gpus is None else gpus) if model is not None and is_hf(model) else {}
+    built = (
+        hf_workload(model, 1 if gpus is None else gpus)
+        if model is not None and is_hf(model)
+        else {}
+    )
     return make_plan(model, gpus=gpus, **options, **built)
 
 
@@ -37,9 +41,16 @@ def hf_workload(model: str, gpus: int) -> dict[str, Any]:
     dim = cfg.hidden_size
     ffn = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * dim
     positions = getattr(cfg, "max_position_embeddings", None) or ModelArgs.max_seq_len
-    args = ModelArgs(dim=dim, n_layers=cfg.num_hidden_layers, n_heads=heads,
-                     n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, vocab_size=cfg.vocab_size,
-                     ffn_dim=ffn, max_seq_len=positions, tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)))
+    args = ModelArgs(
+        dim=dim,
+        n_layers=cfg.num_hidden_layers,
+        n_heads=heads,
+        n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        vocab_size=cfg.vocab_size,
+        ffn_dim=ffn,
+        max_seq_len=positions,
+        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+    )
     units = partition(hf.model, gpus)
     chain = chain_of(hf.model, units)
     return {"units": units, "args": args, "not_a_chain": chain if isinstance(chain, str) else None}

@@ -35,18 +35,27 @@ class PositionLimit:
     key: str  # the config key `length` comes from
 
 
-def position_limit(model: nn.Module, config: Any, tokens: nn.Module, blocks: nn.Module) -> PositionLimit | None:
+def position_limit(
+    model: nn.Module, config: Any, tokens: nn.Module, blocks: nn.Module
+) -> PositionLimit | None:
     """The limit of `model` (built from `config`; `tokens` its token embedding, `blocks` its
     layers), or None where positions are computed for any length."""
     limit = getattr(config, "max_position_embeddings", None)
     if isinstance(limit, int):
         inside = {id(m) for m in blocks.modules()}
-        if any(isinstance(m, nn.Embedding) and m is not tokens and id(m) not in inside
-               and limit <= m.num_embeddings <= limit + 2 for m in model.modules()):
+        if any(
+            isinstance(m, nn.Embedding)
+            and m is not tokens
+            and id(m) not in inside
+            and limit <= m.num_embeddings <= limit + 2
+            for m in model.modules()
+        ):
             return PositionLimit(limit, True, "learned position table", "max_position_embeddings")
         rotary = [m for m in model.modules() if "rotary" in type(m).__name__.lower()]
         # a table is 2-D, positions by features (`inv_freq`, 1-D, has a row per frequency)
-        if any(b.ndim >= 2 and b.shape[0] == limit for m in rotary for b in m.buffers(recurse=False)):
+        if any(
+            b.ndim >= 2 and b.shape[0] == limit for m in rotary for b in m.buffers(recurse=False)
+        ):
             return PositionLimit(limit, True, "rotary table", "max_position_embeddings")
         if rotary and not getattr(config, "alibi", False):  # Falcon with ALiBi builds an unused one
             return PositionLimit(limit, False, "rotary embeddings", "max_position_embeddings")
@@ -63,8 +72,12 @@ def check_seq_len(limit: PositionLimit | None, seq_len: int, name: str) -> str |
     if limit is None or seq_len <= limit.length:
         return None
     if limit.hard:
-        raise ConfigError(f"--seq-len {seq_len} is longer than {name}'s {limit.what} ({limit.length} positions, "
-                          f"{limit.key}), which a longer sequence cannot run; use --seq-len {limit.length} or less")
-    return (f"--seq-len {seq_len} is {seq_len / limit.length:.3g}x the {limit.length} positions {name} was built for "
-            f"({limit.key}): its {limit.what} run past them, on positions it never saw in pre-training, so it "
-            f"may train worse; --seq-len {limit.length} or less stays inside")
+        raise ConfigError(
+            f"--seq-len {seq_len} is longer than {name}'s {limit.what} ({limit.length} positions, "
+            f"{limit.key}), which a longer sequence cannot run; use --seq-len {limit.length} or less"
+        )
+    return (
+        f"--seq-len {seq_len} is {seq_len / limit.length:.3g}x the {limit.length} positions {name} was built for "
+        f"({limit.key}): its {limit.what} run past them, on positions it never saw in pre-training, so it "
+        f"may train worse; --seq-len {limit.length} or less stays inside"
+    )

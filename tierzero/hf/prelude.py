@@ -32,7 +32,9 @@ from torch import nn
 class Prelude(nn.Module):
     """The token embedding and the other modules that run before the blocks, as one unit."""
 
-    def __init__(self, tokens: nn.Module, others: list[nn.Module], run: Callable[..., torch.Tensor]) -> None:
+    def __init__(
+        self, tokens: nn.Module, others: list[nn.Module], run: Callable[..., torch.Tensor]
+    ) -> None:
         super().__init__()
         self.tokens = tokens
         self.others = nn.ModuleList(others)
@@ -42,8 +44,12 @@ class Prelude(nn.Module):
         """The model's own modules of this unit (not this wrapper or its list)."""
         return [*self.tokens.modules(), *(m for o in self.others for m in o.modules())]
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if position_ids is None:
             return self.run(input_ids, attention_mask)
         return self.run(input_ids, attention_mask, position_ids)  # generation: after cached tokens
@@ -62,6 +68,7 @@ def _hidden_arg(args: tuple, kwargs: dict) -> torch.Tensor:
 @contextlib.contextmanager
 def stop_at(block: nn.Module) -> Iterator[Callable[[Callable[[], Any]], torch.Tensor]]:
     """Yields `until_block(call)`: runs `call` until `block` is called, and returns its hidden input."""
+
     def raise_hidden(module: nn.Module, args: tuple, kwargs: dict) -> None:
         raise _Reached(_hidden_arg(args, kwargs))
 
@@ -80,7 +87,9 @@ def stop_at(block: nn.Module) -> Iterator[Callable[[Callable[[], Any]], torch.Te
 
 
 @contextlib.contextmanager
-def replaying(block: nn.Module, hidden: torch.Tensor, prelude: Prelude, dropouts: list[nn.Module]) -> Iterator[None]:
+def replaying(
+    block: nn.Module, hidden: torch.Tensor, prelude: Prelude, dropouts: list[nn.Module]
+) -> Iterator[None]:
     """Inside, the base forward's prelude modules compute on zero weights and its dropouts are
     the identity until `block` is called, which then gets `hidden` as its hidden input."""
     saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
@@ -91,7 +100,9 @@ def replaying(block: nn.Module, hidden: torch.Tensor, prelude: Prelude, dropouts
         for where, name in held:
             weight = where[name]
             saved.append((where, name, weight))
-            where[name] = torch.zeros((), dtype=weight.dtype, device=hidden.device).expand(weight.shape)
+            where[name] = torch.zeros((), dtype=weight.dtype, device=hidden.device).expand(
+                weight.shape
+            )
     for module in dropouts:
         module.forward = _identity
 

@@ -40,7 +40,9 @@ class RouterLogits:
         self.logits = []
         self.attention_mask = attention_mask
 
-    def _take(self, block: nn.Module, args: Any, output: tuple[Any, tuple[torch.Tensor, ...]]) -> Any:
+    def _take(
+        self, block: nn.Module, args: Any, output: tuple[Any, tuple[torch.Tensor, ...]]
+    ) -> Any:
         if not (isinstance(output, tuple) and len(output) == 2 and isinstance(output[1], tuple)):
             return output  # the block never ran: `hf.layercalls`' recorder passed its input on
         out, logits = output
@@ -67,8 +69,9 @@ def routes(base: nn.Module) -> bool:
     return spec.get("router_logits") is not None
 
 
-def _with_logits(forward: Callable[..., Any], routers: list[nn.Module], index: int,
-                 *args: Any, **kwargs: Any) -> tuple[Any, tuple[torch.Tensor, ...]]:
+def _with_logits(
+    forward: Callable[..., Any], routers: list[nn.Module], index: int, *args: Any, **kwargs: Any
+) -> tuple[Any, tuple[torch.Tensor, ...]]:
     """The block's own forward, and the router logits it computed, as outputs."""
     seen: list[torch.Tensor] = []
 

@@ -20,12 +20,18 @@ def piece_key(kind: StateKind, unit: int, rank: int, piece: int) -> str:
     return f"{shard_key(kind, unit, rank)}/p{piece:04d}"
 
 
-def state_keys(kind: StateKind, unit: Unit, rank: int, piece_numel: int, home: Tier) -> list[tuple[str, int, int]]:
+def state_keys(
+    kind: StateKind, unit: Unit, rank: int, piece_numel: int, home: Tier
+) -> list[tuple[str, int, int]]:
     """This rank's keys of `kind` for `unit`, each with the shard range it holds: one key per
     piece (of the trainable prefix but for params: see `Unit.pieces`), except params in a memory
     tier: one key, viewed whole and in place by compute. Ranges are in the stored param's
     offsets for params (the whole flat buffer when `unit.replicated`), shard offsets otherwise."""
     if kind is StateKind.PARAM and home is not Tier.NVME:
         return [(shard_key(kind, unit.index, rank), 0, unit.param_numel)]
-    pieces = unit.param_pieces(piece_numel, rank) if kind is StateKind.PARAM else unit.pieces(piece_numel, rank)
+    pieces = (
+        unit.param_pieces(piece_numel, rank)
+        if kind is StateKind.PARAM
+        else unit.pieces(piece_numel, rank)
+    )
     return [(piece_key(kind, unit.index, rank, i), a, b) for i, (a, b) in enumerate(pieces)]

@@ -28,7 +28,9 @@ from torch import nn
 
 from tierzero.adamw import decays
 from tierzero.errors import ConfigError
-from tierzero.storage.base import ALIGN_BYTES  # direct I/O's 4 KiB: every shard's byte size is a multiple
+from tierzero.storage.base import (
+    ALIGN_BYTES,
+)  # direct I/O's 4 KiB: every shard's byte size is a multiple
 
 ALIGN_NUMEL = ALIGN_BYTES // 2  # numel multiple that keeps 2-byte (bf16/fp16) shards aligned too
 
@@ -109,8 +111,12 @@ class Unit:
         rest's, which are never written; replicated, every rank's shard's pieces end to end
         (this rank's from `param_piece_base(rank)` on)."""
         if self.replicated:
-            return [(lo + a, lo + b) for r in range(self.world_size)
-                    for lo in [self.shard_range(r)[0]] for a, b in self._shard_param_pieces(piece_numel, r)]
+            return [
+                (lo + a, lo + b)
+                for r in range(self.world_size)
+                for lo in [self.shard_range(r)[0]]
+                for a, b in self._shard_param_pieces(piece_numel, r)
+            ]
         return self._shard_param_pieces(piece_numel, rank)
 
     def param_piece_base(self, piece_numel: int, rank: int) -> int:
@@ -132,25 +138,34 @@ def piece_ranges(shard_numel: int, piece_numel: int) -> list[tuple[int, int]]:
 def find_blocks(model: nn.Module, units: str | None = None) -> tuple[str, nn.ModuleList]:
     """The model's repeated blocks: the named `ModuleList` (or the one the model names as its
     `blocks_path`: a Hugging Face hybrid's layers are of several classes), or its largest one of one class."""
-    units = units if units is not None else vars(model).get("blocks_path")  # its own, not a wrapper's
+    units = (
+        units if units is not None else vars(model).get("blocks_path")
+    )  # its own, not a wrapper's
     if units is not None:
         try:
             blocks = model.get_submodule(units)
         except AttributeError:
             blocks = None
         if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
-            raise ConfigError(f"units '{units}' is not a non-empty nn.ModuleList of the model; "
-                              "name the attribute path of its repeated blocks, e.g. 'model.layers'")
+            raise ConfigError(
+                f"units '{units}' is not a non-empty nn.ModuleList of the model; "
+                "name the attribute path of its repeated blocks, e.g. 'model.layers'"
+            )
         return units, blocks
     best: tuple[str, nn.ModuleList] | None = None
     for name, module in model.named_modules():
-        if (isinstance(module, nn.ModuleList) and len(module) > 1
-                and len({type(m) for m in module}) == 1
-                and (best is None or len(module) > len(best[1]))):
+        if (
+            isinstance(module, nn.ModuleList)
+            and len(module) > 1
+            and len({type(m) for m in module}) == 1
+            and (best is None or len(module) > len(best[1]))
+        ):
             best = (name, module)
     if best is None:
-        raise ConfigError(f"{type(model).__name__} has no nn.ModuleList of repeated blocks to split "
-                          "into units; name its attribute path with --units (Config(units=...)), e.g. model.layers")
+        raise ConfigError(
+            f"{type(model).__name__} has no nn.ModuleList of repeated blocks to split "
+            "into units; name its attribute path with --units (Config(units=...)), e.g. model.layers"
+        )
     return best
 
 
@@ -176,14 +191,20 @@ def partition(model: nn.Module, world_size: int = 1, units: str | None = None) -
     embedding = input_embedding(model, blocks)
     head_owner = _head_owner(model)
     found = _parameters(model)
-    split = embedding is not None and head_owner is not None and _only_embeddings_tied(found, unit_of_module)
+    split = (
+        embedding is not None
+        and head_owner is not None
+        and _only_embeddings_tied(found, unit_of_module)
+    )
     if split:
         assert embedding is not None
         unit_of_module.update({id(m): 0 for m in embedding.modules()})
         result = [Unit(0, "embedding", "embedding", (embedding, "forward"))]
     else:
         result = [Unit(0, "root", "root", None)]
-    result += [Unit(i + 1, f"{blocks_name}.{i}", "block", (b, "forward")) for i, b in enumerate(blocks)]
+    result += [
+        Unit(i + 1, f"{blocks_name}.{i}", "block", (b, "forward")) for i, b in enumerate(blocks)
+    ]
     rest = 0
     if split:
         result.append(Unit(n + 1, "head", "head", (head_owner, "head_out")))
@@ -209,7 +230,9 @@ def _head_owner(model: nn.Module) -> nn.Module | None:
     return next((m for m in model.modules() if callable(getattr(type(m), "head_out", None))), None)
 
 
-def _parameters(model: nn.Module) -> dict[int, tuple[list[str], list[tuple[nn.Module, str]], nn.Parameter]]:
+def _parameters(
+    model: nn.Module,
+) -> dict[int, tuple[list[str], list[tuple[nn.Module, str]], nn.Parameter]]:
     """Every parameter once (by identity): its names (tied aliases) and (module, attr) uses."""
     found: dict[int, tuple[list[str], list[tuple[nn.Module, str]], nn.Parameter]] = {}
     for mod_name, module in model.named_modules(remove_duplicate=False):
@@ -227,7 +250,9 @@ def _only_embeddings_tied(found: dict, unit_of_module: dict[int, int]) -> bool:
     """Whether no parameter is shared between blocks (those need the root unit)."""
     for _, attrs, _ in found.values():
         blocks = {unit_of_module[id(m)] for m, _ in attrs if id(m) in unit_of_module}
-        if len(blocks) > 1 or (blocks and len(attrs) > len([m for m, _ in attrs if id(m) in unit_of_module])):
+        if len(blocks) > 1 or (
+            blocks and len(attrs) > len([m for m, _ in attrs if id(m) in unit_of_module])
+        ):
             return False
     return True
 
@@ -250,8 +275,17 @@ def _lay_out(unit: Unit, pids: list[int], found: dict, world_size: int) -> None:
         frozen = not p.requires_grad
         if frozen and frozen_from is None:
             frozen_from = offset = -(-offset // ALIGN_NUMEL) * ALIGN_NUMEL
-        unit.slots.append(ParamSlot(tuple(names), tuple(attrs), offset, p.numel(), tuple(p.shape),
-                                    decays(p) and not frozen, frozen))
+        unit.slots.append(
+            ParamSlot(
+                tuple(names),
+                tuple(attrs),
+                offset,
+                p.numel(),
+                tuple(p.shape),
+                decays(p) and not frozen,
+                frozen,
+            )
+        )
         offset += p.numel()
     unit.numel = offset
     unit.padded_numel = padded_numel(offset, world_size)

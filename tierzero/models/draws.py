@@ -41,13 +41,18 @@ class Draws:
 
 def draw_seed(seed: int, step: int, micro: int, unit: int) -> int:
     """A well-mixed 63-bit seed for unit `unit` of micro-batch `micro` (within the step) of step `step`."""
-    return int(np.random.SeedSequence([seed, step, micro, unit]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+    return int(
+        np.random.SeedSequence([seed, step, micro, unit]).generate_state(1, np.uint64)[0]
+        >> np.uint64(1)
+    )
 
 
 def draws_for(seed: int, step: int, micro: int, unit: int, inputs: Any) -> Draws:
     """The draws of one unit call whose inputs (any nesting of tensors) are `inputs`."""
-    devices = sorted({t.device for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.is_cuda},
-                     key=str)
+    devices = sorted(
+        {t.device for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.is_cuda},
+        key=str,
+    )
     return Draws(draw_seed(seed, step, micro, unit), tuple(devices))
 
 
@@ -77,7 +82,12 @@ class SeededEntries:
     an in-memory model called under the draws the engine gives that call; `position()` says
     (step, micro-batch within the step) of the forward under way."""
 
-    def __init__(self, entries: list[tuple[int, Any, str]], seed: int, position: Callable[[], tuple[int, int]]) -> None:
+    def __init__(
+        self,
+        entries: list[tuple[int, Any, str]],
+        seed: int,
+        position: Callable[[], tuple[int, int]],
+    ) -> None:
         self.seed = seed
         self.position = position
         for index, owner, attr in entries:

@@ -23,17 +23,23 @@ def flat_unit(model: nn.Module, unit: Unit, seed: int, weights: WeightFiles | No
     flat = torch.zeros(unit.padded_numel, dtype=torch.float32)
     on_meta = any(getattr(m, a).is_meta for s in unit.slots for m, a in s.module_attrs)
     if weights is not None:
-        read = getattr(model, "read_weight", None)  # a Hugging Face model's: its files' layout may differ
+        read = getattr(
+            model, "read_weight", None
+        )  # a Hugging Face model's: its files' layout may differ
         for slot in unit.slots:
-            value = read(weights, slot.names, slot.shape) if callable(read) else weights.load(slot.names, slot.shape)
-            flat[slot.offset:slot.end] = value.reshape(-1)
+            value = (
+                read(weights, slot.names, slot.shape)
+                if callable(read)
+                else weights.load(slot.names, slot.shape)
+            )
+            flat[slot.offset : slot.end] = value.reshape(-1)
         return flat
     if on_meta:
         _materialise(unit)
         _initialise(model, unit, seed)
     for slot in unit.slots:
         module, attr = slot.module_attrs[0]
-        flat[slot.offset:slot.end] = getattr(module, attr).detach().reshape(-1).float().cpu()
+        flat[slot.offset : slot.end] = getattr(module, attr).detach().reshape(-1).float().cpu()
     return flat
 
 

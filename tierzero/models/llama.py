@@ -32,7 +32,9 @@ from tierzero.models.loss import chunk_tokens_for, chunked_cross_entropy
 from tierzero.models.presets import ModelArgs
 
 INIT_STD = 0.02  # every Linear/Embedding weight ~ N(0, 0.02), residual projections included
-LOSS_CHUNK_BYTES = 64 << 20  # fp32 logits per loss chunk where that holds LOSS_CHUNK_TOKENS: one lives at a time
+LOSS_CHUNK_BYTES = (
+    64 << 20
+)  # fp32 logits per loss chunk where that holds LOSS_CHUNK_TOKENS: one lives at a time
 LOSS_CHUNK_TOKENS = 1024  # tokens per loss chunk at least
 
 
@@ -158,9 +160,13 @@ class Transformer(nn.Module):
         if self.args.tie_embeddings:
             self.head.weight = self.tok_emb.weight
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                num_items_in_batch: float | torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        num_items_in_batch: float | torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
         """The loss of `targets`, or logits; with a `cache` (generation), the logits of each
         row's last position after `idx`, the positions that follow the cached ones."""
         if cache is not None:
@@ -186,13 +192,19 @@ class Transformer(nn.Module):
     def decode_cache(self, pad: list[int], capacity: int) -> KVCache:
         """An empty cache for rows left-padded by `pad` positions, to hold `capacity` positions."""
         if capacity > self.args.max_seq_len:
-            raise ConfigError(f"the longest prompt and its new tokens make {capacity} positions, "
-                              f"past the model's max_seq_len {self.args.max_seq_len}; use a shorter "
-                              "prompt or fewer new tokens")
+            raise ConfigError(
+                f"the longest prompt and its new tokens make {capacity} positions, "
+                f"past the model's max_seq_len {self.args.max_seq_len}; use a shorter "
+                "prompt or fewer new tokens"
+            )
         return KVCache(self.args.n_layers, pad, capacity)
 
-    def head_out(self, x: torch.Tensor, targets: torch.Tensor | None = None,
-                 num_items_in_batch: float | torch.Tensor | None = None) -> torch.Tensor:
+    def head_out(
+        self,
+        x: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        num_items_in_batch: float | torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Final norm and head: logits, or the mean cross-entropy without full logits (the sum
         over `num_items_in_batch` when given: a step's count, see `models.loss`).
 
@@ -238,7 +250,10 @@ class Transformer(nn.Module):
             unit_id, modules = 0, [self.tok_emb]
         elif which == "head":
             tied = self.head.weight is self.tok_emb.weight
-            unit_id, modules = self.args.n_layers + 1, [self.norm] if tied else [self.norm, self.head]
+            unit_id, modules = (
+                self.args.n_layers + 1,
+                [self.norm] if tied else [self.norm, self.head],
+            )
         else:
             unit_id, modules = int(which) + 1, [self.blocks[int(which)]]
         generator = torch.Generator().manual_seed(unit_seed(seed, unit_id))
@@ -307,13 +322,15 @@ class LayerKV:
             shape = (k.shape[0], k.shape[1], c.capacity, k.shape[3])
             self.k = torch.empty(shape, dtype=k.dtype, device=k.device)
             self.v = torch.empty(shape, dtype=v.dtype, device=v.device)
-        self.k[:, :, c.start:c.length] = k
-        self.v[:, :, c.start:c.length] = v
-        return self.k[:, :, :c.length], self.v[:, :, :c.length]
+        self.k[:, :, c.start : c.length] = k
+        self.v[:, :, c.start : c.length] = v
+        return self.k[:, :, : c.length], self.v[:, :, : c.length]
 
 
 def unit_seed(seed: int, unit_id: int) -> int:
     """A well-mixed 63-bit seed for (seed, unit), so nearby seeds give unrelated streams."""
     if seed < 0:
         raise ConfigError(f"seed {seed} is negative; use a seed >= 0")
-    return int(np.random.SeedSequence([seed, unit_id]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+    return int(
+        np.random.SeedSequence([seed, unit_id]).generate_state(1, np.uint64)[0] >> np.uint64(1)
+    )

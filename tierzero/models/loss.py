@@ -49,9 +49,13 @@ def trained_targets(targets: torch.Tensor) -> int:
     return int((targets != IGNORE_INDEX).sum())
 
 
-def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-                          targets: torch.Tensor, chunk_tokens: int,
-                          num_items_in_batch: float | torch.Tensor | None = None) -> torch.Tensor:
+def chunked_cross_entropy(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_tokens: int,
+    num_items_in_batch: float | torch.Tensor | None = None,
+) -> torch.Tensor:
     """Cross-entropy of `head(hidden)` against `targets` (ignoring -100) in fp32, summed and
     divided by `num_items_in_batch` (default: the trained targets' count, i.e. their mean)."""
     h, t = hidden.flatten(0, -2), targets.flatten()
@@ -61,25 +65,40 @@ def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: 
         return _chunk_loss_sum(head, h, t) / num_items_in_batch
     total = None
     for start in range(0, t.numel(), chunk_tokens):
-        part = checkpoint(_chunk_loss_sum, head, h[start:start + chunk_tokens], t[start:start + chunk_tokens],
-                          use_reentrant=False)
+        part = checkpoint(
+            _chunk_loss_sum,
+            head,
+            h[start : start + chunk_tokens],
+            t[start : start + chunk_tokens],
+            use_reentrant=False,
+        )
         total = part if total is None else total + part
-    return total / (num_items_in_batch if num_items_in_batch is not None else (t != IGNORE_INDEX).sum().clamp(min=1))
+    return total / (
+        num_items_in_batch
+        if num_items_in_batch is not None
+        else (t != IGNORE_INDEX).sum().clamp(min=1)
+    )
 
 
-def _chunk_loss_sum(head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+def _chunk_loss_sum(
+    head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, t: torch.Tensor
+) -> torch.Tensor:
     return F.cross_entropy(head(h).float(), t, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def compute_loss(model: nn.Module, batch: Any, num_items_in_batch: float | None = None) -> torch.Tensor:
+def compute_loss(
+    model: nn.Module, batch: Any, num_items_in_batch: float | None = None
+) -> torch.Tensor:
     """A dict batch is `model(**batch)`, a tuple `model(*batch)`; the loss is the output or `.loss`.
     `num_items_in_batch`, when given, is passed on: the model divides its tokens' summed loss by
     it instead of by their own count (`tierzero.models.loss`)."""
     kwargs = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
     if kwargs and not _takes_num_items(model):
-        raise ConfigError(f"{type(model).__name__}.forward takes no num_items_in_batch, so its loss cannot be "
-                          "divided by the step's trained tokens; add that keyword (divide the summed token loss "
-                          "by it) or leave step_tokens out")
+        raise ConfigError(
+            f"{type(model).__name__}.forward takes no num_items_in_batch, so its loss cannot be "
+            "divided by the step's trained tokens; add that keyword (divide the summed token loss "
+            "by it) or leave step_tokens out"
+        )
     if isinstance(batch, dict):
         out = model(**batch, **kwargs)
     elif isinstance(batch, (tuple, list)):
@@ -94,7 +113,9 @@ def _takes_num_items(model: nn.Module) -> bool:
     return any(p.name == "num_items_in_batch" or p.kind is p.VAR_KEYWORD for p in params)
 
 
-def loss_divisor(step_tokens: int | None, summed: bool, accumulate: int, world_size: int) -> float | None:
+def loss_divisor(
+    step_tokens: int | None, summed: bool, accumulate: int, world_size: int
+) -> float | None:
     """What a micro-batch's summed token loss is divided by (None: its own trained tokens' count,
     its mean). `step_tokens`: the number of trained tokens (targets not -100) in the step's whole
     batch -- every micro-batch, every rank -- counted before its first backward. The divisor is
@@ -107,7 +128,13 @@ def loss_divisor(step_tokens: int | None, summed: bool, accumulate: int, world_s
         return 1.0
     if step_tokens is None:
         return None
-    if isinstance(step_tokens, bool) or not isinstance(step_tokens, numbers.Integral) or step_tokens < 0:
-        raise ConfigError(f"step_tokens must be the step's number of trained tokens (an integer >= 0), "
-                          f"got {step_tokens!r}")
+    if (
+        isinstance(step_tokens, bool)
+        or not isinstance(step_tokens, numbers.Integral)
+        or step_tokens < 0
+    ):
+        raise ConfigError(
+            f"step_tokens must be the step's number of trained tokens (an integer >= 0), "
+            f"got {step_tokens!r}"
+        )
     return max(int(step_tokens), 1) / (accumulate * world_size)

@@ -65,9 +65,7 @@ class CodedShard:
             first, last = (base + lo) // nf4.QUANT_BLOCK, (base + hi) // nf4.QUANT_BLOCK
             blocks = mask[first:last] if lo >= trainable else None
             if blocks is not None and blocks.any():
-                nbytes = (
-                    -(-nf4.stored_nbytes(blocks, dtype) // ALIGN_BYTES) * ALIGN_BYTES
-                )
+                nbytes = -(-nf4.stored_nbytes(blocks, dtype) // ALIGN_BYTES) * ALIGN_BYTES
                 numel = nbytes // dtype.itemsize
             else:
                 blocks, numel = None, hi - lo
@@ -76,9 +74,7 @@ class CodedShard:
         self.stored_numel = at
         self.param_numel = unit.param_numel
         tail = self.param_numel - self.stored_numel
-        assert all(p.hi <= tail + q.at for p, q in zip(self.pieces, self.pieces[1:])), (
-            unit.name
-        )
+        assert all(p.hi <= tail + q.at for p, q in zip(self.pieces, self.pieces[1:])), unit.name
 
     @property
     def stored_nbytes(self) -> int:
@@ -145,8 +141,7 @@ def coded_base(
         )
     if world_size > 1:
         raise ConfigError(
-            "--quantize-base nf4 trains on one rank for now; drop --gpus or "
-            "--quantize-base"
+            "--quantize-base nf4 trains on one rank for now; drop --gpus or --quantize-base"
         )
     if param_home is Tier.GPU:
         raise ConfigError(

@@ -41,18 +41,32 @@ class ModelArgs:
     tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
+        for name in (
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "vocab_size",
+            "ffn_dim",
+            "max_seq_len",
+        ):
             if getattr(self, name) < 1:
-                raise ConfigError(f"model {name} is {getattr(self, name)}; it must be a positive integer")
+                raise ConfigError(
+                    f"model {name} is {getattr(self, name)}; it must be a positive integer"
+                )
         if self.dim % self.n_heads:
-            raise ConfigError(f"model dim {self.dim} is not divisible by n_heads {self.n_heads}; pick a dim that is")
+            raise ConfigError(
+                f"model dim {self.dim} is not divisible by n_heads {self.n_heads}; pick a dim that is"
+            )
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}; "
                 "each kv head must serve a whole group of query heads"
             )
         if self.head_dim % 2:
-            raise ConfigError(f"head size dim/n_heads = {self.head_dim} is odd; rotary embeddings need an even head size")
+            raise ConfigError(
+                f"head size dim/n_heads = {self.head_dim} is odd; rotary embeddings need an even head size"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -70,26 +84,103 @@ class ModelArgs:
 
 
 PRESETS: dict[str, ModelArgs] = {
-    "tiny": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=768,
-                      max_seq_len=512, tie_embeddings=True),
-    "125m": ModelArgs(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, vocab_size=32000, ffn_dim=1536,
-                      tie_embeddings=True),
-    "350m": ModelArgs(dim=960, n_layers=32, n_heads=15, n_kv_heads=5, vocab_size=32000, ffn_dim=2560,
-                      tie_embeddings=True),
-    "1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=8192,
-                    max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True),
-    "3b": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256, ffn_dim=8192,
-                    max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True),
-    "7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000, ffn_dim=11008,
-                    max_seq_len=4096),
-    "13b": ModelArgs(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000, ffn_dim=13824,
-                     max_seq_len=4096),
-    "70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000, ffn_dim=28672,
-                     max_seq_len=4096),
-    "llama3-8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336,
-                           max_seq_len=8192, rope_theta=500000.0),
-    "llama3-70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_dim=28672,
-                            max_seq_len=8192, rope_theta=500000.0),
+    "tiny": ModelArgs(
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        vocab_size=256,
+        ffn_dim=768,
+        max_seq_len=512,
+        tie_embeddings=True,
+    ),
+    "125m": ModelArgs(
+        dim=576,
+        n_layers=30,
+        n_heads=9,
+        n_kv_heads=3,
+        vocab_size=32000,
+        ffn_dim=1536,
+        tie_embeddings=True,
+    ),
+    "350m": ModelArgs(
+        dim=960,
+        n_layers=32,
+        n_heads=15,
+        n_kv_heads=5,
+        vocab_size=32000,
+        ffn_dim=2560,
+        tie_embeddings=True,
+    ),
+    "1b": ModelArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim=8192,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+        tie_embeddings=True,
+    ),
+    "3b": ModelArgs(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim=8192,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+        tie_embeddings=True,
+    ),
+    "7b": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=32,
+        vocab_size=32000,
+        ffn_dim=11008,
+        max_seq_len=4096,
+    ),
+    "13b": ModelArgs(
+        dim=5120,
+        n_layers=40,
+        n_heads=40,
+        n_kv_heads=40,
+        vocab_size=32000,
+        ffn_dim=13824,
+        max_seq_len=4096,
+    ),
+    "70b": ModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=32000,
+        ffn_dim=28672,
+        max_seq_len=4096,
+    ),
+    "llama3-8b": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim=14336,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+    "llama3-70b": ModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim=28672,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
 }
 
 
@@ -98,4 +189,6 @@ def get_preset(name: str) -> ModelArgs:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ConfigError(f"unknown model preset '{name}'; choose one of: {', '.join(PRESETS)}") from None
+        raise ConfigError(
+            f"unknown model preset '{name}'; choose one of: {', '.join(PRESETS)}"
+        ) from None

@@ -23,9 +23,18 @@ import torch
 from tierzero.errors import ConfigError
 
 INDEX_SUFFIX = ".safetensors.index.json"
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-           "U8": torch.uint8, "BOOL": torch.bool}
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 _MAX_HEADER_BYTES = 100 << 20
 
 
@@ -39,8 +48,9 @@ def weight_files(path: str | Path) -> list[Path]:
     else:
         files = [p]
     if not files or not all(f.is_file() and f.suffix == ".safetensors" for f in files):
-        raise ConfigError(f"weights '{path}' is not a .safetensors file or a directory of them; "
-                          "check the path")
+        raise ConfigError(
+            f"weights '{path}' is not a .safetensors file or a directory of them; check the path"
+        )
     return files
 
 
@@ -49,12 +59,16 @@ def _indexed_files(index: Path) -> list[Path]:
         weight_map = json.loads(index.read_text())["weight_map"]
         names = sorted(set(weight_map.values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise ConfigError(f"weights index '{index}' is not a JSON object with a weight_map; "
-                          "re-save the model with save_pretrained") from None
+        raise ConfigError(
+            f"weights index '{index}' is not a JSON object with a weight_map; "
+            "re-save the model with save_pretrained"
+        ) from None
     missing = [n for n in names if not (index.parent / n).is_file()]
     if missing:
-        raise ConfigError(f"weights index '{index}' names {missing[0]}, which is not in "
-                          f"{index.parent}; copy every shard the index lists")
+        raise ConfigError(
+            f"weights index '{index}' names {missing[0]}, which is not in "
+            f"{index.parent}; copy every shard the index lists"
+        )
     return [index.parent / n for n in names]
 
 
@@ -70,8 +84,10 @@ class _TensorFile:
                     raise ValueError("header too long")
                 header = json.loads(f.read(length))
         except (OSError, ValueError, struct.error):
-            raise ConfigError(f"weights file '{path}' is not a readable .safetensors file; "
-                              "re-save it with safetensors") from None
+            raise ConfigError(
+                f"weights file '{path}' is not a readable .safetensors file; "
+                "re-save it with safetensors"
+            ) from None
         self.data_start = 8 + length
         self.entries = {k: v for k, v in header.items() if k != "__metadata__"}
 
@@ -82,14 +98,18 @@ class _TensorFile:
         entry = self.entries[name]
         dtype = _DTYPES.get(entry.get("dtype"))
         if dtype is None:
-            raise ConfigError(f"weights file '{self.path}' stores '{name}' as {entry.get('dtype')}, "
-                              "which tierzero does not load; convert it to F32, F16 or BF16")
+            raise ConfigError(
+                f"weights file '{self.path}' stores '{name}' as {entry.get('dtype')}, "
+                "which tierzero does not load; convert it to F32, F16 or BF16"
+            )
         shape = tuple(entry["shape"])
         start, end = entry["data_offsets"]
         out = torch.empty(shape, dtype=dtype)
         if end - start != out.numel() * out.element_size():
-            raise ConfigError(f"weights file '{self.path}' is damaged: '{name}' has {end - start} bytes "
-                              f"for shape {shape}; re-save it")
+            raise ConfigError(
+                f"weights file '{self.path}' is damaged: '{name}' has {end - start} bytes "
+                f"for shape {shape}; re-save it"
+            )
         if out.numel():
             with open(self.path, "rb") as f:
                 f.seek(self.data_start + start)
@@ -103,7 +123,9 @@ class WeightFiles:
 
     def __init__(self, path: str | Path) -> None:
         if sys.byteorder != "little":  # safetensors is little-endian; reads are raw bytes
-            raise ConfigError("reading .safetensors needs a little-endian machine; use x86-64 or ARM64")
+            raise ConfigError(
+                "reading .safetensors needs a little-endian machine; use x86-64 or ARM64"
+            )
         self._where: dict[str, _TensorFile] = {}
         for f in weight_files(path):
             tensors = _TensorFile(f)
@@ -125,8 +147,11 @@ class WeightFiles:
             if name in self._where:
                 stored = tuple(self._where[name].entries[name]["shape"])
                 if stored != shape:
-                    raise ConfigError(f"weights have '{name}' of shape {stored} but the model "
-                                      f"expects {shape}; load weights made for this model")
+                    raise ConfigError(
+                        f"weights have '{name}' of shape {stored} but the model "
+                        f"expects {shape}; load weights made for this model"
+                    )
                 return self._where[name].read(name).float()
-        raise ConfigError(f"weights have no tensor named {' or '.join(names)}; load weights made "
-                          "for this model")
+        raise ConfigError(
+            f"weights have no tensor named {' or '.join(names)}; load weights made for this model"
+        )

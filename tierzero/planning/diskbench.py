@@ -61,8 +61,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from tierzero.planning.fio import (
+    FioConfig,
+    check_fio,
+    config_name,
+    fio_command,
+    fio_engines,
+    fio_sweep,
+    fio_wall_span,
+    run_fio,
+)
 from tierzero.planning.rawio import RAW_BLOCK_BYTES, drop_cache, time_raw
-from tierzero.planning.fio import FioConfig, check_fio, config_name, fio_command, fio_engines, fio_sweep, fio_wall_span, run_fio
 from tierzero.storage.base import StorageError
 from tierzero.storage.durable import fsync_path
 from tierzero.storage.host import HostPool
@@ -80,7 +89,6 @@ _MiB = 1 << 20
 # peak disk use in multiples of the size: raw and fio two slots each, one store at a time with
 # two slots, each with its spare files
 FOOTPRINT = 8
-
 
 
 @dataclass(frozen=True)
@@ -134,14 +142,17 @@ class DiskBench:
         """Check the directory and its free space, find fio and its engines, lease the buffer
         and fill it with random bytes."""
         if not os.path.isdir(self.directory):
-            raise StorageError(f"bench directory {self.directory} does not exist; create it or "
-                               f"pass another --path")
+            raise StorageError(
+                f"bench directory {self.directory} does not exist; create it or pass another --path"
+            )
         need = FOOTPRINT * self.nbytes
         free = shutil.disk_usage(self.directory).free
         if free < need:
-            raise StorageError(f"bench needs {need} free bytes in {self.directory} "
-                               f"({FOOTPRINT}x --size), only {free} are free: pass a smaller "
-                               f"--size")
+            raise StorageError(
+                f"bench needs {need} free bytes in {self.directory} "
+                f"({FOOTPRINT}x --size), only {free} are free: pass a smaller "
+                f"--size"
+            )
         if self.fio:
             check_fio()
         self._work = tempfile.mkdtemp(prefix=".tierzero-bench-", dir=self.directory)
@@ -155,7 +166,7 @@ class DiskBench:
         words = self._buf.numpy().view(np.uint64)
         step = _MiB  # words per refill call: bounds the temporary to 8 MiB
         for off in range(0, len(words), step):
-            words[off: off + step] = self._bits.random_raw(len(words[off: off + step]))
+            words[off : off + step] = self._bits.random_raw(len(words[off : off + step]))
 
     def close(self) -> None:
         for store in self._stores.values():
@@ -180,45 +191,70 @@ class DiskBench:
     def steps(self) -> list[Step]:
         """Every measurement, in the order it must run."""
         default = DEFAULT_CHUNK_BYTES
-        plan = [Step(f"raw layout, slot {s}", lambda s=s: self._raw("write", s, record=False))
-                for s in range(SLOTS)]
+        plan = [
+            Step(f"raw layout, slot {s}", lambda s=s: self._raw("write", s, record=False))
+            for s in range(SLOTS)
+        ]
         plan += self._store_layout(default)
         if self.fio:
             layout = ("libaio", min(RAW_BLOCK_BYTES, self.nbytes), 8, 1)
-            plan += [Step(f"fio layout, slot {s}",
-                          lambda s=s: self._fio("write", layout, s, record=None))
-                     for s in range(SLOTS)]
+            plan += [
+                Step(
+                    f"fio layout, slot {s}", lambda s=s: self._fio("write", layout, s, record=None)
+                )
+                for s in range(SLOTS)
+            ]
             # each configuration writes one slot, then reads the one its predecessor wrote
             for k, c in enumerate(self.fio_configs()):
-                plan += [Step(f"fio sweep: write {config_name(*c)}",
-                              lambda c=c, k=k: self._fio("write", c, k % SLOTS, record="sweep")),
-                         Step(f"fio sweep: read {config_name(*c)}",
-                              lambda c=c, k=k: self._fio("read", c, (k + 1) % SLOTS,
-                                                         record="sweep"))]
+                plan += [
+                    Step(
+                        f"fio sweep: write {config_name(*c)}",
+                        lambda c=c, k=k: self._fio("write", c, k % SLOTS, record="sweep"),
+                    ),
+                    Step(
+                        f"fio sweep: read {config_name(*c)}",
+                        lambda c=c, k=k: self._fio("read", c, (k + 1) % SLOTS, record="sweep"),
+                    ),
+                ]
         for r in range(1, self.rounds + 1):
             group = 0 if r == 1 else r
             for rw, slot in (("write", r % SLOTS), ("read", (r + 1) % SLOTS)):
-                turn = [Step(f"raw {rw} (round {r})", lambda rw=rw, s=slot: self._raw(rw, s),
-                             group),
-                        Step(f"store {rw} (round {r})",
-                             lambda rw=rw, s=slot: self._store(rw, default, s), group)]
+                turn = [
+                    Step(f"raw {rw} (round {r})", lambda rw=rw, s=slot: self._raw(rw, s), group),
+                    Step(
+                        f"store {rw} (round {r})",
+                        lambda rw=rw, s=slot: self._store(rw, default, s),
+                        group,
+                    ),
+                ]
                 if self.fio:
-                    turn.append(Step(f"fio {rw} (round {r})",
-                                     lambda rw=rw, s=slot: self._fio_best(rw, s), group))
+                    turn.append(
+                        Step(
+                            f"fio {rw} (round {r})",
+                            lambda rw=rw, s=slot: self._fio_best(rw, s),
+                            group,
+                        )
+                    )
                 first = (r - 1) % len(turn)
                 plan += turn[first:] + turn[:first]
         for i, c in enumerate(OTHER_CHUNK_BYTES):
             mib, group = c // _MiB, self.rounds + 1 + i
             if i == 0:  # one store on disk at a time keeps the footprint at FOOTPRINT x size
-                plan.append(Step(f"store cleanup, {default // _MiB} MiB chunks",
-                                 lambda: self._drop_store(default), group))
-            plan += [*self._store_layout(c, group),
-                     Step(f"store write, {mib} MiB chunks",
-                          lambda c=c: self._store("write", c, 1), group),
-                     Step(f"store read, {mib} MiB chunks",
-                          lambda c=c: self._store("read", c, 0), group),
-                     Step(f"store cleanup, {mib} MiB chunks", lambda c=c: self._drop_store(c),
-                          group)]
+                plan.append(
+                    Step(
+                        f"store cleanup, {default // _MiB} MiB chunks",
+                        lambda: self._drop_store(default),
+                        group,
+                    )
+                )
+            plan += [
+                *self._store_layout(c, group),
+                Step(
+                    f"store write, {mib} MiB chunks", lambda c=c: self._store("write", c, 1), group
+                ),
+                Step(f"store read, {mib} MiB chunks", lambda c=c: self._store("read", c, 0), group),
+                Step(f"store cleanup, {mib} MiB chunks", lambda c=c: self._drop_store(c), group),
+            ]
         return plan
 
     def fio_configs(self) -> list[FioConfig]:
@@ -227,9 +263,15 @@ class DiskBench:
 
     def _store_layout(self, chunk_bytes: int, group: int = 0) -> list[Step]:
         label = f"store layout, {chunk_bytes // _MiB} MiB chunks"
-        return [Step(f"{label}, slot {s}",
-                     lambda s=s: self._store("write", chunk_bytes, s, record=False), group)
-                for s in range(SLOTS) for _ in range(2)]  # twice: fills the spare files
+        return [
+            Step(
+                f"{label}, slot {s}",
+                lambda s=s: self._store("write", chunk_bytes, s, record=False),
+                group,
+            )
+            for s in range(SLOTS)
+            for _ in range(2)
+        ]  # twice: fills the spare files
 
     def result(self) -> dict[str, Any]:
         """The `nvme`, `fio`, `ratios` and `per_round` (every round's GB/s, in run order) sections
@@ -247,9 +289,14 @@ class DiskBench:
             "rounds_planned": self.rounds,
             "direct_io": self._direct,
             "data": "random, sector stamps redrawn per write",
-            "chunk_sweep": [{"chunk_bytes": c, "read_gbps": self._best(f"store.{c}.read"),
-                             "write_gbps": self._best(f"store.{c}.write")}
-                            for c in sorted((*OTHER_CHUNK_BYTES, default))],
+            "chunk_sweep": [
+                {
+                    "chunk_bytes": c,
+                    "read_gbps": self._best(f"store.{c}.read"),
+                    "write_gbps": self._best(f"store.{c}.write"),
+                }
+                for c in sorted((*OTHER_CHUNK_BYTES, default))
+            ],
         }
         fio = None
         if self.fio:
@@ -259,19 +306,36 @@ class DiskBench:
                 gbps, reported = self._fio_sweep[rw][config]
                 fio[f"{rw}_gbps"] = round(max(gbps, *self._samples[f"fio.{rw}"]), 3)
                 fio[f"{rw}_gbps_fio_reported"] = round(
-                    max(reported, *self._samples[f"fio_reported.{rw}"]), 3)
+                    max(reported, *self._samples[f"fio_reported.{rw}"]), 3
+                )
                 fio[f"{rw}_config"] = config_name(*config)
-            fio["sweep"] = [{"config": config_name(*c),
-                             **{f"{rw}_gbps": round(self._fio_sweep[rw][c][0], 3)
-                                for rw in ("write", "read")}}
-                            for c in self.fio_configs()]
+            fio["sweep"] = [
+                {
+                    "config": config_name(*c),
+                    **{
+                        f"{rw}_gbps": round(self._fio_sweep[rw][c][0], 3)
+                        for rw in ("write", "read")
+                    },
+                }
+                for c in self.fio_configs()
+            ]
             fio["engines_skipped"] = dict(self._fio_skipped)
-        ratios = {f"{rw}_vs_{base}": self._paired_ratio(f"store.{default}.{rw}", f"{base}.{rw}")
-                  for base in ("raw", "fio") for rw in ("read", "write")}
-        per_round = {f"{name}_{rw}_gbps": [round(x, 3) for x in self._samples[f"{source}.{rw}"]]
-                  for name, source in (("store", f"store.{default}"), ("raw", "raw"),
-                                       ("fio", "fio"), ("fio_reported", "fio_reported"))
-                  for rw in ("write", "read") if f"{source}.{rw}" in self._samples}
+        ratios = {
+            f"{rw}_vs_{base}": self._paired_ratio(f"store.{default}.{rw}", f"{base}.{rw}")
+            for base in ("raw", "fio")
+            for rw in ("read", "write")
+        }
+        per_round = {
+            f"{name}_{rw}_gbps": [round(x, 3) for x in self._samples[f"{source}.{rw}"]]
+            for name, source in (
+                ("store", f"store.{default}"),
+                ("raw", "raw"),
+                ("fio", "fio"),
+                ("fio_reported", "fio_reported"),
+            )
+            for rw in ("write", "read")
+            if f"{source}.{rw}" in self._samples
+        }
         return {"nvme": nvme, "fio": fio, "ratios": ratios, "per_round": per_round}
 
     def _best(self, name: str) -> float | None:
@@ -301,7 +365,9 @@ class DiskBench:
         if rw == "write":
             self._stamp()
         path = os.path.join(self._work, f"raw.{slot}.bin")
-        seconds = time_raw(self.io_loop, memoryview(self._buf.numpy()), self.nbytes, path, rw, self._direct)
+        seconds = time_raw(
+            self.io_loop, memoryview(self._buf.numpy()), self.nbytes, path, rw, self._direct
+        )
         if record:
             self._record(f"raw.{rw}", self.nbytes / seconds / 1e9)
 
@@ -311,11 +377,14 @@ class DiskBench:
         if store is None:
             root = os.path.join(self._work, f"store-{chunk_bytes}")
             os.makedirs(root)
-            store = self._stores[chunk_bytes] = NvmeStore([root], chunk_bytes=chunk_bytes,
-                                                          direct=self._direct)
+            store = self._stores[chunk_bytes] = NvmeStore(
+                [root], chunk_bytes=chunk_bytes, direct=self._direct
+            )
             store.open()
-        shards = {f"bench/{slot}/s{i:04d}/r0": self._buf[off: off + self.shard_bytes]
-                  for i, off in enumerate(range(0, self.nbytes, self.shard_bytes))}
+        shards = {
+            f"bench/{slot}/s{i:04d}/r0": self._buf[off : off + self.shard_bytes]
+            for i, off in enumerate(range(0, self.nbytes, self.shard_bytes))
+        }
         if rw == "write":
             self._stamp()
         elif not self._direct:
@@ -350,8 +419,7 @@ class DiskBench:
         path = os.path.join(self._work, f"fio.{slot}.bin")
         log_dir = os.path.join(self._work, "fio-logs")
         os.makedirs(log_dir, exist_ok=True)
-        cmd = fio_command(rw, config, path, self.nbytes, self._direct,
-                          os.path.join(log_dir, "job"))
+        cmd = fio_command(rw, config, path, self.nbytes, self._direct, os.path.join(log_dir, "job"))
         try:
             report = run_fio(cmd, path)
             reported = report["jobs"][0][rw]["bw_bytes"] / 1e9

@@ -25,9 +25,7 @@ def home_bytes(
     """Bytes each tier's homes hold (gpu per rank, host and nvme per machine); a host home's
     keys as `host_keys(kind)` counts them (default: their bytes)."""
     w = work.world_size
-    stored_param = [
-        u.padded_numel if work.replicated else u.shard_numel for u in work.units
-    ]
+    stored_param = [u.padded_numel if work.replicated else u.shard_numel for u in work.units]
     state = [u.state_numel(0) for u in work.units]
     if work.one_weight(
         placement
@@ -39,9 +37,7 @@ def home_bytes(
         stored = stored_param if kind is StateKind.PARAM else state
         if home is Tier.HOST and host_keys is not None:
             homes[home] += host_keys(kind)
-        elif (
-            home is Tier.GPU and kind is not StateKind.PARAM
-        ):  # a device-pool key per piece
+        elif home is Tier.GPU and kind is not StateKind.PARAM:  # a device-pool key per piece
             homes[home] += sum(work.device_home_nbytes(kind, n) for n in stored)
         else:  # each unit's run in its stored format
             homes[home] += sum(work.nbytes(kind, n) for n in stored) * (
@@ -51,9 +47,7 @@ def home_bytes(
         w > 1 and work.stage == 1 and work.accumulate > 1
     ):  # each unit's whole fp32 gradient, between micro-batches
         full_grads = sum(min(u.padded_numel, u.trainable_numel) for u in work.units)
-        homes[placement.grad] += (
-            full_grads * FP32_NBYTES * (1 if placement.grad is Tier.GPU else w)
-        )
+        homes[placement.grad] += full_grads * FP32_NBYTES * (1 if placement.grad is Tier.GPU else w)
     return homes
 
 
@@ -63,9 +57,7 @@ def homes_floor(work: Workload, placement: Placement) -> dict[Tier, int]:
     host keys at their own bytes, before the pool's blocks round them up. A budget below it fits
     no streaming setting (`tierzero.planning.streaming`); arithmetic on a few sums."""
     homes = home_bytes(work, placement)
-    host = homes[Tier.HOST] + (
-        work.world_size * homes[Tier.GPU] if work.device == "cpu" else 0
-    )
+    host = homes[Tier.HOST] + (work.world_size * homes[Tier.GPU] if work.device == "cpu" else 0)
     return {Tier.GPU: homes[Tier.GPU], Tier.HOST: host, Tier.NVME: homes[Tier.NVME]}
 
 

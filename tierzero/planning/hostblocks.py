@@ -12,8 +12,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 from tierzero.config import Placement, StateKind, Tier
-from tierzero.planning.statebytes import FP32_NBYTES, FP32_STATE, StateBytes
 from tierzero.layout.partition import ALIGN_NUMEL
+from tierzero.planning.statebytes import FP32_NBYTES, FP32_STATE, StateBytes
 from tierzero.storage.base import ALIGN_BYTES
 from tierzero.storage.sizeclass import choose_classes
 
@@ -21,9 +21,17 @@ HOST_CLASSES = 8  # the host pool's size classes, at most
 HOST_ALIGN = ALIGN_BYTES  # the host pool's block alignment: a page (`HostPool`), direct I/O's too
 
 
-def key_sizes(kind: StateKind, shard: list[int], state: list[int], piece_numel: int, itemsize: int,
-              home: Tier, formats: StateBytes = FP32_STATE, one_weight: bool = False,
-              grad_itemsize: int = FP32_NBYTES) -> Counter[int]:
+def key_sizes(
+    kind: StateKind,
+    shard: list[int],
+    state: list[int],
+    piece_numel: int,
+    itemsize: int,
+    home: Tier,
+    formats: StateBytes = FP32_STATE,
+    one_weight: bool = False,
+    grad_itemsize: int = FP32_NBYTES,
+) -> Counter[int]:
     """One rank's stored keys of `kind` (`tiers.state_keys`), as bytes -> how many keys: a param
     is one key in a memory tier and pieces of its trainable prefix then its frozen rest on nvme;
     the other kinds, pieces of the trainable prefix in their stored format (grads of
@@ -36,8 +44,12 @@ def key_sizes(kind: StateKind, shard: list[int], state: list[int], piece_numel: 
         return keys
     if kind is not StateKind.PARAM:
         for s in state:
-            keys.update({formats.nbytes(kind, n, itemsize, grad_itemsize): k
-                         for n, k in piece_counts(s, piece_numel).items()})
+            keys.update(
+                {
+                    formats.nbytes(kind, n, itemsize, grad_itemsize): k
+                    for n, k in piece_counts(s, piece_numel).items()
+                }
+            )
     elif home is not Tier.NVME:
         keys.update(n * itemsize for n in shard if n > 0)
     else:
@@ -59,9 +71,19 @@ def _aligned_up(numel: int) -> int:
     return -(-numel // ALIGN_NUMEL) * ALIGN_NUMEL
 
 
-def host_classes(placement: Placement, shard: list[int], state: list[int], piece_numel: int, itemsize: int,
-                 tied: bool, step_on_host: bool, extra: Sequence[int] = (), formats: StateBytes = FP32_STATE,
-                 one_weight: bool = False, grad_itemsize: int = FP32_NBYTES) -> tuple[int, ...]:
+def host_classes(
+    placement: Placement,
+    shard: list[int],
+    state: list[int],
+    piece_numel: int,
+    itemsize: int,
+    tied: bool,
+    step_on_host: bool,
+    extra: Sequence[int] = (),
+    formats: StateBytes = FP32_STATE,
+    one_weight: bool = False,
+    grad_itemsize: int = FP32_NBYTES,
+) -> tuple[int, ...]:
     """The host pool's size classes: the fewest bytes lost rounding every size the engine
     leases there, each weighted by how many keys or buffers take it -- host homes' keys,
     nvme keys (staged through the host at open and in the step), param shards (staged and
@@ -71,8 +93,19 @@ def host_classes(placement: Placement, shard: list[int], state: list[int], piece
     for kind in StateKind:  # nvme keys are staged: at open, and (but frozen params) in the step
         home = placement.home(kind)
         if home is not Tier.GPU or (step_on_host and kind is not StateKind.PARAM):
-            sizes.update(key_sizes(kind, shard, state, piece_numel, itemsize, home, formats,
-                                   one_weight, grad_itemsize))
+            sizes.update(
+                key_sizes(
+                    kind,
+                    shard,
+                    state,
+                    piece_numel,
+                    itemsize,
+                    home,
+                    formats,
+                    one_weight,
+                    grad_itemsize,
+                )
+            )
     if placement.param is Tier.NVME:  # whole shards on their way to the device, then cached
         sizes.update(s * itemsize for s in shard)
     if tied:  # the stash of a sum: fp32

@@ -30,7 +30,9 @@ EMBEDDING_UNIT = "embedding"
 HEAD_UNIT = "head"
 ROOT_UNIT = "root"
 
-UnitSize = tuple[str, int]  # (unit name, parameter count): what the ledger counts of a partition `Unit`
+UnitSize = tuple[
+    str, int
+]  # (unit name, parameter count): what the ledger counts of a partition `Unit`
 
 
 class Stage(str, enum.Enum):
@@ -62,7 +64,9 @@ class LedgerRow:
     bytes_per_gpu: float
 
 
-def ledger(numel: int, world_size: int, compute_itemsize: int = 2, formats: StateBytes = FP32_STATE) -> list[LedgerRow]:
+def ledger(
+    numel: int, world_size: int, compute_itemsize: int = 2, formats: StateBytes = FP32_STATE
+) -> list[LedgerRow]:
     """Bytes per GPU of the training state under DDP and ZeRO stages 1-3, in `formats`.
 
     With a 2-byte compute dtype, fp32 state and N ranks: 16, 4 + 12/N, 2 + 14/N, 16/N bytes per
@@ -72,9 +76,14 @@ def ledger(numel: int, world_size: int, compute_itemsize: int = 2, formats: Stat
     check_world_size(world_size)
     rows = []
     for stage, partitioned in _PARTITIONED.items():
-        alike = world_size == 1 or (StateKind.PARAM in partitioned) == (StateKind.MASTER in partitioned)
-        per_param = sum(formats.per_param(k, compute_itemsize) / (world_size if k in partitioned else 1)
-                        for k in StateKind if not (k is StateKind.PARAM and formats.one_weight and alike))
+        alike = world_size == 1 or (StateKind.PARAM in partitioned) == (
+            StateKind.MASTER in partitioned
+        )
+        per_param = sum(
+            formats.per_param(k, compute_itemsize) / (world_size if k in partitioned else 1)
+            for k in StateKind
+            if not (k is StateKind.PARAM and formats.one_weight and alike)
+        )
         rows.append(LedgerRow(stage, per_param, per_param * numel))
     return rows
 
@@ -104,8 +113,14 @@ def format_rows(compute: DType) -> list[FormatRow]:
         for moments in StateFormat:
             f = StateBytes.for_compute(moments, master, compute)
             param = 0.0 if f.one_weight else f.per_param(StateKind.PARAM, c)
-            rows.append(FormatRow(f, param + f.per_param(StateKind.MASTER, c), f.per_param(StateKind.GRAD, c),
-                                  f.per_param(StateKind.EXP_AVG, c) + f.per_param(StateKind.EXP_AVG_SQ, c)))
+            rows.append(
+                FormatRow(
+                    f,
+                    param + f.per_param(StateKind.MASTER, c),
+                    f.per_param(StateKind.GRAD, c),
+                    f.per_param(StateKind.EXP_AVG, c) + f.per_param(StateKind.EXP_AVG_SQ, c),
+                )
+            )
     return rows
 
 
@@ -125,14 +140,18 @@ def parse_count(value: str, what: str = "parameter count") -> int:
     m = _COUNT_RE.match(value)
     count = round(float(m.group(1)) * _COUNT_SUFFIX[m.group(2).lower()]) if m else 0
     if count < 1:
-        raise ConfigError(f"{what} '{value}' is not a positive count; write it like 7e9, 70B or 125M")
+        raise ConfigError(
+            f"{what} '{value}' is not a positive count; write it like 7e9, 70B or 125M"
+        )
     return count
 
 
 def block_numel(args: ModelArgs) -> int:
     """Parameters of one transformer block: attention, SwiGLU MLP and two RMSNorm weights."""
     kv_dim = args.n_kv_heads * args.head_dim
-    return 2 * args.dim * args.dim + 2 * args.dim * kv_dim + 3 * args.dim * args.ffn_dim + 2 * args.dim
+    return (
+        2 * args.dim * args.dim + 2 * args.dim * kv_dim + 3 * args.dim * args.ffn_dim + 2 * args.dim
+    )
 
 
 def embedding_numel(args: ModelArgs) -> int:
@@ -149,8 +168,11 @@ def units_from_args(args: ModelArgs) -> list[UnitSize]:
     """The model's units in execution order, as the engine partitions the built-in model:
     `embedding`, `blocks.0` .. `blocks.{n-1}`, `head`."""
     block = block_numel(args)
-    return ([(EMBEDDING_UNIT, embedding_numel(args))] + [(f"blocks.{i}", block) for i in range(args.n_layers)]
-            + [(HEAD_UNIT, head_numel(args))])
+    return (
+        [(EMBEDDING_UNIT, embedding_numel(args))]
+        + [(f"blocks.{i}", block) for i in range(args.n_layers)]
+        + [(HEAD_UNIT, head_numel(args))]
+    )
 
 
 def nearest_preset(numel: int) -> str:
@@ -194,19 +216,29 @@ class ActivationEstimate:
 
     @property
     def kept_bytes(self) -> int:
-        return self.kept_blocks * self.recompute_bytes + (self.head_kept_bytes if self.kept_head else 0)
+        return self.kept_blocks * self.recompute_bytes + (
+            self.head_kept_bytes if self.kept_head else 0
+        )
 
     @property
     def forward_bytes(self) -> int:
         """Peak of the forward pass: every checkpoint and kept graph plus the larger of a block's
         or the loss's temporaries (the last block's forward runs with all but one checkpoint held)."""
-        return self.checkpoints_bytes + self.kept_bytes + max(self.block_forward_bytes, self.logits_bytes)
+        return (
+            self.checkpoints_bytes
+            + self.kept_bytes
+            + max(self.block_forward_bytes, self.logits_bytes)
+        )
 
     @property
     def backward_bytes(self) -> int:
         """Peak of the backward pass, weight gradients aside (the memory model adds those): the
         head's backward runs with every kept graph still held."""
-        return self.checkpoints_bytes + self.kept_bytes + max(self.block_backward_bytes, self.head_backward_bytes)
+        return (
+            self.checkpoints_bytes
+            + self.kept_bytes
+            + max(self.block_backward_bytes, self.head_backward_bytes)
+        )
 
     @property
     def total_bytes(self) -> int:
@@ -214,11 +246,18 @@ class ActivationEstimate:
 
 
 LOGITS_FORWARD_BYTES = 8  # per logit, loss without grad: the fp32 logits and their log-softmax
-LOGITS_BACKWARD_BYTES = 12  # per logit in backward: the saved log-softmax, its grad and the logits' grad
+LOGITS_BACKWARD_BYTES = (
+    12  # per logit in backward: the saved log-softmax, its grad and the logits' grad
+)
 
 
-def activation_memory(args: ModelArgs, batch_size: int, seq_len: int, compute_itemsize: int,
-                      loss_chunk_bytes: int | None = None) -> ActivationEstimate:
+def activation_memory(
+    args: ModelArgs,
+    batch_size: int,
+    seq_len: int,
+    compute_itemsize: int,
+    loss_chunk_bytes: int | None = None,
+) -> ActivationEstimate:
     """Peak activation bytes with per-unit checkpointing, for n = batch_size * seq_len tokens.
 
     With c = compute itemsize, D = dim, K = kv dim, F = ffn_dim, H = heads, V = vocab, and
@@ -246,33 +285,57 @@ def activation_memory(args: ModelArgs, batch_size: int, seq_len: int, compute_it
     (The per-logit and per-block factors were measured with RSS on the CPU, fp32.)
     """
     if batch_size < 1 or seq_len < 1:
-        raise ConfigError(f"batch size {batch_size} and sequence length {seq_len} must both be >= 1")
+        raise ConfigError(
+            f"batch size {batch_size} and sequence length {seq_len} must both be >= 1"
+        )
     if seq_len > args.max_seq_len:
-        raise ConfigError(f"sequence length {seq_len} exceeds the model's max_seq_len {args.max_seq_len}; "
-                          "plan for a shorter sequence")
+        raise ConfigError(
+            f"sequence length {seq_len} exceeds the model's max_seq_len {args.max_seq_len}; "
+            "plan for a shorter sequence"
+        )
     n, c, d, f = batch_size * seq_len, compute_itemsize, args.dim, args.ffn_dim
-    chunk = n if loss_chunk_bytes is None else min(n, max(1, loss_chunk_bytes // (FP32_NBYTES * args.vocab_size)))
+    chunk = (
+        n
+        if loss_chunk_bytes is None
+        else min(n, max(1, loss_chunk_bytes // (FP32_NBYTES * args.vocab_size)))
+    )
     checkpoints = (args.n_layers + 1) * n * d * c
     recompute = n * (7 * d * c + 4 * d * FP32_NBYTES + 4 * f * c) + n * args.n_heads * FP32_NBYTES
     return ActivationEstimate(
-        batch_size, seq_len, checkpoints,
+        batch_size,
+        seq_len,
+        checkpoints,
         block_forward_bytes=n * (3 * f + 2 * d) * c,
         recompute_bytes=recompute,
         block_backward_bytes=recompute + n * (3 * d + f) * c,
-        head_backward_bytes=n * d * (2 * FP32_NBYTES + c) + LOGITS_BACKWARD_BYTES * chunk * args.vocab_size,
+        head_backward_bytes=n * d * (2 * FP32_NBYTES + c)
+        + LOGITS_BACKWARD_BYTES * chunk * args.vocab_size,
         logits_bytes=LOGITS_FORWARD_BYTES * chunk * args.vocab_size,
         chunk_tokens=chunk,
-        head_kept_bytes=n * d * (2 * FP32_NBYTES + c) + (FP32_NBYTES * n * args.vocab_size if chunk >= n else 0))
+        head_kept_bytes=n * d * (2 * FP32_NBYTES + c)
+        + (FP32_NBYTES * n * args.vocab_size if chunk >= n else 0),
+    )
 
 
 def check_world_size(world_size: int) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"number of GPUs must be an integer >= 1, got {world_size!r}; pass --gpus 1 or more")
+        raise ConfigError(
+            f"number of GPUs must be an integer >= 1, got {world_size!r}; pass --gpus 1 or more"
+        )
 
 
-def waiting_activations_bytes(n_blocks: int, dim: int, vocab_size: int, tied: bool, tokens: int,
-                              accumulate: int, itemsize: int) -> int:
+def waiting_activations_bytes(
+    n_blocks: int,
+    dim: int,
+    vocab_size: int,
+    tied: bool,
+    tokens: int,
+    accumulate: int,
+    itemsize: int,
+) -> int:
     """Host bytes the vertical schedule's waiting activations take at most (`engine.vertical.boundary`,
     beyond its budget spilled to nvme): every micro-batch's input to every block, and a tied
     embedding's grads from the head (fp32), for `accumulate` micro-batches of `tokens` each."""
-    return accumulate * (n_blocks * tokens * dim * itemsize + (vocab_size * dim * FP32_NBYTES if tied else 0))
+    return accumulate * (
+        n_blocks * tokens * dim * itemsize + (vocab_size * dim * FP32_NBYTES if tied else 0)
+    )

@@ -72,8 +72,12 @@ def train_dtype(device: str) -> DType:
     return default_dtype(torch.device("cuda", 0) if device == "cuda" else torch.device("cpu"))
 
 
-def plan_budgets(gpu_mem: str | int | None, host_mem: str | int | None, nvme_free: str | int | None,
-                 nvme_path: Path) -> tuple[dict[Tier, int | None], list[str], str]:
+def plan_budgets(
+    gpu_mem: str | int | None,
+    host_mem: str | int | None,
+    nvme_free: str | int | None,
+    nvme_path: Path,
+) -> tuple[dict[Tier, int | None], list[str], str]:
     """The given sizes, else what `tierzero train` would take on this machine
     (`default_budgets`: half the free RAM, 90% of GPU 0's free memory, the free space
     at `nvme_path`); a note per size that was detected; and the compute device's kind ("cpu"
@@ -84,8 +88,9 @@ def plan_budgets(gpu_mem: str | int | None, host_mem: str | int | None, nvme_fre
     host = parse_bytes(host_mem, "--host-mem") if host_mem is not None else None
     gpu = parse_bytes(gpu_mem, "--gpu-mem") if gpu_mem is not None else None
     if host is None or (gpu is None and device == "cuda"):
-        host_default, gpu_default = default_budgets(torch.device("cuda", 0) if device == "cuda" and gpu is None
-                                                    else torch.device("cpu"))
+        host_default, gpu_default = default_budgets(
+            torch.device("cuda", 0) if device == "cuda" and gpu is None else torch.device("cpu")
+        )
         if host is None:
             host = host_default
             detected.append("host")
@@ -97,7 +102,9 @@ def plan_budgets(gpu_mem: str | int | None, host_mem: str | int | None, nvme_fre
     nvme = parse_bytes(nvme_free, "--nvme-free") if nvme_free is not None else None
     if nvme is None:
         if not nvme_path.is_dir():
-            raise ConfigError(f"--nvme-path '{nvme_path}' is not a directory; give an existing one or --nvme-free")
+            raise ConfigError(
+                f"--nvme-path '{nvme_path}' is not a directory; give an existing one or --nvme-free"
+            )
         nvme = free_disk_bytes([nvme_path])
         detected.append("nvme")
     return {Tier.GPU: gpu, Tier.HOST: host, Tier.NVME: nvme}, detected, device

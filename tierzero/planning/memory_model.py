@@ -94,6 +94,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tierzero.compact.step import scratch_nbytes
 from tierzero.config import OPTIMIZER_KINDS, Placement, StateKind, Tier
 from tierzero.layout.partition import Unit, forward_only, forward_uses
 from tierzero.planning.homes import home_bytes
@@ -102,13 +103,21 @@ from tierzero.planning.ledger import FP32_NBYTES, ActivationEstimate
 from tierzero.planning.peaks import MemoryModel, TierPeak, tier_peak
 from tierzero.planning.swapplan import Op, build_swap_plan
 from tierzero.planning.workload import Workload, steps_on_gpu
-from tierzero.compact.step import scratch_nbytes
 from tierzero.storage.sizeclass import class_for
 
 # the parts each tier's buffer pool holds (its budget covers these and the homes)
-POOLED = {Tier.GPU: frozenset({"params in flight", "optimizer pieces", "tied grad stash"}),
-          Tier.HOST: frozenset({"param staging", "grad staging", "tied grad stash", "optimizer pieces",
-                                "new param staging"})}
+POOLED = {
+    Tier.GPU: frozenset({"params in flight", "optimizer pieces", "tied grad stash"}),
+    Tier.HOST: frozenset(
+        {
+            "param staging",
+            "grad staging",
+            "tied grad stash",
+            "optimizer pieces",
+            "new param staging",
+        }
+    ),
+}
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 PARAM_SYNC = "param sync"  # stage 1/2: each unit's new values all-gathered after the step
@@ -122,7 +131,12 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
     docstring says what each part is.
     """
     units, device = work.units, work.device
-    w, c, depth, piece_numel = work.world_size, work.compute_itemsize, work.prefetch_depth, work.piece_numel
+    w, c, depth, piece_numel = (
+        work.world_size,
+        work.compute_itemsize,
+        work.prefetch_depth,
+        work.piece_numel,
+    )
     padded = [u.padded_numel for u in units]
     shard = [u.shard_numel for u in units]
     replicated = work.replicated
@@ -138,10 +152,23 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
     rounded = g if g < FP32_NBYTES else 0
 
     step_on_gpu = steps_on_gpu(placement)
-    sync = [s * c for s in shard] if replicated and placement.param is Tier.NVME else []  # param sync staging
+    sync = (
+        [s * c for s in shard] if replicated and placement.param is Tier.NVME else []
+    )  # param sync staging
     formats, one_weight = work.formats, work.one_weight(placement)
-    classes = host_classes(placement, stored_param, state, piece_numel, c, tied=tied, step_on_host=not step_on_gpu,
-                           extra=sync, formats=formats, one_weight=one_weight, grad_itemsize=g)
+    classes = host_classes(
+        placement,
+        stored_param,
+        state,
+        piece_numel,
+        c,
+        tied=tied,
+        step_on_host=not step_on_gpu,
+        extra=sync,
+        formats=formats,
+        one_weight=one_weight,
+        grad_itemsize=g,
+    )
 
     def blocks(sizes: Sequence[int]) -> int:
         """Host buffers of one rank at their classes' capacities."""
@@ -155,17 +182,23 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
         return blocks([p * FP32_NBYTES for p in pieces])
 
     def host_keys(kind: StateKind) -> Counter[int]:
-        return key_sizes(kind, stored_param, state, piece_numel, c, Tier.HOST, formats, one_weight,
-                         g)
+        return key_sizes(
+            kind, stored_param, state, piece_numel, c, Tier.HOST, formats, one_weight, g
+        )
 
     # a host home: a block per key
     homes = home_bytes(work, placement, lambda kind: w * counted_blocks(host_keys(kind)))
 
     # -- the pass: params in flight as the swap plan holds them
     plan = build_swap_plan(calls, depth, backward=True, held=held, forward_only=forward_only(units))
-    flight, staging, staged_blocks = _param_peaks(plan, stored_param, c, placement.param,
-                                                  staged_until_release=device == "cuda",
-                                                  staged_bytes=lambda u: blocks([stored_param[u] * c]))
+    flight, staging, staged_blocks = _param_peaks(
+        plan,
+        stored_param,
+        c,
+        placement.param,
+        staged_until_release=device == "cuda",
+        staged_bytes=lambda u: blocks([stored_param[u] * c]),
+    )
     full = [sum(padded[u] for u in call) * c for call in calls]
     if w == 1 or replicated:
         gathered = 0
@@ -174,7 +207,9 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
         gathered = max(a + b for a, b in zip(order, order[1:] + [0]))
     else:
         gathered = max(full)
-    reducing = work.overlap_comm and w > 1  # the previous call's reduce-scatter finishes a call later
+    reducing = (
+        work.overlap_comm and w > 1
+    )  # the previous call's reduce-scatter finishes a call later
     act = work.activations
     # every piece in the order they stream, each unit's run of whole pieces cut to the longest
     # window asked for: the windows' contents are the same, and at small pieces there are millions
@@ -189,23 +224,40 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
         worst = (0, 0)
         for i, call in enumerate(calls):
             weights = sum(trained[u] * c for u in call)
-            flat = sum((state[u] if w == 1 else padded[u] + state[u]) * FP32_NBYTES
-                       for u in call if state[u])
+            flat = sum(
+                (state[u] if w == 1 else padded[u] + state[u]) * FP32_NBYTES
+                for u in call
+                if state[u]
+            )
             flat += max(min(piece_numel, state[u]) for u in call) * rounded
             after = calls[i + 1] if final_with_overlap and i + 1 < len(calls) else ()
-            stepping = sum(state[u] * FP32_NBYTES for u in after)  # handed to the optimizer just before
+            stepping = sum(
+                state[u] * FP32_NBYTES for u in after
+            )  # handed to the optimizer just before
             if reducing and i + 1 < len(calls):  # backpropagated just before: still being reduced
                 stepping += sum((padded[u] + shard[u]) * FP32_NBYTES for u in calls[i + 1])
             recompute = _recompute_bytes(units[call[0]], act)
-            moment = (recompute, weights + stepping) if recompute > flat else (0, weights + flat + stepping)
+            moment = (
+                (recompute, weights + stepping)
+                if recompute > flat
+                else (0, weights + flat + stepping)
+            )
             worst = max(worst, moment, key=sum)
-        gpu = {"params in flight": flight[BACKWARD], "gathered params": gathered,
-               "activations": (act.checkpoints_bytes + act.kept_bytes if act else 0) + worst[0], "unit grads": worst[1]}
+        gpu = {
+            "params in flight": flight[BACKWARD],
+            "gathered params": gathered,
+            "activations": (act.checkpoints_bytes + act.kept_bytes if act else 0) + worst[0],
+            "unit grads": worst[1],
+        }
         host = {"param staging": [stored_param[u] * c for u in staging[BACKWARD]]}
-        if placement.grad is Tier.NVME and not final_with_overlap:  # pieces written, read-ahead deep
+        if (
+            placement.grad is Tier.NVME and not final_with_overlap
+        ):  # pieces written, read-ahead deep
             host["grad staging"] = [p * g for p in _window(pieces, max(1, depth) + 1, fp32_blocks)]
         if tied:  # the first use's grad waits in a host buffer (in the device pool with a device
-            stash = state[0] * FP32_NBYTES  # grad home) and is copied to the compute device for the sum
+            stash = (
+                state[0] * FP32_NBYTES
+            )  # grad home) and is copied to the compute device for the sum
             host["tied grad stash"] = [stash] if placement.grad is not Tier.GPU else []
             gpu["tied grad stash"] = stash if placement.grad is Tier.GPU else 0
             gpu["tied grad sum"] = stash
@@ -214,25 +266,43 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
     # -- the optimizer, piece by piece on its stepping device
     step_tier = Tier.GPU if step_on_gpu else Tier.HOST
     step_device = device if step_on_gpu else "cpu"
-    scratch = scratch_nbytes(step_device) if formats.compact else 0  # kept from the compact step's first use
+    scratch = (
+        scratch_nbytes(step_device) if formats.compact else 0
+    )  # kept from the compact step's first use
     upcast = min(piece_numel, max(state)) * FP32_NBYTES if rounded else 0  # a piece, as stepped
     # writes that outlive their piece's step: to nvme, or from a host step up to the device (h2d)
-    writing = any(placement.home(k) is Tier.NVME or (placement.home(k) is Tier.GPU and step_device != device)
-                  for k in StateKind if k is not StateKind.GRAD)
+    writing = any(
+        placement.home(k) is Tier.NVME or (placement.home(k) is Tier.GPU and step_device != device)
+        for k in StateKind
+        if k is not StateKind.GRAD
+    )
 
     def optimizer(during_backward: bool) -> dict[Tier, dict[str, int]]:
         # in backward the grad is handed over on the compute device: in place when it steps there
-        grad_in_place = device == step_device if during_backward else _in_place(placement.grad, device, step_device)
+        grad_in_place = (
+            device == step_device
+            if during_backward
+            else _in_place(placement.grad, device, step_device)
+        )
         away = [k for k in OPTIMIZER_KINDS if not _in_place(placement.home(k), device, step_device)]
         away += [] if grad_in_place else [StateKind.GRAD]
         ahead = max(1, depth)
-        if during_backward:  # unit u steps as u-1 computes: the first `ahead` pieces of both are read
+        if (
+            during_backward
+        ):  # unit u steps as u-1 computes: the first `ahead` pieces of both are read
             # ahead, and the last piece of u+1 (stepped before u) may still be in flight
-            per_unit = [_stream([s], piece_numel, ahead) for s in state]  # each unit's first `ahead` pieces
+            per_unit = [
+                _stream([s], piece_numel, ahead) for s in state
+            ]  # each unit's first `ahead` pieces
             last = [_stream([s], piece_numel, 1)[-1:] for s in state]
-            most = max(([*per_unit[u][:ahead], *(per_unit[u - 1][:ahead] if u > 0 else [])]
-                        + (last[u + 1] if u + 1 < len(per_unit) else [])
-                        for u in range(len(per_unit))), key=fp32_blocks)
+            most = max(
+                (
+                    [*per_unit[u][:ahead], *(per_unit[u - 1][:ahead] if u > 0 else [])]
+                    + (last[u + 1] if u + 1 < len(per_unit) else [])
+                    for u in range(len(per_unit))
+                ),
+                key=fp32_blocks,
+            )
         else:  # `ahead` pieces read, one more whose writes are in flight
             most = _window(pieces, ahead + (1 if writing else 0), fp32_blocks)
         parts: dict[Tier, dict[str, list[int] | int]] = {Tier.GPU: {}, Tier.HOST: {}}
@@ -247,16 +317,25 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
             parts[Tier.HOST]["optimizer pieces"] = sized
         else:
             parts[Tier.GPU]["optimizer pieces"] = sum(sized)
-        if not one_weight and (placement.param is Tier.NVME or (placement.param is Tier.GPU and step_device != device)):
+        if not one_weight and (
+            placement.param is Tier.NVME or (placement.param is Tier.GPU and step_device != device)
+        ):
             # each stepped piece's new params, written (to nvme, or up to the device) from a host buffer
             parts[Tier.HOST]["new param staging"] = [min(piece_numel, max(state)) * c]
         return parts
 
-    forward = {Tier.GPU: {"params in flight": flight[FORWARD], "gathered params": gathered,
-                          "activations": act.forward_bytes if act else 0},
-               Tier.HOST: {"param staging": [stored_param[u] * c for u in staging[FORWARD]]}}
+    forward = {
+        Tier.GPU: {
+            "params in flight": flight[FORWARD],
+            "gathered params": gathered,
+            "activations": act.forward_bytes if act else 0,
+        },
+        Tier.HOST: {"param staging": [stored_param[u] * c for u in staging[FORWARD]]},
+    }
     phases: dict[str, dict[Tier, dict[str, Any]]] = {FORWARD: forward}
-    if not work.overlap or work.accumulate > 1:  # micro-batches whose grads are stored in their home
+    if (
+        not work.overlap or work.accumulate > 1
+    ):  # micro-batches whose grads are stored in their home
         phases[BACKWARD] = backward(final_with_overlap=False)
     if work.overlap:  # the last micro-batch: each unit is stepped as its grad arrives
         bwd, step = backward(final_with_overlap=True), optimizer(during_backward=True)
@@ -264,25 +343,42 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
     else:
         phases[OPTIMIZER] = optimizer(during_backward=False)
     if replicated:  # one unit at a time: its gathered values, and this rank's range read from nvme
-        phases[PARAM_SYNC] = {Tier.GPU: {"gathered params": max(padded) * c + max(shard) * c},
-                              Tier.HOST: {"param staging": [max(shard) * c] if placement.param is Tier.NVME else [],
-                                          "new param staging": [min(piece_numel, max(shard)) * c]
-                                          if placement.param is Tier.NVME else []}}
+        phases[PARAM_SYNC] = {
+            Tier.GPU: {"gathered params": max(padded) * c + max(shard) * c},
+            Tier.HOST: {
+                "param staging": [max(shard) * c] if placement.param is Tier.NVME else [],
+                "new param staging": [min(piece_numel, max(shard)) * c]
+                if placement.param is Tier.NVME
+                else [],
+            },
+        }
     for name, parts in phases.items():  # host parts: one rank's buffers -> every rank's bytes
         buffers[name] = parts[Tier.HOST]
         parts[Tier.HOST] = {k: w * blocks(v) for k, v in parts[Tier.HOST].items()}
 
-    tiers = {t: tier_peak(t, homes[t], {name: parts[t] for name, parts in phases.items()}, POOLED[t])
-             for t in (Tier.GPU, Tier.HOST)}
+    tiers = {
+        t: tier_peak(t, homes[t], {name: parts[t] for name, parts in phases.items()}, POOLED[t])
+        for t in (Tier.GPU, Tier.HOST)
+    }
     tiers[Tier.NVME] = TierPeak(Tier.NVME, homes[Tier.NVME], {}, "every phase", {}, "every phase")
     # with room, the host pool holds per class the blocks of the moment that needs most of that
     # class: a block never serves another class's lease
     # (in the pass, param staging at every moment of the swap plan, not only at its peak)
-    in_pass = {FORWARD: staged_blocks[FORWARD], BACKWARD: staged_blocks[BACKWARD],
-               BACKWARD_AND_STEP: staged_blocks[BACKWARD]}
-    in_phase = {name: Counter(class_for(n, classes, HOST_ALIGN) for part, bufs in parts.items() for n in bufs
-                              if part != "param staging" or name not in in_pass) | in_pass.get(name, Counter())
-                for name, parts in buffers.items()}
+    in_pass = {
+        FORWARD: staged_blocks[FORWARD],
+        BACKWARD: staged_blocks[BACKWARD],
+        BACKWARD_AND_STEP: staged_blocks[BACKWARD],
+    }
+    in_phase = {
+        name: Counter(
+            class_for(n, classes, HOST_ALIGN)
+            for part, bufs in parts.items()
+            for n in bufs
+            if part != "param staging" or name not in in_pass
+        )
+        | in_pass.get(name, Counter())
+        for name, parts in buffers.items()
+    }
     host_blocks = Counter(dict.fromkeys(classes, 0))
     for kind in StateKind:  # the homes' keys, each written into a block of the pool at open
         if placement.home(kind) is Tier.HOST:
@@ -292,29 +388,56 @@ def peak_memory(work: Workload, placement: Placement) -> MemoryModel:
     for counts in in_phase.values():
         for k, n in counts.items():
             working[k] = max(working[k], n)
-    at_peak = Counter(class_for(n, classes, HOST_ALIGN)
-                      for bufs in buffers[tiers[Tier.HOST].pooled_phase].values() for n in bufs)
+    at_peak = Counter(
+        class_for(n, classes, HOST_ALIGN)
+        for bufs in buffers[tiers[Tier.HOST].pooled_phase].values()
+        for n in bufs
+    )
     host_blocks.update(at_peak)
     host_memory = tiers[Tier.HOST]
     if device == "cpu":  # one RAM: both pools, each at its own peak, and the compute allocations
         gpu, host = tiers[Tier.GPU], tiers[Tier.HOST]
-        unpooled = tier_peak(Tier.HOST, 0, {name: {**{k: v * w for k, v in parts[Tier.GPU].items()},
-                                                    **{f"host {k}": v for k, v in parts[Tier.HOST].items()}}
-                                             for name, parts in phases.items()},
-                              frozenset(POOLED[Tier.GPU] | {f"host {k}" for k in POOLED[Tier.HOST]}))
-        host_memory = TierPeak(Tier.HOST, host.homes_bytes + w * gpu.homes_bytes,
-                               {**{f"compute {k}": w * v for k, v in gpu.pooled.items()}, **host.pooled},
-                               f"compute pool at {gpu.pooled_phase}, host pool at {host.pooled_phase}",
-                               unpooled.unpooled, unpooled.unpooled_phase)
+        unpooled = tier_peak(
+            Tier.HOST,
+            0,
+            {
+                name: {
+                    **{k: v * w for k, v in parts[Tier.GPU].items()},
+                    **{f"host {k}": v for k, v in parts[Tier.HOST].items()},
+                }
+                for name, parts in phases.items()
+            },
+            frozenset(POOLED[Tier.GPU] | {f"host {k}" for k in POOLED[Tier.HOST]}),
+        )
+        host_memory = TierPeak(
+            Tier.HOST,
+            host.homes_bytes + w * gpu.homes_bytes,
+            {**{f"compute {k}": w * v for k, v in gpu.pooled.items()}, **host.pooled},
+            f"compute pool at {gpu.pooled_phase}, host pool at {host.pooled_phase}",
+            unpooled.unpooled,
+            unpooled.unpooled_phase,
+        )
     elif (scratch or upcast) and step_tier is Tier.HOST:  # a GPU machine's host step: RAM outside
         # the host pool
         host_step = (("compact scratch", scratch), ("grad upcast", upcast))
         unpooled = {**host_memory.unpooled, **{k: w * v for k, v in host_step if v}}
         host_memory = dataclasses.replace(host_memory, unpooled=unpooled)
-    cached = Counter(class_for(n * c, classes, HOST_ALIGN) for n in stored_param) if placement.param is Tier.NVME \
+    cached = (
+        Counter(class_for(n * c, classes, HOST_ALIGN) for n in stored_param)
+        if placement.param is Tier.NVME
         else Counter()
+    )
     cache = w * sum(k * n for k, n in cached.items())
-    return MemoryModel(device, w, tiers, host_memory, cache, dict(host_blocks), dict(working - at_peak), dict(cached))
+    return MemoryModel(
+        device,
+        w,
+        tiers,
+        host_memory,
+        cache,
+        dict(host_blocks),
+        dict(working - at_peak),
+        dict(cached),
+    )
 
 
 def _recompute_bytes(unit: Unit, act: ActivationEstimate | None) -> int:
@@ -333,8 +456,14 @@ def _in_place(home: Tier, device: str, step_device: str) -> bool:
     return (device if home is Tier.GPU else "cpu") == step_device
 
 
-def _param_peaks(plan: Any, shard: list[int], itemsize: int, home: Tier, staged_until_release: bool,
-                 staged_bytes: Callable[[int], int]) -> tuple[dict[str, int], dict[str, list[int]], dict[str, Counter[int]]]:
+def _param_peaks(
+    plan: Any,
+    shard: list[int],
+    itemsize: int,
+    home: Tier,
+    staged_until_release: bool,
+    staged_bytes: Callable[[int], int],
+) -> tuple[dict[str, int], dict[str, list[int]], dict[str, Counter[int]]]:
     """Per phase of the pass, replaying the swap plan's fetches, waits and releases: the peak
     bytes of param shards on the device; the units in host staging at its peak (by
     `staged_bytes`, a unit's host block); and the most host blocks of each size staged at once."""
@@ -380,4 +509,4 @@ def _stream(state: list[int], piece_numel: int, most: int) -> list[int]:
 def _window(pieces: list[int], n: int, nbytes: Callable[[Sequence[int]], int]) -> list[int]:
     """The `n` consecutive pieces (the engine streams them in unit order) whose buffers take
     the most bytes (`nbytes`)."""
-    return max((pieces[j:j + n] for j in range(len(pieces))), key=nbytes, default=[])
+    return max((pieces[j : j + n] for j in range(len(pieces))), key=nbytes, default=[])

@@ -15,6 +15,7 @@ from typing import Any
 from tierzero.config import Tier
 from tierzero.planning.ledger import GB
 
+
 @dataclass(frozen=True)
 class TierPeak:
     """One tier at its busiest: its homes, its pool's working set at the pool's busiest phase
@@ -52,8 +53,16 @@ class TierPeak:
         """`homes 10.00 GB`, then each working part with the phase where it peaks:
         `param staging 1.20 GB (backward)`."""
         terms = [f"homes {format_bytes(self.homes_bytes)}"]
-        terms += [f"{name} {format_bytes(n)} ({self.pooled_phase})" for name, n in self.pooled.items() if n]
-        terms += [f"{name} {format_bytes(n)} ({self.unpooled_phase})" for name, n in self.unpooled.items() if n]
+        terms += [
+            f"{name} {format_bytes(n)} ({self.pooled_phase})"
+            for name, n in self.pooled.items()
+            if n
+        ]
+        terms += [
+            f"{name} {format_bytes(n)} ({self.unpooled_phase})"
+            for name, n in self.unpooled.items()
+            if n
+        ]
         return terms
 
     def breakdown(self) -> str:
@@ -62,16 +71,29 @@ class TierPeak:
 
     def divided(self, n: int) -> TierPeak:
         """Every figure over `n` (one rank's share of a machine-wide peak)."""
+
         def share(parts: dict[str, int]) -> dict[str, int]:
             return {k: v // n for k, v in parts.items()}
 
-        return TierPeak(self.tier, self.homes_bytes // n, share(self.pooled), self.pooled_phase,
-                        share(self.unpooled), self.unpooled_phase)
+        return TierPeak(
+            self.tier,
+            self.homes_bytes // n,
+            share(self.pooled),
+            self.pooled_phase,
+            share(self.unpooled),
+            self.unpooled_phase,
+        )
 
     def as_dict(self) -> dict[str, Any]:
-        return {"peak_bytes": self.peak_bytes, "homes_bytes": self.homes_bytes, "pool_bytes": self.pool_bytes,
-                "pooled": dict(self.pooled), "pooled_phase": self.pooled_phase,
-                "unpooled": dict(self.unpooled), "unpooled_phase": self.unpooled_phase}
+        return {
+            "peak_bytes": self.peak_bytes,
+            "homes_bytes": self.homes_bytes,
+            "pool_bytes": self.pool_bytes,
+            "pooled": dict(self.pooled),
+            "pooled_phase": self.pooled_phase,
+            "unpooled": dict(self.unpooled),
+            "unpooled_phase": self.unpooled_phase,
+        }
 
 
 @dataclass(frozen=True)
@@ -116,14 +138,19 @@ class MemoryModel:
         device that includes the gpu tier, which lives there too; its own budget then bounds
         only its pool (the compute allocations are host memory like the rest)."""
         gpu = self.tiers[Tier.GPU]
-        return {Tier.GPU: gpu.pool_bytes if self.device == "cpu" else gpu.peak_bytes,
-                Tier.HOST: self.host_total_bytes, Tier.NVME: self.tiers[Tier.NVME].peak_bytes}
+        return {
+            Tier.GPU: gpu.pool_bytes if self.device == "cpu" else gpu.peak_bytes,
+            Tier.HOST: self.host_total_bytes,
+            Tier.NVME: self.tiers[Tier.NVME].peak_bytes,
+        }
 
     def breakdown(self) -> list[str]:
         lines = [self.tiers[t].breakdown() for t in (Tier.GPU, Tier.HOST, Tier.NVME)]
         if self.device == "cpu":
             lines[0] += " (on the CPU device: host memory)"
-            lines.append(f"host memory {format_bytes(self.host_total_bytes)} = host + gpu tiers, both in RAM")
+            lines.append(
+                f"host memory {format_bytes(self.host_total_bytes)} = host + gpu tiers, both in RAM"
+            )
         return lines
 
     def per_rank(self) -> MemoryModel:
@@ -133,24 +160,49 @@ class MemoryModel:
         w = self.world_size
         if w == 1:
             return self
-        tiers = {**self.tiers, Tier.HOST: self.tiers[Tier.HOST].divided(w), Tier.NVME: self.tiers[Tier.NVME].divided(w)}
-        return MemoryModel(self.device, 1, tiers, self.host_memory.divided(w), self.host_cache_bytes // w,
-                           self.host_blocks, self.host_moment_blocks, self.host_cache_blocks)
+        tiers = {
+            **self.tiers,
+            Tier.HOST: self.tiers[Tier.HOST].divided(w),
+            Tier.NVME: self.tiers[Tier.NVME].divided(w),
+        }
+        return MemoryModel(
+            self.device,
+            1,
+            tiers,
+            self.host_memory.divided(w),
+            self.host_cache_bytes // w,
+            self.host_blocks,
+            self.host_moment_blocks,
+            self.host_cache_blocks,
+        )
 
     def as_dict(self) -> dict[str, Any]:
-        return {"device": self.device, "tiers": {t.value: p.as_dict() for t, p in self.tiers.items()},
-                "host_total_bytes": self.host_total_bytes, "host_cache_bytes": self.host_cache_bytes}
+        return {
+            "device": self.device,
+            "tiers": {t.value: p.as_dict() for t, p in self.tiers.items()},
+            "host_total_bytes": self.host_total_bytes,
+            "host_cache_bytes": self.host_cache_bytes,
+        }
 
 
-def tier_peak(tier: Tier, homes: int, phases: dict[str, dict[str, int]], pooled: frozenset[str]) -> TierPeak:
+def tier_peak(
+    tier: Tier, homes: int, phases: dict[str, dict[str, int]], pooled: frozenset[str]
+) -> TierPeak:
     """The pooled parts at the phase where they are largest, and the rest at theirs."""
+
     def split(parts: dict[str, int], in_pool: bool) -> dict[str, int]:
         return {k: v for k, v in parts.items() if (k in pooled) == in_pool}
 
     pool_phase = max(phases, key=lambda p: sum(split(phases[p], True).values()))
     other_phase = max(phases, key=lambda p: sum(split(phases[p], False).values()))
-    return TierPeak(tier, homes, split(phases[pool_phase], True), pool_phase,
-                    split(phases[other_phase], False), other_phase)
+    return TierPeak(
+        tier,
+        homes,
+        split(phases[pool_phase], True),
+        pool_phase,
+        split(phases[other_phase], False),
+        other_phase,
+    )
 
 
 def format_bytes(nbytes: int) -> str:

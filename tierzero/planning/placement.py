@@ -33,6 +33,7 @@ from tierzero.planning.ledger import GB
 from tierzero.planning.memory_model import peak_memory
 from tierzero.planning.peaks import MemoryModel
 from tierzero.planning.workload import Workload, steps_on_gpu
+
 FLOPS_PER_PARAM_TOKEN = 8  # 2 forward + 4 backward + 2 for the checkpointed forward recomputed
 
 
@@ -51,8 +52,10 @@ _PCIE_LINKS = (Link.HOST_TO_GPU, Link.GPU_TO_HOST)
 def candidate_placements() -> list[Placement]:
     """All-gpu, then stage 3 with params on gpu/host/nvme, grads on host/nvme and the optimizer
     states (master, exp_avg, exp_avg_sq, always together) on host/nvme: fastest tiers first."""
-    offloaded = [Placement(param, grad, opt, opt, opt)
-                 for param, grad, opt in itertools.product(_TIER_ORDER, _TIER_ORDER[1:], _TIER_ORDER[1:])]
+    offloaded = [
+        Placement(param, grad, opt, opt, opt)
+        for param, grad, opt in itertools.product(_TIER_ORDER, _TIER_ORDER[1:], _TIER_ORDER[1:])
+    ]
     return [Placement()] + offloaded
 
 
@@ -72,21 +75,30 @@ def load_profile(path: str | Path) -> Profile:
     """Read a bench profile; a missing or malformed file is a ConfigError naming the key."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"profile '{p}' does not exist; write one with `tierzero bench --profile-out {p}`")
+        raise ConfigError(
+            f"profile '{p}' does not exist; write one with `tierzero bench --profile-out {p}`"
+        )
     try:
         d = json.loads(p.read_text())
         h2d = d["h2d"]
         profile = Profile(
-            nvme_read_gbps=float(d["nvme"]["read_gbps"]), nvme_write_gbps=float(d["nvme"]["write_gbps"]),
+            nvme_read_gbps=float(d["nvme"]["read_gbps"]),
+            nvme_write_gbps=float(d["nvme"]["write_gbps"]),
             adam_params_per_s=float(d["adam"]["params_per_s"]),
-            fp32_tflops=float(d["compute"]["fp32_tflops"]), bf16_tflops=float(d["compute"]["bf16_tflops"]),
-            h2d_pinned_gbps=None if h2d is None else float(h2d["pinned_gbps"]))
+            fp32_tflops=float(d["compute"]["fp32_tflops"]),
+            bf16_tflops=float(d["compute"]["bf16_tflops"]),
+            h2d_pinned_gbps=None if h2d is None else float(h2d["pinned_gbps"]),
+        )
     except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"profile '{p}' is malformed ({type(e).__name__}: {e}); "
-                          "re-run `tierzero bench --profile-out` to rewrite it") from None
+        raise ConfigError(
+            f"profile '{p}' is malformed ({type(e).__name__}: {e}); "
+            "re-run `tierzero bench --profile-out` to rewrite it"
+        ) from None
     speeds = [v for v in vars(profile).values() if v is not None]
     if not all(math.isfinite(v) and v > 0 for v in speeds):
-        raise ConfigError(f"profile '{p}' has a speed that is not a positive number; re-run `tierzero bench`")
+        raise ConfigError(
+            f"profile '{p}' has a speed that is not a positive number; re-run `tierzero bench`"
+        )
     return profile
 
 
@@ -108,14 +120,18 @@ class PlacementEstimate:
         return {t: n for t, n in over.items() if n > 0}
 
     def as_dict(self) -> dict[str, Any]:
-        return {"placement": {k.value: self.placement.home(k).value for k in StateKind},
-                "resident_bytes": {t.value: n for t, n in self.resident_bytes.items()},
-                "moved_bytes": {link.value: n for link, n in self.moved_bytes.items()},
-                "predicted_step_s": self.predicted_step_s,
-                "memory": None if self.memory is None else self.memory.as_dict()}
+        return {
+            "placement": {k.value: self.placement.home(k).value for k in StateKind},
+            "resident_bytes": {t.value: n for t, n in self.resident_bytes.items()},
+            "moved_bytes": {link.value: n for link, n in self.moved_bytes.items()},
+            "predicted_step_s": self.predicted_step_s,
+            "memory": None if self.memory is None else self.memory.as_dict(),
+        }
 
 
-def estimate(placement: Placement, work: Workload, profile: Profile | None = None) -> PlacementEstimate:
+def estimate(
+    placement: Placement, work: Workload, profile: Profile | None = None
+) -> PlacementEstimate:
     """Cost `placement` for `work`; see the module docstring for the conventions. What each
     tier holds at peak is the one memory model's (`memory_model.peak_memory`)."""
     fwd_bwd, optimizer = _traffic(placement, work)
@@ -143,14 +159,21 @@ def _traffic(p: Placement, w: Workload) -> tuple[dict[Link, int], dict[Link, int
     whole; grads, optimizer states and the stepped params only for trainable parameters, each
     state in its stored format (`Workload.formats`). Where the param is the master (one bf16
     tensor on one tier) the master's write is the new param's."""
+
     def move(moved: dict[Link, int], kind: StateKind, src: Tier, dst: Tier, times: int = 1) -> None:
-        nbytes = w.nbytes(kind, w.param_numel) if kind is StateKind.PARAM and moved is fwd_bwd else w.state_nbytes(kind)
+        nbytes = (
+            w.nbytes(kind, w.param_numel)
+            if kind is StateKind.PARAM and moved is fwd_bwd
+            else w.state_nbytes(kind)
+        )
         for link in _hops(src, dst):
             ranks = w.world_size if link in _NVME_LINKS else 1
             moved[link] += times * ranks * nbytes
 
     fwd_bwd = dict.fromkeys(Link, 0)
-    move(fwd_bwd, StateKind.PARAM, p.param, Tier.GPU, times=2)  # gathered in forward and again in backward
+    move(
+        fwd_bwd, StateKind.PARAM, p.param, Tier.GPU, times=2
+    )  # gathered in forward and again in backward
     move(fwd_bwd, StateKind.GRAD, Tier.GPU, p.grad)
     optimizer = dict.fromkeys(Link, 0)
     where = _optimizer_tier(p)
@@ -160,15 +183,18 @@ def _traffic(p: Placement, w: Workload) -> tuple[dict[Link, int], dict[Link, int
         move(optimizer, kind, where, p.home(kind))
     if not w.one_weight(p):
         move(optimizer, StateKind.PARAM, where, p.param)  # the new compute-dtype param
-    if w.replicated and p.param is Tier.NVME:  # stage 1/2: each rank's new range read back, the others' written
+    if (
+        w.replicated and p.param is Tier.NVME
+    ):  # stage 1/2: each rank's new range read back, the others' written
         param = w.nbytes(StateKind.PARAM) * w.world_size
         optimizer[Link.NVME_TO_HOST] += w.shard_numel * param
         optimizer[Link.HOST_TO_NVME] += (w.numel - w.shard_numel) * param
     return fwd_bwd, optimizer
 
 
-def choose_stage(fits: Callable[[int], bool], world_size: int, accumulate: int,
-                 forced: int | None = None) -> tuple[int, str]:
+def choose_stage(
+    fits: Callable[[int], bool], world_size: int, accumulate: int, forced: int | None = None
+) -> tuple[int, str]:
     """The ZeRO stage and why: `forced` when given; with one rank 3 (the stages are one run);
     else the least communication whose state `fits` the budgets -- stage 1 when `accumulate` > 1
     (no reduction per micro-batch), then 2 (no all-gather per unit use) -- or stage 3."""
@@ -182,13 +208,16 @@ def choose_stage(fits: Callable[[int], bool], world_size: int, accumulate: int,
     return 3, "replicated params do not fit the budgets"
 
 
-STAGE_TEXT = {1: "params and grads replicated, optimizer states partitioned",
-              2: "params replicated, grads and optimizer states partitioned",
-              3: "params, grads and optimizer states partitioned"}
+STAGE_TEXT = {
+    1: "params and grads replicated, optimizer states partitioned",
+    2: "params replicated, grads and optimizer states partitioned",
+    3: "params, grads and optimizer states partitioned",
+}
 
 
-def _step_time(p: Placement, w: Workload, prof: Profile,
-               fwd_bwd: dict[Link, int], optimizer: dict[Link, int]) -> float:
+def _step_time(
+    p: Placement, w: Workload, prof: Profile, fwd_bwd: dict[Link, int], optimizer: dict[Link, int]
+) -> float:
     """max(compute, nvme I/O, PCIe I/O) for forward+backward, plus max(Adam, its own I/O).
 
     Compute is 8 * params * tokens FLOPs (6 for a step, 2 for the checkpointed recompute).
@@ -200,8 +229,14 @@ def _step_time(p: Placement, w: Workload, prof: Profile,
     compute_s = FLOPS_PER_PARAM_TOKEN * w.numel * w.tokens_per_step / (tflops * 1e12)
 
     def io_s(moved: dict[Link, int]) -> float:
-        nvme = moved[Link.NVME_TO_HOST] / (prof.nvme_read_gbps * GB) + moved[Link.HOST_TO_NVME] / (prof.nvme_write_gbps * GB)
-        pcie = 0.0 if prof.h2d_pinned_gbps is None else sum(moved[k] for k in _PCIE_LINKS) / (prof.h2d_pinned_gbps * GB)
+        nvme = moved[Link.NVME_TO_HOST] / (prof.nvme_read_gbps * GB) + moved[Link.HOST_TO_NVME] / (
+            prof.nvme_write_gbps * GB
+        )
+        pcie = (
+            0.0
+            if prof.h2d_pinned_gbps is None
+            else sum(moved[k] for k in _PCIE_LINKS) / (prof.h2d_pinned_gbps * GB)
+        )
         return max(nvme, pcie)
 
     adam_s = 0.0
@@ -243,19 +278,34 @@ class PlacementChoice:
         """One sentence naming each short tier, the missing bytes and a fix; None if it fits."""
         if self.fits:
             return None
-        lacks = ", ".join(f"{n / GB:.2f} GB more {tier.value} memory" if tier is not Tier.NVME
-                          else f"{n / GB:.2f} GB more free nvme space" for tier, n in self.shortfall_bytes.items())
-        fixes = {Tier.GPU: "a smaller batch or sequence, a lower prefetch depth or more GPUs",
-                 Tier.HOST: "a larger host budget", Tier.NVME: "more free space on the nvme path(s)"}
-        return (f"no placement fits; the nearest ({self.placement.describe()}) needs {lacks}; "
-                f"try {' and '.join(fixes[t] for t in self.shortfall_bytes)}")
+        lacks = ", ".join(
+            f"{n / GB:.2f} GB more {tier.value} memory"
+            if tier is not Tier.NVME
+            else f"{n / GB:.2f} GB more free nvme space"
+            for tier, n in self.shortfall_bytes.items()
+        )
+        fixes = {
+            Tier.GPU: "a smaller batch or sequence, a lower prefetch depth or more GPUs",
+            Tier.HOST: "a larger host budget",
+            Tier.NVME: "more free space on the nvme path(s)",
+        }
+        return (
+            f"no placement fits; the nearest ({self.placement.describe()}) needs {lacks}; "
+            f"try {' and '.join(fixes[t] for t in self.shortfall_bytes)}"
+        )
 
     def as_dict(self) -> dict[str, Any]:
-        return {**self.estimate.as_dict(), "fits": self.fits, "shortfall": self.shortfall,
-                "shortfall_bytes": {t.value: n for t, n in self.shortfall_bytes.items()}}
+        return {
+            **self.estimate.as_dict(),
+            "fits": self.fits,
+            "shortfall": self.shortfall,
+            "shortfall_bytes": {t.value: n for t, n in self.shortfall_bytes.items()},
+        }
 
 
-def choose(estimates: Sequence[PlacementEstimate], budgets: dict[Tier, int | None]) -> PlacementChoice:
+def choose(
+    estimates: Sequence[PlacementEstimate], budgets: dict[Tier, int | None]
+) -> PlacementChoice:
     """The fitting estimate with the least predicted step time, or without a profile the least
     NVMe traffic, then the least PCIe traffic (NVMe is the slowest link by about 10x); ties go
     to the earlier candidate. If none fits, the one missing the fewest bytes in total."""

@@ -20,9 +20,11 @@ from tierzero.storage.io import IOLoop
 RAW_BLOCK_BYTES = 8 << 20
 
 
-def time_raw(io_loop: IOLoop, data: memoryview, nbytes: int, path: str, rw: str, direct: bool) -> float:
+def time_raw(
+    io_loop: IOLoop, data: memoryview, nbytes: int, path: str, rw: str, direct: bool
+) -> float:
     """Seconds to write (`rw="write"`) `data[:nbytes]` to `path`, or read it back into `data`."""
-    blocks = [(off, data[off: off + RAW_BLOCK_BYTES]) for off in range(0, nbytes, RAW_BLOCK_BYTES)]
+    blocks = [(off, data[off : off + RAW_BLOCK_BYTES]) for off in range(0, nbytes, RAW_BLOCK_BYTES)]
     flags = os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
     if rw == "write":
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)

@@ -28,15 +28,25 @@ def kept_bytes(unit: Unit, act: ActivationEstimate) -> int:
     return max(1, act.head_kept_bytes if unit.kind == "head" else act.recompute_bytes)
 
 
-def keepable(units: Sequence[Unit], act: ActivationEstimate,
-             forward_only: frozenset[int] = frozenset()) -> list[Unit]:
+def keepable(
+    units: Sequence[Unit], act: ActivationEstimate, forward_only: frozenset[int] = frozenset()
+) -> list[Unit]:
     """The units that can keep their graph, most compute saved per byte kept first."""
-    able = [u for u in units if u.kind in ("block", "head") and not u.uses_with and u.index not in forward_only]
+    able = [
+        u
+        for u in units
+        if u.kind in ("block", "head") and not u.uses_with and u.index not in forward_only
+    ]
     return sorted(able, key=lambda u: (-u.numel / kept_bytes(u, act), -u.index))
 
 
-def choose_kept(recompute: Recompute, units: Sequence[Unit], act: ActivationEstimate, room_bytes: int,
-                forward_only: frozenset[int] = frozenset()) -> frozenset[int]:
+def choose_kept(
+    recompute: Recompute,
+    units: Sequence[Unit],
+    act: ActivationEstimate,
+    room_bytes: int,
+    forward_only: frozenset[int] = frozenset(),
+) -> frozenset[int]:
     """The units that keep their graph under `recompute` with `room_bytes` of the compute
     device's budget left beyond everything else: `auto` those that fit, in `keepable`'s order;
     `none` every one, or a refusal; `all` none."""
@@ -46,9 +56,11 @@ def choose_kept(recompute: Recompute, units: Sequence[Unit], act: ActivationEsti
     if recompute is Recompute.NONE:
         need = sum(kept_bytes(u, act) for u in candidates)
         if need > room_bytes:
-            raise ConfigError(f"--recompute none keeps {len(candidates)} units' activations ({need / 1e6:.1f} MB) "
-                              f"but the compute device's budget has {max(0, room_bytes) / 1e6:.1f} MB left for "
-                              "them; use --recompute auto, smaller batches or a larger budget")
+            raise ConfigError(
+                f"--recompute none keeps {len(candidates)} units' activations ({need / 1e6:.1f} MB) "
+                f"but the compute device's budget has {max(0, room_bytes) / 1e6:.1f} MB left for "
+                "them; use --recompute auto, smaller batches or a larger budget"
+            )
         return frozenset(u.index for u in candidates)
     kept, used = [], 0
     for u in candidates:
@@ -58,7 +70,9 @@ def choose_kept(recompute: Recompute, units: Sequence[Unit], act: ActivationEsti
     return frozenset(kept)
 
 
-def with_kept(act: ActivationEstimate, units: Sequence[Unit], kept: frozenset[int]) -> ActivationEstimate:
+def with_kept(
+    act: ActivationEstimate, units: Sequence[Unit], kept: frozenset[int]
+) -> ActivationEstimate:
     """`act` counting the graphs of the `kept` units."""
     kinds = [units[i].kind for i in kept]
     return dataclasses.replace(act, kept_blocks=kinds.count("block"), kept_head="head" in kinds)

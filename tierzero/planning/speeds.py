@@ -74,8 +74,9 @@ def adam_params_per_s(numel: int | None = None, seconds: float = 0.5) -> float:
     return numel / _best_seconds(opt.step, seconds, _no_sync)
 
 
-def matmul_tflops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5,
-                  device: torch.device | str = "cpu") -> float:
+def matmul_tflops(
+    dtype: torch.dtype, n: int = 1024, seconds: float = 0.5, device: torch.device | str = "cpu"
+) -> float:
     """TFLOP/s of an n x n x n matmul (2 n^3 flops) in `dtype` on `device`."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
@@ -84,8 +85,9 @@ def matmul_tflops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5,
     return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b, out=out), seconds, sync) / 1e12
 
 
-def h2d_gbps(nbytes: int = 256 << 20, pinned: bool = True, seconds: float = 0.5,
-             to_host: bool = False) -> float:
+def h2d_gbps(
+    nbytes: int = 256 << 20, pinned: bool = True, seconds: float = 0.5, to_host: bool = False
+) -> float:
     """GB/s of one host->GPU (or, `to_host`, GPU->host) copy of `nbytes` between pinned or
     pageable memory and the current GPU (needs CUDA).
 

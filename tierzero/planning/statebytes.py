@@ -46,8 +46,10 @@ def grad_dtype_reason(compute: DType, accumulate: int, schedule: Schedule) -> st
         return "the vertical schedule sums the micro-batches on the device, then stores once"
     if schedule is Schedule.HORIZONTAL:
         return "the horizontal schedule adds each micro-batch into the grad home"
-    return ("--schedule auto decides at the first step and may add micro-batches into the grad "
-            "home; --schedule vertical stores bf16")
+    return (
+        "--schedule auto decides at the first step and may add micro-batches into the grad "
+        "home; --schedule vertical stores bf16"
+    )
 
 
 @dataclass(frozen=True)
@@ -64,22 +66,32 @@ class StateBytes:
         # spellings are coerced, not validated: `Config` and the CLI refuse bad ones with the fix
         object.__setattr__(self, "optimizer_state", StateFormat(self.optimizer_state))
         object.__setattr__(self, "master", DType(self.master))
-        assert self.master in (DType.FP32, DType.BF16), "masters are fp32 or bf16 (Config refuses fp16)"
-        assert not self.one_weight or self.master is DType.BF16, "one weight tensor needs a bf16 master"
+        assert self.master in (DType.FP32, DType.BF16), (
+            "masters are fp32 or bf16 (Config refuses fp16)"
+        )
+        assert not self.one_weight or self.master is DType.BF16, (
+            "one weight tensor needs a bf16 master"
+        )
 
     @classmethod
-    def for_compute(cls, optimizer_state: StateFormat | str, master: DType | str, compute: DType) -> StateBytes:
+    def for_compute(
+        cls, optimizer_state: StateFormat | str, master: DType | str, compute: DType
+    ) -> StateBytes:
         """The formats a run computing in `compute` stores its state in: one weight tensor
         where both the compute dtype and the master are bf16."""
         master = DType(master)
-        return cls(optimizer_state, master, one_weight=compute is DType.BF16 and master is DType.BF16)
+        return cls(
+            optimizer_state, master, one_weight=compute is DType.BF16 and master is DType.BF16
+        )
 
     @property
     def compact(self) -> bool:
         """Whether any optimizer state is stored below fp32."""
         return self.optimizer_state is not StateFormat.FP32 or self.master is not DType.FP32
 
-    def nbytes(self, kind: StateKind, numel: int, compute_itemsize: int, grad_itemsize: int | None = None) -> int:
+    def nbytes(
+        self, kind: StateKind, numel: int, compute_itemsize: int, grad_itemsize: int | None = None
+    ) -> int:
         """Bytes of `numel` consecutive elements of `kind`, stored as one run (an int8 run's
         scales: one per started block). Params (and by default grads) in the compute dtype."""
         if kind is StateKind.PARAM:
@@ -88,16 +100,22 @@ class StateBytes:
             return numel * (compute_itemsize if grad_itemsize is None else grad_itemsize)
         return StateFormats(self.optimizer_state, self.master).nbytes(kind, numel)
 
-    def per_param(self, kind: StateKind, compute_itemsize: int, grad_itemsize: int | None = None) -> float:
+    def per_param(
+        self, kind: StateKind, compute_itemsize: int, grad_itemsize: int | None = None
+    ) -> float:
         """Bytes per parameter of `kind` over whole blocks (int8: 1 + 4/STATE_BLOCK)."""
         return self.nbytes(kind, STATE_BLOCK, compute_itemsize, grad_itemsize) / STATE_BLOCK
 
     def describe(self) -> str:
         """One line for a run's start and `tierzero plan`."""
-        moments = {StateFormat.FP32: "fp32 Adam moments",
-                   StateFormat.BF16: "bf16 Adam moments",
-                   StateFormat.INT8: f"int8 Adam moments (blocks of {STATE_BLOCK}, an fp32 absmax each)"}
-        weights = "bf16 master (the param itself)" if self.one_weight else f"{self.master.value} master"
+        moments = {
+            StateFormat.FP32: "fp32 Adam moments",
+            StateFormat.BF16: "bf16 Adam moments",
+            StateFormat.INT8: f"int8 Adam moments (blocks of {STATE_BLOCK}, an fp32 absmax each)",
+        }
+        weights = (
+            "bf16 master (the param itself)" if self.one_weight else f"{self.master.value} master"
+        )
         return f"{moments[self.optimizer_state]}, {weights}"
 
 

@@ -26,8 +26,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from tierzero.config import PIECE_NUMEL, PREFETCH_DEPTH, Placement, Tier
-from tierzero.planning.ledger import FP32_NBYTES
 from tierzero.planning.homes import homes_floor
+from tierzero.planning.ledger import FP32_NBYTES
 from tierzero.planning.memory_model import peak_memory
 from tierzero.planning.peaks import format_bytes
 from tierzero.planning.workload import Workload
@@ -46,8 +46,10 @@ class Streaming:
 
     def describe(self) -> str:
         """`pieces of 1 Mi elements (4.2 MB of fp32), prefetch depth 1`."""
-        return (f"pieces of {_binary(self.piece_numel)} elements "
-                f"({format_bytes(self.piece_numel * FP32_NBYTES)} of fp32), prefetch depth {self.prefetch_depth}")
+        return (
+            f"pieces of {_binary(self.piece_numel)} elements "
+            f"({format_bytes(self.piece_numel * FP32_NBYTES)} of fp32), prefetch depth {self.prefetch_depth}"
+        )
 
 
 DEFAULT = Streaming(PIECE_NUMEL, PREFETCH_DEPTH)
@@ -68,16 +70,35 @@ class Shortfall:
 def ladder(piece_numel: int | None = None, prefetch_depth: int | None = None) -> list[Streaming]:
     """The settings in order of preference, the defaults first; a value given is the only one
     of its kind."""
-    pieces = [piece_numel] if piece_numel is not None else \
-        [PIECE_NUMEL >> i for i in range(PIECE_NUMEL.bit_length()) if PIECE_NUMEL >> i >= SMALLEST_PIECE_NUMEL]
+    pieces = (
+        [piece_numel]
+        if piece_numel is not None
+        else [
+            PIECE_NUMEL >> i
+            for i in range(PIECE_NUMEL.bit_length())
+            if PIECE_NUMEL >> i >= SMALLEST_PIECE_NUMEL
+        ]
+    )
     depths = [prefetch_depth] if prefetch_depth is not None else list(DEPTHS)
-    return sorted((Streaming(p, d) for p in pieces for d in depths),
-                  key=lambda s: (s.piece_numel * FP32_NBYTES < MIN_REQUEST_BYTES, -s.piece_numel, -s.prefetch_depth))
+    return sorted(
+        (Streaming(p, d) for p in pieces for d in depths),
+        key=lambda s: (
+            s.piece_numel * FP32_NBYTES < MIN_REQUEST_BYTES,
+            -s.piece_numel,
+            -s.prefetch_depth,
+        ),
+    )
 
 
-def choose_streaming(work: Workload, placement: Placement, budgets: dict[Tier, int | None], *,
-                     piece_numel: int | None = None, prefetch_depth: int | None = None,
-                     per_rank: bool = False) -> Streaming | Shortfall:
+def choose_streaming(
+    work: Workload,
+    placement: Placement,
+    budgets: dict[Tier, int | None],
+    *,
+    piece_numel: int | None = None,
+    prefetch_depth: int | None = None,
+    per_rank: bool = False,
+) -> Streaming | Shortfall:
     """The setting `work` runs with at `placement` under `budgets` (bytes per tier; absent or
     None: unbounded), `piece_numel` / `prefetch_depth` fixed where given: the ladder's top if
     it fits, else its first rung that fits, else the `Shortfall`. `work`'s own piece size and
@@ -111,7 +132,9 @@ def choose_streaming(work: Workload, placement: Placement, budgets: dict[Tier, i
 
 def streamed(work: Workload, streaming: Streaming) -> Workload:
     """`work` with `streaming`'s piece size and prefetch depth."""
-    return dataclasses.replace(work, piece_numel=streaming.piece_numel, prefetch_depth=streaming.prefetch_depth)
+    return dataclasses.replace(
+        work, piece_numel=streaming.piece_numel, prefetch_depth=streaming.prefetch_depth
+    )
 
 
 def _binary(n: int) -> str:

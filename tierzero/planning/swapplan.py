@@ -26,7 +26,9 @@ from tierzero.layout.partition import Unit, forward_only, forward_uses
 class Op(str, enum.Enum):
     FETCH = "fetch"  # start moving a param shard from its home to the compute device
     WAIT = "wait"  # block until it is there
-    GATHER = "gather"  # start the all-gather of a unit's params from every rank's shard (several ranks)
+    GATHER = (
+        "gather"  # start the all-gather of a unit's params from every rank's shard (several ranks)
+    )
     COMPUTE = "compute"
     RELEASE = "release"  # drop the device copy (params never change during a pass)
 
@@ -68,9 +70,15 @@ class SwapPlan:
         return peak
 
 
-def build_swap_plan(calls: list[tuple[int, ...]], prefetch_depth: int, backward: bool,
-                    held: frozenset[int] = frozenset(), forward_only: frozenset[int] = frozenset(),
-                    gather_ahead: int | None = None, micro_batches: int | None = None) -> SwapPlan:
+def build_swap_plan(
+    calls: list[tuple[int, ...]],
+    prefetch_depth: int,
+    backward: bool,
+    held: frozenset[int] = frozenset(),
+    forward_only: frozenset[int] = frozenset(),
+    gather_ahead: int | None = None,
+    micro_batches: int | None = None,
+) -> SwapPlan:
     """The plan for one forward (and, when training, backward) pass.
 
     `calls` are the units each forward call binds, in order (`partition.forward_uses`: the
@@ -91,8 +99,11 @@ def build_swap_plan(calls: list[tuple[int, ...]], prefetch_depth: int, backward:
     forward = calls[:-1] if micro_batches is not None else calls
     uses = [(call, Phase.FORWARD) for call in forward]
     if backward:
-        uses += [(call, Phase.BACKWARD) for call in reversed(calls)
-                 if not set(call) & held and not set(call) <= forward_only]
+        uses += [
+            (call, Phase.BACKWARD)
+            for call in reversed(calls)
+            if not set(call) & held and not set(call) <= forward_only
+        ]
     ops: list[SwapOp] = []
     resident: set[int] = set()
     fetched_until = -1  # index into uses of the last use whose fetches have been issued
@@ -118,31 +129,48 @@ def build_swap_plan(calls: list[tuple[int, ...]], prefetch_depth: int, backward:
                 ops += [SwapOp(Op.COMPUTE, unit, phase, m) for m in range(micro_batches)]
         following = uses[i + 1][0] if i + 1 < len(uses) else ()
         for unit in call:
-            if unit not in held and unit not in following and not _used_again_soon(uses, i, unit, fetched_until):
+            if (
+                unit not in held
+                and unit not in following
+                and not _used_again_soon(uses, i, unit, fetched_until)
+            ):
                 ops.append(SwapOp(Op.RELEASE, unit, phase))
                 resident.discard(unit)
     ops += [SwapOp(Op.RELEASE, u, uses[-1][1]) for u in sorted(held)]
     return SwapPlan(tuple(ops), prefetch_depth)
 
 
-def _used_again_soon(uses: list[tuple[tuple[int, ...], Phase]], i: int, unit: int, fetched_until: int) -> bool:
+def _used_again_soon(
+    uses: list[tuple[tuple[int, ...], Phase]], i: int, unit: int, fetched_until: int
+) -> bool:
     """Whether a later use of `unit` has already been fetched (so releasing it would be wrong)."""
-    return any(unit in call for call, _ in uses[i + 1:fetched_until + 1])
+    return any(unit in call for call, _ in uses[i + 1 : fetched_until + 1])
 
 
-def swap_plans(units: list[Unit], prefetch_depth: int, gather_ahead: int | None,
-               accumulate: int) -> tuple[SwapPlan, SwapPlan, SwapPlan]:
+def swap_plans(
+    units: list[Unit], prefetch_depth: int, gather_ahead: int | None, accumulate: int
+) -> tuple[SwapPlan, SwapPlan, SwapPlan]:
     """A model's three plans: a training pass, an eval pass (forward only) and a vertical step
     of `accumulate` micro-batches."""
     calls, held = forward_uses(units), frozenset(u.index for u in units if u.is_root)
     skip = forward_only(units)
-    return (build_swap_plan(calls, prefetch_depth, True, held, skip, gather_ahead),
-            build_swap_plan(calls, prefetch_depth, False, held, gather_ahead=gather_ahead),
-            build_swap_plan(calls, prefetch_depth, True, held, skip, gather_ahead, micro_batches=accumulate))
+    return (
+        build_swap_plan(calls, prefetch_depth, True, held, skip, gather_ahead),
+        build_swap_plan(calls, prefetch_depth, False, held, gather_ahead=gather_ahead),
+        build_swap_plan(
+            calls, prefetch_depth, True, held, skip, gather_ahead, micro_batches=accumulate
+        ),
+    )
 
 
-def step_nvme_bytes(one_pass: int, param_bytes: int, grad_bytes: int, accumulate: int, vertical: bool,
-                    spilled_bytes: int = 0) -> int:
+def step_nvme_bytes(
+    one_pass: int,
+    param_bytes: int,
+    grad_bytes: int,
+    accumulate: int,
+    vertical: bool,
+    spilled_bytes: int = 0,
+) -> int:
     """NVMe bytes (read + written) of a step of `accumulate` micro-batches, from `one_pass`, those
     of a step of one (`planning.placement`'s moved bytes). Horizontally each further micro-batch
     reads the NVMe-homed params twice more (`param_bytes`: forward and backward) and reads back

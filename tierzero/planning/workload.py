@@ -16,14 +16,31 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tierzero.config import OPTIMIZER_KINDS, PIECE_NUMEL, PREFETCH_DEPTH, Placement, StateFormat, StateKind, Tier
+from tierzero.config import (
+    OPTIMIZER_KINDS,
+    PIECE_NUMEL,
+    PREFETCH_DEPTH,
+    Placement,
+    StateFormat,
+    StateKind,
+    Tier,
+)
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit, padded_numel
 from tierzero.models.presets import ModelArgs
-from tierzero.planning.ledger import (EMBEDDING_UNIT, HEAD_UNIT, ROOT_UNIT, ActivationEstimate, UnitSize,
-                                      check_world_size, scaled_units, units_from_args)
+from tierzero.planning.ledger import (
+    EMBEDDING_UNIT,
+    HEAD_UNIT,
+    ROOT_UNIT,
+    ActivationEstimate,
+    UnitSize,
+    check_world_size,
+    scaled_units,
+    units_from_args,
+)
 from tierzero.planning.statebytes import FP32_STATE, StateBytes
 from tierzero.storage.device import DEVICE_ALIGNMENT
+
 
 def steps_on_gpu(placement: Placement) -> bool:
     """Whether the optimizer steps on the compute device: only when every optimizer state lives
@@ -49,7 +66,9 @@ class Workload:
     world_size: int = 1
     device: str = "cuda"
     prefetch_depth: int = PREFETCH_DEPTH
-    piece_numel: int = PIECE_NUMEL  # the engine's default (tierzero.planning.streaming: smaller to fit)
+    piece_numel: int = (
+        PIECE_NUMEL  # the engine's default (tierzero.planning.streaming: smaller to fit)
+    )
     overlap: bool = True  # each unit stepped as its grad arrives in backward (overlap_step)
     overlap_comm: bool = True  # the next call's gather and the last one's reduce-scatter in flight
     stage: int = 3
@@ -66,17 +85,31 @@ class Workload:
             raise ConfigError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
-        assert all(u.world_size == self.world_size for u in self.units), "units laid out for another world size"
+        assert all(u.world_size == self.world_size for u in self.units), (
+            "units laid out for another world size"
+        )
 
     @classmethod
     def from_units(cls, units: Sequence[Unit], compute_itemsize: int, **how: Any) -> Workload:
         """The engine's partition (`tierzero.layout.partition.partition`) as a workload; `how`
         are the other fields. Its units' own world size is the workload's."""
-        return cls(tuple(units), compute_itemsize, **{"world_size": units[0].world_size if units else 1, **how})
+        return cls(
+            tuple(units),
+            compute_itemsize,
+            **{"world_size": units[0].world_size if units else 1, **how},
+        )
 
     @classmethod
-    def from_sizes(cls, sizes: Sequence[UnitSize], compute_itemsize: int, *, world_size: int = 1,
-                   tied_embeddings: bool = False, trainable: Sequence[int] | None = None, **how: Any) -> Workload:
+    def from_sizes(
+        cls,
+        sizes: Sequence[UnitSize],
+        compute_itemsize: int,
+        *,
+        world_size: int = 1,
+        tied_embeddings: bool = False,
+        trainable: Sequence[int] | None = None,
+        **how: Any,
+    ) -> Workload:
         """Units of the given (name, parameter count), laid out as partition pads them for
         `world_size` ranks. The ledger's names for the built-in model's ends say their kinds (a
         first `embedding` or `root`, a last `head`); every other unit is a block. With
@@ -88,18 +121,36 @@ class Workload:
         last = len(sizes) - 1
         units = []
         for i, (name, n) in enumerate(sizes):
-            kind = ("embedding" if i == 0 and name == EMBEDDING_UNIT else "root" if i == 0 and name == ROOT_UNIT
-                    else "head" if i == last and name == HEAD_UNIT else "block")
+            kind = (
+                "embedding"
+                if i == 0 and name == EMBEDDING_UNIT
+                else "root"
+                if i == 0 and name == ROOT_UNIT
+                else "head"
+                if i == last and name == HEAD_UNIT
+                else "block"
+            )
             padded = padded_numel(n, world_size)
-            units.append(Unit(i, name, kind, None, numel=n, padded_numel=padded, world_size=world_size,
-                              trainable_numel=padded if trainable is None else trainable[i]))
+            units.append(
+                Unit(
+                    i,
+                    name,
+                    kind,
+                    None,
+                    numel=n,
+                    padded_numel=padded,
+                    world_size=world_size,
+                    trainable_numel=padded if trainable is None else trainable[i],
+                )
+            )
         if tied_embeddings and units[0].kind == "embedding" and units[-1].kind == "head":
             units[-1].uses_with = (0,)
         return cls(tuple(units), compute_itemsize, world_size=world_size, **how)
 
     @classmethod
-    def from_preset(cls, args: ModelArgs, compute_itemsize: int, *, numel: int | None = None,
-                    **how: Any) -> Workload:
+    def from_preset(
+        cls, args: ModelArgs, compute_itemsize: int, *, numel: int | None = None, **how: Any
+    ) -> Workload:
         """The built-in model of shape `args` as the engine partitions it (embedding, blocks,
         head); with `numel`, a model of that many parameters shaped like it."""
         sizes = units_from_args(args) if numel is None else scaled_units(numel, args)
@@ -147,7 +198,10 @@ class Workload:
         """Bytes a unit's run of `numel` elements of state `kind` takes as device-pool keys: one
         per piece, each leased at the pool's alignment (an int8 piece's scales unalign it; every
         other kind's pieces are multiples of 2048 elements, so their run is counted as it is)."""
-        if kind not in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ) or self.formats.optimizer_state is not StateFormat.INT8:
+        if (
+            kind not in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
+            or self.formats.optimizer_state is not StateFormat.INT8
+        ):
             return self.nbytes(kind, numel)
         full, rest = divmod(numel, self.piece_numel)
         aligned = lambda n: -(-self.nbytes(kind, n) // DEVICE_ALIGNMENT) * DEVICE_ALIGNMENT
@@ -156,11 +210,15 @@ class Workload:
     def state_nbytes(self, kind: StateKind) -> int:
         """One rank's bytes of `kind` for the parameters it holds states for
         (`state_shard_numel`, each unit's run stored on its own)."""
-        return sum(self.nbytes(kind, min(math.ceil(u.numel / self.world_size), u.trainable_numel))
-                   for u in self.units)
+        return sum(
+            self.nbytes(kind, min(math.ceil(u.numel / self.world_size), u.trainable_numel))
+            for u in self.units
+        )
 
     def one_weight(self, placement: Placement) -> bool:
         """Whether the param and the master are one tensor under `placement`: one bf16 weight
         (`StateBytes.one_weight`) homed on one tier, each rank's shard of both the same
         (not stage 1/2, where params are replicated and masters partitioned)."""
-        return self.formats.one_weight and placement.param is placement.master and not self.replicated
+        return (
+            self.formats.one_weight and placement.param is placement.master and not self.replicated
+        )

@@ -20,11 +20,14 @@ from tierzero.storage.filekind import kind_of
 def load_run(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir)
     if os.path.lexists(path) and not path.is_dir():
-        raise RunDirError(f"'{path}' is {kind_of(path)}, not a directory; point at a run directory that "
-                          "`tierzero train` wrote")
+        raise RunDirError(
+            f"'{path}' is {kind_of(path)}, not a directory; point at a run directory that "
+            "`tierzero train` wrote"
+        )
     if not os.path.lexists(path / "metrics.jsonl"):
-        raise RunDirError(f"'{path}' has no metrics.jsonl; point at a run directory that "
-                          "`tierzero train` wrote")
+        raise RunDirError(
+            f"'{path}' has no metrics.jsonl; point at a run directory that `tierzero train` wrote"
+        )
     records = read_metrics(path)
     if not any("loss" in r for r in records):
         raise RunDirError(f"'{path}/metrics.jsonl' has no training steps yet; train first")
@@ -33,8 +36,11 @@ def load_run(run_dir: str | Path) -> list[dict[str, Any]]:
 
 def eval_losses(records: list[dict[str, Any]]) -> list[tuple[int, float]]:
     """(step, loss) of every evaluation the run logged, under either key it was logged as."""
-    return [(r["step"], r.get("eval_loss", r.get("val_loss"))) for r in records
-            if "eval_loss" in r or "val_loss" in r]
+    return [
+        (r["step"], r.get("eval_loss", r.get("val_loss")))
+        for r in records
+        if "eval_loss" in r or "val_loss" in r
+    ]
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -45,12 +51,19 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     rates = sorted(r["tokens_per_s"] for r in steps)
     last_eval = vals[-1][1] if vals else None
     best = min(vals, key=lambda v: v[1]) if vals else None
-    return {"steps": steps[-1]["step"], "first_loss": steps[0]["loss"], "last_loss": steps[-1]["loss"],
-            "eval_loss": last_eval, "eval_ppl": None if last_eval is None else _perplexity(last_eval),
-            "best_eval": None if best is None else {"step": best[0], "eval_loss": best[1]},
-            "median_tokens_per_s": rates[len(rates) // 2],
-            "wall_s": steps[-1]["wall_s"],
-            "peak_bytes": {k[5:-6]: max(c.get(k, 0) for c in counters) for k in steps[-1] if k.startswith("peak_")}}
+    return {
+        "steps": steps[-1]["step"],
+        "first_loss": steps[0]["loss"],
+        "last_loss": steps[-1]["loss"],
+        "eval_loss": last_eval,
+        "eval_ppl": None if last_eval is None else _perplexity(last_eval),
+        "best_eval": None if best is None else {"step": best[0], "eval_loss": best[1]},
+        "median_tokens_per_s": rates[len(rates) // 2],
+        "wall_s": steps[-1]["wall_s"],
+        "peak_bytes": {
+            k[5:-6]: max(c.get(k, 0) for c in counters) for k in steps[-1] if k.startswith("peak_")
+        },
+    }
 
 
 def plot(records: list[dict[str, Any]], out: str | Path) -> Path:
@@ -58,8 +71,9 @@ def plot(records: list[dict[str, Any]], out: str | Path) -> Path:
     each link's busy time per step beside the step's time."""
     out = Path(out)
     if not os.access(out.parent, os.W_OK | os.X_OK):  # refused before any drawing
-        raise RunDirError(f"cannot write the report {out}: {out.parent} is read-only; pass --out a "
-                          "writable path")
+        raise RunDirError(
+            f"cannot write the report {out}: {out.parent} is read-only; pass --out a writable path"
+        )
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
@@ -75,8 +89,13 @@ def plot(records: list[dict[str, Any]], out: str | Path) -> Path:
         import numpy as np
 
         # the same curve read as perplexity (exp of the loss), clipped where exp overflows
-        ppl = ax_loss.secondary_yaxis("right", functions=(lambda x: np.exp(np.minimum(x, 700)),
-                                                          lambda y: np.log(np.maximum(y, 1e-300))))
+        ppl = ax_loss.secondary_yaxis(
+            "right",
+            functions=(
+                lambda x: np.exp(np.minimum(x, 700)),
+                lambda y: np.log(np.maximum(y, 1e-300)),
+            ),
+        )
         ppl.set_ylabel("perplexity")
     ax_loss.set(title="loss", xlabel="step", ylabel="nats / token")
     ax_loss.legend()
@@ -89,13 +108,17 @@ def plot(records: list[dict[str, Any]], out: str | Path) -> Path:
     if links:
         ax_io.legend(fontsize="small")
     else:
-        ax_io.text(0.5, 0.5, "in-memory run: no tier traffic", ha="center", transform=ax_io.transAxes)
+        ax_io.text(
+            0.5, 0.5, "in-memory run: no tier traffic", ha="center", transform=ax_io.transAxes
+        )
     _plot_busy(ax_busy, steps)
     fig.tight_layout()
     try:
         fig.savefig(out, dpi=110)
     except OSError as e:
-        raise RunDirError(f"cannot write the report {out} ({e.strerror}); pass --out a writable path") from None
+        raise RunDirError(
+            f"cannot write the report {out} ({e.strerror}); pass --out a writable path"
+        ) from None
     finally:
         plt.close(fig)
     return out

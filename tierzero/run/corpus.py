@@ -25,7 +25,13 @@ import numpy as np
 
 from tierzero.errors import DataError
 from tierzero.run.data import default_corpus, load_tokens
-from tierzero.run.examples import ChatTemplate, arrow_records, encode_examples, is_arrow_data, is_example
+from tierzero.run.examples import (
+    ChatTemplate,
+    arrow_records,
+    encode_examples,
+    is_arrow_data,
+    is_example,
+)
 from tierzero.run.packing import Examples
 
 TOKEN_SUFFIXES = (".bin", ".npy")
@@ -43,14 +49,18 @@ class TextTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise DataError("tokenizing text with a model's tokenizer.json needs tokenizers; "
-                            "pip install 'tierzero[hf]'") from None
+            raise DataError(
+                "tokenizing text with a model's tokenizer.json needs tokenizers; "
+                "pip install 'tierzero[hf]'"
+            ) from None
         try:
             return Tokenizer.from_file(str(self.path))
         except Exception as e:  # tokenizers raises plain Exceptions for unreadable files
-            raise DataError(f"{self.path} is not a tokenizer the tokenizers library reads "
-                            f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); replace it with "
-                            "the model's own tokenizer.json") from None
+            raise DataError(
+                f"{self.path} is not a tokenizer the tokenizers library reads "
+                f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); replace it with "
+                "the model's own tokenizer.json"
+            ) from None
 
     def encode(self, documents: list[str]) -> np.ndarray:
         ids: list[int] = []
@@ -61,17 +71,25 @@ class TextTokenizer:
         return np.asarray(ids, dtype=np.uint32)
 
 
-def read_data(data: str | None, vocab_size: int, tokenizer: TextTokenizer | None = None,
-              text_field: str = "text") -> tuple[np.ndarray, Examples | None]:
+def read_data(
+    data: str | None,
+    vocab_size: int,
+    tokenizer: TextTokenizer | None = None,
+    text_field: str = "text",
+) -> tuple[np.ndarray, Examples | None]:
     """The tokens of `data` and, for fine-tuning examples (`tierzero.run.examples`), the same
     tokens as examples: which are trained and where each example starts (None: plain text)."""
     path = Path(data) if data is not None else None
     if path is None or not (path.suffix == ".jsonl" or is_arrow_data(path)):
         return read_corpus(data, vocab_size, tokenizer, text_field), None
     if not path.exists():
-        raise DataError(f"data '{path}' does not exist; pass a .jsonl file, Parquet files or a "
-                        "datasets save_to_disk directory")
-    numbered = enumerate(arrow_records(path), start=1) if is_arrow_data(path) else _json_objects(path)
+        raise DataError(
+            f"data '{path}' does not exist; pass a .jsonl file, Parquet files or a "
+            "datasets save_to_disk directory"
+        )
+    numbered = (
+        enumerate(arrow_records(path), start=1) if is_arrow_data(path) else _json_objects(path)
+    )
     where = "record" if is_arrow_data(path) else "line"
     first = next(numbered, None)
     numbered = itertools.chain([first] if first is not None else [], numbered)
@@ -79,22 +97,38 @@ def read_data(data: str | None, vocab_size: int, tokenizer: TextTokenizer | None
         documents = [_text(r, text_field, f"{path} {where} {i}") for i, r in numbered]
         if not any(documents):
             raise DataError(f"data '{path}' holds no text; pass files with text in them")
-        tokens = (tokenizer.encode(documents) if tokenizer is not None
-                  else np.frombuffer("\n".join(documents).encode(), dtype=np.uint8))
+        tokens = (
+            tokenizer.encode(documents)
+            if tokenizer is not None
+            else np.frombuffer("\n".join(documents).encode(), dtype=np.uint8)
+        )
         return _checked(tokens, vocab_size, str(path), tokenizer), None
     if tokenizer is None:
-        raise DataError(f"data '{path}' holds prompt/completion or chat records, which need the model's "
-                        "tokenizer.json; train an hf: model whose directory has one")
-    examples = encode_examples((r for _, r in numbered), tokenizer.load(), tokenizer.eos_id,
-                               ChatTemplate(tokenizer.path.parent), str(path))
+        raise DataError(
+            f"data '{path}' holds prompt/completion or chat records, which need the model's "
+            "tokenizer.json; train an hf: model whose directory has one"
+        )
+    examples = encode_examples(
+        (r for _, r in numbered),
+        tokenizer.load(),
+        tokenizer.eos_id,
+        ChatTemplate(tokenizer.path.parent),
+        str(path),
+    )
     if not examples.trained.any():
-        raise DataError(f"data '{path}' has no completion or assistant tokens to train on; check its records")
+        raise DataError(
+            f"data '{path}' has no completion or assistant tokens to train on; check its records"
+        )
     ids = _checked(examples.ids, vocab_size, str(path), tokenizer)
     return ids, Examples(ids, examples.trained, examples.bounds)
 
 
-def read_corpus(data: str | None, vocab_size: int, tokenizer: TextTokenizer | None = None,
-                text_field: str = "text") -> np.ndarray:
+def read_corpus(
+    data: str | None,
+    vocab_size: int,
+    tokenizer: TextTokenizer | None = None,
+    text_field: str = "text",
+) -> np.ndarray:
     """The tokens of `data` (None: the standard library's sources), checked against `vocab_size`."""
     if data is None:
         if tokenizer is None:
@@ -102,11 +136,15 @@ def read_corpus(data: str | None, vocab_size: int, tokenizer: TextTokenizer | No
         text = default_corpus().tobytes().decode("utf-8", errors="replace")
         return _checked(tokenizer.encode([text]), vocab_size, "the default corpus", tokenizer)
     path = Path(data)
-    if path.suffix in TOKEN_SUFFIXES or (tokenizer is None and path.suffix != ".jsonl" and not path.is_dir()):
+    if path.suffix in TOKEN_SUFFIXES or (
+        tokenizer is None and path.suffix != ".jsonl" and not path.is_dir()
+    ):
         return _checked(load_tokens(path), vocab_size, str(path))  # memory-mapped ids or bytes
     if not path.exists():
-        raise DataError(f"data '{path}' does not exist; pass a text file, a folder of text files, "
-                        "a .jsonl file or .bin/.npy token ids")
+        raise DataError(
+            f"data '{path}' does not exist; pass a text file, a folder of text files, "
+            "a .jsonl file or .bin/.npy token ids"
+        )
     documents = list(_documents(path, text_field))
     if not any(documents):
         raise DataError(f"data '{path}' holds no text; pass files with text in them")
@@ -118,21 +156,30 @@ def read_corpus(data: str | None, vocab_size: int, tokenizer: TextTokenizer | No
 
 def _documents(path: Path, text_field: str) -> Iterator[str]:
     """Each document of a file or folder: a whole text file, or one `.jsonl` record's text."""
-    files = sorted(f for f in path.rglob("*") if f.is_file() and not _hidden(f, path)) if path.is_dir() else [path]
+    files = (
+        sorted(f for f in path.rglob("*") if f.is_file() and not _hidden(f, path))
+        if path.is_dir()
+        else [path]
+    )
     for f in files:
         if f.suffix in TOKEN_SUFFIXES:
-            raise DataError(f"data folder '{path}' holds token file {f.name}; pass token files on their "
-                            "own, or a folder of text files only")
+            raise DataError(
+                f"data folder '{path}' holds token file {f.name}; pass token files on their "
+                "own, or a folder of text files only"
+            )
         try:
             if f.suffix == ".jsonl":
                 yield from _records(f, text_field)
             else:
                 yield f.read_text(encoding="utf-8")
         except UnicodeDecodeError:
-            raise DataError(f"data file '{f}' is not UTF-8 text; pass text files, or token ids as "
-                            ".bin/.npy") from None
+            raise DataError(
+                f"data file '{f}' is not UTF-8 text; pass text files, or token ids as .bin/.npy"
+            ) from None
         except OSError as e:
-            raise DataError(f"cannot read data file '{f}' ({e.strerror or e}); check its permissions") from None
+            raise DataError(
+                f"cannot read data file '{f}' ({e.strerror or e}); check its permissions"
+            ) from None
 
 
 def _records(path: Path, text_field: str) -> Iterator[str]:
@@ -149,14 +196,18 @@ def _json_objects(path: Path) -> Iterator[tuple[int, Any]]:
             try:
                 yield number, json.loads(line)
             except ValueError:
-                raise DataError(f"{path} line {number} is not JSON; write one JSON object per line") from None
+                raise DataError(
+                    f"{path} line {number} is not JSON; write one JSON object per line"
+                ) from None
 
 
 def _text(record: Any, text_field: str, where: str) -> str:
     text = record.get(text_field) if isinstance(record, dict) else None
     if not isinstance(text, str):
-        raise DataError(f"{where} has no string field '{text_field}'; name the field that holds the text "
-                        "with --text-field")
+        raise DataError(
+            f"{where} has no string field '{text_field}'; name the field that holds the text "
+            "with --text-field"
+        )
     return text
 
 
@@ -164,17 +215,25 @@ def _hidden(f: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in f.relative_to(root).parts)
 
 
-def _checked(tokens: np.ndarray, vocab_size: int, source: str,
-             tokenizer: TextTokenizer | None = None) -> np.ndarray:
+def _checked(
+    tokens: np.ndarray, vocab_size: int, source: str, tokenizer: TextTokenizer | None = None
+) -> np.ndarray:
     """`tokens`, or a one-line error naming `source` if an id is beyond the vocabulary."""
     if tokens.size == 0:
         raise DataError(f"data '{source}' holds no tokens; pass data with text or token ids in it")
     top = 255 if tokens.dtype == np.uint8 else int(tokens.max())
     if top >= vocab_size:
-        how = (f"tokenized by {tokenizer.path}" if tokenizer is not None else
-               "read as bytes" if tokens.dtype == np.uint8 else "stored")
-        raise DataError(f"data '{source}' {how} has token id {top}, beyond the model's vocabulary of "
-                        f"{vocab_size}; use data tokenized for this model, or a model with a larger vocabulary")
+        how = (
+            f"tokenized by {tokenizer.path}"
+            if tokenizer is not None
+            else "read as bytes"
+            if tokens.dtype == np.uint8
+            else "stored"
+        )
+        raise DataError(
+            f"data '{source}' {how} has token id {top}, beyond the model's vocabulary of "
+            f"{vocab_size}; use data tokenized for this model, or a model with a larger vocabulary"
+        )
     if tokens.dtype == np.uint32 and vocab_size <= 1 << 16:
         tokens = tokens.astype(np.uint16)  # half the memory for the batches' windows
     return tokens

@@ -61,13 +61,17 @@ def default_corpus(max_bytes: int = 8 << 20) -> np.ndarray:
         if len(text) >= max_bytes:
             break
     if not text:
-        raise DataError(f"found no .py files under the standard library at '{root}'; pass a text file with --data")
+        raise DataError(
+            f"found no .py files under the standard library at '{root}'; pass a text file with --data"
+        )
     return np.frombuffer(bytes(text[:max_bytes]), dtype=np.uint8)
 
 
 def _stdlib_sources(root: Path) -> Iterator[Path]:
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)  # sorted in place: walk order
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in SKIPPED_DIRS
+        )  # sorted in place: walk order
         for name in sorted(filenames):
             if name.endswith(".py"):
                 yield Path(dirpath) / name
@@ -78,8 +82,10 @@ def load_tokens(path: str | os.PathLike, dtype: DTypeLike = np.uint16) -> np.nda
     anything else as text (one uint8 token per byte)."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"data file '{path}' does not exist; pass an existing .txt, .bin or .npy file, "
-                        "or leave --data out to use the default corpus")
+        raise DataError(
+            f"data file '{path}' does not exist; pass an existing .txt, .bin or .npy file, "
+            "or leave --data out to use the default corpus"
+        )
     if path.stat().st_size == 0:
         raise DataError(f"data file '{path}' is empty; pass a file with tokens in it")
     try:
@@ -90,7 +96,9 @@ def load_tokens(path: str | os.PathLike, dtype: DTypeLike = np.uint16) -> np.nda
         else:
             tokens = np.memmap(path, dtype=np.uint8, mode="r")
     except OSError as e:
-        raise DataError(f"cannot read data file '{path}' ({e.strerror or e}); check its permissions") from None
+        raise DataError(
+            f"cannot read data file '{path}' ({e.strerror or e}); check its permissions"
+        ) from None
     if tokens.size == 0:
         raise DataError(f"data file '{path}' holds no tokens; pass a file with tokens in it")
     return tokens
@@ -100,36 +108,57 @@ def _load_npy(path: Path) -> np.ndarray:
     try:
         tokens = np.load(path, mmap_mode="r", allow_pickle=False)
     except ValueError:
-        raise DataError(f"data file '{path}' is not a readable .npy array; save token ids with "
-                        "np.save(path, ids.astype(np.uint16))") from None
+        raise DataError(
+            f"data file '{path}' is not a readable .npy array; save token ids with "
+            "np.save(path, ids.astype(np.uint16))"
+        ) from None
     if tokens.dtype not in TOKEN_DTYPES or tokens.ndim != 1:
-        raise DataError(f"data file '{path}' holds a {tokens.ndim}-D {tokens.dtype} array; "
-                        "save token ids as a 1-D uint16 or uint32 array")
+        raise DataError(
+            f"data file '{path}' holds a {tokens.ndim}-D {tokens.dtype} array; "
+            "save token ids as a 1-D uint16 or uint32 array"
+        )
     return tokens
 
 
 def _load_bin(path: Path, dtype: np.dtype) -> np.ndarray:
     if dtype not in TOKEN_DTYPES:
-        raise ConfigError(f"token dtype {dtype} is not supported for .bin files; use uint16 or uint32")
+        raise ConfigError(
+            f"token dtype {dtype} is not supported for .bin files; use uint16 or uint32"
+        )
     if path.stat().st_size % dtype.itemsize:
-        raise DataError(f"data file '{path}' is {path.stat().st_size} bytes, not a whole number of "
-                        f"{dtype} token ids; check the dtype it was written with")
+        raise DataError(
+            f"data file '{path}' is {path.stat().st_size} bytes, not a whole number of "
+            f"{dtype} token ids; check the dtype it was written with"
+        )
     return np.memmap(path, dtype=dtype, mode="r")
 
 
 class TokenBatches:
     """Deterministic (x, y) batches from a token array, with a held-out validation tail."""
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
-                 val_fraction: float | None = None, rank: int = 0, world_size: int = 1,
-                 trained: np.ndarray | None = None, examples: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        val_fraction: float | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        trained: np.ndarray | None = None,
+        examples: np.ndarray | None = None,
+    ) -> None:
         """`val_fraction`: the end of `tokens` held out for validation (0: none); None: 5% where
         the corpus spares a window for it, else none (`note` says so)."""
         if batch_size < 1 or seq_len < 1:
-            raise ConfigError(f"batch_size {batch_size} and seq_len {seq_len} must both be at least 1")
+            raise ConfigError(
+                f"batch_size {batch_size} and seq_len {seq_len} must both be at least 1"
+            )
         if batch_size % world_size:
-            raise ConfigError(f"batch_size {batch_size} (the global batch) does not split evenly over "
-                              f"{world_size} ranks; use a multiple of {world_size}")
+            raise ConfigError(
+                f"batch_size {batch_size} (the global batch) does not split evenly over "
+                f"{world_size} ranks; use a multiple of {world_size}"
+            )
         self.rows = slice(rank * batch_size // world_size, (rank + 1) * batch_size // world_size)
         if seed < 0:
             raise ConfigError(f"data seed {seed} is negative; use a seed >= 0")
@@ -137,24 +166,35 @@ class TokenBatches:
             raise ConfigError(f"val_fraction {val_fraction} must be in [0, 1)")
         self.trained = trained  # which tokens are targets (fine-tuning examples); None: all
         if trained is not None and len(trained) != len(tokens):
-            raise ConfigError(f"the trained mask has {len(trained)} entries for {len(tokens)} tokens; give one per token")
+            raise ConfigError(
+                f"the trained mask has {len(trained)} entries for {len(tokens)} tokens; give one per token"
+            )
         self.examples = examples  # where each example starts, then the end; None: plain text
         if examples is not None and (examples[0] != 0 or examples[-1] != len(tokens)):
-            raise ConfigError(f"the example offsets run from {examples[0]} to {examples[-1]}, not over the "
-                              f"{len(tokens)} tokens; give each example's first offset, then the end")
+            raise ConfigError(
+                f"the example offsets run from {examples[0]} to {examples[-1]}, not over the "
+                f"{len(tokens)} tokens; give each example's first offset, then the end"
+            )
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self.note: str | None = None  # why there is no validation split (a small corpus)
         self._held_out: TokenBatches | None = None  # `--val-data`'s batches (`held_out`)
         fraction = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
         why = self._split(tokens, self._split_at(len(tokens), int(len(tokens) * fraction)))
         if why is not None and val_fraction is None and len(self.val):  # nobody asked for a split
-            self.note = (f"training without evaluation: with 5% held out for validation, {why[0]}; pass "
-                         "--val-data to evaluate")
+            self.note = (
+                f"training without evaluation: with 5% held out for validation, {why[0]}; pass "
+                "--val-data to evaluate"
+            )
             why = self._split(tokens, len(tokens))
         if why is not None:
             problem, fix = why
-            hint = "lower --val-fraction, " if "training" in problem and len(self.val) else \
-                "raise --val-fraction, pass --val-data, " if "validation" in problem else ""
+            hint = (
+                "lower --val-fraction, "
+                if "training" in problem and len(self.val)
+                else "raise --val-fraction, pass --val-data, "
+                if "validation" in problem
+                else ""
+            )
             raise DataError(f"{problem}; {hint}{fix}")
         self.n_windows = len(self._windows[0])
         self.epoch, self.position = 0, 0
@@ -166,32 +206,58 @@ class TokenBatches:
         self.train, self.val = tokens[:split], tokens[split:]
         for name, part in (("training", self.train), ("validation", self.val)):
             if len(part) < self.seq_len + 1 and (name == "training" or len(self.val)):
-                return ((f"the corpus of {len(tokens)} tokens leaves {len(part)} for {name}, too short "
-                         f"for seq_len {self.seq_len} (needs {self.seq_len + 1})"),
-                        "use a larger corpus or a smaller --seq-len")
+                return (
+                    (
+                        f"the corpus of {len(tokens)} tokens leaves {len(part)} for {name}, too short "
+                        f"for seq_len {self.seq_len} (needs {self.seq_len + 1})"
+                    ),
+                    "use a larger corpus or a smaller --seq-len",
+                )
         self._windows = self._split_windows(0, len(self.train))
-        self._val_windows = (self._split_windows(len(self.train), len(self.val)) if len(self.val)
-                             else self._windows)
+        self._val_windows = (
+            self._split_windows(len(self.train), len(self.val)) if len(self.val) else self._windows
+        )
         for name, (firsts, _) in (("training", self._windows), ("validation", self._val_windows)):
             if len(firsts) == 0:
-                return ((f"no window of {self.seq_len + 1} tokens in the {name} split has a completion "
-                         "or assistant token to train on"), "use a longer --seq-len or more data")
+                return (
+                    (
+                        f"no window of {self.seq_len + 1} tokens in the {name} split has a completion "
+                        "or assistant token to train on"
+                    ),
+                    "use a longer --seq-len or more data",
+                )
         return None
 
-    def held_out(self, tokens: np.ndarray, trained: np.ndarray | None = None,
-                 examples: np.ndarray | None = None, source: str = "--val-data") -> None:
+    def held_out(
+        self,
+        tokens: np.ndarray,
+        trained: np.ndarray | None = None,
+        examples: np.ndarray | None = None,
+        source: str = "--val-data",
+    ) -> None:
         """Validate on `tokens` (`source`'s, with its own trained mask and examples as the corpus
         has them) instead of a split of the corpus."""
         if len(tokens) < self.seq_len + 1:
-            raise DataError(f"{source} holds {len(tokens)} tokens, too short for seq_len {self.seq_len} "
-                            f"(needs {self.seq_len + 1}); pass more validation data or a smaller --seq-len")
+            raise DataError(
+                f"{source} holds {len(tokens)} tokens, too short for seq_len {self.seq_len} "
+                f"(needs {self.seq_len + 1}); pass more validation data or a smaller --seq-len"
+            )
         try:
-            self._held_out = TokenBatches(tokens, self.batch_size, self.seq_len, self.seed, 0.0,
-                                          trained=trained, examples=examples)
+            self._held_out = TokenBatches(
+                tokens,
+                self.batch_size,
+                self.seq_len,
+                self.seed,
+                0.0,
+                trained=trained,
+                examples=examples,
+            )
         except DataError:
-            raise DataError(f"{source} has no window of {self.seq_len + 1} tokens with a completion or "
-                            "assistant token to train on; pass validation records with replies, or a "
-                            "longer --seq-len") from None
+            raise DataError(
+                f"{source} has no window of {self.seq_len + 1} tokens with a completion or "
+                "assistant token to train on; pass validation records with replies, or a "
+                "longer --seq-len"
+            ) from None
         self._held_out.rows = self.rows  # this rank's rows of every batch, as of the corpus's
         self.note = None
 
@@ -212,7 +278,7 @@ class TokenBatches:
         chosen = []
         while len(chosen) < self.batch_size:
             take = min(self.batch_size - len(chosen), self.n_windows - self.position)
-            chosen.extend(self._order[self.position: self.position + take])
+            chosen.extend(self._order[self.position : self.position + take])
             self.position += take
             if self.position == self.n_windows:
                 self.epoch, self.position = self.epoch + 1, 0
@@ -228,23 +294,42 @@ class TokenBatches:
             held = self._held_out
             return held._eval_batches(held.train, held._windows, 0, eval_tokens)
         if len(self.val) == 0:
-            raise ConfigError("there is no validation split; set val_fraction above 0 or pass val_data")
+            raise ConfigError(
+                "there is no validation split; set val_fraction above 0 or pass val_data"
+            )
         return self._eval_batches(self.val, self._val_windows, len(self.train), eval_tokens)
 
-    def _eval_batches(self, tokens: np.ndarray, windows: tuple[np.ndarray, np.ndarray], offset: int,
-                      eval_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _eval_batches(
+        self,
+        tokens: np.ndarray,
+        windows: tuple[np.ndarray, np.ndarray],
+        offset: int,
+        eval_tokens: int,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         firsts, lasts = windows
         n = min(len(firsts), -(-eval_tokens // self.seq_len))
         pad = -n % self.batch_size  # rows with no target: the same set for every batch size
         firsts = np.concatenate([firsts[:n], np.repeat(firsts[:1], pad)])
         lasts = np.concatenate([lasts[:n], np.repeat(firsts[:1], pad)])
-        return [self._gather(tokens, firsts[i:i + self.batch_size][self.rows], lasts[i:i + self.batch_size][self.rows],
-                             offset) for i in range(0, n + pad, self.batch_size)]
+        return [
+            self._gather(
+                tokens,
+                firsts[i : i + self.batch_size][self.rows],
+                lasts[i : i + self.batch_size][self.rows],
+                offset,
+            )
+            for i in range(0, n + pad, self.batch_size)
+        ]
 
     def state_dict(self) -> dict[str, int]:
         """The position in the batch order (JSON-serialisable), plus what it is only valid for."""
-        return {"epoch": self.epoch, "position": self.position,
-                "seq_len": self.seq_len, "n_windows": self.n_windows, "seed": self.seed}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seq_len": self.seq_len,
+            "n_windows": self.n_windows,
+            "seed": self.seed,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         saved = (state.get("seq_len"), state.get("n_windows"), state.get("seed"))
@@ -255,7 +340,9 @@ class TokenBatches:
                 "resume with the same data, --seq-len and --seed"
             )
         if not 0 <= state.get("position", -1) < self.n_windows or state.get("epoch", -1) < 0:
-            raise DataError(f"the saved data position {state} is out of range; the checkpoint is corrupt")
+            raise DataError(
+                f"the saved data position {state} is out of range; the checkpoint is corrupt"
+            )
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._permutation(self.epoch)
 
@@ -279,19 +366,27 @@ class TokenBatches:
             firsts = np.arange((length - 1) // self.seq_len) * self.seq_len
             lasts = firsts + window
         else:
-            inside = self.examples[(self.examples >= offset) & (self.examples <= offset + length)] - offset
+            inside = (
+                self.examples[(self.examples >= offset) & (self.examples <= offset + length)]
+                - offset
+            )
             firsts, lasts = pack(inside, window)
             if len(firsts) and (lasts - firsts).max() > window:
-                raise ConfigError(f"an example is longer than a window of {window} tokens; pass examples through "
-                                  "tierzero.run.packing.fit_examples first")
+                raise ConfigError(
+                    f"an example is longer than a window of {window} tokens; pass examples through "
+                    "tierzero.run.packing.fit_examples first"
+                )
         if self.trained is None:
             return firsts, lasts
-        seen = np.concatenate([[0], np.cumsum(self.trained[offset + 1: offset + length], dtype=np.int64)])
+        seen = np.concatenate(
+            [[0], np.cumsum(self.trained[offset + 1 : offset + length], dtype=np.int64)]
+        )
         keep = seen[lasts - 1] > seen[firsts]  # the window's targets: tokens first + 1 .. last - 1
         return firsts[keep], lasts[keep]
 
-    def _gather(self, tokens: np.ndarray, firsts: np.ndarray, lasts: np.ndarray,
-                offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(
+        self, tokens: np.ndarray, firsts: np.ndarray, lasts: np.ndarray, offset: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x and y of the windows at `firsts` of a split at `offset`: y is -100 where not trained
         and past each window's `lasts`. x and y are separate tensors (as views of one buffer, a
         one-row batch's masked targets would overwrite its inputs)."""

@@ -68,8 +68,10 @@ class RunDir:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise RunDirError(f"cannot create run directory '{self.path}' ({e.strerror}); "
-                              "choose a writable --run-dir") from None
+            raise RunDirError(
+                f"cannot create run directory '{self.path}' ({e.strerror}); "
+                "choose a writable --run-dir"
+            ) from None
         if not self.primary:
             return self
         if not os.access(self.path, os.W_OK | os.X_OK):
@@ -77,12 +79,17 @@ class RunDir:
         try:
             fd = open_regular(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT)
         except OSError as e:
-            raise RunDirError(read_only(self.path) if e.errno in _READ_ONLY else
-                              f"cannot open {self.path / LOCK_NAME} ({e.strerror}); remove it") from None
+            raise RunDirError(
+                read_only(self.path)
+                if e.errno in _READ_ONLY
+                else f"cannot open {self.path / LOCK_NAME} ({e.strerror}); remove it"
+            ) from None
         owner = try_lock(fd)
         if owner is not None:
-            raise RunDirError(f"run directory '{self.path}' is in use by another trainer (pid {owner}); "
-                              "wait for it to finish or choose another --run-dir")
+            raise RunDirError(
+                f"run directory '{self.path}' is in use by another trainer (pid {owner}); "
+                "wait for it to finish or choose another --run-dir"
+            )
         self._lock_fd = fd
         return self
 
@@ -119,7 +126,9 @@ class RunDir:
         names the new run, so the old run's checkpoints go aside and run-id follows."""
         if lineage.read_run_id(self.path) == self.run_id:
             return []
-        notes = self._move_old_run_aside("an --overwrite that was stopped before it finished started over")
+        notes = self._move_old_run_aside(
+            "an --overwrite that was stopped before it finished started over"
+        )
         lineage.write_run_id(self.path, self.run_id)
         return notes
 
@@ -140,8 +149,15 @@ class RunDir:
         if not self.primary:
             return []
         moved = lineage.abandon(self.path, newer_than=step)
-        return [lineage.abandoned_note(self.path, moved, f"newer than step {step}, which the run resumed "
-                                       "from")] if moved else []
+        return (
+            [
+                lineage.abandoned_note(
+                    self.path, moved, f"newer than step {step}, which the run resumed from"
+                )
+            ]
+            if moved
+            else []
+        )
 
     def write_config(self, run: RunConfig) -> None:
         """Write the resolved config durably (temp file, fsync, rename, directory fsync), its
@@ -157,8 +173,10 @@ class RunDir:
         try:
             write_atomic(self.path / CONFIG_NAME, text.encode())
         except OSError as e:
-            raise RunDirError(f"cannot write {self.path / CONFIG_NAME} ({e.strerror}); make the run "
-                              "directory writable") from None
+            raise RunDirError(
+                f"cannot write {self.path / CONFIG_NAME} ({e.strerror}); make the run "
+                "directory writable"
+            ) from None
 
     def _stored_path(self, path: str) -> str:
         here, root = os.path.abspath(path), os.path.abspath(self.path)
@@ -178,8 +196,9 @@ class RunDir:
             self._keep_samples_through(start_step)  # samples.jsonl: the same rule
             fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         except OSError as e:
-            raise RunDirError(f"cannot write {path} ({e.strerror}); remove it or choose another "
-                              "--run-dir") from None
+            raise RunDirError(
+                f"cannot write {path} ({e.strerror}); remove it or choose another --run-dir"
+            ) from None
         self._metrics = os.fdopen(fd, "a", buffering=1)
 
     def log(self, record: dict[str, Any]) -> None:
@@ -211,8 +230,9 @@ class RunDir:
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:
-            raise RunDirError(f"cannot write {path} ({e.strerror}); remove it or choose another "
-                              "--run-dir") from None
+            raise RunDirError(
+                f"cannot write {path} ({e.strerror}); remove it or choose another --run-dir"
+            ) from None
         if self._sample_stream is not None:
             self._sample_stream(step, rows)
 
@@ -249,26 +269,36 @@ def check_place(path: str | os.PathLike) -> None:
     """Refuse a run directory that is not a directory, or that lies inside another run's
     checkpoints/ or inside an NVMe store (whose pruning or cleanup would delete it)."""
     if os.path.lexists(path) and not os.path.isdir(path):
-        raise RunDirError(f"run directory '{path}' is {kind_of(path)}, not a directory; pass the path of a "
-                          "directory (or of none yet) as --run-dir")
+        raise RunDirError(
+            f"run directory '{path}' is {kind_of(path)}, not a directory; pass the path of a "
+            "directory (or of none yet) as --run-dir"
+        )
     here = Path(os.path.realpath(path))
     for parent in [here, *here.parents]:
         if is_store_root(parent):
-            raise RunDirError(f"run directory '{path}' lies inside the NVMe store directory {parent}, whose "
-                              "start-up cleanup would delete it; choose a --run-dir outside it")
+            raise RunDirError(
+                f"run directory '{path}' lies inside the NVMe store directory {parent}, whose "
+                "start-up cleanup would delete it; choose a --run-dir outside it"
+            )
         if parent.name == CHECKPOINTS_DIR and _looks_like_run(parent.parent) and parent != here:
-            raise RunDirError(f"run directory '{path}' lies inside the checkpoints of the run directory "
-                              f"{parent.parent}, whose pruning would delete it; choose a --run-dir outside it")
+            raise RunDirError(
+                f"run directory '{path}' lies inside the checkpoints of the run directory "
+                f"{parent.parent}, whose pruning would delete it; choose a --run-dir outside it"
+            )
 
 
 def _looks_like_run(path: Path) -> bool:
-    return any(os.path.lexists(path / name) for name in (CONFIG_NAME, lineage.RUN_ID_NAME, LOCK_NAME))
+    return any(
+        os.path.lexists(path / name) for name in (CONFIG_NAME, lineage.RUN_ID_NAME, LOCK_NAME)
+    )
 
 
 def read_only(path: str | os.PathLike) -> str:
-    return (f"run directory '{path}' is read-only, and a trainer writes its lock, config, metrics and "
-            "checkpoints there; make it writable or copy the run to a writable --run-dir (inspect and "
-            "export read it as it is)")
+    return (
+        f"run directory '{path}' is read-only, and a trainer writes its lock, config, metrics and "
+        "checkpoints there; make it writable or copy the run to a writable --run-dir (inspect and "
+        "export read it as it is)"
+    )
 
 
 def never_configured(path: str | os.PathLike) -> str | None:
@@ -276,13 +306,24 @@ def never_configured(path: str | os.PathLike) -> str | None:
     checkpoints exist) but its config.toml was never written; None when it has one, or nothing."""
     if os.path.lexists(Path(path) / CONFIG_NAME):
         return None
-    started = [n for n in (lineage.RUN_ID_NAME, LOCK_NAME, METRICS_NAME, CHECKPOINTS_DIR)
-               if os.path.lexists(Path(path) / n)]
+    started = [
+        n
+        for n in (lineage.RUN_ID_NAME, LOCK_NAME, METRICS_NAME, CHECKPOINTS_DIR)
+        if os.path.lexists(Path(path) / n)
+    ]
     if checkpoint_dirs(path):
-        return (f"run directory '{path}' holds checkpoints but no {CONFIG_NAME}: restore it (every "
-                "checkpoint's manifest.json records it as config_toml), or start over with --overwrite")
-    return (f"run directory '{path}' was started but never configured (it has {', '.join(started)} but no "
-            f"{CONFIG_NAME}): start it again with --overwrite") if started else None
+        return (
+            f"run directory '{path}' holds checkpoints but no {CONFIG_NAME}: restore it (every "
+            "checkpoint's manifest.json records it as config_toml), or start over with --overwrite"
+        )
+    return (
+        (
+            f"run directory '{path}' was started but never configured (it has {', '.join(started)} but no "
+            f"{CONFIG_NAME}): start it again with --overwrite"
+        )
+        if started
+        else None
+    )
 
 
 def config_run_id(run_dir: str | os.PathLike) -> str | None:
@@ -314,9 +355,11 @@ def _before(line: str, start_step: int) -> bool:
 
 def refuse_fresh_start(path: str | os.PathLike, steps: list[int]) -> str:
     """Why a fresh run may not start in a directory that holds checkpoints, and what to do."""
-    return (f"run directory '{path}' already holds checkpoints (steps {', '.join(map(str, steps))}); "
-            "continue it with --resume, or start over with --overwrite (which moves them into "
-            "checkpoints/abandoned/)")
+    return (
+        f"run directory '{path}' already holds checkpoints (steps {', '.join(map(str, steps))}); "
+        "continue it with --resume, or start over with --overwrite (which moves them into "
+        "checkpoints/abandoned/)"
+    )
 
 
 def rebase_paths(paths: list[str], run_dir: str | os.PathLike) -> list[str]:
@@ -328,8 +371,9 @@ def enclosing_run_dir(path: str | os.PathLike) -> Path | None:
     """The run directory that `path` lies inside (a checkpoint, the store), or None."""
     here = Path(os.path.abspath(path))
     for parent in here.parents:
-        if (parent / CONFIG_NAME).is_file() and ((parent / "checkpoints").is_dir()
-                                                 or (parent / "metrics.jsonl").is_file()):
+        if (parent / CONFIG_NAME).is_file() and (
+            (parent / "checkpoints").is_dir() or (parent / "metrics.jsonl").is_file()
+        ):
             return parent
     return None
 
@@ -353,8 +397,10 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     try:
         text = read_regular(metrics).decode(errors="replace")
     except OSError as e:
-        raise RunDirError(f"cannot read {metrics} ({e.strerror}); point at a run directory that "
-                          "`tierzero train` wrote") from None
+        raise RunDirError(
+            f"cannot read {metrics} ({e.strerror}); point at a run directory that "
+            "`tierzero train` wrote"
+        ) from None
     for line in text.splitlines():
         try:
             record = json.loads(line)
@@ -368,7 +414,10 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 # the state formats a run's checkpoints are written in: fixed for the run's life
-_STATE_FORMAT_FLAGS = {"optimizer_state": ("--optimizer-state", "Adam moments"), "master": ("--master", "master weights")}
+_STATE_FORMAT_FLAGS = {
+    "optimizer_state": ("--optimizer-state", "Adam moments"),
+    "master": ("--master", "master weights"),
+}
 
 
 def refuse_other_state_format(path: Path, run: RunConfig) -> None:
@@ -380,7 +429,12 @@ def refuse_other_state_format(path: Path, run: RunConfig) -> None:
         return
     saved = read_toml(saved_path)
     for key, (flag, what) in _STATE_FORMAT_FLAGS.items():
-        was, now = str(saved.get(key, getattr(Config, key).value)).lower(), getattr(run.engine, key).value
+        was, now = (
+            str(saved.get(key, getattr(Config, key).value)).lower(),
+            getattr(run.engine, key).value,
+        )
         if now != was:
-            raise ConfigError(f"{flag} {now} differs from the {was} this run's checkpoints hold its {what} in; "
-                              f"resume with {flag} {was}, or start a new run with --overwrite to change it")
+            raise ConfigError(
+                f"{flag} {now} differs from the {was} this run's checkpoints hold its {what} in; "
+                f"resume with {flag} {was}, or start a new run with --overwrite to change it"
+            )

@@ -36,11 +36,15 @@ from tierzero.run.packing import Examples
 
 BATCH_RECORDS = 1024  # records per Arrow batch read and tokenized at once
 ARROW_MARKER = "state.json"  # what `Dataset.save_to_disk` writes beside its .arrow files
-GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' test for a template that marks replies
+GENERATION = re.compile(
+    r"\{%-?\s*generation\s*-?%\}"
+)  # transformers' test for a template that marks replies
 
 
 def is_example(record: Any) -> bool:
-    return isinstance(record, dict) and ("messages" in record or {"prompt", "completion"} <= record.keys())
+    return isinstance(record, dict) and (
+        "messages" in record or {"prompt", "completion"} <= record.keys()
+    )
 
 
 def is_arrow_data(path: Path) -> bool:
@@ -54,11 +58,15 @@ def arrow_records(path: Path) -> Iterator[dict[str, Any]]:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(f"reading {path.name} needs pyarrow; pip install 'tierzero[data]'") from None
+        raise DataError(
+            f"reading {path.name} needs pyarrow; pip install 'tierzero[data]'"
+        ) from None
     try:
         if path.is_dir() and (path / ARROW_MARKER).is_file():
             state = json.loads((path / ARROW_MARKER).read_text())
-            files = [path / f["filename"] for f in state.get("_data_files", [])] or sorted(path.glob("*.arrow"))
+            files = [path / f["filename"] for f in state.get("_data_files", [])] or sorted(
+                path.glob("*.arrow")
+            )
             for f in files:
                 with pa.memory_map(str(f)) as source:
                     for batch in pa.ipc.open_stream(source):
@@ -69,8 +77,10 @@ def arrow_records(path: Path) -> Iterator[dict[str, Any]]:
             for batch in pq.ParquetFile(f).iter_batches(batch_size=BATCH_RECORDS):
                 yield from batch.to_pylist()
     except (OSError, ValueError, KeyError, pa.ArrowException) as e:
-        raise DataError(f"cannot read '{path}' as Parquet or a datasets save_to_disk directory ({e}); "
-                        "check the files") from None
+        raise DataError(
+            f"cannot read '{path}' as Parquet or a datasets save_to_disk directory ({e}); "
+            "check the files"
+        ) from None
 
 
 class ChatTemplate:
@@ -81,9 +91,13 @@ class ChatTemplate:
         self._tokenizer: Any = None
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        return self._loaded().apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self._loaded().apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
 
-    def generation_spans(self, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]] | None:
+    def generation_spans(
+        self, messages: list[dict[str, Any]]
+    ) -> tuple[str, list[tuple[int, int]]] | None:
         """The rendered chat and the character spans its `{% generation %}` blocks cover, as
         transformers finds them for `return_assistant_tokens_mask`; None: the template has none."""
         tokenizer = self._loaded()
@@ -92,8 +106,12 @@ class ChatTemplate:
             return None
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        rendered, spans = render_jinja_template(conversations=[messages], chat_template=template,
-                                                return_assistant_tokens_mask=True, **tokenizer.special_tokens_map)
+        rendered, spans = render_jinja_template(
+            conversations=[messages],
+            chat_template=template,
+            return_assistant_tokens_mask=True,
+            **tokenizer.special_tokens_map,
+        )
         return rendered[0], [tuple(span) for span in spans[0]]
 
     def _loaded(self) -> Any:
@@ -101,19 +119,30 @@ class ChatTemplate:
             try:
                 from transformers import AutoTokenizer
 
-                self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+                self._tokenizer = AutoTokenizer.from_pretrained(
+                    self.model_dir, local_files_only=True
+                )
             except (ImportError, OSError, ValueError) as e:
-                raise DataError(f"chat records need the tokenizer of {self.model_dir} through transformers "
-                                f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-                                "pip install 'tierzero[hf]'") from None
+                raise DataError(
+                    f"chat records need the tokenizer of {self.model_dir} through transformers "
+                    f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                    "pip install 'tierzero[hf]'"
+                ) from None
             if not self._tokenizer.chat_template:
-                raise DataError(f"{self.model_dir} has no chat template (tokenizer_config.json's chat_template "
-                                "or chat_template.jinja); use prompt/completion records, or add the template")
+                raise DataError(
+                    f"{self.model_dir} has no chat template (tokenizer_config.json's chat_template "
+                    "or chat_template.jinja); use prompt/completion records, or add the template"
+                )
         return self._tokenizer
 
 
-def encode_examples(records: Iterable[dict[str, Any]], tokenizer: Any, eos_id: int | None,
-                    template: ChatTemplate | None, source: str) -> Examples:
+def encode_examples(
+    records: Iterable[dict[str, Any]],
+    tokenizer: Any,
+    eos_id: int | None,
+    template: ChatTemplate | None,
+    source: str,
+) -> Examples:
     """Token ids of every record, end to end, whether each is trained, and where each record starts."""
     ids: list[int] = []
     trained: list[np.ndarray] = []
@@ -121,10 +150,13 @@ def encode_examples(records: Iterable[dict[str, Any]], tokenizer: Any, eos_id: i
     batch: list[tuple[str, list[tuple[int, int]], bool]] = []
 
     def flush() -> None:
-        for (text, spans, eos), encoding in zip(batch, tokenizer.encode_batch([t for t, _, _ in batch],
-                                                                              add_special_tokens=False)):
+        for (text, spans, eos), encoding in zip(
+            batch, tokenizer.encode_batch([t for t, _, _ in batch], add_special_tokens=False)
+        ):
             ids.extend(encoding.ids)
-            trained.append(trained_tokens(np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2), spans))
+            trained.append(
+                trained_tokens(np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2), spans)
+            )
             if eos and eos_id is not None:
                 ids.append(eos_id)
                 trained.append(np.ones(1, dtype=np.uint8))
@@ -136,8 +168,11 @@ def encode_examples(records: Iterable[dict[str, Any]], tokenizer: Any, eos_id: i
         if len(batch) == BATCH_RECORDS:
             flush()
     flush()
-    return Examples(np.asarray(ids, dtype=np.uint32), np.concatenate([np.zeros(0, np.uint8), *trained]),
-                    np.asarray(bounds, dtype=np.int64))
+    return Examples(
+        np.asarray(ids, dtype=np.uint32),
+        np.concatenate([np.zeros(0, np.uint8), *trained]),
+        np.asarray(bounds, dtype=np.int64),
+    )
 
 
 def trained_tokens(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
@@ -149,15 +184,21 @@ def trained_tokens(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndar
     return mask.astype(np.uint8)
 
 
-def _rendered(record: dict[str, Any], template: ChatTemplate | None, where: str) -> tuple[str, list[tuple[int, int]], bool]:
+def _rendered(
+    record: dict[str, Any], template: ChatTemplate | None, where: str
+) -> tuple[str, list[tuple[int, int]], bool]:
     """The record's text, the character spans to train on, and whether an end-of-sequence id follows."""
     if "messages" in record:
         messages = record["messages"]
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and "role" in m for m in messages
+        ):
             raise DataError(f"{where}: 'messages' is not a list of {{'role', 'content'}} objects")
         if template is None:
-            raise DataError(f"{where} is a chat, which needs the model's tokenizer and chat template; "
-                            "train an hf: model whose directory has them")
+            raise DataError(
+                f"{where} is a chat, which needs the model's tokenizer and chat template; "
+                "train an hf: model whose directory has them"
+            )
         marked = template.generation_spans(messages)
         if marked is not None:
             return marked[0], marked[1], False
@@ -167,10 +208,12 @@ def _rendered(record: dict[str, Any], template: ChatTemplate | None, where: str)
             if message["role"] != "assistant":
                 continue
             before = template.render(messages[:i], add_generation_prompt=True) if i else ""
-            through = template.render(messages[:i + 1])
+            through = template.render(messages[: i + 1])
             if not (text.startswith(through) and through.startswith(before)):
-                raise DataError(f"{where}: the chat template renders the chat's first turns differently when "
-                                "it is cut short, so the assistant's tokens cannot be found; use prompt/completion")
+                raise DataError(
+                    f"{where}: the chat template renders the chat's first turns differently when "
+                    "it is cut short, so the assistant's tokens cannot be found; use prompt/completion"
+                )
             spans.append((len(before), len(through)))
         return text, spans, False
     prompt, completion = record.get("prompt"), record.get("completion")

@@ -30,9 +30,9 @@ import torch
 
 from tierzero.checkpoint.catalog import prune, read_best, record_best, step_dir
 from tierzero.config import RunConfig
+from tierzero.lr import lr_at
 from tierzero.models.loss import trained_targets
 from tierzero.run.data import TokenBatches
-from tierzero.lr import lr_at
 from tierzero.run.directory import RunDir
 
 
@@ -65,12 +65,16 @@ class LoopResult:
 Total = Callable[[list[float]], list[float]]  # each value summed over the ranks
 
 
-def evaluate(trainer: Trainer, batches: TokenBatches, eval_tokens: int, total: Total | None = None) -> float:
+def evaluate(
+    trainer: Trainer, batches: TokenBatches, eval_tokens: int, total: Total | None = None
+) -> float:
     """The evaluation loss: every rank's trained tokens' losses summed, over their number (each
     window's sum added in window order, however the trainer runs them)."""
     val = batches.val_batches(eval_tokens)
     one_pass = getattr(trainer, "evaluate", None)  # the engine's: each unit read once for the set
-    windows = one_pass(val) if one_pass is not None else [trainer.eval_loss(b, summed=True) for b in val]
+    windows = (
+        one_pass(val) if one_pass is not None else [trainer.eval_loss(b, summed=True) for b in val]
+    )
     summed = sum(windows)
     count = sum(trained_targets(y) for _, y in val)
     summed, count = (summed, count) if total is None else total([summed, count])
@@ -82,13 +86,19 @@ def eval_record(loss: float) -> dict[str, float]:
     return {"eval_loss": loss, "eval_ppl": math.exp(loss) if loss < 700 else math.inf}
 
 
-def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: RunDir,
-               on_step: Callable[[int, dict[str, Any]], None] | None = None, start_step: int = 0,
-               checkpoint: Callable[[int], None] | None = None,
-               mean: Callable[[list[float]], list[float]] | None = None,
-               gather: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = None,
-               total: Total | None = None,
-               samples: Callable[[int], None] | None = None) -> LoopResult:
+def train_loop(
+    run: RunConfig,
+    trainer: Trainer,
+    batches: TokenBatches,
+    rundir: RunDir,
+    on_step: Callable[[int, dict[str, Any]], None] | None = None,
+    start_step: int = 0,
+    checkpoint: Callable[[int], None] | None = None,
+    mean: Callable[[list[float]], list[float]] | None = None,
+    gather: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = None,
+    total: Total | None = None,
+    samples: Callable[[int], None] | None = None,
+) -> LoopResult:
     """Run optimizer steps `start_step + 1 .. run.steps` of `accumulate` micro-batches each,
     logging every step; `checkpoint(step)` runs every `run.checkpoint_every` steps and at the end,
     `samples(step)` after every step (it generates when due: `tierzero.run.samples`).
@@ -104,19 +114,25 @@ def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: 
     first = last = float("nan")
     done, saved = start_step, (start_step or None)  # a resumed run starts from a checkpoint
     every = run.eval_every if batches.has_validation else None
-    best = read_best(rundir.path) if run.keep_best and start_step else None  # a resumed run's best so far
+    best = (
+        read_best(rundir.path) if run.keep_best and start_step else None
+    )  # a resumed run's best so far
 
     def evaluated(step: int) -> dict[str, float]:
         t0 = time.perf_counter()
         loss = evaluate(trainer, batches, run.eval_tokens, total)
         val_losses.append((step, loss))
-        cost = {f"eval_{k}": v for k, v in trainer.stats().items() if k.startswith("bytes_")}  # its own bytes
+        cost = {
+            f"eval_{k}": v for k, v in trainer.stats().items() if k.startswith("bytes_")
+        }  # its own bytes
         return {**eval_record(loss), "eval_s": time.perf_counter() - t0, **cost}
 
     try:
         if start_step == 0 and every:
             rundir.log({"step": 0, **evaluated(0)})
-        elif start_step:  # metrics of steps after the checkpoint were lost with the crash: they are redone
+        elif (
+            start_step
+        ):  # metrics of steps after the checkpoint were lost with the crash: they are redone
             rundir.log({"resumed_at": start_step})
         for step in range(start_step, run.steps):
             t0 = time.perf_counter()
@@ -124,15 +140,23 @@ def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: 
             tokens = sum(trained_targets(y) for _, y in micro)  # before the step's first backward
             tokens = tokens if total is None else int(total([tokens])[0])
             micro_losses = [trainer.train_micro_batch(b, step_tokens=tokens) for b in micro]
-            loss = sum(t.item() for t in micro_losses) / accumulate  # host sync point, once per step
+            loss = (
+                sum(t.item() for t in micro_losses) / accumulate
+            )  # host sync point, once per step
             loss = loss if mean is None else mean([loss])[0]
             dt = time.perf_counter() - t0
             first = loss if step == start_step else first
             last = loss
             stats = trainer.stats()
-            record = {"step": step + 1, "loss": loss, "lr": lr_at(step, run.engine),
-                      "tokens_per_s": tokens_per_step / dt, "step_s": dt,
-                      "wall_s": time.perf_counter() - start, **stats}
+            record = {
+                "step": step + 1,
+                "loss": loss,
+                "lr": lr_at(step, run.engine),
+                "tokens_per_s": tokens_per_step / dt,
+                "step_s": dt,
+                "wall_s": time.perf_counter() - start,
+                **stats,
+            }
             if gather is not None:
                 record["ranks"] = gather(stats)
             if every and ((step + 1) % every == 0 or step + 1 == run.steps):
@@ -141,10 +165,16 @@ def train_loop(run: RunConfig, trainer: Trainer, batches: TokenBatches, rundir: 
             if samples is not None:
                 samples(step + 1)
             done = step + 1
-            better = run.keep_best and "eval_loss" in record and (
-                best is None or record["eval_loss"] < best["eval_loss"])
-            if checkpoint is not None and ((step + 1) % (run.checkpoint_every or run.steps) == 0
-                                           or step + 1 == run.steps or better):
+            better = (
+                run.keep_best
+                and "eval_loss" in record
+                and (best is None or record["eval_loss"] < best["eval_loss"])
+            )
+            if checkpoint is not None and (
+                (step + 1) % (run.checkpoint_every or run.steps) == 0
+                or step + 1 == run.steps
+                or better
+            ):
                 checkpoint(step + 1)
                 saved = step + 1
                 if better:

@@ -34,7 +34,9 @@ class RunModel:
     description: dict[str, Any]  # what checkpoints record about the model
     notes: list[str] = field(default_factory=list)
     hf_model: HFModel | None = None  # for hf:<dir>
-    lora_model: nn.Module | None = None  # hf_model's model under LoRA adapters (tierzero.hf.lora), on meta
+    lora_model: nn.Module | None = (
+        None  # hf_model's model under LoRA adapters (tierzero.hf.lora), on meta
+    )
 
     @property
     def engine_weights(self) -> str | None:
@@ -76,11 +78,14 @@ def run_model(run: RunConfig) -> RunModel:
 
     if not is_hf(run.model):
         if run.lora_r is not None:
-            raise ConfigError(f"--lora-r adapts a Hugging Face model; pass --model hf:DIR, not the preset "
-                              f"'{run.model}' (or drop --lora-r to train it whole)")
+            raise ConfigError(
+                f"--lora-r adapts a Hugging Face model; pass --model hf:DIR, not the preset "
+                f"'{run.model}' (or drop --lora-r to train it whole)"
+            )
         args = models.get_preset(run.model)
-        return RunModel(run.model, args.vocab_size, args.param_count(), run.weights, None,
-                        {"preset": run.model})
+        return RunModel(
+            run.model, args.vocab_size, args.param_count(), run.weights, None, {"preset": run.model}
+        )
     from tierzero.hf import load_model
 
     hf = load_model(run.model, run.engine.units)
@@ -88,28 +93,58 @@ def run_model(run: RunConfig) -> RunModel:
     weights = run.weights or (str(hf.weights) if hf.weights is not None else None)
     tokenizer, notes = None, [past_positions] if past_positions else []
     if weights is None:
-        notes.append(f"model directory {hf.path} has no *.safetensors: every unit is initialised by the "
-                     f"model's own _init_weights from seed {run.engine.seed}")
+        notes.append(
+            f"model directory {hf.path} has no *.safetensors: every unit is initialised by the "
+            f"model's own _init_weights from seed {run.engine.seed}"
+        )
     if hf.tokenizer is not None:
         tokenizer = TextTokenizer(hf.tokenizer, _eos_id(hf.config))
     elif not (run.data and Path(run.data).suffix in TOKEN_SUFFIXES):
-        notes.append(f"model directory {hf.path} has no tokenizer.json: text is read as bytes (ids 0-255), "
-                     "which this model was not trained on; copy the model's tokenizer.json there")
+        notes.append(
+            f"model directory {hf.path} has no tokenizer.json: text is read as bytes (ids 0-255), "
+            "which this model was not trained on; copy the model's tokenizer.json there"
+        )
     if run.lora_r is None:
-        return RunModel(f"hf:{hf.path}", hf.vocab_size, hf.param_count(), weights, tokenizer, hf.description(),
-                        notes, hf)
+        return RunModel(
+            f"hf:{hf.path}",
+            hf.vocab_size,
+            hf.param_count(),
+            weights,
+            tokenizer,
+            hf.description(),
+            notes,
+            hf,
+        )
     from tierzero.hf import describe
     from tierzero.hf.lora import LoraSpec, add_lora, default_targets
 
-    spec, targets_note = default_targets(hf, LoraSpec(run.lora_r, run.lora_alpha, run.lora_dropout,
-                                                      tuple(run.lora_targets) if run.lora_targets else None))
+    spec, targets_note = default_targets(
+        hf,
+        LoraSpec(
+            run.lora_r,
+            run.lora_alpha,
+            run.lora_dropout,
+            tuple(run.lora_targets) if run.lora_targets else None,
+        ),
+    )
     notes += [targets_note] if targets_note else []
     model = add_lora(hf, spec, weights)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    notes.append(f"LoRA r={spec.r} alpha={spec.alpha:g} on {', '.join(sorted(model.peft_config['default'].target_modules))}: "
-                 f"{trained:,} trainable parameters, the base's {hf.param_count() - trained:,} frozen")
-    return RunModel(f"hf:{hf.path}", hf.vocab_size, hf.param_count(), weights, tokenizer, describe(hf, model),
-                    notes, hf, model)
+    notes.append(
+        f"LoRA r={spec.r} alpha={spec.alpha:g} on {', '.join(sorted(model.peft_config['default'].target_modules))}: "
+        f"{trained:,} trainable parameters, the base's {hf.param_count() - trained:,} frozen"
+    )
+    return RunModel(
+        f"hf:{hf.path}",
+        hf.vocab_size,
+        hf.param_count(),
+        weights,
+        tokenizer,
+        describe(hf, model),
+        notes,
+        hf,
+        model,
+    )
 
 
 def _eos_id(config: dict[str, Any]) -> int | None:

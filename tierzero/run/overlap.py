@@ -24,17 +24,13 @@ IN_MEMORY = "an in-memory run: no tier links to overlap"
 def busy_links(steps: list[dict[str, Any]]) -> list[str]:
     """The links any step logged busy time for, in the engine's order (unknown ones after)."""
     logged = {k[len(BUSY) :] for r in steps for k in r if k.startswith(BUSY)}
-    return [link for link in BUSY_LINKS if link in logged] + sorted(
-        logged - set(BUSY_LINKS)
-    )
+    return [link for link in BUSY_LINKS if link in logged] + sorted(logged - set(BUSY_LINKS))
 
 
 def overlap(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The run's overlap figures (`measured: False` with a `note` for a run without them)."""
     steps = [
-        r
-        for r in records
-        if "loss" in r and "step_s" in r and any(k.startswith(BUSY) for k in r)
+        r for r in records if "loss" in r and "step_s" in r and any(k.startswith(BUSY) for k in r)
     ]
     links = busy_links(steps)
     if not steps:
@@ -43,16 +39,12 @@ def overlap(records: list[dict[str, Any]]) -> dict[str, Any]:
     per_link = {link: _link_figures(steps, link) for link in links}
     bounds = [max(r.get(BUSY + link, 0.0) for link in links) for r in steps]
     serial = [sum(r.get(BUSY + link, 0.0) for link in links) for r in steps]
-    ratios = [
-        (r["step_s"] / b, s / b) for r, b, s in zip(steps, bounds, serial) if b > 0
-    ]
+    ratios = [(r["step_s"] / b, s / b) for r, b, s in zip(steps, bounds, serial) if b > 0]
     # the training thread's time not blocked on a transfer: forward and backward compute (and
     # host overhead) as the loop sees it, so the step's floor is max(bound, compute)
     compute = [max(0.0, r["step_s"] - r.get("io_wait_s", 0.0)) for r in steps]
     floors = [max(b, c) for b, c in zip(bounds, compute)]
-    bound_link = (
-        max(links, key=lambda link: per_link[link]["busy_s"]) if links else None
-    )
+    bound_link = max(links, key=lambda link: per_link[link]["busy_s"]) if links else None
     return {
         "measured": True,
         "steps": len(steps),
@@ -63,9 +55,7 @@ def overlap(records: list[dict[str, Any]]) -> dict[str, Any]:
         "step_over_bound": median(r for r, _ in ratios) if ratios else None,
         "serial_over_bound": median(s for _, s in ratios) if ratios else None,
         "compute_s": median(compute),
-        "step_over_floor": median(
-            r["step_s"] / f for r, f in zip(steps, floors) if f > 0
-        ),
+        "step_over_floor": median(r["step_s"] / f for r, f in zip(steps, floors) if f > 0),
     }
 
 
@@ -73,9 +63,5 @@ def _link_figures(steps: list[dict[str, Any]], link: str) -> dict[str, float | N
     """A link's median busy seconds, and bytes per second while busy (None: no bytes logged,
     the optimizer's compute, or never busy)."""
     busy = [r.get(BUSY + link, 0.0) for r in steps]
-    rates = [
-        r[f"bytes_{link}"] / b
-        for r, b in zip(steps, busy)
-        if b > 0 and f"bytes_{link}" in r
-    ]
+    rates = [r[f"bytes_{link}"] / b for r, b in zip(steps, busy) if b > 0 and f"bytes_{link}" in r]
     return {"busy_s": median(busy), "bytes_per_s": median(rates) if rates else None}

@@ -58,21 +58,22 @@ def fit_examples(examples: Examples, window: int, policy: LongExamples) -> tuple
     firsts, lasts, previous = [], [], 0
     for i in long:
         firsts.append(bounds[previous:i])
-        lasts.append(bounds[previous + 1:i + 1])
+        lasts.append(bounds[previous + 1 : i + 1])
         a, b = _kept(int(bounds[i]), int(bounds[i + 1]), examples.trained, window, policy)
         firsts.append(np.asarray(a, dtype=np.int64))
         lasts.append(np.asarray(b, dtype=np.int64))
         previous = i + 1
     firsts.append(bounds[previous:-1])
-    lasts.append(bounds[previous + 1:])
+    lasts.append(bounds[previous + 1 :])
     first, last = np.concatenate(firsts), np.concatenate(lasts)
     index = _ranges(first, last)
     new_bounds = np.concatenate([[0], np.cumsum(last - first)]).astype(np.int64)
     return Examples(examples.ids[index], examples.trained[index], new_bounds), fitted
 
 
-def _kept(start: int, end: int, trained: np.ndarray, window: int,
-          policy: LongExamples) -> tuple[list[int], list[int]]:
+def _kept(
+    start: int, end: int, trained: np.ndarray, window: int, policy: LongExamples
+) -> tuple[list[int], list[int]]:
     """The token ranges that stand for one long example (first offsets, end offsets)."""
     if policy is LongExamples.DROP:
         return [], []
@@ -96,7 +97,9 @@ def _ranges(first: np.ndarray, last: np.ndarray) -> np.ndarray:
     """The offsets of every range [first, last), concatenated, without a loop per range."""
     lengths = last - first
     ends = np.cumsum(lengths)
-    return np.repeat(first - (ends - lengths), lengths) + np.arange(int(ends[-1]) if len(ends) else 0)
+    return np.repeat(first - (ends - lengths), lengths) + np.arange(
+        int(ends[-1]) if len(ends) else 0
+    )
 
 
 def pack(bounds: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:

@@ -18,15 +18,15 @@ from typing import Any
 
 import torch
 
+from tierzero.checkpoint.catalog import checkpoint_dirs
 from tierzero.config import Offload, RunConfig
+from tierzero.distributed.launch import Ranks
+from tierzero.errors import ConfigError, DataError
+from tierzero.precision import check_dtype_supported, resolve_dtype
 from tierzero.run.corpus import read_data
 from tierzero.run.data import TokenBatches
-from tierzero.checkpoint.catalog import checkpoint_dirs
-from tierzero.errors import ConfigError, DataError
-from tierzero.distributed.launch import Ranks
-from tierzero.run.loop import LoopResult, Trainer, train_loop
-from tierzero.precision import check_dtype_supported, resolve_dtype
 from tierzero.run.directory import RunDir
+from tierzero.run.loop import LoopResult, Trainer, train_loop
 from tierzero.run.model_load import RunModel, run_model
 from tierzero.run.packing import Fitted, fit_examples
 from tierzero.run.prompts import Codec
@@ -49,20 +49,41 @@ class Session:
     def n_params(self) -> int:
         return self.model.n_params
 
-    def train(self, rundir: RunDir, on_step: Callable[[int, dict[str, Any]], None] | None = None,
-              start_step: int = 0) -> LoopResult:
+    def train(
+        self,
+        rundir: RunDir,
+        on_step: Callable[[int, dict[str, Any]], None] | None = None,
+        start_step: int = 0,
+    ) -> LoopResult:
         save = None
         if hasattr(self.trainer, "save_checkpoint"):
+
             def save(step: int) -> None:
-                self.trainer.save_checkpoint(rundir.path, data=self.batches.state_dict(),
-                                             keep=self.run.keep_checkpoints, model=self.model.description)
+                self.trainer.save_checkpoint(
+                    rundir.path,
+                    data=self.batches.state_dict(),
+                    keep=self.run.keep_checkpoints,
+                    model=self.model.description,
+                )
+
         comm = getattr(self.trainer, "comm", None)
         mean = comm.mean if comm is not None else None
         gather = comm.all_gather_json if comm is not None and comm.world_size > 1 else None
         total = comm.total if comm is not None else None
         samples = self.samples.logger(self.trainer, rundir) if self.samples is not None else None
-        return train_loop(self.run, self.trainer, self.batches, rundir, on_step, start_step, save, mean,
-                          gather, total, samples)
+        return train_loop(
+            self.run,
+            self.trainer,
+            self.batches,
+            rundir,
+            on_step,
+            start_step,
+            save,
+            mean,
+            gather,
+            total,
+            samples,
+        )
 
     def resume(self, rundir: RunDir) -> tuple[int, list[str]]:
         """Continue from the run directory's newest intact checkpoint: the loop's step to go on
@@ -72,39 +93,69 @@ class Session:
         if not checkpoint_dirs(rundir.path):
             return 0, [f"run directory '{rundir.path}' has no checkpoint yet: starting from step 0"]
         if not hasattr(self.trainer, "load_checkpoint"):
-            raise ConfigError("--resume needs a tiered run (--offload host, nvme or auto); the in-memory "
-                              "reference trainer keeps no checkpoints")
+            raise ConfigError(
+                "--resume needs a tiered run (--offload host, nvme or auto); the in-memory "
+                "reference trainer keeps no checkpoints"
+            )
         manifest = self.trainer.load_checkpoint(rundir.path)
         if manifest.data is not None:
             self.batches.load_state_dict(manifest.data)
         moved = rundir.abandon_after(manifest.step)  # they would be taken for this run's later ones
         done = manifest.step + int(manifest.engine.get("skipped_steps") or 0)
-        return done, [*self.trainer.notes(), *moved, f"resumed from checkpoint step {manifest.step}"]
+        return done, [
+            *self.trainer.notes(),
+            *moved,
+            f"resumed from checkpoint step {manifest.step}",
+        ]
 
     def notes(self) -> list[str]:
         """What the trainer has to say after training (the model's `notes` are said before it)."""
         return self.trainer.notes() if hasattr(self.trainer, "notes") else []
 
 
-def load_batches(run: RunConfig, model: RunModel, ranks: Ranks = Ranks()) -> tuple[TokenBatches, Fitted | None]:
+def load_batches(
+    run: RunConfig, model: RunModel, ranks: Ranks = Ranks()
+) -> tuple[TokenBatches, Fitted | None]:
     """The run's data, tokenized for `model` and checked against its vocabulary; with several
     ranks, this rank's rows of every global batch. Fine-tuning examples longer than a window
     are fitted by `run.long_examples`; what that touched (None: plain text)."""
     tokens, examples = read_data(run.data, model.vocab_size, model.tokenizer, run.text_field)
     fraction = 0.0 if run.val_data is not None else run.val_fraction  # --val-data: no split
     if examples is None:
-        batches, fitted = TokenBatches(tokens, run.batch_size, run.seq_len, seed=run.engine.seed, val_fraction=fraction,
-                                       rank=ranks.rank, world_size=ranks.world_size), None
+        batches, fitted = (
+            TokenBatches(
+                tokens,
+                run.batch_size,
+                run.seq_len,
+                seed=run.engine.seed,
+                val_fraction=fraction,
+                rank=ranks.rank,
+                world_size=ranks.world_size,
+            ),
+            None,
+        )
     else:
         examples, fitted = fit_examples(examples, run.seq_len + 1, run.long_examples)
         if not len(examples.ids):
-            raise DataError(f"every one of the {fitted.examples} examples is longer than --seq-len {run.seq_len} "
-                            "allows and --long-examples drop left none; raise --seq-len or truncate them")
-        batches = TokenBatches(examples.ids, run.batch_size, run.seq_len, seed=run.engine.seed, val_fraction=fraction,
-                               rank=ranks.rank, world_size=ranks.world_size, trained=examples.trained,
-                               examples=examples.bounds)
+            raise DataError(
+                f"every one of the {fitted.examples} examples is longer than --seq-len {run.seq_len} "
+                "allows and --long-examples drop left none; raise --seq-len or truncate them"
+            )
+        batches = TokenBatches(
+            examples.ids,
+            run.batch_size,
+            run.seq_len,
+            seed=run.engine.seed,
+            val_fraction=fraction,
+            rank=ranks.rank,
+            world_size=ranks.world_size,
+            trained=examples.trained,
+            examples=examples.bounds,
+        )
     if run.val_data is not None:
-        val, val_examples = read_data(run.val_data, model.vocab_size, model.tokenizer, run.text_field)
+        val, val_examples = read_data(
+            run.val_data, model.vocab_size, model.tokenizer, run.text_field
+        )
         if val_examples is None:
             batches.held_out(val)
         else:
@@ -127,19 +178,25 @@ def open_session(run: RunConfig, ranks: Ranks = Ranks()) -> Iterator[Session]:
     batches, fitted = load_batches(run, model, ranks)
     samples = TrainingSamples.for_run(run, Codec.for_model(model))  # read now
     if run.keep_best and not (batches.has_validation and run.eval_every):
-        raise ConfigError("--keep-best keeps the checkpoint of the lowest eval loss, but this run evaluates "
-                          "nothing; pass --val-data or --val-fraction and an --eval-every above 0")
+        raise ConfigError(
+            "--keep-best keeps the checkpoint of the lowest eval loss, but this run evaluates "
+            "nothing; pass --val-data or --val-fraction and an --eval-every above 0"
+        )
     run.check_ranks(ranks.world_size)
     if cfg.offload is Offload.NONE:
         from tierzero.reference import ReferenceTrainer
 
         if run.checkpoint_every is not None or run.keep_best:
-            raise ConfigError("checkpoints need a tiered run (--offload host, nvme or auto); the in-memory "
-                              "reference trainer keeps none: drop --checkpoint-every and --keep-best, or offload")
+            raise ConfigError(
+                "checkpoints need a tiered run (--offload host, nvme or auto); the in-memory "
+                "reference trainer keeps none: drop --checkpoint-every and --keep-best, or offload"
+            )
         if cfg.quantize_base != "none":
-            raise ConfigError(f"--quantize-base {cfg.quantize_base} stores the base in the tiers, "
-                              "and --offload none trains in memory without them; pass --offload "
-                              "host or nvme")
+            raise ConfigError(
+                f"--quantize-base {cfg.quantize_base} stores the base in the tiers, "
+                "and --offload none trains in memory without them; pass --offload "
+                "host or nvme"
+            )
         trainer: Trainer = ReferenceTrainer(model.in_memory(device, cfg.seed), cfg, device)
         text = "everything in memory (reference trainer)"
     else:

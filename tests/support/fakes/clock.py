@@ -56,13 +56,18 @@ class Scale:
     activation_bytes: float = 1.0
 
     @classmethod
-    def standing_for(cls, big: ModelArgs, big_tokens: int, small: ModelArgs, small_tokens: int) -> Scale:
+    def standing_for(
+        cls, big: ModelArgs, big_tokens: int, small: ModelArgs, small_tokens: int
+    ) -> Scale:
         """A run of `small` on `small_tokens` per micro-batch standing for `big` on `big_tokens`:
         kernels scale with parameters x tokens, state with parameters, and the activations a
         unit hands on with tokens x width (same dtypes: the small run computes in bf16 too)."""
         n_big, n_small = big.param_count(), small.param_count()
-        return cls(flops=n_big * big_tokens / (n_small * small_tokens), state_bytes=n_big / n_small,
-                   activation_bytes=big_tokens * big.dim / (small_tokens * small.dim))
+        return cls(
+            flops=n_big * big_tokens / (n_small * small_tokens),
+            state_bytes=n_big / n_small,
+            activation_bytes=big_tokens * big.dim / (small_tokens * small.dim),
+        )
 
 
 @dataclass
@@ -78,7 +83,12 @@ class Op:
     queue_free: float = 0.0  # when its FIFO had finished the ops before it
 
 
-LINKS = {"h2d": "pcie_h2d", "h2d_write": "pcie_h2d", "h2d_act": "pcie_h2d", "d2h": "pcie_d2h"}  # stream -> the link it uses
+LINKS = {
+    "h2d": "pcie_h2d",
+    "h2d_write": "pcie_h2d",
+    "h2d_act": "pcie_h2d",
+    "d2h": "pcie_d2h",
+}  # stream -> the link it uses
 
 
 @dataclass
@@ -88,9 +98,15 @@ class SimClock:
     _free: dict[str, float] = field(default_factory=dict)  # resource -> busy until
     _last: dict[str, Op] = field(default_factory=dict)  # resource -> its latest op
     _host: dict[str, float] = field(default_factory=dict)  # thread -> its time
-    _written: dict[tuple[int, int], float] = field(default_factory=dict)  # span -> when its bytes are valid
-    _used: dict[tuple[int, int], float] = field(default_factory=dict)  # span -> when its last user ends
-    _link: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # link -> busy stretches, sorted
+    _written: dict[tuple[int, int], float] = field(
+        default_factory=dict
+    )  # span -> when its bytes are valid
+    _used: dict[tuple[int, int], float] = field(
+        default_factory=dict
+    )  # span -> when its last user ends
+    _link: dict[str, list[tuple[float, float]]] = field(
+        default_factory=dict
+    )  # link -> busy stretches, sorted
 
     def host(self, thread: str) -> float:
         return self._host.get(thread, 0.0)
@@ -112,18 +128,37 @@ class SimClock:
         if ready > self._free.get(stream, 0.0):
             self._run(stream, "wait", thread, ready, 0.0, "waits for an event")
 
-    def copy(self, stream: str, dst: tuple[int, int], src: tuple[int, int], nbytes: float, after: float,
-             thread: str, what: str) -> float:
-        rate = {"h2d": self.rates.h2d_bytes_per_s, "h2d_write": self.rates.h2d_bytes_per_s,
-                "h2d_act": self.rates.h2d_bytes_per_s, "d2h": self.rates.d2h_bytes_per_s}.get(stream, self.rates.hbm_bytes_per_s)
-        ready = max(self.host(thread), after, self._latest(self._written, src), self._latest(self._used, dst))
+    def copy(
+        self,
+        stream: str,
+        dst: tuple[int, int],
+        src: tuple[int, int],
+        nbytes: float,
+        after: float,
+        thread: str,
+        what: str,
+    ) -> float:
+        rate = {
+            "h2d": self.rates.h2d_bytes_per_s,
+            "h2d_write": self.rates.h2d_bytes_per_s,
+            "h2d_act": self.rates.h2d_bytes_per_s,
+            "d2h": self.rates.d2h_bytes_per_s,
+        }.get(stream, self.rates.hbm_bytes_per_s)
+        ready = max(
+            self.host(thread),
+            after,
+            self._latest(self._written, src),
+            self._latest(self._used, dst),
+        )
         op = self._run(stream, "copy", thread, ready, nbytes / rate, what)
         self._mark(dst, op.end, written=True)
         self._mark(src, op.end, written=False)
         return op.end
 
     def kernel(self, stream: str, flops: float, thread: str, what: str) -> float:
-        return self._run(stream, "kernel", thread, self.host(thread), flops / self.rates.flops_per_s, what).end
+        return self._run(
+            stream, "kernel", thread, self.host(thread), flops / self.rates.flops_per_s, what
+        ).end
 
     def disk(self, kind: str, span: tuple[int, int], nbytes: float, thread: str) -> float:
         """A read into `span` (or a write from it) on the drive's one queue."""
@@ -135,7 +170,9 @@ class SimClock:
         self._mark(span, op.end, written=kind == "read")
         return op.end
 
-    def _run(self, resource: str, kind: str, thread: str, ready: float, seconds: float, what: str) -> Op:
+    def _run(
+        self, resource: str, kind: str, thread: str, ready: float, seconds: float, what: str
+    ) -> Op:
         free = self._free.get(resource, 0.0)
         start = max(ready, free)
         if resource in LINKS and seconds > 0:
@@ -167,7 +204,11 @@ class SimClock:
 
     def link_busy_s(self, link: str, since: int = 0) -> float:
         """Seconds the link carried the copies issued from op number `since` on."""
-        return sum(op.end - op.start for op in self.ops[since:] if LINKS.get(op.resource) == link and op.kind == "copy")
+        return sum(
+            op.end - op.start
+            for op in self.ops[since:]
+            if LINKS.get(op.resource) == link and op.kind == "copy"
+        )
 
     def _latest(self, times: dict[tuple[int, int], float], span: tuple[int, int]) -> float:
         return max([t for s, t in times.items() if s[0] < span[1] and span[0] < s[1]], default=0.0)
@@ -181,22 +222,36 @@ class SimClock:
 
     # -- what the tests read ----------------------------------------------------------------
 
-    def busy_share(self, stream: str = "compute", since: float = 0.0, until: float | None = None) -> float:
+    def busy_share(
+        self, stream: str = "compute", since: float = 0.0, until: float | None = None
+    ) -> float:
         """The share of [since, until] in which `stream` runs a kernel or a copy."""
         until = self.now() if until is None else until
-        busy = sum(max(0.0, min(op.end, until) - max(op.start, since)) for op in self.ops
-                   if op.resource == stream and op.kind != "wait")
+        busy = sum(
+            max(0.0, min(op.end, until) - max(op.start, since))
+            for op in self.ops
+            if op.resource == stream and op.kind != "wait"
+        )
         return busy / (until - since) if until > since else 0.0
 
     def busy_s(self, resource: str, since: int = 0) -> float:
         """Seconds `resource` spent on the ops issued from op number `since` on."""
-        return sum(op.end - op.start for op in self.ops[since:] if op.resource == resource and op.kind != "wait")
+        return sum(
+            op.end - op.start
+            for op in self.ops[since:]
+            if op.resource == resource and op.kind != "wait"
+        )
 
     def snapshot(self) -> SimClock:
         """The clock as it stands: what the tests read once the steps they measure are issued
         (closing the engine issues more)."""
-        return dataclasses.replace(self, ops=list(self.ops), _free=dict(self._free), _host=dict(self._host),
-                                   _link={k: list(v) for k, v in self._link.items()})
+        return dataclasses.replace(
+            self,
+            ops=list(self.ops),
+            _free=dict(self._free),
+            _host=dict(self._host),
+            _link={k: list(v) for k, v in self._link.items()},
+        )
 
     def mark(self) -> tuple[int, float]:
         """Where a window of work starts: the ops issued so far, and the time everything ends."""
@@ -208,10 +263,15 @@ class SimClock:
         span = self.now() - since[1]
         return self.busy_s(resource, since[0]) / span if span > 0 else 0.0
 
-    def idle_gaps(self, stream: str = "compute", since: float = 0.0, n: int = 5) -> list[tuple[float, Op]]:
+    def idle_gaps(
+        self, stream: str = "compute", since: float = 0.0, n: int = 5
+    ) -> list[tuple[float, Op]]:
         """The `n` longest stretches `stream` sat idle after `since`, each with the op that ended it."""
         gaps, end = [], since
-        for op in sorted((o for o in self.ops if o.resource == stream and o.kind != "wait"), key=lambda o: o.start):
+        for op in sorted(
+            (o for o in self.ops if o.resource == stream and o.kind != "wait"),
+            key=lambda o: o.start,
+        ):
             if op.start > end:
                 gaps.append((op.start - end, op))
             end = max(end, op.end)

@@ -33,6 +33,7 @@ def nccl_like_collectives(fake: RecordingStreams, patch=setattr) -> None:
             result = torch.empty_like(out)
             real(result, inp)
             return _FakeWork(fake, fake.collective(out, result, inp))
+
         return collective
 
     patch(comm, "_all_gather", deferred(comm._all_gather))

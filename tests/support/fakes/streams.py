@@ -63,8 +63,14 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bool(torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
-                                      and torch.equal(a.nan_to_num(), b.nan_to_num())))
+    return bool(
+        torch.equal(a, b)
+        or (
+            a.is_floating_point()
+            and torch.equal(a.isnan(), b.isnan())
+            and torch.equal(a.nan_to_num(), b.nan_to_num())
+        )
+    )
 
 
 class RecordingStreams(Streams):
@@ -85,11 +91,15 @@ class RecordingStreams(Streams):
         self._issued = {s: 0 for s in ("compute", "h2d", "d2h", "comm", self._writes, self._acts)}
         self._done = dict(self._issued)
         self._queue: dict[str, deque] = {s: deque() for s in self._issued if s != "compute"}
-        self._known = {s: dict(self._issued) for s in self._issued}  # stream -> what it is ordered after
+        self._known = {
+            s: dict(self._issued) for s in self._issued
+        }  # stream -> what it is ordered after
         self._copies: dict[str, list] = {s: [] for s in self._issued}  # stream -> (dst, src) by seq
         # copies the host has seen finish (host_wait, query): anything issued later is after them
         self._finished = dict(self._issued)
-        self.device_spans: set[tuple[int, int]] = set()  # the device pool's blocks (`watch_device_pool`)
+        self.device_spans: set[tuple[int, int]] = (
+            set()
+        )  # the device pool's blocks (`watch_device_pool`)
         self._compute_marks = 0  # compute events recorded so far
         self._compute_synced = 0  # the latest compute event the host synchronised with
         self._current = threading.local()  # the stream `current` made current on this thread
@@ -129,12 +139,16 @@ class RecordingStreams(Streams):
             self._order_after(stream, event)
             self._run_until(event)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: str, after: FakeEvent | None = None) -> FakeEvent:
+    def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, stream: str, after: FakeEvent | None = None
+    ) -> FakeEvent:
         with self._lock:
             self._order_after(stream, after)
             self._order_after(stream, self._finished)
             self._check_hazards(stream, _span(dst), _span(src))
-            self._run_until(after)  # the stream runs the copy after `after`: what it waited for is done
+            self._run_until(
+                after
+            )  # the stream runs the copy after `after`: what it waited for is done
             self._issued[stream] += 1
             self._known[stream][stream] = self._issued[stream]
             # the tensors themselves, so their memory is not reused while the log refers to it
@@ -144,11 +158,22 @@ class RecordingStreams(Streams):
                 dst.copy_(src)
                 self._done[stream] = self._issued[stream]
             else:
-                self._queue[stream].append((self._issued[stream], dst, src, src, src.detach().clone()))
+                self._queue[stream].append(
+                    (self._issued[stream], dst, src, src, src.detach().clone())
+                )
                 dst.view(torch.uint8).fill_(0xFF)  # NaN until the copy's event is waited for
             event = FakeEvent(stream, self._issued[stream], dict(self._known[stream]))
-            self.log.append(("copy", stream, dst.data_ptr(), after, threading.current_thread().name, event,
-                             src.data_ptr()))
+            self.log.append(
+                (
+                    "copy",
+                    stream,
+                    dst.data_ptr(),
+                    after,
+                    threading.current_thread().name,
+                    event,
+                    src.data_ptr(),
+                )
+            )
             return event
 
     def _order_after(self, stream: str, event: FakeEvent | dict[str, int] | None) -> None:
@@ -161,13 +186,23 @@ class RecordingStreams(Streams):
         for other, copies in self._copies.items():
             if other == stream:
                 continue  # a stream runs its own copies in order
-            for seq, (w_dst, w_src) in enumerate(copies[self._known[stream][other]:], self._known[stream][other] + 1):
+            for seq, (w_dst, w_src) in enumerate(
+                copies[self._known[stream][other] :], self._known[stream][other] + 1
+            ):
                 w_dst, w_src = _span(w_dst), _span(w_src)
-                for what, hit in (("reads what", _overlap(w_dst, src)), ("overwrites what", _overlap(w_dst, dst)),
-                                  ("overwrites what", _overlap(w_src, dst))):
+                for what, hit in (
+                    ("reads what", _overlap(w_dst, src)),
+                    ("overwrites what", _overlap(w_dst, dst)),
+                    ("overwrites what", _overlap(w_src, dst)),
+                ):
                     if hit:
-                        self.log.append(("hazard", f"a {stream} copy {what} {other} copy {seq} touches, "
-                                                   "unordered with it"))
+                        self.log.append(
+                            (
+                                "hazard",
+                                f"a {stream} copy {what} {other} copy {seq} touches, "
+                                "unordered with it",
+                            )
+                        )
 
     def collective(self, out: torch.Tensor, result: torch.Tensor, inp: torch.Tensor) -> FakeEvent:
         """An NCCL collective issued now, as NCCL runs one: on `comm`, after everything the
@@ -188,7 +223,9 @@ class RecordingStreams(Streams):
             self._queue[self.comm].append((seq, out, result, inp, inp.detach().clone()))
             out.view(torch.uint8).fill_(0xFF)
             event = FakeEvent(self.comm, seq, dict(self._known[self.comm]))
-            self.log.append(("collective", issuing, out.data_ptr(), event, threading.current_thread().name))
+            self.log.append(
+                ("collective", issuing, out.data_ptr(), event, threading.current_thread().name)
+            )
             return event
 
     def empty_like(self, tensor: torch.Tensor, stream: str) -> torch.Tensor:
@@ -231,12 +268,24 @@ class RecordingStreams(Streams):
         while queue and queue[0][0] <= event.seq:
             seq, dst, src, read, issued = queue.popleft()
             if not _same(read, issued):
-                self.log.append(("hazard", f"the input of comm collective {seq} was changed while it was in flight"
-                                 if event.stream == self.comm else
-                                 f"the source of {event.stream} copy {seq} changed while it was in flight"))
-            if not self._overlaps_queued(_span(dst)) and not bool((dst.view(torch.uint8) == 0xFF).all()):
-                self.log.append(("hazard", f"the destination of {event.stream} copy {seq} was written while "
-                                           "it was in flight"))
+                self.log.append(
+                    (
+                        "hazard",
+                        f"the input of comm collective {seq} was changed while it was in flight"
+                        if event.stream == self.comm
+                        else f"the source of {event.stream} copy {seq} changed while it was in flight",
+                    )
+                )
+            if not self._overlaps_queued(_span(dst)) and not bool(
+                (dst.view(torch.uint8) == 0xFF).all()
+            ):
+                self.log.append(
+                    (
+                        "hazard",
+                        f"the destination of {event.stream} copy {seq} was written while "
+                        "it was in flight",
+                    )
+                )
             dst.copy_(src)  # the source as it is now: a GPU reads it when the copy runs
             self._done[event.stream] = seq
 
@@ -247,8 +296,11 @@ class RecordingStreams(Streams):
 
     def _overlaps_queued(self, span: tuple[int, int]) -> bool:
         """Whether a copy still in flight reads or writes bytes in `span`."""
-        return any(_overlap(span, _span(dst)) or _overlap(span, _span(read))
-                   for queue in self._queue.values() for _, dst, _, read, _ in queue)
+        return any(
+            _overlap(span, _span(dst)) or _overlap(span, _span(read))
+            for queue in self._queue.values()
+            for _, dst, _, read, _ in queue
+        )
 
 
 class _Current:

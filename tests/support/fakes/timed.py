@@ -24,14 +24,17 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+from tierzero.storage.base import aligned_empty
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from tests.support.fakes.clock import Rates, Scale, SimClock
 from tests.support.fakes.streams import FakeEvent, RecordingStreams, _span
-from tierzero.storage.base import aligned_empty
 
-_ACTIVATION_FILES = ("vertical/boundary.py", "runtime/batch.py")  # copies of activations and batches
+_ACTIVATION_FILES = (
+    "vertical/boundary.py",
+    "runtime/batch.py",
+)  # copies of activations and batches
 _ACTIVATION_KEYS = ("act/",)  # the waiting activations' arrays on NVMe
 
 
@@ -57,14 +60,18 @@ class _Read:
 class TimedStreams(RecordingStreams):
     """`separate_writes` as for the recording fake (on by default: as on a GPU)."""
 
-    def __init__(self, rates: Rates = Rates(), scale: Scale = Scale(), separate_writes: bool = True) -> None:
+    def __init__(
+        self, rates: Rates = Rates(), scale: Scale = Scale(), separate_writes: bool = True
+    ) -> None:
         super().__init__(separate_writes)
         self.clock = SimClock(rates)
         self.scale = scale
         self.kernels = KernelClock(self)
         self._reads: list[_Read] = []
         self._kept: set[tuple[int, str]] = set()
-        self._held: set[int] = set()  # ids of the tensors the fake's logs keep (alive: ids stay unique)
+        self._held: set[int] = (
+            set()
+        )  # ids of the tensors the fake's logs keep (alive: ids stay unique)
         self._held_on: Counter[int] = Counter()  # storage -> how many of those tensors are on it
 
     def record(self, stream: str) -> FakeEvent:
@@ -80,18 +87,31 @@ class TimedStreams(RecordingStreams):
                 self.clock.wait(stream, event.at, _thread())
                 self._waited(event)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: str, after: FakeEvent | None = None) -> FakeEvent:
+    def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, stream: str, after: FakeEvent | None = None
+    ) -> FakeEvent:
         with self._lock:
             self._check_reuse()
             event = super().copy(dst, src, stream, after)
             self._hold(dst, src)
-            activation = any(f.filename.endswith(_ACTIVATION_FILES) for f in traceback.extract_stack(limit=8))
+            activation = any(
+                f.filename.endswith(_ACTIVATION_FILES) for f in traceback.extract_stack(limit=8)
+            )
             scale = self.scale.activation_bytes if activation else self.scale.state_bytes
-            at = self.clock.copy(stream, _span(dst), _span(src), src.numel() * src.element_size() * scale,
-                                 getattr(after, "at", 0.0), _thread(), "activation" if activation else "state")
+            at = self.clock.copy(
+                stream,
+                _span(dst),
+                _span(src),
+                src.numel() * src.element_size() * scale,
+                getattr(after, "at", 0.0),
+                _thread(),
+                "activation" if activation else "state",
+            )
             object.__setattr__(event, "at", at)
             if stream != self.compute and not self.on_device(src):
-                self._reads.append(_Read(src, stream, event, (src.data_ptr(), stream) in self._kept))
+                self._reads.append(
+                    _Read(src, stream, event, (src.data_ptr(), stream) in self._kept)
+                )
             return event
 
     def collective(self, out: torch.Tensor, result: torch.Tensor, inp: torch.Tensor) -> FakeEvent:
@@ -140,9 +160,15 @@ class TimedStreams(RecordingStreams):
             if _storage_refs(read.src) <= 1 + held:  # 1: the query's own handle
                 self._reads.remove(read)
                 if not read.kept:
-                    self.log.append(("reuse", read.stream, read.src.data_ptr(),
-                                     f"memory at 0x{read.src.data_ptr():x} freed while {read.stream} copy "
-                                     f"{read.event.seq} still reads it, without keep_alive there"))
+                    self.log.append(
+                        (
+                            "reuse",
+                            read.stream,
+                            read.src.data_ptr(),
+                            f"memory at 0x{read.src.data_ptr():x} freed while {read.stream} copy "
+                            f"{read.event.seq} still reads it, without keep_alive there",
+                        )
+                    )
 
 
 class KernelClock(TorchDispatchMode):
@@ -168,14 +194,19 @@ def watch_disk(monkeypatch, fake: TimedStreams) -> None:
     bytes by their key), and make a thread blocked in `Tiers.run` wait, on the clock, for disk
     work done meanwhile. The waiting activations' buffers are page-aligned host memory, unpinned:
     there is no CUDA runtime to pin with (pinning itself is `fakes.pinning`'s to test)."""
+    from tierzero.storage.nvme.store import NvmeStore
+
     from tierzero.engine.runtime.tiers import Tiers
     from tierzero.engine.vertical import boundary
-    from tierzero.storage.nvme.store import NvmeStore
 
     read_into, write, run = NvmeStore.read_into, NvmeStore.write, Tiers.run
 
     def nbytes(key: str, t: torch.Tensor) -> float:
-        scale = fake.scale.activation_bytes if key.startswith(_ACTIVATION_KEYS) else fake.scale.state_bytes
+        scale = (
+            fake.scale.activation_bytes
+            if key.startswith(_ACTIVATION_KEYS)
+            else fake.scale.state_bytes
+        )
         return t.numel() * t.element_size() * scale
 
     async def timed_read(store, key: str, out: torch.Tensor, *args, **kw) -> None:
@@ -197,7 +228,9 @@ def watch_disk(monkeypatch, fake: TimedStreams) -> None:
                 done = [op.end for op in fake.clock.ops[seen:] if op.resource == "disk"]
                 fake.clock.advance_host(_thread(), max(done, default=0.0))
 
-    monkeypatch.setattr(boundary, "pinned_empty", lambda nbytes, device=None: aligned_empty(nbytes, torch.uint8))
+    monkeypatch.setattr(
+        boundary, "pinned_empty", lambda nbytes, device=None: aligned_empty(nbytes, torch.uint8)
+    )
     monkeypatch.setattr(NvmeStore, "read_into", timed_read)
     monkeypatch.setattr(NvmeStore, "write", timed_write)
     monkeypatch.setattr(Tiers, "run", timed_run)

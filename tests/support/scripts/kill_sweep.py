@@ -47,6 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo: tests.
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from tierzero.storage.nvme import chunkfile  # noqa: E402
+from tierzero.storage.nvme.arrays import read_array  # noqa: E402
+from tierzero.storage.nvme.spares import SpareFiles  # noqa: E402
 
 from tests.support.engine import SMALL, batches, engine_config  # noqa: E402
 from tierzero import Config, Placement, Tier, models  # noqa: E402
@@ -54,9 +57,6 @@ from tierzero.checkpoint import catalog  # noqa: E402
 from tierzero.compact import cpu_step  # noqa: E402
 from tierzero.engine import Engine, checkpointing  # noqa: E402
 from tierzero.errors import TierzeroError  # noqa: E402
-from tierzero.storage.nvme import chunkfile  # noqa: E402
-from tierzero.storage.nvme.arrays import read_array  # noqa: E402
-from tierzero.storage.nvme.spares import SpareFiles  # noqa: E402
 
 STEPS = 3
 BATCH = 2  # sequences per micro-batch (per rank: each of two ranks trains on its half of 2 x BATCH)
@@ -81,7 +81,9 @@ PATHS = {
     "nvme": TrainPath(),
     # accumulate 2 over 3 blocks: 6 waiting activations of 16 KiB and the tied embedding's two
     # 64 KiB grads from the head, with room for 80 KiB: most are spilled to NVMe and read back
-    "vertical": TrainPath({"accumulate": 2, "schedule": "vertical", "activation_budget": 5 * ACTIVATION_BYTES}),
+    "vertical": TrainPath(
+        {"accumulate": 2, "schedule": "vertical", "activation_budget": 5 * ACTIVATION_BYTES}
+    ),
     # SMALL's grad norms are above 0.5: every step's clip fires and re-steps from the kept generation
     "restep": TrainPath({"overlap_step": True, "clip_grad_norm": 0.5}),
     "bf16": TrainPath({"dtype": "bf16"}),
@@ -91,16 +93,30 @@ PATHS = {
     "host": TrainPath({"placement": HOST}),
     # what the planner picks for these budgets: everything on the compute device
     "auto": TrainPath({"placement": None, "offload": "auto"}),
-    "two-ranks": TrainPath({"placement": Placement(Tier.NVME, Tier.HOST, Tier.NVME, Tier.NVME, Tier.HOST)}, ranks=2),
+    "two-ranks": TrainPath(
+        {"placement": Placement(Tier.NVME, Tier.HOST, Tier.NVME, Tier.NVME, Tier.HOST)}, ranks=2
+    ),
     # int8 moments (one uint8 piece: absmax blocks, then codes) and a bf16 master that is the
     # param itself, bf16 grads (one micro-batch per step), all on NVMe, stepped by the CPU kernel
     "compact": TrainPath({"dtype": "bf16", "optimizer_state": "int8", "master": "bf16"}),
     # bf16 moments and an fp32 master beside the bf16 param, homed in host memory with the bf16
     # grads: the save writes memory-homed compact shards, the resume fills them from the checkpoint
-    "compact-host": TrainPath({"dtype": "bf16", "optimizer_state": "bf16", "master": "fp32",
-                               "placement": HOST}),
+    "compact-host": TrainPath(
+        {"dtype": "bf16", "optimizer_state": "bf16", "master": "fp32", "placement": HOST}
+    ),
 }
-FS_CALLS = ("link", "rename", "replace", "unlink", "mkdir", "rmdir", "open", "fsync", "ftruncate", "pwrite")
+FS_CALLS = (
+    "link",
+    "rename",
+    "replace",
+    "unlink",
+    "mkdir",
+    "rmdir",
+    "open",
+    "fsync",
+    "ftruncate",
+    "pwrite",
+)
 _os_open = os.open  # the switch's own record of where it killed is no kill point
 # The phases a kill can land in: a name -> (owner, attribute) wrapped while the life runs.
 PHASES = {
@@ -115,14 +131,18 @@ PHASES = {
 
 
 def config(work: Path, path: TrainPath) -> Config:
-    return engine_config(work, **{"warmup_steps": 1, "total_steps": STEPS, "chunk_bytes": 64 << 10, **path.settings})
+    return engine_config(
+        work, **{"warmup_steps": 1, "total_steps": STEPS, "chunk_bytes": 64 << 10, **path.settings}
+    )
 
 
 class KillSwitch:
     """Counts file-system calls inside the `nth` call of `phase`; SIGKILLs at the `k`-th (with
     `group`, this process's whole process group: every rank of the life)."""
 
-    def __init__(self, phase: str, nth: int, k: int, group: bool = False, match: str | None = None) -> None:
+    def __init__(
+        self, phase: str, nth: int, k: int, group: bool = False, match: str | None = None
+    ) -> None:
         self.phase, self.nth, self.k, self.group, self.match = phase, nth, k, group, match
         self.entered = 0
         self.inside = False
@@ -170,7 +190,7 @@ class KillSwitch:
         setattr(owner, attr, phase)
         for name in FS_CALLS:
             setattr(os, name, self._counted(name, getattr(os, name)))
-        setattr(builtins, "open", self._counted("open", builtins.open))
+        builtins.open = self._counted("open", builtins.open)
         if chunkfile._syncfs is not None:
             chunkfile._syncfs = self._counted("syncfs", chunkfile._syncfs)
         if chunkfile._renameat2 is not None:
@@ -181,6 +201,7 @@ class KillSwitch:
             if _mutates(name, args, kwargs):
                 self.count(name, args)
             return fn(*args, **kwargs)
+
         return call
 
 
@@ -236,7 +257,9 @@ def life(work: Path, path: TrainPath, switch: KillSwitch | None, rank: int = 0) 
         while engine.step_count < STEPS:
             for _ in range(path.accumulate):
                 x, y = data.next_batch()
-                engine.train_micro_batch((x[rank * BATCH:(rank + 1) * BATCH], y[rank * BATCH:(rank + 1) * BATCH]))
+                engine.train_micro_batch(
+                    (x[rank * BATCH : (rank + 1) * BATCH], y[rank * BATCH : (rank + 1) * BATCH])
+                )
             engine.save_checkpoint(run_dir, data=data.state_dict(), keep=1)
             if rank == 0:
                 _record(work / "committed", str(engine.step_count))
@@ -246,7 +269,9 @@ def life(work: Path, path: TrainPath, switch: KillSwitch | None, rank: int = 0) 
         (work / "calls").write_text(json.dumps([switch.calls, switch.kinds]))
 
 
-def ranks_life(work: Path, path: TrainPath, switch: KillSwitch | None, killed_rank: int = 0) -> None:
+def ranks_life(
+    work: Path, path: TrainPath, switch: KillSwitch | None, killed_rank: int = 0
+) -> None:
     """`life` on `path.ranks` ranks: this process is rank 0 and the leader of a process group
     its forked ranks join, so a kill in any rank takes every rank down at once."""
     if path.ranks == 1:
@@ -272,12 +297,21 @@ def ranks_life(work: Path, path: TrainPath, switch: KillSwitch | None, killed_ra
     for status, rank in failed:
         if status != 0:
             error = work / f"error-{rank}"
-            raise RuntimeError(f"rank {rank} ended {status}: {error.read_text() if error.exists() else ''}")
+            raise RuntimeError(
+                f"rank {rank} ended {status}: {error.read_text() if error.exists() else ''}"
+            )
 
 
-def _rank_life(work: Path, path: TrainPath, switch: KillSwitch | None, rank: int, rendezvous: Path) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=path.ranks,
-                            timeout=datetime.timedelta(seconds=120))
+def _rank_life(
+    work: Path, path: TrainPath, switch: KillSwitch | None, rank: int, rendezvous: Path
+) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=path.ranks,
+        timeout=datetime.timedelta(seconds=120),
+    )
     try:
         life(work, path, switch, rank)
     finally:
@@ -286,7 +320,10 @@ def _rank_life(work: Path, path: TrainPath, switch: KillSwitch | None, rank: int
 
 def same_final_state(a_dir: Path, b_dir: Path) -> str | None:
     """Why the newest checkpoints of two run directories differ, or None."""
-    (a_path, a, _), (b_path, b, _) = catalog.newest_checkpoint(a_dir), catalog.newest_checkpoint(b_dir)
+    (a_path, a, _), (b_path, b, _) = (
+        catalog.newest_checkpoint(a_dir),
+        catalog.newest_checkpoint(b_dir),
+    )
     if a.step != b.step:
         return f"steps {a.step} != {b.step}"
     for what in ("engine", "data", "rng", "rank_rng", "world_size"):
@@ -295,8 +332,10 @@ def same_final_state(a_dir: Path, b_dir: Path) -> str | None:
     if a.arrays.keys() != b.arrays.keys():
         return "arrays differ"
     for key in a.arrays:
-        if not torch.equal(read_array(str(a.array_dir(a_path, key)), a.arrays[key]),
-                           read_array(str(b.array_dir(b_path, key)), b.arrays[key])):
+        if not torch.equal(
+            read_array(str(a.array_dir(a_path, key)), a.arrays[key]),
+            read_array(str(b.array_dir(b_path, key)), b.arrays[key]),
+        ):
             return f"{key} differs"
     return None
 
@@ -342,9 +381,13 @@ def run_point(work: Path, reference: Path, point: dict) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     path, rank = PATHS[point.get("path", "nvme")], point.get("rank", 0)
-    first = KillSwitch(point["phase"], point["nth"], point["k"], group=path.ranks > 1, match=point.get("match"))
+    first = KillSwitch(
+        point["phase"], point["nth"], point["k"], group=path.ranks > 1, match=point.get("match")
+    )
     if point["phase"] == "resume":  # a killed run first, then a resume killed in turn
-        status, text = in_child(ranks_life, work, path, KillSwitch("save", 2, 0, path.ranks > 1), rank)
+        status, text = in_child(
+            ranks_life, work, path, KillSwitch("save", 2, 0, path.ranks > 1), rank
+        )
         if status != -signal.SIGKILL:
             return {"point": point, "ok": False, "why": f"the first life ended {status}: {text}"}
         (work / "killed-at").unlink()
@@ -362,14 +405,27 @@ def run_point(work: Path, reference: Path, point: dict) -> dict:
         if status == 2 and "\n" not in text.strip():  # a refusal in one sentence is an allowed end
             return {"point": point, "killed": True, "at": at, "ok": True, "refused": text}
         if status != 0:
-            return {"point": point, "ok": False, "why": f"the resumed life failed ({status}): {text}"}
+            return {
+                "point": point,
+                "ok": False,
+                "why": f"the resumed life failed ({status}): {text}",
+            }
     why = same_final_state(work / "run", reference / "run")
-    return {"point": point, "killed": killed, "at": at, "calls": calls, "ok": why is None, "why": why}
+    return {
+        "point": point,
+        "killed": killed,
+        "at": at,
+        "calls": calls,
+        "ok": why is None,
+        "why": why,
+    }
 
 
 def main() -> None:
     base, points = Path(sys.argv[1]), json.loads(sys.argv[2])
-    models.build(SMALL, device="meta")  # its imports (torch._dynamo: seconds) once, not in every life
+    models.build(
+        SMALL, device="meta"
+    )  # its imports (torch._dynamo: seconds) once, not in every life
     if cpu_step.installed():  # numba and the compact kernel's import (seconds), also once
         cpu_step.load()
     try:

@@ -22,11 +22,11 @@ import torch
 from tierzero import Config, models
 from tierzero.config import TORCH_DTYPES, DType, Placement, Schedule, Tier
 from tierzero.engine import Engine
+from tierzero.models import ModelArgs
 from tierzero.planning.ledger import activation_memory
 from tierzero.planning.memory_model import peak_memory
 from tierzero.planning.statebytes import StateBytes, grad_dtype
 from tierzero.planning.workload import Workload
-from tierzero.models import ModelArgs
 
 
 def status() -> dict[str, int]:
@@ -46,21 +46,48 @@ def run(case: dict, root: Path) -> dict:
     args = ModelArgs(**case["args"])
     placement = Placement(*[Tier(t) for t in case["placement"]])
     batch_size, seq_len, steps = case["batch"], case["seq"], case.get("steps", 2)
-    dtype, moments, master = case.get("dtype", "fp32"), case.get("optimizer_state", "fp32"), case.get("master", "fp32")
+    dtype, moments, master = (
+        case.get("dtype", "fp32"),
+        case.get("optimizer_state", "fp32"),
+        case.get("master", "fp32"),
+    )
     itemsize = 2 if dtype == "bf16" else 4
     formats = StateBytes.for_compute(moments, master, DType(dtype))
     grads = TORCH_DTYPES[grad_dtype(DType(dtype), 1, Schedule.AUTO)].itemsize  # as planned
-    act = activation_memory(args, batch_size, seq_len, itemsize, models.llama.loss_chunk_bytes(args.vocab_size))
-    predicted = peak_memory(Workload.from_preset(args, itemsize, grad_itemsize=grads, device="cpu",
-                                                 prefetch_depth=case["depth"],
-                                                 piece_numel=case["piece"], overlap=True, activations=act,
-                                                 formats=formats), placement)
-    cfg = Config(placement=placement, device="cpu", dtype=dtype, nvme_path=[str(root / case["name"])],
-                 prefetch_depth=case["depth"], piece_numel=case["piece"], lr=1e-3,
-                 host_budget=predicted.host_total_bytes, optimizer_state=moments, master=master)
+    act = activation_memory(
+        args, batch_size, seq_len, itemsize, models.llama.loss_chunk_bytes(args.vocab_size)
+    )
+    predicted = peak_memory(
+        Workload.from_preset(
+            args,
+            itemsize,
+            grad_itemsize=grads,
+            device="cpu",
+            prefetch_depth=case["depth"],
+            piece_numel=case["piece"],
+            overlap=True,
+            activations=act,
+            formats=formats,
+        ),
+        placement,
+    )
+    cfg = Config(
+        placement=placement,
+        device="cpu",
+        dtype=dtype,
+        nvme_path=[str(root / case["name"])],
+        prefetch_depth=case["depth"],
+        piece_numel=case["piece"],
+        lr=1e-3,
+        host_budget=predicted.host_total_bytes,
+        optimizer_state=moments,
+        master=master,
+    )
     g = torch.Generator().manual_seed(0)
-    batch = (torch.randint(0, args.vocab_size, (batch_size, seq_len), generator=g),
-             torch.randint(0, args.vocab_size, (batch_size, seq_len), generator=g))
+    batch = (
+        torch.randint(0, args.vocab_size, (batch_size, seq_len), generator=g),
+        torch.randint(0, args.vocab_size, (batch_size, seq_len), generator=g),
+    )
     gc.collect()
     base = status()["VmRSS"]
     engine = Engine(models.build(args, device="meta"), cfg)
@@ -75,11 +102,18 @@ def run(case: dict, root: Path) -> dict:
         peaks = engine.stats()
     finally:
         engine.close()
-    return {"name": case["name"], "params": args.param_count(),
-            "predicted_host_total": predicted.host_total_bytes, "measured_rss_growth": rss,
-            "predicted_host_pool": predicted.tiers[Tier.HOST].pool_bytes, "measured_host_pool": peaks["peak_host_bytes"],
-            "predicted_gpu_pool": predicted.tiers[Tier.GPU].pool_bytes, "measured_gpu_pool": peaks["peak_gpu_bytes"],
-            "predicted_unpooled": predicted.host_memory.unpooled_bytes, "breakdown": predicted.breakdown()}
+    return {
+        "name": case["name"],
+        "params": args.param_count(),
+        "predicted_host_total": predicted.host_total_bytes,
+        "measured_rss_growth": rss,
+        "predicted_host_pool": predicted.tiers[Tier.HOST].pool_bytes,
+        "measured_host_pool": peaks["peak_host_bytes"],
+        "predicted_gpu_pool": predicted.tiers[Tier.GPU].pool_bytes,
+        "measured_gpu_pool": peaks["peak_gpu_bytes"],
+        "predicted_unpooled": predicted.host_memory.unpooled_bytes,
+        "breakdown": predicted.breakdown(),
+    }
 
 
 def main() -> None:
@@ -92,6 +126,7 @@ def main() -> None:
         run({**cases[0], "name": "warm-up"}, root)  # torch's and the I/O threads' first-use costs
         for case in cases:
             print(json.dumps(run(case, root)), flush=True)
+
 
 if __name__ == "__main__":
     main()

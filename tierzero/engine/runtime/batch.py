@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from tierzero.reference import to_device
 from tierzero.engine.runtime.streams import Event, Streams
+from tierzero.reference import to_device
 
 
 class BatchStaging:
@@ -27,7 +27,9 @@ class BatchStaging:
     def __init__(self, streams: Streams) -> None:
         self.streams = streams
         self._staging: list[torch.Tensor] = []
-        self._templates: dict[torch.dtype, torch.Tensor] = {}  # one element on the device, per dtype
+        self._templates: dict[
+            torch.dtype, torch.Tensor
+        ] = {}  # one element on the device, per dtype
         self._copied: Event = None  # the previous micro-batch's copies out of `_staging`
         self._next = 0
 
@@ -44,7 +46,9 @@ class BatchStaging:
 
     def _move(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return self._copy(value) if value.device.type == "cpu" else value.to(self.streams.device)
+            return (
+                self._copy(value) if value.device.type == "cpu" else value.to(self.streams.device)
+            )
         if isinstance(value, dict):
             return {k: self._move(v) for k, v in value.items()}
         if isinstance(value, (tuple, list)):
@@ -65,9 +69,14 @@ class BatchStaging:
 
     def _staging_for(self, tensor: torch.Tensor) -> torch.Tensor:
         i, self._next = self._next, self._next + 1
-        if i < len(self._staging) and self._staging[i].shape == tensor.shape \
-                and self._staging[i].dtype == tensor.dtype:
+        if (
+            i < len(self._staging)
+            and self._staging[i].shape == tensor.shape
+            and self._staging[i].dtype == tensor.dtype
+        ):
             return self._staging[i]
-        buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.streams.device.type == "cuda")
-        self._staging[i:i + 1] = [buf]
+        buf = torch.empty(
+            tensor.shape, dtype=tensor.dtype, pin_memory=self.streams.device.type == "cuda"
+        )
+        self._staging[i : i + 1] = [buf]
         return buf

@@ -24,7 +24,7 @@ def bind(unit: Unit, flat: torch.Tensor, requires_grad: bool = False) -> list[to
     """
     leaves = []
     for slot in unit.slots:
-        view = flat[slot.offset:slot.end].view(slot.shape)
+        view = flat[slot.offset : slot.end].view(slot.shape)
         if requires_grad and not slot.frozen:
             view = view.detach().requires_grad_(True)
         leaves.append(view)
@@ -39,16 +39,19 @@ def flat_grad(unit: Unit, leaves: list[torch.Tensor]) -> tuple[torch.Tensor, fro
     reduce-scattered), and the indices of the slots that got a gradient (torch's AdamW skips
     a parameter whose `.grad` is None; here its values are zeros)."""
     device = leaves[0].device if leaves else torch.device("cpu")
-    out = torch.empty(unit.trainable_numel if unit.world_size == 1 else unit.padded_numel,
-                      dtype=torch.float32, device=device)
+    out = torch.empty(
+        unit.trainable_numel if unit.world_size == 1 else unit.padded_numel,
+        dtype=torch.float32,
+        device=device,
+    )
     present, end = [], 0
     for i, (slot, leaf) in enumerate(zip(unit.slots, leaves)):
         if slot.frozen:
             continue
         if leaf.grad is None:
-            out[slot.offset:slot.end].zero_()
+            out[slot.offset : slot.end].zero_()
         else:
-            out[slot.offset:slot.end].copy_(leaf.grad.reshape(-1))
+            out[slot.offset : slot.end].copy_(leaf.grad.reshape(-1))
             present.append(i)
         end = slot.end
     out[end:].zero_()
@@ -102,15 +105,19 @@ class Unbound(torch.Tensor):
 
     def __repr__(self) -> str:
         shape = tuple(self.shape)
-        return f"Unbound({self.param_name}, shape={shape}, dtype={self.dtype}, device={self.device})"
+        return (
+            f"Unbound({self.param_name}, shape={shape}, dtype={self.dtype}, device={self.device})"
+        )
 
 
 def place_buffers(model: torch.nn.Module, device: torch.device) -> None:
     """Module buffers (rotary tables, masks) live on the compute device with the activations."""
     for name, buf in model.named_buffers():
         if buf.is_meta:
-            raise ConfigError(f"buffer '{name}' is on the meta device and the engine cannot "
-                              "initialise it; build the model with its buffers materialised")
+            raise ConfigError(
+                f"buffer '{name}' is on the meta device and the engine cannot "
+                "initialise it; build the model with its buffers materialised"
+            )
     for module in model.modules():
         for key, buf in module._buffers.items():
             if buf is not None:

@@ -44,13 +44,9 @@ class BusyLog:
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self._intervals: dict[str, list[tuple[float, float]]] = defaultdict(list)
-        self._events: list[
-            tuple[str, Any, Any]
-        ] = []  # (link, start, end) CUDA timing events
+        self._events: list[tuple[str, Any, Any]] = []  # (link, start, end) CUDA timing events
         self._lock = threading.Lock()
-        self._since = (
-            clock()
-        )  # the window's start: an interval begun earlier counts from here
+        self._since = clock()  # the window's start: an interval begun earlier counts from here
 
     def add(self, link: str, start: float, end: float) -> None:
         """One operation on `link` ran from `start` to `end` (`clock` seconds)."""
@@ -86,9 +82,7 @@ class BusyLog:
         since, self._since = self._since, now
         out = {
             link: union_s(
-                (max(a, since), min(b, now))
-                for a, b in spans
-                if min(b, now) > max(a, since)
+                (max(a, since), min(b, now)) for a, b in spans if min(b, now) > max(a, since)
             )
             for link, spans in intervals.items()
         }
@@ -105,7 +99,5 @@ def _event_busy(events: list[tuple[str, Any, Any]]) -> dict[str, float]:
     origin = events[0][1]
     spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for link, start, end in events:
-        spans[link].append(
-            (origin.elapsed_time(start) / 1e3, origin.elapsed_time(end) / 1e3)
-        )
+        spans[link].append((origin.elapsed_time(start) / 1e3, origin.elapsed_time(end) / 1e3))
     return {link: union_s(s) for link, s in spans.items()}

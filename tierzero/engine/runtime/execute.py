@@ -20,22 +20,32 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from tierzero.engine.step.backward import BackwardPass
-from tierzero.models.draws import Draws, draws_for, seeded
 from tierzero.engine.runtime.binding import bind, flat_grad, unbind
+from tierzero.engine.step.backward import BackwardPass
 from tierzero.layout.partition import Unit
+from tierzero.models.draws import Draws, draws_for, seeded
 
 GatherFn = Callable[[int], torch.Tensor]  # unit index -> full flat param buffer on the device
 ReleaseFn = Callable[[int], None]
-GradFn = Callable[[int, torch.Tensor, frozenset[int]], None]  # unit index, flat grad, slots with a grad
+GradFn = Callable[
+    [int, torch.Tensor, frozenset[int]], None
+]  # unit index, flat grad, slots with a grad
 
 
 class UnitRunner:
     """Installs the checkpointed entry point of every unit that has one (all but a root)."""
 
-    def __init__(self, units: list[Unit], gather: GatherFn, release: ReleaseFn, on_grad: GradFn,
-                 dtype: torch.dtype, device: torch.device, forward_only: frozenset[int] = frozenset(),
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        units: list[Unit],
+        gather: GatherFn,
+        release: ReleaseFn,
+        on_grad: GradFn,
+        dtype: torch.dtype,
+        device: torch.device,
+        forward_only: frozenset[int] = frozenset(),
+        seed: int = 0,
+    ) -> None:
         self.units = units
         self.seed = seed
         self.position = (0, 0)  # (step, micro-batch within it) of the training forward under way
@@ -46,7 +56,9 @@ class UnitRunner:
         self.dtype = dtype
         self.device = device  # where unbound parameters say they are (`binding.Unbound`)
         self.forward_only = forward_only  # units run without a backward (`partition.forward_only`)
-        self.kept: frozenset[int] = frozenset()  # units whose forward keeps its graph (`planning.recompute`)
+        self.kept: frozenset[int] = (
+            frozenset()
+        )  # units whose forward keeps its graph (`planning.recompute`)
         self._originals: dict[int, Callable[..., Any]] = {}
         self._shadowed: set[int] = set()  # entries that were instance attributes already
         self.pass_ = BackwardPass()  # the backward in progress (`running`)
@@ -112,11 +124,21 @@ class UnitRunner:
         flat_in, spec = tree_flatten((args, kwargs))
         tensor_pos = [i for i, a in enumerate(flat_in) if isinstance(a, torch.Tensor)]
         # the anchor requires grad, so backward reaches this unit even when no input does
-        outs = _Checkpointed.apply(self, unit, flat_in, spec, tensor_pos, self._anchor, draws,
-                                   *[flat_in[i] for i in tensor_pos])
+        outs = _Checkpointed.apply(
+            self,
+            unit,
+            flat_in,
+            spec,
+            tensor_pos,
+            self._anchor,
+            draws,
+            *[flat_in[i] for i in tensor_pos],
+        )
         return tree_unflatten(list(outs[:-1]), outs[-1]) if isinstance(outs, tuple) else outs
 
-    def compute(self, unit: Unit, args: tuple, kwargs: dict, leaves: list[torch.Tensor] | None = None) -> Any:
+    def compute(
+        self, unit: Unit, args: tuple, kwargs: dict, leaves: list[torch.Tensor] | None = None
+    ) -> Any:
         """Gather, bind, run the block's own forward, unbind, release — or, given `leaves`
         (already bound by the caller), just run it: the caller unbinds only after its backward,
         which may call the modules again (the loss's checkpointed chunks recompute the head)."""
@@ -137,13 +159,30 @@ class _Checkpointed(torch.autograd.Function):
     """Keeps only the unit's inputs; backward regathers, recomputes, and backprops."""
 
     @staticmethod
-    def forward(ctx: Any, runner: UnitRunner, unit: Unit, flat_in: list, spec: Any,
-                tensor_pos: list[int], anchor: torch.Tensor, draws: Draws, *tensors: torch.Tensor) -> Any:
-        ctx.runner, ctx.unit, ctx.flat_in, ctx.spec, ctx.tensor_pos = runner, unit, flat_in, spec, tensor_pos
+    def forward(
+        ctx: Any,
+        runner: UnitRunner,
+        unit: Unit,
+        flat_in: list,
+        spec: Any,
+        tensor_pos: list[int],
+        anchor: torch.Tensor,
+        draws: Draws,
+        *tensors: torch.Tensor,
+    ) -> Any:
+        ctx.runner, ctx.unit, ctx.flat_in, ctx.spec, ctx.tensor_pos = (
+            runner,
+            unit,
+            flat_in,
+            spec,
+            tensor_pos,
+        )
         ctx.kept = None
         if unit.index in runner.kept and not unit.uses_with:
             with seeded(draws):
-                ctx.kept = _KeptGraph.run(runner, unit, _fill(flat_in, tensor_pos, tensors), spec, tensor_pos)
+                ctx.kept = _KeptGraph.run(
+                    runner, unit, _fill(flat_in, tensor_pos, tensors), spec, tensor_pos
+                )
             out = tree_map(lambda o: o.detach() if isinstance(o, torch.Tensor) else o, ctx.kept.out)
         else:
             ctx.save_for_backward(*tensors)
@@ -165,7 +204,16 @@ class _Checkpointed(torch.autograd.Function):
         runner.pass_.unit_starting(unit.index)
         if ctx.kept is not None:
             kept, ctx.kept = ctx.kept, None
-            return (None, None, None, None, None, None, None, *kept.backward(runner, unit, grads, ctx.out_tensor_idx))
+            return (
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                *kept.backward(runner, unit, grads, ctx.out_tensor_idx),
+            )
         saved = ctx.saved_tensors
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in saved]
         bound = runner.bound_units(unit)
@@ -175,8 +223,11 @@ class _Checkpointed(torch.autograd.Function):
                 args, kwargs = tree_unflatten(_fill(ctx.flat_in, ctx.tensor_pos, inputs), ctx.spec)
                 out = runner.compute(unit, args, kwargs, leaves=leaves[0])
             outs = tree_flatten(out)[0]
-            pairs = [(outs[i], grads[i]) for i in ctx.out_tensor_idx
-                     if outs[i].requires_grad and grads[i] is not None]
+            pairs = [
+                (outs[i], grads[i])
+                for i in ctx.out_tensor_idx
+                if outs[i].requires_grad and grads[i] is not None
+            ]
             if pairs:  # none when every weight is frozen and no input needs a grad
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             for u, unit_leaves in zip(bound, leaves):
@@ -186,7 +237,16 @@ class _Checkpointed(torch.autograd.Function):
             for u in bound:
                 unbind(u, runner.dtype, runner.device)
             runner.release(unit.index)
-        return (None, None, None, None, None, None, None, *[t.grad if t.requires_grad else None for t in inputs])
+        return (
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            *[t.grad if t.requires_grad else None for t in inputs],
+        )
 
 
 class _KeptGraph:
@@ -198,17 +258,24 @@ class _KeptGraph:
     gathered again there, as the swap plan gathers every unit in backward anyway. The values
     are those the forward read, so the gradients are the recompute's, bit for bit."""
 
-    def __init__(self, inputs: list[torch.Tensor], leaves: list[torch.Tensor], out: Any, params: _ParamViews) -> None:
+    def __init__(
+        self, inputs: list[torch.Tensor], leaves: list[torch.Tensor], out: Any, params: _ParamViews
+    ) -> None:
         self.inputs, self.leaves, self.out, self.params = inputs, leaves, out, params
 
     @staticmethod
-    def run(runner: UnitRunner, unit: Unit, flat_in: list, spec: Any, tensor_pos: list[int]) -> _KeptGraph:
+    def run(
+        runner: UnitRunner, unit: Unit, flat_in: list, spec: Any, tensor_pos: list[int]
+    ) -> _KeptGraph:
         inputs = [flat_in[i].detach().requires_grad_(flat_in[i].requires_grad) for i in tensor_pos]
         flat = runner.gather(unit.index)
         params = _ParamViews(flat)
         leaves = bind(unit, flat, requires_grad=True)
         try:
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(params.pack, params.unpack):
+            with (
+                torch.enable_grad(),
+                torch.autograd.graph.saved_tensors_hooks(params.pack, params.unpack),
+            ):
                 args, kwargs = tree_unflatten(_fill(flat_in, tensor_pos, inputs), spec)
                 out = runner.compute(unit, args, kwargs, leaves=leaves)
         finally:
@@ -217,14 +284,20 @@ class _KeptGraph:
             params.flat = None
         return _KeptGraph(inputs, [_storageless(leaf) for leaf in leaves], out, params)
 
-    def backward(self, runner: UnitRunner, unit: Unit, grads: tuple, out_idx: list[int]) -> list[torch.Tensor | None]:
+    def backward(
+        self, runner: UnitRunner, unit: Unit, grads: tuple, out_idx: list[int]
+    ) -> list[torch.Tensor | None]:
         """Backprop the kept graph against the unit's buffer gathered again; the inputs' grads.
         The modules are bound to it too: the loss's checkpointed chunks call the head again."""
         self.params.flat = runner.gather(unit.index)
         bind(unit, self.params.flat, requires_grad=True)
         try:
             outs = tree_flatten(self.out)[0]
-            pairs = [(outs[i], grads[i]) for i in out_idx if outs[i].requires_grad and grads[i] is not None]
+            pairs = [
+                (outs[i], grads[i])
+                for i in out_idx
+                if outs[i].requires_grad and grads[i] is not None
+            ]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             if unit.trainable_numel:
@@ -252,13 +325,20 @@ class _ParamViews:
 
     def __init__(self, flat: torch.Tensor) -> None:
         self.flat: torch.Tensor | None = flat
-        self.ptr, self.start, self.end = flat.untyped_storage().data_ptr(), flat.storage_offset(), \
-            flat.storage_offset() + flat.numel()
+        self.ptr, self.start, self.end = (
+            flat.untyped_storage().data_ptr(),
+            flat.storage_offset(),
+            flat.storage_offset() + flat.numel(),
+        )
         self.dtype, self.device = flat.dtype, flat.device
 
     def pack(self, t: torch.Tensor) -> Any:
-        if t.dtype == self.dtype and t.device == self.device and t.untyped_storage().data_ptr() == self.ptr \
-                and self.start <= t.storage_offset() < self.end:
+        if (
+            t.dtype == self.dtype
+            and t.device == self.device
+            and t.untyped_storage().data_ptr() == self.ptr
+            and self.start <= t.storage_offset() < self.end
+        ):
             return _ParamView(t.storage_offset() - self.start, tuple(t.shape), t.stride())
         return t
 
@@ -266,7 +346,9 @@ class _ParamViews:
         if not isinstance(saved, _ParamView):
             return saved
         assert self.flat is not None, "a kept graph's params are read in its backward only"
-        return self.flat.as_strided(saved.shape, saved.stride, self.flat.storage_offset() + saved.offset)
+        return self.flat.as_strided(
+            saved.shape, saved.stride, self.flat.storage_offset() + saved.offset
+        )
 
 
 class _ParamView(NamedTuple):
@@ -289,13 +371,17 @@ def autocast_state(tensors: tuple) -> AutocastState:
     """Autocast as the forward ran, for the CPU and the inputs' device type (a forward under
     `torch.autocast` must be recomputed under it, or backward differentiates other numerics)."""
     types = sorted({"cpu", *(t.device.type for t in tensors)})
-    return (tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types),
-            torch.is_autocast_cache_enabled())
+    return (
+        tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types),
+        torch.is_autocast_cache_enabled(),
+    )
 
 
 def autocast_as(state: AutocastState) -> contextlib.ExitStack:
     per_device, cache = state
     stack = contextlib.ExitStack()
     for device_type, enabled, dtype in per_device:
-        stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache))
+        stack.enter_context(
+            torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache)
+        )
     return stack

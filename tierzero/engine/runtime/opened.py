@@ -62,10 +62,24 @@ def _build(parts: EngineParts) -> OpenParts:
     grads = GradShards(parts)
     grads.allocate()
     optimizer = ShardOptimizer(parts, swap_runner.written)
-    runner = UnitRunner(units, swap_runner.acquire, swap_runner.release, grads.offload, parts.dtype,
-                        parts.device, forward_only(units), config.seed)
+    runner = UnitRunner(
+        units,
+        swap_runner.acquire,
+        swap_runner.release,
+        grads.offload,
+        parts.dtype,
+        parts.device,
+        forward_only(units),
+        config.seed,
+    )
     runner.install()
     replicated = parts.comm.world_size == 1 or parts.stage <= 2  # nothing to gather
-    plans = swap_plans(units, config.prefetch_depth, None if replicated else int(config.overlap_comm),
-                       config.accumulate)
-    return OpenParts(swap_runner, grads, optimizer, runner, BatchStaging(parts.tiers.streams), *plans)
+    plans = swap_plans(
+        units,
+        config.prefetch_depth,
+        None if replicated else int(config.overlap_comm),
+        config.accumulate,
+    )
+    return OpenParts(
+        swap_runner, grads, optimizer, runner, BatchStaging(parts.tiers.streams), *plans
+    )

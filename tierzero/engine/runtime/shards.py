@@ -65,7 +65,9 @@ class Shards:
         whole unit when `unit.replicated`)."""
         if kind is StateKind.MASTER and self.formats.master_is_param(self.dtype):
             lo = unit.param_offset(self.rank)
-            return self.read_shard(StateKind.PARAM, unit)[lo:lo + unit.state_numel(self.rank)].float()
+            return self.read_shard(StateKind.PARAM, unit)[
+                lo : lo + unit.state_numel(self.rank)
+            ].float()
         coded = self.coded.get(unit.index) if kind is StateKind.PARAM else None
         if coded is not None:
             stored = aligned_empty(coded.stored_numel, self.dtype)
@@ -87,7 +89,11 @@ class Shards:
 
     def empty(self, kind: StateKind, numel: int) -> torch.Tensor:
         """An aligned CPU tensor for one stored key of `kind` holding `numel` values."""
-        return aligned_empty(numel, self.dtype) if kind is StateKind.PARAM else self.formats.empty(kind, numel)
+        return (
+            aligned_empty(numel, self.dtype)
+            if kind is StateKind.PARAM
+            else self.formats.empty(kind, numel)
+        )
 
     def read_key(self, kind: StateKind, key: str, out: torch.Tensor) -> None:
         """Fill the CPU tensor `out` from one stored key of `kind` (verified where stored on disk)."""
@@ -117,7 +123,9 @@ class Shards:
             staged = self.tiers.lease_host(src.numel() * src.element_size()).view(src.dtype)
             staged.copy_(src)
             future = self.tiers.submit(store.write(key, staged))
-            self.tiers.pending.add(future, lambda ok: self.tiers.host_pool.give_back(staged.view(torch.uint8)))
+            self.tiers.pending.add(
+                future, lambda ok: self.tiers.host_pool.give_back(staged.view(torch.uint8))
+            )
         else:
             self.tiers.run(store.delete(key))
             self.tiers.run(store.write(key, src))
@@ -133,7 +141,9 @@ class Shards:
             shard = flat[lo:hi].contiguous()
             detach_params(unit, self.dtype, self.tiers.device)
             self.put_shard(StateKind.MASTER, unit, shard)
-            self.put_shard(StateKind.PARAM, unit, (flat if unit.replicated else shard).to(self.dtype))
+            self.put_shard(
+                StateKind.PARAM, unit, (flat if unit.replicated else shard).to(self.dtype)
+            )
             zeros = torch.zeros_like(shard)
             for kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ, StateKind.GRAD):
                 self.put_shard(kind, unit, zeros)
@@ -149,12 +159,12 @@ class Shards:
             master = self.read_shard(StateKind.MASTER, unit)
             if unit.has_frozen:  # the shard's frozen rest has params only
                 lo = unit.param_offset(self.rank)
-                param = self.read_shard(StateKind.PARAM, unit)[lo:lo + unit.shard_numel]
-                master = torch.cat([master, param[master.numel():].float()])
+                param = self.read_shard(StateKind.PARAM, unit)[lo : lo + unit.shard_numel]
+                master = torch.cat([master, param[master.numel() :].float()])
             if comm.world_size > 1:  # every rank's shard, end to end: the full flat buffer
                 master = comm.all_gather(master.to(comm.device)).cpu()
             for slot in unit.slots:
-                value = master[slot.offset:slot.end].view(slot.shape).clone()
+                value = master[slot.offset : slot.end].view(slot.shape).clone()
                 for name in slot.names:
                     out[name] = value
         return out

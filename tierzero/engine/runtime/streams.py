@@ -62,7 +62,9 @@ class Streams(abc.ABC):
         return self.busy.timed(link) if self.busy is not None else contextlib.nullcontext()
 
     @abc.abstractmethod
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream, after: Event = None) -> Event:
+    def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, stream: Stream, after: Event = None
+    ) -> Event:
         """Copy `src` into `dst` on `stream` once `after` has happened; the copy's event.
 
         The caller keeps both buffers alive and unused until the event (`keep_alive` for a
@@ -134,7 +136,9 @@ class CpuStreams(Streams):
     def wait(self, stream: Stream, event: Event) -> None:
         pass
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream, after: Event = None) -> Event:
+    def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, stream: Stream, after: Event = None
+    ) -> Event:
         if self.busy is None or stream == self.compute:
             dst.copy_(src)
             return None
@@ -171,8 +175,13 @@ class CudaStreams(Streams):
             self.d2h = torch.cuda.Stream(device)
             self.comm = torch.cuda.Stream(device)
             self._store_copy = torch.cuda.Stream(device)
-        self._lanes = {self.h2d: "h2d", self._h2d_write: "h2d_write", self._h2d_act: "h2d_act", self.d2h: "d2h",
-                       self.comm: "comm"}
+        self._lanes = {
+            self.h2d: "h2d",
+            self._h2d_write: "h2d_write",
+            self._h2d_act: "h2d_act",
+            self.d2h: "d2h",
+            self.comm: "comm",
+        }
 
     @property
     def h2d_write(self) -> Stream:
@@ -208,7 +217,9 @@ class CudaStreams(Streams):
             with torch.cuda.device(self.device):
                 stream.wait_event(event)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream, after: Event = None) -> Event:
+    def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, stream: Stream, after: Event = None
+    ) -> Event:
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             if after is not None:
                 stream.wait_event(after)

@@ -29,16 +29,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierzero.distributed.comm import InFlight
 from tierzero.config import StateKind, Tier
+from tierzero.distributed.comm import InFlight
 from tierzero.engine.parts import EngineParts
-from tierzero.errors import TierzeroError
-from tierzero.storage.base import BudgetExceededError, TierStore
 from tierzero.engine.runtime.streams import Event, Streams
+from tierzero.errors import TierzeroError
 from tierzero.layout.keys import shard_key
 from tierzero.models.nf4_shard import CodedShard
 from tierzero.planning.placement import Link
 from tierzero.planning.swapplan import Op, SwapOp, SwapPlan
+from tierzero.storage.base import BudgetExceededError, TierStore
 
 
 class ShardStatus(str, enum.Enum):
@@ -91,9 +91,13 @@ class SwapRunner:
         self._wait(record)
         gathered = record.gathered.popleft() if record.gathered else None
         self._run_until(Op.COMPUTE, unit)  # the next use's gathers, beside this compute
-        if self.comm.world_size == 1 or self.parts.units[unit].replicated:  # the whole unit is stored here
+        if (
+            self.comm.world_size == 1 or self.parts.units[unit].replicated
+        ):  # the whole unit is stored here
             return self._shard(unit)
-        assert gathered is not None, f"the swap plan lists no gather of unit {unit} before its compute"
+        assert gathered is not None, (
+            f"the swap plan lists no gather of unit {unit} before its compute"
+        )
         with self.parts.transfers.waiting():
             full = gathered.wait()  # sync point: the host on gloo, the compute stream on NCCL
         self.streams.keep_alive(full, self.streams.compute)
@@ -118,8 +122,10 @@ class SwapRunner:
         assert self.plan is not None
         self.release(-1)  # the releases left at the end of the plan
         if self._cursor != len(self.plan.ops):
-            raise RuntimeError(f"the model ran {self._cursor} of {len(self.plan.ops)} planned swap ops; "
-                               "it must call its blocks once each, in order")
+            raise RuntimeError(
+                f"the model ran {self._cursor} of {len(self.plan.ops)} planned swap ops; "
+                "it must call its blocks once each, in order"
+            )
         self.plan = None
 
     def abort(self) -> None:
@@ -128,7 +134,9 @@ class SwapRunner:
             if record.future is not None:
                 record.future.exception()  # let the read finish before its buffer goes back
                 # the read may have failed: its cache entry must not be served later
-                self.tiers.host_pool.cache_drop(shard_key(StateKind.PARAM, record.unit, self.parts.rank))
+                self.tiers.host_pool.cache_drop(
+                    shard_key(StateKind.PARAM, record.unit, self.parts.rank)
+                )
             self._drop(record)
         self.plan = None
 
@@ -138,14 +146,18 @@ class SwapRunner:
         assert self.plan is not None, "SwapRunner.begin(plan) first"
         while True:
             if self._cursor >= len(self.plan.ops):
-                raise RuntimeError(f"unit {unit} was used but the swap plan has ended; the model "
-                                   "must call its blocks once each, in order")
+                raise RuntimeError(
+                    f"unit {unit} was used but the swap plan has ended; the model "
+                    "must call its blocks once each, in order"
+                )
             op = self.plan.ops[self._cursor]
             self._cursor += 1
             if op.op is stop:
                 if op.unit != unit:
-                    raise RuntimeError(f"the model used unit {unit} where the swap plan expected "
-                                       f"unit {op.unit}; it must call its blocks in order")
+                    raise RuntimeError(
+                        f"the model used unit {unit} where the swap plan expected "
+                        f"unit {op.unit}; it must call its blocks in order"
+                    )
                 return
             self._execute(op)
 
@@ -153,13 +165,17 @@ class SwapRunner:
         record = self.records[op.unit]
         if op.op is Op.FETCH:
             try:
-                self._fetch(record, wait=False)  # autograd's thread issues; it never waits for a job here
+                self._fetch(
+                    record, wait=False
+                )  # autograd's thread issues; it never waits for a job here
             except BudgetExceededError:
                 self._drop(record)  # a tight budget: this unit is fetched at its wait instead
         elif op.op is Op.RELEASE:
             self._drop(record)
         elif op.op is Op.GATHER:
-            self._wait(record)  # an nvme read still in flight is waited for: see the module docstring
+            self._wait(
+                record
+            )  # an nvme read still in flight is waited for: see the module docstring
             record.gathered.append(self._issue_gather(record))
 
     def _issue_gather(self, record: ParamShard) -> InFlight:
@@ -200,11 +216,14 @@ class SwapRunner:
         record.coded = coded
         if record.home is Tier.HOST:
             self.parts.transfers.add_bytes(Link.HOST_TO_GPU, nbytes)
-            record.event = self.streams.copy(landing, self.tiers.stores[Tier.HOST].view(key),
-                                             self.streams.h2d, after=ready)
+            record.event = self.streams.copy(
+                landing, self.tiers.stores[Tier.HOST].view(key), self.streams.h2d, after=ready
+            )
             return
         cached = self.tiers.host_pool.cache_get(key)
-        if cached is not None:  # still in RAM since its last use (backward replays forward reversed)
+        if (
+            cached is not None
+        ):  # still in RAM since its last use (backward replays forward reversed)
             record.staging = cached.view(self.parts.dtype)
             record.event = self.streams.copy(landing, record.staging, self.streams.h2d, after=ready)
             self.parts.transfers.add_bytes(Link.HOST_TO_GPU, nbytes)
@@ -216,8 +235,11 @@ class SwapRunner:
         # cached from now on: the pool evicts it (least recently used first) when space is short
         self.tiers.host_pool.cache_put(key, record.staging.view(torch.uint8))
         keys = self.parts.shards.keys(StateKind.PARAM, unit)
-        record.future = self.tiers.submit(_read_then_copy(
-            self.tiers.stores[Tier.NVME], keys, record.staging, self.streams, landing, ready))
+        record.future = self.tiers.submit(
+            _read_then_copy(
+                self.tiers.stores[Tier.NVME], keys, record.staging, self.streams, landing, ready
+            )
+        )
         self.parts.transfers.add_bytes(Link.NVME_TO_HOST, nbytes)
 
     def _land(self, record: ParamShard) -> None:
@@ -227,13 +249,17 @@ class SwapRunner:
         try:
             record.event = future.result()  # sync point when the read is still in flight
         except BaseException:
-            self.tiers.host_pool.cache_drop(shard_key(StateKind.PARAM, record.unit, self.parts.rank))
+            self.tiers.host_pool.cache_drop(
+                shard_key(StateKind.PARAM, record.unit, self.parts.rank)
+            )
             raise
 
     def _wait(self, record: ParamShard) -> None:
         if record.status is ShardStatus.AVAILABLE:
             return
-        if record.status is ShardStatus.NOT_AVAILABLE:  # its look-ahead fetch did not fit the budget
+        if (
+            record.status is ShardStatus.NOT_AVAILABLE
+        ):  # its look-ahead fetch did not fit the budget
             self._fetch(record)
         if record.future is not None:
             with self.parts.transfers.waiting():
@@ -264,7 +290,9 @@ class SwapRunner:
             if future.exception() is None:
                 record.event = future.result()
         if record.device_buf is not None:
-            if record.status is not ShardStatus.AVAILABLE:  # compute never waited for the copy: order it now
+            if (
+                record.status is not ShardStatus.AVAILABLE
+            ):  # compute never waited for the copy: order it now
                 self.streams.wait(self.streams.compute, record.event)
             release = self.streams.record(self.streams.compute)
             self.tiers.device_pool.give_back(record.device_buf.view(torch.uint8), ready=release)
@@ -279,24 +307,35 @@ class SwapRunner:
     def _shard(self, unit: int) -> torch.Tensor:
         record = self.records[unit]
         if record.home is Tier.GPU:
-            return self.tiers.stores[Tier.GPU].view(shard_key(StateKind.PARAM, unit, self.parts.rank))
+            return self.tiers.stores[Tier.GPU].view(
+                shard_key(StateKind.PARAM, unit, self.parts.rank)
+            )
         assert record.device_buf is not None
         return record.device_buf
 
 
-async def _read_then_copy(store: TierStore, keys: list[tuple[str, int, int]], staging: torch.Tensor,
-                          streams: Streams, device_buf: torch.Tensor, ready: Event) -> Event:
+async def _read_then_copy(
+    store: TierStore,
+    keys: list[tuple[str, int, int]],
+    staging: torch.Tensor,
+    streams: Streams,
+    device_buf: torch.Tensor,
+    ready: Event,
+) -> Event:
     """Read a unit's param pieces into `staging`, then at once (on the I/O thread, not at the
     training thread's next plan op) start its copy to `device_buf` after `ready`; its event."""
     await _read_pieces(store, keys, staging)
     return streams.copy(device_buf, staging, streams.h2d, after=ready)
 
 
-async def _read_pieces(store: TierStore, keys: list[tuple[str, int, int]], out: torch.Tensor) -> None:
+async def _read_pieces(
+    store: TierStore, keys: list[tuple[str, int, int]], out: torch.Tensor
+) -> None:
     """Read a unit's param pieces into their slices of one buffer, all in flight at once; every
     read has finished (or failed) when this returns, so the buffer is never written late."""
-    results = await asyncio.gather(*(store.read_into(key, out[a:b]) for key, a, b in keys),
-                                   return_exceptions=True)
+    results = await asyncio.gather(
+        *(store.read_into(key, out[a:b]) for key, a, b in keys), return_exceptions=True
+    )
     failed = next((r for r in results if isinstance(r, BaseException)), None)
     if failed is not None:
         raise failed

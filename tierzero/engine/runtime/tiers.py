@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from tierzero.engine.runtime import streams as streams_mod
 from tierzero.config import Config, Tier
-from tierzero.errors import ConfigError
+from tierzero.engine.runtime import streams as streams_mod
 from tierzero.engine.runtime.transfers import TransferStats
+from tierzero.errors import ConfigError
 from tierzero.planning.machine import default_budgets
 from tierzero.planning.memory_model import MemoryModel
 from tierzero.storage.base import BudgetExceededError, TierStore
@@ -77,13 +77,22 @@ class Pending:
 
 
 class Tiers:
-    def __init__(self, config: Config, device: torch.device, homes: set[Tier], rank: int | None = None,
-                 stats: TransferStats | None = None, local_ranks: int = 1) -> None:
+    def __init__(
+        self,
+        config: Config,
+        device: torch.device,
+        homes: set[Tier],
+        rank: int | None = None,
+        stats: TransferStats | None = None,
+        local_ranks: int = 1,
+    ) -> None:
         """`local_ranks`: the ranks on this machine, which split its default budgets."""
         self.config = config
         self.stats = stats or TransferStats()
         # ranks on one machine share the drives but never a store directory (each takes a lock)
-        self.nvme_paths = [str(Path(p) / f"rank{rank}") if rank is not None else p for p in config.nvme_path]
+        self.nvme_paths = [
+            str(Path(p) / f"rank{rank}") if rank is not None else p for p in config.nvme_path
+        ]
         self.device = device
         self.homes = homes
         host, gpu = default_budgets(device, local_ranks)
@@ -93,7 +102,9 @@ class Tiers:
         self.total_budgets = {Tier.HOST: self.host_budget, Tier.GPU: self.gpu_budget}
         self.io: IOLoop | None = None
         self.host_pool: HostPool | None = None
-        self.host_blocks: dict[int, int] = {}  # the host pool's size classes and blocks to pin at open
+        self.host_blocks: dict[
+            int, int
+        ] = {}  # the host pool's size classes and blocks to pin at open
         self.device_pool: DevicePool | None = None
         self.stores: dict[Tier, TierStore] = {}
         self.streams: streams_mod.Streams | None = None
@@ -139,7 +150,9 @@ class Tiers:
             assert self.host_pool is not None
             self.host_pool.set_budget(max(1, self.host_budget))
             provision = memory.host_provision(self.host_budget)
-            self.host_pool.provision({c: n - self.host_blocks.get(c, 0) for c, n in provision.items()})
+            self.host_pool.provision(
+                {c: n - self.host_blocks.get(c, 0) for c, n in provision.items()}
+            )
 
     def open(self) -> Tiers:
         pin_malloc_thresholds()
@@ -154,26 +167,45 @@ class Tiers:
             # host math's OpenMP team on a GPU machine: every core but the training thread's and
             # the I/O loop's (workers sleep in pread/pwrite). On the CPU device torch's default:
             # the model's matmuls run beside it either way.
-            math_threads = max(1, len(os.sched_getaffinity(0)) - 2) if self.device.type == "cuda" else None
-            self.io = self._open(IOLoop(self.config.io_threads, functools.partial(streams_mod.bind_thread, self.device),
-                                        math_threads))
+            math_threads = (
+                max(1, len(os.sched_getaffinity(0)) - 2) if self.device.type == "cuda" else None
+            )
+            self.io = self._open(
+                IOLoop(
+                    self.config.io_threads,
+                    functools.partial(streams_mod.bind_thread, self.device),
+                    math_threads,
+                )
+            )
             pin_device = self.device if self.device.type == "cuda" else None  # pin in its context
             # On the CPU device the first forward still takes the batch's activations from the
             # host budget: until then the pool holds no more than the blocks it pins at open.
             pinned = sum(c * n for c, n in self.host_blocks.items())
-            budget = self.host_budget if self.device.type == "cuda" or not pinned else min(self.host_budget, pinned)
-            self.host_pool = self._open(HostPool(budget, device=pin_device, blocks=self.host_blocks))
+            budget = (
+                self.host_budget
+                if self.device.type == "cuda" or not pinned
+                else min(self.host_budget, pinned)
+            )
+            self.host_pool = self._open(
+                HostPool(budget, device=pin_device, blocks=self.host_blocks)
+            )
             self.device_pool = self._open(DevicePool(self.gpu_budget, self.device))
             self.stores[Tier.HOST] = self._open(HostStore(self.host_pool, self.streams.store_copy))
-            self.stores[Tier.GPU] = self._open(DeviceStore(self.device_pool, self.streams.store_copy))
+            self.stores[Tier.GPU] = self._open(
+                DeviceStore(self.device_pool, self.streams.store_copy)
+            )
             if Tier.NVME in self.homes:
                 from tierzero.compact.formats import StateFormats
                 from tierzero.storage.nvme.store import NvmeStore
 
-                self.stores[Tier.NVME] = self._open(NvmeStore(
-                    self.nvme_paths, chunk_bytes=self.config.chunk_bytes,
-                    verify_reads={"on": True, "off": False}.get(self.config.verify_reads),
-                    layout=StateFormats.of(self.config).layout))
+                self.stores[Tier.NVME] = self._open(
+                    NvmeStore(
+                        self.nvme_paths,
+                        chunk_bytes=self.config.chunk_bytes,
+                        verify_reads={"on": True, "off": False}.get(self.config.verify_reads),
+                        layout=StateFormats.of(self.config).layout,
+                    )
+                )
                 self.stores[Tier.NVME].on_busy = self.stats.nvme_busy
         except BaseException:
             self.close()
@@ -249,7 +281,9 @@ class Tiers:
         (on its stream's waiter thread: see `IOLoop.wait_off_workers`)."""
         assert self.streams is not None and self.io is not None
         if not self.streams.query(event):
-            await self.io.wait_off_workers(self.streams.host_wait, event, lane=self.streams.lane(event))
+            await self.io.wait_off_workers(
+                self.streams.host_wait, event, lane=self.streams.lane(event)
+            )
 
     def lease_host(self, nbytes: int, wait: bool = True) -> torch.Tensor:
         """A host buffer; when the pool is full, wait for pending transfers to free one first.
@@ -283,7 +317,8 @@ def pin_malloc_thresholds() -> bool:
         try:
             libc = ctypes.CDLL("libc.so.6")
             _MALLOC_PINNED = bool(libc.mallopt(_M_MMAP_THRESHOLD, 128 << 10)) and bool(
-                libc.mallopt(_M_TRIM_THRESHOLD, 1 << 20))
+                libc.mallopt(_M_TRIM_THRESHOLD, 1 << 20)
+            )
         except (OSError, AttributeError):
             _MALLOC_PINNED = False
     return _MALLOC_PINNED
@@ -293,7 +328,9 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, from glibc'
 _MALLOC_PINNED: bool | None = None
 
 
-def _lease(pool: HostPool | DevicePool, nbytes: int, pending: Pending, wait: bool = True) -> torch.Tensor:
+def _lease(
+    pool: HostPool | DevicePool, nbytes: int, pending: Pending, wait: bool = True
+) -> torch.Tensor:
     """A pool with size classes serves from the blocks it pinned at open, waiting for pending
     transfers to give one back; only with nothing pending does it allocate (a counted pinning).
     Without classes it allocates while the budget has room, and waits when it has not.
@@ -321,22 +358,34 @@ def _check_nvme_path(path: Path) -> None:
     while not where.exists() and where.parent != where:  # a new directory is made in it
         where = where.parent
     if not where.is_dir():
-        raise ConfigError(f"nvme path '{path}' is not usable: {where} is not a directory; choose "
-                          "another --nvme-path")
-    why = ("permission denied" if not os.access(where, os.W_OK | os.X_OK)
-           # a filesystem of no blocks (proc, sysfs) holds no files, even for root
-           else "not a filesystem for files" if os.statvfs(where).f_blocks == 0 else None)
+        raise ConfigError(
+            f"nvme path '{path}' is not usable: {where} is not a directory; choose "
+            "another --nvme-path"
+        )
+    why = (
+        "permission denied"
+        if not os.access(where, os.W_OK | os.X_OK)
+        # a filesystem of no blocks (proc, sysfs) holds no files, even for root
+        else "not a filesystem for files"
+        if os.statvfs(where).f_blocks == 0
+        else None
+    )
     if why is not None:
-        raise ConfigError(f"nvme path '{path}' is not writable ({why}); choose a writable --nvme-path")
+        raise ConfigError(
+            f"nvme path '{path}' is not writable ({why}); choose a writable --nvme-path"
+        )
 
 
 def _probe_nvme_path(path: Path) -> None:
     """Create the directory and write and remove a file there: the proof `_check_nvme_path` can't give."""
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".tierzero-write-probe-{os.getpid()}"  # ranks sharing the path each write their own
+        probe = (
+            path / f".tierzero-write-probe-{os.getpid()}"
+        )  # ranks sharing the path each write their own
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"nvme path '{path}' is not writable ({e.strerror}); choose a writable "
-                          "--nvme-path") from None
+        raise ConfigError(
+            f"nvme path '{path}' is not writable ({e.strerror}); choose a writable --nvme-path"
+        ) from None

@@ -21,10 +21,10 @@ import torch
 from tierzero.config import Config
 from tierzero.engine.gathered import UnitGrad
 from tierzero.engine.step.optim import ShardOptimizer
-from tierzero.engine.step.skipped import Run
 from tierzero.engine.step.restep import KeptGeneration
-from tierzero.layout.partition import Unit
+from tierzero.engine.step.skipped import Run
 from tierzero.engine.step.state import StepState
+from tierzero.layout.partition import Unit
 from tierzero.lr import lr_at
 
 
@@ -39,8 +39,13 @@ class StepInBackward:
     runs: Callable[[Unit], list[Run]]  # what of this rank's shard the step updates
 
     @staticmethod
-    def for_step(optimizer: ShardOptimizer, units: list[Unit], config: Config, state: StepState,
-                 runs: Callable[[Unit], list[Run]]) -> StepInBackward:
+    def for_step(
+        optimizer: ShardOptimizer,
+        units: list[Unit],
+        config: Config,
+        state: StepState,
+        runs: Callable[[Unit], list[Run]],
+    ) -> StepInBackward:
         """The step of `state`'s step count; it marks the step as taken in backward."""
         coef = None  # clip_previous_norm: the first step is not clipped
         if config.clip_grad_norm is not None and not config.clip_previous_norm:

@@ -19,13 +19,17 @@ class GradNorms:
         self.comm, self.piece_numel, self.device = parts.comm, parts.piece_numel, parts.tiers.device
         self.want_norms = parts.config.clip_grad_norm is not None  # clipping needs them
         self.want_finite = parts.scaler.enabled  # fp16 needs the overflow check
-        self.norms: dict[str, torch.Tensor] = {}  # param name -> 2-norm (one rank) of its grad, on the device
+        self.norms: dict[
+            str, torch.Tensor
+        ] = {}  # param name -> 2-norm (one rank) of its grad, on the device
         self.reset()
 
     def reset(self) -> None:
         """Forget the last step's measures (a step's first micro-batch)."""
         self.norms.clear()
-        self.sumsq = torch.zeros((), dtype=torch.float32, device=self.device)  # several ranks: this shard's
+        self.sumsq = torch.zeros(
+            (), dtype=torch.float32, device=self.device
+        )  # several ranks: this shard's
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
 
     def measure(self, unit: Unit, acc: torch.Tensor, present: set[int]) -> None:
@@ -41,7 +45,9 @@ class GradNorms:
             # (only parameters with a grad: `clip_grad_norm_` leaves out those whose grad is None)
             for i, slot in enumerate(unit.slots):
                 if i in present:
-                    self.norms[slot.names[0]] = torch.linalg.vector_norm(acc[slot.offset:slot.end], 2.0)
+                    self.norms[slot.names[0]] = torch.linalg.vector_norm(
+                        acc[slot.offset : slot.end], 2.0
+                    )
         else:  # in fp64 a piece at a time: no fp64 copy of the whole shard
             sumsq = torch.zeros((), dtype=torch.float64, device=acc.device)
             for a, b in piece_ranges(acc.numel(), self.piece_numel):

@@ -40,41 +40,55 @@ from collections.abc import Iterator
 
 import torch
 
-from tierzero.distributed.comm import InFlight
-from tierzero.engine.step.backward import BackwardPass
-from tierzero.engine.step.gradnorms import GradNorms
-from tierzero.engine.step.gradio import read_after_write, write_when_landed
-from tierzero.errors import TierzeroError
 from tierzero.config import StateKind, Tier
+from tierzero.distributed.comm import InFlight
 from tierzero.engine.parts import EngineParts
-from tierzero.layout.partition import Unit, grad_uses, piece_ranges
-from tierzero.storage.base import BudgetExceededError
 from tierzero.engine.runtime.streams import Event
+from tierzero.engine.step.backward import BackwardPass
+from tierzero.engine.step.gradio import read_after_write, write_when_landed
+from tierzero.engine.step.gradnorms import GradNorms
+from tierzero.errors import TierzeroError
 from tierzero.layout.keys import state_keys
+from tierzero.layout.partition import Unit, grad_uses, piece_ranges
 from tierzero.planning.placement import Link
+from tierzero.storage.base import BudgetExceededError
 
 
 class GradShards:
     def __init__(self, parts: EngineParts) -> None:
         self.parts = parts
         self.tiers, self.home, self.comm = parts.tiers, parts.placement.grad, parts.comm
-        self.uses = grad_uses(parts.units)  # contributions per unit per backward (a tied embedding gets two)
+        self.uses = grad_uses(
+            parts.units
+        )  # contributions per unit per backward (a tied embedding gets two)
         self.seen: dict[int, int] = {}  # contributions so far in this backward
         self.dtype = parts.grad_dtype  # what the home stores; only fp32 is ever added to
         self.present: dict[int, set[int]] = {}  # unit -> its slots that got a grad in this step
         self.pass_ = BackwardPass()  # the backward in progress (`running`)
         self.measured = GradNorms(parts)  # the last micro-batch's norms and finiteness
         several = parts.comm.world_size > 1
-        self.overlap = parts.config.overlap_comm and several  # a unit's reduction runs beside the next one's backward
+        self.overlap = (
+            parts.config.overlap_comm and several
+        )  # a unit's reduction runs beside the next one's backward
         self._reducing: tuple[int, InFlight] | None = None
         self.full_until_last = parts.stage == 1 and several  # stage 1: see the module docstring
-        self._full_held: set[int] = set()  # units whose `grad_full` pieces hold this step's earlier sum
-        self._writes: dict[str, concurrent.futures.Future] = {}  # piece key -> its grad write in flight
+        self._full_held: set[int] = (
+            set()
+        )  # units whose `grad_full` pieces hold this step's earlier sum
+        self._writes: dict[
+            str, concurrent.futures.Future
+        ] = {}  # piece key -> its grad write in flight
         self._landing: dict[str, Event] = {}  # host-homed piece key -> its D2H copy's event
-        self._stashed: dict[int, tuple[torch.Tensor, Event]] = {}  # a tied unit's earlier uses' sum on the host, its D2H
-        self._held: dict[int, torch.Tensor] = {}  # grad home on the device: unit -> its earlier uses' sum
+        self._stashed: dict[
+            int, tuple[torch.Tensor, Event]
+        ] = {}  # a tied unit's earlier uses' sum on the host, its D2H
+        self._held: dict[
+            int, torch.Tensor
+        ] = {}  # grad home on the device: unit -> its earlier uses' sum
         self._order: list[int] = []  # units in the order micro-batch 0 accumulated them
-        self._ahead: dict[str, tuple[concurrent.futures.Future, torch.Tensor]] = {}  # nvme key -> read, stage
+        self._ahead: dict[
+            str, tuple[concurrent.futures.Future, torch.Tensor]
+        ] = {}  # nvme key -> read, stage
         self.streams = parts.tiers.streams
 
     @contextlib.contextmanager
@@ -105,7 +119,9 @@ class GradShards:
         one's at `flush`)."""
         u = self.parts.units[unit]
         extra = self.pass_.extra.pop(unit, None)
-        if extra is not None:  # unit + regulariser: the two terms autograd sums for a weight used twice
+        if (
+            extra is not None
+        ):  # unit + regulariser: the two terms autograd sums for a weight used twice
             full_grad = full_grad.float() + extra[0].to(full_grad.device)
             present = present | extra[1]
         if self.comm.world_size > 1:  # ranks must agree on what is stepped: every trainable slot
@@ -114,7 +130,9 @@ class GradShards:
         full_grad = full_grad.float()
         if self.full_until_last:
             keys = self.full_keys(u)
-            if unit in self._full_held:  # the earlier micro-batches' (and uses') sum, piece by piece
+            if (
+                unit in self._full_held
+            ):  # the earlier micro-batches' (and uses') sum, piece by piece
                 self._full_held.discard(unit)
                 for key, a, b in keys:
                     self._add_previous(key, full_grad[a:b])
@@ -153,7 +171,7 @@ class GradShards:
         """Accumulate one unit's reduced shard into its home (and measure it on the last micro-batch)."""
         u = self.parts.units[unit]
         self.seen[unit] = self.seen.get(unit, 0) + 1
-        grad = shard[:u.state_numel(self.comm.rank)]
+        grad = shard[: u.state_numel(self.comm.rank)]
         if self.pass_.inv_scale != 1.0:
             grad = grad * self.pass_.inv_scale
         if self.uses[unit] > 1 and not self.pass_.combined:
@@ -172,7 +190,9 @@ class GradShards:
         elif not self.full_until_last:
             at = self._order.index(unit) if unit in self._order else -1
             if 0 <= at < len(self._order) - 1:
-                self._read_ahead(self._order[at + 1])  # beside this add and the next unit's backward
+                self._read_ahead(
+                    self._order[at + 1]
+                )  # beside this add and the next unit's backward
             for key, a, b in keys:
                 self._add_previous(key, grad[a:b])
         if self.dtype != torch.float32:  # rounded in place, a piece at a time (a piece's temporary)
@@ -181,7 +201,9 @@ class GradShards:
         if self.pass_.last:
             self.measured.measure(u, grad, self.present[unit])
             if self.pass_.step is not None:
-                self.pass_.step.grad_ready(u, grad)  # the optimizer steps it piece by piece, never stored
+                self.pass_.step.grad_ready(
+                    u, grad
+                )  # the optimizer steps it piece by piece, never stored
                 return
         produced = self.streams.record(self.streams.compute)  # the shard is final on compute
         for key, a, b in keys:
@@ -189,8 +211,10 @@ class GradShards:
 
     def full_keys(self, unit: Unit) -> list[tuple[str, int, int]]:
         """Stage 1: this rank's pieces of `unit`'s whole trainable gradient (flat offsets)."""
-        return [(f"grad_full/u{unit.index:04d}/r{self.comm.rank}/p{i:04d}", a, b)
-                for i, (a, b) in enumerate(piece_ranges(unit.trainable_numel, self.parts.piece_numel))]
+        return [
+            (f"grad_full/u{unit.index:04d}/r{self.comm.rank}/p{i:04d}", a, b)
+            for i, (a, b) in enumerate(piece_ranges(unit.trainable_numel, self.parts.piece_numel))
+        ]
 
     def allocate(self) -> None:
         """Stage 1 with the grad home in memory: make room for the whole gradients there."""
@@ -214,11 +238,15 @@ class GradShards:
             return
         if self.home is Tier.HOST:
             # to the device on the h2d_write stream, after the last micro-batch's D2H of this piece
-            self._add_from_host(part, store.view(key), after=self._landing.pop(key, None), stage=None)
+            self._add_from_host(
+                part, store.view(key), after=self._landing.pop(key, None), stage=None
+            )
             return
         ahead = self._ahead.pop(key, None)
         if ahead is None:
-            ahead = self._issue_read(key, self.tiers.lease_host(part.numel() * 4).view(torch.float32))
+            ahead = self._issue_read(
+                key, self.tiers.lease_host(part.numel() * 4).view(torch.float32)
+            )
         read, stage = ahead
         try:
             with self.parts.transfers.waiting():
@@ -234,8 +262,13 @@ class GradShards:
         buffers, as far as the pool has room without waiting (what it has not is read when needed)."""
         if self.home is not Tier.NVME or self.pass_.micro == 0:
             return
-        for key, a, b in state_keys(StateKind.GRAD, self.parts.units[unit], self.comm.rank, self.parts.piece_numel,
-                                    self.home):
+        for key, a, b in state_keys(
+            StateKind.GRAD,
+            self.parts.units[unit],
+            self.comm.rank,
+            self.parts.piece_numel,
+            self.home,
+        ):
             if key in self._ahead:
                 continue
             try:
@@ -244,25 +277,34 @@ class GradShards:
                 return
             self._ahead[key] = self._issue_read(key, stage)
 
-    def _issue_read(self, key: str, stage: torch.Tensor) -> tuple[concurrent.futures.Future, torch.Tensor]:
+    def _issue_read(
+        self, key: str, stage: torch.Tensor
+    ) -> tuple[concurrent.futures.Future, torch.Tensor]:
         """Read a grad piece into `stage` on an I/O thread, after its last write has landed."""
-        return self.tiers.submit(read_after_write(self._writes.pop(key, None), self.tiers.stores[Tier.NVME],
-                                                  key, stage)), stage
+        return self.tiers.submit(
+            read_after_write(self._writes.pop(key, None), self.tiers.stores[Tier.NVME], key, stage)
+        ), stage
 
     def _drop_ahead(self) -> None:
         """Give back the read-ahead buffers a pass did not use (a failed or re-run backward)."""
         for read, stage in self._ahead.values():
-            self.tiers.pending.add(read, lambda ok, stage=stage: self.tiers.host_pool.give_back(stage.view(torch.uint8)))
+            self.tiers.pending.add(
+                read,
+                lambda ok, stage=stage: self.tiers.host_pool.give_back(stage.view(torch.uint8)),
+            )
         self._ahead.clear()
 
-    def _add_from_host(self, part: torch.Tensor, host: torch.Tensor, after: Event,
-                       stage: torch.Tensor | None) -> Event:
+    def _add_from_host(
+        self, part: torch.Tensor, host: torch.Tensor, after: Event, stage: torch.Tensor | None
+    ) -> Event:
         """`part += host` on the compute device: `host` goes over on the h2d_write stream (after
         `after`), compute waits for that copy; a leased `stage` goes back once it is done. The
         copy's event: `host` may be reused after it."""
         s = self.streams
         # on the write stream, never behind (or ahead of) the param fetches on `h2d`
-        prev = s.empty_like(part, s.h2d_write)  # never memory that compute's queued kernels still read
+        prev = s.empty_like(
+            part, s.h2d_write
+        )  # never memory that compute's queued kernels still read
         copied = s.copy(prev, host, s.h2d_write, after=after)
         s.keep_alive(prev, s.compute)
         s.wait(s.compute, copied)
@@ -281,7 +323,9 @@ class GradShards:
             self.tiers.stores[Tier.GPU].view(key).copy_(part)
             return
         if self.home is Tier.HOST:
-            self._landing[key] = s.copy(self.tiers.stores[Tier.HOST].view(key), part, s.d2h, after=produced)
+            self._landing[key] = s.copy(
+                self.tiers.stores[Tier.HOST].view(key), part, s.d2h, after=produced
+            )
             s.keep_alive(part, s.d2h)
             self.parts.transfers.add_bytes(Link.GPU_TO_HOST, nbytes)
             return
@@ -290,8 +334,11 @@ class GradShards:
         s.keep_alive(part, s.d2h)
         self.parts.transfers.add_bytes(Link.GPU_TO_HOST, nbytes)
         future = self._writes[key] = self.tiers.submit(
-            write_when_landed(self.tiers, landed, self.tiers.stores[Tier.NVME], key, stage))
-        self.tiers.pending.add(future, lambda ok: self.tiers.host_pool.give_back(stage.view(torch.uint8)))
+            write_when_landed(self.tiers, landed, self.tiers.stores[Tier.NVME], key, stage)
+        )
+        self.tiers.pending.add(
+            future, lambda ok: self.tiers.host_pool.give_back(stage.view(torch.uint8))
+        )
         self.parts.transfers.add_bytes(Link.HOST_TO_NVME, nbytes)
 
     def _combine_uses(self, unit: int, grad: torch.Tensor) -> torch.Tensor | None:
@@ -335,7 +382,9 @@ class GradShards:
         if self.seen[unit] < self.uses[unit]:
             if held is None:
                 buf = self.tiers.lease_device(grad.numel() * 4)
-                s.wait(s.compute, self.tiers.device_pool.take_ready(buf))  # its last holder's release
+                s.wait(
+                    s.compute, self.tiers.device_pool.take_ready(buf)
+                )  # its last holder's release
                 self._held[unit] = buf.view(torch.float32).copy_(grad)
             else:
                 held.add_(grad)  # earlier + this use: addition commutes bitwise

@@ -34,13 +34,13 @@ from tierzero.compact.step import CompactStep
 from tierzero.config import OPTIMIZER_KINDS, StateKind, Tier
 from tierzero.engine.parts import EngineParts
 from tierzero.engine.runtime.busy import OPTIMIZER
-from tierzero.engine.step.skipped import Run
+from tierzero.engine.runtime.streams import Event
 from tierzero.engine.step.restep import KeptGeneration
+from tierzero.engine.step.skipped import Run
 from tierzero.engine.step.work import Work
 from tierzero.engine.step.writeback import PieceWrites
-from tierzero.layout.partition import Unit
-from tierzero.engine.runtime.streams import Event
 from tierzero.layout.keys import piece_key
+from tierzero.layout.partition import Unit
 from tierzero.planning.placement import Link
 from tierzero.planning.workload import steps_on_gpu
 from tierzero.storage.base import BudgetExceededError, TierStore
@@ -49,9 +49,17 @@ STEP_KINDS = (StateKind.GRAD, *OPTIMIZER_KINDS)  # what one piece's step reads
 
 
 class ShardOptimizer(PieceWrites):
-    def __init__(self, parts: EngineParts,
-                 param_written: Callable[[int, Event], None] = lambda unit, event: None) -> None:
-        tiers, placement, config, compute_dtype = parts.tiers, parts.placement, parts.config, parts.dtype
+    def __init__(
+        self,
+        parts: EngineParts,
+        param_written: Callable[[int, Event], None] = lambda unit, event: None,
+    ) -> None:
+        tiers, placement, config, compute_dtype = (
+            parts.tiers,
+            parts.placement,
+            parts.config,
+            parts.dtype,
+        )
         self.units, self.tiers, self.placement, self.config = parts.units, tiers, placement, config
         self.compute_dtype, self.rank, self.stats = compute_dtype, parts.rank, parts.transfers
         self.param_written = param_written  # each device param write's event (`SwapRunner.written`)
@@ -61,7 +69,9 @@ class ShardOptimizer(PieceWrites):
         self.master_is_param = self.formats.master_is_param(compute_dtype)
         if self.master_is_param:  # the master is read where the params live (`_source`)
             self.placement = dataclasses.replace(placement, master=placement.param)
-        self.compact = CompactStep(self.formats, config, self.device)  # its scratch is allocated at its first step
+        self.compact = CompactStep(
+            self.formats, config, self.device
+        )  # its scratch is allocated at its first step
         self._prefetched: dict[tuple[int, int], Work] = {}
         self.kept: KeptGeneration | None = None  # set while overlapped steps keep their generation
 
@@ -71,24 +81,38 @@ class ShardOptimizer(PieceWrites):
         pieces = enumerate(unit.pieces(self.config.piece_numel, self.rank))
         if runs is None:
             return [Work(unit, i, a, b) for i, (a, b) in pieces]
-        return [Work(unit, i, a, b, runs) for i, (a, b) in pieces if any(s < b and e > a for s, e, _, _ in runs)]
+        return [
+            Work(unit, i, a, b, runs)
+            for i, (a, b) in pieces
+            if any(s < b and e > a for s, e, _, _ in runs)
+        ]
 
-    def step(self, runs: dict[int, list[Run]], lr: float, grad_coef: float | None,
-             kept: KeptGeneration | None = None) -> None:
+    def step(
+        self,
+        runs: dict[int, list[Run]],
+        lr: float,
+        grad_coef: float | None,
+        kept: KeptGeneration | None = None,
+    ) -> None:
         """One AdamW update of the `runs` of every unit's shard (`SkippedSteps.runs`, by unit
         index; a unit without runs is skipped), piece by piece; returns when every write has
         finished (the next pass reads what this one wrote). Given `kept`, steps each kept piece
         again from its kept generation instead (`tierzero.engine.step.restep`)."""
         depth = max(1, self.config.prefetch_depth)
-        items = [Work(p.unit, p.piece, p.start, p.end, p.runs) for p in kept.pieces()] if kept else \
-            [w for unit in self.units for w in self.works(unit, runs.get(unit.index, []))]
+        items = (
+            [Work(p.unit, p.piece, p.start, p.end, p.runs) for p in kept.pieces()]
+            if kept
+            else [w for unit in self.units for w in self.works(unit, runs.get(unit.index, []))]
+        )
         loads: deque[Work] = deque()
         issued = 0
         for j in range(len(items)):
             while issued < min(len(items), j + depth):  # keep `depth` pieces loaded ahead
                 if issued > j and not self._room_for(items[issued]):
                     break  # a tight budget: read ahead less rather than fail
-                loads.append(self._load(items[issued], with_grad=kept is None, previous=kept is not None))
+                loads.append(
+                    self._load(items[issued], with_grad=kept is None, previous=kept is not None)
+                )
                 issued += 1
             work = loads.popleft()
             self._wait(work)
@@ -104,7 +128,7 @@ class ShardOptimizer(PieceWrites):
         """Start reading `unit`'s first pieces of master and moments now (overlap_step: while
         backward computes); later pieces are read as earlier ones are stepped. A look-ahead on
         autograd's thread: with the pool short it stops rather than wait for a transfer."""
-        for work in self.works(unit)[:max(1, self.config.prefetch_depth)]:
+        for work in self.works(unit)[: max(1, self.config.prefetch_depth)]:
             if (unit.index, work.piece) not in self._prefetched:
                 try:
                     self._prefetched[(unit.index, work.piece)] = self._load(work, wait=False)
@@ -133,8 +157,14 @@ class ShardOptimizer(PieceWrites):
         for buf in work.leased.values():
             self._give_back(buf)
 
-    def step_unit(self, unit: Unit, grad: torch.Tensor, runs: list[Run], lr: float,
-                  grad_coef: float | None = None) -> None:
+    def step_unit(
+        self,
+        unit: Unit,
+        grad: torch.Tensor,
+        runs: list[Run],
+        lr: float,
+        grad_coef: float | None = None,
+    ) -> None:
         """Step one unit as soon as its final grad shard exists (overlap_step), off the training
         thread: each piece's AdamW step runs on the optimizer's thread once its states land (torch
         releases the GIL, so backward continues meanwhile), then the I/O loop issues its writes.
@@ -159,7 +189,9 @@ class ShardOptimizer(PieceWrites):
             self._reserve_staging(work)
             self._count_writes(work)
             future = self.tiers.submit(self._step_when_loaded(work, lr, grad_coef))
-            self.tiers.pending.add(future, lambda ok, w=work: self._settle(w) if ok else self._discard(w))
+            self.tiers.pending.add(
+                future, lambda ok, w=work: self._settle(w) if ok else self._discard(w)
+            )
 
     async def _step_when_loaded(self, work: Work, lr: float, grad_coef: float | None) -> None:
         for future in work.futures:
@@ -175,7 +207,7 @@ class ShardOptimizer(PieceWrites):
         """Use the piece's slice of the finished grad shard handed over by backward: in place on
         the stepping device, else copied on the d2h stream once compute has `produced` it, in
         the grad dtype (cast in the copy, exact: backward rounded the shard to it)."""
-        part = grad[work.start:work.end]
+        part = grad[work.start : work.end]
         s = self.tiers.streams
         work.produced = produced
         if part.device == self.device and not (s.separate and self.device.type == "cpu"):
@@ -188,7 +220,9 @@ class ShardOptimizer(PieceWrites):
         s.keep_alive(part, s.d2h)
         self.stats.add_bytes(Link.GPU_TO_HOST, work.leased[StateKind.GRAD].nbytes)
 
-    def _load(self, work: Work, with_grad: bool = False, wait: bool = True, previous: bool = False) -> Work:
+    def _load(
+        self, work: Work, with_grad: bool = False, wait: bool = True, previous: bool = False
+    ) -> Work:
         """Start bringing a piece's optimizer states (and its grad, if asked) to the stepping device;
         `previous` (a re-step): only nvme ones, as held (`NvmeStore.hold`). Every buffer is leased
         first, so `wait=False` (a look-ahead) short of buffers gives them back and raises."""
@@ -216,21 +250,32 @@ class ShardOptimizer(PieceWrites):
             buf = work.leased[kind]
             if home is Tier.NVME:
                 key = self._source(kind, work)
-                read = store.read_into(key, buf, previous=True) if previous else store.read_into(key, buf)
+                read = (
+                    store.read_into(key, buf, previous=True)
+                    if previous
+                    else store.read_into(key, buf)
+                )
                 work.futures.append(self.tiers.submit(read))
                 self.stats.add_bytes(Link.NVME_TO_HOST, buf.nbytes)
             elif self._across(home):
                 s = self.tiers.streams
                 computed = computed or s.record(s.compute)
-                work.futures.append(self.tiers.when_done(s.copy(buf, self._source(kind, work, store), s.d2h,
-                                                                after=computed)))
+                work.futures.append(
+                    self.tiers.when_done(
+                        s.copy(buf, self._source(kind, work, store), s.d2h, after=computed)
+                    )
+                )
                 self.stats.add_bytes(Link.GPU_TO_HOST, buf.nbytes)
             else:
                 buf.copy_(self._source(kind, work, store))
-                self.stats.add_bytes(Link.HOST_TO_GPU if self.device.type == "cuda" else Link.GPU_TO_HOST, buf.nbytes)
+                self.stats.add_bytes(
+                    Link.HOST_TO_GPU if self.device.type == "cuda" else Link.GPU_TO_HOST, buf.nbytes
+                )
         return work
 
-    def _source(self, kind: StateKind, work: Work, store: TierStore | None = None) -> str | torch.Tensor:
+    def _source(
+        self, kind: StateKind, work: Work, store: TierStore | None = None
+    ) -> str | torch.Tensor:
         """A piece's key in its home (given the home's memory `store`: the tensor viewed there).
         A master that is the param (`StateFormats.master_is_param`) is the param's piece on nvme,
         and its range of the param shard in memory."""
@@ -240,7 +285,7 @@ class ShardOptimizer(PieceWrites):
                 piece = work.unit.param_piece_base(self.config.piece_numel, self.rank) + work.piece
                 key = piece_key(StateKind.PARAM, work.unit.index, self.rank, piece)
             elif store is not None:
-                return store.view(key)[lo + work.start:lo + work.end]
+                return store.view(key)[lo + work.start : lo + work.end]
         else:
             key = piece_key(kind, work.unit.index, self.rank, work.piece)
         return key if store is None else store.view(key)
@@ -284,30 +329,46 @@ class ShardOptimizer(PieceWrites):
         if grad.dtype != torch.float32:  # a bf16 grad piece: its exact fp32 value, what AdamW steps
             grad = t[StateKind.GRAD] = grad.float()
         if grad_coef is not None:  # clipping: the grad piece is consumed here, so scale in place
-            grad.mul_(grad_coef)  # a host float: no device sync, and bitwise clip_grad_norm_'s fp32 product
-        runs = [(max(a, work.start) - work.start, min(b, work.end) - work.start, d, step)
-                for a, b, d, step in work.runs if min(b, work.end) > max(a, work.start)]
+            grad.mul_(
+                grad_coef
+            )  # a host float: no device sync, and bitwise clip_grad_norm_'s fp32 product
+        runs = [
+            (max(a, work.start) - work.start, min(b, work.end) - work.start, d, step)
+            for a, b, d, step in work.runs
+            if min(b, work.end) > max(a, work.start)
+        ]
         if not self.formats.exact:  # compact master or moments: stepped in fp32 sub-blocks
             spans = [(a, b, self.config.weight_decay if d else 0.0, step) for a, b, d, step in runs]
-            origin = work.unit.shard_range(self.rank)[0] + work.start  # the piece in the unit's flat buffer
+            origin = (
+                work.unit.shard_range(self.rank)[0] + work.start
+            )  # the piece in the unit's flat buffer
             self.compact.step(t, spans, lr, work.unit.index, origin)
             return
-        adamw_step([t[StateKind.MASTER][a:b] for a, b, _, _ in runs],
-                   [grad[a:b] for a, b, _, _ in runs],
-                   [t[StateKind.EXP_AVG][a:b] for a, b, _, _ in runs],
-                   [t[StateKind.EXP_AVG_SQ][a:b] for a, b, _, _ in runs],
-                   [self.config.weight_decay if d else 0.0 for _, _, d, _ in runs],
-                   [step for _, _, _, step in runs], lr, self.config)
+        adamw_step(
+            [t[StateKind.MASTER][a:b] for a, b, _, _ in runs],
+            [grad[a:b] for a, b, _, _ in runs],
+            [t[StateKind.EXP_AVG][a:b] for a, b, _, _ in runs],
+            [t[StateKind.EXP_AVG_SQ][a:b] for a, b, _, _ in runs],
+            [self.config.weight_decay if d else 0.0 for _, _, d, _ in runs],
+            [step for _, _, _, step in runs],
+            lr,
+            self.config,
+        )
 
     def _room_for(self, work: Work) -> bool:
         """Whether loading a piece ahead of time leaves the pool room for the piece being stepped."""
         pool = self.tiers.host_pool if self.device.type == "cpu" else self.tiers.device_pool
         states = sum(self.formats.nbytes(k, work.numel) for k in self.leased_kinds())
-        return 2 * (states + work.numel * self.compute_dtype.itemsize) <= pool.budget_bytes - pool.leased_bytes
+        return (
+            2 * (states + work.numel * self.compute_dtype.itemsize)
+            <= pool.budget_bytes - pool.leased_bytes
+        )
 
     def leased_kinds(self) -> list[StateKind]:
         """Which of grad/master/moments need a working buffer (not memory on the stepping device)."""
+
         def in_place(home: Tier) -> bool:
             store_device = self.tiers.device if home is Tier.GPU else torch.device("cpu")
             return home is not Tier.NVME and store_device.type == self.device.type
+
         return [k for k in STEP_KINDS if not in_place(self.placement.home(k))]

@@ -17,15 +17,14 @@ from collections.abc import Callable
 
 import torch
 
-from tierzero.distributed.comm import Comm, InFlight
 from tierzero.config import StateKind, Tier
+from tierzero.distributed.comm import Comm, InFlight
 from tierzero.engine.parts import EngineParts
-from tierzero.layout.partition import Unit
 from tierzero.engine.runtime.streams import Event
 from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.keys import shard_key, state_keys
+from tierzero.layout.partition import Unit
 from tierzero.planning.placement import Link
-
 
 IN_FLIGHT = 2  # units whose all-gathers run at once: a unit's full buffer each on the device
 
@@ -57,12 +56,14 @@ def _gather(unit: Unit, parts: EngineParts) -> tuple[InFlight, Callable[[], None
     lo, hi = unit.shard_range(comm.rank)
     store = tiers.stores[parts.placement.param]
     if store.capabilities.zero_copy:  # gpu / host homes: the whole unit is one key, viewed in place
-        return _gather_from(store.view(shard_key(StateKind.PARAM, unit.index, comm.rank))[lo:hi], tiers, comm)
+        return _gather_from(
+            store.view(shard_key(StateKind.PARAM, unit.index, comm.rank))[lo:hi], tiers, comm
+        )
     mine = tiers.lease_host(unit.shard_numel * dtype.itemsize).view(dtype)
     try:
         for k, a, b in state_keys(StateKind.PARAM, unit, comm.rank, parts.piece_numel, Tier.NVME):
             if lo <= a < hi:
-                tiers.run(store.read_into(k, mine[a - lo:b - lo]))
+                tiers.run(store.read_into(k, mine[a - lo : b - lo]))
         parts.transfers.add_bytes(Link.NVME_TO_HOST, unit.shard_numel * dtype.itemsize)
         return _gather_from(mine, tiers, comm, leased=True)
     except BaseException:
@@ -70,13 +71,16 @@ def _gather(unit: Unit, parts: EngineParts) -> tuple[InFlight, Callable[[], None
         raise
 
 
-def _gather_from(src: torch.Tensor, tiers: Tiers, comm: Comm,
-                 leased: bool = False) -> tuple[InFlight, Callable[[], None]]:
+def _gather_from(
+    src: torch.Tensor, tiers: Tiers, comm: Comm, leased: bool = False
+) -> tuple[InFlight, Callable[[], None]]:
     """All-gather `src` on the compute device: in place there, else copied up on the h2d_write
     stream into a device pool buffer, given back once compute is past the gather (the host
     does not wait for the copy: compute does, and NCCL's stream waits for compute as the
     gather is issued). A `leased` host `src` goes back once nothing reads it."""
-    give_back_src = (lambda: tiers.host_pool.give_back(src.view(torch.uint8))) if leased else (lambda: None)
+    give_back_src = (
+        (lambda: tiers.host_pool.give_back(src.view(torch.uint8))) if leased else (lambda: None)
+    )
     if src.device == tiers.device:
         return comm.all_gather_async(src), give_back_src
     s = tiers.streams
@@ -86,10 +90,14 @@ def _gather_from(src: torch.Tensor, tiers: Tiers, comm: Comm,
     if leased:
         tiers.give_back_when_done(copied, src)
     s.wait(s.compute, copied)
-    return comm.all_gather_async(dev), lambda: tiers.device_pool.give_back(buf, ready=s.record(s.compute))
+    return comm.all_gather_async(dev), lambda: tiers.device_pool.give_back(
+        buf, ready=s.record(s.compute)
+    )
 
 
-def _store(unit: Unit, gathered: InFlight, release: Callable[[], None], parts: EngineParts) -> Event:
+def _store(
+    unit: Unit, gathered: InFlight, release: Callable[[], None], parts: EngineParts
+) -> Event:
     """Write the gathered unit into its home; the event of its copy to the host, if any."""
     tiers, comm, dtype = parts.tiers, parts.comm, parts.dtype
     s = tiers.streams

@@ -58,24 +58,38 @@ class KeptGeneration:
         """Start keeping, before a step's first unit: nvme-homed master and moments stay on the
         drive (held), the rest is copied."""
         drive = stores.get(Tier.NVME)
-        on_drive = {k for k in OPTIMIZER_KINDS if placement.home(k) is Tier.NVME} \
-            if isinstance(drive, NvmeStore) else set()
+        on_drive = (
+            {k for k in OPTIMIZER_KINDS if placement.home(k) is Tier.NVME}
+            if isinstance(drive, NvmeStore)
+            else set()
+        )
         if on_drive:
             drive.hold(True)
-        return cls(frozenset(k for k in KEPT_KINDS if k not in on_drive), drive if on_drive else None)
+        return cls(
+            frozenset(k for k in KEPT_KINDS if k not in on_drive), drive if on_drive else None
+        )
 
     def end(self) -> None:
         """The step is settled: the drive retires what it held (recycled after the next flush)."""
         if self.drive is not None:
             self.drive.hold(False)
 
-    def keep(self, unit: Unit, piece: int, start: int, end: int, runs: list[Run],
-             tensors: dict[StateKind, torch.Tensor]) -> None:
+    def keep(
+        self,
+        unit: Unit,
+        piece: int,
+        start: int,
+        end: int,
+        runs: list[Run],
+        tensors: dict[StateKind, torch.Tensor],
+    ) -> None:
         """Copy a piece's grad, master and moments right before its speculative step (on the
         thread and, on a device, the stream that steps it)."""
         copies = {kind: tensors[kind].clone() for kind in self.copied}
         with self._lock:
-            self._pieces.setdefault((unit.index, piece), KeptPiece(unit, piece, start, end, list(runs), copies))
+            self._pieces.setdefault(
+                (unit.index, piece), KeptPiece(unit, piece, start, end, list(runs), copies)
+            )
 
     def pieces(self) -> list[KeptPiece]:
         """Every kept piece, in unit and piece order."""
@@ -91,4 +105,3 @@ class KeptGeneration:
             if kind in kept.tensors:
                 tensors[kind].copy_(kept.tensors[kind])
         tensors[StateKind.GRAD] = kept.tensors[StateKind.GRAD]
-

@@ -16,7 +16,9 @@ from collections.abc import Collection, Mapping
 from tierzero.errors import CheckpointError
 from tierzero.layout.partition import Unit
 
-Run = tuple[int, int, bool, int]  # (start, end) in shard-local offsets, decays, updates already applied
+Run = tuple[
+    int, int, bool, int
+]  # (start, end) in shard-local offsets, decays, updates already applied
 
 
 class SkippedSteps:
@@ -56,6 +58,8 @@ class SkippedSteps:
         names = {s.names[0] for u in self.units for s in u.slots if not s.frozen}
         unknown = sorted(set(state) - names)
         if unknown:
-            raise CheckpointError(f"{where} counts skipped steps of '{unknown[0]}', which is not a trainable "
-                                  "parameter of this model; resume with the model that wrote it")
+            raise CheckpointError(
+                f"{where} counts skipped steps of '{unknown[0]}', which is not a trainable "
+                "parameter of this model; resume with the model that wrote it"
+            )
         self.skipped = {str(k): int(v) for k, v in state.items()}

@@ -40,16 +40,21 @@ class StepState:
     def to_dict(self) -> dict[str, Any]:
         """The manifest's counters (a checkpoint sits between steps: `micro` is 0 on resume)."""
         previous = self.previous_norm
-        return {"step_count": self.step_count, "skipped_steps": self.skipped_steps,
-                "last_grad_norm": self.last_grad_norm,
-                # a float32 tensor's value is exact as a Python float, and so survives JSON
-                "previous_norm": None if previous is None else float(previous.item())}
+        return {
+            "step_count": self.step_count,
+            "skipped_steps": self.skipped_steps,
+            "last_grad_norm": self.last_grad_norm,
+            # a float32 tensor's value is exact as a Python float, and so survives JSON
+            "previous_norm": None if previous is None else float(previous.item()),
+        }
 
     def load(self, state: dict[str, Any]) -> None:
         """Take the counters of `to_dict` (KeyError/TypeError/ValueError when malformed)."""
         step_count, skipped = int(state["step_count"]), int(state["skipped_steps"])
         previous = state.get("previous_norm")
-        self.previous_norm = None if previous is None else torch.tensor(float(previous), dtype=torch.float32)
+        self.previous_norm = (
+            None if previous is None else torch.tensor(float(previous), dtype=torch.float32)
+        )
         self.step_count, self.skipped_steps = step_count, skipped
         self.last_grad_norm = state.get("last_grad_norm")
         self.micro = self.stepped_at = 0

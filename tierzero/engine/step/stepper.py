@@ -16,8 +16,8 @@ import torch
 from tierzero.engine.parts import EngineParts
 from tierzero.engine.runtime.opened import OpenParts
 from tierzero.engine.step.backward import BackwardPass, StepInBackward, clip_coefficient
-from tierzero.engine.step.skipped import Run
 from tierzero.engine.step.paramsync import sync_params
+from tierzero.engine.step.skipped import Run
 from tierzero.layout.partition import Unit
 from tierzero.lr import lr_at
 
@@ -36,15 +36,24 @@ class Stepper:
             return
         self._reserved = True
         p = self.parts
-        memory = p.sizing.reserve_activations(p.tiers, p.model, batch, p.placement, p.stage, vertical=vertical)
-        self.opened.runner.kept = p.sizing.kept  # blocks whose forward keeps its graph (`planning.recompute`)
+        memory = p.sizing.reserve_activations(
+            p.tiers, p.model, batch, p.placement, p.stage, vertical=vertical
+        )
+        self.opened.runner.kept = (
+            p.sizing.kept
+        )  # blocks whose forward keeps its graph (`planning.recompute`)
         p.tiers.provision_host(memory)
 
-    def backward_pass(self, micro: int, last: bool, extra: dict | None = None, combined: bool = False) -> BackwardPass:
+    def backward_pass(
+        self, micro: int, last: bool, extra: dict | None = None, combined: bool = False
+    ) -> BackwardPass:
         """One backward's facts; with overlap_step the step's last also steps each unit."""
         p = self.parts
-        step = StepInBackward.for_step(self.opened.optimizer, p.units, p.config, p.state, self._runs) \
-            if last and p.overlap else None
+        step = (
+            StepInBackward.for_step(self.opened.optimizer, p.units, p.config, p.state, self._runs)
+            if last and p.overlap
+            else None
+        )
         return BackwardPass(micro, last, 1.0 / p.scaler.scale, extra or {}, step, combined)
 
     def step(self) -> bool:
@@ -91,7 +100,9 @@ class Stepper:
             state.last_grad_norm = norm.item()
             # a host float (one sync per step): with a device tensor every CPU piece's step would copy it
             coef = clip_coefficient(norm, config.clip_grad_norm).item()
-        optimizer.step({u.index: self._runs(u) for u in p.units}, lr_at(state.step_count, config), coef)
+        optimizer.step(
+            {u.index: self._runs(u) for u in p.units}, lr_at(state.step_count, config), coef
+        )
         return self._stepped()
 
     def _stepped(self) -> bool:
@@ -121,4 +132,6 @@ class Stepper:
     def _runs(self, unit: Unit) -> list[Run]:
         """What this step updates of this rank's shard of `unit`, with each run's step count."""
         p = self.parts
-        return p.param_steps.runs(unit, p.rank, self.opened.grads.present.get(unit.index, ()), p.state.step_count)
+        return p.param_steps.runs(
+            unit, p.rank, self.opened.grads.present.get(unit.index, ()), p.state.step_count
+        )

@@ -25,9 +25,15 @@ class Work:
     tensors: dict[StateKind, torch.Tensor] = field(default_factory=dict)
     leased: dict[StateKind, torch.Tensor] = field(default_factory=dict)  # kind -> leased buffer
     futures: list = field(default_factory=list)
-    grad_landed: Event = None  # the D2H copy of its grad piece (overlap_step), waited for by `Tiers.landed`
-    produced: Event = None  # overlap_step: after it the grad is final, the params no more read in the pass
-    copies: dict[StateKind, Event] = field(default_factory=dict)  # leased buffers read by h2d_write copies
+    grad_landed: Event = (
+        None  # the D2H copy of its grad piece (overlap_step), waited for by `Tiers.landed`
+    )
+    produced: Event = (
+        None  # overlap_step: after it the grad is final, the params no more read in the pass
+    )
+    copies: dict[StateKind, Event] = field(
+        default_factory=dict
+    )  # leased buffers read by h2d_write copies
 
     @property
     def numel(self) -> int:

@@ -19,9 +19,9 @@ import torch
 
 from tierzero.compact.formats import StateFormats
 from tierzero.config import OPTIMIZER_KINDS, Config, Placement, StateKind, Tier
-from tierzero.engine.runtime.transfers import TransferStats
 from tierzero.engine.runtime.streams import Event
 from tierzero.engine.runtime.tiers import Tiers
+from tierzero.engine.runtime.transfers import TransferStats
 from tierzero.engine.step.work import Work
 from tierzero.layout.keys import piece_key, shard_key
 from tierzero.planning.placement import Link
@@ -51,7 +51,11 @@ class PieceWrites:
         return home is Tier.GPU and self.device.type == "cpu" and self.tiers.streams.separate
 
     def _give_back(self, buf: torch.Tensor) -> None:
-        pool = self.tiers.host_pool if buf.device.type == self.device.type == "cpu" else self.tiers.device_pool
+        pool = (
+            self.tiers.host_pool
+            if buf.device.type == self.device.type == "cpu"
+            else self.tiers.device_pool
+        )
         pool.give_back(buf.view(torch.uint8))
 
     def _staged(self) -> bool:
@@ -69,7 +73,9 @@ class PieceWrites:
         if StateKind.GRAD in work.leased and self.device.type == "cpu":
             work.leased[StateKind.PARAM] = work.leased.pop(StateKind.GRAD)
         else:
-            work.leased[StateKind.PARAM] = self.tiers.lease_host(work.numel * self.compute_dtype.itemsize)
+            work.leased[StateKind.PARAM] = self.tiers.lease_host(
+                work.numel * self.compute_dtype.itemsize
+            )
 
     def _staging(self, work: Work) -> torch.Tensor:
         nbytes = work.numel * self.compute_dtype.itemsize
@@ -94,10 +100,12 @@ class PieceWrites:
             self._staging(work).copy_(master)
             cached = self.tiers.host_pool.cache_get(key) if home is Tier.NVME else None
             if cached is not None:
-                cached.view(self.compute_dtype)[lo + work.start:lo + work.end].copy_(self._staging(work))
+                cached.view(self.compute_dtype)[lo + work.start : lo + work.end].copy_(
+                    self._staging(work)
+                )
                 self.tiers.host_pool.give_back(cached)
             return
-        dst = store.view(key)[lo + work.start:lo + work.end]
+        dst = store.view(key)[lo + work.start : lo + work.end]
         if home is Tier.GPU and self.device.type != "cpu":
             s = self.tiers.streams
             self.param_written(work.unit.index, s.copy(dst, master, s.compute))  # cast in the copy
@@ -119,7 +127,9 @@ class PieceWrites:
             if kind in work.leased and not self._is_param(kind):
                 self._count(self.placement.home(kind), self.formats.nbytes(kind, work.numel))
         if self._staged():
-            self._count(self.placement.home(StateKind.PARAM), work.numel * self.compute_dtype.itemsize)
+            self._count(
+                self.placement.home(StateKind.PARAM), work.numel * self.compute_dtype.itemsize
+            )
 
     def _count(self, home: Tier, nbytes: int) -> None:
         if home is Tier.NVME:
@@ -135,8 +145,11 @@ class PieceWrites:
         grad = work.leased.pop(StateKind.GRAD, None)
         if grad is not None:
             self._give_back(grad)  # consumed by the step
-        writes = [self._write_param(work) if kind is StateKind.PARAM else self._put(kind, work, buf)
-                  for kind, buf in work.leased.items() if not self._is_param(kind)]
+        writes = [
+            self._write_param(work) if kind is StateKind.PARAM else self._put(kind, work, buf)
+            for kind, buf in work.leased.items()
+            if not self._is_param(kind)
+        ]
         done = await asyncio.gather(*(w for w in writes if w is not None), return_exceptions=True)
         failed = [r for r in done if isinstance(r, BaseException)]
         if failed:
@@ -160,18 +173,28 @@ class PieceWrites:
         staged = self._staging(work)
         if home is Tier.NVME:
             piece = work.unit.param_piece_base(self.config.piece_numel, self.rank) + work.piece
-            return self._write_param_piece(store, piece_key(StateKind.PARAM, work.unit.index, self.rank, piece),
-                                           staged, key)
+            return self._write_param_piece(
+                store, piece_key(StateKind.PARAM, work.unit.index, self.rank, piece), staged, key
+            )
         s = self.tiers.streams
-        event = s.copy(store.view(key)[lo + work.start:lo + work.end], staged, s.h2d_write, after=work.produced)
+        event = s.copy(
+            store.view(key)[lo + work.start : lo + work.end],
+            staged,
+            s.h2d_write,
+            after=work.produced,
+        )
         work.copies[StateKind.PARAM] = event
         self.param_written(work.unit.index, event)
         return None
 
-    async def _write_param_piece(self, store: TierStore, piece: str, staged: torch.Tensor, key: str) -> None:
+    async def _write_param_piece(
+        self, store: TierStore, piece: str, staged: torch.Tensor, key: str
+    ) -> None:
         try:
             await store.write(piece, staged)
-        except BaseException:  # the drive does not hold these params: the cache must not serve them either
+        except (
+            BaseException
+        ):  # the drive does not hold these params: the cache must not serve them either
             self.tiers.host_pool.cache_drop(key)
             raise
 

@@ -57,7 +57,9 @@ class _Entry:
     landed: Event = None  # its copy into `buffer`
     written: concurrent.futures.Future | None = None  # its spill write
     read: concurrent.futures.Future | None = None  # a prefetch into `buffer`
-    up: tuple[torch.Tensor, Event] | None = None  # on its way to the device: the tensor, its copy's event
+    up: tuple[torch.Tensor, Event] | None = (
+        None  # on its way to the device: the tensor, its copy's event
+    )
 
     @property
     def nbytes(self) -> int:
@@ -67,16 +69,18 @@ class _Entry:
     def raw(self) -> torch.Tensor:
         """The first `nbytes` of its buffer: what is written to and read from NVMe."""
         assert self.buffer is not None
-        return self.buffer.data[:self.nbytes]
+        return self.buffer.data[: self.nbytes]
 
     def view(self) -> torch.Tensor:
         assert self.buffer is not None
         numel = self.shape.numel()
-        return self.buffer.data[:numel * self.dtype.itemsize].view(self.dtype).view(self.shape)
+        return self.buffer.data[: numel * self.dtype.itemsize].view(self.dtype).view(self.shape)
 
 
 class BoundaryStore:
-    def __init__(self, tiers: Tiers, budget_bytes: int, name: str = "act", in_put_order: bool = False) -> None:
+    def __init__(
+        self, tiers: Tiers, budget_bytes: int, name: str = "act", in_put_order: bool = False
+    ) -> None:
         """`name`: its NVMe keys' prefix. `in_put_order`: `get` takes entries in the order they
         were put (an evaluation pass, `tierzero.engine.vertical.evaluate`), not backward order;
         the entry then spilled when the budget is full is the newest, the one needed last."""
@@ -129,8 +133,12 @@ class BoundaryStore:
         """Start the copy to the device of the entry `get` takes next, if it is in host memory
         (a read back from NVMe still in flight is not waited for)."""
         entry = min(self._entries.items(), key=self._order, default=(None, None))[1]
-        if entry is not None and entry.up is None and entry.buffer is not None and \
-                (entry.read is None or entry.read.done()):
+        if (
+            entry is not None
+            and entry.up is None
+            and entry.buffer is not None
+            and (entry.read is None or entry.read.done())
+        ):
             self._up(entry)
 
     def _up(self, entry: _Entry) -> None:
@@ -156,7 +164,9 @@ class BoundaryStore:
     def clear(self) -> None:
         """Forget every entry (after an error in the middle of a step); wait for I/O in flight."""
         for entry in self._entries.values():
-            self.tiers.streams.host_wait(entry.landed)  # a copy into a buffer about to be unpinned and unmapped
+            self.tiers.streams.host_wait(
+                entry.landed
+            )  # a copy into a buffer about to be unpinned and unmapped
             if entry.up is not None:
                 self.tiers.streams.host_wait(entry.up[1])  # and one out of it
             for future in (entry.written, entry.read):
@@ -177,12 +187,26 @@ class BoundaryStore:
         self._reap()
         while self.used_bytes + nbytes > self.budget_bytes:
             # an entry on its way to the device (`up`) keeps its buffer until `get` frees it
-            entries = reversed(self._entries.values()) if self.in_put_order else self._entries.values()
-            oldest = next((e for e in entries if e.buffer is not None and e.written is None
-                           and e.read is None and e.up is None), None)
+            entries = (
+                reversed(self._entries.values()) if self.in_put_order else self._entries.values()
+            )
+            oldest = next(
+                (
+                    e
+                    for e in entries
+                    if e.buffer is not None
+                    and e.written is None
+                    and e.read is None
+                    and e.up is None
+                ),
+                None,
+            )
             freeing = [b for b in self._buffers if b.free_after is not None]
-            read_back = [e for _, e in self._get_order() if e.buffer is not None and e.read is not None
-                         and e.up is None]
+            read_back = [
+                e
+                for _, e in self._get_order()
+                if e.buffer is not None and e.read is not None and e.up is None
+            ]
             if oldest is not None:
                 self._spill(oldest)
             elif freeing:
@@ -194,8 +218,10 @@ class BoundaryStore:
                 self._idle.append(entry.buffer.data)
                 entry.buffer, entry.read = None, None
             else:
-                raise ConfigError(f"the vertical schedule's activation budget ({self.budget_bytes} bytes) cannot "
-                                  f"hold one activation of {nbytes} bytes; raise --activation-budget")
+                raise ConfigError(
+                    f"the vertical schedule's activation budget ({self.budget_bytes} bytes) cannot "
+                    f"hold one activation of {nbytes} bytes; raise --activation-budget"
+                )
             self._reap()
         return self._take(nbytes)
 
@@ -206,16 +232,27 @@ class BoundaryStore:
     def _take(self, nbytes: int) -> _Buffer:
         """A buffer of at least `nbytes` (room for it made): the smallest freed one that fits
         the budget, else a new one, dropping freed ones first so that everything held fits."""
-        fits = [i for i, d in enumerate(self._idle) if nbytes <= d.numel() <= self.budget_bytes - self.used_bytes]
+        fits = [
+            i
+            for i, d in enumerate(self._idle)
+            if nbytes <= d.numel() <= self.budget_bytes - self.used_bytes
+        ]
         if fits:
             data = self._idle.pop(min(fits, key=lambda i: self._idle[i].numel()))
         else:
-            while self._idle and self.used_bytes + sum(d.numel() for d in self._idle) + nbytes > self.budget_bytes:
+            while (
+                self._idle
+                and self.used_bytes + sum(d.numel() for d in self._idle) + nbytes
+                > self.budget_bytes
+            ):
                 self._idle.pop(0)
             # pinned pages of exactly this size, never from torch's caching host allocator (which
             # rounds up to a power of two and never unpins); page-aligned either way: direct I/O
-            data = pinned_empty(nbytes, self.tiers.streams.device) if self.tiers.streams.separate \
+            data = (
+                pinned_empty(nbytes, self.tiers.streams.device)
+                if self.tiers.streams.separate
                 else aligned_empty(nbytes, torch.uint8)
+            )
         buffer = _Buffer(data)
         self._buffers.append(buffer)
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
@@ -226,7 +263,8 @@ class BoundaryStore:
         store = self._nvme()
         raw, buffer, entry.buffer = entry.raw(), entry.buffer, None
         entry.written = buffer.free_after = self.tiers.submit(
-            _write_when_landed(self.tiers, entry.landed, store, self._key(unit, micro), raw))
+            _write_when_landed(self.tiers, entry.landed, store, self._key(unit, micro), raw)
+        )
         entry.landed = None
         self.spilled += 1
         self.tiers.stats.add_bytes(Link.HOST_TO_NVME, entry.nbytes)
@@ -238,9 +276,11 @@ class BoundaryStore:
     def _nvme(self) -> TierStore:
         store = self.tiers.stores.get(Tier.NVME)
         if store is None:
-            raise ConfigError(f"the vertical schedule's waiting activations overflow their host budget "
-                              f"({self.budget_bytes} bytes) and no state lives on nvme to spill them to; "
-                              "raise --activation-budget or --host-budget, or use --schedule horizontal")
+            raise ConfigError(
+                f"the vertical schedule's waiting activations overflow their host budget "
+                f"({self.budget_bytes} bytes) and no state lives on nvme to spill them to; "
+                "raise --activation-budget or --host-budget, or use --schedule horizontal"
+            )
         return store
 
     def _key(self, unit: int, micro: int) -> str:
@@ -279,7 +319,9 @@ def _put_key(item: tuple[tuple[int, int], _Entry]) -> tuple[int, int]:
     return item[0]
 
 
-async def _write_when_landed(tiers: Tiers, landed: Event, store: TierStore, key: str, data: torch.Tensor) -> None:
+async def _write_when_landed(
+    tiers: Tiers, landed: Event, store: TierStore, key: str, data: torch.Tensor
+) -> None:
     """Spill an activation to NVMe once its copy into the host buffer `data` has happened."""
     await tiers.landed(landed)
     await store.write(key, data)

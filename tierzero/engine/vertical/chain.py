@@ -43,8 +43,10 @@ class Chain:
 
     def check(self, ids: torch.Tensor) -> None:
         if ids.shape[1] > self.model.args.max_seq_len:
-            raise ConfigError(f"sequence length {ids.shape[1]} exceeds the model's max_seq_len "
-                              f"{self.model.args.max_seq_len}; use a shorter --seq-len")
+            raise ConfigError(
+                f"sequence length {ids.shape[1]} exceeds the model's max_seq_len "
+                f"{self.model.args.max_seq_len}; use a shorter --seq-len"
+            )
 
     def embed(self, runner: UnitRunner, unit: Unit, ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """The first block's input and the micro-batch's context (none here)."""
@@ -56,8 +58,14 @@ class Chain:
     def block(self, runner: UnitRunner, unit: Unit, x: torch.Tensor, context: Any) -> torch.Tensor:
         return runner.compute(unit, (x,), {}, leaves=[])
 
-    def head(self, runner: UnitRunner, unit: Unit, x: torch.Tensor, targets: torch.Tensor,
-             divisor: float | None = None) -> torch.Tensor:
+    def head(
+        self,
+        runner: UnitRunner,
+        unit: Unit,
+        x: torch.Tensor,
+        targets: torch.Tensor,
+        divisor: float | None = None,
+    ) -> torch.Tensor:
         """The loss; `divisor`, the step's `num_items_in_batch` (`engine.reference.loss_divisor`)."""
         kwargs = {} if divisor is None else {"num_items_in_batch": divisor}
         return runner.compute(unit, (x, targets), kwargs, leaves=[])
@@ -97,8 +105,12 @@ def chain_of(model: nn.Module, units: list[Unit]) -> Chain | str:
         return "its units are not an embedding, blocks and a head"
     if isinstance(model, Transformer) and type(model).forward is Transformer.forward:
         return Chain(model)
-    owner = next((m for m in model.modules() if callable(getattr(type(m), "layer_calls", None))), None)
+    owner = next(
+        (m for m in model.modules() if callable(getattr(type(m), "layer_calls", None))), None
+    )
     if owner is not None:
         return owner.layer_calls_refusal() or LayerChain(owner)
-    return (f"{type(model).__name__} is neither the built-in model nor a decoder whose layer calls the "
-            "engine can record")
+    return (
+        f"{type(model).__name__} is neither the built-in model nor a decoder whose layer calls the "
+        "engine can record"
+    )

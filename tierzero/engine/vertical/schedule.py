@@ -39,22 +39,24 @@ import torch
 from torch import nn
 
 from tierzero.config import Config, Recompute, Schedule, StateKind, Tier
-from tierzero.engine.step.backward import BackwardPass
-from tierzero.engine.vertical.boundary import BoundaryStore, aligned_nbytes
-from tierzero.engine.vertical.chain import Chain, chain_of
-from tierzero.models.draws import seeded
 from tierzero.engine.parts import EngineParts
 from tierzero.engine.runtime.binding import bind, flat_grad, unbind
 from tierzero.engine.runtime.opened import OpenParts
+from tierzero.engine.step.backward import BackwardPass
 from tierzero.engine.step.stepper import Stepper
-from tierzero.models.loss import loss_divisor
+from tierzero.engine.vertical.boundary import BoundaryStore, aligned_nbytes
+from tierzero.engine.vertical.chain import Chain, chain_of
 from tierzero.errors import ConfigError, TierzeroError
 from tierzero.layout.partition import Unit, forward_only
+from tierzero.models.draws import seeded
+from tierzero.models.loss import loss_divisor
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # token ids, targets
 
 
-def waiting_bytes(chain: Chain, units: list[Unit], batch: Batch, accumulate: int, itemsize: int) -> int:
+def waiting_bytes(
+    chain: Chain, units: list[Unit], batch: Batch, accumulate: int, itemsize: int
+) -> int:
     """Host bytes the vertical schedule's waiting activations take at most, as the store holds
     them (the ledger's `waiting_activations_bytes`, each entry aligned): every block
     input of every micro-batch, and a tied embedding unit's whole fp32 grad from the head
@@ -65,10 +67,19 @@ def waiting_bytes(chain: Chain, units: list[Unit], batch: Batch, accumulate: int
     return accumulate * (per_micro + (aligned_nbytes(tied * 4) if units[-1].uses_with else 0))
 
 
-def choose(config: Config, model: nn.Module, units: list[Unit], batch: Any, spill: bool,
-           fits: Callable[[int], bool], itemsize: int) -> bool:
+def choose(
+    config: Config,
+    model: nn.Module,
+    units: list[Unit],
+    batch: Any,
+    spill: bool,
+    fits: Callable[[int], bool],
+    itemsize: int,
+) -> bool:
     """Whether this engine runs its steps vertically (decided at the first training step)."""
-    if config.schedule is Schedule.HORIZONTAL or (config.schedule is Schedule.AUTO and config.accumulate == 1):
+    if config.schedule is Schedule.HORIZONTAL or (
+        config.schedule is Schedule.AUTO and config.accumulate == 1
+    ):
         return False
     chain = chain_of(model, units)
     why = chain if isinstance(chain, str) else None
@@ -76,7 +87,9 @@ def choose(config: Config, model: nn.Module, units: list[Unit], batch: Any, spil
         why = "its batches are not (token ids, targets) pairs"
     if config.schedule is Schedule.VERTICAL:
         if why is not None:
-            raise ConfigError(f"--schedule vertical needs a chain of units, but {why}; use --schedule horizontal")
+            raise ConfigError(
+                f"--schedule vertical needs a chain of units, but {why}; use --schedule horizontal"
+            )
         return True
     if why is not None or config.recompute is Recompute.NONE:  # none keeps graphs: horizontal
         return False
@@ -87,13 +100,20 @@ def choose(config: Config, model: nn.Module, units: list[Unit], batch: Any, spil
 class VerticalPass:
     """Runs one step's micro-batches unit by unit (see the module docstring)."""
 
-    def __init__(self, parts: EngineParts, opened: OpenParts, chain: Chain, store: BoundaryStore) -> None:
+    def __init__(
+        self, parts: EngineParts, opened: OpenParts, chain: Chain, store: BoundaryStore
+    ) -> None:
         self.parts, self.chain, self.store = parts, chain, store
         self.runner, self.grads = opened.runner, opened.grads
         self.forward_only = forward_only(parts.units)
 
-    def run(self, batches: list[Batch], pass_: BackwardPass, loss_scale: float,
-            divisors: list[float | None]) -> list[torch.Tensor]:
+    def run(
+        self,
+        batches: list[Batch],
+        pass_: BackwardPass,
+        loss_scale: float,
+        divisors: list[float | None],
+    ) -> list[torch.Tensor]:
         """Forward and backward every micro-batch of one step; their losses (detached), each
         divided by its divisor (`engine.reference.loss_divisor`)."""
         for ids, _ in batches:
@@ -125,8 +145,15 @@ class VerticalPass:
                 self.runner.release(unit.index)
         return xs, contexts
 
-    def _backward(self, batches: list[Batch], head_in: list[torch.Tensor], contexts: list[Any],
-                  pass_: BackwardPass, loss_scale: float, divisors: list[float | None]) -> list[torch.Tensor]:
+    def _backward(
+        self,
+        batches: list[Batch],
+        head_in: list[torch.Tensor],
+        contexts: list[Any],
+        pass_: BackwardPass,
+        loss_scale: float,
+        divisors: list[float | None],
+    ) -> list[torch.Tensor]:
         """The head (each micro-batch's loss and backward), then the blocks and the embedding in
         reverse, each over every micro-batch with one fetch; each unit's grad summed on the device."""
         k = len(batches)
@@ -145,7 +172,11 @@ class VerticalPass:
                     if unit.kind == "head":
                         x, head_in[m] = head_in[m], None
                     else:
-                        x = batches[m][0] if unit.kind == "embedding" else self.store.get(unit.index, m)
+                        x = (
+                            batches[m][0]
+                            if unit.kind == "embedding"
+                            else self.store.get(unit.index, m)
+                        )
                     inp = x.detach().requires_grad_(x.is_floating_point())
                     with torch.enable_grad(), seeded(self.runner.draws(unit.index, x, m)):
                         out = self._call(unit, inp, batches[m][1], contexts[m], divisors[m])
@@ -166,8 +197,14 @@ class VerticalPass:
                 self.grads.offload(unit.index, *total)
         return losses
 
-    def _add(self, unit: Unit, bound: list[Unit], leaves: list[list[torch.Tensor]], m: int,
-             total: tuple[torch.Tensor, frozenset[int]] | None) -> tuple[torch.Tensor, frozenset[int]] | None:
+    def _add(
+        self,
+        unit: Unit,
+        bound: list[Unit],
+        leaves: list[list[torch.Tensor]],
+        m: int,
+        total: tuple[torch.Tensor, frozenset[int]] | None,
+    ) -> tuple[torch.Tensor, frozenset[int]] | None:
         """Add micro-batch `m`'s grad of the call's unit to the step's sum (`prev + new` in fp32,
         as the grad home adds them); a tied embedding's grad from the head waits in the store."""
         grad = None
@@ -189,8 +226,14 @@ class VerticalPass:
             return flat, present
         return flat.add_(total[0]), present | total[1]
 
-    def _call(self, unit: Unit, x: torch.Tensor, targets: torch.Tensor, context: Any,
-              divisor: float | None) -> torch.Tensor:
+    def _call(
+        self,
+        unit: Unit,
+        x: torch.Tensor,
+        targets: torch.Tensor,
+        context: Any,
+        divisor: float | None,
+    ) -> torch.Tensor:
         """The unit's own forward (bound already), as the model's forward calls it, with grad."""
         if unit.kind == "head":
             return self.chain.head(self.runner, unit, x, targets, divisor)
@@ -208,13 +251,17 @@ class VerticalSteps:
         self.on: bool | None = None  # None: not decided yet
         self.vertical_pass: VerticalPass | None = None
         self.store: BoundaryStore | None = None
-        self._queued: list[tuple[Any, torch.Tensor, float | None]] = []  # batch, its loss, its divisor
+        self._queued: list[
+            tuple[Any, torch.Tensor, float | None]
+        ] = []  # batch, its loss, its divisor
 
     def horizontal(self) -> None:
         """The caller drives forward/backward itself: refuse `--schedule vertical`, else decide horizontal."""
         if self.parts.config.schedule is Schedule.VERTICAL or self.on:
-            raise ConfigError("--schedule vertical runs whole steps: call train_micro_batch (or "
-                              "train_step) instead of forward/backward, or use --schedule horizontal")
+            raise ConfigError(
+                "--schedule vertical runs whole steps: call train_micro_batch (or "
+                "train_step) instead of forward/backward, or use --schedule horizontal"
+            )
         if self.on is None:
             self.on = False
 
@@ -224,16 +271,20 @@ class VerticalSteps:
         if self.on is None and self.parts.config.schedule is Schedule.AUTO:
             self.on = False
         if self.wants(batch) and len(self._queued) + 1 < self.parts.config.accumulate:
-            raise TierzeroError("with the vertical schedule a micro-batch's loss is known once its step's last "
-                                "micro-batch has run: call train_micro_batch and read the losses after the "
-                                "step, or use --schedule horizontal")
+            raise TierzeroError(
+                "with the vertical schedule a micro-batch's loss is known once its step's last "
+                "micro-batch has run: call train_micro_batch and read the losses after the "
+                "step, or use --schedule horizontal"
+            )
 
     def refuse_queued(self) -> None:
         """A checkpoint needs a finished step: queued micro-batches would be lost on resume."""
         if self._queued:
-            raise TierzeroError(f"a checkpoint needs a finished optimizer step, but {len(self._queued)} of "
-                                f"{self.parts.config.accumulate} micro-batches are queued for the vertical "
-                                "schedule; save after the step's last train_micro_batch")
+            raise TierzeroError(
+                f"a checkpoint needs a finished optimizer step, but {len(self._queued)} of "
+                f"{self.parts.config.accumulate} micro-batches are queued for the vertical "
+                "schedule; save after the step's last train_micro_batch"
+            )
 
     def abort(self) -> None:
         """Drop the activations of a step that failed (its queued micro-batches go too)."""
@@ -256,10 +307,14 @@ class VerticalSteps:
         micro-batch's loss once its step has run (`step_tokens`: as `Engine.forward`)."""
         p = self.parts
         loss = torch.empty((), dtype=torch.float32, device=p.device)
-        self._queued.append((batch, loss, loss_divisor(step_tokens, False, p.config.accumulate, p.comm.world_size)))
+        self._queued.append(
+            (batch, loss, loss_divisor(step_tokens, False, p.config.accumulate, p.comm.world_size))
+        )
         if len(self._queued) == p.config.accumulate:
             queued, self._queued = self._queued, []
-            for (_, out, _), value in zip(queued, self._run([b for b, _, _ in queued], [d for _, _, d in queued])):
+            for (_, out, _), value in zip(
+                queued, self._run([b for b, _, _ in queued], [d for _, _, d in queued])
+            ):
                 out.copy_(value)
             self.stepper.step()
         return loss
@@ -278,14 +333,21 @@ class VerticalSteps:
         chain = chain_of(p.model, p.units)
         assert isinstance(chain, Chain)  # `choose` checked it
         need = waiting_bytes(chain, p.units, tuple(batch), p.config.accumulate, p.dtype.itemsize)
-        budget = min(need, p.config.activation_budget if p.config.activation_budget is not None else self._room())
+        budget = min(
+            need,
+            p.config.activation_budget if p.config.activation_budget is not None else self._room(),
+        )
         if budget < need and Tier.NVME not in p.tiers.stores:
-            raise ConfigError(f"the vertical schedule's waiting activations need {need / 1e6:.1f} MB of host "
-                              f"memory, {budget / 1e6:.1f} MB is left and no state lives on NVMe to spill "
-                              "them to; raise --host-budget, lower --accumulate or use --schedule horizontal")
+            raise ConfigError(
+                f"the vertical schedule's waiting activations need {need / 1e6:.1f} MB of host "
+                f"memory, {budget / 1e6:.1f} MB is left and no state lives on NVMe to spill "
+                "them to; raise --host-budget, lower --accumulate or use --schedule horizontal"
+            )
         if budget > self._room():
-            raise ConfigError(f"--activation-budget {budget / 1e6:.1f} MB is more than the host budget leaves "
-                              f"({self._room() / 1e6:.1f} MB); lower it or raise --host-budget")
+            raise ConfigError(
+                f"--activation-budget {budget / 1e6:.1f} MB is more than the host budget leaves "
+                f"({self._room() / 1e6:.1f} MB); lower it or raise --host-budget"
+            )
         p.tiers.reserve(Tier.HOST, budget)
         self.store = BoundaryStore(p.tiers, budget)
         self.vertical_pass = VerticalPass(p, self.opened, chain, self.store)
@@ -309,4 +371,3 @@ class VerticalSteps:
             raise
         state.micro += k
         return losses
-
