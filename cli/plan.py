@@ -4,137 +4,52 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import typer
 from rich import box
 from rich.markup import escape
 from rich.table import Table
+from tierzero.cli import plan_options as opt
 from tierzero.cli.output import Output
 
-from tierzero.config import STATE_BLOCK, RunConfig, StateKind, Tier
+from tierzero.config import RunConfig, StateKind, Tier
+from tierzero.hf.lora import LoraSpec
 from tierzero.hf.plan import plan as plan_model
-from tierzero.models.presets import PRESETS
 from tierzero.planning.ledger import GB
 from tierzero.planning.peaks import MemoryModel, format_bytes
 from tierzero.planning.placement import Link
-from tierzero.planning.planreport import DEFAULT_PRESET, PlanReport
+from tierzero.planning.report import PlanReport
 from tierzero.planning.streaming import DEFAULT
 from tierzero.planning.wear import WEAR_NOTE_FRACTION, DriveWear
 
 
 def plan(
-    model: str | None = typer.Option(
-        None,
-        "--model",
-        help=f"Model preset: {', '.join(PRESETS)} (default {DEFAULT_PRESET}); or hf:DIR, a local Hugging Face causal LM directory (read from its config.json).",
-    ),
-    params: str | None = typer.Option(
-        None,
-        "--params",
-        help="A parameter count instead of a preset, e.g. 7e9 or 70B; shaped like the nearest preset.",
-    ),
-    gpus: int | None = typer.Option(
-        None,
-        "--gpus",
-        help="Data-parallel GPUs (ranks), all on this machine (default 1). Given, the plan is for GPUs computing in bf16 unless --dtype says otherwise.",
-    ),
-    gpu_mem: str | None = typer.Option(
-        None,
-        "--gpu-mem",
-        help="Memory per GPU, e.g. 80GB or 24GiB. Default: 90% of GPU 0's free memory, as `tierzero train` takes; without CUDA the gpu tier is host memory, inside --host-mem.",
-    ),
-    host_mem: str | None = typer.Option(
-        None,
-        "--host-mem",
-        help="Host memory, e.g. 512GB. Default: half the free RAM, as `tierzero train` takes (split across its ranks).",
-    ),
-    nvme_free: str | None = typer.Option(
-        None, "--nvme-free", help="Free NVMe space, e.g. 2TB. Default: free space at --nvme-path."
-    ),
-    nvme_path: Path = typer.Option(
-        Path("."),
-        "--nvme-path",
-        help="Where offloaded state would go (for the free-space default).",
-    ),
-    batch_size: int | None = typer.Option(
-        None,
-        "--batch-size",
-        help=f"Sequences per micro-batch per GPU (activation memory). Default: `tierzero train`'s batch ({RunConfig.batch_size}) split over --gpus.",
-    ),
-    seq_len: int | None = typer.Option(
-        None,
-        "--seq-len",
-        help=f"Tokens per sequence. Default: {RunConfig.seq_len}, as `tierzero train` takes.",
-    ),
-    prefetch_depth: int | None = typer.Option(
-        None,
-        "--prefetch-depth",
-        help="Units fetched ahead of compute. Default: 2, or 1 where that does not fit, as `tierzero train` chooses it.",
-    ),
-    dtype: str | None = typer.Option(
-        None,
-        "--dtype",
-        help="Compute dtype: bf16, fp16 or fp32. Default: bf16 with --gpus; else as `tierzero train` here: bf16 on a GPU that computes in it (or one given by --gpu-mem), else fp32.",
-    ),
-    vocab_size: int | None = typer.Option(
-        None, "--vocab-size", help="Override the shape's vocabulary, e.g. 128256."
-    ),
-    piece_numel: int | None = typer.Option(
-        None,
-        "--piece-numel",
-        help="Elements per piece in which grads and optimizer states stream. Default: 16Mi, or the largest that fits, as `tierzero train` chooses it.",
-    ),
-    overlap: bool = typer.Option(
-        True,
-        "--overlap/--no-overlap",
-        help="Step each unit during backward (the engine's default without clipping or fp16).",
-    ),
-    profile: Path | None = typer.Option(
-        None, "--profile", help="A `tierzero bench --profile-out` file: predicts step times."
-    ),
-    stage: int | None = typer.Option(
-        None,
-        "--stage",
-        help="With --gpus > 1, the ZeRO stage (1, 2 or 3); default: chosen as `tierzero train` chooses it (1 or 2 when replicated state fits, else 3).",
-    ),
-    accumulate: int = typer.Option(
-        1, "--accumulate", help="Micro-batches per step (stage 1 keeps whole grads between them)."
-    ),
-    schedule: str = typer.Option(
-        "auto",
-        "--schedule",
-        help="How the --accumulate micro-batches run: horizontal, vertical (each unit for all of them; built-in shapes and Hugging Face decoders) or auto (default: vertical when accumulating, where it applies), as `tierzero train --schedule`; the NVMe bytes per step are printed for both.",
-    ),
-    recompute: str = typer.Option(
-        "auto",
-        "--recompute",
-        help="Which blocks run their forward again in backward: auto (default: keep the activations of as many as the compute device's budget holds), all, or none (refused where they do not fit), as `tierzero train --recompute`.",
-    ),
-    optimizer_state: str = typer.Option(
-        "fp32",
-        "--optimizer-state",
-        help=f"How the two Adam moments are stored on every tier: fp32 (default: exact), bf16, or int8 (blocks of {STATE_BLOCK} values, an fp32 absmax each), as `tierzero train --optimizer-state`; the ledger, every tier's peak, the NVMe bytes per step and the choice count them so.",
-    ),
-    master: str = typer.Option(
-        "fp32",
-        "--master",
-        help="The master weights' dtype: fp32 (default) or bf16 (with bf16 compute the param is the master: one tensor), as `tierzero train --master`.",
-    ),
-    steps: int = typer.Option(
-        RunConfig.steps,
-        "--steps",
-        help=f"Optimizer steps of the run whose NVMe writes are projected (default {RunConfig.steps}, as `tierzero train`).",
-    ),
-    checkpoint_every: int | None = typer.Option(
-        None,
-        "--checkpoint-every",
-        help="Checkpoint every N steps, as `tierzero train --checkpoint-every`: their writes are projected too (train always checkpoints at the end).",
-    ),
-    drive_tbw: float | None = typer.Option(
-        None,
-        "--drive-tbw",
-        help="The NVMe drive's rated endurance in terabytes written (its datasheet's TBW, e.g. 600): prints the share of it the run writes, with a note above 1%.",
-    ),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    model: opt.Model = None,
+    params: opt.Params = None,
+    gpus: opt.Gpus = None,
+    gpu_mem: opt.GpuMem = None,
+    host_mem: opt.HostMem = None,
+    nvme_free: opt.NvmeFree = None,
+    nvme_path: opt.NvmePath = Path("."),
+    batch_size: opt.BatchSize = None,
+    seq_len: opt.SeqLen = None,
+    prefetch_depth: opt.PrefetchDepth = None,
+    dtype: opt.Dtype = None,
+    vocab_size: opt.VocabSize = None,
+    piece_numel: opt.PieceNumel = None,
+    overlap: opt.Overlap = True,
+    profile: opt.Profile = None,
+    stage: opt.Stage = None,
+    accumulate: opt.Accumulate = 1,
+    schedule: opt.Schedule = "auto",
+    recompute: opt.Recompute = "auto",
+    optimizer_state: opt.OptimizerState = "fp32",
+    master: opt.Master = "fp32",
+    lora_r: opt.LoraR = None,
+    lora_targets: opt.LoraTargets = None,
+    quantize_base: opt.QuantizeBase = "none",
+    steps: opt.Steps = RunConfig.steps,
+    checkpoint_every: opt.CheckpointEvery = None,
+    drive_tbw: opt.DriveTbw = None,
+    json_out: opt.Json = False,
 ) -> None:
     """Print the 16-byte ledger per GPU (DDP, ZeRO 1-3), its compact rows (the state's bytes per
     parameter for each --optimizer-state and --master), the ZeRO stage (--gpus > 1) and its
@@ -143,34 +58,16 @@ def plan(
 
     Model shapes: a preset (--model; the LLaMA-3 shapes are llama3-8b and llama3-70b), a
     parameter count shaped like the nearest preset (--params), --vocab-size to change a
-    shape's vocabulary, or hf:DIR (--model), a Hugging Face directory's own model. Sizes not
-    given are what `tierzero train` would take on this machine."""
-    report = plan_model(
-        model,
-        params=params,
-        gpus=gpus,
-        gpu_mem=gpu_mem,
-        host_mem=host_mem,
-        nvme_free=nvme_free,
-        nvme_path=nvme_path,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        prefetch_depth=prefetch_depth,
-        dtype=dtype,
-        vocab_size=vocab_size,
-        piece_numel=piece_numel,
-        overlap=overlap,
-        profile=profile,
-        stage=stage,
-        accumulate=accumulate,
-        schedule=schedule,
-        recompute=recompute,
-        optimizer_state=optimizer_state,
-        master=master,
-        steps=steps,
-        checkpoint_every=checkpoint_every,
-        drive_tbw=drive_tbw,
-    )
+    shape's vocabulary, or hf:DIR (--model), a Hugging Face directory's own model, with
+    --lora-r its adapters on a frozen base (--quantize-base nf4: that base in 4 bits). Sizes
+    not given are what `tierzero train` would take on this machine."""
+    options = dict(locals())
+    json_out, lora_r, targets = (options.pop(k) for k in ("json_out", "lora_r", "lora_targets"))
+    lora = None
+    if lora_r is not None:
+        names = tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None
+        lora = LoraSpec(lora_r, float(lora_r), 0.0, names)
+    report = plan_model(lora=lora, **options)
     out = Output(json_out)
     if json_out:
         out.emit_json(report.as_dict())
@@ -221,8 +118,28 @@ def _figure(v: float) -> str:
 
 
 def _print_report(out: Output, report: PlanReport) -> None:
+    """The plan, section by section, in the order of its JSON object."""
     r = report.as_dict()
-    m, act = r["model"], report.activations
+    _print_model(out, report, r)
+    _print_formats(out, r)
+    _print_activations(out, report)
+    if report.gpus > 1:
+        st = r["stage"]
+        _say(out, f"ZeRO stage {st['stage']} ({st['reason']}): {st['text']}")
+    _print_placements(out, report)
+    _print_choice(out, report)
+    _print_traffic(out, r)
+    _print_wear(out, report)
+    _print_recompute(out, r)
+    _say(out, "Peak per tier, part by part (the phase where each part peaks):")
+    _print_peaks(out, report.choice.estimate.memory)
+    if report.gpus > 1:
+        _print_per_rank(out, report, r["per_rank"])
+
+
+def _print_model(out: Output, report: PlanReport, r: dict) -> None:
+    """The model, its compute dtype, the base's storage when coded, and the ledger table."""
+    m = r["model"]
     what = (
         escape(m["preset"])
         if m["preset"]
@@ -233,8 +150,9 @@ def _print_report(out: Output, report: PlanReport) -> None:
         f"[bold]tierzero plan[/] {what}: {_count(m['params'])} params in {m['units']} units "
         f"(largest {_count(m['largest_unit_params'])}), {report.gpus} GPU(s), {r['dtype']}",
     )
-    _say(out, f"Compute dtype: {r['dtype']} ({_DTYPE_SOURCES[report.dtype_source]})")
-
+    _say(out, f"Compute dtype: {r['dtype']} ({_DTYPE_SOURCES[report.precision.source]})")
+    if r["base"]["quantize_base"] != "none":
+        _say(out, f"Base: {r['base']['text']}")
     basis = "nominal size" if m["ledger_params"] != m["params"] else "exact size"
     t = Table(
         title=f"Training state per GPU ({basis}: {_count(m['ledger_params'])} params)",
@@ -250,25 +168,27 @@ def _print_report(out: Output, report: PlanReport) -> None:
             format_bytes(round(row["exact_gb_per_gpu"] * GB)),
         )
     out.print(t)
-    _print_formats(out, r)
 
+
+def _print_activations(out: Output, report: PlanReport) -> None:
+    act = report.activations
     _say(
         out,
-        f"Activations per GPU: {format_bytes(act.total_bytes)} (batch {act.batch_size} x seq {act.seq_len}, "
-        f"per-unit checkpointing, loss in chunks of {act.chunk_tokens} tokens) = checkpoints "
-        f"{format_bytes(act.checkpoints_bytes)} + max(block backward {format_bytes(act.block_backward_bytes)}, "
-        f"head backward {format_bytes(act.head_backward_bytes)})",
+        f"Activations per GPU: {format_bytes(act.total_bytes)} (batch {act.batch_size} x seq "
+        f"{act.seq_len}, per-unit checkpointing, loss in chunks of {act.chunk_tokens} tokens) = "
+        f"checkpoints {format_bytes(act.checkpoints_bytes)} + max(block backward "
+        f"{format_bytes(act.block_backward_bytes)}, head backward "
+        f"{format_bytes(act.head_backward_bytes)})",
     )
 
-    st = r["stage"]
-    if report.gpus > 1:
-        _say(out, f"ZeRO stage {st['stage']} ({st['reason']}): {st['text']}")
-    _print_placements(out, report)
 
-    budgets = report.budgets
-    sizes = [f"{tier.value} {format_bytes(b)}" for tier, b in budgets.items() if b is not None]
-    detected = f" (detected: {', '.join(report.detected)})" if report.detected else ""
-    _say(out, f"Machine: {', '.join(sizes)}{detected}")
+def _print_choice(out: Output, report: PlanReport) -> None:
+    """The machine, whether the chosen placement fits it, and the streaming settings if not
+    the defaults."""
+    sizes = [f"{t.value} {format_bytes(b)}" for t, b in report.budgets.items() if b is not None]
+    detected = report.machine.detected
+    found = f" (detected: {', '.join(detected)})" if detected else ""
+    _say(out, f"Machine: {', '.join(sizes)}{found}")
     choice = report.choice
     if choice.fits:
         _say(out, f"[bold green]fits:[/] {choice.placement.describe()}")
@@ -277,44 +197,52 @@ def _print_report(out: Output, report: PlanReport) -> None:
     if report.streaming != DEFAULT:
         why = "chosen: the defaults do not fit" if report.chosen else "as given"
         _say(out, f"Streaming: {report.streaming.describe()} ({why})")
+
+
+def _print_traffic(out: Output, r: dict) -> None:
+    """The NVMe bytes of a step under the schedule run (and the other), and of an evaluation."""
     sched, moved = r["schedule"], r["schedule"]["nvme_bytes_per_step"]
     other = "horizontal" if sched["schedule"] == "vertical" else "vertical"
     _say(
         out,
         f"Schedule: {sched['schedule']}, {sched['accumulate']} micro-batch(es) per step: NVMe "
-        f"{format_bytes(moved[sched['schedule']])} per step ({other}: {format_bytes(moved[other])})",
+        f"{format_bytes(moved[sched['schedule']])} per step ({other}: "
+        f"{format_bytes(moved[other])})",
     )
     ev = r["evaluation"]
     _say(
         out,
-        f"Evaluation: NVMe {format_bytes(ev['nvme_read_bytes'])} read per evaluation of {ev['windows']} "
-        f"windows, every unit once (window by window: {format_bytes(ev['per_window_nvme_read_bytes'])})",
+        f"Evaluation: NVMe {format_bytes(ev['nvme_read_bytes'])} read per evaluation of "
+        f"{ev['windows']} windows, every unit once (window by window: "
+        f"{format_bytes(ev['per_window_nvme_read_bytes'])})",
     )
-    _print_wear(out, report)
+
+
+def _print_recompute(out: Output, r: dict) -> None:
     rc = r["recompute"]
     head = " and the head" if rc["kept_head"] else ""
     _say(
         out,
-        f"Recompute: {rc['recompute']}: {rc['kept_blocks']} blocks{head} of {rc['keepable_units']} units that "
-        f"can keep their activations do ({format_bytes(rc['kept_bytes'])} beyond the peak below; a block "
-        f"{format_bytes(rc['bytes_per_block'])}, the head {format_bytes(rc['head_bytes'])}); the other units run "
-        "their forward again in backward",
+        f"Recompute: {rc['recompute']}: {rc['kept_blocks']} blocks{head} of "
+        f"{rc['keepable_units']} units that can keep their activations do "
+        f"({format_bytes(rc['kept_bytes'])} beyond the peak below; a block "
+        f"{format_bytes(rc['bytes_per_block'])}, the head {format_bytes(rc['head_bytes'])}); "
+        "the other units run their forward again in backward",
     )
-    _say(out, "Peak per tier, part by part (the phase where each part peaks):")
-    _print_peaks(out, choice.estimate.memory)
-    rank = r["per_rank"]
-    if report.gpus > 1:
-        budget = (
-            ""
-            if rank["host_budget_bytes"] is None
-            else f" (its host budget: {format_bytes(rank['host_budget_bytes'])})"
-        )
-        _say(
-            out,
-            f"Per rank, 1 of {report.gpus} on this machine{budget}; the ranks share the machine's drives, "
-            "so nvme traffic above is all ranks' on one bandwidth:",
-        )
-        _print_peaks(out, choice.estimate.memory.per_rank())
+
+
+def _print_per_rank(out: Output, report: PlanReport, rank: dict) -> None:
+    budget = (
+        ""
+        if rank["host_budget_bytes"] is None
+        else f" (its host budget: {format_bytes(rank['host_budget_bytes'])})"
+    )
+    _say(
+        out,
+        f"Per rank, 1 of {report.gpus} on this machine{budget}; the ranks share the machine's "
+        "drives, so nvme traffic above is all ranks' on one bandwidth:",
+    )
+    _print_peaks(out, report.choice.estimate.memory.per_rank())
 
 
 _DTYPE_SOURCES = {
@@ -345,14 +273,14 @@ def wear_lines(wear: DriveWear) -> list[str]:
         return []
     lines = [
         (
-            f"Drive wear: {_percent(wear.rating_fraction)} of a {wear.drive_tbw:g} TBW drive's rating, "
-            f"{_percent(wear.per_1000_steps_fraction)} per 1000 steps"
+            f"Drive wear: {_percent(wear.rating_fraction)} of a {wear.drive_tbw:g} TBW drive's "
+            f"rating, {_percent(wear.per_1000_steps_fraction)} per 1000 steps"
         )
     ]
     if wear.over_note:
         lines.append(
-            f"[yellow]note:[/] this run writes {_percent(wear.rating_fraction)} of the drive's rated "
-            f"endurance (over {_percent(WEAR_NOTE_FRACTION)} for one run); compact state "
+            f"[yellow]note:[/] this run writes {_percent(wear.rating_fraction)} of the drive's "
+            f"rated endurance (over {_percent(WEAR_NOTE_FRACTION)} for one run); compact state "
             "(--optimizer-state int8, --master bf16) or more host memory writes less"
         )
     return lines
@@ -396,8 +324,8 @@ def _print_placements(out: Output, report: PlanReport) -> None:
     unit, scale = _unit(largest)
     _say(
         out,
-        f"Stage-{report.stage} placements, in {unit}: peak per tier (gpu per GPU, the rest per machine) "
-        "and bytes moved per step",
+        f"Stage-{report.stage} placements, in {unit}: peak per tier (gpu per GPU, the rest per "
+        "machine) and bytes moved per step",
     )
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
     t.add_column("param/grad/opt", no_wrap=True)
@@ -438,5 +366,6 @@ def _print_peaks(out: Output, memory: MemoryModel) -> None:
     if memory.device == "cpu":
         _say(
             out,
-            f"  host memory {format_bytes(memory.host_total_bytes)}: the host and gpu tiers, both in RAM",
+            f"  host memory {format_bytes(memory.host_total_bytes)}: the host and gpu tiers, "
+            "both in RAM",
         )

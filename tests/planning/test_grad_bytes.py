@@ -57,7 +57,7 @@ def test_the_plan_and_the_engine_choose_the_same_grad_dtype(
         ),
     )
     report = make_plan("tiny", dtype="bf16", accumulate=accumulate, schedule=schedule, **MACHINE)
-    assert report.grad_dtype is engine.sizing.grad_dtype
+    assert report.precision.grad_dtype is engine.sizing.grad_dtype
     assert report.workload.grad_itemsize == engine.sizing.workload(3).grad_itemsize
 
 
@@ -109,8 +109,8 @@ def test_plan_counts_bf16_grads_in_the_nvme_bytes_per_step() -> None:
     n = one.workload.state_shard_numel
     assert (
         one.placement == NVME
-        and one.grad_dtype is DType.BF16
-        and horizontal.grad_dtype is DType.FP32
+        and one.precision.grad_dtype is DType.BF16
+        and horizontal.precision.grad_dtype is DType.FP32
     )
     moved, horizontally = (
         one.step_nvme_bytes()["horizontal"],

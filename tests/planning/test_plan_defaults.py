@@ -56,7 +56,7 @@ def test_plan_and_train_agree_on_budgets_and_placement(
 
     trained = engine(tmp_path)
     planned = make_plan("tiny", dtype="fp32", seq_len=8, nvme_path=tmp_path)
-    assert planned.device == "cpu" and planned.detected == [
+    assert planned.device == "cpu" and planned.machine.detected == [
         "host",
         "gpu (host memory, no CUDA)",
         "nvme",
@@ -85,7 +85,7 @@ def test_plan_takes_the_gpu_budget_train_would(
         )
         assert make_plan("tiny", nvme_path=tmp_path).dtype is dtype
     planned = make_plan("tiny", nvme_path=tmp_path)
-    assert planned.device == "cuda" and planned.detected == ["host", "gpu", "nvme"]
+    assert planned.device == "cuda" and planned.machine.detected == ["host", "gpu", "nvme"]
     assert planned.budgets == {Tier.GPU: 9 * GB, Tier.HOST: 32 * GB, Tier.NVME: DISK_FREE}
     assert (planned.budgets[Tier.HOST], planned.budgets[Tier.GPU]) == machine.default_budgets(
         torch.device("cuda", 0)
@@ -100,7 +100,7 @@ def test_given_sizes_are_not_probed(
 
     monkeypatch.setattr(machine, "available_host_bytes", no_probe)
     planned = make_plan("tiny", host_mem="8GB", gpu_mem="4GB", nvme_free="1TB", nvme_path=tmp_path)
-    assert planned.detected == []
+    assert planned.machine.detected == []
     assert planned.budgets == {Tier.GPU: 4 * GB, Tier.HOST: 8 * GB, Tier.NVME: 1000 * GB}
 
 
@@ -117,7 +117,7 @@ def test_plan_defaults_are_what_train_takes(
 
     monkeypatch.setattr(machine, "available_host_bytes", lambda: 64 * GB)
     config = Config()
-    assert resolve_dtype(config.dtype, config.resolved_device()) is DType.FP32
+    assert resolve_dtype(config.precision.dtype, config.tiering.resolved_device()) is DType.FP32
     planned = make_plan("tiny", nvme_path=tmp_path)
     assert planned.dtype is DType.FP32
     assert (planned.activations.batch_size, planned.activations.seq_len) == (

@@ -135,15 +135,15 @@ def test_plan_takes_the_formats_and_refuses_bad_ones_by_flag() -> None:
     )
     fp32 = make_plan("125m", **kw)
     compact = make_plan("125m", optimizer_state="int8", master="bf16", **kw)
-    assert compact.formats == StateBytes(StateFormat.INT8, DType.BF16, one_weight=True)
+    assert compact.precision.formats == StateBytes(StateFormat.INT8, DType.BF16, one_weight=True)
     d = compact.as_dict()
     assert d["state_formats"] == {
         "optimizer_state": "int8",
         "master": "bf16",
         "one_weight": True,
-        "text": compact.formats.describe(),
+        "text": compact.precision.formats.describe(),
         "grad": "bf16",
-        "grad_reason": compact.grad_reason,
+        "grad_reason": compact.precision.grad_reason,
     }
     assert [r["bytes_per_param"] for r in d["compact_ledger"] if r["chosen"]] == [
         6 + 8 / STATE_BLOCK

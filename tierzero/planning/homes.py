@@ -25,24 +25,23 @@ def home_bytes(
     """Bytes each tier's homes hold (gpu per rank, host and nvme per machine); a host home's
     keys as `host_keys(kind)` counts them (default: their bytes)."""
     w = work.world_size
-    stored_param = [u.padded_numel if work.replicated else u.shard_numel for u in work.units]
     state = [u.state_numel(0) for u in work.units]
-    if work.one_weight(
-        placement
-    ):  # the master holds the trained params: the param home, the frozen rest
-        stored_param = [p - s for p, s in zip(stored_param, state)]
+    param = sum(work.stored_param_nbytes())  # in the compute dtype, or a coded base as stored
+    if work.one_weight(placement):  # the master holds the trained params: the param home, the
+        # frozen rest
+        param -= work.nbytes(StateKind.PARAM, sum(state))
     homes = {Tier.GPU: 0, Tier.HOST: 0, Tier.NVME: 0}
     for kind in StateKind:
         home = placement.home(kind)
-        stored = stored_param if kind is StateKind.PARAM else state
+        ranks = 1 if home is Tier.GPU else w
         if home is Tier.HOST and host_keys is not None:
             homes[home] += host_keys(kind)
-        elif home is Tier.GPU and kind is not StateKind.PARAM:  # a device-pool key per piece
-            homes[home] += sum(work.device_home_nbytes(kind, n) for n in stored)
+        elif kind is StateKind.PARAM:
+            homes[home] += param * ranks
+        elif home is Tier.GPU:  # a device-pool key per piece
+            homes[home] += sum(work.device_home_nbytes(kind, n) for n in state)
         else:  # each unit's run in its stored format
-            homes[home] += sum(work.nbytes(kind, n) for n in stored) * (
-                1 if home is Tier.GPU else w
-            )
+            homes[home] += sum(work.nbytes(kind, n) for n in state) * ranks
     if (
         w > 1 and work.stage == 1 and work.accumulate > 1
     ):  # each unit's whole fp32 gradient, between micro-batches

@@ -49,14 +49,16 @@ _NVME_LINKS = (Link.NVME_TO_HOST, Link.HOST_TO_NVME)
 _PCIE_LINKS = (Link.HOST_TO_GPU, Link.GPU_TO_HOST)
 
 
-def candidate_placements() -> list[Placement]:
+def candidate_placements(coded: bool = False) -> list[Placement]:
     """All-gpu, then stage 3 with params on gpu/host/nvme, grads on host/nvme and the optimizer
-    states (master, exp_avg, exp_avg_sq, always together) on host/nvme: fastest tiers first."""
+    states (master, exp_avg, exp_avg_sq, always together) on host/nvme: fastest tiers first.
+    A `coded` (NF4) base is stored off the GPU and decoded there per fetch: params host/nvme."""
     offloaded = [
         Placement(param, grad, opt, opt, opt)
         for param, grad, opt in itertools.product(_TIER_ORDER, _TIER_ORDER[1:], _TIER_ORDER[1:])
     ]
-    return [Placement()] + offloaded
+    every = [Placement()] + offloaded
+    return [p for p in every if p.param is not Tier.GPU] if coded else every
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,7 @@ def _traffic(p: Placement, w: Workload) -> tuple[dict[Link, int], dict[Link, int
 
     def move(moved: dict[Link, int], kind: StateKind, src: Tier, dst: Tier, times: int = 1) -> None:
         nbytes = (
-            w.nbytes(kind, w.param_numel)
+            w.param_nbytes()  # as stored: a coded base's pieces move coded
             if kind is StateKind.PARAM and moved is fwd_bwd
             else w.state_nbytes(kind)
         )

@@ -126,9 +126,9 @@ def checkpoint_nbytes(work: Workload, placement: Placement) -> int:
     for kind in CHECKPOINTED_KINDS:
         if placement.home(kind) is Tier.NVME:
             continue
-        if kind is StateKind.PARAM:
-            numel = work.param_numel - (work.state_shard_numel if work.one_weight(placement) else 0)
-            total += work.nbytes(kind, numel)
+        if kind is StateKind.PARAM:  # as stored: a coded base's pieces are saved coded
+            master = work.state_shard_numel if work.one_weight(placement) else 0
+            total += work.param_nbytes() - work.nbytes(kind, master)
         else:
             total += work.state_nbytes(kind)
     return total * work.world_size

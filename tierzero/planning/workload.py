@@ -12,6 +12,7 @@ every unit's layout. Plain data: it builds no model and never probes the machine
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from tierzero.config import (
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit, padded_numel
 from tierzero.models.presets import ModelArgs
+from tierzero.planning.codedbase import CodedBase
 from tierzero.planning.ledger import (
     EMBEDDING_UNIT,
     HEAD_UNIT,
@@ -57,7 +59,8 @@ class Workload:
     counted, for callers that do not know the batch. `tokens_per_step` (per GPU) only feeds the
     step-time model. `stage` is the ZeRO stage, which matters with several ranks only: at 1 and 2
     each rank stores whole units' params, and at 1 with `accumulate` > 1 whole grads too.
-    `formats` is how the master and Adam moments are stored (`tierzero.planning.statebytes`).
+    `formats` is how the master and Adam moments are stored (`tierzero.planning.statebytes`);
+    `coded`, the NF4 weights of a frozen base stored coded (`tierzero.planning.codedbase`).
     """
 
     units: tuple[Unit, ...]
@@ -76,6 +79,7 @@ class Workload:
     activations: ActivationEstimate | None = None
     tokens_per_step: int = 0
     formats: StateBytes = FP32_STATE
+    coded: CodedBase | None = None
 
     def __post_init__(self) -> None:
         if not self.units:
@@ -88,6 +92,10 @@ class Workload:
         assert all(u.world_size == self.world_size for u in self.units), (
             "units laid out for another world size"
         )
+        if self.coded is not None and self.world_size > 1:
+            raise ConfigError(
+                "--quantize-base nf4 trains on one rank for now; drop --gpus or --quantize-base"
+            )
 
     @classmethod
     def from_units(cls, units: Sequence[Unit], compute_itemsize: int, **how: Any) -> Workload:
@@ -214,6 +222,40 @@ class Workload:
             self.nbytes(kind, min(math.ceil(u.numel / self.world_size), u.trainable_numel))
             for u in self.units
         )
+
+    def stored_param_nbytes(self) -> list[int]:
+        """Per unit, the bytes of the param one rank stores (`param_numel`'s share of it): in
+        the compute dtype, or a coded base's pieces as stored. What its home holds, a fetch
+        reads, stages and caches; its device buffer holds the decoded values."""
+        return [
+            self.coded.shard_nbytes(u, self.piece_numel, self.compute_itemsize)
+            if self.coded is not None and self.coded.is_coded(u)
+            else (u.padded_numel if self.replicated else u.shard_numel) * self.compute_itemsize
+            for u in self.units
+        ]
+
+    def param_nbytes(self, units: Sequence[Unit] | None = None) -> int:
+        """The bytes of `units`' params (default: all) one rank moves: `param_numel`'s in the
+        compute dtype (padding aside), a coded unit's as stored."""
+        coded = self.coded
+        return sum(
+            coded.shard_nbytes(u, self.piece_numel, self.compute_itemsize)
+            if coded is not None and coded.is_coded(u)
+            else (u.numel if self.replicated else math.ceil(u.numel / self.world_size))
+            * self.compute_itemsize
+            for u in (self.units if units is None else units)
+        )
+
+    def coded_pieces(self) -> dict[int, Counter[int]]:
+        """The param pieces of each coded unit as stored (bytes -> how many), by unit index."""
+        if self.coded is None:
+            return {}
+        coded = self.coded
+        return {
+            u.index: coded.piece_counts(u, self.piece_numel, self.compute_itemsize)
+            for u in self.units
+            if coded.is_coded(u)
+        }
 
     def one_weight(self, placement: Placement) -> bool:
         """Whether the param and the master are one tensor under `placement`: one bf16 weight
