@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -72,7 +73,9 @@ def main() -> None:
     cpu = torch.device("cpu")
     steps = {
         f: (
-            CompactStep(StateFormats(*f), config, cpu, kernel=not opts.torch_ops),
+            CompactStep(
+                StateFormats(*f), config.optimizer, config.seed, cpu, kernel=not opts.torch_ops
+            ),
             compact_tensors(StateFormats(*f), n),
         )
         for f in FORMATS
@@ -80,15 +83,12 @@ def main() -> None:
     times: dict[tuple[str, str] | str, list[float]] = {key: [] for key in [*FORMATS, "fused"]}
     for r in range(opts.rounds + 1):  # round 0 warms up the scratch and allocator
         for f, (stepper, tensors) in steps.items():
-            for key, fn in (
-                (
-                    "fused",
-                    lambda: adamw_step(
-                        [fused[0]], [fused[1]], [fused[2]], [fused[3]], [0.1], [r], 1e-3, config
-                    ),
-                ),
-                (f, lambda: stepper.step(tensors, [(0, n, 0.1, r)], 1e-3, 0, 0)),
-            ):
+            # the fused fp32 step and this format's, both at step r, one after the other
+            fused_step = partial(
+                adamw_step, [fused[0]], [fused[1]], [fused[2]], [fused[3]], [0.1], [r], 1e-3, config
+            )
+            compact_step = partial(stepper.step, tensors, [(0, n, 0.1, r)], 1e-3, 0, 0)
+            for key, fn in (("fused", fused_step), (f, compact_step)):
                 elapsed = timed(fn, clock)
                 if r:
                     times[key].append(elapsed)
@@ -96,8 +96,8 @@ def main() -> None:
     path = "torch's ops" if opts.torch_ops else "the CPU kernel"
     per = "CPU second" if opts.cpu_time else "second"
     print(
-        f"{n} values, {torch.get_num_threads()} threads, median of {opts.rounds} interleaved rounds, {path}, "
-        f"M params per {per}"
+        f"{n} values, {torch.get_num_threads()} threads, median of {opts.rounds} interleaved "
+        f"rounds, {path}, M params per {per}"
     )
     print(f"torch fused AdamW (fp32): {rate['fused']:8.1f}")
     print(f"{'moments':>8} {'master':>7} {'M params':>11} {'vs fused':>9}")

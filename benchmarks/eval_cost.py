@@ -101,9 +101,9 @@ def run(opts: argparse.Namespace, root: Path) -> dict[str, Any]:
         total = read_bytes() - before
         per_window = None
         if opts.per_window:
-            windows = session.batches.val_batches(run_cfg.eval_tokens)
+            windows = session.batches.val_batches(run_cfg.evaluation.eval_tokens)
             t0, start = read_bytes(), time.perf_counter()
-            loss = evaluate(_PerWindow(engine), session.batches, run_cfg.eval_tokens)
+            loss = evaluate(_PerWindow(engine), session.batches, run_cfg.evaluation.eval_tokens)
             per_window = (read_bytes() - t0, time.perf_counter() - start, loss, len(windows))
     return {
         "calls": calls,
@@ -148,10 +148,12 @@ def report(result: dict[str, Any], console: Console) -> None:
     console.print(table)
     if result["per_window"] is not None:
         one, per = result["last_eval"], result["per_window"][2]
-        console.print(
-            f"last eval loss: one pass {one!r}, window by window {per!r} "
-            f"({'bitwise equal' if one == per else f'relative difference {abs(one - per) / abs(per):.2e}'})"
+        same = (
+            "bitwise equal"
+            if one == per
+            else f"relative difference {abs(one - per) / abs(per):.2e}"
         )
+        console.print(f"last eval loss: one pass {one!r}, window by window {per!r} ({same})")
 
 
 def main() -> None:

@@ -68,7 +68,7 @@ def run(path: str, dtype: str, budget: str, steps: int, piece_numel: int) -> dic
     params = SHAPE.param_count()
     rows = []
     with Engine(models.build(SHAPE, device="meta"), cfg) as engine:
-        for step in range(steps):
+        for _ in range(steps):
             t0 = time.perf_counter()
             loss = engine.train_step(data.next_batch())
             seconds = time.perf_counter() - t0
@@ -83,7 +83,7 @@ def run(path: str, dtype: str, budget: str, steps: int, piece_numel: int) -> dic
                     "peak_gpu": stats.get("peak_gpu_bytes", 0),
                 }
             )
-    return {"dtype": dtype, "rows": rows, "rss": vm_hwm(), "budget": cfg.host_budget}
+    return {"dtype": dtype, "rows": rows, "rss": vm_hwm(), "budget": cfg.tiering.host_budget}
 
 
 def main() -> None:
@@ -97,7 +97,8 @@ def main() -> None:
     p.add_argument("--dtype", nargs="+", default=["fp32", "bf16"])
     a = p.parse_args()
     print(
-        f"{SHAPE.param_count() / 1e6:.1f}M params, host budget {a.host_budget}, pieces of {a.piece_numel:,}"
+        f"{SHAPE.param_count() / 1e6:.1f}M params, host budget {a.host_budget}, "
+        f"pieces of {a.piece_numel:,}"
     )
     print(
         f"{'dtype':6} {'step':>4} {'loss':>8} {'s':>6} {'nvme read B/p':>14} {'written B/p':>12} "
@@ -111,8 +112,9 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
         for i, r in enumerate(result["rows"], 1):
             print(
-                f"{dtype:6} {i:>4} {r['loss']:>8.4f} {r['seconds']:>6.1f} {r['read']:>14.1f} {r['written']:>12.1f} "
-                f"{r['read'] + r['written']:>10.1f} {r['peak_host'] / 1e6:>13.1f} {r['peak_gpu'] / 1e6:>12.1f}"
+                f"{dtype:6} {i:>4} {r['loss']:>8.4f} {r['seconds']:>6.1f} {r['read']:>14.1f} "
+                f"{r['written']:>12.1f} {r['read'] + r['written']:>10.1f} "
+                f"{r['peak_host'] / 1e6:>13.1f} {r['peak_gpu'] / 1e6:>12.1f}"
             )
         print(f"{dtype:6} peak RSS (VmHWM since this run began) {result['rss'] / 1e6:.0f} MB")
 

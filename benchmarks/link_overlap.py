@@ -56,7 +56,7 @@ def run(moments: str, master: str, opts: argparse.Namespace, nvme: str, out: Pat
                 {
                     "step": step,
                     "loss": loss,
-                    "lr": cfg.lr,
+                    "lr": cfg.optimizer.lr,
                     "tokens_per_s": tokens / dt,
                     "step_s": dt,
                     "wall_s": time.perf_counter() - start,

@@ -18,16 +18,19 @@ import dataclasses
 import statistics
 import tempfile
 import time
+from contextlib import ExitStack
 
 import torch
 
 from tierzero import Config, models
+from tierzero.bench.shapes import NVME_SHAPE, QUICK_SHAPE
 from tierzero.engine import Engine
-from tierzero.models import ModelArgs
 from tierzero.run.data import TokenBatches, default_corpus
 
+MODES = ("all", "auto")
 
-def main() -> None:
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--quick", action="store_true", help="a small shape (4 layers, dim 256, vocab 4096)"
@@ -38,76 +41,85 @@ def main() -> None:
         "--steps", type=int, default=4, help="timed steps per engine, after one warm-up step each"
     )
     p.add_argument("--host-budget", default="8GiB")
-    opts = p.parse_args()
-    args = ModelArgs(
-        dim=768,
-        n_layers=12,
-        n_heads=12,
-        n_kv_heads=12,
-        vocab_size=32000,
-        ffn_dim=2048,
-        max_seq_len=max(opts.seq_len, 2048),
-    )  # 134.1M
-    if opts.quick:
-        args = dataclasses.replace(
-            args, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=4096
-        )
+    return p.parse_args()
+
+
+def race(
+    engines: dict[str, Engine], data: dict[str, TokenBatches], steps: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """One warm-up step each, then `steps` steps each, the engines taking turns (which goes first
+    alternates); per mode the wall and this process's CPU seconds of every timed step."""
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    cpu: dict[str, list[float]] = {m: [] for m in MODES}
+    for step in range(steps + 1):
+        for mode in MODES if step % 2 == 0 else MODES[::-1]:
+            t0, c0 = time.perf_counter(), time.process_time()
+            engines[mode].train_step(data[mode].next_batch())
+            if step:  # the first step of each is a warm-up
+                times[mode].append(time.perf_counter() - t0)
+                cpu[mode].append(time.process_time() - c0)
+        if step:
+            each = ", ".join(
+                f"{m} {times[m][-1]:.2f} s wall, {cpu[m][-1]:.2f} s CPU" for m in times
+            )
+            print(f"  step {step}: {each}")
+    return times, cpu
+
+
+def print_kept(auto: Engine) -> None:
+    """Which units `auto` kept the activations of, and what the memory model counts for them."""
+    act = auto.sizing.activations
+    head = f" + the head {act.head_kept_bytes / 1e6:.1f} MB" if act.kept_head else ""
+    print(
+        f"auto kept units {sorted(auto.runner.kept)} of {len(auto.units)}: "
+        f"{act.kept_blocks} blocks x {act.recompute_bytes / 1e6:.1f} MB{head} = "
+        f"{act.kept_bytes / 1e6:.1f} MB counted by the memory model"
+    )
+
+
+def print_ratios(what: str, t: dict[str, list[float]]) -> None:
+    ratios = [b / a for a, b in zip(t["all"], t["auto"])]
+    print(
+        f"{what}: median step all {statistics.median(t['all']):.2f} s, "
+        f"auto {statistics.median(t['auto']):.2f} s; "
+        f"auto/all per step {', '.join(f'{r:.3f}' for r in ratios)}; "
+        f"median {statistics.median(ratios):.3f}, total {sum(t['auto']) / sum(t['all']):.3f}"
+    )
+
+
+def main() -> None:
+    opts = parse_args()
+    # 134.1M, or the quick stand-in
+    shape = QUICK_SHAPE if opts.quick else NVME_SHAPE
+    args = dataclasses.replace(shape, max_seq_len=max(opts.seq_len, 2048))
     torch.manual_seed(0)
     print(
-        f"{args.param_count() / 1e6:.1f}M params, fp32, every state in RAM (the CPU device), micro-batch "
-        f"{opts.batch_size} x {opts.seq_len}, host budget {opts.host_budget}, torch threads {torch.get_num_threads()}"
+        f"{args.param_count() / 1e6:.1f}M params, fp32, every state in RAM (the CPU device), "
+        f"micro-batch {opts.batch_size} x {opts.seq_len}, host budget {opts.host_budget}, "
+        f"torch threads {torch.get_num_threads()}"
     )
-    with tempfile.TemporaryDirectory() as a_dir, tempfile.TemporaryDirectory() as b_dir:
+    with ExitStack() as stack:
         engines, data = {}, {}
-        times: dict[str, list[float]] = {"all": [], "auto": []}  # wall seconds per step
-        cpu: dict[str, list[float]] = {"all": [], "auto": []}  # this process's CPU seconds per step
-        for mode, path in (("all", a_dir), ("auto", b_dir)):
+        for mode in MODES:
             cfg = Config(
-                nvme_path=[path],
+                nvme_path=[stack.enter_context(tempfile.TemporaryDirectory())],
                 dtype="fp32",
                 lr=1e-4,
                 total_steps=opts.steps + 1,
                 recompute=mode,
                 host_budget=opts.host_budget,
             )
-            engines[mode] = Engine(models.build(args, device="meta", seed=0), cfg).__enter__()
+            model = models.build(args, device="meta", seed=0)
+            engines[mode] = stack.enter_context(Engine(model, cfg))
             data[mode] = TokenBatches(
                 default_corpus(4 << 20), opts.batch_size, opts.seq_len, seed=0
             )
-        try:
-            for step in range(opts.steps + 1):
-                for mode in ("all", "auto") if step % 2 == 0 else ("auto", "all"):
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    engines[mode].train_step(data[mode].next_batch())
-                    if step:  # the first step of each is a warm-up
-                        times[mode].append(time.perf_counter() - t0)
-                        cpu[mode].append(time.process_time() - c0)
-                if step:
-                    print(
-                        f"  step {step}: "
-                        + ", ".join(
-                            f"{m} {times[m][-1]:.2f} s wall, {cpu[m][-1]:.2f} s CPU" for m in times
-                        )
-                    )
-            auto = engines["auto"]
-            act = auto.sizing.activations
-            head = f" + the head {act.head_kept_bytes / 1e6:.1f} MB" if act.kept_head else ""
-            print(
-                f"auto kept units {sorted(auto.runner.kept)} of {len(auto.units)}: {act.kept_blocks} blocks x "
-                f"{act.recompute_bytes / 1e6:.1f} MB{head} = {act.kept_bytes / 1e6:.1f} MB counted by the memory model"
-            )
-            weights = {m: e.master_state_dict() for m, e in engines.items()}
-        finally:
-            for e in engines.values():
-                e.close()
+        times, cpu = race(engines, data, opts.steps)
+        print_kept(engines["auto"])
+        weights = {m: e.master_state_dict() for m, e in engines.items()}
     same = all(torch.equal(weights["all"][k], weights["auto"][k]) for k in weights["all"])
-    for what, t in (("wall", times), ("CPU", cpu)):
-        ratios = [b / a for a, b in zip(t["all"], t["auto"])]
-        print(
-            f"{what}: median step all {statistics.median(t['all']):.2f} s, auto {statistics.median(t['auto']):.2f} s; "
-            f"auto/all per step {', '.join(f'{r:.3f}' for r in ratios)}; median {statistics.median(ratios):.3f}, "
-            f"total {sum(t['auto']) / sum(t['all']):.3f}"
-        )
+    print_ratios("wall", times)
+    print_ratios("CPU", cpu)
     print(f"final weights bitwise equal: {same}")
 
 

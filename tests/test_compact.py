@@ -107,18 +107,19 @@ def reference_step(
     unit: int,
     origin: int,
 ) -> dict[StateKind, torch.Tensor]:
-    """Plain PyTorch: decode the whole piece, apply AdamW's formula per span, encode the whole piece."""
+    """Plain PyTorch: decode the whole piece, apply AdamW's formula per span, encode the whole
+    piece."""
     n = grad.numel()
     values = {kind: formats.decode(kind, t, torch.empty(n)) for kind, t in stored.items()}
     p, m, v = values[StateKind.MASTER], values[StateKind.EXP_AVG], values[StateKind.EXP_AVG_SQ]
-    beta1, beta2 = config.betas
+    beta1, beta2 = config.optimizer.betas
     for a, b, wd, k in spans:
         t, g = k + 1, grad[a:b]
         if wd:
             p[a:b] = p[a:b] * (1 - lr * wd)
         m[a:b] = m[a:b] * beta1 + g * (1 - beta1)
         v[a:b] = v[a:b] * beta2 + (g * g) * (1 - beta2)
-        denom = v[a:b].sqrt() / math.sqrt(1 - beta2**t) + config.eps
+        denom = v[a:b].sqrt() / math.sqrt(1 - beta2**t) + config.optimizer.eps
         p[a:b] = p[a:b] - (m[a:b] / denom) * (lr / (1 - beta1**t))
     out = {}
     for kind, t in stored.items():
@@ -195,7 +196,7 @@ def test_a_compact_step_equals_the_formula_in_plain_pytorch_bitwise(
         origin=12345,
     )
     tensors = {**stored, StateKind.GRAD: grad}
-    CompactStep(formats, config, torch.device("cpu")).step(
+    CompactStep(formats, config.optimizer, config.seed, torch.device("cpu")).step(
         tensors, spans, 1e-3, unit=3, origin=12345
     )
     for kind, want in expected.items():
@@ -218,7 +219,7 @@ def test_stochastic_rounding_is_unbiased_where_round_to_nearest_loses_the_update
         StateKind.EXP_AVG: torch.zeros(n),
         StateKind.EXP_AVG_SQ: torch.zeros(n),
     }
-    CompactStep(formats, config, torch.device("cpu")).step(
+    CompactStep(formats, config.optimizer, config.seed, torch.device("cpu")).step(
         tensors, [(0, n, 0.0, 0)], 1e-4, unit=0, origin=0
     )
     moved = 1 - master.double().mean().item()
@@ -288,7 +289,9 @@ def test_the_random_bits_wrap_as_uint32_arithmetic_does_past_the_int32_range(sta
     """The int32 hash (wrapping mul and add, masked shifts) equals numpy's uint32 one where the
     positions cross 2**31 and 2**32."""
     config, n = Config(seed=11), 3000
-    step = CompactStep(StateFormats(master="bf16"), config, torch.device("cpu"))
+    step = CompactStep(
+        StateFormats(master="bf16"), config.optimizer, config.seed, torch.device("cpu")
+    )
     out = torch.empty(n, dtype=torch.int32)
     random_bits(config.seed, 4, 2, StateKind.MASTER, start, n, step._buffers(), out)
     want = _ref_bits(config, 4, 2, StateKind.MASTER, np.arange(start, start + n, dtype=np.int64))

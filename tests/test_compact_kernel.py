@@ -92,10 +92,12 @@ def test_the_kernel_steps_a_piece_bitwise_as_the_torch_ops_do(
     for step in range(3):  # each step re-encodes what the one before wrote
         lr = 1e-3 * (step + 1)
         stepped = [(a, b, wd, k + step) for a, b, wd, k in spans]
-        CompactStep(formats, config, CPU, kernel=False).step(
+        CompactStep(formats, config.optimizer, config.seed, CPU, kernel=False).step(
             torch_ops, stepped, lr, unit=5, origin=2**32 - 7000
         )
-        CompactStep(formats, config, CPU).step(fast, stepped, lr, unit=5, origin=2**32 - 7000)
+        CompactStep(formats, config.optimizer, config.seed, CPU).step(
+            fast, stepped, lr, unit=5, origin=2**32 - 7000
+        )
         for kind in torch_ops:
             assert _same_bytes(fast[kind], torch_ops[kind]), (step, kind)
     untouched = slice(2 * SUB, 3 * SUB)  # no span reaches it: the stored values are the first ones
@@ -113,10 +115,12 @@ def test_a_piece_shorter_than_a_block_and_spans_given_out_of_order(
         spans = [(n // 2, n, 0.1, 3), (0, n // 2, 0.0, 0)]
         torch_ops = _piece(formats, n, n, torch.float32)
         fast = {kind: t.clone() for kind, t in torch_ops.items()}
-        CompactStep(formats, config, CPU, kernel=False).step(
+        CompactStep(formats, config.optimizer, config.seed, CPU, kernel=False).step(
             torch_ops, spans, 1e-3, unit=0, origin=9
         )
-        CompactStep(formats, config, CPU).step(fast, spans, 1e-3, unit=0, origin=9)
+        CompactStep(formats, config.optimizer, config.seed, CPU).step(
+            fast, spans, 1e-3, unit=0, origin=9
+        )
         assert all(_same_bytes(fast[k], torch_ops[k]) for k in fast), n
 
 
@@ -141,11 +145,11 @@ def test_without_the_kernel_the_step_runs_on_torch_ops_and_says_so_once(
     n = SUB + 1000
     torch_ops = _piece(formats, n, 2, torch.float32)
     fallen_back = {kind: t.clone() for kind, t in torch_ops.items()}
-    stepper = CompactStep(formats, config, CPU)
+    stepper = CompactStep(formats, config.optimizer, config.seed, CPU)
     with caplog.at_level(logging.WARNING, logger=step_mod.__name__):
         for step in range(2):
             stepper.step(fallen_back, [(0, n, 0.1, step)], 1e-3, unit=1, origin=0)
-            CompactStep(formats, config, CPU, kernel=False).step(
+            CompactStep(formats, config.optimizer, config.seed, CPU, kernel=False).step(
                 torch_ops, [(0, n, 0.1, step)], 1e-3, 1, 0
             )
     records = [r for r in caplog.records if r.name == step_mod.__name__]
@@ -161,8 +165,12 @@ def test_a_dtype_the_kernel_does_not_decode_steps_on_torch_ops(kernel: None) -> 
     torch_ops = _piece(formats, n, 4, torch.float16)
     assert not cpu_step.usable(torch_ops)
     fast = {kind: t.clone() for kind, t in torch_ops.items()}
-    CompactStep(formats, config, CPU, kernel=False).step(torch_ops, [(0, n, 0.1, 2)], 1e-3, 2, 0)
-    CompactStep(formats, config, CPU).step(fast, [(0, n, 0.1, 2)], 1e-3, 2, 0)
+    CompactStep(formats, config.optimizer, config.seed, CPU, kernel=False).step(
+        torch_ops, [(0, n, 0.1, 2)], 1e-3, 2, 0
+    )
+    CompactStep(formats, config.optimizer, config.seed, CPU).step(
+        fast, [(0, n, 0.1, 2)], 1e-3, 2, 0
+    )
     assert all(_same_bytes(fast[k], torch_ops[k]) for k in fast)
 
 

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from tierzero.config import Config, RunConfig
+from tierzero.config import Config, Evaluation, RunConfig
 from tierzero.configfile import load_run_config
 from tierzero.errors import ConfigError
 
@@ -74,4 +74,4 @@ def test_a_config_written_before_eval_tokens_still_loads(tmp_path) -> None:
     path = tmp_path / "config.toml"
     path.write_text('model = "tiny"\nsteps = 3\neval_batches = 4\n')
     run = load_run_config(path)
-    assert run.steps == 3 and run.eval_tokens == RunConfig.eval_tokens
+    assert run.steps == 3 and run.evaluation.eval_tokens == Evaluation.eval_tokens

@@ -122,35 +122,40 @@ def test_every_recipe_is_planned_here() -> None:
 def plan_recipe(name: str, run: RunConfig, machine: dict[str, int], tmp: Path) -> PlanReport:
     """`tierzero.plan` of the run `name` configures on `machine`, as `tierzero train` sizes it."""
     cfg, shape = run.engine, SHAPES[name]
-    clipped = cfg.clip_grad_norm is not None
+    clipped = cfg.optimizer.clip_grad_norm is not None
     kw: dict[str, Any] = {
-        "gpu_mem": cfg.gpu_budget or int(0.9 * machine["gpu"]),
-        "host_mem": cfg.host_budget or machine["ram"] // 2,
+        "gpu_mem": cfg.tiering.gpu_budget or int(0.9 * machine["gpu"]),
+        "host_mem": cfg.tiering.host_budget or machine["ram"] // 2,
         "nvme_free": machine["nvme"],
-        "dtype": cfg.dtype.value,
+        "dtype": cfg.precision.dtype.value,
         "batch_size": run.batch_size,
         "seq_len": run.seq_len,
-        "accumulate": cfg.accumulate,
-        "schedule": cfg.schedule.value,
-        "recompute": cfg.recompute.value,
-        "optimizer_state": cfg.optimizer_state.value,
-        "master": cfg.master.value,
+        "accumulate": cfg.execution.accumulate,
+        "schedule": cfg.execution.schedule.value,
+        "recompute": cfg.execution.recompute.value,
+        "optimizer_state": cfg.formats.optimizer_state.value,
+        "master": cfg.formats.master.value,
         "steps": run.steps,
-        "checkpoint_every": run.checkpoint_every,
-        "overlap": cfg.overlap_step if cfg.overlap_step is not None else not clipped,
+        "checkpoint_every": run.checkpoints.checkpoint_every,
+        "overlap": cfg.execution.overlap_step
+        if cfg.execution.overlap_step is not None
+        else not clipped,
     }  # as the engine decides it
     if shape is None or isinstance(shape, str):
-        assert run.lora_r is None, "LoRA adapts a Hugging Face model"
+        assert run.lora.lora_r is None, "LoRA adapts a Hugging Face model"
         return make_plan(shape or run.model, **kw)
     directory = tmp / name.removesuffix(".toml")
     shape().save_pretrained(directory)
     model = f"hf:{directory}"
     built = hf_workload(model, 1)
     if (
-        run.lora_r is not None
+        run.lora.lora_r is not None
     ):  # the adapters as the run adds them: the base frozen, the adapters trained
         spec = LoraSpec(
-            run.lora_r, run.lora_alpha, run.lora_dropout, tuple(run.lora_targets or ()) or None
+            run.lora.lora_r,
+            run.lora.lora_alpha,
+            run.lora.lora_dropout,
+            tuple(run.lora.lora_targets or ()) or None,
         )
         built["units"] = partition(add_lora(load_model(model), spec, None), 1)
     return make_plan(model, **built, **kw)
@@ -165,8 +170,11 @@ def test_a_recipe_fits_the_machine_it_names(name: str, tmp_path: Path) -> None:
         "a recipe names its model, or its command does"
     )
     run = load_run_config(path)
-    assert run.engine.gpu_budget is None or run.engine.gpu_budget <= machine["gpu"]
-    assert run.engine.host_budget is None or run.engine.host_budget <= HOST_SHARE * machine["ram"]
+    assert run.engine.tiering.gpu_budget is None or run.engine.tiering.gpu_budget <= machine["gpu"]
+    assert (
+        run.engine.tiering.host_budget is None
+        or run.engine.tiering.host_budget <= HOST_SHARE * machine["ram"]
+    )
     report = plan_recipe(name, run, machine, tmp_path)
     assert report.choice.fits, report.choice.shortfall
     resident, budgets = report.choice.resident_bytes, report.budgets
@@ -174,9 +182,9 @@ def test_a_recipe_fits_the_machine_it_names(name: str, tmp_path: Path) -> None:
         resident[Tier.GPU] <= budgets[Tier.GPU] <= machine["gpu"]
     )  # the compute tier within the GPU
     assert resident[Tier.HOST] <= budgets[Tier.HOST] <= machine["ram"]  # host memory within the RAM
-    kept = run.keep_checkpoints * checkpoint_nbytes(report.workload, report.placement)
+    kept = run.checkpoints.keep_checkpoints * checkpoint_nbytes(report.workload, report.placement)
     assert resident[Tier.NVME] + kept <= machine["nvme"]  # the NVMe state and the checkpoints kept
-    if run.lora_r is not None:
+    if run.lora.lora_r is not None:
         trained = sum(min(u.numel, u.trainable_numel) for u in report.units)
         assert trained < 0.01 * report.numel  # the base is frozen: only the adapters have state
 
@@ -275,5 +283,5 @@ def test_a_recipe_trains_through_the_cli(name: str, tmp_path: Path) -> None:
     assert summary["steps"] == 2 and summary["drive_wear"]["steps"] == 2
     written = (tmp_path / "run" / "config.toml").read_text()
     run = load_run_config(RECIPES / name)
-    assert f'dtype = "{run.engine.dtype.value}"' in written
-    assert ("lora_r = " in written) == (run.lora_r is not None)
+    assert f'dtype = "{run.engine.precision.dtype.value}"' in written
+    assert ("lora_r = " in written) == (run.lora.lora_r is not None)

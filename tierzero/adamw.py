@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tierzero.config import Config
+from tierzero.config import OptimizerSettings
 
 
 def implementation(device: torch.device) -> dict[str, bool]:
@@ -33,7 +33,7 @@ def adamw_step(
     weight_decay: list[float],
     steps: list[int],
     lr: float,
-    config: Config,
+    optimizer: OptimizerSettings,
 ) -> None:
     """One AdamW update, in place, of `params` (any views: flat shard segments or parameters).
 
@@ -44,7 +44,7 @@ def adamw_step(
         return
     groups = [{"params": [p], "weight_decay": wd} for p, wd in zip(params, weight_decay)]
     opt = torch.optim.AdamW(
-        groups, lr=lr, betas=config.betas, eps=config.eps, **implementation(params[0].device)
+        groups, lr=lr, betas=optimizer.betas, eps=optimizer.eps, **implementation(params[0].device)
     )
     for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
         p.grad = g

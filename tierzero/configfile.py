@@ -6,14 +6,14 @@ directory's `config.toml` is also a valid `--config` file.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import sys
 from pathlib import Path
 from typing import Any
 
-from tierzero.config import Config, Placement, RunConfig, StateKind, _count
+from tierzero.config import Config, Placement, RunConfig, StateKind
 from tierzero.errors import ConfigError
+from tierzero.refusals import count
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -21,8 +21,8 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 
-_RUN_FIELDS = {f.name for f in dataclasses.fields(RunConfig)} - {"engine"}
-_ENGINE_FIELDS = {f.name for f in dataclasses.fields(Config)}
+_RUN_FIELDS = RunConfig.keys() - {"engine"}
+_ENGINE_FIELDS = Config.keys()
 
 
 # keys older config.toml files hold whose meaning a newer key took over: read and ignored
@@ -51,7 +51,7 @@ def load_run_config(
     if (
         "total_steps" not in engine_values
     ):  # the schedule follows the run's length: refuse a bad one as `steps`
-        engine_values["total_steps"] = _count(run_values.get("steps", RunConfig.steps), "steps")
+        engine_values["total_steps"] = count(run_values.get("steps", RunConfig.steps), "steps")
     try:
         engine = Config(**engine_values)
         return RunConfig(**run_values, engine=engine)
@@ -76,9 +76,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 def to_toml(run: RunConfig) -> str:
     """The resolved config as flat TOML, readable back by `load_run_config`."""
     lines = []
-    items = {k: getattr(run, k) for k in sorted(_RUN_FIELDS)}
-    items.update({f.name: getattr(run.engine, f.name) for f in dataclasses.fields(Config)})
-    for key, value in items.items():
+    for key, value in sorted(run.flat().items()):
         if value is None:
             continue
         lines.append(f"{key} = {_toml_value(value)}")

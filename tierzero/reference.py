@@ -34,18 +34,21 @@ class ReferenceTrainer:
     ) -> None:
         self.config = config
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.precision.dtype, self.device)
         self.model = model.to(self.device)
         params = [p for p in model.parameters() if p.requires_grad]
         groups = [
-            {"params": [p for p in params if decays(p)], "weight_decay": config.weight_decay},
+            {
+                "params": [p for p in params if decays(p)],
+                "weight_decay": config.optimizer.weight_decay,
+            },
             {"params": [p for p in params if not decays(p)], "weight_decay": 0.0},
         ]
         self.optimizer = torch.optim.AdamW(
             [g for g in groups if g["params"]],
-            lr=config.lr,
-            betas=config.betas,
-            eps=config.eps,
+            lr=config.optimizer.lr,
+            betas=config.optimizer.betas,
+            eps=config.optimizer.eps,
             **implementation(self.device),
         )
         self.step_count = 0
@@ -53,7 +56,7 @@ class ReferenceTrainer:
         SeededEntries(
             unit_entries(model),
             config.seed,
-            lambda: (self.step_count, self.micro_step % config.accumulate),
+            lambda: (self.step_count, self.micro_step % config.execution.accumulate),
         )
         self.last_grad_norm: float | None = None
 
@@ -65,22 +68,22 @@ class ReferenceTrainer:
     def train_micro_batch(self, batch: Any, step_tokens: int | None = None) -> torch.Tensor:
         """`train_step`, the loss left on the device (detached)."""
         self.model.train()
-        divisor = loss_divisor(step_tokens, False, self.config.accumulate, 1)
+        divisor = loss_divisor(step_tokens, False, self.config.execution.accumulate, 1)
         with self._autocast():
             loss = compute_loss(self.model, to_device(batch, self.device), divisor)
-        (loss / self.config.accumulate).backward()
+        (loss / self.config.execution.accumulate).backward()
         self.micro_step += 1
-        if self.micro_step % self.config.accumulate == 0:
+        if self.micro_step % self.config.execution.accumulate == 0:
             self._step()
         return loss.detach()
 
     def _step(self) -> None:
-        if self.config.clip_grad_norm is not None:
+        if self.config.optimizer.clip_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), self.config.clip_grad_norm
+                self.model.parameters(), self.config.optimizer.clip_grad_norm
             )
             self.last_grad_norm = norm.item()
-        lr = lr_at(self.step_count, self.config)
+        lr = lr_at(self.step_count, self.config.optimizer)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()

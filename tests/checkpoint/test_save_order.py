@@ -5,7 +5,7 @@ flush (the chunks about to be linked are durable), the hard links into the temp 
 syncfs of the checkpoint's filesystem (links and directories), the manifest's fsync, the rename
 of the temp directory to `step-<N>` (the commit point), and an fsync of `checkpoints/` (the
 rename itself). The recorder wraps the calls the code really makes (`syncfs` through
-`chunkfile._syncfs`, `os.link`, `os.fsync`, `os.rename`) and classifies each by its path; the
+`chunkfile.syncfs`, `os.link`, `os.fsync`, `os.rename`) and classifies each by its path; the
 checker accepts only that order. Each step made a no-op in turn must make the checker refuse.
 """
 
@@ -49,7 +49,7 @@ class SaveRecorder:
         return True
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        syncfs, link, fsync, rename = chunkfile._syncfs, os.link, os.fsync, os.rename
+        syncfs, link, fsync, rename = chunkfile.syncfs, os.link, os.fsync, os.rename
 
         def on_syncfs(fd: int) -> int:
             path = fd_path(fd)
@@ -83,7 +83,7 @@ class SaveRecorder:
                 rename(src, dst, *a, **kw)
 
         assert syncfs is not None, "this test needs syncfs (Linux)"
-        monkeypatch.setattr(chunkfile, "_syncfs", on_syncfs)
+        monkeypatch.setattr(chunkfile, "syncfs", on_syncfs)
         monkeypatch.setattr(os, "link", on_link)
         monkeypatch.setattr(os, "fsync", on_fsync)
         monkeypatch.setattr(os, "rename", on_rename)
@@ -112,7 +112,7 @@ def record_save(
     engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, skip: str | None
 ) -> list[str]:
     run_dir = tmp_path / "run"
-    recorder = SaveRecorder(Path(engine.config.nvme_path[0]), run_dir, skip)
+    recorder = SaveRecorder(Path(engine.config.tiering.nvme_path[0]), run_dir, skip)
     with monkeypatch.context() as patch:
         recorder.install(patch)
         engine.save_checkpoint(run_dir)

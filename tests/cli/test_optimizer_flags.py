@@ -1,6 +1,7 @@
 """`--weight-decay`, `--adam-betas` and `--adam-eps` reach the engine: a tiered run with weight
 decay 0 ends bitwise equal to plain `torch.optim.AdamW` (one parameter group, weight decay 0, the
-same betas, eps, lr schedule, implementation, initial weights and batches); bad values are one sentence, exit 2."""
+same betas, eps, lr schedule, implementation, initial weights and batches); bad values are one
+sentence, exit 2."""
 
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ def test_optimizer_flags_reach_the_engine(tmp_path) -> None:
     assert exported.exit_code == 0, exported.output
 
     schedule = Config(total_steps=STEPS)
+    # fused rounds as the engine's does
     optimizer = torch.optim.AdamW(
         model.parameters(),
         lr=schedule.lr,
@@ -74,11 +76,11 @@ def test_optimizer_flags_reach_the_engine(tmp_path) -> None:
         eps=1e-6,
         weight_decay=0.0,
         **implementation(torch.device("cpu")),
-    )  # fused rounds as the engine's does
+    )
     data = TokenBatches(tokens, BATCH, SEQ, seed=0)
     for step in range(STEPS):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, schedule)
+            group["lr"] = lr_at(step, schedule.optimizer)
         model(*data.next_batch()).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -26,8 +26,11 @@ def test_a_prefetched_entry_gives_its_buffer_up_to_a_larger_put(tmp_path, monkey
 
     monkeypatch.setattr(BoundaryStore, "_spill", spill_at_once)
     (tmp_path / "nvme").mkdir()
+    config = Config(placement=NVME, nvme_path=[str(tmp_path / "nvme")])
     tiers = Tiers(
-        Config(placement=NVME, nvme_path=[str(tmp_path / "nvme")]),
+        config.tiering,
+        config.streaming,
+        config.formats,
         torch.device("cpu"),
         {Tier.NVME, Tier.HOST, Tier.GPU},
     ).open()

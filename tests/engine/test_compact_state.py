@@ -89,7 +89,7 @@ def test_the_nvme_store_holds_compact_pieces_that_zarr_reads(tmp_path: Path) -> 
         4 * PIECE // STATE_BLOCK + PIECE,
     )  # absmax, then codes
     packed = torch.from_numpy(np.asarray(array[:]))
-    formats = StateFormats.of(config)
+    formats = StateFormats.of(config.formats)
     assert torch.equal(formats.decode(StateKind.EXP_AVG, packed, torch.empty(b - a)), moment)
     # the attributes say how to decode it, with numpy alone
     layout, raw = array.attrs["tierzero"]["layout"], np.asarray(array[:])
@@ -123,7 +123,8 @@ def test_the_nvme_store_holds_compact_pieces_that_zarr_reads(tmp_path: Path) -> 
 def test_a_compact_run_resumes_bitwise(
     tmp_path: Path, placement: Placement, moments: str, master: str, dtype: str
 ) -> None:
-    """With bf16 compute a bf16 master is the param itself: no master key in the store or the checkpoint."""
+    """With bf16 compute a bf16 master is the param itself: no master key in the store or the
+    checkpoint."""
     data = batches()
     steps = [data.next_batch() for _ in range(4)]
     with _engine(_config(tmp_path / "a", placement, moments, master, dtype=dtype)) as engine:
@@ -198,7 +199,7 @@ def _refuses_int8_blocks_of_another_size(tmp_path: Path) -> None:
 def test_compact_state_moves_fewer_nvme_bytes_and_fp32_stays_torchs_adamw(tmp_path: Path) -> None:
     """fp32 state is the default and stays `torch.optim.AdamW` (the exact tests hold it bitwise);
     int8 moments and a bf16 master read and write 2 + 1 + 1 bytes of state per parameter, not 12."""
-    assert StateFormats.of(Config()).exact
+    assert StateFormats.of(Config().formats).exact
     moved = {}
     for moments, master in (("fp32", "fp32"), ("int8", "bf16")):
         data = batches()

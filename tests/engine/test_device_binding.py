@@ -2,9 +2,9 @@
 by a model of them (one RNG generator per GPU; `cuda` without an index means the calling
 thread's current device, as in torch), so a call that names no device picks the wrong one.
 
-Compared: the generator a unit's call seeds (forward and recompute alike) is its inputs' GPU's,
-with the forward's thread and autograd's thread having different current devices; and the device each
-of the tiers' I/O threads binds against the tiers' own.
+Compared: the generator a unit's call seeds (forward and recompute alike) is its inputs' GPU's, with
+the forward's thread and autograd's thread having different current devices; and the device each of
+the tiers' I/O threads binds against the tiers' own.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def test_the_tiers_io_threads_bind_the_engines_device(tmp_path, monkeypatch) -> 
         host_budget="64MiB",
         gpu_budget="64MiB",
     )
-    tiers = Tiers(cfg, torch.device("cpu"), {Tier.HOST}).open()
+    tiers = Tiers(cfg.tiering, cfg.streaming, cfg.formats, torch.device("cpu"), {Tier.HOST}).open()
     try:
         tiers.run(tiers.landed(None))  # an event that has happened: no thread needed for it
         tiers.run(tiers.io.wait_off_workers(lambda: None))

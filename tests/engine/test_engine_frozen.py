@@ -116,7 +116,8 @@ def test_lora_on_frozen_base_bitwise_loss_falls_only_adapters_change(tmp_path) -
 
 
 class SideBlock(nn.Module):
-    """A residual block whose `side` branch runs only when asked: its parameters then get no grad."""
+    """A residual block whose `side` branch runs only when asked: its parameters then get no
+    grad."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -219,7 +220,7 @@ def test_checkpoint_resume_and_export_keep_frozen_weights_and_step_counts(tmp_pa
             engine.train_step(b)
         straight = engine.master_state_dict()
     resumed_cfg = config(tmp_path, piece_numel=2048, total_steps=len(uses))
-    resumed_cfg.nvme_path = [str(tmp_path / "nvme2")]
+    resumed_cfg.tiering.nvme_path = [str(tmp_path / "nvme2")]
     with Engine(fresh, resumed_cfg) as engine:
         engine.load_checkpoint(tmp_path / "run")
         assert engine.param_steps.state_dict() == {

@@ -97,7 +97,10 @@ def test_a_budget_the_defaults_overflow_trains_with_smaller_pieces_bitwise(tmp_p
         cfg = wide_config(tmp_path / name, host_budget=budget, **kw)
         data = batches()
         with Engine(models.build(WIDE, device="meta", seed=cfg.seed), cfg) as engine:
-            assert (engine.config.piece_numel, engine.config.prefetch_depth) == (128 << 10, 1)
+            assert (
+                engine.config.streaming.piece_numel,
+                engine.config.streaming.prefetch_depth,
+            ) == (128 << 10, 1)
             for _ in range(2):
                 engine.train_step(data.next_batch())
             assert engine.tiers.peaks()["host"] <= budget
@@ -110,7 +113,10 @@ def test_a_budget_the_defaults_overflow_trains_with_smaller_pieces_bitwise(tmp_p
 
 def test_a_roomy_budget_keeps_the_defaults(tmp_path) -> None:
     engine = Engine(models.build(WIDE, device="meta"), wide_config(tmp_path, host_budget="1GiB"))
-    assert (engine.config.piece_numel, engine.config.prefetch_depth) == (16 << 20, 2)
+    assert (engine.config.streaming.piece_numel, engine.config.streaming.prefetch_depth) == (
+        16 << 20,
+        2,
+    )
 
 
 def test_below_the_least_setting_the_refusal_names_host_memory_and_its_need(tmp_path) -> None:
@@ -135,7 +141,10 @@ def test_the_issue_134m_untied_on_nvme_fits_512mib_of_host_memory(tmp_path) -> N
     )
     assert args.param_count() == 134_105_856 and not args.tie_embeddings
     engine = Engine(models.build(args, device="meta"), wide_config(tmp_path, host_budget="512MiB"))
-    assert (engine.config.piece_numel, engine.config.prefetch_depth) == (1 << 20, 1)
+    assert (engine.config.streaming.piece_numel, engine.config.streaming.prefetch_depth) == (
+        1 << 20,
+        1,
+    )
     assert engine.memory.needs()[Tier.HOST] <= 512 << 20
     with pytest.raises(
         ConfigError, match=r"need at least 1066\.8 MB of host memory with pieces of 16 Mi"

@@ -36,7 +36,9 @@ def host_home_dtypes(engine: Engine) -> set[torch.dtype]:
     return {
         store.view(key).dtype
         for unit in engine.units
-        for key, _, _ in state_keys(StateKind.GRAD, unit, 0, engine.config.piece_numel, Tier.HOST)
+        for key, _, _ in state_keys(
+            StateKind.GRAD, unit, 0, engine.config.streaming.piece_numel, Tier.HOST
+        )
     }
 
 

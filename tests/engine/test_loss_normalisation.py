@@ -135,7 +135,7 @@ def plain(
             (loss / k if k > 1 else loss).backward()
             step += loss.item() / k
         for group in opt.param_groups:
-            group["lr"] = lr_at(number, schedule)
+            group["lr"] = lr_at(number, schedule.optimizer)
         opt.step()
         opt.zero_grad()
         losses.append(step)

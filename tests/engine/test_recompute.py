@@ -1,4 +1,5 @@
-"""Recompute only what the budget forces (`tierzero.planning.recompute`, `engine.runtime.execute._KeptGraph`).
+"""Recompute only what the budget forces (`tierzero.planning.recompute`,
+`engine.runtime.execute._KeptGraph`).
 
 A block whose activations fit the compute device's budget keeps the autograd graph of its one
 forward until its backward instead of being recomputed. fp32, one rank: the weights are
@@ -65,7 +66,7 @@ def train(
     if chunk_bytes is not None:
         model.loss_chunk_bytes = chunk_bytes
     with Engine(model, cfg) as engine:
-        for _ in range(steps * cfg.accumulate):
+        for _ in range(steps * cfg.execution.accumulate):
             engine.train_micro_batch(data.next_batch())
         weights = engine.master_state_dict()
     monkeypatch.setattr(Block, "forward", forward)
@@ -154,7 +155,7 @@ def test_a_budget_for_one_block_keeps_the_last_one(tmp_path, monkeypatch) -> Non
         probe.tiers.host_budget - probe.memory.tiers[Tier.HOST].pool_bytes
     )  # what keeping could use
     per = probe.sizing.activations.recompute_bytes
-    budget = probe.config.host_budget - room + 3 * per // 2
+    budget = probe.config.tiering.host_budget - room + 3 * per // 2
     one = dataclasses.replace(config(fresh(tmp_path, "one"), placement), host_budget=budget)
     weights, engine, inputs, _ = train(one, monkeypatch, steps=2)
     assert engine.runner.kept == frozenset(

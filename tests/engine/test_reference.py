@@ -28,11 +28,11 @@ def test_validation_loss_drops_below_bound_on_default_corpus() -> None:
 
 def test_lr_schedule_warmup_then_cosine_to_floor() -> None:
     cfg = Config(lr=1.0, warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
-    lrs = [lr_at(s, cfg) for s in range(16)]
+    lrs = [lr_at(s, cfg.optimizer) for s in range(16)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert lrs[4] == 1.0 and lrs[9] == pytest.approx(0.55) and lrs[14] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
-    assert lr_at(7, Config(lr=0.5, lr_schedule="constant")) == 0.5
+    assert lr_at(7, Config(lr=0.5, lr_schedule="constant").optimizer) == 0.5
 
 
 def test_accumulation_steps_once_per_global_batch() -> None:

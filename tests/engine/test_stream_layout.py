@@ -1,11 +1,12 @@
 """The stream layout: which stream carries what, and who waits for it.
 
 Compared: a tied embedding's grad stash with the grad home on the device against plain PyTorch
-(bitwise) and against the bytes it moves (none: it never leaves the device); a host wait for
-one stream's copy against a stuck wait for another's (the waiter of one stream never holds up
-the other's); each stream's events named by their stream. On a GPU (`cuda`): the compute
-stream is the caller's current stream, and a device store copies what compute on a side stream
-wrote, not what the default stream saw (in both directions). And a look-ahead lease against a full pool, which never waits.
+(bitwise) and against the bytes it moves (none: it never leaves the device); a host wait for one
+stream's copy against a stuck wait for another's (the waiter of one stream never holds up the
+other's); each stream's events named by their stream. On a GPU (`cuda`): the compute stream is the
+caller's current stream, and a device store copies what compute on a side stream wrote, not what the
+default stream saw (in both directions). And a look-ahead lease against a full pool, which never
+waits.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def test_a_look_ahead_lease_takes_what_finished_jobs_freed_and_never_waits_for_o
         host_budget="1MiB",
         gpu_budget="1MiB",
     )
-    tiers = Tiers(cfg, torch.device("cpu"), {Tier.HOST}).open()
+    tiers = Tiers(cfg.tiering, cfg.streaming, cfg.formats, torch.device("cpu"), {Tier.HOST}).open()
     try:
         held = tiers.lease_host(1 << 20)
         finished: concurrent.futures.Future = concurrent.futures.Future()

@@ -1,4 +1,5 @@
-"""The vertical schedule (`tierzero.engine.vertical.schedule`) against plain PyTorch and the horizontal one.
+"""The vertical schedule (`tierzero.engine.vertical.schedule`) against plain PyTorch and the
+horizontal one.
 
 fp32, one rank: k micro-batches run unit by unit must leave parameters bitwise equal to
 `torch.optim.AdamW` with gradient accumulation (`reference_run`), for every placement, tied
@@ -34,11 +35,13 @@ UNTIED = dataclasses.replace(SMALL, tie_embeddings=False)
 def train(
     args, cfg: Config, steps: int = STEPS
 ) -> tuple[list[float], dict[str, torch.Tensor], Engine]:
-    """`steps` steps of `cfg.accumulate` micro-batches through `Engine.train_micro_batch`."""
+    """`steps` steps of `cfg.execution.accumulate` micro-batches through `Engine.train_micro_batch`."""
     data, losses = batches(), []
     with Engine(models.build(args, device="meta", seed=cfg.seed), cfg) as engine:
         for _ in range(steps):
-            micro = [engine.train_micro_batch(data.next_batch()) for _ in range(cfg.accumulate)]
+            micro = [
+                engine.train_micro_batch(data.next_batch()) for _ in range(cfg.execution.accumulate)
+            ]
             losses += [t.item() for t in micro]  # known once the step's last micro-batch has run
         weights = engine.master_state_dict()
     return losses, weights, engine

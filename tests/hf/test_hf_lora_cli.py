@@ -16,7 +16,7 @@ from tierzero.cli.app import app
 from typer.testing import CliRunner
 
 from tests.support.hf import sample_text
-from tierzero.config import RunConfig
+from tierzero.config import Evaluation
 from tierzero.run.corpus import TextTokenizer, read_corpus
 from tierzero.run.data import TokenBatches
 from tierzero.run.directory import read_metrics
@@ -49,9 +49,9 @@ COMMON = [
 
 def val_loss(model: torch.nn.Module, batches: TokenBatches) -> float:
     """The next-token cross-entropy over every validation token, as tierzero's evaluate (its
-    default set: the windows that hold RunConfig.eval_tokens tokens)."""
+    default set: the windows that hold Evaluation.eval_tokens tokens)."""
     with torch.no_grad():
-        val = batches.val_batches(RunConfig.eval_tokens)
+        val = batches.val_batches(Evaluation.eval_tokens)
         logits = torch.cat([model(input_ids=x).logits.float().flatten(0, 1) for x, _ in val])
         return F.cross_entropy(logits, torch.cat([y.flatten() for _, y in val])).item()
 

@@ -63,12 +63,15 @@ def plain_training(model_dir: Path, tokens: np.ndarray) -> tuple[list[float], to
     params = list(model.parameters())
     opt = torch.optim.AdamW(
         [
-            {"params": [p for p in params if decays(p)], "weight_decay": config.weight_decay},
+            {
+                "params": [p for p in params if decays(p)],
+                "weight_decay": config.optimizer.weight_decay,
+            },
             {"params": [p for p in params if not decays(p)], "weight_decay": 0.0},
         ],
         lr=LR,
-        betas=config.betas,
-        eps=config.eps,
+        betas=config.optimizer.betas,
+        eps=config.optimizer.eps,
     )
     batches = TokenBatches(tokens, BATCH, SEQ, seed=0)
     losses = []

@@ -107,12 +107,15 @@ def plain_run(model_dir: Path, lora: bool) -> tuple[list[float], dict[str, torch
     cfg = config(model_dir, schedule="horizontal")
     opt = torch.optim.AdamW(
         [
-            {"params": [p for p in params if decays(p)], "weight_decay": cfg.weight_decay},
+            {
+                "params": [p for p in params if decays(p)],
+                "weight_decay": cfg.optimizer.weight_decay,
+            },
             {"params": [p for p in params if not decays(p)], "weight_decay": 0.0},
         ],
-        lr=cfg.lr,
-        betas=cfg.betas,
-        eps=cfg.eps,
+        lr=cfg.optimizer.lr,
+        betas=cfg.optimizer.betas,
+        eps=cfg.optimizer.eps,
         **implementation(torch.device("cpu")),
     )
     data, losses = batches(), []
@@ -124,7 +127,7 @@ def plain_run(model_dir: Path, lora: bool) -> tuple[list[float], dict[str, torch
             (loss / K).backward()
             losses.append(loss.item())
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
+            group["lr"] = lr_at(step, cfg.optimizer)
         opt.step()
         opt.zero_grad()
     named = list(model.named_parameters(remove_duplicate=False))
@@ -138,7 +141,8 @@ def test_vertical_hf_with_dropout_is_bitwise_horizontal_and_plain_pytorch(
     model_dir = save_model("llama", tmp_path / "llama", attention_dropout=0.1)
     (tmp_path / "h").mkdir(), (tmp_path / "v").mkdir()
     h_losses, h_weights, h_on = engine_run(model_dir, tmp_path / "h", "horizontal", lora)
-    # room for two of the six waiting block inputs (full: and the tied embedding's grad): the rest spill
+    # room for two of the six waiting block inputs (full: and the tied embedding's grad): the
+    # rest spill
     budget = 4 * 2 * 32 * 64 * (2 if lora else 6)
     v_losses, v_weights, v_on = engine_run(
         model_dir, tmp_path / "v", "vertical", lora, activation_budget=budget

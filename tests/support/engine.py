@@ -56,7 +56,9 @@ def reference_run(
     """Losses and final fp32 weights of plain PyTorch training: the oracle."""
     trainer = ReferenceTrainer(models.build(args, seed=config.seed), config)
     data = batches(**batch_kw)
-    losses = [trainer.train_step(data.next_batch()) for _ in range(steps * config.accumulate)]
+    losses = [
+        trainer.train_step(data.next_batch()) for _ in range(steps * config.execution.accumulate)
+    ]
     return losses, trainer.master_state_dict()
 
 

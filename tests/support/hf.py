@@ -107,16 +107,20 @@ def hf_models(tmp_path_factory) -> dict[str, Path]:
 
 
 def plain_adamw(model: torch.nn.Module, config: Config) -> torch.optim.AdamW:
-    """torch's AdamW over a plain model, grouped by weight decay as the engine steps it: the oracle's optimizer."""
+    """torch's AdamW over a plain model, grouped by weight decay as the engine steps it: the
+    oracle's optimizer."""
     params = list(model.parameters())
     return torch.optim.AdamW(
         [
-            {"params": [p for p in params if decays(p)], "weight_decay": config.weight_decay},
+            {
+                "params": [p for p in params if decays(p)],
+                "weight_decay": config.optimizer.weight_decay,
+            },
             {"params": [p for p in params if not decays(p)], "weight_decay": 0.0},
         ],
-        lr=config.lr,
-        betas=config.betas,
-        eps=config.eps,
+        lr=config.optimizer.lr,
+        betas=config.optimizer.betas,
+        eps=config.optimizer.eps,
         **implementation(torch.device("cpu")),
     )
 
@@ -124,6 +128,6 @@ def plain_adamw(model: torch.nn.Module, config: Config) -> torch.optim.AdamW:
 def plain_step(opt: torch.optim.Optimizer, step: int, config: Config) -> None:
     """One optimizer step of the oracle at the schedule's lr for `step`, grads cleared after."""
     for group in opt.param_groups:
-        group["lr"] = lr_at(step, config)
+        group["lr"] = lr_at(step, config.optimizer)
     opt.step()
     opt.zero_grad()

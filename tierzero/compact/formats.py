@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tierzero.compact import codes as codes_mod
-from tierzero.config import STATE_BLOCK, TORCH_DTYPES, Config, DType, StateFormat, StateKind
+from tierzero.config import STATE_BLOCK, TORCH_DTYPES, DType, FormatSettings, StateFormat, StateKind
 from tierzero.storage.base import aligned_empty
 
 MOMENTS = (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
@@ -36,14 +36,14 @@ class StateFormats:
     master: DType = DType.FP32
     grad: DType = DType.FP32  # planned, not configured: `tierzero.planning.statebytes.grad_dtype`
 
-    def __post_init__(self) -> None:  # the spellings of `Config`'s fields, as enums
+    def __post_init__(self) -> None:  # the spellings of the config's fields, as enums
         object.__setattr__(self, "moments", StateFormat(self.moments))
         object.__setattr__(self, "master", DType(self.master))
         object.__setattr__(self, "grad", DType(self.grad))
 
     @classmethod
-    def of(cls, config: Config, grad: DType = DType.FP32) -> StateFormats:
-        return cls(config.optimizer_state, config.master, grad)
+    def of(cls, settings: FormatSettings, grad: DType = DType.FP32) -> StateFormats:
+        return cls(settings.optimizer_state, settings.master, grad)
 
     @property
     def exact(self) -> bool:
@@ -89,7 +89,8 @@ class StateFormats:
         return aligned_empty(self.stored_numel(kind, numel), self.dtype(kind))
 
     def encode(self, kind: StateKind, values: torch.Tensor) -> torch.Tensor:
-        """fp32 `values` (one piece, CPU) as stored: rounded to the nearest for bf16, quantised for int8."""
+        """fp32 `values` (one piece, CPU) as stored: rounded to the nearest for bf16, quantised for
+        int8."""
         out = self.empty(kind, values.numel())
         if not self.quantised(kind):
             return out.copy_(values)

@@ -16,13 +16,13 @@ result does not depend on where a sub-block or vector lane cuts: the step equals
 formula applied to the whole decoded piece in plain PyTorch, bitwise (tests hold this).
 torch's own fused kernel rounds differently, which is why fp32 state keeps it instead.
 
-bf16 master weights and bf16 moments are written with stochastic rounding (see
-docs/design.md, "Compact optimizer state"): the fp32 result's low 16 bits plus 16 random bits,
-truncated, rounds up with probability equal to the discarded fraction, so updates far below a
-bf16 ulp still move the weight in expectation. int8 moments round stochastically between the
-two codes around a value with the same 16 bits (`codes.quantise`). The random bits are a hash
-of (seed, step count, unit, state kind, the value's position in the unit's flat buffer) -- no generator state, so a
-resumed run draws the very bits the uninterrupted one would, whatever the piece size.
+bf16 master weights and bf16 moments are written with stochastic rounding (see docs/design.md,
+"Compact optimizer state"): the fp32 result's low 16 bits plus 16 random bits, truncated, rounds up
+with probability equal to the discarded fraction, so updates far below a bf16 ulp still move the
+weight in expectation. int8 moments round stochastically between the two codes around a value with
+the same 16 bits (`codes.quantise`). The random bits are a hash of (seed, step count, unit, state
+kind, the value's position in the unit's flat buffer) -- no generator state, so a resumed run draws
+the very bits the uninterrupted one would, whatever the piece size.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 from tierzero.compact import codes as codes_mod
 from tierzero.compact import cpu_step
 from tierzero.compact.formats import StateFormats, split
-from tierzero.config import STATE_BLOCK, Config, StateKind
+from tierzero.config import STATE_BLOCK, Config, OptimizerSettings, StateKind
 
 SUB_BLOCK = {
     "cpu": 1 << 18,
@@ -68,16 +68,18 @@ class CompactStep:
     def __init__(
         self,
         formats: StateFormats,
-        config: Config,
+        optimizer: OptimizerSettings,
+        seed: int,
         device: torch.device,
         kernel: bool | Callable = True,
     ) -> None:
         """`kernel`: True steps CPU pieces with the compiled kernel where it is available
         (`cpu_kernel()`), False always with torch's ops (the fallback, which tests and
         benchmarks compare it with); a callable is the kernel to use (`cpu_kernel` checks one
-        so)."""
+        so); `seed` draws the stochastic rounding's bits (the run's seed)."""
         self.formats = formats
-        self.config = config
+        self.optimizer = optimizer
+        self.seed = seed
         self.device = device
         self.kernel = kernel if device.type == "cpu" else False
         self.block = SUB_BLOCK.get(device.type, SUB_BLOCK["cpu"])
@@ -123,9 +125,9 @@ class CompactStep:
             if run is None:
                 self._step_torch(tensors, spans, lr, unit, origin)
                 return
-            scalars = [adamw_scalars(wd, k, lr, self.config) for _, _, wd, k in spans]
+            scalars = [adamw_scalars(wd, k, lr, self.optimizer) for _, _, wd, k in spans]
             keys = [
-                [stream_key(self.config.seed, k + 1, unit, kind) for kind in cpu_step.STATES]
+                [stream_key(self.seed, k + 1, unit, kind) for kind in cpu_step.STATES]
                 for _, _, _, k in spans
             ]
             cpu_step.step_piece(
@@ -167,7 +169,7 @@ class CompactStep:
                     wd,
                     k,
                     lr,
-                    self.config,
+                    self.optimizer,
                     scratch["t1"][: b - a],
                     scratch["t2"][: b - a],
                 )
@@ -224,9 +226,7 @@ class CompactStep:
             # or their nearest code (half the gap), which is the code they were decoded from
             bits.fill_(codes_mod.HALF_GAP if quantised else 0)
         for a, b, _, k in inside:
-            random_bits(
-                self.config.seed, k + 1, unit, kind, origin + s + a, b - a, scratch, bits[a:b]
-            )
+            random_bits(self.seed, k + 1, unit, kind, origin + s + a, b - a, scratch, bits[a:b])
         if quantised:
             absmax, codes = split(stored, numel)
             codes_mod.quantise(
@@ -278,8 +278,12 @@ def _check(run: Callable) -> None:
     probe = {kind: formats.encode(kind, v) for kind, v in values.items()}
     probe[StateKind.GRAD] = torch.randn(numel, generator=g) * 1e-2
     fast = {kind: t.clone() for kind, t in probe.items()}
-    CompactStep(formats, config, torch.device("cpu"), kernel=False).step(probe, spans, 1e-3, 0, 0)
-    CompactStep(formats, config, torch.device("cpu"), kernel=run).step(fast, spans, 1e-3, 0, 0)
+    CompactStep(formats, config.optimizer, 0, torch.device("cpu"), kernel=False).step(
+        probe, spans, 1e-3, 0, 0
+    )
+    CompactStep(formats, config.optimizer, 0, torch.device("cpu"), kernel=run).step(
+        fast, spans, 1e-3, 0, 0
+    )
     if not all(torch.equal(probe[kind], fast[kind]) for kind in probe):
         raise KernelMismatch("its results differ from torch's ops on this machine")
 
@@ -295,12 +299,14 @@ def scratch_nbytes(device_type: str) -> int:
     return 4 * block * (len(F32_SCRATCH) + len(INT_SCRATCH) + 1) + codes_mod.Scratch.nbytes(block)
 
 
-def adamw_scalars(weight_decay: float, step: int, lr: float, config: Config) -> tuple[float, ...]:
+def adamw_scalars(
+    weight_decay: float, step: int, lr: float, optimizer: OptimizerSettings
+) -> tuple[float, ...]:
     """The Python floats `adamw_math` multiplies, divides and adds by, in one place for both
     paths (torch converts each to fp32 before its op; the CPU kernel is handed them so):
     decay factor, beta1, 1 - beta1, beta2, 1 - beta2, the root of the second moment's bias
     correction, eps, and the step size lr / (first moment's bias correction)."""
-    beta1, beta2 = config.betas
+    beta1, beta2 = optimizer.betas
     t = step + 1
     return (
         1 - lr * weight_decay,
@@ -309,7 +315,7 @@ def adamw_scalars(weight_decay: float, step: int, lr: float, config: Config) -> 
         beta2,
         1 - beta2,
         math.sqrt(1 - beta2**t),
-        config.eps,
+        optimizer.eps,
         lr / (1 - beta1**t),
     )
 
@@ -322,14 +328,14 @@ def adamw_math(
     weight_decay: float,
     step: int,
     lr: float,
-    config: Config,
+    optimizer: OptimizerSettings,
     t1: torch.Tensor,
     t2: torch.Tensor,
 ) -> None:
     """torch's AdamW update of fp32 views, in place, as single-rounding elementwise ops; `step`
     updates already applied; `t1`, `t2`: scratch of the views' length."""
     decay, beta1, one_minus_beta1, beta2, one_minus_beta2, root, eps, step_size = adamw_scalars(
-        weight_decay, step, lr, config
+        weight_decay, step, lr, optimizer
     )
     if weight_decay:
         p.mul_(decay)

@@ -83,7 +83,8 @@ _NUMERIC_FIELDS = (
 
 
 def numeric_config_hash(config: Config) -> str:
-    return config_hash({f: getattr(config, f) for f in _NUMERIC_FIELDS})
+    flat = config.flat()
+    return config_hash({f: flat[f] for f in _NUMERIC_FIELDS})
 
 
 def save(
@@ -101,10 +102,10 @@ def save(
     place once all have. A rank that fails leaves no `step-<N>`: the last complete one stays.
     """
     comm = engine.comm
-    if not engine.state.between_steps(engine.config.accumulate):
+    if not engine.state.between_steps(engine.config.execution.accumulate):
         raise TierzeroError(
-            f"a checkpoint needs a finished optimizer step, but {engine.state.micro % engine.config.accumulate} "
-            f"of {engine.config.accumulate} micro-batches are accumulated; save after step()"
+            f"a checkpoint needs a finished optimizer step, but {engine.state.micro % engine.config.execution.accumulate} "
+            f"of {engine.config.execution.accumulate} micro-batches are accumulated; save after step()"
         )
     tiers = engine.tiers
     tiers.pending.drain()
@@ -183,7 +184,7 @@ def _write_shards(engine: EngineParts, temp: Path) -> tuple[dict[str, ShardMeta]
                     arrays[key] = write_array(
                         dst,
                         part,
-                        engine.config.chunk_bytes,
+                        engine.config.streaming.chunk_bytes,
                         engine.shards.formats.layout(key, part),
                     )
                     copied += part.numel() * part.element_size()
@@ -264,10 +265,10 @@ def restore(engine: EngineParts, path: Path, manifest: Manifest) -> None:
     missing = [key for _, _, key in wanted if key not in manifest.arrays]
     if missing:
         written = manifest.engine.get("piece_numel")
-        if written is not None and written != engine.config.piece_numel:
+        if written is not None and written != engine.config.streaming.piece_numel:
             raise CheckpointError(
                 f"{path} was written with pieces of {written} elements and this engine "
-                f"streams {engine.config.piece_numel}; build it with piece_numel={written}"
+                f"streams {engine.config.streaming.piece_numel}; build it with piece_numel={written}"
             )
         raise CheckpointError(
             f"{path / MANIFEST_NAME} lists no array {missing[0]!r}: the checkpoint is "
@@ -323,10 +324,10 @@ def _check_formats(engine: EngineParts, manifest: Manifest, path: Path) -> None:
             f"{theirs[field]})"
         )
     base = manifest.engine.get("quantize_base", "none")
-    if base != engine.config.quantize_base:  # the params' stored layout differs
+    if base != engine.config.formats.quantize_base:  # the params' stored layout differs
         raise CheckpointError(
             f"{path} stores the frozen base with --quantize-base {base} and "
-            f"this engine with {engine.config.quantize_base}; resume with "
+            f"this engine with {engine.config.formats.quantize_base}; resume with "
             f"--quantize-base {base}"
         )
     block = manifest.engine.get("int8_block", LEGACY_INT8_BLOCK)
@@ -347,11 +348,12 @@ def _settings_note(path: Path, manifest: Manifest, config: Config) -> str:
             f"{path.name} was written with other optimizer or precision settings; the resumed run will "
             "not match an uninterrupted one"
         )
-    changed = [f for f in _NUMERIC_FIELDS if _plain(saved.get(f)) != _plain(getattr(config, f))]
+    flat = config.flat()
+    changed = [f for f in _NUMERIC_FIELDS if _plain(saved.get(f)) != _plain(flat[f])]
     if changed == ["total_steps"]:
-        which = "longer" if config.total_steps > saved["total_steps"] else "shorter"
+        which = "longer" if config.optimizer.total_steps > saved["total_steps"] else "shorter"
         return (
-            f"the lr schedule now spans {config.total_steps} steps, not the {saved['total_steps']} of the run "
+            f"the lr schedule now spans {config.optimizer.total_steps} steps, not the {saved['total_steps']} of the run "
             f"that wrote {path.name} (--steps changed): from here the lr follows the {which} schedule"
         )
     return (
@@ -373,10 +375,10 @@ def _engine_state(engine: EngineParts) -> dict[str, Any]:
         **engine.state.to_dict(),
         "scaler": engine.scaler.state_dict(),
         "skipped_updates": engine.param_steps.state_dict(),
-        "piece_numel": engine.config.piece_numel,
+        "piece_numel": engine.config.streaming.piece_numel,
         **engine.shards.formats.describe(),
         "int8_block": STATE_BLOCK,
-        "quantize_base": engine.config.quantize_base,
+        "quantize_base": engine.config.formats.quantize_base,
         **({"nf4_weights": recorded_weights(coded)} if (coded := engine.shards.coded) else {}),
     }
 

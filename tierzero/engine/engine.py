@@ -133,14 +133,19 @@ class Engine:
     ) -> torch.Tensor:
         """One micro-batch's loss (with grad: for `backward`), divided as `loss_divisor` says for `step_tokens`."""
         p = self.parts
-        divisor = loss_divisor(step_tokens, summed, p.config.accumulate, p.comm.world_size)
+        divisor = loss_divisor(
+            step_tokens, summed, p.config.execution.accumulate, p.comm.world_size
+        )
         self._settle()
         o = self.opened
         training = torch.is_grad_enabled()
         if training:
             self.vertical.horizontal()
             self._stepper.reserve_activations(batch, vertical=bool(self.vertical.on))
-            o.runner.position = p.state.step_count, p.state.micro % p.config.accumulate  # its draws
+            o.runner.position = (
+                p.state.step_count,
+                p.state.micro % p.config.execution.accumulate,
+            )  # its draws
         o.swap_runner.begin(o.train_plan if training else o.eval_plan)
         root = p.units[0]
         try:
@@ -161,7 +166,7 @@ class Engine:
         """Backprop one micro-batch; every unit's grad is accumulated into its home tier."""
         self._usable()
         p, o = self.parts, self.opened
-        accumulate, state = p.config.accumulate, p.state
+        accumulate, state = p.config.execution.accumulate, p.state
         last = state.ends_step(accumulate)
         scale = p.scaler.scale
         self._blocks.refuse_closed(loss)

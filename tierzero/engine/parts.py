@@ -59,18 +59,20 @@ class EngineParts:
     def build(cls, model: nn.Module, config: Config) -> EngineParts:
         """Partition `model`, decide where its state lives and how it streams, size the
         (unopened) tiers' pools and make the shards: validation only, nothing is allocated or written."""
-        device = config.resolved_device()
-        dtype = compute_dtype(resolve_dtype(config.dtype, device), device)
-        comm = Comm(device, TORCH_DTYPES[config.grad_reduce_dtype])
+        device = config.tiering.resolved_device()
+        dtype = compute_dtype(resolve_dtype(config.precision.dtype, device), device)
+        comm = Comm(device, TORCH_DTYPES[config.partitioning.grad_reduce_dtype])
         local_ranks = local_world_size(comm)
-        units = partition(model, comm.world_size, config.units)
+        units = partition(model, comm.world_size, config.streaming.units)
         scaler = DynamicLossScaler(
-            config.loss_scale, config.loss_scale_window, enabled=dtype == torch.float16
+            config.precision.loss_scale,
+            config.precision.loss_scale_window,
+            enabled=dtype == torch.float16,
         )
         overlap = resolve_overlap(config, scaler.enabled)
         sizing = Sizing(config, device, dtype, units, comm.world_size, local_ranks, overlap)
         placement = sizing.placement(
-            config.stage or 3
+            config.partitioning.stage or 3
         )  # `offload auto`: for the forced stage, else stage 3's
         check_runnable(placement)
         stage, stage_reason = sizing.stage(placement)
@@ -78,7 +80,9 @@ class EngineParts:
         replicate_params(units, stage <= 2)
         transfers = TransferStats()
         tiers = Tiers(
-            config,
+            config.tiering,
+            config.streaming,
+            config.formats,
             device,
             {placement.home(k) for k in StateKind},
             comm.rank if comm.world_size > 1 else None,
@@ -88,7 +92,13 @@ class EngineParts:
         tiers.check_paths()  # reads metadata only: `open` makes the directories
         coded = coded_base(config, units, placement.param, comm.world_size, dtype)
         shards = Shards(
-            tiers, placement, comm.rank, config.piece_numel, dtype, sizing.grad_dtype, coded
+            tiers,
+            placement,
+            comm.rank,
+            config.streaming.piece_numel,
+            dtype,
+            sizing.grad_dtype,
+            coded,
         )
         sizing.check(
             tiers, placement, stage
@@ -121,7 +131,7 @@ class EngineParts:
 
     @property
     def piece_numel(self) -> int:
-        return self.config.piece_numel
+        return self.config.streaming.piece_numel
 
     @property
     def grad_dtype(self) -> torch.dtype:

@@ -67,8 +67,8 @@ class Sizing:
         self.given = [
             name
             for name, v in (
-                ("piece_numel", self.config.piece_numel),
-                ("--prefetch-depth", self.config.prefetch_depth),
+                ("piece_numel", self.config.streaming.piece_numel),
+                ("--prefetch-depth", self.config.streaming.prefetch_depth),
             )
             if v is not None
         ]
@@ -80,12 +80,16 @@ class Sizing:
     @property
     def formats(self) -> StateBytes:
         """How this run stores its master and moments, as the memory model counts them."""
-        return StateBytes.for_compute(self.config.optimizer_state, self.config.master, self.compute)
+        return StateBytes.for_compute(
+            self.config.formats.optimizer_state, self.config.formats.master, self.compute
+        )
 
     @property
     def grad_dtype(self) -> DType:
         """The dtype grads leave the device in and rest in their home (`statebytes.grad_dtype`)."""
-        return grad_dtype(self.compute, self.config.accumulate, self.config.schedule)
+        return grad_dtype(
+            self.compute, self.config.execution.accumulate, self.config.execution.schedule
+        )
 
     def workload(
         self,
@@ -97,7 +101,7 @@ class Sizing:
         `streaming` (default: the ladder's top where the config leaves a setting open): what the
         memory model and the planner are asked about, as `tierzero plan` asks them."""
         c = self.config
-        s = streaming or ladder(c.piece_numel, c.prefetch_depth)[0]
+        s = streaming or ladder(c.streaming.piece_numel, c.streaming.prefetch_depth)[0]
         grad_itemsize = TORCH_DTYPES[self.grad_dtype].itemsize
         return Workload.from_units(
             self.units,
@@ -107,9 +111,9 @@ class Sizing:
             prefetch_depth=s.prefetch_depth,
             piece_numel=s.piece_numel,
             overlap=self.overlap,
-            overlap_comm=c.overlap_comm,
+            overlap_comm=c.partitioning.overlap_comm,
             stage=stage,
-            accumulate=c.accumulate,
+            accumulate=c.execution.accumulate,
             activations=activations,
             formats=self.formats,
         )
@@ -130,16 +134,19 @@ class Sizing:
         choice they made before (placement, stage, streaming); a forced stage they do not fit
         is refused where stage 3 fits them."""
         c = self.config
-        if self._walks is None and None not in (c.piece_numel, c.prefetch_depth):
+        if self._walks is None and None not in (
+            c.streaming.piece_numel,
+            c.streaming.prefetch_depth,
+        ):
             self._walks = False  # nothing left open
         elif self._walks is None:
             from tierzero.planning.placement import candidate_placements
 
-            auto = c.placement is None and c.offload is Offload.AUTO
+            auto = c.tiering.placement is None and c.tiering.offload is Offload.AUTO
             at_defaults = self.workload(3)  # the ladder's top, the values given kept
             self._walks = not any(
                 _fits(peak_memory(at_defaults, p).per_rank(), self.budgets())
-                for p in (candidate_placements() if auto else [c.resolved_placement()])
+                for p in (candidate_placements() if auto else [c.tiering.resolved_placement()])
             )
         return self._walks
 
@@ -150,7 +157,7 @@ class Sizing:
         shortfall was counted at (`check` then refuses it with the figures)."""
         c = self.config
         if not self.walks():
-            return ladder(c.piece_numel, c.prefetch_depth)[0]
+            return ladder(c.streaming.piece_numel, c.streaming.prefetch_depth)[0]
         memory_budgets = {
             t: b for t, b in self.budgets().items() if t is not Tier.NVME
         }  # streaming saves no disk
@@ -158,8 +165,8 @@ class Sizing:
             self.workload(stage),
             placement,
             memory_budgets,
-            piece_numel=c.piece_numel,
-            prefetch_depth=c.prefetch_depth,
+            piece_numel=c.streaming.piece_numel,
+            prefetch_depth=c.streaming.prefetch_depth,
             per_rank=True,
         )
         return choice.streaming if isinstance(choice, Shortfall) else choice
@@ -168,8 +175,8 @@ class Sizing:
         """The config with the piece size and prefetch depth this rank runs with at `placement`
         and `stage` (`streaming`), which sizing and the engine use from then on."""
         s = self.streaming(placement, stage)
-        self.config = dataclasses.replace(
-            self.config, piece_numel=s.piece_numel, prefetch_depth=s.prefetch_depth
+        self.config = self.config.replace(
+            piece_numel=s.piece_numel, prefetch_depth=s.prefetch_depth
         )
         return self.config
 
@@ -177,19 +184,22 @@ class Sizing:
         """This rank's budget per tier, as `offload auto` and the stage choice weigh them."""
         host, gpu = default_budgets(self.device, self.local_ranks)
         budgets = {
-            Tier.HOST: self.config.host_budget or host,
-            Tier.GPU: self.config.gpu_budget or gpu,
-            Tier.NVME: self.nvme_free() * len(self.config.nvme_path) // self.local_ranks,
+            Tier.HOST: self.config.tiering.host_budget or host,
+            Tier.GPU: self.config.tiering.gpu_budget or gpu,
+            Tier.NVME: self.nvme_free() * len(self.config.tiering.nvme_path) // self.local_ranks,
         }
-        if self.device.type == "cpu" and self.config.gpu_budget is None:
+        if self.device.type == "cpu" and self.config.tiering.gpu_budget is None:
             del budgets[Tier.GPU]  # the gpu tier is host memory, inside the host budget
         return budgets
 
     def placement(self, stage: int) -> Placement:
         """The configured placement, or for `offload auto` the planner's best among those whose
         peaks at `stage` fit the budgets."""
-        if self.config.placement is not None or self.config.offload is not Offload.AUTO:
-            return self.config.resolved_placement()
+        if (
+            self.config.tiering.placement is not None
+            or self.config.tiering.offload is not Offload.AUTO
+        ):
+            return self.config.tiering.resolved_placement()
         from tierzero.planning.placement import candidate_placements, choose_placement, load_profile
 
         budgets = self.budgets()
@@ -216,7 +226,9 @@ class Sizing:
             host_budget=None,
             nvme_free=None,
             candidates=fitting,
-            profile=load_profile(self.config.profile) if self.config.profile else None,
+            profile=load_profile(self.config.tiering.profile)
+            if self.config.tiering.profile
+            else None,
         ).placement
 
     def stage(self, placement: Placement) -> tuple[int, str]:
@@ -226,7 +238,7 @@ class Sizing:
         three are the same run)."""
         from tierzero.planning.placement import choose_stage
 
-        forced = self.config.stage
+        forced = self.config.partitioning.stage
         if self.world_size == 1:
             return forced or 3, "one rank"
         budgets = self.budgets()
@@ -245,7 +257,7 @@ class Sizing:
         return choose_stage(
             lambda stage: _fits(self.memory(placement, stage), budgets),
             self.world_size,
-            self.config.accumulate,
+            self.config.execution.accumulate,
             forced,
         )
 
@@ -269,11 +281,13 @@ class Sizing:
         if Tier.NVME in {placement.home(k) for k in StateKind}:
             free = self.nvme_free()  # the ranks on this machine share its drives
             total = (
-                memory.tiers[Tier.NVME].homes_bytes * self.local_ranks // len(self.config.nvme_path)
+                memory.tiers[Tier.NVME].homes_bytes
+                * self.local_ranks
+                // len(self.config.tiering.nvme_path)
             )
             if total > free:
                 raise ConfigError(
-                    f"nvme path {self.config.nvme_path[0]} has {free / 1e9:.2f} GB free but "
+                    f"nvme path {self.config.tiering.nvme_path[0]} has {free / 1e9:.2f} GB free but "
                     f"the offloaded state needs {total / 1e9:.2f} GB per path; free space "
                     "or add another --nvme-path"
                 )
@@ -319,7 +333,7 @@ class Sizing:
             and tokens.dim() == 2
             and tokens.shape[1] <= args.max_seq_len
         )
-        if (not builtin or vertical) and self.config.recompute is Recompute.NONE:
+        if (not builtin or vertical) and self.config.execution.recompute is Recompute.NONE:
             raise ConfigError(
                 "--recompute none keeps the activations the built-in model's shape counts, in the "
                 "horizontal schedule only; use --recompute auto or all for this model or schedule"
@@ -353,7 +367,7 @@ class Sizing:
             tier
         ].pool_bytes
         self.kept = choose_kept(
-            self.config.recompute, self.units, act, room, forward_only(self.units)
+            self.config.execution.recompute, self.units, act, room, forward_only(self.units)
         )
         if not self.kept:
             return memory
@@ -389,7 +403,7 @@ class Sizing:
 
     def nvme_free(self) -> int:
         """Free bytes on the fullest nvme path (shards stripe evenly across the paths)."""
-        return free_disk_bytes(self.config.nvme_path)
+        return free_disk_bytes(self.config.tiering.nvme_path)
 
 
 def _check_pools(
@@ -399,7 +413,7 @@ def _check_pools(
     figure, naming the tier as the user knows it (on the CPU device the host budget is all host
     memory), the piece size and prefetch depth it was counted at (resolved in `config`: the
     least tierzero chooses unless `given` or the batch is the reason), and the fixes left."""
-    streaming = Streaming(config.piece_numel, config.prefetch_depth)
+    streaming = Streaming(config.streaming.piece_numel, config.streaming.prefetch_depth)
     least = not given and not why and streaming == ladder()[-1]
     budgets = {
         Tier.HOST: (tiers.host_budget, "--host-budget"),
@@ -476,16 +490,16 @@ def resolve_overlap(config: Config, fp16: bool) -> bool:
     for (each fired clip re-steps every unit from its kept generation, `Stepper`), and on
     by default when the user opts in to clipping by the previous step's norm (`clip_previous_norm`).
     """
-    clip = config.clip_grad_norm is not None
-    if config.clip_previous_norm and not clip:
+    clip = config.optimizer.clip_grad_norm is not None
+    if config.optimizer.clip_previous_norm and not clip:
         raise ConfigError("clip_previous_norm needs clip_grad_norm; set both or neither")
-    if config.overlap_step and fp16:
+    if config.execution.overlap_step and fp16:
         raise ConfigError(
             "overlap_step cannot be exact with fp16: each unit's step would need the "
             "overflow check first; turn one of them off"
         )
-    free = not fp16 and (not clip or config.clip_previous_norm)
-    return free if config.overlap_step is None else config.overlap_step
+    free = not fp16 and (not clip or config.optimizer.clip_previous_norm)
+    return free if config.execution.overlap_step is None else config.execution.overlap_step
 
 
 def check_runnable(placement: Placement) -> None:

@@ -130,9 +130,9 @@ def coded_base(
     world_size: int,
     dtype: torch.dtype,
 ) -> dict[int, CodedShard]:
-    """The units `config.quantize_base` stores coded (none without it), or a refusal naming
+    """The units `config.formats.quantize_base` stores coded (none without it), or a refusal naming
     what an NF4 base needs: bitsandbytes, a frozen base, one rank, params homed off the GPU."""
-    if config.quantize_base == "none":
+    if config.formats.quantize_base == "none":
         return {}
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError(
@@ -149,7 +149,7 @@ def coded_base(
             "each unit on the GPU as it is fetched, but this plan keeps params on "
             "the GPU; pass --offload host or --offload nvme"
         )
-    found = coded_shards(units, 0, config.piece_numel, dtype)
+    found = coded_shards(units, 0, config.streaming.piece_numel, dtype)
     if not found:
         raise ConfigError(
             "--quantize-base nf4 stores a frozen base's linear weights in 4 bits, "

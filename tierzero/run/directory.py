@@ -23,7 +23,6 @@ against its own store, from any working directory. Paths outside it are stored a
 
 from __future__ import annotations
 
-import copy
 import errno
 import json
 import os
@@ -37,7 +36,7 @@ from typing import Any
 from tierzero.checkpoint import lineage
 from tierzero.checkpoint.catalog import CHECKPOINTS_DIR, checkpoint_dirs, move_aside
 from tierzero.checkpoint.files import read_regular
-from tierzero.config import Config, RunConfig
+from tierzero.config import FormatSettings, RunConfig
 from tierzero.configfile import read_toml, to_toml
 from tierzero.errors import ConfigError, RunDirError
 from tierzero.storage.durable import write_atomic
@@ -166,9 +165,7 @@ class RunDir:
         if not self.primary:
             return
         assert self.run_id is not None, "RunDir.start() first"
-        saved = copy.copy(run)
-        saved.engine = copy.copy(run.engine)
-        saved.engine.nvme_path = [self._stored_path(p) for p in run.engine.nvme_path]
+        saved = run.replace(nvme_path=[self._stored_path(p) for p in run.engine.tiering.nvme_path])
         text = f"# run-id: {self.run_id}\n{to_toml(saved)}"
         try:
             write_atomic(self.path / CONFIG_NAME, text.encode())
@@ -316,13 +313,11 @@ def never_configured(path: str | os.PathLike) -> str | None:
             f"run directory '{path}' holds checkpoints but no {CONFIG_NAME}: restore it (every "
             "checkpoint's manifest.json records it as config_toml), or start over with --overwrite"
         )
+    if not started:
+        return None
     return (
-        (
-            f"run directory '{path}' was started but never configured (it has {', '.join(started)} but no "
-            f"{CONFIG_NAME}): start it again with --overwrite"
-        )
-        if started
-        else None
+        f"run directory '{path}' was started but never configured (it has "
+        f"{', '.join(started)} but no {CONFIG_NAME}): start it again with --overwrite"
     )
 
 
@@ -430,8 +425,8 @@ def refuse_other_state_format(path: Path, run: RunConfig) -> None:
     saved = read_toml(saved_path)
     for key, (flag, what) in _STATE_FORMAT_FLAGS.items():
         was, now = (
-            str(saved.get(key, getattr(Config, key).value)).lower(),
-            getattr(run.engine, key).value,
+            str(saved.get(key, getattr(FormatSettings, key).value)).lower(),
+            getattr(run.engine.formats, key).value,
         )
         if now != was:
             raise ConfigError(

@@ -20,7 +20,7 @@ import contextlib
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -72,11 +72,11 @@ def open_inference(
     run, checkpoint = _source(model, run_dir, overrides)
     folder = _store_dir(store, run_dir)
     try:
-        run.engine.nvme_path = [str(folder)]
+        run = run.replace(nvme_path=[str(folder)])
         loaded = run_model(run)
         with _frozen_engine(run, loaded, checkpoint) as eng:
             step, skipped = (checkpoint[1].step, checkpoint[2]) if checkpoint else (None, [])
-            framing = framing_of(run.data) if checkpoint is not None else Framing.TEXT
+            framing = framing_of(run.corpus.data) if checkpoint is not None else Framing.TEXT
             notes = [*loaded.notes, *skipped, *eng.notes()]
             yield Inference(
                 Decoder.through(eng), Codec.for_model(loaded), run.model, framing, step, notes
@@ -111,20 +111,20 @@ def _source(
 
 def _check_device(config: Config) -> None:
     """Refuse a device this torch cannot use, or a dtype it cannot compute in, in one line."""
-    if config.device is not None:
+    if config.tiering.device is not None:
         try:
-            device = torch.device(config.device)
+            device = torch.device(config.tiering.device)
         except RuntimeError:
             raise ConfigError(
-                f"--device '{config.device}' is not a device; write cpu or cuda:0"
+                f"--device '{config.tiering.device}' is not a device; write cpu or cuda:0"
             ) from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(
-                f"--device {config.device} needs a GPU this torch can see, and it sees none; "
+                f"--device {config.tiering.device} needs a GPU this torch can see, and it sees none; "
                 "drop --device to run on the CPU"
             )
-    device = config.resolved_device()
-    check_dtype_supported(resolve_dtype(config.dtype, device), device)
+    device = config.tiering.resolved_device()
+    check_dtype_supported(resolve_dtype(config.precision.dtype, device), device)
 
 
 def _store_dir(store: str | Path | None, run_dir: str | Path | None) -> Path:
@@ -175,9 +175,8 @@ def _run_config(run_dir: Path, overrides: dict[str, Any]) -> RunConfig:
     run = load_run_config(run_dir / CONFIG_NAME)
     # the step's formats and schedule mean nothing to frozen params; the run's budgets do
     # a placement the run named gives way to an offload given here (generate's default: auto)
-    placement = None if "offload" in overrides else run.engine.placement
-    run.engine = replace(
-        run.engine,
+    placement = None if "offload" in overrides else run.engine.tiering.placement
+    run = run.replace(
         optimizer_state="fp32",
         master="fp32",
         accumulate=1,
@@ -205,13 +204,9 @@ class CheckpointUnits:
             if isinstance(which, str)
             else which + 1
         )
-        for (
-            read,
-            flat,
-        ) in self.units:  # the units before `index` had nothing to take (a root's blocks)
-            if read == index:
-                break
-        else:
+        # the units before `index` had nothing to take (a root's blocks)
+        flat = next((flat for read, flat in self.units if read == index), None)
+        if flat is None:
             raise CheckpointError(
                 f"checkpoint step {self.manifest.step} has no unit {index} for the model's "
                 f"{which}; was the run's config.toml changed?"

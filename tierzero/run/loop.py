@@ -82,7 +82,8 @@ def evaluate(
 
 
 def eval_record(loss: float) -> dict[str, float]:
-    """An evaluation's metrics: its loss and perplexity (exp of the loss; inf past a float's range)."""
+    """An evaluation's metrics: its loss and perplexity (exp of the loss; inf past a float's
+    range)."""
     return {"eval_loss": loss, "eval_ppl": math.exp(loss) if loss < 700 else math.inf}
 
 
@@ -100,27 +101,27 @@ def train_loop(
     samples: Callable[[int], None] | None = None,
 ) -> LoopResult:
     """Run optimizer steps `start_step + 1 .. run.steps` of `accumulate` micro-batches each,
-    logging every step; `checkpoint(step)` runs every `run.checkpoint_every` steps and at the end,
+    logging every step; `checkpoint(step)` runs every `run.checkpoints.checkpoint_every` steps and at the end,
     `samples(step)` after every step (it generates when due: `tierzero.run.samples`).
     With several ranks `mean` averages losses over them, `total` sums trained-token counts and
     `gather` collects every rank's own counters (collectives: every rank calls them at the same
     points), so the losses logged are those of the global batch, and each step's record keeps
     rank 0's counters at the top level and every rank's under "ranks" (their pools, bytes and
     waits differ)."""
-    accumulate = run.engine.accumulate
+    accumulate = run.engine.execution.accumulate
     tokens_per_step = run.batch_size * run.seq_len * accumulate
     start = time.perf_counter()
     val_losses = []
     first = last = float("nan")
     done, saved = start_step, (start_step or None)  # a resumed run starts from a checkpoint
-    every = run.eval_every if batches.has_validation else None
+    every = run.evaluation.eval_every if batches.has_validation else None
     best = (
-        read_best(rundir.path) if run.keep_best and start_step else None
+        read_best(rundir.path) if run.evaluation.keep_best and start_step else None
     )  # a resumed run's best so far
 
     def evaluated(step: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        loss = evaluate(trainer, batches, run.eval_tokens, total)
+        loss = evaluate(trainer, batches, run.evaluation.eval_tokens, total)
         val_losses.append((step, loss))
         cost = {
             f"eval_{k}": v for k, v in trainer.stats().items() if k.startswith("bytes_")
@@ -151,7 +152,7 @@ def train_loop(
             record = {
                 "step": step + 1,
                 "loss": loss,
-                "lr": lr_at(step, run.engine),
+                "lr": lr_at(step, run.engine.optimizer),
                 "tokens_per_s": tokens_per_step / dt,
                 "step_s": dt,
                 "wall_s": time.perf_counter() - start,
@@ -166,19 +167,21 @@ def train_loop(
                 samples(step + 1)
             done = step + 1
             better = (
-                run.keep_best
+                run.evaluation.keep_best
                 and "eval_loss" in record
                 and (best is None or record["eval_loss"] < best["eval_loss"])
             )
             if checkpoint is not None and (
-                (step + 1) % (run.checkpoint_every or run.steps) == 0
+                (step + 1) % (run.checkpoints.checkpoint_every or run.steps) == 0
                 or step + 1 == run.steps
                 or better
             ):
                 checkpoint(step + 1)
                 saved = step + 1
                 if better:
-                    best = keep_best(rundir, step + 1, record["eval_loss"], run.keep_checkpoints)
+                    best = keep_best(
+                        rundir, step + 1, record["eval_loss"], run.checkpoints.keep_checkpoints
+                    )
             if on_step is not None:
                 on_step(step + 1, record)
     except KeyboardInterrupt:

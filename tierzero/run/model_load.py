@@ -77,7 +77,7 @@ def run_model(run: RunConfig) -> RunModel:
     from tierzero.hf import is_hf
 
     if not is_hf(run.model):
-        if run.lora_r is not None:
+        if run.lora.lora_r is not None:
             raise ConfigError(
                 f"--lora-r adapts a Hugging Face model; pass --model hf:DIR, not the preset "
                 f"'{run.model}' (or drop --lora-r to train it whole)"
@@ -88,7 +88,7 @@ def run_model(run: RunConfig) -> RunModel:
         )
     from tierzero.hf import load_model
 
-    hf = load_model(run.model, run.engine.units)
+    hf = load_model(run.model, run.engine.streaming.units)
     past_positions = hf.check_seq_len(run.seq_len)
     weights = run.weights or (str(hf.weights) if hf.weights is not None else None)
     tokenizer, notes = None, [past_positions] if past_positions else []
@@ -99,12 +99,12 @@ def run_model(run: RunConfig) -> RunModel:
         )
     if hf.tokenizer is not None:
         tokenizer = TextTokenizer(hf.tokenizer, _eos_id(hf.config))
-    elif not (run.data and Path(run.data).suffix in TOKEN_SUFFIXES):
+    elif not (run.corpus.data and Path(run.corpus.data).suffix in TOKEN_SUFFIXES):
         notes.append(
             f"model directory {hf.path} has no tokenizer.json: text is read as bytes (ids 0-255), "
             "which this model was not trained on; copy the model's tokenizer.json there"
         )
-    if run.lora_r is None:
+    if run.lora.lora_r is None:
         return RunModel(
             f"hf:{hf.path}",
             hf.vocab_size,
@@ -121,17 +121,18 @@ def run_model(run: RunConfig) -> RunModel:
     spec, targets_note = default_targets(
         hf,
         LoraSpec(
-            run.lora_r,
-            run.lora_alpha,
-            run.lora_dropout,
-            tuple(run.lora_targets) if run.lora_targets else None,
+            run.lora.lora_r,
+            run.lora.lora_alpha,
+            run.lora.lora_dropout,
+            tuple(run.lora.lora_targets) if run.lora.lora_targets else None,
         ),
     )
     notes += [targets_note] if targets_note else []
     model = add_lora(hf, spec, weights)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    targets = ", ".join(sorted(model.peft_config["default"].target_modules))
     notes.append(
-        f"LoRA r={spec.r} alpha={spec.alpha:g} on {', '.join(sorted(model.peft_config['default'].target_modules))}: "
+        f"LoRA r={spec.r} alpha={spec.alpha:g} on {targets}: "
         f"{trained:,} trainable parameters, the base's {hf.param_count() - trained:,} frozen"
     )
     return RunModel(

@@ -40,12 +40,12 @@ class TrainingSamples:
         """The samples `run` asks for (None: no `sample_prompts`), its prompts read and encoded."""
         from tierzero.hf import is_hf
 
-        if run.sample_prompts is None:
+        if run.reporting.sample_prompts is None:
             return None
-        prompts = read_prompts(run.sample_prompts)
-        framing = framing_of(run.data)
+        prompts = read_prompts(run.reporting.sample_prompts)
+        framing = framing_of(run.corpus.data)
         ids = [codec.encode(p, framing) for p in prompts]
-        positions = max(map(len, ids)) + run.sample_max_new_tokens
+        positions = max(map(len, ids)) + run.reporting.sample_max_new_tokens
         if not is_hf(run.model) and positions > get_preset(run.model).max_seq_len:
             raise ConfigError(
                 f"the longest sample prompt and --sample-max-new-tokens make {positions} "
@@ -53,7 +53,12 @@ class TrainingSamples:
                 "shorten them"
             )
         return cls(
-            prompts, ids, codec, run.sample_every, run.steps, Sampling(run.sample_max_new_tokens)
+            prompts,
+            ids,
+            codec,
+            run.reporting.sample_every,
+            run.steps,
+            Sampling(run.reporting.sample_max_new_tokens),
         )
 
     def due(self, step: int) -> bool:

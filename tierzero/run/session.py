@@ -62,7 +62,7 @@ class Session:
                 self.trainer.save_checkpoint(
                     rundir.path,
                     data=self.batches.state_dict(),
-                    keep=self.run.keep_checkpoints,
+                    keep=self.run.checkpoints.keep_checkpoints,
                     model=self.model.description,
                 )
 
@@ -118,9 +118,13 @@ def load_batches(
 ) -> tuple[TokenBatches, Fitted | None]:
     """The run's data, tokenized for `model` and checked against its vocabulary; with several
     ranks, this rank's rows of every global batch. Fine-tuning examples longer than a window
-    are fitted by `run.long_examples`; what that touched (None: plain text)."""
-    tokens, examples = read_data(run.data, model.vocab_size, model.tokenizer, run.text_field)
-    fraction = 0.0 if run.val_data is not None else run.val_fraction  # --val-data: no split
+    are fitted by `run.corpus.long_examples`; what that touched (None: plain text)."""
+    tokens, examples = read_data(
+        run.corpus.data, model.vocab_size, model.tokenizer, run.corpus.text_field
+    )
+    fraction = (
+        0.0 if run.evaluation.val_data is not None else run.evaluation.val_fraction
+    )  # --val-data: no split
     if examples is None:
         batches, fitted = (
             TokenBatches(
@@ -135,11 +139,12 @@ def load_batches(
             None,
         )
     else:
-        examples, fitted = fit_examples(examples, run.seq_len + 1, run.long_examples)
+        examples, fitted = fit_examples(examples, run.seq_len + 1, run.corpus.long_examples)
         if not len(examples.ids):
             raise DataError(
-                f"every one of the {fitted.examples} examples is longer than --seq-len {run.seq_len} "
-                "allows and --long-examples drop left none; raise --seq-len or truncate them"
+                f"every one of the {fitted.examples} examples is longer than "
+                f"--seq-len {run.seq_len} allows and --long-examples drop left none; "
+                "raise --seq-len or truncate them"
             )
         batches = TokenBatches(
             examples.ids,
@@ -152,14 +157,14 @@ def load_batches(
             trained=examples.trained,
             examples=examples.bounds,
         )
-    if run.val_data is not None:
+    if run.evaluation.val_data is not None:
         val, val_examples = read_data(
-            run.val_data, model.vocab_size, model.tokenizer, run.text_field
+            run.evaluation.val_data, model.vocab_size, model.tokenizer, run.corpus.text_field
         )
         if val_examples is None:
             batches.held_out(val)
         else:
-            val_examples, _ = fit_examples(val_examples, run.seq_len + 1, run.long_examples)
+            val_examples, _ = fit_examples(val_examples, run.seq_len + 1, run.corpus.long_examples)
             batches.held_out(val_examples.ids, val_examples.trained, val_examples.bounds)
     return batches, fitted
 
@@ -171,29 +176,29 @@ def open_session(run: RunConfig, ranks: Ranks = Ranks()) -> Iterator[Session]:
     cfg = run.engine
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    device = cfg.resolved_device()
-    dtype = resolve_dtype(cfg.dtype, device)
+    device = cfg.tiering.resolved_device()
+    dtype = resolve_dtype(cfg.precision.dtype, device)
     check_dtype_supported(dtype, device)
     model = run_model(run)
     batches, fitted = load_batches(run, model, ranks)
     samples = TrainingSamples.for_run(run, Codec.for_model(model))  # read now
-    if run.keep_best and not (batches.has_validation and run.eval_every):
+    if run.evaluation.keep_best and not (batches.has_validation and run.evaluation.eval_every):
         raise ConfigError(
             "--keep-best keeps the checkpoint of the lowest eval loss, but this run evaluates "
             "nothing; pass --val-data or --val-fraction and an --eval-every above 0"
         )
     run.check_ranks(ranks.world_size)
-    if cfg.offload is Offload.NONE:
+    if cfg.tiering.offload is Offload.NONE:
         from tierzero.reference import ReferenceTrainer
 
-        if run.checkpoint_every is not None or run.keep_best:
+        if run.checkpoints.checkpoint_every is not None or run.evaluation.keep_best:
             raise ConfigError(
                 "checkpoints need a tiered run (--offload host, nvme or auto); the in-memory "
                 "reference trainer keeps none: drop --checkpoint-every and --keep-best, or offload"
             )
-        if cfg.quantize_base != "none":
+        if cfg.formats.quantize_base != "none":
             raise ConfigError(
-                f"--quantize-base {cfg.quantize_base} stores the base in the tiers, "
+                f"--quantize-base {cfg.formats.quantize_base} stores the base in the tiers, "
                 "and --offload none trains in memory without them; pass --offload "
                 "host or nvme"
             )

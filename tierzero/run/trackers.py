@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tierzero.checkpoint.files import read_regular
-from tierzero.config import Config, RunConfig
+from tierzero.config import RunConfig
 from tierzero.errors import ConfigError
 from tierzero.run.directory import RunDir
 from tierzero.run.trackers_libraries import (
@@ -102,10 +102,7 @@ def resolve_report_to(value: str | list[str] | None) -> list[str]:
 def flat_config(run: RunConfig) -> dict[str, Any]:
     """The run's config as one flat table (run and engine keys side by side, as config.toml
     holds them): enums as their spellings, a placement as placement/<state kind>."""
-    items = {
-        f.name: getattr(run, f.name) for f in dataclasses.fields(RunConfig) if f.name != "engine"
-    }
-    items.update({f.name: getattr(run.engine, f.name) for f in dataclasses.fields(Config)})
+    items = run.flat()
     flat: dict[str, Any] = {}
     for key, value in sorted(items.items()):
         if dataclasses.is_dataclass(value):
@@ -241,7 +238,7 @@ def reporting(run: RunConfig, rundir: RunDir, start_step: int, resume: bool) -> 
     """Report the run to its trackers while the body trains (rank 0; the others report nothing):
     yields where each one can be seen. The trackers close when the body ends: finished, failed
     on an error, killed on Ctrl-C."""
-    names = resolve_report_to(run.report_to)
+    names = resolve_report_to(run.reporting.report_to)
     if not names or not rundir.primary:
         yield []
         return

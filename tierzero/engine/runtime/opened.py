@@ -76,9 +76,9 @@ def _build(parts: EngineParts) -> OpenParts:
     replicated = parts.comm.world_size == 1 or parts.stage <= 2  # nothing to gather
     plans = swap_plans(
         units,
-        config.prefetch_depth,
-        None if replicated else int(config.overlap_comm),
-        config.accumulate,
+        config.streaming.prefetch_depth,
+        None if replicated else int(config.partitioning.overlap_comm),
+        config.execution.accumulate,
     )
     return OpenParts(
         swap_runner, grads, optimizer, runner, BatchStaging(parts.tiers.streams), *plans

@@ -46,7 +46,7 @@ class Shards:
     @property
     def formats(self) -> StateFormats:
         """How master, moments and grads are stored."""
-        return StateFormats.of(self.tiers.config, self.grad_dtype)
+        return StateFormats.of(self.tiers.formats, self.grad_dtype)
 
     def keys(self, kind: StateKind, unit: Unit) -> list[tuple[str, int, int]]:
         """This rank's store keys of `kind` for `unit`, with the shard range each holds (none for

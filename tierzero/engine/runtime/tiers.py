@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tierzero.config import Config, Tier
+from tierzero.config import FormatSettings, StreamSettings, Tier, Tiering
 from tierzero.engine.runtime import streams as streams_mod
 from tierzero.engine.runtime.transfers import TransferStats
 from tierzero.errors import ConfigError
@@ -79,26 +79,29 @@ class Pending:
 class Tiers:
     def __init__(
         self,
-        config: Config,
+        tiering: Tiering,
+        streaming: StreamSettings,
+        formats: FormatSettings,
         device: torch.device,
         homes: set[Tier],
         rank: int | None = None,
         stats: TransferStats | None = None,
         local_ranks: int = 1,
     ) -> None:
-        """`local_ranks`: the ranks on this machine, which split its default budgets."""
-        self.config = config
+        """`local_ranks`: the ranks on this machine, which split its default budgets; `formats`
+        name the int8 layout in the NVMe store's attributes."""
+        self.tiering, self.streaming, self.formats = tiering, streaming, formats
         self.stats = stats or TransferStats()
         # ranks on one machine share the drives but never a store directory (each takes a lock)
         self.nvme_paths = [
-            str(Path(p) / f"rank{rank}") if rank is not None else p for p in config.nvme_path
+            str(Path(p) / f"rank{rank}") if rank is not None else p for p in tiering.nvme_path
         ]
         self.device = device
         self.homes = homes
         host, gpu = default_budgets(device, local_ranks)
         # what each pool may hold; `share_budgets` takes out what the pools never see
-        self.host_budget = config.host_budget or host
-        self.gpu_budget = config.gpu_budget or gpu
+        self.host_budget = tiering.host_budget or host
+        self.gpu_budget = tiering.gpu_budget or gpu
         self.total_budgets = {Tier.HOST: self.host_budget, Tier.GPU: self.gpu_budget}
         self.io: IOLoop | None = None
         self.host_pool: HostPool | None = None
@@ -117,7 +120,7 @@ class Tiers:
         model says it holds (at most --gpu-budget, when given), carved out of the host budget,
         so the two pools never promise the same RAM twice. Call before `open()`."""
         if self.device.type == "cpu":
-            if self.config.gpu_budget is None:
+            if self.tiering.gpu_budget is None:
                 self.total_budgets[Tier.GPU] = device_pool_bytes
             self.gpu_budget = min(self.total_budgets[Tier.GPU], device_pool_bytes)
             self.host_budget -= self.gpu_budget
@@ -140,7 +143,7 @@ class Tiers:
         """Refuse unusable nvme paths without writing anything (called at engine construction);
         `open()` creates the directories and proves each writable."""
         if Tier.NVME in self.homes:
-            for path in self.config.nvme_path:
+            for path in self.tiering.nvme_path:
                 _check_nvme_path(Path(path))
 
     def provision_host(self, memory: MemoryModel) -> None:
@@ -157,7 +160,7 @@ class Tiers:
     def open(self) -> Tiers:
         pin_malloc_thresholds()
         if Tier.NVME in self.homes:
-            for path in self.config.nvme_path:
+            for path in self.tiering.nvme_path:
                 _probe_nvme_path(Path(path))
             for path in self.nvme_paths:
                 Path(path).mkdir(exist_ok=True)
@@ -172,7 +175,7 @@ class Tiers:
             )
             self.io = self._open(
                 IOLoop(
-                    self.config.io_threads,
+                    self.streaming.io_threads,
                     functools.partial(streams_mod.bind_thread, self.device),
                     math_threads,
                 )
@@ -201,9 +204,9 @@ class Tiers:
                 self.stores[Tier.NVME] = self._open(
                     NvmeStore(
                         self.nvme_paths,
-                        chunk_bytes=self.config.chunk_bytes,
-                        verify_reads={"on": True, "off": False}.get(self.config.verify_reads),
-                        layout=StateFormats.of(self.config).layout,
+                        chunk_bytes=self.streaming.chunk_bytes,
+                        verify_reads={"on": True, "off": False}.get(self.streaming.verify_reads),
+                        layout=StateFormats.of(self.formats).layout,
                     )
                 )
                 self.stores[Tier.NVME].on_busy = self.stats.nvme_busy

@@ -17,7 +17,7 @@ from tierzero.layout.partition import Unit, piece_ranges
 class GradNorms:
     def __init__(self, parts: EngineParts) -> None:
         self.comm, self.piece_numel, self.device = parts.comm, parts.piece_numel, parts.tiers.device
-        self.want_norms = parts.config.clip_grad_norm is not None  # clipping needs them
+        self.want_norms = parts.config.optimizer.clip_grad_norm is not None  # clipping needs them
         self.want_finite = parts.scaler.enabled  # fp16 needs the overflow check
         self.norms: dict[
             str, torch.Tensor

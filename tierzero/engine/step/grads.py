@@ -68,7 +68,7 @@ class GradShards:
         self.measured = GradNorms(parts)  # the last micro-batch's norms and finiteness
         several = parts.comm.world_size > 1
         self.overlap = (
-            parts.config.overlap_comm and several
+            parts.config.partitioning.overlap_comm and several
         )  # a unit's reduction runs beside the next one's backward
         self._reducing: tuple[int, InFlight] | None = None
         self.full_until_last = parts.stage == 1 and several  # stage 1: see the module docstring

@@ -65,20 +65,21 @@ class ShardOptimizer(PieceWrites):
         self.param_written = param_written  # each device param write's event (`SwapRunner.written`)
         on_gpu = steps_on_gpu(placement)
         self.device = tiers.device if on_gpu else torch.device("cpu")
-        self.formats = StateFormats.of(config, parts.sizing.grad_dtype)  # bf16 grads: upcast
+        self.formats = StateFormats.of(
+            config.formats, parts.sizing.grad_dtype
+        )  # bf16 grads: upcast
         self.master_is_param = self.formats.master_is_param(compute_dtype)
         if self.master_is_param:  # the master is read where the params live (`_source`)
             self.placement = dataclasses.replace(placement, master=placement.param)
-        self.compact = CompactStep(
-            self.formats, config, self.device
-        )  # its scratch is allocated at its first step
+        # its scratch is allocated at its first step
+        self.compact = CompactStep(self.formats, config.optimizer, config.seed, self.device)
         self._prefetched: dict[tuple[int, int], Work] = {}
         self.kept: KeptGeneration | None = None  # set while overlapped steps keep their generation
 
     def works(self, unit: Unit, runs: list[Run] | None = None) -> list[Work]:
         """The unit's pieces, in order (nothing loaded yet); given `runs`, only the pieces that
         hold one (a piece whose parameters all got no gradient is neither read nor written)."""
-        pieces = enumerate(unit.pieces(self.config.piece_numel, self.rank))
+        pieces = enumerate(unit.pieces(self.config.streaming.piece_numel, self.rank))
         if runs is None:
             return [Work(unit, i, a, b) for i, (a, b) in pieces]
         return [
@@ -98,7 +99,7 @@ class ShardOptimizer(PieceWrites):
         index; a unit without runs is skipped), piece by piece; returns when every write has
         finished (the next pass reads what this one wrote). Given `kept`, steps each kept piece
         again from its kept generation instead (`tierzero.engine.step.restep`)."""
-        depth = max(1, self.config.prefetch_depth)
+        depth = max(1, self.config.streaming.prefetch_depth)
         items = (
             [Work(p.unit, p.piece, p.start, p.end, p.runs) for p in kept.pieces()]
             if kept
@@ -128,7 +129,7 @@ class ShardOptimizer(PieceWrites):
         """Start reading `unit`'s first pieces of master and moments now (overlap_step: while
         backward computes); later pieces are read as earlier ones are stepped. A look-ahead on
         autograd's thread: with the pool short it stops rather than wait for a transfer."""
-        for work in self.works(unit)[: max(1, self.config.prefetch_depth)]:
+        for work in self.works(unit)[: max(1, self.config.streaming.prefetch_depth)]:
             if (unit.index, work.piece) not in self._prefetched:
                 try:
                     self._prefetched[(unit.index, work.piece)] = self._load(work, wait=False)
@@ -282,7 +283,10 @@ class ShardOptimizer(PieceWrites):
         if kind is StateKind.MASTER and self.master_is_param:
             home, _, key, lo = self._param_home(work)
             if home is Tier.NVME:
-                piece = work.unit.param_piece_base(self.config.piece_numel, self.rank) + work.piece
+                piece = (
+                    work.unit.param_piece_base(self.config.streaming.piece_numel, self.rank)
+                    + work.piece
+                )
                 key = piece_key(StateKind.PARAM, work.unit.index, self.rank, piece)
             elif store is not None:
                 return store.view(key)[lo + work.start : lo + work.end]
@@ -338,7 +342,10 @@ class ShardOptimizer(PieceWrites):
             if min(b, work.end) > max(a, work.start)
         ]
         if not self.formats.exact:  # compact master or moments: stepped in fp32 sub-blocks
-            spans = [(a, b, self.config.weight_decay if d else 0.0, step) for a, b, d, step in runs]
+            spans = [
+                (a, b, self.config.optimizer.weight_decay if d else 0.0, step)
+                for a, b, d, step in runs
+            ]
             origin = (
                 work.unit.shard_range(self.rank)[0] + work.start
             )  # the piece in the unit's flat buffer
@@ -349,10 +356,10 @@ class ShardOptimizer(PieceWrites):
             [grad[a:b] for a, b, _, _ in runs],
             [t[StateKind.EXP_AVG][a:b] for a, b, _, _ in runs],
             [t[StateKind.EXP_AVG_SQ][a:b] for a, b, _, _ in runs],
-            [self.config.weight_decay if d else 0.0 for _, _, d, _ in runs],
+            [self.config.optimizer.weight_decay if d else 0.0 for _, _, d, _ in runs],
             [step for _, _, _, step in runs],
             lr,
-            self.config,
+            self.config.optimizer,
         )
 
     def _room_for(self, work: Work) -> bool:

@@ -59,7 +59,7 @@ class Stepper:
     def step(self) -> bool:
         """Update every shard if a global batch is complete; False if none ran (or fp16 skipped)."""
         state = self.parts.state
-        if not state.step_due(self.parts.config.accumulate):
+        if not state.step_due(self.parts.config.execution.accumulate):
             return False
         try:
             state.stepped_at = state.micro
@@ -85,7 +85,9 @@ class Stepper:
         grads.settle()  # and those copied to host memory
         if state.stepped_in_backward:  # overlap_step: every unit was stepped as its grad arrived
             state.stepped_in_backward = False
-            if config.clip_grad_norm is not None:  # this step's norm: a fired clip re-steps it,
+            if (
+                config.optimizer.clip_grad_norm is not None
+            ):  # this step's norm: a fired clip re-steps it,
                 # or (clip_previous_norm) it clips the next, from this host copy without a device sync
                 state.previous_norm = grads.measured.total_norm(p.param_order).cpu()
                 state.last_grad_norm = state.previous_norm.item()
@@ -95,13 +97,15 @@ class Stepper:
             state.skipped_steps += 1  # overflow: nothing is written, the schedule does not advance
             return False
         coef = None
-        if config.clip_grad_norm is not None:
+        if config.optimizer.clip_grad_norm is not None:
             norm = grads.measured.total_norm(p.param_order)
             state.last_grad_norm = norm.item()
             # a host float (one sync per step): with a device tensor every CPU piece's step would copy it
-            coef = clip_coefficient(norm, config.clip_grad_norm).item()
+            coef = clip_coefficient(norm, config.optimizer.clip_grad_norm).item()
         optimizer.step(
-            {u.index: self._runs(u) for u in p.units}, lr_at(state.step_count, config), coef
+            {u.index: self._runs(u) for u in p.units},
+            lr_at(state.step_count, config.optimizer),
+            coef,
         )
         return self._stepped()
 
@@ -122,10 +126,10 @@ class Stepper:
         kept, optimizer.kept = optimizer.kept, None
         if kept is None:  # clip_previous_norm, or no clipping
             return
-        coef = clip_coefficient(norm, config.clip_grad_norm).item()
+        coef = clip_coefficient(norm, config.optimizer.clip_grad_norm).item()
         try:
             if not coef >= 1.0:  # a NaN norm too: clip_grad_norm_ scales the grads by it
-                optimizer.step({}, lr_at(self.parts.state.step_count, config), coef, kept)
+                optimizer.step({}, lr_at(self.parts.state.step_count, config.optimizer), coef, kept)
         finally:
             kept.end()
 

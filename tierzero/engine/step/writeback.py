@@ -172,7 +172,10 @@ class PieceWrites:
         home, store, key, lo = self._param_home(work)
         staged = self._staging(work)
         if home is Tier.NVME:
-            piece = work.unit.param_piece_base(self.config.piece_numel, self.rank) + work.piece
+            piece = (
+                work.unit.param_piece_base(self.config.streaming.piece_numel, self.rank)
+                + work.piece
+            )
             return self._write_param_piece(
                 store, piece_key(StateKind.PARAM, work.unit.index, self.rank, piece), staged, key
             )

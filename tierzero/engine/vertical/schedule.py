@@ -77,24 +77,28 @@ def choose(
     itemsize: int,
 ) -> bool:
     """Whether this engine runs its steps vertically (decided at the first training step)."""
-    if config.schedule is Schedule.HORIZONTAL or (
-        config.schedule is Schedule.AUTO and config.accumulate == 1
+    if config.execution.schedule is Schedule.HORIZONTAL or (
+        config.execution.schedule is Schedule.AUTO and config.execution.accumulate == 1
     ):
         return False
     chain = chain_of(model, units)
     why = chain if isinstance(chain, str) else None
     if why is None and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         why = "its batches are not (token ids, targets) pairs"
-    if config.schedule is Schedule.VERTICAL:
+    if config.execution.schedule is Schedule.VERTICAL:
         if why is not None:
             raise ConfigError(
                 f"--schedule vertical needs a chain of units, but {why}; use --schedule horizontal"
             )
         return True
-    if why is not None or config.recompute is Recompute.NONE:  # none keeps graphs: horizontal
+    if (
+        why is not None or config.execution.recompute is Recompute.NONE
+    ):  # none keeps graphs: horizontal
         return False
     assert isinstance(chain, Chain)
-    return spill or fits(waiting_bytes(chain, units, tuple(batch), config.accumulate, itemsize))
+    return spill or fits(
+        waiting_bytes(chain, units, tuple(batch), config.execution.accumulate, itemsize)
+    )
 
 
 class VerticalPass:
@@ -257,7 +261,7 @@ class VerticalSteps:
 
     def horizontal(self) -> None:
         """The caller drives forward/backward itself: refuse `--schedule vertical`, else decide horizontal."""
-        if self.parts.config.schedule is Schedule.VERTICAL or self.on:
+        if self.parts.config.execution.schedule is Schedule.VERTICAL or self.on:
             raise ConfigError(
                 "--schedule vertical runs whole steps: call train_micro_batch (or "
                 "train_step) instead of forward/backward, or use --schedule horizontal"
@@ -268,9 +272,9 @@ class VerticalSteps:
     def refuse_unknown_loss(self, batch: Any) -> None:
         """`train_step` reads its micro-batch's loss at once: only the step's last has one (so
         `auto`, undecided, decides horizontal)."""
-        if self.on is None and self.parts.config.schedule is Schedule.AUTO:
+        if self.on is None and self.parts.config.execution.schedule is Schedule.AUTO:
             self.on = False
-        if self.wants(batch) and len(self._queued) + 1 < self.parts.config.accumulate:
+        if self.wants(batch) and len(self._queued) + 1 < self.parts.config.execution.accumulate:
             raise TierzeroError(
                 "with the vertical schedule a micro-batch's loss is known once its step's last "
                 "micro-batch has run: call train_micro_batch and read the losses after the "
@@ -282,7 +286,7 @@ class VerticalSteps:
         if self._queued:
             raise TierzeroError(
                 f"a checkpoint needs a finished optimizer step, but {len(self._queued)} of "
-                f"{self.parts.config.accumulate} micro-batches are queued for the vertical "
+                f"{self.parts.config.execution.accumulate} micro-batches are queued for the vertical "
                 "schedule; save after the step's last train_micro_batch"
             )
 
@@ -308,9 +312,13 @@ class VerticalSteps:
         p = self.parts
         loss = torch.empty((), dtype=torch.float32, device=p.device)
         self._queued.append(
-            (batch, loss, loss_divisor(step_tokens, False, p.config.accumulate, p.comm.world_size))
+            (
+                batch,
+                loss,
+                loss_divisor(step_tokens, False, p.config.execution.accumulate, p.comm.world_size),
+            )
         )
-        if len(self._queued) == p.config.accumulate:
+        if len(self._queued) == p.config.execution.accumulate:
             queued, self._queued = self._queued, []
             for (_, out, _), value in zip(
                 queued, self._run([b for b, _, _ in queued], [d for _, _, d in queued])
@@ -332,10 +340,14 @@ class VerticalSteps:
         self.stepper.reserve_activations(batch, vertical=True)
         chain = chain_of(p.model, p.units)
         assert isinstance(chain, Chain)  # `choose` checked it
-        need = waiting_bytes(chain, p.units, tuple(batch), p.config.accumulate, p.dtype.itemsize)
+        need = waiting_bytes(
+            chain, p.units, tuple(batch), p.config.execution.accumulate, p.dtype.itemsize
+        )
         budget = min(
             need,
-            p.config.activation_budget if p.config.activation_budget is not None else self._room(),
+            p.config.execution.activation_budget
+            if p.config.execution.activation_budget is not None
+            else self._room(),
         )
         if budget < need and Tier.NVME not in p.tiers.stores:
             raise ConfigError(
