@@ -22,8 +22,9 @@ cached, or idle on a free list. It never exceeds `budget_bytes`. When a new bloc
 the pool first drops idle free blocks, then evicts cache entries (least recently used first,
 never one that is leased), and only then raises `BudgetExceededError`. Eviction and `cache_drop`
 put a block back on its free list; only this budget pressure, a lower budget (`set_budget`) and
-`close()` drop blocks (and run `_release`). An allocation that is not
-already aligned carries a few bytes of slack to align it (< `alignment` per block), not counted.
+`close()` drop blocks (and run `_release`; the first two then call `dropped`, a hook for a
+watcher). An allocation that is not already aligned carries a few bytes of slack to align it
+(< `alignment` per block), not counted.
 
 The cache maps a shard key to a block: `cache_put(key, buf)` registers a leased buffer,
 `cache_get(key)` leases it again (every lease and every hit is paired with one `give_back`), and
@@ -116,6 +117,7 @@ class BufferPool(abc.ABC):
         Called while the pool still references `data`. Tensors callers still hold keep the
         memory itself alive, so this must never free it, only what came with it.
         """
+        return None
 
     def open(self) -> None:
         """Allocate the size classes' blocks (`blocks`), idle on their free lists; on a failure
@@ -123,7 +125,8 @@ class BufferPool(abc.ABC):
         bad = [c for c in self.classes if c % self.alignment]
         if bad:
             raise StorageError(
-                f"{self.kind} pool classes {bad} are not multiples of its alignment {self.alignment}"
+                f"{self.kind} pool classes {bad} are not multiples of its alignment "
+                f"{self.alignment}"
             )
         self._is_open = True
         try:
@@ -219,7 +222,8 @@ class BufferPool(abc.ABC):
             leased = sum(b.capacity for b in self._blocks.values() if b.leases)
             if leased > budget_bytes:
                 raise BudgetExceededError(
-                    f"{self.kind} pool cannot shrink to {budget_bytes} bytes: {leased} bytes are leased"
+                    f"{self.kind} pool cannot shrink to {budget_bytes} bytes: "
+                    f"{leased} bytes are leased"
                 )
             self._budget_bytes = budget_bytes
             for size in list(self._free):
@@ -370,6 +374,13 @@ class BufferPool(abc.ABC):
         del self._blocks[block.data.data_ptr()]
         self._resident_bytes -= block.capacity
         self._release_block(block)
+        self.dropped(block.data)
+
+    def dropped(self, data: torch.Tensor) -> None:
+        """Told, under the pool's lock, of each block dropped while the pool is open (budget
+        pressure, a lower budget; not `close()`): the next block at that address is fresh memory
+        with no release token. Nothing by default; a watcher of the tokens hooks in here."""
+        return None
 
     def _release_block(self, block: _Block) -> None:
         """`_release` while `block` still holds the memory; a block whose release failed (left

@@ -35,7 +35,9 @@ def _load_syncfs():  # type: ignore[no-untyped-def]
     return fn
 
 
-_syncfs = _load_syncfs()
+# The C library's syncfs(2) and renameat2(2), or None where it lacks them: system calls beside
+# os's, which a test that records or kills at the system calls wraps as it wraps `os.fsync`.
+syncfs = _load_syncfs()
 
 
 def _load_renameat2():  # type: ignore[no-untyped-def]
@@ -48,7 +50,7 @@ def _load_renameat2():  # type: ignore[no-untyped-def]
     return fn
 
 
-_renameat2 = _load_renameat2()
+renameat2 = _load_renameat2()
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 # Filesystems in RAM: O_DIRECT there (accepted by recent kernels) is still a memory copy.
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
@@ -177,9 +179,9 @@ def _preadv_all(fd: int, out: memoryview, offset: int) -> None:
 def exchange(a: str, b: str) -> bool:
     """Swap two existing paths in one atomic step (Linux `renameat2` with RENAME_EXCHANGE): True
     once done, False where the C library or the filesystem cannot (the caller falls back)."""
-    if _renameat2 is None:
+    if renameat2 is None:
         return False
-    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
@@ -192,8 +194,8 @@ def sync_filesystem(path: str) -> None:
     else fsync every file and directory below it."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        if _syncfs is not None:
-            if _syncfs(fd) != 0:
+        if syncfs is not None:
+            if syncfs(fd) != 0:
                 err = ctypes.get_errno()
                 raise OSError(err, os.strerror(err), path)
             return

@@ -133,16 +133,17 @@ def _train(rank: int, root: str, name: str) -> None:
 
 
 def _rank(rank: int, root: str) -> None:
-    """One spawn for both runs (spawning costs more than training): the engine, then the mutation."""
+    """One spawn for both runs (spawning costs more than training): the engine, then the
+    mutation."""
     dist.init_process_group(
         "gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2
     )
     from tierzero.distributed import comm
 
-    collectives = comm._all_gather, comm._reduce_scatter
+    collectives = comm.all_gather_tensor, comm.reduce_scatter_tensor
     try:
         _train(rank, root, "engine")
-        comm._all_gather, comm._reduce_scatter = collectives
+        comm.all_gather_tensor, comm.reduce_scatter_tensor = collectives
         SwapRunner._issue_gather = _gather_before_its_copy
         _train(rank, root, "mutation")
     finally:

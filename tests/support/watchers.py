@@ -18,7 +18,7 @@ from tests.support.fakes.streams import RecordingStreams, _span
 def watch_device_pool(monkeypatch, fake: RecordingStreams) -> None:
     """Log every lease from a `DevicePool`, every give-back with its `ready` token (the release
     event), and every block it drops (its next block at that address is fresh memory)."""
-    lease, give_back, drop = DevicePool.lease, DevicePool.give_back, DevicePool._drop
+    lease, give_back = DevicePool.lease, DevicePool.give_back
 
     def logged_lease(pool: DevicePool, nbytes: int) -> torch.Tensor:
         buf = lease(pool, nbytes)
@@ -32,14 +32,13 @@ def watch_device_pool(monkeypatch, fake: RecordingStreams) -> None:
             fake.log.append(("give_back", buf.data_ptr(), ready))
         give_back(pool, buf, ready)
 
-    def logged_drop(pool: DevicePool, block: object) -> None:
+    def logged_drop(pool: DevicePool, data: torch.Tensor) -> None:
         with fake._lock:
-            fake.log.append(("drop", block.data.data_ptr()))
-        drop(pool, block)
+            fake.log.append(("drop", data.data_ptr()))
 
     monkeypatch.setattr(DevicePool, "lease", logged_lease)
     monkeypatch.setattr(DevicePool, "give_back", logged_give_back)
-    monkeypatch.setattr(DevicePool, "_drop", logged_drop)
+    monkeypatch.setattr(DevicePool, "dropped", logged_drop)
 
 
 def watch_host_pool(monkeypatch, fake: RecordingStreams) -> None:

@@ -18,9 +18,11 @@ import torch.distributed as dist
 
 from tierzero.errors import TierzeroError
 
-# torch 2.13 renamed the tensor collectives; the old names still work back to torch 2.4
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch's tensor collectives, the process-group boundary every gather and reduce-scatter of `Comm`
+# crosses (a test routes them through a fake GPU's comm stream). torch 2.13 renamed them; the old
+# names still work back to torch 2.4.
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class RankLostError(TierzeroError):
@@ -96,7 +98,7 @@ class Comm:
             return InFlight(self, "all_gather", None, shard)
         full = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=shard.device)
         return InFlight(
-            self, "all_gather", _all_gather(full, shard, async_op=True), full, keep=shard
+            self, "all_gather", all_gather_tensor(full, shard, async_op=True), full, keep=shard
         )
 
     @_collective
@@ -108,7 +110,7 @@ class Comm:
             return InFlight(self, "reduce_scatter", None, full)
         wire = full.to(self.reduce_dtype)
         shard = torch.empty(full.numel() // self.world_size, dtype=wire.dtype, device=full.device)
-        work = _reduce_scatter(shard, wire, async_op=True)
+        work = reduce_scatter_tensor(shard, wire, async_op=True)
         return InFlight(
             self,
             "reduce_scatter",
@@ -183,7 +185,7 @@ class Comm:
         """all_gather of a small CPU tensor (through the GPU where no backend serves the CPU)."""
         device = value.device if reduces_cpu_tensors(dist.get_backend()) else self.device
         out = torch.empty(value.numel() * self.world_size, dtype=value.dtype, device=device)
-        _all_gather(out, value.to(device))
+        all_gather_tensor(out, value.to(device))
         return out.cpu()
 
 

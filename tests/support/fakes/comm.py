@@ -36,5 +36,5 @@ def nccl_like_collectives(fake: RecordingStreams, patch=setattr) -> None:
 
         return collective
 
-    patch(comm, "_all_gather", deferred(comm._all_gather))
-    patch(comm, "_reduce_scatter", deferred(comm._reduce_scatter))
+    patch(comm, "all_gather_tensor", deferred(comm.all_gather_tensor))
+    patch(comm, "reduce_scatter_tensor", deferred(comm.reduce_scatter_tensor))

@@ -8,11 +8,12 @@ after every step (keep 1, so every save also prunes, and every flush retires and
 and SIGKILLs itself at the `k`-th file-system call (link, rename, exchange, unlink, mkdir, rmdir,
 open, fsync, syncfs, ftruncate, pwrite) made inside the `nth` call of a phase -- a function wrapped
 by name -- or, with `k` = 0, right after that call returns (`k` = -1 never kills: the life only
-counts the calls); with `match`, at the first call from the `k`-th on whose name and target
-contain that text (threads write chunks in no fixed order, so a call's number alone can land elsewhere). A kill must leave the newest checkpoint committed before it; a later life resumes
-and finishes, and its final checkpoint must equal the reference's bitwise (every array, the engine
-counters, data position and RNG state of every rank), or the resume must be refused in one sentence
-(a `TierzeroError`).
+counts the calls); with `match`, at the first call from the `k`-th on whose name and target contain
+that text (threads write chunks in no fixed order, so a call's number alone can land elsewhere). A
+kill must leave the newest checkpoint committed before it; a later life resumes and finishes, and
+its final checkpoint must equal the reference's bitwise (every array, the engine counters, data
+position and RNG state of every rank), or the resume must be refused in one sentence (a
+`TierzeroError`).
 
 A point names the *path* it trains (`PATHS`): everything on NVMe (the default); the vertical
 schedule with most waiting activations spilled to NVMe; the exact clip re-step of an overlapped step
@@ -84,7 +85,8 @@ PATHS = {
     "vertical": TrainPath(
         {"accumulate": 2, "schedule": "vertical", "activation_budget": 5 * ACTIVATION_BYTES}
     ),
-    # SMALL's grad norms are above 0.5: every step's clip fires and re-steps from the kept generation
+    # SMALL's grad norms are above 0.5: every step's clip fires and re-steps from the kept
+    # generation
     "restep": TrainPath({"overlap_step": True, "clip_grad_norm": 0.5}),
     "bf16": TrainPath({"dtype": "bf16"}),
     # the scale doubles after every good step until fp16's grads overflow: 5 micro-batches for 3
@@ -191,10 +193,10 @@ class KillSwitch:
         for name in FS_CALLS:
             setattr(os, name, self._counted(name, getattr(os, name)))
         builtins.open = self._counted("open", builtins.open)
-        if chunkfile._syncfs is not None:
-            chunkfile._syncfs = self._counted("syncfs", chunkfile._syncfs)
-        if chunkfile._renameat2 is not None:
-            chunkfile._renameat2 = self._counted("exchange", chunkfile._renameat2)
+        if chunkfile.syncfs is not None:
+            chunkfile.syncfs = self._counted("syncfs", chunkfile.syncfs)
+        if chunkfile.renameat2 is not None:
+            chunkfile.renameat2 = self._counted("exchange", chunkfile.renameat2)
 
     def _counted(self, name: str, fn):
         def call(*args, **kwargs):
