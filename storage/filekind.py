@@ -30,7 +30,8 @@ def describe_mode(mode: int) -> str:
 
 
 def kind_of(path: str | os.PathLike) -> str | None:
-    """What `path` itself is (a final symbolic link is not followed), in words; None if nothing is there."""
+    """What `path` itself is (a final symbolic link is not followed), in words; None if nothing
+    is there."""
     try:
         return describe_mode(os.lstat(path).st_mode)
     except FileNotFoundError:

@@ -34,8 +34,9 @@ class HostPool(BufferPool):
     memory, so a smaller capacity would undercount the budget. Pinning is done in the context of
     `device` (a `cuda:k`; the engine always names it), whichever thread leases: the I/O loop's
     threads have cuda:0 current, and registering there would create a context on it.
-    `registrations` counts `cudaHostRegister` calls (each a costly, synchronising driver call). Given size classes (`blocks`, see `BufferPool`),
-    every block of the working set is pinned at `open()` and stays pinned until `close()`.
+    `registrations` counts `cudaHostRegister` calls (each a costly, synchronising driver call).
+    Given size classes (`blocks`, see `BufferPool`), every block of the working set is pinned at
+    `open()` and stays pinned until `close()`.
     A lease above every class gets a block of its own, pinned like the rest (counted): copies
     from pageable memory would not be asynchronous, and the engine sizes its classes to cover
     every size it leases, so these come only from other callers.

@@ -7,17 +7,17 @@ Copies run on the I/O loop's threads (they release the GIL); an awaited write or
 complete. The engine, which owns the streams, uses `view()` when it wants stream-ordered copies
 of its own.
 
-On a GPU a copy runs on the stream the store is handed (the engine's `Streams.store_copy`; a
-store built without one makes its own on the first copy that needs it) and the thread waits for
-that copy's event only, never for a whole stream (a blocking `copy_` between host and device
-would synchronise the thread's current stream, where the training thread's compute is queued). What the copy waits
-for on the device: a fresh buffer's release (the token its last holder gave it back with, see
-`BufferPool`), and -- when it reads device memory, which compute may be writing in place through
-`view()` -- the work queued on the stream the caller is given: the calling thread's current
-stream when it calls `write`/`read_into` (an event recorded there and then, so a caller that
-computes on a stream of its own is followed, not the device's default stream). The coroutine
-runs later on an I/O thread, whose current stream is not the caller's. A write of host bytes
-into a fresh buffer waits for nothing of compute's.
+On a GPU a copy runs on the stream the store is handed (the engine's `Streams.store_copy`; a store
+built without one makes its own on the first copy that needs it) and the thread waits for that
+copy's event only, never for a whole stream (a blocking `copy_` between host and device would
+synchronise the thread's current stream, where the training thread's compute is queued). What the
+copy waits for on the device: a fresh buffer's release (the token its last holder gave it back with,
+see `BufferPool`), and -- when it reads device memory, which compute may be writing in place through
+`view()` -- the work queued on the stream the caller is given: the calling thread's current stream
+when it calls `write`/`read_into` (an event recorded there and then, so a caller that computes on a
+stream of its own is followed, not the device's default stream). The coroutine runs later on an I/O
+thread, whose current stream is not the caller's. A write of host bytes into a fresh buffer waits
+for nothing of compute's.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ class MemoryStore(TierStore):
         return self._get(key).typed()
 
     def write(self, key: str, src: torch.Tensor) -> Coroutine[Any, Any, None]:
-        """Store `src` under `key`; ordered after the calling thread's current stream (see above)."""
+        """Store `src` under `key`, ordered after the calling thread's current stream (above)."""
         return self._write(key, src, _issued_before(src))
 
     async def _write(self, key: str, src: torch.Tensor, produced: object | None) -> None:

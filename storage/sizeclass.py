@@ -6,8 +6,8 @@ synchronising driver call on the hot path. With a handful of capacities known in
 pool allocates and pins its blocks once, at open, and rounds each request up to the smallest
 capacity that holds it; what that rounding wastes is chosen to be as little as possible here.
 
-Pure arithmetic: the memory model (`tierzero.planning.memory_model`) uses it to predict the pool's bytes, the
-pool (`BufferPool`) to round its leases, so the two agree by construction.
+Pure arithmetic: the memory model (`tierzero.planning.memory_model`) uses it to predict the
+pool's bytes, the pool (`BufferPool`) to round its leases, so the two agree by construction.
 """
 
 from __future__ import annotations

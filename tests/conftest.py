@@ -1,5 +1,9 @@
 """Shared fixtures: the I/O loop every store test runs its coroutines on, and the device pin.
 
+The fixtures of `tests.support.hf` (the small Hugging Face models, saved once per session) and of
+`tests.support.fakes.pinning` (recorded mappings, the fake CUDA runtime) are loaded as plugins,
+so a test names them as parameters without importing them.
+
 Every test runs on the CPU unless it is marked `cuda`: on a GPU machine `Config(device=None)`
 would otherwise resolve to the GPU (and bf16) while the plain-PyTorch reference it is compared
 with stays on the CPU in fp32. A `cuda` test is skipped where there is no GPU.
@@ -12,6 +16,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 from tierzero.storage.io import IOLoop
+
+pytest_plugins = ("tests.support.hf", "tests.support.fakes.pinning")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -40,6 +46,3 @@ def _cpu_unless_marked_cuda(
 def io_loop() -> Iterator[IOLoop]:
     with IOLoop(threads=8) as loop:
         yield loop
-
-
-from tests.support.hf import hf_models  # noqa: E402,F401  (a session fixture: the models are saved once)

@@ -14,5 +14,6 @@ def test_every_module_says_what_it_owns() -> None:
 def test_the_design_doc_lists_every_module() -> None:
     assert module_map.current(), "docs/design.md has lost its module map markers"
     assert module_map.current() == module_map.render(), (
-        "docs/design.md's module map is out of date: run `python -m tests.support.module_map --write`"
+        "docs/design.md's module map is out of date: "
+        "run `python -m tests.support.module_map --write`"
     )

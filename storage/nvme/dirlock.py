@@ -116,7 +116,8 @@ def lock_directory(path: str) -> int:
 
 def try_lock(fd: int) -> str | None:
     """Take the exclusive lock of the open lock file `fd` without waiting: None, or (`fd` then
-    closed) the pid its holder wrote there, "unknown" if none (a store's lock, a run directory's)."""
+    closed) the pid its holder wrote there, "unknown" if none (a store's lock, a run
+    directory's)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

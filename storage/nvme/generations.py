@@ -1,4 +1,5 @@
-"""A shard's generations on disk: the pointer that names the current one, and what a killed writer left.
+"""A shard's generations on disk: the pointer that names the current one, and what a killed
+writer left.
 
 Each write of a shard fills a new generation directory (`g000017/`); the shard's group
 zarr.json (the *pointer*) names the current one, and replacing the pointer with one rename is

@@ -370,7 +370,8 @@ class NvmeStore(TierStore):
             )
 
     def hold(self, on: bool) -> None:
-        """While on, each shard's generation of when it began stays readable: `read_into(previous=True)`."""
+        """While on, each shard's generation of when it began stays readable
+        (`read_into(previous=True)`)."""
         self._previous = {} if on else None
         for spares in self._spares:
             spares.hold(on)

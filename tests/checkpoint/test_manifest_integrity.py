@@ -97,11 +97,8 @@ def test_steps_that_disagree_make_a_checkpoint_damaged(trained: Path, tmp_path: 
     (step_dir(run_dir, 1) / MANIFEST_NAME).write_bytes(manifest.to_json())
     with pytest.raises(CheckpointError, match="step count 7"):
         Manifest.load(step_dir(run_dir, 1))
-    line = [
-        l
-        for l in train("--resume", "--steps", "3", "--run-dir", str(run_dir)).output.splitlines()
-        if l.strip()
-    ]
+    output = train("--resume", "--steps", "3", "--run-dir", str(run_dir)).output
+    line = [text for text in output.splitlines() if text.strip()]
     assert len(line) == 1 and "no intact checkpoint is left" in line[0]
     assert [s for s, _ in checkpoint_dirs(run_dir)] == [1, 5]  # nothing lost
 

@@ -54,7 +54,8 @@ def _state(engine: Engine) -> dict[str, torch.Tensor]:
 
 
 def _region(checkpoint: Path, key: str, region: str | None) -> int:
-    """An offset inside `region` ("scales" or "codes") of the array's packed layout, else byte 100."""
+    """An offset inside `region` ("scales" or "codes") of the array's packed layout, else byte
+    100."""
     meta = json.loads((checkpoint / "state" / key / "zarr.json").read_text())["attributes"][
         "tierzero"
     ]

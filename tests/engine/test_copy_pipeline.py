@@ -124,7 +124,8 @@ def train_through_fake(
     tmp_path, monkeypatch, case: str, separate_writes: bool = False
 ) -> tuple[list[str], tuple, tuple]:
     """Train `case` through the fake (host -> device writes on their own stream if
-    `separate_writes`) and PyTorch: what the fake's checks report, and the (losses, weights) of each."""
+    `separate_writes`) and PyTorch: what the fake's checks report, and the (losses, weights) of
+    each."""
     placement, overlap, accumulate = CASES[case]
     cfg = Config(
         placement=placement,

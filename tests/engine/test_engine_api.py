@@ -140,7 +140,8 @@ def test_backward_after_the_gathered_block_closed_is_refused(tmp_path) -> None:
 
 def test_train_micro_batch_is_train_step_with_the_loss_left_on_the_device(tmp_path) -> None:
     """`train_micro_batch` (what the CLI loop calls, reading the losses once per step) gives a
-    detached loss tensor whose value is `train_step`'s float, and trains bitwise like plain PyTorch."""
+    detached loss tensor whose value is `train_step`'s float, and trains bitwise like plain
+    PyTorch."""
     cfg = config(
         tmp_path,
         placement=Placement(Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST),

@@ -1,10 +1,10 @@
 """Two ranks (gloo, two CPU processes) against one in-memory trainer on the whole batch.
 
-Each rank trains on its half of every batch; the engine reduce-scatters and averages the
-grads, as DDP would, so the weights must match the reference trained on the full batch, up to
-summation order (stated tolerance: 5e-5 after three AdamW steps at lr 3e-3: Adam divides by
-sqrt(v), so an element whose gradient is near zero moves ~1e-5 on a last-bit grad difference). Weights travel
-back to the test through safetensors, never pickle.
+Each rank trains on its half of every batch; the engine reduce-scatters and averages the grads, as
+DDP would, so the weights must match the reference trained on the full batch, up to summation order
+(stated tolerance: 5e-5 after three AdamW steps at lr 3e-3: Adam divides by sqrt(v), so an element
+whose gradient is near zero moves ~1e-5 on a last-bit grad difference). Weights travel back to the
+test through safetensors, never pickle.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import re
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,9 +97,11 @@ def test_the_drive_holds_what_writes_replace_until_released(tmp_path) -> None:
     """`NvmeStore.hold`: a generation replaced while held stays whole and readable through
     writes and flushes (no recycling); released, the next flush recycles it."""
     key = "master/u0003/r0"
-    generations = lambda: sorted(
-        n for n in (tmp_path / "master/u0003/r0").iterdir() if re.fullmatch(r"g\d+", n.name)
-    )
+
+    def generations() -> list[Path]:
+        return sorted(
+            n for n in (tmp_path / "master/u0003/r0").iterdir() if re.fullmatch(r"g\d+", n.name)
+        )
 
     async def run(store: NvmeStore) -> None:
         out = torch.empty(8192)

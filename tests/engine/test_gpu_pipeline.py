@@ -190,8 +190,9 @@ from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tests.support.engine import SMALL, batches
 
-cfg = Config(placement=Placement(*[Tier.NVME] * 5), nvme_path=[sys.argv[1]], device="cuda:1", piece_numel=6144,
-             host_budget="1GiB", gpu_budget="1GiB", accumulate=2, overlap_step=True)
+cfg = Config(placement=Placement(*[Tier.NVME] * 5), nvme_path=[sys.argv[1]], device="cuda:1",
+             piece_numel=6144, host_budget="1GiB", gpu_budget="1GiB", accumulate=2,
+             overlap_step=True)
 data = batches()
 with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
     for _ in range(4):

@@ -19,7 +19,7 @@ from tierzero.storage.host import HostPool
 from tierzero.storage.sizeclass import choose_classes, class_for
 
 from tests.support.engine import SMALL, batches
-from tests.support.fakes.pinning import PAGE, FakeCudart, cudart, mappings  # noqa: F401 - fixtures
+from tests.support.fakes.pinning import PAGE, FakeCudart
 from tierzero import Config, Placement, Tier, models
 from tierzero.engine import Engine
 from tierzero.engine.vertical.boundary import BoundaryStore

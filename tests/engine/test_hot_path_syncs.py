@@ -1,12 +1,12 @@
 """No host-device synchronisation per micro-batch or per unit, counted with the recording fake.
 
-Compared: the implicit syncs (`SyncWatch`: `.item()`, `.cpu()`, blocking `.to(device)`,
-blocking copies into device memory) and host waits on the compute stream that the training
-thread makes over two steps of micro-batches fed with `train_micro_batch` (the loop reads the
-losses itself, once per step), for one configuration and for the same with three times the
-micro-batches per step, and with more units, on the horizontal schedule (the vertical one's
-waiting activations pin host buffers, which this fake GPU does not provide). The counts must be equal -- what a step syncs
-(reading the grad norm to clip with) does not grow with either -- and at most two per step.
+Compared: the implicit syncs (`SyncWatch`: `.item()`, `.cpu()`, blocking `.to(device)`, blocking
+copies into device memory) and host waits on the compute stream that the training thread makes over
+two steps of micro-batches fed with `train_micro_batch` (the loop reads the losses itself, once per
+step), for one configuration and for the same with three times the micro-batches per step, and with
+more units, on the horizontal schedule (the vertical one's waiting activations pin host buffers,
+which this fake GPU does not provide). The counts must be equal -- what a step syncs (reading the
+grad norm to clip with) does not grow with either -- and at most two per step.
 """
 
 from __future__ import annotations

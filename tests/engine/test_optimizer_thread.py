@@ -86,7 +86,8 @@ def test_host_math_runs_on_one_thread_with_its_own_openmp_team() -> None:
             )
         assert seen == (f"tierzero-wait-{MATH_LANE}_0", 1)
         assert torch.get_num_threads() == before
-    finally:  # torch starts new threads with the last count set anywhere: put it back for later tests
+    finally:
+        # torch starts new threads with the last count set anywhere: put it back for later tests
         restore = threading.Thread(target=torch.set_num_threads, args=(before,))
         restore.start()
         restore.join()

@@ -1,12 +1,12 @@
 """ZeRO stages 1, 2 and 3 on two ranks (gloo, two CPU processes), in process, against the
 full-batch reference, with the collectives counted.
 
-One spawn runs all three stages back to back on `accumulate` 2 (so stage 1's once-per-step
-reduction differs from stage 2's per micro-batch one), with optimizer states on nvme and
-grads and params in host memory (stage 1: on nvme too). Each rank counts its reduce-scatters and all-gathers by wrapping
+One spawn runs all three stages back to back on `accumulate` 2 (so stage 1's once-per-step reduction
+differs from stage 2's per micro-batch one), with optimizer states on nvme and grads and params in
+host memory (stage 1: on nvme too). Each rank counts its reduce-scatters and all-gathers by wrapping
 `Comm`. Stated tolerance: 5e-5 against the reference after three AdamW steps, as in
-test_engine_two_ranks (a different summation order, through Adam's 1/sqrt(v)). Also: stage 2
-resumes bitwise from a checkpoint, and the engine's automatic choice of stage.
+test_engine_two_ranks (a different summation order, through Adam's 1/sqrt(v)). Also: stage 2 resumes
+bitwise from a checkpoint, and the engine's automatic choice of stage.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def test_every_stage_matches_the_full_batch_reference(stages) -> None:
         assert weights.keys() == ref.keys() - {"head.weight"}
         for key, value in weights.items():
             torch.testing.assert_close(
-                value, ref[key], rtol=0, atol=5e-5, msg=lambda m: f"stage {stage}: {m}"
+                value, ref[key], rtol=0, atol=5e-5, msg=lambda m, stage=stage: f"stage {stage}: {m}"
             )
 
 

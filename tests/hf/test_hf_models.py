@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tierzero.cli.app import app
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from tests.support.hf import config
 from tierzero import Config, Engine
@@ -80,7 +80,8 @@ def test_loss_is_the_models_own(arch, hf_models):
 def test_loss_in_chunks_of_tokens_is_the_whole_loss(hf_models):
     """The split layout's head runs on chunks of tokens (a small `loss_chunk_bytes`: 5 tokens of
     logits), each under checkpointing: the loss and every gradient match the unchunked model up
-    to summation order, and the head never sees more than one chunk's tokens, forward or backward."""
+    to summation order, and the head never sees more than one chunk's tokens, forward or
+    backward."""
     model = materialise(load_model(hf_models["llama"]), seed=0, weights=hf_models["llama"])
     assert isinstance(model, SplitCausalLM)
     x, y = batch()
@@ -207,9 +208,9 @@ def one_line_error(result) -> str:
 
 
 def test_bad_models_are_one_line_errors(hf_models, tmp_path):
-    train = lambda *a: runner.invoke(
-        app, ["train", "--steps", "1", "--run-dir", str(tmp_path / "run"), *a]
-    )
+    def train(*a: str) -> Result:
+        return runner.invoke(app, ["train", "--steps", "1", "--run-dir", str(tmp_path / "run"), *a])
+
     assert "is not a local directory" in one_line_error(
         train("--model", "hf:meta-llama/Llama-3.2-1B")
     )

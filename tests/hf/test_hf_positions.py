@@ -1,7 +1,8 @@
 """`--seq-len` against a Hugging Face model's positions (`tierzero.hf.positions`): refused in one
 sentence where transformers' own forward fails past them (MPT's ALiBi bias of `max_seq_len`,
 GPT-J's rotary table), said once where rotary embeddings run on (LLaMA at 4x its
-`max_position_embeddings`), and nothing where positions have no limit (Bloom's and Falcon's ALiBi)."""
+`max_position_embeddings`), and nothing where positions have no limit (Bloom's and Falcon's
+ALiBi)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """GPT-2, OPT and OLMo split like the LLaMA family: no root unit held for the whole pass.
 
-GPT-2 and OPT add a learned position table before the blocks (`tierzero.hf.prelude`: it joins
-the token embedding in the embedding unit), OPT's head calls its decoder directly and registers
-its final norm before its layers, and OLMo's final norm has no parameters. Each trains through
-the engine (fp32, every state on NVMe, 3 steps) bitwise equal to plain PyTorch: the model
-loaded with `from_pretrained`, `torch.optim.AdamW` (fused, decay on matrices, tierzero's lr schedule),
-the cross-entropy of its logits against the next tokens.
+GPT-2 and OPT add a learned position table before the blocks (`tierzero.hf.prelude`: it joins the
+token embedding in the embedding unit), OPT's head calls its decoder directly and registers its
+final norm before its layers, and OLMo's final norm has no parameters. Each trains through the
+engine (fp32, every state on NVMe, 3 steps) bitwise equal to plain PyTorch: the model loaded with
+`from_pretrained`, `torch.optim.AdamW` (fused, decay on matrices, tierzero's lr schedule), the
+cross-entropy of its logits against the next tokens.
 """
 
 from __future__ import annotations

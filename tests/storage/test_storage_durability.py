@@ -314,7 +314,8 @@ class MetadataCalls:
         monkeypatch.setattr(os, "replace", replace)
 
     def around(self, final: Path) -> list[tuple[str, str]]:
-        """The calls that touched `final`: its temp file's fsync, its rename, its directory's fsync."""
+        """The calls that touched `final`: its temp file's fsync, its rename, its directory's
+        fsync."""
         temp = re.compile(re.escape(f"{final.parent}/.{final.name}.") + r"\d+-\d+\.tmp")
         return [
             ("fsync temp" if temp.fullmatch(path) else what, path)

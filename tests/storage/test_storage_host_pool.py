@@ -13,7 +13,7 @@ import torch
 from tierzero.storage.base import BudgetExceededError, StorageError
 from tierzero.storage.host import HostPool, pinned_empty
 
-from tests.support.fakes.pinning import PAGE, FakeCudart, Mappings, cudart, mappings  # noqa: F401 - fixtures
+from tests.support.fakes.pinning import PAGE, FakeCudart, Mappings
 
 
 def test_blocks_are_exact_page_aligned_mappings() -> None:

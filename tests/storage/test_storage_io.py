@@ -83,7 +83,7 @@ def test_cancelled_writes_leave_no_temp_files(
         assert [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")] == []
         # Whatever finished before the cancel committed whole; the rest left nothing.
         with IOLoop(threads=2) as again:
-            for i, (future, src) in enumerate(zip(futures, shards)):
+            for i, src in enumerate(shards):
                 key = f"master/u{i:04d}/r0"
                 if again.run(store.exists(key)):
                     out = torch.empty_like(src)

@@ -182,7 +182,8 @@ def check_step_near_its_bound(
         for gap, op in clock.idle_gaps(since=mark[1], n=3)
     )
     return [
-        f"the steps take {span:.3f} s, {span / bound:.2f} x their busiest resource ({name}, {bound:.3f} s); "
+        f"the steps take {span:.3f} s, {span / bound:.2f} x their busiest resource "
+        f"({name}, {bound:.3f} s); "
         f"compute busy {clock.share(mark):.0%}; longest GPU-idle gaps: {gaps}"
     ]
 
@@ -191,8 +192,9 @@ def check_no_head_of_line_blocking(clock: SimClock, stream: str = "h2d") -> list
     """No op on `stream` that was ready sat behind an earlier op on the same FIFO that was waiting
     for its own dependency (a fetch behind a write gated on compute, say)."""
     return [
-        f"{op.what} {op.kind} on {stream} (thread {op.thread}) ready at {op.ready * 1e3:.2f} ms sat "
-        f"{op.blocked_s * 1e3:.2f} ms behind an op waiting for its dependency"
+        f"{op.what} {op.kind} on {stream} (thread {op.thread}) ready at "
+        f"{op.ready * 1e3:.2f} ms sat {op.blocked_s * 1e3:.2f} ms behind an op waiting for its "
+        "dependency"
         for op in clock.head_of_line(stream)
     ]
 

@@ -1,10 +1,10 @@
 """Checkpoints of a run directory: finding, verifying and pruning them.
 
-`RUN_DIR/checkpoints/step-<N>/` holds a manifest and frozen arrays (see `tierzero.checkpoint.manifest`).
-A directory only gets its final name once everything in it is durable, so a `step-<N>`
-without a readable manifest, or with an array that fails its checksums, is damage: it is
-skipped with a message naming the file, and the next older one is used. So is a manifest that
-fails its own checksum or whose steps disagree (`Manifest.load`).
+`RUN_DIR/checkpoints/step-<N>/` holds a manifest and frozen arrays (see
+`tierzero.checkpoint.manifest`). A directory only gets its final name once everything in it is
+durable, so a `step-<N>` without a readable manifest, or with an array that fails its checksums, is
+damage: it is skipped with a message naming the file, and the next older one is used. So is a
+manifest that fails its own checksum or whose steps disagree (`Manifest.load`).
 
 Pruning follows lineage (`tierzero.checkpoint.lineage`): it removes only checkpoints that the
 run which just wrote one wrote itself, older than that one; anything else is left alone. And

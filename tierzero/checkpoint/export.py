@@ -160,21 +160,7 @@ def export_checkpoint(
     `save_pretrained` writes them (`tensors` "saved": a Mixture-of-Experts layer's experts one
     tensor each, `tierzero.checkpoint.hf_format`) or as the model holds them ("model": fused).
     `on_unit(done, total)` is called after each unit."""
-    if tensors not in TENSORS:
-        raise ConfigError(
-            f"--tensors '{tensors}' is not a layout of exported tensors; choose one of {'|'.join(TENSORS)}"
-        )
-    if dtype not in DTYPES:
-        raise ConfigError(
-            f"--dtype '{dtype}' is not an export dtype; choose one of {'|'.join(DTYPES)}"
-        )
-    if max_shard_bytes <= 0:
-        raise ConfigError(f"--max-shard-size must be positive, got {max_shard_bytes}")
-    if sys.byteorder != "little":  # safetensors is little-endian; we write host bytes as they are
-        raise TierzeroError(
-            "export writes host bytes as they are and needs a little-endian machine; "
-            "run it on x86-64 or ARM64"
-        )
+    _check_options(dtype, max_shard_bytes, tensors)
     out_dir, out_name = _destination(Path(out))
     checkpoint, manifest, skipped = find_checkpoint(run_dir, step)
     entries = manifest_entries(manifest)
@@ -199,9 +185,8 @@ def export_checkpoint(
                 )
             out_name = ADAPTER_WEIGHTS
             extra = (ADAPTER_CONFIG, adapter_config(peft_config, (manifest.model or {}).get("hf")))
-    if (
-        tensors == "saved" and extra is not None and extra[0] == "config.json"
-    ):  # whole Hugging Face weights
+    # whole Hugging Face weights: laid out as `save_pretrained` writes them
+    if tensors == "saved" and extra is not None and extra[0] == "config.json":
         entries = SavedFormat(meta_model(extra[1])).saved(entries, _converted_entry)
     plan = plan_export(manifest, out_name, dtype, max_shard_bytes, entries)
     _make_dir(out_dir)
@@ -224,6 +209,27 @@ def export_checkpoint(
         tokenizer,
         skipped,
     )
+
+
+def _check_options(dtype: str, max_shard_bytes: int, tensors: str) -> None:
+    """Refuse bad options, and a machine whose bytes export cannot write, before reading
+    anything."""
+    if tensors not in TENSORS:
+        raise ConfigError(
+            f"--tensors '{tensors}' is not a layout of exported tensors; "
+            f"choose one of {'|'.join(TENSORS)}"
+        )
+    if dtype not in DTYPES:
+        raise ConfigError(
+            f"--dtype '{dtype}' is not an export dtype; choose one of {'|'.join(DTYPES)}"
+        )
+    if max_shard_bytes <= 0:
+        raise ConfigError(f"--max-shard-size must be positive, got {max_shard_bytes}")
+    if sys.byteorder != "little":  # safetensors is little-endian; we write host bytes as they are
+        raise TierzeroError(
+            "export writes host bytes as they are and needs a little-endian machine; "
+            "run it on x86-64 or ARM64"
+        )
 
 
 def _converted_entry(
@@ -257,10 +263,11 @@ def _make_dir(out_dir: Path) -> None:
 
 
 def read_units(checkpoint: Path, manifest: Manifest) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield (unit index, flat fp32 buffer) per unit: every rank's master shard end to end (and its param
-    shard under it where the unit has frozen parameters, which have no master, or bf16 ones that are
-    their master; at stages 1 and 2, rank 0's whole param), each chunk checked against the manifest's
-    crc32c. One buffer, sized for the largest unit, is reused: finish with a unit before the next."""
+    """Yield (unit index, flat fp32 buffer) per unit: every rank's master shard end to end (and
+    its param shard under it where the unit has frozen parameters, which have no master, or bf16
+    ones that are their master; at stages 1 and 2, rank 0's whole param), each chunk checked
+    against the manifest's crc32c. One buffer, sized for the largest unit, is reused: finish with
+    a unit before the next."""
     buffer = torch.empty(max(u.padded_numel for u in manifest.units), dtype=torch.float32)
     master = not (
         manifest.compute_dtype == "bfloat16" and (manifest.engine or {}).get("master") == "bf16"
@@ -313,7 +320,8 @@ def _read_shard(
 
 
 def _read_array(checkpoint: Path, manifest: Manifest, key: str, out: torch.Tensor) -> None:
-    """Read a master (fp32 or bf16) or param array into fp32 `out`, through a buffer where it is not fp32."""
+    """Read a master (fp32 or bf16) or param array into fp32 `out`, through a buffer where it is
+    not fp32."""
     meta = manifest.arrays.get(key)
     if meta is None:
         raise CheckpointError(
@@ -329,7 +337,8 @@ def _read_array(checkpoint: Path, manifest: Manifest, key: str, out: torch.Tenso
         raise CheckpointError(
             f"checkpoint {checkpoint.name} array {key} holds {meta.numel} "
             f"{meta.dtype} values where the layout needs {out.numel()} "
-            f"{'float32 or bfloat16' if master else 'floating-point'}: it is damaged; export another step with --step"
+            f"{'float32 or bfloat16' if master else 'floating-point'}: it is damaged; "
+            "export another step with --step"
         )
     try:
         if meta.dtype == out.dtype:

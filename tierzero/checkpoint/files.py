@@ -25,7 +25,8 @@ MAX_SMALL_BYTES = 1 << 30  # a manifest of a very large model is megabytes; neve
 
 
 def read_regular(path: str | Path, limit: int = MAX_SMALL_BYTES) -> bytes:
-    """The bytes of the regular file at `path`; OSError (its strerror says why) for anything else."""
+    """The bytes of the regular file at `path`; OSError (its strerror says why) for anything
+    else."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:

@@ -1,4 +1,5 @@
-"""The layout transformers saves a Hugging Face model's tensors in, read and written one group at a time.
+"""The layout transformers saves a Hugging Face model's tensors in, read and written one group
+at a time.
 
 transformers 5 keeps some parameters in another layout inside the model than in its files. A
 Mixture-of-Experts layer holds its experts as one fused tensor per projection
@@ -140,8 +141,8 @@ class SavedFormat:
         value = self._converted.pop(name)
         if tuple(value.shape) != shape:
             raise ConfigError(
-                f"weights converted to '{name}' have shape {tuple(value.shape)} but the model expects "
-                f"{shape}; load weights made for this model"
+                f"weights converted to '{name}' have shape {tuple(value.shape)} but the model "
+                f"expects {shape}; load weights made for this model"
             )
         return value.float()
 

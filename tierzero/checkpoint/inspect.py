@@ -1,12 +1,13 @@
 """What a run directory holds, read without touching it: checkpoints, stores, config.
 
-`inspect_run` is what `tierzero inspect` shows. It takes no lock and writes nothing, so it is
-safe beside a live trainer (whose files may change under it: a checkpoint half-made, a shard
-mid-swap). Anything odd it meets -- unreadable JSON, a stray file, a missing directory -- is
-recorded as a reason next to the thing it concerns, never raised, except a missing run
-directory. Files are opened only when they are regular files (`checkpoint.files.read_regular`):
-a FIFO or a symlink in the run directory is reported, never blocked on or followed. Only host and GPU tiers hold their state in memory, so the arrays it counts are the
-NVMe store's on disk; the placement says which state kinds the run keeps where.
+`inspect_run` is what `tierzero inspect` shows. It takes no lock and writes nothing, so it is safe
+beside a live trainer (whose files may change under it: a checkpoint half-made, a shard mid-swap).
+Anything odd it meets -- unreadable JSON, a stray file, a missing directory -- is recorded as a
+reason next to the thing it concerns, never raised, except a missing run directory. Files are opened
+only when they are regular files (`checkpoint.files.read_regular`): a FIFO or a symlink in the run
+directory is reported, never blocked on or followed. Only host and GPU tiers hold their state in
+memory, so the arrays it counts are the NVMe store's on disk; the placement says which state kinds
+the run keeps where.
 
 NVMe store layouts understood (`storage.nvme.store`): one array per key (`<key>/zarr.json` with
 node_type "array"), or one group per key whose `attributes.tierzero.current` names the current
@@ -135,7 +136,8 @@ def inspect_run(run_dir: str | Path, verify: bool = False) -> RunInfo:
 
 
 def _skipped_newer(checkpoints: list[CheckpointInfo]) -> list[str]:
-    """The checkpoints newer than the newest usable one (which resume and export take), each with why."""
+    """The checkpoints newer than the newest usable one (which resume and export take), each with
+    why."""
     skipped = []
     for c in reversed(checkpoints):
         if c.status in ("complete", "ok"):

@@ -77,6 +77,6 @@ def abandon(run_dir: str | Path, newer_than: int | None = None) -> list[Path]:
 def abandoned_note(run_dir: str | Path, moved: list[Path], why: str) -> str:
     names = ", ".join(p.name for p in moved)
     return (
-        f"moved checkpoint(s) {names} aside into {checkpoints_root(run_dir) / ABANDONED_DIR} ({why}); "
-        "delete them there once they are no longer wanted"
+        f"moved checkpoint(s) {names} aside into {checkpoints_root(run_dir) / ABANDONED_DIR} "
+        f"({why}); delete them there once they are no longer wanted"
     )

@@ -52,8 +52,8 @@ def peft_adapters(
     if isinstance(adapters, dict) and adapters:
         if len(adapters) > 1:
             raise ConfigError(
-                f"the checkpoint's model has {len(adapters)} peft adapters ({', '.join(adapters)}); "
-                "export handles one: train with a single adapter"
+                f"the checkpoint's model has {len(adapters)} peft adapters "
+                f"({', '.join(adapters)}); export handles one: train with a single adapter"
             )
         return adapters
     lora = next((n for n in names if ".lora_A." in n or ".lora_B." in n), None)

@@ -79,7 +79,8 @@ def lower_buckets(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     the bucket's start, plus one if it is at or above that next code: `searchsorted(right=True)
     - 1` in two table lookups instead of a binary search. The unsigned map's exception is folded
     in: positive buckets below its first positive code start at code 1 and compare with +inf.
-    (+0's bucket, which holds the positive subnormals, starts at 0 and compares with the least of them.)"""
+    (+0's bucket, which holds the positive subnormals, starts at 0 and compares with the least of
+    them.)"""
     table = code_map(signed)
     patterns = torch.arange(1 << 16, dtype=torch.int64) << 16
     edges = [(patterns | low).to(torch.int32).view(torch.float32) for low in (0, 0xFFFF)]
@@ -124,7 +125,8 @@ class Scratch:
 
 
 def _whole_and_tail(x: torch.Tensor) -> list[tuple[torch.Tensor, slice]]:
-    """`x` as 2-D views of whole blocks and its shorter last block, with each one's range of blocks."""
+    """`x` as 2-D views of whole blocks and its shorter last block, with each one's range of
+    blocks."""
     full = x.numel() // STATE_BLOCK
     out = []
     if full:
@@ -171,7 +173,8 @@ def quantise(
 
 
 def lower(values: torch.Tensor, signed: bool, scratch: Scratch, out: torch.Tensor) -> None:
-    """uint8 `out`: the index of each normalised value's lower code, by its bucket (`lower_buckets`)."""
+    """uint8 `out`: the index of each normalised value's lower code, by its bucket
+    (`lower_buckets`)."""
     n = values.numel()
     bucket, bound = scratch.bits[:n], scratch.other[:n]
     torch.bitwise_right_shift(values.view(torch.int32), 16, out=bucket).bitwise_and_(0xFFFF)

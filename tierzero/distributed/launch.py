@@ -138,8 +138,9 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 def die_with_launcher() -> None:
     """Ask the kernel to send this rank SIGTERM when the process that started it (torchrun's
-    agent) dies, however it dies; exit now if it is already gone. Linux only, and only under torchrun's
-    agent (TORCHELASTIC_RUN_ID): a user's own launcher script may exit while its ranks train."""
+    agent) dies, however it dies; exit now if it is already gone. Linux only, and only under
+    torchrun's agent (TORCHELASTIC_RUN_ID): a user's own launcher script may exit while its ranks
+    train."""
     if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     libc = ctypes.CDLL(None, use_errno=True)
@@ -174,8 +175,8 @@ def run_torchrun(nproc: int, module: str, args: list[str]) -> None:
         ]
     )
     os.environ[_LAUNCHER_PID] = str(os.getpid())  # the ranks' parent: torchrun runs in this process
-    # the agent's warnings ("death signal, shutting down workers") would be noise around our one line;
-    # each of its modules sets its own logger's level
+    # the agent's warnings ("death signal, shutting down workers") would be noise around our one
+    # line; each of its modules sets its own logger's level
     agent_logs = [
         logging.getLogger(name)
         for name in list(logging.root.manager.loggerDict)
@@ -214,6 +215,6 @@ def failure_text(failures: dict[int, Any]) -> str:
     (first, failure), rest = order[0], order[1:]
     after = "".join(f"; then rank {rank} {how(f)}" for rank, f in rest)
     return (
-        f"rank {first} {how(failure)}{after}; torchrun stopped the other ranks, and the run directory "
-        "keeps its last complete checkpoint (continue with --resume)"
+        f"rank {first} {how(failure)}{after}; torchrun stopped the other ranks, and the run "
+        "directory keeps its last complete checkpoint (continue with --resume)"
     )

@@ -339,11 +339,12 @@ class SplitCausalLM(CausalLM):
         return self._prelude(input_ids, None)
 
     def layer_calls_refusal(self) -> str | None:
-        """Why `layer_calls` cannot give the head unit the hidden state the model's forward does."""
+        """Why `layer_calls` cannot give the head unit the hidden state the model's forward
+        does."""
         if self.final_norm is None:
             return (
-                f"{type(self.hf_model).__name__}'s final norm has no parameters, so it runs inside the "
-                "model's forward rather than in the head unit"
+                f"{type(self.hf_model).__name__}'s final norm has no parameters, so it runs "
+                "inside the model's forward rather than in the head unit"
             )
         if self.router is not None:
             return (

@@ -59,7 +59,8 @@ class HFModel:
         return check_seq_len(limit, seq_len, self.path.name)
 
     def description(self) -> dict[str, Any]:
-        """What a checkpoint records (`save_checkpoint(model=...)`): export writes the config back."""
+        """What a checkpoint records (`save_checkpoint(model=...)`); export writes the config
+        back."""
         return {"hf": str(self.path.resolve()), "config": self.config}
 
 
@@ -145,9 +146,10 @@ def _check_causal(hf_model: nn.Module, path: Path) -> None:
     builds as a `*LMHeadModel` too: trained on next tokens it would see the token it predicts."""
     if any(getattr(m, "is_causal", True) is False for m in hf_model.modules()):
         raise ConfigError(
-            f"{path} holds {type(hf_model).__name__}, whose attention is bidirectional (an encoder): "
-            "trained as a causal LM each token would see the one it predicts; pass a decoder model "
-            'directory (or set "is_decoder": true in its config.json to make this one causal)'
+            f"{path} holds {type(hf_model).__name__}, whose attention is bidirectional "
+            "(an encoder): trained as a causal LM each token would see the one it predicts; "
+            'pass a decoder model directory (or set "is_decoder": true in its config.json '
+            "to make this one causal)"
         )
 
 

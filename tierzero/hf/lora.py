@@ -95,11 +95,14 @@ def default_targets(hf: HFModel, spec: LoraSpec) -> tuple[LoraSpec, str | None]:
             f"peft has no default LoRA targets for {model_type}, and tierzero cannot take every "
             f"linear layer of its decoder layers ({why}); name them with --lora-targets"
         )
-    note = f"peft has no default LoRA targets for {model_type}: every linear layer of its decoder layers is adapted"
+    note = (
+        f"peft has no default LoRA targets for {model_type}: "
+        "every linear layer of its decoder layers is adapted"
+    )
     if fused:
         note += (
-            f" except {', '.join(sorted(fused))} (peft takes those names for the experts' fused tensors, "
-            "which tierzero cannot adapt yet)"
+            f" except {', '.join(sorted(fused))} (peft takes those names for the experts' "
+            "fused tensors, which tierzero cannot adapt yet)"
         )
     return replace(spec, targets=tuple(sorted(targets))), note
 

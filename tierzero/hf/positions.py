@@ -73,11 +73,13 @@ def check_seq_len(limit: PositionLimit | None, seq_len: int, name: str) -> str |
         return None
     if limit.hard:
         raise ConfigError(
-            f"--seq-len {seq_len} is longer than {name}'s {limit.what} ({limit.length} positions, "
-            f"{limit.key}), which a longer sequence cannot run; use --seq-len {limit.length} or less"
+            f"--seq-len {seq_len} is longer than {name}'s {limit.what} "
+            f"({limit.length} positions, {limit.key}), which a longer sequence cannot run; "
+            f"use --seq-len {limit.length} or less"
         )
     return (
-        f"--seq-len {seq_len} is {seq_len / limit.length:.3g}x the {limit.length} positions {name} was built for "
-        f"({limit.key}): its {limit.what} run past them, on positions it never saw in pre-training, so it "
-        f"may train worse; --seq-len {limit.length} or less stays inside"
+        f"--seq-len {seq_len} is {seq_len / limit.length:.3g}x the {limit.length} positions "
+        f"{name} was built for ({limit.key}): its {limit.what} run past them, on positions it "
+        f"never saw in pre-training, so it may train worse; "
+        f"--seq-len {limit.length} or less stays inside"
     )

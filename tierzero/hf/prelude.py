@@ -67,7 +67,8 @@ def _hidden_arg(args: tuple, kwargs: dict) -> torch.Tensor:
 
 @contextlib.contextmanager
 def stop_at(block: nn.Module) -> Iterator[Callable[[Callable[[], Any]], torch.Tensor]]:
-    """Yields `until_block(call)`: runs `call` until `block` is called, and returns its hidden input."""
+    """Yields `until_block(call)`: runs `call` until `block` is called, and returns its hidden
+    input."""
 
     def raise_hidden(module: nn.Module, args: tuple, kwargs: dict) -> None:
         raise _Reached(_hidden_arg(args, kwargs))

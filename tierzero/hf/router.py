@@ -1,4 +1,5 @@
-"""The router's auxiliary loss of a Hugging Face Mixture-of-Experts model, trained through the units.
+"""The router's auxiliary loss of a Hugging Face Mixture-of-Experts model, trained through the
+units.
 
 transformers adds `router_aux_loss_coef * aux_loss` to the loss when the config says
 `output_router_logits`: a load-balancing loss of every layer's router logits, which it collects

@@ -62,7 +62,8 @@ class Unit:
     entry: tuple[Any, str] | None  # (owner, attribute) whose call runs the unit; None: root
     uses_with: tuple[int, ...] = ()  # units bound while this one computes (tied weights)
     slots: list[ParamSlot] = field(default_factory=list)
-    numel: int = 0  # the flat layout's end before padding (with frozen params: the aligned gap before them too)
+    # the flat layout's end before padding (with frozen params: the aligned gap before them too)
+    numel: int = 0
     padded_numel: int = 0
     trainable_numel: int = 0  # flat[:trainable_numel] has grads and optimizer states; frozen after
     world_size: int = 1
@@ -82,7 +83,8 @@ class Unit:
 
     @property
     def param_numel(self) -> int:
-        """Elements of the param a rank stores: its shard, or the whole flat buffer when replicated."""
+        """Elements of the param a rank stores: its shard, or the whole flat buffer when
+        replicated."""
         return self.padded_numel if self.replicated else self.shard_numel
 
     def param_offset(self, rank: int) -> int:
@@ -120,7 +122,8 @@ class Unit:
         return self._shard_param_pieces(piece_numel, rank)
 
     def param_piece_base(self, piece_numel: int, rank: int) -> int:
-        """The index of this rank's first param piece among those it stores (0 unless replicated)."""
+        """The index of this rank's first param piece among those it stores (0 unless
+        replicated)."""
         if not self.replicated:
             return 0
         return sum(len(self._shard_param_pieces(piece_numel, r)) for r in range(rank))
@@ -137,7 +140,8 @@ def piece_ranges(shard_numel: int, piece_numel: int) -> list[tuple[int, int]]:
 
 def find_blocks(model: nn.Module, units: str | None = None) -> tuple[str, nn.ModuleList]:
     """The model's repeated blocks: the named `ModuleList` (or the one the model names as its
-    `blocks_path`: a Hugging Face hybrid's layers are of several classes), or its largest one of one class."""
+    `blocks_path`: a Hugging Face hybrid's layers are of several classes), or its largest one of
+    one class."""
     units = (
         units if units is not None else vars(model).get("blocks_path")
     )  # its own, not a wrapper's
@@ -164,7 +168,8 @@ def find_blocks(model: nn.Module, units: str | None = None) -> tuple[str, nn.Mod
     if best is None:
         raise ConfigError(
             f"{type(model).__name__} has no nn.ModuleList of repeated blocks to split "
-            "into units; name its attribute path with --units (Config(units=...)), e.g. model.layers"
+            "into units; name its attribute path with --units (Config(units=...)), "
+            "e.g. model.layers"
         )
     return best
 

@@ -1,4 +1,5 @@
-"""The built-in models: `build` a preset (or any `ModelArgs`) on a device, initialised from a seed."""
+"""The built-in models: `build` a preset (or any `ModelArgs`) on a device, initialised from a
+seed."""
 
 import torch
 

@@ -2,13 +2,13 @@
 (seed, step, micro-batch, unit).
 
 Horizontally a step runs micro-batch after micro-batch through every unit; vertically
-(`tierzero.engine.vertical.schedule`) unit after unit over every micro-batch. A single RNG stream drawn
-in call order would give the two schedules different masks, so each unit's call of each
-micro-batch draws from its own seeded generator state instead (`seeded`), in its forward and
-again in its recompute, and puts the stream it replaced back afterwards: the masks are the same
-in either schedule, after a resume, and in the reference trainer (`SeededEntries`), which so
-stays the oracle for models with dropout. Parameter-free code outside the units (a root unit,
-a model's own forward between calls) draws from torch's ordinary stream.
+(`tierzero.engine.vertical.schedule`) unit after unit over every micro-batch. A single RNG stream
+drawn in call order would give the two schedules different masks, so each unit's call of each
+micro-batch draws from its own seeded generator state instead (`seeded`), in its forward and again
+in its recompute, and puts the stream it replaced back afterwards: the masks are the same in either
+schedule, after a resume, and in the reference trainer (`SeededEntries`), which so stays the oracle
+for models with dropout. Parameter-free code outside the units (a root unit, a model's own forward
+between calls) draws from torch's ordinary stream.
 
 On a GPU the generator of each device the call's inputs are on is seeded by its index:
 recompute runs on autograd's thread for that GPU, whose current device need not be the
@@ -40,7 +40,8 @@ class Draws:
 
 
 def draw_seed(seed: int, step: int, micro: int, unit: int) -> int:
-    """A well-mixed 63-bit seed for unit `unit` of micro-batch `micro` (within the step) of step `step`."""
+    """A well-mixed 63-bit seed for unit `unit` of micro-batch `micro` (within the step) of step
+    `step`."""
     return int(
         np.random.SeedSequence([seed, step, micro, unit]).generate_state(1, np.uint64)[0]
         >> np.uint64(1)

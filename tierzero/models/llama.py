@@ -41,7 +41,8 @@ LOSS_CHUNK_TOKENS = 1024  # tokens per loss chunk at least
 def loss_chunk_bytes(vocab_size: int) -> int:
     """fp32 logit bytes per loss chunk: `LOSS_CHUNK_TOKENS` tokens at least, as many as 64 MiB
     holds where the vocabulary is small. Chunks sized in bytes alone were 130 tokens at a 128k
-    vocabulary: 252 skinny head GEMMs per 32k tokens (each run three times), too thin to fill a GPU."""
+    vocabulary: 252 skinny head GEMMs per 32k tokens (each run three times), too thin to fill a
+    GPU."""
     return 4 * vocab_size * max(LOSS_CHUNK_TOKENS, LOSS_CHUNK_BYTES // (4 * vocab_size))
 
 

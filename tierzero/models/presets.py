@@ -56,7 +56,8 @@ class ModelArgs:
                 )
         if self.dim % self.n_heads:
             raise ConfigError(
-                f"model dim {self.dim} is not divisible by n_heads {self.n_heads}; pick a dim that is"
+                f"model dim {self.dim} is not divisible by n_heads {self.n_heads}; "
+                "pick a dim that is"
             )
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
@@ -65,7 +66,8 @@ class ModelArgs:
             )
         if self.head_dim % 2:
             raise ConfigError(
-                f"head size dim/n_heads = {self.head_dim} is odd; rotary embeddings need an even head size"
+                f"head size dim/n_heads = {self.head_dim} is odd; "
+                "rotary embeddings need an even head size"
             )
 
     @property

@@ -4,11 +4,11 @@ A weights path is a `.safetensors` file or a directory: with a `*.safetensors.in
 (the Hugging Face sharded layout) the index's `weight_map` names the files, else every
 `*.safetensors` file in it is read. Nothing is downloaded.
 
-Why not `safetensors.safe_open`: it memory-maps each file, and every page a read touches stays
-in the process's resident set while the handle is open, so loading a whole model unit by unit
-would still grow RSS by the whole model. Here each tensor is `readinto` a fresh buffer from
-the offsets in the file's JSON header (8 bytes of little-endian length, then the header; the
-format `tierzero.checkpoint.export` writes), so peak host memory is one tensor plus what the caller keeps.
+Why not `safetensors.safe_open`: it memory-maps each file, and every page a read touches stays in
+the process's resident set while the handle is open, so loading a whole model unit by unit would
+still grow RSS by the whole model. Here each tensor is `readinto` a fresh buffer from the offsets in
+the file's JSON header (8 bytes of little-endian length, then the header; the format
+`tierzero.checkpoint.export` writes), so peak host memory is one tensor plus what the caller keeps.
 """
 
 from __future__ import annotations

@@ -62,7 +62,8 @@ def default_corpus(max_bytes: int = 8 << 20) -> np.ndarray:
             break
     if not text:
         raise DataError(
-            f"found no .py files under the standard library at '{root}'; pass a text file with --data"
+            f"found no .py files under the standard library at '{root}'; "
+            "pass a text file with --data"
         )
     return np.frombuffer(bytes(text[:max_bytes]), dtype=np.uint8)
 
@@ -167,7 +168,8 @@ class TokenBatches:
         self.trained = trained  # which tokens are targets (fine-tuning examples); None: all
         if trained is not None and len(trained) != len(tokens):
             raise ConfigError(
-                f"the trained mask has {len(trained)} entries for {len(tokens)} tokens; give one per token"
+                f"the trained mask has {len(trained)} entries for {len(tokens)} tokens; "
+                "give one per token"
             )
         self.examples = examples  # where each example starts, then the end; None: plain text
         if examples is not None and (examples[0] != 0 or examples[-1] != len(tokens)):
@@ -207,10 +209,8 @@ class TokenBatches:
         for name, part in (("training", self.train), ("validation", self.val)):
             if len(part) < self.seq_len + 1 and (name == "training" or len(self.val)):
                 return (
-                    (
-                        f"the corpus of {len(tokens)} tokens leaves {len(part)} for {name}, too short "
-                        f"for seq_len {self.seq_len} (needs {self.seq_len + 1})"
-                    ),
+                    f"the corpus of {len(tokens)} tokens leaves {len(part)} for {name}, "
+                    f"too short for seq_len {self.seq_len} (needs {self.seq_len + 1})",
                     "use a larger corpus or a smaller --seq-len",
                 )
         self._windows = self._split_windows(0, len(self.train))
@@ -220,10 +220,8 @@ class TokenBatches:
         for name, (firsts, _) in (("training", self._windows), ("validation", self._val_windows)):
             if len(firsts) == 0:
                 return (
-                    (
-                        f"no window of {self.seq_len + 1} tokens in the {name} split has a completion "
-                        "or assistant token to train on"
-                    ),
+                    f"no window of {self.seq_len + 1} tokens in the {name} split has a "
+                    "completion or assistant token to train on",
                     "use a longer --seq-len or more data",
                 )
         return None
@@ -335,8 +333,9 @@ class TokenBatches:
         saved = (state.get("seq_len"), state.get("n_windows"), state.get("seed"))
         if saved != (self.seq_len, self.n_windows, self.seed):
             raise DataError(
-                f"the saved data position is for seq_len {saved[0]}, {saved[1]} windows, seed {saved[2]}, "
-                f"but this run has seq_len {self.seq_len}, {self.n_windows} windows, seed {self.seed}; "
+                f"the saved data position is for seq_len {saved[0]}, {saved[1]} windows, "
+                f"seed {saved[2]}, but this run has seq_len {self.seq_len}, "
+                f"{self.n_windows} windows, seed {self.seed}; "
                 "resume with the same data, --seq-len and --seed"
             )
         if not 0 <= state.get("position", -1) < self.n_windows or state.get("epoch", -1) < 0:
@@ -350,7 +349,8 @@ class TokenBatches:
         return np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
 
     def _split_at(self, length: int, n_val: int) -> int:
-        """Where validation starts: `n_val` tokens from the end, moved to the next example's start."""
+        """Where validation starts: `n_val` tokens from the end, moved to the next example's
+        start."""
         if self.examples is None or n_val == 0:
             return length - n_val
         after = self.examples[np.searchsorted(self.examples, length - n_val)]

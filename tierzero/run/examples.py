@@ -143,14 +143,15 @@ def encode_examples(
     template: ChatTemplate | None,
     source: str,
 ) -> Examples:
-    """Token ids of every record, end to end, whether each is trained, and where each record starts."""
+    """Token ids of every record, end to end, whether each is trained, and where each record
+    starts."""
     ids: list[int] = []
     trained: list[np.ndarray] = []
     bounds = [0]
     batch: list[tuple[str, list[tuple[int, int]], bool]] = []
 
     def flush() -> None:
-        for (text, spans, eos), encoding in zip(
+        for (_, spans, eos), encoding in zip(
             batch, tokenizer.encode_batch([t for t, _, _ in batch], add_special_tokens=False)
         ):
             ids.extend(encoding.ids)
@@ -187,7 +188,8 @@ def trained_tokens(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndar
 def _rendered(
     record: dict[str, Any], template: ChatTemplate | None, where: str
 ) -> tuple[str, list[tuple[int, int]], bool]:
-    """The record's text, the character spans to train on, and whether an end-of-sequence id follows."""
+    """The record's text, the character spans to train on, and whether an end-of-sequence id
+    follows."""
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not all(
@@ -211,8 +213,9 @@ def _rendered(
             through = template.render(messages[: i + 1])
             if not (text.startswith(through) and through.startswith(before)):
                 raise DataError(
-                    f"{where}: the chat template renders the chat's first turns differently when "
-                    "it is cut short, so the assistant's tokens cannot be found; use prompt/completion"
+                    f"{where}: the chat template renders the chat's first turns differently "
+                    "when it is cut short, so the assistant's tokens cannot be found; "
+                    "use prompt/completion"
                 )
             spans.append((len(before), len(through)))
         return text, spans, False

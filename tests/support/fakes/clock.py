@@ -266,7 +266,8 @@ class SimClock:
     def idle_gaps(
         self, stream: str = "compute", since: float = 0.0, n: int = 5
     ) -> list[tuple[float, Op]]:
-        """The `n` longest stretches `stream` sat idle after `since`, each with the op that ended it."""
+        """The `n` longest stretches `stream` sat idle after `since`, each with the op that ended
+        it."""
         gaps, end = [], since
         for op in sorted(
             (o for o in self.ops if o.resource == stream and o.kind != "wait"),

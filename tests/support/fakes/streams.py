@@ -18,13 +18,15 @@ What a real GPU would do that the fake's landing makes visible, each logged as a
 - a copy reads its source when it runs, not when it is issued: it lands the source as it is at
   landing, and a source that host code changed while the copy was in flight is named;
 - a destination host code wrote while its copy was in flight (the late copy overwrites it);
-- a host pool block handed out while a copy still reads or writes it (`tests.support.watchers.watch_host_pool`);
+- a host pool block handed out while a copy still reads or writes it
+  (`tests.support.watchers.watch_host_pool`);
 - allocator memory used on another stream without `keep_alive` (record_stream) there
   (`tests.support.checks.check_allocator_memory_kept_alive`).
-- a collective (`collective`; `tests.support.fakes.comm.nccl_like_collectives` routes the engine's through it, for
-  two gloo ranks) runs on its own `comm` stream after what the issuing stream has queued: its
-  output is NaN until something waits for its event, and an input changed before then, an
-  input another stream's copy writes unordered, and a collective never waited for are named.
+- a collective (`collective`; `tests.support.fakes.comm.nccl_like_collectives` routes the
+  engine's through it, for two gloo ranks) runs on its own `comm` stream after what the issuing
+  stream has queued: its output is NaN until something waits for its event, and an input changed
+  before then, an input another stream's copy writes unordered, and a collective never waited for
+  are named.
 Compute events have happened only once the host synchronised with one at or after them
 (`host_wait`), as on a GPU whose kernels run behind the host.
 
@@ -209,7 +211,8 @@ class RecordingStreams(Streams):
         issuing (current) stream has queued, reading `inp` and filling `out` -- NaN until its
         event is waited for, then `result`, what the ranks' real collective computed from `inp`
         as issued (an input changed before then is named, as a copy's source is). An output
-        allocated while `comm` is current is memory for that stream (`check_allocator_memory_kept_alive`)."""
+        allocated while `comm` is current is memory for that stream
+        (`check_allocator_memory_kept_alive`)."""
         with self._lock:
             issuing = self.current_stream()
             if issuing == self.comm and not self.on_device(out):
@@ -273,7 +276,8 @@ class RecordingStreams(Streams):
                         "hazard",
                         f"the input of comm collective {seq} was changed while it was in flight"
                         if event.stream == self.comm
-                        else f"the source of {event.stream} copy {seq} changed while it was in flight",
+                        else f"the source of {event.stream} copy {seq} changed while it was "
+                        "in flight",
                     )
                 )
             if not self._overlaps_queued(_span(dst)) and not bool(
