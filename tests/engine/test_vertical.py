@@ -35,7 +35,8 @@ UNTIED = dataclasses.replace(SMALL, tie_embeddings=False)
 def train(
     args, cfg: Config, steps: int = STEPS
 ) -> tuple[list[float], dict[str, torch.Tensor], Engine]:
-    """`steps` steps of `cfg.execution.accumulate` micro-batches through `Engine.train_micro_batch`."""
+    """`steps` steps of `cfg.execution.accumulate` micro-batches through
+    `Engine.train_micro_batch`."""
     data, losses = batches(), []
     with Engine(models.build(args, device="meta", seed=cfg.seed), cfg) as engine:
         for _ in range(steps):

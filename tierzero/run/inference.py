@@ -120,8 +120,8 @@ def _check_device(config: Config) -> None:
             ) from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(
-                f"--device {config.tiering.device} needs a GPU this torch can see, and it sees none; "
-                "drop --device to run on the CPU"
+                f"--device {config.tiering.device} needs a GPU this torch can see, and it sees "
+                "none; drop --device to run on the CPU"
             )
     device = config.tiering.resolved_device()
     check_dtype_supported(resolve_dtype(config.precision.dtype, device), device)

@@ -101,8 +101,8 @@ def train_loop(
     samples: Callable[[int], None] | None = None,
 ) -> LoopResult:
     """Run optimizer steps `start_step + 1 .. run.steps` of `accumulate` micro-batches each,
-    logging every step; `checkpoint(step)` runs every `run.checkpoints.checkpoint_every` steps and at the end,
-    `samples(step)` after every step (it generates when due: `tierzero.run.samples`).
+    logging every step; `checkpoint(step)` runs every `run.checkpoints.checkpoint_every` steps and
+    at the end, `samples(step)` after every step (it generates when due: `tierzero.run.samples`).
     With several ranks `mean` averages losses over them, `total` sums trained-token counts and
     `gather` collects every rank's own counters (collectives: every rank calls them at the same
     points), so the losses logged are those of the global batch, and each step's record keeps
