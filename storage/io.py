@@ -159,9 +159,8 @@ class IOLoop:
         if self.math_threads is not None:
             import torch
 
-            torch.set_num_threads(
-                self.math_threads
-            )  # this thread's team (and torch's default for new threads)
+            # this thread's team (and torch's default for new threads)
+            torch.set_num_threads(self.math_threads)
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule `coro` on the loop; the training thread waits on the returned future."""

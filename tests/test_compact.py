@@ -126,9 +126,8 @@ def reference_step(
         if t.dtype == torch.float32:
             out[kind] = values[kind]
             continue
-        rest = (
-            0x8000 if formats.quantised(kind) else 0
-        )  # outside the spans: nearest code, or as stored
+        # outside the spans: nearest code, or as stored
+        rest = 0x8000 if formats.quantised(kind) else 0
         bits = np.full(n, rest, dtype=np.uint32)
         for a, b, _, k in spans:
             bits[a:b] = _ref_bits(config, k + 1, unit, kind, np.arange(origin + a, origin + b))
@@ -278,9 +277,8 @@ def test_int8_stochastic_rounding_is_unbiased_and_keeps_to_the_two_codes_around_
         gap = float(table[lo + 1] - table[lo])
         assert abs(mean - float(target)) < gap * 2**-10, (mean, float(target))
         nearest = torch.empty_like(q)
-        codes.quantise(
-            x.clone(), signed, nearest, absmax, scratch
-        )  # no bits: the nearest code, for all
+        # no bits: the nearest code, for all
+        codes.quantise(x.clone(), signed, nearest, absmax, scratch)
         assert len(nearest[kept].unique()) == 1
 
 

@@ -110,9 +110,8 @@ class NvmeStore(TierStore):
         self._lock_fds: list[int] = []
         self._spares: list[SpareFiles] = []  # per directory
         self._current: dict[str, Current] = {}
-        self._previous: dict[str, Current] | None = (
-            None  # while `hold`ing: each key's first replaced generation
-        )
+        # while `hold`ing: each key's first replaced generation
+        self._previous: dict[str, Current] | None = None
         self._key_locks: dict[str, asyncio.Lock] = {}
         self._made_dirs: set[str] = set()
         self._note_lock = threading.Lock()
@@ -339,9 +338,8 @@ class NvmeStore(TierStore):
         loop = asyncio.get_running_loop()
         async with self._key_lock(key):
             current = await self._lookup(key)
-            current = (
-                self._previous.get(key, current) if previous else current
-            )  # `hold`: as it began
+            # `hold`: as it began
+            current = self._previous.get(key, current) if previous else current
             meta = current.meta
             check_out(key, out, meta.dtype, meta.numel)
             data = byte_view(out)

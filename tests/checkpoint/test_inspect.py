@@ -49,9 +49,8 @@ def _make_store(store: Path) -> dict[str, tuple[int, int]]:
         str(store / "param" / "u0000" / "r0"), torch.zeros(2048, dtype=torch.bfloat16), 4096
     )
     _generation_array(store, "exp_avg/u0000/r0", "g000003", torch.zeros(1024))
-    write_array(
-        str(store / "exp_avg" / "u0000" / "r0" / "g000002"), torch.zeros(1024), 4096
-    )  # older
+    # older
+    write_array(str(store / "exp_avg" / "u0000" / "r0" / "g000002"), torch.zeros(1024), 4096)
     _generation_array(store, "exp_avg_sq/u0000/r0", "g000001", torch.zeros(1024))
     (store / "zarr.json").write_text(
         json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}})
@@ -122,9 +121,8 @@ def test_store_counts_current_arrays_per_kind_and_skips_odd_files(tmp_path):
     info = store_info(tmp_path / "nvme")
     assert {k: (t.arrays, t.nbytes) for k, t in info.kinds.items()} == expected
     skipped = "\n".join(info.skipped)
-    assert len(info.skipped) == 4, (
-        skipped
-    )  # truncated JSON, missing generation, bad shape, non-object
+    # truncated JSON, missing generation, bad shape, non-object
+    assert len(info.skipped) == 4, skipped
     assert (
         "u0000/r0/zarr.json: JSONDecodeError" in skipped and "g000009 has no zarr.json" in skipped
     )

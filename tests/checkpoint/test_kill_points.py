@@ -34,23 +34,17 @@ POINTS = [
 # first call from the `k`-th on whose target contains it (the order of threaded writes varies).
 PATH_POINTS = [
     ({"path": "vertical", "phase": "step", "nth": 4, "k": 3}, "/act/"),  # an activation's spill
-    (
-        {"path": "restep", "phase": "step", "nth": 2, "k": 40},
-        None,
-    ),  # a step while kept generations are held
+    # a step while kept generations are held
+    ({"path": "restep", "phase": "step", "nth": 2, "k": 40}, None),
     ({"path": "bf16", "phase": "save", "nth": 2, "k": 30}, None),
     # a skipped step's save replacing its step's checkpoint: at the swap, and right after it
     ({"path": "fp16", "phase": "commit", "nth": 2, "k": 1}, "exchange"),
     ({"path": "fp16", "phase": "commit", "nth": 2, "k": 2}, None),
-    (
-        {"path": "host", "phase": "save", "nth": 2, "k": 60},
-        "/checkpoints/",
-    ),  # memory-homed shards written
+    # memory-homed shards written
+    ({"path": "host", "phase": "save", "nth": 2, "k": 60}, "/checkpoints/"),
     ({"path": "auto", "phase": "save", "nth": 2, "k": 60}, "/checkpoints/"),
-    (
-        {"path": "two-ranks", "rank": 1, "phase": "save", "nth": 2, "k": 20},
-        "/rank1/",
-    ),  # rank 1's own store
+    # rank 1's own store
+    ({"path": "two-ranks", "rank": 1, "phase": "save", "nth": 2, "k": 20}, "/rank1/"),
     # an int8 moment's chunk (absmax blocks, then codes) linked into the checkpoint; a step
     # writing compact pieces through spares; a bf16 moment's chunk written from host memory
     ({"path": "compact", "phase": "save", "nth": 2, "k": 100}, "/nvme/exp_avg/u0001/"),

@@ -87,9 +87,8 @@ def test_auto_verifies_where_crc32c_outruns_the_reads_twenty_times(
     store = NvmeStore([tmp_path], chunk_bytes=1 << 16, verify_reads=None)
     with store:
         assert store.verify_reads is expected
-    assert (
-        NvmeStore([tmp_path], verify_reads=False).verify_reads is False
-    )  # off stays off, unmeasured
+    # off stays off, unmeasured
+    assert NvmeStore([tmp_path], verify_reads=False).verify_reads is False
 
 
 def test_the_probes_measure_real_rates(tmp_path: Path) -> None:

@@ -18,9 +18,8 @@ NUMEL = 4096  # 16 KiB of fp32: one activation; the large entry is twice that
 def test_a_prefetched_entry_gives_its_buffer_up_to_a_larger_put(tmp_path, monkeypatch) -> None:
     spill = BoundaryStore._spill
 
-    def spill_at_once(
-        self, entry
-    ) -> None:  # each write done before the store looks again: no races
+    # each write done before the store looks again: no races
+    def spill_at_once(self, entry) -> None:
         spill(self, entry)
         entry.written.result()
 

@@ -31,10 +31,7 @@ from tierzero.run.directory import read_metrics
         ([(0.0, 4.0), (1.0, 2.0), (2.5, 3.0)], 4.0),  # nested
         ([(0.0, 1.0), (2.0, 3.5)], 2.5),  # disjoint
         ([(2.0, 3.0), (0.0, 1.0), (1.0, 2.0)], 3.0),  # touching, out of order
-        (
-            [(0.0, 1.0)] * 16,
-            1.0,
-        ),  # sixteen threads at once: one second busy, not sixteen
+        ([(0.0, 1.0)] * 16, 1.0),  # sixteen threads at once: one second busy, not sixteen
         ([(0.0, 3.0), (1.0, 2.0), (2.5, 5.0), (6.0, 7.0)], 6.0),
     ],
 )
@@ -106,9 +103,8 @@ def test_device_intervals_come_from_event_pairs_on_one_time_base() -> None:
     events = [(FakeCudaEvent(a), FakeCudaEvent(b)) for a, b in pairs]
     for start, end in events:
         log.add_events("host->gpu", start, end)
-    log.add_events(
-        "gpu->host", FakeCudaEvent(100.0), FakeCudaEvent(600.0)
-    )  # before the first: negative offsets
+    # before the first: negative offsets
+    log.add_events("gpu->host", FakeCudaEvent(100.0), FakeCudaEvent(600.0))
     running = FakeCudaEvent(4000.0, done=False)  # a prefetch still copying: read next time
     log.add_events("host->gpu", FakeCudaEvent(3500.0), running)
     assert log.take() == pytest.approx({"host->gpu": 1.75, "gpu->host": 0.5})

@@ -28,12 +28,10 @@ from tierzero.engine import Engine
 from tierzero.errors import CheckpointError
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
-HOST = Placement(
-    Tier.NVME, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST
-)  # master and moments in host memory
-GPU = Placement(
-    Tier.GPU, Tier.GPU, Tier.GPU, Tier.GPU, Tier.GPU
-)  # device memory (host RAM on the CPU device)
+# master and moments in host memory
+HOST = Placement(Tier.NVME, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
+# device memory (host RAM on the CPU device)
+GPU = Placement(Tier.GPU, Tier.GPU, Tier.GPU, Tier.GPU, Tier.GPU)
 PIECE = 16384  # several pieces per block unit, each of 64 quantisation blocks
 
 
@@ -166,9 +164,8 @@ def test_a_compact_checkpoint_verifies_exports_and_refuses_another_format(tmp_pa
         exported[k].dtype == torch.float32 and torch.equal(exported[k], weights[k])
         for k in exported
     )
-    assert all(
-        torch.equal(v, v.bfloat16().float()) for v in exported.values()
-    )  # bf16 masters, in fp32
+    # bf16 masters, in fp32
+    assert all(torch.equal(v, v.bfloat16().float()) for v in exported.values())
     with pytest.raises(CheckpointError, match="optimizer_state as int8 .* configured for fp32"):
         with _engine(_config(tmp_path / "fp32", moments="fp32", master="bf16")) as engine:
             engine.load_checkpoint(tmp_path / "run")

@@ -62,9 +62,8 @@ def test_the_fake_lands_a_copy_only_at_its_event_and_sees_unordered_copies() -> 
     fake.wait(fake.compute, event)
     assert torch.equal(dst, src) and fake.query(event)
     assert not check_no_copy_hazards(fake.log)
-    fake.copy(
-        back, dst, fake.d2h, after=fake.record(fake.compute)
-    )  # ordered through compute's wait
+    # ordered through compute's wait
+    fake.copy(back, dst, fake.d2h, after=fake.record(fake.compute))
     assert not check_no_copy_hazards(fake.log)
     fake.copy(dst, src, fake.h2d)  # overwrites what the d2h copy reads, without waiting for it
     assert check_no_copy_hazards(fake.log)
@@ -240,9 +239,8 @@ def test_mutation_staging_waits_for_compute_too(tmp_path, monkeypatch) -> None:
     "handed out again while that stream still reads it",
 )
 def test_mutation_no_keep_alive(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(
-        RecordingStreams, "keep_alive", lambda self, tensor, stream: None
-    )  # never called
+    # never called
+    monkeypatch.setattr(RecordingStreams, "keep_alive", lambda self, tensor, stream: None)
     problems, _, _ = train_through_fake(tmp_path, monkeypatch, "host-overlap")
     assert not problems, "\n".join(problems)
 

@@ -53,9 +53,8 @@ def test_the_device_step_waits_for_the_grad_and_keeps_what_it_read_alive_on_its_
 ):
     streams = PerThreadStreams()
     optimizer = ShardOptimizer.__new__(ShardOptimizer)
-    optimizer.device = torch.device(
-        "cuda", 0
-    )  # a device step (no CUDA call is made: both are recorded)
+    # a device step (no CUDA call is made: both are recorded)
+    optimizer.device = torch.device("cuda", 0)
     optimizer.tiers = type("Tiers", (), {"streams": streams})()
     optimizer._adamw = lambda work, lr, coef: streams.log.append(("adamw", streams.compute))
     optimizer._cast_param = lambda work: streams.log.append(("cast", streams.compute))

@@ -22,9 +22,8 @@ from tierzero.reference import ReferenceTrainer
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 
 
-config = partial(
-    engine_config, warmup_steps=2, total_steps=4, piece_numel=6144
-)  # this file's values
+# this file's values
+config = partial(engine_config, warmup_steps=2, total_steps=4, piece_numel=6144)
 
 
 def test_recompute_runs_under_the_autocast_of_the_forward(tmp_path) -> None:

@@ -16,9 +16,8 @@ from tierzero.errors import ConfigError
 
 
 def nvme_config(tmp_path, **kw) -> Config:
-    (tmp_path / "nvme").mkdir(
-        exist_ok=True
-    )  # an existing directory, which a refused engine leaves empty
+    # an existing directory, which a refused engine leaves empty
+    (tmp_path / "nvme").mkdir(exist_ok=True)
     return Config(offload="nvme", nvme_path=[str(tmp_path / "nvme")], **kw)
 
 
@@ -52,9 +51,8 @@ def test_missing_nvme_path_is_made_at_open(tmp_path) -> None:
 
 
 def test_unwritable_nvme_path() -> None:
-    cfg = Config(
-        offload="nvme", nvme_path=["/proc/tierzero-nvme"]
-    )  # /proc refuses new dirs, even to root
+    # /proc refuses new dirs, even to root
+    cfg = Config(offload="nvme", nvme_path=["/proc/tierzero-nvme"])
     with pytest.raises(ConfigError, match="not writable"):
         Engine(models.build(SMALL, device="meta"), cfg)
 

@@ -28,9 +28,8 @@ PLACEMENTS = {
 PIECE_NUMEL = 6144  # smaller than every unit, and not dividing them: the last piece is short
 
 
-config = partial(
-    engine_config, piece_numel=PIECE_NUMEL, warmup_steps=2, total_steps=5
-)  # this file's values
+# this file's values
+config = partial(engine_config, piece_numel=PIECE_NUMEL, warmup_steps=2, total_steps=5)
 
 
 @pytest.mark.parametrize("name", list(PLACEMENTS))

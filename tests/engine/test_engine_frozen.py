@@ -81,9 +81,8 @@ def test_frozen_parameters_bitwise_and_unchanged(tmp_path, name: str) -> None:
     assert_bitwise(weights, ref_weights)
     for n in frozen:
         assert torch.equal(weights[n], before[n]), n
-    assert torch.equal(
-        weights["head.weight"], before["tok_emb.weight"]
-    )  # tied to the frozen embedding
+    # tied to the frozen embedding
+    assert torch.equal(weights["head.weight"], before["tok_emb.weight"])
     assert not torch.equal(weights["blocks.1.attn.wk.weight"], before["blocks.1.attn.wk.weight"])
     embedding = engine.units[0]
     assert embedding.trainable_numel == 0 and engine.keys(StateKind.MASTER, embedding) == []

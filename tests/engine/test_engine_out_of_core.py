@@ -23,9 +23,8 @@ DEEP = ModelArgs(
     max_seq_len=64,
     tie_embeddings=True,
 )
-HOST_BUDGET = (
-    8 << 20
-)  # 8 MiB of RAM in all: the CPU device pool, the activations and a pass with overlap_step
+# 8 MiB of RAM in all: the CPU device pool, the activations and a pass with overlap_step
+HOST_BUDGET = 8 << 20
 GPU_BUDGET = 1 << 20
 
 

@@ -81,9 +81,8 @@ def test_a_budget_the_defaults_overflow_trains_with_smaller_pieces_bitwise(tmp_p
     defaults (16 Mi, depth 2) are refused; left open, the engine takes the first rung of the
     ladder that fits -- no larger piece fits at depth 1 (each covers a whole block), nor 128 Ki
     at depth 2 -- and trains bitwise as plain PyTorch and as the same setting given."""
-    act = activation_memory(
-        WIDE, 4, 32, 4, LOSS_CHUNK_BYTES
-    ).total_bytes  # reserved at the first forward
+    # reserved at the first forward
+    act = activation_memory(WIDE, 4, 32, 4, LOSS_CHUNK_BYTES).total_bytes
     budget = host_need(tmp_path, 128 << 10, 1) + act
     assert host_need(tmp_path, 256 << 10, 1) > budget and host_need(tmp_path, 128 << 10, 2) > budget
     with pytest.raises(ConfigError, match="host budget .* too small"):

@@ -89,8 +89,6 @@ def test_two_ranks_reduce_grads_in_bf16(tmp_path) -> None:
     _, ref = reference_run(SMALL, Config(offload="none", lr=3e-3, total_steps=STEPS), steps=STEPS)
     diffs = torch.cat([(weights[k] - ref[k]).abs().flatten() for k in weights])
     worst, mean = diffs.max().item(), diffs.mean().item()
-    assert 5e-5 < worst <= 2 * STEPS * 3e-3, (
-        worst,
-        mean,
-    )  # not fp32's exactness; within Adam's bound
+    # not fp32's exactness; within Adam's bound
+    assert 5e-5 < worst <= 2 * STEPS * 3e-3, (worst, mean)
     assert mean < 1e-4, (worst, mean)

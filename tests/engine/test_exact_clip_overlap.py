@@ -28,9 +28,8 @@ HOST = Placement(Tier.GPU, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
 FIRES, NEVER_FIRES = 0.5, 1e6  # SMALL's grad norms are above 0.5 in these steps
 
 
-config = partial(
-    engine_config, total_steps=6, piece_numel=8192, overlap_step=True
-)  # this file's values
+# this file's values
+config = partial(engine_config, total_steps=6, piece_numel=8192, overlap_step=True)
 
 
 class CountingKept(KeptGeneration):

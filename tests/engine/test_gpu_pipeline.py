@@ -30,9 +30,8 @@ from tierzero.reference import ReferenceTrainer
 
 pytestmark = pytest.mark.cuda
 
-ON_GPU = (
-    Placement()
-)  # every state on the GPU: the engine's AdamW runs on the GPU like the reference's
+# every state on the GPU: the engine's AdamW runs on the GPU like the reference's
+ON_GPU = Placement()
 HOST = Placement(Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 

@@ -59,9 +59,8 @@ def syncs(tmp_path, monkeypatch, case: str, accumulate: int, n_layers: int) -> l
     with Engine(
         models.build(replace(SMALL, n_layers=n_layers), device="meta", seed=cfg.seed), cfg
     ) as engine:
-        for _ in range(
-            accumulate
-        ):  # a first step outside the count: its first forward sizes the pools
+        # a first step outside the count: its first forward sizes the pools
+        for _ in range(accumulate):
             engine.train_micro_batch(data.next_batch())
         start = len(fake.log)
         with SyncWatch(fake) as watch:

@@ -260,9 +260,8 @@ def test_hf_labels_are_divided_by_the_given_count_and_a_model_without_it_is_refu
     from tierzero.reference import ReferenceTrainer
 
     x, y = masked_batches()[0]
-    labels = torch.cat(
-        [x[:, :1], y], dim=1
-    )  # x's tokens then its targets: shifted back by the model
+    # x's tokens then its targets: shifted back by the model
+    labels = torch.cat([x[:, :1], y], dim=1)
     model = hf_model()
     with torch.no_grad():
         logits = model(x).float().flatten(0, 1)

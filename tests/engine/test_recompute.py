@@ -151,16 +151,14 @@ def test_a_budget_for_one_block_keeps_the_last_one(tmp_path, monkeypatch) -> Non
     _, probe, _, _ = train(
         config(fresh(tmp_path, "probe"), placement, recompute="all"), monkeypatch, steps=1
     )
-    room = (
-        probe.tiers.host_budget - probe.memory.tiers[Tier.HOST].pool_bytes
-    )  # what keeping could use
+    # what keeping could use
+    room = probe.tiers.host_budget - probe.memory.tiers[Tier.HOST].pool_bytes
     per = probe.sizing.activations.recompute_bytes
     budget = probe.config.tiering.host_budget - room + 3 * per // 2
     one = dataclasses.replace(config(fresh(tmp_path, "one"), placement), host_budget=budget)
     weights, engine, inputs, _ = train(one, monkeypatch, steps=2)
-    assert engine.runner.kept == frozenset(
-        {SMALL.n_layers}
-    )  # the last block: freed first in backward
+    # the last block: freed first in backward
+    assert engine.runner.kept == frozenset({SMALL.n_layers})
     assert engine.sizing.activations.kept_blocks == 1
     assert len(inputs) == (2 * SMALL.n_layers - 1) * 2
     reference, _, _, _ = train(

@@ -55,9 +55,8 @@ def _rank(rank: int, root: str) -> None:
         report["choice"] = _choices(root)
         for stage in STAGES:
             counts.clear()
-            home = (
-                Tier.NVME if stage == 1 else Tier.HOST
-            )  # stage 1's whole grads and params on nvme too
+            # stage 1's whole grads and params on nvme too
+            home = Tier.NVME if stage == 1 else Tier.HOST
             cfg = Config(
                 placement=Placement(home, home, Tier.NVME, Tier.NVME, Tier.NVME),
                 nvme_path=[f"{root}/nvme{stage}"],
@@ -191,17 +190,15 @@ def test_collectives_per_stage(stages) -> None:
     every use's params; stage 2 reduces as often but gathers only once per unit, after the
     step; stage 1 reduces once per unit use per step, whatever `accumulate` is."""
     units = partition(models.build(SMALL, device="meta", seed=0), 2)
-    reductions = sum(
-        grad_uses(units).values()
-    )  # per backward: a tied embedding's two uses count twice
+    # per backward: a tied embedding's two uses count twice
+    reductions = sum(grad_uses(units).values())
     counts = {s: report["counts"] for s, (_, report) in _runs(stages).items()}
     assert counts[1]["reduce_scatter_async"] == STEPS * reductions
     assert counts[2]["reduce_scatter_async"] == STEPS * ACCUMULATE * reductions
     assert counts[3]["reduce_scatter_async"] == STEPS * ACCUMULATE * reductions
     assert counts[1]["all_gather_async"] == counts[2]["all_gather_async"] == STEPS * len(units)
-    assert counts[3]["all_gather_async"] > STEPS * ACCUMULATE * len(
-        units
-    )  # every use, forward and backward
+    # every use, forward and backward
+    assert counts[3]["all_gather_async"] > STEPS * ACCUMULATE * len(units)
     gathers = {s: report["gathers"] for s, (_, report) in _runs(stages).items()}
     assert gathers[1] == gathers[2] == 0 and gathers[3] > 0  # the swap plans' GATHER ops
 
@@ -231,9 +228,8 @@ def test_the_memory_model_counts_replicated_state() -> None:
     s3, s2, s1 = mem(3), mem(2), mem(1, accumulate=2)
     assert s2.tiers[Tier.HOST].homes_bytes - s3.tiers[Tier.HOST].homes_bytes == sum(padded) // 2 * 2
     assert s1.tiers[Tier.HOST].homes_bytes - s2.tiers[Tier.HOST].homes_bytes == sum(padded) * 4
-    assert (
-        mem(1).tiers[Tier.HOST].homes_bytes == s2.tiers[Tier.HOST].homes_bytes
-    )  # one micro-batch: as stage 2
+    # one micro-batch: as stage 2
+    assert mem(1).tiers[Tier.HOST].homes_bytes == s2.tiers[Tier.HOST].homes_bytes
     assert s3.tiers[Tier.GPU].parts["gathered params"] > 0
     assert (
         s2.tiers[Tier.GPU].parts["params in flight"]

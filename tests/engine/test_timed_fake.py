@@ -56,9 +56,8 @@ MINI_1B = ModelArgs(
     max_seq_len=SEQ,
     tie_embeddings=True,
 )
-COMPUTE_BOUND = Scale.standing_for(
-    PRESETS["1b"], 32768, SMALL, ROWS * SEQ
-)  # 8 x 4k tokens per micro-batch
+# 8 x 4k tokens per micro-batch
+COMPUTE_BOUND = Scale.standing_for(PRESETS["1b"], 32768, SMALL, ROWS * SEQ)
 STEP_TARGET = 1.15  # a step may take this many times its busiest resource (docs/gpu.md)
 
 
@@ -187,9 +186,8 @@ def test_batches_and_activations_come_up_ahead_and_never_behind_gated_fetches(
     _, run = timed_run(tmp_path, monkeypatch, HOST, COMPUTE_BOUND, schedule="vertical")
     assert run.vertical and any(op.resource == "h2d_act" for op in run.clock.ops)
     assert check_no_head_of_line_blocking(run.clock, "h2d") == []
-    assert (
-        staged.count(False) == 2 and len(staged) > 2
-    )  # only each backward's first was not started ahead
+    # only each backward's first was not started ahead
+    assert staged.count(False) == 2 and len(staged) > 2
 
 
 @pytest.mark.xfail(strict=True, reason="mutation: batches and activations share the fetch stream")
@@ -249,8 +247,7 @@ def test_the_1b_preset_on_nvme_with_k4_vertical_keeps_the_gpu_busy_above_its_flo
     )
     assert run.vertical
     floor = planned_floor(run.clock.rates, PRESETS["1b"], 4, 4096)
-    assert (
-        0.03 < floor < 0.05
-    )  # the drive bounds the step: 0.27 s of kernels against ~6.3 s of NVMe I/O
+    # the drive bounds the step: 0.27 s of kernels against ~6.3 s of NVMe I/O
+    assert 0.03 < floor < 0.05
     assert run.clock.share(run.mark) >= floor
     assert check_step_near_its_bound(run.clock, run.mark, STEP_TARGET) == []

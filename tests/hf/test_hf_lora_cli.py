@@ -91,9 +91,8 @@ def test_a_cli_lora_run_exports_an_adapter_that_gives_its_losses(hf_models, tmp_
     tokens = read_corpus(str(data), 256, TextTokenizer(base_dir / "tokenizer.json", 0))
     batches = TokenBatches(tokens, 2, 32, seed=0)
     base = AutoModelForCausalLM.from_pretrained(base_dir)
-    assert (
-        abs(val_loss(base, batches) - reported[0]) < 1e-5
-    )  # the base, read unit by unit, is the base
+    # the base, read unit by unit, is the base
+    assert abs(val_loss(base, batches) - reported[0]) < 1e-5
     adapter = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(base_dir), tmp_path / "adapter"
     )

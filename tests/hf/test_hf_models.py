@@ -35,9 +35,8 @@ def test_parameters_on_meta_buffers_real_and_no_kv_cache(hf_models):
     own = AutoModelForCausalLM.from_config(config("llama"))
     buffers = dict(hf.model.named_buffers())
     assert buffers.keys() == dict(own.named_buffers()).keys() and buffers
-    assert all(
-        torch.equal(b, own.get_buffer(n)) for n, b in buffers.items()
-    )  # rotary inv_freq, real
+    # rotary inv_freq, real
+    assert all(torch.equal(b, own.get_buffer(n)) for n, b in buffers.items())
     assert hf.model.config.use_cache is False
     assert {n for n, _ in hf.model.named_parameters()} == {n for n, _ in own.named_parameters()}
 
@@ -96,9 +95,8 @@ def test_loss_in_chunks_of_tokens_is_the_whole_loss(hf_models):
     chunked = model(x, y)
     chunked.backward()
     hook.remove()
-    assert (
-        seen and max(seen) == 5 and sum(seen) == 2 * x.numel()
-    )  # forward, then recomputed in backward
+    # forward, then recomputed in backward
+    assert seen and max(seen) == 5 and sum(seen) == 2 * x.numel()
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=0)
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
@@ -126,9 +124,8 @@ def test_init_is_the_models_own_and_the_engines_matches_in_memory(hf_models, tmp
     finally:
         engine.close()
     assert all(torch.equal(master[n], p) for n, p in in_memory.items())
-    assert torch.equal(
-        master["model.norm.weight"], torch.ones(64)
-    )  # LlamaRMSNorm: no reset_parameters
+    # LlamaRMSNorm: no reset_parameters
+    assert torch.equal(master["model.norm.weight"], torch.ones(64))
     std = hf.model.config.initializer_range
     assert abs(master["model.layers.0.mlp.up_proj.weight"].std().item() - std) < 0.1 * std
     other = materialise(load_model(model_dir), seed=4)

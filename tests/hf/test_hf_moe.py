@@ -184,9 +184,8 @@ def test_trains_bitwise_as_plain_pytorch_and_exports_both_layouts(arch, tmp_path
     )
     data = batches()
     with Engine(hf.model, config, weights=model_dir) as engine:
-        assert (
-            len(units[-2].pieces(config.streaming.piece_numel, 0)) > 1
-        )  # a layer's state streams in pieces
+        # a layer's state streams in pieces
+        assert len(units[-2].pieces(config.streaming.piece_numel, 0)) > 1
         losses = [engine.train_step(data.next_batch()) for _ in range(STEPS)]
         trained = engine.master_state_dict()
         engine.save_checkpoint(tmp_path / "run", model=hf.description())

@@ -135,9 +135,8 @@ def test_rotary_model_past_its_positions_trains_and_says_so_once(hf_models, tmp_
     assert load_model(hf_models["llama"]).check_seq_len(128) is None
 
 
-@pytest.mark.parametrize(
-    "kind", ["bloom", "falcon"]
-)  # ALiBi computed per call (Falcon's rotary module unused)
+# ALiBi computed per call (Falcon's rotary module unused)
+@pytest.mark.parametrize("kind", ["bloom", "falcon"])
 def test_positions_without_a_limit_are_not_checked(kind: str, tmp_path: Path) -> None:
     path = save(kind, tmp_path / kind)
     own_forward(path, 4 * POSITIONS)

@@ -37,9 +37,8 @@ def test_a_store_above_another_is_refused_before_anything_is_written(
     a.open()
     try:
         io_loop.run(a.write(KEY, torch.arange(5000, dtype=torch.float32)))
-        orphan = (
-            inner / "master" / ".zarr.json.99999-3.tmp"
-        )  # A's own, in flight (its cleanup's to remove)
+        # A's own, in flight (its cleanup's to remove)
+        orphan = inner / "master" / ".zarr.json.99999-3.tmp"
         orphan.write_bytes(b"in flight")
         if not live:
             a.close()

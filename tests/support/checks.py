@@ -63,11 +63,8 @@ def check_d2h_copies_wait_for_their_source(log: list[tuple]) -> list[str]:
     ]
 
 
-_H2D = (
-    "h2d",
-    "h2d_write",
-    "h2d_act",
-)  # the host -> device streams (one where writes and inputs share h2d)
+# the host -> device streams (one where writes and inputs share h2d)
+_H2D = ("h2d", "h2d_write", "h2d_act")
 
 
 def check_h2d_copies_write_pool_or_h2d_memory(log: list[tuple]) -> list[str]:

@@ -65,10 +65,8 @@ from tierzero.layout.keys import shard_key
 from tierzero.storage.base import StorageError
 from tierzero.storage.nvme.arrays import read_array
 
-TENSORS = (
-    "saved",
-    "model",
-)  # a Hugging Face model's tensors as save_pretrained writes them, or as it holds them
+# a Hugging Face model's tensors as save_pretrained writes them, or as it holds them
+TENSORS = ("saved", "model")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the Hugging Face default for save_pretrained
 SUFFIX = ".safetensors"
 
@@ -82,9 +80,8 @@ class ExportResult:
     index: Path | None
     tensors: int
     nbytes: int
-    config: Path | None = (
-        None  # config.json (a peft adapter's adapter_config.json) beside the weights
-    )
+    # config.json (a peft adapter's adapter_config.json) beside the weights
+    config: Path | None = None
     tokenizer: list[Path] = field(default_factory=list)  # its tokenizer files, copied beside them
     skipped: list[str] = field(default_factory=list)  # newer checkpoints passed over, each with why
 
@@ -276,9 +273,8 @@ def read_units(checkpoint: Path, manifest: Manifest) -> Iterator[tuple[int, torc
     for unit in manifest.units:
         flat = buffer[: unit.padded_numel]
         shard = unit.padded_numel // manifest.world_size
-        replicated = (
-            manifest.world_size > 1 and manifest.stage <= 2
-        )  # rank 0's params are whole units
+        # rank 0's params are whole units
+        replicated = manifest.world_size > 1 and manifest.stage <= 2
         if replicated and (unit.trainable_numel < unit.padded_numel or not master):
             _read_shard(checkpoint, manifest, unit, 0, flat, StateKind.PARAM)
         for rank in range(manifest.world_size):

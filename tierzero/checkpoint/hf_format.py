@@ -67,9 +67,8 @@ class SavedFormat:
         self._converted: dict[
             str, torch.Tensor
         ] = {}  # outputs of a group not yet read (one-to-many)
-        self._params = dict.fromkeys(
-            model.state_dict()
-        )  # now: the engine later detaches parameters
+        # now: the engine later detaches parameters
+        self._params = dict.fromkeys(model.state_dict())
 
     # -- loading --------------------------------------------------------------------------------
 
@@ -112,9 +111,8 @@ class SavedFormat:
         prefix = getattr(self.model, "base_model_prefix", None)
         renamed: dict[str, str] = {}
         groups: dict[str, tuple[Any, list[tuple[str, str]]]] = {}
-        for key in sorted(
-            files.names(), key=dot_natural_key
-        ):  # experts in order, as from_pretrained stacks them
+        # experts in order, as from_pretrained stacks them
+        for key in sorted(files.names(), key=dot_natural_key):
             target, pattern = rename_source_key(key, renamings, converters, prefix, self._params)
             if pattern is not None:
                 groups.setdefault(target, (by_pattern[pattern], []))[1].append((key, pattern))

@@ -101,9 +101,8 @@ class RunInfo:
     placement: dict[str, str]  # state kind -> tier ("auto" when the planner chose at run time)
     checkpoints: list[CheckpointInfo]
     stores: list[StoreInfo]
-    skipped: list[str] = field(
-        default_factory=list
-    )  # checkpoints newer than the one a resume would use, with why
+    # checkpoints newer than the one a resume would use, with why
+    skipped: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         doc = asdict(self)

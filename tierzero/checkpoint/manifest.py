@@ -97,14 +97,12 @@ class Manifest:
     rng: dict[str, Any] = field(default_factory=dict)
     bytes_copied: int = 0  # bytes written to make this checkpoint (0 when all hard-linked)
     model: dict[str, Any] | None = None  # what built the model (preset name, shape), for humans
-    rank_rng: list[dict[str, Any]] | None = (
-        None  # with several ranks: each rank's RNG states, in rank order
-    )
+    # with several ranks: each rank's RNG states, in rank order
+    rank_rng: list[dict[str, Any]] | None = None
     stage: int = 3  # the ZeRO stage: at 1 and 2 each rank's param arrays hold whole units
     run_id: str | None = None  # the lineage that wrote it (RUN_DIR/run-id then)
-    config_toml: str | None = (
-        None  # RUN_DIR/config.toml when it was written, covered by the checksum
-    )
+    # RUN_DIR/config.toml when it was written, covered by the checksum
+    config_toml: str | None = None
 
     @property
     def nbytes(self) -> int:

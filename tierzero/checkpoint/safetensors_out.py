@@ -37,9 +37,8 @@ class TensorEntry:
     numel: int
     shape: tuple[int, ...]
     merge: Merge | None = None  # a LoRA-wrapped weight exported with its adapter merged in
-    converted: Converted | None = (
-        None  # a tensor save_pretrained computes from others (one expert's)
-    )
+    # a tensor save_pretrained computes from others (one expert's)
+    converted: Converted | None = None
 
     def values(self, flat: torch.Tensor) -> torch.Tensor:
         """This tensor's values, flat, from its unit's flat buffer."""

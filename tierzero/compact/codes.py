@@ -84,18 +84,16 @@ def lower_buckets(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     table = code_map(signed)
     patterns = torch.arange(1 << 16, dtype=torch.int64) << 16
     edges = [(patterns | low).to(torch.int32).view(torch.float32) for low in (0, 0xFFFF)]
-    lowest, highest = (
-        f(*edges).nan_to_num() for f in (torch.minimum, torch.maximum)
-    )  # NaN buckets: 0
+    # NaN buckets: 0
+    lowest, highest = (f(*edges).nan_to_num() for f in (torch.minimum, torch.maximum))
     starts = (torch.searchsorted(table, lowest, right=True) - 1).clamp_(0, 255)
     assert (torch.searchsorted(table, highest, right=True) - 1 - starts <= 1).all()
     nexts = torch.cat([table, torch.tensor([math.inf])])[starts + 1]
     if not signed:
         below = (lowest > 0) & (starts == 0)
         starts[below], nexts[below] = 1, math.inf
-        nexts[0] = torch.tensor(0.0).nextafter(
-            torch.tensor(1.0)
-        )  # +0's bucket: any positive subnormal is code 1
+        # +0's bucket: any positive subnormal is code 1
+        nexts[0] = torch.tensor(0.0).nextafter(torch.tensor(1.0))
     return starts, nexts
 
 
@@ -161,9 +159,8 @@ def quantise(
     torch.index_select(scratch.codes[signed], 0, index, out=other)
     values.sub_(other)
     torch.index_select(scratch.scales[signed], 0, index, out=other)
-    values.mul_(
-        other
-    )  # the fraction of the gap above the lower code, in 1/65536ths (exact scaling)
+    # the fraction of the gap above the lower code, in 1/65536ths (exact scaling)
+    values.mul_(other)
     if bits is None:
         up = torch.gt(values, HALF_GAP)
     else:

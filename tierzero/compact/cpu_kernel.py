@@ -53,9 +53,8 @@ ONE = np.float32(1.0)
 # sqrt of n fp32 values from one address into another, in a VML mode (`bind_sqrt`)
 SQRT_SIGNATURE = types.void(types.int32, types.intp, types.intp, types.uint64)
 _SQRT = types.ExternalFunction("tierzero_compact_sqrt", SQRT_SIGNATURE)
-VML_MODE = np.uint64(
-    0x00000002 | 0x00140000 | 0x00000100
-)  # torch's: VML_HA | FTZDAZ_OFF | ERRMODE_IGNORE
+# torch's: VML_HA | FTZDAZ_OFF | ERRMODE_IGNORE
+VML_MODE = np.uint64(0x00000002 | 0x00140000 | 0x00000100)
 
 
 def bind_sqrt() -> None:

@@ -85,9 +85,8 @@ class CompactStep:
         self.block = SUB_BLOCK.get(device.type, SUB_BLOCK["cpu"])
         self._scratch: dict[str, torch.Tensor] | None = None
         self._codes: codes_mod.Scratch | None = None
-        self._lock = (
-            threading.Lock()
-        )  # one scratch: the training thread's and the optimizer lane's steps take turns
+        # one scratch: the training thread's and the optimizer lane's steps take turns
+        self._lock = threading.Lock()
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         if self._scratch is None:
@@ -99,9 +98,8 @@ class CompactStep:
                 name: torch.empty(self.block, dtype=torch.int32, device=self.device)
                 for name in INT_SCRATCH
             }
-            offsets = torch.arange(
-                self.block, dtype=torch.int32, device=self.device
-            )  # arange is slow: add to these
+            # arange is slow: add to these
+            offsets = torch.arange(self.block, dtype=torch.int32, device=self.device)
             self._scratch = {**f32, **ints, "offsets": offsets}
             self._codes = codes_mod.Scratch(self.block, self.device)
         return self._scratch

@@ -70,16 +70,14 @@ class CausalLM(nn.Module):
         object.__setattr__(self, "hf_model", hf_model)  # not a child: names stay the checkpoint's
         self.blocks_path = blocks
         self.config = hf_model.config
-        self.base_model_prefix = (
-            hf_model.base_model_prefix
-        )  # peft reads it to scope the conversion mapping
+        # peft reads it to scope the conversion mapping
+        self.base_model_prefix = hf_model.base_model_prefix
         self.saved_format = SavedFormat(hf_model)
         parent = blocks.rpartition(".")[0]
         object.__setattr__(self, "base", hf_model.get_submodule(parent) if parent else hf_model)
         moe = routes(self.base)
-        self.quiet = (
-            {"output_router_logits": False} if moe else {}
-        )  # the base collects no router logits
+        # the base collects no router logits
+        self.quiet = {"output_router_logits": False} if moe else {}
         aux = moe and bool(getattr(self.config, "output_router_logits", False))
         self.router = RouterLogits(self.base, self.blocks) if aux else None
 
@@ -292,9 +290,8 @@ class SplitCausalLM(CausalLM):
             hidden = self.base(
                 input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **self.quiet
             )
-        logits = (
-            tuple(self.router.logits) or None if self.router is not None else None
-        )  # None: no MoE layer ran
+        # None: no MoE layer ran
+        logits = tuple(self.router.logits) or None if self.router is not None else None
         return self.head_out(
             hidden.last_hidden_state,
             targets,

@@ -36,9 +36,8 @@ from tierzero.hf.build import HFModel, real_parameters
 from tierzero.models.llama import unit_seed
 from tierzero.models.weights import WeightFiles
 
-BASE_LAYER = (
-    "base_layer"  # peft's name for the layer an adapter wraps (nested: one per adapted tensor)
-)
+# peft's name for the layer an adapter wraps (nested: one per adapted tensor)
+BASE_LAYER = "base_layer"
 
 
 @dataclass(frozen=True)
@@ -48,9 +47,8 @@ class LoraSpec:
     r: int
     alpha: float
     dropout: float = 0.0
-    targets: tuple[str, ...] | None = (
-        None  # module names; None: peft's default for the architecture
-    )
+    # module names; None: peft's default for the architecture
+    targets: tuple[str, ...] | None = None
 
     def config(self) -> object:
         from peft import LoraConfig
@@ -137,9 +135,8 @@ def add_lora(hf: HFModel, spec: LoraSpec, weights: str | Path | None) -> nn.Modu
             "linear layers with --lora-targets, e.g. q_proj,v_proj"
         ) from None
     tensors = model.peft_config["default"].target_parameters
-    if (
-        tensors
-    ):  # adapted by re-parametrising the tensor on every forward, which bound views do not allow
+    # adapted by re-parametrising the tensor on every forward, which bound views do not allow
+    if tensors:
         raise ConfigError(
             f"peft adapts {', '.join(sorted(tensors))} of {hf.path.name} as the experts' fused "
             "tensors, which tierzero cannot train yet; leave their per-expert names (such as "

@@ -28,9 +28,7 @@ from torch import nn
 
 from tierzero.adamw import decays
 from tierzero.errors import ConfigError
-from tierzero.storage.base import (
-    ALIGN_BYTES,
-)  # direct I/O's 4 KiB: every shard's byte size is a multiple
+from tierzero.storage.base import ALIGN_BYTES  # direct I/O's 4 KiB: every shard's size a multiple
 
 ALIGN_NUMEL = ALIGN_BYTES // 2  # numel multiple that keeps 2-byte (bf16/fp16) shards aligned too
 
@@ -142,9 +140,8 @@ def find_blocks(model: nn.Module, units: str | None = None) -> tuple[str, nn.Mod
     """The model's repeated blocks: the named `ModuleList` (or the one the model names as its
     `blocks_path`: a Hugging Face hybrid's layers are of several classes), or its largest one of
     one class."""
-    units = (
-        units if units is not None else vars(model).get("blocks_path")
-    )  # its own, not a wrapper's
+    # its own, not a wrapper's
+    units = units if units is not None else vars(model).get("blocks_path")
     if units is not None:
         try:
             blocks = model.get_submodule(units)

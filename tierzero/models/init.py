@@ -23,9 +23,8 @@ def flat_unit(model: nn.Module, unit: Unit, seed: int, weights: WeightFiles | No
     flat = torch.zeros(unit.padded_numel, dtype=torch.float32)
     on_meta = any(getattr(m, a).is_meta for s in unit.slots for m, a in s.module_attrs)
     if weights is not None:
-        read = getattr(
-            model, "read_weight", None
-        )  # a Hugging Face model's: its files' layout may differ
+        # a Hugging Face model's: its files' layout may differ
+        read = getattr(model, "read_weight", None)
         for slot in unit.slots:
             value = (
                 read(weights, slot.names, slot.shape)

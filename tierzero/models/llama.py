@@ -32,9 +32,8 @@ from tierzero.models.loss import chunk_tokens_for, chunked_cross_entropy
 from tierzero.models.presets import ModelArgs
 
 INIT_STD = 0.02  # every Linear/Embedding weight ~ N(0, 0.02), residual projections included
-LOSS_CHUNK_BYTES = (
-    64 << 20
-)  # fp32 logits per loss chunk where that holds LOSS_CHUNK_TOKENS: one lives at a time
+# fp32 logits per loss chunk where that holds LOSS_CHUNK_TOKENS: one lives at a time
+LOSS_CHUNK_BYTES = 64 << 20
 LOSS_CHUNK_TOKENS = 1024  # tokens per loss chunk at least
 
 

@@ -70,9 +70,8 @@ def default_corpus(max_bytes: int = 8 << 20) -> np.ndarray:
 
 def _stdlib_sources(root: Path) -> Iterator[Path]:
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(
-            d for d in dirnames if d not in SKIPPED_DIRS
-        )  # sorted in place: walk order
+        # sorted in place: walk order
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
         for name in sorted(filenames):
             if name.endswith(".py"):
                 yield Path(dirpath) / name

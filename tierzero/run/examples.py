@@ -36,9 +36,8 @@ from tierzero.run.packing import Examples
 
 BATCH_RECORDS = 1024  # records per Arrow batch read and tokenized at once
 ARROW_MARKER = "state.json"  # what `Dataset.save_to_disk` writes beside its .arrow files
-GENERATION = re.compile(
-    r"\{%-?\s*generation\s*-?%\}"
-)  # transformers' test for a template that marks replies
+# transformers' test for a template that marks replies
+GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 def is_example(record: Any) -> bool:

@@ -115,9 +115,8 @@ def train_loop(
     first = last = float("nan")
     done, saved = start_step, (start_step or None)  # a resumed run starts from a checkpoint
     every = run.evaluation.eval_every if batches.has_validation else None
-    best = (
-        read_best(rundir.path) if run.evaluation.keep_best and start_step else None
-    )  # a resumed run's best so far
+    # a resumed run's best so far
+    best = read_best(rundir.path) if run.evaluation.keep_best and start_step else None
 
     def evaluated(step: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -131,9 +130,8 @@ def train_loop(
     try:
         if start_step == 0 and every:
             rundir.log({"step": 0, **evaluated(0)})
-        elif (
-            start_step
-        ):  # metrics of steps after the checkpoint were lost with the crash: they are redone
+        # metrics of steps after the checkpoint were lost with the crash: they are redone
+        elif start_step:
             rundir.log({"resumed_at": start_step})
         for step in range(start_step, run.steps):
             t0 = time.perf_counter()
@@ -141,9 +139,8 @@ def train_loop(
             tokens = sum(trained_targets(y) for _, y in micro)  # before the step's first backward
             tokens = tokens if total is None else int(total([tokens])[0])
             micro_losses = [trainer.train_micro_batch(b, step_tokens=tokens) for b in micro]
-            loss = (
-                sum(t.item() for t in micro_losses) / accumulate
-            )  # host sync point, once per step
+            # host sync point, once per step
+            loss = sum(t.item() for t in micro_losses) / accumulate
             loss = loss if mean is None else mean([loss])[0]
             dt = time.perf_counter() - t0
             first = loss if step == start_step else first

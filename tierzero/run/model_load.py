@@ -34,9 +34,8 @@ class RunModel:
     description: dict[str, Any]  # what checkpoints record about the model
     notes: list[str] = field(default_factory=list)
     hf_model: HFModel | None = None  # for hf:<dir>
-    lora_model: nn.Module | None = (
-        None  # hf_model's model under LoRA adapters (tierzero.hf.lora), on meta
-    )
+    # hf_model's model under LoRA adapters (tierzero.hf.lora), on meta
+    lora_model: nn.Module | None = None
 
     @property
     def engine_weights(self) -> str | None:

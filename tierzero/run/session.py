@@ -122,9 +122,8 @@ def load_batches(
     tokens, examples = read_data(
         run.corpus.data, model.vocab_size, model.tokenizer, run.corpus.text_field
     )
-    fraction = (
-        0.0 if run.evaluation.val_data is not None else run.evaluation.val_fraction
-    )  # --val-data: no split
+    # --val-data: no split
+    fraction = 0.0 if run.evaluation.val_data is not None else run.evaluation.val_fraction
     if examples is None:
         batches, fitted = (
             TokenBatches(

@@ -239,9 +239,8 @@ class WandbTracker:
         import wandb
 
         saved = start.saved if start.resume else {}
-        files = os.environ.get("WANDB_DIR") or str(
-            start.run_dir
-        )  # W&B reads its env once a process
+        # W&B reads its env once a process
+        files = os.environ.get("WANDB_DIR") or str(start.run_dir)
         run = wandb.init(
             project=saved.get("project") or os.environ.get("WANDB_PROJECT") or "tierzero",
             name=start.run_name,

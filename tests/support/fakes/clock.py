@@ -98,15 +98,12 @@ class SimClock:
     _free: dict[str, float] = field(default_factory=dict)  # resource -> busy until
     _last: dict[str, Op] = field(default_factory=dict)  # resource -> its latest op
     _host: dict[str, float] = field(default_factory=dict)  # thread -> its time
-    _written: dict[tuple[int, int], float] = field(
-        default_factory=dict
-    )  # span -> when its bytes are valid
-    _used: dict[tuple[int, int], float] = field(
-        default_factory=dict
-    )  # span -> when its last user ends
-    _link: dict[str, list[tuple[float, float]]] = field(
-        default_factory=dict
-    )  # link -> busy stretches, sorted
+    # span -> when its bytes are valid
+    _written: dict[tuple[int, int], float] = field(default_factory=dict)
+    # span -> when its last user ends
+    _used: dict[tuple[int, int], float] = field(default_factory=dict)
+    # link -> busy stretches, sorted
+    _link: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
     def host(self, thread: str) -> float:
         return self._host.get(thread, 0.0)

@@ -99,9 +99,8 @@ class RecordingStreams(Streams):
         self._copies: dict[str, list] = {s: [] for s in self._issued}  # stream -> (dst, src) by seq
         # copies the host has seen finish (host_wait, query): anything issued later is after them
         self._finished = dict(self._issued)
-        self.device_spans: set[tuple[int, int]] = (
-            set()
-        )  # the device pool's blocks (`watch_device_pool`)
+        # the device pool's blocks (`watch_device_pool`)
+        self.device_spans: set[tuple[int, int]] = set()
         self._compute_marks = 0  # compute events recorded so far
         self._compute_synced = 0  # the latest compute event the host synchronised with
         self._current = threading.local()  # the stream `current` made current on this thread
@@ -148,9 +147,8 @@ class RecordingStreams(Streams):
             self._order_after(stream, after)
             self._order_after(stream, self._finished)
             self._check_hazards(stream, _span(dst), _span(src))
-            self._run_until(
-                after
-            )  # the stream runs the copy after `after`: what it waited for is done
+            # the stream runs the copy after `after`: what it waited for is done
+            self._run_until(after)
             self._issued[stream] += 1
             self._known[stream][stream] = self._issued[stream]
             # the tensors themselves, so their memory is not reused while the log refers to it

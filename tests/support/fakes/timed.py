@@ -31,10 +31,8 @@ from torch.utils.flop_counter import flop_registry
 from tests.support.fakes.clock import Rates, Scale, SimClock
 from tests.support.fakes.streams import FakeEvent, RecordingStreams, _span
 
-_ACTIVATION_FILES = (
-    "vertical/boundary.py",
-    "runtime/batch.py",
-)  # copies of activations and batches
+# copies of activations and batches
+_ACTIVATION_FILES = ("vertical/boundary.py", "runtime/batch.py")
 _ACTIVATION_KEYS = ("act/",)  # the waiting activations' arrays on NVMe
 
 
@@ -69,9 +67,8 @@ class TimedStreams(RecordingStreams):
         self.kernels = KernelClock(self)
         self._reads: list[_Read] = []
         self._kept: set[tuple[int, str]] = set()
-        self._held: set[int] = (
-            set()
-        )  # ids of the tensors the fake's logs keep (alive: ids stay unique)
+        # ids of the tensors the fake's logs keep (alive: ids stay unique)
+        self._held: set[int] = set()
         self._held_on: Counter[int] = Counter()  # storage -> how many of those tensors are on it
 
     def record(self, stream: str) -> FakeEvent:

@@ -425,9 +425,8 @@ def run_point(work: Path, reference: Path, point: dict) -> dict:
 
 def main() -> None:
     base, points = Path(sys.argv[1]), json.loads(sys.argv[2])
-    models.build(
-        SMALL, device="meta"
-    )  # its imports (torch._dynamo: seconds) once, not in every life
+    # its imports (torch._dynamo: seconds) once, not in every life
+    models.build(SMALL, device="meta")
     if cpu_step.installed():  # numba and the compact kernel's import (seconds), also once
         cpu_step.load()
     try:
