@@ -65,9 +65,8 @@ def test_enospc_while_checkpointing_is_one_sentence_and_the_last_checkpoint_resu
     assert "no space left on device" in errors[0] and "free space" in errors[0], errors[0]
     assert "Traceback" not in failed.output and "never retrieved" not in failed.output
     assert [s for s, _ in checkpoint_dirs(run_dir)] == [1]
-    assert not [
-        p for p in checkpoints_root(run_dir).iterdir() if p.name.startswith(".")
-    ]  # no leftovers
+    # no leftovers
+    assert not [p for p in checkpoints_root(run_dir).iterdir() if p.name.startswith(".")]
     path, manifest, skipped = newest_checkpoint(run_dir)  # verified chunk by chunk
     assert manifest.step == 1 and not skipped
 

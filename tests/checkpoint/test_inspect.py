@@ -185,9 +185,8 @@ def test_odd_run_directories_never_crash(tmp_path):
     assert [(c.step, c.status) for c in info.checkpoints] == [(1, "damaged")]
     assert "not a readable checkpoint manifest" in info.checkpoints[0].reason
     assert info.config is None and "not valid TOML" in info.config_error
-    assert [s.path for s in info.stores] == [
-        str(run / "nvme")
-    ]  # the train default, config unreadable
+    # the train default, config unreadable
+    assert [s.path for s in info.stores] == [str(run / "nvme")]
     assert set(info.placement.values()) == {"unknown"}
     (run / "config.toml").unlink()
     assert "is missing" in inspect_run(run).config_error

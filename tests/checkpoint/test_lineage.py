@@ -99,10 +99,8 @@ def test_prune_removes_only_this_lineages_older_checkpoints(tmp_path) -> None:
         for _ in range(3):
             engine.train_step(data.next_batch())
             engine.save_checkpoint(run_dir, keep=1)
-    assert steps_in(run_dir) == [
-        3,
-        9,
-    ]  # the one just written survives; the foreign one is untouched
+    # the one just written survives; the foreign one is untouched
+    assert steps_in(run_dir) == [3, 9]
     assert foreign.is_dir()
 
 

@@ -31,10 +31,8 @@ def test_a_prune_moves_what_its_manifest_does_not_list_aside(tmp_path) -> None:
     stray.write_text("someone else's")
     result = train("--resume", "--steps", "3", "--run-dir", str(run_dir))
     assert result.exit_code == 0, result.output
-    assert [s for s, _ in checkpoint_dirs(run_dir)] == [
-        2,
-        3,
-    ]  # step 1 pruned (--keep-checkpoints 2)
+    # step 1 pruned (--keep-checkpoints 2)
+    assert [s for s, _ in checkpoint_dirs(run_dir)] == [2, 3]
     aside = run_dir / "checkpoints" / "abandoned" / "step-00000001"
     assert (aside / stray.relative_to(step_dir(run_dir, 1))).read_text() == "someone else's"
     assert [p.name for p in aside.iterdir()] == ["inner"]  # the listed files were deleted

@@ -95,11 +95,8 @@ class FakeCudaEvent:
 
 def test_device_intervals_come_from_event_pairs_on_one_time_base() -> None:
     log = BusyLog(FakeClock())
-    pairs = [
-        (500.0, 1500.0),
-        (1000.0, 2000.0),
-        (3000.0, 3250.0),
-    ]  # ms; the second overlaps the first
+    # ms; the second overlaps the first
+    pairs = [(500.0, 1500.0), (1000.0, 2000.0), (3000.0, 3250.0)]
     events = [(FakeCudaEvent(a), FakeCudaEvent(b)) for a, b in pairs]
     for start, end in events:
         log.add_events("host->gpu", start, end)

@@ -207,9 +207,8 @@ def test_trains_bitwise_as_plain_pytorch_and_exports_both_layouts(arch, tmp_path
         out = tmp_path / f"export-{tensors}"
         export_checkpoint(tmp_path / "run", out, tensors=tensors, max_shard_bytes=50_000)
         loaded = AutoModelForCausalLM.from_pretrained(out)
-        buffers = {
-            n for n, _ in loaded.named_buffers()
-        }  # save_pretrained writes persistent ones (MiniMax's decays)
+        # save_pretrained writes persistent ones (MiniMax's decays)
+        buffers = {n for n, _ in loaded.named_buffers()}
         assert keys(out) == (saved - buffers if tensors == "saved" else own_names), tensors
         for name, value in loaded.named_parameters():
             assert torch.equal(value, trained[name]), (tensors, name)

@@ -64,9 +64,8 @@ class SavedFormat:
         self._index: (
             tuple[WeightFiles, dict[str, str], dict[str, tuple[Any, list[tuple[str, str]]]]] | None
         ) = None
-        self._converted: dict[
-            str, torch.Tensor
-        ] = {}  # outputs of a group not yet read (one-to-many)
+        # outputs of a group not yet read (one-to-many)
+        self._converted: dict[str, torch.Tensor] = {}
         # now: the engine later detaches parameters
         self._params = dict.fromkeys(model.state_dict())
 

@@ -40,10 +40,8 @@ from tierzero.compact import cpu_step
 from tierzero.compact.formats import StateFormats, split
 from tierzero.config import STATE_BLOCK, Config, OptimizerSettings, StateKind
 
-SUB_BLOCK = {
-    "cpu": 1 << 18,
-    "cuda": 1 << 18,
-}  # values per sub-block (whole STATE_BLOCKs): fewer, larger ops
+# values per sub-block (whole STATE_BLOCKs): fewer, larger ops
+SUB_BLOCK = {"cpu": 1 << 18, "cuda": 1 << 18}
 F32_SCRATCH = (
     "master",
     "exp_avg",
@@ -57,9 +55,8 @@ _MASK32 = 0xFFFFFFFF
 _MIX = (0x7FEB352D, 0x2C1B3C6D)  # odd multipliers below 2**31 (so int32 constants)
 _KIND_STREAM = {StateKind.MASTER: 1, StateKind.EXP_AVG: 2, StateKind.EXP_AVG_SQ: 3}
 
-Span = tuple[
-    int, int, float, int
-]  # (start, end) in the piece, weight decay, updates already applied
+# (start, end) in the piece, weight decay, updates already applied
+Span = tuple[int, int, float, int]
 
 log = logging.getLogger(__name__)
 

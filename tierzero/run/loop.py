@@ -122,9 +122,8 @@ def train_loop(
         t0 = time.perf_counter()
         loss = evaluate(trainer, batches, run.evaluation.eval_tokens, total)
         val_losses.append((step, loss))
-        cost = {
-            f"eval_{k}": v for k, v in trainer.stats().items() if k.startswith("bytes_")
-        }  # its own bytes
+        # its own bytes
+        cost = {f"eval_{k}": v for k, v in trainer.stats().items() if k.startswith("bytes_")}
         return {**eval_record(loss), "eval_s": time.perf_counter() - t0, **cost}
 
     try:

@@ -93,9 +93,8 @@ class RecordingStreams(Streams):
         self._issued = {s: 0 for s in ("compute", "h2d", "d2h", "comm", self._writes, self._acts)}
         self._done = dict(self._issued)
         self._queue: dict[str, deque] = {s: deque() for s in self._issued if s != "compute"}
-        self._known = {
-            s: dict(self._issued) for s in self._issued
-        }  # stream -> what it is ordered after
+        # stream -> what it is ordered after
+        self._known = {s: dict(self._issued) for s in self._issued}
         self._copies: dict[str, list] = {s: [] for s in self._issued}  # stream -> (dst, src) by seq
         # copies the host has seen finish (host_wait, query): anything issued later is after them
         self._finished = dict(self._issued)
