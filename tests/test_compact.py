@@ -13,7 +13,7 @@ import torch
 
 from tierzero.compact import codes
 from tierzero.compact.formats import StateFormats, split
-from tierzero.compact.step import SUB_BLOCK, CompactStep, random_bits, stream_key
+from tierzero.compact.step import SUB_BLOCK, CompactStep, random_bits, step_scratch, stream_key
 from tierzero.config import STATE_BLOCK, Config, StateKind
 
 MOMENTS = {StateKind.EXP_AVG: True, StateKind.EXP_AVG_SQ: False}  # kind -> signed code map
@@ -287,10 +287,8 @@ def test_the_random_bits_wrap_as_uint32_arithmetic_does_past_the_int32_range(sta
     """The int32 hash (wrapping mul and add, masked shifts) equals numpy's uint32 one where the
     positions cross 2**31 and 2**32."""
     config, n = Config(seed=11), 3000
-    step = CompactStep(
-        StateFormats(master="bf16"), config.optimizer, config.seed, torch.device("cpu")
-    )
     out = torch.empty(n, dtype=torch.int32)
-    random_bits(config.seed, 4, 2, StateKind.MASTER, start, n, step._buffers(), out)
+    scratch = step_scratch(SUB_BLOCK["cpu"], torch.device("cpu"))
+    random_bits(config.seed, 4, 2, StateKind.MASTER, start, n, scratch, out)
     want = _ref_bits(config, 4, 2, StateKind.MASTER, np.arange(start, start + n, dtype=np.int64))
     assert np.array_equal(out.numpy().astype(np.uint32), want)

@@ -61,6 +61,16 @@ Span = tuple[int, int, float, int]
 log = logging.getLogger(__name__)
 
 
+def step_scratch(block: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The buffers a sub-block of `block` values is decoded, stepped and encoded in: fp32 ones
+    (`F32_SCRATCH`), int32 ones for the random bits (`INT_SCRATCH`), and `offsets`, the positions
+    0..block-1 that `random_bits` adds a start to (arange is slow)."""
+    f32 = {name: torch.empty(block, dtype=torch.float32, device=device) for name in F32_SCRATCH}
+    ints = {name: torch.empty(block, dtype=torch.int32, device=device) for name in INT_SCRATCH}
+    offsets = torch.arange(block, dtype=torch.int32, device=device)
+    return {**f32, **ints, "offsets": offsets}
+
+
 class CompactStep:
     def __init__(
         self,
@@ -87,17 +97,7 @@ class CompactStep:
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         if self._scratch is None:
-            f32 = {
-                name: torch.empty(self.block, dtype=torch.float32, device=self.device)
-                for name in F32_SCRATCH
-            }
-            ints = {
-                name: torch.empty(self.block, dtype=torch.int32, device=self.device)
-                for name in INT_SCRATCH
-            }
-            # arange is slow: add to these
-            offsets = torch.arange(self.block, dtype=torch.int32, device=self.device)
-            self._scratch = {**f32, **ints, "offsets": offsets}
+            self._scratch = step_scratch(self.block, self.device)
             self._codes = codes_mod.Scratch(self.block, self.device)
         return self._scratch
 
