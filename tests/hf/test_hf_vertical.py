@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.hooks import RemovableHandle
 
 from tests.support.engine import engine_config
 from tests.support.hf import save_model
@@ -70,9 +71,9 @@ def engine_run(
         return [t.item() for t in losses], engine.master_state_dict(), bool(engine.vertical.on)
 
 
-def seed_layers(layers: torch.nn.ModuleList, position: list[int]) -> None:
+def seed_layers(layers: torch.nn.ModuleList, position: list[int]) -> list[RemovableHandle]:
     """Each layer's call draws from torch's generator seeded for (step, micro-batch, unit),
-    unit i + 1 for layer i, and leaves torch's stream as it found it."""
+    unit i + 1 for layer i, and leaves torch's stream as it found it; the hooks' handles."""
 
     def enter(i: int, module, args) -> None:
         module.saved_rng = torch.get_rng_state()
@@ -81,9 +82,13 @@ def seed_layers(layers: torch.nn.ModuleList, position: list[int]) -> None:
     def leave(module, args, out) -> None:
         torch.set_rng_state(module.saved_rng)
 
+    handles = []
     for i, layer in enumerate(layers):
-        layer.register_forward_pre_hook(lambda module, args, i=i: enter(i, module, args))
-        layer.register_forward_hook(leave)
+        handles.append(
+            layer.register_forward_pre_hook(lambda module, args, i=i: enter(i, module, args))
+        )
+        handles.append(layer.register_forward_hook(leave))
+    return handles
 
 
 def plain_run(model_dir: Path, lora: bool) -> tuple[list[float], dict[str, torch.Tensor], set[str]]:
@@ -171,12 +176,11 @@ def test_dropout_draws_are_seeded_per_micro_batch_and_unit(tmp_path) -> None:
     x, _ = batches().next_batch()
     draws = []
     for position in ([0, 0], [0, 1]):
-        seed_layers(model.model.layers, position)
+        handles = seed_layers(model.model.layers, position)
         with torch.no_grad():
             draws.append(model(input_ids=x).logits)
-        for layer in model.model.layers:
-            layer._forward_pre_hooks.clear()
-            layer._forward_hooks.clear()
+        for handle in handles:
+            handle.remove()
     assert not torch.equal(draws[0], draws[1])
 
 
