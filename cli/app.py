@@ -5,8 +5,8 @@ a flag click cannot parse -- is one sentence with a hint, exit code 2. Anything 
 a failure of the machine: one line naming it and the file its full traceback was written to,
 exit code 1. Ctrl-C is exit code 130 and one line, from rank 0 alone when there are several: where
 training stopped and what --resume continues from; SIGTERM says the same, with exit code 143 (a
-rank that torchrun started keeps SIGTERM's default: that is how torchrun stops the survivors). When torchrun started several ranks, a domain
-error is prefixed with the rank that says it.
+rank that torchrun started keeps SIGTERM's default: that is how torchrun stops the survivors).
+When torchrun started several ranks, a domain error is prefixed with the rank that says it.
 """
 
 from __future__ import annotations
@@ -89,8 +89,9 @@ def guarded(command: Callable[..., None]) -> Callable[..., None]:
             path = write_traceback(command.__name__)
             message = str(e).strip().splitlines()[0] if str(e).strip() else "no message"
             fail(
-                f"`tierzero {command.__name__}` failed unexpectedly ({type(e).__name__}: {message}); the full "
-                f"traceback is in {path}, please include it when you report this",
+                f"`tierzero {command.__name__}` failed unexpectedly "
+                f"({type(e).__name__}: {message}); the full traceback is in {path}, please "
+                "include it when you report this",
                 code=1,
             )
 
@@ -105,8 +106,8 @@ def interrupted(e: KeyboardInterrupt, signum: int = signal.SIGINT) -> None:
         if e.signum == signal.SIGINT:
             raise SystemExit(130)
         fail(
-            f"stopped by {signal.Signals(e.signum).name}, which the launcher passed on to the ranks; the run "
-            "directory keeps its last complete checkpoint (continue with --resume)",
+            f"stopped by {signal.Signals(e.signum).name}, which the launcher passed on to the "
+            "ranks; the run directory keeps its last complete checkpoint (continue with --resume)",
             code=128 + e.signum,
         )
     code = 128 + signum
@@ -119,12 +120,13 @@ def interrupted(e: KeyboardInterrupt, signum: int = signal.SIGINT) -> None:
         fail(stopped, code=code)
     if e.checkpoint_step is None:
         fail(
-            f"{stopped} at step {e.step}; no checkpoint yet (one is written every --checkpoint-every steps "
-            "and at the end), so a new run starts from step 0",
+            f"{stopped} at step {e.step}; no checkpoint yet (one is written every "
+            "--checkpoint-every steps and at the end), so a new run starts from step 0",
             code=code,
         )
     fail(
-        f"{stopped} at step {e.step}; last checkpoint step {e.checkpoint_step}; continue with --resume",
+        f"{stopped} at step {e.step}; last checkpoint step {e.checkpoint_step}; "
+        "continue with --resume",
         code=code,
     )
 

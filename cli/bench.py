@@ -1,9 +1,9 @@
 """`tierzero bench`: this machine's disk, copy and compute speeds, side by side in one run.
 
 Runs the interleaved disk plan of `tierzero.planning.diskbench.DiskBench` (raw direct I/O, the NVMe
-store at several chunk sizes, optionally fio) and the compute measurements of `tierzero.planning.speeds`
-under one progress bar, prints a table with the store's ratios to raw and to fio, and can write
-the report as the profile `tierzero plan --profile` reads.
+store at several chunk sizes, optionally fio) and the compute measurements of
+`tierzero.planning.speeds` under one progress bar, prints a table with the store's ratios to raw
+and to fio, and can write the report as the profile `tierzero plan --profile` reads.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import typer
@@ -20,6 +20,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from tierzero.cli.output import Output
+from tierzero.storage.durable import write_atomic
 from tierzero.storage.host import HostPool
 from tierzero.storage.io import IOLoop
 
@@ -32,39 +33,69 @@ IO_THREADS = 16
 MAX_SIZE_BYTES = 16 << 30
 
 
-def bench(
-    path: Path | None = typer.Option(
-        None,
+# the options of `tierzero bench`, each declared once with its help text
+Directory = Annotated[
+    Path | None,
+    typer.Option(
         "--path",
-        help="Directory on the drive to measure (a temp dir is made inside it and removed). Default: the current directory.",
+        help="Directory on the drive to measure (a temp dir is made inside it and removed). "
+        "Default: the current directory.",
     ),
-    size: str = typer.Option(
-        "1GiB",
+]
+Size = Annotated[
+    str,
+    typer.Option(
         "--size",
-        help=f"Bytes written and read per measurement, e.g. 1GiB or 256MB (the disk needs {FOOTPRINT}x free).",
+        help="Bytes written and read per measurement, e.g. 1GiB or 256MB "
+        f"(the disk needs {FOOTPRINT}x free).",
     ),
-    rounds: int = typer.Option(
-        5,
-        "--rounds",
-        help="Interleaved rounds: throughputs are the best of them, ratios the median.",
+]
+Rounds = Annotated[
+    int,
+    typer.Option(
+        "--rounds", help="Interleaved rounds: throughputs are the best of them, ratios the median."
     ),
-    fio: bool = typer.Option(
-        False,
+]
+Fio = Annotated[
+    bool,
+    typer.Option(
         "--fio",
-        help="Also run fio (direct I/O, random data refilled per request; a sweep of libaio, psync and io_uring up to the store's 16 submitters, then its best in every round; timed over its wall span) and print store / fio.",
+        help="Also run fio (direct I/O, random data refilled per request; a sweep of libaio, "
+        "psync and io_uring up to the store's 16 submitters, then its best in every round; "
+        "timed over its wall span) and print store / fio.",
     ),
-    max_seconds: float = typer.Option(
-        600,
+]
+MaxSeconds = Annotated[
+    float,
+    typer.Option(
         "--max-seconds",
-        help="Time limit: later rounds and other chunk sizes that would start after it are skipped (layout, the fio sweep, the first round and the compute measurements always run).",
+        help="Time limit: later rounds and other chunk sizes that would start after it are "
+        "skipped (layout, the fio sweep, the first round and the compute measurements always "
+        "run).",
     ),
-    compute_seconds: float = typer.Option(
-        0.5, "--compute-seconds", help="Seconds spent on each compute and copy measurement."
+]
+ComputeSeconds = Annotated[
+    float,
+    typer.Option("--compute-seconds", help="Seconds spent on each compute and copy measurement."),
+]
+ProfileOut = Annotated[
+    Path | None,
+    typer.Option(
+        "--profile-out", help="Write the report as a profile for `tierzero plan --profile`."
     ),
-    profile_out: Path | None = typer.Option(
-        None, "--profile-out", help="Write the report as a profile for `tierzero plan --profile`."
-    ),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+
+
+def bench(
+    path: Directory = None,
+    size: Size = "1GiB",
+    rounds: Rounds = 5,
+    fio: Fio = False,
+    max_seconds: MaxSeconds = 600,
+    compute_seconds: ComputeSeconds = 0.5,
+    profile_out: ProfileOut = None,
+    json_out: JsonOut = False,
 ) -> None:
     """Measure NVMe store throughput against raw direct I/O (and fio), host<->GPU copies,
     CPU AdamW and matmul speed."""
@@ -79,60 +110,14 @@ def bench(
         )
     out = Output(json_out)
     directory = str((path or Path.cwd()).resolve())
-    cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
-    matmul_n = 8192 if cuda else 512  # CPU bf16 matmul runs at ~1 GFLOP/s on small machines
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     report: dict[str, Any] = {
         "path": directory,
         "adam": {},
         "compute": {"device": device},
-        "h2d": {} if cuda else None,
+        "h2d": {} if device == "cuda" else None,
     }
-
-    def measure(label: str, section: dict[str, Any], key: str, fn: Any, **kwargs: Any) -> Step:
-        return Step(
-            label,
-            lambda: section.__setitem__(
-                # four significant figures, not three decimals: a loaded CPU's bf16 matmul runs at
-                # a few GFLOP/s, which three decimals of TFLOP/s rounded to 0 (a rate of zero)
-                key,
-                float(f"{fn(seconds=compute_seconds, **kwargs):.4g}"),
-            ),
-        )
-
-    compute_steps = [
-        measure("CPU AdamW", report["adam"], "params_per_s", compute_bench.adam_params_per_s),
-        measure(
-            f"matmul fp32 ({device})",
-            report["compute"],
-            "fp32_tflops",
-            compute_bench.matmul_tflops,
-            dtype=torch.float32,
-            n=matmul_n,
-            device=device,
-        ),
-        measure(
-            f"matmul bf16 ({device})",
-            report["compute"],
-            "bf16_tflops",
-            compute_bench.matmul_tflops,
-            dtype=torch.bfloat16,
-            n=matmul_n,
-            device=device,
-        ),
-    ]
-    if cuda:
-        compute_steps += [
-            measure("host->GPU pinned", report["h2d"], "pinned_gbps", compute_bench.h2d_gbps),
-            measure(
-                "host->GPU pageable",
-                report["h2d"],
-                "pageable_gbps",
-                compute_bench.h2d_gbps,
-                pinned=False,
-            ),
-        ]
-
+    compute_steps = _compute_steps(report, compute_seconds)
     with (
         IOLoop(IO_THREADS) as io_loop,
         HostPool(nbytes, alignment=4096) as pool,
@@ -141,13 +126,59 @@ def bench(
         _run(out, [*disk.steps(), *compute_steps], max_seconds)
         report.update(disk.result())
     if profile_out is not None:
-        profile_out.write_text(json.dumps(report, indent=2) + "\n")
+        write_atomic(profile_out, (json.dumps(report, indent=2) + "\n").encode())
     if json_out:
         out.emit_json(report)
     else:
         _print_report(out, report)
         if profile_out is not None:
             out.print(f"profile written to {escape(str(profile_out))}", highlight=False)
+
+
+def _compute_steps(report: dict[str, Any], seconds: float) -> list[Step]:
+    """The compute and copy measurements, each a step that writes its figure into its section
+    of `report`: CPU AdamW, matmul in fp32 and bf16 on the compute device, host->GPU copies."""
+    device = report["compute"]["device"]
+    # CPU bf16 matmul runs at ~1 GFLOP/s on small machines
+    matmul_n = 8192 if device == "cuda" else 512
+
+    def measure(label: str, section: dict[str, Any], key: str, fn: Any, **kwargs: Any) -> Step:
+        def run() -> None:
+            # four significant figures, not three decimals: a loaded CPU's bf16 matmul runs at
+            # a few GFLOP/s, which three decimals of TFLOP/s rounded to 0 (a rate of zero)
+            section[key] = float(f"{fn(seconds=seconds, **kwargs):.4g}")
+
+        return Step(label, run)
+
+    matmul = compute_bench.matmul_tflops
+    steps = [
+        measure("CPU AdamW", report["adam"], "params_per_s", compute_bench.adam_params_per_s),
+        measure(
+            f"matmul fp32 ({device})",
+            report["compute"],
+            "fp32_tflops",
+            matmul,
+            dtype=torch.float32,
+            n=matmul_n,
+            device=device,
+        ),
+        measure(
+            f"matmul bf16 ({device})",
+            report["compute"],
+            "bf16_tflops",
+            matmul,
+            dtype=torch.bfloat16,
+            n=matmul_n,
+            device=device,
+        ),
+    ]
+    if report["h2d"] is not None:
+        h2d = compute_bench.h2d_gbps
+        steps += [
+            measure("host->GPU pinned", report["h2d"], "pinned_gbps", h2d),
+            measure("host->GPU pageable", report["h2d"], "pageable_gbps", h2d, pinned=False),
+        ]
+    return steps
 
 
 def _run(out: Output, steps: list[Step], max_seconds: float) -> None:

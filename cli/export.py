@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.markup import escape
@@ -15,36 +16,64 @@ from tierzero.config import parse_bytes
 from tierzero.errors import CheckpointError, RunDirError
 from tierzero.run.directory import CONFIG_NAME, read_metrics
 
+# the options of `tierzero export`, each declared once with its help text
+RunDir = Annotated[Path, typer.Argument(help="A run directory written by `tierzero train`.")]
+Out = Annotated[
+    Path,
+    typer.Option(
+        "--out",
+        help="The .safetensors file to write, or a directory (created if missing) for "
+        "model.safetensors.",
+    ),
+]
+Step = Annotated[
+    int | None,
+    typer.Option("--step", help="The checkpoint's step. Default: the newest complete one."),
+]
+Dtype = Annotated[
+    str,
+    typer.Option(
+        "--dtype", help="fp32 (the master weights as they are) or bf16 (rounded from them)."
+    ),
+]
+MaxShardSize = Annotated[
+    str,
+    typer.Option(
+        "--max-shard-size",
+        help="Split into model-0000i-of-0000K files with an index past this size, e.g. 5GB or "
+        "500MiB.",
+    ),
+]
+Tensors = Annotated[
+    str,
+    typer.Option(
+        "--tensors",
+        help="An hf: model's tensors as save_pretrained writes them (saved: a Mixture-of-Experts "
+        "layer's experts one tensor each, as on the hub) or as the model holds them (model: "
+        "fused experts); from_pretrained loads either.",
+    ),
+]
+Merge = Annotated[
+    bool,
+    typer.Option(
+        "--merge",
+        help="A LoRA run: write the base model with the adapter merged in (loads with "
+        "from_pretrained) instead of the peft adapter (loads with "
+        "PeftModel.from_pretrained).",
+    ),
+]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")]
+
 
 def export(
-    run_dir: Path = typer.Argument(..., help="A run directory written by `tierzero train`."),
-    out: Path = typer.Option(
-        ...,
-        "--out",
-        help="The .safetensors file to write, or a directory (created if missing) for model.safetensors.",
-    ),
-    step: int | None = typer.Option(
-        None, "--step", help="The checkpoint's step. Default: the newest complete one."
-    ),
-    dtype: str = typer.Option(
-        "fp32", "--dtype", help="fp32 (the master weights as they are) or bf16 (rounded from them)."
-    ),
-    max_shard_size: str = typer.Option(
-        "5GB",
-        "--max-shard-size",
-        help="Split into model-0000i-of-0000K files with an index past this size, e.g. 5GB or 500MiB.",
-    ),
-    tensors: str = typer.Option(
-        "saved",
-        "--tensors",
-        help="An hf: model's tensors as save_pretrained writes them (saved: a Mixture-of-Experts layer's experts one tensor each, as on the hub) or as the model holds them (model: fused experts); from_pretrained loads either.",
-    ),
-    merge: bool = typer.Option(
-        False,
-        "--merge",
-        help="A LoRA run: write the base model with the adapter merged in (loads with from_pretrained) instead of the peft adapter (loads with PeftModel.from_pretrained).",
-    ),
-    json_out: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
+    run_dir: RunDir,
+    out: Out,
+    step: Step = None,
+    dtype: Dtype = "fp32",
+    max_shard_size: MaxShardSize = "5GB",
+    tensors: Tensors = "saved",
+    merge: Merge = False,
+    json_out: JsonOut = False,
 ) -> None:
     """Write a checkpoint's master weights as safetensors, loadable with `load_file` and
     `model.load_state_dict`, streaming one unit at a time (host memory: about one unit).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -11,88 +12,127 @@ from tierzero.cli.output import Output
 from tierzero.errors import ConfigError
 from tierzero.run.prompts import Framing, Prompt, read_prompts
 
+if TYPE_CHECKING:  # imported where it runs: it loads the engine
+    from tierzero.run.inference import Inference
 
-def generate(
-    run_dir: Path | None = typer.Option(
-        None,
+# the options of `tierzero generate`, each declared once with its help text
+RunDir = Annotated[
+    Path | None,
+    typer.Option(
         "--run-dir",
         help="A run directory `tierzero train` wrote: its newest intact checkpoint and its "
         "config.toml's model (LoRA adapters included).",
     ),
-    model: str | None = typer.Option(
-        None,
-        "--model",
-        help="hf:DIR, a local Hugging Face causal LM directory, from its safetensors.",
+]
+Model = Annotated[
+    str | None,
+    typer.Option(
+        "--model", help="hf:DIR, a local Hugging Face causal LM directory, from its safetensors."
     ),
-    prompt: list[str] | None = typer.Option(
-        None,
-        "--prompt",
-        help="A prompt; repeat for several, generated together in one batch.",
-    ),
-    prompts: Path | None = typer.Option(
-        None,
+]
+PromptTexts = Annotated[
+    list[str] | None,
+    typer.Option("--prompt", help="A prompt; repeat for several, generated together in one batch."),
+]
+PromptsFile = Annotated[
+    Path | None,
+    typer.Option(
         "--prompts",
         help="A file of prompts: text, one per line, or .jsonl records with a prompt string or "
         "chat messages.",
     ),
-    max_new_tokens: int = typer.Option(
-        64,
+]
+MaxNewTokens = Annotated[
+    int,
+    typer.Option(
         "--max-new-tokens",
-        help="New tokens per prompt at most (a prompt stops early at the model's "
-        "end-of-sequence id).",
+        help="New tokens per prompt at most (a prompt stops early at the model's end-of-sequence "
+        "id).",
     ),
-    temperature: float = typer.Option(
-        0.0,
+]
+Temperature = Annotated[
+    float,
+    typer.Option(
         "--temperature",
-        help="0 (default): greedy, the most likely token; above 0: sample from the softmax of "
-        "the logits over it.",
+        help="0 (default): greedy, the most likely token; above 0: sample from the softmax of the "
+        "logits over it.",
     ),
-    top_p: float = typer.Option(
-        1.0,
+]
+TopP = Annotated[
+    float,
+    typer.Option(
         "--top-p",
         help="With --temperature: sample from the smallest set of tokens whose probability "
         "reaches this (1: all).",
     ),
-    seed: int = typer.Option(0, "--seed", help="Seed of the sampling draws."),
-    chat: bool | None = typer.Option(
-        None,
+]
+Seed = Annotated[int, typer.Option("--seed", help="Seed of the sampling draws.")]
+Chat = Annotated[
+    bool | None,
+    typer.Option(
         "--chat/--no-chat",
         help="Render plain prompts as a user's turn with the model's chat template. Default: on "
         "when the run trained on chat records.",
     ),
-    offload: str = typer.Option(
-        "auto",
+]
+Offload = Annotated[
+    str,
+    typer.Option(
         "--offload",
         help="Where the weights live: auto (the planner holds them in memory where the budgets "
-        "allow, else on NVMe), host, or nvme (every unit read from the store for every new token).",
+        "allow, else on NVMe), host, or nvme (every unit read from the store for every new "
+        "token).",
     ),
-    dtype: str | None = typer.Option(
-        None,
-        "--dtype",
-        help="Compute dtype: fp32, bf16 or fp16. Default: the run's own.",
+]
+Dtype = Annotated[
+    str | None,
+    typer.Option("--dtype", help="Compute dtype: fp32, bf16 or fp16. Default: the run's own."),
+]
+Device = Annotated[
+    str | None,
+    typer.Option(
+        "--device", help="Compute device, e.g. cpu or cuda:0. Default: a GPU if there is one."
     ),
-    device: str | None = typer.Option(
-        None,
-        "--device",
-        help="Compute device, e.g. cpu or cuda:0. Default: a GPU if there is one.",
-    ),
-    host_budget: str | None = typer.Option(
-        None, "--host-budget", help="Host memory budget, e.g. 8GiB."
-    ),
-    gpu_budget: str | None = typer.Option(
-        None, "--gpu-budget", help="GPU memory budget, e.g. 20GiB."
-    ),
-    nvme_path: Path | None = typer.Option(
-        None,
+]
+HostBudget = Annotated[
+    str | None, typer.Option("--host-budget", help="Host memory budget, e.g. 8GiB.")
+]
+GpuBudget = Annotated[
+    str | None, typer.Option("--gpu-budget", help="GPU memory budget, e.g. 20GiB.")
+]
+NvmePath = Annotated[
+    Path | None,
+    typer.Option(
         "--nvme-path",
         help="Where a temporary store for NVMe-homed weights is made (and removed after). "
         "Default: the run directory, or the system's temp directory.",
     ),
-    json_out: bool = typer.Option(
-        False,
-        "--json",
-        help="Print one JSON object: each prompt's ids, the new ids and their text.",
+]
+JsonOut = Annotated[
+    bool,
+    typer.Option(
+        "--json", help="Print one JSON object: each prompt's ids, the new ids and their text."
     ),
+]
+
+
+def generate(
+    run_dir: RunDir = None,
+    model: Model = None,
+    prompt: PromptTexts = None,
+    prompts: PromptsFile = None,
+    max_new_tokens: MaxNewTokens = 64,
+    temperature: Temperature = 0.0,
+    top_p: TopP = 1.0,
+    seed: Seed = 0,
+    chat: Chat = None,
+    offload: Offload = "auto",
+    dtype: Dtype = None,
+    device: Device = None,
+    host_budget: HostBudget = None,
+    gpu_budget: GpuBudget = None,
+    nvme_path: NvmePath = None,
+    json_out: JsonOut = False,
 ) -> None:
     """Generate from the weights as they are tiered: every unit streams through the same tiers
     as in training, once per new token for all prompts at once, with a KV cache per unit on the
@@ -102,13 +142,7 @@ def generate(
     from tierzero.run.inference import open_inference
 
     sampling = Sampling(max_new_tokens, temperature, top_p, seed)
-    if any(not p for p in prompt or []):  # before the weights are loaded
-        raise ConfigError("a --prompt is empty; give every prompt some text")
-    given = [Prompt(p) for p in prompt or []] + (
-        read_prompts(prompts) if prompts is not None else []
-    )
-    if not given:
-        raise ConfigError("no prompt was given; pass --prompt TEXT or --prompts FILE")
+    given = _prompts(prompt or [], prompts)
     out = Output(json_out)
     engine = dict(
         offload=offload,
@@ -139,7 +173,24 @@ def generate(
                 "generations": generations,
             }
         )
-        return
+    else:
+        _print_generations(out, inference, generations)
+
+
+def _prompts(texts: list[str], path: Path | None) -> list[Prompt]:
+    """The --prompt texts, then the --prompts file's; refused before the weights are loaded."""
+    if any(not text for text in texts):
+        raise ConfigError("a --prompt is empty; give every prompt some text")
+    given = [Prompt(text) for text in texts] + (read_prompts(path) if path is not None else [])
+    if not given:
+        raise ConfigError("no prompt was given; pass --prompt TEXT or --prompts FILE")
+    return given
+
+
+def _print_generations(
+    out: Output, inference: Inference, generations: list[dict[str, Any]]
+) -> None:
+    """Where the weights came from, then each prompt and what followed it."""
     source = (
         f"checkpoint step {inference.step}" if inference.step is not None else "its own weights"
     )

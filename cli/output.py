@@ -30,7 +30,8 @@ class Output:
 
 def fail(message: str, code: int = 2) -> None:
     """One sentence to stderr, then exit with `code`: the CLI's only way to report bad input."""
-    # escaped: messages quote paths and library errors ("[/path/pair.cc:537] ...") that are not markup
+    # escaped: messages quote paths and library errors ("[/path/pair.cc:537] ...") that are not
+    # markup
     Console(stderr=True, soft_wrap=True, emoji=False).print(
         f"[bold red]error:[/] {escape(message)}", highlight=False
     )
