@@ -1,4 +1,5 @@
-"""What gradient accumulation costs in NVMe traffic: the horizontal and vertical schedules side by side.
+"""What gradient accumulation costs in NVMe traffic: the horizontal and vertical schedules side
+by side.
 
 With everything on NVMe, horizontally each extra micro-batch of a step reads every param twice
 more and reads and writes every unit's fp32 grad again; vertically (`--schedule vertical`)
@@ -8,7 +9,8 @@ schedule, which fills the page cache and allocator) and prints NVMe bytes per pa
 step (read + written, and any param bytes the host cache served instead of NVMe) and the
 step's time, and the ratio of vertical's bytes at k = 16 to its bytes at k = 1.
 
-    python benchmarks/accumulation.py            # 134M: GPT-3 small's shape, LLaMA blocks, vocab 32000, untied
+    python benchmarks/accumulation.py            # 134M: GPT-3 small's shape, LLaMA blocks,
+                                                 #   vocab 32000, untied
     python benchmarks/accumulation.py --quick    # a small shape, in seconds
     python benchmarks/accumulation.py --model hf:DIR [--quick]   # a Hugging Face decoder
 
@@ -95,9 +97,8 @@ def one_step(
         _ = [t.item() for t in losses]  # the step has run
         seconds = time.perf_counter() - t0
         stats = engine.stats()
-        spilled = (
-            store.spilled - before if store is not None else 0
-        )  # activations spilled in this step
+        # activations spilled in this step
+        spilled = store.spilled - before if store is not None else 0
     return {
         "read": stats.get("bytes_nvme->host", 0) / n,
         "written": stats.get("bytes_host->nvme", 0) / n,
@@ -107,7 +108,7 @@ def one_step(
     }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--quick", action="store_true", help="a small shape (4 layers, dim 256, vocab 4096)"
@@ -139,19 +140,25 @@ def main() -> None:
         help="a directory on the drive to measure (default: a temp dir)",
     )
     opts = p.parse_args()
-    args, opts.host_budget = nvme_shape(opts.quick, opts.host_budget)
-    accumulations = tuple(int(k) for k in opts.accumulate.split(","))
     if opts.model is not None and not is_hf(opts.model):
         p.error("--model takes hf:DIR")
+    return opts
+
+
+def main() -> None:
+    opts = parse_args()
+    args, opts.host_budget = nvme_shape(opts.quick, opts.host_budget)
+    accumulations = tuple(int(k) for k in opts.accumulate.split(","))
     model = (
         hf_model(opts.model, args)
         if opts.model
         else lambda: (models.build(args, device="meta"), None)
     )
     module, _ = model()
+    params = sum(p.numel() for p in module.parameters())
     console = Console()
     console.print(
-        f"{opts.model or 'built-in'}: {sum(p.numel() for p in module.parameters()) / 1e6:.1f}M params, "
+        f"{opts.model or 'built-in'}: {params / 1e6:.1f}M params, "
         f"fp32, everything on NVMe, micro-batch {opts.batch_size} x {opts.seq_len}, "
         f"host budget {opts.host_budget}",
         markup=False,
@@ -162,6 +169,14 @@ def main() -> None:
             with tempfile.TemporaryDirectory(dir=opts.nvme_path) as path:
                 rows[schedule, k] = one_step(model, k, schedule, opts, path)
             console.print(f"  {schedule} k={k}: {rows[schedule, k]}")
+    print_table(console, rows, accumulations)
+
+
+def print_table(
+    console: Console, rows: dict[tuple[str, int], dict[str, float]], accumulations: tuple[int, ...]
+) -> None:
+    """NVMe bytes per parameter and step time per k and schedule, then how each schedule's
+    bytes grow from the first k to the last."""
     table = Table(title="NVMe bytes per parameter per step, and step time")
     for column in (
         "k",
@@ -188,10 +203,9 @@ def main() -> None:
         for s in ("horizontal", "vertical")
     }
     first, last = accumulations[0], accumulations[-1]
-    console.print(
-        f"vertical k={last} / k={first}: {total['vertical'][last] / total['vertical'][first]:.3f}x; "
-        f"horizontal: {total['horizontal'][last] / total['horizontal'][first]:.2f}x"
-    )
+    vertical = total["vertical"][last] / total["vertical"][first]
+    horizontal = total["horizontal"][last] / total["horizontal"][first]
+    console.print(f"vertical k={last} / k={first}: {vertical:.3f}x; horizontal: {horizontal:.2f}x")
 
 
 if __name__ == "__main__":

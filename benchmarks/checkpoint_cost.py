@@ -1,8 +1,8 @@
 """What a checkpoint costs: time and bytes written for 1x and 10x the training state, side by side.
 
 A checkpoint of NVMe-homed state hard-links the store's current chunk files (see
-`tierzero.engine.checkpointing`), so its cost should be metadata -- about constant in the state's size --
-and zero bytes copied while the run directory is on the NVMe path's filesystem. This script
+`tierzero.engine.checkpointing`), so its cost should be metadata -- about constant in the state's
+size -- and zero bytes copied while the run directory is on the NVMe path's filesystem. This script
 measures that claim instead of asserting it (the test suite counts `bytes_copied`; it times
 nothing).
 
@@ -67,6 +67,7 @@ from rich.table import Table
 from tierzero.storage.nvme import chunkfile
 
 from tierzero import Config, Engine, models
+from tierzero.bench.procfs import proc_io
 from tierzero.checkpoint.catalog import prune
 from tierzero.checkpoint.manifest import Manifest
 from tierzero.models import ModelArgs
@@ -127,11 +128,6 @@ class Variant:
         )
 
 
-def proc_io() -> dict[str, int]:
-    with open("/proc/self/io") as f:
-        return {k: int(v) for k, v in (line.split(":") for line in f)}
-
-
 def disk_stat_path(path: Path) -> str | None:
     """`/sys/dev/block/M:m/stat` of the block device holding `path`, if it has one."""
     dev = os.stat(path).st_dev
@@ -143,9 +139,8 @@ def sectors_written(stat: str | None) -> int | None:
     if stat is None:
         return None
     with open(stat) as f:
-        return int(
-            f.read().split()[6]
-        )  # field 7: sectors written (512 B each, whatever the disk's)
+        # field 7: sectors written (512 B each, whatever the disk's)
+        return int(f.read().split()[6])
 
 
 class Counters:
@@ -269,7 +264,7 @@ def check_space(where: Path, need: int, what: str) -> None:
         )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5, help="interleaved saves per variant")
     p.add_argument(
@@ -283,79 +278,75 @@ def main() -> None:
     p.add_argument(
         "--other-fs", default="/dev/shm", help="a directory on another filesystem ('' to skip)"
     )
-    a = p.parse_args()
-    console = Console(width=200)
-    torch.manual_seed(0)
-    root = Path(tempfile.mkdtemp(prefix="tierzero-ckpt-cost-", dir=a.path))
-    other = (
-        Path(tempfile.mkdtemp(prefix="tierzero-ckpt-cost-", dir=a.other_fs)) if a.other_fs else None
-    )
-    try:
-        check_space(
-            root,
-            DISK_BYTES_PER_PARAM * sum(s.param_count() for s in SHAPES.values()),
-            "the benchmark",
-        )
-        variants = [
-            Variant(name, args, root / f"nvme-{name}", root / f"run-{name}")
-            for name, args in SHAPES.items()
-        ]
-        if other is not None:
-            small = SHAPES["1x"]
-            check_space(
-                other,
-                OTHER_FS_BYTES_PER_PARAM * small.param_count(),
-                "the other-filesystem run dir",
-            )
-            variants.append(Variant("1x, other fs", small, root / "nvme-1x-other", other / "run"))
-        for v in variants:
-            v.nvme_dir.mkdir()
-        stat = disk_stat_path(root)
-        console.print(
-            f"NVMe path {root} ({disk_stat_path(root) or 'no block device stats'}); "
-            f"other filesystem: {other or 'skipped'}; torch threads {torch.get_num_threads()}"
-        )
-        with ExitStack() as stack:
-            for v in variants:
-                t0 = time.perf_counter()
-                v.engine = stack.enter_context(
-                    Engine(models.build(v.args, device="meta"), v.config())
-                )
-                v.data = TokenBatches(default_corpus(1 << 20), batch_size=1, seq_len=32, seed=0)
-                console.print(
-                    f"{v.name}: {v.args.param_count() / 1e6:.1f}M params, materialised on NVMe "
-                    f"in {time.perf_counter() - t0:.1f}s"
-                )
-            for r in range(a.rounds):
-                for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
-                    save_once(v, stat, a.flush_first)
-                    s = v.saves[-1]
-                    console.print(
-                        f"round {r + 1} {v.name}: step {s['step_s']:.1f}s, save {s['seconds']:.3f}s "
-                        f"(drain {s['drain_s']:.3f}s, syncfs {s['syncfs_s']:.3f}s"
-                        + (f"; flushed first in {s['flush_s']:.3f}s" if a.flush_first else "")
-                        + "), written "
-                        f"{mb(s['write_bytes'])}, disk {mb(s['disk_bytes'])}, copied {mb(s['bytes_copied'])}"
-                    )
-            for v in variants:
-                v.notes += v.engine.notes()
-        for v in variants:  # every engine is closed: each resume opens its store again
-            resume_once(v, stat)
-            console.print(
-                f"resume {v.name}: {v.resume['seconds']:.2f}s, read {mb(v.resume['read_bytes'])}"
-            )
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        if other is not None:
-            shutil.rmtree(other, ignore_errors=True)
+    return p.parse_args()
 
-    title = f"checkpoint cost, {a.rounds} interleaved saves per variant (median / min)"
-    table = Table(title=title + (", each after a separate syncfs" if a.flush_first else ""))
+
+def make_variants(root: Path, other: Path | None) -> list[Variant]:
+    """Every shape with its store and run dir under `root`, and the 1x one again with its run
+    dir on the `other` filesystem; refused where the space they need is not free."""
+    need = DISK_BYTES_PER_PARAM * sum(s.param_count() for s in SHAPES.values())
+    check_space(root, need, "the benchmark")
+    variants = [
+        Variant(name, args, root / f"nvme-{name}", root / f"run-{name}")
+        for name, args in SHAPES.items()
+    ]
+    if other is not None:
+        small = SHAPES["1x"]
+        need = OTHER_FS_BYTES_PER_PARAM * small.param_count()
+        check_space(other, need, "the other-filesystem run dir")
+        variants.append(Variant("1x, other fs", small, root / "nvme-1x-other", other / "run"))
+    for v in variants:
+        v.nvme_dir.mkdir()
+    return variants
+
+
+def save_rounds(
+    variants: list[Variant], rounds: int, stat: str | None, flush_first: bool, console: Console
+) -> None:
+    """Materialise every variant, then `rounds` rounds of one step and one save each, the
+    variants' order rotating per round; every engine is closed at the end."""
+    with ExitStack() as stack:
+        for v in variants:
+            t0 = time.perf_counter()
+            v.engine = stack.enter_context(Engine(models.build(v.args, device="meta"), v.config()))
+            v.data = TokenBatches(default_corpus(1 << 20), batch_size=1, seq_len=32, seed=0)
+            console.print(
+                f"{v.name}: {v.args.param_count() / 1e6:.1f}M params, materialised on NVMe "
+                f"in {time.perf_counter() - t0:.1f}s"
+            )
+        for r in range(rounds):
+            for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
+                save_once(v, stat, flush_first)
+                s = v.saves[-1]
+                flushed = f"; flushed first in {s['flush_s']:.3f}s" if flush_first else ""
+                console.print(
+                    f"round {r + 1} {v.name}: step {s['step_s']:.1f}s, save {s['seconds']:.3f}s "
+                    f"(drain {s['drain_s']:.3f}s, syncfs {s['syncfs_s']:.3f}s{flushed}), "
+                    f"written {mb(s['write_bytes'])}, disk {mb(s['disk_bytes'])}, "
+                    f"copied {mb(s['bytes_copied'])}"
+                )
+        for v in variants:
+            v.notes += v.engine.notes()
+
+
+def median_mb(saves: list[dict], key: str) -> str:
+    values = [s[key] for s in saves]
+    return "n/a" if None in values else mb(int(statistics.median(values)))
+
+
+def median_s(saves: list[dict], key: str) -> str:
+    return f"{statistics.median(s[key] for s in saves):.3f} s"
+
+
+def print_table(console: Console, variants: list[Variant], rounds: int, flush_first: bool) -> None:
+    """One row per variant: medians of its saves, its resume, then every save's time."""
+    title = f"checkpoint cost, {rounds} interleaved saves per variant (median / min)"
+    table = Table(title=title + (", each after a separate syncfs" if flush_first else ""))
     for col in (
         "variant",
         "params",
         "state saved",
-        *(["syncfs before (not in save)"] if a.flush_first else []),
+        *(["syncfs before (not in save)"] if flush_first else []),
         "save time",
         "of which drain",
         "of which syncfs",
@@ -369,29 +360,20 @@ def main() -> None:
     ):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for v in variants:
-
-        def med(key: str) -> str:
-            values = [s[key] for s in v.saves]
-            return "n/a" if None in values else mb(int(statistics.median(values)))
-
         times = [s["seconds"] for s in v.saves]
-
-        def med_s(key: str) -> str:
-            return f"{statistics.median(s[key] for s in v.saves):.3f} s"
-
         last = v.saves[-1]
         table.add_row(
             v.name,
             f"{v.args.param_count() / 1e6:.1f}M",
             mb(v.state_nbytes),
-            *([med_s("flush_s")] if a.flush_first else []),
+            *([median_s(v.saves, "flush_s")] if flush_first else []),
             f"{statistics.median(times):.3f} / {min(times):.3f} s",
-            med_s("drain_s"),
-            med_s("syncfs_s"),
-            med("write_bytes"),
-            med("wchar"),
-            med("disk_bytes"),
-            med("bytes_copied"),
+            median_s(v.saves, "drain_s"),
+            median_s(v.saves, "syncfs_s"),
+            median_mb(v.saves, "write_bytes"),
+            median_mb(v.saves, "wchar"),
+            median_mb(v.saves, "disk_bytes"),
+            median_mb(v.saves, "bytes_copied"),
             f"{last['linked']} / {last['files']}",
             f"{v.resume['seconds']:.2f} s",
             mb(v.resume["read_bytes"]),
@@ -406,6 +388,34 @@ def main() -> None:
         )
         for note in v.notes:
             console.print(f"[yellow]note ({v.name}):[/] {note}", highlight=False)
+
+
+def main() -> None:
+    a = parse_args()
+    console = Console(width=200)
+    torch.manual_seed(0)
+    root = Path(tempfile.mkdtemp(prefix="tierzero-ckpt-cost-", dir=a.path))
+    other = (
+        Path(tempfile.mkdtemp(prefix="tierzero-ckpt-cost-", dir=a.other_fs)) if a.other_fs else None
+    )
+    try:
+        variants = make_variants(root, other)
+        stat = disk_stat_path(root)
+        console.print(
+            f"NVMe path {root} ({stat or 'no block device stats'}); "
+            f"other filesystem: {other or 'skipped'}; torch threads {torch.get_num_threads()}"
+        )
+        save_rounds(variants, a.rounds, stat, a.flush_first, console)
+        for v in variants:  # every engine is closed: each resume opens its store again
+            resume_once(v, stat)
+            console.print(
+                f"resume {v.name}: {v.resume['seconds']:.2f}s, read {mb(v.resume['read_bytes'])}"
+            )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        if other is not None:
+            shutil.rmtree(other, ignore_errors=True)
+    print_table(console, variants, a.rounds, a.flush_first)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ training loss over the last 50 steps and its ratio to fp32's (the aim: within 1%
 (and their 20-step running means) go to `--out`.
 
     nice python benchmarks/compact_quality.py                    # tiny, 300 steps
-    nice python benchmarks/compact_quality.py --model hf:DIR     # a full fine-tune of a Hugging Face decoder
-    nice python benchmarks/compact_quality.py --preset 125m --dtype bf16 --lr 6e-4   # 134M, ~40 min a format here
+    # a full fine-tune of a Hugging Face decoder
+    nice python benchmarks/compact_quality.py --model hf:DIR
+    # 134M, ~40 min a format here
+    nice python benchmarks/compact_quality.py --preset 125m --dtype bf16 --lr 6e-4
 
 `--baseline CURVES.json` (repeatable) takes the curves of earlier runs of this script with the
 same settings (the JSON it writes beside its PNG) instead of training those formats again:
@@ -95,7 +97,8 @@ def main() -> None:
     p.add_argument(
         "--formats",
         default=",".join(FORMATS),
-        help=f"comma-separated runs, fp32 among them or in --baseline (default: all of {', '.join(FORMATS)})",
+        help="comma-separated runs, fp32 among them or in --baseline "
+        f"(default: all of {', '.join(FORMATS)})",
     )
     p.add_argument(
         "--baseline",
@@ -113,7 +116,8 @@ def main() -> None:
         losses.update(json.loads(Path(path).read_text()))
     if any(len(curve) != opts.steps for curve in losses.values()):
         p.error(
-            f"--baseline {' '.join(opts.baseline)}: its curves are not {opts.steps} steps long; give the same --steps"
+            f"--baseline {' '.join(opts.baseline)}: its curves are not {opts.steps} steps long; "
+            "give the same --steps"
         )
     if not chosen and not losses:
         p.error("nothing to train or show: name --formats or give --baseline")

@@ -3,16 +3,15 @@
 For fp32 / bf16 / int8 Adam moments and fp32 / bf16 master weights, everything on NVMe, this
 runs one step of the 134M LLaMA shape (after one warm-up step, which fills the page cache and
 allocator) and prints NVMe bytes per parameter read and written in the step, the bytes per
-parameter of params, master and moments the store holds (its arrays: `tierzero.checkpoint.inspect.store_info`;
-with bf16 compute a bf16 master is the param)
-and the blocks the store directory uses per parameter (params, grads and spare chunk files
-included; chunk files are sparse past their data), and
-each format's bytes per step relative to fp32's.
+parameter of params, master and moments the store holds (its arrays:
+`tierzero.checkpoint.inspect.store_info`; with bf16 compute a bf16 master is the param) and the
+blocks the store directory uses per parameter (params, grads and spare chunk files included;
+chunk files are sparse past their data), and each format's bytes per step relative to fp32's.
 
-    nice python benchmarks/compact_state.py            # 134M: GPT-3 small's shape, LLaMA blocks, vocab 32000
+    nice python benchmarks/compact_state.py            # 134M: GPT-3 small's shape, vocab 32000
     nice python benchmarks/compact_state.py --quick    # a small shape, in seconds
     nice python benchmarks/compact_state.py --clip-grad-norm 1.0  # grads through their NVMe home
-    nice python benchmarks/compact_state.py --race 6   # step times: fp32 / int8+bf16 / int8+bf16 / fp32
+    nice python benchmarks/compact_state.py --race 6   # step times: fp32 / int8+bf16 x 2 / fp32
 
 `--race STEPS` instead trains fp32 state and int8 moments + bf16 master interleaved (fp32,
 compact, compact, fp32, so a machine that slows down over the run slows both alike), STEPS
@@ -44,12 +43,13 @@ from tierzero.run.data import TokenBatches, default_corpus
 
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 FORMATS = [(m, w) for m in ("fp32", "bf16", "int8") for w in ("fp32", "bf16")]  # (moments, master)
+# weights and optimizer state (grads are rewritten each step)
 STATE = (
     "param",
     "master",
     "exp_avg",
     "exp_avg_sq",
-)  # weights and optimizer state (grads are rewritten each step)
+)
 
 
 def one_step(

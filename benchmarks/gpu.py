@@ -2,7 +2,7 @@
 then on NVMe, inside a hard time budget, recording every result the moment it exists.
 
     python benchmarks/gpu.py                      # on a GPU machine, no arguments: 6 minutes
-    python benchmarks/gpu.py --quick --dry-run    # anywhere: the plan, the bound, the budget it fits
+    python benchmarks/gpu.py --quick --dry-run    # anywhere: the plan, the bound, what fits
 
 With no arguments it works in `../tierzero-gpu` (beside the repo; `--work-dir`), checks that
 the directory takes O_DIRECT and how much it has free, measures the bf16 matmul peak, pinned
@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if opts.device == "cuda" and not torch.cuda.is_available():
         print(
-            "benchmarks/gpu.py needs a CUDA GPU and none is visible here; pass --dry-run for the plan, "
-            "or --device cpu to run its stages on the CPU",
+            "benchmarks/gpu.py needs a CUDA GPU and none is visible here; pass --dry-run for the "
+            "plan, or --device cpu to run its stages on the CPU",
             file=sys.stderr,
         )
         return 2

@@ -1,4 +1,5 @@
-"""What an NF4 base (`--quantize-base nf4`) saves in bytes read from the drive, by the kernel's count.
+"""What an NF4 base (`--quantize-base nf4`) saves in bytes read from the drive, by the kernel's
+count.
 
 A LoRA fine-tune (r = 8) of a 134M-shape Hugging Face LLaMA (hidden 768, 12 layers, MLP 2048,
 vocabulary 32000, untied; built from a `LlamaConfig` and saved with `save_pretrained`), every
@@ -13,7 +14,7 @@ then backward's recompute) plus the adapters' state, so the base's bytes dominat
 
     python benchmarks/qlora_reads.py                      # the 134M run above
     python benchmarks/qlora_reads.py --quick              # a small shape, in seconds
-    python benchmarks/qlora_reads.py --host-budget 64MiB  # default: 64MiB on a GPU, 256MiB on the CPU
+    python benchmarks/qlora_reads.py --host-budget 64MiB  # default: 64MiB on a GPU, 256MiB on CPU
 """
 
 from __future__ import annotations

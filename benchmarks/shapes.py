@@ -16,7 +16,8 @@ def add_shape_flags(
     seq_len: int,
     batch_help: str | None = None,
 ) -> None:
-    """--layers/--dim/--batch-size/--seq-len with this benchmark's defaults, and --steps/--rounds."""
+    """--layers/--dim/--batch-size/--seq-len with this benchmark's defaults, and
+    --steps/--rounds."""
     p.add_argument("--layers", type=int, default=layers)
     p.add_argument("--dim", type=int, default=dim)
     p.add_argument("--batch-size", type=int, default=batch_size, help=batch_help)

@@ -81,9 +81,8 @@ def main() -> None:
             saves: dict[str, list[float]] = {v: [] for v in engines}
             for r in range(a.saves):
                 for v in ("off", "on") if r % 2 == 0 else ("on", "off"):
-                    engines[v].train_step(
-                        data.next_batch()
-                    )  # the save links freshly written chunks
+                    # the save links freshly written chunks
+                    engines[v].train_step(data.next_batch())
                     start = time.perf_counter()
                     engines[v].save_checkpoint(root / v / "run", keep=1)
                     saves[v].append(time.perf_counter() - start)

@@ -22,17 +22,22 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tierzero.bench import plan
 from tierzero.bench.plan import Machine, Rates, StagePlan, Verdict
+from tierzero.bench.rates import measure_rates
 from tierzero.bench.results import ResultLog
 from tierzero.bench.trace import analyse, load_trace, write_trace
 from tierzero.models.presets import PRESETS
 from tierzero.planning.machine import available_host_bytes, free_disk_bytes
 from tierzero.storage.nvme.chunkfile import probe_direct
+
+if TYPE_CHECKING:  # imported where a stage trains: they load the engine
+    from tierzero.config import Config
+    from tierzero.engine import Engine
 
 Say = Callable[[str], None]
 QUICK_PRESETS = ("tiny", "125m", "350m", "1b")  # --quick sizes within these (1b: vocab 128k, tied)
@@ -106,53 +111,6 @@ def machine_now(options: Options, device: torch.device) -> Machine:
     )
 
 
-def measure_rates(device: torch.device, disk_dir: Path, direct_io: bool, quick: bool) -> Rates:
-    """The peaks in this run: bf16 matmul, pinned H2D/D2H (on the CPU device: a host memcpy),
-    the work dir's store read/write (not measured without direct I/O) and CPU AdamW."""
-    from tierzero.planning import speeds
-    from tierzero.planning.diskbench import DiskBench
-    from tierzero.storage.host import HostPool
-    from tierzero.storage.io import IOLoop
-
-    cpu = device.type == "cpu"
-    seconds = 0.1 if cpu else 0.5 if quick else 1.0
-    if cpu:
-        tflops = speeds.matmul_tflops(torch.bfloat16, n=256, seconds=seconds)
-        h2d = d2h = _memcpy_gbps(16 << 20, seconds)
-    else:
-        with torch.cuda.device(device):
-            tflops = speeds.matmul_tflops(
-                torch.bfloat16, n=8192, seconds=2 * seconds, device=device
-            )
-            h2d = speeds.h2d_gbps(1 << 30, seconds=seconds)
-            d2h = speeds.h2d_gbps(1 << 30, seconds=seconds, to_host=True)
-    read = write = 0.0
-    if direct_io:
-        nbytes = 16 << 20 if cpu else 1 << 30 if quick else 4 << 30
-        with (
-            IOLoop(16) as io_loop,
-            HostPool(nbytes, pin=False) as pool,
-            DiskBench(str(disk_dir), nbytes, io_loop, pool, rounds=1) as disk,
-        ):
-            for step in disk.steps():
-                if step.group == 0:
-                    step.run()
-            nvme = disk.result()["nvme"]
-        read, write = nvme["read_gbps"], nvme["write_gbps"]
-    adam = speeds.adam_params_per_s(1 << 20 if cpu else 1 << 24, seconds)
-    return Rates(tflops, h2d, d2h, read, write, adam)
-
-
-def _memcpy_gbps(nbytes: int, seconds: float) -> float:
-    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    best, deadline = float("inf"), time.perf_counter() + seconds
-    while time.perf_counter() < deadline or best == float("inf"):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9
-
-
 def plan_stages(
     options: Options, machine: Machine, rates: Rates, training_s: float
 ) -> list[StagePlan | Verdict]:
@@ -175,15 +133,18 @@ def plan_stages(
 
 
 def dry_run(options: Options) -> list[str]:
-    """What a run would do on an H200-class machine with nominal rates: nothing measured or trained."""
+    """What a run would do on an H200-class machine with nominal rates: nothing measured or
+    trained."""
     machine, rates = plan.NOMINAL_H200, plan.NOMINAL
     elapsed = options.probe_s + options.tests_s
     lines = [
-        f"dry run for one H200 (nominal: {machine.gpu_bytes >> 30} GiB GPU, {machine.host_bytes / 1e9:.0f} GB "
-        f"host, {machine.disk_bytes / 1e9:.0f} GB disk; {rates.bf16_tflops:.0f} TFLOPS bf16, "
-        f"{rates.h2d_gbps:.0f} GB/s H2D, {rates.nvme_read_gbps:.0f}/{rates.nvme_write_gbps:.0f} GB/s NVMe)",
-        f"time budget: {options.budget_s:.0f} s (--minutes {options.minutes:g}): peaks {options.probe_s:.0f} s, "
-        f"pytest -m cuda {options.tests_s:.0f} s, training {options.training_s(elapsed):.0f} s, "
+        f"dry run for one H200 (nominal: {machine.gpu_bytes >> 30} GiB GPU, "
+        f"{machine.host_bytes / 1e9:.0f} GB host, {machine.disk_bytes / 1e9:.0f} GB disk; "
+        f"{rates.bf16_tflops:.0f} TFLOPS bf16, {rates.h2d_gbps:.0f} GB/s H2D, "
+        f"{rates.nvme_read_gbps:.0f}/{rates.nvme_write_gbps:.0f} GB/s NVMe)",
+        f"time budget: {options.budget_s:.0f} s (--minutes {options.minutes:g}): "
+        f"peaks {options.probe_s:.0f} s, pytest -m cuda {options.tests_s:.0f} s, "
+        f"training {options.training_s(elapsed):.0f} s, "
         f"closing and traces {0.1 * options.budget_s:.0f} s",
     ]
     for stage in plan_stages(options, machine, rates, options.training_s(elapsed)):
@@ -197,8 +158,9 @@ def dry_run(options: Options) -> list[str]:
         )
         lines.append(stage.line())
         n = PRESETS[stage.preset].param_count()
+        tflops = 6 * n * stage.tokens / stage.step_bound_s / 1e12
         lines.append(
-            f"{stage.placement}: model TFLOPS at the bound {6 * n * stage.tokens / stage.step_bound_s / 1e12:.0f}"
+            f"{stage.placement}: model TFLOPS at the bound {tflops:.0f}"
             f" of peak {rates.bf16_tflops:.0f}"
         )
     planned = elapsed + sum(
@@ -249,7 +211,8 @@ def cuda_test_files(repo: Path) -> list[str]:
 
 
 def run_cuda_tests(repo: Path, out: Path, timeout_s: float, watchdog: Watchdog) -> int:
-    """`pytest -m cuda` over the CUDA test files in a child killed at `timeout_s` (124), its output in `out`."""
+    """`pytest -m cuda` over the CUDA test files in a child killed at `timeout_s` (124), its
+    output in `out`."""
     cmd = [
         sys.executable,
         "-m",
@@ -379,35 +342,23 @@ def _train(
     log: ResultLog,
     say: Say,
 ) -> None:
+    """One placement: opened, a warm-up step, timed steps until `deadline` draws near, its
+    summary row, and, if there is time, one profiled step whose trace is kept and analysed."""
     from tierzero import models
-    from tierzero.config import Config
     from tierzero.engine import Engine
     from tierzero.run.data import TokenBatches, default_corpus
 
     args = PRESETS[stage.preset]
-    cfg = Config(
-        placement=plan.PLACEMENTS[stage.placement],
-        nvme_path=[str(stores_dir(work_dir) / stage.placement)],
-        dtype="bf16",
-        device=str(device),
-        host_budget=machine.host_bytes,
-        gpu_budget=machine.gpu_bytes,
-        prefetch_depth=plan.PREFETCH_DEPTH,
-        accumulate=stage.accumulate,
-        schedule=plan.schedule_for(stage.accumulate),
-        total_steps=stage.steps + 2,
-        warmup_steps=1,
-    )
     data = TokenBatches(default_corpus(64 << 20), stage.micro_batch, stage.seq_len, seed=0)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    times: list[float] = []
     opened = time.monotonic()
-    with Engine(models.build(args, device="meta", seed=0), cfg) as engine:
+    model = models.build(args, device="meta", seed=0)
+    with Engine(model, _config(stage, machine, device, work_dir)) as engine:
         _say(
             say,
             log.append("opened", placement=stage.placement, seconds=time.monotonic() - opened),
             f"{stage.placement}: opened in {time.monotonic() - opened:.1f} s",
         )
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
         def step() -> float:
             sync()
@@ -425,29 +376,7 @@ def _train(
         )
         engine.stats()
         registered = engine.tiers.host_pool.registrations
-        stats: dict[str, Any] = {}
-        for i in range(stage.steps):
-            if times and time.monotonic() + max(times) > deadline:
-                _say(
-                    say,
-                    log.append(
-                        "stopped",
-                        placement=stage.placement,
-                        reason="its share of the time budget",
-                        steps=len(times),
-                    ),
-                    f"{stage.placement}: stopped after {len(times)} steps",
-                )
-                break
-            times.append(step())
-            stats = engine.stats()
-            _say(
-                say,
-                log.append(
-                    "step", placement=stage.placement, step=i + 1, step_s=times[-1], stats=stats
-                ),
-                f"{stage.placement}: step {i + 1} {times[-1]:.2f} s",
-            )
+        times, stats = _timed_steps(engine, step, stage, deadline, log, say)
         regs = (engine.tiers.host_pool.registrations - registered) / max(1, len(times))
         row = {
             **plan.report_row(
@@ -462,7 +391,8 @@ def _train(
             say,
             log.append("row", **row),
             f"{stage.placement}: median step {row['step_s']:.2f} s, "
-            f"{row['model_tflops']:.1f} model TFLOPS, {row['step_over_bound']:.2f}x the bound ({row['bound_by']})",
+            f"{row['model_tflops']:.1f} model TFLOPS, "
+            f"{row['step_over_bound']:.2f}x the bound ({row['bound_by']})",
         )
         if time.monotonic() + max(times) > deadline:
             return
@@ -472,6 +402,69 @@ def _train(
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=activities) as prof:
             step()
+    _keep_trace(prof, stage, work_dir, log, say)
+
+
+def _config(stage: StagePlan, machine: Machine, device: torch.device, work_dir: Path) -> Config:
+    """The stage's engine config: its placement, bf16, the machine's budgets as they are now."""
+    from tierzero.config import Config
+
+    return Config(
+        placement=plan.PLACEMENTS[stage.placement],
+        nvme_path=[str(stores_dir(work_dir) / stage.placement)],
+        dtype="bf16",
+        device=str(device),
+        host_budget=machine.host_bytes,
+        gpu_budget=machine.gpu_bytes,
+        prefetch_depth=plan.PREFETCH_DEPTH,
+        accumulate=stage.accumulate,
+        schedule=plan.schedule_for(stage.accumulate),
+        total_steps=stage.steps + 2,
+        warmup_steps=1,
+    )
+
+
+def _timed_steps(
+    engine: Engine,
+    step: Callable[[], float],
+    stage: StagePlan,
+    deadline: float,
+    log: ResultLog,
+    say: Say,
+) -> tuple[list[float], dict[str, Any]]:
+    """Up to the stage's steps, each recorded as it finishes, stopping when one more (as long as
+    the longest so far) would end past `deadline`; their seconds and the last step's stats."""
+    times: list[float] = []
+    stats: dict[str, Any] = {}
+    for i in range(stage.steps):
+        if times and time.monotonic() + max(times) > deadline:
+            _say(
+                say,
+                log.append(
+                    "stopped",
+                    placement=stage.placement,
+                    reason="its share of the time budget",
+                    steps=len(times),
+                ),
+                f"{stage.placement}: stopped after {len(times)} steps",
+            )
+            break
+        times.append(step())
+        stats = engine.stats()
+        _say(
+            say,
+            log.append(
+                "step", placement=stage.placement, step=i + 1, step_s=times[-1], stats=stats
+            ),
+            f"{stage.placement}: step {i + 1} {times[-1]:.2f} s",
+        )
+    return times, stats
+
+
+def _keep_trace(
+    prof: torch.profiler.profile, stage: StagePlan, work_dir: Path, log: ResultLog, say: Say
+) -> None:
+    """The profiled step's trace, compressed into the work dir, and what its analysis found."""
     raw = stores_dir(work_dir) / f"trace-{stage.placement}.json"
     prof.export_chrome_trace(str(raw))
     trace = load_trace(raw)

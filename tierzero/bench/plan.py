@@ -36,9 +36,8 @@ STEP_SLACK = 3.0
 # a rate that a CPU of this class beats, so open is not under-planned.
 HOST_INIT_BYTES_PER_S = 1e9
 OPEN_SLACK = 2.0  # NVMe placements write every state at open (and delete it at close)
-STATE_BYTES_PER_PARAM = sum(
-    state_nbytes(k, COMPUTE_ITEMSIZE, 4) for k in StateKind
-)  # fp32 grads: 18
+# fp32 grads: 18
+STATE_BYTES_PER_PARAM = sum(state_nbytes(k, COMPUTE_ITEMSIZE, 4) for k in StateKind)
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,8 @@ class Rates:
     adam_params_per_s: float
 
 
-# An H200-class machine's rough figures, only for the dry run's arithmetic (never reported as measured).
+# An H200-class machine's rough figures, only for the dry run's arithmetic (never reported as
+# measured).
 NOMINAL = Rates(
     bf16_tflops=700.0,
     h2d_gbps=50.0,
@@ -124,7 +124,8 @@ class StagePlan:
 
     def line(self) -> str:
         return (
-            f"{self.placement}: {self.preset}, {self.micro_batch} x {self.seq_len} x {self.accumulate} tokens, "
+            f"{self.placement}: {self.preset}, "
+            f"{self.micro_batch} x {self.seq_len} x {self.accumulate} tokens, "
             f"{self.steps} timed steps; bound {self.step_bound_s:.2f} s ({self.bound_by}), planned "
             f"{self.planned_s:.0f} s of its {self.budget_s:.0f} s"
         )
@@ -163,11 +164,14 @@ def verdict(
     if over:
         t = over[0]
         refused = (
-            f"refused: {t.value} needs {format_bytes(needs[t])} but {format_bytes(budgets[t])} is free; "
-            f"free some {t.value} memory or disk, or pick a smaller --preset"
+            f"refused: {t.value} needs {format_bytes(needs[t])} but {format_bytes(budgets[t])} "
+            f"is free; free some {t.value} memory or disk, or pick a smaller --preset"
         )
     elif name == "nvme" and not machine.direct_io:
-        refused = "refused: the work dir's filesystem refuses direct I/O (O_DIRECT); pass --work-dir on a local SSD"
+        refused = (
+            "refused: the work dir's filesystem refuses direct I/O (O_DIRECT); "
+            "pass --work-dir on a local SSD"
+        )
     return Verdict(
         name,
         preset,
@@ -215,7 +219,8 @@ def pick_micro_batch(
 
 
 def schedule_for(accumulate: int) -> Schedule:
-    """The benchmark accumulates layer-major: horizontal would move every param again per micro-batch."""
+    """The benchmark accumulates layer-major: horizontal would move every param again per
+    micro-batch."""
     return Schedule.VERTICAL if accumulate > 1 else Schedule.HORIZONTAL
 
 
@@ -257,7 +262,8 @@ def step_traffic(
 
 
 def _seconds(nbytes: float, gbps: float) -> float:
-    """Nothing to move takes no time, measured rate or not; something over an unmeasured link never ends."""
+    """Nothing to move takes no time, measured rate or not; something over an unmeasured link
+    never ends."""
     return 0.0 if nbytes == 0 else nbytes / (gbps * 1e9) if gbps > 0 else math.inf
 
 
@@ -284,7 +290,8 @@ def pick_accumulation(
     """Micro-batches per step: the fewest (at most `most`) whose bound per token is within 10%
     of the bound per token at `most`. Layer-major accumulation amortises what a step moves once
     (params twice, grads, the optimizer's states, CPU AdamW); the waiting activations grow with
-    every micro-batch as compute does, so where they outrun compute only a larger micro-batch helps."""
+    every micro-batch as compute does, so where they outrun compute only a larger micro-batch
+    helps."""
     n = args.param_count()
 
     def per_token(accumulate: int) -> float:
@@ -356,8 +363,8 @@ def size_stage(
             preset,
             v.needs,
             v.budgets,
-            f"refused: {preset} would take {stage.planned_s:.0f} s planned, over its {budget_s:.0f} s; "
-            "raise --minutes or pick a smaller --preset",
+            f"refused: {preset} would take {stage.planned_s:.0f} s planned, "
+            f"over its {budget_s:.0f} s; raise --minutes or pick a smaller --preset",
         )
     assert refusal is not None, "no presets to size"
     return refusal

@@ -41,5 +41,6 @@ HF_QUICK = {
 
 
 def nvme_shape(quick: bool, host_budget: str) -> tuple[ModelArgs, str]:
-    """The model and host budget to measure: the 134.1M shape at `host_budget`, or the quick one at 256 MiB."""
+    """The model and host budget to measure: the 134.1M shape at `host_budget`, or the quick one
+    at 256 MiB."""
     return (QUICK_SHAPE, "256MiB") if quick else (NVME_SHAPE, host_budget)

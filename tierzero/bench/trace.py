@@ -1,4 +1,5 @@
-"""What one profiled step says about the GPU's time: pure logic over a `torch.profiler` Chrome trace.
+"""What one profiled step says about the GPU's time: pure logic over a `torch.profiler` Chrome
+trace.
 
 The trace's complete events (`"ph": "X"`, microseconds) are of two kinds. GPU activity --
 kernels, memcpys, memsets, one timeline per stream -- and host calls: operators (`cpu_op`),
@@ -252,7 +253,8 @@ def write_trace(
 
 
 def _droppable(event: dict[str, Any], threshold_us: float) -> bool:
-    """Host events below the threshold, and flow arrows, go first; GPU work and runtime calls stay."""
+    """Host events below the threshold, and flow arrows, go first; GPU work and runtime calls
+    stay."""
     if event.get("ph") != "X":
         return event.get("ph") in ("s", "f", "t")
     category = event.get("cat", "")
