@@ -228,15 +228,12 @@ def test_plan_says_what_one_evaluation_reads() -> None:
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     ev, params = report["evaluation"], report["model"]["params"]
-    assert (
-        report["verdict"]["placement"]["param"] == "nvme"
-    )  # the nearest placement: params on NVMe
-    assert (
-        ev["windows"] == 128 and ev["nvme_read_bytes"] >= params * 4
-    )  # fp32 here; 125m ties its embedding
-    assert (
-        ev["per_window_nvme_read_bytes"] == 32 * ev["nvme_read_bytes"]
-    )  # 128 windows in batches of 4
+    # the nearest placement: params on NVMe
+    assert report["verdict"]["placement"]["param"] == "nvme"
+    # fp32 here; 125m ties its embedding
+    assert ev["windows"] == 128 and ev["nvme_read_bytes"] >= params * 4
+    # 128 windows in batches of 4
+    assert ev["per_window_nvme_read_bytes"] == 32 * ev["nvme_read_bytes"]
     text = runner.invoke(
         app,
         ["plan", "--model", "125m", "--batch-size", "4", "--seq-len", "32", "--host-mem", "300MiB"],

@@ -12,6 +12,7 @@ is one line and exit 2.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,9 +49,8 @@ def transformers_ids(model_dir, prompt_ids: list[int], n: int) -> list[int]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    ids = torch.tensor(
-        [prompt_ids]
-    )  # the mask given: transformers takes a 0 in the prompt for padding
+    # the mask given: transformers takes a 0 in the prompt for padding
+    ids = torch.tensor([prompt_ids])
     out = model.generate(
         ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, pad_token_id=0
     )
@@ -74,37 +74,34 @@ def test_a_model_directory_generates_transformers_greedy_ids(model_dir) -> None:
     )
     assert out["step"] is None and len(out["generations"]) == 2
     # 2 rows x 2 layers x keys and values x 2 kv heads x 16 dims x 4 bytes, per position held
-    passes = max(
-        len(g["new_ids"]) for g in out["generations"]
-    )  # the last new token is not fed back
+    # the last new token is not fed back
+    passes = max(len(g["new_ids"]) for g in out["generations"])
     positions = max(len(g["prompt_ids"]) for g in out["generations"]) + passes - 1
     assert out["kv_cache_bytes"] == 2 * 2 * 2 * 2 * 16 * 4 * positions
     for g in out["generations"]:
         assert g["new_ids"] == transformers_ids(model_dir, g["prompt_ids"], 8)[: len(g["new_ids"])]
-        assert (
-            len(g["new_ids"]) == 8 or g["new_ids"][-1] == 2
-        )  # eight, or stopped at the model's eos (2)
+        # eight, or stopped at the model's eos (2)
+        assert len(g["new_ids"]) == 8 or g["new_ids"][-1] == 2
         assert g["text"] and isinstance(g["text"], str)
+
+
+def chat_records(path: Path) -> Path:
+    """40 chats of one user turn and one assistant reply in the model's words, as --data takes
+    them."""
+    with path.open("w") as f:
+        for i in range(40):
+            messages = [
+                {"role": "user", "content": " ".join(WORDS[i % 7 : i % 7 + 3])},
+                {"role": "assistant", "content": " ".join(WORDS[i % 5 : i % 5 + 2])},
+            ]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return path
 
 
 def test_a_chat_run_samples_and_generates_from_its_checkpoint(model_dir, tmp_path) -> None:
     """Trained on chat records, tiered to NVMe; samples at steps 1 and 2 use the chat template, and
     `generate --run-dir` (chat by default) gives transformers' ids on the exported checkpoint."""
-    data = tmp_path / "chats.jsonl"
-    data.write_text(
-        "".join(
-            json.dumps(
-                {
-                    "messages": [
-                        {"role": "user", "content": " ".join(WORDS[i % 7 : i % 7 + 3])},
-                        {"role": "assistant", "content": " ".join(WORDS[i % 5 : i % 5 + 2])},
-                    ]
-                }
-            )
-            + "\n"
-            for i in range(40)
-        )
-    )
+    data = chat_records(tmp_path / "chats.jsonl")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def return\nclass for in\n")
     run_dir = tmp_path / "run"
@@ -258,7 +255,7 @@ def test_a_built_in_runs_last_samples_are_what_generate_makes(tmp_path) -> None:
     assert out["generations"][0]["prompt_ids"] == list(b"def main(")
 
 
-def test_bad_input_is_one_line(tmp_path) -> None:
+def test_bad_generate_input_is_one_line(tmp_path) -> None:
     run_dir = tmp_path / "in-memory"
     quick = tmp_path / "quick.toml"
     quick.write_text("eval_tokens = 64\n")  # a run in memory keeps no checkpoint
@@ -307,6 +304,9 @@ def test_bad_input_is_one_line(tmp_path) -> None:
             *some, "--prompt", "x", "--device", "cuda"
         )
     assert "is not hf:DIR" in refused("--model", "tiny", "--prompt", "x")
+
+
+def test_bad_sample_flags_of_train_are_one_line(tmp_path) -> None:
     assert "must be an integer >= 1" in one_line_error(
         runner.invoke(
             app,

@@ -208,9 +208,8 @@ def test_each_rank_stores_half_of_every_unit(two_ranks) -> None:
                     _current_array_nbytes(piece) for piece in shard.iterdir() if piece.is_dir()
                 )
                 assert nbytes == unit.padded_numel // 2 * itemsize, (rank, kind, unit.name)
-                assert (
-                    unit.numel / 2 <= nbytes / itemsize < unit.numel / 2 + 4096
-                )  # half, padding aside
+                # half, padding aside
+                assert unit.numel / 2 <= nbytes / itemsize < unit.numel / 2 + 4096
                 assert not (store / kind / f"u{unit.index:04d}" / f"r{1 - rank}").exists()
 
 
@@ -228,9 +227,10 @@ def test_inspect_shows_each_ranks_store(two_ranks) -> None:
 def test_measured_pool_peaks_match_the_per_rank_prediction(two_ranks) -> None:
     predicted = per_rank_prediction()
     last = [r for r in read_metrics(two_ranks) if "loss" in r][-1]  # peaks since open
+    # rank 0's at the top
     assert [last[k] for k in ("peak_host_bytes", "peak_gpu_bytes")] == [
         last["ranks"][0][k] for k in ("peak_host_bytes", "peak_gpu_bytes")
-    ]  # rank 0's at the top
+    ]
     for rank, counters in enumerate(last["ranks"]):
         for tier in (Tier.HOST, Tier.GPU):
             measured = counters[f"peak_{tier.value}_bytes"]
@@ -413,9 +413,8 @@ def test_plan_prints_the_stage(tmp_path) -> None:
         plan(*roomy)["stage"]["stage"] == 2
         and plan(*roomy, "--accumulate", "2")["stage"]["stage"] == 1
     )
-    tight = plan(
-        "--host-mem", "50MB", "--gpu-mem", "24MB"
-    )  # stage 3 fits, replicated params do not
+    # stage 3 fits, replicated params do not
+    tight = plan("--host-mem", "50MB", "--gpu-mem", "24MB")
     assert tight["stage"]["stage"] == 3 and tight["verdict"]["fits"], tight["stage"]
     forced = plan(*roomy, "--stage", "3")
     assert forced["stage"] == {

@@ -94,9 +94,8 @@ def test_resume_and_overwrite_together_are_refused(tmp_path) -> None:
 def test_a_copied_run_directory_resumes_against_its_own_store(tmp_path) -> None:
     original, copy = tmp_path / "original", tmp_path / "copy"
     assert train("--steps", "1", "--run-dir", str(original)).exit_code == 0
-    assert (
-        'nvme_path = ["nvme"]' in (original / "config.toml").read_text()
-    )  # relative to the run dir
+    # relative to the run dir
+    assert 'nvme_path = ["nvme"]' in (original / "config.toml").read_text()
     shutil.copytree(original, copy)
     shutil.rmtree(original)
     result = train("--resume", "--run-dir", str(copy), "--steps", "2")

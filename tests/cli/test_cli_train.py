@@ -48,7 +48,7 @@ def test_config_file_and_flags_override_it(tmp_path) -> None:
 
 def one_line_error(result) -> str:
     assert result.exit_code == 2, result.output
-    lines = [l for l in result.output.strip().splitlines() if l.strip()]
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in result.output, result.output
     return lines[0]
 
@@ -167,7 +167,6 @@ def test_ranks_refused_before_any_starts(tmp_path, args: list[str], message: str
 def test_ranks_from_torchrun_need_one_run_dir(monkeypatch) -> None:
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert (
-        one_line_error(train("--steps", "1"))
-        == "error: rank 1: ranks started by torchrun must name one run directory; pass --run-dir DIR"
+    assert one_line_error(train("--steps", "1")) == (
+        "error: rank 1: ranks started by torchrun must name one run directory; pass --run-dir DIR"
     )

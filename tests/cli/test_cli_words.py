@@ -105,6 +105,5 @@ def test_names_print_as_given_not_as_markup_or_emoji(hf_models, tmp_path: Path) 
     missing = one_line_error(runner.invoke(app, ["inspect", str(tmp_path / f"gone{MARKUP}")]))
     assert f"gone{MARKUP}" in missing
     for result in (planned, trained, exported, inspected, reported):
-        assert (
-            "\U0001f680" not in result.output and "\U0001f999" not in result.output
-        )  # no rocket, no llama
+        # no rocket, no llama
+        assert "\U0001f680" not in result.output and "\U0001f999" not in result.output

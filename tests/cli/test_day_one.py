@@ -56,10 +56,6 @@ def chats(path: Path, n: int) -> Path:
 def test_a_lora_chat_fine_tune_reports_evaluates_and_samples(
     tmp_path: Path, chat_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from mlflow.tracking import MlflowClient
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from transformers import AutoTokenizer
-
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     for key in (
         "MLFLOW_TRACKING_URI",
@@ -98,14 +94,28 @@ def test_a_lora_chat_fine_tune_reports_evaluates_and_samples(
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}
     evals = dict(eval_losses(records))
     assert sorted(losses) == list(range(1, STEPS + 1)) and sorted(evals) == [0, 5, 10]
+    assert_tensorboard_curves(run_dir, losses, evals)
+    assert_mlflow_curves(run_dir, losses, evals)
+    assert_report_plots_evaluations(run_dir, evals, monkeypatch)
+    assert_samples_framed_as_chats(run_dir, chat_llama, prompts)
 
-    # TensorBoard: the loss of every step, the eval loss of every evaluation
+
+def assert_tensorboard_curves(
+    run_dir: Path, losses: dict[int, float], evals: dict[int, float]
+) -> None:
+    """TensorBoard: the loss of every step, the eval loss of every evaluation."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
     tb = {tag: {p.step: p.value for p in events.Scalars(tag)} for tag in ("loss", "eval_loss")}
     assert tb == {"loss": pytest.approx(losses), "eval_loss": pytest.approx(evals)}
 
-    # MLflow: the same curves in the run's own store
+
+def assert_mlflow_curves(run_dir: Path, losses: dict[int, float], evals: dict[int, float]) -> None:
+    """MLflow: the same curves in the run's own store."""
+    from mlflow.tracking import MlflowClient
+
     saved = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
     client = MlflowClient(tracking_uri=f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
     assert client.get_run(saved["run_id"]).info.status == "FINISHED"
@@ -115,7 +125,11 @@ def test_a_lora_chat_fine_tune_reports_evaluates_and_samples(
     }
     assert ml == {"loss": pytest.approx(losses), "eval_loss": pytest.approx(evals)}
 
-    # tierzero report: a PNG whose loss panel plots the evaluations
+
+def assert_report_plots_evaluations(
+    run_dir: Path, evals: dict[int, float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tierzero report`: a PNG whose loss panel plots the evaluations."""
     plotted: list[tuple[Any, ...]] = []
     plot = matplotlib.axes.Axes.plot
 
@@ -131,7 +145,12 @@ def test_a_lora_chat_fine_tune_reports_evaluates_and_samples(
     [(_, steps, values, _)] = [p for p in plotted if p[0] == "eval"]
     assert dict(zip(steps, values)) == pytest.approx(evals)
 
-    # samples.jsonl: each prompt at steps 5 and 10, framed as a user's turn by the chat template
+
+def assert_samples_framed_as_chats(run_dir: Path, chat_llama: Path, prompts: Path) -> None:
+    """samples.jsonl: each prompt at steps 5 and 10, framed as a user's turn by the chat
+    template."""
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(chat_llama)
     samples = read_samples(run_dir)
     assert [row["step"] for row in samples] == [5, 5, 10, 10]

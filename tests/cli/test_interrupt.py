@@ -1,6 +1,7 @@
 """Ctrl-C ends `tierzero train` with exit code 130 and one line saying where it stopped and what
---resume continues from (SIGTERM the same, with exit code 143), on one rank and on `--nproc 2` ranks (the launcher passes SIGINT on and
-rank 0 speaks); ranks die with their launcher, so SIGKILL of it leaves none training."""
+--resume continues from (SIGTERM the same, with exit code 143), on one rank and on `--nproc 2`
+ranks (the launcher passes SIGINT on and rank 0 speaks); ranks die with their launcher, so
+SIGKILL of it leaves none training."""
 
 from __future__ import annotations
 

@@ -59,7 +59,8 @@ def test_json_holds_the_medians_bound_and_ratios(tmp_path) -> None:
         "bytes_per_s": 1e9,
     }  # 1 / 1, .5, 1
     assert figures["links"]["optimizer"] == {"busy_s": 3.0, "bytes_per_s": None}
-    # per step: bounds 4, 3, 4; serial 8, 6, 7; step / bound 2.25, 5/3, 1.5; serial / bound 2, 2, 1.75
+    # per step: bounds 4, 3, 4; serial 8, 6, 7; step / bound 2.25, 5/3, 1.5;
+    # serial / bound 2, 2, 1.75
     assert figures["step_s"] == 6.0 and figures["bound_s"] == 4.0
     assert figures["bound_link"] == "nvme->host"
     assert abs(figures["step_over_bound"] - 5 / 3) < 1e-12 and figures["serial_over_bound"] == 2.0

@@ -41,9 +41,8 @@ def test_none_beside_a_tracker_is_refused(tmp_path: Path) -> None:
 def test_a_tracker_whose_library_is_missing_names_its_extra(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tracker: str
 ) -> None:
-    monkeypatch.setitem(
-        sys.modules, tracker, None
-    )  # what the import system answers for a package not installed
+    # what the import system answers for a package not installed
+    monkeypatch.setitem(sys.modules, tracker, None)
     run_dir = tmp_path / "run"
     line = one_line_error(train("--report-to", tracker, "--run-dir", str(run_dir)))
     fix = f"pip install 'tierzero[{tracker}]'"

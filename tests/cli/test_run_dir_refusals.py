@@ -116,9 +116,8 @@ def test_a_read_only_run_dir_is_refused_by_train_and_report_but_read_by_inspect_
             runner.invoke(app, ["report", str(run_dir), "--out", str(tmp_path / "r.png")]).exit_code
             == 0
         )
-    assert (
-        train("--steps", "1", "--run-dir", str(run_dir), "--overwrite").exit_code == 0
-    )  # writable again
+    # writable again
+    assert train("--steps", "1", "--run-dir", str(run_dir), "--overwrite").exit_code == 0
 
 
 def test_export_and_inspect_name_the_newer_checkpoint_they_skipped(tmp_path) -> None:
@@ -159,9 +158,8 @@ def test_a_store_path_above_another_runs_store_is_refused_naming_both(tmp_path) 
         "--steps", "1", "--nvme-path", str(tmp_path / "p"), "--run-dir", str(tmp_path / "b")
     )
     assert refused.exit_code == 2, refused.output
-    line = " ".join(
-        refused.output.split("error:")[1].split()
-    )  # the store opens once training starts
+    # the store opens once training starts
+    line = " ".join(refused.output.split("error:")[1].split())
     assert f"{tmp_path / 'p'} holds the store directory {inner}" in line
     assert sorted(str(p) for p in inner.rglob("*")) == before
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["a"]

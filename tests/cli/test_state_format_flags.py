@@ -55,8 +55,8 @@ def test_plan_prints_the_compact_rows_and_counts_the_chosen_one() -> None:
     )
     text = " ".join(result.output.split())  # free text wraps at the console's width
     assert (
-        "State: int8 Adam moments (blocks of 256, an fp32 absmax each), bf16 master (the param itself)"
-        in text
+        "State: int8 Adam moments (blocks of 256, an fp32 absmax each), "
+        "bf16 master (the param itself)" in text
     )
     fp32 = json.loads(runner.invoke(app, ["plan", *MACHINE, "--json"]).stdout)
     compact = json.loads(
@@ -85,9 +85,8 @@ def test_plan_refuses_an_unknown_format_naming_its_flag() -> None:
 
 
 def test_config_toml_carries_the_formats_and_reads_them_back(tmp_path) -> None:
-    run = load_run_config(
-        None, {"optimizer_state": "int8", "master": "bf16"}
-    )  # resolved, as a run writes it
+    # resolved, as a run writes it
+    run = load_run_config(None, {"optimizer_state": "int8", "master": "bf16"})
     text = to_toml(run)
     assert 'optimizer_state = "int8"' in text and 'master = "bf16"' in text
     (tmp_path / "c.toml").write_text(text)
@@ -114,8 +113,8 @@ def test_a_compact_run_says_its_formats_and_a_resume_in_another_is_refused(tmp_p
         train("--resume", "--run-dir", str(run_dir), "--steps", "2", "--optimizer-state", "fp32")
     )
     assert (
-        "--optimizer-state fp32 differs from the int8 this run's checkpoints hold its Adam moments in"
-        in line
+        "--optimizer-state fp32 differs from the int8 this run's checkpoints hold its "
+        "Adam moments in" in line
     )
     assert "resume with --optimizer-state int8" in line
     line = one_line_error(

@@ -192,9 +192,8 @@ def test_ranks_read_disjoint_rows_of_the_same_global_batch(world_size: int) -> N
         assert torch.equal(torch.cat(parts), x)
     one = batches(batch_size=8, rank=1, world_size=world_size)
     draw(one, 3)
-    assert one.state_dict() == draw_state(
-        batches(batch_size=8), 3
-    )  # one position, whatever the rank
+    # one position, whatever the rank
+    assert one.state_dict() == draw_state(batches(batch_size=8), 3)
 
 
 def draw_state(b: TokenBatches, n: int) -> dict:

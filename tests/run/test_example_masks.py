@@ -23,7 +23,8 @@ PREFIX = (
 )
 GENERATION = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}assistant: {% generation %}"
-    "{{ m['content'] }}\n{% endgeneration %}{% else %}{{ m['role'] }}: {{ m['content'] }}\n{% endif %}"
+    "{{ m['content'] }}\n{% endgeneration %}"
+    "{% else %}{{ m['role'] }}: {{ m['content'] }}\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
 )
 CHATS = [
@@ -95,10 +96,11 @@ def test_a_space_ending_prompt_trains_the_reply_token_that_holds_the_space(tmp_p
         tokens = [own.id_to_token(int(i)) for i in ids[a:b]]
         trained = [t for t, keep in zip(tokens, examples.trained[a:b]) if keep]
         first = "ĠHello" if number == 0 else "ĠSure"
+        # the merged space + reply token
         assert first in tokens and trained[0] == first, (
             tokens,
             trained,
-        )  # the merged space + reply token
+        )
         assert (
             own.decode(ids[a:b][examples.trained[a:b] == 1][:-1].tolist())
             == " " + record["completion"]
@@ -119,9 +121,8 @@ def test_chat_masks_train_every_reply_character(chat_model, tmp_path) -> None:
         assert [r.strip() for r in replies] == [
             m["content"] for m in chat if m["role"] == "assistant"
         ]
-        assert all(
-            r.startswith(" ") for r in replies
-        )  # the merged space came with the reply's first token
+        # the merged space came with the reply's first token
+        assert all(r.startswith(" ") for r in replies)
 
 
 def test_a_generation_template_gives_transformers_assistant_mask(tmp_path) -> None:

@@ -25,7 +25,10 @@ TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
     "{% if add_generation_prompt %}assistant : {% endif %}"
 )
-WORDS = "user assistant system : . what is two and three five the sky blue why because light scatters ok"
+WORDS = (
+    "user assistant system : . what is two and three five the sky blue why because light "
+    "scatters ok"
+)
 CHATS = [
     [
         {"role": "user", "content": "what is two and three"},
@@ -110,9 +113,8 @@ def test_masked_targets_and_the_loss_is_the_mean_over_trained_ones(tokenizer, tm
     batches = TokenBatches(ids, batch_size=4, seq_len=8, seed=0, trained=trained)
     x, y = batches.next_batch()
     kept = y != -100
-    assert (
-        kept.any() and not kept.all() and kept.any(dim=1).all()
-    )  # every window trains on something
+    # every window trains on something
+    assert kept.any() and not kept.all() and kept.any(dim=1).all()
     assert set(y[kept].tolist()) <= set(ids[trained == 1].tolist())
     torch.manual_seed(0)
     model = adapt(
@@ -142,9 +144,8 @@ def test_parquet_and_save_to_disk_read_as_the_jsonl(form, tokenizer, tmp_path) -
         import pyarrow.parquet as pq
 
         path = tmp_path / "chat.parquet"
-        pq.write_table(
-            pa.Table.from_pylist(records), path, row_group_size=2
-        )  # read back batch by batch
+        # read back batch by batch
+        pq.write_table(pa.Table.from_pylist(records), path, row_group_size=2)
     else:
         datasets = pytest.importorskip(
             "datasets", reason="writing a save_to_disk directory needs datasets"

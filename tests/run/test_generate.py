@@ -119,9 +119,8 @@ def test_sampling_repeats_its_seed_and_top_p_keeps_the_nucleus(small) -> None:
     greedy = generate(in_memory(model), PROMPTS, Sampling(12))
     narrow = generate(in_memory(model), PROMPTS, Sampling(12, temperature=5.0, top_p=1e-6, seed=7))
     assert narrow == greedy  # the nucleus of a tiny p is the top token alone
-    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).log_softmax(
-        -1
-    )  # probabilities 0.03, 0.09, 0.24, 0.64
+    # probabilities 0.03, 0.09, 0.24, 0.64
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).log_softmax(-1)
     drawn = {
         int(next_tokens(logits, Sampling(1, 1.0, 0.8), torch.Generator().manual_seed(s)))
         for s in range(200)

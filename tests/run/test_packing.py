@@ -17,7 +17,8 @@ from tierzero.run.packing import Examples, fit_examples, pack
 
 
 def examples(lengths: list[int], prompts: list[int]) -> Examples:
-    """Examples of `lengths` tokens (ids count up from 1) whose first `prompts` tokens are context."""
+    """Examples of `lengths` tokens (ids count up from 1) whose first `prompts` tokens are
+    context."""
     bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     trained = np.concatenate(
         [(np.arange(n) >= p).astype(np.uint8) for n, p in zip(lengths, prompts)]
@@ -115,9 +116,8 @@ def test_the_validation_set_is_the_same_tokens_for_any_batch_size() -> None:
         batches = TokenBatches(tokens, batch_size, 32, seed=0, trained=trained)
         val = batches.val_batches(eval_tokens=20 * 32)
         rows.append(torch.cat([x for x, _ in val])[:20])
-        assert (
-            sum(int((y != -100).any(dim=1).sum()) for _, y in val) == 20
-        )  # padded rows train nothing
+        # padded rows train nothing
+        assert sum(int((y != -100).any(dim=1).sum()) for _, y in val) == 20
         losses.append(evaluate(trainer, batches, 20 * 32))
     assert all(torch.equal(r, rows[0]) for r in rows)
     assert max(losses) - min(losses) < 1e-6, losses

@@ -68,9 +68,8 @@ def test_a_run_id_without_a_config_is_refused_on_resume(tmp_path) -> None:
     (run_dir / "run-id").write_text("x\n")
     line = one_line_error(train("--resume", "--run-dir", str(run_dir)))
     assert "started but never configured" in line and "start it again with --overwrite" in line
-    assert sorted(p.name for p in run_dir.iterdir()) == [
-        "run-id"
-    ]  # refused before anything is written
+    # refused before anything is written
+    assert sorted(p.name for p in run_dir.iterdir()) == ["run-id"]
 
 
 def test_the_config_is_written_before_the_run_id(tmp_path, monkeypatch) -> None:

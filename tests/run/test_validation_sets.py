@@ -41,9 +41,8 @@ def test_an_asked_for_split_too_small_is_refused() -> None:
         DataError, match="leaves 20 for validation, too short for seq_len 64.*--val-fraction"
     ):
         TokenBatches(tokens(1000), 2, 64, seed=0, val_fraction=0.02)
-    b = TokenBatches(
-        tokens(1000), 2, 64, seed=0, val_fraction=0.0
-    )  # none asked for: none, silently
+    # none asked for: none, silently
+    b = TokenBatches(tokens(1000), 2, 64, seed=0, val_fraction=0.0)
     assert not b.has_validation and b.note is None
 
 
@@ -51,9 +50,8 @@ def test_held_out_data_is_the_validation_set() -> None:
     b = TokenBatches(tokens(2000), 4, 16, seed=0, val_fraction=0.0)
     b.held_out(tokens(400, start=7))
     val = b.val_batches(10 * 16)
-    assert len(val) == 3 and all(
-        x.shape == (4, 16) for x, _ in val
-    )  # 10 windows, padded to 12 rows
+    # 10 windows, padded to 12 rows
+    assert len(val) == 3 and all(x.shape == (4, 16) for x, _ in val)
     assert torch.equal(val[0][0][0], torch.from_numpy(tokens(16, start=7).astype(np.int64)))
     assert (val[-1][1][2:] == IGNORE_INDEX).all()  # the padding rows train nothing
     two = [
