@@ -69,7 +69,8 @@ def main() -> None:
         torch.set_num_threads(opts.threads)
     clock = time.process_time if opts.cpu_time else time.perf_counter
     n, config = opts.numel, Config(lr=1e-3, weight_decay=0.1, seed=7)
-    fused = [torch.randn(n) * 0.05, torch.randn(n) * 1e-2, torch.zeros(n), torch.zeros(n)]
+    # param, grad, exp_avg, exp_avg_sq: one tensor each, as lists the way adamw_step takes them
+    fused = [[torch.randn(n) * 0.05], [torch.randn(n) * 1e-2], [torch.zeros(n)], [torch.zeros(n)]]
     cpu = torch.device("cpu")
     steps = {
         f: (
@@ -84,9 +85,7 @@ def main() -> None:
     for r in range(opts.rounds + 1):  # round 0 warms up the scratch and allocator
         for f, (stepper, tensors) in steps.items():
             # the fused fp32 step and this format's, both at step r, one after the other
-            fused_step = partial(
-                adamw_step, [fused[0]], [fused[1]], [fused[2]], [fused[3]], [0.1], [r], 1e-3, config
-            )
+            fused_step = partial(adamw_step, *fused, [0.1], [r], 1e-3, config.optimizer)
             compact_step = partial(stepper.step, tensors, [(0, n, 0.1, r)], 1e-3, 0, 0)
             for key, fn in (("fused", fused_step), (f, compact_step)):
                 elapsed = timed(fn, clock)
