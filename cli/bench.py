@@ -209,6 +209,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _print_report(out: Output, r: dict[str, Any]) -> None:
+    """What was measured and how, the disk table and its median ratios, then the compute and
+    copy measurements."""
     nvme, fio, ratios = r["nvme"], r["fio"], r["ratios"]
     mode = "O_DIRECT" if nvme["direct_io"] else "buffered (no O_DIRECT here), cold via fadvise"
     out.print(
@@ -222,24 +224,48 @@ def _print_report(out: Output, r: dict[str, Any]) -> None:
             f"[yellow]--max-seconds reached: {nvme['rounds']} of "
             f"{nvme['rounds_planned']} rounds ran; skipped chunk sizes show '-'[/]"
         )
+    out.print(_disk_table(nvme, fio))
+    out.print(
+        f"store / raw, median of interleaved rounds: write {_fmt(ratios['write_vs_raw'])}, "
+        f"read {_fmt(ratios['read_vs_raw'])}"
+    )
+    if fio:
+        out.print(
+            f"store / fio, median of interleaved rounds: write "
+            f"{_fmt(ratios['write_vs_fio'])}, read {_fmt(ratios['read_vs_fio'])} (fio best: "
+            f"write {fio['write_config']}, read {fio['read_config']})"
+        )
+        for engine, why in fio["engines_skipped"].items():
+            out.print(f"[yellow]fio sweep without {engine}: {escape(why)}[/]")
+    out.print(_compute_table(r))
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _disk_table(nvme: dict[str, Any], fio: dict[str, Any] | None) -> Table:
+    """Raw direct I/O, fio and the store at each chunk size, best figures and their ratios."""
     disk = Table(title="disk, GB/s (1e9 B/s), cold reads; ratios of best figures")
     for col in ("", "write", "read", "write / raw", "read / raw", "write / fio", "read / fio"):
         disk.add_column(col, justify="right" if col else "left", no_wrap=not col)
-
-    def fmt(x: float | None) -> str:
-        return "-" if x is None else f"{x:.2f}"
-
     disk.add_row(
-        "raw, 8 MiB blocks", fmt(nvme["raw_write_gbps"]), fmt(nvme["raw_read_gbps"]), "", "", "", ""
+        "raw, 8 MiB blocks",
+        _fmt(nvme["raw_write_gbps"]),
+        _fmt(nvme["raw_read_gbps"]),
+        "",
+        "",
+        "",
+        "",
     )
     if fio:
         disk.add_row(
-            "fio, wall span (best)", fmt(fio["write_gbps"]), fmt(fio["read_gbps"]), "", "", "", ""
+            "fio, wall span (best)", _fmt(fio["write_gbps"]), _fmt(fio["read_gbps"]), "", "", "", ""
         )
         disk.add_row(
             "[dim]fio, its own figure[/]",
-            fmt(fio["write_gbps_fio_reported"]),
-            fmt(fio["read_gbps_fio_reported"]),
+            _fmt(fio["write_gbps_fio_reported"]),
+            _fmt(fio["read_gbps_fio_reported"]),
             "",
             "",
             "",
@@ -251,26 +277,18 @@ def _print_report(out: Output, r: dict[str, Any]) -> None:
         w, rd = row["write_gbps"], row["read_gbps"]
         disk.add_row(
             f"[bold]{label}[/]" if default else label,
-            fmt(w),
-            fmt(rd),
-            fmt(_ratio(w, nvme["raw_write_gbps"])),
-            fmt(_ratio(rd, nvme["raw_read_gbps"])),
-            fmt(_ratio(w, fio and fio["write_gbps"])),
-            fmt(_ratio(rd, fio and fio["read_gbps"])),
+            _fmt(w),
+            _fmt(rd),
+            _fmt(_ratio(w, nvme["raw_write_gbps"])),
+            _fmt(_ratio(rd, nvme["raw_read_gbps"])),
+            _fmt(_ratio(w, fio and fio["write_gbps"])),
+            _fmt(_ratio(rd, fio and fio["read_gbps"])),
         )
-    out.print(disk)
-    out.print(
-        f"store / raw, median of interleaved rounds: write {fmt(ratios['write_vs_raw'])}, "
-        f"read {fmt(ratios['read_vs_raw'])}"
-    )
-    if fio:
-        out.print(
-            f"store / fio, median of interleaved rounds: write "
-            f"{fmt(ratios['write_vs_fio'])}, read {fmt(ratios['read_vs_fio'])} (fio best: "
-            f"write {fio['write_config']}, read {fio['read_config']})"
-        )
-        for engine, why in fio["engines_skipped"].items():
-            out.print(f"[yellow]fio sweep without {engine}: {escape(why)}[/]")
+    return disk
+
+
+def _compute_table(r: dict[str, Any]) -> Table:
+    """CPU AdamW, matmul in fp32 and bf16, and the host->GPU copies (where there is CUDA)."""
     other = Table(title=f"compute and copies ({r['compute']['device']})")
     other.add_column("measurement")
     other.add_column("value", justify="right")
@@ -285,4 +303,4 @@ def _print_report(out: Output, r: dict[str, Any]) -> None:
         other.add_row("host->GPU pageable, GB/s", f"{r['h2d']['pageable_gbps']:.3g}")
     else:
         other.add_row("host->GPU", "no CUDA device")
-    out.print(other)
+    return other
