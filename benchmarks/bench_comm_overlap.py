@@ -96,7 +96,7 @@ def _steps(
     times = []
     with Engine(models.build(args, device="meta"), cfg) as engine:
         engine.train_step(data.next_batch())  # warm-up: allocator, threads, first gathers
-        link = SlowLink(engine.comm, bytes_per_s) if bytes_per_s else None
+        link = SlowLink(engine.parts.layout.comm, bytes_per_s) if bytes_per_s else None
         for _ in range(a.steps):
             dist.barrier()
             t0 = time.perf_counter()

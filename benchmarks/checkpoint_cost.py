@@ -180,7 +180,7 @@ class Phases:
         return wrapper
 
     def __enter__(self) -> Phases:
-        self._pending = self.engine.tiers.pending
+        self._pending = self.engine.parts.tiers.pending
         self._pending.drain = self._timed(self._pending.drain, "drain_s")  # instance attribute
         self._sync = chunkfile.sync_filesystem
         chunkfile.sync_filesystem = self._timed(self._sync, "syncfs_s")

@@ -168,7 +168,7 @@ def train(
     log: Console,
 ) -> list[dict[str, Any]]:
     """`steps` training steps; per step the engine's counters, OS counters and the I/O bounds."""
-    pools = (engine.tiers.host_pool, engine.tiers.device_pool)
+    pools = (engine.parts.tiers.host_pool, engine.parts.tiers.device_pool)
     rows = []
     for step in range(1, steps + 1):
         batch = data.next_batch()
@@ -270,7 +270,7 @@ def run(a: argparse.Namespace, size: RunSize, log: Console) -> Measured:
             steps=steps,
             notes=engine.notes(),
             host_budget_bytes=cfg.tiering.host_budget,
-            gpu_budget_bytes=engine.tiers.gpu_budget,
+            gpu_budget_bytes=engine.parts.tiers.gpu_budget,
             device=engine.device.type,
             watch=watch,
         )

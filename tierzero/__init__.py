@@ -1,4 +1,5 @@
-"""tierzero: train models whose state is larger than GPU memory by tiering it across GPU, host and NVMe."""
+"""tierzero: train models whose state is larger than GPU memory by tiering it across GPU, host and
+NVMe."""
 
 from tierzero.config import Config, DType, Offload, Placement, StateKind, Tier
 from tierzero.engine import Engine

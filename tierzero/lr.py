@@ -12,7 +12,8 @@ from tierzero.config import LRSchedule, OptimizerSettings
 
 
 def lr_at(step: int, optimizer: OptimizerSettings) -> float:
-    """The lr for optimizer update number `step` (0-based): linear warmup, then constant or cosine."""
+    """The lr for optimizer update number `step` (0-based): linear warmup, then constant or
+    cosine."""
     base = optimizer.lr
     if optimizer.warmup_steps and step < optimizer.warmup_steps:
         return base * (step + 1) / optimizer.warmup_steps

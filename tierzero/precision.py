@@ -46,7 +46,8 @@ def _supports(dtype: DType, device: torch.device) -> bool:
     """Cached per (dtype, device): the CPU probe costs a kernel launch and an autograd pass."""
     if device.type == "cuda":
         with torch.cuda.device(device):
-            # emulated bf16 (pre-Ampere) computes, but at fp32 cost with bf16 rounding: not "supported"
+            # emulated bf16 (pre-Ampere) computes, but at fp32 cost with bf16 rounding: not
+            # "supported"
             return dtype is DType.FP16 or torch.cuda.is_bf16_supported(including_emulation=False)
     return _probe(TORCH_DTYPES[dtype], device)
 

@@ -92,7 +92,8 @@ class ReferenceTrainer:
 
     @torch.no_grad()
     def eval_loss(self, batch: Any, summed: bool = False) -> float:
-        """The loss in eval mode: the mean over the batch's trained tokens, or with `summed` their sum."""
+        """The loss in eval mode: the mean over the batch's trained tokens, or with `summed` their
+        sum."""
         self.model.eval()
         with self._autocast():
             return compute_loss(

@@ -36,5 +36,6 @@ def count(value: Any, name: str) -> int:
 
 
 def refused(key: str, problem: str) -> ConfigError:
-    """The refusal of one key's value: `key problem`, tagged with the key (the CLI names its flag)."""
+    """The refusal of one key's value: `key problem`, tagged with the key (the CLI names its
+    flag)."""
     return ConfigError(f"{key} {problem}", key=key)

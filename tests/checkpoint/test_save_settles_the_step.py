@@ -24,11 +24,11 @@ def test_a_save_between_an_overlapped_backward_and_step_holds_the_finished_step(
     )
     _, ref_weights = reference_run(SMALL, cfg, steps=1)
     with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
-        assert engine.overlap
+        assert engine.parts.overlap
         engine.backward(engine.forward(batches().next_batch()))
         assert engine.read_shard(StateKind.MASTER, engine.units[1]).numel() > 0
         saved = engine.save_checkpoint(tmp_path / "run")
-        assert engine.state.step_count == 1 and saved.name == "step-00000001"
+        assert engine.parts.counters.state.step_count == 1 and saved.name == "step-00000001"
         assert not engine.step()  # settled already: the same grads are never stepped twice
     cfg2 = Config(**{**cfg.__dict__, "nvme_path": [str(tmp_path / "nvme2")]})
     with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg2) as resumed:

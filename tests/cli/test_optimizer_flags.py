@@ -71,7 +71,7 @@ def test_optimizer_flags_reach_the_engine(tmp_path) -> None:
     # fused rounds as the engine's does
     optimizer = torch.optim.AdamW(
         model.parameters(),
-        lr=schedule.lr,
+        lr=schedule.optimizer.lr,
         betas=(0.8, 0.9),
         eps=1e-6,
         weight_decay=0.0,

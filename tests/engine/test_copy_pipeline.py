@@ -155,7 +155,7 @@ def train_through_fake(
             else [
                 (v.data_ptr(), v.data_ptr() + v.numel() * v.element_size())
                 for v in (
-                    engine.tiers.stores[Tier.GPU].view(shard_key(StateKind.PARAM, u.index, 0))
+                    engine.parts.tiers.stores[Tier.GPU].view(shard_key(StateKind.PARAM, u.index, 0))
                     for u in engine.units
                 )
             ]
@@ -268,11 +268,11 @@ def discard_in_flight_grad(tmp_path, monkeypatch) -> list[str]:
         overlap_step=True,
     )
     with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
-        optimizer, unit = engine.optimizer, engine.units[1]
+        optimizer, unit = engine.opened.optimizer, engine.units[1]
         work = optimizer.works(unit)[0]
         optimizer._attach_grad(work, torch.ones(unit.shard_numel), fake.record(fake.compute))
         optimizer._discard(work)
-        engine.tiers.lease_host(work.numel * 4).fill_(0)  # the block's next holder writes it
+        engine.parts.tiers.lease_host(work.numel * 4).fill_(0)  # the block's next holder writes it
         fake.host_wait(work.grad_landed)
     return check_no_copy_hazards(fake.log)
 

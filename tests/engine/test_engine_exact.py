@@ -83,7 +83,7 @@ def test_eval_loss_matches_reference_and_leaves_no_state_behind(tmp_path) -> Non
     with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
         assert engine.eval_loss((x, y)) == expected
         assert engine.eval_loss((x, y)) == expected
-        assert engine.tiers.device_pool.leased_bytes == 0
+        assert engine.parts.tiers.device_pool.leased_bytes == 0
 
 
 def test_stats_count_bytes_and_peaks(tmp_path) -> None:
@@ -112,7 +112,7 @@ def test_host_cache_serves_refetches_and_never_stale_params(tmp_path) -> None:
         engine.train_step(data.next_batch())
         stats = engine.stats()
     param_bytes = sum(u.shard_numel for u in engine.units) * 4
-    fetched = [op.unit for op in engine.train_plan.ops if op.op.value == "fetch"]
+    fetched = [op.unit for op in engine.opened.train_plan.ops if op.op.value == "fetch"]
     # every unit forward, again in backward (the head stays put; the tied embedding is used by
     # the head too): every fetch is served from RAM
     assert sorted(set(fetched)) == [u.index for u in engine.units] and len(fetched) > len(
@@ -143,7 +143,7 @@ def test_auto_offload_picks_a_placement_that_fits_the_budgets(tmp_path) -> None:
         total_steps=3,
     )
     engine = Engine(models.build(SMALL, device="meta", seed=0), tight_gpu)
-    assert engine.placement.param is not Tier.GPU
+    assert engine.parts.layout.placement.param is not Tier.GPU
     _, ref_weights = reference_run(SMALL, tight_gpu, steps=3)
     data = batches()
     with engine:

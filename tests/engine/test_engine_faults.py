@@ -67,7 +67,7 @@ def test_failed_optimizer_read_writes_nothing_and_stops_the_engine(tmp_path, mon
     data = batches()
     with Engine(models.build(SMALL, device="meta"), config(tmp_path, overlap_step=True)) as engine:
         engine.train_step(data.next_batch())
-        store = engine.tiers.stores[Tier.NVME]
+        store = engine.parts.tiers.stores[Tier.NVME]
         unit = engine.units[2]
         before = engine.read_shard(StateKind.EXP_AVG, unit).clone()
         real = store.read_into
@@ -108,8 +108,8 @@ def test_budgets_at_the_stated_minimum_train_exactly(tmp_path, depth: int, overl
         for _ in range(3):
             engine.train_step(data.next_batch())
         weights = engine.master_state_dict()
-        peaks = engine.tiers.peaks()
-        budgets = engine.tiers.host_pool.budget_bytes, engine.tiers.device_pool.budget_bytes
+        peaks = engine.parts.tiers.peaks()
+        budgets = engine.parts.tiers.host_pool.budget_bytes, engine.parts.tiers.device_pool.budget_bytes
     assert peaks["host"] <= budgets[0] and peaks["gpu"] <= budgets[1]
     assert sum(budgets) <= need.host_total_bytes
     for key in ref_weights:

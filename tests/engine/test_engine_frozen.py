@@ -105,11 +105,11 @@ def test_lora_on_frozen_base_bitwise_loss_falls_only_adapters_change(tmp_path) -
     # each block's adapters are one aligned trainable prefix with grad, master and moments
     assert [u.trainable_numel for u in engine.units] == [0, 2048, 2048, 2048, 0]
     padded = sum(u.padded_numel for u in engine.units)
-    assert engine.memory.tiers[Tier.NVME].homes_bytes == padded * 4 + 3 * 2048 * 16
+    assert engine.parts.sizing.current.tiers[Tier.NVME].homes_bytes == padded * 4 + 3 * 2048 * 16
     # the frozen embedding is bound in backward only by the tied head's call: its own call
     # (token ids in, no weight grad) is neither refetched nor recomputed
     recomputed = [
-        op for op in engine.train_plan.ops if op.op is Op.COMPUTE and op.phase == "backward"
+        op for op in engine.opened.train_plan.ops if op.op is Op.COMPUTE and op.phase == "backward"
     ]
     assert [op.unit for op in recomputed].count(0) == 1
 
@@ -179,14 +179,14 @@ def test_params_without_grad_are_skipped_as_torch_adamw_skips_them(
     assert_bitwise(weights, ref_weights)
     assert not torch.equal(weights["blocks.0.side.weight"], before["blocks.0.side.weight"])
     if accumulate == 1:
-        assert engine.param_steps.state_dict() == {
+        assert engine.parts.counters.param_steps.state_dict() == {
             "blocks.0.side.weight": 3,
             "blocks.0.side.bias": 3,
             "blocks.1.side.weight": 2,
             "blocks.1.side.bias": 2,
         }
     else:
-        assert engine.param_steps.state_dict() == {
+        assert engine.parts.counters.param_steps.state_dict() == {
             "blocks.0.side.weight": 2,
             "blocks.0.side.bias": 2,
         }
@@ -222,7 +222,7 @@ def test_checkpoint_resume_and_export_keep_frozen_weights_and_step_counts(tmp_pa
     resumed_cfg.tiering.nvme_path = [str(tmp_path / "nvme2")]
     with Engine(fresh, resumed_cfg) as engine:
         engine.load_checkpoint(tmp_path / "run")
-        assert engine.param_steps.state_dict() == {
+        assert engine.parts.counters.param_steps.state_dict() == {
             "blocks.0.side.weight": 2,
             "blocks.0.side.bias": 2,
         }
@@ -252,4 +252,4 @@ def test_budget_checks_count_frozen_parameters_as_params_only(tmp_path) -> None:
         Engine(models.build(SMALL, seed=0), config(tmp_path, host, host_budget=budget))
     with Engine(lora_model(), config(tmp_path, host, host_budget=budget)) as engine:
         engine.train_step(batches().next_batch())
-        assert engine.tiers.host_pool.peak_bytes <= engine.tiers.host_pool.budget_bytes
+        assert engine.parts.tiers.host_pool.peak_bytes <= engine.parts.tiers.host_pool.budget_bytes

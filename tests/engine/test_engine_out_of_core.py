@@ -45,7 +45,7 @@ def test_state_twice_the_host_budget_trains_exactly(tmp_path) -> None:
         assert state_bytes >= 2 * HOST_BUDGET
         for _ in range(3):
             engine.train_step(data.next_batch())
-        peaks = engine.tiers.peaks()
+        peaks = engine.parts.tiers.peaks()
         weights = engine.master_state_dict()
     assert 0 < peaks["host"] <= HOST_BUDGET
     assert 0 < peaks["gpu"] <= GPU_BUDGET

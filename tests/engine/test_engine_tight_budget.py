@@ -73,7 +73,7 @@ def host_need(tmp_path, piece_numel: int, prefetch_depth: int) -> int:
         models.build(WIDE, device="meta"),
         wide_config(tmp_path, piece_numel=piece_numel, prefetch_depth=prefetch_depth),
     )
-    return engine.memory.needs()[Tier.HOST]
+    return engine.parts.sizing.current.needs()[Tier.HOST]
 
 
 def test_a_budget_the_defaults_overflow_trains_with_smaller_pieces_bitwise(tmp_path) -> None:
@@ -102,7 +102,7 @@ def test_a_budget_the_defaults_overflow_trains_with_smaller_pieces_bitwise(tmp_p
             ) == (128 << 10, 1)
             for _ in range(2):
                 engine.train_step(data.next_batch())
-            assert engine.tiers.peaks()["host"] <= budget
+            assert engine.parts.tiers.peaks()["host"] <= budget
             weights[name] = engine.master_state_dict()
     _, ref_weights = reference_run(WIDE, wide_config(tmp_path), steps=2)
     for key in ref_weights:
@@ -144,7 +144,7 @@ def test_the_issue_134m_untied_on_nvme_fits_512mib_of_host_memory(tmp_path) -> N
         1 << 20,
         1,
     )
-    assert engine.memory.needs()[Tier.HOST] <= 512 << 20
+    assert engine.parts.sizing.current.needs()[Tier.HOST] <= 512 << 20
     with pytest.raises(
         ConfigError, match=r"need at least 1066\.8 MB of host memory with pieces of 16 Mi"
     ):

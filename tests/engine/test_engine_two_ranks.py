@@ -41,7 +41,7 @@ def _rank(
         with Engine(models.build(SMALL, device="meta", seed=0), cfg) as engine:
             # started by mp.spawn, not torchrun (no LOCAL_WORLD_SIZE): the ranks on this machine
             # are counted by host name, and split its default budgets
-            assert engine.local_ranks == 2
+            assert engine.parts.local_ranks == 2
             for _ in range(STEPS):
                 x, y = data.next_batch()
                 engine.train_step((x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))

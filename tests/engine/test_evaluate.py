@@ -54,9 +54,8 @@ def test_one_pass_equals_each_window_and_reads_each_unit_once(tmp_path, tied: bo
     )
     assert read_each["bytes_host->gpu"] == len(windows) * fetched
     written = {k: v for k, v in read_once.items() if k.startswith("bytes_") and k.endswith("nvme")}
-    assert (
-        written == {} and read_once.get("bytes_gpu->host", 0) == 0
-    )  # no grad, no activation, no write
+    # no grad, no activation, no write
+    assert written == {} and read_once.get("bytes_gpu->host", 0) == 0
 
 
 def test_waiting_activations_spilled_to_nvme_stay_exact(tmp_path) -> None:
@@ -70,7 +69,8 @@ def test_waiting_activations_spilled_to_nvme_stay_exact(tmp_path) -> None:
         chain = chain_of(engine.parts.model, engine.units)
         entry = WINDOW_TOKENS * SMALL.dim * 4
         layout = EvalLayout(join(windows, WINDOW_TOKENS), store_bytes=3 * entry)
-        eval_pass = EvalPass(engine.parts, engine.opened, chain, layout)
+        parts = engine.parts
+        eval_pass = EvalPass(parts.layout, parts.device, parts.tiers, engine.opened, chain, layout)
         with torch.no_grad():
             spilled = eval_pass.run(windows)
         per_window = [engine.eval_loss(w, summed=True) for w in windows]

@@ -74,10 +74,10 @@ def test_overlapped_step_with_clipping_is_bitwise_the_reference(
     ref_losses, ref_weights = reference_run(SMALL, cfg, steps=3)
     data = batches()
     with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
-        assert engine.overlap
+        assert engine.parts.overlap
         losses = [engine.train_step(data.next_batch()) for _ in range(3 * accumulate)]
         weights = engine.master_state_dict()
-        assert engine.optimizer.kept is None  # settled: nothing kept between steps
+        assert engine.opened.optimizer.kept is None  # settled: nothing kept between steps
         assert engine.last_grad_norm > FIRES
     assert losses == ref_losses
     assert weights.keys() == ref_weights.keys()

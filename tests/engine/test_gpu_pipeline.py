@@ -196,7 +196,7 @@ data = batches()
 with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
     for _ in range(4):
         engine.train_step(data.next_batch())
-    assert engine.tiers.device_pool.device == torch.device("cuda", 1)
+    assert engine.parts.tiers.device_pool.device == torch.device("cuda", 1)
     during = torch._C._cuda_hasPrimaryContext(0)
 print("contexts", during, torch._C._cuda_hasPrimaryContext(0), torch._C._cuda_hasPrimaryContext(1))
 """

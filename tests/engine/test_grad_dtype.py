@@ -32,7 +32,7 @@ config = partial(engine_config, piece_numel=8192, total_steps=6)
 
 def host_home_dtypes(engine: Engine) -> set[torch.dtype]:
     """The dtypes of every grad key in a host grad home."""
-    store = engine.tiers.stores[Tier.HOST]
+    store = engine.parts.tiers.stores[Tier.HOST]
     return {
         store.view(key).dtype
         for unit in engine.units
@@ -170,7 +170,7 @@ def test_bf16_vertical_run_with_bf16_grads_tracks_the_fp32_reference() -> None:
     data = batches(8, 32)
     cfg = Config(offload="host", dtype="bf16", schedule="vertical", **common)
     with Engine(models.build(SMALL, device="meta"), cfg) as engine:
-        assert engine.parts.grad_dtype == torch.bfloat16
+        assert engine.parts.layout.grad_dtype == torch.bfloat16
         ours = []
         for _ in range(50):
             losses = [engine.train_micro_batch(data.next_batch()) for _ in range(2)]
@@ -211,7 +211,7 @@ def test_a_resumed_bf16_grad_run_is_bitwise_the_uninterrupted_one(
     cfg = config(tmp_path / "a", placement, dtype="bf16", **kw)
     data = batches()
     with Engine(models.build(SMALL, device="meta"), cfg) as engine:
-        assert engine.parts.grad_dtype == torch.bfloat16
+        assert engine.parts.layout.grad_dtype == torch.bfloat16
         steps(engine, data, 6)
         reference = engine.master_state_dict()
     cfg = config(tmp_path / "b", placement, dtype="bf16", **kw)

@@ -51,14 +51,14 @@ def test_an_all_nvme_run_pins_only_before_it_moves_anything_and_unpins_only_at_c
     )
     data = batches()
     with Engine(models.build(SMALL, device="meta", seed=0), cfg) as engine:
-        pool, memory = engine.tiers.host_pool, engine.memory
+        pool, memory = engine.parts.tiers.host_pool, engine.parts.sizing.current
         opened = list(cudart.registered)
         assert (
             pool.pin and len(opened) == sum(memory.host_blocks.values()) and not cudart.unregistered
         )
         extra = sum(memory.host_moment_blocks.values()) + sum(memory.host_cache_blocks.values())
         assert extra  # the first forward pins more: the checks below count them
-        store, pinned_at_reads = engine.tiers.stores[Tier.NVME], []
+        store, pinned_at_reads = engine.parts.tiers.stores[Tier.NVME], []
         real = store.read_into
 
         async def counted(key, out, verify=False):

@@ -158,7 +158,7 @@ def tiered(
             x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
             tokens = trained_targets(y)
             if world_size > 1:
-                tokens = int(engine.comm.total([tokens])[0])
+                tokens = int(engine.parts.layout.comm.total([tokens])[0])
             out = [
                 engine.train_micro_batch(
                     (x[m * micro : (m + 1) * micro], y[m * micro : (m + 1) * micro]),
@@ -167,7 +167,7 @@ def tiered(
                 for m in range(accumulate)
             ]
             loss = sum(t.item() for t in out) / accumulate
-            losses.append(loss if world_size == 1 else engine.comm.mean([loss])[0])
+            losses.append(loss if world_size == 1 else engine.parts.layout.comm.mean([loss])[0])
         return losses, engine.master_state_dict()
 
 

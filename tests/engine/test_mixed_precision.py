@@ -129,12 +129,12 @@ def test_fp16_overflow_skips_the_step_halves_the_scale_and_writes_nothing(tmp_pa
     data = batches()
     with Engine(models.build(SMALL, device="meta"), cfg) as engine:
         engine.train_step(data.next_batch())
-        scale, steps = engine.scaler.scale, engine.step_count
+        scale, steps = engine.parts.counters.scaler.scale, engine.step_count
         before = stored_bytes(engine)
         loss = engine.forward(data.next_batch())
         engine.backward(loss * float("inf"))  # an injected overflow in every gradient
         assert engine.step() is False
-        assert engine.scaler.scale == scale / 2 and engine.step_count == steps
+        assert engine.parts.counters.scaler.scale == scale / 2 and engine.step_count == steps
         assert stored_bytes(engine) == before
         assert engine.stats()["skipped_steps"] == 1
         losses = [engine.train_step(data.next_batch()) for _ in range(4)]
@@ -148,7 +148,7 @@ def test_fp16_scale_grows_after_a_run_of_good_steps(tmp_path) -> None:
     with Engine(models.build(SMALL, device="meta"), cfg) as engine:
         for _ in range(4):
             engine.train_step(data.next_batch())
-        assert engine.scaler.scale == 4096
+        assert engine.parts.counters.scaler.scale == 4096
 
 
 # -- bad input ----------------------------------------------------------------------------------
@@ -215,7 +215,7 @@ def test_clipping_by_the_previous_norm_is_an_opt_in_approximation(tmp_path) -> N
 
     cfg = config(tmp_path, clip_grad_norm=0.5, clip_previous_norm=True)
     engine = Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg)
-    assert engine.overlap
+    assert engine.parts.overlap
     _, unclipped = reference_run(SMALL, config(tmp_path), steps=1)
     reference = ReferenceTrainer(
         models.build(SMALL, seed=cfg.seed), config(tmp_path, clip_grad_norm=0.5)

@@ -112,7 +112,7 @@ def test_a_look_ahead_read_of_optimizer_states_never_waits_for_a_transfer(tmp_pa
     )
     with Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg) as engine:
         engine.train_step(batches().next_batch())  # the first forward sizes the host pool
-        tiers, optimizer, unit = engine.tiers, engine.optimizer, engine.units[1]
+        tiers, optimizer, unit = engine.parts.tiers, engine.opened.optimizer, engine.units[1]
         held: list[torch.Tensor] = []
         in_flight: concurrent.futures.Future = concurrent.futures.Future()
         tiers.pending.add(in_flight, lambda ok: [tiers.host_pool.give_back(b) for b in held])

@@ -95,7 +95,7 @@ def test_kept_graphs_are_bitwise_equal_to_recompute_and_run_each_forward_once(
     assert runs["all"][1].runner.kept == frozenset()
     assert len(runs["all"][2]) == 2 * SMALL.n_layers * micro_batches  # forward, then recompute
     weights, engine, inputs, _ = runs["auto"]  # the budget holds every block's activations
-    assert engine.runner.kept == BLOCKS
+    assert engine.opened.runner.kept == BLOCKS
     assert len(inputs) == SMALL.n_layers * micro_batches
     assert_same(weights, runs["all"][0])
     assert_same(runs["all"][0], ref)
@@ -115,7 +115,7 @@ def test_an_untied_head_keeps_its_graph_too(tmp_path, monkeypatch, chunk_bytes) 
     weights, engine, _, heads = train(
         config(fresh(tmp_path, "auto"), place), monkeypatch, args=UNTIED, chunk_bytes=chunk_bytes
     )
-    assert engine.runner.kept == BLOCKS | {HEAD}
+    assert engine.opened.runner.kept == BLOCKS | {HEAD}
     assert len(heads_all) == 2 * 2 * STEPS and len(heads) == 2 * STEPS  # (hidden, targets) per run
     assert_same(weights, ref)
 
@@ -141,7 +141,7 @@ def test_the_memory_model_counts_what_kept_graphs_hold(tmp_path, monkeypatch, ar
         args=args,
     )
     measured = sum(n for ptr, n in storages.items() if ptr not in {*inputs, *heads})
-    act = engine.sizing.activations
+    act = engine.parts.sizing.activations
     assert act.kept_blocks == SMALL.n_layers and act.kept_head is not args.tie_embeddings
     assert measured <= act.kept_bytes <= 1.1 * measured
 
@@ -155,11 +155,11 @@ def test_a_budget_for_one_block_keeps_the_last_one(tmp_path, monkeypatch) -> Non
     room = probe.tiers.host_budget - probe.memory.tiers[Tier.HOST].pool_bytes
     per = probe.sizing.activations.recompute_bytes
     budget = probe.config.tiering.host_budget - room + 3 * per // 2
-    one = dataclasses.replace(config(fresh(tmp_path, "one"), placement), host_budget=budget)
+    one = config(fresh(tmp_path, "one"), placement).replace(host_budget=budget)
     weights, engine, inputs, _ = train(one, monkeypatch, steps=2)
     # the last block: freed first in backward
-    assert engine.runner.kept == frozenset({SMALL.n_layers})
-    assert engine.sizing.activations.kept_blocks == 1
+    assert engine.opened.runner.kept == frozenset({SMALL.n_layers})
+    assert engine.parts.sizing.activations.kept_blocks == 1
     assert len(inputs) == (2 * SMALL.n_layers - 1) * 2
     reference, _, _, _ = train(
         config(fresh(tmp_path, "all"), placement, recompute="all"), monkeypatch, steps=2
@@ -167,9 +167,7 @@ def test_a_budget_for_one_block_keeps_the_last_one(tmp_path, monkeypatch) -> Non
     assert_same(weights, reference)
     with pytest.raises(ConfigError, match="--recompute none keeps 3 units' activations"):
         train(
-            dataclasses.replace(
-                one, recompute="none", nvme_path=[str(fresh(tmp_path, "none") / "nvme")]
-            ),
+            one.replace(recompute="none", nvme_path=[str(fresh(tmp_path, "none") / "nvme")]),
             monkeypatch,
             steps=1,
         )

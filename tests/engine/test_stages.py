@@ -74,8 +74,8 @@ def _rank(rank: int, root: str) -> None:
                     engine.train_step((x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
                 report[stage] = {
                     "counts": dict(counts),
-                    "stage": engine.stage,
-                    "gathers": sum(op.op is Op.GATHER for op in engine.train_plan.ops),
+                    "stage": engine.parts.layout.stage,
+                    "gathers": sum(op.op is Op.GATHER for op in engine.opened.train_plan.ops),
                 }
                 weights = engine.master_state_dict()  # a collective: every rank gathers
             if rank == 0:

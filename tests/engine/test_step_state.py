@@ -46,12 +46,12 @@ def test_a_checkpoint_holds_the_engines_step_state(tmp_path: Path) -> None:
         for _ in range(2):
             engine.train_step(data.next_batch())
         path = engine.save_checkpoint(tmp_path / "run")
-        saved = engine.state.to_dict()
+        saved = engine.parts.counters.state.to_dict()
     assert saved["step_count"] == 2 and saved["previous_norm"] is not None
     engine = Engine(models.build(SMALL, device="meta"), cfg)
     try:
         engine.load_checkpoint(path)
-        assert engine.state.to_dict() == saved == {k: Manifest.load(path).engine[k] for k in saved}
+        assert engine.parts.counters.state.to_dict() == saved == {k: Manifest.load(path).engine[k] for k in saved}
     finally:
         engine.close()
 

@@ -120,7 +120,7 @@ def test_the_swap_plan_carries_micro_batches(tmp_path) -> None:
     the head has no forward use (its loss is computed in its backward)."""
     cfg = config(tmp_path, PLACEMENTS["everything-on-nvme"], accumulate=K, schedule="vertical")
     with Engine(models.build(UNTIED, device="meta"), cfg) as engine:
-        plan, n = engine.vertical_plan, len(engine.units)
+        plan, n = engine.opened.vertical_plan, len(engine.units)
     head = n - 1
     for phase in Phase:
         units = range(n - 1) if phase is Phase.FORWARD else range(n)
@@ -174,7 +174,7 @@ def test_refusals_are_one_sentence(tmp_path) -> None:
             engine.train_step(batches().next_batch())
     with pytest.raises(ConfigError, match="schedule 'sideways' is not valid"):
         Config(schedule="sideways")
-    assert Config().schedule is Schedule.AUTO
+    assert Config().execution.schedule is Schedule.AUTO
 
 
 def with_dropout(seed: int, device: str = "meta") -> nn.Module:
@@ -310,7 +310,7 @@ def test_queued_micro_batches_are_never_lost_or_mixed(tmp_path) -> None:
             engine.forward(data.next_batch())
         engine.load_checkpoint(saved)
         engine.train_micro_batch(data.next_batch())
-        assert engine.state.step_count == 0  # one micro-batch of the loaded run's step, not two
+        assert engine.parts.counters.state.step_count == 0  # one micro-batch of the loaded run's step, not two
 
 
 def test_waiting_activations_that_cannot_spill_are_refused_before_the_step(tmp_path) -> None:
@@ -324,7 +324,7 @@ def test_waiting_activations_that_cannot_spill_are_refused_before_the_step(tmp_p
     with Engine(models.build(SMALL, device="meta"), cfg) as engine:
         with pytest.raises(ConfigError, match="no state lives on NVMe to spill them to"):
             engine.train_micro_batch(batches().next_batch())
-        assert engine.state.step_count == 0
+        assert engine.parts.counters.state.step_count == 0
 
 
 def test_activation_buffers_are_allocated_in_the_first_step_only(tmp_path, monkeypatch) -> None:

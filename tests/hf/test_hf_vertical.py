@@ -186,7 +186,7 @@ def test_dropout_draws_are_seeded_per_micro_batch_and_unit(tmp_path) -> None:
 
 def test_auto_runs_hf_decoders_vertically_when_accumulating(tmp_path) -> None:
     model_dir = save_model("llama", tmp_path / "llama", attention_dropout=0.1)
-    assert Config().schedule is Schedule.AUTO
+    assert Config().execution.schedule is Schedule.AUTO
 
     def chosen(k: int) -> bool:
         (tmp_path / str(k)).mkdir()

@@ -57,8 +57,8 @@ def test_the_plan_and_the_engine_choose_the_same_grad_dtype(
         ),
     )
     report = make_plan("tiny", dtype="bf16", accumulate=accumulate, schedule=schedule, **MACHINE)
-    assert report.precision.grad_dtype is engine.sizing.grad_dtype
-    assert report.workload.grad_itemsize == engine.sizing.workload(3).grad_itemsize
+    assert report.precision.grad_dtype is engine.parts.sizing.grad_dtype
+    assert report.workload.grad_itemsize == engine.parts.sizing.workload(3).grad_itemsize
 
 
 def test_the_memory_model_counts_grads_in_their_dtype() -> None:

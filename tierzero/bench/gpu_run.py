@@ -375,9 +375,9 @@ def _train(
             f"{stage.placement}: warm-up step {warm:.2f} s",
         )
         engine.stats()
-        registered = engine.tiers.host_pool.registrations
+        registered = engine.parts.tiers.host_pool.registrations
         times, stats = _timed_steps(engine, step, stage, deadline, log, say)
-        regs = (engine.tiers.host_pool.registrations - registered) / max(1, len(times))
+        regs = (engine.parts.tiers.host_pool.registrations - registered) / max(1, len(times))
         row = {
             **plan.report_row(
                 stage.placement, args, stage.tokens, statistics.median(times), stats, rates, regs

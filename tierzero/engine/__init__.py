@@ -1,4 +1,5 @@
-"""The training step: `Engine` and the rooms it wires (runtime, step, vertical), sizing, gathered weights, checkpointing."""
+"""The training step: `Engine` and the rooms it wires (runtime, step, vertical), sizing, gathered
+weights, checkpointing."""
 
 from tierzero.engine.engine import Engine
 

@@ -101,11 +101,12 @@ def save(
     manifest (every rank's arrays and RNG state, the world size) and renames the directory into
     place once all have. A rank that fails leaves no `step-<N>`: the last complete one stays.
     """
-    comm = engine.comm
-    if not engine.state.between_steps(engine.config.execution.accumulate):
+    comm = engine.layout.comm
+    accumulate, state = engine.config.execution.accumulate, engine.counters.state
+    if not state.between_steps(accumulate):
         raise TierzeroError(
-            f"a checkpoint needs a finished optimizer step, but {engine.state.micro % engine.config.execution.accumulate} "
-            f"of {engine.config.execution.accumulate} micro-batches are accumulated; save after step()"
+            f"a checkpoint needs a finished optimizer step, but {state.micro % accumulate} "
+            f"of {accumulate} micro-batches are accumulated; save after step()"
         )
     tiers = engine.tiers
     tiers.pending.drain()
@@ -113,7 +114,7 @@ def save(
     if nvme is not None:
         tiers.run(nvme.flush())  # linked chunks must be durable before a manifest names them
     root = checkpoints_root(run_dir)
-    final = step_dir(run_dir, engine.state.step_count)
+    final = step_dir(run_dir, engine.counters.state.step_count)
     if comm.rank == 0:
         _prepare_root(root)
     temp = root / comm.broadcast_json(f".{final.name}.tmp-{os.getpid()}")
@@ -151,11 +152,12 @@ def save(
     if (
         copied
         and nvme is not None
-        and any(engine.placement.home(k) is Tier.NVME for k in SAVED_KINDS)
+        and any(engine.layout.placement.home(k) is Tier.NVME for k in SAVED_KINDS)
     ):
         engine.note(
             "checkpoints copy the NVMe state's chunks because the run directory is on another "
-            "filesystem than --nvme-path; keep them on one filesystem for checkpoints that copy nothing"
+            "filesystem than --nvme-path; keep them on one filesystem for checkpoints that copy "
+            "nothing"
         )
     if keep is not None and comm.rank == 0:
         for note in prune(run_dir, keep, final):  # this lineage's older checkpoints only
@@ -168,12 +170,13 @@ def _write_shards(engine: EngineParts, temp: Path) -> tuple[dict[str, ShardMeta]
     """This rank's saved shards under `temp/state`: NVMe-homed ones linked, others written."""
     tiers, nvme = engine.tiers, engine.tiers.stores.get(Tier.NVME)
     arrays, copied = {}, 0
-    for unit in engine.units:
+    for unit in engine.layout.units:
         for kind in SAVED_KINDS:
             for key, a, b in engine.shards.keys(kind, unit):
                 dst = str(temp / "state" / Path(*key.split("/")))
-                if engine.placement.home(kind) is Tier.NVME:
-                    # verified reads: a chunk written since its last read is checked before it is linked
+                if engine.layout.placement.home(kind) is Tier.NVME:
+                    # verified reads: a chunk written since its last read is checked before it is
+                    # linked
                     arrays[key], nbytes = tiers.run(
                         nvme.freeze(key, dst, sync=False, verify=bool(nvme.verify_reads))
                     )
@@ -207,12 +210,12 @@ def _commit(
     }
     rank_rng = [p["rng"] for p in parts] if len(parts) > 1 else None
     manifest = Manifest(
-        step=engine.state.step_count,
+        step=engine.counters.state.step_count,
         time=time.time(),
-        world_size=engine.comm.world_size,
-        compute_dtype=dtype_name(engine.dtype),
+        world_size=engine.layout.comm.world_size,
+        compute_dtype=dtype_name(engine.layout.dtype),
         config_hash=numeric_config_hash(engine.config),
-        units=layout_of(engine.units),
+        units=layout_of(engine.layout.units),
         arrays=arrays,
         engine=_engine_state(engine),
         data=data,
@@ -220,7 +223,7 @@ def _commit(
         bytes_copied=sum(p["copied"] for p in parts),
         model=model,
         rank_rng=rank_rng,
-        stage=engine.stage,
+        stage=engine.layout.stage,
         **lineage.stamp(final),
     )
     engine.tiers.run(write_durable(str(temp / MANIFEST_NAME), manifest.to_json()))
@@ -253,12 +256,16 @@ def find(path: Path, comm: Comm, note: Callable[[str], None]) -> tuple[Path, Man
 def restore(engine: EngineParts, path: Path, manifest: Manifest) -> None:
     """Fill the engine's tiers from a verified checkpoint and set its counters and RNG."""
     manifest.check_compatible(
-        engine.units, engine.comm.world_size, dtype_name(engine.dtype), str(path), engine.stage
+        engine.layout.units,
+        engine.layout.comm.world_size,
+        dtype_name(engine.layout.dtype),
+        str(path),
+        engine.layout.stage,
     )
     tiers = engine.tiers
     wanted = [
         (unit, kind, key)
-        for unit in engine.units
+        for unit in engine.layout.units
         for kind in SAVED_KINDS
         for key, _, _ in engine.shards.keys(kind, unit)
     ]
@@ -268,7 +275,8 @@ def restore(engine: EngineParts, path: Path, manifest: Manifest) -> None:
         if written is not None and written != engine.config.streaming.piece_numel:
             raise CheckpointError(
                 f"{path} was written with pieces of {written} elements and this engine "
-                f"streams {engine.config.streaming.piece_numel}; build it with piece_numel={written}"
+                f"streams {engine.config.streaming.piece_numel}; build it with "
+                f"piece_numel={written}"
             )
         raise CheckpointError(
             f"{path / MANIFEST_NAME} lists no array {missing[0]!r}: the checkpoint is "
@@ -276,21 +284,19 @@ def restore(engine: EngineParts, path: Path, manifest: Manifest) -> None:
         )
     _check_formats(engine, manifest, path)
     copied = 0
-    for unit in engine.units:
-        detach_params(
-            unit, engine.dtype, engine.device
-        )  # the engine owns the weights (as `Shards.materialise` does)
-    for unit, kind, key in wanted:
+    for unit in engine.layout.units:  # the engine owns the weights (as `Shards.materialise` does)
+        detach_params(unit, engine.layout.dtype, engine.device)
+    for _unit, kind, key in wanted:
         src, meta = manifest.array_dir(path, key), manifest.arrays[key]
-        if engine.placement.home(kind) is Tier.NVME:
+        if engine.layout.placement.home(kind) is Tier.NVME:
             copied += tiers.run(tiers.stores[Tier.NVME].adopt(key, str(src), meta))
         else:
             engine.shards.put_key(kind, key, read_array(str(src), meta))
         if kind is StateKind.PARAM and tiers.host_pool is not None:
             tiers.host_pool.cache_drop(key)  # a cached param of the abandoned run is stale
         tiers.pending.drain()
-    if engine.placement.home(StateKind.GRAD) is not Tier.NVME:
-        for unit in engine.units:
+    if engine.layout.placement.home(StateKind.GRAD) is not Tier.NVME:
+        for unit in engine.layout.units:
             engine.shards.put_shard(
                 StateKind.GRAD, unit, torch.zeros(unit.shard_numel, dtype=torch.float32)
             )
@@ -304,7 +310,7 @@ def restore(engine: EngineParts, path: Path, manifest: Manifest) -> None:
     if manifest.config_hash != numeric_config_hash(engine.config):
         engine.note(_settings_note(path, manifest, engine.config))
     _load_engine_state(engine, manifest.engine, path)
-    rng = manifest.rng if manifest.rank_rng is None else manifest.rank_rng[engine.comm.rank]
+    rng = manifest.rng if manifest.rank_rng is None else manifest.rank_rng[engine.layout.comm.rank]
     _load_rng_state(rng, engine.device, path)
 
 
@@ -345,25 +351,27 @@ def _settings_note(path: Path, manifest: Manifest, config: Config) -> str:
     saved = tomllib.loads(manifest.config_toml) if manifest.config_toml else None
     if saved is None:
         return (
-            f"{path.name} was written with other optimizer or precision settings; the resumed run will "
-            "not match an uninterrupted one"
+            f"{path.name} was written with other optimizer or precision settings; the resumed "
+            "run will not match an uninterrupted one"
         )
     flat = config.flat()
     changed = [f for f in _NUMERIC_FIELDS if _plain(saved.get(f)) != _plain(flat[f])]
     if changed == ["total_steps"]:
         which = "longer" if config.optimizer.total_steps > saved["total_steps"] else "shorter"
         return (
-            f"the lr schedule now spans {config.optimizer.total_steps} steps, not the {saved['total_steps']} of the run "
-            f"that wrote {path.name} (--steps changed): from here the lr follows the {which} schedule"
+            f"the lr schedule now spans {config.optimizer.total_steps} steps, not the "
+            f"{saved['total_steps']} of the run that wrote {path.name} (--steps changed): from "
+            f"here the lr follows the {which} schedule"
         )
     return (
-        f"{path.name} was written with other settings ({', '.join(changed) or 'unrecorded'}); the resumed "
-        "run will not match an uninterrupted one"
+        f"{path.name} was written with other settings ({', '.join(changed) or 'unrecorded'}); "
+        "the resumed run will not match an uninterrupted one"
     )
 
 
 def _plain(value: Any) -> Any:
-    """A setting as `config_hash` sees it (enums as their values, tuples as lists), as TOML reads it back."""
+    """A setting as `config_hash` sees it (enums as their values, tuples as lists), as TOML reads it
+    back."""
     return json.loads(json.dumps(value, default=str))
 
 
@@ -372,9 +380,9 @@ def _engine_state(engine: EngineParts) -> dict[str, Any]:
     # naming it
     # and the stored formats of master and moments (`tierzero.compact.formats`), which a load checks
     return {
-        **engine.state.to_dict(),
-        "scaler": engine.scaler.state_dict(),
-        "skipped_updates": engine.param_steps.state_dict(),
+        **engine.counters.state.to_dict(),
+        "scaler": engine.counters.scaler.state_dict(),
+        "skipped_updates": engine.counters.param_steps.state_dict(),
         "piece_numel": engine.config.streaming.piece_numel,
         **engine.shards.formats.describe(),
         "int8_block": STATE_BLOCK,
@@ -385,16 +393,16 @@ def _engine_state(engine: EngineParts) -> dict[str, Any]:
 
 def _load_engine_state(engine: EngineParts, state: dict[str, Any], path: Path) -> None:
     try:
-        engine.state.load(state)
-        engine.param_steps.load_state_dict(
+        engine.counters.state.load(state)
+        engine.counters.param_steps.load_state_dict(
             state.get("skipped_updates") or {}, str(path / MANIFEST_NAME)
         )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(
             f"{path / MANIFEST_NAME} has malformed engine state ({e!r}); use another checkpoint"
         ) from None
-    if engine.scaler.enabled:
-        engine.scaler.load_state_dict(state.get("scaler") or {})
+    if engine.counters.scaler.enabled:
+        engine.counters.scaler.load_state_dict(state.get("scaler") or {})
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:

@@ -13,9 +13,14 @@ base under LoRA adapters) is stored once, as a param in the compute dtype, fetch
 like the rest and never written; a parameter that gets no gradient in a step is not updated,
 as torch's AdamW skips it (`tierzero.engine.step.skipped`).
 
-The engine is the public face over one record of its parts (`parts.EngineParts`, made without
-I/O) and what `open` builds over them (`runtime.opened.OpenParts`); the step policy is the
-`step.stepper.Stepper`'s, the layer-major schedule `vertical.schedule.VerticalSteps`'.
+The public face is what a user's own loop needs: `forward`/`backward`/`step` (or
+`train_step`, `train_micro_batch`), `eval_loss`/`evaluate`, `gathered` (the full weights for a
+custom loss or evaluation), `save_checkpoint`/`load_checkpoint`, `master_state_dict` and
+`read_shard`/`keys` (export, inspection), `stats`/`notes`, `open`/`close`, and the `config`,
+`device`, `units`, `step_count` and `last_grad_norm` it runs with. What it built is inspected
+through `parts` (`parts.EngineParts`, made without I/O) and `opened`
+(`runtime.opened.OpenParts`, made by `open`); the step policy is the `step.stepper.Stepper`'s,
+the schedules `schedule.HorizontalSteps` and `vertical.schedule.VerticalSteps`.
 """
 
 from __future__ import annotations
@@ -30,12 +35,13 @@ import torch
 from torch import nn
 
 from tierzero.checkpoint.manifest import Manifest
-from tierzero.config import Config, StateKind
+from tierzero.config import Config, StateKind, Tier
 from tierzero.engine import checkpointing
 from tierzero.engine.gathered import GatheredBlocks, copies, resolve
 from tierzero.engine.parts import EngineParts
 from tierzero.engine.runtime.binding import bind, flat_grad, unbind
 from tierzero.engine.runtime.opened import OpenParts, open_parts
+from tierzero.engine.schedule import HorizontalSteps, StepSchedule
 from tierzero.engine.step.stepper import Stepper
 from tierzero.engine.vertical.evaluate import evaluate_windows, evaluating
 from tierzero.engine.vertical.schedule import VerticalSteps
@@ -53,39 +59,28 @@ class Engine:
         self._weights = weights
         self._open = False
         self._closed = False
+        self._reserved = False  # the first training step's activations taken from the budgets
         self._root_leaves: list[torch.Tensor] | None = None
-        self._blocks = GatheredBlocks(self.parts.units)
-        # built by `open`: the runtime, the step policy and the vertical schedule (decided at the first step)
+        self._blocks = GatheredBlocks(self.parts.layout.units)
+        # built by `open`: the runtime, the step policy and the vertical schedule (decided at the
+        # first step)
         self.opened: OpenParts | None = None
         self._stepper: Stepper | None = None
         self.vertical: VerticalSteps | None = None
+        self.horizontal: HorizontalSteps | None = None
 
-    # the parts, read-only here (inspection, tests, benchmarks); the runtime's once open
+    # what a loop reads; the rest (tiers, sizing, counters, the runtime) is inspection, on
+    # `parts` (built without I/O) and `opened` (built by `open`)
     config = property(
         attrgetter("parts.config"), doc="The config as resolved (piece size, prefetch depth)."
     )
     device = property(attrgetter("parts.device"), doc="The compute device.")
-    comm = property(attrgetter("parts.comm"), doc="Collectives over this run's ranks.")
-    local_ranks = property(attrgetter("parts.local_ranks"), doc="Ranks on this machine.")
-    units = property(attrgetter("parts.units"), doc="The units, in order.")
-    sizing = property(attrgetter("parts.sizing"), doc="The budgets and what they decided.")
-    memory = property(
-        attrgetter("parts.sizing.current"), doc="The memory model the pools are sized by."
+    units = property(attrgetter("parts.layout.units"), doc="The units, in order.")
+    step_count = property(
+        attrgetter("parts.counters.state.step_count"), doc="Optimizer steps taken."
     )
-    placement = property(attrgetter("parts.placement"), doc="Each state kind's home tier.")
-    stage = property(attrgetter("parts.stage"), doc="The ZeRO stage.")
-    overlap = property(attrgetter("parts.overlap"), doc="Whether units are stepped in backward.")
-    scaler = property(attrgetter("parts.scaler"), doc="The fp16 loss scaler.")
-    tiers = property(attrgetter("parts.tiers"), doc="The pools and stores.")
-    state = property(attrgetter("parts.state"), doc="The step counters.")
-    param_steps = property(attrgetter("parts.param_steps"), doc="Per-parameter step counts.")
-    runner = property(attrgetter("opened.runner"), doc="The unit runner.")
-    optimizer = property(attrgetter("opened.optimizer"), doc="The sharded optimizer.")
-    train_plan = property(attrgetter("opened.train_plan"), doc="A training pass's swap plan.")
-    vertical_plan = property(attrgetter("opened.vertical_plan"), doc="A vertical step's swap plan.")
-    step_count = property(attrgetter("parts.state.step_count"), doc="Optimizer steps taken.")
     last_grad_norm = property(
-        attrgetter("parts.state.last_grad_norm"), doc="The latest global grad norm."
+        attrgetter("parts.counters.state.last_grad_norm"), doc="The latest global grad norm."
     )
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -94,11 +89,12 @@ class Engine:
         """Open the tiers and move every unit's state into its home, one unit at a time."""
         p = self.parts
         return self._open_with(
-            lambda: p.shards.materialise(p.model, p.units, p.config.seed, self._weights)
+            lambda: p.shards.materialise(p.model, p.layout.units, p.config.seed, self._weights)
         )
 
     def _open_with(self, fill: Callable[[], None]) -> Engine:
-        """Open the tiers, fill them (`Shards.materialise`, or a checkpoint's restore), build the step."""
+        """Open the tiers, fill them (`Shards.materialise`, or a checkpoint's restore), build the
+        step."""
         if self._open:
             return self
         if self._closed:
@@ -106,9 +102,32 @@ class Engine:
                 "this engine is closed; read master_state_dict() before close(), "
                 "or build a new Engine"
             )
-        self.opened = open_parts(self.parts, fill)
-        self._stepper = Stepper(self.parts, self.opened)
-        self.vertical = VerticalSteps(self.parts, self.opened, self._stepper)
+        p = self.parts
+        self.opened = opened = open_parts(p, fill)
+        config, layout, tiers, counters = p.config, p.layout, p.tiers, p.counters
+        self._stepper = stepper = Stepper(
+            layout,
+            tiers,
+            counters,
+            config.optimizer,
+            config.execution.accumulate,
+            p.overlap,
+            p.param_order,
+            opened,
+        )
+        self.vertical = VerticalSteps(
+            config.execution,
+            p.model,
+            p.device,
+            layout,
+            tiers,
+            counters,
+            opened,
+            stepper,
+            lambda batch: self._reserve_activations(batch, vertical=True),
+            self._host_room,
+        )
+        self.horizontal = HorizontalSteps(self.forward, self.backward, self.step)
         self._open = True
         return self
 
@@ -131,23 +150,24 @@ class Engine:
     def forward(
         self, batch: Any, step_tokens: int | None = None, summed: bool = False
     ) -> torch.Tensor:
-        """One micro-batch's loss (with grad: for `backward`), divided as `loss_divisor` says for `step_tokens`."""
+        """One micro-batch's loss (with grad: for `backward`), divided as `loss_divisor` says for
+        `step_tokens`."""
         p = self.parts
         divisor = loss_divisor(
-            step_tokens, summed, p.config.execution.accumulate, p.comm.world_size
+            step_tokens, summed, p.config.execution.accumulate, p.layout.comm.world_size
         )
         self._settle()
         o = self.opened
         training = torch.is_grad_enabled()
         if training:
             self.vertical.horizontal()
-            self._stepper.reserve_activations(batch, vertical=bool(self.vertical.on))
+            self._reserve_activations(batch, vertical=bool(self.vertical.on))
             o.runner.position = (
-                p.state.step_count,
-                p.state.micro % p.config.execution.accumulate,
+                p.counters.state.step_count,
+                p.counters.state.micro % p.config.execution.accumulate,
             )  # its draws
         o.swap_runner.begin(o.train_plan if training else o.eval_plan)
-        root = p.units[0]
+        root = p.layout.units[0]
         try:
             if root.is_root:  # a model without embedding/head entry points: bound for the pass
                 self._root_leaves = bind(root, o.swap_runner.acquire(0), requires_grad=training)
@@ -157,7 +177,7 @@ class Engine:
             raise
         if not training:
             if root.is_root:
-                unbind(root, p.dtype, p.device)
+                unbind(root, p.layout.dtype, p.device)
                 self._root_leaves = None
             o.swap_runner.finish()
         return loss
@@ -166,9 +186,9 @@ class Engine:
         """Backprop one micro-batch; every unit's grad is accumulated into its home tier."""
         self._usable()
         p, o = self.parts, self.opened
-        accumulate, state = p.config.execution.accumulate, p.state
+        accumulate, state = p.config.execution.accumulate, p.counters.state
         last = state.ends_step(accumulate)
-        scale = p.scaler.scale
+        scale = p.counters.scaler.scale
         self._blocks.refuse_closed(loss)
         scaled = loss / accumulate if accumulate > 1 else loss
         scaled = scaled * scale if scale != 1.0 else scaled
@@ -179,9 +199,9 @@ class Engine:
             with o.grads.running(pass_), o.runner.running(pass_):
                 scaled.backward()
                 if self._root_leaves is not None:
-                    if p.units[0].trainable_numel:
-                        o.grads.offload(0, *flat_grad(p.units[0], self._root_leaves))
-                    unbind(p.units[0], p.dtype, p.device)
+                    if p.layout.units[0].trainable_numel:
+                        o.grads.offload(0, *flat_grad(p.layout.units[0], self._root_leaves))
+                    unbind(p.layout.units[0], p.layout.dtype, p.device)
                     self._root_leaves = None
                 o.grads.flush()  # the last unit's reduction
             o.swap_runner.finish()
@@ -209,9 +229,9 @@ class Engine:
         p.tiers.pending.drain()  # params written by the last step must have landed
         with self._blocks.block(
             copies(
-                p.units,
-                resolve(p.units, names),
-                lambda unit: p.shards.full_params(unit, p.comm, p.device),
+                p.layout.units,
+                resolve(p.layout.units, names),
+                lambda unit: p.shards.full_params(unit, p.layout.comm, p.device),
             )
         ) as view:
             yield view
@@ -229,22 +249,19 @@ class Engine:
         micro-batches' losses once per step syncs with the device once per step, not per call."""
         self.parts.model.train()
         self._usable()
-        if self.vertical.wants(batch):
-            return self.vertical.micro_batch(batch, step_tokens)
-        loss = self.forward(batch, step_tokens)
-        self.backward(loss)
-        self.step()
-        return loss.detach()
+        return self._schedule(batch).micro_batch(batch, step_tokens)
 
     @torch.no_grad()
     def eval_loss(self, batch: Any, summed: bool = False) -> float:
-        """The loss in eval mode (dropout off), without grad; the model's mode is restored. `summed`: as `forward`."""
+        """The loss in eval mode (dropout off), without grad; the model's mode is restored.
+        `summed`: as `forward`."""
         with evaluating(self.parts.model):
             return self.forward(batch, summed=summed).item()
 
     def evaluate(self, windows: list[Any]) -> list[float]:
-        """Each window's summed trained-token loss (`eval_loss(w, summed=True)`), every unit's params
-        read once for all of them, not once per window (`tierzero.engine.vertical.evaluate`)."""
+        """Each window's summed trained-token loss (`eval_loss(w, summed=True)`), every unit's
+        params read once for all of them, not once per window
+        (`tierzero.engine.vertical.evaluate`)."""
         self._settle()
         return evaluate_windows(
             self.parts, self.opened, windows, lambda w: self.eval_loss(w, summed=True)
@@ -272,7 +289,7 @@ class Engine:
         array is verified first. Returns the manifest (its `data` is the caller's to restore)."""
         if self._stepper is not None and self._stepper.broken is not None:
             self._usable()
-        path, manifest = checkpointing.find(Path(path), self.parts.comm, self.parts.note)
+        path, manifest = checkpointing.find(Path(path), self.parts.layout.comm, self.parts.note)
         if self._open:
             self.vertical.abort()  # micro-batches queued before the load belong to no step of it
             self.parts.tiers.pending.drain()
@@ -292,14 +309,15 @@ class Engine:
         a frozen parameter's stored values, in fp32. The whole model in host memory: for small
         models and tests (large ones: checkpoint and stream out with `tierzero export`)."""
         self._settle()
-        return self.parts.shards.master_state_dict(self.parts.units, self.parts.comm)
+        return self.parts.shards.master_state_dict(self.parts.layout.units, self.parts.layout.comm)
 
     def keys(self, kind: StateKind, unit: Unit) -> list[tuple[str, int, int]]:
         """This rank's store keys of `kind` for `unit`, with the shard range each holds."""
         return self.parts.shards.keys(kind, unit)
 
     def read_shard(self, kind: StateKind, unit: Unit) -> torch.Tensor:
-        """A CPU copy of this rank's shard of `kind` for `unit` (inspection, export: `Shards.read_shard`)."""
+        """A CPU copy of this rank's shard of `kind` for `unit` (inspection, export:
+        `Shards.read_shard`)."""
         self._settle(kind)
         return self.parts.shards.read_shard(kind, unit)
 
@@ -310,13 +328,37 @@ class Engine:
     # -- internals ------------------------------------------------------------------------------
 
     def _settle(self, kind: StateKind | None = None) -> None:
-        """Before shards are read: usable (`read_*` of one kind: as it is), an overlapped step settled, a grad landed."""
+        """Before shards are read: usable (`read_*` of one kind: as it is), an overlapped step
+        settled, a grad landed."""
         if kind is None:
             self._usable()
-        if self.parts.state.stepped_in_backward and self._stepper.broken is None:
+        if self.parts.counters.state.stepped_in_backward and self._stepper.broken is None:
             self.step()  # overlap_step already updated the shards: settle it before reading them
         if kind is StateKind.GRAD and self._open:
             self.opened.grads.settle()
+
+    def _schedule(self, batch: Any) -> StepSchedule:
+        """The step schedule this engine trains with, decided at its first training batch."""
+        return self.vertical if self.vertical.wants(batch) else self.horizontal
+
+    def _reserve_activations(self, batch: Any, vertical: bool) -> None:
+        """At the first training step: take its activations out of the budgets (`Sizing`)."""
+        if self._reserved:
+            return
+        self._reserved = True
+        p = self.parts
+        placement, stage = p.layout.placement, p.layout.stage
+        memory = p.sizing.reserve_activations(
+            p.tiers, p.model, batch, placement, stage, vertical=vertical
+        )
+        self.opened.runner.kept = p.sizing.kept  # blocks whose forward keeps its graph
+        p.tiers.provision_host(memory)
+
+    def _host_room(self) -> int:
+        """Host memory the budgets leave beyond the pools' peaks (the vertical schedule's
+        waiting activations' room)."""
+        p = self.parts
+        return p.tiers.host_budget - p.sizing.current.tiers[Tier.HOST].pool_bytes
 
     def _usable(self) -> None:
         """Open on first use; refuse to go on from a step that stopped half-way."""
@@ -331,6 +373,6 @@ class Engine:
         """Drop what a pass holds; `broken`: why it stopped half-way (then `_usable` refuses)."""
         self.vertical.abort()
         if self._root_leaves is not None:
-            unbind(self.parts.units[0], self.parts.dtype, self.parts.device)
+            unbind(self.parts.layout.units[0], self.parts.layout.dtype, self.parts.device)
             self._root_leaves = None
         self._stepper.abort(broken)

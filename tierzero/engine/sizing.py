@@ -28,6 +28,7 @@ from tierzero.config import (
     Tier,
 )
 from tierzero.engine.runtime.tiers import Tiers
+from tierzero.engine.shortfall import check_pools, tier_name
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit, forward_only
 from tierzero.models.presets import ModelArgs
@@ -206,7 +207,7 @@ class Sizing:
         fitting = [p for p in candidate_placements() if _fits(self.memory(p, stage), budgets)]
         if not fitting:
             sizes = ", ".join(
-                f"{_tier_name(t, self.device)} {format_bytes(n)}"
+                f"{tier_name(t, self.device)} {format_bytes(n)}"
                 for t, n in budgets.items()
                 if t is not Tier.NVME
             )
@@ -217,8 +218,8 @@ class Sizing:
             )
             flags = "--host-budget" if Tier.GPU not in budgets else "--host-budget or --gpu-budget"
             raise ConfigError(
-                f"no placement fits the budgets ({sizes}, nvme {budgets[Tier.NVME] / 1e9:.1f} GB free)"
-                f"{least}; raise {flags}, or free disk space"
+                f"no placement fits the budgets ({sizes}, nvme "
+                f"{budgets[Tier.NVME] / 1e9:.1f} GB free){least}; raise {flags}, or free disk space"
             )
         return choose_placement(
             self.workload(stage),
@@ -250,9 +251,11 @@ class Sizing:
                     tier, "free disk space"
                 )
                 raise ConfigError(
-                    f"--stage {forced} keeps every unit's params{' and grads' if forced == 1 else ''} whole on each "
-                    f"rank, which needs {mem.needs()[tier] / 1e6:.1f} MB of {tier.value} per rank where its budget is "
-                    f"{budgets[tier] / 1e6:.1f} MB; use --stage 3 (or leave --stage unset to choose), or {fix}"
+                    f"--stage {forced} keeps every unit's params"
+                    f"{' and grads' if forced == 1 else ''} whole on each rank, which needs "
+                    f"{mem.needs()[tier] / 1e6:.1f} MB of {tier.value} per rank where its budget "
+                    f"is {budgets[tier] / 1e6:.1f} MB; use --stage 3 (or leave --stage unset to "
+                    f"choose), or {fix}"
                 )
         return choose_stage(
             lambda stage: _fits(self.memory(placement, stage), budgets),
@@ -272,7 +275,7 @@ class Sizing:
         tiers.share_budgets(memory.tiers[Tier.GPU].pool_bytes)
         for tier, need in _unpooled(memory).items():
             tiers.reserve(tier, need)
-        _check_pools(tiers, memory, "", self.config, self.given)
+        check_pools(tiers, memory, "", self.config.streaming, self.given)
         # the host pool's blocks, pinned at open; with room, the LRU cache's too where the host
         # budget is final (on the CPU device the first forward takes the activations from it)
         tiers.host_blocks = memory.host_provision(
@@ -287,7 +290,8 @@ class Sizing:
             )
             if total > free:
                 raise ConfigError(
-                    f"nvme path {self.config.tiering.nvme_path[0]} has {free / 1e9:.2f} GB free but "
+                    f"nvme path {self.config.tiering.nvme_path[0]} has {free / 1e9:.2f} GB free "
+                    "but "
                     f"the offloaded state needs {total / 1e9:.2f} GB per path; free space "
                     "or add another --nvme-path"
                 )
@@ -392,64 +396,13 @@ class Sizing:
                     tiers.reserve(tier, need - before.get(tier, 0))
                 except BudgetExceededError:
                     pass  # named below, with the figures
-        _check_pools(
-            tiers,
-            memory,
-            f" with batches of {act.batch_size} x {act.seq_len} tokens",
-            self.config,
-            self.given,
-        )
+        why = f" with batches of {act.batch_size} x {act.seq_len} tokens"
+        check_pools(tiers, memory, why, self.config.streaming, self.given)
         return memory
 
     def nvme_free(self) -> int:
         """Free bytes on the fullest nvme path (shards stripe evenly across the paths)."""
         return free_disk_bytes(self.config.tiering.nvme_path)
-
-
-def _check_pools(
-    tiers: Tiers, mem: MemoryModel, why: str, config: Config, given: list[str]
-) -> None:
-    """Refuse a pool whose budget (less what torch takes beside it) is below the memory model's
-    figure, naming the tier as the user knows it (on the CPU device the host budget is all host
-    memory), the piece size and prefetch depth it was counted at (resolved in `config`: the
-    least tierzero chooses unless `given` or the batch is the reason), and the fixes left."""
-    streaming = Streaming(config.streaming.piece_numel, config.streaming.prefetch_depth)
-    least = not given and not why and streaming == ladder()[-1]
-    budgets = {
-        Tier.HOST: (tiers.host_budget, "--host-budget"),
-        Tier.GPU: (tiers.gpu_budget, "--gpu-budget"),
-    }
-    for tier, (budget, flag) in budgets.items():
-        need = mem.tiers[tier].pool_bytes
-        if need > budget:
-            total = tiers.total_budgets[tier]
-            at = (
-                f"even with {streaming.describe()}, the least tierzero chooses"
-                if least
-                else f"with {streaming.describe()}"
-            )
-            lower = (", use smaller batches" if why else "") + (
-                f", lower {' or '.join(given)} (or leave it unset)" if given else ""
-            )
-            raise ConfigError(
-                f"the {tier.value} budget of {total / 1e6:.1f} MB{_cpu_note(mem, tier)} is too small: "
-                f"this model and placement{why} need at least {(total - budget + need) / 1e6:.1f} MB "
-                f"of {_tier_name(tier, torch.device(mem.device))} {at} ({_breakdown(mem, tier)}); "
-                f"raise {flag}{lower} or offload more state"
-            )
-
-
-def _cpu_note(mem: MemoryModel, tier: Tier) -> str:
-    return (
-        " (on the CPU device, the compute device's share of host memory)"
-        if mem.device == "cpu" and tier is Tier.GPU
-        else ""
-    )
-
-
-def _tier_name(tier: Tier, device: torch.device) -> str:
-    """A budget's tier as the user knows it: on the CPU device the host budget is all host memory."""
-    return "host memory" if device.type == "cpu" and tier is Tier.HOST else f"{tier.value} memory"
 
 
 def _fits(mem: MemoryModel, budgets: dict[Tier, int]) -> bool:
@@ -464,23 +417,6 @@ def _unpooled(mem: MemoryModel) -> dict[Tier, int]:
         Tier.GPU: mem.tiers[Tier.GPU].unpooled_bytes,
         Tier.HOST: mem.tiers[Tier.HOST].unpooled_bytes,
     }
-
-
-def _breakdown(mem: MemoryModel, tier: Tier) -> str:
-    if (
-        tier is Tier.HOST and mem.device == "cpu"
-    ):  # both pools and torch's allocations, each phase named once
-        peak = mem.host_memory
-
-        def parts(named: dict[str, int]) -> str:
-            return " + ".join(f"{k} {format_bytes(n)}" for k, n in named.items() if n) or "nothing"
-
-        return (
-            f"host memory {format_bytes(peak.peak_bytes)} = homes {format_bytes(peak.homes_bytes)} + pools "
-            f"({peak.pooled_phase}) {parts(peak.pooled)} + torch ({peak.unpooled_phase}) {parts(peak.unpooled)}"
-        )
-    peak = mem.host_memory if tier is Tier.HOST else mem.tiers[tier]
-    return peak.breakdown()
 
 
 def resolve_overlap(config: Config, fp16: bool) -> bool:

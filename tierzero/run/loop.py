@@ -148,7 +148,7 @@ def train_loop(
             record = {
                 "step": step + 1,
                 "loss": loss,
-                "lr": lr_at(step, run.engine.optimizer),
+                "lr": lr_at(step, run.engine.opened.optimizer),
                 "tokens_per_s": tokens_per_step / dt,
                 "step_s": dt,
                 "wall_s": time.perf_counter() - start,

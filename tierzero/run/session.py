@@ -207,7 +207,7 @@ def open_session(run: RunConfig, ranks: Ranks = Ranks()) -> Iterator[Session]:
         from tierzero.engine import Engine
 
         trainer = Engine(model.on_meta(), cfg, weights=model.engine_weights)
-        text = trainer.placement.describe()
+        text = trainer.parts.layout.placement.describe()
     try:
         yield Session(run, trainer, batches, model, str(device), dtype.value, text, fitted, samples)
     finally:

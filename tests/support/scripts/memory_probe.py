@@ -93,8 +93,8 @@ def run(case: dict, root: Path) -> dict:
     engine = Engine(models.build(args, device="meta"), cfg)
     try:
         engine.train_step(batch)  # opens the engine, reserves the activations
-        engine.tiers.host_pool.reset_peak()
-        engine.tiers.device_pool.reset_peak()
+        engine.parts.tiers.host_pool.reset_peak()
+        engine.parts.tiers.device_pool.reset_peak()
         reset_hwm()
         for _ in range(steps):
             engine.train_step(batch)

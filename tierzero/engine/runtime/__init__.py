@@ -1,1 +1,2 @@
-"""The engine's runtime: tiers and streams, the swap runner, batch staging, shards, unit execution, transfer stats."""
+"""The engine's runtime: tiers and streams, the swap runner, batch staging, shards, unit execution,
+transfer stats."""

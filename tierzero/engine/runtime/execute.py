@@ -1,14 +1,15 @@
 """Checkpointed unit execution: gather -> compute -> release, and recompute in backward.
 
-Each unit's entry point is wrapped (a block's or the embedding's `forward`, the model's
-`head_out`); a unit that uses another's weights (a head tied to the embedding) binds both. In a training forward the block runs under `no_grad` with
-its parameters bound as views into the gathered flat `param` buffer, and only its input is
-kept. In backward the unit is gathered again, recomputed with grad (under the autocast state
-the forward ran with and the same seeded RNG draws, `tierzero.models.draws`) against fresh leaf views of the flat buffer, and backpropagated; the parameters' gradients are packed into one flat fp32
-tensor, which goes to `on_grad`. Module code is unchanged: it reads `self.weight` as usual.
-A unit in `UnitRunner.kept` (`tierzero.planning.recompute`) runs its forward once, with grad,
-and keeps that graph until its backward instead (`_KeptGraph`).
-"""
+Each unit's entry point is wrapped (a block's or the embedding's `forward`, the model's `head_out`);
+a unit that uses another's weights (a head tied to the embedding) binds both. In a training forward
+the block runs under `no_grad` with its parameters bound as views into the gathered flat `param`
+buffer, and only its input is kept. In backward the unit is gathered again, recomputed with grad
+(under the autocast state the forward ran with and the same seeded RNG draws,
+`tierzero.models.draws`) against fresh leaf views of the flat buffer, and backpropagated; the
+parameters' gradients are packed into one flat fp32 tensor, which goes to `on_grad`. Module code is
+unchanged: it reads `self.weight` as usual. A unit in `UnitRunner.kept`
+(`tierzero.planning.recompute`) runs its forward once, with grad, and keeps that graph until its
+backward instead (`_KeptGraph`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """`OpenParts`: what `Engine.open` builds over the engine's parts once their tiers are open.
 
 The swap plans and their swap runner, the grad shards, the optimizer, the unit runner (installed
-on the model's entry points) and the batch staging. Each is made from `EngineParts` alone, in
-the order they need one another: the runner reads params through the swap runner and hands
-grads to the grad shards; the optimizer tells the swap runner of each device param write.
+on the model's entry points) and the batch staging. Each is made from the collaborators it
+names (the rank's layout, the tiers, a config section), in the order they need one another: the
+runner reads params through the swap runner and hands grads to the grad shards; the optimizer
+tells the swap runner of each device param write.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tierzero.engine.runtime.batch import BatchStaging
 from tierzero.engine.runtime.binding import place_buffers
 from tierzero.engine.runtime.execute import UnitRunner
 from tierzero.engine.runtime.swaprunner import SwapRunner
+from tierzero.engine.step.gradnorms import GradNorms
 from tierzero.engine.step.grads import GradShards
 from tierzero.engine.step.optim import ShardOptimizer
 from tierzero.layout.partition import forward_only
@@ -39,8 +41,9 @@ class OpenParts:
 
 
 def open_parts(parts: EngineParts, fill: Callable[[], None]) -> OpenParts:
-    """Open `parts`' tiers, `fill` them (`Shards.materialise`, or a checkpoint's restore) and build
-    the runtime over them: grad homes allocated, the runner installed. Closes the tiers on failure."""
+    """Open `parts`' tiers, `fill` them (`Shards.materialise`, or a checkpoint's restore) and
+    build the runtime over them: grad homes allocated, the runner installed. Closes the tiers
+    on failure."""
     if parts.device.type == "cuda":
         # The training thread's current device is the engine's, as it is on autograd's
         # thread for it: torch code that uses the current device (an optimizer's
@@ -57,29 +60,40 @@ def open_parts(parts: EngineParts, fill: Callable[[], None]) -> OpenParts:
 
 
 def _build(parts: EngineParts) -> OpenParts:
-    config, units = parts.config, parts.units
-    swap_runner = SwapRunner(parts)
-    grads = GradShards(parts)
+    """Each part from the collaborators it names, in the order they need one another."""
+    config, layout, tiers = parts.config, parts.layout, parts.tiers
+    swap_runner = SwapRunner(layout, tiers, parts.shards)
+    clips = config.optimizer.clip_grad_norm is not None
+    fp16 = parts.counters.scaler.enabled
+    norms = GradNorms(layout.comm, layout.piece_numel, tiers.device, clips, fp16)
+    grads = GradShards(layout, tiers, norms, config.partitioning.overlap_comm)
     grads.allocate()
-    optimizer = ShardOptimizer(parts, swap_runner.written)
+    optimizer = ShardOptimizer(
+        layout,
+        tiers,
+        config.optimizer,
+        parts.shards.formats,
+        config.seed,
+        config.streaming.prefetch_depth,
+        swap_runner.written,
+    )
+    units = layout.units
     runner = UnitRunner(
         units,
         swap_runner.acquire,
         swap_runner.release,
         grads.offload,
-        parts.dtype,
+        layout.dtype,
         parts.device,
         forward_only(units),
         config.seed,
     )
     runner.install()
-    replicated = parts.comm.world_size == 1 or parts.stage <= 2  # nothing to gather
+    replicated = layout.comm.world_size == 1 or layout.stage <= 2  # nothing to gather
     plans = swap_plans(
         units,
         config.streaming.prefetch_depth,
         None if replicated else int(config.partitioning.overlap_comm),
         config.execution.accumulate,
     )
-    return OpenParts(
-        swap_runner, grads, optimizer, runner, BatchStaging(parts.tiers.streams), *plans
-    )
+    return OpenParts(swap_runner, grads, optimizer, runner, BatchStaging(tiers.streams), *plans)

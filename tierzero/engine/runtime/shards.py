@@ -96,7 +96,8 @@ class Shards:
         )
 
     def read_key(self, kind: StateKind, key: str, out: torch.Tensor) -> None:
-        """Fill the CPU tensor `out` from one stored key of `kind` (verified where stored on disk)."""
+        """Fill the CPU tensor `out` from one stored key of `kind` (verified where stored on
+        disk)."""
         store = self.tiers.stores[self.placement.home(kind)]
         if store.capabilities.zero_copy:
             out.copy_(store.view(key))

@@ -1,17 +1,17 @@
 """Streams, events and copies: the one interface the engine's copy pipeline is written against.
 
-Six streams per compute device: `compute` (the current stream of the thread issuing compute),
-`h2d` (param fetches host -> device, nothing else, so a prefetch never queues behind a write),
-`h2d_write` (the optimizer's writes into device homes and earlier micro-batches' grad sums
-coming back), `h2d_act` (batches, and the vertical schedule's waiting activations coming back), `d2h`
-(grads device -> host) and `comm`, current while collectives are
-issued ahead of their use (NCCL runs them on its own stream, ordered after what the issuing
-stream has queued: `comm` waits only for the events the collective needs, never for compute). Every cross-stream dependency is an
-event: a copy waits only for the event that frees its destination (its buffer's release, or the
-compute event that produced its source), compute waits for a copy's event before it reads the
-destination, and host code waits (`host_wait`) for a D2H copy's event before it reads the
-piece. Nothing here synchronises a whole stream or device. Host waits go to one waiter thread
-per stream (`lane`), so a wait for a d2h copy never sits behind one for an h2d copy.
+Six streams per compute device: `compute` (the current stream of the thread issuing compute), `h2d`
+(param fetches host -> device, nothing else, so a prefetch never queues behind a write), `h2d_write`
+(the optimizer's writes into device homes and earlier micro-batches' grad sums coming back),
+`h2d_act` (batches, and the vertical schedule's waiting activations coming back), `d2h` (grads
+device -> host) and `comm`, current while collectives are issued ahead of their use (NCCL runs them
+on its own stream, ordered after what the issuing stream has queued: `comm` waits only for the
+events the collective needs, never for compute). Every cross-stream dependency is an event: a copy
+waits only for the event that frees its destination (its buffer's release, or the compute event that
+produced its source), compute waits for a copy's event before it reads the destination, and host
+code waits (`host_wait`) for a D2H copy's event before it reads the piece. Nothing here synchronises
+a whole stream or device. Host waits go to one waiter thread per stream (`lane`), so a wait for a
+d2h copy never sits behind one for an h2d copy.
 
 `CudaStreams` runs this on a GPU, every call bound to its device (`cuda:k`), so work issued from
 the I/O loop's threads never lands on the thread's current device (cuda:0) or creates a stray

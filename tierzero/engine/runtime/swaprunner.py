@@ -12,12 +12,11 @@ for it there (with a fetch depth of 2 it was issued a use earlier). The gather t
 compute: on gloo's threads, or on NCCL's own stream on a GPU, after the shard's copy event and
 the optimizer's last write of it (params homed on the device are read in place) only.
 
-Copies run on the h2d stream (`tierzero.engine.runtime.streams`): a copy into a device buffer waits only for
-that buffer's release event (recorded on the compute stream when the unit that last read it
-was released), compute waits for the copy's event before it reads, and a staging buffer goes
-back to the host pool once its copy's event has happened. An nvme read hands its copy to the
-h2d stream from the I/O thread the moment it lands.
-"""
+Copies run on the h2d stream (`tierzero.engine.runtime.streams`): a copy into a device buffer waits
+only for that buffer's release event (recorded on the compute stream when the unit that last read it
+was released), compute waits for the copy's event before it reads, and a staging buffer goes back to
+the host pool once its copy's event has happened. An nvme read hands its copy to the h2d stream from
+the I/O thread the moment it lands."""
 
 from __future__ import annotations
 
@@ -31,8 +30,10 @@ import torch
 
 from tierzero.config import StateKind, Tier
 from tierzero.distributed.comm import InFlight
-from tierzero.engine.parts import EngineParts
+from tierzero.engine.runtime.layout import RankLayout
+from tierzero.engine.runtime.shards import Shards
 from tierzero.engine.runtime.streams import Event, Streams
+from tierzero.engine.runtime.tiers import Tiers
 from tierzero.errors import TierzeroError
 from tierzero.layout.keys import shard_key
 from tierzero.models.nf4_shard import CodedShard
@@ -42,7 +43,8 @@ from tierzero.storage.base import BudgetExceededError, TierStore
 
 
 class ShardStatus(str, enum.Enum):
-    """Where a param shard is on its way to the compute device (DeepSpeed's per-partition status)."""
+    """Where a param shard is on its way to the compute device (DeepSpeed's per-partition
+    status)."""
 
     NOT_AVAILABLE = "not_available"
     IN_FLIGHT = "in_flight"  # a fetch is issued: an nvme read and/or a host->device copy
@@ -73,10 +75,12 @@ class ParamShard:
 class SwapRunner:
     """Executes a swap plan over the tiers, counting bytes moved and time spent waiting."""
 
-    def __init__(self, parts: EngineParts) -> None:
-        self.parts = parts  # params on nvme are stored per piece (`parts.piece_numel`: the optimizer writes them so)
-        self.tiers, self.streams, self.comm = parts.tiers, parts.tiers.streams, parts.comm
-        self.records = {u.index: ParamShard(u.index, parts.placement.param) for u in parts.units}
+    def __init__(self, layout: RankLayout, tiers: Tiers, shards: Shards) -> None:
+        """Params on nvme are stored per piece (`layout.piece_numel`: the optimizer writes them
+        so); `shards` names their keys and holds an NF4 base's coded shards."""
+        self.layout, self.shards, self.transfers = layout, shards, tiers.stats
+        self.tiers, self.streams, self.comm = tiers, tiers.streams, layout.comm
+        self.records = {u.index: ParamShard(u.index, layout.placement.param) for u in layout.units}
         self.plan: SwapPlan | None = None
         self._cursor = 0
 
@@ -92,13 +96,13 @@ class SwapRunner:
         gathered = record.gathered.popleft() if record.gathered else None
         self._run_until(Op.COMPUTE, unit)  # the next use's gathers, beside this compute
         if (
-            self.comm.world_size == 1 or self.parts.units[unit].replicated
+            self.comm.world_size == 1 or self.layout.units[unit].replicated
         ):  # the whole unit is stored here
             return self._shard(unit)
         assert gathered is not None, (
             f"the swap plan lists no gather of unit {unit} before its compute"
         )
-        with self.parts.transfers.waiting():
+        with self.transfers.waiting():
             full = gathered.wait()  # sync point: the host on gloo, the compute stream on NCCL
         self.streams.keep_alive(full, self.streams.compute)
         return full
@@ -135,7 +139,7 @@ class SwapRunner:
                 record.future.exception()  # let the read finish before its buffer goes back
                 # the read may have failed: its cache entry must not be served later
                 self.tiers.host_pool.cache_drop(
-                    shard_key(StateKind.PARAM, record.unit, self.parts.rank)
+                    shard_key(StateKind.PARAM, record.unit, self.layout.rank)
                 )
             self._drop(record)
         self.plan = None
@@ -192,10 +196,10 @@ class SwapRunner:
         buffer the pools do not have now fails the fetch instead of waiting for a transfer."""
         if record.status is not ShardStatus.NOT_AVAILABLE:
             return
-        unit = self.parts.units[record.unit]
-        key = shard_key(StateKind.PARAM, unit.index, self.parts.rank)
-        coded = self.parts.shards.coded.get(unit.index)
-        itemsize = self.parts.dtype.itemsize
+        unit = self.layout.units[record.unit]
+        key = shard_key(StateKind.PARAM, unit.index, self.layout.rank)
+        coded = self.shards.coded.get(unit.index)
+        itemsize = self.layout.dtype.itemsize
         nbytes = unit.param_numel * itemsize if coded is None else coded.stored_nbytes
         if record.home is Tier.GPU:
             # resident in the device store: a view, no copy, read once the step's write is done
@@ -209,13 +213,13 @@ class SwapRunner:
         ready = self.tiers.device_pool.take_ready(buf)
         if ready is None:
             ready = self.streams.record(self.streams.compute)
-        record.device_buf = buf.view(self.parts.dtype)
+        record.device_buf = buf.view(self.layout.dtype)
         record.status = ShardStatus.IN_FLIGHT
         # an NF4 base lands coded in the buffer's tail, decoded in place at the unit's wait
         landing = record.device_buf if coded is None else coded.tail(record.device_buf)
         record.coded = coded
         if record.home is Tier.HOST:
-            self.parts.transfers.add_bytes(Link.HOST_TO_GPU, nbytes)
+            self.transfers.add_bytes(Link.HOST_TO_GPU, nbytes)
             record.event = self.streams.copy(
                 landing, self.tiers.stores[Tier.HOST].view(key), self.streams.h2d, after=ready
             )
@@ -224,23 +228,23 @@ class SwapRunner:
         if (
             cached is not None
         ):  # still in RAM since its last use (backward replays forward reversed)
-            record.staging = cached.view(self.parts.dtype)
+            record.staging = cached.view(self.layout.dtype)
             record.event = self.streams.copy(landing, record.staging, self.streams.h2d, after=ready)
-            self.parts.transfers.add_bytes(Link.HOST_TO_GPU, nbytes)
-            self.parts.transfers.add_cache_hit(nbytes)
+            self.transfers.add_bytes(Link.HOST_TO_GPU, nbytes)
+            self.transfers.add_cache_hit(nbytes)
             return
         # (a failed look-ahead lease leaves `device_buf` to `_drop`, which gives it back)
-        record.staging = self.tiers.lease_host(nbytes, wait).view(self.parts.dtype)
-        self.parts.transfers.add_bytes(Link.HOST_TO_GPU, nbytes)
+        record.staging = self.tiers.lease_host(nbytes, wait).view(self.layout.dtype)
+        self.transfers.add_bytes(Link.HOST_TO_GPU, nbytes)
         # cached from now on: the pool evicts it (least recently used first) when space is short
         self.tiers.host_pool.cache_put(key, record.staging.view(torch.uint8))
-        keys = self.parts.shards.keys(StateKind.PARAM, unit)
+        keys = self.shards.keys(StateKind.PARAM, unit)
         record.future = self.tiers.submit(
             _read_then_copy(
                 self.tiers.stores[Tier.NVME], keys, record.staging, self.streams, landing, ready
             )
         )
-        self.parts.transfers.add_bytes(Link.NVME_TO_HOST, nbytes)
+        self.transfers.add_bytes(Link.NVME_TO_HOST, nbytes)
 
     def _land(self, record: ParamShard) -> None:
         """Take the copy event of an nvme read (its I/O thread issued the copy as it landed)."""
@@ -250,7 +254,7 @@ class SwapRunner:
             record.event = future.result()  # sync point when the read is still in flight
         except BaseException:
             self.tiers.host_pool.cache_drop(
-                shard_key(StateKind.PARAM, record.unit, self.parts.rank)
+                shard_key(StateKind.PARAM, record.unit, self.layout.rank)
             )
             raise
 
@@ -262,7 +266,7 @@ class SwapRunner:
         ):  # its look-ahead fetch did not fit the budget
             self._fetch(record)
         if record.future is not None:
-            with self.parts.transfers.waiting():
+            with self.transfers.waiting():
                 self._land(record)
         # the compute stream waits on the GPU; the CPU does not block here
         self.streams.wait(self.streams.compute, record.event)
@@ -308,7 +312,7 @@ class SwapRunner:
         record = self.records[unit]
         if record.home is Tier.GPU:
             return self.tiers.stores[Tier.GPU].view(
-                shard_key(StateKind.PARAM, unit, self.parts.rank)
+                shard_key(StateKind.PARAM, unit, self.layout.rank)
             )
         assert record.device_buf is not None
         return record.device_buf

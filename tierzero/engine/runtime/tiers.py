@@ -265,8 +265,8 @@ class Tiers:
             flushing.result()
 
     def when_done(self, event: streams_mod.Event) -> concurrent.futures.Future:
-        """A future that completes once the stream event `event` has happened: the I/O loop's
-        waiter waits for it, so the training thread hands buffers back through `pending` unblocked."""
+        """A future that completes once the stream event `event` has happened: the I/O loop's waiter
+        waits for it, so the training thread hands buffers back through `pending` unblocked."""
         assert self.streams is not None
         if self.streams.query(event):
             done: concurrent.futures.Future = concurrent.futures.Future()
@@ -275,7 +275,8 @@ class Tiers:
         return self.submit(self.landed(event))
 
     def give_back_when_done(self, event: streams_mod.Event, buf: torch.Tensor) -> None:
-        """Return the leased host buffer `buf` to its pool once the copy done at `event` has happened."""
+        """Return the leased host buffer `buf` to its pool once the copy done at `event` has
+        happened."""
         staged = buf.view(torch.uint8)
         self.pending.add(self.when_done(event), lambda ok: self.host_pool.give_back(staged))
 
@@ -380,7 +381,8 @@ def _check_nvme_path(path: Path) -> None:
 
 
 def _probe_nvme_path(path: Path) -> None:
-    """Create the directory and write and remove a file there: the proof `_check_nvme_path` can't give."""
+    """Create the directory and write and remove a file there: the proof `_check_nvme_path` can't
+    give."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = (

@@ -1,1 +1,2 @@
-"""The optimizer step: grad shards, the sharded optimizer, kept generations, param steps and sync, backward facts, step state."""
+"""The optimizer step: grad shards, the sharded optimizer, kept generations, param steps and sync,
+backward facts, step state."""

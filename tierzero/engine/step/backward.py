@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierzero.config import Config
+from tierzero.config import OptimizerSettings
 from tierzero.engine.gathered import UnitGrad
 from tierzero.engine.step.optim import ShardOptimizer
 from tierzero.engine.step.restep import KeptGeneration
@@ -42,23 +42,21 @@ class StepInBackward:
     def for_step(
         optimizer: ShardOptimizer,
         units: list[Unit],
-        config: Config,
+        settings: OptimizerSettings,
         state: StepState,
         runs: Callable[[Unit], list[Run]],
     ) -> StepInBackward:
         """The step of `state`'s step count; it marks the step as taken in backward."""
         coef = None  # clip_previous_norm: the first step is not clipped
-        if config.optimizer.clip_grad_norm is not None and not config.optimizer.clip_previous_norm:
+        if settings.clip_grad_norm is not None and not settings.clip_previous_norm:
             # exact: stepped unclipped, re-stepped from what is kept if the clip fires
             optimizer.kept = KeptGeneration.begin(optimizer.placement, optimizer.tiers.stores)
-        elif config.optimizer.clip_grad_norm is not None and state.previous_norm is not None:
+        elif settings.clip_grad_norm is not None and state.previous_norm is not None:
             # a host float from the host copy of the norm: no device sync in backward, and
             # no device tensor for each CPU piece's step to copy to the host
-            coef = clip_coefficient(state.previous_norm, config.optimizer.clip_grad_norm).item()
+            coef = clip_coefficient(state.previous_norm, settings.clip_grad_norm).item()
         state.stepped_in_backward = True
-        return StepInBackward(
-            optimizer, units, lr_at(state.step_count, config.optimizer), coef, runs
-        )
+        return StepInBackward(optimizer, units, lr_at(state.step_count, settings), coef, runs)
 
     def unit_starting(self, unit: int) -> None:
         """Read the states of this unit and the next one in backward order ahead of their grads."""

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import torch
 
-from tierzero.engine.parts import EngineParts
+from tierzero.distributed.comm import Comm
 from tierzero.layout.partition import Unit, piece_ranges
 
 
 class GradNorms:
-    def __init__(self, parts: EngineParts) -> None:
-        self.comm, self.piece_numel, self.device = parts.comm, parts.piece_numel, parts.tiers.device
-        self.want_norms = parts.config.optimizer.clip_grad_norm is not None  # clipping needs them
-        self.want_finite = parts.scaler.enabled  # fp16 needs the overflow check
+    def __init__(
+        self, comm: Comm, piece_numel: int, device: torch.device, clips: bool, fp16: bool
+    ) -> None:
+        """Norms are measured only where the step `clips`, finiteness only where it is `fp16`
+        (the loss scaler's overflow check)."""
+        self.comm, self.piece_numel, self.device = comm, piece_numel, device
+        self.want_norms = clips
+        self.want_finite = fp16
         self.norms: dict[
             str, torch.Tensor
         ] = {}  # param name -> 2-norm (one rank) of its grad, on the device

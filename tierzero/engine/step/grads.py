@@ -1,14 +1,14 @@
 """Gradient shards: reduce, unscale, accumulate in their home tier, and measure.
 
-A unit's flat gradient arrives from backward in the compute dtype, with the slots that got
-one (`present`: the others are zeros, and the optimizer skips them as torch's AdamW skips a
-parameter whose grad is None). It becomes fp32, is reduce-scattered to this rank's shard
-(its trainable prefix: frozen parameters have no grad) and unscaled (fp16); later
-micro-batches of the step add what the earlier ones stored, piece by piece (a resident buffer for `gpu`/`host`, a staged read for
-`nvme`, issued a unit ahead in the order micro-batch 0 accumulated the units, so autograd's
-thread finds the earlier sum landed instead of reading it). On the last micro-batch the accumulated shard's norms and its finiteness are
-recorded, so clipping and overflow checks need no second pass, and with overlap_step the
-shard goes straight to the optimizer; otherwise each piece is stored in its home.
+A unit's flat gradient arrives from backward in the compute dtype, with the slots that got one
+(`present`: the others are zeros, and the optimizer skips them as torch's AdamW skips a parameter
+whose grad is None). It becomes fp32, is reduce-scattered to this rank's shard (its trainable
+prefix: frozen parameters have no grad) and unscaled (fp16); later micro-batches of the step add
+what the earlier ones stored, piece by piece (a resident buffer for `gpu`/`host`, a staged read for
+`nvme`, issued a unit ahead in the order micro-batch 0 accumulated the units, so autograd's thread
+finds the earlier sum landed instead of reading it). On the last micro-batch the accumulated shard's
+norms and its finiteness are recorded, so clipping and overflow checks need no second pass, and with
+overlap_step the shard goes straight to the optimizer; otherwise each piece is stored in its home.
 
 The grad home holds the planned grad dtype (`planning.statebytes.grad_dtype`): fp32 wherever
 micro-batches are added into it; with bf16 compute and nothing to add (one micro-batch per
@@ -16,10 +16,10 @@ step, or the vertical schedule's sums) bf16. The final fp32 shard is then rounde
 nearest bf16 in place on the device, so what is measured, stepped in place and sent off the
 device (cast in the copy, exactly: half the bytes) is one value.
 
-Pieces leave the device on the d2h stream (`tierzero.engine.runtime.streams`), each copy waiting for the
-compute event that finished its shard; nothing in backward waits for the device. Host code
-reads a host-homed piece only after its copy's event (`settle`), an nvme write is issued by an
-I/O thread after it, and earlier micro-batches' sums come back on the h2d_write stream.
+Pieces leave the device on the d2h stream (`tierzero.engine.runtime.streams`), each copy waiting for
+the compute event that finished its shard; nothing in backward waits for the device. Host code reads
+a host-homed piece only after its copy's event (`settle`), an nvme write is issued by an I/O thread
+after it, and earlier micro-batches' sums come back on the h2d_write stream.
 
 With several ranks and `overlap`, a unit's reduce-scatter is started when its backward ends
 and finished when the next unit's does (`offload` of the next, or `flush` at the end of
@@ -42,8 +42,9 @@ import torch
 
 from tierzero.config import StateKind, Tier
 from tierzero.distributed.comm import InFlight
-from tierzero.engine.parts import EngineParts
+from tierzero.engine.runtime.layout import RankLayout
 from tierzero.engine.runtime.streams import Event
+from tierzero.engine.runtime.tiers import Tiers
 from tierzero.engine.step.backward import BackwardPass
 from tierzero.engine.step.gradio import read_after_write, write_when_landed
 from tierzero.engine.step.gradnorms import GradNorms
@@ -55,23 +56,24 @@ from tierzero.storage.base import BudgetExceededError
 
 
 class GradShards:
-    def __init__(self, parts: EngineParts) -> None:
-        self.parts = parts
-        self.tiers, self.home, self.comm = parts.tiers, parts.placement.grad, parts.comm
-        self.uses = grad_uses(
-            parts.units
-        )  # contributions per unit per backward (a tied embedding gets two)
+    def __init__(
+        self, layout: RankLayout, tiers: Tiers, norms: GradNorms, overlap_comm: bool
+    ) -> None:
+        """`norms`: what each micro-batch's final shards are measured for; `overlap_comm`:
+        several ranks reduce a unit beside the next one's backward."""
+        self.layout, self.transfers = layout, tiers.stats
+        self.tiers, self.home, self.comm = tiers, layout.placement.grad, layout.comm
+        # contributions per unit per backward (a tied embedding gets two)
+        self.uses = grad_uses(layout.units)
         self.seen: dict[int, int] = {}  # contributions so far in this backward
-        self.dtype = parts.grad_dtype  # what the home stores; only fp32 is ever added to
+        self.dtype = layout.grad_dtype  # what the home stores; only fp32 is ever added to
         self.present: dict[int, set[int]] = {}  # unit -> its slots that got a grad in this step
         self.pass_ = BackwardPass()  # the backward in progress (`running`)
-        self.measured = GradNorms(parts)  # the last micro-batch's norms and finiteness
-        several = parts.comm.world_size > 1
-        self.overlap = (
-            parts.config.partitioning.overlap_comm and several
-        )  # a unit's reduction runs beside the next one's backward
+        self.measured = norms  # the last micro-batch's norms and finiteness
+        several = layout.comm.world_size > 1
+        self.overlap = overlap_comm and several
         self._reducing: tuple[int, InFlight] | None = None
-        self.full_until_last = parts.stage == 1 and several  # stage 1: see the module docstring
+        self.full_until_last = layout.stage == 1 and several  # stage 1: see the module docstring
         self._full_held: set[int] = (
             set()
         )  # units whose `grad_full` pieces hold this step's earlier sum
@@ -89,7 +91,7 @@ class GradShards:
         self._ahead: dict[
             str, tuple[concurrent.futures.Future, torch.Tensor]
         ] = {}  # nvme key -> read, stage
-        self.streams = parts.tiers.streams
+        self.streams = tiers.streams
 
     @contextlib.contextmanager
     def running(self, pass_: BackwardPass) -> Iterator[None]:
@@ -117,7 +119,7 @@ class GradShards:
         """Start reducing one unit's gradient over the ranks; with `overlap`, accumulate the
         previous unit's, whose reduction ran while this unit's backward computed (the last
         one's at `flush`)."""
-        u = self.parts.units[unit]
+        u = self.layout.units[unit]
         extra = self.pass_.extra.pop(unit, None)
         if (
             extra is not None
@@ -154,7 +156,7 @@ class GradShards:
         if self._reducing is None:
             return
         (unit, reducing), self._reducing = self._reducing, None
-        with self.parts.transfers.waiting():
+        with self.transfers.waiting():
             shard = reducing.wait()  # sync point: the host on gloo, the compute stream on NCCL
         self._accumulate(unit, shard)
 
@@ -168,8 +170,9 @@ class GradShards:
                 pass  # a lost rank: the caller's error already stops the step
 
     def _accumulate(self, unit: int, shard: torch.Tensor) -> None:
-        """Accumulate one unit's reduced shard into its home (and measure it on the last micro-batch)."""
-        u = self.parts.units[unit]
+        """Accumulate one unit's reduced shard into its home (and measure it on the last
+        micro-batch)."""
+        u = self.layout.units[unit]
         self.seen[unit] = self.seen.get(unit, 0) + 1
         grad = shard[: u.state_numel(self.comm.rank)]
         if self.pass_.inv_scale != 1.0:
@@ -181,7 +184,7 @@ class GradShards:
             grad = self._combine_uses(unit, grad)
             if grad is None:
                 return
-        keys = state_keys(StateKind.GRAD, u, self.comm.rank, self.parts.piece_numel, self.home)
+        keys = state_keys(StateKind.GRAD, u, self.comm.rank, self.layout.piece_numel, self.home)
         # earlier micro-batches' sum, piece by piece (prev + new: addition commutes); stage 1
         # summed them before the reduction
         assert self.pass_.last or self.dtype == torch.float32, "only fp32 grads are added to"
@@ -213,14 +216,14 @@ class GradShards:
         """Stage 1: this rank's pieces of `unit`'s whole trainable gradient (flat offsets)."""
         return [
             (f"grad_full/u{unit.index:04d}/r{self.comm.rank}/p{i:04d}", a, b)
-            for i, (a, b) in enumerate(piece_ranges(unit.trainable_numel, self.parts.piece_numel))
+            for i, (a, b) in enumerate(piece_ranges(unit.trainable_numel, self.layout.piece_numel))
         ]
 
     def allocate(self) -> None:
         """Stage 1 with the grad home in memory: make room for the whole gradients there."""
         if self.full_until_last and self.home is not Tier.NVME:
             store = self.tiers.stores[self.home]
-            for unit in self.parts.units:
+            for unit in self.layout.units:
                 for key, a, b in self.full_keys(unit):
                     self.tiers.run(store.write(key, torch.zeros(b - a, dtype=torch.float32)))
 
@@ -249,24 +252,25 @@ class GradShards:
             )
         read, stage = ahead
         try:
-            with self.parts.transfers.waiting():
+            with self.transfers.waiting():
                 read.result()  # issued a unit ahead: normally landed already
         except BaseException:
             self.tiers.host_pool.give_back(stage.view(torch.uint8))
             raise
-        self.parts.transfers.add_bytes(Link.NVME_TO_HOST, part.numel() * 4)
+        self.transfers.add_bytes(Link.NVME_TO_HOST, part.numel() * 4)
         self._add_from_host(part, stage, after=None, stage=stage)
 
     def _read_ahead(self, unit: int) -> None:
         """Start reading `unit`'s earlier micro-batches' grad pieces from nvme into leased host
-        buffers, as far as the pool has room without waiting (what it has not is read when needed)."""
+        buffers, as far as the pool has room without waiting (what it has not is read when
+        needed)."""
         if self.home is not Tier.NVME or self.pass_.micro == 0:
             return
         for key, a, b in state_keys(
             StateKind.GRAD,
-            self.parts.units[unit],
+            self.layout.units[unit],
             self.comm.rank,
-            self.parts.piece_numel,
+            self.layout.piece_numel,
             self.home,
         ):
             if key in self._ahead:
@@ -308,7 +312,7 @@ class GradShards:
         copied = s.copy(prev, host, s.h2d_write, after=after)
         s.keep_alive(prev, s.compute)
         s.wait(s.compute, copied)
-        self.parts.transfers.add_bytes(Link.HOST_TO_GPU, part.numel() * 4)
+        self.transfers.add_bytes(Link.HOST_TO_GPU, part.numel() * 4)
         part.add_(prev)
         if stage is not None:
             self.tiers.give_back_when_done(copied, stage)
@@ -327,19 +331,19 @@ class GradShards:
                 self.tiers.stores[Tier.HOST].view(key), part, s.d2h, after=produced
             )
             s.keep_alive(part, s.d2h)
-            self.parts.transfers.add_bytes(Link.GPU_TO_HOST, nbytes)
+            self.transfers.add_bytes(Link.GPU_TO_HOST, nbytes)
             return
         stage = self.tiers.lease_host(nbytes).view(self.dtype)
         landed = s.copy(stage, part, s.d2h, after=produced)
         s.keep_alive(part, s.d2h)
-        self.parts.transfers.add_bytes(Link.GPU_TO_HOST, nbytes)
+        self.transfers.add_bytes(Link.GPU_TO_HOST, nbytes)
         future = self._writes[key] = self.tiers.submit(
             write_when_landed(self.tiers, landed, self.tiers.stores[Tier.NVME], key, stage)
         )
         self.tiers.pending.add(
             future, lambda ok: self.tiers.host_pool.give_back(stage.view(torch.uint8))
         )
-        self.parts.transfers.add_bytes(Link.HOST_TO_NVME, nbytes)
+        self.transfers.add_bytes(Link.HOST_TO_NVME, nbytes)
 
     def _combine_uses(self, unit: int, grad: torch.Tensor) -> torch.Tensor | None:
         """Stash this use's grad (plus earlier ones) in a host buffer; at the unit's last use
@@ -364,7 +368,7 @@ class GradShards:
         stage = self.tiers.lease_host(nbytes).view(torch.float32)
         self._stashed[unit] = stage, s.copy(stage, grad, s.d2h, after=s.record(s.compute))
         s.keep_alive(grad, s.d2h)
-        self.parts.transfers.add_bytes(Link.GPU_TO_HOST, nbytes)
+        self.transfers.add_bytes(Link.GPU_TO_HOST, nbytes)
         return None
 
     def _drop_stashed(self) -> None:

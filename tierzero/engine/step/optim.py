@@ -4,20 +4,19 @@ Grads, master weights and both moments are stored per *piece*: a fixed-size slic
 (`Config.piece_numel` elements), so the optimizer's working set is a few pieces whatever the unit's
 size -- a 128k-vocabulary embedding streams through the same buffers as a block. Per piece, a state
 whose home is a memory tier on the stepping device is used in place (zero copy); any other is read
-into a leased buffer, `prefetch_depth` pieces ahead, in its stored format (`tierzero.compact.formats`).
-After torch's AdamW updates the piece (elementwise, so stepping pieces is bitwise stepping the
-whole shard; compact master or moments: `tierzero.compact.step`), off-device states are
-written back and the new compute-dtype values go into the unit's param shard: in place where params
-live in memory, else as the param piece of the same range (`tierzero.engine.step.writeback`:
-with overlap_step no cast, copy or write runs on autograd's thread). The step runs on the
-compute device only when master and both moments live there. With overlap_step a piece's grad
-reaches the host on the d2h stream (`tierzero.engine.runtime.streams`) and its AdamW, on the optimizer's
-own thread (one OpenMP team, never the I/O workers'), waits for that copy's event. A host step
-never copies to or from device memory synchronously: states and new params homed on the device move
-on the d2h/h2d_write streams through pinned buffers, and the event of each param write goes to the
-scheduler, whose next pass reads the params after it. A device step runs on the compute stream,
-whichever thread issues it.
-"""
+into a leased buffer, `prefetch_depth` pieces ahead, in its stored format
+(`tierzero.compact.formats`). After torch's AdamW updates the piece (elementwise, so stepping pieces
+is bitwise stepping the whole shard; compact master or moments: `tierzero.compact.step`), off-device
+states are written back and the new compute-dtype values go into the unit's param shard: in place
+where params live in memory, else as the param piece of the same range
+(`tierzero.engine.step.writeback`: with overlap_step no cast, copy or write runs on autograd's
+thread). The step runs on the compute device only when master and both moments live there. With
+overlap_step a piece's grad reaches the host on the d2h stream (`tierzero.engine.runtime.streams`)
+and its AdamW, on the optimizer's own thread (one OpenMP team, never the I/O workers'), waits for
+that copy's event. A host step never copies to or from device memory synchronously: states and new
+params homed on the device move on the d2h/h2d_write streams through pinned buffers, and the event
+of each param write goes to the scheduler, whose next pass reads the params after it. A device step
+runs on the compute stream, whichever thread issues it."""
 
 from __future__ import annotations
 
@@ -31,10 +30,11 @@ import torch
 from tierzero.adamw import adamw_step
 from tierzero.compact.formats import StateFormats
 from tierzero.compact.step import CompactStep
-from tierzero.config import OPTIMIZER_KINDS, StateKind, Tier
-from tierzero.engine.parts import EngineParts
+from tierzero.config import OPTIMIZER_KINDS, OptimizerSettings, StateKind, Tier
 from tierzero.engine.runtime.busy import OPTIMIZER
+from tierzero.engine.runtime.layout import RankLayout
 from tierzero.engine.runtime.streams import Event
+from tierzero.engine.runtime.tiers import Tiers
 from tierzero.engine.step.restep import KeptGeneration
 from tierzero.engine.step.skipped import Run
 from tierzero.engine.step.work import Work
@@ -51,35 +51,42 @@ STEP_KINDS = (StateKind.GRAD, *OPTIMIZER_KINDS)  # what one piece's step reads
 class ShardOptimizer(PieceWrites):
     def __init__(
         self,
-        parts: EngineParts,
+        layout: RankLayout,
+        tiers: Tiers,
+        settings: OptimizerSettings,
+        formats: StateFormats,
+        seed: int,
+        prefetch_depth: int,
         param_written: Callable[[int, Event], None] = lambda unit, event: None,
     ) -> None:
-        tiers, placement, config, compute_dtype = (
-            parts.tiers,
-            parts.placement,
-            parts.config,
-            parts.dtype,
+        """`formats`: how master, moments and grads are stored (bf16 grads are upcast);
+        `seed`: the compact step's rounding draws; `prefetch_depth`: pieces read ahead;
+        `param_written`: each device param write's event (`SwapRunner.written`)."""
+        placement, compute_dtype = layout.placement, layout.dtype
+        self.units, self.tiers, self.placement, self.settings = (
+            layout.units,
+            tiers,
+            placement,
+            settings,
         )
-        self.units, self.tiers, self.placement, self.config = parts.units, tiers, placement, config
-        self.compute_dtype, self.rank, self.stats = compute_dtype, parts.rank, parts.transfers
-        self.param_written = param_written  # each device param write's event (`SwapRunner.written`)
+        self.compute_dtype, self.rank, self.stats = compute_dtype, layout.rank, tiers.stats
+        self.piece_numel, self.prefetch_depth = layout.piece_numel, prefetch_depth
+        self.param_written = param_written
         on_gpu = steps_on_gpu(placement)
         self.device = tiers.device if on_gpu else torch.device("cpu")
-        self.formats = StateFormats.of(
-            config.formats, parts.sizing.grad_dtype
-        )  # bf16 grads: upcast
+        self.formats = formats
         self.master_is_param = self.formats.master_is_param(compute_dtype)
         if self.master_is_param:  # the master is read where the params live (`_source`)
             self.placement = dataclasses.replace(placement, master=placement.param)
         # its scratch is allocated at its first step
-        self.compact = CompactStep(self.formats, config.optimizer, config.seed, self.device)
+        self.compact = CompactStep(formats, settings, seed, self.device)
         self._prefetched: dict[tuple[int, int], Work] = {}
         self.kept: KeptGeneration | None = None  # set while overlapped steps keep their generation
 
     def works(self, unit: Unit, runs: list[Run] | None = None) -> list[Work]:
         """The unit's pieces, in order (nothing loaded yet); given `runs`, only the pieces that
         hold one (a piece whose parameters all got no gradient is neither read nor written)."""
-        pieces = enumerate(unit.pieces(self.config.streaming.piece_numel, self.rank))
+        pieces = enumerate(unit.pieces(self.piece_numel, self.rank))
         if runs is None:
             return [Work(unit, i, a, b) for i, (a, b) in pieces]
         return [
@@ -99,7 +106,7 @@ class ShardOptimizer(PieceWrites):
         index; a unit without runs is skipped), piece by piece; returns when every write has
         finished (the next pass reads what this one wrote). Given `kept`, steps each kept piece
         again from its kept generation instead (`tierzero.engine.step.restep`)."""
-        depth = max(1, self.config.streaming.prefetch_depth)
+        depth = max(1, self.prefetch_depth)
         items = (
             [Work(p.unit, p.piece, p.start, p.end, p.runs) for p in kept.pieces()]
             if kept
@@ -129,7 +136,7 @@ class ShardOptimizer(PieceWrites):
         """Start reading `unit`'s first pieces of master and moments now (overlap_step: while
         backward computes); later pieces are read as earlier ones are stepped. A look-ahead on
         autograd's thread: with the pool short it stops rather than wait for a transfer."""
-        for work in self.works(unit)[: max(1, self.config.streaming.prefetch_depth)]:
+        for work in self.works(unit)[: max(1, self.prefetch_depth)]:
             if (unit.index, work.piece) not in self._prefetched:
                 try:
                     self._prefetched[(unit.index, work.piece)] = self._load(work, wait=False)
@@ -138,7 +145,8 @@ class ShardOptimizer(PieceWrites):
 
     def abort(self) -> None:
         """After an error mid-step: let prefetches land and return their buffers; release the
-        generations an overlapped step kept for a re-step (else they stay on disk until reopened)."""
+        generations an overlapped step kept for a re-step (else they stay on disk until
+        reopened)."""
         for work in self._prefetched.values():
             self._discard(work)
         self._prefetched.clear()
@@ -224,9 +232,9 @@ class ShardOptimizer(PieceWrites):
     def _load(
         self, work: Work, with_grad: bool = False, wait: bool = True, previous: bool = False
     ) -> Work:
-        """Start bringing a piece's optimizer states (and its grad, if asked) to the stepping device;
-        `previous` (a re-step): only nvme ones, as held (`NvmeStore.hold`). Every buffer is leased
-        first, so `wait=False` (a look-ahead) short of buffers gives them back and raises."""
+        """Start bringing a piece's optimizer states (and its grad, if asked) to the stepping
+        device; `previous` (a re-step): only nvme ones, as held (`NvmeStore.hold`). Every buffer is
+        leased first, so `wait=False` (a look-ahead) short of buffers gives them back and raises."""
         computed: Event = None  # one compute event serves every state of the piece
         kinds = STEP_KINDS if with_grad else OPTIMIZER_KINDS
         for kind in kinds:
@@ -283,10 +291,7 @@ class ShardOptimizer(PieceWrites):
         if kind is StateKind.MASTER and self.master_is_param:
             home, _, key, lo = self._param_home(work)
             if home is Tier.NVME:
-                piece = (
-                    work.unit.param_piece_base(self.config.streaming.piece_numel, self.rank)
-                    + work.piece
-                )
+                piece = work.unit.param_piece_base(self.piece_numel, self.rank) + work.piece
                 key = piece_key(StateKind.PARAM, work.unit.index, self.rank, piece)
             elif store is not None:
                 return store.view(key)[lo + work.start : lo + work.end]
@@ -343,8 +348,7 @@ class ShardOptimizer(PieceWrites):
         ]
         if not self.formats.exact:  # compact master or moments: stepped in fp32 sub-blocks
             spans = [
-                (a, b, self.config.optimizer.weight_decay if d else 0.0, step)
-                for a, b, d, step in runs
+                (a, b, self.settings.weight_decay if d else 0.0, step) for a, b, d, step in runs
             ]
             origin = (
                 work.unit.shard_range(self.rank)[0] + work.start
@@ -356,14 +360,15 @@ class ShardOptimizer(PieceWrites):
             [grad[a:b] for a, b, _, _ in runs],
             [t[StateKind.EXP_AVG][a:b] for a, b, _, _ in runs],
             [t[StateKind.EXP_AVG_SQ][a:b] for a, b, _, _ in runs],
-            [self.config.optimizer.weight_decay if d else 0.0 for _, _, d, _ in runs],
+            [self.settings.weight_decay if d else 0.0 for _, _, d, _ in runs],
             [step for _, _, _, step in runs],
             lr,
-            self.config.optimizer,
+            self.settings,
         )
 
     def _room_for(self, work: Work) -> bool:
-        """Whether loading a piece ahead of time leaves the pool room for the piece being stepped."""
+        """Whether loading a piece ahead of time leaves the pool room for the piece being
+        stepped."""
         pool = self.tiers.host_pool if self.device.type == "cpu" else self.tiers.device_pool
         states = sum(self.formats.nbytes(k, work.numel) for k in self.leased_kinds())
         return (
@@ -372,7 +377,8 @@ class ShardOptimizer(PieceWrites):
         )
 
     def leased_kinds(self) -> list[StateKind]:
-        """Which of grad/master/moments need a working buffer (not memory on the stepping device)."""
+        """Which of grad/master/moments need a working buffer (not memory on the stepping
+        device)."""
 
         def in_place(home: Tier) -> bool:
             store_device = self.tiers.device if home is Tier.GPU else torch.device("cpu")

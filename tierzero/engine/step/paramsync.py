@@ -19,7 +19,7 @@ import torch
 
 from tierzero.config import StateKind, Tier
 from tierzero.distributed.comm import Comm, InFlight
-from tierzero.engine.parts import EngineParts
+from tierzero.engine.runtime.layout import RankLayout
 from tierzero.engine.runtime.streams import Event
 from tierzero.engine.runtime.tiers import Tiers
 from tierzero.layout.keys import shard_key, state_keys
@@ -29,7 +29,7 @@ from tierzero.planning.placement import Link
 IN_FLIGHT = 2  # units whose all-gathers run at once: a unit's full buffer each on the device
 
 
-def sync_params(parts: EngineParts) -> None:
+def sync_params(layout: RankLayout, tiers: Tiers) -> None:
     """All-gather each replicated unit's updated shard and store the whole unit on this rank.
     Call once the step's param writes have landed (`tiers.pending` drained).
 
@@ -39,32 +39,32 @@ def sync_params(parts: EngineParts) -> None:
     nvme wait for each unit's copy event before its pieces are written."""
     inflight: deque[tuple[Unit, InFlight, Callable[[], None]]] = deque()
     last: Event = None
-    for unit in (u for u in parts.units if u.replicated):
-        inflight.append((unit, *_gather(unit, parts)))
+    for unit in (u for u in layout.units if u.replicated):
+        inflight.append((unit, *_gather(unit, layout, tiers)))
         if len(inflight) > IN_FLIGHT:
-            last = _store(*inflight.popleft(), parts) or last
+            last = _store(*inflight.popleft(), layout, tiers) or last
     while inflight:
-        last = _store(*inflight.popleft(), parts) or last
-    parts.tiers.streams.host_wait(last)  # the one sync point: the last unit's copy to the host
-    parts.tiers.pending.drain()  # the next pass reads what was written here
+        last = _store(*inflight.popleft(), layout, tiers) or last
+    tiers.streams.host_wait(last)  # the one sync point: the last unit's copy to the host
+    tiers.pending.drain()  # the next pass reads what was written here
 
 
-def _gather(unit: Unit, parts: EngineParts) -> tuple[InFlight, Callable[[], None]]:
+def _gather(unit: Unit, layout: RankLayout, tiers: Tiers) -> tuple[InFlight, Callable[[], None]]:
     """Start gathering `unit` from this rank's range of its home; and what gives its buffers
     back once the gather has been waited for."""
-    tiers, comm, dtype = parts.tiers, parts.comm, parts.dtype
+    comm, dtype = layout.comm, layout.dtype
     lo, hi = unit.shard_range(comm.rank)
-    store = tiers.stores[parts.placement.param]
+    store = tiers.stores[layout.placement.param]
     if store.capabilities.zero_copy:  # gpu / host homes: the whole unit is one key, viewed in place
         return _gather_from(
             store.view(shard_key(StateKind.PARAM, unit.index, comm.rank))[lo:hi], tiers, comm
         )
     mine = tiers.lease_host(unit.shard_numel * dtype.itemsize).view(dtype)
     try:
-        for k, a, b in state_keys(StateKind.PARAM, unit, comm.rank, parts.piece_numel, Tier.NVME):
+        for k, a, b in state_keys(StateKind.PARAM, unit, comm.rank, layout.piece_numel, Tier.NVME):
             if lo <= a < hi:
                 tiers.run(store.read_into(k, mine[a - lo : b - lo]))
-        parts.transfers.add_bytes(Link.NVME_TO_HOST, unit.shard_numel * dtype.itemsize)
+        tiers.stats.add_bytes(Link.NVME_TO_HOST, unit.shard_numel * dtype.itemsize)
         return _gather_from(mine, tiers, comm, leased=True)
     except BaseException:
         tiers.host_pool.give_back(mine.view(torch.uint8))
@@ -96,13 +96,13 @@ def _gather_from(
 
 
 def _store(
-    unit: Unit, gathered: InFlight, release: Callable[[], None], parts: EngineParts
+    unit: Unit, gathered: InFlight, release: Callable[[], None], layout: RankLayout, tiers: Tiers
 ) -> Event:
     """Write the gathered unit into its home; the event of its copy to the host, if any."""
-    tiers, comm, dtype = parts.tiers, parts.comm, parts.dtype
+    comm, dtype = layout.comm, layout.dtype
     s = tiers.streams
     key = shard_key(StateKind.PARAM, unit.index, comm.rank)
-    store = tiers.stores[parts.placement.param]
+    store = tiers.stores[layout.placement.param]
     full = gathered.wait()  # the host on gloo, the compute stream on NCCL
     release()
     if store.capabilities.zero_copy:
@@ -124,14 +124,14 @@ def _store(
     if cached is not None:  # the LRU copy of the unit must not serve the old values
         cached.view(dtype).copy_(full)
         tiers.host_pool.give_back(cached)
-    for k, a, b in state_keys(StateKind.PARAM, unit, comm.rank, parts.piece_numel, Tier.NVME):
+    for k, a, b in state_keys(StateKind.PARAM, unit, comm.rank, layout.piece_numel, Tier.NVME):
         if lo <= a < hi:
             continue  # written by this rank's optimizer
         staged = tiers.lease_host((b - a) * dtype.itemsize).view(dtype)
         staged.copy_(full[a:b])
         future = tiers.submit(store.write(k, staged))
         tiers.pending.add(future, lambda ok, st=staged: _written(tiers, key, st, ok))
-        parts.transfers.add_bytes(Link.HOST_TO_NVME, (b - a) * dtype.itemsize)
+        tiers.stats.add_bytes(Link.HOST_TO_NVME, (b - a) * dtype.itemsize)
     if host is not None:  # its bytes are staged or cached above
         tiers.host_pool.give_back(host.view(torch.uint8))
     return None

@@ -18,7 +18,7 @@ from collections.abc import Callable, Coroutine
 import torch
 
 from tierzero.compact.formats import StateFormats
-from tierzero.config import OPTIMIZER_KINDS, Config, Placement, StateKind, Tier
+from tierzero.config import OPTIMIZER_KINDS, Placement, StateKind, Tier
 from tierzero.engine.runtime.streams import Event
 from tierzero.engine.runtime.tiers import Tiers
 from tierzero.engine.runtime.transfers import TransferStats
@@ -35,7 +35,7 @@ class PieceWrites:
     placement: Placement
     compute_dtype: torch.dtype
     rank: int
-    config: Config
+    piece_numel: int
     stats: TransferStats
     formats: StateFormats
     master_is_param: bool
@@ -43,11 +43,13 @@ class PieceWrites:
     param_written: Callable[[int, Event], None]
 
     def _is_param(self, kind: StateKind) -> bool:
-        """Whether `kind` is the master that is the param: written as the new params, never as itself."""
+        """Whether `kind` is the master that is the param: written as the new params, never as
+        itself."""
         return kind is StateKind.MASTER and self.master_is_param
 
     def _across(self, home: Tier) -> bool:
-        """Whether `home` is device memory while the step runs on the host: a transfer on the copy streams."""
+        """Whether `home` is device memory while the step runs on the host: a transfer on the copy
+        streams."""
         return home is Tier.GPU and self.device.type == "cpu" and self.tiers.streams.separate
 
     def _give_back(self, buf: torch.Tensor) -> None:
@@ -113,7 +115,8 @@ class PieceWrites:
             dst.copy_(master)  # one memory: cast to the compute dtype in the copy
 
     def _write(self, work: Work) -> None:
-        """From the training thread (`step`): count the piece's writes and hand them to the I/O loop."""
+        """From the training thread (`step`): count the piece's writes and hand them to the I/O
+        loop."""
         self._count_writes(work)
         if work.produced is None and self._across(self.placement.home(StateKind.PARAM)):
             # what the param write waits for: compute as it is now, done with this pass's params
@@ -122,7 +125,8 @@ class PieceWrites:
         self.tiers.pending.add(future, lambda ok: self._settle(work) if ok else self._discard(work))
 
     def _count_writes(self, work: Work) -> None:
-        """The bytes `_write_back` will move, counted on the training thread (the counters are its)."""
+        """The bytes `_write_back` will move, counted on the training thread (the counters are
+        its)."""
         for kind in OPTIMIZER_KINDS:
             if kind in work.leased and not self._is_param(kind):
                 self._count(self.placement.home(kind), self.formats.nbytes(kind, work.numel))
@@ -172,10 +176,7 @@ class PieceWrites:
         home, store, key, lo = self._param_home(work)
         staged = self._staging(work)
         if home is Tier.NVME:
-            piece = (
-                work.unit.param_piece_base(self.config.streaming.piece_numel, self.rank)
-                + work.piece
-            )
+            piece = work.unit.param_piece_base(self.piece_numel, self.rank) + work.piece
             return self._write_param_piece(
                 store, piece_key(StateKind.PARAM, work.unit.index, self.rank, piece), staged, key
             )

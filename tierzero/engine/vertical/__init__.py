@@ -1,1 +1,2 @@
-"""The vertical (layer-major) accumulation schedule: its steps, the chain models it drives, waiting activations."""
+"""The vertical (layer-major) accumulation schedule: its steps, the chain models it drives, waiting
+activations."""

@@ -63,7 +63,8 @@ class _Entry:
 
     @property
     def nbytes(self) -> int:
-        """Its bytes, rounded up to direct I/O's alignment (its buffer may be a larger reused one)."""
+        """Its bytes, rounded up to direct I/O's alignment (its buffer may be a larger reused
+        one)."""
         return aligned_nbytes(self.shape.numel() * self.dtype.itemsize)
 
     def raw(self) -> torch.Tensor:
@@ -226,7 +227,8 @@ class BoundaryStore:
         return self._take(nbytes)
 
     def _get_order(self) -> list[tuple[tuple[int, int], _Entry]]:
-        """The entries in the order `get` takes them (backward: units descending, micro-batches in order)."""
+        """The entries in the order `get` takes them (backward: units descending, micro-batches in
+        order)."""
         return sorted(self._entries.items(), key=self._order)
 
     def _take(self, nbytes: int) -> _Buffer:
@@ -315,7 +317,8 @@ def aligned_nbytes(nbytes: int) -> int:
 
 
 def _put_key(item: tuple[tuple[int, int], _Entry]) -> tuple[int, int]:
-    """An entry's place in put order (an evaluation pass): units ascending, micro-batches in order."""
+    """An entry's place in put order (an evaluation pass): units ascending, micro-batches in
+    order."""
     return item[0]
 
 

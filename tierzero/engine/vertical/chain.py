@@ -1,4 +1,5 @@
-"""`Chain`: how the vertical schedule (`tierzero.engine.vertical.schedule`) runs a model unit by unit.
+"""`Chain`: how the vertical schedule (`tierzero.engine.vertical.schedule`) runs a model unit by
+unit.
 
 The schedule calls each unit itself, micro-batch after micro-batch, so it needs the model as a
 chain: what enters the first block, each block's call, and the head's. Two kinds of model are
@@ -66,7 +67,8 @@ class Chain:
         targets: torch.Tensor,
         divisor: float | None = None,
     ) -> torch.Tensor:
-        """The loss; `divisor`, the step's `num_items_in_batch` (`engine.reference.loss_divisor`)."""
+        """The loss; `divisor`, the step's `num_items_in_batch`
+        (`engine.reference.loss_divisor`)."""
         kwargs = {} if divisor is None else {"num_items_in_batch": divisor}
         return runner.compute(unit, (x, targets), kwargs, leaves=[])
 

@@ -44,7 +44,9 @@ from torch import nn
 from tierzero.config import Tier
 from tierzero.engine.parts import EngineParts
 from tierzero.engine.runtime.binding import bind, unbind
+from tierzero.engine.runtime.layout import RankLayout
 from tierzero.engine.runtime.opened import OpenParts
+from tierzero.engine.runtime.tiers import Tiers
 from tierzero.engine.vertical.boundary import BoundaryStore, aligned_nbytes
 from tierzero.engine.vertical.chain import Chain, LayerChain, chain_of
 from tierzero.layout.partition import Unit
@@ -80,7 +82,7 @@ def evaluate_windows(
 ) -> list[float]:
     """Each window's summed trained-token loss, every unit read once for all of them; window
     by window (`one_window`) where the pass cannot run (the engine notes why)."""
-    chain = eval_chain(parts.model, parts.units)
+    chain = eval_chain(parts.model, parts.layout.units)
     why = chain if isinstance(chain, str) else None
     if why is None and not all(isinstance(w, (tuple, list)) and len(w) == 2 for w in windows):
         why = "its batches are not (token ids, targets) pairs"
@@ -90,12 +92,13 @@ def evaluate_windows(
     if why is not None or not windows:
         if why is not None:
             parts.note(
-                f"each evaluation runs window by window, a full pass over the units per window: {why}"
+                "each evaluation runs window by window, a full pass over the units per window: "
+                f"{why}"
             )
         return [one_window(w) for w in windows]
     assert isinstance(chain, Chain) and isinstance(layout, EvalLayout)
     with torch.no_grad(), evaluating(parts.model):
-        return EvalPass(parts, opened, chain, layout).run(windows)
+        return EvalPass(parts.layout, parts.device, parts.tiers, opened, chain, layout).run(windows)
 
 
 def eval_chain(model: nn.Module, units: list[Unit]) -> Chain | str:
@@ -125,7 +128,7 @@ def plan_layout(parts: EngineParts, chain: Chain, windows: list[Window]) -> Eval
     else they go to a store under what the host budget leaves (on the CPU device the host is
     the compute device: what one window's working set leaves), spilling to NVMe. What the
     device's budget then has left sets how many windows' rows a micro-batch joins."""
-    model, itemsize = parts.model, parts.dtype.itemsize
+    model, itemsize = parts.model, parts.layout.dtype.itemsize
     tokens = [w[0].numel() for w in windows]
     widest = max(tokens)
     seq_len = max(w[0].shape[-1] for w in windows)
@@ -200,9 +203,17 @@ class EvalPass:
     """Runs one evaluation layer-major (see the module docstring)."""
 
     def __init__(
-        self, parts: EngineParts, opened: OpenParts, chain: Chain, layout: EvalLayout
+        self,
+        ranks: RankLayout,
+        device: torch.device,
+        tiers: Tiers,
+        opened: OpenParts,
+        chain: Chain,
+        layout: EvalLayout,
     ) -> None:
-        self.parts, self.opened, self.chain, self.layout = parts, opened, chain, layout
+        """`ranks`: this rank's units and dtype; `layout`: the micro-batches and their store."""
+        self.units, self.dtype, self.device, self.tiers = ranks.units, ranks.dtype, device, tiers
+        self.opened, self.chain, self.layout = opened, chain, layout
         self.runner, self.swap = opened.runner, opened.swap_runner
         self.store: BoundaryStore | None = None
         self._held: dict[int, torch.Tensor] = {}
@@ -221,7 +232,7 @@ class EvalPass:
             self.chain.check(x)
         if self.layout.store_bytes is not None:
             self.store = BoundaryStore(
-                self.parts.tiers,
+                self.tiers,
                 self.layout.store_bytes,
                 name="eval",
                 in_put_order=True,
@@ -229,9 +240,9 @@ class EvalPass:
         self.swap.begin(self.opened.eval_plan)
         try:
             contexts = self._embed(ids)
-            for unit in self.parts.units[1:-1]:
+            for unit in self.units[1:-1]:
                 self._block(unit, len(groups), contexts)
-            losses = self._head(self.parts.units[-1], targets)
+            losses = self._head(self.units[-1], targets)
             self.swap.finish()
         except BaseException:
             self.swap.abort()
@@ -244,7 +255,7 @@ class EvalPass:
 
     def _embed(self, ids: list[torch.Tensor]) -> list[Any]:
         """The embedding over every micro-batch; each one's context (what its layers take)."""
-        unit = self.parts.units[0]
+        unit = self.units[0]
         contexts = []
         with self._gathered(unit):
             for m, x in enumerate(ids):
@@ -309,7 +320,7 @@ class EvalPass:
             yield
         finally:
             for u in bound:
-                unbind(u, self.parts.dtype, self.parts.device)
+                unbind(u, self.dtype, self.device)
             self.runner.release(unit.index)
 
     def _keep(self, unit: int, micro: int, x: torch.Tensor) -> None:

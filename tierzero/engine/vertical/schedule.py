@@ -25,10 +25,9 @@ store too, until the embedding's own backward adds them micro-batch by micro-bat
 micro-batch's context (what a Hugging Face decoder's layers take beside the hidden state:
 position embeddings, masks) is computed once, with the embedding, and stays on the device.
 
-Which models. A chain (`tierzero.engine.vertical.chain`) on batches `(ids, targets)`: the built-in LLaMA
-family, and Hugging Face decoders in the split layout (LoRA adapters and frozen bases too);
-anything else is refused (or, with `auto`, run horizontally).
-"""
+Which models. A chain (`tierzero.engine.vertical.chain`) on batches `(ids, targets)`: the built-in
+LLaMA family, and Hugging Face decoders in the split layout (LoRA adapters and frozen bases too);
+anything else is refused (or, with `auto`, run horizontally)."""
 
 from __future__ import annotations
 
@@ -38,11 +37,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierzero.config import Config, Recompute, Schedule, StateKind, Tier
-from tierzero.engine.parts import EngineParts
+from tierzero.config import Execution, Recompute, Schedule, StateKind, Tier
 from tierzero.engine.runtime.binding import bind, flat_grad, unbind
+from tierzero.engine.runtime.layout import RankLayout
 from tierzero.engine.runtime.opened import OpenParts
+from tierzero.engine.runtime.tiers import Tiers
 from tierzero.engine.step.backward import BackwardPass
+from tierzero.engine.step.counters import StepCounters
 from tierzero.engine.step.stepper import Stepper
 from tierzero.engine.vertical.boundary import BoundaryStore, aligned_nbytes
 from tierzero.engine.vertical.chain import Chain, chain_of
@@ -68,7 +69,7 @@ def waiting_bytes(
 
 
 def choose(
-    config: Config,
+    execution: Execution,
     model: nn.Module,
     units: list[Unit],
     batch: Any,
@@ -77,39 +78,40 @@ def choose(
     itemsize: int,
 ) -> bool:
     """Whether this engine runs its steps vertically (decided at the first training step)."""
-    if config.execution.schedule is Schedule.HORIZONTAL or (
-        config.execution.schedule is Schedule.AUTO and config.execution.accumulate == 1
+    if execution.schedule is Schedule.HORIZONTAL or (
+        execution.schedule is Schedule.AUTO and execution.accumulate == 1
     ):
         return False
     chain = chain_of(model, units)
     why = chain if isinstance(chain, str) else None
     if why is None and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         why = "its batches are not (token ids, targets) pairs"
-    if config.execution.schedule is Schedule.VERTICAL:
+    if execution.schedule is Schedule.VERTICAL:
         if why is not None:
             raise ConfigError(
                 f"--schedule vertical needs a chain of units, but {why}; use --schedule horizontal"
             )
         return True
-    if (
-        why is not None or config.execution.recompute is Recompute.NONE
-    ):  # none keeps graphs: horizontal
+    if why is not None or execution.recompute is Recompute.NONE:  # none keeps graphs: horizontal
         return False
     assert isinstance(chain, Chain)
-    return spill or fits(
-        waiting_bytes(chain, units, tuple(batch), config.execution.accumulate, itemsize)
-    )
+    return spill or fits(waiting_bytes(chain, units, tuple(batch), execution.accumulate, itemsize))
 
 
 class VerticalPass:
     """Runs one step's micro-batches unit by unit (see the module docstring)."""
 
     def __init__(
-        self, parts: EngineParts, opened: OpenParts, chain: Chain, store: BoundaryStore
+        self,
+        layout: RankLayout,
+        device: torch.device,
+        opened: OpenParts,
+        chain: Chain,
+        store: BoundaryStore,
     ) -> None:
-        self.parts, self.chain, self.store = parts, chain, store
+        self.layout, self.device, self.chain, self.store = layout, device, chain, store
         self.runner, self.grads = opened.runner, opened.grads
-        self.forward_only = forward_only(parts.units)
+        self.forward_only = forward_only(layout.units)
 
     def run(
         self,
@@ -133,7 +135,7 @@ class VerticalPass:
         """The embedding and the blocks, each over every micro-batch with one fetch; the last
         block's outputs (the head's inputs) and each micro-batch's context."""
         xs, contexts = list(xs), [None] * len(xs)
-        for unit in self.parts.units[:-1]:
+        for unit in self.layout.units[:-1]:
             bind(unit, self.runner.gather(unit.index))
             try:
                 for m, x in enumerate(xs):
@@ -145,7 +147,7 @@ class VerticalPass:
                         else:
                             xs[m] = self.chain.block(self.runner, unit, x, contexts[m])
             finally:
-                unbind(unit, self.parts.dtype, self.parts.device)
+                unbind(unit, self.layout.dtype, self.device)
                 self.runner.release(unit.index)
         return xs, contexts
 
@@ -159,12 +161,13 @@ class VerticalPass:
         divisors: list[float | None],
     ) -> list[torch.Tensor]:
         """The head (each micro-batch's loss and backward), then the blocks and the embedding in
-        reverse, each over every micro-batch with one fetch; each unit's grad summed on the device."""
+        reverse, each over every micro-batch with one fetch; each unit's grad summed on the
+        device."""
         k = len(batches)
         grads_out: list[torch.Tensor | None] = [None] * k
         losses: list[torch.Tensor] = []
         self.store.prefetch()
-        for unit in reversed(self.parts.units):
+        for unit in reversed(self.layout.units):
             if unit.index in self.forward_only:
                 continue
             pass_.unit_starting(unit.index)
@@ -195,7 +198,7 @@ class VerticalPass:
                     self.store.prefetch()
             finally:
                 for u in bound:
-                    unbind(u, self.parts.dtype, self.parts.device)
+                    unbind(u, self.layout.dtype, self.device)
                 self.runner.release(unit.index)
             if total is not None:
                 self.grads.offload(unit.index, *total)
@@ -224,7 +227,7 @@ class VerticalPass:
         if grad is None:
             return total
         flat, present = grad
-        if unit.kind == "embedding" and any(unit.index in u.uses_with for u in self.parts.units):
+        if unit.kind == "embedding" and any(unit.index in u.uses_with for u in self.layout.units):
             flat.add_(self.store.get(unit.index, m))  # this use + the head's, as autograd sums them
         if total is None:
             return flat, present
@@ -250,8 +253,24 @@ class VerticalSteps:
     """The engine's side of the schedule: decide it at the first training step, queue each
     step's micro-batches, and run the step at its last one through the `Stepper`."""
 
-    def __init__(self, parts: EngineParts, opened: OpenParts, stepper: Stepper) -> None:
-        self.parts, self.opened, self.stepper = parts, opened, stepper
+    def __init__(
+        self,
+        execution: Execution,
+        model: nn.Module,
+        device: torch.device,
+        layout: RankLayout,
+        tiers: Tiers,
+        counters: StepCounters,
+        opened: OpenParts,
+        stepper: Stepper,
+        reserve: Callable[[Any], None],
+        host_room: Callable[[], int],
+    ) -> None:
+        """`reserve`: takes the first step's activations out of the budgets (`Sizing`);
+        `host_room`: the host memory the budgets leave (the waiting activations' room)."""
+        self.execution, self.model, self.device, self.layout = execution, model, device, layout
+        self.tiers, self.counters, self.opened, self.stepper = tiers, counters, opened, stepper
+        self.reserve, self.host_room = reserve, host_room
         self.on: bool | None = None  # None: not decided yet
         self.vertical_pass: VerticalPass | None = None
         self.store: BoundaryStore | None = None
@@ -260,8 +279,9 @@ class VerticalSteps:
         ] = []  # batch, its loss, its divisor
 
     def horizontal(self) -> None:
-        """The caller drives forward/backward itself: refuse `--schedule vertical`, else decide horizontal."""
-        if self.parts.config.execution.schedule is Schedule.VERTICAL or self.on:
+        """The caller drives forward/backward itself: refuse `--schedule vertical`, else decide
+        horizontal."""
+        if self.execution.schedule is Schedule.VERTICAL or self.on:
             raise ConfigError(
                 "--schedule vertical runs whole steps: call train_micro_batch (or "
                 "train_step) instead of forward/backward, or use --schedule horizontal"
@@ -272,9 +292,9 @@ class VerticalSteps:
     def refuse_unknown_loss(self, batch: Any) -> None:
         """`train_step` reads its micro-batch's loss at once: only the step's last has one (so
         `auto`, undecided, decides horizontal)."""
-        if self.on is None and self.parts.config.execution.schedule is Schedule.AUTO:
+        if self.on is None and self.execution.schedule is Schedule.AUTO:
             self.on = False
-        if self.wants(batch) and len(self._queued) + 1 < self.parts.config.execution.accumulate:
+        if self.wants(batch) and len(self._queued) + 1 < self.execution.accumulate:
             raise TierzeroError(
                 "with the vertical schedule a micro-batch's loss is known once its step's last "
                 "micro-batch has run: call train_micro_batch and read the losses after the "
@@ -286,7 +306,7 @@ class VerticalSteps:
         if self._queued:
             raise TierzeroError(
                 f"a checkpoint needs a finished optimizer step, but {len(self._queued)} of "
-                f"{self.parts.config.execution.accumulate} micro-batches are queued for the vertical "
+                f"{self.execution.accumulate} micro-batches are queued for the vertical "
                 "schedule; save after the step's last train_micro_batch"
             )
 
@@ -299,9 +319,10 @@ class VerticalSteps:
     def wants(self, batch: Any) -> bool:
         """Whether `batch` goes through the vertical schedule (deciding it at the first)."""
         if self.on is None:
-            p = self.parts
-            spill = any(p.placement.home(k) is Tier.NVME for k in StateKind)  # a store to spill to
-            self.on = choose(p.config, p.model, p.units, batch, spill, self._fits, p.dtype.itemsize)
+            # a store to spill to
+            spill = any(self.layout.placement.home(k) is Tier.NVME for k in StateKind)
+            units, itemsize = self.layout.units, self.layout.dtype.itemsize
+            self.on = choose(self.execution, self.model, units, batch, spill, self._fits, itemsize)
             if self.on:
                 self._open(batch)
         return self.on
@@ -309,16 +330,11 @@ class VerticalSteps:
     def micro_batch(self, batch: Any, step_tokens: int | None = None) -> torch.Tensor:
         """Queue `batch`; at the step's last micro-batch run the step. A tensor that holds this
         micro-batch's loss once its step has run (`step_tokens`: as `Engine.forward`)."""
-        p = self.parts
-        loss = torch.empty((), dtype=torch.float32, device=p.device)
-        self._queued.append(
-            (
-                batch,
-                loss,
-                loss_divisor(step_tokens, False, p.config.execution.accumulate, p.comm.world_size),
-            )
-        )
-        if len(self._queued) == p.config.execution.accumulate:
+        accumulate = self.execution.accumulate
+        loss = torch.empty((), dtype=torch.float32, device=self.device)
+        divisor = loss_divisor(step_tokens, False, accumulate, self.layout.comm.world_size)
+        self._queued.append((batch, loss, divisor))
+        if len(self._queued) == accumulate:
             queued, self._queued = self._queued, []
             for (_, out, _), value in zip(
                 queued, self._run([b for b, _, _ in queued], [d for _, _, d in queued])
@@ -328,44 +344,35 @@ class VerticalSteps:
         return loss
 
     def _fits(self, nbytes: int) -> bool:
-        return nbytes <= self._room()
-
-    def _room(self) -> int:
-        p = self.parts
-        return p.tiers.host_budget - p.sizing.current.tiers[Tier.HOST].pool_bytes
+        return nbytes <= self.host_room()
 
     def _open(self, batch: Any) -> None:
         """Reserve the waiting activations' host budget and build the schedule."""
-        p = self.parts
-        self.stepper.reserve_activations(batch, vertical=True)
-        chain = chain_of(p.model, p.units)
+        self.reserve(batch)
+        room = self.host_room()
+        chain = chain_of(self.model, self.layout.units)
         assert isinstance(chain, Chain)  # `choose` checked it
-        need = waiting_bytes(
-            chain, p.units, tuple(batch), p.config.execution.accumulate, p.dtype.itemsize
-        )
-        budget = min(
-            need,
-            p.config.execution.activation_budget
-            if p.config.execution.activation_budget is not None
-            else self._room(),
-        )
-        if budget < need and Tier.NVME not in p.tiers.stores:
+        units, itemsize = self.layout.units, self.layout.dtype.itemsize
+        need = waiting_bytes(chain, units, tuple(batch), self.execution.accumulate, itemsize)
+        given = self.execution.activation_budget
+        budget = min(need, given if given is not None else room)
+        if budget < need and Tier.NVME not in self.tiers.stores:
             raise ConfigError(
                 f"the vertical schedule's waiting activations need {need / 1e6:.1f} MB of host "
                 f"memory, {budget / 1e6:.1f} MB is left and no state lives on NVMe to spill "
                 "them to; raise --host-budget, lower --accumulate or use --schedule horizontal"
             )
-        if budget > self._room():
+        if budget > room:
             raise ConfigError(
                 f"--activation-budget {budget / 1e6:.1f} MB is more than the host budget leaves "
-                f"({self._room() / 1e6:.1f} MB); lower it or raise --host-budget"
+                f"({room / 1e6:.1f} MB); lower it or raise --host-budget"
             )
-        p.tiers.reserve(Tier.HOST, budget)
-        self.store = BoundaryStore(p.tiers, budget)
-        self.vertical_pass = VerticalPass(p, self.opened, chain, self.store)
+        self.tiers.reserve(Tier.HOST, budget)
+        self.store = BoundaryStore(self.tiers, budget)
+        self.vertical_pass = VerticalPass(self.layout, self.device, self.opened, chain, self.store)
 
     def _run(self, batches: list[Any], divisors: list[float | None]) -> list[torch.Tensor]:
-        state, o = self.parts.state, self.opened
+        state, o = self.counters.state, self.opened
         assert self.vertical_pass is not None
         k = len(batches)
         on_device = [tuple(o.batches.to_device(b)) for b in batches]
@@ -374,7 +381,9 @@ class VerticalSteps:
         o.swap_runner.begin(o.vertical_plan)
         try:
             with o.grads.running(pass_), o.runner.running(pass_):
-                losses = self.vertical_pass.run(on_device, pass_, self.parts.scaler.scale, divisors)
+                losses = self.vertical_pass.run(
+                    on_device, pass_, self.counters.scaler.scale, divisors
+                )
                 o.grads.flush()  # the last unit's reduction
             o.swap_runner.finish()
         except BaseException as err:
