@@ -119,12 +119,9 @@ def train_loop(
     best = read_best(rundir.path) if run.evaluation.keep_best and start_step else None
 
     def evaluated(step: int) -> dict[str, float]:
-        t0 = time.perf_counter()
-        loss = evaluate(trainer, batches, run.evaluation.eval_tokens, total)
+        loss, record = _evaluation(trainer, batches, run.evaluation.eval_tokens, total)
         val_losses.append((step, loss))
-        # its own bytes
-        cost = {f"eval_{k}": v for k, v in trainer.stats().items() if k.startswith("bytes_")}
-        return {**eval_record(loss), "eval_s": time.perf_counter() - t0, **cost}
+        return record
 
     try:
         if start_step == 0 and every:
@@ -134,13 +131,7 @@ def train_loop(
             rundir.log({"resumed_at": start_step})
         for step in range(start_step, run.steps):
             t0 = time.perf_counter()
-            micro = [batches.next_batch() for _ in range(accumulate)]
-            tokens = sum(trained_targets(y) for _, y in micro)  # before the step's first backward
-            tokens = tokens if total is None else int(total([tokens])[0])
-            micro_losses = [trainer.train_micro_batch(b, step_tokens=tokens) for b in micro]
-            # host sync point, once per step
-            loss = sum(t.item() for t in micro_losses) / accumulate
-            loss = loss if mean is None else mean([loss])[0]
+            loss = _train_step(trainer, batches, accumulate, total, mean)
             dt = time.perf_counter() - t0
             first = loss if step == start_step else first
             last = loss
@@ -148,7 +139,7 @@ def train_loop(
             record = {
                 "step": step + 1,
                 "loss": loss,
-                "lr": lr_at(step, run.engine.opened.optimizer),
+                "lr": lr_at(step, run.engine.optimizer),
                 "tokens_per_s": tokens_per_step / dt,
                 "step_s": dt,
                 "wall_s": time.perf_counter() - start,
@@ -162,16 +153,8 @@ def train_loop(
             if samples is not None:
                 samples(step + 1)
             done = step + 1
-            better = (
-                run.evaluation.keep_best
-                and "eval_loss" in record
-                and (best is None or record["eval_loss"] < best["eval_loss"])
-            )
-            if checkpoint is not None and (
-                (step + 1) % (run.checkpoints.checkpoint_every or run.steps) == 0
-                or step + 1 == run.steps
-                or better
-            ):
+            better = _improves(run, record, best)
+            if checkpoint is not None and _checkpoint_due(run, step + 1, better):
                 checkpoint(step + 1)
                 saved = step + 1
                 if better:
@@ -183,6 +166,52 @@ def train_loop(
     except KeyboardInterrupt:
         raise Interrupted(done, saved) from None
     return LoopResult(first, last, val_losses, time.perf_counter() - start, best)
+
+
+def _evaluation(
+    trainer: Trainer, batches: TokenBatches, eval_tokens: int, total: Total | None
+) -> tuple[float, dict[str, float]]:
+    """One evaluation (`evaluate`) and its record: the loss and perplexity, its seconds, and the
+    bytes it moved itself."""
+    t0 = time.perf_counter()
+    loss = evaluate(trainer, batches, eval_tokens, total)
+    cost = {f"eval_{k}": v for k, v in trainer.stats().items() if k.startswith("bytes_")}
+    return loss, {**eval_record(loss), "eval_s": time.perf_counter() - t0, **cost}
+
+
+def _train_step(
+    trainer: Trainer,
+    batches: TokenBatches,
+    accumulate: int,
+    total: Total | None,
+    mean: Callable[[list[float]], list[float]] | None,
+) -> float:
+    """One optimizer step of `accumulate` micro-batches and its loss (averaged over ranks by
+    `mean`). The step's trained tokens (summed over ranks by `total`) are counted before its
+    first backward, which divides by them."""
+    micro = [batches.next_batch() for _ in range(accumulate)]
+    tokens = sum(trained_targets(y) for _, y in micro)
+    tokens = tokens if total is None else int(total([tokens])[0])
+    micro_losses = [trainer.train_micro_batch(b, step_tokens=tokens) for b in micro]
+    # host sync point, once per step
+    loss = sum(t.item() for t in micro_losses) / accumulate
+    return loss if mean is None else mean([loss])[0]
+
+
+def _improves(run: RunConfig, record: dict[str, Any], best: dict[str, Any] | None) -> bool:
+    """Whether `record` holds an evaluation loss below the best so far (with `--keep-best`)."""
+    return bool(
+        run.evaluation.keep_best
+        and "eval_loss" in record
+        and (best is None or record["eval_loss"] < best["eval_loss"])
+    )
+
+
+def _checkpoint_due(run: RunConfig, step: int, better: bool) -> bool:
+    """Whether a checkpoint follows step `step` (counted from 1): every `checkpoint_every` steps
+    (unset: only the last), the last step, and a new best evaluation loss."""
+    every = run.checkpoints.checkpoint_every or run.steps
+    return step % every == 0 or step == run.steps or better
 
 
 def keep_best(rundir: RunDir, step: int, eval_loss: float, keep: int) -> dict[str, Any]:
