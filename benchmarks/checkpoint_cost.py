@@ -226,7 +226,7 @@ def save_once(v: Variant, stat: str | None, flush_first: bool) -> None:
             "write_bytes": c.write_bytes,
             "wchar": c.wchar,
             "disk_bytes": c.disk_bytes,
-            "bytes_copied": manifest.bytes_copied,
+            "bytes_copied": manifest.origin.bytes_copied,
             "files": len(files),
             "linked": sum(os.stat(p).st_nlink > 1 for p in files),
             "step_s": step_s,

@@ -82,7 +82,7 @@ def test_a_checkpoint_of_nvme_state_copies_no_bytes(tmp_path: Path) -> None:
         engine.train_step(batches().next_batch())
         path = engine.save_checkpoint(tmp_path)
         manifest = Manifest.load(path)
-        assert manifest.bytes_copied == 0 and manifest.nbytes > 0
+        assert manifest.origin.bytes_copied == 0 and manifest.nbytes > 0
         chunk = next((path / "state" / "master").rglob("c/0"))
         assert os.stat(chunk).st_nlink == 2  # the live store's file, linked
         before = chunk.read_bytes()

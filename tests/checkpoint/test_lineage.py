@@ -68,7 +68,7 @@ def test_a_fresh_run_into_a_directory_with_checkpoints_is_refused_and_overwrite_
     assert "aside into" in result.output and ABANDONED_DIR in result.output
     assert steps_in(run_dir) == [2]  # the new run's own, not the old step 3
     new_id = read_run_id(run_dir)
-    assert new_id != old_id and Manifest.load(step_dir(run_dir, 2)).run_id == new_id
+    assert new_id != old_id and Manifest.load(step_dir(run_dir, 2)).origin.run_id == new_id
     aside = run_dir / "checkpoints" / ABANDONED_DIR
     assert {
         p.name: (p / "manifest.json").read_bytes() for p in aside.iterdir() if p.is_dir()
@@ -80,9 +80,12 @@ def test_resume_keeps_the_run_id_and_every_manifest_records_it(tmp_path) -> None
     run_dir = tmp_path / "run"
     assert train("--steps", "2", "--run-dir", str(run_dir)).exit_code == 0
     run_id = read_run_id(run_dir)
-    assert run_id and Manifest.load(step_dir(run_dir, 2)).run_id == run_id
+    assert run_id and Manifest.load(step_dir(run_dir, 2)).origin.run_id == run_id
     assert train("--resume", "--steps", "3", "--run-dir", str(run_dir)).exit_code == 0
-    assert read_run_id(run_dir) == run_id and Manifest.load(step_dir(run_dir, 3)).run_id == run_id
+    assert (
+        read_run_id(run_dir) == run_id
+        and Manifest.load(step_dir(run_dir, 3)).origin.run_id == run_id
+    )
 
 
 def test_prune_removes_only_this_lineages_older_checkpoints(tmp_path) -> None:
@@ -127,4 +130,4 @@ def test_resuming_from_an_older_checkpoint_moves_newer_ones_aside(tmp_path) -> N
     assert "step-00000003 aside into" in result.output.replace("\n", " ")
     assert (run_dir / "checkpoints" / ABANDONED_DIR / "step-00000003").is_dir()  # kept, not deleted
     assert steps_in(run_dir) == [1, 2, 3]  # step 3 trained again from step 2
-    assert Manifest.load(step_dir(run_dir, 3)).run_id == read_run_id(run_dir)
+    assert Manifest.load(step_dir(run_dir, 3)).origin.run_id == read_run_id(run_dir)

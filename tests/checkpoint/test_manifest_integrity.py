@@ -46,7 +46,7 @@ def edit_digit(path: Path, field: str) -> None:
 
 def test_the_manifest_records_the_config_it_was_written_under(trained: Path) -> None:
     manifest = Manifest.load(step_dir(trained, 2))
-    assert manifest.config_toml == (trained / "config.toml").read_text()
+    assert manifest.origin.config_toml == (trained / "config.toml").read_text()
     assert manifest.engine["step_count"] == manifest.step == 2
 
 

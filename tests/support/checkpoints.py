@@ -16,7 +16,7 @@ from tierzero.storage.nvme.arrays import chunk_path, write_array
 from torch import nn
 
 from tierzero.checkpoint.catalog import step_dir
-from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest, layout_of
+from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest, Origin, layout_of
 from tierzero.config import StateKind
 from tierzero.layout.keys import shard_key
 from tierzero.layout.partition import Unit, partition
@@ -47,12 +47,12 @@ def write_checkpoint(
     path = step_dir(run_dir, step)
     manifest = Manifest(
         step=step,
-        time=time.time(),
         world_size=world_size,
         compute_dtype="bf16",
         config_hash="0" * 16,
         units=layout_of(units),
         arrays={},
+        origin=Origin(time.time()),
         engine={"step_count": step},
     )
     for unit in units:

@@ -160,7 +160,7 @@ def prune(run_dir: str | Path, keep: int, written: Path) -> list[str]:
     """
     newest = Manifest.load(written)
     best = read_best(run_dir)
-    kept = best["step"] if best is not None and best["run_id"] == newest.run_id else None
+    kept = best["step"] if best is not None and best["run_id"] == newest.origin.run_id else None
     ours = []
     for step, path in checkpoint_dirs(run_dir):
         if step >= newest.step or step == kept:
@@ -169,7 +169,7 @@ def prune(run_dir: str | Path, keep: int, written: Path) -> list[str]:
             manifest = Manifest.load(path)
         except CheckpointError:
             continue  # damaged or incomplete: not ours to delete
-        if manifest.run_id == newest.run_id:
+        if manifest.origin.run_id == newest.origin.run_id:
             ours.append((path, manifest))
     notes = []
     for path, manifest in ours[: max(len(ours) - (max(keep, 1) - 1), 0)]:
@@ -190,7 +190,7 @@ def record_best(run_dir: str | Path, step: int, eval_loss: float) -> dict[str, o
         "step": step,
         "eval_loss": eval_loss,
         "checkpoint": f"{CHECKPOINTS_DIR}/{path.name}",
-        "run_id": Manifest.load(path).run_id,
+        "run_id": Manifest.load(path).origin.run_id,
     }
     write_atomic(Path(run_dir) / BEST_NAME, (json.dumps(record, indent=1) + "\n").encode())
     return record

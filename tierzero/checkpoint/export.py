@@ -161,7 +161,7 @@ def export_checkpoint(
     out_dir, out_name = _destination(Path(out))
     checkpoint, manifest, skipped = find_checkpoint(run_dir, step)
     entries = manifest_entries(manifest)
-    adapters = peft_adapters(manifest.model, [e.name for e in entries])
+    adapters = peft_adapters(manifest.origin.model, [e.name for e in entries])
     if merge and adapters is None:
         raise ConfigError(
             "--merge merges a LoRA run's adapter into its base, and this run has none; drop --merge"
@@ -181,7 +181,10 @@ def export_checkpoint(
                     f"'{out_name}' (or add --merge for whole merged weights)"
                 )
             out_name = ADAPTER_WEIGHTS
-            extra = (ADAPTER_CONFIG, adapter_config(peft_config, (manifest.model or {}).get("hf")))
+            extra = (
+                ADAPTER_CONFIG,
+                adapter_config(peft_config, (manifest.origin.model or {}).get("hf")),
+            )
     # whole Hugging Face weights: laid out as `save_pretrained` writes them
     if tensors == "saved" and extra is not None and extra[0] == "config.json":
         entries = SavedFormat(meta_model(extra[1])).saved(entries, _converted_entry)

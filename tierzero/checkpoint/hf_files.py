@@ -34,7 +34,7 @@ TOKENIZER_FILES = (
 def hf_config(manifest: Manifest, dtype: str) -> tuple[str, dict] | None:
     """The Hugging Face model's config.json, as the checkpoint recorded it, with this export's
     dtype (from_pretrained would otherwise cast to the dtype it was saved in); None for others."""
-    config = (manifest.model or {}).get("config")
+    config = (manifest.origin.model or {}).get("config")
     if not isinstance(config, dict):
         return None
     name = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
@@ -66,7 +66,7 @@ def copy_tokenizer(out_dir: Path, manifest: Manifest) -> list[Path]:
     """The tokenizer files of the Hugging Face directory the run started from, copied beside the
     weights (each through a temp name), so the export loads with AutoTokenizer too; none when
     that directory is gone or the model is not from one."""
-    source = (manifest.model or {}).get("hf")
+    source = (manifest.origin.model or {}).get("hf")
     if (
         not isinstance(source, str)
         or not Path(source).is_dir()

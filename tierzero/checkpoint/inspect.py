@@ -206,8 +206,8 @@ def _checkpoint(step: int, path: Path, verify: bool) -> CheckpointInfo:
         info.status, info.reason = "damaged", str(e)
         return info
     info.status = "complete"
-    info.time, info.nbytes = manifest.time, manifest.nbytes
-    info.bytes_copied, info.arrays = manifest.bytes_copied, len(manifest.arrays)
+    info.time, info.nbytes = manifest.origin.time, manifest.nbytes
+    info.bytes_copied, info.arrays = manifest.origin.bytes_copied, len(manifest.arrays)
     if verify:
         try:
             verify_checkpoint(path, manifest)

@@ -84,25 +84,35 @@ def config_hash(values: dict[str, Any]) -> str:
 
 
 @dataclass
+class Origin:
+    """Where a checkpoint came from and what it cost: when it was written, the lineage that
+    wrote it (RUN_DIR/run-id then), what built the model (preset name, shape; for humans and
+    export), RUN_DIR/config.toml when it was written (covered by the checksum), and the bytes
+    written to make it (0 when all hard-linked). In the manifest's JSON they sit beside the
+    other keys."""
+
+    time: float
+    run_id: str | None = None
+    model: dict[str, Any] | None = None
+    config_toml: str | None = None
+    bytes_copied: int = 0
+
+
+@dataclass
 class Manifest:
     step: int
-    time: float
     world_size: int
     compute_dtype: str
     config_hash: str
     units: list[UnitLayout]
     arrays: dict[str, ShardMeta]  # shard key -> its frozen array under state/<key>
+    origin: Origin
     engine: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] | None = None
     rng: dict[str, Any] = field(default_factory=dict)
-    bytes_copied: int = 0  # bytes written to make this checkpoint (0 when all hard-linked)
-    model: dict[str, Any] | None = None  # what built the model (preset name, shape), for humans
     # with several ranks: each rank's RNG states, in rank order
     rank_rng: list[dict[str, Any]] | None = None
     stage: int = 3  # the ZeRO stage: at 1 and 2 each rank's param arrays hold whole units
-    run_id: str | None = None  # the lineage that wrote it (RUN_DIR/run-id then)
-    # RUN_DIR/config.toml when it was written, covered by the checksum
-    config_toml: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -111,6 +121,7 @@ class Manifest:
 
     def to_json(self) -> bytes:
         doc = asdict(self)
+        doc.update(doc.pop("origin"))  # one flat document, as manifests have always been
         doc["arrays"] = {k: m.to_dict() for k, m in self.arrays.items()}
         doc = {"format": FORMAT, **json.loads(json.dumps(doc))}  # as a reader will see it
         return json.dumps({**doc, "checksum": _checksum(doc)}, indent=1).encode()
@@ -153,23 +164,26 @@ class Manifest:
                 str(k): ShardMeta.from_dict(v, f"{where} array {k!r}")
                 for k, v in doc["arrays"].items()
             }
+            origin = Origin(
+                float(doc["time"]),
+                _optional_str(doc.get("run_id")),
+                doc.get("model"),
+                _optional_str(doc.get("config_toml")),
+                int(doc.get("bytes_copied", 0)),
+            )
             return cls(
                 int(doc["step"]),
-                float(doc["time"]),
                 int(doc["world_size"]),
                 str(doc["compute_dtype"]),
                 str(doc["config_hash"]),
                 units,
                 arrays,
+                origin,
                 dict(doc.get("engine") or {}),
                 doc.get("data"),
                 dict(doc.get("rng") or {}),
-                int(doc.get("bytes_copied", 0)),
-                doc.get("model"),
                 _rank_rng(doc.get("rank_rng"), int(doc["world_size"])),
                 int(doc.get("stage", 3)),
-                _optional_str(doc.get("run_id")),
-                _optional_str(doc.get("config_toml")),
             )
         except CheckpointError:
             raise

@@ -46,7 +46,7 @@ from tierzero.checkpoint.catalog import (
     step_dir,
     verify_checkpoint,
 )
-from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest, config_hash, layout_of
+from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest, Origin, config_hash, layout_of
 from tierzero.config import STATE_BLOCK, Config, StateKind, Tier
 from tierzero.distributed.comm import Comm
 from tierzero.engine.parts import EngineParts
@@ -209,22 +209,21 @@ def _commit(
         for k, m in part["arrays"].items()
     }
     rank_rng = [p["rng"] for p in parts] if len(parts) > 1 else None
+    copied = sum(p["copied"] for p in parts)
+    origin = Origin(time.time(), model=model, bytes_copied=copied, **lineage.stamp(final))
     manifest = Manifest(
         step=engine.counters.state.step_count,
-        time=time.time(),
         world_size=engine.layout.comm.world_size,
         compute_dtype=dtype_name(engine.layout.dtype),
         config_hash=numeric_config_hash(engine.config),
         units=layout_of(engine.layout.units),
         arrays=arrays,
+        origin=origin,
         engine=_engine_state(engine),
         data=data,
         rng=parts[0]["rng"],
-        bytes_copied=sum(p["copied"] for p in parts),
-        model=model,
         rank_rng=rank_rng,
         stage=engine.layout.stage,
-        **lineage.stamp(final),
     )
     engine.tiers.run(write_durable(str(temp / MANIFEST_NAME), manifest.to_json()))
     try:
@@ -348,7 +347,8 @@ def _check_formats(engine: EngineParts, manifest: Manifest, path: Path) -> None:
 def _settings_note(path: Path, manifest: Manifest, config: Config) -> str:
     """What differs from the settings of the run that wrote the checkpoint (its config.toml), by
     name: a longer --steps only stretches the lr schedule, which is no other optimizer setting."""
-    saved = tomllib.loads(manifest.config_toml) if manifest.config_toml else None
+    toml = manifest.origin.config_toml
+    saved = tomllib.loads(toml) if toml else None
     if saved is None:
         return (
             f"{path.name} was written with other optimizer or precision settings; the resumed "
