@@ -38,7 +38,7 @@ import torch
 from tierzero.compact import codes as codes_mod
 from tierzero.compact import cpu_step
 from tierzero.compact.formats import StateFormats, split
-from tierzero.config import STATE_BLOCK, Config, OptimizerSettings, StateKind
+from tierzero.config import STATE_BLOCK, OptimizerSettings, StateKind
 
 # values per sub-block (whole STATE_BLOCKs): fewer, larger ops
 SUB_BLOCK = {"cpu": 1 << 18, "cuda": 1 << 18}
@@ -262,7 +262,10 @@ class KernelMismatch(RuntimeError):
 def _check(run: Callable) -> None:
     """Step a probe piece with `run` and with torch's ops; raise `KernelMismatch` unless they
     agree. An fp32 master shows any difference in sqrt or division, int8 moments the quantiser's."""
-    formats, config = StateFormats(moments="int8", master="fp32"), Config(weight_decay=0.1)
+    formats, settings = (
+        StateFormats(moments="int8", master="fp32"),
+        OptimizerSettings(weight_decay=0.1),
+    )
     numel, spans = 3 * STATE_BLOCK + 77, [(0, 300, 0.1, 0), (400, 3 * STATE_BLOCK + 77, 0.0, 4)]
     g = torch.Generator().manual_seed(0)
     values = {
@@ -273,12 +276,10 @@ def _check(run: Callable) -> None:
     probe = {kind: formats.encode(kind, v) for kind, v in values.items()}
     probe[StateKind.GRAD] = torch.randn(numel, generator=g) * 1e-2
     fast = {kind: t.clone() for kind, t in probe.items()}
-    CompactStep(formats, config.optimizer, 0, torch.device("cpu"), kernel=False).step(
+    CompactStep(formats, settings, 0, torch.device("cpu"), kernel=False).step(
         probe, spans, 1e-3, 0, 0
     )
-    CompactStep(formats, config.optimizer, 0, torch.device("cpu"), kernel=run).step(
-        fast, spans, 1e-3, 0, 0
-    )
+    CompactStep(formats, settings, 0, torch.device("cpu"), kernel=run).step(fast, spans, 1e-3, 0, 0)
     if not all(torch.equal(probe[kind], fast[kind]) for kind in probe):
         raise KernelMismatch("its results differ from torch's ops on this machine")
 

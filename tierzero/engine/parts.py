@@ -90,7 +90,8 @@ class EngineParts:
         grad_dtype = TORCH_DTYPES[sizing.grad_dtype]
         piece_numel = config.streaming.piece_numel
         layout = RankLayout(units, placement, stage, piece_numel, dtype, grad_dtype, comm)
-        coded = coded_base(config, units, placement.param, comm.world_size, dtype)
+        base = config.formats.quantize_base
+        coded = coded_base(base, piece_numel, units, placement.param, comm.world_size, dtype)
         shards = Shards(tiers, placement, comm.rank, piece_numel, dtype, sizing.grad_dtype, coded)
         # the pools' budgets, or a refusal naming the shortfall
         sizing.check(tiers, placement, stage)

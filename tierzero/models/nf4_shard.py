@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tierzero.config import Config, Tier
+from tierzero.config import Tier
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit
 from tierzero.models import nf4
@@ -124,15 +124,16 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def coded_base(
-    config: Config,
+    quantize_base: str,
+    piece_numel: int,
     units: list[Unit],
     param_home: Tier,
     world_size: int,
     dtype: torch.dtype,
 ) -> dict[int, CodedShard]:
-    """The units `config.formats.quantize_base` stores coded (none without it), or a refusal naming
+    """The units `quantize_base` stores coded (none without it), or a refusal naming
     what an NF4 base needs: bitsandbytes, a frozen base, one rank, params homed off the GPU."""
-    if config.formats.quantize_base == "none":
+    if quantize_base == "none":
         return {}
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError(
@@ -149,7 +150,7 @@ def coded_base(
             "each unit on the GPU as it is fetched, but this plan keeps params on "
             "the GPU; pass --offload host or --offload nvme"
         )
-    found = coded_shards(units, 0, config.streaming.piece_numel, dtype)
+    found = coded_shards(units, 0, piece_numel, dtype)
     if not found:
         raise ConfigError(
             "--quantize-base nf4 stores a frozen base's linear weights in 4 bits, "
