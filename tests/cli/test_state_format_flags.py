@@ -91,7 +91,8 @@ def test_config_toml_carries_the_formats_and_reads_them_back(tmp_path) -> None:
     assert 'optimizer_state = "int8"' in text and 'master = "bf16"' in text
     (tmp_path / "c.toml").write_text(text)
     back = load_run_config(tmp_path / "c.toml")
-    assert (back.engine.optimizer_state, back.engine.master) == (StateFormat.INT8, DType.BF16)
+    formats = back.engine.formats
+    assert (formats.optimizer_state, formats.master) == (StateFormat.INT8, DType.BF16)
     assert to_toml(back) == text
     line = one_line_error(train("--optimizer-state", "int4", "--run-dir", str(tmp_path / "r")))
     assert "--optimizer-state 'int4' is not valid; choose one of fp32|bf16|int8" in line
