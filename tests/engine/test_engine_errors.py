@@ -89,4 +89,5 @@ def test_model_calling_blocks_out_of_order_is_refused(tmp_path) -> None:
         x = torch.zeros(1, 8, dtype=torch.long)
         with pytest.raises(RuntimeError, match="must call its blocks"):
             engine.train_step((x, x))
-        assert engine.parts.tiers.device_pool.leased_bytes == 0  # the failed pass released everything
+        # the failed pass released everything
+        assert engine.parts.tiers.device_pool.leased_bytes == 0

@@ -108,8 +108,9 @@ def test_budgets_at_the_stated_minimum_train_exactly(tmp_path, depth: int, overl
         for _ in range(3):
             engine.train_step(data.next_batch())
         weights = engine.master_state_dict()
-        peaks = engine.parts.tiers.peaks()
-        budgets = engine.parts.tiers.host_pool.budget_bytes, engine.parts.tiers.device_pool.budget_bytes
+        tiers = engine.parts.tiers
+        peaks = tiers.peaks()
+        budgets = tiers.host_pool.budget_bytes, tiers.device_pool.budget_bytes
     assert peaks["host"] <= budgets[0] and peaks["gpu"] <= budgets[1]
     assert sum(budgets) <= need.host_total_bytes
     for key in ref_weights:

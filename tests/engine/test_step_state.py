@@ -51,7 +51,8 @@ def test_a_checkpoint_holds_the_engines_step_state(tmp_path: Path) -> None:
     engine = Engine(models.build(SMALL, device="meta"), cfg)
     try:
         engine.load_checkpoint(path)
-        assert engine.parts.counters.state.to_dict() == saved == {k: Manifest.load(path).engine[k] for k in saved}
+        loaded = Manifest.load(path).engine
+        assert engine.parts.counters.state.to_dict() == saved == {k: loaded[k] for k in saved}
     finally:
         engine.close()
 

@@ -310,7 +310,8 @@ def test_queued_micro_batches_are_never_lost_or_mixed(tmp_path) -> None:
             engine.forward(data.next_batch())
         engine.load_checkpoint(saved)
         engine.train_micro_batch(data.next_batch())
-        assert engine.parts.counters.state.step_count == 0  # one micro-batch of the loaded run's step, not two
+        # one micro-batch of the loaded run's step, not two
+        assert engine.parts.counters.state.step_count == 0
 
 
 def test_waiting_activations_that_cannot_spill_are_refused_before_the_step(tmp_path) -> None:
