@@ -1,8 +1,9 @@
 """The one memory model: counted by hand, `tierzero plan` on LLaMA-3 shapes, and against the OS.
 
-The last test trains small models on the CPU device in a subprocess (tests/support/scripts/memory_probe.py),
-host budget = the model's prediction, and compares the predicted peaks with the pools' peak
-counters and with the growth of the process's resident memory (VmHWM).
+The last test trains small models on the CPU device in a subprocess
+(tests/support/scripts/memory_probe.py), host budget = the model's prediction, and compares the
+predicted peaks with the pools' peak counters and with the growth of the process's resident
+memory (VmHWM).
 """
 
 from __future__ import annotations
@@ -211,7 +212,8 @@ def _cases() -> list[dict]:
 
 
 def _compact_cases() -> list[dict]:
-    """The middle size in compact state: bf16 compute, int8 moments, the bf16 master that is the param."""
+    """The middle size in compact state: bf16 compute, int8 moments, the bf16 master that is
+    the param."""
     return [
         {
             **case,

@@ -46,7 +46,7 @@ def test_plan_and_train_agree_on_budgets_and_placement(
     needs: all-gpu does not fit, so both must offload the same way."""
     monkeypatch.setattr(machine, "available_host_bytes", lambda: 64 * GB)
     probe = engine(tmp_path)
-    work = probe.sizing.workload(3)
+    work = probe.parts.sizing.workload(3)
     needs = sorted({estimate(p, work).resident_bytes[Tier.HOST] for p in candidate_placements()})
     gap = max(
         range(1, len(needs)), key=lambda i: needs[i] - needs[i - 1]
@@ -62,12 +62,12 @@ def test_plan_and_train_agree_on_budgets_and_placement(
         "nvme",
     ]
     assert planned.budgets == {Tier.GPU: None, Tier.HOST: host_budget, Tier.NVME: DISK_FREE}
-    assert trained.sizing.budgets() == {Tier.HOST: host_budget, Tier.NVME: DISK_FREE}
+    assert trained.parts.sizing.budgets() == {Tier.HOST: host_budget, Tier.NVME: DISK_FREE}
     assert [
         (u.name, u.kind, u.padded_numel, u.trainable_numel, u.uses_with) for u in planned.units
     ] == [(u.name, u.kind, u.padded_numel, u.trainable_numel, u.uses_with) for u in trained.units]
     assert planned.choice.fits
-    assert planned.placement == trained.placement != Placement()
+    assert planned.placement == trained.parts.layout.placement != Placement()
 
 
 def test_plan_takes_the_gpu_budget_train_would(
@@ -80,9 +80,11 @@ def test_plan_takes_the_gpu_budget_train_would(
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * GB, 80 * GB))
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     for native, dtype in ((False, DType.FP32), (True, DType.BF16)):
-        monkeypatch.setattr(
-            torch.cuda, "is_bf16_supported", lambda including_emulation=True: native
-        )
+
+        def bf16_supported(including_emulation: bool = True, native: bool = native) -> bool:
+            return native
+
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", bf16_supported)
         assert make_plan("tiny", nvme_path=tmp_path).dtype is dtype
     planned = make_plan("tiny", nvme_path=tmp_path)
     assert planned.device == "cuda" and planned.machine.detected == ["host", "gpu", "nvme"]

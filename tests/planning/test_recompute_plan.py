@@ -29,7 +29,8 @@ def plan(gpu_mem: str | int, recompute: str = "auto", **kw):
 def test_kept_blocks_follow_the_room_on_the_compute_device() -> None:
     roomy = plan("8GB")
     per = roomy.activations.recompute_bytes
-    assert roomy.kept.kept_blocks == roomy.recompute.keepable_units == 4  # tiny's head is tied: recomputed
+    # tiny's head is tied: recomputed
+    assert roomy.kept.kept_blocks == roomy.recompute.keepable_units == 4
     assert roomy.as_dict()["recompute"] == {
         "recompute": "auto",
         "keepable_units": 4,

@@ -123,7 +123,8 @@ def test_a_host_budget_that_holds_compact_state_but_not_fp32_moves_it_to_the_hos
         assert c.fits
         return c.placement
 
-    # 25.2M params: fp32 state on the host is 16 B/param (403 MB); int8 moments, bf16 master 8 (201 MB)
+    # 25.2M params: fp32 state on the host is 16 B/param (403 MB); int8 moments, bf16 master 8
+    # (201 MB)
     assert choice(StateBytes()).master is Tier.NVME
     compact = choice(StateBytes.for_compute("int8", "bf16", DType.BF16))
     assert (compact.master, compact.exp_avg, compact.exp_avg_sq) == (Tier.HOST,) * 3

@@ -173,6 +173,6 @@ def test_plan_keeps_the_defaults_where_they_fit_and_prints_the_choice_where_not(
     printer.console = Console(file=out, width=80)
     _print_report(printer, report)
     assert (
-        "Streaming: pieces of 1 Mi elements (4.2 MB of fp32), prefetch depth 1 (chosen: the defaults do not "
-        "fit)" in " ".join(out.getvalue().split())
+        "Streaming: pieces of 1 Mi elements (4.2 MB of fp32), prefetch depth 1 (chosen: the "
+        "defaults do not fit)" in " ".join(out.getvalue().split())
     )

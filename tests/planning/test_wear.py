@@ -176,8 +176,8 @@ def test_plan_prints_the_writes_and_notes_a_run_over_one_percent() -> None:
     )
     assert code == 0, text
     assert (
-        "NVMe writes: 80.86 GB per step, 81.00 TB over 1000 steps (with 10 checkpoint(s): 134.77 GB)"
-        in text
+        "NVMe writes: 80.86 GB per step, 81.00 TB over 1000 steps (with 10 checkpoint(s): "
+        "134.77 GB)" in text
     )
     assert "Drive wear: 13.5% of a 600 TBW drive's rating, 13.5% per 1000 steps" in text
     assert (

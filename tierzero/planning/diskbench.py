@@ -7,7 +7,8 @@ back to back, for writes and then for reads, and a ratio is the median over roun
 round's ratio. Throughputs are the best of their rounds. GB/s are 1e9 bytes per second.
 
 - raw: `os.pwrite` / `os.preadv` with O_DIRECT from aligned buffers, `RAW_BLOCK_BYTES` blocks,
-  on the I/O loop's threads (the same pool the store uses): the ceiling for Python (`planning.rawio`).
+  on the I/O loop's threads (the same pool the store uses): the ceiling for Python
+  (`planning.rawio`).
 - store: `NvmeStore` writing and reading `shard_bytes` shards of one buffer, all in flight at
   once; the default chunk size in every round, a few other chunk sizes once.
 - fio (optional), direct I/O (`planning.fio`: the sweep, command lines, and its wall-span
@@ -21,12 +22,12 @@ virtual disk may compress or dedupe (an earlier version wrote a constant 0x5A fr
 store while fio wrote random data, which flattered the store). The buffer is filled once with
 random bytes (every sector distinct within a write), and before each write, untimed, the first
 8 bytes of every 512 B sector are redrawn (tens of ms for 1 GiB, where refilling it all takes
-seconds), so no sector repeats one written before, on any path. fio runs with `--refill_buffers` (fresh random
-bytes for every request) and `--randrepeat=0`. Its default (scramble_buffers: offset and time
-stamped into every 512 B) left 1 MiB samples 3-7% compressible by zlib here, and
-`--buffer_compress_percentage=0` turned scrambling off so every block of a job was identical --
-so neither is used. refill costs fio CPU (about half a core at 1.8 GB/s here) that the store
-does not spend; the multi-job configurations spread it.
+seconds), so no sector repeats one written before, on any path. fio runs with
+`--refill_buffers` (fresh random bytes for every request) and `--randrepeat=0`. Its default
+(scramble_buffers: offset and time stamped into every 512 B) left 1 MiB samples 3-7%
+compressible by zlib here, and `--buffer_compress_percentage=0` turned scrambling off so every
+block of a job was identical -- so neither is used. refill costs fio CPU (about half a core at
+1.8 GB/s here) that the store does not spend; the multi-job configurations spread it.
 
 Within a round the three take turns going first (drives with burst credits favour whoever
 writes after a pause). Like fio, which lays its files out before timing them, every target is

@@ -3,8 +3,9 @@
 Owns the counting that needs no machine: bytes per parameter per state kind, the per-GPU
 account of DDP and ZeRO stages 1-3, a model's units and their parameter counts, and the
 activation memory of per-unit checkpointing, and the compact rows: the state's bytes per
-parameter under each (Adam moments, master) format (`tierzero.planning.statebytes`). Pure arithmetic on `ModelArgs`; it never builds
-a model, touches torch or probes a machine. Where the state should live is `tierzero.planning.placement`.
+parameter under each (Adam moments, master) format (`tierzero.planning.statebytes`). Pure
+arithmetic on `ModelArgs`; it never builds a model, touches torch or probes a machine. Where the
+state should live is `tierzero.planning.placement`.
 
 Nominal and exact sizes: a preset named `7b` has 6.74B parameters. The textbook account
 (DESIGN.md: "a 7B model is 112 GB") uses the size in the name, so `ledger` is computed from
@@ -25,7 +26,8 @@ from tierzero.planning.statebytes import FP32_NBYTES, FP32_STATE, StateBytes
 
 GB = 10**9  # sizes in tables are decimal GB, as in "a 7B model is 112 GB"
 
-# the unit names partition gives the built-in model's ends (`Workload.from_sizes` reads them as kinds)
+# the unit names partition gives the built-in model's ends (`Workload.from_sizes` reads them as
+# kinds)
 EMBEDDING_UNIT = "embedding"
 HEAD_UNIT = "head"
 ROOT_UNIT = "root"
@@ -182,7 +184,8 @@ def nearest_preset(numel: int) -> str:
 
 
 def scaled_units(numel: int, args: ModelArgs) -> list[UnitSize]:
-    """`args`'s units with every count scaled so they sum to `numel` (the last takes the rounding)."""
+    """`args`'s units with every count scaled so they sum to `numel` (the last takes the
+    rounding)."""
     units = units_from_args(args)
     ratio = numel / args.param_count()
     scaled = [(name, max(1, round(n * ratio))) for name, n in units[:-1]]
@@ -194,8 +197,8 @@ def scaled_units(numel: int, args: ModelArgs) -> list[UnitSize]:
 class ActivationEstimate:
     """Activation bytes of one micro-batch with per-unit checkpointing (see `activation_memory`).
 
-    Every field is one part of the compute device's working set; `tierzero.planning.memory_model` adds them
-    to the params and gradients in flight at each moment of the step.
+    Every field is one part of the compute device's working set; `tierzero.planning.memory_model`
+    adds them to the params and gradients in flight at each moment of the step.
     """
 
     batch_size: int
@@ -223,7 +226,8 @@ class ActivationEstimate:
     @property
     def forward_bytes(self) -> int:
         """Peak of the forward pass: every checkpoint and kept graph plus the larger of a block's
-        or the loss's temporaries (the last block's forward runs with all but one checkpoint held)."""
+        or the loss's temporaries (the last block's forward runs with all but one checkpoint
+        held)."""
         return (
             self.checkpoints_bytes
             + self.kept_bytes
@@ -333,9 +337,10 @@ def waiting_activations_bytes(
     accumulate: int,
     itemsize: int,
 ) -> int:
-    """Host bytes the vertical schedule's waiting activations take at most (`engine.vertical.boundary`,
-    beyond its budget spilled to nvme): every micro-batch's input to every block, and a tied
-    embedding's grads from the head (fp32), for `accumulate` micro-batches of `tokens` each."""
+    """Host bytes the vertical schedule's waiting activations take at most
+    (`engine.vertical.boundary`, beyond its budget spilled to nvme): every micro-batch's input to
+    every block, and a tied embedding's grads from the head (fp32), for `accumulate`
+    micro-batches of `tokens` each."""
     return accumulate * (
         n_blocks * tokens * dim * itemsize + (vocab_size * dim * FP32_NBYTES if tied else 0)
     )

@@ -1,9 +1,9 @@
 """The one machine probe: free host memory, free disk space, the default budgets and dtype.
 
 `tierzero plan` and `tierzero train` ask the same functions, so they agree on the budgets (and
-hence on placement and precision) for the same machine. Nothing else in the package reads /proc/meminfo,
-asks CUDA how much memory is free or measures a disk. `plan_budgets` and `train_dtype` are a
-plan's machine: the sizes given, else these defaults.
+hence on placement and precision) for the same machine. Nothing else in the package reads
+/proc/meminfo, asks CUDA how much memory is free or measures a disk. `plan_budgets` and
+`train_dtype` are a plan's machine: the sizes given, else these defaults.
 """
 
 from __future__ import annotations

@@ -206,7 +206,8 @@ def tier_peak(
 
 
 def format_bytes(nbytes: int) -> str:
-    """Decimal units, three significant figures or so: `1.12 TB`, `12.35 GB`, `48.2 MB`, `4.1 kB`."""
+    """Decimal units, three significant figures or so: `1.12 TB`, `12.35 GB`, `48.2 MB`,
+    `4.1 kB`."""
     for unit, scale in (("TB", 1000 * GB), ("GB", GB), ("MB", 10**6), ("kB", 10**3)):
         if nbytes >= scale:
             return f"{nbytes / scale:.2f} {unit}" if scale >= GB else f"{nbytes / scale:.1f} {unit}"

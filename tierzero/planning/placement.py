@@ -2,7 +2,8 @@
 
 Owns the candidate placements, the bytes each moves per step, the step-time model from a
 `tierzero bench` profile, and the choice `--offload auto` makes. What each placement holds in
-each tier at peak is the one memory model's (`tierzero.planning.memory_model`), which the engine uses too.
+each tier at peak is the one memory model's (`tierzero.planning.memory_model`), which the
+engine uses too.
 Plans are data: everything here is arithmetic on unit sizes and budgets. The only I/O is
 `load_profile` reading a JSON file; probing the machine for budgets is the caller's job.
 

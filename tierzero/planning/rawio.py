@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 from tierzero.storage.io import IOLoop
@@ -28,12 +27,16 @@ def time_raw(
     flags = os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
     if rw == "write":
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
-        job: Callable[[int, memoryview], Any] = lambda off, b: os.pwrite(fd, b, off)
+
+        def job(off: int, b: memoryview) -> Any:
+            return os.pwrite(fd, b, off)
     else:
         if not direct:
             drop_cache(path)
         fd = os.open(path, os.O_RDONLY | flags)
-        job = lambda off, b: os.preadv(fd, [b], off)
+
+        def job(off: int, b: memoryview) -> Any:
+            return os.preadv(fd, [b], off)
 
     async def run() -> None:
         loop = asyncio.get_running_loop()

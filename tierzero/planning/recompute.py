@@ -57,7 +57,8 @@ def choose_kept(
         need = sum(kept_bytes(u, act) for u in candidates)
         if need > room_bytes:
             raise ConfigError(
-                f"--recompute none keeps {len(candidates)} units' activations ({need / 1e6:.1f} MB) "
+                f"--recompute none keeps {len(candidates)} units' activations "
+                f"({need / 1e6:.1f} MB) "
                 f"but the compute device's budget has {max(0, room_bytes) / 1e6:.1f} MB left for "
                 "them; use --recompute auto, smaller batches or a larger budget"
             )

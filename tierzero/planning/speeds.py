@@ -98,7 +98,10 @@ def h2d_gbps(
         gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         dst, src = (host, gpu) if to_host else (gpu, host)
         # non_blocking only with pinned memory: with pageable memory it would copy synchronously.
-        op = lambda: dst.copy_(src, non_blocking=pinned)
+
+        def op() -> torch.Tensor:
+            return dst.copy_(src, non_blocking=pinned)
+
         gbps = nbytes / _best_seconds(op, seconds, torch.cuda.synchronize) / 1e9
         pool.give_back(host)
     return gbps

@@ -4,9 +4,10 @@ Owns `StateBytes`, the (Adam moments, master) choice a run makes (`Config.optimi
 `Config.master`) as the planner counts it: params and grads in their dtypes, the master and
 moments as the engine stores them (`tierzero.compact.formats.StateFormats`, the one place that
 knows a stored piece's size: int8 adds one fp32 absmax per `STATE_BLOCK` values, blocks counted
-per run of elements since pieces and units start on a block). With bf16 compute and a bf16 master the param *is* the master (one
-tensor): where both are homed on one tier the param takes no bytes of its own there. The
-ledger, the memory model and the placement planner count with it.
+per run of elements since pieces and units start on a block). With bf16 compute and a bf16
+master the param *is* the master (one tensor): where both are homed on one tier the param
+takes no bytes of its own there. The ledger, the memory model and the placement planner count
+with it.
 """
 
 from __future__ import annotations

@@ -48,7 +48,8 @@ class Streaming:
         """`pieces of 1 Mi elements (4.2 MB of fp32), prefetch depth 1`."""
         return (
             f"pieces of {_binary(self.piece_numel)} elements "
-            f"({format_bytes(self.piece_numel * FP32_NBYTES)} of fp32), prefetch depth {self.prefetch_depth}"
+            f"({format_bytes(self.piece_numel * FP32_NBYTES)} of fp32), "
+            f"prefetch depth {self.prefetch_depth}"
         )
 
 

@@ -6,8 +6,8 @@ issued `prefetch_depth` uses ahead, the wait before compute, and the release aft
 several ranks it lists each use's all-gather too (`gather`): issued one use ahead, as the
 previous use begins computing, when `gather_ahead` is 1 (never further ahead than its fetch),
 or just before its wait when 0. With replicated params (ZeRO stage 1/2) every rank stores whole
-units: the plan lists no gathers and a fetch moves the whole unit. `tierzero.engine.runtime.swaprunner`
-executes it.
+units: the plan lists no gathers and a fetch moves the whole unit.
+`tierzero.engine.runtime.swaprunner` executes it.
 
 The vertical schedule (`micro_batches`, gradient accumulation layer-major) is the same walk
 over the units with each use covering every micro-batch of the step: one fetch, gather, wait
@@ -84,9 +84,10 @@ def build_swap_plan(
     `calls` are the units each forward call binds, in order (`partition.forward_uses`: the
     head with the embedding when they are tied). Backward recomputes the calls in reverse.
     A call of `forward_only` units (a frozen embedding: no weight grad, and token ids need none)
-    has no backward use. A `held` unit (the root of a model without embedding/head entry points) is fetched at its
-    first use and released only at the end. A unit used again before its next fetch would be
-    issued (the last call forward then first backward; a tied embedding) stays on the device.
+    has no backward use. A `held` unit (the root of a model without embedding/head entry points)
+    is fetched at its first use and released only at the end. A unit used again before its next
+    fetch would be issued (the last call forward then first backward; a tied embedding) stays on
+    the device.
     `gather_ahead` (several ranks): 1 issues each use's all-gather as the use before it starts
     computing, 0 just before its own wait, None lists no gathers (one rank). It is bounded by
     the fetch depth: a unit is gathered no earlier than it is fetched. `micro_batches` (the

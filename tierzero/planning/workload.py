@@ -212,7 +212,10 @@ class Workload:
         ):
             return self.nbytes(kind, numel)
         full, rest = divmod(numel, self.piece_numel)
-        aligned = lambda n: -(-self.nbytes(kind, n) // DEVICE_ALIGNMENT) * DEVICE_ALIGNMENT
+
+        def aligned(n: int) -> int:
+            return -(-self.nbytes(kind, n) // DEVICE_ALIGNMENT) * DEVICE_ALIGNMENT
+
         return full * aligned(self.piece_numel) + (aligned(rest) if rest else 0)
 
     def state_nbytes(self, kind: StateKind) -> int:
