@@ -5,9 +5,10 @@ Generation needs the weights alone, so every parameter is frozen: the engine sto
 params in the compute dtype in the tier the placement gives them (no grad, master weight or
 Adam moment exists) and streams them through the same swap plan as a training forward. A run
 directory is read as `export` reads it (`tierzero.checkpoint.export.read_units`: the master
-weights, and the params of frozen ones such as a LoRA base, every chunk checked), one unit at a
-time as the engine materialises that unit, so the model is never whole in host memory and a
-run trained on any number of ranks generates on one. The model is the run's own config.toml's:
+weights, and the params of frozen ones such as a LoRA base, an NF4 base decoded to the values
+the run computed with, every chunk checked), one unit at a time as the engine materialises
+that unit, so the model is never whole in host memory and a run trained on any number of ranks
+generates on one. The model is the run's own config.toml's:
 the preset, or the `hf:` directory with its LoRA adapters when the run trained them (generation
 runs base + adapters, as training did). The run's own files are only read: the engine's NVMe
 store is a fresh temporary directory (inside the run directory by default, on the disk its
@@ -179,6 +180,9 @@ def _run_config(run_dir: Path, overrides: dict[str, Any]) -> RunConfig:
     run = run.replace(
         optimizer_state="fp32",
         master="fp32",
+        # an NF4 base is read decoded (`read_units`): the values the run computed with, kept
+        # in the compute dtype; coding it again would code the frozen adapters too
+        quantize_base="none",
         accumulate=1,
         piece_numel=None,
         placement=placement,
