@@ -68,10 +68,10 @@ def race(
 
 def print_kept(auto: Engine) -> None:
     """Which units `auto` kept the activations of, and what the memory model counts for them."""
-    act = auto.sizing.activations
+    act = auto.parts.sizing.activations
     head = f" + the head {act.head_kept_bytes / 1e6:.1f} MB" if act.kept_head else ""
     print(
-        f"auto kept units {sorted(auto.runner.kept)} of {len(auto.units)}: "
+        f"auto kept units {sorted(auto.opened.runner.kept)} of {len(auto.units)}: "
         f"{act.kept_blocks} blocks x {act.recompute_bytes / 1e6:.1f} MB{head} = "
         f"{act.kept_bytes / 1e6:.1f} MB counted by the memory model"
     )

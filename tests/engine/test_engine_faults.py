@@ -96,8 +96,8 @@ def test_budgets_at_the_stated_minimum_train_exactly(tmp_path, depth: int, overl
     batch's activations included): the step fits, stays exact, and every pool stays in budget."""
     model = models.build(SMALL, device="meta")
     probe = Engine(model, config(tmp_path, prefetch_depth=depth, overlap_step=overlap))
-    need = probe.sizing.memory(
-        NVME, probe.stage, activation_memory(SMALL, 4, 32, 4, model.loss_chunk_bytes)
+    need = probe.parts.sizing.memory(
+        NVME, probe.parts.layout.stage, activation_memory(SMALL, 4, 32, 4, model.loss_chunk_bytes)
     )
     cfg = config(
         tmp_path, prefetch_depth=depth, overlap_step=overlap, host_budget=need.host_total_bytes

@@ -241,7 +241,7 @@ def test_budget_checks_count_frozen_parameters_as_params_only(tmp_path) -> None:
     LoRA one trains within it."""
     host = Placement(Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
     probe = Engine(lora_model(), config(tmp_path, host))
-    need = probe.memory.host_memory.peak_bytes
+    need = probe.parts.sizing.current.host_memory.peak_bytes
     dense_need = Engine(
         models.build(SMALL, seed=0), config(tmp_path, host)
     ).memory.host_memory.peak_bytes
