@@ -4,7 +4,7 @@ checkpoint bitwise equal to an uninterrupted run's (every array, counters, data 
 and one kill in each other path the engine trains on (`kill_sweep.PATHS`: the vertical schedule
 spilling activations, the clip re-step holding kept generations, bf16, fp16 with a skipped step,
 compact optimizer state with bf16 grads on NVMe and in host memory, host and auto placements,
-two ranks), each resumed bitwise or refused in one sentence.
+two ranks, a frozen base stored in NF4), each resumed bitwise or refused in one sentence.
 
 The lives run in one driver process (tests/support/scripts/kill_sweep.py: forked children on a tiny
 model, a few seconds each). The soak, `TIERZERO_KILL_SWEEP=all` (or a comma-separated list of
@@ -50,6 +50,10 @@ PATH_POINTS = [
     ({"path": "compact", "phase": "save", "nth": 2, "k": 100}, "/nvme/exp_avg/u0001/"),
     ({"path": "compact", "phase": "step", "nth": 2, "k": 50}, None),
     ({"path": "compact-host", "phase": "save", "nth": 2, "k": 34}, "/state/exp_avg/u0000/"),
+    # an NF4 base's coded chunk (written once at open) linked into the second checkpoint, and
+    # linked back from the checkpoint into the store by a resume
+    ({"path": "nf4", "phase": "save", "nth": 2, "k": 1}, "nvme/param/u0001/r0/p0001/g"),
+    ({"path": "nf4", "phase": "resume", "nth": 1, "k": 1}, "param/u0001/r0/p0001/c/0 ->"),
 ]
 
 

@@ -21,7 +21,7 @@ with the kept generations held on the drive; bf16 and fp16 compute (fp16 with a 
 grows until steps overflow and are skipped); compact optimizer state with bf16 grads (int8 moments
 and a bf16 master on NVMe; bf16 moments and an fp32 master in host memory); host and auto
 placements; two ranks (gloo, forked: a kill there SIGKILLs both, as a launcher tears down a job
-whose rank died).
+whose rank died); the blocks' linear weights a frozen base stored in NF4 on NVMe.
 
     python kill_sweep.py WORKDIR '[{"path": "vertical", "phase": "save", "nth": 2, "k": 5}, ...]'
 
@@ -68,10 +68,12 @@ ACTIVATION_BYTES = BATCH * 32 * SMALL.dim * 4  # one micro-batch's input to a bl
 
 @dataclass(frozen=True)
 class TrainPath:
-    """What a life trains with: engine settings beside the common ones, and how many ranks."""
+    """What a life trains with: engine settings beside the common ones, how many ranks, and
+    whether the blocks' linear weights are a frozen base (the norms, embedding and head train)."""
 
     settings: dict[str, Any] = field(default_factory=dict)
     ranks: int = 1
+    frozen_linears: bool = False
 
     @property
     def accumulate(self) -> int:
@@ -106,6 +108,9 @@ PATHS = {
     "compact-host": TrainPath(
         {"dtype": "bf16", "optimizer_state": "bf16", "master": "fp32", "placement": HOST}
     ),
+    # the blocks' linear weights a frozen base stored in NF4 on NVMe: coded once at open, every
+    # checkpoint linking the same coded chunks, read back and decoded through a resume
+    "nf4": TrainPath({"quantize_base": "nf4"}, frozen_linears=True),
 }
 FS_CALLS = (
     "link",
@@ -250,7 +255,13 @@ def life(work: Path, path: TrainPath, switch: KillSwitch | None, rank: int = 0) 
     (work / "nvme").mkdir(parents=True, exist_ok=True)
     cfg = config(work, path)
     data = batches(batch_size=BATCH * path.ranks)
-    engine = Engine(models.build(SMALL, device="meta", seed=cfg.seed), cfg)
+    model = models.build(SMALL, device="meta", seed=cfg.seed)
+    if path.frozen_linears:
+        for block in model.blocks:
+            for module in block.modules():
+                if type(module) is torch.nn.Linear:
+                    module.weight.requires_grad_(False)
+    engine = Engine(model, cfg)
     try:
         if catalog.checkpoint_dirs(run_dir):
             data.load_state_dict(engine.load_checkpoint(run_dir).data)
@@ -333,10 +344,10 @@ def same_final_state(a_dir: Path, b_dir: Path) -> str | None:
             return f"{what} differs"
     if a.arrays.keys() != b.arrays.keys():
         return "arrays differ"
-    for key in a.arrays:
+    for key in a.arrays:  # bitwise: an NF4 base's coded pieces, viewed as floats, hold NaNs
         if not torch.equal(
-            read_array(str(a.array_dir(a_path, key)), a.arrays[key]),
-            read_array(str(b.array_dir(b_path, key)), b.arrays[key]),
+            read_array(str(a.array_dir(a_path, key)), a.arrays[key]).view(torch.uint8),
+            read_array(str(b.array_dir(b_path, key)), b.arrays[key]).view(torch.uint8),
         ):
             return f"{key} differs"
     return None
