@@ -14,7 +14,7 @@ from tierzero.config import RunConfig, StateKind, Tier
 from tierzero.hf.lora import LoraSpec
 from tierzero.hf.plan import plan as plan_model
 from tierzero.planning.ledger import GB
-from tierzero.planning.peaks import MemoryModel, format_bytes
+from tierzero.planning.peaks import MemoryModel, format_bytes, format_count
 from tierzero.planning.placement import Link
 from tierzero.planning.report import PlanReport
 from tierzero.planning.streaming import DEFAULT
@@ -61,7 +61,7 @@ def plan(
     shape's vocabulary, or hf:DIR (--model), a Hugging Face directory's own model, with
     --lora-r its adapters on a frozen base (--quantize-base nf4: that base in 4 bits). Sizes
     not given are what `tierzero train` would take on this machine."""
-    options = dict(locals())
+    options = dict(locals())  # every other option is `tierzero.plan`'s keyword of its name
     json_out, lora_r, targets = (options.pop(k) for k in ("json_out", "lora_r", "lora_targets"))
     lora = None
     if lora_r is not None:
@@ -88,14 +88,6 @@ _UNITS = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3), ("B", 1))
 
 def _say(out: Output, text: str) -> None:
     out.print(text, soft_wrap=False, highlight=False)
-
-
-def _count(n: float) -> str:
-    """`6.74B`, `125.0M`, `3.21M`, `786.4k`: parameter counts at a glance."""
-    for suffix, scale in (("B", 10**9), ("M", 10**6), ("k", 10**3)):
-        if n >= scale:
-            return f"{n / scale:.2f}{suffix}" if suffix == "B" else f"{n / scale:.1f}{suffix}"
-    return f"{n:.0f}"
 
 
 def _unit(largest: float) -> tuple[str, int]:
@@ -143,22 +135,22 @@ def _print_model(out: Output, report: PlanReport, r: dict) -> None:
     what = (
         escape(m["preset"])
         if m["preset"]
-        else f"{_count(m['params'])} params shaped like {m['shape']}"
+        else f"{format_count(m['params'])} params shaped like {m['shape']}"
     )
     _say(
         out,
-        f"[bold]tierzero plan[/] {what}: {_count(m['params'])} params in {m['units']} units "
-        f"(largest {_count(m['largest_unit_params'])}), {report.gpus} GPU(s), {r['dtype']}",
+        f"[bold]tierzero plan[/] {what}: {format_count(m['params'])} params in {m['units']} units "
+        f"(largest {format_count(m['largest_unit_params'])}), {report.gpus} GPU(s), {r['dtype']}",
     )
     _say(out, f"Compute dtype: {r['dtype']} ({_DTYPE_SOURCES[report.precision.source]})")
     if r["base"]["quantize_base"] != "none":
         _say(out, f"Base: {r['base']['text']}")
     basis = "nominal size" if m["ledger_params"] != m["params"] else "exact size"
     t = Table(
-        title=f"Training state per GPU ({basis}: {_count(m['ledger_params'])} params)",
+        title=f"Training state per GPU ({basis}: {format_count(m['ledger_params'])} params)",
         box=box.SIMPLE_HEAD,
     )
-    for col in ("stage", "bytes/param", "per GPU", f"per GPU (exact {_count(m['params'])})"):
+    for col in ("stage", "bytes/param", "per GPU", f"per GPU (exact {format_count(m['params'])})"):
         t.add_column(col, justify="right" if col != "stage" else "left", no_wrap=True)
     for row in r["ledger"]:
         t.add_row(

@@ -137,7 +137,7 @@ def test_plan_says_what_is_quantized_and_keeps_the_base_off_the_gpu(base_dir) ->
     result = plan_cli(base_dir, *lora, "--quantize-base", "nf4")
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
-    assert "Base: nf4: 0.00B params, the blocks' frozen linear weights, in 4 bits" in text
+    assert "Base: nf4: 344.1k params, the blocks' frozen linear weights, in 4 bits" in text
     assert "(0.5625 B each with its block's absmax)" in text
     coded = json.loads(plan_cli(base_dir, *lora, "--quantize-base", "nf4", "--json").stdout)
     plain = json.loads(plan_cli(base_dir, *lora, "--json").stdout)

@@ -212,3 +212,11 @@ def format_bytes(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.2f} {unit}" if scale >= GB else f"{nbytes / scale:.1f} {unit}"
     return f"{nbytes} B"
+
+
+def format_count(n: float) -> str:
+    """`6.74B`, `125.0M`, `3.21M`, `786.4k`: parameter counts at a glance."""
+    for suffix, scale in (("B", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix}" if suffix == "B" else f"{n / scale:.1f}{suffix}"
+    return f"{n:.0f}"

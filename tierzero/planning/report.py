@@ -20,7 +20,7 @@ from tierzero.planning import planjson
 from tierzero.planning.codedbase import NF4_BYTES_PER_PARAM
 from tierzero.planning.homes import describe_homes
 from tierzero.planning.ledger import ActivationEstimate, waiting_activations_bytes
-from tierzero.planning.peaks import format_bytes
+from tierzero.planning.peaks import format_bytes, format_count
 from tierzero.planning.placement import STAGE_TEXT, Link, PlacementChoice, PlacementEstimate
 from tierzero.planning.planrecords import (
     Machine,
@@ -179,7 +179,7 @@ class PlanReport:
         plain = dataclasses.replace(w, coded=None).param_nbytes() * w.world_size
         dtype = self.precision.dtype.value
         text = (
-            f"nf4: {quantized / 1e9:.2f}B params, the blocks' frozen linear weights, in 4 bits "
+            f"nf4: {format_count(quantized)} params, the blocks' frozen linear weights, in 4 bits "
             f"({NF4_BYTES_PER_PARAM:g} B each with its block's absmax); the embeddings, norms, "
             f"head and adapters in {dtype}: {format_bytes(stored)} stored "
             f"({stored / max(1, self.numel):.2f} B/param), {format_bytes(plain)} in {dtype}"
