@@ -97,11 +97,11 @@ def _print_header(out: Output, run: RunConfig, ranks: Ranks, session: Any) -> No
         out.print(f"optimizer state: {formats.describe()}", highlight=False)
     if session.fitted is not None and session.fitted.long:
         out.print(f"[yellow]note:[/] {_long_examples_text(session.fitted)}", highlight=False)
-    stage = getattr(session.trainer, "stage", None)
-    if ranks.world_size > 1 and stage is not None:
+    if ranks.world_size > 1:  # several ranks train an Engine, never the in-memory trainer
+        parts = session.trainer.parts
+        stage = parts.layout.stage
         out.print(
-            f"ZeRO stage {stage} ({session.trainer.parts.stage_reason}): {STAGE_TEXT[stage]}",
-            highlight=False,
+            f"ZeRO stage {stage} ({parts.stage_reason}): {STAGE_TEXT[stage]}", highlight=False
         )
 
 
