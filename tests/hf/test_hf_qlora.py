@@ -146,7 +146,7 @@ def test_the_drive_holds_the_base_in_nf4(base_dir, tmp_path) -> None:
     # at the default piece size the 4 KiB padding of a piece is lost in its bytes: 0.5625 per
     # quantised value, the rest (norms, adapters, padding) as it is
     for index in shards:
-        unit = engine.parts.units[index]
+        unit = engine.units[index]
         whole = CodedShard(unit, 0, PIECE_NUMEL, torch.float32)
         quantized = nf4.QuantizedBlocks(unit).quantized_numel
         raw = unit.padded_numel - quantized
