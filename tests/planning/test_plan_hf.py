@@ -114,3 +114,21 @@ def test_python_plans_an_hf_directory_as_the_cli_does(hf_models: dict[str, Path]
     cli = json.loads(plan("--model", name, *MACHINE, "--accumulate", "4", "--json"))
     assert json.loads(json.dumps(report.as_dict())) == cli
     assert report.as_dict()["model"]["units"] == len(partition(load_model(name).model, 1))
+
+
+def test_python_plans_lora_on_an_nf4_base_as_the_cli_does(hf_models: dict[str, Path]) -> None:
+    """`tierzero.plan(..., lora=LoraSpec(...), quantize_base="nf4")` is `tierzero plan --lora-r
+    --quantize-base nf4`: adapters on q_proj and v_proj, the base's other linear weights coded."""
+    import tierzero
+    from tierzero.hf.lora import LoraSpec
+
+    name = f"hf:{hf_models['llama']}"
+    lora = LoraSpec(8, 8.0, 0.0, ("q_proj", "v_proj"))
+    machine = dict(host_mem="8GB", gpu_mem="4GB", nvme_free="1TB")
+    report = tierzero.plan(name, lora=lora, quantize_base="nf4", **machine)
+    lora_flags = ["--lora-r", "8", "--lora-targets", "q_proj,v_proj"]
+    cli = json.loads(
+        plan("--model", name, *MACHINE, *lora_flags, "--quantize-base", "nf4", "--json")
+    )
+    assert json.loads(json.dumps(report.as_dict())) == cli
+    assert cli["base"]["quantize_base"] == "nf4" and report.placement.param.value != "gpu"
