@@ -10,7 +10,7 @@ from rich.table import Table
 from tierzero.cli import plan_options as opt
 from tierzero.cli.output import Output
 
-from tierzero.config import RunConfig, StateKind, Tier
+from tierzero.config import Evaluation, RunConfig, StateKind, Tier
 from tierzero.hf.lora import LoraSpec
 from tierzero.hf.plan import plan as plan_model
 from tierzero.planning.ledger import GB
@@ -49,6 +49,7 @@ def plan(
     steps: opt.Steps = RunConfig.steps,
     checkpoint_every: opt.CheckpointEvery = None,
     drive_tbw: opt.DriveTbw = None,
+    eval_tokens: opt.EvalTokens = Evaluation.eval_tokens,
     json_out: opt.Json = False,
 ) -> None:
     """Print the 16-byte ledger per GPU (DDP, ZeRO 1-3), its compact rows (the state's bytes per

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from tierzero.config import STATE_BLOCK, RunConfig
+from tierzero.config import STATE_BLOCK, Evaluation, RunConfig
 from tierzero.models.presets import PRESETS
 from tierzero.planning.planreport import DEFAULT_PRESET
 
@@ -212,6 +212,14 @@ CheckpointEvery = Annotated[
         "--checkpoint-every",
         help="Checkpoint every N steps, as `tierzero train --checkpoint-every`: their writes "
         "are projected too (train always checkpoints at the end).",
+    ),
+]
+EvalTokens = Annotated[
+    int,
+    typer.Option(
+        "--eval-tokens",
+        help=f"Tokens of the validation set (default {Evaluation.eval_tokens}, as `tierzero "
+        "train --eval-tokens`): what one evaluation reads is printed.",
     ),
 ]
 DriveTbw = Annotated[

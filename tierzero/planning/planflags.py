@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from tierzero.config import DType, Recompute, RunConfig, Schedule, StateFormat
+from tierzero.config import DType, Evaluation, Recompute, RunConfig, Schedule, StateFormat
 from tierzero.config.sectioned import Sectioned
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit
@@ -160,17 +160,19 @@ class FormatFlags:
 
 
 @dataclass(frozen=True)
-class RunFlags:
-    """The run whose NVMe writes are projected: its steps, checkpoint interval and the drive's
-    rated terabytes written."""
+class RunLength:
+    """The run whose NVMe writes `PlanReport.wear` projects -- its steps, checkpoint interval
+    and the drive's rated terabytes written -- and the evaluation set `evaluation` costs."""
 
     steps: int = RunConfig.steps
     checkpoint_every: int | None = None
     drive_tbw: float | None = None
+    eval_tokens: int = Evaluation.eval_tokens
 
     def __post_init__(self) -> None:
         check_count("steps", self.steps, 1)
         check_count("checkpoint_every", self.checkpoint_every, 1)
+        check_count("eval_tokens", self.eval_tokens, 1)
         check_drive_tbw(self.drive_tbw)
 
 
@@ -183,14 +185,14 @@ class PlanFlags(Sectioned):
         "shape": ShapeFlags,
         "step": StepFlags,
         "formats": FormatFlags,
-        "run": RunFlags,
+        "run": RunLength,
     }
 
     machine: MachineFlags
     shape: ShapeFlags
     step: StepFlags
     formats: FormatFlags
-    run: RunFlags
+    run: RunLength
 
     @property
     def described(self) -> bool:

@@ -1,6 +1,6 @@
 """The records a plan is made of: the model, the machine, the precision, the ZeRO stage, the
-recompute choice and the run whose writes are projected (`tierzero.planning.report.PlanReport`
-holds one of each). Plain data.
+recompute choice (`tierzero.planning.report.PlanReport` holds one of each, and the run whose
+writes it projects: `planflags.RunLength`). Plain data.
 """
 
 from __future__ import annotations
@@ -66,14 +66,3 @@ class RecomputeChoice:
     recompute: Recompute = Recompute.AUTO
     kept: ActivationEstimate | None = None
     keepable_units: int = 0
-
-
-@dataclass(frozen=True)
-class RunLength:
-    """The run `wear` projects -- its steps, checkpoint interval and drive rating (TBW) -- and
-    the evaluation set `evaluation` costs."""
-
-    steps: int
-    checkpoint_every: int | None
-    drive_tbw: float | None
-    eval_tokens: int

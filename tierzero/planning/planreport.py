@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tierzero.config import TORCH_DTYPES, DType, Evaluation, Recompute, RunConfig, Schedule, Tier
+from tierzero.config import TORCH_DTYPES, DType, Recompute, RunConfig, Schedule, Tier
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit
 from tierzero.models.llama import loss_chunk_bytes
@@ -46,7 +46,6 @@ from tierzero.planning.planrecords import (
     ModelShape,
     Precision,
     RecomputeChoice,
-    RunLength,
     StageChoice,
 )
 from tierzero.planning.recompute import choose_kept, keepable, with_kept
@@ -65,7 +64,7 @@ def make_plan(model: str | None = None, **flags: Any) -> PlanReport:
     `accumulate=4`, `quantize_base="nf4"`); the result is what it prints (`as_dict()` is its
     `--json`)."""
     f = PlanFlags(**flags)
-    step, run = f.step, f.run
+    step = f.step
     if model is not None and f.shape.params is not None:
         raise ConfigError("give --model or --params, not both")
     vertical = _vertical(step, f.shape.not_a_chain)
@@ -100,7 +99,7 @@ def make_plan(model: str | None = None, **flags: Any) -> PlanReport:
         step.left_open,
         vertical,
         _recompute_choice(step, vertical or built, costed, machine, work),
-        RunLength(run.steps, run.checkpoint_every, run.drive_tbw, Evaluation.eval_tokens),
+        f.run,
     )
 
 

@@ -22,12 +22,12 @@ from tierzero.planning.homes import describe_homes
 from tierzero.planning.ledger import ActivationEstimate, waiting_activations_bytes
 from tierzero.planning.peaks import format_bytes, format_count
 from tierzero.planning.placement import STAGE_TEXT, Link, PlacementChoice, PlacementEstimate
+from tierzero.planning.planflags import RunLength
 from tierzero.planning.planrecords import (
     Machine,
     ModelShape,
     Precision,
     RecomputeChoice,
-    RunLength,
     StageChoice,
 )
 from tierzero.planning.statebytes import grad_dtype
