@@ -208,7 +208,7 @@ def test_a_recipe_fits_the_machine_it_names(name: str, tmp_path: Path) -> None:
 
 
 def test_the_qlora_recipes_store_the_base_in_nf4(tmp_path: Path) -> None:
-    """70B: the NF4 base (42.8 GB, 0.61 B/param with its bf16 embedding and head) is homed in
+    """70B: the NF4 base (42.7 GB, 0.61 B/param with its bf16 embedding and head) is homed in
     host memory, so no step reads or writes the drive; 405B: it streams from the one NVMe at
     0.58 B/param, under a third of the bf16 base's reads a step."""
     plans = {}
