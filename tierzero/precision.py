@@ -29,7 +29,7 @@ def check_dtype_supported(dtype: DType, device: torch.device) -> None:
     """Raise a ConfigError if `device` cannot run matmuls and their backward in `dtype`."""
     if dtype is DType.FP32:
         return
-    if not _supports(dtype, torch.device(device)):
+    if not supports(dtype, torch.device(device)):
         raise ConfigError(
             f"dtype {dtype.value} is not supported for compute on device '{device}'; "
             "use --dtype fp32 (or a device that has it)"
@@ -42,17 +42,18 @@ def resolve_dtype(dtype: DType | None, device: torch.device) -> DType:
 
 
 @functools.cache
-def _supports(dtype: DType, device: torch.device) -> bool:
-    """Cached per (dtype, device): the CPU probe costs a kernel launch and an autograd pass."""
+def supports(dtype: DType, device: torch.device) -> bool:
+    """Whether `device` computes in `dtype` (the device boundary tests replace). Cached per
+    (dtype, device): the CPU probe costs a kernel launch and an autograd pass."""
     if device.type == "cuda":
         with torch.cuda.device(device):
             # emulated bf16 (pre-Ampere) computes, but at fp32 cost with bf16 rounding: not
             # "supported"
             return dtype is DType.FP16 or torch.cuda.is_bf16_supported(including_emulation=False)
-    return _probe(TORCH_DTYPES[dtype], device)
+    return probe_dtype(TORCH_DTYPES[dtype], device)
 
 
-def _probe(dtype: torch.dtype, device: torch.device) -> bool:
+def probe_dtype(dtype: torch.dtype, device: torch.device) -> bool:
     """Try a tiny matmul and its backward in `dtype`: what the engine will ask of the device."""
     try:
         a = torch.ones(4, 4, dtype=dtype, device=device, requires_grad=True)

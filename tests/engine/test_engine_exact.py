@@ -132,7 +132,7 @@ def test_auto_offload_picks_a_placement_that_fits_the_budgets(tmp_path) -> None:
     roomy = Config(
         offload="auto", nvme_path=[str(tmp_path / "nvme")], host_budget="1GiB", gpu_budget="1GiB"
     )
-    assert Engine(models.build(SMALL, device="meta"), roomy).placement == Placement()
+    assert Engine(models.build(SMALL, device="meta"), roomy).parts.layout.placement == Placement()
     tight_gpu = Config(
         offload="auto",
         nvme_path=[str(tmp_path / "nvme")],

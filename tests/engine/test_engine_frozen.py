@@ -219,7 +219,7 @@ def test_checkpoint_resume_and_export_keep_frozen_weights_and_step_counts(tmp_pa
             engine.train_step(b)
         straight = engine.master_state_dict()
     resumed_cfg = config(tmp_path, piece_numel=2048, total_steps=len(uses))
-    resumed_cfg.tiering.nvme_path = [str(tmp_path / "nvme2")]
+    resumed_cfg = resumed_cfg.replace(nvme_path=[str(tmp_path / "nvme2")])
     with Engine(fresh, resumed_cfg) as engine:
         engine.load_checkpoint(tmp_path / "run")
         assert engine.parts.counters.param_steps.state_dict() == {
@@ -244,7 +244,7 @@ def test_budget_checks_count_frozen_parameters_as_params_only(tmp_path) -> None:
     need = probe.parts.sizing.current.host_memory.peak_bytes
     dense_need = Engine(
         models.build(SMALL, seed=0), config(tmp_path, host)
-    ).memory.host_memory.peak_bytes
+    ).parts.sizing.current.host_memory.peak_bytes
     act = activation_memory(SMALL, 4, 32, 4, LOSS_CHUNK_BYTES)  # reserved at the first forward
     budget = str(need + act.total_bytes)
     assert dense_need > need + act.total_bytes

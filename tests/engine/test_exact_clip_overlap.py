@@ -126,6 +126,6 @@ def test_clipping_with_overlap_is_allowed_and_fp16_is_still_refused(tmp_path) ->
     """Asked for, overlap_step clips exactly without clip_previous_norm; fp16's overflow check
     is still refused (each unit's step would need it first)."""
     model = models.build(SMALL, device="meta")
-    assert Engine(model, config(tmp_path, HOST, clip_grad_norm=FIRES)).overlap
+    assert Engine(model, config(tmp_path, HOST, clip_grad_norm=FIRES)).parts.overlap
     with pytest.raises(ConfigError, match="fp16"):
         Engine(model, config(tmp_path, HOST, clip_grad_norm=FIRES, dtype="fp16"))

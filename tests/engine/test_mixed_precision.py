@@ -101,11 +101,13 @@ def test_overlap_step_refuses_what_it_cannot_do_exactly(tmp_path) -> None:
 
 
 def test_overlap_step_is_on_by_default_only_where_exact(tmp_path) -> None:
-    assert Engine(models.build(SMALL, device="meta"), config(tmp_path)).overlap
+    assert Engine(models.build(SMALL, device="meta"), config(tmp_path)).parts.overlap
     assert not Engine(
         models.build(SMALL, device="meta"), config(tmp_path, clip_grad_norm=1.0)
-    ).overlap
-    assert not Engine(models.build(SMALL, device="meta"), config(tmp_path, dtype="fp16")).overlap
+    ).parts.overlap
+    assert not Engine(
+        models.build(SMALL, device="meta"), config(tmp_path, dtype="fp16")
+    ).parts.overlap
 
 
 # -- fp16 dynamic loss scaling ----------------------------------------------------------------
@@ -160,7 +162,7 @@ def test_unsupported_compute_dtype_is_refused_before_anything_is_written(
 ) -> None:
     import tierzero.precision as precision
 
-    monkeypatch.setattr(precision, "_supports", lambda d, device: False)
+    monkeypatch.setattr(precision, "supports", lambda d, device: False)
     with pytest.raises(ConfigError, match=f"dtype {dtype} is not supported .* use --dtype fp32"):
         Engine(models.build(SMALL, device="meta"), config(tmp_path, dtype=dtype))
     assert not (tmp_path / "nvme").exists()

@@ -29,15 +29,15 @@ def test_default_dtype_on_cpu_is_fp32() -> None:
 
 
 def test_unsupported_dtype_names_device_and_suggests_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
-    precision._supports.cache_clear()
-    monkeypatch.setattr(precision, "_probe", lambda dtype, device: dtype is not torch.float16)
+    precision.supports.cache_clear()
+    monkeypatch.setattr(precision, "probe_dtype", lambda dtype, device: dtype is not torch.float16)
     try:
         with pytest.raises(ConfigError, match=r"fp16 .*device 'cpu'.*--dtype fp32"):
             check_dtype_supported(DType.FP16, CPU)
         check_dtype_supported(DType.BF16, CPU)
         check_dtype_supported(DType.FP32, CPU)
     finally:
-        precision._supports.cache_clear()
+        precision.supports.cache_clear()
 
 
 def test_probe_reports_a_failing_kernel_as_unsupported(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -45,7 +45,7 @@ def test_probe_reports_a_failing_kernel_as_unsupported(monkeypatch: pytest.Monke
         raise RuntimeError('"addmm" not implemented for this dtype')
 
     monkeypatch.setattr(torch, "ones", broken_ones)
-    assert precision._probe(torch.float16, CPU) is False
+    assert precision.probe_dtype(torch.float16, CPU) is False
 
 
 def test_overflow_halves_and_skips_then_grows_after_interval() -> None:

@@ -92,7 +92,7 @@ def test_kept_graphs_are_bitwise_equal_to_recompute_and_run_each_forward_once(
         SMALL, config(fresh(tmp_path, "ref"), PLACEMENTS[name], accumulate=K), steps=STEPS
     )
     micro_batches = STEPS * K
-    assert runs["all"][1].runner.kept == frozenset()
+    assert runs["all"][1].opened.runner.kept == frozenset()
     assert len(runs["all"][2]) == 2 * SMALL.n_layers * micro_batches  # forward, then recompute
     weights, engine, inputs, _ = runs["auto"]  # the budget holds every block's activations
     assert engine.opened.runner.kept == BLOCKS
@@ -152,8 +152,8 @@ def test_a_budget_for_one_block_keeps_the_last_one(tmp_path, monkeypatch) -> Non
         config(fresh(tmp_path, "probe"), placement, recompute="all"), monkeypatch, steps=1
     )
     # what keeping could use
-    room = probe.tiers.host_budget - probe.memory.tiers[Tier.HOST].pool_bytes
-    per = probe.sizing.activations.recompute_bytes
+    room = probe.parts.tiers.host_budget - probe.parts.sizing.current.tiers[Tier.HOST].pool_bytes
+    per = probe.parts.sizing.activations.recompute_bytes
     budget = probe.config.tiering.host_budget - room + 3 * per // 2
     one = config(fresh(tmp_path, "one"), placement).replace(host_budget=budget)
     weights, engine, inputs, _ = train(one, monkeypatch, steps=2)

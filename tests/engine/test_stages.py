@@ -110,16 +110,16 @@ def _choices(root: str) -> dict[str, object]:
         )
 
     stage3 = engine(3)
-    tight = stage3.sizing.memory(stage3.placement, 3).needs()[Tier.HOST]
+    tight = stage3.parts.sizing.memory(stage3.parts.layout.placement, 3).needs()[Tier.HOST]
     try:
         engine(2, tight)
         refused = ""
     except ConfigError as e:
         refused = str(e)
     return {
-        "generous": engine(None, 1 << 30).stage,
-        "generous_one_micro": engine(None, 1 << 30, 1).stage,
-        "tight": engine(None, tight).stage,
+        "generous": engine(None, 1 << 30).parts.layout.stage,
+        "generous_one_micro": engine(None, 1 << 30, 1).parts.layout.stage,
+        "tight": engine(None, tight).parts.layout.stage,
         "refused": refused,
     }
 

@@ -19,7 +19,7 @@ from tierzero.config import PIECE_NUMEL
 from tierzero.storage.host import HostPool
 
 
-def _best_seconds(op: Callable[[], None], seconds: float, sync: Callable[[], None]) -> float:
+def best_seconds(op: Callable[[], None], seconds: float, sync: Callable[[], None]) -> float:
     """The fastest of repeated runs of `op` (after one warm-up), repeated for `seconds`."""
     op()
     sync()
@@ -71,7 +71,7 @@ def adam_params_per_s(numel: int | None = None, seconds: float = 0.5) -> float:
     param = torch.nn.Parameter(torch.randn(numel))
     param.grad = torch.randn(numel)
     opt = torch.optim.AdamW([param], lr=1e-4, fused=True)
-    return numel / _best_seconds(opt.step, seconds, _no_sync)
+    return numel / best_seconds(opt.step, seconds, _no_sync)
 
 
 def matmul_tflops(
@@ -82,7 +82,7 @@ def matmul_tflops(
     b = torch.randn(n, n, device=device).to(dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else _no_sync
-    return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b, out=out), seconds, sync) / 1e12
+    return 2 * n**3 / best_seconds(lambda: torch.mm(a, b, out=out), seconds, sync) / 1e12
 
 
 def h2d_gbps(
@@ -102,6 +102,6 @@ def h2d_gbps(
         def op() -> torch.Tensor:
             return dst.copy_(src, non_blocking=pinned)
 
-        gbps = nbytes / _best_seconds(op, seconds, torch.cuda.synchronize) / 1e9
+        gbps = nbytes / best_seconds(op, seconds, torch.cuda.synchronize) / 1e9
         pool.give_back(host)
     return gbps

@@ -66,7 +66,9 @@ class Session:
                     model=self.model.description,
                 )
 
-        comm = getattr(self.trainer, "comm", None)
+        # an Engine's collectives over the ranks; the in-memory trainer has none
+        parts = getattr(self.trainer, "parts", None)
+        comm = parts.layout.comm if parts is not None else None
         mean = comm.mean if comm is not None else None
         gather = comm.all_gather_json if comm is not None and comm.world_size > 1 else None
         total = comm.total if comm is not None else None
