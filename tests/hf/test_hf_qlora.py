@@ -319,3 +319,19 @@ def test_a_piece_longer_than_one_decode_chunk_is_bitsandbytes_own() -> None:
     out = nf4.decode(nf4.encode(values, blocks), blocks, torch.empty_like(values))
     expected = dequantize_4bit(*quantize_4bit(values, blocksize=64, quant_type="nf4"))
     assert torch.equal(out, expected.reshape(-1))
+
+
+def test_the_engine_sizes_its_pools_by_the_coded_base(base_dir, tmp_path) -> None:
+    """A host budget between the NF4 base's stored bytes and the same base in the compute dtype
+    opens (the engine's memory model counts what `plan` counts), and trains."""
+    with Engine(lora_model(base_dir), config(tmp_path / "probe", placement=HOST)) as probe:
+        sizing = probe.parts.sizing
+        coded = sizing.memory(HOST, 1).needs()[Tier.HOST]
+        sizing.coded = None  # the same workload with the base in the compute dtype
+        plain = sizing.memory(HOST, 1).needs()[Tier.HOST]
+    assert coded < plain
+    budget = (coded + plain) // 2
+    cfg = config(tmp_path / "tight", placement=HOST, host_budget=budget, gpu_budget=budget)
+    with Engine(lora_model(base_dir), cfg) as engine:
+        losses = [engine.train_step(batches().next_batch()) for _ in range(2)]
+    assert all(torch.isfinite(torch.tensor(losses)))

@@ -27,7 +27,7 @@ class Sectioned:
             if whole is not None and own:
                 raise TypeError(f"{sorted(own)} given twice: flat and in the {name} section")
             object.__setattr__(self, name, whole if whole is not None else section(**own))
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+        for f in _fields(self):
             if f.name in self.SECTIONS:
                 continue
             if f.name in keys:
@@ -47,13 +47,13 @@ class Sectioned:
     @classmethod
     def keys(cls) -> set[str]:
         """Every flat key: the sections' fields and the plain settings."""
-        plain = {f.name for f in dataclasses.fields(cls) if f.name not in cls.SECTIONS}  # type: ignore[arg-type]
+        plain = {f.name for f in _fields(cls) if f.name not in cls.SECTIONS}
         return plain.union(*(_names(s) for s in cls.SECTIONS.values()))
 
     def flat(self) -> dict[str, Any]:
         """Every setting by its flat key (what the TOML file and the trackers hold)."""
         out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+        for f in _fields(self):
             value = getattr(self, f.name)
             if f.name in self.SECTIONS:
                 out.update({k: getattr(value, k) for k in _names(type(value))})
@@ -71,8 +71,13 @@ class Sectioned:
             own = {k: keys.pop(k) for k in _names(section) if k in keys}
             if own:
                 changed[name] = dataclasses.replace(getattr(self, name), **own)
-        plain = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        plain = {f.name: getattr(self, f.name) for f in _fields(self)}
         return type(self)(**{**plain, **changed, **keys})
+
+
+def _fields(config: Any) -> tuple[dataclasses.Field, ...]:
+    """A sectioned config's own fields (its subclasses are dataclasses; this base is not)."""
+    return dataclasses.fields(config)
 
 
 def _names(section: type) -> list[str]:

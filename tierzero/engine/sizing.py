@@ -32,6 +32,7 @@ from tierzero.engine.shortfall import check_pools, tier_name
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit, forward_only
 from tierzero.models.presets import ModelArgs
+from tierzero.planning.codedbase import CodedBase
 from tierzero.planning.ledger import ActivationEstimate, activation_memory
 from tierzero.planning.machine import default_budgets, free_disk_bytes
 from tierzero.planning.memory_model import peak_memory
@@ -73,6 +74,14 @@ class Sizing:
             )
             if v is not None
         ]
+        # an NF4 base counted as stored (`tierzero.planning.codedbase`), where it can be one:
+        # `models.nf4_shard.coded_base` refuses the rest in its own sentences
+        self.coded: CodedBase | None = None
+        if self.config.formats.quantize_base == "nf4" and self.world_size == 1:
+            try:
+                self.coded = CodedBase.of(self.units)
+            except ConfigError:
+                self.coded = None
 
     @property
     def compute(self) -> DType:
@@ -117,6 +126,7 @@ class Sizing:
             accumulate=c.execution.accumulate,
             activations=activations,
             formats=self.formats,
+            coded=self.coded,
         )
 
     def memory(
@@ -147,7 +157,11 @@ class Sizing:
             at_defaults = self.workload(3)  # the ladder's top, the values given kept
             self._walks = not any(
                 _fits(peak_memory(at_defaults, p).per_rank(), self.budgets())
-                for p in (candidate_placements() if auto else [c.tiering.resolved_placement()])
+                for p in (
+                    candidate_placements(self.coded is not None)
+                    if auto
+                    else [c.tiering.resolved_placement()]
+                )
             )
         return self._walks
 
@@ -204,7 +218,11 @@ class Sizing:
         from tierzero.planning.placement import candidate_placements, choose_placement, load_profile
 
         budgets = self.budgets()
-        fitting = [p for p in candidate_placements() if _fits(self.memory(p, stage), budgets)]
+        fitting = [
+            p
+            for p in candidate_placements(self.coded is not None)
+            if _fits(self.memory(p, stage), budgets)
+        ]
         if not fitting:
             sizes = ", ".join(
                 f"{tier_name(t, self.device)} {format_bytes(n)}"
