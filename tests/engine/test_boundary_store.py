@@ -16,14 +16,6 @@ NUMEL = 4096  # 16 KiB of fp32: one activation; the large entry is twice that
 
 
 def test_a_prefetched_entry_gives_its_buffer_up_to_a_larger_put(tmp_path, monkeypatch) -> None:
-    spill = BoundaryStore._spill
-
-    # each write done before the store looks again: no races
-    def spill_at_once(self, entry) -> None:
-        spill(self, entry)
-        entry.written.result()
-
-    monkeypatch.setattr(BoundaryStore, "_spill", spill_at_once)
     (tmp_path / "nvme").mkdir()
     config = Config(placement=NVME, nvme_path=[str(tmp_path / "nvme")])
     tiers = Tiers(
@@ -33,6 +25,14 @@ def test_a_prefetched_entry_gives_its_buffer_up_to_a_larger_put(tmp_path, monkey
         torch.device("cpu"),
         {Tier.NVME, Tier.HOST, Tier.GPU},
     ).open()
+    submit = tiers.submit
+
+    def at_once(work):  # each I/O done before the store looks again: no races
+        future = submit(work)
+        future.result()
+        return future
+
+    monkeypatch.setattr(tiers, "submit", at_once)  # the I/O loop's boundary
     try:
         store = BoundaryStore(tiers, budget_bytes=3 * NUMEL * 4)
         values = {(u, m): torch.randn(NUMEL) for u in (1, 2, 3) for m in (0, 1)}
