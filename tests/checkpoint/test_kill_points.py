@@ -47,9 +47,9 @@ PATH_POINTS = [
     ({"path": "two-ranks", "rank": 1, "phase": "save", "nth": 2, "k": 20}, "/rank1/"),
     # an int8 moment's chunk (absmax blocks, then codes) linked into the checkpoint; a step
     # writing compact pieces through spares; a bf16 moment's chunk written from host memory
-    ({"path": "compact", "phase": "save", "nth": 2, "k": 100}, "/nvme/exp_avg/u0001/"),
+    ({"path": "compact", "phase": "save", "nth": 2, "k": 1}, "/nvme/exp_avg/u0001/"),
     ({"path": "compact", "phase": "step", "nth": 2, "k": 50}, None),
-    ({"path": "compact-host", "phase": "save", "nth": 2, "k": 34}, "/state/exp_avg/u0000/"),
+    ({"path": "compact-host", "phase": "save", "nth": 2, "k": 1}, "/state/exp_avg/u0000/"),
     # an NF4 base's coded chunk (written once at open) linked into the second checkpoint, and
     # linked back from the checkpoint into the store by a resume
     ({"path": "nf4", "phase": "save", "nth": 2, "k": 1}, "nvme/param/u0001/r0/p0001/g"),
