@@ -87,7 +87,11 @@ def main() -> None:
         choices=("fp32", "bf16"),
         help="compute dtype of every run (bf16: a bf16 master is the param itself)",
     )
-    p.add_argument("--out", default="compact_quality.png")
+    p.add_argument(
+        "--out",
+        default="compact_quality.png",
+        help="the curves' plot (.png, .svg or .pdf); their losses go beside it as .json",
+    )
     p.add_argument(
         "--offload", default="none", help="where the state lives (none: memory; nvme: --nvme-path)"
     )
@@ -108,6 +112,8 @@ def main() -> None:
         "same settings, whose formats are not trained again (repeatable)",
     )
     opts = p.parse_args()
+    if Path(opts.out).suffix.lower() not in (".png", ".svg", ".pdf"):
+        p.error(f"--out {opts.out!r} is the plot: name a .png, .svg or .pdf file")
     chosen = [name.strip() for name in opts.formats.split(",") if name.strip()]
     if not set(chosen) <= set(FORMATS):
         p.error(f"--formats {opts.formats!r}: name any of {', '.join(FORMATS)}")
