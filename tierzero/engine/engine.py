@@ -280,7 +280,7 @@ class Engine:
         NVMe-homed state: metadata, not bytes); `data` is the caller's data position, `keep`
         prunes to the newest K. See `tierzero.engine.checkpointing`."""
         self._settle()
-        self.vertical.refuse_queued()
+        self._current().refuse_queued()
         return checkpointing.save(self.parts, run_dir, data=data, keep=keep, model=model)
 
     def load_checkpoint(self, path: str | Path) -> Manifest:
@@ -291,7 +291,7 @@ class Engine:
             self._usable()
         path, manifest = checkpointing.find(Path(path), self.parts.layout.comm, self.parts.note)
         if self._open:
-            self.vertical.abort()  # micro-batches queued before the load belong to no step of it
+            self._current().abort()  # micro-batches queued before the load belong to no step of it
             self.parts.tiers.pending.drain()
             checkpointing.restore(self.parts, path, manifest)
         else:
@@ -341,6 +341,10 @@ class Engine:
         """The step schedule this engine trains with, decided at its first training batch."""
         return self.vertical if self.vertical.wants(batch) else self.horizontal
 
+    def _current(self) -> StepSchedule:
+        """The schedule decided so far (undecided: nothing is queued, as horizontally)."""
+        return self.vertical if self.vertical.on else self.horizontal
+
     def _reserve_activations(self, batch: Any, vertical: bool) -> None:
         """At the first training step: take its activations out of the budgets (`Sizing`)."""
         if self._reserved:
@@ -371,7 +375,7 @@ class Engine:
 
     def _abort(self, broken: str | None = None) -> None:
         """Drop what a pass holds; `broken`: why it stopped half-way (then `_usable` refuses)."""
-        self.vertical.abort()
+        self._current().abort()
         if self._root_leaves is not None:
             unbind(self.parts.layout.units[0], self.parts.layout.dtype, self.parts.device)
             self._root_leaves = None
