@@ -1,7 +1,8 @@
 """Compact optimizer state, piece by piece: int8 round trips within their code gaps, stochastic
 rounding to the two codes around a value without bias, and the sub-block step equal, bitwise,
 to the same AdamW formula applied in plain PyTorch to the whole decoded piece (with its random
-bits recomputed here in numpy's wrapping uint32 arithmetic and its codes found by binary search)."""
+bits recomputed here in numpy's wrapping uint32 arithmetic, its sqrt in fp64, and its codes
+found by binary search in the sorted code map and rounded up by their fraction of the gap)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ import torch
 
 from tierzero.compact import codes
 from tierzero.compact.formats import StateFormats, split
-from tierzero.compact.step import SUB_BLOCK, CompactStep, random_bits, step_scratch, stream_key
+from tierzero.compact.step import (
+    SUB_BLOCK,
+    CompactStep,
+    ieee_sqrt,
+    random_bits,
+    step_scratch,
+    stream_key,
+)
 from tierzero.config import STATE_BLOCK, Config, StateKind
 
 MOMENTS = {StateKind.EXP_AVG: True, StateKind.EXP_AVG_SQ: False}  # kind -> signed code map
@@ -28,6 +36,11 @@ def _blocks_of(n: int, seed: int, signed: bool) -> torch.Tensor:
     return x if signed else x.abs()
 
 
+def _magnitudes(signed: bool) -> torch.Tensor:
+    """The code map's non-negative values, sorted: index = a code's magnitude bits."""
+    return codes.code_map(signed)[: 128 if signed else 256].double()
+
+
 @pytest.mark.parametrize("signed", [True, False])
 def test_a_round_trip_stays_within_half_the_gap_between_the_codes_around_each_value(
     signed: bool,
@@ -35,35 +48,46 @@ def test_a_round_trip_stays_within_half_the_gap_between_the_codes_around_each_va
     n = 3 * STATE_BLOCK + 777  # a shorter last block
     x = _blocks_of(n, 0, signed)
     nb = codes.nblocks(n)
-    q, absmax, out = torch.empty(n, dtype=torch.uint8), torch.empty(nb), torch.empty(n)
+    q, scales, out = torch.empty(n, dtype=torch.uint8), torch.empty(nb), torch.empty(n)
     scratch = codes.Scratch(n, torch.device("cpu"))
-    codes.quantise(x.clone(), signed, q, absmax, scratch)
-    codes.dequantise(q, absmax, signed, out, scratch)
-    table = codes.code_map(signed).double()
+    codes.quantise(x.clone(), signed, q, scales, scratch)
+    codes.dequantise(q, scales, signed, out, scratch)
+    table = _magnitudes(signed)
     for k in range(nb):
         block = slice(k * STATE_BLOCK, min(n, (k + 1) * STATE_BLOCK))
         top = x[block].abs().max()
-        assert absmax[k] == top  # the block's own absmax, exactly
+        assert scales[k] == top / codes.TOP  # the block's absmax over the top code
         if top == 0:
             assert torch.equal(out[block], torch.zeros_like(out[block]))
             continue
-        y = x[block].double() / top.double()
-        hi = torch.searchsorted(table, y).clamp(max=255)
+        y = x[block].double().abs() / scales[k].double()
+        hi = torch.searchsorted(table, y).clamp(max=len(table) - 1)
         lo = (hi - 1).clamp(min=0)
-        # half the gap between the codes around y (below the lowest code: the distance to it);
-        # a positive exp_avg_sq below the smallest positive code is stored as that code
-        bound = torch.maximum((table[hi] - table[lo]) / 2, (table[0] - y).clamp(min=0))
-        if not signed:
+        bound = (table[hi] - table[lo]) / 2 + 1e-6 * y  # half the gap (and the scale's ulps)
+        if not signed:  # a positive exp_avg_sq below the smallest positive code is that code
             bound = torch.where((y > 0) & (y < table[1]), table[1], bound)
             assert (out[block][x[block] > 0] > 0).all()  # never 0: Adam divides by its root
-        error = (out[block].double() / top.double() - y).abs()
-        assert (error <= bound + 1e-6).all(), (k, (error - bound).max())
-        assert (error <= 0.0071).all()  # the widest half gap (and the signed map's -0.993 edge)
-    for k in range(nb):  # a block's largest value, where positive, is the code 1.0: exact
-        block = x[k * STATE_BLOCK : (k + 1) * STATE_BLOCK]
-        if absmax[k] > 0 and block.max() == absmax[k]:
-            i = k * STATE_BLOCK + int(block.argmax())
-            assert out[i] == x[i]
+        assert (torch.sign(out[block]) == torch.sign(x[block]))[out[block] != 0].all()
+        error = (out[block].double().abs() / scales[k].double() - y).abs()
+        assert (error <= bound).all(), (k, (error - bound).max())
+        big = y >= 2 * codes.smallest_binade(signed)  # in the binades: within 1/32 of itself
+        assert (error[big] <= y[big] / 32 + 1e-6).all()
+        i = k * STATE_BLOCK + int(x[block].abs().argmax())  # the largest value: to an ulp
+        assert abs(float(out[i]) - float(x[i])) <= 2 * abs(float(x[i])) * 2**-23
+
+
+def test_the_code_map_is_fp32_bit_patterns_with_four_mantissa_bits() -> None:
+    """Above the 16 linear codes, each binade holds 16 codes (steps of 1/32-1/16 of a value),
+    up to 31/32; below, the linear codes step by a 16th of the smallest binade."""
+    for signed, binades, least in ((True, 7, 2.0**-7), (False, 15, 2.0**-15)):
+        table = _magnitudes(signed)
+        assert codes.smallest_binade(signed) == least and table[-1] == codes.TOP
+        assert len(table) == 16 * (binades + 1) and (table[1:] > table[:-1]).all()
+        assert torch.equal(table[:16], torch.arange(16).double() * least / 16)
+        relative = (table[17:] - table[16:-1]) / table[16:-1]
+        assert relative.min() >= 1 / 32 - 1e-12 and relative.max() <= 1 / 16 + 1e-12
+    signed_map = codes.code_map(True)
+    assert torch.equal(signed_map[128:], -signed_map[:128])  # the sign bit
 
 
 def test_a_piece_quantises_block_by_block_as_its_parts_do() -> None:
@@ -81,7 +105,8 @@ def test_a_piece_quantises_block_by_block_as_its_parts_do() -> None:
 def _ref_bits(
     config: Config, step: int, unit: int, kind: StateKind, positions: np.ndarray
 ) -> np.ndarray:
-    """The stochastic-rounding bits, recomputed with numpy's wrapping uint32 arithmetic."""
+    """The stochastic-rounding bits, recomputed with numpy's wrapping uint32 arithmetic: the
+    low half of the hash, the high half for exp_avg_sq (whose stream is exp_avg's)."""
     h = (positions & 0xFFFFFFFF).astype(np.uint32) ^ np.uint32(
         stream_key(config.seed, step, unit, kind)
     )
@@ -89,6 +114,8 @@ def _ref_bits(
         h ^= h >> np.uint32(16)
         h *= np.uint32(mult)
     h ^= h >> np.uint32(16)
+    if kind is StateKind.EXP_AVG_SQ:
+        h >>= np.uint32(16)
     return (h & np.uint32(0xFFFF)).astype(np.uint32)
 
 
@@ -119,7 +146,8 @@ def reference_step(
             p[a:b] = p[a:b] * (1 - lr * wd)
         m[a:b] = m[a:b] * beta1 + g * (1 - beta1)
         v[a:b] = v[a:b] * beta2 + (g * g) * (1 - beta2)
-        denom = v[a:b].sqrt() / math.sqrt(1 - beta2**t) + config.optimizer.eps
+        root = torch.from_numpy(np.sqrt(v[a:b].numpy()))  # IEEE's fp32 sqrt
+        denom = root / math.sqrt(1 - beta2**t) + config.optimizer.eps
         p[a:b] = p[a:b] - (m[a:b] / denom) * (lr / (1 - beta1**t))
     out = {}
     for kind, t in stored.items():
@@ -140,22 +168,37 @@ def reference_step(
 
 
 def _ref_quantise(values: torch.Tensor, signed: bool, bits: np.ndarray) -> torch.Tensor:
-    """Blockwise absmax, then between the two codes around each value by binary search: up where
-    its fraction of the gap, in 1/65536ths, exceeds its random bits."""
-    n, table = values.numel(), codes.code_map(signed)
-    absmax = torch.stack(
-        [values[i : i + STATE_BLOCK].abs().max() for i in range(0, n, STATE_BLOCK)]
-    )
-    y = values / torch.where(absmax > 0, absmax, 1.0).repeat_interleave(STATE_BLOCK)[:n]
-    lo = (torch.searchsorted(table, y, right=True) - 1).clamp(min=0)
-    if not signed:
-        lo = torch.where((y > 0) & (lo == 0), 1, lo)  # a positive exp_avg_sq is never code 0
-    scale = torch.cat([65536.0 / (table[1:] - table[:-1]), torch.zeros(1)])
-    up = (y - table[lo]) * scale[lo] > torch.from_numpy(bits.astype(np.float32))
+    """Blockwise scale, then between the two codes around each value by binary search in the
+    sorted magnitudes: up where its fraction of the gap, in 2**-19ths (exact in fp64), plus
+    8 x its 16 random bits reaches a whole gap. Below the smallest binade the value is first
+    rounded to the 2**-19ths of a linear step that fp32 holds there."""
+    n, table = values.numel(), _magnitudes(signed)
+    x = values.numpy().astype(np.float64)
+    absmax = np.array([np.abs(x[i : i + STATE_BLOCK]).max() for i in range(0, n, STATE_BLOCK)])
+    absmax = absmax.astype(np.float32)
+    lift = np.where(absmax < codes.TINY, np.float32(codes.LIFT), np.float32(1.0))
+    with np.errstate(divide="ignore"):
+        inverse = np.where(absmax > 0, np.float32(codes.TOP) / (absmax * lift), np.float32(0))
+    per_value = np.repeat(np.arange(len(absmax)), STATE_BLOCK)[:n]
+    y = (np.abs(values.numpy()) * lift[per_value]).astype(np.float32) * inverse[per_value]
+    least = np.float32(codes.smallest_binade(signed))
+    tiny = y < least
+    y = np.where(tiny, (y + least).astype(np.float64) - least, y.astype(np.float64))
+    y = np.where(np.isnan(y), table[-1].item(), y)  # a NaN is the top code
+    t = torch.from_numpy(table.numpy())
+    lo = (torch.searchsorted(t, torch.from_numpy(y), right=True) - 1).clamp(min=0).numpy()
+    gap = np.append(np.diff(table.numpy()), np.inf)[lo]
+    fraction = (y - table.numpy()[lo]) / gap * 2**19
+    assert (fraction == np.floor(fraction)).all()  # exact: the codes' gaps are powers of two
+    code = np.minimum(lo + (fraction + 8 * bits >= 2**19), len(table) - 1)
+    if signed:
+        code = code | np.where(np.signbit(values.numpy()), 128, 0)
+    else:
+        code = np.where((values.numpy() > 0) & (code == 0), 1, code)
     packed = torch.empty(4 * codes.nblocks(n) + n, dtype=torch.uint8)
-    got_absmax, got_codes = split(packed, n)
-    got_absmax.copy_(absmax)
-    got_codes.copy_(lo + up)
+    got_scales, got_codes = split(packed, n)
+    got_scales.copy_(torch.from_numpy(absmax) / codes.TOP)
+    got_codes.copy_(torch.from_numpy(code.astype(np.uint8)))
     return packed
 
 
@@ -226,23 +269,31 @@ def test_stochastic_rounding_is_unbiased_where_round_to_nearest_loses_the_update
 
 
 @pytest.mark.parametrize("signed", [True, False])
-def test_the_bucket_lookup_finds_the_lower_code_as_a_binary_search_does(signed: bool) -> None:
-    """Every code, every midpoint and both fp32 neighbours of each, and values of every scale
-    down to the subnormals."""
-    table = codes.code_map(signed)
-    g = torch.Generator().manual_seed(2)
+def test_every_code_and_every_midpoint_codes_as_the_sorted_map_says(signed: bool) -> None:
+    """Without random bits: each code's value is itself, a midpoint goes up, its fp32
+    neighbours go to the nearer code, values down to the subnormals and NaN as the reference."""
+    table = _magnitudes(signed).float()
     mids = (table[:-1] + table[1:]) / 2
     edges = torch.cat(
-        [table, mids, table.nextafter(torch.tensor(2.0)), table.nextafter(torch.tensor(-2.0))]
+        [table, mids, mids.nextafter(torch.tensor(2.0)), mids.nextafter(torch.tensor(-2.0))]
     )
-    spread = (torch.rand(1 << 16, generator=g) * 2 - 1) * torch.logspace(-44, 0, 1 << 16)
-    x = torch.cat([edges, spread, torch.zeros(1), -torch.zeros(1)]).clamp(-1 if signed else 0, 1)
-    index = torch.empty(x.numel(), dtype=torch.uint8)
-    codes.lower(x, signed, codes.Scratch(x.numel(), torch.device("cpu")), index)
-    want = (torch.searchsorted(table, x, right=True) - 1).clamp(min=0)
-    if not signed:
-        want = torch.where(x > 0, want.clamp(min=1), want)
-    assert torch.equal(index.long(), want)
+    g = torch.Generator().manual_seed(2)
+    spread = torch.rand(1 << 14, generator=g) * torch.logspace(-44, 0, 1 << 14)
+    x = torch.cat([edges, spread, torch.tensor([0.0, float("nan")])]).clamp(max=codes.TOP)
+    x = torch.cat([x, -x]) if signed else x
+    n = x.numel()
+    # each value in a block of its own, whose absmax is the top code: y is the value itself
+    blocks = torch.full((n, STATE_BLOCK), codes.TOP)
+    blocks[:, 1] = x
+    flat = blocks.reshape(-1)
+    q, scales = torch.empty(flat.numel(), dtype=torch.uint8), torch.empty(n)
+    codes.quantise(flat.clone(), signed, q, scales, codes.Scratch(flat.numel(), flat.device))
+    want = split(_ref_quantise(flat, signed, np.full(flat.numel(), 1 << 15)), flat.numel())[1]
+    assert torch.equal(q, want)
+    got = q.view(n, STATE_BLOCK)[:, 1]
+    assert torch.equal(got[: len(table)].long() & 0x7F, torch.arange(len(table)) & 0x7F)
+    assert torch.equal(got[len(table) : 2 * len(table) - 1].long() & 0xFF,
+                       torch.arange(1, len(table)) & 0xFF)  # fmt: skip
 
 
 @pytest.mark.parametrize("signed", [True, False])
@@ -252,33 +303,34 @@ def test_int8_stochastic_rounding_is_unbiased_and_keeps_to_the_two_codes_around_
     """One value quantised with every one of the 65536 random draws: each code is one of the two
     around it, their mean is the value (to the draws' 2**-16 resolution), and a moment far less
     than half a gap from its code -- where nearest rounding sticks -- moves in expectation."""
-    table = codes.code_map(signed)
+    table = _magnitudes(signed).float()
     n = 1 << 16
     for target in (
-        0.5 * (table[200] + table[201]) + 0.3 * (table[201] - table[200]),
-        table[130] * 1.001,
+        0.5 * (table[100] + table[101]) + 0.3 * (table[101] - table[100]),
+        table[20] * 1.001,
+        table[5] + 0.3 * (table[6] - table[5]),  # among the linear codes
     ):
         x = torch.full((n,), float(target))
-        x[::STATE_BLOCK] = 1.0  # each block's absmax is 1: the values stay as they are
-        q, absmax, out = (
+        x[::STATE_BLOCK] = codes.TOP  # each block's scale is 1: the values stay as they are
+        q, scales, out = (
             torch.empty(n, dtype=torch.uint8),
             torch.empty(codes.nblocks(n)),
             torch.empty(n),
         )
         scratch = codes.Scratch(n, torch.device("cpu"))
         bits = torch.randperm(n, generator=torch.Generator().manual_seed(0)).to(torch.int32)
-        codes.quantise(x.clone(), signed, q, absmax, scratch, bits)
-        codes.dequantise(q, absmax, signed, out, scratch)
+        codes.quantise(x.clone(), signed, q, scales, scratch, bits)
+        codes.dequantise(q, scales, signed, out, scratch)
         kept = torch.ones(n, dtype=torch.bool)
         kept[::STATE_BLOCK] = False
         lo = int(torch.searchsorted(table, torch.tensor(float(target)), right=True)) - 1
-        assert set(q[kept].unique().tolist()) <= {lo, lo + 1}
+        assert set(q[kept].unique().tolist()) == {lo, lo + 1}
         mean = out[kept].double().mean().item()
         gap = float(table[lo + 1] - table[lo])
         assert abs(mean - float(target)) < gap * 2**-10, (mean, float(target))
         nearest = torch.empty_like(q)
         # no bits: the nearest code, for all
-        codes.quantise(x.clone(), signed, nearest, absmax, scratch)
+        codes.quantise(x.clone(), signed, nearest, scales, scratch)
         assert len(nearest[kept].unique()) == 1
 
 
@@ -292,3 +344,14 @@ def test_the_random_bits_wrap_as_uint32_arithmetic_does_past_the_int32_range(sta
     random_bits(config.seed, 4, 2, StateKind.MASTER, start, n, scratch, out)
     want = _ref_bits(config, 4, 2, StateKind.MASTER, np.arange(start, start + n, dtype=np.int64))
     assert np.array_equal(out.numpy().astype(np.uint32), want)
+
+
+def test_the_torch_ops_sqrt_is_ieees_as_the_kernels_is() -> None:
+    """`ieee_sqrt` (the torch ops' sqrt) equals numpy's fp32 sqrt, which is IEEE's, on values of
+    every exponent, the subnormals, zeros and infinity."""
+    g = torch.Generator().manual_seed(4)
+    v = torch.rand(1 << 20, generator=g) * torch.logspace(-45, 38, 1 << 20)
+    v = torch.cat([v, torch.tensor([0.0, -0.0, float("inf"), 1e-45, 3.4e38])])
+    out = torch.empty_like(v)
+    ieee_sqrt(v, out)
+    assert np.array_equal(out.numpy().view(np.uint32), np.sqrt(v.numpy()).view(np.uint32))

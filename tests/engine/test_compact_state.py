@@ -22,7 +22,7 @@ from tierzero import Config, Placement, Tier, models
 from tierzero.checkpoint.export import export_checkpoint
 from tierzero.checkpoint.inspect import inspect_run
 from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest
-from tierzero.compact.formats import StateFormats
+from tierzero.compact.formats import INT8_CODES, StateFormats
 from tierzero.config import STATE_BLOCK, StateKind
 from tierzero.engine import Engine
 from tierzero.errors import CheckpointError
@@ -178,19 +178,25 @@ def test_a_compact_checkpoint_verifies_exports_and_refuses_another_format(tmp_pa
 
 
 def _refuses_int8_blocks_of_another_size(tmp_path: Path) -> None:
-    """A checkpoint that records no block (written before blocks of 256) has 8-bit Adam's 2048:
-    read with this tierzero's block every scale would cover the wrong values, so it is refused."""
-    older = tmp_path / "older"
-    shutil.copytree(tmp_path / "run", older)
-    checkpoint = older / "checkpoints" / "step-00000002"
-    manifest = Manifest.load(checkpoint)
-    assert manifest.engine.pop("int8_block") == STATE_BLOCK == 256
-    (checkpoint / MANIFEST_NAME).write_bytes(manifest.to_json())
-    with pytest.raises(
-        CheckpointError, match="int8 moments in blocks of 2048 values .* blocks of 256; resume it"
-    ):
-        with _engine(_config(tmp_path / "older-nvme")) as engine:
-            engine.load_checkpoint(older)
+    """A checkpoint that records no block or codes (written before blocks of 256 and 8-bit
+    floats) has 8-bit Adam's 2048 and its dynamic map: read with this tierzero's every code would
+    stand for another value, so it is refused, as one with the block but not the codes is."""
+    for drop, written in (("int8_block", "dynamic quantisation in blocks of 2048"), ("", "")):
+        older = tmp_path / f"older{drop}"
+        shutil.copytree(tmp_path / "run", older)
+        checkpoint = older / "checkpoints" / "step-00000002"
+        manifest = Manifest.load(checkpoint)
+        assert manifest.engine.pop("int8_codes") == INT8_CODES
+        if drop:
+            assert manifest.engine.pop(drop) == STATE_BLOCK == 256
+        (checkpoint / MANIFEST_NAME).write_bytes(manifest.to_json())
+        with pytest.raises(
+            CheckpointError,
+            match=f"int8 moments as blockwise int8 {written}.* reads {INT8_CODES} in blocks of "
+            "256; resume it",
+        ):
+            with _engine(_config(tmp_path / f"older{drop}-nvme")) as engine:
+                engine.load_checkpoint(older)
 
 
 def test_compact_state_moves_fewer_nvme_bytes_and_fp32_stays_torchs_adamw(tmp_path: Path) -> None:

@@ -1,58 +1,88 @@
-"""Blockwise dynamic int8 quantisation of Adam moments: the code maps, quantise and dequantise.
+"""Blockwise 8-bit quantisation of Adam moments: small floats under a per-block scale.
 
 A moment is quantised in blocks of `STATE_BLOCK` values counted from the start of its piece,
-each block sharing one fp32 absmax: a value is stored as the index (0..255) of an entry of a
-256-entry code map of `value / absmax`. The maps are the dynamic ones of 8-bit Adam (Dettmers
-et al., 2022): per decade of magnitude from 1e-7 to 1 a linear run of codes, more codes in the
-larger decades, so small and large values keep a similar relative precision. exp_avg uses the
-signed map, exp_avg_sq (never negative) the unsigned one, which spends all 256 codes on
-magnitudes.
+each block sharing one fp32 scale: a value is stored as a byte `q` and stands for
+`code_map(signed)[q] * scale`. The scale is the block's absmax over `TOP` (31/32, the largest
+code), so the block's largest magnitude is the top code, to an ulp of the scale.
 
-The step rounds stochastically between the two codes around a value: up with the probability
-of the value's fraction of the gap between them, compared with 16 random bits. Round-to-nearest
-is biased here: a moment moves by a few percent a step, less than half the gap between its
-codes, so it sticks to its code, and where the gaps widen (each decade's first code) it
-rounds more often one way; measured along one training trajectory, nearest-code moments made
-Adam's updates 2-9% larger than fp32 moments did, stochastic ones within 1%. Without random
-bits (`StateFormats.encode`: states converted, not stepped) the comparison is with half the
-gap: the nearest code.
+The codes are small floats with 4 mantissa bits whose bit patterns are fp32's (`MANTISSA`):
+above the 16 evenly spaced codes near zero (`LINEAR`), code `q` is the fp32 whose bits are
+`(q + offset) << 19`. exp_avg's signed codes are a sign bit and 7 bits of magnitude: 7
+binades, 2**-7 to 31/32, at 3-6% relative steps, and steps of 2**-11 below; exp_avg_sq's
+unsigned ones spend all 8 bits on magnitude: 15 binades, 2**-15 to 31/32, steps of 2**-19
+below. 8-bit Adam's dynamic map (per decade a linear run of codes) steps 1.4-14% in a block's
+top decade, 2.8-28% in the next and 5.6-56% in the third: finer only for the top octave of
+exp_avg. Why these codes rather than it, though: a code is fp32's bits, so a value is encoded
+by adding random bits to its own bit pattern and shifting, and decoded by shifting back -- no
+table lookup and no search, whole vectors at a time on a CPU or a GPU (the dynamic map's
+lookups held the CPU step to 0.14x of fused AdamW; docs/measurements.md).
 
-One exception to both: a positive exp_avg_sq below the smallest positive code is stored as that
-code, never as 0. Adam divides by sqrt(exp_avg_sq): rounding a small one to 0 while its
-exp_avg is not turns the update into exp_avg / eps (seen: weights of rare embedding rows
-jumping 20 lr in one step), while rounding it up only shrinks that parameter's update. Every
-function works on one run of whole blocks (the last one may be shorter), so a piece, or any
-block-aligned part of one, quantises on its own, bitwise the same as within the whole piece.
-No allocation beyond the outputs and `Scratch` handed in.
+The step rounds stochastically between the two codes around a value: the 16 random bits are
+added just below the kept ones (as bf16's stochastic rounding does), so the value rounds up
+with the probability of its fraction of the gap (to 2**-16). Round-to-nearest is biased here:
+a moment moves by a few percent a step, less than half the gap between its codes, so it sticks
+to its code. Without random bits (`StateFormats.encode`: states converted, not stepped) half the
+gap is added: the nearest code, ties up.
+
+One exception: a positive exp_avg_sq below the smallest positive code is stored as that code,
+never as 0. Adam divides by sqrt(exp_avg_sq): rounding a small one to 0 while its exp_avg is
+not turns the update into exp_avg / eps (seen: weights of rare embedding rows jumping 20 lr in
+one step), while rounding it up only shrinks that parameter's update. Every function works on
+one run of whole blocks (the last one may be shorter), so a piece, or any block-aligned part of
+one, quantises on its own, bitwise the same as within the whole piece. Only integer operations
+follow the one rounding multiplication by the block's inverse scale (any NaN it makes coded as
+the top code, whatever its sign and payload on the device), so the CPU kernel
+(`cpu_kernel`) and these torch ops agree bitwise on any device.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
 from tierzero.config import STATE_BLOCK
 
-MAX_EXPONENT = 7  # decades of magnitude the dynamic map spans below 1
-HALF_GAP = 1 << 15  # without random bits: round up past half the gap (the nearest code)
+MANTISSA = 4  # mantissa bits a code keeps
+DROP = 23 - MANTISSA  # fp32 mantissa bits a code drops
+LINEAR = 1 << MANTISSA  # evenly spaced codes below the smallest binade
+TOP = 31 / 32  # the largest code: 0.5 * (1 + 15/16)
+TOP_BITS = 0x3F780000  # TOP's fp32 bits
+INF_BITS = 0x7F800000  # any NaN is clamped to this before it is coded (payloads differ by device)
+HALF_GAP = 1 << 15  # without random bits: add half the dropped range (the nearest code)
+SIGN = 0x80  # a signed code's sign bit
+# a block whose absmax is below TINY is scaled by LIFT first (exact), so TOP / absmax is finite
+TINY, LIFT = 2.0**-100, 2.0**64
+
+
+def magnitude_mask(signed: bool) -> int:
+    """The bits of a code that hold its magnitude."""
+    return 0x7F if signed else 0xFF
+
+
+def offset(signed: bool) -> int:
+    """What a code adds to become the top bits of its fp32: the top code is `TOP`."""
+    return (TOP_BITS >> DROP) - magnitude_mask(signed)
+
+
+def smallest_binade(signed: bool) -> float:
+    """The least code above the linear ones, 2**-7 (signed) or 2**-15 (unsigned): the linear
+    codes step by it / `LINEAR`."""
+    return 2.0 ** ((((LINEAR + offset(signed)) << DROP) >> 23) - 127)
 
 
 @functools.cache
 def code_map(signed: bool) -> torch.Tensor:
-    """The 256 sorted fp32 codes of the dynamic map (8-bit Adam's `create_dynamic_map`)."""
-    data: list[float] = [0.0, 1.0]
-    for i in range(MAX_EXPONENT):
-        items = 2**i + 1 if signed else 2 ** (i + 1) + 1
-        bounds = torch.linspace(0.1, 1, items, dtype=torch.float32)
-        means = ((bounds[:-1] + bounds[1:]) / 2.0).tolist()
-        scale = 10.0 ** (-(MAX_EXPONENT - 1) + i)
-        data += [scale * m for m in means]
-        if signed:
-            data += [-scale * m for m in means]
-    assert len(data) == 256
-    return torch.tensor(sorted(data), dtype=torch.float32)
+    """The 256 fp32 values the codes stand for, by code (the signed map's codes 128-255 are the
+    negatives of 0-127)."""
+    mask = magnitude_mask(signed)
+    magnitude = torch.arange(256, dtype=torch.int32) & mask
+    binade = ((magnitude + offset(signed)) << DROP).view(torch.float32)
+    linear = magnitude.float() * (smallest_binade(signed) / LINEAR)
+    values = torch.where(magnitude < LINEAR, linear, binade)
+    if signed:
+        values = torch.where(torch.arange(256) >= SIGN, -values, values)
+    return values
 
 
 def nblocks(numel: int) -> int:
@@ -60,66 +90,23 @@ def nblocks(numel: int) -> int:
     return -(-numel // STATE_BLOCK)
 
 
-@functools.cache
-def gap_scales(signed: bool) -> torch.Tensor:
-    """Per code index, 65536 over the gap to the next code (0 for the last): a value's fraction
-    of the gap above its lower code, in units of the 16 random bits it is compared with."""
-    table = code_map(signed)
-    scales = torch.zeros(256, dtype=torch.float32)
-    scales[:-1] = 65536.0 / (table[1:] - table[:-1])
-    return scales
-
-
-@functools.cache
-def lower_buckets(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per value of an fp32's top 16 bits (a bucket of the values that share their bf16
-    truncation): the index of the largest code at or below the bucket's lowest value, and the
-    code after it, which the bucket's values are compared with. No bucket holds two codes (the
-    codes are at least 2**-7 of a value apart, a bucket 2**-7 wide), so a value's lower code is
-    the bucket's start, plus one if it is at or above that next code: `searchsorted(right=True)
-    - 1` in two table lookups instead of a binary search. The unsigned map's exception is folded
-    in: positive buckets below its first positive code start at code 1 and compare with +inf.
-    (+0's bucket, which holds the positive subnormals, starts at 0 and compares with the least of
-    them.)"""
-    table = code_map(signed)
-    patterns = torch.arange(1 << 16, dtype=torch.int64) << 16
-    edges = [(patterns | low).to(torch.int32).view(torch.float32) for low in (0, 0xFFFF)]
-    # NaN buckets: 0
-    lowest, highest = (f(*edges).nan_to_num() for f in (torch.minimum, torch.maximum))
-    starts = (torch.searchsorted(table, lowest, right=True) - 1).clamp_(0, 255)
-    assert (torch.searchsorted(table, highest, right=True) - 1 - starts <= 1).all()
-    nexts = torch.cat([table, torch.tensor([math.inf])])[starts + 1]
-    if not signed:
-        below = (lowest > 0) & (starts == 0)
-        starts[below], nexts[below] = 1, math.inf
-        # +0's bucket: any positive subnormal is code 1
-        nexts[0] = torch.tensor(0.0).nextafter(torch.tensor(1.0))
-    return starts, nexts
-
-
 class Scratch:
-    """Working buffers for quantising up to `numel` values at once, reused call after call. The
-    lookups index by int32 (half the bytes of int64); the bucket tables are uint8 starts and
-    fp32 next codes, both indexed by a value's top 16 bits, so the two lookups do not wait on
-    each other and the codes are written as uint8 straight away."""
+    """Working buffers for quantising up to `numel` values at once, reused call after call:
+    an fp32 and two int32 per value, and both code maps on the device."""
 
     def __init__(self, numel: int, device: torch.device) -> None:
         self.numel = numel
         self.device = device
-        self.other = torch.empty(numel, dtype=torch.float32, device=device)
-        self.bits = torch.empty(numel, dtype=torch.int32, device=device)
-        self.codes = {s: code_map(s).to(device) for s in (False, True)}
-        self.scales = {s: gap_scales(s).to(device) for s in (False, True)}
-        self.starts = {s: lower_buckets(s)[0].to(device, torch.uint8) for s in (False, True)}
-        self.nexts = {s: lower_buckets(s)[1].to(device) for s in (False, True)}
+        self.scaled = torch.empty(numel, dtype=torch.float32, device=device)
+        self.code = torch.empty(numel, dtype=torch.int32, device=device)
+        self.other = torch.empty(numel, dtype=torch.int32, device=device)
+        self.maps = {s: code_map(s).to(device) for s in (False, True)}
 
     @staticmethod
     def nbytes(numel: int) -> int:
-        """What a `Scratch(numel)` holds -- an fp32 and an int32 per value, and for both maps
-        the codes and gap scales (fp32) and the bucket starts (uint8) and next codes (fp32) --
-        plus the one bool per value a comparison allocates while it runs."""
-        tables = 2 * 256 * 4 + (1 << 16) * (1 + 4)
-        return numel * (4 + 4 + 1) + 2 * tables
+        """What a `Scratch(numel)` holds, plus the one bool per value a comparison allocates
+        while it runs."""
+        return numel * (4 + 4 + 4 + 1) + 2 * 256 * 4
 
 
 def _whole_and_tail(x: torch.Tensor) -> list[tuple[torch.Tensor, slice]]:
@@ -138,56 +125,63 @@ def quantise(
     values: torch.Tensor,
     signed: bool,
     codes: torch.Tensor,
-    absmax: torch.Tensor,
+    scales: torch.Tensor,
     scratch: Scratch,
     bits: torch.Tensor | None = None,
 ) -> None:
-    """Write the codes of fp32 `values` into uint8 `codes` and each block's absmax into fp32
-    `absmax` (`nblocks(values.numel())` of them): rounded up past the fraction of the gap that
-    int32 `bits` (16 random bits per value) give, or past half of it without them (see the
-    module's docstring). `values` is overwritten. A block of zeros stores absmax 0 and code 0.0."""
+    """Write the codes of fp32 `values` into uint8 `codes` and each block's scale into fp32
+    `scales` (`nblocks(values.numel())` of them), rounded up with the probability that int32
+    `bits` (16 random bits per value) give, or to the nearest without them (see the module's
+    docstring). A block of zeros stores scale 0 and codes 0."""
     n = values.numel()
-    other = scratch.other[:n]
-    torch.abs(values, out=other)
-    for (block, rows), (magnitude, _) in zip(_whole_and_tail(values), _whole_and_tail(other)):
-        top = absmax[rows]
-        torch.amax(magnitude, dim=1, out=top)
-        block.div_(torch.where(top > 0, top, torch.ones_like(top)).unsqueeze(1))
-    lower(values, signed, scratch, codes)
-    index = scratch.bits[:n]
-    index.copy_(codes)
-    torch.index_select(scratch.codes[signed], 0, index, out=other)
-    values.sub_(other)
-    torch.index_select(scratch.scales[signed], 0, index, out=other)
-    # the fraction of the gap above the lower code, in 1/65536ths (exact scaling)
-    values.mul_(other)
+    raw = values.view(torch.int32)
+    scaled, code, other = scratch.scaled[:n], scratch.code[:n], scratch.other[:n]
+    torch.bitwise_and(raw, 0x7FFFFFFF, out=scaled.view(torch.int32))  # |x|, NaN payloads kept
+    for (block, rows), _ in zip(_whole_and_tail(scaled), _whole_and_tail(values)):
+        top = scales[rows]
+        torch.amax(block, dim=1, out=top)
+        lift = torch.where(top < TINY, LIFT, 1.0)
+        # a tensor divided, not a scalar by a tensor (torch takes the reciprocal, then multiplies)
+        inverse = torch.full_like(top, TOP).div_(top * lift)
+        inverse.masked_fill_(~(top > 0), 0.0)
+        block.mul_(lift.unsqueeze(1)).mul_(inverse.unsqueeze(1))
+        top.div_(TOP)
     if bits is None:
-        up = torch.gt(values, HALF_GAP)
+        other.fill_(HALF_GAP << (DROP - 16))
     else:
-        other.copy_(bits)
-        up = torch.gt(values, other)
-    codes.add_(up.view(torch.uint8))
+        torch.bitwise_left_shift(bits, DROP - 16, out=other)
+    least = smallest_binade(signed)
+    tiny = torch.lt(scaled, least)
+    # the linear codes: the scaled value plus the smallest binade, whose ulp is 2**-DROP of a
+    # linear code's step, then shifted as the binades' bits are
+    linear = code.view(torch.float32)
+    torch.add(scaled, least, out=linear)
+    code.sub_(_bits(least)).add_(other).bitwise_right_shift_(DROP)
+    # the binades: the bits (any NaN as inf's) plus the random ones, shifted, less the offset
+    binade = scaled.view(torch.int32)
+    binade.bitwise_and_(0x7FFFFFFF).clamp_(max=INF_BITS).add_(other).bitwise_right_shift_(DROP)
+    binade.sub_(offset(signed)).clamp_(max=magnitude_mask(signed))
+    torch.where(tiny, code, binade, out=code)
+    if signed:
+        torch.bitwise_right_shift(raw, 31, out=other).bitwise_and_(SIGN)
+        code.bitwise_or_(other)
+    else:
+        code.add_((torch.gt(values, 0) & torch.eq(code, 0)).view(torch.uint8))
+    codes.copy_(code)
 
 
-def lower(values: torch.Tensor, signed: bool, scratch: Scratch, out: torch.Tensor) -> None:
-    """uint8 `out`: the index of each normalised value's lower code, by its bucket
-    (`lower_buckets`)."""
-    n = values.numel()
-    bucket, bound = scratch.bits[:n], scratch.other[:n]
-    torch.bitwise_right_shift(values.view(torch.int32), 16, out=bucket).bitwise_and_(0xFFFF)
-    torch.index_select(scratch.starts[signed], 0, bucket, out=out)
-    torch.index_select(scratch.nexts[signed], 0, bucket, out=bound)
-    # a fresh bool tensor: comparisons into `out=` run about 4x slower on the CPU (torch 2.13)
-    out.add_(torch.ge(values, bound).view(torch.uint8))
+def _bits(value: float) -> int:
+    return int(torch.tensor(value, dtype=torch.float32).view(torch.int32))
 
 
 def dequantise(
-    codes: torch.Tensor, absmax: torch.Tensor, signed: bool, out: torch.Tensor, scratch: Scratch
+    codes: torch.Tensor, scales: torch.Tensor, signed: bool, out: torch.Tensor, scratch: Scratch
 ) -> None:
-    """Fill fp32 `out` with the values uint8 `codes` stand for: code * its block's absmax."""
+    """Fill fp32 `out` with the values uint8 `codes` stand for: its code's value * its block's
+    scale."""
     n = codes.numel()
-    index = scratch.bits[:n]
+    index = scratch.code[:n]
     index.copy_(codes)
-    torch.index_select(scratch.codes[signed], 0, index, out=out)
+    torch.index_select(scratch.maps[signed], 0, index, out=out)
     for block, rows in _whole_and_tail(out):
-        block.mul_(absmax[rows].unsqueeze(1))
+        block.mul_(scales[rows].unsqueeze(1))

@@ -11,7 +11,6 @@ workqueue threading layer, where it is the one installed, aborts on concurrent c
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import threading
@@ -20,11 +19,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from tierzero.compact import codes as codes_mod
 from tierzero.compact.formats import StateFormats, split
 from tierzero.config import STATE_BLOCK, StateKind
 
 STATES = (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)  # stepped and stored, in order
+STREAMS = (StateKind.MASTER, StateKind.EXP_AVG)  # their random bits' streams (the moments share)
 PIECE = (*STATES, StateKind.GRAD)  # what the kernel reads, in order
 CHUNK = 8192  # values the kernel steps per task (whole blocks): their fp32 copies stay in L2
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
@@ -38,13 +37,11 @@ _EMPTY = (
 
 
 def load() -> Callable:
-    """Import numba's kernel and point its sqrt at torch's (`cpu_kernel.bind_sqrt`); numba
-    compiles it, or loads its cached machine code, at the first call. Raises whatever numba
-    raises where it is missing."""
+    """Import numba's kernel; numba compiles it, or loads its cached machine code, at the first
+    call. Raises whatever numba raises where it is missing."""
     from tierzero.compact import cpu_kernel
 
     assert cpu_kernel.BLOCK == STATE_BLOCK, (cpu_kernel.BLOCK, STATE_BLOCK)
-    cpu_kernel.bind_sqrt()
     return cpu_kernel.run
 
 
@@ -54,12 +51,9 @@ def installed() -> bool:
 
 
 def scratch_nbytes() -> int:
-    """The most the kernel holds beyond the pieces: each core's chunk arrays (five fp32 and
-    three uint32 arrays of `CHUNK`, and a block's lookups) while it runs, and, kept, the packed
-    tables (`_maps`) and the bucket tables they are made from (`codes.lower_buckets`)."""
-    per_core = CHUNK * 4 * 8 + STATE_BLOCK * (8 + 4)
-    tables = 2 * (256 * 4 + (1 << 16) * 8 + 256 * 8) + 2 * (1 << 16) * (8 + 4)
-    return (os.cpu_count() or 1) * per_core + tables
+    """The most the kernel holds beyond the pieces: each core's chunk arrays (four fp32 and
+    three uint32 arrays of `CHUNK`) while it runs."""
+    return (os.cpu_count() or 1) * CHUNK * 4 * 7
 
 
 def usable(tensors: dict[StateKind, torch.Tensor]) -> bool:
@@ -82,7 +76,7 @@ def step_piece(
     sub_block: int,
 ) -> None:
     """One AdamW update of a piece by `run` (`load()`): `spans` as `CompactStep.step`'s,
-    with each one's `step.adamw_scalars` and its random keys per state (`STATES`' order)."""
+    with each one's `step.adamw_scalars` and its random keys per stream (`STREAMS`' order)."""
     numel = tensors[StateKind.GRAD].numel()
     assert sub_block % CHUNK == 0 and CHUNK % STATE_BLOCK == 0, (sub_block, CHUNK)
     order = sorted(range(len(spans)), key=lambda i: spans[i][0])
@@ -117,11 +111,9 @@ def step_piece(
             sub_block,
             np.ascontiguousarray(bounds[:, 0]),
             np.ascontiguousarray(bounds[:, 1]),
-            np.array([spans[i][2] != 0 for i in order], dtype=np.bool_),
             np.array([scalars[i] for i in order], dtype=np.float32).reshape(-1, 8),
-            np.array([keys[i] for i in order], dtype=np.uint64).reshape(-1, 3),
+            np.array([keys[i] for i in order], dtype=np.uint64).reshape(-1, len(STREAMS)),
             origin,
-            *_maps(),
         )
 
 
@@ -144,23 +136,3 @@ def _arrays(
         assert stored.dtype == torch.bfloat16, stored.dtype
         b16 = stored.view(torch.uint16).numpy()
     return f32, b16, codes, absmax
-
-
-@functools.cache
-def _maps() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Both code maps (row 0 unsigned, 1 signed) as the kernel reads them: their codes; per
-    bucket (`codes.lower_buckets`) its lower code above the fp32 bits of the next code; per code
-    its gap scale's fp32 bits above its own. One 64-bit load then finds both halves."""
-
-    def packed(high: torch.Tensor, low: torch.Tensor) -> np.ndarray:
-        high, low = (x.numpy().view(np.uint32).astype(np.uint64) for x in (high, low))
-        return (high << np.uint64(32)) | low
-
-    rows = [
-        (codes_mod.code_map(signed), codes_mod.gap_scales(signed), *codes_mod.lower_buckets(signed))
-        for signed in (False, True)
-    ]
-    table = np.stack([codes.numpy() for codes, _, _, _ in rows])
-    buckets = np.stack([packed(starts.to(torch.int32), nexts) for _, _, starts, nexts in rows])
-    pairs = np.stack([packed(scales, codes) for codes, scales, _, _ in rows])
-    return table, buckets, pairs

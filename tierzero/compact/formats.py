@@ -5,11 +5,11 @@ default) are fp32 tensors, stepped by torch's AdamW. bf16 ones are bf16 tensors 
 piece's numel. An int8 moment piece is one uint8 tensor, so every tier, transfer, kept
 generation and checkpoint moves it as one array like any other piece:
 
-    [ absmax: nblocks fp32, little-endian | codes: numel uint8 ]
+    [ scales: nblocks fp32, little-endian | codes: numel uint8 ]
 
 `nblocks = ceil(numel / STATE_BLOCK)`; block k covers the piece's values
-[k * STATE_BLOCK, (k + 1) * STATE_BLOCK) and code i stands for `code_map(signed)[i] * absmax[k]`
-(`tierzero.compact.codes`; signed for exp_avg, unsigned for exp_avg_sq). The absmax come first
+[k * STATE_BLOCK, (k + 1) * STATE_BLOCK) and code i stands for `code_map(signed)[i] * scales[k]`
+(`tierzero.compact.codes`; signed for exp_avg, unsigned for exp_avg_sq). The scales come first
 so their fp32 view is aligned whatever the piece's numel. On NVMe the array's zarr attributes
 name this layout (`layout`: the scales' and codes' dtype, offset and count, the block and the
 code map), so zarr 3 alone can decode a piece. With bf16 compute a bf16 master is not stored
@@ -28,6 +28,8 @@ from tierzero.config import STATE_BLOCK, TORCH_DTYPES, DType, FormatSettings, St
 from tierzero.storage.base import aligned_empty
 
 MOMENTS = (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
+# what an int8 moment's codes are: checkpoints record it, and refuse another (`checkpointing`)
+INT8_CODES = "blockwise 8-bit floats, 4 mantissa bits"
 
 
 @dataclass(frozen=True)
@@ -94,11 +96,9 @@ class StateFormats:
         out = self.empty(kind, values.numel())
         if not self.quantised(kind):
             return out.copy_(values)
-        absmax, codes = split(out, values.numel())
+        scales, codes = split(out, values.numel())
         scratch = codes_mod.Scratch(values.numel(), values.device)
-        codes_mod.quantise(
-            values.float().clone(), kind is StateKind.EXP_AVG, codes, absmax, scratch
-        )
+        codes_mod.quantise(values.float(), kind is StateKind.EXP_AVG, codes, scales, scratch)
         return out
 
     def layout(self, key: str, stored: torch.Tensor) -> dict | None:
@@ -113,9 +113,9 @@ class StateFormats:
         """Fill fp32 `out` (one piece's values) from its stored tensor."""
         if not self.quantised(kind):
             return out.copy_(stored)
-        absmax, codes = split(stored, out.numel())
+        scales, codes = split(stored, out.numel())
         scratch = codes_mod.Scratch(out.numel(), out.device)
-        codes_mod.dequantise(codes, absmax, kind is StateKind.EXP_AVG, out, scratch)
+        codes_mod.dequantise(codes, scales, kind is StateKind.EXP_AVG, out, scratch)
         return out
 
 
@@ -124,7 +124,7 @@ def _int8_layout(signed: bool, nbytes: int) -> dict:
     """`StateFormats.layout` of an int8 moment piece of `nbytes` packed bytes."""
     blocks = -(-nbytes // (STATE_BLOCK + 4))  # numel + 4 bytes per started block
     return {
-        "packs": "blockwise int8 dynamic quantisation",
+        "packs": INT8_CODES,
         "block": STATE_BLOCK,
         "scales": {"data_type": "float32", "endian": "little", "offset": 0, "count": blocks},
         "codes": {"data_type": "uint8", "offset": 4 * blocks, "count": nbytes - 4 * blocks},
@@ -134,6 +134,6 @@ def _int8_layout(signed: bool, nbytes: int) -> dict:
 
 
 def split(packed: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """An int8 moment piece's absmax (fp32) and codes (uint8) as views of its packed bytes."""
+    """An int8 moment piece's scales (fp32) and codes (uint8) as views of its packed bytes."""
     head = 4 * codes_mod.nblocks(numel)
     return packed[:head].view(torch.float32), packed[head : head + numel]

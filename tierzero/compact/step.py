@@ -53,7 +53,8 @@ F32_SCRATCH = (
 INT_SCRATCH = ("shift", "bits")  # stochastic rounding's hash (int32)
 _MASK32 = 0xFFFFFFFF
 _MIX = (0x7FEB352D, 0x2C1B3C6D)  # odd multipliers below 2**31 (so int32 constants)
-_KIND_STREAM = {StateKind.MASTER: 1, StateKind.EXP_AVG: 2, StateKind.EXP_AVG_SQ: 3}
+# the moments share one stream: exp_avg rounds by its hash's low 16 bits, exp_avg_sq by its high
+_KIND_STREAM = {StateKind.MASTER: 1, StateKind.EXP_AVG: 2, StateKind.EXP_AVG_SQ: 2}
 
 # (start, end) in the piece, weight decay, updates already applied
 Span = tuple[int, int, float, int]
@@ -122,7 +123,7 @@ class CompactStep:
                 return
             scalars = [adamw_scalars(wd, k, lr, self.optimizer) for _, _, wd, k in spans]
             keys = [
-                [stream_key(self.seed, k + 1, unit, kind) for kind in cpu_step.STATES]
+                [stream_key(self.seed, k + 1, unit, kind) for kind in cpu_step.STREAMS]
                 for _, _, _, k in spans
             ]
             cpu_step.step_piece(
@@ -187,10 +188,10 @@ class CompactStep:
             return stored[s:e]
         out = scratch[kind.value][: e - s]
         if self.formats.quantised(kind):
-            absmax, codes = split(stored, numel)
+            scales, codes = split(stored, numel)
             codes_mod.dequantise(
                 codes[s:e],
-                absmax[s // STATE_BLOCK : codes_mod.nblocks(e)],
+                scales[s // STATE_BLOCK : codes_mod.nblocks(e)],
                 kind is StateKind.EXP_AVG,
                 out,
                 self._codes,
@@ -223,12 +224,12 @@ class CompactStep:
         for a, b, _, k in inside:
             random_bits(self.seed, k + 1, unit, kind, origin + s + a, b - a, scratch, bits[a:b])
         if quantised:
-            absmax, codes = split(stored, numel)
+            scales, codes = split(stored, numel)
             codes_mod.quantise(
                 values,
                 kind is StateKind.EXP_AVG,
                 codes[s:e],
-                absmax[s // STATE_BLOCK : codes_mod.nblocks(e)],
+                scales[s // STATE_BLOCK : codes_mod.nblocks(e)],
                 self._codes,
                 bits,
             )
@@ -240,7 +241,7 @@ class CompactStep:
 def cpu_kernel() -> Callable | None:
     """numba's compiled kernel (`cpu_step.load`), checked against torch's ops on a probe piece;
     None, said once in the log, where it cannot be had: numba missing, its compiler failing, or
-    its results differing from torch's on this machine (another sqrt, say)."""
+    its results differing from torch's ops on this machine."""
     try:
         run = cpu_step.load()
         _check(run)
@@ -261,7 +262,7 @@ class KernelMismatch(RuntimeError):
 
 def _check(run: Callable) -> None:
     """Step a probe piece with `run` and with torch's ops; raise `KernelMismatch` unless they
-    agree. An fp32 master shows any difference in sqrt or division, int8 moments the quantiser's."""
+    agree. An fp32 master shows any difference in sqrt or division, int8 moments the coder's."""
     formats, settings = (
         StateFormats(moments="int8", master="fp32"),
         OptimizerSettings(weight_decay=0.1),
@@ -342,12 +343,23 @@ def adamw_math(
     torch.mul(g, g, out=t1)
     t1.mul_(one_minus_beta2)
     v.add_(t1)
-    torch.sqrt(v, out=t1)
+    ieee_sqrt(v, out=t1)
     t1.div_(root)
     t1.add_(eps)
     torch.div(m, t1, out=t2)
     t2.mul_(step_size)
     p.sub_(t2)
+
+
+def ieee_sqrt(v: torch.Tensor, out: torch.Tensor) -> None:
+    """fp32 `out` = the correctly rounded sqrt of fp32 `v`, as the CPU kernel's (and CUDA's)
+    sqrt computes it. torch's fp32 sqrt on the CPU is MKL's where torch has MKL, an ulp off on
+    about a fifth of values; the sqrt of the fp64 value, rounded to fp32, is the correctly
+    rounded one (a sqrt of a 24-bit float is never within 2**-53 of a midpoint between fp32s)."""
+    if v.device.type == "cpu":
+        out.copy_(torch.sqrt(v.double()))
+    else:
+        torch.sqrt(v, out=out)
 
 
 def stream_key(seed: int, step: int, unit: int, kind: StateKind) -> int:
@@ -381,7 +393,9 @@ def random_bits(
     scratch: dict[str, torch.Tensor],
     out: torch.Tensor,
 ) -> None:
-    """16 random bits (int32, 0..65535) per position start..start+numel-1 of a unit's flat buffer.
+    """16 random bits (int32, 0..65535) per position start..start+numel-1 of a unit's flat buffer:
+    the low half of a 32-bit hash of the position, the high half for exp_avg_sq (whose stream
+    is exp_avg's: one hash rounds both moments).
 
     Computed in int32 (wrapping mul and add: the bits of uint32 arithmetic), with the logical
     shift `(h >> 16) & 0xFFFF` where int32's arithmetic shift would drag the sign in."""
@@ -391,8 +405,11 @@ def random_bits(
     for mult in _MIX:
         torch.bitwise_right_shift(out, 16, out=shift).bitwise_and_(0xFFFF)
         out.bitwise_xor_(shift).mul_(mult)
-    torch.bitwise_right_shift(out, 16, out=shift)
-    out.bitwise_xor_(shift).bitwise_and_(0xFFFF)
+    torch.bitwise_right_shift(out, 16, out=shift).bitwise_and_(0xFFFF)
+    out.bitwise_xor_(shift)
+    if kind is StateKind.EXP_AVG_SQ:
+        out.bitwise_right_shift_(16)
+    out.bitwise_and_(0xFFFF)
 
 
 def round_stochastic(values: torch.Tensor, bits: torch.Tensor, out: torch.Tensor) -> None:

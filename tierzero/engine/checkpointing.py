@@ -47,6 +47,7 @@ from tierzero.checkpoint.catalog import (
     verify_checkpoint,
 )
 from tierzero.checkpoint.manifest import MANIFEST_NAME, Manifest, Origin, config_hash, layout_of
+from tierzero.compact.formats import INT8_CODES
 from tierzero.config import STATE_BLOCK, Config, StateKind, Tier
 from tierzero.distributed.comm import Comm
 from tierzero.engine.parts import EngineParts
@@ -314,6 +315,8 @@ def restore(engine: EngineParts, path: Path, manifest: Manifest) -> None:
 
 
 LEGACY_INT8_BLOCK = 2048  # what an int8 checkpoint that records no block was written with
+# and one that records no codes: 8-bit Adam's dynamic map
+LEGACY_INT8_CODES = "blockwise int8 dynamic quantisation"
 
 
 def _check_formats(engine: EngineParts, manifest: Manifest, path: Path) -> None:
@@ -336,11 +339,16 @@ def _check_formats(engine: EngineParts, manifest: Manifest, path: Path) -> None:
             f"--quantize-base {base}"
         )
     block = manifest.engine.get("int8_block", LEGACY_INT8_BLOCK)
-    if engine.shards.formats.quantised(StateKind.EXP_AVG) and block != STATE_BLOCK:
+    coded = manifest.engine.get("int8_codes", LEGACY_INT8_CODES)
+    if engine.shards.formats.quantised(StateKind.EXP_AVG) and (block, coded) != (
+        STATE_BLOCK,
+        INT8_CODES,
+    ):
         raise CheckpointError(
-            f"{path} stores int8 moments in blocks of {block} values and this tierzero reads "
-            f"blocks of {STATE_BLOCK}; resume it with the tierzero that wrote it, or export its "
-            "weights (tierzero export) and start a run from them"
+            f"{path} stores int8 moments as {coded} in blocks of {block} values and this "
+            f"tierzero reads {INT8_CODES} in blocks of {STATE_BLOCK}; resume it with the "
+            "tierzero that wrote it, or export its weights (tierzero export) and start a run "
+            "from them"
         )
 
 
@@ -386,6 +394,7 @@ def _engine_state(engine: EngineParts) -> dict[str, Any]:
         "piece_numel": engine.config.streaming.piece_numel,
         **engine.shards.formats.describe(),
         "int8_block": STATE_BLOCK,
+        "int8_codes": INT8_CODES,
         "quantize_base": engine.config.formats.quantize_base,
         **({"nf4_weights": recorded_weights(coded)} if (coded := engine.shards.coded) else {}),
     }
