@@ -159,7 +159,7 @@ OptimizerState = Annotated[
     typer.Option(
         "--optimizer-state",
         help="How the two Adam moments are stored on every tier: fp32 (default: exact), bf16, "
-        f"or int8 (blocks of {STATE_BLOCK} values, an fp32 absmax each), as `tierzero train "
+        f"or int8 (blocks of {STATE_BLOCK} values, an fp32 scale each), as `tierzero train "
         "--optimizer-state`; the ledger, every tier's peak, the NVMe bytes per step and the "
         "choice count them so.",
     ),

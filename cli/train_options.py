@@ -122,7 +122,7 @@ OptimizerState = Annotated[
         "--optimizer-state",
         help="How the two Adam moments are stored on every tier and in checkpoints: fp32 (default: "
         "exact, bitwise torch.optim.AdamW(fused=True)), bf16 (half the bytes), or int8 (a "
-        f"quarter: blocks of {STATE_BLOCK} values share one fp32 absmax). Fixed for the run's "
+        f"quarter: blocks of {STATE_BLOCK} values share one fp32 scale). Fixed for the run's "
         "life; `tierzero plan --optimizer-state` shows the bytes.",
     ),
 ]

@@ -55,7 +55,7 @@ def test_plan_prints_the_compact_rows_and_counts_the_chosen_one() -> None:
     )
     text = " ".join(result.output.split())  # free text wraps at the console's width
     assert (
-        "State: int8 Adam moments (blocks of 256, an fp32 absmax each), "
+        "State: int8 Adam moments (blocks of 256, an fp32 scale each), "
         "bf16 master (the param itself)" in text
     )
     fp32 = json.loads(runner.invoke(app, ["plan", *MACHINE, "--json"]).stdout)
@@ -105,7 +105,7 @@ def test_a_compact_run_says_its_formats_and_a_resume_in_another_is_refused(tmp_p
     )
     assert result.exit_code == 0, result.output
     assert (
-        "optimizer state: int8 Adam moments (blocks of 256, an fp32 absmax each), bf16 master"
+        "optimizer state: int8 Adam moments (blocks of 256, an fp32 scale each), bf16 master"
         in result.output
     )
     saved = (run_dir / "config.toml").read_text()

@@ -171,11 +171,11 @@ class StateFormat(str, enum.Enum):
 
     FP32 = "fp32"  # exact: bitwise torch.optim.AdamW
     BF16 = "bf16"
-    INT8 = "int8"  # blockwise dynamic quantisation: STATE_BLOCK values share one fp32 absmax
+    INT8 = "int8"  # blockwise 8-bit floats: STATE_BLOCK values share one fp32 scale
 
 
 # values per int8 quantisation block; pieces (multiples of 2048) hold whole blocks, so a piece
-# quantises alone. 256, not 8-bit Adam's 2048: a smaller block's absmax sits closer to its
+# quantises alone. 256, not 8-bit Adam's 2048: a smaller block's scale sits closer to its
 # values, which then land on finer codes (docs/design.md, "Compact optimizer state")
 STATE_BLOCK = 256
 

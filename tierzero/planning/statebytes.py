@@ -3,7 +3,7 @@
 Owns `StateBytes`, the (Adam moments, master) choice a run makes (`Config.optimizer_state`,
 `Config.master`) as the planner counts it: params and grads in their dtypes, the master and
 moments as the engine stores them (`tierzero.compact.formats.StateFormats`, the one place that
-knows a stored piece's size: int8 adds one fp32 absmax per `STATE_BLOCK` values, blocks counted
+knows a stored piece's size: int8 adds one fp32 scale per `STATE_BLOCK` values, blocks counted
 per run of elements since pieces and units start on a block). With bf16 compute and a bf16
 master the param *is* the master (one tensor): where both are homed on one tier the param
 takes no bytes of its own there. The ledger, the memory model and the placement planner count
@@ -112,7 +112,7 @@ class StateBytes:
         moments = {
             StateFormat.FP32: "fp32 Adam moments",
             StateFormat.BF16: "bf16 Adam moments",
-            StateFormat.INT8: f"int8 Adam moments (blocks of {STATE_BLOCK}, an fp32 absmax each)",
+            StateFormat.INT8: f"int8 Adam moments (blocks of {STATE_BLOCK}, an fp32 scale each)",
         }
         weights = (
             "bf16 master (the param itself)" if self.one_weight else f"{self.master.value} master"
