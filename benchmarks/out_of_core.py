@@ -194,6 +194,8 @@ def train(
             "os_read_bytes": io1["read_bytes"] - io0["read_bytes"],
             "os_write_bytes": io1["write_bytes"] - io0["write_bytes"],
             "io_wait_share": stats.get("io_wait_s", float("nan")) / seconds,
+            # the optimizer's compute (the compact step, on its own thread): busy_s/optimizer
+            "optimizer_share": stats.get("busy_s/optimizer", float("nan")) / seconds,
             "bound_serial_s": read_s + write_s,
             "bound_overlapped_s": max(read_s, write_s),
             "peak_rss_bytes": watch.hwm[f"step {step}"],
@@ -205,6 +207,7 @@ def train(
         log.print(
             f"step {step}: loss {loss:.4f}, {seconds:.1f} s, nvme read {read / GB:.2f} GB, "
             f"written {written / GB:.2f} GB, I/O wait {row['io_wait_share']:.0%}, "
+            f"optimizer {row['optimizer_share']:.1%} of the step, "
             f"peak RSS {row['peak_rss_bytes'] / GB:.2f} GB",
             highlight=False,
         )
@@ -353,7 +356,13 @@ def step_summary(steps: list[dict[str, Any]], params: int) -> dict[str, Any]:
 
     summary = {
         k: median(k)
-        for k in ("nvme_bytes_per_param", "io_wait_share", "bound_serial_s", "bound_overlapped_s")
+        for k in (
+            "nvme_bytes_per_param",
+            "io_wait_share",
+            "optimizer_share",
+            "bound_serial_s",
+            "bound_overlapped_s",
+        )
     }
     summary["step_s"] = median("seconds")
     summary["read_per_param"] = median("nvme_read_bytes") / params

@@ -119,6 +119,7 @@ def _median_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
             f"written {s['write_per_param']:.1f})",
         ),
         ("I/O wait share", f"{s['io_wait_share']:.0%} (engine's io_wait_s)"),
+        ("optimizer share", f"{s['optimizer_share']:.1%} (engine's busy_s/optimizer)"),
         (
             "I/O bound serial / overlapped",
             f"{s['bound_serial_s']:.1f} s / {s['bound_overlapped_s']:.1f} s",
@@ -152,6 +153,7 @@ def _per_step_table(r: dict[str, Any]) -> Table:
         ("OS write_bytes (/proc/self/io)", lambda x: gb(x["os_write_bytes"])),
         ("NVMe bytes / param", lambda x: f"{x['nvme_bytes_per_param']:.1f}"),
         ("I/O wait (io_wait_s / step)", lambda x: f"{x['io_wait_share']:.0%}"),
+        ("optimizer (busy_s / step)", lambda x: f"{x['optimizer_share']:.1%}"),
         (
             "peak RSS: VmHWM / sampled",
             lambda x: f"{gb(x['peak_rss_bytes'])} / {gb(x['peak_rss_sampled_bytes'])}",
