@@ -41,6 +41,7 @@ def plan(
     accumulate: opt.Accumulate = 1,
     schedule: opt.Schedule = "auto",
     recompute: opt.Recompute = "auto",
+    optimizer_device: opt.OptimizerDevice = "auto",
     optimizer_state: opt.OptimizerState = "fp32",
     master: opt.Master = "fp32",
     lora_r: opt.LoraR = None,
@@ -124,6 +125,7 @@ def _print_report(out: Output, report: PlanReport) -> None:
     _print_traffic(out, r)
     _print_wear(out, report)
     _print_recompute(out, r)
+    _say(out, f"Optimizer: steps {r['optimizer']['why']}")
     _say(out, "Peak per tier, part by part (the phase where each part peaks):")
     _print_peaks(out, report.choice.estimate.memory)
     if report.gpus > 1:

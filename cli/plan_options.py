@@ -154,6 +154,15 @@ Recompute = Annotated[
         "where they do not fit), as `tierzero train --recompute`.",
     ),
 ]
+OptimizerDevice = Annotated[
+    str,
+    typer.Option(
+        "--optimizer-device",
+        help="Where the optimizer steps: auto (default: the faster side by measured speeds -- "
+        "this CPU's step and --profile's host<->device rate, or this machine's GPU), cpu, or "
+        "gpu, as `tierzero train --optimizer-device`; the plan says which and why.",
+    ),
+]
 OptimizerState = Annotated[
     str,
     typer.Option(

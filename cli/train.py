@@ -63,6 +63,7 @@ def train(
     accumulate: opt.Accumulate = None,
     schedule: opt.Schedule = None,
     recompute: opt.Recompute = None,
+    optimizer_device: opt.OptimizerDevice = None,
     optimizer_state: opt.OptimizerState = None,
     master: opt.Master = None,
     lr: opt.Lr = None,

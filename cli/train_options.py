@@ -116,6 +116,16 @@ Recompute = Annotated[
         "where they do not fit).",
     ),
 ]
+OptimizerDevice = Annotated[
+    str | None,
+    typer.Option(
+        "--optimizer-device",
+        help="Where the optimizer steps: auto (default: the planner's pick from measured "
+        "speeds; `tierzero plan` says which and why), cpu (beside the host buffers), or gpu "
+        "(on the compute device: master and moments come up through pinned host buffers and go "
+        "back, the grads never come down).",
+    ),
+]
 OptimizerState = Annotated[
     str | None,
     typer.Option(

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tierzero.cli.output import Output
 from tierzero.cli.plan import wear_lines
 
-from tierzero.config import DType, LongExamples, RunConfig
+from tierzero.config import DType, LongExamples, OptimizerDevice, RunConfig
 from tierzero.distributed.launch import Ranks
 from tierzero.planning.machine import process_written_bytes
 from tierzero.planning.peaks import format_bytes
@@ -95,6 +95,11 @@ def _print_header(out: Output, run: RunConfig, ranks: Ranks, session: Any) -> No
     )
     if formats.compact:
         out.print(f"optimizer state: {formats.describe()}", highlight=False)
+    parts = getattr(session.trainer, "parts", None)
+    if parts is not None and (
+        session.device != "cpu" or run.engine.execution.optimizer_device is not OptimizerDevice.AUTO
+    ):
+        out.print(f"optimizer: steps {parts.step_reason}", highlight=False)
     if session.fitted is not None and session.fitted.long:
         out.print(f"[yellow]note:[/] {_long_examples_text(session.fitted)}", highlight=False)
     if ranks.world_size > 1:  # several ranks train an Engine, never the in-memory trainer

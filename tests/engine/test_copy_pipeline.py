@@ -42,13 +42,18 @@ HOST = Placement(Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)
 NVME = Placement(Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME, Tier.NVME)
 GPU_PARAMS = Placement.for_offload(Offload.HOST)  # params on the device, the step on the host
 
-CASES = {  # (placement, overlap_step, accumulate)
+CASES = {  # (placement, overlap_step, accumulate[, where the optimizer steps])
     "host-overlap": (HOST, True, 1),
     "host-accumulate": (HOST, False, 2),
     "nvme-overlap-accumulate": (NVME, True, 2),
     "nvme": (NVME, False, 1),
     "gpu-params-overlap": (GPU_PARAMS, True, 1),
     "gpu-params-accumulate": (GPU_PARAMS, False, 2),
+    # stepped on the device by choice: states come up through host buffers and go back
+    "host-device-step-overlap": (HOST, True, 1, "gpu"),
+    "nvme-device-step-accumulate": (NVME, False, 2, "gpu"),
+    "nvme-device-step-overlap": (NVME, True, 1, "gpu"),
+    "gpu-params-device-step": (GPU_PARAMS, True, 1, "gpu"),
 }
 
 
@@ -125,8 +130,9 @@ def train_through_fake(
     """Train `case` through the fake (host -> device writes on their own stream if
     `separate_writes`) and PyTorch: what the fake's checks report, and the (losses, weights) of
     each."""
-    placement, overlap, accumulate = CASES[case]
+    placement, overlap, accumulate, *where = CASES[case]
     cfg = Config(
+        optimizer_device=where[0] if where else "auto",
         placement=placement,
         nvme_path=[str(tmp_path / "nvme")],
         lr=3e-3,
@@ -149,9 +155,9 @@ def train_through_fake(
         losses = [engine.train_step(data.next_batch()) for _ in range(2 * accumulate)]
         weights = engine.master_state_dict()
         engine.eval_loss(data.next_batch())  # a pass after the last step reads its params
-        param_spans = (
+        param_spans = (  # new params written up from a host step (a device step's: in place)
             []
-            if placement.param is not Tier.GPU
+            if placement.param is not Tier.GPU or where
             else [
                 (v.data_ptr(), v.data_ptr() + v.numel() * v.element_size())
                 for v in (

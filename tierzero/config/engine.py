@@ -20,6 +20,7 @@ from tierzero.config.kinds import (
     DType,
     LRSchedule,
     Offload,
+    OptimizerDevice,
     Placement,
     Recompute,
     Schedule,
@@ -203,8 +204,8 @@ class Precision:
 @dataclass(frozen=True)
 class Execution:
     """How a step's micro-batches run through the units: how many, in which schedule, what
-    is recomputed, where the vertical schedule's waiting activations wait, and whether units
-    are stepped in backward."""
+    is recomputed, where the vertical schedule's waiting activations wait, whether units are
+    stepped in backward, and on which device."""
 
     accumulate: int = 1
     schedule: Schedule = Schedule.AUTO
@@ -215,10 +216,13 @@ class Execution:
     # None: on wherever it is free (no clipping, not fp16); True with clipping: exact, a fired
     # clip re-steps
     overlap_step: bool | None = None
+    optimizer_device: OptimizerDevice = OptimizerDevice.AUTO
 
     def __post_init__(self) -> None:
         _set(self, "schedule", choice(Schedule, self.schedule, "schedule"))
         _set(self, "recompute", choice(Recompute, self.recompute, "recompute"))
+        device = choice(OptimizerDevice, self.optimizer_device, "optimizer_device")
+        _set(self, "optimizer_device", device)
         if self.activation_budget is not None:
             budget = parse_bytes(self.activation_budget, "activation_budget")
             _set(self, "activation_budget", budget)

@@ -62,13 +62,17 @@ class LRSchedule(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Placement:
-    """The home tier of each state kind. `gpu` means the compute device's memory."""
+    """The home tier of each state kind. `gpu` means the compute device's memory. `optimizer`:
+    where the step runs when it is not where the states live (`gpu`: on the compute device,
+    the states brought up and written back around it); None: the optimizer steps on the GPU
+    when master and both moments live there, else on the host (`planning.stepdevice`)."""
 
     param: Tier = Tier.GPU
     grad: Tier = Tier.GPU
     master: Tier = Tier.GPU
     exp_avg: Tier = Tier.GPU
     exp_avg_sq: Tier = Tier.GPU
+    optimizer: Tier | None = None
 
     def home(self, kind: StateKind) -> Tier:
         return getattr(self, kind.value)
@@ -87,7 +91,8 @@ class Placement:
         )
 
     def describe(self) -> str:
-        return " ".join(f"{k.value}={self.home(k).value}" for k in StateKind)
+        homes = " ".join(f"{k.value}={self.home(k).value}" for k in StateKind)
+        return homes if self.optimizer is None else f"{homes} optimizer={self.optimizer.value}"
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -164,6 +169,14 @@ class Recompute(str, enum.Enum):
     AUTO = "auto"  # keep the activations of as many blocks as the compute device's budget holds
     ALL = "all"  # every unit keeps only its input and is recomputed (activation checkpointing)
     NONE = "none"  # every block keeps its activations; refused where they do not fit
+
+
+class OptimizerDevice(str, enum.Enum):
+    """Where the optimizer steps its pieces (`tierzero.planning.stepdevice`)."""
+
+    AUTO = "auto"  # the planner's pick, from measured speeds
+    CPU = "cpu"  # beside the host buffers (on the device only where every state lives there)
+    GPU = "gpu"  # on the compute device, its states brought up and written back around it
 
 
 class StateFormat(str, enum.Enum):

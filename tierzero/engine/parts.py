@@ -26,6 +26,7 @@ from tierzero.engine.runtime.tiers import Tiers
 from tierzero.engine.runtime.transfers import TransferStats
 from tierzero.engine.sizing import Sizing, check_runnable, resolve_overlap
 from tierzero.engine.step.counters import StepCounters
+from tierzero.engine.step.side import step_side
 from tierzero.engine.step.skipped import SkippedSteps
 from tierzero.engine.step.state import StepState
 from tierzero.layout.partition import partition, replicate_params
@@ -45,6 +46,7 @@ class EngineParts:
     local_ranks: int  # ranks on this machine: they share its RAM and drives
     sizing: Sizing
     stage_reason: str
+    step_reason: str  # where the optimizer steps, and why (`planning.stepdevice`)
     overlap: bool  # units are stepped in backward (overlap_step)
     counters: StepCounters
     tiers: Tiers
@@ -72,6 +74,7 @@ class EngineParts:
         placement = sizing.placement(config.partitioning.stage or 3)
         check_runnable(placement)
         stage, stage_reason = sizing.stage(placement)
+        placement, step_reason = step_side(sizing, placement, stage)
         config = sizing.resolve(placement, stage)  # piece size and prefetch depth left unset
         replicate_params(units, stage <= 2)
         homes = {placement.home(k) for k in StateKind}
@@ -104,6 +107,7 @@ class EngineParts:
             local_ranks,
             sizing,
             stage_reason,
+            step_reason,
             overlap,
             counters,
             tiers,

@@ -156,7 +156,7 @@ class Sizing:
             auto = c.tiering.placement is None and c.tiering.offload is Offload.AUTO
             at_defaults = self.workload(3)  # the ladder's top, the values given kept
             self._walks = not any(
-                _fits(peak_memory(at_defaults, p).per_rank(), self.budgets())
+                fits(peak_memory(at_defaults, p).per_rank(), self.budgets())
                 for p in (
                     candidate_placements(self.coded is not None)
                     if auto
@@ -221,7 +221,7 @@ class Sizing:
         fitting = [
             p
             for p in candidate_placements(self.coded is not None)
-            if _fits(self.memory(p, stage), budgets)
+            if fits(self.memory(p, stage), budgets)
         ]
         if not fitting:
             sizes = ", ".join(
@@ -263,7 +263,7 @@ class Sizing:
         budgets = self.budgets()
         if forced is not None:
             mem = self.memory(placement, forced)
-            if forced <= 2 and not _fits(mem, budgets):
+            if forced <= 2 and not fits(mem, budgets):
                 tier = next(t for t, n in mem.needs().items() if t in budgets and n > budgets[t])
                 fix = {Tier.HOST: "raise --host-budget", Tier.GPU: "raise --gpu-budget"}.get(
                     tier, "free disk space"
@@ -276,7 +276,7 @@ class Sizing:
                     f"choose), or {fix}"
                 )
         return choose_stage(
-            lambda stage: _fits(self.memory(placement, stage), budgets),
+            lambda stage: fits(self.memory(placement, stage), budgets),
             self.world_size,
             self.config.execution.accumulate,
             forced,
@@ -423,7 +423,7 @@ class Sizing:
         return free_disk_bytes(self.config.tiering.nvme_path)
 
 
-def _fits(mem: MemoryModel, budgets: dict[Tier, int]) -> bool:
+def fits(mem: MemoryModel, budgets: dict[Tier, int]) -> bool:
     return all(n <= budgets[t] for t, n in mem.needs().items() if t in budgets)
 
 

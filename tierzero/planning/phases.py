@@ -66,7 +66,7 @@ from tierzero.layout.partition import Unit, forward_only, forward_uses
 from tierzero.planning.hostblocks import HOST_ALIGN, KeySizes, host_classes
 from tierzero.planning.ledger import FP32_NBYTES, ActivationEstimate
 from tierzero.planning.swapplan import Op, build_swap_plan
-from tierzero.planning.workload import Workload, steps_on_gpu
+from tierzero.planning.workload import Workload, brings_up, steps_on_gpu
 from tierzero.storage.sizeclass import class_for
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
@@ -256,10 +256,13 @@ def optimizer(shape: StepShape, during_backward: bool) -> Parts:
     device, step_device = work.device, shape.step_device
     c, g = work.compute_itemsize, work.grad_itemsize
     # in backward the grad is handed over on the compute device: in place when it steps there
+    up = brings_up(placement)
     grad_in_place = (
-        device == step_device if during_backward else _in_place(placement.grad, device, step_device)
+        device == step_device
+        if during_backward
+        else _in_place(placement.grad, device, step_device, up)
     )
-    away = [k for k in OPTIMIZER_KINDS if not _in_place(placement.home(k), device, step_device)]
+    away = [k for k in OPTIMIZER_KINDS if not _in_place(placement.home(k), device, step_device, up)]
     away += [] if grad_in_place else [StateKind.GRAD]
     most = _optimizer_pieces(shape, during_backward)
     parts: Parts = {Tier.GPU: {}, Tier.HOST: {}}
@@ -277,6 +280,11 @@ def optimizer(shape: StepShape, during_backward: bool) -> Parts:
         parts[Tier.GPU]["optimizer pieces"] = sum(sized)
     else:
         parts[Tier.HOST]["optimizer pieces"] = sized
+    if up:  # an nvme-homed state's piece passes through a host buffer on its way up and back
+        on_drive = [k for k in away if placement.home(k) is Tier.NVME]
+        parts[Tier.HOST]["optimizer staging"] = [
+            formats.nbytes(k, p, c, g) for k in on_drive for p in most
+        ]
     if not work.one_weight(placement) and (
         placement.param is Tier.NVME or (placement.param is Tier.GPU and step_device != device)
     ):  # each stepped piece's new params, written (to nvme, or up to the device) from a host
@@ -290,9 +298,10 @@ def _optimizer_pieces(shape: StepShape, during_backward: bool) -> list[int]:
     work, placement, state = shape.work, shape.placement, shape.state
     ahead = max(1, work.prefetch_depth)
     if not during_backward:  # `ahead` pieces read, one more whose writes are in flight
-        writing = any(  # writes that outlive their piece's step: to nvme, or up to the device
+        writing = any(  # writes that outlive their piece's step: to nvme, or to the other side
             placement.home(k) is Tier.NVME
             or (placement.home(k) is Tier.GPU and shape.step_device != work.device)
+            or (placement.home(k) is Tier.HOST and brings_up(placement))
             for k in StateKind
             if k is not StateKind.GRAD
         )
@@ -334,10 +343,13 @@ def _recompute_bytes(unit: Unit, act: ActivationEstimate | None) -> int:
     return act.head_backward_bytes if unit.kind == "head" else act.block_backward_bytes
 
 
-def _in_place(home: Tier, device: str, step_device: str) -> bool:
-    """Whether a state homed in `home` is used where it lies by a step on `step_device`."""
+def _in_place(home: Tier, device: str, step_device: str, up: bool = False) -> bool:
+    """Whether a state homed in `home` is used where it lies by a step on `step_device`; `up`: a
+    step on the device by choice, which uses only device-homed states in place."""
     if home is Tier.NVME:
         return False
+    if up:
+        return home is Tier.GPU
     return (device if home is Tier.GPU else "cpu") == step_device
 
 

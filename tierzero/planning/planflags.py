@@ -14,7 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from tierzero.config import DType, Evaluation, Recompute, RunConfig, Schedule, StateFormat
+from tierzero.config import (
+    DType,
+    Evaluation,
+    OptimizerDevice,
+    Recompute,
+    RunConfig,
+    Schedule,
+    StateFormat,
+)
 from tierzero.config.sectioned import Sectioned
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit
@@ -85,7 +93,8 @@ class StepFlags:
     """How a step runs: sequences per micro-batch per GPU and tokens each (None: train's
     defaults), `accumulate` micro-batches in a `schedule` (horizontal, vertical, or auto:
     vertical wherever it applies when accumulating), which blocks `recompute` their forward
-    (auto, all, none), units stepped during backward (`overlap`), the ZeRO stage (None: chosen
+    (auto, all, none), where the optimizer steps (`optimizer_device`), units stepped during
+    backward (`overlap`), the ZeRO stage (None: chosen
     as the engine chooses it), and the streaming settings (None: chosen as the engine chooses
     them, `tierzero.planning.costing`)."""
 
@@ -94,6 +103,7 @@ class StepFlags:
     accumulate: int = 1
     schedule: Schedule = Schedule.AUTO
     recompute: Recompute = Recompute.AUTO
+    optimizer_device: OptimizerDevice = OptimizerDevice.AUTO
     overlap: bool = True
     stage: int | None = None
     piece_numel: int | None = None
@@ -119,6 +129,8 @@ class StepFlags:
             )
         object.__setattr__(self, "schedule", choice(Schedule, self.schedule, "--schedule"))
         object.__setattr__(self, "recompute", choice(Recompute, self.recompute, "--recompute"))
+        device = choice(OptimizerDevice, self.optimizer_device, "--optimizer-device")
+        object.__setattr__(self, "optimizer_device", device)
 
     @property
     def left_open(self) -> tuple[str, ...]:

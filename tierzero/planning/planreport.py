@@ -23,7 +23,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tierzero.config import TORCH_DTYPES, DType, Recompute, RunConfig, Schedule, Tier
+import torch
+
+from tierzero.config import (
+    TORCH_DTYPES,
+    DType,
+    OptimizerDevice,
+    Recompute,
+    RunConfig,
+    Schedule,
+    Tier,
+)
 from tierzero.errors import ConfigError
 from tierzero.layout.partition import Unit
 from tierzero.models.llama import loss_chunk_bytes
@@ -50,7 +60,9 @@ from tierzero.planning.planrecords import (
 )
 from tierzero.planning.recompute import choose_kept, keepable, with_kept
 from tierzero.planning.report import PlanReport
+from tierzero.planning.speeds import h2d_gbps, optimizer_params_per_s
 from tierzero.planning.statebytes import StateBytes, grad_dtype, grad_dtype_reason
+from tierzero.planning.stepdevice import StepRates, choose
 from tierzero.planning.streaming import ladder
 from tierzero.planning.workload import Workload
 
@@ -85,7 +97,7 @@ def make_plan(model: str | None = None, **flags: Any) -> PlanReport:
         step.piece_numel,
         step.prefetch_depth,
     )
-    costed = costing.cost(work, step.stage)
+    costed, optimizer = _step_side(costing, costing.cost(work, step.stage), step, machine)
     built = f.shape.units is not None
     return PlanReport(
         shape,
@@ -100,7 +112,42 @@ def make_plan(model: str | None = None, **flags: Any) -> PlanReport:
         vertical,
         _recompute_choice(step, vertical or built, costed, machine, work),
         f.run,
+        optimizer,
     )
+
+
+def _step_side(
+    costing: Costing, costed: Costed, step: StepFlags, machine: Machine
+) -> tuple[Costed, str]:
+    """Where the chosen placement's optimizer steps (`planning.stepdevice`), and why; stepped
+    on the device, the placement costed so (its pool holds the optimizer's pieces), and under
+    `auto` the host kept where that does not fit. `auto` weighs the sides by the profile's
+    host<->device rate (else this machine's, where it has a GPU) and this CPU's step."""
+    work, profile = costed.workload, costing.profile
+    placement = costed.choice.placement
+
+    def rates() -> StepRates | None:
+        link = profile.h2d_pinned_gbps if profile is not None else None
+        if link is None and torch.cuda.is_available():
+            link = h2d_gbps(seconds=0.2)
+        if link is None:
+            return None
+        host = (
+            profile.adam_params_per_s
+            if profile is not None and not work.formats.compact
+            else optimizer_params_per_s(work.formats, 0.2)
+        )
+        return StepRates(host, link * 1e9)
+
+    itemsizes = (work.compute_itemsize, work.grad_itemsize)
+    c = step.optimizer_device
+    chosen, why = choose(placement, c, machine.device, work.formats, itemsizes, work.overlap, rates)
+    if chosen == placement:
+        return costed, why
+    recosted = dataclasses.replace(costing, candidates=[chosen]).cost(work, costed.stage)
+    if c is OptimizerDevice.AUTO and not recosted.choice.fits:
+        return costed, "on the CPU: the GPU's budget has no room for the optimizer's pieces"
+    return recosted, why
 
 
 def _vertical(step: StepFlags, not_a_chain: str | None) -> bool:

@@ -39,7 +39,7 @@ from tierzero.planning.wear import (
     checkpoints_taken,
     step_nvme_written,
 )
-from tierzero.planning.workload import Workload
+from tierzero.planning.workload import Workload, steps_on_gpu
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ class PlanReport:
     vertical: bool
     recompute: RecomputeChoice
     run: RunLength
+    optimizer: str = ""  # where the optimizer steps, and why (`planning.stepdevice`)
 
     @property
     def numel(self) -> int:
@@ -257,6 +258,10 @@ class PlanReport:
             ],
             "verdict": {**self.choice.as_dict(), "breakdown": estimate.memory.breakdown()},
             "per_rank": self.per_rank(),
+            "optimizer": {
+                "device": "gpu" if steps_on_gpu(self.placement) else "cpu",
+                "why": self.optimizer,
+            },
             "stage": {
                 "stage": self.zero.stage,
                 "reason": self.zero.reason,

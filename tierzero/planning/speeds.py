@@ -1,6 +1,7 @@
 """Measurements of this machine that do not touch a disk: the inputs of the step-time model.
 
-CPU AdamW throughput (the optimizer runs on CPU over streamed shards), matmul TFLOP/s in fp32
+CPU AdamW throughput (the optimizer runs on CPU over streamed shards; for compact state, the
+compact step's), matmul TFLOP/s in fp32
 and bf16 (forward/backward compute), and host->GPU copy bandwidth from pinned and pageable
 memory. Each measurement repeats its operation until `seconds` have passed (at least twice,
 the first run being a warm-up) and reports the best rate. The disk side lives in
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from tierzero.config import PIECE_NUMEL
+from tierzero.config import PIECE_NUMEL, OptimizerSettings, StateKind
+from tierzero.planning.statebytes import StateBytes
 from tierzero.storage.host import HostPool
 
 
@@ -72,6 +74,28 @@ def adam_params_per_s(numel: int | None = None, seconds: float = 0.5) -> float:
     param.grad = torch.randn(numel)
     opt = torch.optim.AdamW([param], lr=1e-4, fused=True)
     return numel / best_seconds(opt.step, seconds, _no_sync)
+
+
+def optimizer_params_per_s(formats: StateBytes, seconds: float = 0.5) -> float:
+    """Parameters per second through the host's optimizer step on state stored as `formats`:
+    fused AdamW for fp32 state (`adam_params_per_s`), else the compact step (its CPU kernel,
+    as the engine runs it) on one piece beyond the cache, fp32 grads."""
+    if not formats.compact:
+        return adam_params_per_s(seconds=seconds)
+    from tierzero.compact.formats import StateFormats
+    from tierzero.compact.step import CompactStep
+
+    numel = adam_timing_numel()
+    stored = StateFormats(formats.optimizer_state, formats.master)
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        kind: stored.encode(kind, torch.randn(numel, generator=g).abs_() * 1e-3)
+        for kind in (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
+    }
+    tensors[StateKind.GRAD] = torch.randn(numel, generator=g)
+    step = CompactStep(stored, OptimizerSettings(), 0, torch.device("cpu"))
+    spans = [(0, numel, 0.0, 0)]
+    return numel / best_seconds(lambda: step.step(tensors, spans, 1e-4, 0, 0), seconds, _no_sync)
 
 
 def matmul_tflops(

@@ -45,9 +45,19 @@ from tierzero.storage.device import DEVICE_ALIGNMENT
 
 
 def steps_on_gpu(placement: Placement) -> bool:
-    """Whether the optimizer steps on the compute device: only when every optimizer state lives
-    there; otherwise it steps on the CPU, beside the host buffers its pieces pass through."""
-    return all(placement.home(k) is Tier.GPU for k in OPTIMIZER_KINDS)
+    """Whether the optimizer steps on the compute device: when every optimizer state lives
+    there, or the placement says so (`Placement.optimizer`); otherwise it steps on the CPU,
+    beside the host buffers its pieces pass through."""
+    return placement.optimizer is Tier.GPU or all(
+        placement.home(k) is Tier.GPU for k in OPTIMIZER_KINDS
+    )
+
+
+def brings_up(placement: Placement) -> bool:
+    """Whether the step runs on the compute device by choice (`Placement.optimizer`): there a
+    state is used in place only where it lives in device memory, and every other one comes up
+    (and goes back) through host buffers on the copy streams."""
+    return placement.optimizer is Tier.GPU
 
 
 @dataclass(frozen=True)

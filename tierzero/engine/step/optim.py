@@ -36,19 +36,20 @@ from tierzero.engine.runtime.layout import RankLayout
 from tierzero.engine.runtime.streams import Event
 from tierzero.engine.runtime.tiers import Tiers
 from tierzero.engine.step.restep import KeptGeneration
+from tierzero.engine.step.roundtrip import RoundTrip
 from tierzero.engine.step.skipped import Run
 from tierzero.engine.step.work import Work
 from tierzero.engine.step.writeback import PieceWrites
 from tierzero.layout.keys import piece_key
 from tierzero.layout.partition import Unit
 from tierzero.planning.placement import Link
-from tierzero.planning.workload import steps_on_gpu
+from tierzero.planning.workload import brings_up, steps_on_gpu
 from tierzero.storage.base import BudgetExceededError, TierStore
 
 STEP_KINDS = (StateKind.GRAD, *OPTIMIZER_KINDS)  # what one piece's step reads
 
 
-class ShardOptimizer(PieceWrites):
+class ShardOptimizer(PieceWrites, RoundTrip):
     def __init__(
         self,
         layout: RankLayout,
@@ -74,6 +75,8 @@ class ShardOptimizer(PieceWrites):
         self.param_written = param_written
         on_gpu = steps_on_gpu(placement)
         self.device = tiers.device if on_gpu else torch.device("cpu")
+        # stepped on the device by choice: states not homed there come up and go back
+        self.up = brings_up(placement)
         self.formats = formats
         self.master_is_param = self.formats.master_is_param(compute_dtype)
         if self.master_is_param:  # the master is read where the params live (`_source`)
@@ -163,8 +166,7 @@ class ShardOptimizer(PieceWrites):
         self.tiers.streams.host_wait(work.grad_landed)
         for event in work.copies.values():  # and a buffer an h2d_write copy still reads
             self.tiers.streams.host_wait(event)
-        for buf in work.leased.values():
-            self._give_back(buf)
+        self._give_back_all(work)
 
     def step_unit(
         self,
@@ -219,8 +221,10 @@ class ShardOptimizer(PieceWrites):
         part = grad[work.start : work.end]
         s = self.tiers.streams
         work.produced = produced
-        if part.device == self.device and not (s.separate and self.device.type == "cpu"):
-            work.tensors[StateKind.GRAD] = part
+        if self.up or (
+            part.device == self.device and not (s.separate and self.device.type == "cpu")
+        ):
+            work.tensors[StateKind.GRAD] = part  # made where the step runs
             return
         raw = self._lease(self.formats.nbytes(StateKind.GRAD, work.numel))
         leased = self.formats.view(StateKind.GRAD, raw, work.numel)
@@ -238,18 +242,25 @@ class ShardOptimizer(PieceWrites):
         computed: Event = None  # one compute event serves every state of the piece
         kinds = STEP_KINDS if with_grad else OPTIMIZER_KINDS
         for kind in kinds:
-            store = self.tiers.stores[self.placement.home(kind)]
-            if store.capabilities.zero_copy:
+            home = self.placement.home(kind)
+            store = self.tiers.stores[home]
+            if self.up and home is Tier.GPU:
+                work.tensors[kind] = self._source(kind, work, store)
+                continue
+            if store.capabilities.zero_copy and not self.up:
                 view = self._source(kind, work, store)
                 if view.device == self.device:
                     work.tensors[kind] = view
                     continue
+            nbytes = self.formats.nbytes(kind, work.numel)
             try:
-                raw = self._lease(self.formats.nbytes(kind, work.numel), wait)
+                raw = self._lease(nbytes, wait)
                 work.tensors[kind] = work.leased[kind] = self.formats.view(kind, raw, work.numel)
+                if self.up and home is Tier.NVME:  # read into the host, then copied up
+                    raw = self.tiers.lease_host(nbytes, wait)
+                    work.staging[kind] = self.formats.view(kind, raw, work.numel)
             except BudgetExceededError:
-                for buf in work.leased.values():
-                    self._give_back(buf)
+                self._give_back_all(work)
                 raise
         for kind in kinds:
             home = self.placement.home(kind)
@@ -257,7 +268,9 @@ class ShardOptimizer(PieceWrites):
                 continue
             store = self.tiers.stores[home]
             buf = work.leased[kind]
-            if home is Tier.NVME:
+            if self.up:
+                work.futures.append(self._bring_up(kind, work, buf, previous))
+            elif home is Tier.NVME:
                 key = self._source(kind, work)
                 read = (
                     store.read_into(key, buf, previous=True)
@@ -301,7 +314,7 @@ class ShardOptimizer(PieceWrites):
 
     def _lease(self, nbytes: int, wait: bool = True) -> torch.Tensor:
         """A working buffer on the stepping device (host pool for CPU steps)."""
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and not self.up:
             return self.tiers.lease_host(nbytes, wait)
         return self.tiers.lease_device(nbytes, wait)
 
@@ -316,7 +329,7 @@ class ShardOptimizer(PieceWrites):
         thread that steps it. On the device: on that thread's current stream (with overlap_step
         the optimizer thread's, not autograd's) after the grad's producer; what it read is marked
         used there (`keep_alive`), so the allocator never hands the grad out while it runs."""
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and not self.up:
             with self.stats.busy.timed(OPTIMIZER):  # compute only: its states have landed
                 self._adamw(work, lr, grad_coef)
                 self._cast_param(work)
@@ -327,6 +340,7 @@ class ShardOptimizer(PieceWrites):
             with s.timed(OPTIMIZER, stream):  # after the wait: compute only
                 self._adamw(work, lr, grad_coef)
                 self._cast_param(work)
+                work.stepped = s.record(stream)  # what the copies down wait for
             for tensor in work.tensors.values():
                 s.keep_alive(tensor, stream)
 
@@ -369,7 +383,8 @@ class ShardOptimizer(PieceWrites):
     def _room_for(self, work: Work) -> bool:
         """Whether loading a piece ahead of time leaves the pool room for the piece being
         stepped."""
-        pool = self.tiers.host_pool if self.device.type == "cpu" else self.tiers.device_pool
+        on_host = self.device.type == "cpu" and not self.up
+        pool = self.tiers.host_pool if on_host else self.tiers.device_pool
         states = sum(self.formats.nbytes(k, work.numel) for k in self.leased_kinds())
         return (
             2 * (states + work.numel * self.compute_dtype.itemsize)
@@ -381,6 +396,8 @@ class ShardOptimizer(PieceWrites):
         device)."""
 
         def in_place(home: Tier) -> bool:
+            if self.up:
+                return home is Tier.GPU
             store_device = self.tiers.device if home is Tier.GPU else torch.device("cpu")
             return home is not Tier.NVME and store_device.type == self.device.type
 

@@ -34,6 +34,11 @@ class Work:
     copies: dict[StateKind, Event] = field(
         default_factory=dict
     )  # leased buffers read by h2d_write copies
+    # a step on the device (`Placement.optimizer`): host buffers nvme reads and writes and new
+    # params pass through, the step's compute event, and the new params' copy down
+    staging: dict[StateKind, torch.Tensor] = field(default_factory=dict)
+    stepped: Event = None
+    param_down: Event = None
 
     @property
     def numel(self) -> int:

@@ -40,6 +40,7 @@ class PieceWrites:
     formats: StateFormats
     master_is_param: bool
     device: torch.device
+    up: bool  # stepped on the device by choice (`roundtrip`)
     param_written: Callable[[int, Event], None]
 
     def _is_param(self, kind: StateKind) -> bool:
@@ -48,29 +49,48 @@ class PieceWrites:
         return kind is StateKind.MASTER and self.master_is_param
 
     def _across(self, home: Tier) -> bool:
-        """Whether `home` is device memory while the step runs on the host: a transfer on the copy
+        """Whether `home` is memory on the other side from the step: device memory while it runs
+        on the host, host memory while it runs on the device by choice; a transfer on the copy
         streams."""
+        if self.up:
+            return home is Tier.HOST
         return home is Tier.GPU and self.device.type == "cpu" and self.tiers.streams.separate
 
-    def _give_back(self, buf: torch.Tensor) -> None:
-        pool = (
-            self.tiers.host_pool
-            if buf.device.type == self.device.type == "cpu"
-            else self.tiers.device_pool
-        )
+    def _give_back(self, buf: torch.Tensor, work: Work | None = None) -> None:
+        """A working buffer back to the pool it was leased from (`ShardOptimizer._lease`); a
+        device step's with the compute event after its last read (`work.stepped`), which the
+        next copy into it waits for."""
+        if self.up:
+            s = self.tiers.streams
+            stepped = work.stepped if work is not None else None
+            ready = stepped if stepped is not None else s.record(s.compute)
+            self.tiers.device_pool.give_back(buf.view(torch.uint8), ready=ready)
+            return
+        on_host = buf.device.type == self.device.type == "cpu"
+        pool = self.tiers.host_pool if on_host else self.tiers.device_pool
         pool.give_back(buf.view(torch.uint8))
+
+    def _give_back_all(self, work: Work) -> None:
+        for buf in work.leased.values():
+            self._give_back(buf, work)
+        self._give_back_staging(work)
 
     def _staged(self) -> bool:
         """Whether new params reach their home through host staging: on nvme, or in device
-        memory from a host step."""
+        memory from a host step (from a device step a host home is copied into directly)."""
         home = self.placement.home(StateKind.PARAM)
-        return home is Tier.NVME or self._across(home)
+        return home is Tier.NVME or (self._across(home) and not self.up)
 
     def _reserve_staging(self, work: Work) -> None:
         """On the leasing thread, before the step: the host buffer the new params will be cast
         into. The grad's buffer serves where it is a host one (the step consumes the grad, and
         numel compute-dtype values fit in its fp32 bytes); only otherwise is one leased."""
         if not self._staged():
+            return
+        if self.up:
+            work.staging[StateKind.PARAM] = self.tiers.lease_host(
+                work.numel * self.compute_dtype.itemsize
+            )
             return
         if StateKind.GRAD in work.leased and self.device.type == "cpu":
             work.leased[StateKind.PARAM] = work.leased.pop(StateKind.GRAD)
@@ -81,7 +101,8 @@ class PieceWrites:
 
     def _staging(self, work: Work) -> torch.Tensor:
         nbytes = work.numel * self.compute_dtype.itemsize
-        return work.leased[StateKind.PARAM].view(torch.uint8)[:nbytes].view(self.compute_dtype)
+        staged = work.staging if self.up else work.leased
+        return staged[StateKind.PARAM].view(torch.uint8)[:nbytes].view(self.compute_dtype)
 
     def _param_home(self, work: Work) -> tuple[Tier, TierStore, str, int]:
         """The param home, its store, the unit's param shard key and this rank's offset in it
@@ -98,6 +119,12 @@ class PieceWrites:
         never stale values."""
         master = work.tensors[StateKind.MASTER]
         home, store, key, lo = self._param_home(work)
+        if self.up and home is not Tier.GPU:  # down after the step; cached by `_write_param`
+            dst = self._staging(work) if home is Tier.NVME else store.view(key)
+            self._params_down(
+                work, master, dst if home is Tier.NVME else dst[lo + work.start : lo + work.end]
+            )
+            return
         if self._staged():
             self._staging(work).copy_(master)
             cached = self.tiers.host_pool.cache_get(key) if home is Tier.NVME else None
@@ -108,7 +135,7 @@ class PieceWrites:
                 self.tiers.host_pool.give_back(cached)
             return
         dst = store.view(key)[lo + work.start : lo + work.end]
-        if home is Tier.GPU and self.device.type != "cpu":
+        if home is Tier.GPU and (self.device.type != "cpu" or self.up):
             s = self.tiers.streams
             self.param_written(work.unit.index, s.copy(dst, master, s.compute))  # cast in the copy
         else:
@@ -129,8 +156,15 @@ class PieceWrites:
         its)."""
         for kind in OPTIMIZER_KINDS:
             if kind in work.leased and not self._is_param(kind):
-                self._count(self.placement.home(kind), self.formats.nbytes(kind, work.numel))
-        if self._staged():
+                nbytes = self.formats.nbytes(kind, work.numel)
+                if self.up:
+                    self._count_down(kind, nbytes)
+                else:
+                    self._count(self.placement.home(kind), nbytes)
+        if self.up:  # the params' copy down is counted as it starts (`_params_down`)
+            if self.placement.home(StateKind.PARAM) is Tier.NVME:
+                self.stats.add_bytes(Link.HOST_TO_NVME, work.numel * self.compute_dtype.itemsize)
+        elif self._staged():
             self._count(
                 self.placement.home(StateKind.PARAM), work.numel * self.compute_dtype.itemsize
             )
@@ -148,18 +182,25 @@ class PieceWrites:
         the buffers stay for `_discard`."""
         grad = work.leased.pop(StateKind.GRAD, None)
         if grad is not None:
-            self._give_back(grad)  # consumed by the step
-        writes = [
-            self._write_param(work) if kind is StateKind.PARAM else self._put(kind, work, buf)
-            for kind, buf in work.leased.items()
-            if not self._is_param(kind)
-        ]
+            self._give_back(grad, work)  # consumed by the step
+        if self.up:
+            writes = [
+                self._put_down(k, work, b) for k, b in work.leased.items() if not self._is_param(k)
+            ]
+            writes.append(self._params_landed(work))
+        else:
+            writes = [
+                self._write_param(work) if kind is StateKind.PARAM else self._put(kind, work, buf)
+                for kind, buf in work.leased.items()
+                if not self._is_param(kind)
+            ]
         done = await asyncio.gather(*(w for w in writes if w is not None), return_exceptions=True)
         failed = [r for r in done if isinstance(r, BaseException)]
         if failed:
             raise failed[0]
         for kind in [k for k in work.leased if k not in work.copies]:
-            self._give_back(work.leased.pop(kind))
+            self._give_back(work.leased.pop(kind), work)
+        self._give_back_staging(work)
 
     def _settle(self, work: Work) -> None:
         """On the training thread, once `_write_back` is done: the buffers h2d_write copies
@@ -190,6 +231,25 @@ class PieceWrites:
         work.copies[StateKind.PARAM] = event
         self.param_written(work.unit.index, event)
         return None
+
+    async def _params_landed(self, work: Work) -> None:
+        """A device step's new params, once their copy down has landed: into the cached copy
+        of an nvme shard and the drive's piece (a host home was copied into directly)."""
+        home, store, key, lo = self._param_home(work)
+        if home is Tier.GPU:
+            return  # written in place
+        await self.tiers.landed(work.param_down)
+        if home is not Tier.NVME:
+            return
+        staged = self._staging(work)
+        cached = self.tiers.host_pool.cache_get(key)
+        if cached is not None:
+            cached.view(self.compute_dtype)[lo + work.start : lo + work.end].copy_(staged)
+            self.tiers.host_pool.give_back(cached)
+        piece = work.unit.param_piece_base(self.piece_numel, self.rank) + work.piece
+        await self._write_param_piece(
+            store, piece_key(StateKind.PARAM, work.unit.index, self.rank, piece), staged, key
+        )
 
     async def _write_param_piece(
         self, store: TierStore, piece: str, staged: torch.Tensor, key: str

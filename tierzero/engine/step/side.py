@@ -1,0 +1,47 @@
+"""Where this engine's optimizer steps (`planning.stepdevice`), decided once its placement and
+stage are: the user's `--optimizer-device`, or under `auto` the faster side by this machine's
+measured speeds, on the GPU only where its pool holds the optimizer's pieces beside the rest."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tierzero.config import TORCH_DTYPES, OptimizerDevice, Placement
+from tierzero.engine.sizing import Sizing, fits
+from tierzero.errors import ConfigError
+from tierzero.planning.speeds import h2d_gbps, optimizer_params_per_s
+from tierzero.planning.stepdevice import StepRates, choose
+from tierzero.planning.workload import steps_on_gpu
+
+
+def step_side(sizing: Sizing, placement: Placement, stage: int) -> tuple[Placement, str]:
+    """`placement` with where its optimizer steps (`Placement.optimizer`), and why."""
+    c = sizing.config.execution.optimizer_device
+    itemsizes = (sizing.dtype.itemsize, TORCH_DTYPES[sizing.grad_dtype].itemsize)
+    device = "cpu" if sizing.device.type == "cpu" else "cuda"
+
+    def rates() -> StepRates:  # measured only where `auto` weighs a GPU against the host
+        return StepRates(optimizer_params_per_s(sizing.formats, 0.2), h2d_gbps(seconds=0.2) * 1e9)
+
+    homed = dataclasses.replace(placement, optimizer=None)
+    if c is not OptimizerDevice.CPU and not steps_on_gpu(homed) and _keeps_generation(sizing):
+        if c is OptimizerDevice.GPU:
+            raise ConfigError(
+                "--optimizer-device gpu cannot keep the generation that exact clipping beside "
+                "backward re-steps from; add --clip-previous-norm, or step on the CPU "
+                "(--optimizer-device cpu)"
+            )
+        return homed, "on the CPU: exact clipping beside backward keeps its states there"
+    chosen, why = choose(placement, c, device, sizing.formats, itemsizes, sizing.overlap, rates)
+    if chosen == homed or c is not OptimizerDevice.AUTO:
+        return chosen, why
+    if fits(sizing.memory(chosen, stage), sizing.budgets()):
+        return chosen, why
+    return homed, "on the CPU: the GPU's budget has no room for the optimizer's pieces"
+
+
+def _keeps_generation(sizing: Sizing) -> bool:
+    """Whether a step beside backward keeps what a fired clip re-steps from (exact clipping:
+    `engine.step.restep`), which a step on the device by choice does not."""
+    opt = sizing.config.optimizer
+    return sizing.overlap and opt.clip_grad_norm is not None and not opt.clip_previous_norm
