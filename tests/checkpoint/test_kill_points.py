@@ -3,8 +3,9 @@ recycles retired chunks into spares -- not only before the rename -- each resume
 checkpoint bitwise equal to an uninterrupted run's (every array, counters, data position, RNG);
 and one kill in each other path the engine trains on (`kill_sweep.PATHS`: the vertical schedule
 spilling activations, the clip re-step holding kept generations, bf16, fp16 with a skipped step,
-compact optimizer state with bf16 grads on NVMe and in host memory, host and auto placements,
-two ranks, a frozen base stored in NF4), each resumed bitwise or refused in one sentence.
+compact optimizer state with bf16 grads on NVMe and in host memory, and stepped on the compute
+device by choice, host and auto placements, two ranks, a frozen base stored in NF4), each resumed
+bitwise or refused in one sentence.
 
 The lives run in one driver process (tests/support/scripts/kill_sweep.py: forked children on a tiny
 model, a few seconds each). The soak, `TIERZERO_KILL_SWEEP=all` (or a comma-separated list of
@@ -50,6 +51,9 @@ PATH_POINTS = [
     ({"path": "compact", "phase": "save", "nth": 2, "k": 1}, "/nvme/exp_avg/u0001/"),
     ({"path": "compact", "phase": "step", "nth": 2, "k": 50}, None),
     ({"path": "compact-host", "phase": "save", "nth": 2, "k": 1}, "/state/exp_avg/u0000/"),
+    # a device step's piece written back from its host buffer, and its int8 chunk linked
+    ({"path": "device-step", "phase": "step", "nth": 2, "k": 50}, None),
+    ({"path": "device-step", "phase": "save", "nth": 2, "k": 1}, "/nvme/exp_avg/u0001/"),
     # an NF4 base's coded chunk (written once at open) linked into the second checkpoint, and
     # linked back from the checkpoint into the store by a resume
     ({"path": "nf4", "phase": "save", "nth": 2, "k": 1}, "nvme/param/u0001/r0/p0001/g"),

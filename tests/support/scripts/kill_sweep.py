@@ -108,6 +108,11 @@ PATHS = {
     "compact-host": TrainPath(
         {"dtype": "bf16", "optimizer_state": "bf16", "master": "fp32", "placement": HOST}
     ),
+    # the compact path stepped on the compute device by choice: each piece read from NVMe into
+    # a host buffer, copied into the device pool, stepped, copied back and written from there
+    "device-step": TrainPath(
+        {"dtype": "bf16", "optimizer_state": "int8", "master": "bf16", "optimizer_device": "gpu"}
+    ),
     # the blocks' linear weights a frozen base stored in NF4 on NVMe: coded once at open, every
     # checkpoint linking the same coded chunks, read back and decoded through a resume
     "nf4": TrainPath({"quantize_base": "nf4"}, frozen_linears=True),
