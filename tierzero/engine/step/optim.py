@@ -340,7 +340,8 @@ class ShardOptimizer(PieceWrites, RoundTrip):
             with s.timed(OPTIMIZER, stream):  # after the wait: compute only
                 self._adamw(work, lr, grad_coef)
                 self._cast_param(work)
-                work.stepped = s.record(stream)  # what the copies down wait for
+                if self.up:  # what the copies down, and the buffers' next holders, wait for
+                    work.stepped = s.record(stream)
             for tensor in work.tensors.values():
                 s.keep_alive(tensor, stream)
 
