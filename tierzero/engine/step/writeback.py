@@ -40,7 +40,7 @@ class PieceWrites:
     formats: StateFormats
     master_is_param: bool
     device: torch.device
-    up: bool  # stepped on the device by choice (`roundtrip`)
+    up: bool = False  # stepped on the device by choice (`roundtrip`)
     param_written: Callable[[int, Event], None]
 
     def _is_param(self, kind: StateKind) -> bool:
