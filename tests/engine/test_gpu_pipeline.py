@@ -217,3 +217,30 @@ def test_an_engine_on_cuda_1_puts_nothing_on_cuda_0(tmp_path) -> None:
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.split()[-4:] == ["contexts", "False", "False", "True"], run.stdout
+
+
+@pytest.mark.parametrize("placement", [HOST, NVME], ids=["host", "nvme"])
+def test_compact_state_stepped_on_the_gpu_gives_the_cpu_steps_bits(tmp_path, placement) -> None:
+    """int8 moments and a bf16 master stepped on the GPU by choice (`--optimizer-device gpu`:
+    the states come up through pinned buffers and go back) against the same run stepped by the
+    CPU kernel: the torch ops on CUDA and the kernel compute one formula (IEEE sqrt, no fused
+    multiply-add), so the weights are equal bitwise."""
+    weights = {}
+    for side in ("cpu", "gpu"):
+        config = Config(
+            placement=placement,
+            nvme_path=[str(tmp_path / side / "nvme")],
+            device="cuda:0",
+            dtype="bf16",
+            optimizer_state="int8",
+            master="bf16",
+            optimizer_device=side,
+            lr=3e-3,
+        )
+        data = batches()
+        with Engine(models.build(SMALL, device="meta", seed=0), config) as engine:
+            for _ in range(3):
+                engine.train_step(data.next_batch())
+            weights[side] = {k: v.cpu() for k, v in engine.master_state_dict().items()}
+    for key in weights["cpu"]:
+        assert torch.equal(weights["gpu"][key], weights["cpu"][key]), key
