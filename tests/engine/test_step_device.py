@@ -58,7 +58,7 @@ def test_a_step_on_the_device_gives_the_host_steps_bits(tmp_path, placement, for
     )
     assert losses == host_losses
     assert all(torch.equal(weights[k], host_weights[k]) for k in host_weights)
-    assert why == "on the GPU (--optimizer-device gpu)"
+    assert why == "on the compute device (--optimizer-device gpu)"
     assert host_why == "on the CPU (--optimizer-device cpu)"
     state = sum(
         StateBytes.for_compute(
@@ -87,7 +87,7 @@ def test_auto_weighs_the_two_sides_and_says_why() -> None:
     assert pick(ON_GPU, choice.CPU) == (ON_GPU, "on the GPU, where master and moments live")
     assert pick(NVME, choice.CPU) == (NVME, "on the CPU (--optimizer-device cpu)")
     on_device = dataclasses.replace(NVME, optimizer=Tier.GPU)
-    assert pick(NVME, choice.GPU) == (on_device, "on the GPU (--optimizer-device gpu)")
+    assert pick(NVME, choice.GPU) == (on_device, "on the compute device (--optimizer-device gpu)")
     assert pick(NVME, choice.AUTO, "cpu") == (NVME, "on the CPU, the compute device")
     # int8 + bf16 with bf16 compute: the device step moves 2 x (1 + 1) moments' bytes (and
     # their scales) and 2 of new params down; the host step 2 of grads down

@@ -94,7 +94,7 @@ def choose(
     if choice is OptimizerDevice.CPU:
         return homed, "on the CPU (--optimizer-device cpu)"
     if choice is OptimizerDevice.GPU:
-        return on_device, "on the GPU (--optimizer-device gpu)"
+        return on_device, "on the compute device (--optimizer-device gpu)"
     if device == "cpu":
         return homed, "on the CPU, the compute device"
     sides, r = link_bytes(placement, formats, *itemsizes, overlap), rates()
