@@ -227,6 +227,16 @@ def _compact_cases() -> list[dict]:
     ]
 
 
+def _device_step_cases() -> list[dict]:
+    """The middle size in compact state on NVMe, stepped on the compute device by choice: its
+    pieces leased from the device pool and staged through the host's."""
+    return [
+        {**case, "name": f"{case['name']}-device-step", "optimizer_device": "gpu"}
+        for case in _compact_cases()
+        if case["name"].startswith("m-nvme")
+    ]
+
+
 def _can_measure_rss() -> bool:
     return sys.platform == "linux" and os.access("/proc/self/clear_refs", os.W_OK)
 
@@ -252,8 +262,8 @@ def _probe(cases: list[dict]) -> list[dict]:
 )
 @pytest.mark.parametrize(
     "cases, least, most",
-    [(_cases, 0.85, 1.1), (_compact_cases, 0.8, 1.15)],
-    ids=["fp32", "compact"],
+    [(_cases, 0.85, 1.1), (_compact_cases, 0.8, 1.15), (_device_step_cases, 0.8, 1.15)],
+    ids=["fp32", "compact", "device-step"],
 )
 def test_predicted_peaks_match_measured_ones(cases, least: float, most: float) -> None:
     """Three model sizes (6M-19M params) x everything on nvme / everything on host, CPU device,

@@ -40,7 +40,7 @@ from tierzero.planning.peaks import MemoryModel, format_bytes
 from tierzero.planning.recompute import choose_kept, with_kept
 from tierzero.planning.statebytes import StateBytes, grad_dtype
 from tierzero.planning.streaming import Shortfall, Streaming, choose_streaming, ladder
-from tierzero.planning.workload import Workload, steps_on_gpu
+from tierzero.planning.workload import Workload, brings_up, steps_on_gpu
 from tierzero.storage.base import BudgetExceededError
 
 
@@ -461,7 +461,11 @@ def check_runnable(placement: Placement) -> None:
     on the GPU the optimizer steps there, and grads homed on NVMe would be read straight into
     device memory, which the NVMe store refuses (it moves host buffers only). Refused on every
     device alike, so a config tried on the CPU runs on a GPU."""
-    if steps_on_gpu(placement) and placement.home(StateKind.GRAD) is Tier.NVME:
+    if (
+        steps_on_gpu(placement)
+        and not brings_up(placement)  # a step on the device by choice stages them
+        and placement.home(StateKind.GRAD) is Tier.NVME
+    ):
         raise ConfigError(
             f"placement {placement.describe()} steps the optimizer on the GPU (master and both "
             "moments live there) but homes grads on nvme, which the GPU step cannot read; "

@@ -89,6 +89,7 @@ POOLED = {
             "grad staging",
             "tied grad stash",
             "optimizer pieces",
+            "optimizer staging",
             "new param staging",
         }
     ),

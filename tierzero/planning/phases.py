@@ -39,11 +39,15 @@ allocations):
   overlap_step, the first `prefetch_depth` pieces of the unit being stepped and of the next
   one, and the last piece of the one before. The engine issues a whole unit's pieces at once
   in backward, so spare budget lets more be in flight, never less than this.
+- optimizer staging (host pool): a step on the device by choice (`Placement.optimizer`) reads
+  each nvme-homed state's piece into a host buffer, copies it up, and copies it back there to
+  be written: one per such state for each piece held as the optimizer pieces are.
 - grad upcast (the stepping device's allocation): a stored grad piece below fp32 is stepped as
   its fp32 copy, one piece at a time (none in backward on the compute device: the fp32 shard is).
 - new param staging (host pool): with params on nvme, or on the GPU with the step on the CPU,
   each stepped piece's new compute-dtype values are written from a host buffer of one piece
-  (none where the param is the master: the master's write is the param's).
+  (none where the param is the master: the master's write is the param's; but from a device
+  step by choice, which copies them down into that buffer, one).
 - activations (compute device): see `tierzero.planning.ledger.activation_memory`; a block
   that keeps its graph instead of being recomputed (`tierzero.planning.recompute`) adds its
   saved tensors (`recompute_bytes`) from its forward to its backward, so to both passes' peaks.
@@ -285,6 +289,8 @@ def optimizer(shape: StepShape, during_backward: bool) -> Parts:
         parts[Tier.HOST]["optimizer staging"] = [
             formats.nbytes(k, p, c, g) for k in on_drive for p in most
         ]
+        if placement.param is Tier.NVME:  # the new params, down from the device to the drive
+            parts[Tier.HOST]["new param staging"] = [piece * c]
     if not work.one_weight(placement) and (
         placement.param is Tier.NVME or (placement.param is Tier.GPU and step_device != device)
     ):  # each stepped piece's new params, written (to nvme, or up to the device) from a host

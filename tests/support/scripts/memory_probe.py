@@ -44,7 +44,10 @@ def reset_hwm() -> None:
 
 def run(case: dict, root: Path) -> dict:
     args = ModelArgs(**case["args"])
-    placement = Placement(*[Tier(t) for t in case["placement"]])
+    side = case.get("optimizer_device", "auto")  # "gpu": stepped on the compute device
+    placement = Placement(
+        *[Tier(t) for t in case["placement"]], optimizer=Tier.GPU if side == "gpu" else None
+    )
     batch_size, seq_len, steps = case["batch"], case["seq"], case.get("steps", 2)
     dtype, moments, master = (
         case.get("dtype", "fp32"),
@@ -82,6 +85,7 @@ def run(case: dict, root: Path) -> dict:
         host_budget=predicted.host_total_bytes,
         optimizer_state=moments,
         master=master,
+        optimizer_device=side,
     )
     g = torch.Generator().manual_seed(0)
     batch = (
