@@ -94,8 +94,9 @@ def one_step(
 
 def race_run(
     args: ModelArgs, moments: str, master: str, opts: argparse.Namespace, path: str
-) -> list[tuple[float, int]]:
-    """Each step's seconds and the bytes /proc/self/io says it read and wrote, for one format."""
+) -> list[tuple[float, int, float]]:
+    """Each step's seconds, the bytes /proc/self/io says it read and wrote, and its loss, for
+    one format (every run trains the same init on the same batches)."""
     cfg = Config(
         placement=NVME,
         nvme_path=[path],
@@ -113,8 +114,8 @@ def race_run(
         for _ in range(opts.race):
             batch = data.next_batch()
             io, t0 = proc_io_bytes(), time.perf_counter()
-            engine.train_step(batch)
-            steps.append((time.perf_counter() - t0, proc_io_bytes() - io))
+            loss = engine.train_step(batch)
+            steps.append((time.perf_counter() - t0, proc_io_bytes() - io, loss))
     return steps
 
 
@@ -127,16 +128,20 @@ def proc_io_bytes() -> int:
 
 def race(args: ModelArgs, opts: argparse.Namespace, console: Console) -> None:
     order = [("fp32", "fp32"), ("int8", "bf16"), ("int8", "bf16"), ("fp32", "fp32")]
-    runs: dict[tuple[str, str], list[tuple[float, int]]] = {f: [] for f in order}
+    runs: dict[tuple[str, str], list[tuple[float, int, float]]] = {f: [] for f in order}
+    losses: dict[tuple[str, str], list[float]] = {}
     for moments, master in order:
         with tempfile.TemporaryDirectory(dir=opts.nvme_path) as path:
-            steps = race_run(args, moments, master, opts, path)[1:]
-        runs[moments, master] += steps
+            steps = race_run(args, moments, master, opts, path)
+        losses.setdefault((moments, master), [loss for _, _, loss in steps])
+        runs[moments, master] += steps[1:]
         console.print(
             f"  {moments} moments, {master} master: "
-            + ", ".join(f"{s:.1f} s {b / 1e6:.0f} MB" for s, b in steps),
+            + ", ".join(f"{s:.1f} s {b / 1e6:.0f} MB loss {x:.4f}" for s, b, x in steps[1:]),
             markup=False,
         )
+    off = max(abs(a / b - 1) for a, b in zip(losses["int8", "bf16"], losses["fp32", "fp32"]))
+    console.print(f"  the int8 + bf16 losses, at every step, within {off:.2%} of fp32's")
     table = Table(
         title=f"one step, median of {len(runs[order[0]])} (runs interleaved: "
         + " / ".join(f"{m}+{w}" for m, w in order)
