@@ -119,7 +119,7 @@ class PieceWrites:
         never stale values."""
         master = work.tensors[StateKind.MASTER]
         home, store, key, lo = self._param_home(work)
-        if self.up and home is not Tier.GPU:  # down after the step; cached by `_write_param`
+        if self.up and home is not Tier.GPU:  # down after the step; cached by `_params_landed`
             dst = self._staging(work) if home is Tier.NVME else store.view(key)
             self._params_down(
                 work, master, dst if home is Tier.NVME else dst[lo + work.start : lo + work.end]
