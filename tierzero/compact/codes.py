@@ -38,6 +38,7 @@ the top code, whatever its sign and payload on the device), so the CPU kernel
 from __future__ import annotations
 
 import functools
+import struct
 
 import torch
 
@@ -50,6 +51,9 @@ TOP = 31 / 32  # the largest code: 0.5 * (1 + 15/16)
 TOP_BITS = 0x3F780000  # TOP's fp32 bits
 INF_BITS = 0x7F800000  # any NaN is clamped to this before it is coded (payloads differ by device)
 HALF_GAP = 1 << 15  # without random bits: add half the dropped range (the nearest code)
+# the random bits' hash (`step.random_bits`, `cpu_bits.mix`): odd multipliers below 2**31 (so
+# int32 constants)
+MIX = (0x7FEB352D, 0x2C1B3C6D)
 SIGN = 0x80  # a signed code's sign bit
 # a block whose absmax is below TINY is scaled by LIFT first (exact), so TOP / absmax is finite
 TINY, LIFT = 2.0**-100, 2.0**64
@@ -156,7 +160,7 @@ def quantise(
     # linear code's step, then shifted as the binades' bits are
     linear = code.view(torch.float32)
     torch.add(scaled, least, out=linear)
-    code.sub_(_bits(least)).add_(other).bitwise_right_shift_(DROP)
+    code.sub_(float_bits(least)).add_(other).bitwise_right_shift_(DROP)
     # the binades: the bits (any NaN as inf's) plus the random ones, shifted, less the offset
     binade = scaled.view(torch.int32)
     binade.bitwise_and_(0x7FFFFFFF).clamp_(max=INF_BITS).add_(other).bitwise_right_shift_(DROP)
@@ -170,8 +174,9 @@ def quantise(
     codes.copy_(code)
 
 
-def _bits(value: float) -> int:
-    return int(torch.tensor(value, dtype=torch.float32).view(torch.int32))
+def float_bits(value: float) -> int:
+    """The bits of `value` as an fp32, as a non-negative int."""
+    return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
 def dequantise(

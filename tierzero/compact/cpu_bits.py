@@ -9,15 +9,12 @@ with fp32 arithmetic that rounds as theirs (no fast-math flags: IEEE multiply an
 
 from __future__ import annotations
 
-import struct
-
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
 from tierzero.compact import codes as codes_mod
 
-MIX = (0x7FEB352D, 0x2C1B3C6D)  # `step._MIX`
 ABS = 0x7FFFFFFF
 I32, F32 = ir.IntType(32), ir.FloatType()
 
@@ -40,7 +37,7 @@ def mix(typingctx, h):
 
     def codegen(context, builder, signature, args):
         (h,) = args
-        for mult in MIX:
+        for mult in codes_mod.MIX:
             h = builder.xor(h, builder.lshr(h, _i32(16)))
             h = builder.mul(h, _i32(mult))
         return builder.xor(h, builder.lshr(h, _i32(16)))
@@ -150,10 +147,6 @@ def _valuer(signed: bool):
         return types.float32(types.uint8), codegen
 
     return value
-
-
-def _bits_of(value: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
 code_signed, code_unsigned = _coder(True), _coder(False)

@@ -52,7 +52,6 @@ F32_SCRATCH = (
 )  # a sub-block's decoded states, temporaries
 INT_SCRATCH = ("shift", "bits")  # stochastic rounding's hash (int32)
 _MASK32 = 0xFFFFFFFF
-_MIX = (0x7FEB352D, 0x2C1B3C6D)  # odd multipliers below 2**31 (so int32 constants)
 # the moments share one stream: exp_avg rounds by its hash's low 16 bits, exp_avg_sq by its high
 _KIND_STREAM = {StateKind.MASTER: 1, StateKind.EXP_AVG: 2, StateKind.EXP_AVG_SQ: 2}
 
@@ -371,7 +370,7 @@ def stream_key(seed: int, step: int, unit: int, kind: StateKind) -> int:
 
 
 def _mix_int(h: int) -> int:
-    for mult in _MIX:
+    for mult in codes_mod.MIX:
         h ^= h >> 16
         h = (h * mult) & _MASK32
     return h ^ (h >> 16)
@@ -402,7 +401,7 @@ def random_bits(
     shift = scratch["shift"][:numel]
     torch.add(scratch["offsets"][:numel], _int32(start), out=out)
     out.bitwise_xor_(_int32(stream_key(seed, step, unit, kind)))
-    for mult in _MIX:
+    for mult in codes_mod.MIX:
         torch.bitwise_right_shift(out, 16, out=shift).bitwise_and_(0xFFFF)
         out.bitwise_xor_(shift).mul_(mult)
     torch.bitwise_right_shift(out, 16, out=shift).bitwise_and_(0xFFFF)
