@@ -23,8 +23,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tierzero.config import (
     TORCH_DTYPES,
     DType,
@@ -60,9 +58,8 @@ from tierzero.planning.planrecords import (
 )
 from tierzero.planning.recompute import choose_kept, keepable, with_kept
 from tierzero.planning.report import PlanReport
-from tierzero.planning.speeds import h2d_gbps, optimizer_params_per_s
 from tierzero.planning.statebytes import StateBytes, grad_dtype, grad_dtype_reason
-from tierzero.planning.stepdevice import StepRates, choose
+from tierzero.planning.stepdevice import NO_ROOM, StepRates, choose, measured_rates
 from tierzero.planning.streaming import ladder
 from tierzero.planning.workload import Workload
 
@@ -127,17 +124,10 @@ def _step_side(
     placement = costed.choice.placement
 
     def rates() -> StepRates | None:
-        link = profile.h2d_pinned_gbps if profile is not None else None
-        if link is None and torch.cuda.is_available():
-            link = h2d_gbps(seconds=0.2)
-        if link is None:
-            return None
-        host = (
-            profile.adam_params_per_s
-            if profile is not None and not work.formats.compact
-            else optimizer_params_per_s(work.formats, 0.2)
-        )
-        return StepRates(host, link * 1e9)
+        if profile is None:
+            return measured_rates(work.formats)
+        fused = None if work.formats.compact else profile.adam_params_per_s
+        return measured_rates(work.formats, profile.h2d_pinned_gbps, fused)
 
     itemsizes = (work.compute_itemsize, work.grad_itemsize)
     c = step.optimizer_device
@@ -146,7 +136,7 @@ def _step_side(
         return costed, why
     recosted = dataclasses.replace(costing, candidates=[chosen]).cost(work, costed.stage)
     if c is OptimizerDevice.AUTO and not recosted.choice.fits:
-        return costed, "on the CPU: the GPU's budget has no room for the optimizer's pieces"
+        return costed, NO_ROOM
     return recosted, why
 
 

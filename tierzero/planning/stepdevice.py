@@ -19,11 +19,15 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from tierzero.config import OPTIMIZER_KINDS, OptimizerDevice, Placement, StateKind, Tier
+from tierzero.planning.speeds import h2d_gbps, optimizer_params_per_s
 from tierzero.planning.statebytes import StateBytes
 from tierzero.planning.workload import steps_on_gpu
 
 GB = 1e9
+NO_ROOM = "on the CPU: the GPU's budget has no room for the optimizer's pieces"
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,20 @@ class StepRates:
 
     host_params_per_s: float
     link_bytes_per_s: float
+
+
+def measured_rates(
+    formats: StateBytes, link_gbps: float | None = None, host_params_per_s: float | None = None
+) -> StepRates | None:
+    """The host's step for `formats` (given, else measured briefly on this CPU) and the
+    host<->device copy rate (given, e.g. a profile's, else this machine's GPU's); None where
+    there is no copy rate to weigh."""
+    if link_gbps is None and torch.cuda.is_available():
+        link_gbps = h2d_gbps(seconds=0.2)
+    if link_gbps is None:
+        return None
+    host = host_params_per_s or optimizer_params_per_s(formats, 0.2)
+    return StepRates(host, link_gbps * GB)
 
 
 @dataclass(frozen=True)

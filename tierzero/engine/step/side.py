@@ -9,8 +9,7 @@ import dataclasses
 from tierzero.config import TORCH_DTYPES, OptimizerDevice, Placement
 from tierzero.engine.sizing import Sizing, fits
 from tierzero.errors import ConfigError
-from tierzero.planning.speeds import h2d_gbps, optimizer_params_per_s
-from tierzero.planning.stepdevice import StepRates, choose
+from tierzero.planning.stepdevice import NO_ROOM, StepRates, choose, measured_rates
 from tierzero.planning.workload import steps_on_gpu
 
 
@@ -20,8 +19,8 @@ def step_side(sizing: Sizing, placement: Placement, stage: int) -> tuple[Placeme
     itemsizes = (sizing.dtype.itemsize, TORCH_DTYPES[sizing.grad_dtype].itemsize)
     device = "cpu" if sizing.device.type == "cpu" else "cuda"
 
-    def rates() -> StepRates:  # measured only where `auto` weighs a GPU against the host
-        return StepRates(optimizer_params_per_s(sizing.formats, 0.2), h2d_gbps(seconds=0.2) * 1e9)
+    def rates() -> StepRates | None:  # measured only where `auto` weighs a GPU and the host
+        return measured_rates(sizing.formats)
 
     homed = dataclasses.replace(placement, optimizer=None)
     if c is not OptimizerDevice.CPU and not steps_on_gpu(homed) and _keeps_generation(sizing):
@@ -37,7 +36,7 @@ def step_side(sizing: Sizing, placement: Placement, stage: int) -> tuple[Placeme
         return chosen, why
     if fits(sizing.memory(chosen, stage), sizing.budgets()):
         return chosen, why
-    return homed, "on the CPU: the GPU's budget has no room for the optimizer's pieces"
+    return homed, NO_ROOM
 
 
 def _keeps_generation(sizing: Sizing) -> bool:
