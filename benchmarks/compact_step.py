@@ -12,6 +12,7 @@ the row shows the compact step's own cost.
     nice python benchmarks/compact_step.py --numel 4000000 --rounds 3
     nice python benchmarks/compact_step.py --torch-ops  # the fallback
     nice python benchmarks/compact_step.py --cpu-time   # CPU seconds, not wall-clock ones
+    nice python benchmarks/compact_step.py --phases     # each phase of the kernel alone
 
 On a machine others load, `--cpu-time` (the process's CPU time, every thread's) moves far less
 from run to run than the wall clock; with one thread (`torch.set_num_threads`, `--threads 1`)
@@ -53,6 +54,37 @@ def timed(fn, clock=time.perf_counter) -> float:
     return clock() - start
 
 
+def phases(n: int = 8192, calls: int = 2000) -> None:
+    """Each of the kernel's phases alone on one chunk of `n` values (what a core steps at a
+    time), called directly, one thread: the best of 5 x `calls`, in ns a value."""
+    import numpy as np
+
+    from tierzero.compact import cpu_kernel as k
+
+    rng = np.random.default_rng(0)
+    values = (rng.standard_normal(n) * 1e-3).astype(np.float32)
+    bits = rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32)
+    codes, b16 = np.zeros(n, np.uint8), np.zeros(n, np.uint16)
+    scales, out, work = np.ones(n // 256, np.float32), np.zeros(n, np.float32), values.copy()
+    no16, no8, no32 = np.zeros(0, np.uint16), np.zeros(0, np.uint8), np.zeros(0, np.float32)
+    scalars = np.array([1, 0.9, 0.1, 0.999, 0.001, 0.5, 1e-8, 1e-3], np.float32)
+    p, m, v, g = values.copy(), values.copy(), np.abs(values), values.copy()
+    cases = {
+        "int8 moment, encode (block absmax and codes)": lambda: k._encode(
+            work, bits, k.LOW_HALF, k.INT8, no16, codes, scales, 1
+        ),
+        "int8 moment, decode": lambda: k._decode(out, k.INT8, no16, codes, scales, 1),
+        "bf16 state, encode": lambda: k._encode(work, bits, k.LOW_HALF, k.BF16, b16, no8, no32, 0),
+        "bf16 state, decode": lambda: k._decode(out, k.BF16, b16, no8, no32, 0),
+        "random bits (one hash)": lambda: k._fill_bits(bits, 12345, 77),
+        "AdamW with its sqrt": lambda: k._adamw(p, m, v, g, scalars),
+    }
+    for name, fn in cases.items():
+        fn()  # compiled, or loaded from numba's cache
+        best = min(timed(lambda fn=fn: [fn() for _ in range(calls)]) for _ in range(5))
+        print(f"{name:<46} {best / calls / n * 1e9:6.3f} ns a value")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=16 * 2**20)
@@ -64,7 +96,15 @@ def main() -> None:
         "--cpu-time", action="store_true", help="time CPU seconds, not wall-clock ones"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch's (and the kernel's) threads")
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="each phase of the kernel alone on one chunk, ns a value",
+    )
     opts = parser.parse_args()
+    if opts.phases:
+        phases()
+        return
     if opts.threads:
         torch.set_num_threads(opts.threads)
     clock = time.process_time if opts.cpu_time else time.perf_counter
