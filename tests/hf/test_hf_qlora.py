@@ -21,7 +21,7 @@ from tierzero.cli.app import app
 from torch import nn
 from typer.testing import CliRunner
 
-from tests.support.hf import sample_text, save_model
+from tests.support.hf import sample_text, save_coded_base
 from tierzero import Config, Placement, Tier
 from tierzero.checkpoint.catalog import checkpoint_dirs
 from tierzero.config import PIECE_NUMEL
@@ -39,14 +39,7 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory) -> Path:
-    return save_model(
-        "llama",
-        tmp_path_factory.mktemp("qlora") / "base",
-        hidden_size=128,
-        intermediate_size=320,
-        num_hidden_layers=2,
-        vocab_size=512,
-    )
+    return save_coded_base(tmp_path_factory.mktemp("qlora") / "base")
 
 
 def lora_model(base_dir: Path) -> nn.Module:

@@ -15,7 +15,7 @@ from tierzero.storage.base import StorageCorruptError
 from tierzero.storage.nvme.generations import gen_name, read_pointer
 
 from tests.hf.test_hf_qlora import batches, config, lora_model
-from tests.support.hf import save_model
+from tests.support.hf import save_coded_base
 from tierzero.checkpoint.catalog import checkpoint_dirs
 from tierzero.engine import Engine
 
@@ -24,14 +24,7 @@ KEY = "param/u0001/r0/p0001"  # the first block's frozen rest: its first coded p
 
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory) -> Path:
-    return save_model(
-        "llama",
-        tmp_path_factory.mktemp("qlora-tamper") / "base",
-        hidden_size=128,
-        intermediate_size=320,
-        num_hidden_layers=2,
-        vocab_size=512,
-    )
+    return save_coded_base(tmp_path_factory.mktemp("qlora-tamper") / "base")
 
 
 def flip_code(nvme: Path) -> Path:

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from tests.hf.test_hf_qlora import NVME, batches, config, lora_model
 from tests.support.cli import one_line_error
-from tests.support.hf import save_model
+from tests.support.hf import save_coded_base
 from tierzero.config import Tier
 from tierzero.engine import Engine
 from tierzero.hf.lora import LoraSpec
@@ -38,14 +38,7 @@ PIECE = 8192  # the run's piece size: a block's frozen rest is several coded pie
 
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory) -> Path:
-    return save_model(
-        "llama",
-        tmp_path_factory.mktemp("coded") / "base",
-        hidden_size=128,
-        intermediate_size=320,
-        num_hidden_layers=2,
-        vocab_size=512,
-    )
+    return save_coded_base(tmp_path_factory.mktemp("coded") / "base")
 
 
 def lora_units(base_dir: Path) -> list:

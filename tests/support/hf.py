@@ -66,6 +66,14 @@ def save_model(arch: str, path: Path, seed: int = 0, shard: str = SHARD, **overr
     return path
 
 
+def save_coded_base(path: Path) -> Path:
+    """A small Llama whose blocks' linear weights, coded in NF4, span several 8192-value pieces:
+    the base the QLoRA tests and plan's coded-base tests train and count."""
+    return save_model(
+        "llama", path, hidden_size=128, intermediate_size=320, num_hidden_layers=2, vocab_size=512
+    )
+
+
 def sample_text(nbytes: int = 24_000) -> str:
     """Real text (the standard library's sources), the same on every run of this Python."""
     return default_corpus(nbytes).tobytes().decode("utf-8", errors="replace")
