@@ -9,6 +9,7 @@ the final weights are bitwise equal.
 
     python benchmarks/recompute.py            # 134M: dim 768, 12 layers, vocab 32000, untied
     python benchmarks/recompute.py --quick    # a small shape, in seconds
+    python benchmarks/recompute.py --accumulate 4   # the vertical schedule: k graphs a block
 """
 
 from __future__ import annotations
@@ -41,11 +42,14 @@ def parse_args() -> argparse.Namespace:
         "--steps", type=int, default=4, help="timed steps per engine, after one warm-up step each"
     )
     p.add_argument("--host-budget", default="8GiB")
+    p.add_argument(
+        "--accumulate", type=int, default=1, help="micro-batches a step (> 1: vertically)"
+    )
     return p.parse_args()
 
 
 def race(
-    engines: dict[str, Engine], data: dict[str, TokenBatches], steps: int
+    engines: dict[str, Engine], data: dict[str, TokenBatches], steps: int, accumulate: int
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """One warm-up step each, then `steps` steps each, the engines taking turns (which goes first
     alternates); per mode the wall and this process's CPU seconds of every timed step."""
@@ -54,7 +58,8 @@ def race(
     for step in range(steps + 1):
         for mode in MODES if step % 2 == 0 else MODES[::-1]:
             t0, c0 = time.perf_counter(), time.process_time()
-            engines[mode].train_step(data[mode].next_batch())
+            for _ in range(accumulate):
+                engines[mode].train_micro_batch(data[mode].next_batch())
             if step:  # the first step of each is a warm-up
                 times[mode].append(time.perf_counter() - t0)
                 cpu[mode].append(time.process_time() - c0)
@@ -70,9 +75,10 @@ def print_kept(auto: Engine) -> None:
     """Which units `auto` kept the activations of, and what the memory model counts for them."""
     act = auto.parts.sizing.activations
     head = f" + the head {act.head_kept_bytes / 1e6:.1f} MB" if act.kept_head else ""
+    graphs = f" ({act.vertical} micro-batches' graphs each, vertically)" if act.vertical else ""
     print(
-        f"auto kept units {sorted(auto.opened.runner.kept)} of {len(auto.units)}: "
-        f"{act.kept_blocks} blocks x {act.recompute_bytes / 1e6:.1f} MB{head} = "
+        f"auto kept units {sorted(auto.opened.runner.keeping.units)} of {len(auto.units)}: "
+        f"{act.kept_blocks} blocks x {act.block_kept_bytes / 1e6:.1f} MB{graphs}{head} = "
         f"{act.kept_bytes / 1e6:.1f} MB counted by the memory model"
     )
 
@@ -95,7 +101,8 @@ def main() -> None:
     torch.manual_seed(0)
     print(
         f"{args.param_count() / 1e6:.1f}M params, fp32, every state in RAM (the CPU device), "
-        f"micro-batch {opts.batch_size} x {opts.seq_len}, host budget {opts.host_budget}, "
+        f"micro-batch {opts.batch_size} x {opts.seq_len}, {opts.accumulate} a step, "
+        f"host budget {opts.host_budget}, "
         f"torch threads {torch.get_num_threads()}"
     )
     with ExitStack() as stack:
@@ -108,13 +115,14 @@ def main() -> None:
                 total_steps=opts.steps + 1,
                 recompute=mode,
                 host_budget=opts.host_budget,
+                accumulate=opts.accumulate,
             )
             model = models.build(args, device="meta", seed=0)
             engines[mode] = stack.enter_context(Engine(model, cfg))
             data[mode] = TokenBatches(
                 default_corpus(4 << 20), opts.batch_size, opts.seq_len, seed=0
             )
-        times, cpu = race(engines, data, opts.steps)
+        times, cpu = race(engines, data, opts.steps, opts.accumulate)
         print_kept(engines["auto"])
         weights = {m: e.master_state_dict() for m, e in engines.items()}
     same = all(torch.equal(weights["all"][k], weights["auto"][k]) for k in weights["all"])

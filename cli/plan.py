@@ -216,13 +216,21 @@ def _print_traffic(out: Output, r: dict) -> None:
 def _print_recompute(out: Output, r: dict) -> None:
     rc = r["recompute"]
     head = " and the head" if rc["kept_head"] else ""
+    graphs = rc["graphs_per_block"]
+    per_micro = f" for its {graphs} micro-batches' graphs" if graphs > 1 else ""
+    sized = (
+        "; estimated from the shape: the engine measures each unit's at its first step"
+        if rc["sized_by"] != "the shape"
+        else ""
+    )
     _say(
         out,
         f"Recompute: {rc['recompute']}: {rc['kept_blocks']} blocks{head} of "
         f"{rc['keepable_units']} units that can keep their activations do "
         f"({format_bytes(rc['kept_bytes'])} beyond the peak below; a block "
-        f"{format_bytes(rc['bytes_per_block'])}, the head {format_bytes(rc['head_bytes'])}); "
-        "the other units run their forward again in backward",
+        f"{format_bytes(rc['bytes_per_block'])}{per_micro}, the head "
+        f"{format_bytes(rc['head_bytes'])}{sized}); the other units run their forward again in "
+        "backward",
     )
 
 

@@ -21,7 +21,8 @@ from tests.support.engine import SMALL, assert_same, batches, fresh, reference_r
 from tierzero import Config, models
 from tierzero.config import Recompute, Tier
 from tierzero.engine import Engine
-from tierzero.engine.runtime import execute
+from tierzero.engine.runtime import kept
+from tierzero.engine.vertical.boundary import BoundaryStore
 from tierzero.errors import ConfigError
 from tierzero.models import ModelArgs
 from tierzero.models.llama import Block, Transformer
@@ -92,13 +93,45 @@ def test_kept_graphs_are_bitwise_equal_to_recompute_and_run_each_forward_once(
         SMALL, config(fresh(tmp_path, "ref"), PLACEMENTS[name], accumulate=K), steps=STEPS
     )
     micro_batches = STEPS * K
-    assert runs["all"][1].opened.runner.kept == frozenset()
+    assert runs["all"][1].opened.runner.keeping.units == frozenset()
     assert len(runs["all"][2]) == 2 * SMALL.n_layers * micro_batches  # forward, then recompute
     weights, engine, inputs, _ = runs["auto"]  # the budget holds every block's activations
-    assert engine.opened.runner.kept == BLOCKS
+    assert engine.opened.runner.keeping.units == BLOCKS
     assert len(inputs) == SMALL.n_layers * micro_batches
     assert_same(weights, runs["all"][0])
     assert_same(runs["all"][0], ref)
+
+
+@pytest.mark.parametrize("name", ["all-gpu", "everything-on-nvme"])
+def test_the_vertical_schedule_keeps_a_graph_per_micro_batch(tmp_path, monkeypatch, name) -> None:
+    """Vertically each kept block's forward sweep keeps one graph per micro-batch (its input
+    inside it, not in the host store) and the backward sweep backprops them: bitwise the
+    weights of recomputing every block, each block's forward run once per micro-batch."""
+    runs, puts = {}, []
+    put = BoundaryStore.put
+    monkeypatch.setattr(BoundaryStore, "put", lambda self, *a: puts.append(a[:2]) or put(self, *a))
+    for recompute in ("all", "auto"):
+        puts.clear()
+        cfg = config(
+            fresh(tmp_path, recompute),
+            PLACEMENTS[name],
+            accumulate=K,
+            recompute=recompute,
+            schedule="vertical",
+        )
+        runs[recompute] = train(cfg, monkeypatch)
+    micro_batches = STEPS * K
+    weights, engine, inputs, _ = runs["auto"]
+    assert engine.vertical.on and runs["all"][1].vertical.on
+    assert len(runs["all"][2]) == 2 * SMALL.n_layers * micro_batches
+    assert engine.opened.runner.keeping.units == BLOCKS
+    act = engine.parts.sizing.activations
+    assert act.vertical == K and act.kept_bytes == SMALL.n_layers * act.block_kept_bytes
+    assert act.block_kept_bytes == K * (act.recompute_bytes + act.hidden_bytes)
+    assert len(inputs) == SMALL.n_layers * micro_batches
+    # no block input waited in the host store; the tied embedding's grads from the head did
+    assert {unit for unit, _ in puts} == {0}
+    assert_same(weights, runs["all"][0])
 
 
 @pytest.mark.parametrize(
@@ -115,34 +148,47 @@ def test_an_untied_head_keeps_its_graph_too(tmp_path, monkeypatch, chunk_bytes) 
     weights, engine, _, heads = train(
         config(fresh(tmp_path, "auto"), place), monkeypatch, args=UNTIED, chunk_bytes=chunk_bytes
     )
-    assert engine.opened.runner.kept == BLOCKS | {HEAD}
+    assert engine.opened.runner.keeping.units == BLOCKS | {HEAD}
     assert len(heads_all) == 2 * 2 * STEPS and len(heads) == 2 * STEPS  # (hidden, targets) per run
     assert_same(weights, ref)
 
 
-@pytest.mark.parametrize("args", [SMALL, UNTIED], ids=["tied", "untied"])
-def test_the_memory_model_counts_what_kept_graphs_hold(tmp_path, monkeypatch, args) -> None:
-    """The tensors the engine's kept graphs save (params saved by their place in the buffer,
-    unit inputs counted as checkpoints) against `kept_bytes`: within 10%."""
+@pytest.mark.parametrize(
+    "args,schedule",
+    [(SMALL, "horizontal"), (UNTIED, "horizontal"), (SMALL, "vertical")],
+    ids=["tied", "untied", "vertical"],
+)
+def test_the_memory_model_counts_what_kept_graphs_hold(
+    tmp_path, monkeypatch, args, schedule
+) -> None:
+    """The tensors the engine's kept graphs save in a step (params saved by their place in the
+    buffer, unit inputs counted as checkpoints, or vertically as the k hidden states a kept
+    block's graphs hold) against `kept_bytes`: within 10%."""
     storages: dict[int, int] = {}
-    pack = execute._ParamViews.pack
+    pack = kept.SavedTensors.pack
 
-    def spy(self: execute._ParamViews, t: torch.Tensor):
+    def spy(self: kept.SavedTensors, t: torch.Tensor):
         saved = pack(self, t)
         if isinstance(saved, torch.Tensor):
             storages[saved.untyped_storage().data_ptr()] = saved.untyped_storage().nbytes()
         return saved
 
-    monkeypatch.setattr(execute._ParamViews, "pack", spy)
-    _, engine, inputs, heads = train(
-        config(tmp_path, PLACEMENTS["param-on-host"], recompute="none"),
-        monkeypatch,
-        steps=1,
-        args=args,
+    monkeypatch.setattr(kept.SavedTensors, "pack", spy)
+    vertical = schedule == "vertical"
+    cfg = config(
+        tmp_path,
+        PLACEMENTS["param-on-host"],
+        recompute="auto" if vertical else "none",
+        schedule=schedule,
+        accumulate=K if vertical else 1,
     )
+    _, engine, inputs, heads = train(cfg, monkeypatch, steps=1, args=args)
     measured = sum(n for ptr, n in storages.items() if ptr not in {*inputs, *heads})
     act = engine.parts.sizing.activations
-    assert act.kept_blocks == SMALL.n_layers and act.kept_head is not args.tie_embeddings
+    assert act.kept_blocks == SMALL.n_layers and act.kept_head is (not args.tie_embeddings)
+    if vertical:  # each graph holds its block's input too
+        assert act.vertical == K
+        measured += K * SMALL.n_layers * act.hidden_bytes
     assert measured <= act.kept_bytes <= 1.1 * measured
 
 
@@ -158,7 +204,7 @@ def test_a_budget_for_one_block_keeps_the_last_one(tmp_path, monkeypatch) -> Non
     one = config(fresh(tmp_path, "one"), placement).replace(host_budget=budget)
     weights, engine, inputs, _ = train(one, monkeypatch, steps=2)
     # the last block: freed first in backward
-    assert engine.opened.runner.kept == frozenset({SMALL.n_layers})
+    assert engine.opened.runner.keeping.units == frozenset({SMALL.n_layers})
     assert engine.parts.sizing.activations.kept_blocks == 1
     assert len(inputs) == (2 * SMALL.n_layers - 1) * 2
     reference, _, _, _ = train(

@@ -80,6 +80,7 @@ def timed_run(
     args: ModelArgs = SMALL,
     accumulate: int = 2,
     steps: int = 2,
+    recompute: str = "auto",
 ) -> tuple[TimedStreams, Run]:
     """Train `steps` steps through the timed fake: the fake, and the clock once they are issued
     with its mark after the first step (which opens the engine and warms every pool)."""
@@ -97,6 +98,7 @@ def timed_run(
         warmup_steps=1,
         gpu_budget="1GiB",
         prefetch_depth=2,
+        recompute=recompute,
     )
     data = TokenBatches(default_corpus(1 << 20), ROWS, SEQ, seed=0)
     with Engine(models.build(args, device="meta", seed=cfg.seed), cfg) as engine:
@@ -242,8 +244,16 @@ def test_the_1b_preset_on_nvme_with_k4_vertical_keeps_the_gpu_busy_above_its_flo
     4k tokens per step, vertical schedule, priced at `Rates()` (an H200 with one NVMe drive).
     The 16-block miniature keeps 1b's proportions (~15 s: 16 units, 3 steps of 4 micro-batches)."""
     scale = Scale.standing_for(PRESETS["1b"], 4096, MINI_1B, ROWS * SEQ)
+    # the floor prices a checkpointed step (8 FLOPs a param-token): every block recomputed
     _, run = timed_run(
-        tmp_path, monkeypatch, NVME, scale, schedule="vertical", args=MINI_1B, accumulate=4
+        tmp_path,
+        monkeypatch,
+        NVME,
+        scale,
+        schedule="vertical",
+        args=MINI_1B,
+        accumulate=4,
+        recompute="all",
     )
     assert run.vertical
     floor = planned_floor(run.clock.rates, PRESETS["1b"], 4, 4096)

@@ -74,6 +74,7 @@ def test_vertical_equals_horizontal_with_activations_spilled(tmp_path, tied: boo
         accumulate=K,
         schedule="vertical",
         activation_budget=2 * act_bytes,
+        recompute="all",  # every block input waits in the store (a kept graph holds its own)
     )
     losses, weights, engine = train(args, cfg)
     store = engine.vertical.store
@@ -280,9 +281,14 @@ def test_the_waiting_activations_peak_at_the_memory_models_count(tmp_path, tied:
     """Room for all of them: nothing spills, and the store's peak is the predicted bytes (every
     block input of every micro-batch, and a tied embedding's grads from the head)."""
     args = SMALL if tied else UNTIED
-    _, _, engine = train(
-        args, config(tmp_path, PLACEMENTS["everything-on-nvme"], accumulate=K, schedule="vertical")
+    cfg = config(
+        tmp_path,
+        PLACEMENTS["everything-on-nvme"],
+        accumulate=K,
+        schedule="vertical",
+        recompute="all",  # every block input waits in the store (a kept graph holds its own)
     )
+    _, _, engine = train(args, cfg)
     store = engine.vertical.store
     tokens = 4 * 32
     predicted = waiting_activations_bytes(

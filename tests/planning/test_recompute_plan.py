@@ -36,9 +36,11 @@ def test_kept_blocks_follow_the_room_on_the_compute_device() -> None:
         "keepable_units": 4,
         "kept_blocks": 4,
         "kept_head": False,
+        "graphs_per_block": 1,
         "bytes_per_block": per,
         "head_bytes": roomy.activations.head_kept_bytes,
         "kept_bytes": 4 * per,
+        "sized_by": "the shape",
     }
     gpu_need = roomy.choice.estimate.memory.needs()[Tier.GPU]
     tight = plan(gpu_need + 5 * per // 2)  # the same placement, room for two and a half blocks
@@ -49,8 +51,18 @@ def test_kept_blocks_follow_the_room_on_the_compute_device() -> None:
         plan(gpu_need + 5 * per // 2, "none")
 
 
-def test_the_vertical_schedule_keeps_none() -> None:
-    assert plan("8GB", accumulate=2, schedule="vertical").kept.kept_bytes == 0
+def test_the_vertical_schedule_keeps_a_graph_per_micro_batch() -> None:
+    """Vertically a kept block holds k graphs, each with its input, from the forward sweep to
+    the backward sweep; the room decides how many blocks keep them."""
+    roomy = plan("8GB", accumulate=3, schedule="vertical")
+    act = roomy.activations
+    per = 3 * (act.recompute_bytes + act.hidden_bytes)
+    assert act.hidden_bytes == 2 * 128 * 256 * 4  # batch x seq x dim x fp32
+    assert roomy.kept.kept_blocks == 4 and roomy.kept.kept_bytes == 4 * per
+    rc = roomy.as_dict()["recompute"]
+    assert (rc["graphs_per_block"], rc["bytes_per_block"]) == (3, per)
+    need = roomy.choice.estimate.memory.needs()[Tier.GPU]
+    assert plan(need + 3 * per // 2, accumulate=3, schedule="vertical").kept.kept_blocks == 1
     with pytest.raises(ConfigError, match="horizontal schedule only"):
         plan("8GB", "none", accumulate=2, schedule="vertical")
     with pytest.raises(ConfigError, match="--recompute 'some' is not valid"):

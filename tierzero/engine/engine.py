@@ -35,11 +35,12 @@ import torch
 from torch import nn
 
 from tierzero.checkpoint.manifest import Manifest
-from tierzero.config import Config, StateKind, Tier
+from tierzero.config import Config, Recompute, StateKind, Tier
 from tierzero.engine import checkpointing
 from tierzero.engine.gathered import GatheredBlocks, copies, resolve
 from tierzero.engine.parts import EngineParts
 from tierzero.engine.runtime.binding import bind, flat_grad, unbind
+from tierzero.engine.runtime.kept import batch_tokens
 from tierzero.engine.runtime.opened import OpenParts, open_parts
 from tierzero.engine.schedule import HorizontalSteps, StepSchedule
 from tierzero.engine.step.stepper import Stepper
@@ -126,6 +127,10 @@ class Engine:
             stepper,
             lambda batch: self._reserve_activations(batch, vertical=True),
             self._host_room,
+            lambda batch: p.sizing.keep_vertical(tiers, opened.runner.keeping, layout, batch),
+            lambda: p.sizing.keep_measured(
+                tiers, opened.runner.keeping, config.execution.accumulate
+            ),
         )
         self.horizontal = HorizontalSteps(self.forward, self.backward, self.step)
         self._open = True
@@ -162,6 +167,7 @@ class Engine:
         if training:
             self.vertical.horizontal()
             self._reserve_activations(batch, vertical=bool(self.vertical.on))
+            o.runner.keeping.start(batch_tokens(batch))
             o.runner.position = (
                 p.counters.state.step_count,
                 p.counters.state.micro % p.config.execution.accumulate,
@@ -209,6 +215,8 @@ class Engine:
             self._abort(f"backward failed: {e!r}")  # some units' grads are accumulated, some not
             raise
         state.micro += 1
+        if last:
+            p.sizing.keep_measured(p.tiers, o.runner.keeping)
 
     def step(self) -> bool:
         """Update every shard if a global batch is complete; False if none ran (or fp16 skipped)."""
@@ -355,7 +363,11 @@ class Engine:
         memory = p.sizing.reserve_activations(
             p.tiers, p.model, batch, placement, stage, vertical=vertical
         )
-        self.opened.runner.kept = p.sizing.kept  # blocks whose forward keeps its graph
+        keeping = self.opened.runner.keeping  # the units whose forward keeps its graph
+        keeping.choose(p.sizing.kept, batch_tokens(batch))
+        keeping.measuring = (
+            p.sizing.activations is None and p.config.execution.recompute is Recompute.AUTO
+        )
         p.tiers.provision_host(memory)
 
     def _host_room(self) -> int:

@@ -17,20 +17,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierzero.config import TORCH_DTYPES, Config, StateKind, Tier
+from tierzero.config import TORCH_DTYPES, Config, Placement, StateKind, Tier
 from tierzero.distributed.comm import Comm
 from tierzero.distributed.launch import local_world_size
 from tierzero.engine.runtime.layout import RankLayout
 from tierzero.engine.runtime.shards import Shards
 from tierzero.engine.runtime.tiers import Tiers
 from tierzero.engine.runtime.transfers import TransferStats
-from tierzero.engine.sizing import Sizing, check_runnable, resolve_overlap
+from tierzero.engine.sizing import Sizing
 from tierzero.engine.step.counters import StepCounters
 from tierzero.engine.step.side import step_side
 from tierzero.engine.step.skipped import SkippedSteps
 from tierzero.engine.step.state import StepState
+from tierzero.errors import ConfigError
 from tierzero.layout.partition import partition, replicate_params
 from tierzero.models.nf4_shard import coded_base
+from tierzero.planning.workload import brings_up, steps_on_gpu
 from tierzero.precision import DynamicLossScaler, compute_dtype, resolve_dtype
 
 
@@ -138,3 +140,39 @@ class EngineParts:
             out["loss_scale"] = scaler.scale
             out["skipped_steps"] = state.skipped_steps
         return out
+
+
+def resolve_overlap(config: Config, fp16: bool) -> bool:
+    """Whether units are stepped during backward: on by default wherever that is free.
+
+    fp16 never (the step waits for the overflow check). With clipping it is exact when asked
+    for (each fired clip re-steps every unit from its kept generation, `Stepper`), and on
+    by default when the user opts in to clipping by the previous step's norm (`clip_previous_norm`).
+    """
+    clip = config.optimizer.clip_grad_norm is not None
+    if config.optimizer.clip_previous_norm and not clip:
+        raise ConfigError("clip_previous_norm needs clip_grad_norm; set both or neither")
+    if config.execution.overlap_step and fp16:
+        raise ConfigError(
+            "overlap_step cannot be exact with fp16: each unit's step would need the "
+            "overflow check first; turn one of them off"
+        )
+    free = not fp16 and (not clip or config.optimizer.clip_previous_norm)
+    return free if config.execution.overlap_step is None else config.execution.overlap_step
+
+
+def check_runnable(placement: Placement) -> None:
+    """Refuse, at construction, a placement the engine cannot run: with master and both moments
+    on the GPU the optimizer steps there, and grads homed on NVMe would be read straight into
+    device memory, which the NVMe store refuses (it moves host buffers only). Refused on every
+    device alike, so a config tried on the CPU runs on a GPU."""
+    if (
+        steps_on_gpu(placement)
+        and not brings_up(placement)  # a step on the device by choice stages them
+        and placement.home(StateKind.GRAD) is Tier.NVME
+    ):
+        raise ConfigError(
+            f"placement {placement.describe()} steps the optimizer on the GPU (master and both "
+            "moments live there) but homes grads on nvme, which the GPU step cannot read; "
+            'home grads on host (grad = "host") or move master and moments off the GPU'
+        )

@@ -27,6 +27,8 @@ from tierzero.config import (
     StateKind,
     Tier,
 )
+from tierzero.engine.runtime.kept import Keeping, batch_tokens
+from tierzero.engine.runtime.layout import RankLayout
 from tierzero.engine.runtime.tiers import Tiers
 from tierzero.engine.shortfall import check_pools, tier_name
 from tierzero.errors import ConfigError
@@ -40,7 +42,7 @@ from tierzero.planning.peaks import MemoryModel, format_bytes
 from tierzero.planning.recompute import choose_kept, with_kept
 from tierzero.planning.statebytes import StateBytes, grad_dtype
 from tierzero.planning.streaming import Shortfall, Streaming, choose_streaming, ladder
-from tierzero.planning.workload import Workload, brings_up, steps_on_gpu
+from tierzero.planning.workload import Workload
 from tierzero.storage.base import BudgetExceededError
 
 
@@ -327,10 +329,11 @@ class Sizing:
     ) -> MemoryModel:
         """At the first training forward, take the batch's activations out of the compute
         device's budget (on the CPU device: the host budget) and refuse a batch the pools then
-        cannot hold; then choose the units that keep their graph (`kept`) in what is left.
-        Only for the built-in model, whose shape says what they take; other models' activations
-        are not reserved and every unit is recomputed, as in the `vertical` schedule. The
-        memory model with them (`current` if none), which becomes `current`."""
+        cannot hold; then, horizontally, choose the units that keep their graph (`kept`) in
+        what is left (vertically: `keep`, once the waiting activations are placed). Only for the
+        built-in model, whose shape says what they take; other models' activations are measured
+        on the first step (`keep_measured`). The memory model with them (`current` if none),
+        which becomes `current`."""
         assert self.current is not None, "check() sizes the pools first"
         self.current = self._with_activations(
             tiers, model, batch, self.current, placement, stage, vertical
@@ -375,19 +378,23 @@ class Sizing:
                 getattr(model, "loss_chunk_bytes", None),
             ),
         )
-        return memory if vertical else self._keep(tiers, memory, placement, stage)
+        if vertical:
+            return memory  # chosen once the waiting activations have their room (`keep`)
+        self.current = memory
+        return self.keep(tiers, placement, stage)
 
-    def _keep(
-        self, tiers: Tiers, memory: MemoryModel, placement: Placement, stage: int
+    def keep(
+        self, tiers: Tiers, placement: Placement, stage: int, vertical: int = 0
     ) -> MemoryModel:
-        """Choose the kept units in the compute device's budget left after `memory` (whose
-        activations keep none) and reserve their graphs' bytes too."""
-        act = self.activations
-        assert act is not None
-        tier = Tier.HOST if self.device.type == "cpu" else Tier.GPU
-        room = (tiers.host_budget if tier is Tier.HOST else tiers.gpu_budget) - memory.tiers[
-            tier
-        ].pool_bytes
+        """Choose the kept units in the compute device's budget left after the current memory
+        model (whose activations keep none; `vertical`: the vertical schedule's micro-batches a
+        step, its waiting activations reserved already) and reserve their graphs' bytes too.
+        Only for the built-in model, whose shape counts them (else `keep_measured`)."""
+        act, memory = self.activations, self.current
+        assert act is not None and memory is not None
+        act = dataclasses.replace(act, vertical=vertical)
+        tier = self._compute_tier()
+        room = self._room(tiers, tier, memory)
         self.kept = choose_kept(
             self.config.execution.recompute, self.units, act, room, forward_only(self.units)
         )
@@ -395,7 +402,41 @@ class Sizing:
             return memory
         self.activations = with_kept(act, self.units, self.kept)
         tiers.reserve(tier, self.activations.kept_bytes)
-        return self.memory(placement, stage, self.activations)
+        self.current = self.memory(placement, stage, self.activations)
+        return self.current
+
+    def keep_vertical(self, tiers: Tiers, keeping: Keeping, layout: RankLayout, batch: Any) -> None:
+        """The vertical schedule's kept blocks, once its waiting activations have their room:
+        the built-in model's, from its shape (another's are measured on the first step)."""
+        if self.activations is not None:
+            k = self.config.execution.accumulate
+            self.keep(tiers, layout.placement, layout.stage, vertical=k)
+            keeping.choose(self.kept, batch_tokens(batch))
+
+    def keep_measured(self, tiers: Tiers, keeping: Keeping, vertical: int = 0) -> None:
+        """After the first step of a model whose shape says nothing of its activations (once,
+        while `keeping` measures): choose the kept units from the graphs its recomputes
+        measured, in the compute device's budget left after the pools and the step's working
+        activations (measured as well), reserve them, and keep them from the next micro-batch."""
+        if not keeping.measuring:
+            return
+        assert self.current is not None
+        tier = self._compute_tier()
+        sizes = keeping.sizes(vertical)
+        room = self._room(tiers, tier, self.current) - keeping.working(vertical)
+        recompute = self.config.execution.recompute
+        self.kept = choose_kept(recompute, self.units, None, room, forward_only(self.units), sizes)
+        tiers.reserve(tier, sum(sizes[i] for i in self.kept))
+        keeping.choose(self.kept, keeping.seen)
+
+    def _compute_tier(self) -> Tier:
+        return Tier.HOST if self.device.type == "cpu" else Tier.GPU
+
+    @staticmethod
+    def _room(tiers: Tiers, tier: Tier, memory: MemoryModel) -> int:
+        """The compute device's budget beyond `memory`'s pools and what is reserved already."""
+        budget = tiers.host_budget if tier is Tier.HOST else tiers.gpu_budget
+        return budget - memory.tiers[tier].pool_bytes
 
     def _reserve(
         self,
@@ -435,39 +476,3 @@ def _unpooled(mem: MemoryModel) -> dict[Tier, int]:
         Tier.GPU: mem.tiers[Tier.GPU].unpooled_bytes,
         Tier.HOST: mem.tiers[Tier.HOST].unpooled_bytes,
     }
-
-
-def resolve_overlap(config: Config, fp16: bool) -> bool:
-    """Whether units are stepped during backward: on by default wherever that is free.
-
-    fp16 never (the step waits for the overflow check). With clipping it is exact when asked
-    for (each fired clip re-steps every unit from its kept generation, `Stepper`), and on
-    by default when the user opts in to clipping by the previous step's norm (`clip_previous_norm`).
-    """
-    clip = config.optimizer.clip_grad_norm is not None
-    if config.optimizer.clip_previous_norm and not clip:
-        raise ConfigError("clip_previous_norm needs clip_grad_norm; set both or neither")
-    if config.execution.overlap_step and fp16:
-        raise ConfigError(
-            "overlap_step cannot be exact with fp16: each unit's step would need the "
-            "overflow check first; turn one of them off"
-        )
-    free = not fp16 and (not clip or config.optimizer.clip_previous_norm)
-    return free if config.execution.overlap_step is None else config.execution.overlap_step
-
-
-def check_runnable(placement: Placement) -> None:
-    """Refuse, at construction, a placement the engine cannot run: with master and both moments
-    on the GPU the optimizer steps there, and grads homed on NVMe would be read straight into
-    device memory, which the NVMe store refuses (it moves host buffers only). Refused on every
-    device alike, so a config tried on the CPU runs on a GPU."""
-    if (
-        steps_on_gpu(placement)
-        and not brings_up(placement)  # a step on the device by choice stages them
-        and placement.home(StateKind.GRAD) is Tier.NVME
-    ):
-        raise ConfigError(
-            f"placement {placement.describe()} steps the optimizer on the GPU (master and both "
-            "moments live there) but homes grads on nvme, which the GPU step cannot read; "
-            'home grads on host (grad = "host") or move master and moments off the GPU'
-        )

@@ -211,15 +211,27 @@ class ActivationEstimate:
     logits_bytes: int  # one loss chunk's logits in forward (no grad): the head's forward peak
     chunk_tokens: int
     head_kept_bytes: int = 0  # what the head's forward with grad saves for its backward
+    hidden_bytes: int = 0  # one micro-batch's hidden state (a block's input)
     # units whose forward keeps its autograd graph until their backward instead of being
     # recomputed (`tierzero.planning.recompute`): each block holds `recompute_bytes`, the head
     # `head_kept_bytes`, from its forward to its backward
     kept_blocks: int = 0
     kept_head: bool = False
+    # the vertical schedule's micro-batches a step (0: horizontal): there each kept block holds
+    # one graph per micro-batch from the forward sweep to the backward sweep, with its input
+    # inside it (not waiting in the host store); the head runs once, in backward, and keeps none
+    vertical: int = 0
+
+    @property
+    def block_kept_bytes(self) -> int:
+        """What one kept block holds from its forward to its backward."""
+        if self.vertical:
+            return self.vertical * (self.recompute_bytes + self.hidden_bytes)
+        return self.recompute_bytes
 
     @property
     def kept_bytes(self) -> int:
-        return self.kept_blocks * self.recompute_bytes + (
+        return self.kept_blocks * self.block_kept_bytes + (
             self.head_kept_bytes if self.kept_head else 0
         )
 
@@ -318,6 +330,7 @@ def activation_memory(
         chunk_tokens=chunk,
         head_kept_bytes=n * d * (2 * FP32_NBYTES + c)
         + (FP32_NBYTES * n * args.vocab_size if chunk >= n else 0),
+        hidden_bytes=n * d * c,
     )
 
 

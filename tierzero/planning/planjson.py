@@ -98,7 +98,9 @@ def recompute(rc: RecomputeChoice, act: ActivationEstimate) -> dict[str, Any]:
         "keepable_units": rc.keepable_units,
         "kept_blocks": rc.kept.kept_blocks if rc.kept else 0,
         "kept_head": rc.kept.kept_head if rc.kept else False,
-        "bytes_per_block": act.recompute_bytes,
+        "graphs_per_block": rc.kept.vertical or 1 if rc.kept else 1,
+        "bytes_per_block": rc.kept.block_kept_bytes if rc.kept else act.recompute_bytes,
         "head_bytes": act.head_kept_bytes,
         "kept_bytes": rc.kept.kept_bytes if rc.kept else 0,
+        "sized_by": "the engine's first step" if rc.measured else "the shape",
     }

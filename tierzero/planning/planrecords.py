@@ -61,8 +61,10 @@ class StageChoice:
 @dataclass(frozen=True)
 class RecomputeChoice:
     """`--recompute`, `activations` counting the kept units' graphs (`planning.recompute`),
-    and how many units could keep theirs."""
+    how many units could keep theirs, and whether the engine measures them (a model built
+    elsewhere: the plan's figures are its LLaMA-like shape's)."""
 
     recompute: Recompute = Recompute.AUTO
     kept: ActivationEstimate | None = None
     keepable_units: int = 0
+    measured: bool = False

@@ -107,7 +107,7 @@ def make_plan(model: str | None = None, **flags: Any) -> PlanReport:
         StageChoice(costed.stage, costed.stage_reason),
         step.left_open,
         vertical,
-        _recompute_choice(step, vertical or built, costed, machine, work),
+        _recompute_choice(step, vertical, built, costed, machine, work),
         f.run,
         optimizer,
     )
@@ -251,21 +251,23 @@ def _workload(
 
 
 def _recompute_choice(
-    step: StepFlags, whole_graphs: bool, costed: Costed, machine: Machine, work: Workload
+    step: StepFlags, vertical: bool, built: bool, costed: Costed, machine: Machine, work: Workload
 ) -> RecomputeChoice:
-    """The blocks that keep their activations in the compute device's room the chosen
-    placement leaves (none to choose from vertically or for a built model: `whole_graphs`)."""
-    if whole_graphs and step.recompute is Recompute.NONE:
+    """The units that keep their activations in the compute device's room the chosen
+    placement leaves: vertically each kept block holds a graph per micro-batch; a `built` model's
+    graphs are estimated from its LLaMA-like shape here (the engine measures them)."""
+    if (vertical or built) and step.recompute is Recompute.NONE:
         raise ConfigError(
             "--recompute none keeps the activations the built-in model's shape counts, in the "
             "horizontal schedule only; use --recompute auto or all for this model or schedule"
         )
-    candidates = [] if whole_graphs else work.units
     tier = Tier.HOST if machine.device == "cpu" else Tier.GPU
     budget = machine.budgets[tier]
     needs = costed.choice.estimate.memory.per_rank().needs()[tier]
     room = 0 if budget is None else budget - needs
     act = work.activations
     assert act is not None
-    kept = with_kept(act, work.units, choose_kept(step.recompute, candidates, act, room))
-    return RecomputeChoice(step.recompute, kept, len(keepable(candidates, act)))
+    if vertical:
+        act = dataclasses.replace(act, vertical=step.accumulate)
+    kept = with_kept(act, work.units, choose_kept(step.recompute, work.units, act, room))
+    return RecomputeChoice(step.recompute, kept, len(keepable(work.units, act)), built)

@@ -7,21 +7,23 @@ buffer, and only its input is kept. In backward the unit is gathered again, reco
 (under the autocast state the forward ran with and the same seeded RNG draws,
 `tierzero.models.draws`) against fresh leaf views of the flat buffer, and backpropagated; the
 parameters' gradients are packed into one flat fp32 tensor, which goes to `on_grad`. Module code is
-unchanged: it reads `self.weight` as usual. A unit in `UnitRunner.kept`
+unchanged: it reads `self.weight` as usual. A unit that `UnitRunner.keeping` keeps
 (`tierzero.planning.recompute`) runs its forward once, with grad, and keeps that graph until its
-backward instead (`_KeptGraph`)."""
+backward instead (`tierzero.engine.runtime.kept`); on a model whose shape says nothing of its
+activations, the first step's recomputes measure what each unit's graph would hold."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from tierzero.engine.runtime.binding import bind, flat_grad, unbind
+from tierzero.engine.runtime.kept import Keeping, KeptGraph, SavedTensors
 from tierzero.engine.step.backward import BackwardPass
 from tierzero.layout.partition import Unit
 from tierzero.models.draws import Draws, draws_for, seeded
@@ -57,9 +59,7 @@ class UnitRunner:
         self.dtype = dtype
         self.device = device  # where unbound parameters say they are (`binding.Unbound`)
         self.forward_only = forward_only  # units run without a backward (`partition.forward_only`)
-        self.kept: frozenset[int] = (
-            frozenset()
-        )  # units whose forward keeps its graph (`planning.recompute`)
+        self.keeping = Keeping()  # units whose forward keeps its graph (`runtime.kept`)
         self._originals: dict[int, Callable[..., Any]] = {}
         self._shadowed: set[int] = set()  # entries that were instance attributes already
         self.pass_ = BackwardPass()  # the backward in progress (`running`)
@@ -179,14 +179,14 @@ class _Checkpointed(torch.autograd.Function):
             tensor_pos,
         )
         ctx.kept = None
-        if unit.index in runner.kept and not unit.uses_with:
+        if runner.keeping.keeps(unit):
             with seeded(draws):
-                ctx.kept = _KeptGraph.run(
-                    runner, unit, _fill(flat_in, tensor_pos, tensors), spec, tensor_pos
-                )
+                ctx.kept = _keep(runner, unit, flat_in, spec, tensor_pos, tensors)
             out = tree_map(lambda o: o.detach() if isinstance(o, torch.Tensor) else o, ctx.kept.out)
         else:
             ctx.save_for_backward(*tensors)
+            if runner.keeping.measuring:
+                runner.keeping.checkpointed(tensors)
             ctx.draws = draws
             ctx.autocast = autocast_state(tensors)
             with torch.no_grad(), seeded(draws):
@@ -213,16 +213,25 @@ class _Checkpointed(torch.autograd.Function):
                 None,
                 None,
                 None,
-                *kept.backward(runner, unit, grads, ctx.out_tensor_idx),
+                *_backprop(runner, unit, kept, grads, ctx),
             )
         saved = ctx.saved_tensors
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in saved]
         bound = runner.bound_units(unit)
-        leaves = [bind(u, runner.gather(u.index), requires_grad=True) for u in bound]
+        flats = [runner.gather(u.index) for u in bound]
+        leaves = [bind(u, flat, requires_grad=True) for u, flat in zip(bound, flats)]
+        saved = SavedTensors(flats[0], inputs) if runner.keeping.measuring else None
         try:
-            with torch.enable_grad(), seeded(ctx.draws), autocast_as(ctx.autocast):
+            with (
+                torch.enable_grad(),
+                seeded(ctx.draws),
+                autocast_as(ctx.autocast),
+                saved.hooks() if saved else contextlib.nullcontext(),
+            ):
                 args, kwargs = tree_unflatten(_fill(ctx.flat_in, ctx.tensor_pos, inputs), ctx.spec)
                 out = runner.compute(unit, args, kwargs, leaves=leaves[0])
+            if saved is not None:
+                runner.keeping.measure(unit, saved)
             outs = tree_flatten(out)[0]
             pairs = [
                 (outs[i], grads[i])
@@ -250,112 +259,42 @@ class _Checkpointed(torch.autograd.Function):
         )
 
 
-class _KeptGraph:
-    """A unit's forward run once, with grad, its autograd graph kept until its backward: no
-    recompute. The unit's gathered param buffer is released after the forward as usual (its
-    device buffer goes back to the pool), so the graph must not hold its storage: every tensor
-    autograd saves that is a view of the buffer (a weight a matmul needs for its input's grad)
-    is saved as its place in the buffer (`_ParamViews`) and read in backward from the buffer
-    gathered again there, as the swap plan gathers every unit in backward anyway. The values
-    are those the forward read, so the gradients are the recompute's, bit for bit."""
-
-    def __init__(
-        self, inputs: list[torch.Tensor], leaves: list[torch.Tensor], out: Any, params: _ParamViews
-    ) -> None:
-        self.inputs, self.leaves, self.out, self.params = inputs, leaves, out, params
-
-    @staticmethod
-    def run(
-        runner: UnitRunner, unit: Unit, flat_in: list, spec: Any, tensor_pos: list[int]
-    ) -> _KeptGraph:
-        inputs = [flat_in[i].detach().requires_grad_(flat_in[i].requires_grad) for i in tensor_pos]
-        flat = runner.gather(unit.index)
-        params = _ParamViews(flat)
-        leaves = bind(unit, flat, requires_grad=True)
-        try:
-            with (
-                torch.enable_grad(),
-                torch.autograd.graph.saved_tensors_hooks(params.pack, params.unpack),
-            ):
-                args, kwargs = tree_unflatten(_fill(flat_in, tensor_pos, inputs), spec)
-                out = runner.compute(unit, args, kwargs, leaves=leaves)
-        finally:
-            unbind(unit, runner.dtype, runner.device)
-            runner.release(unit.index)
-            params.flat = None
-        return _KeptGraph(inputs, [_storageless(leaf) for leaf in leaves], out, params)
-
-    def backward(
-        self, runner: UnitRunner, unit: Unit, grads: tuple, out_idx: list[int]
-    ) -> list[torch.Tensor | None]:
-        """Backprop the kept graph against the unit's buffer gathered again; the inputs' grads.
-        The modules are bound to it too: the loss's checkpointed chunks call the head again."""
-        self.params.flat = runner.gather(unit.index)
-        bind(unit, self.params.flat, requires_grad=True)
-        try:
-            outs = tree_flatten(self.out)[0]
-            pairs = [
-                (outs[i], grads[i])
-                for i in out_idx
-                if outs[i].requires_grad and grads[i] is not None
-            ]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            if unit.trainable_numel:
-                runner.on_grad(unit.index, *flat_grad(unit, self.leaves))
-        finally:
-            unbind(unit, runner.dtype, runner.device)
-            self.params.flat = None
-            runner.release(unit.index)
-        return [t.grad if t.requires_grad else None for t in self.inputs]
-
-
-def _storageless(leaf: torch.Tensor) -> torch.Tensor:
-    """`leaf` holding no part of the gathered buffer (with several ranks a buffer of its own,
-    which the graph's grad accumulators would otherwise keep alive until backward): one element
-    broadcast to its shape. Autograd reads a leaf's metadata only, and a gradient's values do
-    not depend on its layout; a frozen parameter (no leaf) is dropped for a placeholder."""
-    if not leaf.requires_grad:
-        return torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
-    leaf.data = torch.zeros((), dtype=leaf.dtype, device=leaf.device).expand(leaf.shape)
-    return leaf
-
-
-class _ParamViews:
-    """Saved-tensor hooks that save a view of the unit's param buffer by its place in it."""
-
-    def __init__(self, flat: torch.Tensor) -> None:
-        self.flat: torch.Tensor | None = flat
-        self.ptr, self.start, self.end = (
-            flat.untyped_storage().data_ptr(),
-            flat.storage_offset(),
-            flat.storage_offset() + flat.numel(),
+def _keep(
+    runner: UnitRunner, unit: Unit, flat_in: list, spec: Any, tensor_pos: list[int], tensors: tuple
+) -> KeptGraph:
+    """Run `unit`'s forward once, its graph kept (`runtime.kept`), on its buffer gathered for
+    the call."""
+    inputs = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+    args, kwargs = tree_unflatten(_fill(flat_in, tensor_pos, inputs), spec)
+    try:
+        return KeptGraph.record(
+            unit,
+            runner.gather(unit.index),
+            inputs,
+            lambda leaves: runner.compute(unit, args, kwargs, leaves=leaves),
+            runner.dtype,
+            runner.device,
         )
-        self.dtype, self.device = flat.dtype, flat.device
-
-    def pack(self, t: torch.Tensor) -> Any:
-        if (
-            t.dtype == self.dtype
-            and t.device == self.device
-            and t.untyped_storage().data_ptr() == self.ptr
-            and self.start <= t.storage_offset() < self.end
-        ):
-            return _ParamView(t.storage_offset() - self.start, tuple(t.shape), t.stride())
-        return t
-
-    def unpack(self, saved: Any) -> torch.Tensor:
-        if not isinstance(saved, _ParamView):
-            return saved
-        assert self.flat is not None, "a kept graph's params are read in its backward only"
-        return self.flat.as_strided(
-            saved.shape, saved.stride, self.flat.storage_offset() + saved.offset
-        )
+    finally:
+        runner.release(unit.index)
 
 
-class _ParamView(NamedTuple):
-    offset: int  # elements from the start of the unit's param buffer
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
+def _backprop(
+    runner: UnitRunner, unit: Unit, kept: KeptGraph, grads: tuple, ctx: Any
+) -> list[torch.Tensor | None]:
+    """Backprop `kept` against the unit's buffer gathered again, its grad to `on_grad`; the
+    inputs' grads. The modules are bound to it too: the loss's checkpointed chunks call the
+    head again."""
+    flat = runner.gather(unit.index)
+    bind(unit, flat, requires_grad=True)
+    try:
+        grad, input_grads = kept.backprop(unit, flat, grads, ctx.out_tensor_idx)
+        if grad is not None:
+            runner.on_grad(unit.index, *grad)
+    finally:
+        unbind(unit, runner.dtype, runner.device)
+        runner.release(unit.index)
+    return input_grads
 
 
 def _fill(flat_in: list, positions: list[int], tensors: Any) -> list:

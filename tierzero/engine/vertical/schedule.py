@@ -31,6 +31,7 @@ anything else is refused (or, with `auto`, run horizontally)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,7 @@ from torch import nn
 
 from tierzero.config import Execution, Recompute, Schedule, StateKind, Tier
 from tierzero.engine.runtime.binding import bind, flat_grad, unbind
+from tierzero.engine.runtime.kept import KeptGraph, SavedTensors, batch_tokens
 from tierzero.engine.runtime.layout import RankLayout
 from tierzero.engine.runtime.opened import OpenParts
 from tierzero.engine.runtime.tiers import Tiers
@@ -112,6 +114,7 @@ class VerticalPass:
         self.layout, self.device, self.chain, self.store = layout, device, chain, store
         self.runner, self.grads = opened.runner, opened.grads
         self.forward_only = forward_only(layout.units)
+        self.graphs: dict[tuple[int, int], KeptGraph] = {}  # (unit, micro-batch) -> kept graph
 
     def run(
         self,
@@ -129,6 +132,7 @@ class VerticalPass:
             return self._backward(batches, last, contexts, pass_, loss_scale, divisors)
         except BaseException:
             self.store.clear()
+            self.graphs.clear()
             raise
 
     def _forward(self, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
@@ -136,20 +140,43 @@ class VerticalPass:
         block's outputs (the head's inputs) and each micro-batch's context."""
         xs, contexts = list(xs), [None] * len(xs)
         for unit in self.layout.units[:-1]:
-            bind(unit, self.runner.gather(unit.index))
+            flat = self.runner.gather(unit.index)
+            bind(unit, flat)
             try:
                 for m, x in enumerate(xs):
-                    if unit.kind == "block":
+                    keep = unit.kind == "block" and self.runner.keeping.keeps(unit)
+                    if unit.kind == "block" and not keep:
                         self.store.put(unit.index, m, x)
-                    with torch.no_grad(), seeded(self.runner.draws(unit.index, x, m)):
-                        if unit.kind == "embedding":
-                            xs[m], contexts[m] = self.chain.embed(self.runner, unit, x)
-                        else:
-                            xs[m] = self.chain.block(self.runner, unit, x, contexts[m])
+                    with seeded(self.runner.draws(unit.index, x, m)):
+                        if keep:
+                            xs[m] = self._keep(unit, flat, x, contexts[m], m)
+                            continue
+                        with torch.no_grad():
+                            if unit.kind == "embedding":
+                                xs[m], contexts[m] = self.chain.embed(self.runner, unit, x)
+                            else:
+                                xs[m] = self.chain.block(self.runner, unit, x, contexts[m])
             finally:
                 unbind(unit, self.layout.dtype, self.device)
                 self.runner.release(unit.index)
         return xs, contexts
+
+    def _keep(
+        self, unit: Unit, flat: torch.Tensor, x: torch.Tensor, context: Any, m: int
+    ) -> torch.Tensor:
+        """Block `unit`'s forward on micro-batch `m`, its graph kept to the backward sweep
+        (`runtime.kept`): its input waits inside it, on the device; its output."""
+        inp = x.detach().requires_grad_(x.is_floating_point())
+        graph = KeptGraph.record(
+            unit,
+            flat,
+            [inp],
+            lambda _: self.chain.block(self.runner, unit, inp, context),
+            self.layout.dtype,
+            self.device,
+        )
+        self.graphs[unit.index, m] = graph
+        return graph.out.detach()
 
     def _backward(
         self,
@@ -172,10 +199,17 @@ class VerticalPass:
                 continue
             pass_.unit_starting(unit.index)
             bound = self.runner.bound_units(unit)
-            leaves = [bind(u, self.runner.gather(u.index), requires_grad=True) for u in bound]
+            flats = [self.runner.gather(u.index) for u in bound]
+            leaves = [bind(u, flat, requires_grad=True) for u, flat in zip(bound, flats)]
             total: tuple[torch.Tensor, frozenset[int]] | None = None
             try:
                 for m in range(k):
+                    graph = self.graphs.pop((unit.index, m), None)
+                    if graph is not None:
+                        grad, (grads_out[m],) = graph.backprop(unit, flats[0], (grads_out[m],), [0])
+                        total = self._sum(unit, m, grad, total)
+                        self.store.prefetch()
+                        continue
                     if unit.kind == "head":
                         x, head_in[m] = head_in[m], None
                     else:
@@ -185,8 +219,16 @@ class VerticalPass:
                             else self.store.get(unit.index, m)
                         )
                     inp = x.detach().requires_grad_(x.is_floating_point())
-                    with torch.enable_grad(), seeded(self.runner.draws(unit.index, x, m)):
+                    measuring = unit.kind == "block" and self.runner.keeping.measuring
+                    saved = SavedTensors(flats[0], [inp]) if measuring else None
+                    with (
+                        torch.enable_grad(),
+                        seeded(self.runner.draws(unit.index, x, m)),
+                        saved.hooks() if saved else contextlib.nullcontext(),
+                    ):
                         out = self._call(unit, inp, batches[m][1], contexts[m], divisors[m])
+                    if saved is not None:  # a kept graph would hold its input too
+                        self.runner.keeping.measure(unit, saved, held=inp.nbytes)
                     if unit.kind == "head":
                         losses.append(out.detach())
                         scaled = out / k if k > 1 else out  # as `Engine.backward` scales it
@@ -224,6 +266,17 @@ class VerticalPass:
                     grad = flat, present
             for leaf in unit_leaves:
                 leaf.grad = None
+        return self._sum(unit, m, grad, total)
+
+    def _sum(
+        self,
+        unit: Unit,
+        m: int,
+        grad: tuple[torch.Tensor, frozenset[int]] | None,
+        total: tuple[torch.Tensor, frozenset[int]] | None,
+    ) -> tuple[torch.Tensor, frozenset[int]] | None:
+        """Micro-batch `m`'s `grad` of `unit` added to the step's `total` (a tied embedding's
+        use by the head first added to its own, as autograd sums them)."""
         if grad is None:
             return total
         flat, present = grad
@@ -265,12 +318,16 @@ class VerticalSteps:
         stepper: Stepper,
         reserve: Callable[[Any], None],
         host_room: Callable[[], int],
+        keep: Callable[[Any], None],
+        measured: Callable[[], None],
     ) -> None:
         """`reserve`: takes the first step's activations out of the budgets (`Sizing`);
-        `host_room`: the host memory the budgets leave (the waiting activations' room)."""
+        `host_room`: the host memory the budgets leave (the waiting activations' room); `keep`:
+        chooses the blocks that keep their graphs once those have their room; `measured`:
+        chooses them from what the first step measured (a model built elsewhere)."""
         self.execution, self.model, self.device, self.layout = execution, model, device, layout
         self.tiers, self.counters, self.opened, self.stepper = tiers, counters, opened, stepper
-        self.reserve, self.host_room = reserve, host_room
+        self.reserve, self.host_room, self.keep, self.measured = reserve, host_room, keep, measured
         self.on: bool | None = None  # None: not decided yet
         self.vertical_pass: VerticalPass | None = None
         self.store: BoundaryStore | None = None
@@ -370,6 +427,7 @@ class VerticalSteps:
         self.tiers.reserve(Tier.HOST, budget)
         self.store = BoundaryStore(self.tiers, budget)
         self.vertical_pass = VerticalPass(self.layout, self.device, self.opened, chain, self.store)
+        self.keep(batch)
 
     def _run(self, batches: list[Any], divisors: list[float | None]) -> list[torch.Tensor]:
         state, o = self.counters.state, self.opened
@@ -377,6 +435,7 @@ class VerticalSteps:
         k = len(batches)
         on_device = [tuple(o.batches.to_device(b)) for b in batches]
         o.runner.position = state.step_count, 0  # the step's draws (`tierzero.models.draws`)
+        o.runner.keeping.start(max(batch_tokens(b) for b in batches))
         pass_ = self.stepper.backward_pass(0, True, combined=True)
         o.swap_runner.begin(o.vertical_plan)
         try:
@@ -391,4 +450,5 @@ class VerticalSteps:
             self.stepper.abort(f"a vertical step failed: {err!r}")
             raise
         state.micro += k
+        self.measured()
         return losses
