@@ -1,6 +1,8 @@
 """Compact state on two ranks (gloo, two CPU processes): each rank quantises and rounds its own
-pieces, a checkpoint of both resumes bitwise, and the weights stay near the fp32 reference.
-Weights travel back to the test through safetensors, never pickle."""
+pieces, a checkpoint of both resumes bitwise -- the resumed run stepping on the compute device
+by choice (`optimizer_device="gpu"`: each rank's pieces brought up and put back down), the
+straight run on the host -- and the weights stay near the fp32 reference. Weights travel back
+to the test through safetensors, never pickle."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from tierzero.engine import Engine
 STEPS = 3
 
 
-def _config(root: str, name: str) -> Config:
+def _config(root: str, name: str, side: str = "cpu") -> Config:
     return Config(
         placement=Placement(Tier.NVME, Tier.HOST, Tier.NVME, Tier.NVME, Tier.NVME),
         nvme_path=[f"{root}/{name}"],
@@ -25,6 +27,7 @@ def _config(root: str, name: str) -> Config:
         piece_numel=8192,
         optimizer_state="int8",
         master="bf16",
+        optimizer_device=side,
     )
 
 
@@ -45,7 +48,9 @@ def _rank(rank: int, root: str) -> None:
             engine.save_checkpoint(f"{root}/run")
             _train(engine, rank, steps[2:])
             straight = engine.master_state_dict()  # a collective: every rank gathers
-        with Engine(models.build(SMALL, device="meta", seed=0), _config(root, "b")) as engine:
+        resuming = _config(root, "b", side="gpu")
+        with Engine(models.build(SMALL, device="meta", seed=0), resuming) as engine:
+            assert engine.parts.step_reason == "on the compute device (--optimizer-device gpu)"
             engine.load_checkpoint(f"{root}/run")
             _train(engine, rank, steps[2:])
             resumed = engine.master_state_dict()
