@@ -13,6 +13,7 @@ the row shows the compact step's own cost.
     nice python benchmarks/compact_step.py --torch-ops  # the fallback
     nice python benchmarks/compact_step.py --cpu-time   # CPU seconds, not wall-clock ones
     nice python benchmarks/compact_step.py --phases     # each phase of the kernel alone
+    nice python benchmarks/compact_step.py --grad bf16  # bf16 grads, as a bf16 run steps them
 
 On a machine others load, `--cpu-time` (the process's CPU time, every thread's) moves far less
 from run to run than the wall clock; with one thread (`torch.set_num_threads`, `--threads 1`)
@@ -31,12 +32,14 @@ import torch
 from tierzero.adamw import adamw_step
 from tierzero.compact.formats import StateFormats
 from tierzero.compact.step import CompactStep
-from tierzero.config import Config, StateKind
+from tierzero.config import TORCH_DTYPES, Config, DType, StateKind
 
 FORMATS = [(m, w) for m in ("fp32", "bf16", "int8") for w in ("fp32", "bf16")]  # (moments, master)
 
 
-def compact_tensors(formats: StateFormats, n: int) -> dict[StateKind, torch.Tensor]:
+def compact_tensors(
+    formats: StateFormats, n: int, grad: torch.dtype = torch.float32
+) -> dict[StateKind, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return {
         StateKind.MASTER: formats.encode(StateKind.MASTER, torch.randn(n, generator=g) * 0.05),
@@ -44,7 +47,7 @@ def compact_tensors(formats: StateFormats, n: int) -> dict[StateKind, torch.Tens
         StateKind.EXP_AVG_SQ: formats.encode(
             StateKind.EXP_AVG_SQ, torch.rand(n, generator=g) * 1e-6
         ),
-        StateKind.GRAD: torch.randn(n, generator=g) * 1e-2,
+        StateKind.GRAD: (torch.randn(n, generator=g) * 1e-2).to(grad),
     }
 
 
@@ -101,6 +104,12 @@ def main() -> None:
         action="store_true",
         help="each phase of the kernel alone on one chunk, ns a value",
     )
+    parser.add_argument(
+        "--grad",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="the compact rows' grad dtype (a bf16 run's grads are bf16; fused AdamW's fp32)",
+    )
     opts = parser.parse_args()
     if opts.phases:
         phases()
@@ -117,7 +126,7 @@ def main() -> None:
             CompactStep(
                 StateFormats(*f), config.optimizer, config.seed, cpu, kernel=not opts.torch_ops
             ),
-            compact_tensors(StateFormats(*f), n),
+            compact_tensors(StateFormats(*f), n, TORCH_DTYPES[DType(opts.grad)]),
         )
         for f in FORMATS
     }
@@ -136,7 +145,7 @@ def main() -> None:
     per = "CPU second" if opts.cpu_time else "second"
     print(
         f"{n} values, {torch.get_num_threads()} threads, median of {opts.rounds} interleaved "
-        f"rounds, {path}, M params per {per}"
+        f"rounds, {path}, {opts.grad} grads, M params per {per}"
     )
     print(f"torch fused AdamW (fp32): {rate['fused']:8.1f}")
     print(f"{'moments':>8} {'master':>7} {'M params':>11} {'vs fused':>9}")
