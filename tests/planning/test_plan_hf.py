@@ -37,9 +37,13 @@ def test_plan_reads_an_hf_directory(hf_models: dict[str, Path], arch: str, gpus:
     assert report["model"]["units"] == len(units)
     assert report["model"]["largest_unit_params"] == max(u.numel for u in units)
     assert report["verdict"]["fits"]
+    # kept graphs: estimated from the LLaMA-like shape here, measured by the engine
+    rc = report["recompute"]
+    assert rc["sized_by"] == "the engine's first step" and rc["kept_blocks"] == len(units) - 2
     text = plan("--model", name, "--gpus", str(gpus), *MACHINE)
     assert all(len(line) <= 80 for line in text.splitlines())
     assert "unknown model preset" not in text
+    assert "the engine measures each unit's at its first step" in " ".join(text.split())
 
 
 def test_hf_plans_refuse_preset_shape_flags(hf_models: dict[str, Path]) -> None:
