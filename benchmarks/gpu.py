@@ -86,6 +86,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--host-fraction", type=float, default=0.8, help="share of MemAvailable the engine may use"
     )
+    ap.add_argument(
+        "--optimizer-device",
+        choices=("auto", "cpu", "gpu"),
+        default="auto",
+        help="where the optimizer steps (run twice, cpu then gpu, to time the two sides)",
+    )
     return ap.parse_args(argv)
 
 
@@ -115,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         max_accumulate=opts.max_accumulate,
         host_fraction=opts.host_fraction,
         gpu_bytes=parse_bytes(opts.gpu_mem, "--gpu-mem") if opts.gpu_mem else None,
+        optimizer_device=opts.optimizer_device,
     )
     if opts.dry_run:
         print("\n".join(gpu_run.dry_run(options)))

@@ -401,6 +401,8 @@ def test_a_run_killed_mid_step_keeps_every_finished_result(tmp_path) -> None:
     steps = [r for r in records if r["kind"] == "step" and not r.get("warm_up")]
     assert [r["step"] for r in steps][:3] == [1, 2, 3] and all(r["step_s"] > 0 for r in steps)
     assert {"start", "machine", "rates", "plan", "opened"} <= {r["kind"] for r in records}
+    opened = next(r for r in records if r["kind"] == "opened")
+    assert opened["optimizer"] == "on the CPU, the compute device"
 
 
 def test_the_watchdog_records_the_deadline_kills_the_child_and_ends_the_process(

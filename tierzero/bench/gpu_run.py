@@ -61,6 +61,7 @@ class Options:
     largest_micro_batch: int = 16
     host_fraction: float = 0.8
     gpu_bytes: int | None = None  # a cap on the GPU memory torch may use
+    optimizer_device: str = "auto"  # where the step runs (`--optimizer-device`)
 
     @property
     def budget_s(self) -> float:
@@ -320,7 +321,7 @@ def _run_stage(
         return
     deadline = time.monotonic() + stage.budget_s
     try:
-        _train(stage, machine, device, rates, deadline, options.work_dir, log, say)
+        _train(stage, machine, device, rates, deadline, options, log, say)
     except Exception as exc:  # recorded, and the next placement runs
         message = f"{type(exc).__name__}: {exc}"
         _say(
@@ -338,12 +339,13 @@ def _train(
     device: torch.device,
     rates: Rates,
     deadline: float,
-    work_dir: Path,
+    options: Options,
     log: ResultLog,
     say: Say,
 ) -> None:
-    """One placement: opened, a warm-up step, timed steps until `deadline` draws near, its
-    summary row, and, if there is time, one profiled step whose trace is kept and analysed."""
+    """One placement: opened (where its optimizer steps, and why, recorded), a warm-up step,
+    timed steps until `deadline` draws near, its summary row, and, if there is time, one
+    profiled step whose trace is kept and analysed."""
     from tierzero import models
     from tierzero.engine import Engine
     from tierzero.run.data import TokenBatches, default_corpus
@@ -352,11 +354,14 @@ def _train(
     data = TokenBatches(default_corpus(64 << 20), stage.micro_batch, stage.seq_len, seed=0)
     opened = time.monotonic()
     model = models.build(args, device="meta", seed=0)
-    with Engine(model, _config(stage, machine, device, work_dir)) as engine:
+    work_dir = options.work_dir
+    config = _config(stage, machine, device, work_dir, options.optimizer_device)
+    with Engine(model, config) as engine:
+        seconds, why = time.monotonic() - opened, engine.parts.step_reason
         _say(
             say,
-            log.append("opened", placement=stage.placement, seconds=time.monotonic() - opened),
-            f"{stage.placement}: opened in {time.monotonic() - opened:.1f} s",
+            log.append("opened", placement=stage.placement, seconds=seconds, optimizer=why),
+            f"{stage.placement}: opened in {seconds:.1f} s; the optimizer steps {why}",
         )
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
@@ -405,8 +410,11 @@ def _train(
     _keep_trace(prof, stage, work_dir, log, say)
 
 
-def _config(stage: StagePlan, machine: Machine, device: torch.device, work_dir: Path) -> Config:
-    """The stage's engine config: its placement, bf16, the machine's budgets as they are now."""
+def _config(
+    stage: StagePlan, machine: Machine, device: torch.device, work_dir: Path, optimizer_device: str
+) -> Config:
+    """The stage's engine config: its placement, bf16, the machine's budgets as they are now,
+    the optimizer's side as asked."""
     from tierzero.config import Config
 
     return Config(
@@ -421,6 +429,7 @@ def _config(stage: StagePlan, machine: Machine, device: torch.device, work_dir: 
         schedule=plan.schedule_for(stage.accumulate),
         total_steps=stage.steps + 2,
         warmup_steps=1,
+        optimizer_device=optimizer_device,
     )
 
 
