@@ -81,9 +81,8 @@ from tierzero.planning.diskbench import FOOTPRINT as BENCH_FOOTPRINT
 from tierzero.planning.statebytes import StateBytes
 from tierzero.run.data import TokenBatches, default_corpus
 
-# Disk: the live state, chunk padding and generation metadata (the brief's 1.3x, `--disk-slack`),
-# plus the store's spare files: up to `max_bytes` idle spares and as many retired ones per
-# directory. The 7B runs' measured peaks were 1.07-1.09x their state, spares included.
+# Disk: the state, chunk padding and metadata (the brief's 1.3x, `--disk-slack`; the 7B runs
+# peaked at 1.07-1.09x, spares included) plus up to `max_bytes` idle and retired spares a dir.
 DISK_SLACK = 1.3
 SPARE_BYTES = 2 * inspect.signature(SpareFiles).parameters["max_bytes"].default
 GB = 1e9
@@ -107,7 +106,6 @@ class RunSize:
     need_bytes: int  # of disk, at the run's peak
     parent: Path  # where the run's directory is made
     free_bytes: int  # of disk there, before the run
-    disk_slack: float  # the state's multiple asked for, spares aside
 
 
 def size_run(a: argparse.Namespace) -> RunSize:
@@ -134,9 +132,7 @@ def size_run(a: argparse.Namespace) -> RunSize:
     parent = Path(a.path or ".").resolve()
     parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(parent).free
-    return RunSize(
-        ram, formats, bpp, args, params, state, bench_bytes, need, parent, free, a.disk_slack
-    )
+    return RunSize(ram, formats, bpp, args, params, state, bench_bytes, need, parent, free)
 
 
 def say_size(log: Console, size: RunSize) -> None:
@@ -146,8 +142,9 @@ def say_size(log: Console, size: RunSize) -> None:
         f"model: dim {args.dim} x {args.n_layers} layers, {size.params / 1e9:.3f}B params; "
         f"training state {state / GB:.1f} GB ({size.bytes_per_param:.2f} B/param: "
         f"{size.formats.describe()}) = {state / ram:.2f}x RAM ({ram / GB:.1f} GB); "
-        f"disk needed: {need / GB:.1f} GB ({size.disk_slack}x state + {spares / GB:.1f} GB "
-        f"of spare chunk files), {size.free_bytes / GB:.1f} GB free under {size.parent}",
+        f"disk needed: {need / GB:.1f} GB ({(need - spares) / state:.2f}x state + "
+        f"{spares / GB:.1f} GB of spare chunk files), {size.free_bytes / GB:.1f} GB free under "
+        f"{size.parent}",
         highlight=False,
     )
 
@@ -436,12 +433,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="training steps")
     p.add_argument("--ram-multiple", type=float, default=1.5, help="training state / RAM, at least")
     p.add_argument("--host-fraction", type=float, default=0.25, help="host budget / RAM")
-    p.add_argument(
-        "--disk-slack",
-        type=float,
-        default=DISK_SLACK,
-        help="disk asked for, over the state, before the spare files (measured peaks: 1.07-1.09)",
-    )
+    p.add_argument("--disk-slack", type=float, default=DISK_SLACK, help="disk / state asked")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
     p.add_argument(
         "--optimizer-state",
