@@ -83,8 +83,10 @@ class PieceWrites:
 
     def _reserve_staging(self, work: Work) -> None:
         """On the leasing thread, before the step: the host buffer the new params will be cast
-        into. The grad's buffer serves where it is a host one (the step consumes the grad, and
-        numel compute-dtype values fit in its fp32 bytes); only otherwise is one leased."""
+        into. A master that is the param, leased in host memory, is its own: stepped in place,
+        it is the new params already (no copy of the piece). Else the grad's buffer serves
+        where it is a host one (the step consumes the grad, and numel compute-dtype values fit
+        in its fp32 bytes); only otherwise is one leased."""
         if not self._staged():
             return
         if self.up:
@@ -92,7 +94,10 @@ class PieceWrites:
                 work.numel * self.compute_dtype.itemsize
             )
             return
-        if StateKind.GRAD in work.leased and self.device.type == "cpu":
+        master = work.leased.get(StateKind.MASTER)
+        if self.master_is_param and master is not None and master.device.type == "cpu":
+            work.leased[StateKind.PARAM] = work.leased.pop(StateKind.MASTER)
+        elif StateKind.GRAD in work.leased and self.device.type == "cpu":
             work.leased[StateKind.PARAM] = work.leased.pop(StateKind.GRAD)
         else:
             work.leased[StateKind.PARAM] = self.tiers.lease_host(
@@ -126,7 +131,9 @@ class PieceWrites:
             )
             return
         if self._staged():
-            self._staging(work).copy_(master)
+            staged = self._staging(work)
+            if staged.data_ptr() != master.data_ptr():  # not a master that is its own staging
+                staged.copy_(master)
             cached = self.tiers.host_pool.cache_get(key) if home is Tier.NVME else None
             if cached is not None:
                 cached.view(self.compute_dtype)[lo + work.start : lo + work.end].copy_(
