@@ -18,11 +18,13 @@ each (micro-batch, unit) call draws from a state seeded by (step, micro-batch, u
 forward and its recompute, whichever schedule runs it (`tierzero.models.draws`).
 
 What waits. Each micro-batch's input to each block waits from the block's forward to its
-backward in a `BoundaryStore` (host memory under a budget, spilled to NVMe); the last block's
-outputs stay on the device for the head, and the gradients flowing back between units are k
-activation-sized tensors on the device. A tied embedding's grads from the head wait in the
-store too, until the embedding's own backward adds them micro-batch by micro-batch. A
-micro-batch's context (what a Hugging Face decoder's layers take beside the hidden state:
+backward in a `BoundaryStore` (host memory under a budget, spilled to NVMe), but a block that
+keeps its graphs (`--recompute auto`, `tierzero.engine.runtime.kept`): its forward sweep keeps
+one graph per micro-batch, its input inside it, on the device, and its backward sweep backprops
+them instead of recomputing; the last block's outputs stay on the device for the head, and the
+gradients flowing back between units are k activation-sized tensors on the device. A tied
+embedding's grads from the head wait in the store too, until the embedding's own backward adds
+them micro-batch by micro-batch. A micro-batch's context (what a Hugging Face decoder's layers take beside the hidden state:
 position embeddings, masks) is computed once, with the embedding, and stays on the device.
 
 Which models. A chain (`tierzero.engine.vertical.chain`) on batches `(ids, targets)`: the built-in
