@@ -24,8 +24,9 @@ one graph per micro-batch, its input inside it, on the device, and its backward 
 them instead of recomputing; the last block's outputs stay on the device for the head, and the
 gradients flowing back between units are k activation-sized tensors on the device. A tied
 embedding's grads from the head wait in the store too, until the embedding's own backward adds
-them micro-batch by micro-batch. A micro-batch's context (what a Hugging Face decoder's layers take beside the hidden state:
-position embeddings, masks) is computed once, with the embedding, and stays on the device.
+them micro-batch by micro-batch. A micro-batch's context (what a Hugging Face decoder's layers
+take beside the hidden state: position embeddings, masks) is computed once, with the embedding,
+and stays on the device.
 
 Which models. A chain (`tierzero.engine.vertical.chain`) on batches `(ids, targets)`: the built-in
 LLaMA family, and Hugging Face decoders in the split layout (LoRA adapters and frozen bases too);
