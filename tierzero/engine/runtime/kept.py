@@ -161,10 +161,6 @@ class KeptGraph:
             saved.flat = None
         return KeptGraph(inputs, [_storageless(leaf) for leaf in leaves], out, saved)
 
-    @property
-    def nbytes(self) -> int:
-        return self.saved.nbytes
-
     def backprop(
         self, unit: Unit, flat: torch.Tensor, grads: tuple, out_idx: list[int]
     ) -> tuple[tuple[torch.Tensor, frozenset[int]] | None, list[torch.Tensor | None]]:
