@@ -75,20 +75,29 @@ def train(
     return weights, engine, inputs, head_inputs
 
 
-@pytest.mark.parametrize("name", ["all-gpu", "everything-on-nvme"])
-def test_kept_graphs_are_bitwise_equal_to_recompute_and_run_each_forward_once(
-    tmp_path, monkeypatch, name
-) -> None:
+def all_and_auto(
+    tmp_path, monkeypatch, name: str, schedule: str, before_each: Any = lambda: None
+) -> dict[str, tuple[dict, Engine, list[int], list[int]]]:
+    """`train` under `--recompute all`, then `auto`, k micro-batches a step in `schedule`."""
     runs = {}
     for recompute in ("all", "auto"):
+        before_each()
         cfg = config(
             fresh(tmp_path, recompute),
             PLACEMENTS[name],
             accumulate=K,
             recompute=recompute,
-            schedule="horizontal",
-        )  # kept graphs are the horizontal schedule's (vertical recomputes all)
+            schedule=schedule,
+        )
         runs[recompute] = train(cfg, monkeypatch)
+    return runs
+
+
+@pytest.mark.parametrize("name", ["all-gpu", "everything-on-nvme"])
+def test_kept_graphs_are_bitwise_equal_to_recompute_and_run_each_forward_once(
+    tmp_path, monkeypatch, name
+) -> None:
+    runs = all_and_auto(tmp_path, monkeypatch, name, "horizontal")
     _, ref = reference_run(
         SMALL, config(fresh(tmp_path, "ref"), PLACEMENTS[name], accumulate=K), steps=STEPS
     )
@@ -107,19 +116,10 @@ def test_the_vertical_schedule_keeps_a_graph_per_micro_batch(tmp_path, monkeypat
     """Vertically each kept block's forward sweep keeps one graph per micro-batch (its input
     inside it, not in the host store) and the backward sweep backprops them: bitwise the
     weights of recomputing every block, each block's forward run once per micro-batch."""
-    runs, puts = {}, []
+    puts: list[tuple[int, int]] = []
     put = BoundaryStore.put
     monkeypatch.setattr(BoundaryStore, "put", lambda self, *a: puts.append(a[:2]) or put(self, *a))
-    for recompute in ("all", "auto"):
-        puts.clear()
-        cfg = config(
-            fresh(tmp_path, recompute),
-            PLACEMENTS[name],
-            accumulate=K,
-            recompute=recompute,
-            schedule="vertical",
-        )
-        runs[recompute] = train(cfg, monkeypatch)
+    runs = all_and_auto(tmp_path, monkeypatch, name, "vertical", before_each=puts.clear)
     micro_batches = STEPS * K
     weights, engine, inputs, _ = runs["auto"]
     assert engine.vertical.on and runs["all"][1].vertical.on
