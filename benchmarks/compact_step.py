@@ -14,6 +14,8 @@ the row shows the compact step's own cost.
     nice python benchmarks/compact_step.py --cpu-time   # CPU seconds, not wall-clock ones
     nice python benchmarks/compact_step.py --phases     # each phase of the kernel alone
     nice python benchmarks/compact_step.py --grad bf16  # bf16 grads, as a bf16 run steps them
+    nice python benchmarks/compact_step.py --beside-matmuls  # int8 + bf16 alone, then beside
+                                                             # a thread of bf16 matmuls
 
 On a machine others load, `--cpu-time` (the process's CPU time, every thread's) moves far less
 from run to run than the wall clock; with one thread (`torch.set_num_threads`, `--threads 1`)
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 from functools import partial
 
@@ -88,6 +91,45 @@ def phases(n: int = 8192, calls: int = 2000) -> None:
         print(f"{name:<46} {best / calls / n * 1e9:6.3f} ns a value")
 
 
+def beside_matmuls(n: int, rounds: int, grad: torch.dtype) -> None:
+    """The int8 + bf16 step alone, then while another thread of this process runs bf16 matmuls
+    with short gaps (as backward runs beside the optimizer's thread): its median M params/s
+    each way, and the matmuls' GFLOP/s meanwhile."""
+    config = Config(lr=1e-3, weight_decay=0.1, seed=7)
+    formats = StateFormats("int8", "bf16")
+    stepper = CompactStep(formats, config.optimizer, config.seed, torch.device("cpu"))
+    tensors = compact_tensors(formats, n, grad)
+
+    def rate(r0: int) -> float:
+        times = [
+            timed(partial(stepper.step, tensors, [(0, n, 0.1, r)], 1e-3, 0, 0))
+            for r in range(r0, r0 + rounds)
+        ]
+        return n / statistics.median(times) / 1e6
+
+    stop, flops = threading.Event(), [0.0]
+
+    def matmuls() -> None:
+        a, b = (torch.randn(1024, 1024, dtype=torch.bfloat16) for _ in range(2))
+        while not stop.is_set():
+            a @ b
+            flops[0] += 2 * 1024**3
+            time.sleep(0.0005)
+
+    alone = rate(0)
+    thread = threading.Thread(target=matmuls)
+    start = time.perf_counter()
+    thread.start()
+    beside = rate(rounds)
+    stop.set()
+    thread.join()
+    gflops = flops[0] / (time.perf_counter() - start) / 1e9
+    print(
+        f"int8 + bf16, {n} values, median of {rounds}: alone {alone:.1f} M params/s, beside "
+        f"matmuls {beside:.1f} ({beside / alone:.3f}x; the matmuls {gflops:.0f} GFLOP/s)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=16 * 2**20)
@@ -110,9 +152,17 @@ def main() -> None:
         default="fp32",
         help="the compact rows' grad dtype (a bf16 run's grads are bf16; fused AdamW's fp32)",
     )
+    parser.add_argument(
+        "--beside-matmuls",
+        action="store_true",
+        help="int8 + bf16 alone, then beside a thread of bf16 matmuls",
+    )
     opts = parser.parse_args()
     if opts.phases:
         phases()
+        return
+    if opts.beside_matmuls:
+        beside_matmuls(opts.numel, opts.rounds, TORCH_DTYPES[DType(opts.grad)])
         return
     if opts.threads:
         torch.set_num_threads(opts.threads)
